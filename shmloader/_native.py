@@ -1,0 +1,141 @@
+"""Loads the Zig library (built from zig/) through cffi in ABI mode and declares its API."""
+
+from __future__ import annotations
+
+import enum
+import importlib.machinery
+import pathlib
+
+import cffi
+
+# The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
+# status enum and the ABI version against the library, so a drift fails loudly.
+ABI_VERSION = 1
+
+CDEF = """
+typedef struct {
+    uint64_t length;
+    uint64_t batch_size;
+    uint64_t seed;
+    uint32_t mode;
+    uint32_t shard_index;
+    uint32_t shard_count;
+    uint32_t reserved;
+} shm_sampler_config;
+
+typedef struct {
+    uint64_t position;
+    int64_t code;
+} shm_gather_error;
+
+typedef struct {
+    void *getitem;
+    void *context;
+    const uint64_t *chunk_addresses;
+    const uint64_t *chunk_bytes;
+    uint64_t chunk_count;
+    uint64_t row_count;
+    uint64_t rows_per_chunk;
+    uint64_t rows_per_block;
+    uint64_t row_bytes;
+    uint8_t *block_buffer;
+    uint64_t block_buffer_bytes;
+    void *order_buffer;
+    uint64_t order_buffer_count;
+} shm_blosc_layout;
+
+uint32_t shm_abi_version(void);
+uint64_t shm_sizeof_sampler_config(void);
+uint64_t shm_sizeof_blosc_layout(void);
+uint64_t shm_sizeof_gather_error(void);
+const char *shm_status_name(int value);
+
+int shm_sampler_check(const shm_sampler_config *config);
+int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
+
+int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes,
+                    const uint64_t *indices, uint64_t index_count,
+                    uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
+int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, uint64_t index_count,
+                     uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
+
+uint64_t shm_atomic_load(const uint64_t *address);
+void shm_atomic_store(uint64_t *address, uint64_t value);
+uint64_t shm_atomic_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
+uint64_t shm_atomic_add(uint64_t *address, uint64_t value);
+"""
+
+
+class Status(enum.IntEnum):
+    """Mirrors zig/status.zig value for value."""
+
+    OK = 0
+    INVALID_LENGTH = 1
+    INVALID_BATCH_SIZE = 2
+    INVALID_MODE = 3
+    INVALID_SHARD = 4
+    OVERFLOW = 5
+    OUTPUT_TOO_SMALL = 6
+    INDEX_OUT_OF_RANGE = 7
+    DECOMPRESS_FAILED = 8
+    INVALID_LAYOUT = 9
+
+
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+LIBRARY_STEM = "_shmloader_native"
+REBUILD_HINT = (
+    "Rebuild it from the project's root with `pip install .` (or `pip install -e .` for a "
+    "development checkout); the Zig compiler comes from the PyPI package `ziglang`."
+)
+
+
+class NativeLibraryError(ImportError):
+    """The Zig library is missing, stale, or built from other sources."""
+
+
+def library_path() -> pathlib.Path:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = PACKAGE_DIR / f"{LIBRARY_STEM}{suffix}"
+        if candidate.exists():
+            return candidate
+    raise NativeLibraryError(
+        f"shmloader's native library {LIBRARY_STEM}*.so is not in {PACKAGE_DIR}. {REBUILD_HINT}"
+    )
+
+
+def _check_fresh(path: pathlib.Path) -> None:
+    """In a source checkout (zig/ beside the package), refuse a library older than its sources."""
+    sources = list((PACKAGE_DIR.parent / "zig").glob("*.zig"))
+    if not sources:
+        return  # An installed wheel: no sources to compare with.
+    built_ns = path.stat().st_mtime_ns
+    newer = sorted(source.name for source in sources if source.stat().st_mtime_ns > built_ns)
+    if newer:
+        raise NativeLibraryError(
+            f"{path.name} is stale: {', '.join(newer)} in {sources[0].parent} changed after "
+            f"it was built. {REBUILD_HINT}"
+        )
+
+
+def _load():
+    ffi = cffi.FFI()
+    ffi.cdef(CDEF)
+    path = library_path()
+    _check_fresh(path)
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as error:
+        raise NativeLibraryError(f"cannot load {path}: {error}. {REBUILD_HINT}") from None
+    if lib.shm_abi_version() != ABI_VERSION:
+        raise NativeLibraryError(
+            f"{path.name} has ABI version {lib.shm_abi_version()}, this Python code expects "
+            f"{ABI_VERSION}. {REBUILD_HINT}"
+        )
+    return ffi, lib
+
+
+ffi, lib = _load()
+
+
+def status_name(code: int) -> str:
+    return ffi.string(lib.shm_status_name(code)).decode()

@@ -1,0 +1,131 @@
+"""The Python face of the Zig sampler: a step number in, a batch of uint64 row indices out."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+
+import numpy as np
+
+from ._native import Status, ffi, lib, status_name
+
+MODES = {"sequential": 0, "random": 1, "shuffle": 2}
+# Mirrors sampler.length_max in zig/sampler.zig.
+LENGTH_MAX = 1 << 62
+_U32_MAX = (1 << 32) - 1
+_U64_MAX = (1 << 64) - 1
+
+
+def check_integer(name: str, value, minimum: int, maximum: int) -> int:
+    """Returns `value` as an int, or raises naming the argument, the value and the range."""
+    if type(value) is int and minimum <= value <= maximum:
+        return value  # The common case, without the slower abstract-class check below.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
+    value = int(value)
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+class Sampler:
+    """Maps a step to the row indices of that step's batch, as a pure function.
+
+    The batch for `step` depends only on (length, batch_size, mode, seed, shard_index,
+    shard_count, step), so any process can compute any step and resuming is exact.
+
+    Modes:
+      - "sequential": position p = step*B + i (global), index p mod length.
+      - "random": independent uniform draws with replacement, unbiased.
+      - "shuffle": without replacement; epoch p // length is a seeded permutation of all
+        rows, so every epoch covers every row once, and batches cross epochs seamlessly.
+
+    Sharding: the global batch of a step has batch_size * shard_count positions; shard h
+    takes the h-th block of batch_size. Shards of one step are disjoint and together they
+    form the global batch.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        batch_size: int,
+        mode: str = "shuffle",
+        seed: int = 0,
+        shard_index: int = 0,
+        shard_count: int = 1,
+    ) -> None:
+        self.length = check_integer("length", length, 1, LENGTH_MAX)
+        self.batch_size = check_integer("batch_size", batch_size, 1, _U32_MAX)
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.seed = check_integer("seed", seed, 0, _U64_MAX)
+        self.shard_count = check_integer("shard_count", shard_count, 1, _U32_MAX)
+        self.shard_index = check_integer("shard_index", shard_index, 0, _U32_MAX)
+        if self.shard_index >= self.shard_count:
+            raise ValueError(
+                f"shard_index must be in [0, shard_count - 1] = [0, {self.shard_count - 1}], "
+                f"got {self.shard_index}"
+            )
+        self._config = ffi.new("shm_sampler_config *")
+        self._config.length = self.length
+        self._config.batch_size = self.batch_size
+        self._config.seed = self.seed
+        self._config.mode = MODES[mode]
+        self._config.shard_index = self.shard_index
+        self._config.shard_count = self.shard_count
+        # fill() remembers the last `out` it checked, since callers reuse one buffer.
+        self._last_out = self._last_shape = self._last_pointer = None
+        status = lib.shm_sampler_check(self._config)
+        if status != Status.OK:
+            raise ValueError(f"invalid sampler configuration: {status_name(status)}")
+
+    def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
+        step = check_integer("step", step, 0, _U64_MAX)
+        if out is None:
+            out = np.empty(self.batch_size, dtype=np.uint64)
+        if out is self._last_out and out.shape == self._last_shape:
+            pointer = self._last_pointer  # The same buffer again: skip the checks.
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint64
+            or out.shape != (self.batch_size,)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise ValueError(
+                f"out must be a writable, C-contiguous uint64 array of shape ({self.batch_size},)"
+            )
+        else:
+            pointer = ffi.from_buffer("uint64_t[]", out)
+            self._last_out, self._last_shape, self._last_pointer = out, out.shape, pointer
+        status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
+        if status != Status.OK:
+            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+        return out
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self.iterate(0)
+
+    def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
+        """Yields the batches of steps start_step, start_step + 1, ... forever (new arrays)."""
+        step = check_integer("start_step", start_step, 0, _U64_MAX)
+        while True:
+            yield self.fill(step)
+            step += 1
+
+    def describe(self) -> dict:
+        """The small description that crosses a process boundary to rebuild this sampler."""
+        return {
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "mode": self.mode,
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "shard_count": self.shard_count,
+        }
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.describe().items())
+        return f"Sampler({arguments})"

@@ -1,0 +1,272 @@
+//! Row gathers: copy or decompress the rows named by an index batch straight into a
+//! caller's buffer (a shared-memory slot), in index order.
+
+const std = @import("std");
+const Status = @import("status.zig").Status;
+
+/// Where a failed gather stopped: which batch position, and the library's own error code.
+pub const GatherError = extern struct {
+    position: u64,
+    code: i64,
+};
+
+/// Rows of a raw, C-contiguous table (a memory-mapped .npy): plain copies.
+pub fn gatherRows(
+    table: [*]const u8,
+    row_count: u64,
+    row_bytes: u64,
+    indices: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    if (out.len != indices.len * row_bytes) return .output_too_small;
+    // Check every index first, so that a bad batch writes nothing.
+    for (indices, 0..) |index, position| {
+        if (index >= row_count) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .index_out_of_range;
+        }
+    }
+    for (indices, 0..) |index, position| {
+        const source = table[index * row_bytes ..][0..row_bytes];
+        @memcpy(out[position * row_bytes ..][0..row_bytes], source);
+    }
+    return .ok;
+}
+
+/// `blosc2_getitem_ctx` from libblosc2, passed in by address so that this library does
+/// not link against the copy inside the blosc2 wheel.
+pub const GetItemFn = *const fn (
+    context: ?*anyopaque,
+    source: ?*const anyopaque,
+    source_bytes: i32,
+    start_item: c_int,
+    item_count: c_int,
+    destination: ?*anyopaque,
+    destination_bytes: i32,
+) callconv(.c) c_int;
+
+/// A Blosc2 NDArray whose chunks and blocks span whole rows, so that row r of a chunk is
+/// bytes [r*row_bytes, (r+1)*row_bytes) of that chunk once decompressed. Mirrors
+/// `shm_blosc_layout` in shmloader/_native.py.
+pub const BloscLayout = extern struct {
+    getitem: ?GetItemFn,
+    context: ?*anyopaque,
+    /// Addresses and compressed sizes of every chunk (in the mapped file, or in memory).
+    chunk_addresses: [*]const u64,
+    chunk_bytes: [*]const u64,
+    chunk_count: u64,
+    row_count: u64,
+    rows_per_chunk: u64,
+    rows_per_block: u64,
+    row_bytes: u64,
+    /// One decompressed block, reused for every block of every batch.
+    block_buffer: [*]u8,
+    block_buffer_bytes: u64,
+    /// `batch_size` entries, used to visit the rows of a batch in block order.
+    order_buffer: [*]u128,
+    order_buffer_count: u64,
+};
+
+const chunk_header_bytes = 32;
+
+fn itemSize(chunk: [*]const u8) u64 {
+    // Byte 3 of a Blosc chunk header is the typesize the chunk records (1 when the real
+    // typesize was too large to store); getitem counts in those items.
+    return @max(1, chunk[3]);
+}
+
+/// Decompresses `byte_count` bytes at `byte_start` of a chunk into `destination`.
+fn getBytes(
+    layout: *const BloscLayout,
+    chunk_index: u64,
+    byte_start: u64,
+    byte_count: u64,
+    destination: [*]u8,
+) i64 {
+    const chunk_bytes = layout.chunk_bytes[chunk_index];
+    if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return -1000;
+    const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
+    const item_bytes = itemSize(chunk);
+    if (byte_start % item_bytes != 0 or byte_count % item_bytes != 0) return -1001;
+    const start_item = byte_start / item_bytes;
+    const item_count = byte_count / item_bytes;
+    if (start_item > std.math.maxInt(c_int) or item_count > std.math.maxInt(c_int)) return -1002;
+    const written = layout.getitem.?(
+        layout.context,
+        chunk,
+        @intCast(chunk_bytes),
+        @intCast(start_item),
+        @intCast(item_count),
+        destination,
+        @intCast(byte_count),
+    );
+    if (written != @as(c_int, @intCast(byte_count))) return if (written < 0) written else -1003;
+    return 0;
+}
+
+pub fn checkLayout(layout: *const BloscLayout, batch_size: u64) Status {
+    if (layout.getitem == null) return .invalid_layout;
+    if (layout.rows_per_chunk == 0 or layout.rows_per_block == 0) return .invalid_layout;
+    if (layout.row_bytes == 0) return .invalid_layout;
+    const chunks_needed = (layout.row_count + layout.rows_per_chunk - 1) / layout.rows_per_chunk;
+    if (layout.chunk_count != chunks_needed) return .invalid_layout;
+    const block_bytes = std.math.mul(u64, layout.rows_per_block, layout.row_bytes) catch return .invalid_layout;
+    if (layout.rows_per_block > 1 and layout.block_buffer_bytes < block_bytes) return .invalid_layout;
+    if (layout.rows_per_block > 1 and layout.order_buffer_count < batch_size) return .invalid_layout;
+    return .ok;
+}
+
+/// Gathers rows of a Blosc2 array. With one row per block each row is decompressed
+/// straight into `out`; otherwise the batch is visited in block order so that rows
+/// sharing a block cost one decompression, and rows are copied out of `block_buffer`.
+pub fn gatherBlosc(
+    layout: *const BloscLayout,
+    indices: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    const status = checkLayout(layout, indices.len);
+    if (status != .ok) return status;
+    const row_bytes = layout.row_bytes;
+    if (out.len != indices.len * row_bytes) return .output_too_small;
+    for (indices, 0..) |index, position| {
+        if (index >= layout.row_count) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .index_out_of_range;
+        }
+    }
+    if (layout.rows_per_block == 1) {
+        for (indices, 0..) |index, position| {
+            const chunk_index = index / layout.rows_per_chunk;
+            const row_in_chunk = index % layout.rows_per_chunk;
+            const code = getBytes(layout, chunk_index, row_in_chunk * row_bytes, row_bytes, out[position * row_bytes ..].ptr);
+            if (code != 0) {
+                failure.* = .{ .position = position, .code = code };
+                return .decompress_failed;
+            }
+        }
+        return .ok;
+    }
+    return gatherByBlock(layout, indices, out, failure);
+}
+
+fn orderLessThan(_: void, a: u128, b: u128) bool {
+    return a < b;
+}
+
+fn gatherByBlock(
+    layout: *const BloscLayout,
+    indices: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    const row_bytes = layout.row_bytes;
+    const rows_per_block = layout.rows_per_block;
+    // Sort (global block, batch position) pairs; the block number fits 64 bits and the
+    // position 32 (a batch has fewer than 2^32 rows).
+    std.debug.assert(indices.len < (1 << 32));
+    const order = layout.order_buffer[0..indices.len];
+    const blocks_per_chunk = (layout.rows_per_chunk + rows_per_block - 1) / rows_per_block;
+    for (indices, order, 0..) |index, *entry, position| {
+        const chunk_index = index / layout.rows_per_chunk;
+        const block_in_chunk = (index % layout.rows_per_chunk) / rows_per_block;
+        const block = chunk_index * blocks_per_chunk + block_in_chunk;
+        entry.* = (@as(u128, block) << 64) | position;
+    }
+    std.sort.pdq(u128, order, {}, orderLessThan);
+    const block_bytes = rows_per_block * row_bytes;
+    var cached_block: ?u64 = null;
+    for (order) |entry| {
+        const block: u64 = @truncate(entry >> 64);
+        const position: u64 = @truncate(entry);
+        const chunk_index = block / blocks_per_chunk;
+        const block_in_chunk = block % blocks_per_chunk;
+        if (cached_block != block) {
+            const code = getBytes(layout, chunk_index, block_in_chunk * block_bytes, block_bytes, layout.block_buffer);
+            if (code != 0) {
+                failure.* = .{ .position = position, .code = code };
+                return .decompress_failed;
+            }
+            cached_block = block;
+        }
+        const row_in_block = (indices[position] % layout.rows_per_chunk) % rows_per_block;
+        const source = layout.block_buffer[row_in_block * row_bytes ..][0..row_bytes];
+        @memcpy(out[position * row_bytes ..][0..row_bytes], source);
+    }
+    return .ok;
+}
+
+const testing = std.testing;
+
+test "gatherRows copies rows in index order and rejects bad indices" {
+    const table = [_]u8{ 0, 1, 10, 11, 20, 21 };
+    var out: [6]u8 = undefined;
+    var failure: GatherError = undefined;
+    try testing.expectEqual(Status.ok, gatherRows(&table, 3, 2, &[_]u64{ 2, 0, 2 }, &out, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 20, 21, 0, 1, 20, 21 }, &out);
+    try testing.expectEqual(Status.index_out_of_range, gatherRows(&table, 3, 2, &[_]u64{ 0, 3, 1 }, &out, &failure));
+    try testing.expectEqual(@as(u64, 1), failure.position);
+}
+
+/// A stand-in for blosc2_getitem_ctx over "chunks" that are stored uncompressed after a
+/// 32-byte header, so that the block logic can be tested without libblosc2.
+fn fakeGetItem(
+    context: ?*anyopaque,
+    source: ?*const anyopaque,
+    source_bytes: i32,
+    start_item: c_int,
+    item_count: c_int,
+    destination: ?*anyopaque,
+    destination_bytes: i32,
+) callconv(.c) c_int {
+    const calls: *u64 = @ptrCast(@alignCast(context.?));
+    calls.* += 1;
+    const chunk: [*]const u8 = @ptrCast(source.?);
+    const start: usize = @intCast(start_item);
+    const count: usize = @intCast(item_count);
+    if (start + count > @as(usize, @intCast(source_bytes)) - chunk_header_bytes) return -1;
+    if (count > @as(usize, @intCast(destination_bytes))) return -1;
+    const target: [*]u8 = @ptrCast(destination.?);
+    @memcpy(target[0..count], chunk[chunk_header_bytes + start ..][0..count]);
+    return item_count;
+}
+
+test "gatherBlosc decompresses each shared block once and keeps batch order" {
+    // Two chunks of 4 rows (1 byte each), blocks of 2 rows; chunk header byte 3 = typesize 1.
+    var chunk_a: [36]u8 = @splat(0);
+    var chunk_b: [36]u8 = @splat(0);
+    chunk_a[3] = 1;
+    chunk_b[3] = 1;
+    for (0..4) |row| {
+        chunk_a[32 + row] = @intCast(row);
+        chunk_b[32 + row] = @intCast(4 + row);
+    }
+    const addresses = [_]u64{ @intFromPtr(&chunk_a), @intFromPtr(&chunk_b) };
+    const sizes = [_]u64{ 36, 36 };
+    var calls: u64 = 0;
+    var block_buffer: [2]u8 = undefined;
+    var order_buffer: [5]u128 = undefined;
+    const layout = BloscLayout{
+        .getitem = fakeGetItem,
+        .context = &calls,
+        .chunk_addresses = &addresses,
+        .chunk_bytes = &sizes,
+        .chunk_count = 2,
+        .row_count = 7,
+        .rows_per_chunk = 4,
+        .rows_per_block = 2,
+        .row_bytes = 1,
+        .block_buffer = &block_buffer,
+        .block_buffer_bytes = 2,
+        .order_buffer = &order_buffer,
+        .order_buffer_count = 5,
+    };
+    var out: [5]u8 = undefined;
+    var failure: GatherError = undefined;
+    try testing.expectEqual(Status.ok, gatherBlosc(&layout, &[_]u64{ 5, 0, 1, 4, 6 }, &out, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 5, 0, 1, 4, 6 }, &out);
+    // Blocks {0,1}, {4,5} and {6}: three decompressions for five rows.
+    try testing.expectEqual(@as(u64, 3), calls);
+    try testing.expectEqual(Status.index_out_of_range, gatherBlosc(&layout, &[_]u64{ 7, 0, 0, 0, 0 }, &out, &failure));
+}

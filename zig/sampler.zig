@@ -1,0 +1,272 @@
+//! The sampler: a pure function from (config, step) to a batch of row indices.
+//!
+//! Nothing here allocates or keeps state, so batch k depends only on the config and k:
+//! that is what makes resume exact and lets any reader process compute any step.
+
+const std = @import("std");
+const Status = @import("status.zig").Status;
+
+pub const Mode = enum(u32) {
+    sequential = 0,
+    random = 1,
+    shuffle = 2,
+};
+
+/// Mirrors `shm_sampler_config` in shmloader/_native.py; a test there checks the layout.
+pub const SamplerConfig = extern struct {
+    length: u64,
+    batch_size: u64,
+    seed: u64,
+    mode: u32,
+    shard_index: u32,
+    shard_count: u32,
+    reserved: u32,
+};
+
+/// Row counts above this would make the Feistel domain (one bit above N) overflow the
+/// 64-bit arithmetic of the round function's masks; 2^62 rows is far past any dataset.
+pub const length_max: u64 = 1 << 62;
+
+/// Rounds of the Feistel network: four rounds with a strong round function give a
+/// pseudo-random permutation (Luby-Rackoff); more would only cost time.
+const feistel_rounds = 4;
+
+const golden: u64 = 0x9e3779b97f4a7c15;
+
+/// The splitmix64 finaliser: a cheap, well-mixed 64-bit bijection.
+fn mix64(value: u64) u64 {
+    var x = value;
+    x ^= x >> 30;
+    x *%= 0xbf58476d1ce4e5b9;
+    x ^= x >> 27;
+    x *%= 0x94d049bb133111eb;
+    x ^= x >> 31;
+    return x;
+}
+
+fn hash2(a: u64, b: u64) u64 {
+    return mix64(a ^ mix64(b +% golden));
+}
+
+pub fn check(config: *const SamplerConfig) Status {
+    if (config.length == 0 or config.length > length_max) return .invalid_length;
+    if (config.batch_size == 0) return .invalid_batch_size;
+    if (config.shard_count == 0 or config.shard_index >= config.shard_count) return .invalid_shard;
+    if (config.mode > @intFromEnum(Mode.shuffle)) return .invalid_mode;
+    _ = std.math.mul(u64, config.batch_size, config.shard_count) catch return .overflow;
+    return .ok;
+}
+
+/// The global position of the first row this shard takes at `step`, or null on overflow.
+fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
+    const global_batch = std.math.mul(u64, config.batch_size, config.shard_count) catch return null;
+    const step_start = std.math.mul(u64, step, global_batch) catch return null;
+    const shard_offset = config.batch_size * config.shard_index;
+    const first = std.math.add(u64, step_start, shard_offset) catch return null;
+    // The last position must fit as well.
+    _ = std.math.add(u64, first, config.batch_size) catch return null;
+    return first;
+}
+
+pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
+    const status = check(config);
+    if (status != .ok) return status;
+    if (out.len < config.batch_size) return .output_too_small;
+    const first = firstPosition(config, step) orelse return .overflow;
+    const batch = out[0..config.batch_size];
+    switch (@as(Mode, @enumFromInt(config.mode))) {
+        .sequential => fillSequential(config.length, first, batch),
+        .random => fillRandom(config.length, config.seed, first, batch),
+        .shuffle => fillShuffle(config.length, config.seed, first, batch),
+    }
+    return .ok;
+}
+
+fn fillSequential(length: u64, first: u64, out: []u64) void {
+    var offset = first % length;
+    for (out) |*slot| {
+        slot.* = offset;
+        offset += 1;
+        if (offset == length) offset = 0;
+    }
+}
+
+/// Uniform draws with replacement. Lemire's multiply-shift with rejection keeps the draw
+/// unbiased for any length; the counter (position, attempt) makes it stateless.
+fn fillRandom(length: u64, seed: u64, first: u64, out: []u64) void {
+    const seed_key = hash2(seed, 0x72616e646f6d); // "random"
+    const threshold = (0 -% length) % length;
+    for (out, 0..) |*slot, i| {
+        const position_key = hash2(seed_key, first + i);
+        var attempt: u64 = 0;
+        while (true) : (attempt += 1) {
+            const product = std.math.mulWide(u64, mix64(position_key +% attempt *% golden), length);
+            const low: u64 = @truncate(product);
+            if (low >= threshold) {
+                slot.* = @truncate(product >> 64);
+                break;
+            }
+        }
+    }
+}
+
+/// A seeded bijection of [0, length) for one epoch: an unbalanced Feistel network on the
+/// smallest power-of-two domain holding `length`, with cycle walking back into range.
+pub const EpochPermutation = struct {
+    keys: [feistel_rounds]u64,
+    multipliers: [feistel_rounds]u64,
+    left_bits: u6,
+    right_bits: u6,
+    length: u64,
+
+    pub fn init(length: u64, seed: u64, epoch: u64) EpochPermutation {
+        std.debug.assert(length > 0);
+        std.debug.assert(length <= length_max);
+        // At least two bits, so that both halves are non-empty.
+        const domain_bits: u7 = @max(2, 64 - @as(u7, @clz(length - 1)));
+        var permutation = EpochPermutation{
+            .keys = undefined,
+            .multipliers = undefined,
+            .left_bits = @intCast(domain_bits / 2),
+            .right_bits = @intCast(domain_bits - domain_bits / 2),
+            .length = length,
+        };
+        const epoch_key = hash2(hash2(seed, 0x73687566666c65), epoch); // "shuffle"
+        for (&permutation.keys, &permutation.multipliers, 0..) |*key, *multiplier, round| {
+            key.* = hash2(epoch_key, round);
+            multiplier.* = hash2(epoch_key, round + feistel_rounds) | 1;
+        }
+        return permutation;
+    }
+
+    fn mask(bits: u6) u64 {
+        return (@as(u64, 1) << bits) - 1;
+    }
+
+    /// One 64x64->128-bit multiply folded to 64 bits (the "mum" mix of wyhash): every
+    /// output bit depends on every input bit, at a fraction of mix64's latency.
+    fn roundFunction(right: u64, key: u64, multiplier: u64) u64 {
+        const product = std.math.mulWide(u64, right ^ key, multiplier);
+        return @as(u64, @truncate(product)) ^ @as(u64, @truncate(product >> 64));
+    }
+
+    fn permuteDomain(self: *const EpochPermutation, value: u64) u64 {
+        var left_bits = self.left_bits;
+        var right_bits = self.right_bits;
+        var left = value >> right_bits;
+        var right = value & mask(right_bits);
+        for (self.keys, self.multipliers) |key, multiplier| {
+            const next_right = left ^ (roundFunction(right, key, multiplier) & mask(left_bits));
+            left = right;
+            right = next_right;
+            const swap = left_bits;
+            left_bits = right_bits;
+            right_bits = swap;
+        }
+        // An even number of rounds restores the widths.
+        std.debug.assert(left_bits == self.left_bits);
+        return (left << right_bits) | right;
+    }
+
+    pub fn apply(self: *const EpochPermutation, offset: u64) u64 {
+        std.debug.assert(offset < self.length);
+        var value = self.permuteDomain(offset);
+        // The domain is less than twice the length, so the expected walk is short, and
+        // a bijection's cycle through `offset` always comes back into range.
+        while (value >= self.length) value = self.permuteDomain(value);
+        return value;
+    }
+};
+
+fn fillShuffle(length: u64, seed: u64, first: u64, out: []u64) void {
+    var epoch = first / length;
+    var offset = first % length;
+    var permutation = EpochPermutation.init(length, seed, epoch);
+    for (out) |*slot| {
+        slot.* = permutation.apply(offset);
+        offset += 1;
+        if (offset == length) {
+            offset = 0;
+            epoch += 1;
+            permutation = EpochPermutation.init(length, seed, epoch);
+        }
+    }
+}
+
+const testing = std.testing;
+
+fn testConfig(length: u64, batch_size: u64, mode: Mode) SamplerConfig {
+    return .{
+        .length = length,
+        .batch_size = batch_size,
+        .seed = 7,
+        .mode = @intFromEnum(mode),
+        .shard_index = 0,
+        .shard_count = 1,
+        .reserved = 0,
+    };
+}
+
+test "shuffle covers every row once per epoch across batch boundaries" {
+    const length = 1000;
+    var seen: [length]u8 = @splat(0);
+    const config = testConfig(length, 7, .shuffle);
+    var out: [7]u64 = undefined;
+    // Positions 3000..3999 are exactly epoch 3; steps straddle its edges.
+    var step: u64 = 3000 / 7;
+    while (step <= 4000 / 7) : (step += 1) {
+        try testing.expectEqual(Status.ok, fill(&config, step, &out));
+        for (out, 0..) |index, i| {
+            const position = step * 7 + i;
+            if (position >= 3000 and position < 4000) seen[index] += 1;
+        }
+    }
+    for (seen) |count| try testing.expectEqual(@as(u8, 1), count);
+}
+
+test "shuffle permutation is a bijection for small and odd lengths" {
+    for ([_]u64{ 1, 2, 3, 5, 17, 64, 65, 1023 }) |length| {
+        const permutation = EpochPermutation.init(length, 11, 2);
+        var seen: [1024]bool = @splat(false);
+        var offset: u64 = 0;
+        while (offset < length) : (offset += 1) {
+            const value = permutation.apply(offset);
+            try testing.expect(value < length);
+            try testing.expect(!seen[value]);
+            seen[value] = true;
+        }
+    }
+}
+
+test "sequential wraps around" {
+    const config = testConfig(5, 4, .sequential);
+    var out: [4]u64 = undefined;
+    try testing.expectEqual(Status.ok, fill(&config, 1, &out));
+    try testing.expectEqualSlices(u64, &[_]u64{ 4, 0, 1, 2 }, &out);
+}
+
+test "random stays in range and huge lengths work" {
+    var config = testConfig((1 << 48) + 3, 64, .random);
+    var out: [64]u64 = undefined;
+    try testing.expectEqual(Status.ok, fill(&config, 123456789, &out));
+    for (out) |index| try testing.expect(index < config.length);
+    config.mode = @intFromEnum(Mode.shuffle);
+    try testing.expectEqual(Status.ok, fill(&config, 123456789, &out));
+    for (out) |index| try testing.expect(index < config.length);
+}
+
+test "invalid configs are rejected" {
+    var config = testConfig(0, 4, .shuffle);
+    var out: [4]u64 = undefined;
+    try testing.expectEqual(Status.invalid_length, fill(&config, 0, &out));
+    config = testConfig(10, 4, .shuffle);
+    config.shard_index = 1;
+    try testing.expectEqual(Status.invalid_shard, fill(&config, 0, &out));
+    config = testConfig(10, 4, .shuffle);
+    config.mode = 9;
+    try testing.expectEqual(Status.invalid_mode, fill(&config, 0, &out));
+    config = testConfig(10, 8, .shuffle);
+    try testing.expectEqual(Status.output_too_small, fill(&config, 0, &out));
+    config = testConfig(10, 4, .shuffle);
+    try testing.expectEqual(Status.overflow, fill(&config, std.math.maxInt(u64) / 2, &out));
+}
