@@ -1,0 +1,214 @@
+"""Writes Blosc2 files laid out for random row access, and reports what a file's layout costs."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import statistics
+import time
+
+import numpy as np
+
+from .errors import StorageError
+from .storage import FieldSpec, _check_dtype, _check_rows, describe_field, open_field
+
+CODECS = ("lz4", "blosclz", "zstd", "none")
+# Blocks of about this many bytes: one row per block for image-sized rows, and enough
+# small rows (labels) per block that the block header and call overhead stay negligible.
+_BLOCK_BYTES_TARGET = 4096
+# Chunks of about this many bytes: few enough chunks that the offset index stays small,
+# small enough that converting needs little memory.
+_CHUNK_BYTES_TARGET = 4 << 20
+# Conversion reads its input in pieces of about this many bytes (at least one chunk).
+_PIECE_BYTES_TARGET = 64 << 20
+# Rough single-core decompression rates (bytes per microsecond) measured on this kind of
+# machine, and the fixed cost of one getitem call; used to estimate a layout's row cost.
+_DECOMPRESS_BYTES_PER_US = {"LZ4": 6000.0, "BLOSCLZ": 6000.0, "LZ4HC": 6000.0, "ZSTD": 700.0, "ZLIB": 300.0}
+_UNKNOWN_CODEC_BYTES_PER_US = 300.0
+_ROW_CALL_OVERHEAD_US = 1.0
+# A layout is flagged when a random row costs this many times what a row-friendly file
+# would, and at least this many microseconds.
+_POOR_LAYOUT_RATIO = 4.0
+_POOR_LAYOUT_MIN_US = 10.0
+
+
+def choose_layout(row_count: int, row_bytes: int, rows_per_block: int | None = None) -> tuple[int, int]:
+    """(rows per chunk, rows per block) for random row access."""
+    if rows_per_block is None:
+        rows_per_block = max(1, _BLOCK_BYTES_TARGET // max(row_bytes, 1))
+    if rows_per_block < 1:
+        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
+    rows_per_block = min(rows_per_block, row_count)
+    blocks_per_chunk = max(1, _CHUNK_BYTES_TARGET // max(rows_per_block * row_bytes, 1))
+    # Blosc2 chunks must stay below 2 GiB.
+    blocks_per_chunk = min(blocks_per_chunk, max(1, (1 << 30) // max(rows_per_block * row_bytes, 1)))
+    rows_per_chunk = min(rows_per_block * blocks_per_chunk, math.ceil(row_count / rows_per_block) * rows_per_block)
+    return rows_per_chunk, rows_per_block
+
+
+def _open_input(path: str):
+    """The input as an array-like that supports row slicing, read lazily."""
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if head.startswith(b"\x93NUMPY"):
+        return np.load(path, mmap_mode="r")
+    spec = describe_field(path)  # Validates and raises a clear error for anything else.
+    import blosc2
+
+    return blosc2.open(spec.path, mode="r")
+
+
+def _input_chunk_rows(array) -> int:
+    chunks = getattr(array, "chunks", None)
+    return int(chunks[0]) if chunks else 1
+
+
+def convert(
+    source,
+    output: str | os.PathLike,
+    *,
+    codec: str = "lz4",
+    clevel: int = 5,
+    rows_per_block: int | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> FieldSpec:
+    """Writes `source` (a .npy or .b2nd path, or a numpy array) to `output` as a row-friendly .b2nd.
+
+    Reads the input in pieces, so inputs larger than memory work; writes to a temporary
+    name beside `output` and renames it at the end, so an interrupted conversion never
+    leaves a partial file at `output`. Returns the new file's description.
+    """
+    import blosc2
+
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    if not isinstance(clevel, int) or not 0 <= clevel <= 9:
+        raise ValueError(f"clevel must be an integer in [0, 9], got {clevel!r}")
+    output = pathlib.Path(output)
+    if output.exists() and not force:
+        raise FileExistsError(f"{output} exists; pass force=True (--force) to overwrite it")
+    if isinstance(source, np.ndarray):
+        array, source_name = source, "array"
+    else:
+        source_name = os.fspath(source)
+        if not os.path.exists(source_name):
+            raise FileNotFoundError(f"input file {source_name} does not exist")
+        array = _open_input(source_name)
+    shape, dtype = tuple(int(extent) for extent in array.shape), np.dtype(array.dtype)
+    _check_dtype(source_name, dtype)
+    _check_rows(source_name, shape)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
+    chunks = (rows_per_chunk, *shape[1:])
+    blocks = (block_rows, *shape[1:])
+    cparams = blosc2.CParams(
+        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD, "none": blosc2.Codec.LZ4}[codec],
+        clevel=0 if codec == "none" else clevel,
+        typesize=dtype.itemsize,
+        nthreads=os.cpu_count() or 1,
+    )
+    temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    piece_rows = rows_per_chunk * max(
+        math.ceil(_input_chunk_rows(array) / rows_per_chunk),
+        _PIECE_BYTES_TARGET // max(rows_per_chunk * row_bytes, 1),
+        1,
+    )
+    try:
+        target = blosc2.empty(shape, dtype=dtype, chunks=chunks, blocks=blocks, urlpath=str(temporary), mode="w", cparams=cparams)
+        bar = _progress_bar(shape[0] * row_bytes, f"convert {pathlib.Path(source_name).name}", progress)
+        for start in range(0, shape[0], piece_rows):
+            stop = min(start + piece_rows, shape[0])
+            target[start:stop] = np.ascontiguousarray(array[start:stop])
+            bar.update((stop - start) * row_bytes)
+        bar.close()
+        del target
+        os.replace(temporary, output)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return describe_field(output)
+
+
+def _progress_bar(total_bytes: int, description: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=description, unit="B", unit_scale=True, disable=not enabled, leave=False)
+
+
+def estimate_row_cost_us(spec: FieldSpec) -> float:
+    """A model of the cost of reading one random row, from the layout and codec alone."""
+    if spec.kind == "npy":
+        return _ROW_CALL_OVERHEAD_US / 4
+    rate = _DECOMPRESS_BYTES_PER_US.get(spec.codec.upper(), _UNKNOWN_CODEC_BYTES_PER_US)
+    if spec.clevel == 0:
+        rate = 10000.0
+    if not spec.row_contiguous:
+        return 50.0 + math.prod(spec.blocks) * spec.numpy_dtype.itemsize / rate
+    decompressed_bytes = max(spec.block_rows, 1) * spec.row_bytes
+    return _ROW_CALL_OVERHEAD_US + decompressed_bytes / rate
+
+
+def row_friendly_cost_us(spec: FieldSpec) -> float:
+    """The same model for the layout `convert` would write, with LZ4."""
+    _, block_rows = choose_layout(spec.row_count, spec.row_bytes)
+    return _ROW_CALL_OVERHEAD_US + block_rows * spec.row_bytes / _DECOMPRESS_BYTES_PER_US["LZ4"]
+
+
+def poor_layout(spec: FieldSpec) -> bool:
+    """Whether random rows of this file cost far more than after `shmloader convert`."""
+    if spec.kind != "b2nd":
+        return False
+    cost = estimate_row_cost_us(spec)
+    return cost >= _POOR_LAYOUT_MIN_US and cost >= _POOR_LAYOUT_RATIO * row_friendly_cost_us(spec)
+
+
+def convert_command(spec: FieldSpec) -> str:
+    path = pathlib.Path(spec.path)
+    return f"shmloader convert {path} {path.with_name(path.stem + '.rows' + path.suffix)}"
+
+
+def measure_row_cost_us(spec: FieldSpec, sample: int = 64, seed: int = 0) -> float:
+    """Median time to gather one random row, over `sample` rows, in microseconds."""
+    field = open_field(spec, batch_size_max=1)
+    try:
+        rng = np.random.default_rng(seed)
+        out = np.empty(spec.row_bytes, dtype=np.uint8)
+        timings = []
+        for index in rng.integers(0, spec.row_count, size=sample, dtype=np.uint64):
+            started = time.perf_counter()
+            field.gather(np.array([index], dtype=np.uint64), out)
+            timings.append((time.perf_counter() - started) * 1e6)
+        return statistics.median(timings)
+    finally:
+        field.close()
+
+
+def inspect(path: str | os.PathLike, sample: int = 64) -> dict:
+    """What `shmloader inspect` prints: layout, compression ratio and measured row cost."""
+    spec = describe_field(path)
+    report = {
+        "path": spec.path,
+        "format": spec.kind,
+        "rows": spec.row_count,
+        "row_shape": spec.row_shape,
+        "dtype": str(spec.numpy_dtype),
+        "row_bytes": spec.row_bytes,
+    }
+    if spec.kind == "b2nd":
+        report.update(
+            codec=spec.codec,
+            clevel=spec.clevel,
+            chunks=spec.chunks,
+            blocks=spec.blocks,
+            compression_ratio=round(spec.uncompressed_bytes / max(spec.compressed_bytes, 1), 2),
+            row_contiguous=spec.row_contiguous,
+        )
+    cost_us = measure_row_cost_us(spec, sample)
+    report["random_row_us"] = round(cost_us, 2)
+    report["random_row_MBps"] = round(spec.row_bytes / cost_us, 1) if cost_us > 0 else float("inf")
+    report["poor_layout"] = poor_layout(spec)
+    if report["poor_layout"]:
+        report["fix"] = convert_command(spec)
+    return report

@@ -1,0 +1,50 @@
+"""The exceptions and warnings shmloader raises, in one place so users can catch them."""
+
+from __future__ import annotations
+
+
+class ShmLoaderError(Exception):
+    """Base class of every error shmloader raises on purpose."""
+
+
+class StorageError(ShmLoaderError, ValueError):
+    """A data file is unusable: wrong format, corrupted, truncated, or of an unsupported dtype."""
+
+
+class ReaderError(ShmLoaderError, RuntimeError):
+    """A reader process failed: it raised (original type, message and traceback are kept) or died.
+
+    Attributes: reader_index, pid, exit_code (negative: killed by that signal), step (or
+    None), original_type (the reader's exception class name, or None), traceback_text.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reader_index: int | None = None,
+        pid: int | None = None,
+        exit_code: int | None = None,
+        step: int | None = None,
+        original_type: str | None = None,
+        traceback_text: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.reader_index = reader_index
+        self.pid = pid
+        self.exit_code = exit_code
+        self.step = step
+        self.original_type = original_type
+        self.traceback_text = traceback_text
+
+
+class SlotsExhaustedError(ShmLoaderError, RuntimeError):
+    """The trainer holds the slot the next batch needs and did not release it in time."""
+
+
+class SharedMemoryError(ShmLoaderError, OSError):
+    """The shared-memory ring cannot be created (no room in /dev/shm) or is corrupted."""
+
+
+class PerformanceWarning(UserWarning):
+    """A file's layout makes random row reads much slower than it needs to be."""

@@ -1,0 +1,568 @@
+"""ShmDataLoader: the trainer's side of the ring: starts readers, hands out zero-copy batches."""
+
+from __future__ import annotations
+
+import collections.abc
+import gc
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import warnings
+import weakref
+
+import numpy as np
+import posix_ipc
+
+from . import convert as _convert
+from ._native import ffi
+from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
+from .reader import EXIT_REPORTED_ERROR
+from .ring import Ring, SlotState, layout_for, sweep_stale
+from .sampler import Sampler, check_integer
+from .storage import FieldSpec, describe_field
+
+# How long one wait for a batch lasts before the trainer checks that its readers live:
+# a dead reader is noticed within about this long.
+_POLL_SECONDS = 0.05
+# The trainer also checks its readers every this many batches when it never has to wait.
+_READER_CHECK_BATCHES = 64
+_JOIN_TIMEOUT_SECONDS = 2.0
+# Run as -c rather than -m: the package is already imported by then, and runpy warns
+# about running a module of an imported package.
+_READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
+_PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parent.parent)
+
+
+def _default_readers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+def _normalise_fields(fields, label_path) -> dict[str, str]:
+    if isinstance(fields, collections.abc.Mapping):
+        if label_path is not None:
+            raise TypeError("label_path goes with a single data path, not with a mapping of fields")
+        mapping = dict(fields)
+    elif isinstance(fields, (str, os.PathLike)):
+        mapping = {"data": fields}
+        if label_path is not None:
+            mapping["label"] = label_path
+    else:
+        raise TypeError(f"fields must be a path or a mapping of field name to path, got {type(fields).__name__}")
+    if not mapping:
+        raise ValueError("fields is empty; give at least one field name -> path")
+    for name, path in mapping.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"field names must be non-empty strings, got {name!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"field {name!r}: path must be a string or PathLike, got {type(path).__name__}")
+    return {name: os.fspath(path) for name, path in mapping.items()}
+
+
+class Batch(collections.abc.Mapping):
+    """One batch: a mapping of field name to a numpy array that views a shared-memory slot.
+
+    Lifetime: the slot stays reserved for this batch while the Batch or any array view of
+    it (including `indices`, slices, torch.from_numpy tensors) is alive. `release()` or
+    leaving `with batch:` drops the Batch's own references; the slot is handed back to the
+    readers as soon as no view remains. A view kept longer keeps the slot: it is never
+    overwritten under you, but a loader whose every slot is kept this way raises
+    SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
+    """
+
+    __slots__ = ("step", "indices", "_arrays")
+
+    def __init__(self, step: int, indices: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        self.step = step
+        self.indices = indices
+        self._arrays = arrays
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._arrays is None:
+            raise RuntimeError(f"batch {self.step} was released; its arrays are no longer available")
+        return self._arrays[name]
+
+    def __iter__(self):
+        return iter(self._arrays or ())
+
+    def __len__(self) -> int:
+        return len(self._arrays or ())
+
+    def release(self) -> None:
+        """Gives up this Batch's references; the slot is reused once no view of it remains."""
+        self._arrays = None
+        self.indices = None
+
+    def __enter__(self) -> "Batch":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        if self._arrays is None:
+            return f"Batch(step={self.step}, released)"
+        fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self._arrays.items())
+        return f"Batch(step={self.step}, {fields})"
+
+
+class _Resources:
+    """Everything the loader must give back, without a reference to the loader itself, so
+    that weakref.finalize can clean up a loader that was never closed."""
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        self.ring: Ring | None = None
+        self.processes: list[subprocess.Popen | None] = []
+        self.closed = False
+
+    def release(self, slot: int, step: int) -> None:
+        """Called when the last view of batch `step` dies (any thread): request the slot's next step."""
+        ring = self.ring
+        if self.closed or ring is None or os.getpid() != self.owner_pid:
+            return
+        try:
+            state, _ = ring.state(slot)
+            if state == SlotState.HELD and ring.step(slot) == step:
+                ring.request(slot, step + ring.layout.slot_count)
+        except Exception:  # A destructor must not raise; the next wait reports real faults.
+            pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if os.getpid() != self.owner_pid:
+            return  # A forked child inherited this object: the ring is its parent's.
+        ring = self.ring
+        if ring is not None:
+            ring.set_stopping()
+            for _ in self.processes:
+                try:
+                    ring.work.release()
+                except (posix_ipc.ExistentialError, OSError):
+                    pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
+        for process in self.processes:
+            if process is None:
+                continue
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if ring is not None:
+            ring.names.unlink_all()
+            ring.close()
+
+
+class ShmDataLoader:
+    """An endless, step-based loader that fills batches in shared memory from reader processes.
+
+    ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
+                  readers=None, slots=None, start_step=0, shard_index=0, shard_count=1,
+                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True)
+
+    `fields` maps field names to .b2nd or .npy files with the same number of rows; a single
+    path is the field "data", and `ShmDataLoader(data_path, label_path)` gives "data" and
+    "label". Batch k depends only on the files, seed, k and the shard, so a loader built
+    with start_step=k (or load_state_dict) continues exactly. Iterate it; see Batch for
+    how long each batch's zero-copy arrays stay valid. Close it, or use `with`.
+    """
+
+    def __init__(
+        self,
+        fields,
+        label_path=None,
+        *,
+        batch_size: int = 256,
+        mode: str = "shuffle",
+        seed: int = 0,
+        readers: int | None = None,
+        slots: int | None = None,
+        start_step: int = 0,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        max_reader_restarts: int = 3,
+        hold_timeout: float = 5.0,
+        warn_layout: bool = True,
+    ) -> None:
+        self._resources = _Resources()
+        self._finalizer = weakref.finalize(self, self._resources.close)
+        self._closed = True  # Until construction succeeds.
+        paths = _normalise_fields(fields, label_path)
+        self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
+        self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
+        default_slots = max(4, 2 * self.readers)
+        self.slots = check_integer("slots", default_slots if slots is None else slots, 2, 4096)
+        self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
+        if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
+            raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
+        self.hold_timeout = float(hold_timeout)
+        start_step = check_integer("start_step", start_step, 0, (1 << 64) - 1)
+        self.specs = self._describe(paths)
+        self.field_names = tuple(self.specs)
+        row_count = self._check_row_counts()
+        self.sampler = Sampler(row_count, self.batch_size, mode, seed, shard_index, shard_count)
+        if warn_layout:
+            self._warn_poor_layouts()
+        sweep_stale()
+        layout = layout_for(self.slots, self.readers, self.batch_size, list(self.specs.values()))
+        self._layout = layout
+        self._ring = self._resources.ring = Ring.create(layout, os.getpid())
+        self._field_geometry = [
+            (name, offset, spec.row_bytes * self.batch_size, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
+            for (name, spec), offset in zip(self.specs.items(), layout.field_offsets)
+        ]
+        self._next_step = start_step
+        self._restarts = 0
+        self._retired_busy_ns = [0] * self.readers
+        self._retired_batches = [0] * self.readers
+        self._batches = 0
+        self._wait_ns = 0
+        self._first_next_ns = None
+        self._closed = False
+        self._request_from(start_step)
+        for reader_index in range(self.readers):
+            self._resources.processes.append(self._spawn(reader_index))
+
+    # Construction helpers.
+
+    def _describe(self, paths: dict[str, str]) -> dict[str, FieldSpec]:
+        specs = {}
+        for name, path in paths.items():
+            try:
+                specs[name] = describe_field(path)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"field {name!r}: {error}") from None
+            except StorageError as error:
+                raise StorageError(f"field {name!r}: {error}") from None
+        return specs
+
+    def _check_row_counts(self) -> int:
+        (first_name, first), *others = self.specs.items()
+        for name, spec in others:
+            if spec.row_count != first.row_count:
+                raise StorageError(
+                    f"fields must have the same number of rows: field {first_name!r} ({first.path}) has "
+                    f"{first.row_count}, field {name!r} ({spec.path}) has {spec.row_count}"
+                )
+        return first.row_count
+
+    def _warn_poor_layouts(self) -> None:
+        for name, spec in self.specs.items():
+            if _convert.poor_layout(spec):
+                warnings.warn(
+                    f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
+                    f"{spec.blocks}, {spec.codec}) costs about {_convert.estimate_row_cost_us(spec):.0f} us per "
+                    f"random row, against about {_convert.row_friendly_cost_us(spec):.0f} us for a row-friendly "
+                    f"file. Re-lay it out once with: {_convert.convert_command(spec)}",
+                    PerformanceWarning,
+                    stacklevel=3,
+                )
+
+    def _reader_config(self, reader_index: int) -> str:
+        layout = self._layout
+        return json.dumps({
+            "reader_index": reader_index,
+            "trainer_pid": os.getpid(),
+            "names": self._ring.names.to_dict(),
+            "layout": {
+                "slot_count": layout.slot_count,
+                "reader_count": layout.reader_count,
+                "batch_size": layout.batch_size,
+                "field_row_bytes": list(layout.field_row_bytes),
+            },
+            "sampler": self.sampler.describe(),
+            "fields": [spec.to_dict() for spec in self.specs.values()],
+        })
+
+    def _spawn(self, reader_index: int) -> subprocess.Popen:
+        # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
+        # (which re-imports the trainer's __main__): only this package is imported.
+        environment = dict(os.environ)
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
+        self._ring.clear_reader_error(reader_index)
+        return subprocess.Popen(
+            [sys.executable, "-c", _READER_BOOTSTRAP, self._reader_config(reader_index)],
+            stdin=subprocess.DEVNULL,
+            env=environment,
+            close_fds=True,
+        )
+
+    def _request_from(self, step: int) -> None:
+        for step_k in range(step, step + self.slots):
+            self._ring.request(step_k % self.slots, step_k)
+
+    # Iteration.
+
+    def __iter__(self) -> "ShmDataLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        started = time.perf_counter_ns()
+        if self._first_next_ns is None:
+            self._first_next_ns = started
+        step = self._next_step
+        slot = step % self.slots
+        ring = self._ring
+        state, _ = ring.state(slot)
+        if state != SlotState.READY:
+            self._wait_ready(slot, step)
+        elif ring.step(slot) != step:
+            self._raise_wrong_step(slot, step)
+        ring.set_state(slot, SlotState.HELD)
+        batch = self._make_batch(slot, step)
+        self._next_step = step + 1
+        self._batches += 1
+        if self._batches % _READER_CHECK_BATCHES == 0:
+            self._check_readers()
+        self._wait_ns += time.perf_counter_ns() - started
+        return batch
+
+    def _make_batch(self, slot: int, step: int) -> Batch:
+        resources = self._resources
+        lease = ffi.gc(
+            ffi.cast("uint8_t *", self._ring.region_address(slot, 0)),
+            lambda _pointer: resources.release(slot, step),
+        )
+        whole_slot = np.frombuffer(ffi.buffer(lease, self._layout.slot_stride), dtype=np.uint8)
+        indices_offset = self._layout.indices_offset
+        indices = whole_slot[indices_offset: indices_offset + 8 * self.batch_size].view(np.uint64)
+        arrays = {
+            name: whole_slot[offset: offset + nbytes].view(dtype).reshape(shape)
+            for name, offset, nbytes, dtype, shape in self._field_geometry
+        }
+        return Batch(step, indices, arrays)
+
+    def _raise_wrong_step(self, slot: int, step: int) -> None:
+        raise SharedMemoryError(
+            f"slot {slot} of ring {self._ring.names.segment} holds step {self._ring.step(slot)} while step "
+            f"{step} was expected; the ring was modified by another process"
+        )
+
+    def _wait_ready(self, slot: int, step: int) -> None:
+        ring = self._ring
+        hold_deadline = None
+        while True:
+            state, owner = ring.state(slot)
+            if state == SlotState.READY:
+                if ring.step(slot) != step:
+                    self._raise_wrong_step(slot, step)
+                return
+            if state == SlotState.FAILED:
+                self._raise_reported(owner)
+            if state == SlotState.HELD:
+                # The batch from `slots` steps ago still has live views: give the garbage
+                # collector one chance (cycles), then wait a bounded time for a release.
+                if hold_deadline is None:
+                    gc.collect()
+                    hold_deadline = time.monotonic() + self.hold_timeout
+                    continue
+                if time.monotonic() > hold_deadline:
+                    raise SlotsExhaustedError(
+                        f"step {step} needs slot {slot}, which still holds step {ring.step(slot)}: views of that "
+                        f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
+                        f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
+                        f"raise slots (now {self.slots})."
+                    )
+            try:
+                ring.ready[slot].acquire(_POLL_SECONDS)
+            except posix_ipc.BusyError:
+                self._check_readers()
+
+    # Reader supervision.
+
+    def _reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
+        process = self._resources.processes[reader_index]
+        raw = self._ring.reader_error(reader_index)
+        try:
+            report = json.loads(raw.decode()) if raw else {}
+            if not isinstance(report, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            report = {"type": "unknown", "message": f"unreadable error report {raw[:200]!r}"}
+        step = report.get("step")
+        where = f" at step {step}" if step is not None else " while starting"
+        message = (
+            f"reader {reader_index} (pid {process.pid if process else '?'}) raised {report.get('type')}{where}: "
+            f"{report.get('message')}\n--- reader traceback ---\n{report.get('traceback', '')}"
+        )
+        return ReaderError(
+            message,
+            reader_index=reader_index,
+            pid=process.pid if process else None,
+            exit_code=exit_code,
+            step=step,
+            original_type=report.get("type"),
+            traceback_text=report.get("traceback", ""),
+        )
+
+    def _raise_reported(self, reader_index: int) -> None:
+        process = self._resources.processes[reader_index]
+        exit_code = None
+        if process is not None:
+            try:
+                exit_code = process.wait(_JOIN_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                pass
+        raise self._reported_error(reader_index, exit_code)
+
+    def _check_readers(self) -> None:
+        for reader_index, process in enumerate(self._resources.processes):
+            exit_code = process.poll()
+            if exit_code is None:
+                continue
+            if exit_code == EXIT_REPORTED_ERROR:
+                raise self._reported_error(reader_index, exit_code)
+            if self._restarts >= self.max_reader_restarts:
+                raise ReaderError(
+                    f"reader {reader_index} (pid {process.pid}) {_describe_exit(exit_code)}; "
+                    f"{self._restarts} reader restarts already used (max_reader_restarts={self.max_reader_restarts})",
+                    reader_index=reader_index,
+                    pid=process.pid,
+                    exit_code=exit_code,
+                )
+            self._restart(reader_index)
+
+    def _restart(self, reader_index: int) -> None:
+        """Replaces a dead reader and hands the step it was filling to the readers again."""
+        self._restarts += 1
+        busy_ns, batches = self._ring.reader_stats(reader_index)[1:]
+        self._retired_busy_ns[reader_index] += busy_ns
+        self._retired_batches[reader_index] += batches
+        self._ring.write_reader_stats(reader_index, 0, 0, 0)
+        for slot in range(self.slots):
+            state, owner = self._ring.state(slot)
+            if state == SlotState.FILLING and owner == reader_index:
+                self._ring.request(slot, self._ring.step(slot))
+        self._resources.processes[reader_index] = self._spawn(reader_index)
+
+    # State and statistics.
+
+    @property
+    def reader_pids(self) -> list[int]:
+        return [process.pid for process in self._resources.processes]
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        return self._layout.total_bytes
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs: the next step to deliver, and the settings it depends on."""
+        return {"step": self._next_step, **{key: value for key, value in self.sampler.describe().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from `state` (from state_dict()): the next batch is exactly the one recorded."""
+        expected = self.sampler.describe()
+        mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
+        if mismatched:
+            details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
+            raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
+        self.seek(check_integer("step", state.get("step"), 0, (1 << 64) - 1))
+
+    def seek(self, step: int) -> None:
+        """Makes `step` the next batch. Every batch must have been released first."""
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        step = check_integer("step", step, 0, (1 << 64) - 1)
+        ring = self._ring
+        gc.collect()
+        for slot in range(self.slots):
+            deadline = time.monotonic() + self.hold_timeout
+            while True:
+                state, _ = ring.state(slot)
+                if state == SlotState.HELD:
+                    raise RuntimeError(f"cannot seek while batch {ring.step(slot)} is held; release every batch first")
+                if state == SlotState.FAILED:
+                    self._raise_reported(_)
+                if state == SlotState.REQUESTED and not ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.IDLE):
+                    continue  # A reader took it just now: wait for it to finish.
+                if state != SlotState.FILLING:
+                    break
+                if time.monotonic() > deadline:
+                    raise ReaderError(f"slot {slot} stayed in filling for {self.hold_timeout:.1f} s during seek")
+                try:
+                    ring.ready[slot].acquire(_POLL_SECONDS)
+                except posix_ipc.BusyError:
+                    self._check_readers()
+        self._next_step = step
+        self._request_from(step)
+
+    def stats(self) -> dict:
+        """Batches delivered, rates, the share of time the trainer waited, and reader busy time."""
+        now = time.perf_counter_ns()
+        elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
+        rows = self._batches * self.batch_size
+        row_bytes = sum(spec.row_bytes for spec in self.specs.values())
+        readers = []
+        for reader_index in range(self.readers):
+            pid, busy_ns, batches = self._ring.reader_stats(reader_index) if not self._closed else (0, 0, 0)
+            busy_s = (busy_ns + self._retired_busy_ns[reader_index]) / 1e9
+            readers.append({
+                "index": reader_index,
+                "pid": pid,
+                "batches": batches + self._retired_batches[reader_index],
+                "busy_s": busy_s,
+                "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
+            })
+        return {
+            "batches": self._batches,
+            "rows": rows,
+            "elapsed_s": elapsed_s,
+            "rows_per_s": rows / elapsed_s if elapsed_s else 0.0,
+            "batches_per_s": self._batches / elapsed_s if elapsed_s else 0.0,
+            "bytes_per_s": rows * row_bytes / elapsed_s if elapsed_s else 0.0,
+            "wait_s": self._wait_ns / 1e9,
+            "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
+            "reader_restarts": self._restarts,
+            "shared_memory_bytes": self.shared_memory_bytes,
+            "readers": readers,
+        }
+
+    # Lifecycle.
+
+    def close(self) -> None:
+        """Stops and joins the readers (killing stragglers) and unlinks the ring. Idempotent.
+
+        Arrays of batches still alive keep pointing at valid memory (the mapping lives
+        until they are gone) but are no longer refilled.
+        """
+        self._closed = True
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "ShmDataLoader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"next step {self._next_step}"
+        return (
+            f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
+            f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
+        )
+
+
+def _describe_exit(exit_code: int) -> str:
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"was killed by {name} (exit code {exit_code})"
+    return f"exited with code {exit_code}"

@@ -1,0 +1,178 @@
+"""A reader process: attaches the ring, opens its own field files, and fills requested slots.
+
+Started by the loader as `python -m shmloader.reader CONFIG_JSON`; only names, paths and
+numbers arrive on the command line. It exits when the loader sets the ring's stop flag,
+when its trainer (its parent) is gone, or after reporting an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+import posix_ipc
+
+from .ring import Ring, RingLayout, RingNames, SlotState
+from .sampler import Sampler
+from .storage import FieldSpec, open_field
+
+# How long one wait for work lasts before the reader checks its trainer and the stop flag:
+# it bounds how long a reader outlives a dead trainer.
+_WAIT_SECONDS = 0.1
+EXIT_REPORTED_ERROR = 3
+EXIT_NO_RING = 4
+# Testing hook: "exit:STEP:MARKER" makes the reader os._exit(17) when it starts filling
+# STEP, once: only while the file MARKER exists (it is deleted first).
+FAULT_INJECTION_VARIABLE = "SHMLOADER_FAULT_INJECTION"
+_FAULT_EXIT_CODE = 17
+
+
+class _FaultInjection:
+    def __init__(self, text: str | None) -> None:
+        self.step = self.marker = None
+        if text:
+            kind, step, marker = text.split(":", 2)
+            if kind != "exit":
+                raise ValueError(f"{FAULT_INJECTION_VARIABLE}: unknown fault kind {kind!r}")
+            self.step, self.marker = int(step), marker
+
+    def maybe_fire(self, step: int) -> None:
+        if step != self.step:
+            return
+        try:
+            os.unlink(self.marker)
+        except FileNotFoundError:
+            return
+        os._exit(_FAULT_EXIT_CODE)
+
+
+class Reader:
+    def __init__(self, config: dict, ring: Ring) -> None:
+        self.index = config["reader_index"]
+        self.trainer_pid = config["trainer_pid"]
+        self.ring = ring
+        self.layout = ring.layout
+        self.sampler = Sampler(**config["sampler"])
+        self.specs = [FieldSpec.from_dict(spec) for spec in config["fields"]]
+        self.fields = []
+        for spec in self.specs:
+            self.fields.append(open_field(spec, batch_size_max=self.layout.batch_size))
+        self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
+        self.step = None
+        self.busy_ns = 0
+        self.batches = 0
+        batch = self.layout.batch_size
+        # Views of every slot's regions, made once: filling a slot allocates nothing.
+        self.index_views, self.field_views = [], []
+        for slot in range(self.layout.slot_count):
+            slot_offset = self.layout.slot_offset(slot)
+            self.index_views.append(
+                np.frombuffer(ring.memory, dtype=np.uint64, count=batch, offset=slot_offset + self.layout.indices_offset)
+            )
+            self.field_views.append([
+                np.frombuffer(ring.memory, dtype=np.uint8, count=batch * spec.row_bytes, offset=slot_offset + offset)
+                for spec, offset in zip(self.specs, self.layout.field_offsets)
+            ])
+
+    def trainer_alive(self) -> bool:
+        return os.getppid() == self.trainer_pid
+
+    def claim(self) -> int | None:
+        """Takes the requested slot with the lowest step, or None if there is none."""
+        requested = []
+        for slot in range(self.layout.slot_count):
+            state, _ = self.ring.state(slot)
+            if state == SlotState.REQUESTED:
+                requested.append((self.ring.step(slot), slot))
+        for _, slot in sorted(requested):
+            if self.ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.FILLING, self.index):
+                return slot
+        return None
+
+    def fill(self, slot: int) -> None:
+        started = time.perf_counter_ns()
+        self.step = self.ring.step(slot)
+        self.fault.maybe_fire(self.step)
+        indices = self.sampler.fill(self.step, out=self.index_views[slot])
+        for field, view in zip(self.fields, self.field_views[slot]):
+            field.gather(indices, view)
+        self.ring.set_state(slot, SlotState.READY, self.index)
+        self.ring.ready[slot].release()
+        self.busy_ns += time.perf_counter_ns() - started
+        self.batches += 1
+        self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
+        self.step = None
+
+    def run(self) -> int:
+        self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)
+        while not self.ring.stopping:
+            if not self.trainer_alive():
+                # Nobody else will clean up after a trainer that was killed.
+                self.ring.names.unlink_all()
+                return 0
+            try:
+                self.ring.work.acquire(_WAIT_SECONDS)
+            except posix_ipc.BusyError:
+                pass
+            while not self.ring.stopping:
+                slot = self.claim()
+                if slot is None:
+                    break
+                self.fill(slot)
+        return 0
+
+    def close(self) -> None:
+        for field in self.fields:
+            field.close()
+
+
+def report_error(ring: Ring, reader_index: int, step: int | None, error: BaseException) -> None:
+    report = {
+        "type": type(error).__name__,
+        "module": type(error).__module__,
+        "message": str(error),
+        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+        "step": step,
+        "pid": os.getpid(),
+    }
+    ring.write_reader_error(reader_index, json.dumps(report).encode())
+
+
+def main(argv: list[str]) -> int:
+    # Ctrl-C in a terminal reaches the whole process group; the trainer handles it and
+    # closes the readers, so a reader must not die of it first with a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = json.loads(argv[1])
+    layout = RingLayout(**{**config["layout"], "field_row_bytes": tuple(config["layout"]["field_row_bytes"])})
+    try:
+        ring = Ring.attach(RingNames.from_dict(config["names"]), layout)
+    except (posix_ipc.ExistentialError, OSError) as error:
+        print(f"shmloader reader {config['reader_index']}: cannot attach the ring: {error}", file=sys.stderr)
+        return EXIT_NO_RING
+    reader = None
+    try:
+        reader = Reader(config, ring)
+        return reader.run()
+    except Exception as error:
+        step = reader.step if reader is not None else None
+        report_error(ring, config["reader_index"], step, error)
+        if reader is not None and step is not None:
+            for slot in range(layout.slot_count):
+                state, owner = ring.state(slot)
+                if state == SlotState.FILLING and owner == config["reader_index"]:
+                    ring.set_state(slot, SlotState.FAILED, owner)
+                    ring.ready[slot].release()
+        return EXIT_REPORTED_ERROR
+    finally:
+        if reader is not None:
+            reader.close()
+        ring.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

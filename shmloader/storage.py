@@ -1,0 +1,465 @@
+"""Field files (.npy and Blosc2 .b2nd): describe them, and gather rows into a caller's buffer.
+
+`describe_field` runs in the trainer and validates a file once; the resulting `FieldSpec`
+is a small description that crosses to reader processes, which `open_field` it and call
+`gather(indices, out)` to write rows straight into shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import mmap
+import os
+import pathlib
+import struct
+
+import numpy as np
+
+from . import _blosc2_capi
+from ._native import Status, ffi, lib, status_name
+from .errors import StorageError
+
+NPY_MAGIC = b"\x93NUMPY"
+# A contiguous Blosc2 frame starts with a msgpack fixarray marker, then the fixstr
+# "b2frame\0"; the frame's header length is a big-endian int32 after a 0xd2 marker.
+B2FRAME_MAGIC = b"\xa8b2frame\x00"
+_B2FRAME_MAGIC_OFFSET = 1
+_B2FRAME_HEADER_LENGTH_OFFSET = 11
+_CHUNK_HEADER_BYTES = 32
+_CHUNK_CBYTES_OFFSET = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldSpec:
+    """What a reader needs to open a field: refers to the data, never carries it."""
+
+    path: str
+    kind: str  # "npy" or "b2nd"
+    row_count: int
+    row_shape: tuple[int, ...]
+    dtype: str  # numpy's dtype.str, e.g. "<f4"
+    # Blosc2 only:
+    chunk_rows: int = 0
+    block_rows: int = 0
+    chunk_count: int = 0
+    chunks: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()
+    codec: str = ""
+    clevel: int = 0
+    compressed_bytes: int = 0
+    # True when a row is one contiguous byte range of its decompressed chunk, which the
+    # native gather needs; other layouts go through blosc2's Python API (slow, correct).
+    row_contiguous: bool = False
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.numpy_dtype.itemsize
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        return self.row_count * self.row_bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "FieldSpec":
+        data = dict(data)
+        for key in ("row_shape", "chunks", "blocks"):
+            data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def _check_dtype(path: str, dtype: np.dtype) -> None:
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        raise StorageError(
+            f"{path}: dtype {dtype} is not supported; shmloader needs a plain numeric or bool "
+            f"dtype (fixed-size, no objects, no structured fields). Store each field in its own file."
+        )
+    if dtype.itemsize == 0:
+        raise StorageError(f"{path}: dtype {dtype} has zero-sized items")
+
+
+def _check_rows(path: str, shape: tuple[int, ...]) -> None:
+    if len(shape) == 0:
+        raise StorageError(f"{path}: a 0-d array has no rows; expected an array of shape (rows, ...)")
+    if shape[0] == 0:
+        raise StorageError(f"{path}: the array has zero rows; expected at least one")
+
+
+def describe_field(path: str | os.PathLike) -> FieldSpec:
+    """Validates a field file and describes it. Raises FileNotFoundError or StorageError."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"field file {path} does not exist")
+    if os.path.isdir(path):
+        raise StorageError(f"{path} is a directory; expected a .npy file or a contiguous Blosc2 .b2nd file")
+    with open(path, "rb") as handle:
+        head = handle.read(16)
+    if head.startswith(NPY_MAGIC):
+        return _describe_npy(path)
+    if head[_B2FRAME_MAGIC_OFFSET:_B2FRAME_MAGIC_OFFSET + len(B2FRAME_MAGIC)] == B2FRAME_MAGIC:
+        return _describe_b2nd(path)
+    raise StorageError(f"{path} is neither a .npy file nor a Blosc2 frame (.b2nd): its first bytes are {head[:8]!r}")
+
+
+def _describe_npy(path: str) -> FieldSpec:
+    try:
+        with open(path, "rb") as handle:
+            version = np.lib.format.read_magic(handle)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran_order, dtype = read_header(handle)
+            data_offset = handle.tell()
+    except (ValueError, OSError, SyntaxError) as error:
+        raise StorageError(f"{path}: unreadable .npy header ({error})") from None
+    _check_dtype(path, dtype)
+    _check_rows(path, shape)
+    if fortran_order and len(shape) > 1:
+        raise StorageError(
+            f"{path}: the array is stored in Fortran order, so its rows are not contiguous; "
+            f"rewrite it with np.save(path, np.ascontiguousarray(array))"
+        )
+    expected_bytes = data_offset + math.prod(shape) * dtype.itemsize
+    actual_bytes = os.path.getsize(path)
+    if actual_bytes < expected_bytes:
+        raise StorageError(
+            f"{path}: truncated .npy file: {actual_bytes} bytes, the header promises {expected_bytes}"
+        )
+    return FieldSpec(path=path, kind="npy", row_count=shape[0], row_shape=tuple(shape[1:]), dtype=dtype.str)
+
+
+def row_contiguous_layout(shape, chunks, blocks) -> bool:
+    """Whether each row is one contiguous byte range of its decompressed chunk.
+
+    Blosc2 stores a chunk block after block (blocks in C order over the block grid),
+    each block in C order. With k the last axis a block splits, the chunk is plain C
+    order exactly when every axis before k is one element thick in the block and k is
+    split evenly: e.g. blocks (1, 112, 224, 3) in chunks (50, 224, 224, 3). Chunks must
+    span whole rows for a row to lie in one chunk.
+    """
+    if tuple(chunks[1:]) != tuple(shape[1:]):
+        return False
+    split_axes = [axis for axis in range(1, len(chunks)) if blocks[axis] < chunks[axis]]
+    if not split_axes:
+        return True
+    last = split_axes[-1]
+    return all(blocks[axis] == 1 for axis in range(last)) and chunks[last] % blocks[last] == 0
+
+
+def _describe_b2nd(path: str) -> FieldSpec:
+    import blosc2  # Only the trainer describes files; readers never import blosc2.
+
+    try:
+        array = blosc2.open(path, mode="r")
+    except Exception as error:  # blosc2 raises many types for a bad file.
+        raise StorageError(f"{path}: not a readable Blosc2 file ({type(error).__name__}: {error})") from None
+    if not hasattr(array, "blocks") or not hasattr(array, "chunks"):
+        raise StorageError(f"{path}: a Blosc2 super-chunk but not an NDArray; write it with blosc2.asarray")
+    dtype = np.dtype(array.dtype)
+    shape = tuple(int(extent) for extent in array.shape)
+    _check_dtype(path, dtype)
+    _check_rows(path, shape)
+    schunk = array.schunk
+    if not schunk.contiguous:
+        raise StorageError(f"{path}: a sparse (directory) Blosc2 frame; re-save it contiguous with `shmloader convert`")
+    chunks = tuple(int(extent) for extent in array.chunks)
+    blocks = tuple(int(extent) for extent in array.blocks)
+    chunk_count = int(schunk.nchunks)
+    expected_chunks = math.prod(math.ceil(extent / chunk) for extent, chunk in zip(shape, chunks))
+    if chunk_count != expected_chunks:
+        raise StorageError(
+            f"{path}: the frame holds {chunk_count} chunks, its shape {shape} and chunks {chunks} "
+            f"need {expected_chunks}; the file is truncated or corrupted"
+        )
+    cparams = schunk.cparams
+    return FieldSpec(
+        path=path,
+        kind="b2nd",
+        row_count=shape[0],
+        row_shape=shape[1:],
+        dtype=dtype.str,
+        chunk_rows=chunks[0],
+        block_rows=blocks[0],
+        chunk_count=chunk_count,
+        chunks=chunks,
+        blocks=blocks,
+        codec=getattr(cparams.codec, "name", str(cparams.codec)),
+        clevel=int(cparams.clevel),
+        compressed_bytes=int(schunk.cbytes),
+        row_contiguous=row_contiguous_layout(shape, chunks, blocks),
+    )
+
+
+def _check_indices(spec: FieldSpec, indices) -> np.ndarray:
+    indices = np.asarray(indices)
+    if indices.ndim != 1:
+        raise ValueError(f"indices must be one-dimensional, got shape {indices.shape}")
+    if indices.dtype != np.uint64:
+        if indices.size and indices.dtype.kind in "iu" and indices.min() < 0:
+            position = int(np.argmax(indices < 0))
+            raise IndexError(f"{spec.path}: index {int(indices[position])} at position {position} is negative")
+        if indices.dtype.kind not in "iu" and indices.size:
+            raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
+        indices = indices.astype(np.uint64)
+    return np.ascontiguousarray(indices)
+
+
+def _out_pointer(spec: FieldSpec, out, count: int):
+    """A cdata pointer to `out`, after checking it is writable and exactly the batch's size."""
+    expected_bytes = count * spec.row_bytes
+    if isinstance(out, np.ndarray):
+        if out.dtype != spec.numpy_dtype and out.dtype != np.uint8:
+            raise TypeError(f"{spec.path}: out has dtype {out.dtype}, expected {spec.numpy_dtype} (or raw uint8 bytes)")
+        if not out.flags.c_contiguous:
+            raise ValueError(f"{spec.path}: out must be C-contiguous")
+        if not out.flags.writeable:
+            raise ValueError(f"{spec.path}: out is read-only; gather needs a writable buffer")
+        actual_bytes = out.nbytes
+    else:
+        try:
+            actual_bytes = memoryview(out).nbytes
+        except TypeError:
+            raise TypeError(f"{spec.path}: out must be a numpy array or a writable buffer, got {type(out).__name__}") from None
+    if actual_bytes != expected_bytes:
+        raise ValueError(
+            f"{spec.path}: out holds {actual_bytes} bytes, expected {expected_bytes} "
+            f"({count} rows of {spec.row_bytes} bytes)"
+        )
+    try:
+        return ffi.from_buffer("uint8_t[]", out, require_writable=True)
+    except (TypeError, BufferError):
+        raise ValueError(f"{spec.path}: out is read-only; gather needs a writable buffer") from None
+
+
+def _raise_index_error(spec: FieldSpec, indices: np.ndarray, position: int) -> None:
+    raise IndexError(
+        f"{spec.path}: index {int(indices[position])} at batch position {position} is out of range "
+        f"for {spec.row_count} rows"
+    )
+
+
+class NpyField:
+    """A memory-mapped .npy field; gather is a native row copy."""
+
+    def __init__(self, spec: FieldSpec) -> None:
+        self.spec = spec
+        self._array = np.load(spec.path, mmap_mode="r")
+        if self._array.shape != (spec.row_count, *spec.row_shape) or self._array.dtype.str != spec.dtype:
+            raise StorageError(f"{spec.path}: changed since it was described ({self._array.shape}, {self._array.dtype})")
+        self._table = ffi.from_buffer("uint8_t[]", self._array)
+        self._failure = ffi.new("shm_gather_error *")
+
+    def gather(self, indices, out) -> None:
+        """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
+        indices = _check_indices(self.spec, indices)
+        out_pointer = _out_pointer(self.spec, out, len(indices))
+        status = lib.shm_gather_rows(
+            self._table, self.spec.row_count, self.spec.row_bytes,
+            ffi.from_buffer("uint64_t[]", indices), len(indices),
+            out_pointer, len(out_pointer), self._failure,
+        )
+        if status == Status.INDEX_OUT_OF_RANGE:
+            _raise_index_error(self.spec, indices, self._failure.position)
+        if status != Status.OK:
+            raise StorageError(f"{self.spec.path}: gather failed: {status_name(status)}")
+
+    def close(self) -> None:
+        self._table = None
+        self._array = None
+
+
+class BloscField:
+    """A contiguous Blosc2 frame, mapped into memory; rows are decompressed natively.
+
+    Chunk addresses are computed once from the frame's offset index, one decompression
+    context is reused, and only the blocks holding the requested rows are decompressed,
+    straight into `out` (one-row blocks) or through one block buffer (larger blocks, where
+    rows sharing a block cost one decompression per batch).
+    """
+
+    def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16) -> None:
+        if not spec.row_contiguous:
+            raise StorageError(f"{spec.path}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
+        self.spec = spec
+        self._capi_ffi, self._capi = _blosc2_capi.load()
+        self._schunk = None
+        self._context = None
+        self._special_chunks = []  # Chunks Blosc2 builds in memory (all zeros, etc.).
+        with open(spec.path, "rb") as handle:
+            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self._locate_chunks()
+            self._create_context(batch_size_max)
+        except BaseException:
+            self.close()
+            raise
+
+    def _locate_chunks(self) -> None:
+        spec, capi, capi_ffi = self.spec, self._capi, self._capi_ffi
+        file_bytes = len(self._map)
+        (header_bytes,) = struct.unpack_from(">i", self._map, _B2FRAME_HEADER_LENGTH_OFFSET)
+        if not 0 < header_bytes < file_bytes:
+            raise StorageError(f"{spec.path}: corrupted frame header (header length {header_bytes}, file {file_bytes} bytes)")
+        self._schunk = capi.blosc2_schunk_open(spec.path.encode())
+        if self._schunk == capi_ffi.NULL:
+            raise StorageError(f"{spec.path}: libblosc2 cannot open the frame (corrupted or truncated file)")
+        offsets_pointer = capi.blosc2_frame_get_offsets(self._schunk)
+        if offsets_pointer == capi_ffi.NULL:
+            raise StorageError(f"{spec.path}: cannot read the frame's chunk offsets (corrupted or truncated file)")
+        try:
+            offsets = np.frombuffer(capi_ffi.buffer(offsets_pointer, 8 * spec.chunk_count), dtype=np.int64).copy()
+        finally:
+            capi.free(offsets_pointer)
+        base_address = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", self._map)))
+        self._addresses = np.zeros(spec.chunk_count, dtype=np.uint64)
+        self._sizes = np.zeros(spec.chunk_count, dtype=np.uint64)
+        in_file = np.flatnonzero(offsets >= 0)
+        starts = header_bytes + offsets[in_file]
+        if in_file.size:
+            past_end = np.flatnonzero(starts + _CHUNK_HEADER_BYTES > file_bytes)
+            if past_end.size:
+                raise StorageError(f"{spec.path}: chunk {int(in_file[past_end[0]])} starts past the end of the file (truncated?)")
+            raw = np.frombuffer(self._map, dtype=np.uint8)
+            size_bytes = raw[(starts[:, None] + _CHUNK_CBYTES_OFFSET + np.arange(4)).ravel()]
+            sizes = size_bytes.view("<i4").astype(np.int64)
+            del raw, size_bytes
+            bad = np.flatnonzero((sizes < _CHUNK_HEADER_BYTES) | (starts + sizes > file_bytes))
+            if bad.size:
+                chunk = int(in_file[bad[0]])
+                raise StorageError(
+                    f"{spec.path}: chunk {chunk} is corrupted or truncated: it claims {int(sizes[bad[0]])} "
+                    f"bytes at offset {int(starts[bad[0]])} of a {file_bytes}-byte file"
+                )
+            self._addresses[in_file] = base_address + starts
+            self._sizes[in_file] = sizes
+        for chunk in np.flatnonzero(offsets < 0):
+            self._load_special_chunk(int(chunk))
+
+    def _load_special_chunk(self, chunk: int) -> None:
+        capi, capi_ffi = self._capi, self._capi_ffi
+        chunk_pointer = capi_ffi.new("uint8_t **")
+        needs_free = capi_ffi.new("bool *")
+        chunk_bytes = capi.blosc2_schunk_get_chunk(self._schunk, chunk, chunk_pointer, needs_free)
+        if chunk_bytes < _CHUNK_HEADER_BYTES:
+            raise StorageError(f"{self.spec.path}: chunk {chunk} is unreadable (libblosc2 error {chunk_bytes})")
+        copy = np.frombuffer(capi_ffi.buffer(chunk_pointer[0], chunk_bytes), dtype=np.uint8).copy()
+        if needs_free[0]:
+            capi.free(chunk_pointer[0])
+        self._special_chunks.append(copy)
+        self._addresses[chunk] = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", copy)))
+        self._sizes[chunk] = chunk_bytes
+
+    def _create_context(self, batch_size_max: int) -> None:
+        spec, capi, capi_ffi = self.spec, self._capi, self._capi_ffi
+        dparams = capi_ffi.new("blosc2_dparams *")
+        dparams.nthreads = 1  # One reader process is one core; parallelism comes from readers.
+        dparams.typesize = 8
+        self._context = capi.blosc2_create_dctx(dparams[0])
+        if self._context == capi_ffi.NULL:
+            raise StorageError(f"{spec.path}: libblosc2 could not create a decompression context")
+        self._getitem = capi_ffi.cast("void *", capi_ffi.addressof(capi, "blosc2_getitem_ctx"))
+        block_bytes = spec.block_rows * spec.row_bytes if spec.block_rows > 1 else 0
+        self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
+        self._order_capacity = batch_size_max if spec.block_rows > 1 else 0
+        self._order_buffer = np.empty(max(2 * self._order_capacity, 1), dtype=np.uint64)
+        layout = ffi.new("shm_blosc_layout *")
+        layout.getitem = ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem)))
+        layout.context = ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context)))
+        layout.chunk_addresses = ffi.from_buffer("uint64_t[]", self._addresses)
+        layout.chunk_bytes = ffi.from_buffer("uint64_t[]", self._sizes)
+        layout.chunk_count = spec.chunk_count
+        layout.row_count = spec.row_count
+        layout.rows_per_chunk = spec.chunk_rows
+        layout.rows_per_block = spec.block_rows if spec.block_rows > 1 else 1
+        layout.row_bytes = spec.row_bytes
+        layout.block_buffer = ffi.from_buffer("uint8_t[]", self._block_buffer)
+        layout.block_buffer_bytes = block_bytes
+        layout.order_buffer = ffi.from_buffer("uint64_t[]", self._order_buffer)
+        layout.order_buffer_count = self._order_capacity
+        # The struct holds raw pointers: keep what they point to alive alongside it.
+        self._layout_keepalive = (layout.chunk_addresses, layout.chunk_bytes, layout.block_buffer, layout.order_buffer)
+        self._layout = layout
+        self._failure = ffi.new("shm_gather_error *")
+
+    def gather(self, indices, out) -> None:
+        """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
+        indices = _check_indices(self.spec, indices)
+        if len(indices) > self._order_capacity and self.spec.block_rows > 1:
+            raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {self._order_capacity}")
+        out_pointer = _out_pointer(self.spec, out, len(indices))
+        status = lib.shm_gather_blosc(
+            self._layout, ffi.from_buffer("uint64_t[]", indices), len(indices),
+            out_pointer, len(out_pointer), self._failure,
+        )
+        if status == Status.OK:
+            return
+        position = int(self._failure.position)
+        if status == Status.INDEX_OUT_OF_RANGE:
+            _raise_index_error(self.spec, indices, position)
+        if status == Status.DECOMPRESS_FAILED:
+            row = int(indices[position])
+            raise StorageError(
+                f"{self.spec.path}: chunk {row // self.spec.chunk_rows} (holding row {row}) failed to "
+                f"decompress (libblosc2 error {int(self._failure.code)}); the file is corrupted"
+            )
+        raise StorageError(f"{self.spec.path}: gather failed: {status_name(status)}")
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._capi.blosc2_free_ctx(self._context)
+            self._context = None
+        if self._schunk is not None:
+            self._capi.blosc2_schunk_free(self._schunk)
+            self._schunk = None
+        self._layout = self._layout_keepalive = None
+        self._special_chunks = []
+        if getattr(self, "_map", None) is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # A pointer into it is still alive; the mapping goes with the last one.
+            self._map = None
+
+
+class BloscPythonField:
+    """Any other Blosc2 layout, through blosc2's Python API: correct but slow (a warning says so)."""
+
+    def __init__(self, spec: FieldSpec) -> None:
+        import blosc2
+
+        self.spec = spec
+        self._array = blosc2.open(spec.path, mode="r")
+
+    def gather(self, indices, out) -> None:
+        indices = _check_indices(self.spec, indices)
+        _out_pointer(self.spec, out, len(indices))  # Validates out.
+        bad = np.flatnonzero(indices >= self.spec.row_count)
+        if bad.size:
+            _raise_index_error(self.spec, indices, int(bad[0]))
+        target = np.frombuffer(out, dtype=self.spec.numpy_dtype).reshape(len(indices), *self.spec.row_shape)
+        unique, inverse = np.unique(indices, return_inverse=True)
+        try:
+            rows = np.stack([self._array[int(index)] for index in unique]) if unique.size else None
+        except Exception as error:
+            raise StorageError(f"{self.spec.path}: reading rows failed ({type(error).__name__}: {error})") from None
+        if rows is not None:
+            np.take(rows, inverse, axis=0, out=target)
+
+    def close(self) -> None:
+        self._array = None
+
+
+def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16):
+    """Opens a described field for gathering, in whichever process calls it."""
+    if spec.kind == "npy":
+        return NpyField(spec)
+    if spec.row_contiguous:
+        return BloscField(spec, batch_size_max)
+    return BloscPythonField(spec)

@@ -1,0 +1,89 @@
+"""Shared fixtures: small data files in every supported format, and a /dev/shm leak check."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+SHM_DIRECTORY = "/dev/shm"
+
+
+def our_shm_entries(pid: int | None = None) -> set[str]:
+    """Entries of /dev/shm that belong to shmloader rings (of one creating pid, if given)."""
+    prefix = f"shml_{pid}_" if pid is not None else "shml_"
+    return {name for name in os.listdir(SHM_DIRECTORY) if name.removeprefix("sem.").startswith(prefix)}
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+    """Polls `predicate` until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+
+
+def process_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def image_like(rows: int, row_shape: tuple[int, ...], seed: int = 0, dtype=np.uint8) -> np.ndarray:
+    """Smooth, compressible rows (like images), each distinct so that a wrong row is caught."""
+    rng = np.random.default_rng(seed)
+    size = int(np.prod(row_shape))
+    base = (np.arange(size) * 7 % 251).astype(np.int64)
+    offsets = rng.integers(0, 256, size=(rows, 1))
+    noise = rng.integers(0, 4, size=(rows, size))
+    data = (base[None, :] + offsets + noise) % 256
+    return data.astype(dtype).reshape(rows, *row_shape)
+
+
+def write_b2nd(path, array, *, chunks=None, blocks=None, codec="LZ4", clevel=5):
+    import blosc2
+
+    kwargs = {}
+    if chunks is not None:
+        kwargs.update(chunks=chunks, blocks=blocks)
+    cparams = blosc2.CParams(codec=getattr(blosc2.Codec, codec), clevel=clevel, typesize=array.dtype.itemsize)
+    blosc2.asarray(array, urlpath=str(path), mode="w", cparams=cparams, **kwargs)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_rings():
+    """Every test must leave nothing of its own process's rings in /dev/shm."""
+    yield
+    pid = os.getpid()
+    assert wait_until(lambda: not our_shm_entries(pid), timeout=5.0), f"leaked: {our_shm_entries(pid)}"
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory):
+    """600 rows of (3, 8, 8) uint8 images and int64 labels, as .npy and as converted .b2nd."""
+    from shmloader.convert import convert
+
+    directory = tmp_path_factory.mktemp("dataset")
+    images = image_like(600, (3, 8, 8), seed=1)
+    labels = np.arange(600, dtype=np.int64) * 3 + 1
+    paths = {}
+    np.save(directory / "images.npy", images)
+    np.save(directory / "labels.npy", labels)
+    paths["images_npy"] = str(directory / "images.npy")
+    paths["labels_npy"] = str(directory / "labels.npy")
+    convert(paths["images_npy"], directory / "images.b2nd", rows_per_block=1, progress=False)
+    convert(paths["labels_npy"], directory / "labels.b2nd", progress=False)
+    paths["images_b2nd"] = str(directory / "images.b2nd")
+    paths["labels_b2nd"] = str(directory / "labels.b2nd")
+    # Blosc2's own defaults, the way most users write files (multi-row ZSTD blocks).
+    paths["images_default"] = write_b2nd(directory / "images_default.b2nd", images, codec="ZSTD")
+    return {"images": images, "labels": labels, "paths": paths, "directory": directory}
