@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import collections.abc
 import gc
 import json
@@ -124,7 +125,20 @@ class _Resources:
         self.closed = False
 
     def release(self, slot: int, step: int) -> None:
-        """Called when the last view of batch `step` dies (any thread): request the slot's next step."""
+        """Called when the last view of batch `step` dies (any thread): request the slot's next step.
+
+        It runs as a destructor, where Python would print and drop a KeyboardInterrupt;
+        one that lands here is passed on to the main thread once the slot is handed back.
+        """
+        try:
+            self._release(slot, step)
+        except KeyboardInterrupt:
+            try:
+                self._release(slot, step)
+            finally:
+                _thread.interrupt_main()
+
+    def _release(self, slot: int, step: int) -> None:
         ring = self.ring
         if self.closed or ring is None or os.getpid() != self.owner_pid:
             return

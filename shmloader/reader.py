@@ -101,12 +101,13 @@ class Reader:
         indices = self.sampler.fill(self.step, out=self.index_views[slot])
         for field, view in zip(self.fields, self.field_views[slot]):
             field.gather(indices, view)
-        self.ring.set_state(slot, SlotState.READY, self.index)
-        self.ring.ready[slot].release()
+        # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1
         self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
         self.step = None
+        self.ring.set_state(slot, SlotState.READY, self.index)
+        self.ring.ready[slot].release()
 
     def run(self) -> int:
         self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)

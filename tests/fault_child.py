@@ -1,0 +1,31 @@
+"""A trainer process for the fault tests: builds a loader, reports its pids and ring, then
+behaves as told (iterate forever, exit without closing, ...). Not a test module."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from shmloader import ShmDataLoader
+
+
+def main() -> None:
+    behaviour, fields = sys.argv[1], json.loads(sys.argv[2])
+    loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
+    next(loader)
+    print(json.dumps({"readers": loader.reader_pids, "segment": loader._ring.names.segment}), flush=True)
+    if behaviour == "exit-without-close":
+        return
+    if behaviour == "iterate":
+        with loader:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                next(loader)
+                time.sleep(0.001)
+    if behaviour == "sleep":
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    main()

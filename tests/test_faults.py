@@ -1,0 +1,238 @@
+"""Faults are survived or reported, never hung on, and leave nothing behind: readers are
+killed, raise, or outlive a killed trainer; /dev/shm fills up; loaders run side by side."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
+from shmloader import ReaderError, Sampler, SharedMemoryError, ShmDataLoader
+from shmloader.reader import FAULT_INJECTION_VARIABLE
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def check_step(batch, labels, sampler):
+    assert np.array_equal(batch["label"], labels[sampler.fill(batch.step)]), batch.step
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGSEGV, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_killed_reader_is_replaced_and_no_step_is_lost(dataset, signal_number):
+    labels = dataset["labels"]
+    sampler = Sampler(600, 8, seed=2)
+    with ShmDataLoader({"label": dataset["paths"]["labels_b2nd"]}, batch_size=8, readers=2, slots=4, seed=2) as loader:
+        steps = []
+        for step in range(300):
+            if step in (50, 150):
+                victim = loader.reader_pids[step // 100 % 2]
+                os.kill(victim, signal_number)
+                assert wait_until(lambda: not process_alive(victim), timeout=5)
+            batch = next(loader)
+            check_step(batch, labels, sampler)
+            steps.append(batch.step)
+        assert steps == list(range(300))
+        assert loader.stats()["reader_restarts"] == 2
+
+
+def test_a_reader_exiting_mid_step_has_that_step_recomputed(dataset, tmp_path, monkeypatch):
+    marker = tmp_path / "fire-once"
+    marker.touch()
+    monkeypatch.setenv(FAULT_INJECTION_VARIABLE, f"exit:7:{marker}")
+    labels = dataset["labels"]
+    sampler = Sampler(600, 8, seed=4)
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3, seed=4) as loader:
+        for step in range(30):
+            batch = next(loader)
+            assert batch.step == step
+            check_step(batch, labels, sampler)
+        assert not marker.exists()
+        assert loader.stats()["reader_restarts"] == 1
+
+
+def test_deaths_past_the_restart_budget_raise_naming_reader_pid_and_signal(dataset):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=4, max_reader_restarts=0) as loader:
+        next(loader)
+        victim = loader.reader_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(ReaderError, match=rf"reader 1 \(pid {victim}\) was killed by SIGKILL") as raised:
+            for _ in range(100000):
+                next(loader)
+        assert time.monotonic() - killed_at < 1.5
+        assert raised.value.reader_index == 1 and raised.value.pid == victim and raised.value.exit_code == -signal.SIGKILL
+
+
+def test_a_reader_exception_reaches_the_trainer_with_type_file_step_and_traceback(tmp_path):
+    # Compressible rows, so that chunks are really compressed and damage is detectable.
+    rows = ((np.arange(400)[:, None] + np.arange(256)[None, :] // 8) % 256).astype(np.uint8)
+    path = write_b2nd(tmp_path / "broken.b2nd", rows, chunks=(100, 256), blocks=(10, 256))
+    from shmloader.storage import describe_field, open_field
+
+    field = open_field(describe_field(path), 8)
+    base = int(field._addresses[0]) - 0
+    chunk_offset = int(field._addresses[2]) - base
+    chunk_bytes = int(field._sizes[2])
+    from shmloader._native import ffi
+
+    file_offset = int(field._addresses[0]) - int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", field._map)))
+    field.close()
+    with open(path, "r+b") as handle:
+        handle.seek(file_offset + chunk_offset + 72)
+        handle.write(b"\x5a" * (chunk_bytes - 72))
+    with ShmDataLoader({"rows": path}, batch_size=10, readers=2, slots=4, mode="sequential") as loader:
+        with pytest.raises(ReaderError) as raised:
+            for batch in loader:
+                assert batch.step < 20
+    error = raised.value
+    assert error.original_type == "StorageError"
+    assert error.step == 20  # Rows 200..209 are in chunk 2.
+    assert "broken.b2nd: chunk 2" in str(error) and "at step 20" in str(error)
+    assert "Traceback" in error.traceback_text and "gather" in error.traceback_text
+
+
+def run_child(behaviour: str, fields: dict, **popen):
+    child = subprocess.Popen(
+        [sys.executable, str(HERE / "fault_child.py"), behaviour, json.dumps(fields)],
+        stdout=subprocess.PIPE, text=True, **popen,
+    )
+    line = child.stdout.readline()
+    assert line, "the child trainer printed nothing"
+    return child, json.loads(line)
+
+
+def assert_all_gone(child_pid: int, info: dict, timeout: float = 3.0) -> None:
+    assert wait_until(lambda: not any(process_alive(pid) for pid in info["readers"]), timeout), "readers outlived"
+    assert wait_until(lambda: not our_shm_entries(child_pid), timeout), our_shm_entries(child_pid)
+
+
+def test_readers_exit_and_clean_up_when_the_trainer_is_killed(dataset):
+    child, info = run_child("sleep", {"label": dataset["paths"]["labels_npy"]})
+    assert our_shm_entries(child.pid)
+    child.kill()
+    child.wait()
+    started = time.monotonic()
+    assert_all_gone(child.pid, info)
+    assert time.monotonic() - started < 2.5
+
+
+def test_sigterm_of_the_trainer_leaves_nothing(dataset):
+    child, info = run_child("iterate", {"label": dataset["paths"]["labels_npy"]})
+    child.send_signal(signal.SIGTERM)
+    child.wait(10)
+    assert_all_gone(child.pid, info)
+
+
+def test_ctrl_c_closes_cleanly(dataset):
+    # A terminal sends SIGINT to the whole foreground group: trainer and readers alike.
+    child, info = run_child("iterate", {"label": dataset["paths"]["labels_npy"]}, start_new_session=True, stderr=subprocess.PIPE)
+    os.killpg(child.pid, signal.SIGINT)
+    try:
+        assert child.wait(10) != 0
+    finally:
+        child.kill()
+        errors = child.stderr.read()
+    assert "KeyboardInterrupt" in errors, errors
+    assert_all_gone(child.pid, info)
+
+
+def test_interpreter_exit_without_close_leaves_nothing(dataset):
+    child, info = run_child("exit-without-close", {"label": dataset["paths"]["labels_npy"]})
+    assert child.wait(10) == 0
+    assert_all_gone(child.pid, info, timeout=1.0)
+
+
+def test_an_unclosed_loader_is_cleaned_up_by_garbage_collection(dataset):
+    loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3)
+    batch = next(loader)
+    pids = loader.reader_pids
+    del loader
+    gc.collect()
+    assert wait_until(lambda: not our_shm_entries(os.getpid()), 2)
+    assert wait_until(lambda: not any(process_alive(pid) for pid in pids), 2)
+    assert batch["label"].sum() >= 0  # Still readable: the mapping lives with the batch.
+
+
+def test_an_exception_inside_the_loop_closes_the_loader(dataset):
+    with pytest.raises(ZeroDivisionError):
+        with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3) as loader:
+            pids = loader.reader_pids
+            for batch in loader:
+                1 / 0
+    assert not our_shm_entries(os.getpid())
+    assert wait_until(lambda: not any(process_alive(pid) for pid in pids), 2)
+
+
+def test_stale_segments_of_dead_trainers_are_swept(dataset):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    name = f"/shml_{dead.pid}_00112233aabb"
+    posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
+    posix_ipc.Semaphore(f"{name}_w", posix_ipc.O_CREX).close()
+    assert our_shm_entries(dead.pid) == {f"shml_{dead.pid}_00112233aabb", f"sem.shml_{dead.pid}_00112233aabb_w"}
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2):
+        assert not our_shm_entries(dead.pid)
+
+
+def test_live_rings_of_other_processes_are_left_alone(dataset):
+    child, info = run_child("sleep", {"label": dataset["paths"]["labels_npy"]})
+    try:
+        before = our_shm_entries(child.pid)
+        with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2):
+            assert our_shm_entries(child.pid) == before
+    finally:
+        child.kill()
+        child.wait()
+    assert_all_gone(child.pid, info)
+
+
+def test_several_trainer_processes_at_once(dataset):
+    code = (
+        "import sys, numpy as np; from shmloader import ShmDataLoader, Sampler;"
+        "seed = int(sys.argv[1]); labels = np.load(sys.argv[2]); s = Sampler(600, 8, seed=seed);"
+        "loader = ShmDataLoader({'label': sys.argv[2]}, batch_size=8, readers=2, slots=3, seed=seed);"
+        "ok = all(np.array_equal(b['label'], labels[s.fill(b.step)]) for _, b in zip(range(300), loader));"
+        "loader.close(); sys.exit(0 if ok else 1)"
+    )
+    children = [
+        subprocess.Popen([sys.executable, "-c", code, str(seed), dataset["paths"]["labels_npy"]]) for seed in range(3)
+    ]
+    assert [child.wait(60) for child in children] == [0, 0, 0]
+    for child in children:
+        assert not our_shm_entries(child.pid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a private tmpfs mount")
+@pytest.mark.parametrize("check", ["statvfs", "fallocate"])
+def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, check):
+    """A 2 MiB /dev/shm in a private mount namespace: the ring (about 8 MiB) cannot fit."""
+    disable = "import shmloader.ring as r; r.check_free_space = lambda *a, **k: None;" if check == "fallocate" else ""
+    code = (
+        f"{disable}"
+        "from shmloader import ShmDataLoader, SharedMemoryError; import os, sys\n"
+        "try:\n"
+        f"    ShmDataLoader({{'label': {dataset['paths']['labels_npy']!r}}}, batch_size=500000, readers=1, slots=2)\n"
+        "except SharedMemoryError as error:\n"
+        "    print('ERROR', error); print('LEFT', os.listdir('/dev/shm')); sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    result = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=2m tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", code],
+        capture_output=True, text=True, timeout=60,
+    )
+    if "mount:" in result.stderr or "unshare:" in result.stderr:
+        pytest.skip(f"no private mount here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "MiB" in result.stdout and "/dev/shm" in result.stdout
+    assert "LEFT []" in result.stdout
