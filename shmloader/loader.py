@@ -309,6 +309,9 @@ class ShmDataLoader:
             stdin=subprocess.DEVNULL,
             env=environment,
             close_fds=True,
+            # `-c` puts the working directory first on sys.path; "/" keeps a source
+            # checkout there from shadowing the package this trainer imported.
+            cwd="/",
         )
 
     def _request_from(self, step: int) -> None:

@@ -94,7 +94,7 @@ def _check_rows(path: str, shape: tuple[int, ...]) -> None:
 
 def describe_field(path: str | os.PathLike) -> FieldSpec:
     """Validates a field file and describes it. Raises FileNotFoundError or StorageError."""
-    path = os.fspath(path)
+    path = os.path.abspath(os.fspath(path))  # Readers run elsewhere: paths must not be relative.
     if not os.path.exists(path):
         raise FileNotFoundError(f"field file {path} does not exist")
     if os.path.isdir(path):

@@ -175,7 +175,7 @@ def test_an_exception_inside_the_loop_closes_the_loader(dataset):
 
 
 def test_stale_segments_of_dead_trainers_are_swept(dataset):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], cwd=HERE)
     dead.wait()
     name = f"/shml_{dead.pid}_00112233aabb"
     posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
@@ -206,7 +206,7 @@ def test_several_trainer_processes_at_once(dataset):
         "loader.close(); sys.exit(0 if ok else 1)"
     )
     children = [
-        subprocess.Popen([sys.executable, "-c", code, str(seed), dataset["paths"]["labels_npy"]]) for seed in range(3)
+        subprocess.Popen([sys.executable, "-c", code, str(seed), dataset["paths"]["labels_npy"]], cwd=HERE) for seed in range(3)
     ]
     assert [child.wait(60) for child in children] == [0, 0, 0]
     for child in children:
@@ -229,7 +229,7 @@ def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, chec
     )
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=2m tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", code],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=60, cwd=HERE,
     )
     if "mount:" in result.stderr or "unshare:" in result.stderr:
         pytest.skip(f"no private mount here: {result.stderr.strip()}")

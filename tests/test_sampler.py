@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from shmloader import Sampler
+
+HERE = pathlib.Path(__file__).resolve().parent
 
 
 def positions(sampler: Sampler, steps) -> np.ndarray:
@@ -94,7 +97,8 @@ def test_same_arguments_give_the_same_batches_in_a_fresh_process():
         "from shmloader import Sampler;"
         "print([Sampler(10007, 64, m, seed=11, shard_index=1, shard_count=3).fill(123).tolist() for m in ('random', 'shuffle')])"
     )
-    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    # cwd: a source checkout in the working directory would shadow the installed package.
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=HERE).stdout
     assert eval(there) == here
 
 
