@@ -284,10 +284,12 @@ class BloscField:
     rows sharing a block cost one decompression per batch).
     """
 
-    def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16) -> None:
+    def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True) -> None:
+        """`share_blocks=False` decompresses a multi-row block once per row (for measurements)."""
         if not spec.row_contiguous:
             raise StorageError(f"{spec.path}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
         self.spec = spec
+        self._block_rows = spec.block_rows if share_blocks else 1
         self._capi_ffi, self._capi = _blosc2_capi.load()
         self._schunk = None
         self._context = None
@@ -365,9 +367,9 @@ class BloscField:
         if self._context == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: libblosc2 could not create a decompression context")
         self._getitem = capi_ffi.cast("void *", capi_ffi.addressof(capi, "blosc2_getitem_ctx"))
-        block_bytes = spec.block_rows * spec.row_bytes if spec.block_rows > 1 else 0
+        block_bytes = self._block_rows * spec.row_bytes if self._block_rows > 1 else 0
         self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
-        self._order_capacity = batch_size_max if spec.block_rows > 1 else 0
+        self._order_capacity = batch_size_max if self._block_rows > 1 else 0
         self._order_buffer = np.empty(max(2 * self._order_capacity, 1), dtype=np.uint64)
         layout = ffi.new("shm_blosc_layout *")
         layout.getitem = ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem)))
@@ -377,7 +379,7 @@ class BloscField:
         layout.chunk_count = spec.chunk_count
         layout.row_count = spec.row_count
         layout.rows_per_chunk = spec.chunk_rows
-        layout.rows_per_block = spec.block_rows if spec.block_rows > 1 else 1
+        layout.rows_per_block = max(self._block_rows, 1)
         layout.row_bytes = spec.row_bytes
         layout.block_buffer = ffi.from_buffer("uint8_t[]", self._block_buffer)
         layout.block_buffer_bytes = block_bytes
@@ -391,7 +393,7 @@ class BloscField:
     def gather(self, indices, out) -> None:
         """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
         indices = _check_indices(self.spec, indices)
-        if len(indices) > self._order_capacity and self.spec.block_rows > 1:
+        if len(indices) > self._order_capacity and self._block_rows > 1:
             raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {self._order_capacity}")
         out_pointer = _out_pointer(self.spec, out, len(indices))
         status = lib.shm_gather_blosc(

@@ -139,3 +139,18 @@ def test_invalid_steps_and_outputs():
         sampler.fill(0, out=np.zeros(4, dtype=np.int64))
     with pytest.raises(ValueError, match="step too large"):
         sampler.fill((1 << 64) - 1)
+
+
+@pytest.mark.parametrize("length", [10007, 1 << 16, 1_281_167])
+def test_shuffle_order_shows_no_structure(length):
+    """Early positions spread over all rows; neighbours and positions are uncorrelated."""
+    sampler = Sampler(length, 2000, "shuffle", seed=8)
+    batch = sampler.fill(0).astype(np.float64)
+    counts = np.histogram(batch, bins=20, range=(0, length))[0]
+    expected = len(batch) / 20
+    # 19 degrees of freedom: the 99.9% quantile is 43.82.
+    assert float(((counts - expected) ** 2 / expected).sum()) < 43.82
+    assert abs(np.corrcoef(batch[:-1], batch[1:])[0, 1]) < 0.1
+    assert abs(np.corrcoef(np.arange(len(batch)), batch)[0, 1]) < 0.1
+    next_epoch = Sampler(length, 2000, "shuffle", seed=8).fill(-(-length // 2000) * 1)  # Starts in epoch 1.
+    assert abs(np.corrcoef(batch, next_epoch)[0, 1]) < 0.1

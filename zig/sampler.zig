@@ -27,8 +27,8 @@ pub const SamplerConfig = extern struct {
 /// 64-bit arithmetic of the round function's masks; 2^62 rows is far past any dataset.
 pub const length_max: u64 = 1 << 62;
 
-/// Rounds of the Feistel network: four rounds with a strong round function give a
-/// pseudo-random permutation (Luby-Rackoff); more would only cost time.
+/// Rounds of the Feistel network, two per half: four rounds with a strong round function
+/// give a pseudo-random permutation (Luby-Rackoff); more would only cost time.
 const feistel_rounds = 4;
 
 const golden: u64 = 0x9e3779b97f4a7c15;
@@ -110,25 +110,32 @@ fn fillRandom(length: u64, seed: u64, first: u64, out: []u64) void {
     }
 }
 
-/// A seeded bijection of [0, length) for one epoch: an unbalanced Feistel network on the
-/// smallest power-of-two domain holding `length`, with cycle walking back into range.
+/// A seeded bijection of [0, length) for one epoch: a mixed-radix Feistel network.
+///
+/// An offset x is split into low = x mod 2^h and high = x div 2^h, with high in
+/// [0, high_count) and high_count = ceil(length / 2^h), so the domain exceeds `length` by
+/// less than 2^h (about sqrt(length)) instead of up to 2x for a power-of-two domain. Rounds
+/// alternately add a keyed hash of one half to the other, modulo that half's range; each
+/// round is invertible, so the whole is a bijection of the domain, and cycle walking maps
+/// the rare values past `length` back into range.
 pub const EpochPermutation = struct {
     keys: [feistel_rounds]u64,
     multipliers: [feistel_rounds]u64,
-    left_bits: u6,
-    right_bits: u6,
+    low_bits: u6,
+    high_count: u64,
     length: u64,
 
     pub fn init(length: u64, seed: u64, epoch: u64) EpochPermutation {
         std.debug.assert(length > 0);
         std.debug.assert(length <= length_max);
-        // At least two bits, so that both halves are non-empty.
+        // At least two bits, so that both halves are non-trivial.
         const domain_bits: u7 = @max(2, 64 - @as(u7, @clz(length - 1)));
+        const low_bits: u6 = @intCast(domain_bits / 2);
         var permutation = EpochPermutation{
             .keys = undefined,
             .multipliers = undefined,
-            .left_bits = @intCast(domain_bits / 2),
-            .right_bits = @intCast(domain_bits - domain_bits / 2),
+            .low_bits = low_bits,
+            .high_count = (length + (@as(u64, 1) << low_bits) - 1) >> low_bits,
             .length = length,
         };
         const epoch_key = hash2(hash2(seed, 0x73687566666c65), epoch); // "shuffle"
@@ -139,52 +146,71 @@ pub const EpochPermutation = struct {
         return permutation;
     }
 
-    fn mask(bits: u6) u64 {
-        return (@as(u64, 1) << bits) - 1;
-    }
-
     /// One 64x64->128-bit multiply folded to 64 bits (the "mum" mix of wyhash): every
     /// output bit depends on every input bit, at a fraction of mix64's latency.
-    fn roundFunction(right: u64, key: u64, multiplier: u64) u64 {
-        const product = std.math.mulWide(u64, right ^ key, multiplier);
+    fn roundFunction(half: u64, key: u64, multiplier: u64) u64 {
+        const product = std.math.mulWide(u64, half ^ key, multiplier);
         return @as(u64, @truncate(product)) ^ @as(u64, @truncate(product >> 64));
     }
 
+    /// A bijection of [0, high_count << low_bits).
     fn permuteDomain(self: *const EpochPermutation, value: u64) u64 {
-        var left_bits = self.left_bits;
-        var right_bits = self.right_bits;
-        var left = value >> right_bits;
-        var right = value & mask(right_bits);
-        for (self.keys, self.multipliers) |key, multiplier| {
-            const next_right = left ^ (roundFunction(right, key, multiplier) & mask(left_bits));
-            left = right;
-            right = next_right;
-            const swap = left_bits;
-            left_bits = right_bits;
-            right_bits = swap;
+        const low_mask = (@as(u64, 1) << self.low_bits) - 1;
+        var low = value & low_mask;
+        var high = value >> self.low_bits;
+        std.debug.assert(high < self.high_count);
+        var round: usize = 0;
+        while (round < feistel_rounds) : (round += 2) {
+            low = (low +% roundFunction(high, self.keys[round], self.multipliers[round])) & low_mask;
+            // Lemire's multiply-shift maps the hash into [0, high_count) without a division.
+            const step = @as(u64, @truncate(std.math.mulWide(
+                u64,
+                roundFunction(low, self.keys[round + 1], self.multipliers[round + 1]),
+                self.high_count,
+            ) >> 64));
+            high += step;
+            if (high >= self.high_count) high -= self.high_count;
         }
-        // An even number of rounds restores the widths.
-        std.debug.assert(left_bits == self.left_bits);
-        return (left << right_bits) | right;
+        return (high << self.low_bits) | low;
     }
 
     pub fn apply(self: *const EpochPermutation, offset: u64) u64 {
         std.debug.assert(offset < self.length);
         var value = self.permuteDomain(offset);
-        // The domain is less than twice the length, so the expected walk is short, and
-        // a bijection's cycle through `offset` always comes back into range.
+        // The domain exceeds the length by less than 2^low_bits, so walks are rare and
+        // short; a bijection's cycle through `offset` always comes back into range.
         while (value >= self.length) value = self.permuteDomain(value);
         return value;
     }
 };
 
+/// Offsets permuted together: independent Feistel chains interleave in the pipeline, so
+/// a group costs little more than one chain's latency.
+const shuffle_lanes = 8;
+
 fn fillShuffle(length: u64, seed: u64, first: u64, out: []u64) void {
     var epoch = first / length;
     var offset = first % length;
     var permutation = EpochPermutation.init(length, seed, epoch);
-    for (out) |*slot| {
-        slot.* = permutation.apply(offset);
-        offset += 1;
+    var position: usize = 0;
+    while (position < out.len) {
+        const lanes_left = out.len - position;
+        const epoch_left = length - offset;
+        if (lanes_left >= shuffle_lanes and epoch_left >= shuffle_lanes) {
+            var values: [shuffle_lanes]u64 = undefined;
+            inline for (&values, 0..) |*value, lane| value.* = permutation.permuteDomain(offset + lane);
+            inline for (values, 0..) |value, lane| {
+                var walked = value;
+                while (walked >= length) walked = permutation.permuteDomain(walked);
+                out[position + lane] = walked;
+            }
+            position += shuffle_lanes;
+            offset += shuffle_lanes;
+        } else {
+            out[position] = permutation.apply(offset);
+            position += 1;
+            offset += 1;
+        }
         if (offset == length) {
             offset = 0;
             epoch += 1;

@@ -1,0 +1,88 @@
+"""Sampler speed: indices per second for shuffle and random, against numpy doing the same job.
+
+Run: python bench/sampler.py
+Targets (issue 2): shuffle fills >= 50 M indices/s at B=8192 on one core; one fill() from
+Python costs <= 5 us at B=256 with a preallocated `out`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from _common import best_rate, machine_line, table, verdict
+from shmloader import Sampler
+
+LENGTH = 1_281_167  # ImageNet's training set: not a power of two.
+
+
+def numpy_random(batch_size: int):
+    rng = np.random.default_rng(0)
+    return lambda: rng.integers(0, LENGTH, size=batch_size, dtype=np.uint64)
+
+
+def numpy_shuffle(batch_size: int):
+    """A per-epoch permutation sliced into batches (its cost amortised over the epoch)."""
+    rng = np.random.default_rng(0)
+    state = {"permutation": rng.permutation(LENGTH).astype(np.uint64), "offset": 0}
+
+    def next_batch():
+        if state["offset"] + batch_size > LENGTH:
+            state["permutation"] = rng.permutation(LENGTH).astype(np.uint64)
+            state["offset"] = 0
+        batch = state["permutation"][state["offset"]: state["offset"] + batch_size]
+        state["offset"] += batch_size
+        return batch
+
+    return next_batch
+
+
+def shmloader_fill(mode: str, batch_size: int):
+    sampler = Sampler(LENGTH, batch_size, mode, seed=1)
+    out = np.empty(batch_size, dtype=np.uint64)
+    state = {"step": 0}
+
+    def fill():
+        sampler.fill(state["step"], out)
+        state["step"] += 1
+
+    return fill
+
+
+def fill_call_microseconds(batch_size: int = 256, calls: int = 20000, repeats: int = 7) -> float:
+    sampler = Sampler(LENGTH, batch_size, "shuffle", seed=1)
+    out = np.empty(batch_size, dtype=np.uint64)
+    medians = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for step in range(calls):
+            sampler.fill(step, out)
+        medians.append((time.perf_counter() - started) / calls * 1e6)
+    return min(medians)
+
+
+def main() -> int:
+    print(f"# sampler benchmark ({machine_line()}), N = {LENGTH:,}")
+    rows, results = [], {}
+    for mode, baseline in (("shuffle", numpy_shuffle), ("random", numpy_random)):
+        for batch_size in (256, 8192):
+            ours = best_rate(shmloader_fill(mode, batch_size), batch_size)
+            theirs = best_rate(baseline(batch_size), batch_size)
+            results[(mode, batch_size)] = ours
+            numpy_job = "rng.permutation per epoch, sliced" if mode == "shuffle" else "rng.integers"
+            rows.append([mode, batch_size, f"{ours / 1e6:.1f}", f"{theirs / 1e6:.1f}", numpy_job, f"{ours / theirs:.2f}x"])
+    print(table(rows, ["mode", "B", "shmloader M idx/s", "numpy M idx/s", "numpy does", "ratio"]))
+    call_us = fill_call_microseconds()
+    shuffle_rate = results[("shuffle", 8192)]
+    print()
+    print(f"one fill() call, B=256, preallocated out: {call_us:.2f} us")
+    print(f"target shuffle >= 50 M idx/s at B=8192: {shuffle_rate / 1e6:.1f} -> {verdict(shuffle_rate >= 50e6)}")
+    print(f"target fill() <= 5 us at B=256:         {call_us:.2f} -> {verdict(call_us <= 5.0)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
