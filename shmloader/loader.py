@@ -22,7 +22,7 @@ from . import convert as _convert
 from ._native import ffi
 from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import EXIT_REPORTED_ERROR
-from .ring import Ring, SlotState, layout_for, sweep_stale
+from .ring import STATE_MASK, Ring, SlotState, layout_for, sweep_stale
 from .sampler import Sampler, check_integer
 from .storage import FieldSpec, describe_field
 
@@ -32,6 +32,7 @@ _POLL_SECONDS = 0.05
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
 _JOIN_TIMEOUT_SECONDS = 2.0
+_READY = int(SlotState.READY)
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
 _READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
@@ -232,9 +233,12 @@ class ShmDataLoader:
         self._layout = layout
         self._ring = self._resources.ring = Ring.create(layout, os.getpid())
         self._field_geometry = [
-            (name, offset, spec.row_bytes * self.batch_size, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
+            (name, offset, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
             for (name, spec), offset in zip(self.specs.items(), layout.field_offsets)
         ]
+        self._slot_stride = layout.slot_stride
+        self._indices_offset = layout.indices_offset
+        self._slot_pointers = [ffi.cast("uint8_t *", self._ring.region_address(slot, 0)) for slot in range(self.slots)]
         self._next_step = start_step
         self._restarts = 0
         self._retired_busy_ns = [0] * self.readers
@@ -332,12 +336,10 @@ class ShmDataLoader:
         step = self._next_step
         slot = step % self.slots
         ring = self._ring
-        state, _ = ring.state(slot)
-        if state != SlotState.READY:
+        # The fast path reads the raw state word: no enum, no wait, no liveness check.
+        if ring.state_word(slot) & STATE_MASK != _READY or ring.step(slot) != step:
             self._wait_ready(slot, step)
-        elif ring.step(slot) != step:
-            self._raise_wrong_step(slot, step)
-        ring.set_state(slot, SlotState.HELD)
+        ring.hold(slot)
         batch = self._make_batch(slot, step)
         self._next_step = step + 1
         self._batches += 1
@@ -348,17 +350,12 @@ class ShmDataLoader:
 
     def _make_batch(self, slot: int, step: int) -> Batch:
         resources = self._resources
-        lease = ffi.gc(
-            ffi.cast("uint8_t *", self._ring.region_address(slot, 0)),
-            lambda _pointer: resources.release(slot, step),
-        )
-        whole_slot = np.frombuffer(ffi.buffer(lease, self._layout.slot_stride), dtype=np.uint8)
-        indices_offset = self._layout.indices_offset
-        indices = whole_slot[indices_offset: indices_offset + 8 * self.batch_size].view(np.uint64)
-        arrays = {
-            name: whole_slot[offset: offset + nbytes].view(dtype).reshape(shape)
-            for name, offset, nbytes, dtype, shape in self._field_geometry
-        }
+        lease = ffi.gc(self._slot_pointers[slot], lambda _pointer: resources.release(slot, step))
+        # Every array's base is this buffer, which holds the lease: the slot is handed
+        # back when the last array (or view of one) is gone.
+        buffer = ffi.buffer(lease, self._slot_stride)
+        indices = np.ndarray((self.batch_size,), np.uint64, buffer, self._indices_offset)
+        arrays = {name: np.ndarray(shape, dtype, buffer, offset) for name, offset, dtype, shape in self._field_geometry}
         return Batch(step, indices, arrays)
 
     def _raise_wrong_step(self, slot: int, step: int) -> None:

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import mmap
 import os
 import re
 import secrets
 import struct
 
+import numpy as np
 import posix_ipc
 
 from ._native import ffi, lib
@@ -106,11 +108,11 @@ class RingLayout:
     batch_size: int
     field_row_bytes: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def indices_offset(self) -> int:
         return SLOT_HEADER_BYTES
 
-    @property
+    @functools.cached_property
     def field_offsets(self) -> tuple[int, ...]:
         offsets, cursor = [], _align(self.indices_offset + 8 * self.batch_size, REGION_ALIGNMENT)
         for row_bytes in self.field_row_bytes:
@@ -118,16 +120,16 @@ class RingLayout:
             cursor = _align(cursor + self.batch_size * row_bytes, REGION_ALIGNMENT)
         return tuple(offsets)
 
-    @property
+    @functools.cached_property
     def slot_stride(self) -> int:
         last = self.field_offsets[-1] + self.batch_size * self.field_row_bytes[-1] if self.field_row_bytes else 0
         return _align(max(last, self.indices_offset + 8 * self.batch_size), PAGE_BYTES)
 
-    @property
+    @functools.cached_property
     def slots_offset(self) -> int:
         return _align(HEADER_BYTES + self.reader_count * READER_RECORD_BYTES, PAGE_BYTES)
 
-    @property
+    @functools.cached_property
     def total_bytes(self) -> int:
         return self.slots_offset + self.slot_count * self.slot_stride
 
@@ -231,8 +233,13 @@ class Ring:
         self.closed = False
         self._pointer = ffi.from_buffer("uint8_t[]", memory)
         self.base_address = int(ffi.cast("uintptr_t", self._pointer))
+        # Plain reads and writes of slot header words: for values whose ordering an atomic
+        # access next to them already provides (a step is written before, and read after,
+        # the state word that publishes it).
+        self._words = np.frombuffer(memory, dtype=np.uint64, count=layout.total_bytes // 8)
+        self._step_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
+        self._state_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
         self._state_pointers = [self._u64_pointer(layout.slot_offset(s) + SLOT_OFFSET_STATE) for s in range(layout.slot_count)]
-        self._step_pointers = [self._u64_pointer(layout.slot_offset(s) + SLOT_OFFSET_STEP) for s in range(layout.slot_count)]
         self._stop_pointer = self._u64_pointer(OFFSET_STOP)
 
     def _u64_pointer(self, offset: int):
@@ -302,6 +309,10 @@ class Ring:
         except ValueError:
             raise SharedMemoryError(f"slot {slot} of ring {self.names.segment} has invalid state word {word:#x}") from None
 
+    def state_word(self, slot: int) -> int:
+        """The raw state word, unvalidated: for the trainer's fast path only."""
+        return lib.shm_atomic_load(self._state_pointers[slot])
+
     def set_state(self, slot: int, state: SlotState, owner: int = 0) -> None:
         lib.shm_atomic_store(self._state_pointers[slot], int(state) | owner << OWNER_SHIFT)
 
@@ -311,10 +322,16 @@ class Ring:
         return found == expected_word
 
     def step(self, slot: int) -> int:
-        return lib.shm_atomic_load(self._step_pointers[slot])
+        """The slot's step; read it after the state word that published it."""
+        return int(self._words[self._step_indices[slot]])
 
     def set_step(self, slot: int, step: int) -> None:
-        lib.shm_atomic_store(self._step_pointers[slot], step)
+        """Sets the slot's step; publish it with a state store afterwards."""
+        self._words[self._step_indices[slot]] = step
+
+    def hold(self, slot: int) -> None:
+        """READY -> HELD by the trainer, which alone reads HELD: a plain store suffices."""
+        self._words[self._state_indices[slot]] = int(SlotState.HELD)
 
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""

@@ -1,0 +1,222 @@
+"""End-to-end throughput: ShmDataLoader against PyTorch's DataLoader and a single-process loop.
+
+Run: python bench/throughput.py [--quick]   (PyTorch rows need `pip install torch`)
+Data: 100,000 rows of 3,072 bytes (image-like) plus an int64 label, as .npy and as
+converted LZ4 .b2nd; batches of 256; the consumer reads every batch (sums one byte per row
+and the labels). Targets (issue 4): >= 8x PyTorch on .npy and >= 5x on .b2nd; >= 1.3x the
+single-process loop; next() <= 20 us (median) when a batch is ready, for 1 MB and 64 MB
+batches; first batch within 1 s of construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from _common import machine_line, table, verdict
+from gather import make_files
+from shmloader import ShmDataLoader
+from shmloader.storage import describe_field, open_field
+
+ROWS, ROW_BYTES, BATCH = 100_000, 3072, 256
+
+
+def label_files(directory: str) -> dict[str, str]:
+    from shmloader.convert import convert
+
+    npy = os.path.join(directory, f"labels{ROWS}.npy")
+    b2nd = os.path.join(directory, f"labels{ROWS}.lz4.b2nd")
+    if not os.path.exists(npy):
+        np.save(npy, np.arange(ROWS, dtype=np.int64) % 1000)
+    if not os.path.exists(b2nd):
+        convert(npy, b2nd, progress=False)
+    return {"npy": npy, "b2nd": b2nd}
+
+
+def consume(image, label) -> int:
+    return int(image[:, 0].sum()) + int(label.sum())
+
+
+def memory_of(pid: int) -> str:
+    """Resident memory of a process, and the part of it that is its own (not the ring, not the page cache)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            fields = {line.split(":")[0]: int(line.split()[1]) for line in handle if line.split()[0].endswith(":")}
+        return f"{fields['Rss'] / 1024:.0f} MiB RSS, {(fields['Private_Clean'] + fields['Private_Dirty']) / 1024:.0f} MiB private"
+    except (OSError, KeyError, ValueError):
+        return "?"
+
+
+def run_shmloader(fields: dict, batches: int, readers=2, slots=8) -> dict:
+    started = time.perf_counter()
+    loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False)
+    with loader:
+        first = next(loader)
+        first_batch_s = time.perf_counter() - started
+        consume(first["image"], first["label"])
+        del first
+        timed_start = time.perf_counter()
+        for _, batch in zip(range(batches), loader):
+            consume(batch["image"], batch["label"])
+        elapsed = time.perf_counter() - timed_start
+        memory = [memory_of(pid) for pid in loader.reader_pids]
+        stats = loader.stats()
+    return {
+        "rows_per_s": batches * BATCH / elapsed,
+        "first_batch_s": first_batch_s,
+        "shm_mib": loader.shared_memory_bytes / 2**20,
+        "reader_memory": memory,
+        "wait_fraction": stats["wait_fraction"],
+    }
+
+
+def run_single_process(fields: dict, batches: int) -> dict:
+    """The same gather (this project's native code), one process, one preallocated buffer."""
+    from shmloader import Sampler
+
+    specs = {name: describe_field(path) for name, path in fields.items()}
+    opened = {name: open_field(spec, BATCH) for name, spec in specs.items()}
+    buffers = {name: np.empty((BATCH, *spec.row_shape), dtype=spec.numpy_dtype) for name, spec in specs.items()}
+    sampler = Sampler(ROWS, BATCH, "shuffle", seed=1)
+    indices = np.empty(BATCH, dtype=np.uint64)
+    started = time.perf_counter()
+    for step in range(batches):
+        sampler.fill(step, indices)
+        for name, field in opened.items():
+            field.gather(indices, buffers[name])
+        consume(buffers["image"], buffers["label"])
+    elapsed = time.perf_counter() - started
+    for field in opened.values():
+        field.close()
+    return {"rows_per_s": batches * BATCH / elapsed}
+
+
+class TorchRows:
+    """A map-style dataset whose __getitems__ gathers a whole batch, the fast path of PyTorch's
+    DataLoader: np.take on memory-mapped .npy, Blosc2's own fancy indexing on .b2nd."""
+
+    def __init__(self, fields: dict, kind: str) -> None:
+        self.fields, self.kind, self.arrays = fields, kind, None
+
+    def _open(self):
+        if self.kind == "npy":
+            self.arrays = {name: np.load(path, mmap_mode="r") for name, path in self.fields.items()}
+        else:
+            import blosc2
+
+            self.arrays = {name: blosc2.open(path, mode="r") for name, path in self.fields.items()}
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitems__(self, indices):
+        import torch
+
+        if self.arrays is None:
+            self._open()
+        order = np.asarray(indices)
+        if self.kind == "npy":
+            return {name: torch.from_numpy(np.take(array, order, axis=0)) for name, array in self.arrays.items()}
+        # Blosc2 wants sorted, unique coordinates for speed; scatter back afterwards.
+        unique, inverse = np.unique(order, return_inverse=True)
+        return {name: torch.from_numpy(np.asarray(array[unique])[inverse]) for name, array in self.arrays.items()}
+
+
+def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
+    try:
+        import torch
+        from torch.utils.data import DataLoader, RandomSampler
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    dataset = TorchRows(fields, kind)
+    loader = DataLoader(
+        dataset, batch_size=BATCH, sampler=RandomSampler(dataset, replacement=False), num_workers=2,
+        collate_fn=lambda batch: batch, persistent_workers=True, prefetch_factor=4,
+    )
+    iterator = iter(loader)
+    first = next(iterator)
+    consume(first["image"].numpy(), first["label"].numpy())
+    started = time.perf_counter()
+    for _ in range(batches):
+        batch = next(iterator)
+        consume(batch["image"].numpy(), batch["label"].numpy())
+    elapsed = time.perf_counter() - started
+    del iterator, loader
+    return {"rows_per_s": batches * BATCH / elapsed}
+
+
+def next_cost_us(fields: dict, batch_bytes: int, samples: int) -> float:
+    """Median next() time when the batch is already in the ring (the consumer waits first)."""
+    batch_size = max(1, batch_bytes // (ROW_BYTES + 8))
+    slots = 4
+    with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=slots, seed=2, warn_layout=False) as loader:
+        timings = []
+        batch = None
+        for _ in range(samples):
+            batch = None  # Release the previous batch, then let the readers fill every slot.
+            deadline = time.monotonic() + 5
+            step = loader._next_step
+            while time.monotonic() < deadline and loader._ring.state(step % slots)[0] != 3:
+                time.sleep(0.0005)
+            started = time.perf_counter_ns()
+            batch = next(loader)
+            timings.append((time.perf_counter_ns() - started) / 1e3)
+        return statistics.median(timings)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batches", type=int, default=None)
+    arguments = parser.parse_args()
+    batches = arguments.batches or (300 if arguments.quick else 2000)
+    images = make_files(ROWS, ROW_BYTES, with_default=False)
+    labels = label_files(os.path.dirname(images["npy"]))
+    print(f"# throughput benchmark ({machine_line()})")
+    print(f"{ROWS:,} rows of {ROW_BYTES} bytes + int64 label, batch {BATCH}, {batches} batches per run, consumer sums a byte per row")
+    lines, rates = [], {}
+    for kind in ("npy", "b2nd"):
+        fields = {"image": images[kind], "label": labels[kind]}
+        ours = run_shmloader(fields, batches)
+        single = run_single_process(fields, batches)
+        torch_result = run_torch(fields, kind, max(50, batches // 4))
+        rates[kind] = (ours, single, torch_result)
+        gigabytes = (ROW_BYTES + 8) / 1e9
+        lines.append([kind, "shmloader, 2 readers, 8 slots", f"{ours['rows_per_s']:,.0f}", f"{ours['rows_per_s'] * gigabytes:.2f}",
+                      f"first batch {ours['first_batch_s']:.2f} s, ring {ours['shm_mib']:.1f} MiB, trainer waited {ours['wait_fraction']:.0%}"])
+        lines.append([kind, "single process, same gather", f"{single['rows_per_s']:,.0f}", f"{single['rows_per_s'] * gigabytes:.2f}", ""])
+        if torch_result:
+            lines.append([kind, "PyTorch DataLoader, 2 workers, __getitems__", f"{torch_result['rows_per_s']:,.0f}",
+                          f"{torch_result['rows_per_s'] * gigabytes:.2f}", "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"])
+        print(f"reader memory ({kind}): " + "; ".join(ours["reader_memory"]))
+    print(table(lines, ["file", "loader", "rows/s", "GB/s", "notes"]))
+    print("\n## next() when the batch is ready (median)")
+    costs = {}
+    fields = {"image": images["npy"], "label": labels["npy"]}
+    for label, batch_bytes in (("1 MB", 1 << 20), ("64 MB", 64 << 20)):
+        costs[label] = next_cost_us(fields, batch_bytes, 50 if arguments.quick else 200)
+        print(f"{label} batches: {costs[label]:.1f} us")
+    print("\n## targets")
+    for kind, factor in (("npy", 8), ("b2nd", 5)):
+        ours, single, torch_result = rates[kind]
+        if torch_result:
+            ratio = ours["rows_per_s"] / torch_result["rows_per_s"]
+            print(f"{kind}: shmloader / PyTorch = {ratio:.1f}x (target >= {factor}x) -> {verdict(ratio >= factor)}")
+        else:
+            print(f"{kind}: PyTorch not installed, comparison skipped")
+        ratio = ours["rows_per_s"] / single["rows_per_s"]
+        print(f"{kind}: shmloader / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
+        print(f"{kind}: first batch {ours['first_batch_s']:.2f} s (target <= 1 s) -> {verdict(ours['first_batch_s'] <= 1)}")
+    for label, cost in costs.items():
+        print(f"next() with {label} batches: {cost:.1f} us (target <= 20 us) -> {verdict(cost <= 20)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
