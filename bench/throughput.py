@@ -136,7 +136,7 @@ def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
     torch.set_num_threads(1)
     dataset = TorchRows(fields, kind)
     loader = DataLoader(
-        dataset, batch_size=BATCH, sampler=RandomSampler(dataset, replacement=False), num_workers=2,
+        dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=(batches + 2) * BATCH), num_workers=2,
         collate_fn=lambda batch: batch, persistent_workers=True, prefetch_factor=4,
     )
     iterator = iter(loader)
@@ -152,18 +152,23 @@ def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
 
 
 def next_cost_us(fields: dict, batch_bytes: int, samples: int) -> float:
-    """Median next() time when the batch is already in the ring (the consumer waits first)."""
+    """Median cost of next() itself when the batch is in the ring.
+
+    Before each timed call the previous batch is released and the trainer spins until the
+    readers have filled every slot, so that they are idle: on 2 cores, readers filling
+    64 MB batches would otherwise preempt the trainer and the figure would measure the
+    scheduler. Spinning (not sleeping) keeps the trainer's caches as warm as a training
+    loop's.
+    """
     batch_size = max(1, batch_bytes // (ROW_BYTES + 8))
     slots = 4
     with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=slots, seed=2, warn_layout=False) as loader:
-        timings = []
-        batch = None
+        ring, timings, batch = loader._ring, [], None
         for _ in range(samples):
-            batch = None  # Release the previous batch, then let the readers fill every slot.
-            deadline = time.monotonic() + 5
-            step = loader._next_step
-            while time.monotonic() < deadline and loader._ring.state(step % slots)[0] != 3:
-                time.sleep(0.0005)
+            batch = None
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(ring.state_word(slot) & 0xFF != 3 for slot in range(slots)):
+                pass
             started = time.perf_counter_ns()
             batch = next(loader)
             timings.append((time.perf_counter_ns() - started) / 1e3)

@@ -306,6 +306,9 @@ class ShmDataLoader:
         # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
         # (which re-imports the trainer's __main__): only this package is imported.
         environment = dict(os.environ)
+        # A reader is one thread of work: numpy's BLAS thread pools would only cost memory.
+        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            environment.setdefault(variable, "1")
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
         self._ring.clear_reader_error(reader_index)
         return subprocess.Popen(

@@ -17,6 +17,7 @@ import traceback
 import numpy as np
 import posix_ipc
 
+from ._native import ffi
 from .ring import Ring, RingLayout, RingNames, SlotState
 from .sampler import Sampler
 from .storage import FieldSpec, open_field
@@ -67,7 +68,7 @@ class Reader:
         self.busy_ns = 0
         self.batches = 0
         batch = self.layout.batch_size
-        # Views of every slot's regions, made once: filling a slot allocates nothing.
+        # Views of every slot's regions and pointers to them, made and checked once.
         self.index_views, self.field_views = [], []
         for slot in range(self.layout.slot_count):
             slot_offset = self.layout.slot_offset(slot)
@@ -78,18 +79,19 @@ class Reader:
                 np.frombuffer(ring.memory, dtype=np.uint8, count=batch * spec.row_bytes, offset=slot_offset + offset)
                 for spec, offset in zip(self.specs, self.layout.field_offsets)
             ])
+        self.index_pointers = [ffi.from_buffer("uint64_t[]", view) for view in self.index_views]
+        self.field_pointers = [[ffi.from_buffer("uint8_t[]", view) for view in views] for views in self.field_views]
 
     def trainer_alive(self) -> bool:
         return os.getppid() == self.trainer_pid
 
     def claim(self) -> int | None:
-        """Takes the requested slot with the lowest step, or None if there is none."""
-        requested = []
-        for slot in range(self.layout.slot_count):
-            state, _ = self.ring.state(slot)
-            if state == SlotState.REQUESTED:
-                requested.append((self.ring.step(slot), slot))
-        for _, slot in sorted(requested):
+        """Takes the requested slot with the lowest step, or None if there is none.
+
+        The scan reads state words plainly (a hint); the compare-and-swap decides.
+        """
+        requested = sorted((self.ring.step(slot), slot) for slot in self.ring.requested_slots())
+        for _, slot in requested:
             if self.ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.FILLING, self.index):
                 return slot
         return None
@@ -98,9 +100,10 @@ class Reader:
         started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
-        indices = self.sampler.fill(self.step, out=self.index_views[slot])
-        for field, view in zip(self.fields, self.field_views[slot]):
-            field.gather(indices, view)
+        indices, index_pointer = self.index_views[slot], self.index_pointers[slot]
+        self.sampler.fill_unchecked(self.step, index_pointer)
+        for field, out_pointer in zip(self.fields, self.field_pointers[slot]):
+            field.gather_unchecked(indices, index_pointer, out_pointer, len(out_pointer))
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1

@@ -239,6 +239,7 @@ class Ring:
         self._words = np.frombuffer(memory, dtype=np.uint64, count=layout.total_bytes // 8)
         self._step_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
         self._state_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
+        self._state_indices_array = np.array(self._state_indices, dtype=np.intp)
         self._state_pointers = [self._u64_pointer(layout.slot_offset(s) + SLOT_OFFSET_STATE) for s in range(layout.slot_count)]
         self._stop_pointer = self._u64_pointer(OFFSET_STOP)
 
@@ -329,6 +330,11 @@ class Ring:
         """Sets the slot's step; publish it with a state store afterwards."""
         self._words[self._step_indices[slot]] = step
 
+    def requested_slots(self) -> list[int]:
+        """Slots whose state word reads REQUESTED right now (a plain read: a hint for readers)."""
+        words = self._words[self._state_indices_array]
+        return np.flatnonzero((words & STATE_MASK) == int(SlotState.REQUESTED)).tolist()
+
     def hold(self, slot: int) -> None:
         """READY -> HELD by the trainer, which alone reads HELD: a plain store suffices."""
         self._words[self._state_indices[slot]] = int(SlotState.HELD)
@@ -341,7 +347,7 @@ class Ring:
 
     @property
     def stopping(self) -> bool:
-        return lib.shm_atomic_load(self._stop_pointer) != 0
+        return self._words[OFFSET_STOP // 8] != 0  # A plain read: readers poll it.
 
     def set_stopping(self) -> None:
         lib.shm_atomic_store(self._stop_pointer, 1)

@@ -105,6 +105,12 @@ class Sampler:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
         return out
 
+    def fill_unchecked(self, step: int, pointer) -> None:
+        """fill() into a cffi uint64_t pointer to batch_size entries, for callers that checked it."""
+        status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
+        if status != Status.OK:
+            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iterate(0)
 

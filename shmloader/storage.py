@@ -260,10 +260,13 @@ class NpyField:
         """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
         indices = _check_indices(self.spec, indices)
         out_pointer = _out_pointer(self.spec, out, len(indices))
+        self.gather_unchecked(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
+
+    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+        """gather() for callers that checked their buffers once (the reader's slots)."""
         status = lib.shm_gather_rows(
             self._table, self.spec.row_count, self.spec.row_bytes,
-            ffi.from_buffer("uint64_t[]", indices), len(indices),
-            out_pointer, len(out_pointer), self._failure,
+            index_pointer, len(indices), out_pointer, out_bytes, self._failure,
         )
         if status == Status.INDEX_OUT_OF_RANGE:
             _raise_index_error(self.spec, indices, self._failure.position)
@@ -396,10 +399,11 @@ class BloscField:
         if len(indices) > self._order_capacity and self._block_rows > 1:
             raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {self._order_capacity}")
         out_pointer = _out_pointer(self.spec, out, len(indices))
-        status = lib.shm_gather_blosc(
-            self._layout, ffi.from_buffer("uint64_t[]", indices), len(indices),
-            out_pointer, len(out_pointer), self._failure,
-        )
+        self.gather_unchecked(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
+
+    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+        """gather() for callers that checked their buffers once (the reader's slots)."""
+        status = lib.shm_gather_blosc(self._layout, index_pointer, len(indices), out_pointer, out_bytes, self._failure)
         if status == Status.OK:
             return
         position = int(self._failure.position)
@@ -441,7 +445,11 @@ class BloscPythonField:
 
     def gather(self, indices, out) -> None:
         indices = _check_indices(self.spec, indices)
-        _out_pointer(self.spec, out, len(indices))  # Validates out.
+        out_pointer = _out_pointer(self.spec, out, len(indices))
+        self.gather_unchecked(indices, None, out_pointer, len(out_pointer))
+
+    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+        out = ffi.buffer(out_pointer, out_bytes)
         bad = np.flatnonzero(indices >= self.spec.row_count)
         if bad.size:
             _raise_index_error(self.spec, indices, int(bad[0]))
