@@ -20,7 +20,7 @@ import numpy as np
 
 from _common import machine_line, table, verdict
 from gather import make_files
-from shmloader import ShmDataLoader
+from shmloader import ShmDataLoader, benchmark
 from shmloader.storage import describe_field, open_field
 
 ROWS, ROW_BYTES, BATCH = 100_000, 3072, 256
@@ -96,59 +96,13 @@ def run_single_process(fields: dict, batches: int) -> dict:
     return {"rows_per_s": batches * BATCH / elapsed}
 
 
-class TorchRows:
-    """A map-style dataset whose __getitems__ gathers a whole batch, the fast path of PyTorch's
-    DataLoader: np.take on memory-mapped .npy, Blosc2's own fancy indexing on .b2nd."""
-
-    def __init__(self, fields: dict, kind: str) -> None:
-        self.fields, self.kind, self.arrays = fields, kind, None
-
-    def _open(self):
-        if self.kind == "npy":
-            self.arrays = {name: np.load(path, mmap_mode="r") for name, path in self.fields.items()}
-        else:
-            import blosc2
-
-            self.arrays = {name: blosc2.open(path, mode="r") for name, path in self.fields.items()}
-
-    def __len__(self) -> int:
-        return ROWS
-
-    def __getitems__(self, indices):
-        import torch
-
-        if self.arrays is None:
-            self._open()
-        order = np.asarray(indices)
-        if self.kind == "npy":
-            return {name: torch.from_numpy(np.take(array, order, axis=0)) for name, array in self.arrays.items()}
-        # Blosc2 wants sorted, unique coordinates for speed; scatter back afterwards.
-        unique, inverse = np.unique(order, return_inverse=True)
-        return {name: torch.from_numpy(np.asarray(array[unique])[inverse]) for name, array in self.arrays.items()}
-
-
 def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
+    """PyTorch's DataLoader, 2 workers, its batched __getitems__ fast path (shmloader.benchmark.TorchRows)."""
     try:
-        import torch
-        from torch.utils.data import DataLoader, RandomSampler
+        import torch  # noqa: F401
     except ImportError:
         return None
-    torch.set_num_threads(1)
-    dataset = TorchRows(fields, kind)
-    loader = DataLoader(
-        dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=(batches + 2) * BATCH), num_workers=2,
-        collate_fn=lambda batch: batch, persistent_workers=True, prefetch_factor=4,
-    )
-    iterator = iter(loader)
-    first = next(iterator)
-    consume(first["image"].numpy(), first["label"].numpy())
-    started = time.perf_counter()
-    for _ in range(batches):
-        batch = next(iterator)
-        consume(batch["image"].numpy(), batch["label"].numpy())
-    elapsed = time.perf_counter() - started
-    del iterator, loader
-    return {"rows_per_s": batches * BATCH / elapsed}
+    return benchmark.run_torch(fields, BATCH, batches, workers=2)
 
 
 def next_cost_us(fields: dict, batch_bytes: int, samples: int) -> float:

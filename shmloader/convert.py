@@ -76,12 +76,14 @@ def convert(
     rows_per_block: int | None = None,
     force: bool = False,
     progress: bool = True,
+    piece_bytes: int = _PIECE_BYTES_TARGET,
 ) -> FieldSpec:
     """Writes `source` (a .npy or .b2nd path, or a numpy array) to `output` as a row-friendly .b2nd.
 
     Reads the input in pieces, so inputs larger than memory work; writes to a temporary
     name beside `output` and renames it at the end, so an interrupted conversion never
-    leaves a partial file at `output`. Returns the new file's description.
+    leaves a partial file at `output`. About `piece_bytes` of input (at least one chunk of
+    input and output) is held in memory at a time. Returns the new file's description.
     """
     import blosc2
 
@@ -119,7 +121,7 @@ def convert(
     temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
     piece_rows = rows_per_chunk * max(
         math.ceil(_input_chunk_rows(array) / rows_per_chunk),
-        _PIECE_BYTES_TARGET // max(rows_per_chunk * row_bytes, 1),
+        piece_bytes // max(rows_per_chunk * row_bytes, 1),
         1,
     )
     try:

@@ -1,0 +1,61 @@
+"""Train a small PyTorch model from ShmDataLoader batches (CPU is fine).
+
+Run: python examples/train_torch.py   (needs `pip install torch`)
+
+The batch lifetime rule: batch["image"] is a view of a shared-memory slot, and so is
+torch.from_numpy(batch["image"]) (no copy). Release the batch (leave `with batch:`) only
+after its data has been copied to where the model runs: `.to(device)` on a GPU, or here on
+the CPU the `.float()` conversion, which makes a new tensor. A tensor that still views the
+slot keeps the slot reserved; the loader never overwrites it under you.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from shmloader import ShmDataLoader
+from shmloader.convert import convert
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset
+
+
+def main(steps: int = 300, batch_size: int = 256) -> float:
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as directory:
+        directory = pathlib.Path(directory)
+        images, labels = make_dataset(20_000, seed=0)
+        np.save(directory / "images.npy", images)
+        np.save(directory / "labels.npy", labels)
+        convert(directory / "images.npy", directory / "images.b2nd", progress=False)
+        model = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(int(np.prod(IMAGE_SHAPE)), 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES)
+        ).to(device)
+        optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
+        fields = {"image": directory / "images.b2nd", "label": directory / "labels.npy"}
+        with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=8, seed=0) as loader:
+            for step, batch in zip(range(steps), loader):
+                with batch:  # The slot goes back to the readers at the end of this block.
+                    x = torch.from_numpy(batch["image"]).to(device).float().sub_(128).div_(64)  # Copies out of the slot.
+                    y = torch.from_numpy(batch["label"]).to(device)
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                if step % 100 == 0:
+                    print(f"step {step}: loss {loss.item():.3f}")
+            print(f"loader: {loader.stats()['rows_per_s']:,.0f} rows/s")
+    test_images, test_labels = make_dataset(2_000, seed=1)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(test_images).to(device).float().sub_(128).div_(64))
+    accuracy = (logits.argmax(dim=1).cpu() == torch.from_numpy(test_labels)).float().mean().item()
+    print(f"held-out accuracy {accuracy:.1%} (chance {1 / CLASSES:.0%})")
+    return accuracy
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() > 2 / CLASSES else 1)

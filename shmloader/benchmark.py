@@ -1,0 +1,189 @@
+"""`shmloader bench`: measure the loader (and optionally PyTorch's DataLoader) on the user's own files."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import numpy as np
+
+from .loader import ShmDataLoader
+from .storage import describe_field
+
+
+def field_names(paths: list[str]) -> dict[str, str]:
+    """Field names from file names (stems), made unique."""
+    names: dict[str, str] = {}
+    for path in paths:
+        stem = pathlib.Path(path).name.split(".")[0] or "field"
+        name, counter = stem, 1
+        while name in names:
+            counter += 1
+            name = f"{stem}{counter}"
+        names[name] = path
+    return names
+
+
+def touch(batch) -> int:
+    """Reads one byte per row of every field, so that a lazy loader cannot skip work."""
+    total = 0
+    for array in batch.values():
+        flat = array.reshape(len(array), -1)
+        total += int(flat[:, 0].view(np.uint8).sum()) if flat.dtype.itemsize == 1 else int(flat[:, 0].sum())
+    return total
+
+
+def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: str, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with ShmDataLoader(fields, batch_size=batch_size, readers=readers, slots=slots, mode=mode) as loader:
+        first = next(loader)
+        first_batch_s = time.perf_counter() - started
+        touch(first)
+        del first
+        timed = time.perf_counter()
+        for _, batch in tqdm(zip(range(steps), loader), total=steps, desc=f"readers={loader.readers} slots={loader.slots}",
+                             disable=not progress, leave=False):
+            touch(batch)
+        elapsed = time.perf_counter() - timed
+        stats = loader.stats()
+        row_bytes = sum(describe_field(path).row_bytes for path in fields.values())
+        return {
+            "readers": loader.readers,
+            "slots": loader.slots,
+            "rows_per_s": steps * batch_size / elapsed,
+            "batches_per_s": steps / elapsed,
+            "gb_per_s": steps * batch_size * row_bytes / elapsed / 1e9,
+            "wait_fraction": stats["wait_fraction"],
+            "first_batch_s": first_batch_s,
+            "shared_memory_mib": loader.shared_memory_bytes / 2**20,
+        }
+
+
+class TorchRows:
+    """A map-style dataset for PyTorch's DataLoader whose __getitems__ gathers a whole batch
+    the way a PyTorch user would: np.take on memory-mapped .npy, Blosc2's own indexing on .b2nd."""
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields
+        self.row_count = describe_field(next(iter(fields.values()))).row_count
+        self.arrays = None
+
+    def _open(self) -> None:
+        import blosc2
+
+        self.arrays = {}
+        for name, path in self.fields.items():
+            if describe_field(path).kind == "npy":
+                self.arrays[name] = np.load(path, mmap_mode="r")
+            else:
+                self.arrays[name] = blosc2.open(path, mode="r")
+
+    def __len__(self) -> int:
+        return self.row_count
+
+    def __getitems__(self, indices):
+        import torch
+
+        if self.arrays is None:
+            self._open()
+        order = np.asarray(indices)
+        batch = {}
+        for name, array in self.arrays.items():
+            if isinstance(array, np.ndarray):
+                batch[name] = torch.from_numpy(np.take(array, order, axis=0))
+            else:
+                # Blosc2 reads sorted, unique coordinates fastest; scatter back afterwards.
+                unique, inverse = np.unique(order, return_inverse=True)
+                batch[name] = torch.from_numpy(np.asarray(array[unique])[inverse])
+        return batch
+
+
+def run_torch(fields: dict, batch_size: int, steps: int, workers: int) -> dict:
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    torch.set_num_threads(1)
+    dataset = TorchRows(fields)
+    loader = DataLoader(
+        dataset, batch_size=batch_size, sampler=RandomSampler(dataset, num_samples=(steps + 2) * batch_size),
+        num_workers=workers, collate_fn=lambda batch: batch, persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+    )
+    iterator = iter(loader)
+    touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
+    started = time.perf_counter()
+    for _ in range(steps):
+        touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
+    elapsed = time.perf_counter() - started
+    return {"rows_per_s": steps * batch_size / elapsed, "batches_per_s": steps / elapsed}
+
+
+def _print_result(result: dict) -> None:
+    print(
+        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, "
+        f"{result['gb_per_s']:.2f} GB/s, {result['batches_per_s']:,.1f} batches/s, trainer waited "
+        f"{result['wait_fraction']:.0%}, first batch {result['first_batch_s']:.2f} s, "
+        f"shared memory {result['shared_memory_mib']:.1f} MiB"
+    )
+
+
+def _plot(results: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'shmloader[plot]'") from None
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for slots in sorted({result["slots"] for result in results}):
+        points = sorted((result["readers"], result["rows_per_s"]) for result in results if result["slots"] == slots)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{slots} slots")
+    axis.set_xlabel("reader processes")
+    axis.set_ylabel("rows / s")
+    axis.set_title("shmloader throughput")
+    axis.legend()
+    axis.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    print(f"plot written to {path}")
+
+
+def run_cli(arguments) -> int:
+    fields = field_names(arguments.files)
+    for name, path in fields.items():
+        spec = describe_field(path)
+        print(f"field {name!r}: {path}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}")
+    progress = not arguments.quiet
+    if arguments.plot and not arguments.sweep:
+        raise ValueError("--plot goes with --sweep")
+    results = []
+    if arguments.sweep:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
+        for readers in reader_counts:
+            for slots in sorted({2 * readers, 4 * readers, max(8, 2 * readers)}):
+                results.append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots, arguments.mode, progress))
+                _print_result(results[-1])
+        best = max(results, key=lambda result: result["rows_per_s"])
+        print(f"best: readers={best['readers']} slots={best['slots']} ({best['rows_per_s']:,.0f} rows/s)")
+        if arguments.plot:
+            _plot(results, arguments.plot)
+    else:
+        results.append(run_loader(fields, arguments.batch_size, arguments.steps, arguments.readers, arguments.slots,
+                                  arguments.mode, progress))
+        _print_result(results[-1])
+    if arguments.compare == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ValueError("--compare torch needs PyTorch: pip install torch") from None
+        workers = results[-1]["readers"]
+        theirs = run_torch(fields, arguments.batch_size, max(20, arguments.steps // 4), workers)
+        ours = max(result["rows_per_s"] for result in results)
+        print(f"PyTorch DataLoader, {workers} workers, __getitems__: {theirs['rows_per_s']:,.0f} rows/s "
+              f"(shmloader {ours / theirs['rows_per_s']:.1f}x)")
+    return 0
