@@ -22,7 +22,7 @@ from . import convert as _convert
 from ._native import ffi
 from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import EXIT_REPORTED_ERROR
-from .ring import STATE_MASK, Ring, SlotState, layout_for, sweep_stale
+from .ring import STATE_MASK, Ring, SlotState, layout_for, sweep_stale, wait
 from .sampler import Sampler, check_integer
 from .storage import FieldSpec, describe_field
 
@@ -392,9 +392,7 @@ class ShmDataLoader:
                         f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
                         f"raise slots (now {self.slots})."
                     )
-            try:
-                ring.ready[slot].acquire(_POLL_SECONDS)
-            except posix_ipc.BusyError:
+            if not wait(ring.ready[slot], _POLL_SECONDS):
                 self._check_readers()
 
     # Reader supervision.
@@ -508,9 +506,7 @@ class ShmDataLoader:
                     break
                 if time.monotonic() > deadline:
                     raise ReaderError(f"slot {slot} stayed in filling for {self.hold_timeout:.1f} s during seek")
-                try:
-                    ring.ready[slot].acquire(_POLL_SECONDS)
-                except posix_ipc.BusyError:
+                if not wait(ring.ready[slot], _POLL_SECONDS):
                     self._check_readers()
         self._next_step = step
         self._request_from(step)

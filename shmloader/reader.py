@@ -18,7 +18,7 @@ import numpy as np
 import posix_ipc
 
 from ._native import ffi
-from .ring import Ring, RingLayout, RingNames, SlotState
+from .ring import Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
 from .storage import FieldSpec, open_field
 
@@ -119,10 +119,7 @@ class Reader:
                 # Nobody else will clean up after a trainer that was killed.
                 self.ring.names.unlink_all()
                 return 0
-            try:
-                self.ring.work.acquire(_WAIT_SECONDS)
-            except posix_ipc.BusyError:
-                pass
+            wait(self.ring.work, _WAIT_SECONDS)
             while not self.ring.stopping:
                 slot = self.claim()
                 if slot is None:

@@ -173,6 +173,17 @@ class RingNames:
             pass
 
 
+def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
+    """Waits at most `timeout_seconds` for a post; False on time-out or on an interrupting
+    signal (SIGCHLD when a reader dies), which callers treat alike: re-check and wait again.
+    A signal whose Python handler raises (Ctrl-C) still raises here."""
+    try:
+        semaphore.acquire(timeout_seconds)
+        return True
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
+        return False
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
