@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from shmloader import ShmDataLoader
-from shmloader.convert import convert
-from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
 
 
 def init(key):
@@ -54,12 +53,7 @@ def train_step(params, images, labels):
 def main(steps: int = 300, batch_size: int = 256) -> float:
     params = init(jax.random.PRNGKey(0))
     with tempfile.TemporaryDirectory() as directory:
-        directory = pathlib.Path(directory)
-        images, labels = make_dataset(20_000, seed=0)
-        np.save(directory / "images.npy", images)
-        np.save(directory / "labels.npy", labels)
-        convert(directory / "images.npy", directory / "images.b2nd", progress=False)
-        fields = {"image": directory / "images.b2nd", "label": directory / "labels.npy"}
+        fields = write_dataset(pathlib.Path(directory))
         # On several hosts: shard_index=jax.process_index(), shard_count=jax.process_count().
         with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=8, seed=0,
                            shard_index=jax.process_index(), shard_count=jax.process_count()) as loader:

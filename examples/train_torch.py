@@ -19,24 +19,18 @@ import numpy as np
 import torch
 
 from shmloader import ShmDataLoader
-from shmloader.convert import convert
-from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
 
 
 def main(steps: int = 300, batch_size: int = 256) -> float:
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as directory:
-        directory = pathlib.Path(directory)
-        images, labels = make_dataset(20_000, seed=0)
-        np.save(directory / "images.npy", images)
-        np.save(directory / "labels.npy", labels)
-        convert(directory / "images.npy", directory / "images.b2nd", progress=False)
+        fields = write_dataset(pathlib.Path(directory))
         model = torch.nn.Sequential(
             torch.nn.Flatten(), torch.nn.Linear(int(np.prod(IMAGE_SHAPE)), 64), torch.nn.ReLU(), torch.nn.Linear(64, CLASSES)
         ).to(device)
         optimiser = torch.optim.SGD(model.parameters(), lr=0.05)
-        fields = {"image": directory / "images.b2nd", "label": directory / "labels.npy"}
         with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=8, seed=0) as loader:
             for step, batch in zip(range(steps), loader):
                 with batch:  # The slot goes back to the readers at the end of this block.

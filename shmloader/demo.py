@@ -24,6 +24,16 @@ def make_dataset(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return np.clip(images, 0, 255).astype(np.uint8), labels.astype(np.int64)
 
 
+def write_dataset(directory: pathlib.Path, rows: int = 20_000, progress: bool = False) -> dict[str, pathlib.Path]:
+    """Writes a training set as converted .b2nd files in `directory`; returns the loader's fields."""
+    images, labels = make_dataset(rows, seed=0)
+    np.save(directory / "images.npy", images)
+    np.save(directory / "labels.npy", labels)
+    convert(directory / "images.npy", directory / "images.b2nd", progress=progress)
+    convert(directory / "labels.npy", directory / "labels.b2nd", progress=progress)
+    return {"image": directory / "images.b2nd", "label": directory / "labels.b2nd"}
+
+
 class SoftmaxRegression:
     """A linear classifier trained with plain SGD, in numpy."""
 
@@ -63,15 +73,10 @@ def run(rows: int = 20_000, steps: int = 300, batch_size: int = 256, readers: in
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shmloader-demo-") as directory:
         directory = pathlib.Path(directory)
-        images, labels = make_dataset(rows, seed=0)
+        fields = write_dataset(directory, rows, progress)
         test_images, test_labels = make_dataset(2_000, seed=1)
-        np.save(directory / "images.npy", images)
-        np.save(directory / "labels.npy", labels)
-        convert(directory / "images.npy", directory / "images.b2nd", progress=progress)
-        convert(directory / "labels.npy", directory / "labels.b2nd", progress=progress)
         print(f"dataset: {rows:,} images {IMAGE_SHAPE} uint8, {CLASSES} classes, in {directory}")
         model = SoftmaxRegression(int(np.prod(IMAGE_SHAPE)))
-        fields = {"image": directory / "images.b2nd", "label": directory / "labels.b2nd"}
         with ShmDataLoader(fields, batch_size=batch_size, readers=readers, slots=slots, seed=0) as loader:
             bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
             for step, batch in zip(range(steps), loader):
