@@ -229,6 +229,15 @@ class ShmDataLoader:
         if warn_layout:
             self._warn_poor_layouts()
         sweep_stale()
+        try:
+            self._start(start_step)
+        except BaseException:
+            self._closed = True
+            self._finalizer()  # A half-built loader gives back what it took before raising.
+            raise
+
+    def _start(self, start_step: int) -> None:
+        """Creates the ring, requests the first steps and starts the readers."""
         layout = layout_for(self.slots, self.readers, self.batch_size, list(self.specs.values()))
         self._layout = layout
         self._ring = self._resources.ring = Ring.create(layout, os.getpid())
@@ -495,11 +504,11 @@ class ShmDataLoader:
         for slot in range(self.slots):
             deadline = time.monotonic() + self.hold_timeout
             while True:
-                state, _ = ring.state(slot)
+                state, owner = ring.state(slot)
                 if state == SlotState.HELD:
                     raise RuntimeError(f"cannot seek while batch {ring.step(slot)} is held; release every batch first")
                 if state == SlotState.FAILED:
-                    self._raise_reported(_)
+                    self._raise_reported(owner)
                 if state == SlotState.REQUESTED and not ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.IDLE):
                     continue  # A reader took it just now: wait for it to finish.
                 if state != SlotState.FILLING:

@@ -236,3 +236,21 @@ def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, chec
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MiB" in result.stdout and "/dev/shm" in result.stdout
     assert "LEFT []" in result.stdout
+
+
+def test_a_loader_that_fails_while_starting_readers_leaves_nothing(dataset, monkeypatch):
+    started = []
+    original = ShmDataLoader._spawn
+
+    def spawn_then_fail(self, reader_index):
+        if reader_index == 1:
+            raise OSError("no more processes")
+        process = original(self, reader_index)
+        started.append(process.pid)
+        return process
+
+    monkeypatch.setattr(ShmDataLoader, "_spawn", spawn_then_fail)
+    with pytest.raises(OSError, match="no more processes"):
+        ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3)
+    assert not our_shm_entries(os.getpid())
+    assert started and wait_until(lambda: not any(process_alive(pid) for pid in started), 3)
