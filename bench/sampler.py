@@ -7,7 +7,6 @@ Python costs <= 5 us at B=256 with a preallocated `out`.
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 

@@ -119,13 +119,14 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int) -> float:
     with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=slots, seed=2, warn_layout=False) as loader:
         ring, timings, batch = loader._ring, [], None
         for _ in range(samples):
-            batch = None
+            del batch  # Releases the previous batch's slot, so that it can be refilled.
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(ring.state_word(slot) & 0xFF != 3 for slot in range(slots)):
                 pass
             started = time.perf_counter_ns()
             batch = next(loader)
             timings.append((time.perf_counter_ns() - started) / 1e3)
+        del batch
         return statistics.median(timings)
 
 

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 
-from .errors import StorageError
 from .storage import FieldSpec, _check_dtype, _check_rows, describe_field, open_field
 
 CODECS = ("lz4", "blosclz", "zstd", "none")

@@ -1,6 +1,6 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Started by the loader as `python -m shmloader.reader CONFIG_JSON`; only names, paths and
+Started by the loader as `python -c "...reader.main..." CONFIG_JSON`; only names, paths and
 numbers arrive on the command line. It exits when the loader sets the ring's stop flag,
 when its trainer (its parent) is gone, or after reporting an error.
 """

@@ -11,7 +11,6 @@ import dataclasses
 import math
 import mmap
 import os
-import pathlib
 import struct
 
 import numpy as np

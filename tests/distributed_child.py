@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
 import torch.distributed as dist
 
 from shmloader import ShmDataLoader

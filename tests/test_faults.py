@@ -18,7 +18,7 @@ import posix_ipc
 import pytest
 
 from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
-from shmloader import ReaderError, Sampler, SharedMemoryError, ShmDataLoader
+from shmloader import ReaderError, Sampler, ShmDataLoader
 from shmloader.reader import FAULT_INJECTION_VARIABLE
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -38,7 +38,7 @@ def test_a_killed_reader_is_replaced_and_no_step_is_lost(dataset, signal_number)
             if step in (50, 150):
                 victim = loader.reader_pids[step // 100 % 2]
                 os.kill(victim, signal_number)
-                assert wait_until(lambda: not process_alive(victim), timeout=5)
+                assert wait_until(lambda victim=victim: not process_alive(victim), timeout=5)
             batch = next(loader)
             check_step(batch, labels, sampler)
             steps.append(batch.step)
@@ -169,7 +169,7 @@ def test_an_exception_inside_the_loop_closes_the_loader(dataset):
         with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3) as loader:
             pids = loader.reader_pids
             for batch in loader:
-                1 / 0
+                raise ZeroDivisionError("the training step failed")
     assert not our_shm_entries(os.getpid())
     assert wait_until(lambda: not any(process_alive(pid) for pid in pids), 2)
 
