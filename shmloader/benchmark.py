@@ -12,6 +12,10 @@ from .loader import ShmDataLoader
 from .storage import describe_field
 
 
+# --sweep tries these many slots per reader for each reader count.
+_SLOTS_PER_READER = (2, 4)
+
+
 def field_names(paths: list[str]) -> dict[str, str]:
     """Field names from file names (stems), made unique."""
     names: dict[str, str] = {}
@@ -139,9 +143,10 @@ def _plot(results: list[dict], path: str) -> None:
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'shmloader[plot]'") from None
     figure, axis = plt.subplots(figsize=(6, 4))
-    for slots in sorted({result["slots"] for result in results}):
-        points = sorted((result["readers"], result["rows_per_s"]) for result in results if result["slots"] == slots)
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{slots} slots")
+    for per_reader in _SLOTS_PER_READER:
+        points = sorted((r["readers"], r["rows_per_s"]) for r in results if r["slots"] == per_reader * r["readers"])
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"slots = {per_reader} x readers")
+    axis.set_xticks(sorted({result["readers"] for result in results}))
     axis.set_xlabel("reader processes")
     axis.set_ylabel("rows / s")
     axis.set_title("shmloader throughput")
@@ -165,7 +170,7 @@ def run_cli(arguments) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
         for readers in reader_counts:
-            for slots in sorted({2 * readers, 4 * readers, max(8, 2 * readers)}):
+            for slots in (per_reader * readers for per_reader in _SLOTS_PER_READER):
                 results.append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots, arguments.mode, progress))
                 _print_result(results[-1])
         best = max(results, key=lambda result: result["rows_per_s"])

@@ -102,7 +102,7 @@ class Batch(collections.abc.Mapping):
         self._arrays = None
         self.indices = None
 
-    def __enter__(self) -> "Batch":
+    def __enter__(self) -> Batch:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -336,7 +336,7 @@ class ShmDataLoader:
 
     # Iteration.
 
-    def __iter__(self) -> "ShmDataLoader":
+    def __iter__(self) -> ShmDataLoader:
         return self
 
     def __next__(self) -> Batch:
@@ -566,7 +566,7 @@ class ShmDataLoader:
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "ShmDataLoader":
+    def __enter__(self) -> ShmDataLoader:
         return self
 
     def __exit__(self, *exc_info) -> None:

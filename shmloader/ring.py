@@ -149,7 +149,7 @@ class RingNames:
     ready: tuple[str, ...]
 
     @classmethod
-    def new(cls, slot_count: int) -> "RingNames":
+    def new(cls, slot_count: int) -> RingNames:
         base = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
         return cls(base, f"{base}_w", tuple(f"{base}_r{slot}" for slot in range(slot_count)))
 
@@ -157,7 +157,7 @@ class RingNames:
         return {"segment": self.segment, "work": self.work, "ready": list(self.ready)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RingNames":
+    def from_dict(cls, data: dict) -> RingNames:
         return cls(data["segment"], data["work"], tuple(data["ready"]))
 
     def unlink_all(self) -> None:
@@ -258,7 +258,7 @@ class Ring:
         return ffi.cast("uint64_t *", self.base_address + offset)
 
     @classmethod
-    def create(cls, layout: RingLayout, trainer_pid: int) -> "Ring":
+    def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
         """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later)."""
         check_free_space(layout.total_bytes)
         names = RingNames.new(layout.slot_count)
@@ -294,7 +294,7 @@ class Ring:
             raise
 
     @classmethod
-    def attach(cls, names: RingNames, layout: RingLayout) -> "Ring":
+    def attach(cls, names: RingNames, layout: RingLayout) -> Ring:
         """Maps an existing ring and checks its header against the layout expected."""
         segment = posix_ipc.SharedMemory(names.segment)
         try:

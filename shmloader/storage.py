@@ -67,7 +67,7 @@ class FieldSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "FieldSpec":
+    def from_dict(cls, data: dict) -> FieldSpec:
         data = dict(data)
         for key in ("row_shape", "chunks", "blocks"):
             data[key] = tuple(data[key])

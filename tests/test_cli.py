@@ -71,3 +71,12 @@ def test_examples_train(name, module):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     assert example.main(steps=200) > 0.3
+
+
+def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "sweep.png"
+    assert main(["bench", dataset["paths"]["labels_npy"], "--steps", "10", "--batch-size", "8", "--sweep",
+                 "--plot", str(plot), "--quiet"]) == 0
+    assert "best: readers=" in capsys.readouterr().out
+    assert plot.read_bytes().startswith(b"\x89PNG")
