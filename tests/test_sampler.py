@@ -18,7 +18,7 @@ def positions(sampler: Sampler, steps) -> np.ndarray:
     return np.concatenate([sampler.fill(step) for step in steps])
 
 
-@pytest.mark.parametrize("length,batch_size", [(1, 1), (7, 3), (100, 32), (1000, 7), (4096, 256)])
+@pytest.mark.parametrize("length,batch_size", [(1, 1), (7, 3), (10, 25), (100, 32), (1000, 7), (4096, 256)])
 def test_shuffle_covers_every_row_once_per_epoch(length, batch_size):
     sampler = Sampler(length, batch_size, "shuffle", seed=5)
     epochs = 3
