@@ -41,6 +41,9 @@ def make_files(rows: int, row_bytes: int, with_default: bool) -> dict[str, str]:
         os.replace(paths["npy"] + ".partial", paths["npy"])
     if not os.path.exists(paths["b2nd"]):
         convert(paths["npy"], paths["b2nd"], codec="lz4", progress=False)
+    paths["auto"] = f"{stem}.auto.b2nd"
+    if not os.path.exists(paths["auto"]):
+        convert(paths["npy"], paths["auto"], codec="auto", progress=False)
     if with_default:
         paths["default"] = f"{stem}.default.b2nd"
         if not os.path.exists(paths["default"]):
@@ -77,6 +80,9 @@ def measure(rows: int, row_bytes: int, quick: bool) -> dict[str, float]:
 
     ours_b2nd = open_field(describe_field(paths["b2nd"]), BATCH)
     cases.append(("shmloader gather, .b2nd LZ4 (converted)", paths["b2nd"], lambda: ours_b2nd.gather(next_indices(), out)))
+    ours_auto = open_field(describe_field(paths["auto"]), BATCH)
+    codec_chosen = "stored uncompressed" if describe_field(paths["auto"]).clevel == 0 else "LZ4"
+    cases.append((f"shmloader gather, .b2nd --codec auto ({codec_chosen})", paths["auto"], lambda: ours_auto.gather(next_indices(), out)))
     ours_npy = open_field(describe_field(paths["npy"]), BATCH)
     cases.append(("shmloader gather, .npy", paths["npy"], lambda: ours_npy.gather(next_indices(), out)))
     table_npy = np.load(paths["npy"], mmap_mode="r")

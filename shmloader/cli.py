@@ -22,8 +22,9 @@ def _convert(arguments) -> int:
         rows_per_block=arguments.rows_per_block, force=arguments.force, progress=not arguments.quiet,
     )
     ratio = spec.uncompressed_bytes / max(spec.compressed_bytes, 1)
+    codec = "uncompressed" if spec.clevel == 0 else spec.codec
     print(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks {spec.chunks}, "
-          f"blocks {spec.blocks}, {spec.codec}, ratio {ratio:.2f}")
+          f"blocks {spec.blocks}, {codec}, ratio {ratio:.2f}")
     return 0
 
 
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="write a .npy or .b2nd file as a Blosc2 file laid out for random rows")
     convert.add_argument("input")
     convert.add_argument("output")
-    convert.add_argument("--codec", choices=["lz4", "blosclz", "zstd", "none"], default="lz4")
+    convert.add_argument("--codec", choices=["auto", "lz4", "blosclz", "zstd", "none"], default="auto",
+                         help="auto: LZ4 if it saves at least 10%% on a sample, else uncompressed")
     convert.add_argument("--clevel", type=int, default=5)
     convert.add_argument("--rows-per-block", type=int, default=None)
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")

@@ -12,7 +12,14 @@ import numpy as np
 
 from .storage import FieldSpec, _check_dtype, _check_rows, describe_field, open_field
 
-CODECS = ("lz4", "blosclz", "zstd", "none")
+CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
+# "auto" stores data uncompressed when LZ4 would shrink a sample by less than this: noisy
+# pixels gain about 2% from LZ4 and read 1.7-2.2x faster stored plainly (measured on 3 KB
+# image-like rows), so compression must pay for its decoding.
+_AUTO_MIN_RATIO = 1.1
+# "auto" compresses this many evenly spaced pieces of this many bytes to decide.
+_AUTO_SAMPLE_PIECES = 8
+_AUTO_SAMPLE_PIECE_BYTES = 256 << 10
 # Blocks of about this many bytes: one row per block for image-sized rows, and enough
 # small rows (labels) per block that the block header and call overhead stay negligible.
 _BLOCK_BYTES_TARGET = 4096
@@ -70,7 +77,7 @@ def convert(
     source,
     output: str | os.PathLike,
     *,
-    codec: str = "lz4",
+    codec: str = "auto",
     clevel: int = 5,
     rows_per_block: int | None = None,
     force: bool = False,
@@ -78,6 +85,9 @@ def convert(
     piece_bytes: int = _PIECE_BYTES_TARGET,
 ) -> FieldSpec:
     """Writes `source` (a .npy or .b2nd path, or a numpy array) to `output` as a row-friendly .b2nd.
+
+    `codec="auto"` (the default) samples the data and uses LZ4 where it compresses by at
+    least 10%, and stores it uncompressed otherwise (faster to read, hardly larger).
 
     Reads the input in pieces, so inputs larger than memory work; writes to a temporary
     name beside `output` and renames it at the end, so an interrupted conversion never
@@ -105,6 +115,8 @@ def convert(
     _check_rows(source_name, shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
+    if codec == "auto":
+        codec = "lz4" if _lz4_ratio(array, block_rows * row_bytes, clevel) >= _AUTO_MIN_RATIO else "none"
     chunks = (rows_per_chunk, *shape[1:])
     blocks = (block_rows, *shape[1:])
     cparams = blosc2.CParams(
@@ -137,6 +149,26 @@ def convert(
         temporary.unlink(missing_ok=True)
         raise
     return describe_field(output)
+
+
+def _lz4_ratio(array, block_bytes: int, clevel: int) -> float:
+    """LZ4's compression ratio on evenly spaced pieces of `array`, in blocks of `block_bytes`."""
+    import blosc2
+
+    rows = array.shape[0]
+    row_bytes = max(1, array.dtype.itemsize * math.prod(array.shape[1:]))
+    piece_rows = max(1, _AUTO_SAMPLE_PIECE_BYTES // row_bytes)
+    starts = np.linspace(0, max(rows - piece_rows, 0), _AUTO_SAMPLE_PIECES).astype(int)
+    raw_bytes = compressed_bytes = 0
+    for start in sorted(set(starts.tolist())):
+        piece = np.ascontiguousarray(array[start:start + piece_rows])
+        packed = blosc2.compress2(
+            piece.tobytes(), codec=blosc2.Codec.LZ4, clevel=max(clevel, 1), typesize=array.dtype.itemsize,
+            blocksize=block_bytes, filters=[blosc2.Filter.SHUFFLE if array.dtype.itemsize > 1 else blosc2.Filter.NOFILTER],
+        )
+        raw_bytes += piece.nbytes
+        compressed_bytes += len(packed)
+    return raw_bytes / max(compressed_bytes, 1)
 
 
 def _progress_bar(total_bytes: int, description: str, enabled: bool):

@@ -151,3 +151,16 @@ def test_converting_a_large_b2nd_stays_within_a_small_memory_budget(tmp_path):
     expected = np.stack([ramp + np.uint8(index % 7) for index in (0, 100_000, rows - 1)])
     assert np.array_equal(out, expected)
     field.close()
+
+
+def test_auto_codec_stores_incompressible_data_plainly_and_compresses_the_rest(tmp_path):
+    noise = np.random.default_rng(0).integers(0, 256, size=(2000, 512), dtype=np.uint8)
+    labels = (np.arange(20000) % 10).astype(np.int64)
+    np.save(tmp_path / "noise.npy", noise)
+    np.save(tmp_path / "labels.npy", labels)
+    stored = convert(tmp_path / "noise.npy", tmp_path / "noise.b2nd", progress=False)
+    compressed = convert(tmp_path / "labels.npy", tmp_path / "labels.b2nd", progress=False)
+    assert stored.clevel == 0
+    assert compressed.clevel > 0 and compressed.uncompressed_bytes > 10 * compressed.compressed_bytes
+    assert np.array_equal(read_all(stored.path), noise)
+    assert np.array_equal(read_all(compressed.path), labels)
