@@ -247,6 +247,7 @@ class ShmDataLoader:
         ]
         self._slot_stride = layout.slot_stride
         self._indices_offset = layout.indices_offset
+        self._indices_shape = (self.batch_size,)
         self._slot_pointers = [ffi.cast("uint8_t *", self._ring.region_address(slot, 0)) for slot in range(self.slots)]
         self._next_step = start_step
         self._restarts = 0
@@ -348,27 +349,23 @@ class ShmDataLoader:
         step = self._next_step
         slot = step % self.slots
         ring = self._ring
-        # The fast path reads the raw state word: no enum, no wait, no liveness check.
+        # The fast path: one acquire load of the raw state word, no enum, no wait.
         if ring.state_word(slot) & STATE_MASK != _READY or ring.step(slot) != step:
             self._wait_ready(slot, step)
         ring.hold(slot)
-        batch = self._make_batch(slot, step)
+        # Every array's base is one buffer holding a lease on the slot: when the last
+        # array (or view of one) is gone, the lease's destructor hands the slot back.
+        resources = self._resources
+        lease = ffi.gc(self._slot_pointers[slot], lambda _pointer: resources.release(slot, step))
+        buffer = ffi.buffer(lease, self._slot_stride)
+        arrays = {name: np.ndarray(shape, dtype, buffer, offset) for name, offset, dtype, shape in self._field_geometry}
+        batch = Batch(step, np.ndarray(self._indices_shape, np.uint64, buffer, self._indices_offset), arrays)
         self._next_step = step + 1
         self._batches += 1
         if self._batches % _READER_CHECK_BATCHES == 0:
             self._check_readers()
         self._wait_ns += time.perf_counter_ns() - started
         return batch
-
-    def _make_batch(self, slot: int, step: int) -> Batch:
-        resources = self._resources
-        lease = ffi.gc(self._slot_pointers[slot], lambda _pointer: resources.release(slot, step))
-        # Every array's base is this buffer, which holds the lease: the slot is handed
-        # back when the last array (or view of one) is gone.
-        buffer = ffi.buffer(lease, self._slot_stride)
-        indices = np.ndarray((self.batch_size,), np.uint64, buffer, self._indices_offset)
-        arrays = {name: np.ndarray(shape, dtype, buffer, offset) for name, offset, dtype, shape in self._field_geometry}
-        return Batch(step, indices, arrays)
 
     def _raise_wrong_step(self, slot: int, step: int) -> None:
         raise SharedMemoryError(

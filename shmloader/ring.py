@@ -95,6 +95,9 @@ class SlotState(enum.IntEnum):
     FAILED = 5
 
 
+_HELD_WORD = int(SlotState.HELD)
+
+
 def _align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
@@ -348,7 +351,7 @@ class Ring:
 
     def hold(self, slot: int) -> None:
         """READY -> HELD by the trainer, which alone reads HELD: a plain store suffices."""
-        self._words[self._state_indices[slot]] = int(SlotState.HELD)
+        self._words[self._state_indices[slot]] = _HELD_WORD
 
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""
