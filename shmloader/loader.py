@@ -122,7 +122,7 @@ class _Resources:
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
         self.ring: Ring | None = None
-        self.processes: list[subprocess.Popen | None] = []
+        self.processes: list[subprocess.Popen] = []
         self.closed = False
 
     def release(self, slot: int, step: int) -> None:
@@ -164,10 +164,11 @@ class _Resources:
                     ring.work.release()
                 except (posix_ipc.ExistentialError, OSError):
                     pass
+        for process in self.processes:
+            if process.stdin is not None and not process.stdin.closed:
+                process.stdin.close()  # A reader still waiting for its configuration exits.
         deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
         for process in self.processes:
-            if process is None:
-                continue
             try:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -222,6 +223,18 @@ class ShmDataLoader:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
         self.hold_timeout = float(hold_timeout)
         start_step = check_integer("start_step", start_step, 0, (1 << 64) - 1)
+        # Readers start now and wait for their configuration on stdin: their interpreter
+        # start-up overlaps the validation of the files below instead of following it.
+        try:
+            for _ in range(self.readers):
+                self._resources.processes.append(self._spawn())
+            self._prepare(paths, mode, seed, shard_index, shard_count, warn_layout, start_step)
+        except BaseException:
+            self._finalizer()  # A half-built loader gives back what it took before raising.
+            raise
+
+    def _prepare(self, paths, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
+        """Validates the files and settings, then creates the ring and configures the readers."""
         self.specs = self._describe(paths)
         self.field_names = tuple(self.specs)
         row_count = self._check_row_counts()
@@ -229,12 +242,7 @@ class ShmDataLoader:
         if warn_layout:
             self._warn_poor_layouts()
         sweep_stale()
-        try:
-            self._start(start_step)
-        except BaseException:
-            self._closed = True
-            self._finalizer()  # A half-built loader gives back what it took before raising.
-            raise
+        self._start(start_step)
 
     def _start(self, start_step: int) -> None:
         """Creates the ring, requests the first steps and starts the readers."""
@@ -256,10 +264,10 @@ class ShmDataLoader:
         self._batches = 0
         self._wait_ns = 0
         self._first_next_ns = None
-        self._closed = False
         self._request_from(start_step)
-        for reader_index in range(self.readers):
-            self._resources.processes.append(self._spawn(reader_index))
+        for reader_index, process in enumerate(self._resources.processes):
+            self._configure(process, reader_index)
+        self._closed = False
 
     # Construction helpers.
 
@@ -312,7 +320,8 @@ class ShmDataLoader:
             "fields": [spec.to_dict() for spec in self.specs.values()],
         })
 
-    def _spawn(self, reader_index: int) -> subprocess.Popen:
+    def _spawn(self) -> subprocess.Popen:
+        """Starts a reader interpreter; it waits for its configuration (see _configure)."""
         # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
         # (which re-imports the trainer's __main__): only this package is imported.
         environment = dict(os.environ)
@@ -320,16 +329,24 @@ class ShmDataLoader:
         for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             environment.setdefault(variable, "1")
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
-        self._ring.clear_reader_error(reader_index)
         return subprocess.Popen(
-            [sys.executable, "-c", _READER_BOOTSTRAP, self._reader_config(reader_index)],
-            stdin=subprocess.DEVNULL,
+            [sys.executable, "-c", _READER_BOOTSTRAP],
+            stdin=subprocess.PIPE,
             env=environment,
             close_fds=True,
             # `-c` puts the working directory first on sys.path; "/" keeps a source
             # checkout there from shadowing the package this trainer imported.
             cwd="/",
         )
+
+    def _configure(self, process: subprocess.Popen, reader_index: int) -> None:
+        """Sends a started reader its index, the ring's names and the field descriptions."""
+        self._ring.clear_reader_error(reader_index)
+        try:
+            process.stdin.write(self._reader_config(reader_index).encode())
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # It died while starting: supervision restarts it like any dead reader.
 
     def _request_from(self, step: int) -> None:
         for step_k in range(step, step + self.slots):
@@ -466,7 +483,9 @@ class ShmDataLoader:
             state, owner = self._ring.state(slot)
             if state == SlotState.FILLING and owner == reader_index:
                 self._ring.request(slot, self._ring.step(slot))
-        self._resources.processes[reader_index] = self._spawn(reader_index)
+        process = self._spawn()
+        self._resources.processes[reader_index] = process
+        self._configure(process, reader_index)
 
     # State and statistics.
 

@@ -1,7 +1,7 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Started by the loader as `python -c "...reader.main..." CONFIG_JSON`; only names, paths and
-numbers arrive on the command line. It exits when the loader sets the ring's stop flag,
+Started by the loader as `python -c "...reader.main..."`, it reads a JSON configuration on
+stdin: only names, paths and numbers cross the process boundary. It exits when the loader sets the ring's stop flag,
 when its trainer (its parent) is gone, or after reporting an error.
 """
 
@@ -148,7 +148,10 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the trainer handles it and
     # closes the readers, so a reader must not die of it first with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = json.loads(argv[1])
+    text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
+    if not text:
+        return 0  # The loader gave up before configuring this reader.
+    config = json.loads(text)
     layout = RingLayout(**{**config["layout"], "field_row_bytes": tuple(config["layout"]["field_row_bytes"])})
     try:
         ring = Ring.attach(RingNames.from_dict(config["names"]), layout)

@@ -242,10 +242,10 @@ def test_a_loader_that_fails_while_starting_readers_leaves_nothing(dataset, monk
     started = []
     original = ShmDataLoader._spawn
 
-    def spawn_then_fail(self, reader_index):
-        if reader_index == 1:
+    def spawn_then_fail(self):
+        if len(started) == 1:
             raise OSError("no more processes")
-        process = original(self, reader_index)
+        process = original(self)
         started.append(process.pid)
         return process
 
@@ -254,3 +254,19 @@ def test_a_loader_that_fails_while_starting_readers_leaves_nothing(dataset, monk
         ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3)
     assert not our_shm_entries(os.getpid())
     assert started and wait_until(lambda: not any(process_alive(pid) for pid in started), 3)
+
+
+def test_readers_started_for_a_loader_whose_files_are_bad_exit(tmp_path, monkeypatch):
+    started = []
+    original = ShmDataLoader._spawn
+
+    def recording_spawn(self):
+        process = original(self)
+        started.append(process.pid)
+        return process
+
+    monkeypatch.setattr(ShmDataLoader, "_spawn", recording_spawn)
+    with pytest.raises(FileNotFoundError):
+        ShmDataLoader({"label": str(tmp_path / "missing.npy")}, batch_size=8, readers=2, slots=3)
+    assert len(started) == 2
+    assert wait_until(lambda: not any(process_alive(pid) for pid in started), 3)
