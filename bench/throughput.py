@@ -113,10 +113,14 @@ def simulated_training_step(seconds: float, work: np.ndarray) -> None:
         np.sin(work, out=work)  # Elementwise: BLAS threads would spin on both cores.
 
 
-def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: float) -> tuple[float, int]:
-    """Median cost of next() in a training loop whose step is long enough for the readers
-    to keep the ring full; only calls that found their batch ready are counted.
-    Returns (median microseconds, calls counted)."""
+def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: float | None) -> tuple[float, int]:
+    """Median cost of next() when its batch is ready; only such calls are counted.
+
+    step_seconds=None: back to back, each call made as soon as the readers have filled the
+    whole ring (the trainer spins meanwhile, so its caches stay warm). Otherwise a
+    simulated training step of that length precedes each call, as in a real loop, long
+    enough for the readers to keep the ring full. Returns (median microseconds, calls counted).
+    """
     batch_size = max(1, batch_bytes // (ROW_BYTES + 8))
     slots = 4
     work = np.random.default_rng(0).random((256, 256))
@@ -125,7 +129,12 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: flo
         batch = next(loader)
         for _ in range(samples):
             del batch  # The step is done with the previous batch.
-            simulated_training_step(step_seconds, work)
+            if step_seconds is None:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline and any(ring.state_word(slot) & 0xFF != 3 for slot in range(slots)):
+                    pass
+            else:
+                simulated_training_step(step_seconds, work)
             ready = ring.state_word(loader._next_step % slots) & 0xFF == 3
             started = time.perf_counter_ns()
             batch = next(loader)
@@ -167,10 +176,11 @@ def main() -> int:
     fields = {"image": images["npy"], "label": labels["npy"]}
     # A training step long enough that two readers keep the ring full (64 MB take ~40 ms).
     for label, batch_bytes, step_seconds in (("1 MB", 1 << 20, 0.003), ("64 MB", 64 << 20, 0.12)):
-        samples = (30 if arguments.quick else 100) if batch_bytes > (8 << 20) else (100 if arguments.quick else 400)
-        costs[label], counted = next_cost_us(fields, batch_bytes, samples, step_seconds)
-        print(f"{label} batches: {costs[label]:.1f} us (median of {counted} calls that found their batch ready; "
-              f"simulated step {step_seconds * 1e3:.0f} ms)")
+        many = (30 if arguments.quick else 100) if batch_bytes > (8 << 20) else (100 if arguments.quick else 400)
+        back_to_back, counted_warm = next_cost_us(fields, batch_bytes, many, None)
+        costs[label], counted = next_cost_us(fields, batch_bytes, many, step_seconds)
+        print(f"{label} batches: back to back {back_to_back:.1f} us ({counted_warm} calls); after a simulated "
+              f"{step_seconds * 1e3:.0f} ms training step {costs[label]:.1f} us ({counted} calls)")
     print("\n## targets")
     for kind, factor in (("npy", 8), ("b2nd", 5)):
         ours, single, torch_result = rates[kind]
@@ -183,7 +193,7 @@ def main() -> int:
         print(f"{kind}: shmloader / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
         print(f"{kind}: first batch {ours['first_batch_s']:.2f} s (target <= 1 s) -> {verdict(ours['first_batch_s'] <= 1)}")
     for label, cost in costs.items():
-        print(f"next() with {label} batches: {cost:.1f} us (target <= 20 us) -> {verdict(cost <= 20)}")
+        print(f"next() with {label} batches, after a training step: {cost:.1f} us (target <= 20 us) -> {verdict(cost <= 20)}")
     return 0
 
 
