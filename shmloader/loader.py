@@ -223,6 +223,8 @@ class ShmDataLoader:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
         self.hold_timeout = float(hold_timeout)
         start_step = check_integer("start_step", start_step, 0, (1 << 64) - 1)
+        # The sampler's own checks, early: no reader is started for settings it would refuse.
+        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
