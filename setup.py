@@ -1,37 +1,61 @@
-"""Builds the Zig sources in zig/ into shmloader's native library with PyPI's ziglang."""
+"""Builds shmloader's two native parts with PyPI's ziglang (no system compiler needed):
+the Zig library (zig/, called through cffi) and the trainer's next() (a CPython extension
+in C, compiled by `zig cc`)."""
 
 import pathlib
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = pathlib.Path(__file__).parent
 ZIG_ROOT_SOURCE = "zig/c_api.zig"
+CURSOR_SOURCE = "shmloader/_cursor.c"
 
 
 class ZigBuildExt(build_ext):
-    """Compiles the one 'extension' with Zig instead of a C compiler."""
+    """Compiles each extension with the Zig toolchain instead of the system's C compiler."""
 
     def build_extension(self, ext: Extension) -> None:
         target = pathlib.Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable, "-m", "ziglang", "build-lib", "-dynamic",
-            "-OReleaseFast",
-            # A baseline CPU keeps the wheel portable to any machine of the architecture.
-            "-mcpu=baseline",
-            "-fPIC",
-            "-fno-emit-h",
-            f"-femit-bin={target}",
-            str(ROOT / ZIG_ROOT_SOURCE),
-        ]
+        zig = [sys.executable, "-m", "ziglang"]
+        if ext.name.endswith("_cursor"):
+            import numpy  # A build requirement (pyproject.toml): its headers give the array struct.
+
+            command = [
+                *zig, "cc", "-shared", "-fPIC", "-O2",
+                # Portable to any machine of the architecture, like the Zig library.
+                "-mcpu=baseline",
+                "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
+                "-Wno-cast-function-type",
+                f"-I{sysconfig.get_paths()['include']}",
+                f"-I{sysconfig.get_paths()['platinclude']}",
+                f"-I{numpy.get_include()}",
+                "-o", str(target),
+                str(ROOT / CURSOR_SOURCE),
+            ]
+        else:
+            command = [
+                *zig, "build-lib", "-dynamic",
+                "-OReleaseFast",
+                # A baseline CPU keeps the wheel portable to any machine of the architecture.
+                "-mcpu=baseline",
+                "-fPIC",
+                "-fno-emit-h",
+                f"-femit-bin={target}",
+                str(ROOT / ZIG_ROOT_SOURCE),
+            ]
         print(" ".join(command))
         subprocess.run(command, check=True, cwd=ROOT)
 
 
 setup(
-    ext_modules=[Extension("shmloader._shmloader_native", sources=[ZIG_ROOT_SOURCE])],
+    ext_modules=[
+        Extension("shmloader._shmloader_native", sources=[ZIG_ROOT_SOURCE]),
+        Extension("shmloader._cursor", sources=[CURSOR_SOURCE]),
+    ],
     cmdclass={"build_ext": ZigBuildExt},
 )

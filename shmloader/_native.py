@@ -1,4 +1,5 @@
-"""Loads the Zig library (built from zig/) through cffi in ABI mode and declares its API."""
+"""Loads the native parts: the Zig library (built from zig/) through cffi in ABI mode, with its
+API declared here, and the trainer's next() (the CPython extension built from _cursor.c)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ REBUILD_HINT = (
 
 
 class NativeLibraryError(ImportError):
-    """The Zig library is missing, stale, or built from other sources."""
+    """A native part is missing, stale, or built from other sources."""
 
 
 def library_path() -> pathlib.Path:
@@ -103,9 +104,8 @@ def library_path() -> pathlib.Path:
     )
 
 
-def _check_fresh(path: pathlib.Path) -> None:
-    """In a source checkout (zig/ beside the package), refuse a library older than its sources."""
-    sources = list((PACKAGE_DIR.parent / "zig").glob("*.zig"))
+def _check_fresh(path: pathlib.Path, sources: list[pathlib.Path]) -> None:
+    """In a source checkout (sources beside the package), refuse a build older than its sources."""
     if not sources:
         return  # An installed wheel: no sources to compare with.
     built_ns = path.stat().st_mtime_ns
@@ -121,7 +121,7 @@ def _load():
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     path = library_path()
-    _check_fresh(path)
+    _check_fresh(path, list((PACKAGE_DIR.parent / "zig").glob("*.zig")))
     try:
         lib = ffi.dlopen(str(path))
     except OSError as error:
@@ -135,6 +135,20 @@ def _load():
 
 
 ffi, lib = _load()
+
+
+def _load_cursor():
+    """The CPython extension compiled from _cursor.c (the trainer's next())."""
+    try:
+        from . import _cursor
+    except ImportError as error:
+        raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {REBUILD_HINT}") from None
+    source = PACKAGE_DIR / "_cursor.c"
+    _check_fresh(pathlib.Path(_cursor.__file__), [source] if source.exists() else [])
+    return _cursor
+
+
+cursor_module = _load_cursor()
 
 
 def status_name(code: int) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import collections.abc
 import gc
 import json
@@ -19,10 +18,10 @@ import numpy as np
 import posix_ipc
 
 from . import convert as _convert
-from ._native import ffi
+from ._native import cursor_module
 from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import EXIT_REPORTED_ERROR
-from .ring import STATE_MASK, Ring, SlotState, layout_for, sweep_stale, wait
+from .ring import HELD_WORD, STATE_MASK, Ring, SlotState, layout_for, sweep_stale, wait
 from .sampler import Sampler, check_integer
 from .storage import FieldSpec, describe_field
 
@@ -32,7 +31,6 @@ _POLL_SECONDS = 0.05
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
 _JOIN_TIMEOUT_SECONDS = 2.0
-_READY = int(SlotState.READY)
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
 _READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
@@ -45,6 +43,13 @@ def _default_readers() -> int:
     except AttributeError:
         cores = os.cpu_count() or 1
     return max(1, min(cores, 8))
+
+
+def _wake_after(slots: int) -> int:
+    """How many slots the trainer hands back before it wakes the readers while they are
+    ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
+    the batch after the one being delivered is not ready, so deferring costs no waiting."""
+    return max(1, slots // 2)
 
 
 def _normalise_fields(fields, label_path) -> dict[str, str]:
@@ -68,39 +73,23 @@ def _normalise_fields(fields, label_path) -> dict[str, str]:
     return {name: os.fspath(path) for name, path in mapping.items()}
 
 
-class Batch(collections.abc.Mapping):
+class Batch(cursor_module.BatchBase, collections.abc.Mapping):
     """One batch: a mapping of field name to a numpy array that views a shared-memory slot.
 
-    Lifetime: the slot stays reserved for this batch while the Batch or any array view of
-    it (including `indices`, slices, torch.from_numpy tensors) is alive. `release()` or
-    leaving `with batch:` drops the Batch's own references; the slot is handed back to the
-    readers as soon as no view remains. A view kept longer keeps the slot: it is never
-    overwritten under you, but a loader whose every slot is kept this way raises
-    SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
+    `step` is the step it is, `indices` its row indices (uint64). Lifetime: the slot is
+    reserved for this batch while the Batch (until released) or any array of it or view of
+    one (slices, np.asarray, torch.from_numpy tensors) is alive; the loader hands it back to
+    the readers at the first next() after the last of them is gone. `release()` or leaving
+    `with batch:` gives up the Batch's own references. A view kept longer keeps the slot:
+    it is never overwritten under you, but a loader whose every slot is kept this way
+    raises SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
+
+    The arrays are built once per slot and handed out again for later steps in that slot,
+    so a batch costs no allocation; an array changed in place (its shape, dtype, strides or
+    writeable flag) is replaced by a fresh one before its slot is handed out again.
     """
 
-    __slots__ = ("step", "indices", "_arrays")
-
-    def __init__(self, step: int, indices: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
-        self.step = step
-        self.indices = indices
-        self._arrays = arrays
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if self._arrays is None:
-            raise RuntimeError(f"batch {self.step} was released; its arrays are no longer available")
-        return self._arrays[name]
-
-    def __iter__(self):
-        return iter(self._arrays or ())
-
-    def __len__(self) -> int:
-        return len(self._arrays or ())
-
-    def release(self) -> None:
-        """Gives up this Batch's references; the slot is reused once no view of it remains."""
-        self._arrays = None
-        self.indices = None
+    __slots__ = ()
 
     def __enter__(self) -> Batch:
         return self
@@ -109,9 +98,9 @@ class Batch(collections.abc.Mapping):
         self.release()
 
     def __repr__(self) -> str:
-        if self._arrays is None:
+        if self.released:
             return f"Batch(step={self.step}, released)"
-        fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self._arrays.items())
+        fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self.items())
         return f"Batch(step={self.step}, {fields})"
 
 
@@ -124,31 +113,6 @@ class _Resources:
         self.ring: Ring | None = None
         self.processes: list[subprocess.Popen] = []
         self.closed = False
-
-    def release(self, slot: int, step: int) -> None:
-        """Called when the last view of batch `step` dies (any thread): request the slot's next step.
-
-        It runs as a destructor, where Python would print and drop a KeyboardInterrupt;
-        one that lands here is passed on to the main thread once the slot is handed back.
-        """
-        try:
-            self._release(slot, step)
-        except KeyboardInterrupt:
-            try:
-                self._release(slot, step)
-            finally:
-                _thread.interrupt_main()
-
-    def _release(self, slot: int, step: int) -> None:
-        ring = self.ring
-        if self.closed or ring is None or os.getpid() != self.owner_pid:
-            return
-        try:
-            state, _ = ring.state(slot)
-            if state == SlotState.HELD and ring.step(slot) == step:
-                ring.request(slot, step + ring.layout.slot_count)
-        except Exception:  # A destructor must not raise; the next wait reports real faults.
-            pass
 
     def close(self) -> None:
         if self.closed:
@@ -179,7 +143,20 @@ class _Resources:
             ring.close()
 
 
-class ShmDataLoader:
+_live_loaders: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_loaders_in_child() -> None:
+    """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
+    for loader in list(_live_loaders):
+        loader._closed = True
+        loader._deactivate()
+
+
+os.register_at_fork(after_in_child=_forget_loaders_in_child)
+
+
+class ShmDataLoader(cursor_module.Cursor):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
     ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
@@ -216,7 +193,9 @@ class ShmDataLoader:
         paths = _normalise_fields(fields, label_path)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
-        default_slots = max(4, 2 * self.readers)
+        # Two slots per reader to fill, plus two for the trainer: the batch in use and the
+        # one a `for` loop's variable still refers to while next() runs.
+        default_slots = 2 * self.readers + 2
         self.slots = check_integer("slots", default_slots if slots is None else slots, 2, 4096)
         self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
@@ -252,20 +231,30 @@ class ShmDataLoader:
         self._layout = layout
         self._ring = self._resources.ring = Ring.create(layout, os.getpid())
         self._field_geometry = [
-            (name, offset, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
-            for (name, spec), offset in zip(self.specs.items(), layout.field_offsets)
+            (offset, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
+            for spec, offset in zip(self.specs.values(), layout.field_offsets)
         ]
-        self._slot_stride = layout.slot_stride
-        self._indices_offset = layout.indices_offset
-        self._indices_shape = (self.batch_size,)
-        self._slot_pointers = [ffi.cast("uint8_t *", self._ring.region_address(slot, 0)) for slot in range(self.slots)]
-        self._next_step = start_step
+        self._field_geometry.append((layout.indices_offset, np.dtype(np.uint64), (self.batch_size,)))
         self._restarts = 0
         self._retired_busy_ns = [0] * self.readers
         self._retired_batches = [0] * self.readers
-        self._batches = 0
-        self._wait_ns = 0
-        self._first_next_ns = None
+        state_addresses, step_addresses = self._ring.slot_word_addresses()
+        self._cursor_setup(
+            state_addresses=state_addresses,
+            step_addresses=step_addresses,
+            work_semaphore=self._ring.names.work,
+            names=tuple(sys.intern(name) for name in self.field_names),
+            batch_type=Batch,
+            views=tuple(self._slot_views(slot) for slot in range(self.slots)),
+            next_step=start_step,
+            check_every=_READER_CHECK_BATCHES,
+            wake_after=_wake_after(self.slots),
+            ready=int(SlotState.READY),
+            held_word=HELD_WORD,
+            requested=int(SlotState.REQUESTED),
+            state_mask=STATE_MASK,
+        )
+        _live_loaders.add(self)
         self._request_from(start_step)
         for reader_index, process in enumerate(self._resources.processes):
             self._configure(process, reader_index)
@@ -356,35 +345,33 @@ class ShmDataLoader:
 
     # Iteration.
 
+    def _slot_views(self, slot: int) -> tuple[np.ndarray, ...]:
+        """Slot `slot`'s arrays: one per field, then the indices. Their base is the mapping
+        itself, so numpy makes every view of them refer to them (see Batch)."""
+        memory, base = self._ring.memory, self._layout.slot_offset(slot)
+        return tuple(np.ndarray(shape, dtype, memory, base + offset) for offset, dtype, shape in self._field_geometry)
+
+    def _rebuild_views(self, slot: int) -> None:
+        """Called by the native next() when a user changed one of the slot's arrays in place."""
+        self._set_views(slot, self._slot_views(slot))
+
+    # Iteration. next() itself is native (Cursor.__next__ in _cursor.c): it hands back
+    # unused slots and delivers a ready batch without running Python; anything else comes here.
+
     def __iter__(self) -> ShmDataLoader:
         return self
 
-    def __next__(self) -> Batch:
+    def _next_slow(self) -> Batch:
+        started = self._now_ns()
+        if self._resources.owner_pid != os.getpid():
+            raise RuntimeError(f"this loader belongs to process {self._resources.owner_pid}; a forked child cannot use it")
         if self._closed:
             raise RuntimeError("the loader is closed")
-        started = time.perf_counter_ns()
-        if self._first_next_ns is None:
-            self._first_next_ns = started
+        self._release_unused()  # Also wakes the readers for every slot handed back so far.
+        self._check_readers()
         step = self._next_step
-        slot = step % self.slots
-        ring = self._ring
-        # The fast path: one acquire load of the raw state word, no enum, no wait.
-        if ring.state_word(slot) & STATE_MASK != _READY or ring.step(slot) != step:
-            self._wait_ready(slot, step)
-        ring.hold(slot)
-        # Every array's base is one buffer holding a lease on the slot: when the last
-        # array (or view of one) is gone, the lease's destructor hands the slot back.
-        resources = self._resources
-        lease = ffi.gc(self._slot_pointers[slot], lambda _pointer: resources.release(slot, step))
-        buffer = ffi.buffer(lease, self._slot_stride)
-        arrays = {name: np.ndarray(shape, dtype, buffer, offset) for name, offset, dtype, shape in self._field_geometry}
-        batch = Batch(step, np.ndarray(self._indices_shape, np.uint64, buffer, self._indices_offset), arrays)
-        self._next_step = step + 1
-        self._batches += 1
-        if self._batches % _READER_CHECK_BATCHES == 0:
-            self._check_readers()
-        self._wait_ns += time.perf_counter_ns() - started
-        return batch
+        self._wait_ready(step % self.slots, step)
+        return self._take(started)
 
     def _raise_wrong_step(self, slot: int, step: int) -> None:
         raise SharedMemoryError(
@@ -404,8 +391,11 @@ class ShmDataLoader:
             if state == SlotState.FAILED:
                 self._raise_reported(owner)
             if state == SlotState.HELD:
-                # The batch from `slots` steps ago still has live views: give the garbage
-                # collector one chance (cycles), then wait a bounded time for a release.
+                # The batch from `slots` steps ago may still be referred to: hand back what is
+                # unused, give the garbage collector one chance (cycles), then wait a bounded
+                # time for another thread to let go.
+                if self._release_unused():
+                    continue
                 if hold_deadline is None:
                     gc.collect()
                     hold_deadline = time.monotonic() + self.hold_timeout
@@ -518,7 +508,12 @@ class ShmDataLoader:
             raise RuntimeError("the loader is closed")
         step = check_integer("step", step, 0, (1 << 64) - 1)
         ring = self._ring
+        self._release_unused()
         gc.collect()
+        self._release_unused()
+        held = self._held()
+        if held:
+            raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
         for slot in range(self.slots):
             deadline = time.monotonic() + self.hold_timeout
             while True:
@@ -540,7 +535,7 @@ class ShmDataLoader:
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and reader busy time."""
-        now = time.perf_counter_ns()
+        now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size
         row_bytes = sum(spec.row_bytes for spec in self.specs.values())
@@ -578,6 +573,7 @@ class ShmDataLoader:
         until they are gone) but are no longer refilled.
         """
         self._closed = True
+        self._deactivate()
         self._finalizer()
 
     @property

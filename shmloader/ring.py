@@ -16,7 +16,8 @@ Segment layout (all integers little-endian, offsets in bytes):
     48      8     slots_offset      offset of slot 0 (a multiple of 4096)
     56      8     stop              nonzero once the trainer closes: readers exit
     64      R*READER_RECORD_BYTES   reader records (below)
-    slots_offset + s*slot_stride    slot s (below)
+    table_offset + s*64             slot s's control line (below), table_offset = 64 + R*16384
+    slots_offset + s*slot_stride    slot s's data (below)
 
 Reader record r (READER_RECORD_BYTES, written only by reader r, read by the trainer):
 
@@ -27,12 +28,19 @@ Reader record r (READER_RECORD_BYTES, written only by reader r, read by the trai
     28      4     (reserved)
     32      ...   error             {"type", "message", "traceback", "step"}
 
-Slot s:
+Control line of slot s (SLOT_CONTROL_BYTES, one cache line so slots share none):
 
     0       8     state             SlotState in the low byte, the filling reader's index << 8
     8       8     step              the step this slot holds or is to hold
     16      48    (reserved)
-    64      8*B   indices           uint64 row indices of the step
+
+The control lines sit together, apart from the data, so that the trainer's next() and
+the readers' scans read one page of them rather than one page per slot: after a training
+step every page touched is a TLB miss, and the data of the slots is megabytes apart.
+
+Data of slot s:
+
+    0       8*B   indices           uint64 row indices of the step
     ...           field regions     one per field, B * row_bytes each, 64-byte aligned
 
 Slot s only ever holds steps k with k % S == s, so batches come out in step order.
@@ -62,7 +70,7 @@ from .errors import SharedMemoryError
 from .storage import FieldSpec
 
 RING_MAGIC = 0x474E49524C4D4853  # b"SHMLRING" read as a little-endian u64.
-RING_VERSION = 1
+RING_VERSION = 2  # 2: slot state and step moved from each slot's head to the control table.
 HEADER_BYTES = 64
 _HEADER_FORMAT = "<QIIIIIIQQQQ"
 assert struct.calcsize(_HEADER_FORMAT) == HEADER_BYTES
@@ -72,9 +80,9 @@ READER_RECORD_BYTES = 16384
 READER_ERROR_OFFSET = 32
 READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
 
-SLOT_HEADER_BYTES = 64
-SLOT_OFFSET_STATE = 0
-SLOT_OFFSET_STEP = 8
+SLOT_CONTROL_BYTES = 64
+CONTROL_OFFSET_STATE = 0
+CONTROL_OFFSET_STEP = 8
 REGION_ALIGNMENT = 64
 PAGE_BYTES = 4096
 STATE_MASK = 0xFF
@@ -96,7 +104,7 @@ class SlotState(enum.IntEnum):
     FAILED = 5
 
 
-_HELD_WORD = int(SlotState.HELD)
+HELD_WORD = int(SlotState.HELD)  # The whole state word of a held slot (no owner).
 # x86-64 orders every load like an acquire (TSO); other machines need the atomic load.
 _PLAIN_LOADS_ACQUIRE = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -116,7 +124,7 @@ class RingLayout:
 
     @functools.cached_property
     def indices_offset(self) -> int:
-        return SLOT_HEADER_BYTES
+        return 0
 
     @functools.cached_property
     def field_offsets(self) -> tuple[int, ...]:
@@ -132,8 +140,12 @@ class RingLayout:
         return _align(max(last, self.indices_offset + 8 * self.batch_size), PAGE_BYTES)
 
     @functools.cached_property
+    def table_offset(self) -> int:
+        return HEADER_BYTES + self.reader_count * READER_RECORD_BYTES
+
+    @functools.cached_property
     def slots_offset(self) -> int:
-        return _align(HEADER_BYTES + self.reader_count * READER_RECORD_BYTES, PAGE_BYTES)
+        return _align(self.table_offset + self.slot_count * SLOT_CONTROL_BYTES, PAGE_BYTES)
 
     @functools.cached_property
     def total_bytes(self) -> int:
@@ -141,6 +153,9 @@ class RingLayout:
 
     def slot_offset(self, slot: int) -> int:
         return self.slots_offset + slot * self.slot_stride
+
+    def control_offset(self, slot: int) -> int:
+        return self.table_offset + slot * SLOT_CONTROL_BYTES
 
     def reader_offset(self, reader: int) -> int:
         return HEADER_BYTES + reader * READER_RECORD_BYTES
@@ -257,10 +272,10 @@ class Ring:
         # The same words as a memoryview: indexing it is a short C path, which matters on
         # the trainer's fast path where caches are cold after a training step.
         self._word_view = memoryview(memory).cast("B").cast("Q")
-        self._step_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
-        self._state_indices = [(layout.slot_offset(s) + SLOT_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
+        self._step_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
+        self._state_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
         self._state_indices_array = np.array(self._state_indices, dtype=np.intp)
-        self._state_pointers = [self._u64_pointer(layout.slot_offset(s) + SLOT_OFFSET_STATE) for s in range(layout.slot_count)]
+        self._state_pointers = [self._u64_pointer(layout.control_offset(s) + CONTROL_OFFSET_STATE) for s in range(layout.slot_count)]
         self._stop_pointer = self._u64_pointer(OFFSET_STOP)
 
     def _u64_pointer(self, offset: int):
@@ -361,10 +376,6 @@ class Ring:
         words = self._words[self._state_indices_array]
         return np.flatnonzero((words & STATE_MASK) == int(SlotState.REQUESTED)).tolist()
 
-    def hold(self, slot: int) -> None:
-        """READY -> HELD by the trainer, which alone reads HELD: a plain store suffices."""
-        self._word_view[self._state_indices[slot]] = _HELD_WORD
-
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""
         self.set_step(slot, step)
@@ -402,6 +413,11 @@ class Ring:
         return bytes(self.memory[offset + READER_ERROR_OFFSET: offset + READER_ERROR_OFFSET + length])
 
     # Regions.
+
+    def slot_word_addresses(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Addresses of every slot's state word and step word, for the trainer's native next()."""
+        lines = [self.base_address + self.layout.control_offset(slot) for slot in range(self.layout.slot_count)]
+        return tuple(a + CONTROL_OFFSET_STATE for a in lines), tuple(a + CONTROL_OFFSET_STEP for a in lines)
 
     def region_address(self, slot: int, offset_in_slot: int) -> int:
         return self.base_address + self.layout.slot_offset(slot) + offset_in_slot

@@ -51,8 +51,10 @@ def test_stale_library_is_refused(tmp_path, monkeypatch):
     sources = tmp_path / "zig"
     sources.mkdir()
     (sources / "sampler.zig").write_text("// newer")
-    monkeypatch.setattr(_native, "PACKAGE_DIR", tmp_path / "shmloader")
     import os
     os.utime(library, ns=(0, 0))
-    with pytest.raises(_native.NativeLibraryError, match="stale.*pip install"):
-        _native._check_fresh(library)
+    with pytest.raises(_native.NativeLibraryError, match="lib.so is stale: sampler.zig.*pip install"):
+        _native._check_fresh(library, [sources / "sampler.zig"])
+    _native._check_fresh(library, [])  # An installed wheel has no sources to compare with.
+    os.utime(library, ns=(2 * 10**18, 2 * 10**18))
+    _native._check_fresh(library, [sources / "sampler.zig"])
