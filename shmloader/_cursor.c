@@ -32,19 +32,14 @@
 
 /* What a handed-out array looked like when it was built: a user can change an array's
  * shape, strides, dtype or writeable flag in place, and the next batch in its slot must
- * not inherit that. */
-typedef struct {
-    void *data;
-    PyArray_Descr *descr; /* Borrowed: the array holds it while its snapshot matches. */
-    int ndim;
-    int writeable;
-    npy_intp dims[NPY_MAXDIMS];
-    npy_intp strides[NPY_MAXDIMS];
-} ArraySnapshot;
+ * not inherit that. Per array, in a slot's run of words: data, descr, ndim, writeable,
+ * then ndim dimensions and ndim strides. Every slot's run sits in one block beside the
+ * slot table, so the check at release time touches a few lines of one page. */
+#define SNAPSHOT_FIXED_WORDS 4
 
 typedef struct {
     PyObject *views;           /* tuple: one array per field, then the indices array */
-    ArraySnapshot *snapshots;  /* one per item of views */
+    intptr_t *snapshot;        /* this slot's words in the cursor's snapshot block */
     uint64_t *state_word;      /* the slot's state word in the ring */
     uint64_t *step_word;       /* the slot's step word */
     uint64_t held_step;
@@ -58,6 +53,8 @@ typedef struct {
     Py_ssize_t slot_count;
     Py_ssize_t view_count;
     Slot *slots;
+    intptr_t *snapshots;       /* one block: each slot's snapshot words, in slot order */
+    Py_ssize_t snapshot_words; /* words per slot */
     PyObject *names;           /* tuple of field names, in view order */
     PyTypeObject *batch_type;  /* a subclass of BatchBase */
     sem_t *work;               /* readers wait on it for requested slots */
@@ -89,23 +86,41 @@ static inline unsigned long long monotonic_ns(void) {
 
 /* ---- Snapshots ---------------------------------------------------------------------- */
 
-static void snapshot_take(ArraySnapshot *snapshot, PyArrayObject *array) {
-    int ndim = PyArray_NDIM(array);
-    snapshot->data = PyArray_DATA(array);
-    snapshot->descr = PyArray_DESCR(array);
-    snapshot->ndim = ndim;
-    snapshot->writeable = (PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE) != 0;
-    memcpy(snapshot->dims, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)ndim);
-    memcpy(snapshot->strides, PyArray_STRIDES(array), sizeof(npy_intp) * (size_t)ndim);
+static Py_ssize_t snapshot_words_of(PyObject *views) {
+    Py_ssize_t words = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(views); i++) {
+        words += SNAPSHOT_FIXED_WORDS + 2 * PyArray_NDIM((PyArrayObject *)PyTuple_GET_ITEM(views, i));
+    }
+    return words;
 }
 
-static int snapshot_matches(const ArraySnapshot *snapshot, PyArrayObject *array) {
-    int ndim = PyArray_NDIM(array);
-    return snapshot->data == PyArray_DATA(array) && snapshot->descr == PyArray_DESCR(array) &&
-           snapshot->ndim == ndim &&
-           snapshot->writeable == ((PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE) != 0) &&
-           memcmp(snapshot->dims, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)ndim) == 0 &&
-           memcmp(snapshot->strides, PyArray_STRIDES(array), sizeof(npy_intp) * (size_t)ndim) == 0;
+static void snapshot_take(intptr_t *words, PyObject *views) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(views); i++) {
+        PyArrayObject *array = (PyArrayObject *)PyTuple_GET_ITEM(views, i);
+        int ndim = PyArray_NDIM(array);
+        words[0] = (intptr_t)PyArray_DATA(array);
+        words[1] = (intptr_t)PyArray_DESCR(array);
+        words[2] = ndim;
+        words[3] = (PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE) != 0;
+        memcpy(words + SNAPSHOT_FIXED_WORDS, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)ndim);
+        memcpy(words + SNAPSHOT_FIXED_WORDS + ndim, PyArray_STRIDES(array), sizeof(npy_intp) * (size_t)ndim);
+        words += SNAPSHOT_FIXED_WORDS + 2 * ndim;
+    }
+}
+
+static int snapshot_matches(const intptr_t *words, PyObject *views) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(views); i++) {
+        PyArrayObject *array = (PyArrayObject *)PyTuple_GET_ITEM(views, i);
+        int ndim = PyArray_NDIM(array);
+        if (words[0] != (intptr_t)PyArray_DATA(array) || words[1] != (intptr_t)PyArray_DESCR(array) ||
+            words[2] != ndim || words[3] != ((PyArray_FLAGS(array) & NPY_ARRAY_WRITEABLE) != 0) ||
+            memcmp(words + SNAPSHOT_FIXED_WORDS, PyArray_DIMS(array), sizeof(npy_intp) * (size_t)ndim) != 0 ||
+            memcmp(words + SNAPSHOT_FIXED_WORDS + ndim, PyArray_STRIDES(array), sizeof(npy_intp) * (size_t)ndim) != 0) {
+            return 0;
+        }
+        words += SNAPSHOT_FIXED_WORDS + 2 * ndim;
+    }
+    return 1;
 }
 
 /* ---- Release pass ------------------------------------------------------------------- */
@@ -124,8 +139,6 @@ static inline int slot_in_use(const Slot *slot) {
     }
     return 0;
 }
-
-static int views_intact(const Cursor *self, const Slot *slot);
 
 /* One post per slot handed back since the last wake-up. */
 static int wake_readers(Cursor *self) {
@@ -153,7 +166,7 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
         }
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
-        slot->damaged = !views_intact(self, slot);
+        slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
         /* The step is published by the release store of the state word after it. */
         *slot->step_word = slot->held_step + (uint64_t)self->slot_count;
         __atomic_store_n(slot->state_word, self->requested, __ATOMIC_RELEASE);
@@ -167,15 +180,6 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
 }
 
 /* ---- Taking a ready slot ------------------------------------------------------------ */
-
-static int views_intact(const Cursor *self, const Slot *slot) {
-    for (Py_ssize_t i = 0; i < self->view_count; i++) {
-        if (!snapshot_matches(&slot->snapshots[i], (PyArrayObject *)PyTuple_GET_ITEM(slot->views, i))) {
-            return 0;
-        }
-    }
-    return 1;
-}
 
 /* Hands out the slot of next_step, which the caller found READY with the right step. */
 static PyObject *take(Cursor *self) {
@@ -245,11 +249,12 @@ static void cursor_clear(Cursor *self) {
     if (self->slots != NULL) {
         for (Py_ssize_t s = 0; s < self->slot_count; s++) {
             Py_CLEAR(self->slots[s].views);
-            PyMem_Free(self->slots[s].snapshots);
         }
         PyMem_Free(self->slots);
         self->slots = NULL;
     }
+    PyMem_Free(self->snapshots);
+    self->snapshots = NULL;
     if (self->work != NULL) {
         sem_close(self->work);
         self->work = NULL;
@@ -275,17 +280,12 @@ static int set_views(Cursor *self, Py_ssize_t index, PyObject *views) {
             return -1;
         }
     }
+    if (snapshot_words_of(views) != self->snapshot_words) {
+        PyErr_Format(PyExc_ValueError, "slot %zd: its arrays have other dimensions than the other slots'", index);
+        return -1;
+    }
     Slot *slot = &self->slots[index];
-    if (slot->snapshots == NULL) {
-        slot->snapshots = PyMem_Calloc((size_t)self->view_count, sizeof(ArraySnapshot));
-        if (slot->snapshots == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-    }
-    for (Py_ssize_t i = 0; i < self->view_count; i++) {
-        snapshot_take(&slot->snapshots[i], (PyArrayObject *)PyTuple_GET_ITEM(views, i));
-    }
+    snapshot_take(slot->snapshot, views);
     Py_INCREF(views);
     Py_XSETREF(slot->views, views);
     slot->damaged = 0;
@@ -325,14 +325,32 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
         PyErr_Format(PyExc_TypeError, "batch_type must subclass BatchBase, got %s", batch_type->tp_name);
         return NULL;
     }
+    self->view_count = PyTuple_GET_SIZE(names) + 1;
+    PyObject *first = PyTuple_GET_ITEM(views, 0);
+    if (!PyTuple_Check(first) || PyTuple_GET_SIZE(first) != self->view_count) {
+        PyErr_Format(PyExc_ValueError, "slot 0: expected a tuple of %zd arrays", self->view_count);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < self->view_count; i++) {
+        if (!is_ndarray(PyTuple_GET_ITEM(first, i))) {
+            PyErr_SetString(PyExc_TypeError, "slot 0: expected numpy arrays");
+            return NULL;
+        }
+    }
+    self->snapshot_words = snapshot_words_of(first);
     self->slots = PyMem_Calloc((size_t)slot_count, sizeof(Slot));
-    if (self->slots == NULL) {
+    self->snapshots = PyMem_Calloc((size_t)(slot_count * self->snapshot_words), sizeof(intptr_t));
+    if (self->slots == NULL || self->snapshots == NULL) {
+        PyMem_Free(self->slots);
+        self->slots = NULL;
+        PyMem_Free(self->snapshots);
+        self->snapshots = NULL;
         return PyErr_NoMemory();
     }
     self->slot_count = slot_count;
-    self->view_count = PyTuple_GET_SIZE(names) + 1;
     for (Py_ssize_t s = 0; s < slot_count; s++) {
         Slot *slot = &self->slots[s];
+        slot->snapshot = self->snapshots + s * self->snapshot_words;
         slot->state_word = (uint64_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(state_addresses, s));
         slot->step_word = (uint64_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(step_addresses, s));
         if (PyErr_Occurred() || set_views(self, s, PyTuple_GET_ITEM(views, s)) < 0) {
