@@ -4,6 +4,7 @@ resume is exact; bad settings are refused at construction."""
 
 from __future__ import annotations
 
+import collections.abc
 import gc
 import os
 import warnings
@@ -90,6 +91,141 @@ def test_a_viewed_slot_is_never_overwritten(dataset):
         del kept
         batch = next(loader)  # Now the slot is free again.
         assert batch.step == 4 and np.array_equal(batch["label"], labels[sampler.fill(4)])
+
+
+def _holders():
+    """Ways a trainer keeps part of a batch alive; each must keep the batch's slot."""
+    holders = {
+        "slice": lambda batch: batch["label"][2:],
+        "view of a view": lambda batch: batch["label"][1:][::2],
+        "np.asarray": lambda batch: np.asarray(batch["label"]),
+        "reshape": lambda batch: batch["image"].reshape(len(batch["image"]), -1),
+        "memoryview": lambda batch: memoryview(batch["label"]),
+        "dict of arrays": lambda batch: dict(batch),
+        "indices": lambda batch: batch.indices,
+        "the batch itself": lambda batch: batch,
+    }
+    try:
+        import torch
+
+        holders["torch.from_numpy"] = lambda batch: torch.from_numpy(batch["image"])
+    except ImportError:
+        pass
+    return holders
+
+
+def _as_array(kept) -> np.ndarray:
+    if isinstance(kept, collections.abc.Mapping):
+        return np.asarray(kept["label"])
+    return kept.numpy() if hasattr(kept, "numpy") else np.asarray(kept)
+
+
+@pytest.mark.parametrize("kind", sorted(_holders()))
+def test_every_kind_of_reference_keeps_the_slot(dataset, kind):
+    """The loader tells a free slot by reference counts: whatever refers to a batch's arrays
+    (numpy views, buffers, tensors, containers) must keep its slot from being refilled."""
+    paths, data = dataset["paths"], {"image": dataset["images"], "label": dataset["labels"]}
+    sampler = Sampler(600, 16)
+    fields = {"image": paths["images_npy"], "label": paths["labels_npy"]}
+    with ShmDataLoader(fields, batch_size=16, readers=1, slots=2, hold_timeout=0.2) as loader:
+        kept = _holders()[kind](next(loader))
+        snapshot = _as_array(kept).copy()
+        assert next(loader).step == 1
+        with pytest.raises(SlotsExhaustedError, match="step 2 needs slot 0"):
+            next(loader)
+        assert np.array_equal(_as_array(kept), snapshot)  # Not overwritten while kept.
+        del kept
+        for step in range(2, 8):  # Freed: every slot is reused several times.
+            batch = next(loader)
+            assert batch.step == step
+            assert np.array_equal(batch["image"], data["image"][sampler.fill(step)])
+
+
+def test_arrays_changed_in_place_are_rebuilt_before_their_slot_is_reused(dataset):
+    """Arrays are built once per slot: a shape, dtype or flag changed in place by a trainer
+    must not reach the batches that later use the slot."""
+    paths, data = dataset["paths"], {"image": dataset["images"], "label": dataset["labels"]}
+    sampler = Sampler(600, 16)
+    fields = {"image": paths["images_npy"], "label": paths["labels_npy"]}
+    with ShmDataLoader(fields, batch_size=16, readers=1, slots=2) as loader:
+        for step in range(12):
+            batch = next(loader)
+            indices = sampler.fill(step)
+            assert batch["image"].shape == (16, 3, 8, 8) and batch["image"].dtype == np.uint8
+            assert batch["label"].flags.writeable and batch.indices.shape == (16,)
+            assert np.array_equal(batch["image"], data["image"][indices])
+            assert np.array_equal(batch["label"], data["label"][indices])
+            assert np.array_equal(batch.indices, indices)
+            if step % 3 == 0:
+                image = batch["image"]
+                image.shape = (16, -1)
+                batch["label"].dtype = np.uint8
+                batch.indices.flags.writeable = False
+                del image
+            elif step % 3 == 1:
+                with warnings.catch_warnings():  # Deprecated by numpy 2.4, still possible.
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    batch["image"].strides = (0, 64, 8, 1)  # Every row reads row 0.
+
+
+def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(dataset):
+    """A `for` loop's variable still refers to the previous batch while next() runs: that
+    batch's slot goes back at the call after, and a dropped batch's at the next call."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=6) as loader:
+        for batch in loader:
+            held = sorted(loader._held().values())
+            assert held == ([0] if batch.step == 0 else [batch.step - 1, batch.step])
+            if batch.step == 10:
+                break
+        batch.release()
+        released = next(loader)
+        assert released.step == 11 and sorted(loader._held().values()) == [11]
+        kept = released["label"]
+        del released
+        assert next(loader).step == 12 and sorted(loader._held().values()) == [11, 12]
+        del kept
+        loader._release_unused()
+        assert loader._held() == {}
+
+
+def test_batch_is_a_read_only_mapping_made_only_by_the_loader(dataset):
+    from shmloader import Batch
+
+    paths = dataset["paths"]
+    with ShmDataLoader({"image": paths["images_npy"], "label": paths["labels_npy"]}, batch_size=4, readers=1, slots=2) as loader:
+        batch = next(loader)
+        assert list(batch) == ["image", "label"] and len(batch) == 2 and "label" in batch and "x" not in batch
+        assert list(batch.keys()) == ["image", "label"] and batch.get("x") is None
+        assert all(value is batch[key] for key, value in batch.items())
+        assert repr(batch) == "Batch(step=0, image: uint8[4, 3, 8, 8], label: int64[4])"
+        with pytest.raises(KeyError, match="'x'"):
+            batch["x"]
+        with pytest.raises(AttributeError):
+            batch.step = 3
+        assert not batch.released
+        batch.release()
+        assert batch.released and len(batch) == 0 and list(batch) == [] and batch.indices is None
+        assert repr(batch) == "Batch(step=0, released)"
+    with pytest.raises(TypeError):
+        Batch()
+
+
+def test_a_forked_child_cannot_use_its_parents_loader(dataset):
+    data = {"label": dataset["labels"]}
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
+        check_batches(loader, data, steps=3)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                next(loader)
+            except RuntimeError as error:
+                code = 0 if "forked child" in str(error) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        check_batches(loader, data, steps=20, start=3)  # The parent's ring and readers are untouched.
 
 
 def test_holding_every_slot_raises_a_clear_error(dataset):
