@@ -320,6 +320,14 @@ def test_nothing_remains_after_close(dataset):
         next(loader)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_readers_run_as_batch_work_so_their_wake_ups_do_not_preempt_the_trainer(dataset):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=4) as loader:
+        next(loader)
+        assert [os.sched_getscheduler(pid) for pid in loader.reader_pids] == [os.SCHED_BATCH] * 2
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH  # The trainer keeps its own policy.
+
+
 def test_stats_report_progress(dataset):
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=4) as loader:
         for _, batch in zip(range(50), loader):
