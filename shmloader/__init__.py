@@ -8,8 +8,6 @@ from .errors import (
     SlotsExhaustedError,
     StorageError,
 )
-from .loader import Batch, ShmDataLoader
-from .sampler import Sampler
 
 __all__ = [
     "Batch",
@@ -23,3 +21,22 @@ __all__ = [
     "StorageError",
 ]
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): a reader process imports shmloader.reader, and through
+# this package, only what it runs; the loader, the converter and their imports are the
+# trainer's, and skipping them shortens every reader's start-up.
+_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
