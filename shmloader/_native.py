@@ -137,8 +137,8 @@ def _load():
 ffi, lib = _load()
 
 
-def _load_cursor():
-    """The CPython extension compiled from _cursor.c (the trainer's next())."""
+def load_cursor():
+    """The CPython extension compiled from _cursor.c (the trainer's next(); readers skip it)."""
     try:
         from . import _cursor
     except ImportError as error:
@@ -146,9 +146,6 @@ def _load_cursor():
     source = PACKAGE_DIR / "_cursor.c"
     _check_fresh(pathlib.Path(_cursor.__file__), [source] if source.exists() else [])
     return _cursor
-
-
-cursor_module = _load_cursor()
 
 
 def status_name(code: int) -> str:

@@ -18,12 +18,14 @@ import numpy as np
 import posix_ipc
 
 from . import convert as _convert
-from ._native import cursor_module
+from ._native import load_cursor
 from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import EXIT_REPORTED_ERROR
 from .ring import HELD_WORD, STATE_MASK, Ring, SlotState, layout_for, sweep_stale, wait
 from .sampler import Sampler, check_integer
 from .storage import FieldSpec, describe_field
+
+cursor_module = load_cursor()
 
 # How long one wait for a batch lasts before the trainer checks that its readers live:
 # a dead reader is noticed within about this long.
