@@ -62,6 +62,7 @@ typedef struct {
     uint64_t check_every;      /* batches between reader checks (in Python) */
     uint64_t wake_after;       /* wake readers once this many slots were handed back */
     uint64_t pending_posts;    /* slots handed back whose readers were not woken yet */
+    uint64_t reader_count;     /* at most this many posts per wake-up */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;
@@ -140,9 +141,13 @@ static inline int slot_in_use(const Slot *slot) {
     return 0;
 }
 
-/* One post per slot handed back since the last wake-up. */
+/* One post per slot handed back since the last wake-up, but no more than there are
+ * readers: a woken reader claims every requested slot before it sleeps again, so further
+ * posts would only wake readers to find nothing. */
 static int wake_readers(Cursor *self) {
-    for (; self->pending_posts > 0; self->pending_posts--) {
+    uint64_t posts = self->pending_posts < self->reader_count ? self->pending_posts : self->reader_count;
+    self->pending_posts = 0;
+    for (; posts > 0; posts--) {
         if (sem_post(self->work) != 0) {
             PyErr_SetFromErrno(PyExc_OSError);
             return -1;
@@ -296,16 +301,16 @@ static PyTypeObject BatchBaseType;
 
 static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"state_addresses", "step_addresses", "work_semaphore", "names", "batch_type", "views",
-                               "next_step", "check_every", "wake_after", "ready", "held_word", "requested",
-                               "state_mask", NULL};
+                               "next_step", "check_every", "wake_after", "reader_count", "ready", "held_word",
+                               "requested", "state_mask", NULL};
     PyObject *state_addresses, *step_addresses, *names, *views;
     PyTypeObject *batch_type;
     const char *semaphore_name;
-    unsigned long long next_step, check_every, wake_after, ready, held_word, requested, state_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!sO!O!O!KKKKKKK", keywords, &PyTuple_Type, &state_addresses,
+    unsigned long long next_step, check_every, wake_after, reader_count, ready, held_word, requested, state_mask;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!sO!O!O!KKKKKKKK", keywords, &PyTuple_Type, &state_addresses,
                                      &PyTuple_Type, &step_addresses, &semaphore_name, &PyTuple_Type, &names,
                                      &PyType_Type, &batch_type, &PyTuple_Type, &views, &next_step, &check_every,
-                                     &wake_after, &ready, &held_word, &requested, &state_mask)) {
+                                     &wake_after, &reader_count, &ready, &held_word, &requested, &state_mask)) {
         return NULL;
     }
     Py_ssize_t slot_count = PyTuple_GET_SIZE(state_addresses);
@@ -317,8 +322,8 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "setup needs one state address, step address and views tuple per slot");
         return NULL;
     }
-    if (check_every < 1 || wake_after < 1) {
-        PyErr_SetString(PyExc_ValueError, "check_every and wake_after must be at least 1");
+    if (check_every < 1 || wake_after < 1 || reader_count < 1) {
+        PyErr_SetString(PyExc_ValueError, "check_every, wake_after and reader_count must be at least 1");
         return NULL;
     }
     if (!PyType_IsSubtype(batch_type, &BatchBaseType)) {
@@ -372,6 +377,7 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
     self->next_step = next_step;
     self->check_every = check_every;
     self->wake_after = wake_after;
+    self->reader_count = reader_count;
     self->pending_posts = 0;
     self->ready = ready;
     self->held_word = held_word;
@@ -494,6 +500,8 @@ static PyMemberDef cursor_members[] = {
     {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,
      "the clock when the first batch was delivered, 0 before"},
     {"_active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
+    {"_pending_wakes", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
+     "slots handed back whose readers were not woken yet"},
     {NULL},
 };
 

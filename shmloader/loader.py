@@ -251,6 +251,7 @@ class ShmDataLoader(cursor_module.Cursor):
             next_step=start_step,
             check_every=_READER_CHECK_BATCHES,
             wake_after=_wake_after(self.slots),
+            reader_count=self.readers,
             ready=int(SlotState.READY),
             held_word=HELD_WORD,
             requested=int(SlotState.REQUESTED),
