@@ -191,6 +191,27 @@ def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(datas
         assert loader._held() == {}
 
 
+def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
+    """Handing a slot back requests its next step at once, but wakes the readers only once
+    half the ring waits for them, or at once when they are not ahead."""
+    from shmloader.ring import SlotState
+
+    data = {"label": dataset["labels"]}
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=8) as loader:
+        ring = loader._ring
+        check_batches(loader, data, steps=1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(ring.state(slot)[0] != SlotState.READY for slot in range(1, 8)):
+            time.sleep(0.01)  # The readers fill the ring (steps 1-7) and go to sleep.
+        for step in range(1, 4):
+            batch = next(loader)  # Hands back the previous step's slot: requested, not yet woken.
+            assert batch.step == step and loader._pending_wakes == step
+            assert ring.state((step - 1) % 8)[0] in (SlotState.REQUESTED, SlotState.FILLING, SlotState.READY)
+            del batch
+        assert next(loader).step == 4 and loader._pending_wakes == 0  # Half the ring (4): woken.
+        check_batches(loader, data, steps=40, start=5)  # And nothing is lost on the way.
+
+
 def test_batch_is_a_read_only_mapping_made_only_by_the_loader(dataset):
     from shmloader import Batch
 
