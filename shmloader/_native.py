@@ -11,7 +11,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 CDEF = """
 typedef struct {
@@ -64,6 +64,7 @@ uint64_t shm_atomic_load(const uint64_t *address);
 void shm_atomic_store(uint64_t *address, uint64_t value);
 uint64_t shm_atomic_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
 uint64_t shm_atomic_add(uint64_t *address, uint64_t value);
+int64_t shm_claim_lowest(uint64_t *table, uint64_t slot_count, uint64_t line_words, uint64_t requested, uint64_t filling_word);
 """
 
 

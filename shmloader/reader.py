@@ -85,17 +85,6 @@ class Reader:
     def trainer_alive(self) -> bool:
         return os.getppid() == self.trainer_pid
 
-    def claim(self) -> int | None:
-        """Takes the requested slot with the lowest step, or None if there is none.
-
-        The scan reads state words plainly (a hint); the compare-and-swap decides.
-        """
-        requested = sorted((self.ring.step(slot), slot) for slot in self.ring.requested_slots())
-        for _, slot in requested:
-            if self.ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.FILLING, self.index):
-                return slot
-        return None
-
     def fill(self, slot: int) -> None:
         started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
@@ -121,7 +110,7 @@ class Reader:
                 return 0
             wait(self.ring.work, _WAIT_SECONDS)
             while not self.ring.stopping:
-                slot = self.claim()
+                slot = self.ring.claim(self.index)
                 if slot is None:
                     break
                 self.fill(slot)

@@ -274,9 +274,9 @@ class Ring:
         self._word_view = memoryview(memory).cast("B").cast("Q")
         self._step_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
         self._state_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
-        self._state_indices_array = np.array(self._state_indices, dtype=np.intp)
         self._state_pointers = [self._u64_pointer(layout.control_offset(s) + CONTROL_OFFSET_STATE) for s in range(layout.slot_count)]
         self._stop_pointer = self._u64_pointer(OFFSET_STOP)
+        self._table_pointer = self._u64_pointer(layout.table_offset)
 
     def _u64_pointer(self, offset: int):
         return ffi.cast("uint64_t *", self.base_address + offset)
@@ -371,10 +371,14 @@ class Ring:
         """Sets the slot's step; publish it with a state store afterwards."""
         self._word_view[self._step_indices[slot]] = step
 
-    def requested_slots(self) -> list[int]:
-        """Slots whose state word reads REQUESTED right now (a plain read: a hint for readers)."""
-        words = self._words[self._state_indices_array]
-        return np.flatnonzero((words & STATE_MASK) == int(SlotState.REQUESTED)).tolist()
+    def claim(self, reader: int) -> int | None:
+        """A reader takes the requested slot with the lowest step (REQUESTED -> FILLING|reader by
+        compare-and-swap, natively: one scan of the control table). None if none is requested."""
+        slot = lib.shm_claim_lowest(
+            self._table_pointer, self.layout.slot_count, SLOT_CONTROL_BYTES // 8,
+            int(SlotState.REQUESTED), int(SlotState.FILLING) | reader << OWNER_SHIFT,
+        )
+        return None if slot < 0 else slot
 
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""

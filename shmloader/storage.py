@@ -8,6 +8,7 @@ is a small description that crosses to reader processes, which `open_field` it a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import mmap
 import os
@@ -51,11 +52,12 @@ class FieldSpec:
     # native gather needs; other layouts go through blosc2's Python API (slow, correct).
     row_contiguous: bool = False
 
-    @property
+    # Cached: a reader reads them on every gather (a frozen dataclass still has a __dict__).
+    @functools.cached_property
     def numpy_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         return math.prod(self.row_shape) * self.numpy_dtype.itemsize
 

@@ -9,7 +9,7 @@ const Status = status.Status;
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 1;
+const abi_version: u32 = 2; // 2: shm_claim_lowest.
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -87,6 +87,33 @@ export fn shm_atomic_add(address: *u64, value: u64) u64 {
     return @atomicRmw(u64, address, .Add, value, .seq_cst);
 }
 
+/// A reader's claim on the ring's slot table (`slot_count` control lines of `line_words`
+/// u64 each: the state word, then the step): takes the slot whose state's low byte is
+/// `requested` with the lowest step, by compare-and-swap of its whole state word (a
+/// requested slot has no owner bits) to `filling_word`. Returns the slot, or -1 if none is
+/// requested. Lost races rescan; each rescan follows another reader's successful claim.
+export fn shm_claim_lowest(table: [*]u64, slot_count: u64, line_words: u64, requested: u64, filling_word: u64) i64 {
+    while (true) {
+        var best: ?u64 = null;
+        var best_step: u64 = 0;
+        var slot: u64 = 0;
+        while (slot < slot_count) : (slot += 1) {
+            const line = table + slot * line_words;
+            if (@atomicLoad(u64, &line[0], .acquire) & 0xFF != requested) continue;
+            const step = @atomicLoad(u64, &line[1], .monotonic);
+            if (best == null or step < best_step) {
+                best = slot;
+                best_step = step;
+            }
+        }
+        const chosen = best orelse return -1;
+        const state = &(table + chosen * line_words)[0];
+        if (@cmpxchgStrong(u64, state, requested, filling_word, .acq_rel, .monotonic) == null) {
+            return @intCast(chosen);
+        }
+    }
+}
+
 test {
     _ = sampler;
     _ = gather;
@@ -98,4 +125,22 @@ test "atomics" {
     try std.testing.expectEqual(@as(u64, 9), shm_atomic_compare_swap(&word, 5, 1));
     try std.testing.expectEqual(@as(u64, 9), shm_atomic_add(&word, 1));
     try std.testing.expectEqual(@as(u64, 10), shm_atomic_load(&word));
+}
+
+test "claim takes the requested slot with the lowest step, once" {
+    const requested: u64 = 1;
+    const filling: u64 = 2 | (5 << 8);
+    // Four control lines of 8 words: states and steps.
+    var table: [32]u64 = @splat(0);
+    table[0 * 8] = 3; // ready
+    table[1 * 8] = requested;
+    table[1 * 8 + 1] = 9;
+    table[2 * 8] = requested;
+    table[2 * 8 + 1] = 6;
+    table[3 * 8] = 2 | (1 << 8); // filling by reader 1
+    table[3 * 8 + 1] = 5;
+    try std.testing.expectEqual(@as(i64, 2), shm_claim_lowest(&table, 4, 8, requested, filling));
+    try std.testing.expectEqual(filling, table[2 * 8]);
+    try std.testing.expectEqual(@as(i64, 1), shm_claim_lowest(&table, 4, 8, requested, filling));
+    try std.testing.expectEqual(@as(i64, -1), shm_claim_lowest(&table, 4, 8, requested, filling));
 }
