@@ -23,6 +23,7 @@ import numpy as np
 from _common import machine_line, table, verdict
 from gather import make_files
 from shmloader import ShmDataLoader, benchmark
+from shmloader.ring import SlotState
 from shmloader.storage import describe_field, open_field
 
 ROWS, ROW_BYTES, BATCH = 100_000, 3072, 256
@@ -139,13 +140,13 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: flo
             if step_seconds is None:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and (
-                    ring.state_word(loader._next_step % slots) & 0xFF != 3
-                    or any(ring.state_word(slot) & 0xFF == 2 for slot in range(slots))
+                    ring.state(loader._next_step % slots)[0] != SlotState.READY
+                    or any(ring.state(slot)[0] == SlotState.FILLING for slot in range(slots))
                 ):
                     pass
             else:
                 simulated_training_step(step_seconds, work)
-            ready = ring.state_word(loader._next_step % slots) & 0xFF == 3
+            ready = ring.state(loader._next_step % slots)[0] == SlotState.READY
             if sample % 2:
                 started = time.perf_counter_ns()
                 next(floor_iterator)

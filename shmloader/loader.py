@@ -346,7 +346,7 @@ class ShmDataLoader(cursor_module.Cursor):
         for step_k in range(step, step + self.slots):
             self._ring.request(step_k % self.slots, step_k)
 
-    # Iteration.
+    # Slot arrays.
 
     def _slot_views(self, slot: int) -> tuple[np.ndarray, ...]:
         """Slot `slot`'s arrays: one per field, then the indices. Their base is the mapping

@@ -57,12 +57,10 @@ import enum
 import functools
 import mmap
 import os
-import platform
 import re
 import secrets
 import struct
 
-import numpy as np
 import posix_ipc
 
 from ._native import ffi, lib
@@ -105,8 +103,6 @@ class SlotState(enum.IntEnum):
 
 
 HELD_WORD = int(SlotState.HELD)  # The whole state word of a held slot (no owner).
-# x86-64 orders every load like an acquire (TSO); other machines need the atomic load.
-_PLAIN_LOADS_ACQUIRE = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _align(value: int, alignment: int) -> int:
@@ -265,15 +261,11 @@ class Ring:
         self.closed = False
         self._pointer = ffi.from_buffer("uint8_t[]", memory)
         self.base_address = int(ffi.cast("uintptr_t", self._pointer))
-        # Plain reads and writes of slot header words: for values whose ordering an atomic
-        # access next to them already provides (a step is written before, and read after,
-        # the state word that publishes it).
-        self._words = np.frombuffer(memory, dtype=np.uint64, count=layout.total_bytes // 8)
-        # The same words as a memoryview: indexing it is a short C path, which matters on
-        # the trainer's fast path where caches are cold after a training step.
+        # Plain reads and writes of u64 words: for values whose ordering an atomic access
+        # next to them already provides (a step is written before, and read after, the
+        # state word that publishes it), and for the stop flag, which readers poll.
         self._word_view = memoryview(memory).cast("B").cast("Q")
         self._step_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
-        self._state_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STATE) // 8 for s in range(layout.slot_count)]
         self._state_pointers = [self._u64_pointer(layout.control_offset(s) + CONTROL_OFFSET_STATE) for s in range(layout.slot_count)]
         self._stop_pointer = self._u64_pointer(OFFSET_STOP)
         self._table_pointer = self._u64_pointer(layout.table_offset)
@@ -345,16 +337,6 @@ class Ring:
         except ValueError:
             raise SharedMemoryError(f"slot {slot} of ring {self.names.segment} has invalid state word {word:#x}") from None
 
-    def state_word(self, slot: int) -> int:
-        """The raw state word, unvalidated, with acquire ordering: for the trainer's fast path.
-
-        On x86-64 every aligned load already has acquire semantics, so a plain read
-        through the memoryview is enough; elsewhere the atomic load provides them.
-        """
-        if _PLAIN_LOADS_ACQUIRE:
-            return self._word_view[self._state_indices[slot]]
-        return lib.shm_atomic_load(self._state_pointers[slot])
-
     def set_state(self, slot: int, state: SlotState, owner: int = 0) -> None:
         lib.shm_atomic_store(self._state_pointers[slot], int(state) | owner << OWNER_SHIFT)
 
@@ -388,7 +370,7 @@ class Ring:
 
     @property
     def stopping(self) -> bool:
-        return self._words[OFFSET_STOP // 8] != 0  # A plain read: readers poll it.
+        return self._word_view[OFFSET_STOP // 8] != 0  # A plain read: readers poll it.
 
     def set_stopping(self) -> None:
         lib.shm_atomic_store(self._stop_pointer, 1)
@@ -422,9 +404,6 @@ class Ring:
         """Addresses of every slot's state word and step word, for the trainer's native next()."""
         lines = [self.base_address + self.layout.control_offset(slot) for slot in range(self.layout.slot_count)]
         return tuple(a + CONTROL_OFFSET_STATE for a in lines), tuple(a + CONTROL_OFFSET_STEP for a in lines)
-
-    def region_address(self, slot: int, offset_in_slot: int) -> int:
-        return self.base_address + self.layout.slot_offset(slot) + offset_in_slot
 
     def close(self) -> None:
         """Closes this process's semaphore handles. Idempotent.
