@@ -16,8 +16,10 @@
  * nothing refers to them. The ring's layout and state values come from ring.py at setup:
  * this file defines none of them.
  *
- * Everything that is not the fast path (waiting, reader supervision, errors) is Python:
- * Cursor.__next__ calls self._next_slow() whenever the batch is not ready at once.
+ * A batch that is requested or being filled is waited for here too, with the GIL
+ * released, for at most one poll interval. Everything else (reader supervision, errors,
+ * slots a user still holds, a closed or forked loader) is Python: Cursor.__next__ calls
+ * self._next_slow().
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +28,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/ndarraytypes.h>
 
+#include <errno.h>
 #include <fcntl.h>
 #include <semaphore.h>
 #include <stdint.h>
@@ -60,7 +63,9 @@ typedef struct {
     PyObject *names;           /* tuple of field names, in view order */
     PyTypeObject *batch_type;  /* a subclass of BatchBase */
     sem_t *work;               /* readers wait on it for requested slots */
-    uint64_t ready, held_word, requested, state_mask;
+    sem_t **ready_semaphores;  /* one per slot: posted when a reader publishes it */
+    uint64_t ready, held_word, requested, filling, state_mask;
+    uint64_t wait_ns_max;      /* one native wait lasts at most this long; then Python checks readers */
     uint64_t check_every;      /* batches between reader checks (in Python) */
     uint64_t wake_after;       /* wake readers once this many slots were handed back */
     uint64_t pending_posts;    /* slots handed back whose readers were not woken yet */
@@ -224,25 +229,78 @@ static PyObject *take(Cursor *self) {
     return (PyObject *)batch;
 }
 
-/* The fast path touches no clock: its cost is not waiting, and stats() counts only the
- * slow path's time as waiting for data. */
 static inline int step_ready(const Cursor *self, unsigned long long step) {
     const Slot *slot = &self->slots[step % (unsigned long long)self->slot_count];
     uint64_t word = __atomic_load_n(slot->state_word, __ATOMIC_ACQUIRE);
     return (word & self->state_mask) == self->ready && *slot->step_word == step;
 }
 
+/* Waits, without the GIL, for the step next() needs while a reader has it requested or
+ * in hand: the common wait of a trainer that outruns its readers, kept out of Python.
+ * Returns 1 once the step is ready, 0 to let Python decide (time-out: it checks the
+ * readers; another state; a signal without a Python exception), -1 with an exception set
+ * (a handler raised, e.g. KeyboardInterrupt). */
+static int wait_in_flight(Cursor *self) {
+    unsigned long long step = self->next_step;
+    Slot *slot = &self->slots[step % (unsigned long long)self->slot_count];
+    sem_t *semaphore = self->ready_semaphores[step % (unsigned long long)self->slot_count];
+    if (wake_readers(self) < 0) {
+        return -1; /* Readers asleep with pending requests would cost a whole poll. */
+    }
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_nsec += (long)(self->wait_ns_max % 1000000000ull);
+    deadline.tv_sec += (time_t)(self->wait_ns_max / 1000000000ull) + deadline.tv_nsec / 1000000000L;
+    deadline.tv_nsec %= 1000000000L;
+    for (;;) {
+        uint64_t word = __atomic_load_n(slot->state_word, __ATOMIC_ACQUIRE);
+        uint64_t state = word & self->state_mask;
+        if (*slot->step_word != step || (state != self->requested && state != self->filling)) {
+            return step_ready(self, step);
+        }
+        int result;
+        Py_BEGIN_ALLOW_THREADS
+        result = sem_timedwait(semaphore, &deadline);
+        Py_END_ALLOW_THREADS
+        if (result != 0) {
+            if (errno == EINTR) {
+                return PyErr_CheckSignals() < 0 ? -1 : 0;
+            }
+            return step_ready(self, step); /* ETIMEDOUT: Python checks the readers. */
+        }
+        /* A post: this step, or a stale one from an earlier fill; look again. */
+    }
+}
+
+/* The fast path touches no clock: its cost is not waiting. stats() counts the native
+ * wait and the slow path as waiting for data. */
 static PyObject *cursor_iternext(Cursor *self) {
     if (self->active) {
         if (release_unused(self, 0) < 0) {
             return NULL;
         }
-        if (step_ready(self, self->next_step) && (self->batches + 1) % self->check_every != 0) {
+        int due = (self->batches + 1) % self->check_every == 0;
+        if (step_ready(self, self->next_step) && !due) {
             /* Readers not ahead (the batch after this one is not ready): wake them now. */
             if (self->pending_posts > 0 && !step_ready(self, self->next_step + 1) && wake_readers(self) < 0) {
                 return NULL;
             }
             return take(self);
+        }
+        if (!due) {
+            unsigned long long started_ns = monotonic_ns();
+            int ready = wait_in_flight(self);
+            if (ready < 0) {
+                return NULL;
+            }
+            if (ready) {
+                if (self->first_next_ns == 0) {
+                    self->first_next_ns = started_ns;
+                }
+                PyObject *batch = take(self);
+                self->wait_ns += monotonic_ns() - started_ns;
+                return batch;
+            }
         }
     }
     /* Not ready, due for a reader check, closed or not set up: Python decides. */
@@ -265,6 +323,15 @@ static void cursor_clear(Cursor *self) {
     if (self->work != NULL) {
         sem_close(self->work);
         self->work = NULL;
+    }
+    if (self->ready_semaphores != NULL) {
+        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
+            if (self->ready_semaphores[s] != NULL) {
+                sem_close(self->ready_semaphores[s]);
+            }
+        }
+        PyMem_Free(self->ready_semaphores);
+        self->ready_semaphores = NULL;
     }
     Py_CLEAR(self->names);
     Py_CLEAR(self->batch_type);
@@ -302,17 +369,19 @@ static int set_views(Cursor *self, Py_ssize_t index, PyObject *views) {
 static PyTypeObject BatchBaseType;
 
 static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"state_addresses", "step_addresses", "work_semaphore", "names", "batch_type", "views",
-                               "next_step", "check_every", "wake_after", "reader_count", "ready", "held_word",
-                               "requested", "state_mask", NULL};
-    PyObject *state_addresses, *step_addresses, *names, *views;
+    static char *keywords[] = {"state_addresses", "step_addresses", "work_semaphore", "ready_semaphores", "names",
+                               "batch_type", "views", "next_step", "check_every", "wake_after", "reader_count",
+                               "wait_ns_max", "ready", "held_word", "requested", "filling", "state_mask", NULL};
+    PyObject *state_addresses, *step_addresses, *ready_names, *names, *views;
     PyTypeObject *batch_type;
     const char *semaphore_name;
-    unsigned long long next_step, check_every, wake_after, reader_count, ready, held_word, requested, state_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!sO!O!O!KKKKKKKK", keywords, &PyTuple_Type, &state_addresses,
-                                     &PyTuple_Type, &step_addresses, &semaphore_name, &PyTuple_Type, &names,
-                                     &PyType_Type, &batch_type, &PyTuple_Type, &views, &next_step, &check_every,
-                                     &wake_after, &reader_count, &ready, &held_word, &requested, &state_mask)) {
+    unsigned long long next_step, check_every, wake_after, reader_count, wait_ns_max, ready, held_word, requested,
+        filling, state_mask;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!sO!O!O!O!KKKKKKKKKK", keywords, &PyTuple_Type,
+                                     &state_addresses, &PyTuple_Type, &step_addresses, &semaphore_name, &PyTuple_Type,
+                                     &ready_names, &PyTuple_Type, &names, &PyType_Type, &batch_type, &PyTuple_Type,
+                                     &views, &next_step, &check_every, &wake_after, &reader_count, &wait_ns_max,
+                                     &ready, &held_word, &requested, &filling, &state_mask)) {
         return NULL;
     }
     Py_ssize_t slot_count = PyTuple_GET_SIZE(state_addresses);
@@ -320,11 +389,13 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return NULL;
     }
-    if (slot_count < 1 || PyTuple_GET_SIZE(step_addresses) != slot_count || PyTuple_GET_SIZE(views) != slot_count) {
-        PyErr_SetString(PyExc_ValueError, "setup needs one state address, step address and views tuple per slot");
+    if (slot_count < 1 || PyTuple_GET_SIZE(step_addresses) != slot_count || PyTuple_GET_SIZE(views) != slot_count ||
+        PyTuple_GET_SIZE(ready_names) != slot_count) {
+        PyErr_SetString(PyExc_ValueError,
+                        "setup needs one state address, step address, ready semaphore and views tuple per slot");
         return NULL;
     }
-    if (check_every < 1 || wake_after < 1 || reader_count < 1) {
+    if (check_every < 1 || wake_after < 1 || reader_count < 1 || wait_ns_max < 1) {
         PyErr_SetString(PyExc_ValueError, "check_every, wake_after and reader_count must be at least 1");
         return NULL;
     }
@@ -372,6 +443,23 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
         cursor_clear(self);
         return NULL;
     }
+    self->ready_semaphores = PyMem_Calloc((size_t)slot_count, sizeof(sem_t *));
+    if (self->ready_semaphores == NULL) {
+        cursor_clear(self);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t s = 0; s < slot_count; s++) {
+        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(ready_names, s));
+        sem_t *semaphore = name == NULL ? SEM_FAILED : sem_open(name, 0);
+        if (semaphore == SEM_FAILED) {
+            if (name != NULL) {
+                PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+            }
+            cursor_clear(self);
+            return NULL;
+        }
+        self->ready_semaphores[s] = semaphore;
+    }
     Py_INCREF(names);
     self->names = names;
     Py_INCREF(batch_type);
@@ -384,7 +472,9 @@ static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
     self->ready = ready;
     self->held_word = held_word;
     self->requested = requested;
+    self->filling = filling;
     self->state_mask = state_mask;
+    self->wait_ns_max = wait_ns_max;
     self->active = 1;
     Py_RETURN_NONE;
 }
@@ -440,6 +530,17 @@ static PyObject *cursor_take(Cursor *self, PyObject *args) {
     return batch;
 }
 
+static PyObject *cursor_wait_in_flight(Cursor *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->active) {
+        Py_RETURN_FALSE;
+    }
+    int ready = wait_in_flight(self);
+    if (ready < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(ready);
+}
+
 static PyObject *cursor_held(Cursor *self, PyObject *Py_UNUSED(ignored)) {
     PyObject *held = PyDict_New();
     if (held == NULL || self->slots == NULL) {
@@ -490,6 +591,9 @@ static PyMethodDef cursor_methods[] = {
     {"_take", (PyCFunction)cursor_take, METH_VARARGS,
      "Hands out the ready slot of the next step; adds the time since started_ns to the wait."},
     {"_held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
+    {"_wait_in_flight", (PyCFunction)cursor_wait_in_flight, METH_NOARGS,
+     "Waits at most one poll interval, without the GIL, for the next step while it is requested or being "
+     "filled; True once it is ready."},
     {"_deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS, "Drops every slot's arrays; next() goes to Python."},
     {"_now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},
     {NULL},

@@ -245,6 +245,7 @@ class ShmDataLoader(cursor_module.Cursor):
             state_addresses=state_addresses,
             step_addresses=step_addresses,
             work_semaphore=self._ring.names.work,
+            ready_semaphores=tuple(self._ring.names.ready),
             names=tuple(sys.intern(name) for name in self.field_names),
             batch_type=Batch,
             views=tuple(self._slot_views(slot) for slot in range(self.slots)),
@@ -252,9 +253,11 @@ class ShmDataLoader(cursor_module.Cursor):
             check_every=_READER_CHECK_BATCHES,
             wake_after=_wake_after(self.slots),
             reader_count=self.readers,
+            wait_ns_max=int(_POLL_SECONDS * 1e9),
             ready=int(SlotState.READY),
             held_word=HELD_WORD,
             requested=int(SlotState.REQUESTED),
+            filling=int(SlotState.FILLING),
             state_mask=STATE_MASK,
         )
         _live_loaders.add(self)
@@ -410,7 +413,11 @@ class ShmDataLoader(cursor_module.Cursor):
                         f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
                         f"raise slots (now {self.slots})."
                     )
-            if not wait(ring.ready[slot], _POLL_SECONDS):
+            if state in (SlotState.REQUESTED, SlotState.FILLING):
+                waited = self._wait_in_flight()  # Native, without the GIL; as next() itself waits.
+            else:
+                waited = wait(ring.ready[slot], _POLL_SECONDS)
+            if not waited:
                 self._check_readers()
 
     # Reader supervision.

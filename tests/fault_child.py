@@ -4,6 +4,8 @@ behaves as told (iterate forever, exit without closing, ...). Not a test module.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 
@@ -25,6 +27,14 @@ def main() -> None:
                 time.sleep(0.001)
     if behaviour == "sleep":
         time.sleep(60)
+    if behaviour == "stall":
+        # Readers stopped: once the ring's ready batches are used up, next() blocks in its wait.
+        for pid in loader.reader_pids:
+            os.kill(pid, signal.SIGSTOP)
+        print("stalled", flush=True)
+        with loader:
+            while True:
+                next(loader)
 
 
 if __name__ == "__main__":

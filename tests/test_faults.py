@@ -147,6 +147,25 @@ def test_ctrl_c_closes_cleanly(dataset):
     assert_all_gone(child.pid, info)
 
 
+def test_ctrl_c_interrupts_a_next_that_waits_for_stalled_readers(dataset):
+    """next() waits natively with the GIL released; a signal must still end that wait at once."""
+    child, info = run_child("stall", {"label": dataset["paths"]["labels_npy"]}, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == "stalled"
+        time.sleep(1.0)  # The ring's ready batches go in microseconds; then next() blocks.
+        assert child.poll() is None, "next() returned although every reader is stopped"
+        child.send_signal(signal.SIGINT)  # The trainer only: its readers stay stopped.
+        started = time.monotonic()
+        assert child.wait(10) != 0
+        # Closing waits 2 s for the stopped readers to exit, then kills them.
+        assert time.monotonic() - started < 5
+    finally:
+        child.kill()
+        errors = child.stderr.read()
+    assert "KeyboardInterrupt" in errors, errors
+    assert_all_gone(child.pid, info)
+
+
 def test_interpreter_exit_without_close_leaves_nothing(dataset):
     child, info = run_child("exit-without-close", {"label": dataset["paths"]["labels_npy"]})
     assert child.wait(10) == 0
