@@ -4,9 +4,8 @@
  * Why native: after a training step the trainer's caches and TLB are cold, and every
  * line of code or data next() touches costs a miss. A next() written in Python touches
  * the interpreter, numpy's array constructor and cffi: 38-93 us on the development
- * machine after a simulated step; this path costs 7-23 us there (median of a run, with the
- * interpreter's call; 9-14 us in most runs), of which 2-7 us is what next() of a bare
- * C iterator costs in the same conditions.
+ * machine after a simulated step; this path costs 7-23 us there (median of a run, over six
+ * runs, with the interpreter's call), where next() of a bare C iterator costs 2-7 us.
  *
  * Nothing is allocated per batch except one small Batch object: each slot's arrays are
  * built once (by loader.py, as views of the mapped ring whose base is the mapping, so
