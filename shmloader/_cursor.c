@@ -54,6 +54,8 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     int active;
+    int waiting;               /* threads inside a native wait (GIL released) */
+    int clear_deferred;        /* _deactivate came while one waited: the last waiter clears */
     Py_ssize_t slot_count;
     Py_ssize_t view_count;
     Slot *slots;
@@ -228,6 +230,8 @@ static PyObject *take(Cursor *self) {
     return (PyObject *)batch;
 }
 
+static void cursor_clear(Cursor *self);
+
 static inline int step_ready(const Cursor *self, unsigned long long step) {
     const Slot *slot = &self->slots[step % (unsigned long long)self->slot_count];
     uint64_t word = __atomic_load_n(slot->state_word, __ATOMIC_ACQUIRE);
@@ -257,12 +261,23 @@ static int wait_in_flight(Cursor *self) {
         if (*slot->step_word != step || (state != self->requested && state != self->filling)) {
             return step_ready(self, step);
         }
-        int result;
+        int result, error;
+        self->waiting++;
         Py_BEGIN_ALLOW_THREADS
         result = sem_timedwait(semaphore, &deadline);
+        error = errno;
         Py_END_ALLOW_THREADS
+        self->waiting--;
+        /* Without the GIL, another thread may have closed the loader (its slots and
+         * semaphores are freed only once no thread waits on them) or taken this step. */
+        if (!self->active || self->next_step != step) {
+            if (self->clear_deferred && self->waiting == 0) {
+                cursor_clear(self);
+            }
+            return 0;
+        }
         if (result != 0) {
-            if (errno == EINTR) {
+            if (error == EINTR) {
                 return PyErr_CheckSignals() < 0 ? -1 : 0;
             }
             return step_ready(self, step); /* ETIMEDOUT: Python checks the readers. */
@@ -310,6 +325,11 @@ static PyObject *cursor_iternext(Cursor *self) {
 
 static void cursor_clear(Cursor *self) {
     self->active = 0;
+    if (self->waiting > 0) {
+        self->clear_deferred = 1; /* A thread waits on a semaphore of ours: it clears after. */
+        return;
+    }
+    self->clear_deferred = 0;
     if (self->slots != NULL) {
         for (Py_ssize_t s = 0; s < self->slot_count; s++) {
             Py_CLEAR(self->slots[s].views);

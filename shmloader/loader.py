@@ -367,12 +367,15 @@ class ShmDataLoader(cursor_module.Cursor):
     def __iter__(self) -> ShmDataLoader:
         return self
 
-    def _next_slow(self) -> Batch:
-        started = self._now_ns()
+    def _raise_if_closed(self) -> None:
         if self._resources.owner_pid != os.getpid():
             raise RuntimeError(f"this loader belongs to process {self._resources.owner_pid}; a forked child cannot use it")
         if self._closed:
             raise RuntimeError("the loader is closed")
+
+    def _next_slow(self) -> Batch:
+        started = self._now_ns()
+        self._raise_if_closed()
         self._release_unused()  # Also wakes the readers for every slot handed back so far.
         self._check_readers()
         step = self._next_step
@@ -389,6 +392,7 @@ class ShmDataLoader(cursor_module.Cursor):
         ring = self._ring
         hold_deadline = None
         while True:
+            self._raise_if_closed()  # Another thread may close the loader while this one waits.
             state, owner = ring.state(slot)
             if state == SlotState.READY:
                 if ring.step(slot) != step:
@@ -458,6 +462,7 @@ class ShmDataLoader(cursor_module.Cursor):
         raise self._reported_error(reader_index, exit_code)
 
     def _check_readers(self) -> None:
+        self._raise_if_closed()  # Readers that a close() stops are not restarted.
         for reader_index, process in enumerate(self._resources.processes):
             exit_code = process.poll()
             if exit_code is None:
@@ -514,8 +519,7 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch. Every batch must have been released first."""
-        if self._closed:
-            raise RuntimeError("the loader is closed")
+        self._raise_if_closed()
         step = check_integer("step", step, 0, (1 << 64) - 1)
         ring = self._ring
         self._release_unused()

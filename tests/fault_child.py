@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 from shmloader import ShmDataLoader
@@ -27,6 +28,25 @@ def main() -> None:
                 time.sleep(0.001)
     if behaviour == "sleep":
         time.sleep(60)
+    if behaviour == "close-while-waiting":
+        # One thread blocks in next() (readers stopped) while another closes the loader.
+        for pid in loader.reader_pids:
+            os.kill(pid, signal.SIGSTOP)
+        outcome = []
+
+        def iterate() -> None:
+            try:
+                while True:
+                    next(loader)
+            except RuntimeError as error:
+                outcome.append(str(error))
+
+        thread = threading.Thread(target=iterate)
+        thread.start()
+        time.sleep(0.5)
+        loader.close()
+        thread.join(10)
+        print(json.dumps({"alive": thread.is_alive(), "outcome": outcome}), flush=True)
     if behaviour == "stall":
         # Readers stopped: once the ring's ready batches are used up, next() blocks in its wait.
         for pid in loader.reader_pids:

@@ -166,6 +166,20 @@ def test_ctrl_c_interrupts_a_next_that_waits_for_stalled_readers(dataset):
     assert_all_gone(child.pid, info)
 
 
+def test_close_from_another_thread_ends_a_waiting_next(dataset):
+    """next() waits without the GIL: a close() meanwhile must end that wait with an error,
+    never free what the waiting thread still uses (the process would crash)."""
+    child, info = run_child("close-while-waiting", {"label": dataset["paths"]["labels_npy"]}, stderr=subprocess.PIPE)
+    try:
+        line = child.stdout.readline()
+        assert child.wait(20) == 0, child.stderr.read()
+    finally:
+        child.kill()
+    result = json.loads(line)
+    assert not result["alive"] and result["outcome"] == ["the loader is closed"], result
+    assert_all_gone(child.pid, info)
+
+
 def test_interpreter_exit_without_close_leaves_nothing(dataset):
     child, info = run_child("exit-without-close", {"label": dataset["paths"]["labels_npy"]})
     assert child.wait(10) == 0
