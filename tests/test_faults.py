@@ -112,6 +112,14 @@ def run_child(behaviour: str, fields: dict, **popen):
     return child, json.loads(line)
 
 
+def exit_code_and_errors(child: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """The child's exit code and stderr; a child still running after `timeout` is killed."""
+    try:
+        return child.wait(timeout), child.stderr.read()
+    finally:
+        child.kill()
+
+
 def assert_all_gone(child_pid: int, info: dict, timeout: float = 3.0) -> None:
     assert wait_until(lambda: not any(process_alive(pid) for pid in info["readers"]), timeout), "readers outlived"
     assert wait_until(lambda: not our_shm_entries(child_pid), timeout), our_shm_entries(child_pid)
@@ -138,11 +146,8 @@ def test_ctrl_c_closes_cleanly(dataset):
     # A terminal sends SIGINT to the whole foreground group: trainer and readers alike.
     child, info = run_child("iterate", {"label": dataset["paths"]["labels_npy"]}, start_new_session=True, stderr=subprocess.PIPE)
     os.killpg(child.pid, signal.SIGINT)
-    try:
-        assert child.wait(10) != 0
-    finally:
-        child.kill()
-        errors = child.stderr.read()
+    code, errors = exit_code_and_errors(child, 10)
+    assert code != 0
     assert "KeyboardInterrupt" in errors, errors
     assert_all_gone(child.pid, info)
 
@@ -154,14 +159,15 @@ def test_ctrl_c_interrupts_a_next_that_waits_for_stalled_readers(dataset):
         assert child.stdout.readline().strip() == "stalled"
         time.sleep(1.0)  # The ring's ready batches go in microseconds; then next() blocks.
         assert child.poll() is None, "next() returned although every reader is stopped"
-        child.send_signal(signal.SIGINT)  # The trainer only: its readers stay stopped.
-        started = time.monotonic()
-        assert child.wait(10) != 0
-        # Closing waits 2 s for the stopped readers to exit, then kills them.
-        assert time.monotonic() - started < 5
-    finally:
-        child.kill()
-        errors = child.stderr.read()
+    except BaseException:
+        child.kill()  # It would block for ever on its stopped readers.
+        raise
+    child.send_signal(signal.SIGINT)  # The trainer only: its readers stay stopped.
+    started = time.monotonic()
+    code, errors = exit_code_and_errors(child, 10)
+    assert code != 0
+    # Closing waits 2 s for the stopped readers to exit, then kills them.
+    assert time.monotonic() - started < 5
     assert "KeyboardInterrupt" in errors, errors
     assert_all_gone(child.pid, info)
 
@@ -170,11 +176,9 @@ def test_close_from_another_thread_ends_a_waiting_next(dataset):
     """next() waits without the GIL: a close() meanwhile must end that wait with an error,
     never free what the waiting thread still uses (the process would crash)."""
     child, info = run_child("close-while-waiting", {"label": dataset["paths"]["labels_npy"]}, stderr=subprocess.PIPE)
-    try:
-        line = child.stdout.readline()
-        assert child.wait(20) == 0, child.stderr.read()
-    finally:
-        child.kill()
+    line = child.stdout.readline()
+    code, errors = exit_code_and_errors(child, 20)
+    assert code == 0, errors
     result = json.loads(line)
     assert not result["alive"] and result["outcome"] == ["the loader is closed"], result
     assert_all_gone(child.pid, info)
