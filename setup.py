@@ -13,6 +13,15 @@ from setuptools.command.build_ext import build_ext
 ROOT = pathlib.Path(__file__).parent
 ZIG_ROOT_SOURCE = "zig/c_api.zig"
 CURSOR_SOURCE = "shmloader/_cursor.c"
+# The slot protocol's one definition; the Zig sources import its translation.
+RING_HEADER = "shmloader/ring.h"
+GENERATED_ZIG_HEADER = "zig/ring_h.zig"
+
+
+def translate_ring_header(zig: list[str], output: pathlib.Path) -> None:
+    """Writes ring.h as Zig (what @cImport did before Zig 0.16 moved it out of the language)."""
+    result = subprocess.run([*zig, "translate-c", "-lc", str(ROOT / RING_HEADER)], check=True, capture_output=True)
+    output.write_bytes(result.stdout)
 
 
 class ZigBuildExt(build_ext):
@@ -38,6 +47,7 @@ class ZigBuildExt(build_ext):
                 str(ROOT / CURSOR_SOURCE),
             ]
         else:
+            translate_ring_header(zig, ROOT / GENERATED_ZIG_HEADER)
             command = [
                 *zig, "build-lib", "-dynamic",
                 "-OReleaseFast",

@@ -3,6 +3,7 @@
 from .errors import (
     PerformanceWarning,
     ReaderError,
+    ReaderStallWarning,
     SharedMemoryError,
     ShmLoaderError,
     SlotsExhaustedError,
@@ -13,6 +14,7 @@ __all__ = [
     "Batch",
     "PerformanceWarning",
     "ReaderError",
+    "ReaderStallWarning",
     "Sampler",
     "SharedMemoryError",
     "ShmDataLoader",

@@ -1,24 +1,22 @@
 /*
- * The trainer's hot path: next() on the ring without running Python code.
+ * The trainer's side of the slot protocol: next() on the ring, natively.
  *
- * Why native: after a training step the trainer's caches and TLB are cold, and every
- * line of code or data next() touches costs a miss. A next() written in Python touches
- * the interpreter, numpy's array constructor and cffi: 38-93 us on the development
- * machine after a simulated step; this path costs 7-23 us there (median of a run, over six
- * runs, with the interpreter's call), where next() of a bare C iterator costs 2-7 us.
+ * Why native: after a training step the trainer's caches and TLB are cold, and every line
+ * of code or data next() touches costs a miss; a next() in Python touches the interpreter,
+ * numpy's array constructor and cffi. This file decides, in one function (cursor_iternext),
+ * what the next step's slot holds: ready, in flight (requested or being filled), held by a
+ * user's views, failed by its reader, or wrong. It takes a ready slot, waits for one in
+ * flight (one poll interval at a time, without the GIL), and counts the time it waited in
+ * one place (take). Python is called, through ShmDataLoader._supervise, only to supervise
+ * readers and to raise errors.
  *
  * Nothing is allocated per batch except one small Batch object: each slot's arrays are
  * built once (by loader.py, as views of the mapped ring whose base is the mapping, so
  * every view of them, torch.from_numpy included, references them). A slot is held while
- * any of its arrays has a reference beyond the loader's own, or while a Batch that was
- * not released is alive; the release pass at each next() hands such slots back once
- * nothing refers to them. The ring's layout and state values come from ring.py at setup:
- * this file defines none of them.
- *
- * A batch that is requested or being filled is waited for here too, with the GIL
- * released, for at most one poll interval. Everything else (reader supervision, errors,
- * slots a user still holds, a closed or forked loader) is Python: Cursor.__next__ calls
- * self._next_slow().
+ * any of its arrays has a reference beyond the loader's own, or while a Batch that was not
+ * released is alive; the release pass at each next() hands such slots back once nothing
+ * refers to them. The protocol's values and the control line's layout come from ring.h,
+ * shared with ring.py and the Zig library; its orderings are tabled in ring.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,6 +32,19 @@
 #include <string.h>
 #include <time.h>
 
+#include "ring.h"
+
+/* What the next step's slot holds, as cursor_iternext decides it and _supervise receives
+ * it (exported to Python as STEP_* constants). */
+typedef enum {
+    STEP_READY = 0,     /* published by a reader with the right step */
+    STEP_IN_FLIGHT = 1, /* requested, or being filled */
+    STEP_HELD = 2,      /* still holds an older batch that something refers to */
+    STEP_FAILED = 3,    /* its reader failed while filling it (owner: the reader) */
+    STEP_WRONG = 4,     /* a state or step this trainer never wrote there */
+    STEP_CLOSED = 5,    /* the loader is closed (or was never set up) */
+} StepState;
+
 /* What a handed-out array looked like when it was built: a user can change an array's
  * shape, strides, dtype or writeable flag in place, and the next batch in its slot must
  * not inherit that. Per array, in a slot's run of words: data, descr, ndim, writeable,
@@ -42,35 +53,34 @@
 #define SNAPSHOT_FIXED_WORDS 4
 
 typedef struct {
-    PyObject *views;           /* tuple: one array per field, then the indices array */
-    intptr_t *snapshot;        /* this slot's words in the cursor's snapshot block */
-    uint64_t *state_word;      /* the slot's state word in the ring */
-    uint64_t *step_word;       /* the slot's step word */
+    PyObject *views;            /* tuple: one array per field, then the indices array */
+    intptr_t *snapshot;         /* this slot's words in the cursor's snapshot block */
+    shm_control_line *control;  /* the slot's control line in the ring */
     uint64_t held_step;
     int held;
-    int damaged;               /* an array was changed in place: rebuild before reuse */
+    int damaged;                /* an array was changed in place: rebuild before reuse */
 } Slot;
 
 typedef struct {
     PyObject_HEAD
-    int active;
-    int waiting;               /* threads inside a native wait (GIL released) */
-    int clear_deferred;        /* _deactivate came while one waited: the last waiter clears */
+    int active;                 /* set up and not closed: the loader's one closed flag */
+    int iterating;              /* a thread is inside next(): a second one is refused */
+    int waiting;                /* threads inside a native wait (GIL released) */
+    int clear_deferred;         /* _deactivate came while one waited: the last waiter clears */
     Py_ssize_t slot_count;
     Py_ssize_t view_count;
     Slot *slots;
-    intptr_t *snapshots;       /* one block: each slot's snapshot words, in slot order */
-    Py_ssize_t snapshot_words; /* words per slot */
-    PyObject *names;           /* tuple of field names, in view order */
-    PyTypeObject *batch_type;  /* a subclass of BatchBase */
-    sem_t *work;               /* readers wait on it for requested slots */
-    sem_t **ready_semaphores;  /* one per slot: posted when a reader publishes it */
-    uint64_t ready, held_word, requested, filling, state_mask;
-    uint64_t wait_ns_max;      /* one native wait lasts at most this long; then Python checks readers */
-    uint64_t check_every;      /* batches between reader checks (in Python) */
-    uint64_t wake_after;       /* wake readers once this many slots were handed back */
-    uint64_t pending_posts;    /* slots handed back whose readers were not woken yet */
-    uint64_t reader_count;     /* at most this many posts per wake-up */
+    intptr_t *snapshots;        /* one block: each slot's snapshot words, in slot order */
+    Py_ssize_t snapshot_words;  /* words per slot */
+    PyObject *names;            /* tuple of field names, in view order */
+    PyTypeObject *batch_type;   /* a subclass of BatchBase */
+    sem_t *work;                /* readers wait on it for requested slots */
+    sem_t **ready_semaphores;   /* one per slot: posted when a reader publishes it */
+    uint64_t poll_interval_ns;  /* one native wait lasts at most this long; then Python supervises */
+    uint64_t check_every;       /* batches between reader checks when next() never waits */
+    uint64_t wake_after;        /* wake readers once this many slots were handed back */
+    uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
+    uint64_t reader_count;      /* at most this many posts per wake-up */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;
@@ -84,7 +94,7 @@ typedef struct {
     unsigned long long step;
 } BatchBase;
 
-static PyObject *str_next_slow;
+static PyObject *str_supervise;
 static PyObject *str_rebuild_views;
 
 static inline unsigned long long monotonic_ns(void) {
@@ -181,8 +191,9 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
         /* The step is published by the release store of the state word after it. */
-        *slot->step_word = slot->held_step + (uint64_t)self->slot_count;
-        __atomic_store_n(slot->state_word, self->requested, __ATOMIC_RELEASE);
+        /* HELD -> REQUESTED: the step is published by the release store after it. */
+        slot->control->step = slot->held_step + (uint64_t)self->slot_count;
+        __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
         released++;
     }
     self->pending_posts += (uint64_t)released;
@@ -192,10 +203,41 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
     return released;
 }
 
-/* ---- Taking a ready slot ------------------------------------------------------------ */
 
-/* Hands out the slot of next_step, which the caller found READY with the right step. */
-static PyObject *take(Cursor *self) {
+/* ---- Deciding and taking the next step ---------------------------------------------- */
+
+static inline Slot *slot_of(const Cursor *self, unsigned long long step) {
+    return &self->slots[step % (unsigned long long)self->slot_count];
+}
+
+/* What `step`'s slot holds (acquire load of its state word, then its step word). */
+static StepState step_state(const Cursor *self, unsigned long long step, uint64_t *owner) {
+    const Slot *slot = slot_of(self, step);
+    uint64_t word = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE);
+    uint64_t state = word & SHM_STATE_MASK;
+    *owner = word >> SHM_OWNER_SHIFT;
+    if (state == SHM_SLOT_HELD) {
+        return STEP_HELD;
+    }
+    if (slot->control->step != step) {
+        return STEP_WRONG;
+    }
+    switch (state) {
+    case SHM_SLOT_READY:
+        return STEP_READY;
+    case SHM_SLOT_REQUESTED:
+    case SHM_SLOT_FILLING:
+        return STEP_IN_FLIGHT;
+    case SHM_SLOT_FAILED:
+        return STEP_FAILED;
+    default:
+        return STEP_WRONG;
+    }
+}
+
+/* Hands out the slot of next_step, which the caller found ready. The only place where
+ * time spent waiting for data is counted: from `started_ns` (0: next() did not wait). */
+static PyObject *take(Cursor *self, unsigned long long started_ns) {
     Py_ssize_t index = (Py_ssize_t)(self->next_step % (unsigned long long)self->slot_count);
     Slot *slot = &self->slots[index];
     if (slot->damaged) {
@@ -218,48 +260,43 @@ static PyObject *take(Cursor *self) {
     Py_INCREF(self->names);
     batch->names = self->names;
     batch->step = self->next_step;
-    /* READY -> HELD: only the trainer reads HELD, so a plain store suffices. */
-    __atomic_store_n(slot->state_word, self->held_word, __ATOMIC_RELAXED);
+    /* READY -> HELD: relaxed; only the trainer reads HELD, and it publishes nothing. */
+    __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_HELD, __ATOMIC_RELAXED);
     slot->held = 1;
     slot->held_step = self->next_step;
     self->next_step++;
     self->batches++;
     if (self->first_next_ns == 0) {
-        self->first_next_ns = monotonic_ns();
+        self->first_next_ns = started_ns != 0 ? started_ns : monotonic_ns();
+    }
+    if (started_ns != 0) {
+        self->wait_ns += monotonic_ns() - started_ns;
     }
     return (PyObject *)batch;
 }
 
 static void cursor_clear(Cursor *self);
 
-static inline int step_ready(const Cursor *self, unsigned long long step) {
-    const Slot *slot = &self->slots[step % (unsigned long long)self->slot_count];
-    uint64_t word = __atomic_load_n(slot->state_word, __ATOMIC_ACQUIRE);
-    return (word & self->state_mask) == self->ready && *slot->step_word == step;
-}
+typedef enum { WAIT_CHANGED, WAIT_TIMED_OUT, WAIT_CLOSED, WAIT_ERROR } WaitResult;
 
-/* Waits, without the GIL, for the step next() needs while a reader has it requested or
- * in hand: the common wait of a trainer that outruns its readers, kept out of Python.
- * Returns 1 once the step is ready, 0 to let Python decide (time-out: it checks the
- * readers; another state; a signal without a Python exception), -1 with an exception set
- * (a handler raised, e.g. KeyboardInterrupt). */
-static int wait_in_flight(Cursor *self) {
+/* Waits, without the GIL, at most one poll interval for next_step's slot to leave the
+ * in-flight states: the common wait of a trainer that outruns its readers. */
+static WaitResult wait_in_flight(Cursor *self) {
     unsigned long long step = self->next_step;
-    Slot *slot = &self->slots[step % (unsigned long long)self->slot_count];
     sem_t *semaphore = self->ready_semaphores[step % (unsigned long long)self->slot_count];
     if (wake_readers(self) < 0) {
-        return -1; /* Readers asleep with pending requests would cost a whole poll. */
+        return WAIT_ERROR; /* Readers asleep with pending requests would cost a whole poll. */
     }
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_nsec += (long)(self->wait_ns_max % 1000000000ull);
-    deadline.tv_sec += (time_t)(self->wait_ns_max / 1000000000ull) + deadline.tv_nsec / 1000000000L;
+    deadline.tv_nsec += (long)(self->poll_interval_ns % 1000000000ull);
+    deadline.tv_sec += (time_t)(self->poll_interval_ns / 1000000000ull) + deadline.tv_nsec / 1000000000L;
     deadline.tv_nsec %= 1000000000L;
+    /* Bounded by the deadline: every turn is a post (a publish) or ends the wait. */
     for (;;) {
-        uint64_t word = __atomic_load_n(slot->state_word, __ATOMIC_ACQUIRE);
-        uint64_t state = word & self->state_mask;
-        if (*slot->step_word != step || (state != self->requested && state != self->filling)) {
-            return step_ready(self, step);
+        uint64_t owner;
+        if (step_state(self, step, &owner) != STEP_IN_FLIGHT) {
+            return WAIT_CHANGED;
         }
         int result, error;
         self->waiting++;
@@ -268,57 +305,111 @@ static int wait_in_flight(Cursor *self) {
         error = errno;
         Py_END_ALLOW_THREADS
         self->waiting--;
-        /* Without the GIL, another thread may have closed the loader (its slots and
-         * semaphores are freed only once no thread waits on them) or taken this step. */
-        if (!self->active || self->next_step != step) {
+        /* Without the GIL, another thread may have closed the loader: its slots and
+         * semaphores are freed only once no thread waits on them. */
+        if (!self->active) {
             if (self->clear_deferred && self->waiting == 0) {
                 cursor_clear(self);
             }
-            return 0;
+            return WAIT_CLOSED;
         }
         if (result != 0) {
             if (error == EINTR) {
-                return PyErr_CheckSignals() < 0 ? -1 : 0;
+                return PyErr_CheckSignals() < 0 ? WAIT_ERROR : WAIT_CHANGED;
             }
-            return step_ready(self, step); /* ETIMEDOUT: Python checks the readers. */
+            return WAIT_TIMED_OUT;
         }
         /* A post: this step, or a stale one from an earlier fill; look again. */
     }
 }
 
-/* The fast path touches no clock: its cost is not waiting. stats() counts the native
- * wait and the slow path as waiting for data. */
-static PyObject *cursor_iternext(Cursor *self) {
-    if (self->active) {
-        if (release_unused(self, 0) < 0) {
+/* Calls ShmDataLoader._supervise(state, owner, step): reader checks and errors. */
+static int supervise(Cursor *self, StepState state, uint64_t owner) {
+    PyObject *state_number = PyLong_FromLong((long)state);
+    PyObject *owner_number = PyLong_FromUnsignedLongLong((unsigned long long)owner);
+    PyObject *step_number = PyLong_FromUnsignedLongLong(self->next_step);
+    PyObject *result = NULL;
+    if (state_number != NULL && owner_number != NULL && step_number != NULL) {
+        result = PyObject_CallMethodObjArgs((PyObject *)self, str_supervise, state_number, owner_number,
+                                            step_number, NULL);
+    }
+    Py_XDECREF(state_number);
+    Py_XDECREF(owner_number);
+    Py_XDECREF(step_number);
+    if (result == NULL) {
+        return -1;
+    }
+    Py_DECREF(result);
+    return 0;
+}
+
+static PyObject *next_batch(Cursor *self) {
+    if (!self->active) {
+        supervise(self, STEP_CLOSED, 0);
+        return NULL; /* _supervise raises for a closed loader; if it did not, end iteration. */
+    }
+    if (release_unused(self, 0) < 0) {
+        return NULL;
+    }
+    int due = (self->batches + 1) % self->check_every == 0;
+    unsigned long long started_ns = 0;
+    /* Each turn takes the batch, waits at most one poll interval, or lets _supervise check
+     * the readers, which raises once a bound is passed (restarts, hold_timeout). */
+    for (;;) {
+        uint64_t owner = 0;
+        StepState state = self->active ? step_state(self, self->next_step, &owner) : STEP_CLOSED;
+        if (state == STEP_READY && due) {
+            due = 0; /* Ready, but due for the periodic reader check: not a wait. */
+            if (supervise(self, state, owner) < 0) {
+                return NULL;
+            }
+            continue;
+        }
+        if (state == STEP_READY) {
+            /* Readers not ahead (the batch after this one is not ready): wake them now. */
+            uint64_t next_owner;
+            if (started_ns == 0 && self->pending_posts > 0 &&
+                step_state(self, self->next_step + 1, &next_owner) != STEP_READY && wake_readers(self) < 0) {
+                return NULL;
+            }
+            return take(self, started_ns);
+        }
+        if (started_ns == 0) {
+            started_ns = monotonic_ns(); /* Not ready at once: from here on, next() waits. */
+        }
+        if (state == STEP_IN_FLIGHT) {
+            WaitResult waited = wait_in_flight(self);
+            if (waited == WAIT_ERROR) {
+                return NULL;
+            }
+            if (waited == WAIT_CHANGED) {
+                continue;
+            }
+            if (waited == WAIT_CLOSED) {
+                state = STEP_CLOSED;
+            }
+        }
+        if (supervise(self, state, owner) < 0) {
             return NULL;
         }
-        int due = (self->batches + 1) % self->check_every == 0;
-        if (step_ready(self, self->next_step) && !due) {
-            /* Readers not ahead (the batch after this one is not ready): wake them now. */
-            if (self->pending_posts > 0 && !step_ready(self, self->next_step + 1) && wake_readers(self) < 0) {
-                return NULL;
-            }
-            return take(self);
-        }
-        if (!due) {
-            unsigned long long started_ns = monotonic_ns();
-            int ready = wait_in_flight(self);
-            if (ready < 0) {
-                return NULL;
-            }
-            if (ready) {
-                if (self->first_next_ns == 0) {
-                    self->first_next_ns = started_ns;
-                }
-                PyObject *batch = take(self);
-                self->wait_ns += monotonic_ns() - started_ns;
-                return batch;
-            }
+        if (state == STEP_CLOSED) {
+            return NULL; /* _supervise returned for a closed loader: end the iteration. */
         }
     }
-    /* Not ready, due for a reader check, closed or not set up: Python decides. */
-    return PyObject_CallMethodObjArgs((PyObject *)self, str_next_slow, NULL);
+}
+
+/* tp_iternext: one thread at a time (the slot states are not the other's to change). */
+static PyObject *cursor_iternext(Cursor *self) {
+    if (self->iterating) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "another thread is inside next() of this loader; one thread iterates a loader "
+                        "(batches may be used and dropped from any thread)");
+        return NULL;
+    }
+    self->iterating = 1;
+    PyObject *batch = next_batch(self);
+    self->iterating = 0;
+    return batch;
 }
 
 /* ---- Cursor methods (the private API loader.py uses) -------------------------------- */
@@ -385,117 +476,151 @@ static int set_views(Cursor *self, Py_ssize_t index, PyObject *views) {
     return 0;
 }
 
+
 static PyTypeObject BatchBaseType;
 
-static PyObject *cursor_setup(Cursor *self, PyObject *args, PyObject *kwargs) {
-    static char *keywords[] = {"state_addresses", "step_addresses", "work_semaphore", "ready_semaphores", "names",
-                               "batch_type", "views", "next_step", "check_every", "wake_after", "reader_count",
-                               "wait_ns_max", "ready", "held_word", "requested", "filling", "state_mask", NULL};
-    PyObject *state_addresses, *step_addresses, *ready_names, *names, *views;
-    PyTypeObject *batch_type;
-    const char *semaphore_name;
-    unsigned long long next_step, check_every, wake_after, reader_count, wait_ns_max, ready, held_word, requested,
-        filling, state_mask;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!sO!O!O!O!KKKKKKKKKK", keywords, &PyTuple_Type,
-                                     &state_addresses, &PyTuple_Type, &step_addresses, &semaphore_name, &PyTuple_Type,
-                                     &ready_names, &PyTuple_Type, &names, &PyType_Type, &batch_type, &PyTuple_Type,
-                                     &views, &next_step, &check_every, &wake_after, &reader_count, &wait_ns_max,
-                                     &ready, &held_word, &requested, &filling, &state_mask)) {
-        return NULL;
+/* Reads attribute `name` of the setup config as an unsigned 64-bit integer. */
+static int config_u64(PyObject *config, const char *name, unsigned long long *out) {
+    PyObject *value = PyObject_GetAttrString(config, name);
+    if (value == NULL) {
+        return -1;
     }
-    Py_ssize_t slot_count = PyTuple_GET_SIZE(state_addresses);
-    if (self->slots != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
-        return NULL;
+    *out = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* Opens every semaphore named in the config (the work semaphore and one ready per slot). */
+static int open_semaphores(Cursor *self, PyObject *work_name, PyObject *ready_names) {
+    const char *name = PyUnicode_AsUTF8(work_name);
+    if (name == NULL) {
+        return -1;
     }
-    if (slot_count < 1 || PyTuple_GET_SIZE(step_addresses) != slot_count || PyTuple_GET_SIZE(views) != slot_count ||
-        PyTuple_GET_SIZE(ready_names) != slot_count) {
-        PyErr_SetString(PyExc_ValueError,
-                        "setup needs one state address, step address, ready semaphore and views tuple per slot");
-        return NULL;
+    self->work = sem_open(name, 0);
+    if (self->work == SEM_FAILED) {
+        self->work = NULL;
+        PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+        return -1;
     }
-    if (check_every < 1 || wake_after < 1 || reader_count < 1 || wait_ns_max < 1) {
-        PyErr_SetString(PyExc_ValueError, "check_every, wake_after and reader_count must be at least 1");
-        return NULL;
+    self->ready_semaphores = PyMem_Calloc((size_t)self->slot_count, sizeof(sem_t *));
+    if (self->ready_semaphores == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    if (!PyType_IsSubtype(batch_type, &BatchBaseType)) {
-        PyErr_Format(PyExc_TypeError, "batch_type must subclass BatchBase, got %s", batch_type->tp_name);
-        return NULL;
+    for (Py_ssize_t s = 0; s < self->slot_count; s++) {
+        name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(ready_names, s));
+        if (name == NULL) {
+            return -1;
+        }
+        sem_t *semaphore = sem_open(name, 0);
+        if (semaphore == SEM_FAILED) {
+            PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
+            return -1;
+        }
+        self->ready_semaphores[s] = semaphore;
     }
-    self->view_count = PyTuple_GET_SIZE(names) + 1;
+    return 0;
+}
+
+/* Allocates the slot table and the snapshot block, and points each slot at its control
+ * line and arrays. */
+static int set_up_slots(Cursor *self, unsigned long long control_table, PyObject *views) {
+    self->view_count = PyTuple_GET_SIZE(self->names) + 1;
     PyObject *first = PyTuple_GET_ITEM(views, 0);
     if (!PyTuple_Check(first) || PyTuple_GET_SIZE(first) != self->view_count) {
         PyErr_Format(PyExc_ValueError, "slot 0: expected a tuple of %zd arrays", self->view_count);
-        return NULL;
+        return -1;
     }
     for (Py_ssize_t i = 0; i < self->view_count; i++) {
         if (!is_ndarray(PyTuple_GET_ITEM(first, i))) {
             PyErr_SetString(PyExc_TypeError, "slot 0: expected numpy arrays");
-            return NULL;
+            return -1;
         }
     }
     self->snapshot_words = snapshot_words_of(first);
-    self->slots = PyMem_Calloc((size_t)slot_count, sizeof(Slot));
-    self->snapshots = PyMem_Calloc((size_t)(slot_count * self->snapshot_words), sizeof(intptr_t));
+    self->slots = PyMem_Calloc((size_t)self->slot_count, sizeof(Slot));
+    self->snapshots = PyMem_Calloc((size_t)(self->slot_count * self->snapshot_words), sizeof(intptr_t));
     if (self->slots == NULL || self->snapshots == NULL) {
-        PyMem_Free(self->slots);
-        self->slots = NULL;
-        PyMem_Free(self->snapshots);
-        self->snapshots = NULL;
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
-    self->slot_count = slot_count;
-    for (Py_ssize_t s = 0; s < slot_count; s++) {
+    shm_control_line *table = (shm_control_line *)(uintptr_t)control_table;
+    for (Py_ssize_t s = 0; s < self->slot_count; s++) {
         Slot *slot = &self->slots[s];
         slot->snapshot = self->snapshots + s * self->snapshot_words;
-        slot->state_word = (uint64_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(state_addresses, s));
-        slot->step_word = (uint64_t *)PyLong_AsVoidPtr(PyTuple_GET_ITEM(step_addresses, s));
-        if (PyErr_Occurred() || set_views(self, s, PyTuple_GET_ITEM(views, s)) < 0) {
-            cursor_clear(self);
-            return NULL;
+        slot->control = &table[s];
+        if (set_views(self, s, PyTuple_GET_ITEM(views, s)) < 0) {
+            return -1;
         }
     }
-    self->work = sem_open(semaphore_name, 0);
-    if (self->work == SEM_FAILED) {
-        self->work = NULL;
-        PyErr_SetFromErrnoWithFilename(PyExc_OSError, semaphore_name);
-        cursor_clear(self);
+    return 0;
+}
+
+/* _cursor_setup(config): one object (loader.CursorConfig) whose attributes name every
+ * setting; the protocol's own values come from ring.h. */
+static PyObject *cursor_setup(Cursor *self, PyObject *config) {
+    if (self->slots != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return NULL;
     }
-    self->ready_semaphores = PyMem_Calloc((size_t)slot_count, sizeof(sem_t *));
-    if (self->ready_semaphores == NULL) {
-        cursor_clear(self);
-        return PyErr_NoMemory();
+    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, poll_ns;
+    if (config_u64(config, "control_table_address", &control_table) < 0 ||
+        config_u64(config, "slot_count", &slot_count) < 0 || config_u64(config, "next_step", &next_step) < 0 ||
+        config_u64(config, "check_every_batches", &check_every) < 0 ||
+        config_u64(config, "wake_after_slots", &wake_after) < 0 ||
+        config_u64(config, "reader_count", &reader_count) < 0 ||
+        config_u64(config, "poll_interval_ns", &poll_ns) < 0) {
+        return NULL;
     }
-    for (Py_ssize_t s = 0; s < slot_count; s++) {
-        const char *name = PyUnicode_AsUTF8(PyTuple_GET_ITEM(ready_names, s));
-        sem_t *semaphore = name == NULL ? SEM_FAILED : sem_open(name, 0);
-        if (semaphore == SEM_FAILED) {
-            if (name != NULL) {
-                PyErr_SetFromErrnoWithFilename(PyExc_OSError, name);
-            }
-            cursor_clear(self);
-            return NULL;
-        }
-        self->ready_semaphores[s] = semaphore;
+    PyObject *work = PyObject_GetAttrString(config, "work_semaphore");
+    PyObject *ready = PyObject_GetAttrString(config, "ready_semaphores");
+    PyObject *names = PyObject_GetAttrString(config, "field_names");
+    PyObject *batch_type = PyObject_GetAttrString(config, "batch_type");
+    PyObject *views = PyObject_GetAttrString(config, "views");
+    PyObject *result = NULL;
+    if (work == NULL || ready == NULL || names == NULL || batch_type == NULL || views == NULL) {
+        goto done;
     }
+    if (slot_count < 1 || control_table == 0 || !PyUnicode_Check(work) || !PyTuple_Check(ready) ||
+        !PyTuple_Check(names) || !PyTuple_Check(views) || PyTuple_GET_SIZE(ready) != (Py_ssize_t)slot_count ||
+        PyTuple_GET_SIZE(views) != (Py_ssize_t)slot_count) {
+        PyErr_SetString(PyExc_ValueError,
+                        "setup needs a control table, and one ready semaphore and one views tuple per slot");
+        goto done;
+    }
+    if (check_every < 1 || wake_after < 1 || reader_count < 1 || poll_ns < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check_every_batches, wake_after_slots, reader_count and poll_interval_ns must be at least 1");
+        goto done;
+    }
+    if (!PyType_Check(batch_type) || !PyType_IsSubtype((PyTypeObject *)batch_type, &BatchBaseType)) {
+        PyErr_SetString(PyExc_TypeError, "batch_type must subclass BatchBase");
+        goto done;
+    }
+    self->slot_count = (Py_ssize_t)slot_count;
     Py_INCREF(names);
     self->names = names;
     Py_INCREF(batch_type);
-    self->batch_type = batch_type;
+    self->batch_type = (PyTypeObject *)batch_type;
+    if (set_up_slots(self, control_table, views) < 0 || open_semaphores(self, work, ready) < 0) {
+        cursor_clear(self);
+        goto done;
+    }
     self->next_step = next_step;
     self->check_every = check_every;
     self->wake_after = wake_after;
     self->reader_count = reader_count;
+    self->poll_interval_ns = poll_ns;
     self->pending_posts = 0;
-    self->ready = ready;
-    self->held_word = held_word;
-    self->requested = requested;
-    self->filling = filling;
-    self->state_mask = state_mask;
-    self->wait_ns_max = wait_ns_max;
     self->active = 1;
-    Py_RETURN_NONE;
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(work);
+    Py_XDECREF(ready);
+    Py_XDECREF(names);
+    Py_XDECREF(batch_type);
+    Py_XDECREF(views);
+    return result;
 }
 
 static PyObject *cursor_set_views(Cursor *self, PyObject *args) {
@@ -524,40 +649,6 @@ static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored
     }
     Py_ssize_t released = release_unused(self, 1);
     return released < 0 ? NULL : PyLong_FromSsize_t(released);
-}
-
-static PyObject *cursor_take(Cursor *self, PyObject *args) {
-    unsigned long long started_ns;
-    if (!PyArg_ParseTuple(args, "K", &started_ns)) {
-        return NULL;
-    }
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "the cursor is not active");
-        return NULL;
-    }
-    if (!step_ready(self, self->next_step)) {
-        PyErr_Format(PyExc_RuntimeError, "step %llu is not ready", self->next_step);
-        return NULL;
-    }
-    if (self->first_next_ns == 0) {
-        self->first_next_ns = started_ns; /* The wait for the first batch counts as time elapsed. */
-    }
-    PyObject *batch = take(self);
-    if (batch != NULL) {
-        self->wait_ns += monotonic_ns() - started_ns;
-    }
-    return batch;
-}
-
-static PyObject *cursor_wait_in_flight(Cursor *self, PyObject *Py_UNUSED(ignored)) {
-    if (!self->active) {
-        Py_RETURN_FALSE;
-    }
-    int ready = wait_in_flight(self);
-    if (ready < 0) {
-        return NULL;
-    }
-    return PyBool_FromLong(ready);
 }
 
 static PyObject *cursor_held(Cursor *self, PyObject *Py_UNUSED(ignored)) {
@@ -601,19 +692,15 @@ static void cursor_dealloc(Cursor *self) {
 }
 
 static PyMethodDef cursor_methods[] = {
-    {"_cursor_setup", (PyCFunction)(void (*)(void))cursor_setup, METH_VARARGS | METH_KEYWORDS,
-     "Points the cursor at the ring's slots and gives it each slot's arrays; activates it."},
+    {"_cursor_setup", (PyCFunction)cursor_setup, METH_O,
+     "Points the cursor at the ring's control table and each slot's arrays (one config object); activates it."},
     {"_set_views", (PyCFunction)cursor_set_views, METH_VARARGS, "Replaces a free slot's arrays."},
     {"_release_unused", (PyCFunction)cursor_release_unused, METH_NOARGS,
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
-    {"_take", (PyCFunction)cursor_take, METH_VARARGS,
-     "Hands out the ready slot of the next step; adds the time since started_ns to the wait."},
     {"_held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
-    {"_wait_in_flight", (PyCFunction)cursor_wait_in_flight, METH_NOARGS,
-     "Waits at most one poll interval, without the GIL, for the next step while it is requested or being "
-     "filled; True once it is ready."},
-    {"_deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS, "Drops every slot's arrays; next() goes to Python."},
+    {"_deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
+     "Closes the cursor: drops every slot's arrays and semaphores; next() raises through _supervise."},
     {"_now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},
     {NULL},
 };
@@ -621,9 +708,9 @@ static PyMethodDef cursor_methods[] = {
 static PyMemberDef cursor_members[] = {
     {"_next_step", T_ULONGLONG, offsetof(Cursor, next_step), 0, "the step next() delivers next"},
     {"_batches", T_ULONGLONG, offsetof(Cursor, batches), READONLY, "batches delivered"},
-    {"_wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent off the fast path, ns"},
+    {"_wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent waiting for data, ns"},
     {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,
-     "the clock when the first batch was delivered, 0 before"},
+     "the clock when next() first delivered or began waiting for the first batch, 0 before"},
     {"_active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
     {"_pending_wakes", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
      "slots handed back whose readers were not woken yet"},
@@ -757,9 +844,9 @@ static struct PyModuleDef cursor_module = {
 };
 
 PyMODINIT_FUNC PyInit__cursor(void) {
-    str_next_slow = PyUnicode_InternFromString("_next_slow");
+    str_supervise = PyUnicode_InternFromString("_supervise");
     str_rebuild_views = PyUnicode_InternFromString("_rebuild_views");
-    if (str_next_slow == NULL || str_rebuild_views == NULL || PyType_Ready(&CursorType) < 0 ||
+    if (str_supervise == NULL || str_rebuild_views == NULL || PyType_Ready(&CursorType) < 0 ||
         PyType_Ready(&BatchBaseType) < 0) {
         return NULL;
     }
@@ -768,7 +855,13 @@ PyMODINIT_FUNC PyInit__cursor(void) {
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0 ||
-        PyModule_AddObjectRef(module, "BatchBase", (PyObject *)&BatchBaseType) < 0) {
+        PyModule_AddObjectRef(module, "BatchBase", (PyObject *)&BatchBaseType) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_READY", STEP_READY) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_IN_FLIGHT", STEP_IN_FLIGHT) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_HELD", STEP_HELD) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_FAILED", STEP_FAILED) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_WRONG", STEP_WRONG) < 0 ||
+        PyModule_AddIntConstant(module, "STEP_CLOSED", STEP_CLOSED) < 0) {
         Py_DECREF(module);
         return NULL;
     }

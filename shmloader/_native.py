@@ -6,12 +6,16 @@ from __future__ import annotations
 import enum
 import importlib.machinery
 import pathlib
+import re
 
 import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 2
+ABI_VERSION = 3
+# The slot protocol's constants and structs (ring.h) are declared from the header itself.
+RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
+_NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
 
 CDEF = """
 typedef struct {
@@ -60,11 +64,10 @@ int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes
 int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, uint64_t index_count,
                      uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
 
-uint64_t shm_atomic_load(const uint64_t *address);
-void shm_atomic_store(uint64_t *address, uint64_t value);
-uint64_t shm_atomic_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
-uint64_t shm_atomic_add(uint64_t *address, uint64_t value);
-int64_t shm_claim_lowest(uint64_t *table, uint64_t slot_count, uint64_t line_words, uint64_t requested, uint64_t filling_word);
+uint64_t shm_state_load(const uint64_t *address);
+void shm_state_store(uint64_t *address, uint64_t value);
+uint64_t shm_state_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
+int64_t shm_claim_lowest(shm_control_line *table, uint64_t slot_count, uint64_t reader_index);
 """
 
 
@@ -77,14 +80,20 @@ class Status(enum.IntEnum):
     INVALID_MODE = 3
     INVALID_SHARD = 4
     OVERFLOW = 5
-    OUTPUT_TOO_SMALL = 6
+    OUTPUT_SIZE_MISMATCH = 6
     INDEX_OUT_OF_RANGE = 7
     DECOMPRESS_FAILED = 8
     INVALID_LAYOUT = 9
+    CHUNK_SIZE_INVALID = 10
+    ITEM_MISALIGNED = 11
+    ITEM_COUNT_TOO_LARGE = 12
+    DECOMPRESSED_SHORT = 13
 
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 LIBRARY_STEM = "_shmloader_native"
+# zig translate-c writes ring.h's Zig form here at build time (setup.py); not a source.
+GENERATED_ZIG_HEADER = "ring_h.zig"
 REBUILD_HINT = (
     "Rebuild it from the project's root with `pip install .` (or `pip install -e .` for a "
     "development checkout); the Zig compiler comes from the PyPI package `ziglang`."
@@ -118,11 +127,24 @@ def _check_fresh(path: pathlib.Path, sources: list[pathlib.Path]) -> None:
         )
 
 
+def ring_header_cdef(text: str) -> str:
+    """ring.h as cffi's parser takes it: without the include and guard lines."""
+    return "\n".join(line for line in text.splitlines() if not _NOT_FOR_CFFI.match(line))
+
+
+def zig_sources() -> list[pathlib.Path]:
+    """The files the Zig library is built from, in a source checkout (none in a wheel)."""
+    zig_dir = PACKAGE_DIR.parent / "zig"
+    sources = [path for path in zig_dir.glob("*.zig") if path.name != GENERATED_ZIG_HEADER]
+    return [*sources, RING_HEADER] if sources else []
+
+
 def _load():
     ffi = cffi.FFI()
+    ffi.cdef(ring_header_cdef(RING_HEADER.read_text()))
     ffi.cdef(CDEF)
     path = library_path()
-    _check_fresh(path, list((PACKAGE_DIR.parent / "zig").glob("*.zig")))
+    _check_fresh(path, zig_sources())
     try:
         lib = ffi.dlopen(str(path))
     except OSError as error:
@@ -145,7 +167,7 @@ def load_cursor():
     except ImportError as error:
         raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {REBUILD_HINT}") from None
     source = PACKAGE_DIR / "_cursor.c"
-    _check_fresh(pathlib.Path(_cursor.__file__), [source] if source.exists() else [])
+    _check_fresh(pathlib.Path(_cursor.__file__), [source, RING_HEADER] if source.exists() else [])
     return _cursor
 
 

@@ -10,50 +10,19 @@ import time
 
 import numpy as np
 
-from .storage import FieldSpec, _check_dtype, _check_rows, describe_field, open_field
+from .layout import choose_layout, convert_command, poor_layout
+from .storage import FieldSpec, check_dtype, check_rows, describe_field, open_field
 
 CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
 # "auto" stores data uncompressed when LZ4 would shrink a sample by less than this: noisy
-# pixels gain about 2% from LZ4 and read 1.7-2.2x faster stored plainly (measured on 3 KB
-# image-like rows), so compression must pay for its decoding.
+# pixels gain almost nothing from LZ4 yet pay for its decoding on every read, so
+# compression must save enough to pay for itself.
 _AUTO_MIN_RATIO = 1.1
 # "auto" compresses this many evenly spaced pieces of this many bytes to decide.
 _AUTO_SAMPLE_PIECES = 8
 _AUTO_SAMPLE_PIECE_BYTES = 256 << 10
-# Blocks of about this many bytes: one row per block for image-sized rows, and enough
-# small rows (labels) per block that the block header and call overhead stay negligible.
-_BLOCK_BYTES_TARGET = 4096
-# Chunks of at most this many bytes, so that converting needs little memory.
-_CHUNK_BYTES_TARGET = 4 << 20
-# libblosc2's getitem walks a chunk's blocks up to the one it needs, so a random row in a
-# chunk of many one-row blocks pays for that walk (measured here: 3 KB rows in chunks of
-# 1365 blocks read at 0.9 GB/s, in chunks of 64 blocks at 3.5 GB/s).
-_BLOCKS_PER_CHUNK_MAX = 64
 # Conversion reads its input in pieces of about this many bytes (at least one chunk).
 _PIECE_BYTES_TARGET = 64 << 20
-# Rough single-core decompression rates (bytes per microsecond) measured on this kind of
-# machine, and the fixed cost of one getitem call; used to estimate a layout's row cost.
-_DECOMPRESS_BYTES_PER_US = {"LZ4": 6000.0, "BLOSCLZ": 6000.0, "LZ4HC": 6000.0, "ZSTD": 700.0, "ZLIB": 300.0}
-_UNKNOWN_CODEC_BYTES_PER_US = 300.0
-_ROW_CALL_OVERHEAD_US = 1.0
-# A layout is flagged when a random row costs this many times what a row-friendly file
-# would, and at least this many microseconds.
-_POOR_LAYOUT_RATIO = 4.0
-_POOR_LAYOUT_MIN_US = 10.0
-
-
-def choose_layout(row_count: int, row_bytes: int, rows_per_block: int | None = None) -> tuple[int, int]:
-    """(rows per chunk, rows per block) for random row access."""
-    if rows_per_block is None:
-        rows_per_block = max(1, _BLOCK_BYTES_TARGET // max(row_bytes, 1))
-    if rows_per_block < 1:
-        raise ValueError(f"rows_per_block must be at least 1, got {rows_per_block}")
-    rows_per_block = min(rows_per_block, row_count)
-    blocks_per_chunk = max(1, min(_BLOCKS_PER_CHUNK_MAX, _CHUNK_BYTES_TARGET // max(rows_per_block * row_bytes, 1)))
-    # Blosc2 chunks must stay below 2 GiB.
-    blocks_per_chunk = min(blocks_per_chunk, max(1, (1 << 30) // max(rows_per_block * row_bytes, 1)))
-    rows_per_chunk = min(rows_per_block * blocks_per_chunk, math.ceil(row_count / rows_per_block) * rows_per_block)
-    return rows_per_chunk, rows_per_block
 
 
 def _open_input(path: str):
@@ -111,8 +80,8 @@ def convert(
             raise FileNotFoundError(f"input file {source_name} does not exist")
         array = _open_input(source_name)
     shape, dtype = tuple(int(extent) for extent in array.shape), np.dtype(array.dtype)
-    _check_dtype(source_name, dtype)
-    _check_rows(source_name, shape)
+    check_dtype(source_name, dtype)
+    check_rows(source_name, shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
     if codec == "auto":
@@ -175,38 +144,6 @@ def _progress_bar(total_bytes: int, description: str, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total_bytes, desc=description, unit="B", unit_scale=True, disable=not enabled, leave=False)
-
-
-def estimate_row_cost_us(spec: FieldSpec) -> float:
-    """A model of the cost of reading one random row, from the layout and codec alone."""
-    if spec.kind == "npy":
-        return _ROW_CALL_OVERHEAD_US / 4
-    rate = _DECOMPRESS_BYTES_PER_US.get(spec.codec.upper(), _UNKNOWN_CODEC_BYTES_PER_US)
-    if spec.clevel == 0:
-        rate = 10000.0
-    if not spec.row_contiguous:
-        return 50.0 + math.prod(spec.blocks) * spec.numpy_dtype.itemsize / rate
-    decompressed_bytes = max(spec.block_rows, 1) * spec.row_bytes
-    return _ROW_CALL_OVERHEAD_US + decompressed_bytes / rate
-
-
-def row_friendly_cost_us(spec: FieldSpec) -> float:
-    """The same model for the layout `convert` would write, with LZ4."""
-    _, block_rows = choose_layout(spec.row_count, spec.row_bytes)
-    return _ROW_CALL_OVERHEAD_US + block_rows * spec.row_bytes / _DECOMPRESS_BYTES_PER_US["LZ4"]
-
-
-def poor_layout(spec: FieldSpec) -> bool:
-    """Whether random rows of this file cost far more than after `shmloader convert`."""
-    if spec.kind != "b2nd":
-        return False
-    cost = estimate_row_cost_us(spec)
-    return cost >= _POOR_LAYOUT_MIN_US and cost >= _POOR_LAYOUT_RATIO * row_friendly_cost_us(spec)
-
-
-def convert_command(spec: FieldSpec) -> str:
-    path = pathlib.Path(spec.path)
-    return f"shmloader convert {path} {path.with_name(path.stem + '.rows' + path.suffix)}"
 
 
 def measure_row_cost_us(spec: FieldSpec, sample: int = 64, seed: int = 0) -> float:

@@ -48,3 +48,7 @@ class SharedMemoryError(ShmLoaderError, OSError):
 
 class PerformanceWarning(UserWarning):
     """A file's layout makes random row reads much slower than it needs to be."""
+
+
+class ReaderStallWarning(RuntimeWarning):
+    """One step has been in flight for a long time: a reader is stopped or its files stall."""

@@ -1,42 +1,35 @@
-"""ShmDataLoader: the trainer's side of the ring: starts readers, hands out zero-copy batches."""
+"""ShmDataLoader: the trainer's side of the ring: validates, wires the ring, iterates, resumes, reports."""
 
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 import gc
-import json
 import os
-import pathlib
-import signal
-import subprocess
 import sys
 import time
 import warnings
 import weakref
 
 import numpy as np
-import posix_ipc
 
-from . import convert as _convert
+from . import layout as _layout
 from ._native import load_cursor
-from .errors import PerformanceWarning, ReaderError, SharedMemoryError, SlotsExhaustedError, StorageError
-from .reader import EXIT_REPORTED_ERROR
-from .ring import HELD_WORD, STATE_MASK, Ring, SlotState, layout_for, sweep_stale, wait
-from .sampler import Sampler, check_integer
+from .errors import PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StorageError
+from .reader import ReaderConfig
+from .readers import ReaderPool
+from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, layout_for, sweep_stale, wait
+from .sampler import STEP_MAX, Sampler, check_integer
 from .storage import FieldSpec, describe_field
 
 cursor_module = load_cursor()
 
-# How long one wait for a batch lasts before the trainer checks that its readers live:
-# a dead reader is noticed within about this long.
-_POLL_SECONDS = 0.05
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
-_JOIN_TIMEOUT_SECONDS = 2.0
-# Run as -c rather than -m: the package is already imported by then, and runpy warns
-# about running a module of an imported package.
-_READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
-_PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parent.parent)
+# next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
+# a file on a stalled network mount): silence would look like a hang.
+_STALL_WARNING_SECONDS = 10.0
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
 
 def _default_readers() -> int:
@@ -52,6 +45,14 @@ def _wake_after(slots: int) -> int:
     ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
     the batch after the one being delivered is not ready, so deferring costs no waiting."""
     return max(1, slots // 2)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel that makes a warning point at the first frame outside this package."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIRECTORY:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _normalise_fields(fields, label_path) -> dict[str, str]:
@@ -106,40 +107,40 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
         return f"Batch(step={self.step}, {fields})"
 
 
+@dataclasses.dataclass(frozen=True)
+class CursorConfig:
+    """Everything the native cursor is set up with (_cursor.c reads these attributes)."""
+
+    control_table_address: int
+    slot_count: int
+    work_semaphore: str
+    ready_semaphores: tuple[str, ...]
+    field_names: tuple[str, ...]
+    batch_type: type
+    views: tuple[tuple[np.ndarray, ...], ...]
+    next_step: int
+    check_every_batches: int
+    wake_after_slots: int
+    reader_count: int
+    poll_interval_ns: int
+
+
 class _Resources:
     """Everything the loader must give back, without a reference to the loader itself, so
-    that weakref.finalize can clean up a loader that was never closed."""
+    that weakref.finalize can clean up a loader that was never closed. Teardown follows
+    the shutdown note in readers.py; it is idempotent and never raises."""
 
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
         self.ring: Ring | None = None
-        self.processes: list[subprocess.Popen] = []
-        self.closed = False
+        self.pool: ReaderPool | None = None
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
         if os.getpid() != self.owner_pid:
             return  # A forked child inherited this object: the ring is its parent's.
-        ring = self.ring
-        if ring is not None:
-            ring.set_stopping()
-            for _ in self.processes:
-                try:
-                    ring.work.release()
-                except (posix_ipc.ExistentialError, OSError):
-                    pass
-        for process in self.processes:
-            if process.stdin is not None and not process.stdin.closed:
-                process.stdin.close()  # A reader still waiting for its configuration exits.
-        deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
-        for process in self.processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        pool, ring = self.pool, self.ring
+        if pool is not None:
+            pool.stop()
         if ring is not None:
             ring.names.unlink_all()
             ring.close()
@@ -151,7 +152,6 @@ _live_loaders: weakref.WeakSet = weakref.WeakSet()
 def _forget_loaders_in_child() -> None:
     """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
     for loader in list(_live_loaders):
-        loader._closed = True
         loader._deactivate()
 
 
@@ -191,7 +191,6 @@ class ShmDataLoader(cursor_module.Cursor):
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
-        self._closed = True  # Until construction succeeds.
         paths = _normalise_fields(fields, label_path)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
@@ -203,14 +202,17 @@ class ShmDataLoader(cursor_module.Cursor):
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
         self.hold_timeout = float(hold_timeout)
-        start_step = check_integer("start_step", start_step, 0, (1 << 64) - 1)
+        start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
         Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
+        self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
+        self._episode_since = 0.0
+        self._stall_warned = False
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
-            for _ in range(self.readers):
-                self._resources.processes.append(self._spawn())
+            self._pool = self._resources.pool = ReaderPool(self.readers, self.max_reader_restarts)
+            self._pool.start()
             self._prepare(paths, mode, seed, shard_index, shard_count, warn_layout, start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
@@ -222,49 +224,47 @@ class ShmDataLoader(cursor_module.Cursor):
         self.field_names = tuple(self.specs)
         row_count = self._check_row_counts()
         self.sampler = Sampler(row_count, self.batch_size, mode, seed, shard_index, shard_count)
+        # The whole first ring of steps must be steps the sampler can compute.
+        check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
             self._warn_poor_layouts()
         sweep_stale()
         self._start(start_step)
 
     def _start(self, start_step: int) -> None:
-        """Creates the ring, requests the first steps and starts the readers."""
-        layout = layout_for(self.slots, self.readers, self.batch_size, list(self.specs.values()))
-        self._layout = layout
-        self._ring = self._resources.ring = Ring.create(layout, os.getpid())
+        """Creates the ring, sets up the native cursor, requests the first steps and
+        configures the readers."""
+        self._layout = layout_for(self.slots, self.readers, self.batch_size, list(self.specs.values()))
+        self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
         self._field_geometry = [
             (offset, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
-            for spec, offset in zip(self.specs.values(), layout.field_offsets)
+            for spec, offset in zip(self.specs.values(), self._layout.field_offsets)
         ]
-        self._field_geometry.append((layout.indices_offset, np.dtype(np.uint64), (self.batch_size,)))
-        self._restarts = 0
-        self._retired_busy_ns = [0] * self.readers
-        self._retired_batches = [0] * self.readers
-        state_addresses, step_addresses = self._ring.slot_word_addresses()
-        self._cursor_setup(
-            state_addresses=state_addresses,
-            step_addresses=step_addresses,
+        self._field_geometry.append((self._layout.indices_offset, np.dtype(np.uint64), (self.batch_size,)))
+        self._cursor_setup(CursorConfig(
+            control_table_address=self._ring.control_table_address,
+            slot_count=self.slots,
             work_semaphore=self._ring.names.work,
-            ready_semaphores=tuple(self._ring.names.ready),
-            names=tuple(sys.intern(name) for name in self.field_names),
+            ready_semaphores=self._ring.names.ready,
+            field_names=tuple(sys.intern(name) for name in self.field_names),
             batch_type=Batch,
             views=tuple(self._slot_views(slot) for slot in range(self.slots)),
             next_step=start_step,
-            check_every=_READER_CHECK_BATCHES,
-            wake_after=_wake_after(self.slots),
+            check_every_batches=_READER_CHECK_BATCHES,
+            wake_after_slots=_wake_after(self.slots),
             reader_count=self.readers,
-            wait_ns_max=int(_POLL_SECONDS * 1e9),
-            ready=int(SlotState.READY),
-            held_word=HELD_WORD,
-            requested=int(SlotState.REQUESTED),
-            filling=int(SlotState.FILLING),
-            state_mask=STATE_MASK,
-        )
+            poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
+        ))
         _live_loaders.add(self)
         self._request_from(start_step)
-        for reader_index, process in enumerate(self._resources.processes):
-            self._configure(process, reader_index)
-        self._closed = False
+        self._pool.configure(self._ring, ReaderConfig(
+            reader_index=0,
+            trainer_pid=os.getpid(),
+            names=self._ring.names,
+            layout=self._layout,
+            sampler=self.sampler,
+            fields=tuple(self.specs.values()),
+        ))
 
     # Construction helpers.
 
@@ -291,59 +291,15 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _warn_poor_layouts(self) -> None:
         for name, spec in self.specs.items():
-            if _convert.poor_layout(spec):
+            if _layout.poor_layout(spec):
                 warnings.warn(
                     f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
-                    f"{spec.blocks}, {spec.codec}) costs about {_convert.estimate_row_cost_us(spec):.0f} us per "
-                    f"random row, against about {_convert.row_friendly_cost_us(spec):.0f} us for a row-friendly "
-                    f"file. Re-lay it out once with: {_convert.convert_command(spec)}",
+                    f"{spec.blocks}, {spec.codec}) costs about {_layout.estimate_row_cost_us(spec):.0f} us per "
+                    f"random row, against about {_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
+                    f"file. Re-lay it out once with: {_layout.convert_command(spec)}",
                     PerformanceWarning,
-                    stacklevel=3,
+                    stacklevel=_user_stacklevel(),
                 )
-
-    def _reader_config(self, reader_index: int) -> str:
-        layout = self._layout
-        return json.dumps({
-            "reader_index": reader_index,
-            "trainer_pid": os.getpid(),
-            "names": self._ring.names.to_dict(),
-            "layout": {
-                "slot_count": layout.slot_count,
-                "reader_count": layout.reader_count,
-                "batch_size": layout.batch_size,
-                "field_row_bytes": list(layout.field_row_bytes),
-            },
-            "sampler": self.sampler.describe(),
-            "fields": [spec.to_dict() for spec in self.specs.values()],
-        })
-
-    def _spawn(self) -> subprocess.Popen:
-        """Starts a reader interpreter; it waits for its configuration (see _configure)."""
-        # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
-        # (which re-imports the trainer's __main__): only this package is imported.
-        environment = dict(os.environ)
-        # A reader is one thread of work: numpy's BLAS thread pools would only cost memory.
-        for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            environment.setdefault(variable, "1")
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
-        return subprocess.Popen(
-            [sys.executable, "-c", _READER_BOOTSTRAP],
-            stdin=subprocess.PIPE,
-            env=environment,
-            close_fds=True,
-            # `-c` puts the working directory first on sys.path; "/" keeps a source
-            # checkout there from shadowing the package this trainer imported.
-            cwd="/",
-        )
-
-    def _configure(self, process: subprocess.Popen, reader_index: int) -> None:
-        """Sends a started reader its index, the ring's names and the field descriptions."""
-        self._ring.clear_reader_error(reader_index)
-        try:
-            process.stdin.write(self._reader_config(reader_index).encode())
-            process.stdin.close()
-        except BrokenPipeError:
-            pass  # It died while starting: supervision restarts it like any dead reader.
 
     def _request_from(self, step: int) -> None:
         for step_k in range(step, step + self.slots):
@@ -361,8 +317,8 @@ class ShmDataLoader(cursor_module.Cursor):
         """Called by the native next() when a user changed one of the slot's arrays in place."""
         self._set_views(slot, self._slot_views(slot))
 
-    # Iteration. next() itself is native (Cursor.__next__ in _cursor.c): it hands back
-    # unused slots and delivers a ready batch without running Python; anything else comes here.
+    # Iteration. next() is native (_cursor.c decides what the step's slot holds, takes it
+    # or waits for it); it calls _supervise only to check readers and raise errors.
 
     def __iter__(self) -> ShmDataLoader:
         return self
@@ -370,135 +326,63 @@ class ShmDataLoader(cursor_module.Cursor):
     def _raise_if_closed(self) -> None:
         if self._resources.owner_pid != os.getpid():
             raise RuntimeError(f"this loader belongs to process {self._resources.owner_pid}; a forked child cannot use it")
-        if self._closed:
+        if not self._active:
             raise RuntimeError("the loader is closed")
 
-    def _next_slow(self) -> Batch:
-        started = self._now_ns()
+    def _supervise(self, state: int, owner: int, step: int) -> None:
+        """Called by the native next() for a step it cannot deliver at once (`state` is one
+        of _cursor's STEP_* values): after each poll interval in flight, for a held or
+        failed slot, and every _READER_CHECK_BATCHES batches. Raises, or returns for
+        next() to look again."""
         self._raise_if_closed()
-        self._release_unused()  # Also wakes the readers for every slot handed back so far.
-        self._check_readers()
-        step = self._next_step
-        self._wait_ready(step % self.slots, step)
-        return self._take(started)
+        if state == cursor_module.STEP_FAILED:
+            self._pool.raise_reported(owner)
+        if state == cursor_module.STEP_WRONG:
+            slot = step % self.slots
+            found, _ = self._ring.state(slot)
+            raise SharedMemoryError(
+                f"slot {slot} of ring {self._ring.names.segment} is {found.name} with step {self._ring.step(slot)} "
+                f"while step {step} was expected; another process wrote to the ring"
+            )
+        self._pool.check()
+        episode = (step, self._batches)
+        if episode != self._episode:
+            self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
+            if state == cursor_module.STEP_HELD:
+                gc.collect()  # Views caught in reference cycles: give them one chance to go.
+        waited_s = time.monotonic() - self._episode_since
+        if state == cursor_module.STEP_HELD:
+            self._wait_for_holder(step, waited_s)
+        elif state == cursor_module.STEP_IN_FLIGHT and waited_s > _STALL_WARNING_SECONDS and not self._stall_warned:
+            self._stall_warned = True
+            found, filler = self._ring.state(step % self.slots)
+            who = f"reader {filler} (pid {self._pool.pids[filler]})" if found == SlotState.FILLING else "no reader"
+            warnings.warn(
+                f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
+                f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
+                ReaderStallWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
-    def _raise_wrong_step(self, slot: int, step: int) -> None:
-        raise SharedMemoryError(
-            f"slot {slot} of ring {self._ring.names.segment} holds step {self._ring.step(slot)} while step "
-            f"{step} was expected; the ring was modified by another process"
-        )
-
-    def _wait_ready(self, slot: int, step: int) -> None:
-        ring = self._ring
-        hold_deadline = None
-        while True:
-            self._raise_if_closed()  # Another thread may close the loader while this one waits.
-            state, owner = ring.state(slot)
-            if state == SlotState.READY:
-                if ring.step(slot) != step:
-                    self._raise_wrong_step(slot, step)
-                return
-            if state == SlotState.FAILED:
-                self._raise_reported(owner)
-            if state == SlotState.HELD:
-                # The batch from `slots` steps ago may still be referred to: hand back what is
-                # unused, give the garbage collector one chance (cycles), then wait a bounded
-                # time for another thread to let go.
-                if self._release_unused():
-                    continue
-                if hold_deadline is None:
-                    gc.collect()
-                    hold_deadline = time.monotonic() + self.hold_timeout
-                    continue
-                if time.monotonic() > hold_deadline:
-                    raise SlotsExhaustedError(
-                        f"step {step} needs slot {slot}, which still holds step {ring.step(slot)}: views of that "
-                        f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
-                        f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
-                        f"raise slots (now {self.slots})."
-                    )
-            if state in (SlotState.REQUESTED, SlotState.FILLING):
-                waited = self._wait_in_flight()  # Native, without the GIL; as next() itself waits.
-            else:
-                waited = wait(ring.ready[slot], _POLL_SECONDS)
-            if not waited:
-                self._check_readers()
-
-    # Reader supervision.
-
-    def _reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
-        process = self._resources.processes[reader_index]
-        raw = self._ring.reader_error(reader_index)
-        try:
-            report = json.loads(raw.decode()) if raw else {}
-            if not isinstance(report, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            report = {"type": "unknown", "message": f"unreadable error report {raw[:200]!r}"}
-        step = report.get("step")
-        where = f" at step {step}" if step is not None else " while starting"
-        message = (
-            f"reader {reader_index} (pid {process.pid if process else '?'}) raised {report.get('type')}{where}: "
-            f"{report.get('message')}\n--- reader traceback ---\n{report.get('traceback', '')}"
-        )
-        return ReaderError(
-            message,
-            reader_index=reader_index,
-            pid=process.pid if process else None,
-            exit_code=exit_code,
-            step=step,
-            original_type=report.get("type"),
-            traceback_text=report.get("traceback", ""),
-        )
-
-    def _raise_reported(self, reader_index: int) -> None:
-        process = self._resources.processes[reader_index]
-        exit_code = None
-        if process is not None:
-            try:
-                exit_code = process.wait(_JOIN_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                pass
-        raise self._reported_error(reader_index, exit_code)
-
-    def _check_readers(self) -> None:
-        self._raise_if_closed()  # Readers that a close() stops are not restarted.
-        for reader_index, process in enumerate(self._resources.processes):
-            exit_code = process.poll()
-            if exit_code is None:
-                continue
-            if exit_code == EXIT_REPORTED_ERROR:
-                raise self._reported_error(reader_index, exit_code)
-            if self._restarts >= self.max_reader_restarts:
-                raise ReaderError(
-                    f"reader {reader_index} (pid {process.pid}) {_describe_exit(exit_code)}; "
-                    f"{self._restarts} reader restarts already used (max_reader_restarts={self.max_reader_restarts})",
-                    reader_index=reader_index,
-                    pid=process.pid,
-                    exit_code=exit_code,
-                )
-            self._restart(reader_index)
-
-    def _restart(self, reader_index: int) -> None:
-        """Replaces a dead reader and hands the step it was filling to the readers again."""
-        self._restarts += 1
-        busy_ns, batches = self._ring.reader_stats(reader_index)[1:]
-        self._retired_busy_ns[reader_index] += busy_ns
-        self._retired_batches[reader_index] += batches
-        self._ring.write_reader_stats(reader_index, 0, 0, 0)
-        for slot in range(self.slots):
-            state, owner = self._ring.state(slot)
-            if state == SlotState.FILLING and owner == reader_index:
-                self._ring.request(slot, self._ring.step(slot))
-        process = self._spawn()
-        self._resources.processes[reader_index] = process
-        self._configure(process, reader_index)
+    def _wait_for_holder(self, step: int, waited_s: float) -> None:
+        """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
+        if self._release_unused():
+            return
+        if waited_s > self.hold_timeout:
+            slot = step % self.slots
+            raise SlotsExhaustedError(
+                f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
+                f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
+                f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
+                f"raise slots (now {self.slots})."
+            )
+        time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
 
     # State and statistics.
 
     @property
     def reader_pids(self) -> list[int]:
-        return [process.pid for process in self._resources.processes]
+        return self._pool.pids
 
     @property
     def shared_memory_bytes(self) -> int:
@@ -506,22 +390,28 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, and the settings it depends on."""
-        return {"step": self._next_step, **{key: value for key, value in self.sampler.describe().items()}}
+        return {"step": self._next_step, **self.sampler.to_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one recorded."""
-        expected = self.sampler.describe()
+        expected = self.sampler.to_dict()
         mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
         if mismatched:
             details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
             raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
-        self.seek(check_integer("step", state.get("step"), 0, (1 << 64) - 1))
+        self.seek(state.get("step"))
 
     def seek(self, step: int) -> None:
-        """Makes `step` the next batch. Every batch must have been released first."""
+        """Makes `step` the next batch.
+
+        The caller must first drop every batch and every view of one (or call release() on
+        the batches and drop the arrays taken from them): seek hands back every slot that
+        nothing refers to, after one garbage collection, and raises RuntimeError naming the
+        step of any batch still referenced. Batches already filled for other steps are
+        discarded; readers in the middle of one finish it first.
+        """
         self._raise_if_closed()
-        step = check_integer("step", step, 0, (1 << 64) - 1)
-        ring = self._ring
+        step = check_integer("step", step, 0, self.sampler.step_max - self.slots)
         self._release_unused()
         gc.collect()
         self._release_unused()
@@ -529,23 +419,29 @@ class ShmDataLoader(cursor_module.Cursor):
         if held:
             raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
         for slot in range(self.slots):
-            deadline = time.monotonic() + self.hold_timeout
-            while True:
-                state, owner = ring.state(slot)
-                if state == SlotState.HELD:
-                    raise RuntimeError(f"cannot seek while batch {ring.step(slot)} is held; release every batch first")
-                if state == SlotState.FAILED:
-                    self._raise_reported(owner)
-                if state == SlotState.REQUESTED and not ring.compare_swap_state(slot, SlotState.REQUESTED, SlotState.IDLE):
-                    continue  # A reader took it just now: wait for it to finish.
-                if state != SlotState.FILLING:
-                    break
-                if time.monotonic() > deadline:
-                    raise ReaderError(f"slot {slot} stayed in filling for {self.hold_timeout:.1f} s during seek")
-                if not wait(ring.ready[slot], _POLL_SECONDS):
-                    self._check_readers()
+            self._withdraw(slot)
         self._next_step = step
         self._request_from(step)
+
+    def _withdraw(self, slot: int) -> None:
+        """Takes a slot back from the readers: a requested one at once, one being filled
+        once its reader is done (a bounded wait)."""
+        ring = self._ring
+        deadline = time.monotonic() + self.hold_timeout
+        while True:
+            state, owner = ring.state(slot)
+            if state == SlotState.FAILED:
+                self._pool.raise_reported(owner)
+            if state == SlotState.REQUESTED and not ring.withdraw(slot):
+                continue  # A reader took it just now: wait for it to finish.
+            if state != SlotState.FILLING:
+                return
+            if time.monotonic() > deadline:
+                raise SlotsExhaustedError(
+                    f"slot {slot} stayed in filling (reader {owner}) for {self.hold_timeout:.1f} s during seek"
+                )
+            if not wait(ring.ready_semaphores[slot], POLL_INTERVAL_SECONDS):
+                self._pool.check()
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and reader busy time."""
@@ -555,12 +451,12 @@ class ShmDataLoader(cursor_module.Cursor):
         row_bytes = sum(spec.row_bytes for spec in self.specs.values())
         readers = []
         for reader_index in range(self.readers):
-            pid, busy_ns, batches = self._ring.reader_stats(reader_index) if not self._closed else (0, 0, 0)
-            busy_s = (busy_ns + self._retired_busy_ns[reader_index]) / 1e9
+            pid, busy_ns, batches = self._pool.stats(reader_index) if self._active else (0, 0, 0)
+            busy_s = busy_ns / 1e9
             readers.append({
                 "index": reader_index,
                 "pid": pid,
-                "batches": batches + self._retired_batches[reader_index],
+                "batches": batches,
                 "busy_s": busy_s,
                 "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
             })
@@ -573,7 +469,7 @@ class ShmDataLoader(cursor_module.Cursor):
             "bytes_per_s": rows * row_bytes / elapsed_s if elapsed_s else 0.0,
             "wait_s": self._wait_ns / 1e9,
             "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
-            "reader_restarts": self._restarts,
+            "reader_restarts": self._pool.restarts,
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": readers,
         }
@@ -581,18 +477,18 @@ class ShmDataLoader(cursor_module.Cursor):
     # Lifecycle.
 
     def close(self) -> None:
-        """Stops and joins the readers (killing stragglers) and unlinks the ring. Idempotent.
+        """Stops and joins the readers (killing stragglers) and unlinks the ring, as the
+        shutdown note in readers.py describes. Idempotent.
 
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.
         """
-        self._closed = True
         self._deactivate()
         self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return not self._active
 
     def __enter__(self) -> ShmDataLoader:
         return self
@@ -601,18 +497,8 @@ class ShmDataLoader(cursor_module.Cursor):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"next step {self._next_step}"
+        state = "closed" if self.closed else f"next step {self._next_step}"
         return (
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
             f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
         )
-
-
-def _describe_exit(exit_code: int) -> str:
-    if exit_code < 0:
-        try:
-            name = signal.Signals(-exit_code).name
-        except ValueError:
-            name = f"signal {-exit_code}"
-        return f"was killed by {name} (exit code {exit_code})"
-    return f"exited with code {exit_code}"

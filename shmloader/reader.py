@@ -1,12 +1,14 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Started by the loader as `python -c "...reader.main..."`, it reads a JSON configuration on
-stdin: only names, paths and numbers cross the process boundary. It exits when the loader sets the ring's stop flag,
-when its trainer (its parent) is gone, or after reporting an error.
+Started by the loader (readers.py) as `python -c "...reader.main..."`, it reads a
+ReaderConfig as JSON on stdin: only names, paths and numbers cross the process boundary,
+each part serialised by its own to_dict/from_dict. It exits when the loader sets the
+ring's stop flag, when its trainer (its parent) is gone, or after reporting an error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ import numpy as np
 import posix_ipc
 
 from ._native import ffi
-from .ring import Ring, RingLayout, RingNames, SlotState, wait
+from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
 from .storage import FieldSpec, open_field
 
@@ -52,14 +54,107 @@ class _FaultInjection:
         os._exit(_FAULT_EXIT_CODE)
 
 
+@dataclasses.dataclass(frozen=True)
+class ReaderConfig:
+    """Everything a reader is told, as the trainer sends it (JSON on the reader's stdin)."""
+
+    reader_index: int
+    trainer_pid: int
+    names: RingNames
+    layout: RingLayout
+    sampler: Sampler
+    fields: tuple[FieldSpec, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "reader_index": self.reader_index,
+            "trainer_pid": self.trainer_pid,
+            "names": self.names.to_dict(),
+            "layout": self.layout.to_dict(),
+            "sampler": self.sampler.to_dict(),
+            "fields": [spec.to_dict() for spec in self.fields],
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> ReaderConfig:
+        data = json.loads(text)
+        return cls(
+            reader_index=data["reader_index"],
+            trainer_pid=data["trainer_pid"],
+            names=RingNames.from_dict(data["names"]),
+            layout=RingLayout.from_dict(data["layout"]),
+            sampler=Sampler.from_dict(data["sampler"]),
+            fields=tuple(FieldSpec.from_dict(spec) for spec in data["fields"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorReport:
+    """What a reader that raised writes into its ring record for the trainer."""
+
+    type: str
+    message: str
+    traceback: str
+    step: int | None
+    module: str = ""
+    pid: int = 0
+
+    @classmethod
+    def of(cls, error: BaseException, step: int | None) -> ErrorReport:
+        return cls(
+            type=type(error).__name__,
+            message=str(error),
+            traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            step=step,
+            module=type(error).__module__,
+            pid=os.getpid(),
+        )
+
+    def encode(self, bytes_max: int = READER_ERROR_BYTES_MAX) -> bytes:
+        """As UTF-8 JSON of at most `bytes_max` bytes: an oversized report keeps its type,
+        step and pid, the start of its message and the end of its traceback (where the
+        error was raised), each cut with a marker that says so."""
+        fields = dataclasses.asdict(self)
+        encoded = json.dumps(fields).encode()
+        budget = max(64, bytes_max - 512)  # Room for the other fields and JSON escapes.
+        while len(encoded) > bytes_max and budget > 64:
+            message_chars, traceback_chars = budget // 4, budget // 2
+            if len(self.message) > message_chars:
+                fields["message"] = self.message[:message_chars] + " [... message cut]"
+            if len(self.traceback) > traceback_chars:
+                fields["traceback"] = "[traceback cut ...]\n" + self.traceback[-traceback_chars:]
+            encoded = json.dumps(fields).encode()
+            budget //= 2
+        return encoded[:bytes_max] if len(encoded) > bytes_max else encoded
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ErrorReport:
+        """Foreign input: anything unreadable becomes a report that says so."""
+        if not raw:
+            return cls("", "", "", None)
+        try:
+            data = json.loads(raw.decode())
+            step = data.get("step")
+            return cls(
+                type=str(data["type"]),
+                message=str(data.get("message", "")),
+                traceback=str(data.get("traceback", "")),
+                step=step if isinstance(step, int) else None,
+                module=str(data.get("module", "")),
+                pid=data.get("pid") if isinstance(data.get("pid"), int) else 0,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls("unknown", f"unreadable error report {raw[:200]!r}", "", None)
+
+
 class Reader:
-    def __init__(self, config: dict, ring: Ring) -> None:
-        self.index = config["reader_index"]
-        self.trainer_pid = config["trainer_pid"]
+    def __init__(self, config: ReaderConfig, ring: Ring) -> None:
+        self.index = config.reader_index
+        self.trainer_pid = config.trainer_pid
         self.ring = ring
         self.layout = ring.layout
-        self.sampler = Sampler(**config["sampler"])
-        self.specs = [FieldSpec.from_dict(spec) for spec in config["fields"]]
+        self.sampler = config.sampler
+        self.specs = list(config.fields)
         self.fields = []
         for spec in self.specs:
             self.fields.append(open_field(spec, batch_size_max=self.layout.batch_size))
@@ -98,8 +193,8 @@ class Reader:
         self.batches += 1
         self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
         self.step = None
-        self.ring.set_state(slot, SlotState.READY, self.index)
-        self.ring.ready[slot].release()
+        self.ring.publish(slot, SlotState.READY, self.index)
+        self.ring.ready_semaphores[slot].release()
 
     def run(self) -> int:
         self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)
@@ -108,7 +203,7 @@ class Reader:
                 # Nobody else will clean up after a trainer that was killed.
                 self.ring.names.unlink_all()
                 return 0
-            wait(self.ring.work, _WAIT_SECONDS)
+            wait(self.ring.work_semaphore, _WAIT_SECONDS)
             while not self.ring.stopping:
                 slot = self.ring.claim(self.index)
                 if slot is None:
@@ -121,23 +216,11 @@ class Reader:
             field.close()
 
 
-def report_error(ring: Ring, reader_index: int, step: int | None, error: BaseException) -> None:
-    report = {
-        "type": type(error).__name__,
-        "module": type(error).__module__,
-        "message": str(error),
-        "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
-        "step": step,
-        "pid": os.getpid(),
-    }
-    ring.write_reader_error(reader_index, json.dumps(report).encode())
-
-
 def _yield_to_the_trainer() -> None:
     """SCHED_BATCH: the kernel's policy for non-interactive work. A reader the trainer
     wakes then waits for a free core or the end of the trainer's time slice instead of
-    preempting it mid-next() (measured: 0.5-1.2 ms stalls in 5% of next() calls on two cores
-    without it). Its share of the CPU is unchanged: same nice value, same fairness."""
+    preempting it in the middle of next(), where a preemption costs the trainer a whole
+    time slice. Its share of the CPU is unchanged: same nice value, same fairness."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):
@@ -152,12 +235,11 @@ def main(argv: list[str]) -> int:
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
     if not text:
         return 0  # The loader gave up before configuring this reader.
-    config = json.loads(text)
-    layout = RingLayout(**{**config["layout"], "field_row_bytes": tuple(config["layout"]["field_row_bytes"])})
+    config = ReaderConfig.from_json(text)
     try:
-        ring = Ring.attach(RingNames.from_dict(config["names"]), layout)
+        ring = Ring.attach(config.names, config.layout)
     except (posix_ipc.ExistentialError, OSError) as error:
-        print(f"shmloader reader {config['reader_index']}: cannot attach the ring: {error}", file=sys.stderr)
+        print(f"shmloader reader {config.reader_index}: cannot attach the ring: {error}", file=sys.stderr)
         return EXIT_NO_RING
     reader = None
     try:
@@ -165,13 +247,13 @@ def main(argv: list[str]) -> int:
         return reader.run()
     except Exception as error:
         step = reader.step if reader is not None else None
-        report_error(ring, config["reader_index"], step, error)
+        ring.write_reader_error(config.reader_index, ErrorReport.of(error, step).encode())
         if reader is not None and step is not None:
-            for slot in range(layout.slot_count):
+            for slot in range(config.layout.slot_count):
                 state, owner = ring.state(slot)
-                if state == SlotState.FILLING and owner == config["reader_index"]:
-                    ring.set_state(slot, SlotState.FAILED, owner)
-                    ring.ready[slot].release()
+                if state == SlotState.FILLING and owner == config.reader_index:
+                    ring.publish(slot, SlotState.FAILED, owner)
+                    ring.ready_semaphores[slot].release()
         return EXIT_REPORTED_ERROR
     finally:
         if reader is not None:

@@ -1,53 +1,46 @@
-"""The shared-memory ring: its byte layout (defined only here), creation, attachment and slot states.
+"""The shared-memory ring: its byte layout (defined only here and in ring.h), creation, attachment and slot states.
+
+The protocol's values and fixed structs are defined once, in ring.h, which _cursor.c
+includes, the Zig build translates and cffi parses: this module reads them as lib.SHM_...
+and ffi.sizeof(...). Offsets below are computed by RingLayout alone.
 
 Segment layout (all integers little-endian, offsets in bytes):
 
-    offset  size  field             meaning
-    ------  ----  ----------------  ------------------------------------------------------
-    0       8     magic             RING_MAGIC, "SHMLRING"
-    8       4     version           RING_VERSION; a reader refuses any other
-    12      4     slot_count        S, batch slots in the ring
-    16      4     reader_count      R, reader records that follow the header
-    20      4     field_count       F, data regions per slot
-    24      4     trainer_pid       the creating process; readers exit when it is gone
-    28      4     (reserved)
-    32      8     batch_size        rows per batch
-    40      8     slot_stride       bytes from one slot to the next (a multiple of 4096)
-    48      8     slots_offset      offset of slot 0 (a multiple of 4096)
-    56      8     stop              nonzero once the trainer closes: readers exit
-    64      R*READER_RECORD_BYTES   reader records (below)
-    table_offset + s*64             slot s's control line (below), table_offset = 64 + R*16384
-    slots_offset + s*slot_stride    slot s's data (below)
+    offset          size                  what                    meaning
+    --------------  --------------------  ----------------------  ------------------------------------------
+    0               64                    shm_ring_header         magic, version, counts, trainer pid, batch
+                                                                  size, slot stride, slots offset, stop flag
+    64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
+                                                                  error_bytes), then its UTF-8 JSON error report
+    table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
+    slots_offset    slot_count * stride   slot data               per slot: uint64 indices (8*B), then one
+                                                                  64-byte-aligned region per field (B*row_bytes)
 
-Reader record r (READER_RECORD_BYTES, written only by reader r, read by the trainer):
-
-    0       8     pid               the reader's pid
-    8       8     busy_ns           time spent filling slots
-    16      8     batches           slots filled
-    24      4     error_bytes       length of the UTF-8 JSON error report that follows
-    28      4     (reserved)
-    32      ...   error             {"type", "message", "traceback", "step"}
-
-Control line of slot s (SLOT_CONTROL_BYTES, one cache line so slots share none):
-
-    0       8     state             SlotState in the low byte, the filling reader's index << 8
-    8       8     step              the step this slot holds or is to hold
-    16      48    (reserved)
-
+table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096.
 The control lines sit together, apart from the data, so that the trainer's next() and
 the readers' scans read one page of them rather than one page per slot: after a training
 step every page touched is a TLB miss, and the data of the slots is megabytes apart.
 
-Data of slot s:
+Slot s only ever holds steps k with k % slot_count == s, so batches come out in step order.
+A slot's state word holds the state in its low byte (SHM_STATE_MASK) and the filling
+reader's index above it (SHM_OWNER_SHIFT). Every change of it, with who makes it, where,
+and the memory ordering (one ordering per transition, the same in every language):
 
-    0       8*B   indices           uint64 row indices of the step
-    ...           field regions     one per field, B * row_bytes each, 64-byte aligned
+    from -> to                who        where                              ordering
+    ------------------------  ---------  ---------------------------------  ----------------------------------
+    IDLE or HELD -> REQUESTED trainer    Ring.request; release_unused (C)   release store, after the step word
+    REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
+    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish        release store, after the data
+    FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        release store, after the report
+    READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
+                                                                            reads HELD, and it publishes nothing
+    FILLING|r -> REQUESTED    trainer    ReaderPool.restart (r is dead)     release store (Ring.request)
+    REQUESTED -> IDLE         trainer    ShmDataLoader.seek                 compare-and-swap, acq_rel (a reader
+                                                                            may claim the slot first)
 
-Slot s only ever holds steps k with k % S == s, so batches come out in step order.
-State changes: the trainer sets REQUESTED (with the step) when a slot is free; a reader
-takes it REQUESTED -> FILLING|reader by compare-and-swap, fills it, and stores READY (or
-FAILED); the trainer takes READY -> HELD while the batch is alive, then requests the
-slot's next step. Semaphores only wake waiters; the state word is the truth.
+Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
+_cursor.c, the claim's scan); the step word is read after it and written before the
+store that publishes it. Semaphores only wake waiters; the state word is the truth.
 """
 
 from __future__ import annotations
@@ -59,7 +52,6 @@ import mmap
 import os
 import re
 import secrets
-import struct
 
 import posix_ipc
 
@@ -67,42 +59,38 @@ from ._native import ffi, lib
 from .errors import SharedMemoryError
 from .storage import FieldSpec
 
-RING_MAGIC = 0x474E49524C4D4853  # b"SHMLRING" read as a little-endian u64.
-RING_VERSION = 2  # 2: slot state and step moved from each slot's head to the control table.
-HEADER_BYTES = 64
-_HEADER_FORMAT = "<QIIIIIIQQQQ"
-assert struct.calcsize(_HEADER_FORMAT) == HEADER_BYTES
-OFFSET_STOP = 56
-
+RING_MAGIC = lib.SHM_RING_MAGIC
+RING_VERSION = lib.SHM_RING_VERSION
+HEADER_BYTES = ffi.sizeof("shm_ring_header")
+SLOT_CONTROL_BYTES = ffi.sizeof("shm_control_line")
+STATE_MASK = lib.SHM_STATE_MASK
+OWNER_SHIFT = lib.SHM_OWNER_SHIFT
+# A reader's record: the fixed struct, then room for its error report.
 READER_RECORD_BYTES = 16384
-READER_ERROR_OFFSET = 32
+READER_ERROR_OFFSET = ffi.sizeof("shm_reader_record")
 READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
-
-SLOT_CONTROL_BYTES = 64
-CONTROL_OFFSET_STATE = 0
-CONTROL_OFFSET_STEP = 8
 REGION_ALIGNMENT = 64
 PAGE_BYTES = 4096
-STATE_MASK = 0xFF
-OWNER_SHIFT = 8
+# How long one wait of the trainer lasts before it checks that its readers live (a dead
+# reader is noticed within about this long); the native next() waits in units of it.
+POLL_INTERVAL_SECONDS = 0.05
 
 NAME_PREFIX = "shml_"
-_NAME_PATTERN = re.compile(r"^(?:sem\.)?shml_(\d+)_[0-9a-f]+")
+_NAME_PATTERN = re.compile(r"^(?:sem\.)?shml_(\d{1,10})_[0-9a-f]+")
 SHM_DIRECTORY = "/dev/shm"
 # Room left free in /dev/shm beyond the ring, so that other users of it do not fail.
 _SHM_HEADROOM_BYTES = 64 << 20
 
 
 class SlotState(enum.IntEnum):
-    IDLE = 0
-    REQUESTED = 1
-    FILLING = 2
-    READY = 3
-    HELD = 4
-    FAILED = 5
+    """The low byte of a slot's state word (values from ring.h)."""
 
-
-HELD_WORD = int(SlotState.HELD)  # The whole state word of a held slot (no owner).
+    IDLE = lib.SHM_SLOT_IDLE
+    REQUESTED = lib.SHM_SLOT_REQUESTED
+    FILLING = lib.SHM_SLOT_FILLING
+    READY = lib.SHM_SLOT_READY
+    HELD = lib.SHM_SLOT_HELD
+    FAILED = lib.SHM_SLOT_FAILED
 
 
 def _align(value: int, alignment: int) -> int:
@@ -150,11 +138,15 @@ class RingLayout:
     def slot_offset(self, slot: int) -> int:
         return self.slots_offset + slot * self.slot_stride
 
-    def control_offset(self, slot: int) -> int:
-        return self.table_offset + slot * SLOT_CONTROL_BYTES
-
     def reader_offset(self, reader: int) -> int:
         return HEADER_BYTES + reader * READER_RECORD_BYTES
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "field_row_bytes": list(self.field_row_bytes)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RingLayout:
+        return cls(**{**data, "field_row_bytes": tuple(data["field_row_bytes"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,13 +198,15 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # Not ours to judge: another user's process, or not a pid at all.
     return True
 
 
 def sweep_stale(directory: str = SHM_DIRECTORY) -> list[str]:
-    """Unlinks segments and semaphores of rings whose creating process is dead. Returns them."""
+    """Unlinks segments and semaphores of rings whose creating process is dead. Returns them.
+    Entries it does not recognise as a ring's (a name that is not ours, a pid out of range)
+    are left alone."""
     removed = []
     try:
         entries = os.listdir(directory)
@@ -248,30 +242,35 @@ def check_free_space(total_bytes: int, directory: str = SHM_DIRECTORY) -> None:
         )
 
 
+def _map(fd: int, total_bytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
 class Ring:
-    """A mapped ring segment with its semaphores. The trainer creates; readers attach."""
+    """A mapped ring segment with its semaphores. The trainer creates; readers attach.
+
+    Only the trainer's process creates and unlinks the names (RingNames.unlink_all);
+    readers attach and close. close() releases this process's semaphore handles; the
+    mapping goes with the last reference to the Ring (batch views keep it)."""
 
     def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, created: bool) -> None:
         self.names = names
         self.layout = layout
         self.memory = memory
-        self.work = semaphores[0]
-        self.ready = semaphores[1:]
+        self.work_semaphore = semaphores[0]
+        self.ready_semaphores = semaphores[1:]
         self.created = created
         self.closed = False
         self._pointer = ffi.from_buffer("uint8_t[]", memory)
         self.base_address = int(ffi.cast("uintptr_t", self._pointer))
-        # Plain reads and writes of u64 words: for values whose ordering an atomic access
-        # next to them already provides (a step is written before, and read after, the
-        # state word that publishes it), and for the stop flag, which readers poll.
-        self._word_view = memoryview(memory).cast("B").cast("Q")
-        self._step_indices = [(layout.control_offset(s) + CONTROL_OFFSET_STEP) // 8 for s in range(layout.slot_count)]
-        self._state_pointers = [self._u64_pointer(layout.control_offset(s) + CONTROL_OFFSET_STATE) for s in range(layout.slot_count)]
-        self._stop_pointer = self._u64_pointer(OFFSET_STOP)
-        self._table_pointer = self._u64_pointer(layout.table_offset)
-
-    def _u64_pointer(self, offset: int):
-        return ffi.cast("uint64_t *", self.base_address + offset)
+        self.header = ffi.cast("shm_ring_header *", self.base_address)
+        self.control_table_address = self.base_address + layout.table_offset
+        self._lines = ffi.cast("shm_control_line *", self.control_table_address)
+        self._state_pointers = [ffi.addressof(self._lines[slot], "state") for slot in range(layout.slot_count)]
+        self._records = [
+            ffi.cast("shm_reader_record *", self.base_address + layout.reader_offset(reader))
+            for reader in range(layout.reader_count)
+        ]
 
     @classmethod
     def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
@@ -285,7 +284,7 @@ class Ring:
                 # tmpfs allocates pages lazily; posix_fallocate reserves them now, so a
                 # full /dev/shm is an error here instead of a SIGBUS on first touch.
                 os.posix_fallocate(segment.fd, 0, layout.total_bytes)
-                memory = mmap.mmap(segment.fd, layout.total_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                memory = _map(segment.fd, layout.total_bytes)
             except OSError as error:
                 raise SharedMemoryError(
                     f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIRECTORY} for the ring "
@@ -293,11 +292,13 @@ class Ring:
                 ) from None
             finally:
                 segment.close_fd()
-            struct.pack_into(
-                _HEADER_FORMAT, memory, 0, RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count,
-                len(layout.field_row_bytes), trainer_pid, 0, layout.batch_size, layout.slot_stride,
-                layout.slots_offset, 0,
-            )
+            header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
+            header.magic, header.version = RING_MAGIC, RING_VERSION
+            header.slot_count, header.reader_count = layout.slot_count, layout.reader_count
+            header.field_count, header.trainer_pid = len(layout.field_row_bytes), trainer_pid
+            header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
+            header.slots_offset, header.stop = layout.slots_offset, 0
+            del header
             for name in (names.work, *names.ready):
                 semaphores.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
             return cls(names, layout, memory, semaphores, created=True)
@@ -316,94 +317,93 @@ class Ring:
         try:
             if segment.size != layout.total_bytes:
                 raise SharedMemoryError(f"ring {names.segment} is {segment.size} bytes, expected {layout.total_bytes}")
-            memory = mmap.mmap(segment.fd, layout.total_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            memory = _map(segment.fd, layout.total_bytes)
         finally:
             segment.close_fd()
-        header = struct.unpack_from(_HEADER_FORMAT, memory, 0)
-        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, len(layout.field_row_bytes))
-        if header[:5] != expected or header[7:10] != (layout.batch_size, layout.slot_stride, layout.slots_offset):
+        header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
+        found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
+                 header.batch_size, header.slot_stride, header.slots_offset)
+        del header
+        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, len(layout.field_row_bytes),
+                    layout.batch_size, layout.slot_stride, layout.slots_offset)
+        if found != expected:
             memory.close()
-            raise SharedMemoryError(f"ring {names.segment} has header {header[:10]}, expected {expected} and {layout}")
+            raise SharedMemoryError(
+                f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
+                f"stride, slots offset) = {found}, expected {expected}"
+            )
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
         return cls(names, layout, memory, semaphores, created=False)
 
-    # Slot state, through atomics because several processes change it at once.
+    # Slot state: the orderings are the table's in the module docstring.
 
     def state(self, slot: int) -> tuple[SlotState, int]:
-        """(state, owner reader index); raises SharedMemoryError on a value no process writes."""
-        word = lib.shm_atomic_load(self._state_pointers[slot])
+        """(state, owner reader index), by an acquire load; raises SharedMemoryError on a
+        value no process writes (foreign input: another process wrote it)."""
+        word = lib.shm_state_load(self._state_pointers[slot])
         try:
             return SlotState(word & STATE_MASK), word >> OWNER_SHIFT
         except ValueError:
             raise SharedMemoryError(f"slot {slot} of ring {self.names.segment} has invalid state word {word:#x}") from None
 
-    def set_state(self, slot: int, state: SlotState, owner: int = 0) -> None:
-        lib.shm_atomic_store(self._state_pointers[slot], int(state) | owner << OWNER_SHIFT)
+    def publish(self, slot: int, state: SlotState, owner: int = 0) -> None:
+        """Stores a state word with release ordering: what was written before is visible
+        to whoever acquires it."""
+        lib.shm_state_store(self._state_pointers[slot], int(state) | owner << OWNER_SHIFT)
 
-    def compare_swap_state(self, slot: int, expected: SlotState, desired: SlotState, owner: int = 0) -> bool:
-        expected_word = int(expected)
-        found = lib.shm_atomic_compare_swap(self._state_pointers[slot], expected_word, int(desired) | owner << OWNER_SHIFT)
-        return found == expected_word
+    def withdraw(self, slot: int) -> bool:
+        """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
+        requested = int(SlotState.REQUESTED)
+        return lib.shm_state_compare_swap(self._state_pointers[slot], requested, int(SlotState.IDLE)) == requested
 
     def step(self, slot: int) -> int:
         """The slot's step; read it after the state word that published it."""
-        return self._word_view[self._step_indices[slot]]
-
-    def set_step(self, slot: int, step: int) -> None:
-        """Sets the slot's step; publish it with a state store afterwards."""
-        self._word_view[self._step_indices[slot]] = step
-
-    def claim(self, reader: int) -> int | None:
-        """A reader takes the requested slot with the lowest step (REQUESTED -> FILLING|reader by
-        compare-and-swap, natively: one scan of the control table). None if none is requested."""
-        slot = lib.shm_claim_lowest(
-            self._table_pointer, self.layout.slot_count, SLOT_CONTROL_BYTES // 8,
-            int(SlotState.REQUESTED), int(SlotState.FILLING) | reader << OWNER_SHIFT,
-        )
-        return None if slot < 0 else slot
+        return self._lines[slot].step
 
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""
-        self.set_step(slot, step)
-        self.set_state(slot, SlotState.REQUESTED)
-        self.work.release()
+        self._lines[slot].step = step
+        self.publish(slot, SlotState.REQUESTED)
+        self.work_semaphore.release()
+
+    def claim(self, reader: int) -> int | None:
+        """A reader takes the requested slot with the lowest step (natively: one scan of
+        the control table and a compare-and-swap). None if none is requested."""
+        slot = lib.shm_claim_lowest(self._lines, self.layout.slot_count, reader)
+        return None if slot < 0 else slot
 
     @property
     def stopping(self) -> bool:
-        return self._word_view[OFFSET_STOP // 8] != 0  # A plain read: readers poll it.
+        return self.header.stop != 0  # A plain read: readers poll it.
 
     def set_stopping(self) -> None:
-        lib.shm_atomic_store(self._stop_pointer, 1)
+        lib.shm_state_store(ffi.addressof(self.header[0], "stop"), 1)
 
-    # Reader records.
+    # Reader records: written only by their reader (and cleared by the trainer before
+    # that reader starts), read by the trainer.
 
     def write_reader_stats(self, reader: int, pid: int, busy_ns: int, batches: int) -> None:
-        struct.pack_into("<QQQ", self.memory, self.layout.reader_offset(reader), pid, busy_ns, batches)
+        record = self._records[reader]
+        record.pid, record.busy_ns, record.batches = pid, busy_ns, batches
 
     def reader_stats(self, reader: int) -> tuple[int, int, int]:
-        return struct.unpack_from("<QQQ", self.memory, self.layout.reader_offset(reader))
+        record = self._records[reader]
+        return record.pid, record.busy_ns, record.batches
 
     def write_reader_error(self, reader: int, report: bytes) -> None:
-        report = report[:READER_ERROR_BYTES_MAX]
-        offset = self.layout.reader_offset(reader)
-        self.memory[offset + READER_ERROR_OFFSET: offset + READER_ERROR_OFFSET + len(report)] = report
-        struct.pack_into("<I", self.memory, offset + 24, len(report))
+        if len(report) > READER_ERROR_BYTES_MAX:
+            raise ValueError(f"an error report holds at most {READER_ERROR_BYTES_MAX} bytes, got {len(report)}")
+        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
+        self.memory[offset: offset + len(report)] = report
+        self._records[reader].error_bytes = len(report)
 
     def clear_reader_error(self, reader: int) -> None:
-        struct.pack_into("<I", self.memory, self.layout.reader_offset(reader) + 24, 0)
+        self._records[reader].error_bytes = 0
 
     def reader_error(self, reader: int) -> bytes:
-        offset = self.layout.reader_offset(reader)
-        (length,) = struct.unpack_from("<I", self.memory, offset + 24)
-        length = min(length, READER_ERROR_BYTES_MAX)  # Foreign input: never read past the record.
-        return bytes(self.memory[offset + READER_ERROR_OFFSET: offset + READER_ERROR_OFFSET + length])
-
-    # Regions.
-
-    def slot_word_addresses(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Addresses of every slot's state word and step word, for the trainer's native next()."""
-        lines = [self.base_address + self.layout.control_offset(slot) for slot in range(self.layout.slot_count)]
-        return tuple(a + CONTROL_OFFSET_STATE for a in lines), tuple(a + CONTROL_OFFSET_STEP for a in lines)
+        length = min(self._records[reader].error_bytes, READER_ERROR_BYTES_MAX)  # Foreign input.
+        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
+        return bytes(self.memory[offset: offset + length])
 
     def close(self) -> None:
         """Closes this process's semaphore handles. Idempotent.
@@ -414,7 +414,7 @@ class Ring:
         if self.closed:
             return
         self.closed = True
-        for semaphore in (self.work, *self.ready):
+        for semaphore in (self.work_semaphore, *self.ready_semaphores):
             try:
                 semaphore.close()
             except (posix_ipc.ExistentialError, OSError):

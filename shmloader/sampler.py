@@ -14,6 +14,7 @@ MODES = {"sequential": 0, "random": 1, "shuffle": 2}
 LENGTH_MAX = 1 << 62
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
+STEP_MAX = _U64_MAX
 
 
 def check_integer(name: str, value, minimum: int, maximum: int) -> int:
@@ -80,6 +81,12 @@ class Sampler:
         if status != Status.OK:
             raise ValueError(f"invalid sampler configuration: {status_name(status)}")
 
+    @property
+    def step_max(self) -> int:
+        """The last step whose positions fit the sampler's 64-bit stream."""
+        global_batch = self.batch_size * self.shard_count
+        return (_U64_MAX - self.batch_size * (self.shard_index + 1)) // global_batch
+
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
         step = check_integer("step", step, 0, _U64_MAX)
@@ -121,8 +128,9 @@ class Sampler:
             yield self.fill(step)
             step += 1
 
-    def describe(self) -> dict:
-        """The small description that crosses a process boundary to rebuild this sampler."""
+    def to_dict(self) -> dict:
+        """The small description that crosses a process boundary to rebuild this sampler
+        (Sampler.from_dict), and that a checkpoint records."""
         return {
             "length": self.length,
             "batch_size": self.batch_size,
@@ -132,6 +140,10 @@ class Sampler:
             "shard_count": self.shard_count,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Sampler:
+        return cls(**data)
+
     def __repr__(self) -> str:
-        arguments = ", ".join(f"{key}={value!r}" for key, value in self.describe().items())
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.to_dict().items())
         return f"Sampler({arguments})"

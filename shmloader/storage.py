@@ -76,7 +76,7 @@ class FieldSpec:
         return cls(**data)
 
 
-def _check_dtype(path: str, dtype: np.dtype) -> None:
+def check_dtype(path: str, dtype: np.dtype) -> None:
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise StorageError(
             f"{path}: dtype {dtype} is not supported; shmloader needs a plain numeric or bool "
@@ -86,7 +86,7 @@ def _check_dtype(path: str, dtype: np.dtype) -> None:
         raise StorageError(f"{path}: dtype {dtype} has zero-sized items")
 
 
-def _check_rows(path: str, shape: tuple[int, ...]) -> None:
+def check_rows(path: str, shape: tuple[int, ...]) -> None:
     if len(shape) == 0:
         raise StorageError(f"{path}: a 0-d array has no rows; expected an array of shape (rows, ...)")
     if shape[0] == 0:
@@ -120,8 +120,8 @@ def _describe_npy(path: str) -> FieldSpec:
             data_offset = handle.tell()
     except (ValueError, OSError, SyntaxError) as error:
         raise StorageError(f"{path}: unreadable .npy header ({error})") from None
-    _check_dtype(path, dtype)
-    _check_rows(path, shape)
+    check_dtype(path, dtype)
+    check_rows(path, shape)
     if fortran_order and len(shape) > 1:
         raise StorageError(
             f"{path}: the array is stored in Fortran order, so its rows are not contiguous; "
@@ -165,8 +165,8 @@ def _describe_b2nd(path: str) -> FieldSpec:
         raise StorageError(f"{path}: a Blosc2 super-chunk but not an NDArray; write it with blosc2.asarray")
     dtype = np.dtype(array.dtype)
     shape = tuple(int(extent) for extent in array.shape)
-    _check_dtype(path, dtype)
-    _check_rows(path, shape)
+    check_dtype(path, dtype)
+    check_rows(path, shape)
     schunk = array.schunk
     if not schunk.contiguous:
         raise StorageError(f"{path}: a sparse (directory) Blosc2 frame; re-save it contiguous with `shmloader convert`")
@@ -191,7 +191,8 @@ def _describe_b2nd(path: str) -> FieldSpec:
         chunk_count=chunk_count,
         chunks=chunks,
         blocks=blocks,
-        codec=getattr(cparams.codec, "name", str(cparams.codec)),
+        # Level 0 stores blocks as they are, whatever codec the file names.
+        codec="none" if int(cparams.clevel) == 0 else getattr(cparams.codec, "name", str(cparams.codec)),
         clevel=int(cparams.clevel),
         compressed_bytes=int(schunk.cbytes),
         row_contiguous=row_contiguous_layout(shape, chunks, blocks),

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import image_like, write_b2nd
 from shmloader import StorageError
-from shmloader.convert import choose_layout, convert, inspect, poor_layout
+from shmloader.convert import convert, inspect
+from shmloader.layout import choose_layout, poor_layout
 from shmloader.storage import describe_field, open_field
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -51,7 +52,7 @@ def test_conversion_is_value_exact(tmp_path, shape, dtype, source):
         chunks = (max(1, shape[0] // 3 + 1), *shape[1:])
         path = write_b2nd(tmp_path / "in.b2nd", array, chunks=chunks, blocks=(max(1, chunks[0] // 4), *shape[1:]))
     spec = convert(path, tmp_path / "out.b2nd", progress=False, piece_bytes=1 << 16)
-    assert spec.row_contiguous and spec.codec == "LZ4"
+    assert spec.row_contiguous and spec.codec in ("LZ4", "none")  # --codec auto decides.
     assert spec.dtype == np.dtype(dtype).str and (spec.row_count, *spec.row_shape) == shape
     assert np.array_equal(read_all(spec.path), array)
 
@@ -62,6 +63,8 @@ def test_codecs(tmp_path, codec):
     np.save(tmp_path / "in.npy", array)
     spec = convert(tmp_path / "in.npy", tmp_path / "out.b2nd", codec=codec, progress=False)
     assert np.array_equal(read_all(spec.path), array)
+    assert spec.codec == codec.upper() if codec != "none" else spec.codec == "none"
+    assert inspect(spec.path, sample=4)["codec"] == spec.codec
 
 
 def test_layout_choice():

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
 from shmloader import ReaderError, Sampler, ShmDataLoader
+from shmloader import readers
 from shmloader.reader import FAULT_INJECTION_VARIABLE
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -277,16 +278,16 @@ def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, chec
 
 def test_a_loader_that_fails_while_starting_readers_leaves_nothing(dataset, monkeypatch):
     started = []
-    original = ShmDataLoader._spawn
+    original = readers.spawn_reader
 
-    def spawn_then_fail(self):
+    def spawn_then_fail():
         if len(started) == 1:
             raise OSError("no more processes")
-        process = original(self)
+        process = original()
         started.append(process.pid)
         return process
 
-    monkeypatch.setattr(ShmDataLoader, "_spawn", spawn_then_fail)
+    monkeypatch.setattr(readers, "spawn_reader", spawn_then_fail)
     with pytest.raises(OSError, match="no more processes"):
         ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3)
     assert not our_shm_entries(os.getpid())
@@ -295,14 +296,14 @@ def test_a_loader_that_fails_while_starting_readers_leaves_nothing(dataset, monk
 
 def test_readers_started_for_a_loader_whose_files_are_bad_exit(tmp_path, monkeypatch):
     started = []
-    original = ShmDataLoader._spawn
+    original = readers.spawn_reader
 
-    def recording_spawn(self):
-        process = original(self)
+    def recording_spawn():
+        process = original()
         started.append(process.pid)
         return process
 
-    monkeypatch.setattr(ShmDataLoader, "_spawn", recording_spawn)
+    monkeypatch.setattr(readers, "spawn_reader", recording_spawn)
     with pytest.raises(FileNotFoundError):
         ShmDataLoader({"label": str(tmp_path / "missing.npy")}, batch_size=8, readers=2, slots=3)
     assert len(started) == 2

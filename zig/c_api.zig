@@ -6,10 +6,12 @@ const sampler = @import("sampler.zig");
 const gather = @import("gather.zig");
 const status = @import("status.zig");
 const Status = status.Status;
+/// Generated from shmloader/ring.h by `zig translate-c` at build time (setup.py).
+const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 2; // 2: shm_claim_lowest.
+const abi_version: u32 = 3; // 3: protocol constants from ring.h, explicit orderings, named gather failures.
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -67,51 +69,59 @@ export fn shm_gather_blosc(
     return gather.gatherBlosc(layout, indices[0..index_count], out[0..out_bytes], failure);
 }
 
-// Atomics on shared memory. Python has none, and the ring's slot states are changed by
-// several processes at once; sequentially consistent ordering keeps the protocol simple.
+// The slot protocol's atomics (Python has none). The orderings are the ones tabled in
+// shmloader/ring.py: a store that publishes a state releases what was written before it
+// (the step, the slot's data), a load that acts on a state acquires it, and a claim or a
+// withdrawal is a compare-and-swap, so that two processes never both win a slot.
 
-export fn shm_atomic_load(address: *const u64) u64 {
-    return @atomicLoad(u64, address, .seq_cst);
+export fn shm_state_load(address: *const u64) u64 {
+    return @atomicLoad(u64, address, .acquire);
 }
 
-export fn shm_atomic_store(address: *u64, value: u64) void {
-    @atomicStore(u64, address, value, .seq_cst);
+export fn shm_state_store(address: *u64, value: u64) void {
+    @atomicStore(u64, address, value, .release);
 }
 
 /// Returns the value found: equal to `expected` exactly when the swap happened.
-export fn shm_atomic_compare_swap(address: *u64, expected: u64, desired: u64) u64 {
-    return @cmpxchgStrong(u64, address, expected, desired, .seq_cst, .seq_cst) orelse expected;
+export fn shm_state_compare_swap(address: *u64, expected: u64, desired: u64) u64 {
+    return @cmpxchgStrong(u64, address, expected, desired, .acq_rel, .acquire) orelse expected;
 }
 
-export fn shm_atomic_add(address: *u64, value: u64) u64 {
-    return @atomicRmw(u64, address, .Add, value, .seq_cst);
-}
-
-/// A reader's claim on the ring's slot table (`slot_count` control lines of `line_words`
-/// u64 each: the state word, then the step): takes the slot whose state's low byte is
-/// `requested` with the lowest step, by compare-and-swap of its whole state word (a
-/// requested slot has no owner bits) to `filling_word`. Returns the slot, or -1 if none is
-/// requested. Lost races rescan; each rescan follows another reader's successful claim.
-export fn shm_claim_lowest(table: [*]u64, slot_count: u64, line_words: u64, requested: u64, filling_word: u64) i64 {
-    while (true) {
+/// Reader `reader_index` takes, among the `slot_count` control lines of `table`, the
+/// requested slot with the lowest step: REQUESTED -> FILLING | reader << OWNER_SHIFT by
+/// compare-and-swap of the whole state word (a requested slot has no owner bits).
+/// Returns the slot, or -1 if none is requested. A lost race rescans; each rescan follows
+/// another reader's successful claim, so the loop ends within slot_count rescans.
+export fn shm_claim_lowest(table: [*]ring.shm_control_line, slot_count: u64, reader_index: u64) i64 {
+    const requested: u64 = ring.SHM_SLOT_REQUESTED;
+    const filling_word: u64 = ring.SHM_SLOT_FILLING | (reader_index << ring.SHM_OWNER_SHIFT);
+    var rescans: u64 = 0;
+    while (rescans <= slot_count) : (rescans += 1) {
         var best: ?u64 = null;
         var best_step: u64 = 0;
         var slot: u64 = 0;
         while (slot < slot_count) : (slot += 1) {
-            const line = table + slot * line_words;
-            if (@atomicLoad(u64, &line[0], .acquire) & 0xFF != requested) continue;
-            const step = @atomicLoad(u64, &line[1], .monotonic);
+            const line = &table[slot];
+            if (@atomicLoad(u64, &line.state, .acquire) & ring.SHM_STATE_MASK != requested) continue;
+            // Ordered by the acquire above: the trainer writes the step before the state.
+            const step = @atomicLoad(u64, &line.step, .monotonic);
             if (best == null or step < best_step) {
                 best = slot;
                 best_step = step;
             }
         }
         const chosen = best orelse return -1;
-        const state = &(table + chosen * line_words)[0];
-        if (@cmpxchgStrong(u64, state, requested, filling_word, .acq_rel, .monotonic) == null) {
+        if (@cmpxchgStrong(u64, &table[chosen].state, requested, filling_word, .acq_rel, .monotonic) == null) {
             return @intCast(chosen);
         }
     }
+    return -1; // Every rescan lost a race: the caller waits and tries again.
+}
+
+comptime {
+    // The header's structs are the ring's layout: their sizes are part of the protocol.
+    std.debug.assert(@sizeOf(ring.shm_control_line) == 64);
+    std.debug.assert(@sizeOf(ring.shm_ring_header) == 64);
 }
 
 test {
@@ -119,28 +129,28 @@ test {
     _ = gather;
 }
 
-test "atomics" {
+test "state atomics" {
     var word: u64 = 5;
-    try std.testing.expectEqual(@as(u64, 5), shm_atomic_compare_swap(&word, 5, 9));
-    try std.testing.expectEqual(@as(u64, 9), shm_atomic_compare_swap(&word, 5, 1));
-    try std.testing.expectEqual(@as(u64, 9), shm_atomic_add(&word, 1));
-    try std.testing.expectEqual(@as(u64, 10), shm_atomic_load(&word));
+    try std.testing.expectEqual(@as(u64, 5), shm_state_compare_swap(&word, 5, 9));
+    try std.testing.expectEqual(@as(u64, 9), shm_state_compare_swap(&word, 5, 1));
+    shm_state_store(&word, 10);
+    try std.testing.expectEqual(@as(u64, 10), shm_state_load(&word));
 }
 
 test "claim takes the requested slot with the lowest step, once" {
-    const requested: u64 = 1;
-    const filling: u64 = 2 | (5 << 8);
-    // Four control lines of 8 words: states and steps.
-    var table: [32]u64 = @splat(0);
-    table[0 * 8] = 3; // ready
-    table[1 * 8] = requested;
-    table[1 * 8 + 1] = 9;
-    table[2 * 8] = requested;
-    table[2 * 8 + 1] = 6;
-    table[3 * 8] = 2 | (1 << 8); // filling by reader 1
-    table[3 * 8 + 1] = 5;
-    try std.testing.expectEqual(@as(i64, 2), shm_claim_lowest(&table, 4, 8, requested, filling));
-    try std.testing.expectEqual(filling, table[2 * 8]);
-    try std.testing.expectEqual(@as(i64, 1), shm_claim_lowest(&table, 4, 8, requested, filling));
-    try std.testing.expectEqual(@as(i64, -1), shm_claim_lowest(&table, 4, 8, requested, filling));
+    const requested: u64 = ring.SHM_SLOT_REQUESTED;
+    const filling: u64 = ring.SHM_SLOT_FILLING | (5 << ring.SHM_OWNER_SHIFT);
+    var table: [4]ring.shm_control_line = undefined;
+    for (&table) |*line| line.* = std.mem.zeroes(ring.shm_control_line);
+    table[0].state = ring.SHM_SLOT_READY;
+    table[1].state = requested;
+    table[1].step = 9;
+    table[2].state = requested;
+    table[2].step = 6;
+    table[3].state = ring.SHM_SLOT_FILLING | (1 << ring.SHM_OWNER_SHIFT);
+    table[3].step = 5;
+    try std.testing.expectEqual(@as(i64, 2), shm_claim_lowest(&table, 4, 5));
+    try std.testing.expectEqual(filling, table[2].state);
+    try std.testing.expectEqual(@as(i64, 1), shm_claim_lowest(&table, 4, 5));
+    try std.testing.expectEqual(@as(i64, -1), shm_claim_lowest(&table, 4, 5));
 }

@@ -4,7 +4,8 @@
 const std = @import("std");
 const Status = @import("status.zig").Status;
 
-/// Where a failed gather stopped: which batch position, and the library's own error code.
+/// Where a failed gather stopped: which batch position, and libblosc2's own error code
+/// when the status is .decompress_failed (0 otherwise).
 pub const GatherError = extern struct {
     position: u64,
     code: i64,
@@ -19,7 +20,7 @@ pub fn gatherRows(
     out: []u8,
     failure: *GatherError,
 ) Status {
-    if (out.len != indices.len * row_bytes) return .output_too_small;
+    if (out.len != indices.len * row_bytes) return .output_size_mismatch;
     // Check every index first, so that a bad batch writes nothing.
     for (indices, 0..) |index, position| {
         if (index >= row_count) {
@@ -76,22 +77,24 @@ fn itemSize(chunk: [*]const u8) u64 {
     return @max(1, chunk[3]);
 }
 
-/// Decompresses `byte_count` bytes at `byte_start` of a chunk into `destination`.
+/// Decompresses `byte_count` bytes at `byte_start` of a chunk into `destination`. On
+/// .decompress_failed, `library_code` holds libblosc2's (negative) error code.
 fn getBytes(
     layout: *const BloscLayout,
     chunk_index: u64,
     byte_start: u64,
     byte_count: u64,
     destination: [*]u8,
-) i64 {
+    library_code: *i64,
+) Status {
     const chunk_bytes = layout.chunk_bytes[chunk_index];
-    if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return -1000;
+    if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
     const item_bytes = itemSize(chunk);
-    if (byte_start % item_bytes != 0 or byte_count % item_bytes != 0) return -1001;
+    if (byte_start % item_bytes != 0 or byte_count % item_bytes != 0) return .item_misaligned;
     const start_item = byte_start / item_bytes;
     const item_count = byte_count / item_bytes;
-    if (start_item > std.math.maxInt(c_int) or item_count > std.math.maxInt(c_int)) return -1002;
+    if (start_item > std.math.maxInt(c_int) or item_count > std.math.maxInt(c_int)) return .item_count_too_large;
     const written = layout.getitem.?(
         layout.context,
         chunk,
@@ -101,8 +104,12 @@ fn getBytes(
         destination,
         @intCast(byte_count),
     );
-    if (written != @as(c_int, @intCast(byte_count))) return if (written < 0) written else -1003;
-    return 0;
+    if (written < 0) {
+        library_code.* = written;
+        return .decompress_failed;
+    }
+    if (written != @as(c_int, @intCast(byte_count))) return .decompressed_short;
+    return .ok;
 }
 
 pub fn checkLayout(layout: *const BloscLayout, batch_size: u64) Status {
@@ -129,7 +136,7 @@ pub fn gatherBlosc(
     const status = checkLayout(layout, indices.len);
     if (status != .ok) return status;
     const row_bytes = layout.row_bytes;
-    if (out.len != indices.len * row_bytes) return .output_too_small;
+    if (out.len != indices.len * row_bytes) return .output_size_mismatch;
     for (indices, 0..) |index, position| {
         if (index >= layout.row_count) {
             failure.* = .{ .position = position, .code = 0 };
@@ -140,10 +147,11 @@ pub fn gatherBlosc(
         for (indices, 0..) |index, position| {
             const chunk_index = index / layout.rows_per_chunk;
             const row_in_chunk = index % layout.rows_per_chunk;
-            const code = getBytes(layout, chunk_index, row_in_chunk * row_bytes, row_bytes, out[position * row_bytes ..].ptr);
-            if (code != 0) {
-                failure.* = .{ .position = position, .code = code };
-                return .decompress_failed;
+            var library_code: i64 = 0;
+            const got = getBytes(layout, chunk_index, row_in_chunk * row_bytes, row_bytes, out[position * row_bytes ..].ptr, &library_code);
+            if (got != .ok) {
+                failure.* = .{ .position = position, .code = library_code };
+                return got;
             }
         }
         return .ok;
@@ -183,10 +191,11 @@ fn gatherByBlock(
         const chunk_index = block / blocks_per_chunk;
         const block_in_chunk = block % blocks_per_chunk;
         if (cached_block != block) {
-            const code = getBytes(layout, chunk_index, block_in_chunk * block_bytes, block_bytes, layout.block_buffer);
-            if (code != 0) {
-                failure.* = .{ .position = position, .code = code };
-                return .decompress_failed;
+            var library_code: i64 = 0;
+            const got = getBytes(layout, chunk_index, block_in_chunk * block_bytes, block_bytes, layout.block_buffer, &library_code);
+            if (got != .ok) {
+                failure.* = .{ .position = position, .code = library_code };
+                return got;
             }
             cached_block = block;
         }

@@ -71,7 +71,7 @@ fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
 pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     const status = check(config);
     if (status != .ok) return status;
-    if (out.len < config.batch_size) return .output_too_small;
+    if (out.len < config.batch_size) return .output_size_mismatch;
     const first = firstPosition(config, step) orelse return .overflow;
     const batch = out[0..config.batch_size];
     switch (@as(Mode, @enumFromInt(config.mode))) {
@@ -292,7 +292,7 @@ test "invalid configs are rejected" {
     config.mode = 9;
     try testing.expectEqual(Status.invalid_mode, fill(&config, 0, &out));
     config = testConfig(10, 8, .shuffle);
-    try testing.expectEqual(Status.output_too_small, fill(&config, 0, &out));
+    try testing.expectEqual(Status.output_size_mismatch, fill(&config, 0, &out));
     config = testConfig(10, 4, .shuffle);
     try testing.expectEqual(Status.overflow, fill(&config, std.math.maxInt(u64) / 2, &out));
 }

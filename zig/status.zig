@@ -1,4 +1,5 @@
 //! The status codes every exported function returns; stable numbers shared with Python.
+//! They are this library's own: libblosc2's error codes travel apart, in GatherError.code.
 
 /// Append only: Python's shmloader/_native.py mirrors these values and a test compares.
 pub const Status = enum(c_int) {
@@ -8,11 +9,20 @@ pub const Status = enum(c_int) {
     invalid_mode = 3,
     invalid_shard = 4,
     overflow = 5,
-    output_too_small = 6,
+    /// The output buffer is not exactly index_count * row_bytes (smaller or larger).
+    output_size_mismatch = 6,
     index_out_of_range = 7,
     decompress_failed = 8,
     invalid_layout = 9,
+    /// A chunk's recorded size is below a Blosc header or above what libblosc2 takes.
+    chunk_size_invalid = 10,
+    /// A row's bytes do not start and end on the chunk's item boundaries.
+    item_misaligned = 11,
+    /// A row spans more items than libblosc2's getitem can count (a C int).
+    item_count_too_large = 12,
+    /// libblosc2 returned fewer bytes than asked for, without an error code.
+    decompressed_short = 13,
 };
 
 /// The highest value; update it when appending.
-pub const status_last = Status.invalid_layout;
+pub const status_last = Status.decompressed_short;

@@ -1,0 +1,211 @@
+"""The trainer's reader pool: starts, configures, watches, restarts and stops reader processes.
+
+Shutdown, described once (ShmDataLoader.close, the loader's finalizer and interpreter exit
+all come here through ReaderPool.stop, then the ring's names are unlinked):
+
+1. The trainer sets the ring's stop flag and posts the work semaphore once per reader, so
+   a reader asleep in its bounded wait wakes at once; a reader mid-fill finishes that
+   batch (its rows are in the page cache or one decompression away) and sees the flag.
+2. It closes the stdin of any reader still waiting for its configuration: that reader
+   reads EOF and exits without attaching.
+3. It joins every reader for at most _JOIN_TIMEOUT_SECONDS in all, then SIGKILLs and reaps
+   whoever is left (a reader stopped by SIGSTOP, or stuck in a page fault on a dead NFS).
+4. Only then are the ring's segment and semaphores unlinked (loader.py), so that no reader
+   attaches to a name that is being removed.
+
+Readers never unlink anything while their trainer lives; a reader whose trainer died
+(its parent pid changed) unlinks the ring itself, since nobody else will (reader.py).
+Each step is idempotent and never raises, so a half-built loader tears down the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import posix_ipc
+
+from .errors import ReaderError
+from .reader import EXIT_REPORTED_ERROR, ErrorReport, ReaderConfig
+from .ring import Ring, SlotState
+
+_JOIN_TIMEOUT_SECONDS = 2.0
+# Run as -c rather than -m: the package is already imported by then, and runpy warns
+# about running a module of an imported package.
+_READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
+_PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parent.parent)
+
+
+def describe_exit(exit_code: int) -> str:
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"was killed by {name} (exit code {exit_code})"
+    return f"exited with code {exit_code}"
+
+
+def spawn_reader() -> subprocess.Popen:
+    """Starts a reader interpreter; it waits for its configuration on stdin."""
+    # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
+    # (which re-imports the trainer's __main__): only this package is imported.
+    environment = dict(os.environ)
+    # A reader is one thread of work: numpy's BLAS thread pools would only cost memory.
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        environment.setdefault(variable, "1")
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-c", _READER_BOOTSTRAP],
+        stdin=subprocess.PIPE,
+        env=environment,
+        close_fds=True,
+        # `-c` puts the working directory first on sys.path; "/" keeps a source
+        # checkout there from shadowing the package this trainer imported.
+        cwd="/",
+    )
+
+
+class ReaderPool:
+    """The reader processes of one loader, indexed 0..count-1 like their ring records.
+
+    Readers are started before the ring exists, so that their interpreter start-up
+    overlaps the trainer's validation of the files; `configure` hands each its JSON
+    configuration once the ring is there.
+    """
+
+    def __init__(self, count: int, max_restarts: int) -> None:
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.processes: list[subprocess.Popen] = []
+        self.ring: Ring | None = None
+        self._config: ReaderConfig | None = None
+        self._retired_busy_ns = [0] * count
+        self._retired_batches = [0] * count
+        self.count = count
+
+    def start(self) -> None:
+        """Starts the readers; they wait for configure(). One that fails to start leaves
+        the others in self.processes, so that stop() reaps them."""
+        while len(self.processes) < self.count:
+            self.processes.append(spawn_reader())
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def configure(self, ring: Ring, config: ReaderConfig) -> None:
+        """Sends every started reader `config` with its own reader_index."""
+        self.ring, self._config = ring, config
+        for reader_index, process in enumerate(self.processes):
+            self._send_config(process, reader_index)
+
+    def _send_config(self, process: subprocess.Popen, reader_index: int) -> None:
+        self.ring.clear_reader_error(reader_index)
+        try:
+            process.stdin.write(dataclasses.replace(self._config, reader_index=reader_index).to_json().encode())
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # It died while starting: check() restarts it like any dead reader.
+
+    # Supervision.
+
+    def check(self) -> None:
+        """Raises for a reader that reported an error or died past the restart budget;
+        restarts any other dead reader."""
+        for reader_index, process in enumerate(self.processes):
+            exit_code = process.poll()
+            if exit_code is None:
+                continue
+            if exit_code == EXIT_REPORTED_ERROR or self.ring.reader_error(reader_index):
+                raise self.reported_error(reader_index, exit_code)
+            if self.restarts >= self.max_restarts:
+                raise ReaderError(
+                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}; "
+                    f"{self.restarts} reader restarts already used (max_reader_restarts={self.max_restarts})",
+                    reader_index=reader_index,
+                    pid=process.pid,
+                    exit_code=exit_code,
+                )
+            self.restart(reader_index)
+
+    def restart(self, reader_index: int) -> None:
+        """Replaces a dead reader and hands the step it was filling to the readers again."""
+        self.restarts += 1
+        ring = self.ring
+        busy_ns, batches = ring.reader_stats(reader_index)[1:]
+        self._retired_busy_ns[reader_index] += busy_ns
+        self._retired_batches[reader_index] += batches
+        ring.write_reader_stats(reader_index, 0, 0, 0)
+        for slot in range(ring.layout.slot_count):
+            state, owner = ring.state(slot)
+            if state == SlotState.FILLING and owner == reader_index:
+                ring.request(slot, ring.step(slot))
+        process = spawn_reader()
+        self.processes[reader_index] = process
+        self._send_config(process, reader_index)
+
+    def raise_reported(self, reader_index: int) -> None:
+        """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
+        exit_code = None
+        try:
+            exit_code = self.processes[reader_index].wait(_JOIN_TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        raise self.reported_error(reader_index, exit_code)
+
+    def reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
+        process = self.processes[reader_index]
+        report = ErrorReport.decode(self.ring.reader_error(reader_index))
+        if not report.type:
+            report = ErrorReport("unknown", f"it {describe_exit(exit_code)} without an error report", "", None)
+        where = f" at step {report.step}" if report.step is not None else " while starting"
+        message = (
+            f"reader {reader_index} (pid {process.pid}) raised {report.type}{where}: "
+            f"{report.message}\n--- reader traceback ---\n{report.traceback}"
+        )
+        return ReaderError(
+            message,
+            reader_index=reader_index,
+            pid=process.pid,
+            exit_code=exit_code,
+            step=report.step,
+            original_type=report.type,
+            traceback_text=report.traceback,
+        )
+
+    def stats(self, reader_index: int) -> tuple[int, int, int]:
+        """(pid, busy_ns, batches) of a reader, counting the readers it replaced."""
+        pid, busy_ns, batches = self.ring.reader_stats(reader_index) if self.ring is not None else (0, 0, 0)
+        return pid, busy_ns + self._retired_busy_ns[reader_index], batches + self._retired_batches[reader_index]
+
+    # Shutdown: see the module docstring.
+
+    def stop(self) -> None:
+        """Stops and reaps every reader. Idempotent; never raises."""
+        ring, processes = self.ring, self.processes
+        if ring is not None and not ring.closed:
+            ring.set_stopping()
+            for _ in processes:
+                try:
+                    ring.work_semaphore.release()
+                except (posix_ipc.ExistentialError, OSError):
+                    pass
+        for process in processes:
+            if process.stdin is not None and not process.stdin.closed:
+                try:
+                    process.stdin.close()  # A reader still waiting for its configuration exits.
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
+        for process in processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

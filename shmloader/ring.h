@@ -1,0 +1,64 @@
+/*
+ * The slot protocol of the shared-memory ring, defined once for all three languages:
+ * _cursor.c includes this file, the Zig build translates it (zig translate-c, the
+ * successor of @cImport) into zig/ring_h.zig, and shmloader/_native.py hands it to cffi,
+ * so ring.py reads every value below as lib.SHM_... . tests/test_ring.py checks that
+ * ring.py's layout agrees with the structs here. Who writes which state, and with which
+ * memory ordering, is tabled in ring.py's docstring.
+ *
+ * Only what cffi's parser accepts may appear between the guard lines: integer #defines
+ * and plain structs of fixed-size integers (the include and guard lines are dropped).
+ */
+#ifndef SHMLOADER_RING_H
+#define SHMLOADER_RING_H
+#include <stdint.h>
+
+/* "SHMLRING" read as a little-endian u64, at offset 0 of the segment. */
+#define SHM_RING_MAGIC 0x474E49524C4D4853
+/* Bumped whenever the layout or the protocol changes; a reader refuses any other.
+ * 2: slot state and step moved from each slot's head into one control table. */
+#define SHM_RING_VERSION 2
+
+/* A slot's state word: the state in the low byte, the filling reader's index above it. */
+#define SHM_SLOT_IDLE 0
+#define SHM_SLOT_REQUESTED 1
+#define SHM_SLOT_FILLING 2
+#define SHM_SLOT_READY 3
+#define SHM_SLOT_HELD 4
+#define SHM_SLOT_FAILED 5
+#define SHM_STATE_MASK 0xFF
+#define SHM_OWNER_SHIFT 8
+
+/* The segment's first bytes. */
+typedef struct {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t slot_count;
+    uint32_t reader_count;
+    uint32_t field_count;
+    uint32_t trainer_pid;
+    uint32_t reserved;
+    uint64_t batch_size;
+    uint64_t slot_stride;
+    uint64_t slots_offset;
+    uint64_t stop;
+} shm_ring_header;
+
+/* One slot's control line: one cache line, so that no two slots share one. The lines sit
+ * together in one table apart from the data, so that a scan of them reads one page. */
+typedef struct {
+    uint64_t state;
+    uint64_t step;
+    uint64_t reserved[6];
+} shm_control_line;
+
+/* The fixed head of a reader's record; its UTF-8 JSON error report follows. */
+typedef struct {
+    uint64_t pid;
+    uint64_t busy_ns;
+    uint64_t batches;
+    uint32_t error_bytes;
+    uint32_t reserved;
+} shm_reader_record;
+
+#endif

@@ -1,0 +1,93 @@
+"""ring.py's layout and protocol agree with ring.h, the one definition that _cursor.c and
+the Zig library also compile against: a drift in a value or an offset fails here."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+
+import pytest
+
+from shmloader import _native
+from shmloader.ring import (
+    HEADER_BYTES,
+    OWNER_SHIFT,
+    READER_ERROR_OFFSET,
+    SLOT_CONTROL_BYTES,
+    STATE_MASK,
+    Ring,
+    RingLayout,
+    SlotState,
+)
+
+ffi, lib = _native.ffi, _native.lib
+
+
+def header_defines() -> dict[str, int]:
+    """The integer #defines of ring.h, read as text (independently of cffi)."""
+    text = _native.RING_HEADER.read_text()
+    return {name: int(value, 0) for name, value in re.findall(r"^#define\s+(SHM_\w+)\s+(0x[0-9A-Fa-f]+|\d+)\s*$", text, re.M)}
+
+
+def test_every_define_of_the_header_reaches_python_unchanged():
+    defines = header_defines()
+    assert {"SHM_RING_MAGIC", "SHM_STATE_MASK", "SHM_OWNER_SHIFT", "SHM_SLOT_READY"} <= defines.keys()
+    for name, value in defines.items():
+        assert getattr(lib, name) == value, name
+
+
+def test_slot_states_are_the_headers():
+    defines = header_defines()
+    assert {state.name: state.value for state in SlotState} == {
+        name.removeprefix("SHM_SLOT_"): value for name, value in defines.items() if name.startswith("SHM_SLOT_")
+    }
+    assert STATE_MASK == defines["SHM_STATE_MASK"] and OWNER_SHIFT == defines["SHM_OWNER_SHIFT"]
+    assert max(SlotState) <= STATE_MASK
+
+
+def test_struct_layout_is_the_documented_one():
+    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 32
+    assert ffi.offsetof("shm_ring_header", "stop") == 56
+    assert ffi.offsetof("shm_ring_header", "batch_size") == 32
+    assert ffi.offsetof("shm_control_line", "step") == 8
+    assert ffi.offsetof("shm_reader_record", "error_bytes") == 24
+
+
+@pytest.fixture
+def ring():
+    layout = RingLayout(slot_count=3, reader_count=2, batch_size=4, field_row_bytes=(12,))
+    created = Ring.create(layout, os.getpid())
+    yield created
+    created.names.unlink_all()
+    created.close()
+
+
+def test_ring_writes_land_at_the_offsets_the_layout_computes(ring):
+    layout = ring.layout
+    ring.request(2, 77)
+    line = layout.table_offset + 2 * SLOT_CONTROL_BYTES
+    state, step = struct.unpack_from("<QQ", ring.memory, line)
+    assert (state, step) == (SlotState.REQUESTED, 77)
+    ring.publish(1, SlotState.FAILED, owner=1)
+    (word,) = struct.unpack_from("<Q", ring.memory, layout.table_offset + SLOT_CONTROL_BYTES)
+    assert word == SlotState.FAILED | 1 << OWNER_SHIFT and ring.state(1) == (SlotState.FAILED, 1)
+    magic, version = struct.unpack_from("<QI", ring.memory, 0)
+    assert (magic, version) == (lib.SHM_RING_MAGIC, lib.SHM_RING_VERSION)
+    ring.set_stopping()
+    assert struct.unpack_from("<Q", ring.memory, ffi.offsetof("shm_ring_header", "stop"))[0] == 1
+
+
+def test_claim_takes_the_lowest_requested_step_and_withdraw_loses_to_it(ring):
+    ring.request(0, 9)
+    ring.request(1, 7)
+    assert ring.claim(reader=1) == 1 and ring.state(1) == (SlotState.FILLING, 1)
+    assert not ring.withdraw(1)  # Being filled: a seek must wait for it.
+    assert ring.withdraw(0) and ring.state(0) == (SlotState.IDLE, 0)
+    assert ring.claim(reader=0) is None
+
+
+def test_a_state_word_no_process_writes_is_refused(ring):
+    struct.pack_into("<Q", ring.memory, ring.layout.table_offset, 0x77)
+    with pytest.raises(Exception, match="invalid state word 0x77"):
+        ring.state(0)
