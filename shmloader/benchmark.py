@@ -105,6 +105,11 @@ class TorchRows:
         return batch
 
 
+def _no_collate(batch):
+    """__getitems__ already returns the whole batch (module level: workers pickle it)."""
+    return batch
+
+
 def run_torch(fields: dict, batch_size: int, steps: int, workers: int) -> dict:
     import torch
     from torch.utils.data import DataLoader, RandomSampler
@@ -113,8 +118,11 @@ def run_torch(fields: dict, batch_size: int, steps: int, workers: int) -> dict:
     dataset = TorchRows(fields)
     loader = DataLoader(
         dataset, batch_size=batch_size, sampler=RandomSampler(dataset, num_samples=(steps + 2) * batch_size),
-        num_workers=workers, collate_fn=lambda batch: batch, persistent_workers=workers > 0,
+        num_workers=workers, collate_fn=_no_collate, persistent_workers=workers > 0,
         prefetch_factor=4 if workers > 0 else None,
+        # Forking a process that runs threads (the loader's, torch's) risks a deadlock in
+        # the child; forkserver starts workers from a clean single-threaded server.
+        multiprocessing_context="forkserver" if workers > 0 else None,
     )
     iterator = iter(loader)
     touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
@@ -134,14 +142,23 @@ def _print_result(result: dict) -> None:
     )
 
 
-def _plot(results: list[dict], path: str) -> None:
-    try:
-        import matplotlib
+def _require(module: str, option: str, package: str, extra: str) -> None:
+    """Refuses an option whose optional dependency is missing, before anything runs."""
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'shmloader[plot]'") from None
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(
+            f"{option} needs {package}, which is not installed: pip install {package} "
+            f"(or, from a source checkout of shmloader, pip install '.[{extra}]')"
+        )
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(6, 4))
     for per_reader in _SLOTS_PER_READER:
         points = sorted((r["readers"], r["rows_per_s"]) for r in results if r["slots"] == per_reader * r["readers"])
@@ -165,6 +182,10 @@ def run_cli(arguments) -> int:
     progress = not arguments.quiet
     if arguments.plot and not arguments.sweep:
         raise ValueError("--plot goes with --sweep")
+    if arguments.plot:
+        _require("matplotlib", "--plot", "matplotlib", "plot")
+    if arguments.compare == "torch":
+        _require("torch", "--compare torch", "torch", "torch")
     results = []
     if arguments.sweep:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -182,10 +203,6 @@ def run_cli(arguments) -> int:
                                   arguments.mode, progress))
         _print_result(results[-1])
     if arguments.compare == "torch":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise ValueError("--compare torch needs PyTorch: pip install torch") from None
         workers = results[-1]["readers"]
         theirs = run_torch(fields, arguments.batch_size, max(20, arguments.steps // 4), workers)
         ours = max(result["rows_per_s"] for result in results)

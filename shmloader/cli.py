@@ -1,10 +1,15 @@
-"""The `shmloader` command: demo, convert, inspect and bench."""
+"""The `shmloader` command (also `python -m shmloader`): demo, convert, inspect and bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from . import __version__
+
+# The exit status of a command stopped by Ctrl-C, as shells report it (128 + SIGINT).
+_EXIT_INTERRUPTED = 130
 
 
 def _demo(arguments) -> int:
@@ -47,46 +52,56 @@ def _bench(arguments) -> int:
     return run_cli(arguments)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default."""
+
+
+def _command(commands, name: str, help_text: str, handler) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shmloader", description="Zero-copy shared-memory data loader.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="shmloader", description="Zero-copy shared-memory data loader.",
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"shmloader {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = commands.add_parser("demo", help="train a small model on a generated dataset through the loader")
-    demo.add_argument("--rows", type=int, default=20_000)
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--readers", type=int, default=2)
+    demo = _command(commands, "demo", "train a small model on a generated dataset through the loader", _demo)
+    demo.add_argument("--rows", type=int, default=20_000, help="rows in the generated dataset")
+    demo.add_argument("--steps", type=int, default=300, help="training steps")
+    demo.add_argument("--readers", type=int, default=2, help="reader processes")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    demo.set_defaults(handler=_demo)
 
-    convert = commands.add_parser("convert", help="write a .npy or .b2nd file as a Blosc2 file laid out for random rows")
-    convert.add_argument("input")
-    convert.add_argument("output")
+    convert = _command(commands, "convert", "write a .npy or .b2nd file as a Blosc2 .b2nd laid out for random rows",
+                       _convert)
+    convert.add_argument("input", help="a .npy file or a contiguous Blosc2 .b2nd file")
+    convert.add_argument("output", help="the .b2nd file to write")
     convert.add_argument("--codec", choices=["auto", "lz4", "blosclz", "zstd", "none"], default="auto",
                          help="auto: LZ4 if it saves at least 10%% on a sample, else uncompressed")
-    convert.add_argument("--clevel", type=int, default=5)
-    convert.add_argument("--rows-per-block", type=int, default=None)
+    convert.add_argument("--clevel", type=int, default=5, help="compression level, 0-9 (ignored by --codec none)")
+    convert.add_argument("--rows-per-block", type=int, default=None,
+                         help="rows per Blosc2 block (default: about 4 KB of rows, at least one)")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
-    convert.set_defaults(handler=_convert)
 
-    inspect = commands.add_parser("inspect", help="layout, compression and measured random-row cost of a file")
-    inspect.add_argument("file")
+    inspect = _command(commands, "inspect", "layout, compression and measured random-row cost of a file", _inspect)
+    inspect.add_argument("file", help="a .npy or .b2nd file")
     inspect.add_argument("--sample", type=int, default=64, help="random rows timed")
-    inspect.add_argument("--json", action="store_true")
-    inspect.set_defaults(handler=_inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
 
-    bench = commands.add_parser("bench", help="run the loader on your files and report its speed")
+    bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="field files (.b2nd or .npy), one per field")
-    bench.add_argument("--readers", type=int, default=None)
-    bench.add_argument("--slots", type=int, default=None)
-    bench.add_argument("--batch-size", type=int, default=256)
-    bench.add_argument("--steps", type=int, default=500)
-    bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle")
+    bench.add_argument("--readers", type=int, default=None, help="reader processes (default: the loader's)")
+    bench.add_argument("--slots", type=int, default=None, help="batch slots (default: the loader's, 2 * readers + 2)")
+    bench.add_argument("--batch-size", type=int, default=256, help="rows per batch")
+    bench.add_argument("--steps", type=int, default=500, help="batches timed per run")
+    bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle", help="sampler mode")
     bench.add_argument("--sweep", action="store_true", help="try several reader and slot counts")
-    bench.add_argument("--plot", metavar="PNG", help="with --sweep: draw throughput (needs matplotlib)")
-    bench.add_argument("--compare", choices=["torch"], help="also run PyTorch's DataLoader on the same files")
+    bench.add_argument("--plot", metavar="PNG", default=None, help="with --sweep: draw throughput (needs matplotlib)")
+    bench.add_argument("--compare", choices=["torch"], default=None, help="also run PyTorch's DataLoader on the files")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
-    bench.set_defaults(handler=_bench)
     return parser
 
 
@@ -94,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     try:
         return arguments.handler(arguments)
+    except KeyboardInterrupt:
+        print(f"shmloader {arguments.command}: interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED
     except (FileNotFoundError, FileExistsError, ValueError, TypeError, OSError) as error:
         print(f"shmloader {arguments.command}: {error}", file=sys.stderr)
         return 2

@@ -70,6 +70,8 @@ def convert(
     if not isinstance(clevel, int) or not 0 <= clevel <= 9:
         raise ValueError(f"clevel must be an integer in [0, 9], got {clevel!r}")
     output = pathlib.Path(output)
+    if output.suffix.lower() == ".npy":
+        raise ValueError(f"{output}: convert writes a Blosc2 frame, which a .npy name would misdescribe; name it .b2nd")
     if output.exists() and not force:
         raise FileExistsError(f"{output} exists; pass force=True (--force) to overwrite it")
     if isinstance(source, np.ndarray):

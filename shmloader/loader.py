@@ -18,7 +18,7 @@ from ._native import load_cursor
 from .errors import PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import ReaderConfig
 from .readers import ReaderPool
-from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, layout_for, sweep_stale, wait
+from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, layout_for, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
 from .storage import FieldSpec, describe_field
 
@@ -74,6 +74,39 @@ def _normalise_fields(fields, label_path) -> dict[str, str]:
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"field {name!r}: path must be a string or PathLike, got {type(path).__name__}")
     return {name: os.fspath(path) for name, path in mapping.items()}
+
+
+def _describe_fields(paths: dict[str, str]) -> dict[str, FieldSpec]:
+    """Describes every field's file, naming the field in any error; all must have as many rows."""
+    specs = {}
+    for name, path in paths.items():
+        try:
+            specs[name] = describe_field(path)
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"field {name!r}: {error}") from None
+        except StorageError as error:
+            raise StorageError(f"field {name!r}: {error}") from None
+    (first_name, first), *others = specs.items()
+    for name, spec in others:
+        if spec.row_count != first.row_count:
+            raise StorageError(
+                f"fields must have the same number of rows: field {first_name!r} ({first.path}) has "
+                f"{first.row_count}, field {name!r} ({spec.path}) has {spec.row_count}"
+            )
+    return specs
+
+
+def _warn_poor_layouts(specs: dict[str, FieldSpec]) -> None:
+    for name, spec in specs.items():
+        if _layout.poor_layout(spec):
+            warnings.warn(
+                f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
+                f"{spec.blocks}, {spec.codec}) costs about {_layout.estimate_row_cost_us(spec):.0f} us per "
+                f"random row, against about {_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
+                f"file. Re-lay it out once with: {_layout.convert_command(spec)}",
+                PerformanceWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
 
 class Batch(cursor_module.BatchBase, collections.abc.Mapping):
@@ -220,14 +253,14 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _prepare(self, paths, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
         """Validates the files and settings, then creates the ring and configures the readers."""
-        self.specs = self._describe(paths)
+        self.specs = _describe_fields(paths)
         self.field_names = tuple(self.specs)
-        row_count = self._check_row_counts()
+        row_count = next(iter(self.specs.values())).row_count
         self.sampler = Sampler(row_count, self.batch_size, mode, seed, shard_index, shard_count)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
-            self._warn_poor_layouts()
+            _warn_poor_layouts(self.specs)
         sweep_stale()
         self._start(start_step)
 
@@ -265,41 +298,6 @@ class ShmDataLoader(cursor_module.Cursor):
             sampler=self.sampler,
             fields=tuple(self.specs.values()),
         ))
-
-    # Construction helpers.
-
-    def _describe(self, paths: dict[str, str]) -> dict[str, FieldSpec]:
-        specs = {}
-        for name, path in paths.items():
-            try:
-                specs[name] = describe_field(path)
-            except FileNotFoundError as error:
-                raise FileNotFoundError(f"field {name!r}: {error}") from None
-            except StorageError as error:
-                raise StorageError(f"field {name!r}: {error}") from None
-        return specs
-
-    def _check_row_counts(self) -> int:
-        (first_name, first), *others = self.specs.items()
-        for name, spec in others:
-            if spec.row_count != first.row_count:
-                raise StorageError(
-                    f"fields must have the same number of rows: field {first_name!r} ({first.path}) has "
-                    f"{first.row_count}, field {name!r} ({spec.path}) has {spec.row_count}"
-                )
-        return first.row_count
-
-    def _warn_poor_layouts(self) -> None:
-        for name, spec in self.specs.items():
-            if _layout.poor_layout(spec):
-                warnings.warn(
-                    f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
-                    f"{spec.blocks}, {spec.codec}) costs about {_layout.estimate_row_cost_us(spec):.0f} us per "
-                    f"random row, against about {_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
-                    f"file. Re-lay it out once with: {_layout.convert_command(spec)}",
-                    PerformanceWarning,
-                    stacklevel=_user_stacklevel(),
-                )
 
     def _request_from(self, step: int) -> None:
         for step_k in range(step, step + self.slots):
@@ -419,29 +417,9 @@ class ShmDataLoader(cursor_module.Cursor):
         if held:
             raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
         for slot in range(self.slots):
-            self._withdraw(slot)
+            self._pool.take_back(slot, self.hold_timeout)
         self._next_step = step
         self._request_from(step)
-
-    def _withdraw(self, slot: int) -> None:
-        """Takes a slot back from the readers: a requested one at once, one being filled
-        once its reader is done (a bounded wait)."""
-        ring = self._ring
-        deadline = time.monotonic() + self.hold_timeout
-        while True:
-            state, owner = ring.state(slot)
-            if state == SlotState.FAILED:
-                self._pool.raise_reported(owner)
-            if state == SlotState.REQUESTED and not ring.withdraw(slot):
-                continue  # A reader took it just now: wait for it to finish.
-            if state != SlotState.FILLING:
-                return
-            if time.monotonic() > deadline:
-                raise SlotsExhaustedError(
-                    f"slot {slot} stayed in filling (reader {owner}) for {self.hold_timeout:.1f} s during seek"
-                )
-            if not wait(ring.ready_semaphores[slot], POLL_INTERVAL_SECONDS):
-                self._pool.check()
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and reader busy time."""
@@ -449,17 +427,6 @@ class ShmDataLoader(cursor_module.Cursor):
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size
         row_bytes = sum(spec.row_bytes for spec in self.specs.values())
-        readers = []
-        for reader_index in range(self.readers):
-            pid, busy_ns, batches = self._pool.stats(reader_index) if self._active else (0, 0, 0)
-            busy_s = busy_ns / 1e9
-            readers.append({
-                "index": reader_index,
-                "pid": pid,
-                "batches": batches,
-                "busy_s": busy_s,
-                "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
-            })
         return {
             "batches": self._batches,
             "rows": rows,
@@ -471,7 +438,7 @@ class ShmDataLoader(cursor_module.Cursor):
             "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
             "reader_restarts": self._pool.restarts,
             "shared_memory_bytes": self.shared_memory_bytes,
-            "readers": readers,
+            "readers": self._pool.report(elapsed_s) if self._active else [],
         }
 
     # Lifecycle.

@@ -30,9 +30,9 @@ import time
 
 import posix_ipc
 
-from .errors import ReaderError
+from .errors import ReaderError, SlotsExhaustedError
 from .reader import EXIT_REPORTED_ERROR, ErrorReport, ReaderConfig
-from .ring import Ring, SlotState
+from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
 
 _JOIN_TIMEOUT_SECONDS = 2.0
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
@@ -179,10 +179,40 @@ class ReaderPool:
             traceback_text=report.traceback,
         )
 
-    def stats(self, reader_index: int) -> tuple[int, int, int]:
-        """(pid, busy_ns, batches) of a reader, counting the readers it replaced."""
-        pid, busy_ns, batches = self.ring.reader_stats(reader_index) if self.ring is not None else (0, 0, 0)
-        return pid, busy_ns + self._retired_busy_ns[reader_index], batches + self._retired_batches[reader_index]
+    def take_back(self, slot: int, timeout_seconds: float) -> None:
+        """Takes a slot back from the readers (a seek): a requested one at once, one being
+        filled once its reader is done, waiting at most `timeout_seconds`."""
+        ring = self.ring
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            state, owner = ring.state(slot)
+            if state == SlotState.FAILED:
+                self.raise_reported(owner)
+            if state == SlotState.REQUESTED and not ring.withdraw(slot):
+                continue  # A reader took it just now: wait for it to finish.
+            if state != SlotState.FILLING:
+                return
+            if time.monotonic() > deadline:
+                raise SlotsExhaustedError(
+                    f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
+                )
+            if not wait(ring.ready_semaphores[slot], POLL_INTERVAL_SECONDS):
+                self.check()
+
+    def report(self, elapsed_s: float) -> list[dict]:
+        """Per reader: pid, batches filled and time busy, counting the readers it replaced."""
+        readers = []
+        for reader_index in range(self.count):
+            pid, busy_ns, batches = self.ring.reader_stats(reader_index)
+            busy_s = (busy_ns + self._retired_busy_ns[reader_index]) / 1e9
+            readers.append({
+                "index": reader_index,
+                "pid": pid,
+                "batches": batches + self._retired_batches[reader_index],
+                "busy_s": busy_s,
+                "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
+            })
+        return readers
 
     # Shutdown: see the module docstring.
 

@@ -80,3 +80,69 @@ def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
                  "--plot", str(plot), "--quiet"]) == 0
     assert "best: readers=" in capsys.readouterr().out
     assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_python_dash_m_and_version_work_like_the_command():
+    from shmloader import __version__
+
+    result = subprocess.run([sys.executable, "-m", "shmloader", "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"shmloader {__version__}"
+    result = subprocess.run([sys.executable, "-m", "shmloader", "convert", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0 and "(default: auto)" in result.stdout and "(default: 5)" in result.stdout
+
+
+def test_every_option_has_help_text():
+    from shmloader.cli import build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if action.dest == "command")
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            assert action.help, f"shmloader {name} {action.option_strings or action.dest} has no help text"
+
+
+def test_convert_refuses_a_npy_output_name(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.arange(10, dtype=np.int64))
+    assert main(["convert", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"), "--quiet"]) == 2
+    assert "name it .b2nd" in capsys.readouterr().err
+    assert not (tmp_path / "y.npy").exists()
+
+
+def test_missing_optional_dependencies_are_reported_before_the_benchmark_runs(dataset, capsys, monkeypatch):
+    import importlib.util as importlib_util
+
+    real_find_spec = importlib_util.find_spec
+    monkeypatch.setattr(importlib_util, "find_spec", lambda name, *a: None if name in ("torch", "matplotlib") else real_find_spec(name, *a))
+    path = dataset["paths"]["labels_npy"]
+    assert main(["bench", path, "--sweep", "--plot", "x.png", "--quiet"]) == 2
+    error = capsys.readouterr()
+    assert "needs matplotlib" in error.err and "pip install '.[plot]'" in error.err and "rows/s" not in error.out
+    assert main(["bench", path, "--compare", "torch", "--quiet"]) == 2
+    error = capsys.readouterr()
+    assert "needs torch" in error.err and "rows/s" not in error.out
+
+
+def test_ctrl_c_in_a_command_exits_130_with_one_line(tmp_path):
+    """A real SIGINT to a running `shmloader bench`: one line on stderr, no traceback."""
+    import os
+    import signal
+    import time
+
+    np.save(tmp_path / "x.npy", np.zeros((5000, 64), dtype=np.uint8))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shmloader", "bench", str(tmp_path / "x.npy"), "--steps", "100000000", "--quiet",
+         "--batch-size", "8", "--readers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"/proc/{process.pid}") or "field" not in (process.stdout.readline() or ""):
+            assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(1.0)  # In the timed loop by now.
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert stderr.strip() == "shmloader bench: interrupted"

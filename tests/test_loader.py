@@ -367,8 +367,9 @@ def test_stats_report_progress(dataset):
 
 def test_poor_layout_warns_once_and_good_layout_does_not(dataset):
     paths = dataset["paths"]
-    with pytest.warns(PerformanceWarning, match=r"field 'image'.*images_default\.b2nd.*shmloader convert"):
+    with pytest.warns(PerformanceWarning, match=r"field 'image'.*images_default\.b2nd.*shmloader convert") as record:
         ShmDataLoader({"image": paths["images_default"]}, batch_size=4, readers=1, slots=2).close()
+    assert record[0].filename == __file__  # It points at the user's line, not into the package.
     with warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
         ShmDataLoader({"image": paths["images_b2nd"], "label": paths["labels_b2nd"]}, batch_size=4, readers=1, slots=2).close()

@@ -68,3 +68,26 @@ def test_stale_library_is_refused(tmp_path, monkeypatch):
     _native._check_fresh(library, [])  # An installed wheel has no sources to compare with.
     os.utime(library, ns=(2 * 10**18, 2 * 10**18))
     _native._check_fresh(library, [sources / "sampler.zig"])
+
+
+def test_the_source_distribution_holds_every_source(tmp_path):
+    """The sdist rebuilds everything: each Zig file, the C extension and the protocol header."""
+    root = ZIG_DIR.parent
+    if not (root / "pyproject.toml").exists():
+        pytest.skip("not a source checkout")
+    pytest.importorskip("setuptools")
+    script = (
+        "import sys; from setuptools import build_meta; "
+        f"print(build_meta.build_sdist({str(tmp_path)!r}))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    import tarfile
+
+    archive = tmp_path / result.stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    expected = {f"zig/{path.name}" for path in ZIG_DIR.glob("*.zig") if path.name != _native.GENERATED_ZIG_HEADER}
+    expected |= {"shmloader/_cursor.c", "shmloader/ring.h", "shmloader/py.typed", "setup.py", "pyproject.toml"}
+    assert expected <= names, expected - names
+    assert "zig/ring_h.zig" not in names  # Generated at build time from ring.h.

@@ -1,0 +1,7 @@
+"""`python -m shmloader ...`: the same as the `shmloader` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
