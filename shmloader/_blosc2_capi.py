@@ -34,6 +34,7 @@ blosc2_schunk *blosc2_schunk_open(const char *urlpath);
 int blosc2_schunk_free(blosc2_schunk *schunk);
 int64_t *blosc2_frame_get_offsets(blosc2_schunk *schunk);
 int blosc2_schunk_get_chunk(blosc2_schunk *schunk, int64_t nchunk, uint8_t **chunk, bool *needs_free);
+int blosc2_vlmeta_get(blosc2_schunk *schunk, const char *name, uint8_t **content, int32_t *content_len);
 void free(void *pointer);
 """
 

@@ -280,23 +280,35 @@ static void cursor_clear(Cursor *self);
 typedef enum { WAIT_CHANGED, WAIT_TIMED_OUT, WAIT_CLOSED, WAIT_ERROR } WaitResult;
 
 /* Waits, without the GIL, at most one poll interval for next_step's slot to leave the
- * in-flight states: the common wait of a trainer that outruns its readers. */
+ * in-flight states: the common wait of a trainer that outruns its readers. The slot's
+ * waiter flag is armed for the wait, so that readers post its semaphore only while someone
+ * waits (ring.h): the semaphore's count stays bounded, and a stale post left by an earlier
+ * wait is consumed here and looked past. */
 static WaitResult wait_in_flight(Cursor *self) {
     unsigned long long step = self->next_step;
+    Slot *slot = slot_of(self, step);
     sem_t *semaphore = self->ready_semaphores[step % (unsigned long long)self->slot_count];
     if (wake_readers(self) < 0) {
         return WAIT_ERROR; /* Readers asleep with pending requests would cost a whole poll. */
     }
+    unsigned long long deadline_ns = monotonic_ns() + self->poll_interval_ns;
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
     deadline.tv_nsec += (long)(self->poll_interval_ns % 1000000000ull);
     deadline.tv_sec += (time_t)(self->poll_interval_ns / 1000000000ull) + deadline.tv_nsec / 1000000000L;
     deadline.tv_nsec %= 1000000000L;
-    /* Bounded by the deadline: every turn is a post (a publish) or ends the wait. */
+    __atomic_store_n(&slot->control->waiter, 1, __ATOMIC_SEQ_CST);
+    WaitResult outcome = WAIT_TIMED_OUT;
+    /* Bounded by the deadline, checked on every turn whatever the semaphore holds. */
     for (;;) {
         uint64_t owner;
+        __atomic_thread_fence(__ATOMIC_SEQ_CST); /* The waiter store is visible before the state is read. */
         if (step_state(self, step, &owner) != STEP_IN_FLIGHT) {
-            return WAIT_CHANGED;
+            outcome = WAIT_CHANGED;
+            break;
+        }
+        if (monotonic_ns() >= deadline_ns) {
+            break;
         }
         int result, error;
         self->waiting++;
@@ -313,14 +325,17 @@ static WaitResult wait_in_flight(Cursor *self) {
             }
             return WAIT_CLOSED;
         }
-        if (result != 0) {
-            if (error == EINTR) {
-                return PyErr_CheckSignals() < 0 ? WAIT_ERROR : WAIT_CHANGED;
-            }
-            return WAIT_TIMED_OUT;
+        if (result != 0 && error == EINTR) {
+            outcome = PyErr_CheckSignals() < 0 ? WAIT_ERROR : WAIT_CHANGED;
+            break;
         }
-        /* A post: this step, or a stale one from an earlier fill; look again. */
+        if (result != 0) {
+            break; /* ETIMEDOUT, or an error of the semaphore: Python supervises. */
+        }
+        /* A post: this step, or a stale one from an earlier wait; look again. */
     }
+    __atomic_store_n(&slot->control->waiter, 0, __ATOMIC_RELAXED);
+    return outcome;
 }
 
 /* Calls ShmDataLoader._supervise(state, owner, step): reader checks and errors. */

@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 3
+ABI_VERSION = 4
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -67,6 +67,8 @@ int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, ui
 uint64_t shm_state_load(const uint64_t *address);
 void shm_state_store(uint64_t *address, uint64_t value);
 uint64_t shm_state_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
+uint64_t shm_publish(shm_control_line *line, uint64_t word);
+uint64_t shm_arm_waiter(shm_control_line *line);
 int64_t shm_claim_lowest(shm_control_line *table, uint64_t slot_count, uint64_t reader_index);
 """
 

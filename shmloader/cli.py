@@ -46,6 +46,18 @@ def _inspect(arguments) -> int:
     return 0
 
 
+def _verify(arguments) -> int:
+    from .convert import verify
+
+    bad = verify(arguments.file, progress=not arguments.quiet)
+    if bad:
+        shown = ", ".join(str(chunk) for chunk in bad[:20]) + (" ..." if len(bad) > 20 else "")
+        print(f"{arguments.file}: {len(bad)} bad chunks: {shown}")
+        return 1
+    print(f"{arguments.file}: every chunk matches its checksum")
+    return 0
+
+
 def _bench(arguments) -> int:
     from .benchmark import run_cli
 
@@ -90,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("file", help="a .npy or .b2nd file")
     inspect.add_argument("--sample", type=int, default=64, help="random rows timed")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+
+    verify = _command(commands, "verify", "check every chunk of a converted .b2nd against its stored CRC-32",
+                      _verify)
+    verify.add_argument("file", help="a .b2nd file written by shmloader convert")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
 
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="field files (.b2nd or .npy), one per field")

@@ -7,11 +7,13 @@ import os
 import pathlib
 import statistics
 import time
+import zlib
 
 import numpy as np
 
 from .layout import choose_layout, convert_command, poor_layout
-from .storage import FieldSpec, check_dtype, check_rows, describe_field, open_field
+from .errors import StorageError
+from .storage import CHECKSUM_META, FieldSpec, check_dtype, check_rows, describe_field, open_field
 
 CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
 # "auto" stores data uncompressed when LZ4 would shrink a sample by less than this: noisy
@@ -21,6 +23,9 @@ _AUTO_MIN_RATIO = 1.1
 # "auto" compresses this many evenly spaced pieces of this many bytes to decide.
 _AUTO_SAMPLE_PIECES = 8
 _AUTO_SAMPLE_PIECE_BYTES = 256 << 10
+# Compression threads: each holds its own buffers, so the converter's memory would grow
+# with the core count; a few threads already outrun the input's reading.
+_COMPRESS_THREADS_MAX = 4
 # Conversion reads its input in pieces of about this many bytes (at least one chunk).
 _PIECE_BYTES_TARGET = 64 << 20
 
@@ -94,7 +99,7 @@ def convert(
         codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD, "none": blosc2.Codec.LZ4}[codec],
         clevel=0 if codec == "none" else clevel,
         typesize=dtype.itemsize,
-        nthreads=os.cpu_count() or 1,
+        nthreads=min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX),
         # Byte shuffle helps multi-byte types compress; on 1-byte types it does nothing
         # but libblosc2 still runs a scalar byte loop over every decompressed block.
         filters=[blosc2.Filter.SHUFFLE] if dtype.itemsize > 1 else [blosc2.Filter.NOFILTER],
@@ -114,12 +119,53 @@ def convert(
             target[start:stop] = np.ascontiguousarray(array[start:stop])
             bar.update((stop - start) * row_bytes)
         bar.close()
+        _write_checksums(target.schunk)
         del target
         os.replace(temporary, output)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
     return describe_field(output)
+
+
+def chunk_checksums(schunk) -> np.ndarray:
+    """The CRC-32 of every chunk's bytes as stored (little-endian uint32, chunk order)."""
+    return np.array([zlib.crc32(schunk.get_chunk(chunk)) for chunk in range(schunk.nchunks)], dtype="<u4")
+
+
+def _write_checksums(schunk) -> None:
+    schunk.vlmeta[CHECKSUM_META] = chunk_checksums(schunk).tobytes()
+
+
+def verify(path: str | os.PathLike, progress: bool = True) -> list[int]:
+    """Checks every chunk of a converted .b2nd against its stored CRC-32; returns the bad
+    chunks (empty when the file is sound). Raises StorageError for a file without checksums."""
+    import blosc2
+
+    spec = describe_field(path)
+    if spec.kind != "b2nd" or not spec.checksums:
+        raise StorageError(
+            f"{spec.path} carries no chunk checksums ({CHECKSUM_META}); files written by "
+            f"`shmloader convert` do: convert it to add them"
+        )
+    array = blosc2.open(spec.path, mode="r")  # Keep it: its schunk lives only as long as it does.
+    schunk = array.schunk
+    expected = np.frombuffer(schunk.vlmeta[CHECKSUM_META], dtype="<u4")
+    if expected.size != schunk.nchunks:
+        raise StorageError(f"{spec.path}: {expected.size} checksums for {schunk.nchunks} chunks (corrupted metadata)")
+    bad = []
+    bar = _progress_bar(spec.compressed_bytes, f"verify {pathlib.Path(spec.path).name}", progress)
+    for chunk in range(schunk.nchunks):
+        try:
+            stored = schunk.get_chunk(chunk)
+        except Exception:  # A chunk libblosc2 cannot even locate is as bad as a wrong one.
+            bad.append(chunk)
+            continue
+        if zlib.crc32(stored) != int(expected[chunk]):
+            bad.append(chunk)
+        bar.update(len(stored))
+    bar.close()
+    return bad
 
 
 def _lz4_ratio(array, block_bytes: int, clevel: int) -> float:
@@ -183,6 +229,7 @@ def inspect(path: str | os.PathLike, sample: int = 64) -> dict:
             blocks=spec.blocks,
             compression_ratio=round(spec.uncompressed_bytes / max(spec.compressed_bytes, 1), 2),
             row_contiguous=spec.row_contiguous,
+            checksums=spec.checksums,
         )
     cost_us = measure_row_cost_us(spec, sample)
     report["random_row_us"] = round(cost_us, 2)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import dataclasses
 import gc
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -171,12 +174,42 @@ class _Resources:
     def close(self) -> None:
         if os.getpid() != self.owner_pid:
             return  # A forked child inherited this object: the ring is its parent's.
+        with _interrupts_deferred():
+            self._close()
+
+    def _close(self) -> None:
         pool, ring = self.pool, self.ring
-        if pool is not None:
-            pool.stop()
-        if ring is not None:
-            ring.names.unlink_all()
-            ring.close()
+        try:
+            if ring is not None and not ring.closed:
+                ring.set_stopping()
+                ring.names.unlink_all()
+            if pool is not None:
+                pool.stop()
+        finally:
+            if ring is not None:
+                ring.close()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Holds back Ctrl-C (SIGINT) while the block runs, then delivers it, so that a second
+    Ctrl-C cannot stop a teardown half-way. Only the main thread can do this; elsewhere
+    the block runs as it is (its steps are ordered so that an interruption leaks nothing
+    in /dev/shm, see readers.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt.
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
 
 
 _live_loaders: weakref.WeakSet = weakref.WeakSet()
@@ -196,13 +229,15 @@ class ShmDataLoader(cursor_module.Cursor):
 
     ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
                   readers=None, slots=None, start_step=0, shard_index=0, shard_count=1,
-                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True)
+                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=True)
 
     `fields` maps field names to .b2nd or .npy files with the same number of rows; a single
     path is the field "data", and `ShmDataLoader(data_path, label_path)` gives "data" and
     "label". Batch k depends only on the files, seed, k and the shard, so a loader built
     with start_step=k (or load_state_dict) continues exactly. Iterate it; see Batch for
-    how long each batch's zero-copy arrays stay valid. Close it, or use `with`.
+    how long each batch's zero-copy arrays stay valid. Close it, or use `with`. With
+    `verify`, readers check each Blosc2 chunk's CRC-32 the first time they read it (files
+    written by `shmloader convert` carry them; other files load unchecked).
     """
 
     def __init__(
@@ -221,6 +256,7 @@ class ShmDataLoader(cursor_module.Cursor):
         max_reader_restarts: int = 3,
         hold_timeout: float = 5.0,
         warn_layout: bool = True,
+        verify: bool = True,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -235,6 +271,7 @@ class ShmDataLoader(cursor_module.Cursor):
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
         self.hold_timeout = float(hold_timeout)
+        self.verify = bool(verify)
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
         Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
@@ -297,6 +334,7 @@ class ShmDataLoader(cursor_module.Cursor):
             layout=self._layout,
             sampler=self.sampler,
             fields=tuple(self.specs.values()),
+            verify_checksums=self.verify,
         ))
 
     def _request_from(self, step: int) -> None:

@@ -27,10 +27,13 @@ from .storage import FieldSpec, open_field
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
 _WAIT_SECONDS = 0.1
+# How long a reader outlives a termination signal while its trainer lives on.
+_SIGNAL_GRACE_SECONDS = 3.0
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # Testing hook: "exit:STEP:MARKER" makes the reader os._exit(17) when it starts filling
-# STEP, once: only while the file MARKER exists (it is deleted first).
+# STEP, once: only while the file MARKER exists (it is deleted first). "raise:STEP:MARKER"
+# makes it raise a RuntimeError whose message is larger than its error record.
 FAULT_INJECTION_VARIABLE = "SHMLOADER_FAULT_INJECTION"
 _FAULT_EXIT_CODE = 17
 
@@ -40,9 +43,9 @@ class _FaultInjection:
         self.step = self.marker = None
         if text:
             kind, step, marker = text.split(":", 2)
-            if kind != "exit":
+            if kind not in ("exit", "raise"):
                 raise ValueError(f"{FAULT_INJECTION_VARIABLE}: unknown fault kind {kind!r}")
-            self.step, self.marker = int(step), marker
+            self.kind, self.step, self.marker = kind, int(step), marker
 
     def maybe_fire(self, step: int) -> None:
         if step != self.step:
@@ -51,6 +54,8 @@ class _FaultInjection:
             os.unlink(self.marker)
         except FileNotFoundError:
             return
+        if self.kind == "raise":
+            raise RuntimeError(f"injected fault at step {step}: " + "x" * (2 * READER_ERROR_BYTES_MAX))
         os._exit(_FAULT_EXIT_CODE)
 
 
@@ -64,6 +69,7 @@ class ReaderConfig:
     layout: RingLayout
     sampler: Sampler
     fields: tuple[FieldSpec, ...]
+    verify_checksums: bool
 
     def to_json(self) -> str:
         return json.dumps({
@@ -73,6 +79,7 @@ class ReaderConfig:
             "layout": self.layout.to_dict(),
             "sampler": self.sampler.to_dict(),
             "fields": [spec.to_dict() for spec in self.fields],
+            "verify_checksums": self.verify_checksums,
         })
 
     @classmethod
@@ -85,6 +92,7 @@ class ReaderConfig:
             layout=RingLayout.from_dict(data["layout"]),
             sampler=Sampler.from_dict(data["sampler"]),
             fields=tuple(FieldSpec.from_dict(spec) for spec in data["fields"]),
+            verify_checksums=data["verify_checksums"],
         )
 
 
@@ -157,7 +165,7 @@ class Reader:
         self.specs = list(config.fields)
         self.fields = []
         for spec in self.specs:
-            self.fields.append(open_field(spec, batch_size_max=self.layout.batch_size))
+            self.fields.append(open_field(spec, batch_size_max=self.layout.batch_size, verify=config.verify_checksums))
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0
@@ -178,7 +186,9 @@ class Reader:
         self.field_pointers = [[ffi.from_buffer("uint8_t[]", view) for view in views] for views in self.field_views]
 
     def trainer_alive(self) -> bool:
-        return os.getppid() == self.trainer_pid
+        """Its parent is still the trainer, and the trainer still holds the ring's owner
+        lock (gone once it dies or execs another program)."""
+        return os.getppid() == self.trainer_pid and self.ring.owner_alive()
 
     def fill(self, slot: int) -> None:
         started = time.perf_counter_ns()
@@ -194,20 +204,22 @@ class Reader:
         self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
         self.step = None
         self.ring.publish(slot, SlotState.READY, self.index)
-        self.ring.ready_semaphores[slot].release()
 
     def run(self) -> int:
+        """Fills requested slots until the stop flag; checks its trainer before each batch
+        and at least every _WAIT_SECONDS while idle (a loop bounded by those checks)."""
         self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)
         while not self.ring.stopping:
             if not self.trainer_alive():
                 # Nobody else will clean up after a trainer that was killed.
                 self.ring.names.unlink_all()
                 return 0
-            wait(self.ring.work_semaphore, _WAIT_SECONDS)
-            while not self.ring.stopping:
-                slot = self.ring.claim(self.index)
-                if slot is None:
-                    break
+            if _termination.since is not None and time.monotonic() - _termination.since > _SIGNAL_GRACE_SECONDS:
+                return 128 + _termination.signal  # Sent to this reader alone: the trainer restarts it.
+            slot = self.ring.claim(self.index)
+            if slot is None:
+                wait(self.ring.work_semaphore, _WAIT_SECONDS)
+            else:
                 self.fill(slot)
         return 0
 
@@ -227,10 +239,32 @@ def _yield_to_the_trainer() -> None:
         pass  # Not Linux, or not allowed: only the trainer's latency is affected.
 
 
+class _Termination:
+    """The first termination signal a reader received, and when."""
+
+    since: float | None = None
+    signal: int = 0
+
+    @classmethod
+    def note(cls, number: int, frame) -> None:
+        if cls.since is None:
+            cls.since, cls.signal = time.monotonic(), number
+
+
+_termination = _Termination
+
+
 def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the trainer handles it and
     # closes the readers, so a reader must not die of it first with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM, SIGHUP and SIGQUIT sent to the trainer's process group (a closed terminal,
+    # `kill -TERM -PGID`, a service manager's stop) must not kill the readers with their
+    # trainer: then nobody would unlink the ring. A reader outlives such a signal by at
+    # most _SIGNAL_GRACE_SECONDS: it sees its trainer gone and cleans up, or, if the
+    # signal was for it alone, exits and is restarted.
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(number, _termination.note)
     _yield_to_the_trainer()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
     if not text:
@@ -253,7 +287,6 @@ def main(argv: list[str]) -> int:
                 state, owner = ring.state(slot)
                 if state == SlotState.FILLING and owner == config.reader_index:
                     ring.publish(slot, SlotState.FAILED, owner)
-                    ring.ready_semaphores[slot].release()
         return EXIT_REPORTED_ERROR
     finally:
         if reader is not None:

@@ -1,21 +1,26 @@
 """The trainer's reader pool: starts, configures, watches, restarts and stops reader processes.
 
 Shutdown, described once (ShmDataLoader.close, the loader's finalizer and interpreter exit
-all come here through ReaderPool.stop, then the ring's names are unlinked):
+all come here, through loader._Resources.close):
 
-1. The trainer sets the ring's stop flag and posts the work semaphore once per reader, so
-   a reader asleep in its bounded wait wakes at once; a reader mid-fill finishes that
-   batch (its rows are in the page cache or one decompression away) and sees the flag.
-2. It closes the stdin of any reader still waiting for its configuration: that reader
-   reads EOF and exits without attaching.
+1. The trainer sets the ring's stop flag, then unlinks the ring's segment and semaphores
+   at once: from here on nothing is left in /dev/shm, whatever interrupts what follows (a
+   second Ctrl-C). Attached readers keep their mappings; a reader not yet attached fails
+   to attach and exits.
+2. ReaderPool.stop posts the work semaphore once per reader, so a reader asleep in its
+   bounded wait wakes at once; a reader mid-fill finishes that batch and sees the flag.
+   It closes the stdin of any reader still waiting for its configuration: that reader
+   reads EOF and exits.
 3. It joins every reader for at most _JOIN_TIMEOUT_SECONDS in all, then SIGKILLs and reaps
-   whoever is left (a reader stopped by SIGSTOP, or stuck in a page fault on a dead NFS).
-4. Only then are the ring's segment and semaphores unlinked (loader.py), so that no reader
-   attaches to a name that is being removed.
+   whoever is left (a reader stopped by SIGSTOP, or stuck on a stalled file system); an
+   exception in the join (Ctrl-C) kills and reaps the rest before it propagates.
+4. The ring's handles are closed: the owner lock goes, and the mapping is unmapped once
+   no batch array refers to it, which gives tmpfs its pages back.
 
-Readers never unlink anything while their trainer lives; a reader whose trainer died
-(its parent pid changed) unlinks the ring itself, since nobody else will (reader.py).
-Each step is idempotent and never raises, so a half-built loader tears down the same way.
+Readers never unlink anything while their trainer lives; a reader whose trainer died or
+exec'd (its parent changed, or the ring's owner lock is free) unlinks the ring itself,
+since nobody else will (reader.py). Each step is idempotent and never raises, so a
+half-built loader tears down the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import posix_ipc
 
 from .errors import ReaderError, SlotsExhaustedError
 from .reader import EXIT_REPORTED_ERROR, ErrorReport, ReaderConfig
-from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
+from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 
 _JOIN_TIMEOUT_SECONDS = 2.0
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
@@ -82,6 +87,9 @@ class ReaderPool:
     def __init__(self, count: int, max_restarts: int) -> None:
         self.max_restarts = max_restarts
         self.restarts = 0
+        # The budget counts per reader: losing every reader at once (an OOM kill of the
+        # group) costs each one restart, not the whole budget.
+        self._restarts_by_reader = [0] * count
         self.processes: list[subprocess.Popen] = []
         self.ring: Ring | None = None
         self._config: ReaderConfig | None = None
@@ -124,10 +132,11 @@ class ReaderPool:
                 continue
             if exit_code == EXIT_REPORTED_ERROR or self.ring.reader_error(reader_index):
                 raise self.reported_error(reader_index, exit_code)
-            if self.restarts >= self.max_restarts:
+            if self._restarts_by_reader[reader_index] >= self.max_restarts:
                 raise ReaderError(
-                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}; "
-                    f"{self.restarts} reader restarts already used (max_reader_restarts={self.max_restarts})",
+                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}; it was restarted "
+                    f"{self._restarts_by_reader[reader_index]} times already (max_reader_restarts="
+                    f"{self.max_restarts}, counted per reader)",
                     reader_index=reader_index,
                     pid=process.pid,
                     exit_code=exit_code,
@@ -137,6 +146,7 @@ class ReaderPool:
     def restart(self, reader_index: int) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
         self.restarts += 1
+        self._restarts_by_reader[reader_index] += 1
         ring = self.ring
         busy_ns, batches = ring.reader_stats(reader_index)[1:]
         self._retired_busy_ns[reader_index] += busy_ns
@@ -196,7 +206,7 @@ class ReaderPool:
                 raise SlotsExhaustedError(
                     f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
                 )
-            if not wait(ring.ready_semaphores[slot], POLL_INTERVAL_SECONDS):
+            if not ring.wait_published(slot, POLL_INTERVAL_SECONDS):
                 self.check()
 
     def report(self, elapsed_s: float) -> list[dict]:
@@ -217,10 +227,10 @@ class ReaderPool:
     # Shutdown: see the module docstring.
 
     def stop(self) -> None:
-        """Stops and reaps every reader. Idempotent; never raises."""
+        """Stops and reaps every reader (steps 2 and 3 of the module's note). Idempotent;
+        raises only what interrupts it (Ctrl-C), after every reader is reaped."""
         ring, processes = self.ring, self.processes
         if ring is not None and not ring.closed:
-            ring.set_stopping()
             for _ in processes:
                 try:
                     ring.work_semaphore.release()
@@ -233,9 +243,14 @@ class ReaderPool:
                 except OSError:
                     pass
         deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
-        for process in processes:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        try:
+            for process in processes:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()

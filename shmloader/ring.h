@@ -16,8 +16,8 @@
 /* "SHMLRING" read as a little-endian u64, at offset 0 of the segment. */
 #define SHM_RING_MAGIC 0x474E49524C4D4853
 /* Bumped whenever the layout or the protocol changes; a reader refuses any other.
- * 2: slot state and step moved from each slot's head into one control table. */
-#define SHM_RING_VERSION 2
+ * 3: the control line's waiter flag; the creator holds an exclusive flock on the segment. */
+#define SHM_RING_VERSION 3
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -45,11 +45,16 @@ typedef struct {
 } shm_ring_header;
 
 /* One slot's control line: one cache line, so that no two slots share one. The lines sit
- * together in one table apart from the data, so that a scan of them reads one page. */
+ * together in one table apart from the data, so that a scan of them reads one page.
+ * `waiter` is nonzero while the trainer waits on the slot's ready semaphore: a reader
+ * posts the semaphore only then, so its count stays bounded (a Dekker pair of sequentially
+ * consistent accesses: the trainer stores waiter then loads state, a reader stores state
+ * then loads waiter, so at least one of them sees the other). */
 typedef struct {
     uint64_t state;
     uint64_t step;
-    uint64_t reserved[6];
+    uint64_t waiter;
+    uint64_t reserved[5];
 } shm_control_line;
 
 /* The fixed head of a reader's record; its UTF-8 JSON error report follows. */

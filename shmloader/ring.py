@@ -30,8 +30,9 @@ and the memory ordering (one ordering per transition, the same in every language
     ------------------------  ---------  ---------------------------------  ----------------------------------
     IDLE or HELD -> REQUESTED trainer    Ring.request; release_unused (C)   release store, after the step word
     REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
-    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish        release store, after the data
-    FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        release store, after the report
+    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish        seq_cst store after the data, then a
+                                                                        seq_cst load of the waiter flag
+    FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
     READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
                                                                             reads HELD, and it publishes nothing
     FILLING|r -> REQUESTED    trainer    ReaderPool.restart (r is dead)     release store (Ring.request)
@@ -40,18 +41,29 @@ and the memory ordering (one ordering per transition, the same in every language
 
 Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
 _cursor.c, the claim's scan); the step word is read after it and written before the
-store that publishes it. Semaphores only wake waiters; the state word is the truth.
+store that publishes it. Semaphores only wake waiters; the state word is the truth. A
+reader posts a slot's ready semaphore only when the trainer has armed the slot's waiter
+flag (seq_cst store of the flag, then a load of the state: a Dekker pair with publish),
+so a semaphore's count stays within a few posts however long the readers run ahead.
+
+Liveness of a ring's owner: the creating trainer holds an exclusive flock on the segment
+for the ring's lifetime (the kernel drops it when the process dies or execs, whatever
+PID namespace looks at it). Readers test it to learn that their trainer is gone; the
+stale sweep of a new loader removes only segments whose lock it can take.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
+import fcntl
 import functools
 import mmap
 import os
 import re
 import secrets
+import time
 
 import posix_ipc
 
@@ -76,7 +88,10 @@ PAGE_BYTES = 4096
 POLL_INTERVAL_SECONDS = 0.05
 
 NAME_PREFIX = "shml_"
-_NAME_PATTERN = re.compile(r"^(?:sem\.)?shml_(\d{1,10})_[0-9a-f]+")
+_SEGMENT_PATTERN = re.compile(r"^shml_\d{1,10}_[0-9a-f]{12}$")
+_SEMAPHORE_PATTERN = re.compile(r"^sem\.(shml_\d{1,10}_[0-9a-f]{12})_(?:w|r\d{1,5})$")
+# How old an empty ring segment must be before the sweep takes it for abandoned.
+_CREATION_GRACE_SECONDS = 60.0
 SHM_DIRECTORY = "/dev/shm"
 # Room left free in /dev/shm beyond the ring, so that other users of it do not fail.
 _SHM_HEADROOM_BYTES = 64 << 20
@@ -193,38 +208,68 @@ def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
         return False
 
 
-def _pid_alive(pid: int) -> bool:
+def _lock_free(fd: int, shared: bool) -> bool:
+    """Whether no process holds an exclusive flock on the file (a ring's owner lock). The
+    probe's own lock, when it gets one, is released again unless `shared` is False (then
+    the caller keeps it while it removes the ring)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # Not ours to judge: another user's process, or not a pid at all.
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    if shared:
+        fcntl.flock(fd, fcntl.LOCK_UN)
     return True
 
 
 def sweep_stale(directory: str = SHM_DIRECTORY) -> list[str]:
-    """Unlinks segments and semaphores of rings whose creating process is dead. Returns them.
-    Entries it does not recognise as a ring's (a name that is not ours, a pid out of range)
-    are left alone."""
+    """Unlinks the segments and semaphores of rings whose owner is gone: a segment whose
+    owner lock this process can take, and semaphores whose segment no longer exists.
+    Entries it cannot judge (not ours to open, mid-creation, unknown names) are left alone.
+    Returns what it removed."""
     removed = []
     try:
-        entries = os.listdir(directory)
+        entries = set(os.listdir(directory))
     except OSError:
         return removed
-    for entry in entries:
-        match = _NAME_PATTERN.match(entry)
-        if not match or _pid_alive(int(match.group(1))):
+    for entry in sorted(entries):
+        if not _SEGMENT_PATTERN.match(entry) or not _segment_abandoned(os.path.join(directory, entry)):
             continue
         try:
-            if entry.startswith("sem."):
-                posix_ipc.unlink_semaphore("/" + entry[4:])
-            else:
-                posix_ipc.unlink_shared_memory("/" + entry)
+            posix_ipc.unlink_shared_memory("/" + entry)
+            removed.append(entry)
+        except (posix_ipc.ExistentialError, OSError):
+            pass
+    # Semaphores are created after their segment and unlinked before it, so one whose
+    # segment is gone belongs to a ring whose owner is gone.
+    remaining = set(os.listdir(directory)) if removed else entries
+    for entry in sorted(remaining):
+        match = _SEMAPHORE_PATTERN.match(entry)
+        if not match or match.group(1) in remaining:
+            continue
+        try:
+            posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
             removed.append(entry)
         except (posix_ipc.ExistentialError, OSError):
             pass
     return removed
+
+
+def _segment_abandoned(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False  # Another user's, or gone already: not ours to judge.
+    try:
+        if not _lock_free(fd, shared=False):
+            return False  # Its owner lives (in this PID namespace or another).
+        stats = os.fstat(fd)
+        # An empty segment may be one being created (the lock comes a moment after the
+        # name): leave it unless it is old.
+        return stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
+    finally:
+        os.close(fd)
 
 
 def check_free_space(total_bytes: int, directory: str = SHM_DIRECTORY) -> None:
@@ -253,8 +298,11 @@ class Ring:
     readers attach and close. close() releases this process's semaphore handles; the
     mapping goes with the last reference to the Ring (batch views keep it)."""
 
-    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, created: bool) -> None:
+    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, created: bool,
+                 segment_fd: int) -> None:
         self.names = names
+        # The creator holds its owner lock on this descriptor; a reader probes the lock.
+        self.segment_fd = segment_fd
         self.layout = layout
         self.memory = memory
         self.work_semaphore = semaphores[0]
@@ -277,21 +325,23 @@ class Ring:
         """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later)."""
         check_free_space(layout.total_bytes)
         names = RingNames.new(layout.slot_count)
-        semaphores, memory = [], None
+        semaphores, memory, segment_fd = [], None, None
         try:
             segment = posix_ipc.SharedMemory(names.segment, posix_ipc.O_CREX, mode=0o600, size=0)
+            segment_fd = os.dup(segment.fd)  # O_CLOEXEC is not inherited by dup: set it back.
+            segment.close_fd()
+            os.set_inheritable(segment_fd, False)
+            fcntl.flock(segment_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # The owner lock, for the ring's lifetime.
             try:
                 # tmpfs allocates pages lazily; posix_fallocate reserves them now, so a
                 # full /dev/shm is an error here instead of a SIGBUS on first touch.
-                os.posix_fallocate(segment.fd, 0, layout.total_bytes)
-                memory = _map(segment.fd, layout.total_bytes)
+                os.posix_fallocate(segment_fd, 0, layout.total_bytes)
+                memory = _map(segment_fd, layout.total_bytes)
             except OSError as error:
                 raise SharedMemoryError(
                     f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIRECTORY} for the ring "
                     f"({error.strerror}); use fewer slots or a smaller batch_size, or free space there"
                 ) from None
-            finally:
-                segment.close_fd()
             header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
             header.magic, header.version = RING_MAGIC, RING_VERSION
             header.slot_count, header.reader_count = layout.slot_count, layout.reader_count
@@ -299,27 +349,42 @@ class Ring:
             header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
             header.slots_offset, header.stop = layout.slots_offset, 0
             del header
-            for name in (names.work, *names.ready):
-                semaphores.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
-            return cls(names, layout, memory, semaphores, created=True)
+            try:
+                for name in (names.work, *names.ready):
+                    semaphores.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
+            except OSError as error:
+                raise SharedMemoryError(
+                    f"the ring's {layout.total_bytes / 2**20:.1f} MiB fit in {SHM_DIRECTORY}, but its "
+                    f"{1 + layout.slot_count} semaphores (a page each) did not ({error.strerror}); free space "
+                    f"there or use fewer slots"
+                ) from None
+            return cls(names, layout, memory, semaphores, created=True, segment_fd=segment_fd)
         except BaseException:
             for semaphore in semaphores:
                 semaphore.close()
             if memory is not None:
                 memory.close()
             names.unlink_all()
+            if segment_fd is not None:
+                os.close(segment_fd)
             raise
 
     @classmethod
     def attach(cls, names: RingNames, layout: RingLayout) -> Ring:
         """Maps an existing ring and checks its header against the layout expected."""
         segment = posix_ipc.SharedMemory(names.segment)
+        segment_fd = os.dup(segment.fd)
+        segment.close_fd()
+        os.set_inheritable(segment_fd, False)
         try:
-            if segment.size != layout.total_bytes:
-                raise SharedMemoryError(f"ring {names.segment} is {segment.size} bytes, expected {layout.total_bytes}")
-            memory = _map(segment.fd, layout.total_bytes)
-        finally:
-            segment.close_fd()
+            if os.fstat(segment_fd).st_size != layout.total_bytes:
+                raise SharedMemoryError(
+                    f"ring {names.segment} is {os.fstat(segment_fd).st_size} bytes, expected {layout.total_bytes}"
+                )
+            memory = _map(segment_fd, layout.total_bytes)
+        except BaseException:
+            os.close(segment_fd)
+            raise
         header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
                  header.batch_size, header.slot_stride, header.slots_offset)
@@ -328,12 +393,17 @@ class Ring:
                     layout.batch_size, layout.slot_stride, layout.slots_offset)
         if found != expected:
             memory.close()
+            os.close(segment_fd)
             raise SharedMemoryError(
                 f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
                 f"stride, slots offset) = {found}, expected {expected}"
             )
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
-        return cls(names, layout, memory, semaphores, created=False)
+        return cls(names, layout, memory, semaphores, created=False, segment_fd=segment_fd)
+
+    def owner_alive(self) -> bool:
+        """Whether the ring's creator still holds its owner lock (a reader's question)."""
+        return not _lock_free(self.segment_fd, shared=True)
 
     # Slot state: the orderings are the table's in the module docstring.
 
@@ -346,10 +416,24 @@ class Ring:
         except ValueError:
             raise SharedMemoryError(f"slot {slot} of ring {self.names.segment} has invalid state word {word:#x}") from None
 
-    def publish(self, slot: int, state: SlotState, owner: int = 0) -> None:
-        """Stores a state word with release ordering: what was written before is visible
-        to whoever acquires it."""
-        lib.shm_state_store(self._state_pointers[slot], int(state) | owner << OWNER_SHIFT)
+    def publish(self, slot: int, state: SlotState, owner: int) -> None:
+        """A reader publishes READY or FAILED (sequentially consistent: what it wrote before
+        is visible to whoever acquires the word), and posts the slot's ready semaphore if
+        the trainer waits on it."""
+        if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
+            self.ready_semaphores[slot].release()
+
+    def wait_published(self, slot: int, timeout_seconds: float) -> bool:
+        """The trainer waits at most `timeout_seconds` for a reader to publish `slot`;
+        True once its state is no longer FILLING or REQUESTED."""
+        line = self._lines + slot
+        try:
+            word = lib.shm_arm_waiter(line)
+            if word & STATE_MASK not in (SlotState.REQUESTED, SlotState.FILLING):
+                return True
+            return wait(self.ready_semaphores[slot], timeout_seconds)
+        finally:
+            line.waiter = 0
 
     def withdraw(self, slot: int) -> bool:
         """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
@@ -363,7 +447,7 @@ class Ring:
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""
         self._lines[slot].step = step
-        self.publish(slot, SlotState.REQUESTED)
+        lib.shm_state_store(self._state_pointers[slot], int(SlotState.REQUESTED))
         self.work_semaphore.release()
 
     def claim(self, reader: int) -> int | None:
@@ -419,6 +503,11 @@ class Ring:
                 semaphore.close()
             except (posix_ipc.ExistentialError, OSError):
                 pass
+        os.close(self.segment_fd)  # The creator's owner lock goes with it.
+        # Drop this object's references to the mapping: it is unmapped (and tmpfs frees
+        # the pages of the unlinked segment) once no batch array refers to it either.
+        self.header = self._lines = self._state_pointers = self._records = self._pointer = None
+        self.memory = None
 
 
 def layout_for(slot_count: int, reader_count: int, batch_size: int, fields: list[FieldSpec]) -> RingLayout:

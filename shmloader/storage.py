@@ -12,7 +12,9 @@ import functools
 import math
 import mmap
 import os
+import stat
 import struct
+import zlib
 
 import numpy as np
 
@@ -28,6 +30,11 @@ _B2FRAME_MAGIC_OFFSET = 1
 _B2FRAME_HEADER_LENGTH_OFFSET = 11
 _CHUNK_HEADER_BYTES = 32
 _CHUNK_CBYTES_OFFSET = 12
+# The variable-length metalayer in which `shmloader convert` stores one CRC-32 per chunk
+# (little-endian uint32, in chunk order, of the chunk's bytes as stored), packed as
+# msgpack binary like every Blosc2 vlmeta value: blosc2.open(path).schunk.vlmeta[...]
+# reads it back without shmloader.
+CHECKSUM_META = "shmloader.crc32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +58,8 @@ class FieldSpec:
     # True when a row is one contiguous byte range of its decompressed chunk, which the
     # native gather needs; other layouts go through blosc2's Python API (slow, correct).
     row_contiguous: bool = False
+    # True when the file carries a CRC-32 per chunk (CHECKSUM_META).
+    checksums: bool = False
 
     # Cached: a reader reads them on every gather (a frozen dataclass still has a __dict__).
     @functools.cached_property
@@ -100,6 +109,9 @@ def describe_field(path: str | os.PathLike) -> FieldSpec:
         raise FileNotFoundError(f"field file {path} does not exist")
     if os.path.isdir(path):
         raise StorageError(f"{path} is a directory; expected a .npy file or a contiguous Blosc2 .b2nd file")
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        # A FIFO or a device would block the open or the read below, or change under readers.
+        raise StorageError(f"{path} is not a regular file; expected a .npy file or a contiguous Blosc2 .b2nd file")
     with open(path, "rb") as handle:
         head = handle.read(16)
     if head.startswith(NPY_MAGIC):
@@ -173,8 +185,9 @@ def _describe_b2nd(path: str) -> FieldSpec:
     chunks = tuple(int(extent) for extent in array.chunks)
     blocks = tuple(int(extent) for extent in array.blocks)
     chunk_count = int(schunk.nchunks)
-    expected_chunks = math.prod(math.ceil(extent / chunk) for extent, chunk in zip(shape, chunks))
-    if chunk_count != expected_chunks:
+    # Rows of zero bytes (shape (N, 0)) hold no data: any chunk count will do.
+    expected_chunks = math.prod(-(-extent // max(chunk, 1)) for extent, chunk in zip(shape, chunks))
+    if chunk_count != expected_chunks and math.prod(shape[1:]) > 0:
         raise StorageError(
             f"{path}: the frame holds {chunk_count} chunks, its shape {shape} and chunks {chunks} "
             f"need {expected_chunks}; the file is truncated or corrupted"
@@ -196,6 +209,7 @@ def _describe_b2nd(path: str) -> FieldSpec:
         clevel=int(cparams.clevel),
         compressed_bytes=int(schunk.cbytes),
         row_contiguous=row_contiguous_layout(shape, chunks, blocks),
+        checksums=CHECKSUM_META in schunk.vlmeta,
     )
 
 
@@ -252,7 +266,14 @@ class NpyField:
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
-        self._array = np.load(spec.path, mmap_mode="r")
+        try:
+            self._array = np.load(spec.path, mmap_mode="r")
+        except (OSError, ValueError) as error:
+            size = os.path.getsize(spec.path) if os.path.exists(spec.path) else "no"
+            raise StorageError(
+                f"{spec.path}: cannot map the .npy file ({error}); it has {size} bytes now, "
+                f"{spec.row_count} rows of {spec.row_bytes} bytes were described (truncated or replaced?)"
+            ) from None
         if self._array.shape != (spec.row_count, *spec.row_shape) or self._array.dtype.str != spec.dtype:
             raise StorageError(f"{spec.path}: changed since it was described ({self._array.shape}, {self._array.dtype})")
         self._table = ffi.from_buffer("uint8_t[]", self._array)
@@ -289,8 +310,11 @@ class BloscField:
     rows sharing a block cost one decompression per batch).
     """
 
-    def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True) -> None:
-        """`share_blocks=False` decompresses a multi-row block once per row (for measurements)."""
+    def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True,
+                 verify: bool = False) -> None:
+        """`share_blocks=False` decompresses a multi-row block once per row (for measurements).
+        `verify=True` checks each chunk's CRC-32 the first time a gather touches it, when
+        the file carries checksums (files without them load unchecked)."""
         if not spec.row_contiguous:
             raise StorageError(f"{spec.path}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
         self.spec = spec
@@ -299,11 +323,15 @@ class BloscField:
         self._schunk = None
         self._context = None
         self._special_chunks = []  # Chunks Blosc2 builds in memory (all zeros, etc.).
+        self._special_by_index = {}
         with open(spec.path, "rb") as handle:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
         try:
             self._locate_chunks()
             self._create_context(batch_size_max)
+            if verify and spec.checksums:
+                self._load_checksums()
         except BaseException:
             self.close()
             raise
@@ -314,9 +342,10 @@ class BloscField:
         (header_bytes,) = struct.unpack_from(">i", self._map, _B2FRAME_HEADER_LENGTH_OFFSET)
         if not 0 < header_bytes < file_bytes:
             raise StorageError(f"{spec.path}: corrupted frame header (header length {header_bytes}, file {file_bytes} bytes)")
-        self._schunk = capi.blosc2_schunk_open(spec.path.encode())
-        if self._schunk == capi_ffi.NULL:
+        schunk = capi.blosc2_schunk_open(spec.path.encode())
+        if schunk == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: libblosc2 cannot open the frame (corrupted or truncated file)")
+        self._schunk = schunk  # Only a real handle: close() must never free NULL.
         offsets_pointer = capi.blosc2_frame_get_offsets(self._schunk)
         if offsets_pointer == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: cannot read the frame's chunk offsets (corrupted or truncated file)")
@@ -346,6 +375,8 @@ class BloscField:
                 )
             self._addresses[in_file] = base_address + starts
             self._sizes[in_file] = sizes
+        self._file_offsets = np.full(spec.chunk_count, -1, dtype=np.int64)
+        self._file_offsets[in_file] = starts
         for chunk in np.flatnonzero(offsets < 0):
             self._load_special_chunk(int(chunk))
 
@@ -360,6 +391,7 @@ class BloscField:
         if needs_free[0]:
             capi.free(chunk_pointer[0])
         self._special_chunks.append(copy)
+        self._special_by_index[chunk] = copy
         self._addresses[chunk] = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", copy)))
         self._sizes[chunk] = chunk_bytes
 
@@ -368,9 +400,10 @@ class BloscField:
         dparams = capi_ffi.new("blosc2_dparams *")
         dparams.nthreads = 1  # One reader process is one core; parallelism comes from readers.
         dparams.typesize = 8
-        self._context = capi.blosc2_create_dctx(dparams[0])
-        if self._context == capi_ffi.NULL:
+        context = capi.blosc2_create_dctx(dparams[0])
+        if context == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: libblosc2 could not create a decompression context")
+        self._context = context
         self._getitem = capi_ffi.cast("void *", capi_ffi.addressof(capi, "blosc2_getitem_ctx"))
         block_bytes = self._block_rows * spec.row_bytes if self._block_rows > 1 else 0
         self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
@@ -403,8 +436,52 @@ class BloscField:
         out_pointer = _out_pointer(self.spec, out, len(indices))
         self.gather_unchecked(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
 
+    def _load_checksums(self) -> None:
+        capi, capi_ffi = self._capi, self._capi_ffi
+        content, length = capi_ffi.new("uint8_t **"), capi_ffi.new("int32_t *")
+        if capi.blosc2_vlmeta_get(self._schunk, CHECKSUM_META.encode(), content, length) < 0:
+            raise StorageError(f"{self.spec.path}: its chunk checksums ({CHECKSUM_META}) cannot be read")
+        try:
+            packed = bytes(capi_ffi.buffer(content[0], length[0]))
+        finally:
+            capi.free(content[0])
+        checksums = np.frombuffer(_msgpack_binary(packed, self.spec.path), dtype="<u4")
+        if checksums.size != self.spec.chunk_count:
+            raise StorageError(
+                f"{self.spec.path}: {checksums.size} chunk checksums for {self.spec.chunk_count} chunks (corrupted metadata)"
+            )
+        self._checksums = checksums
+        self._verified = np.zeros(self.spec.chunk_count, dtype=bool)
+        self._unverified_count = self.spec.chunk_count
+
+    def _verify_chunks(self, indices: np.ndarray) -> None:
+        """Checks the CRC-32 of every chunk these rows touch that this reader has not checked yet."""
+        chunks = np.unique(indices // self.spec.chunk_rows)
+        chunks = chunks[chunks < self.spec.chunk_count]  # Bad indices are the gather's to report.
+        for chunk in chunks[~self._verified[chunks]].tolist():
+            found = zlib.crc32(self.chunk_bytes(chunk))
+            expected = int(self._checksums[chunk])
+            if found != expected:
+                raise StorageError(
+                    f"{self.spec.path}: chunk {chunk} fails its checksum (stored CRC-32 {expected:#010x}, read "
+                    f"{found:#010x}): the file is corrupted. `shmloader verify {self.spec.path}` lists every bad chunk."
+                )
+            self._verified[chunk] = True
+            self._unverified_count -= 1
+        if self._unverified_count == 0:
+            self._checksums = None  # Every chunk checked once: gathers skip this from now on.
+
+    def chunk_bytes(self, chunk: int):
+        """The bytes of a chunk as stored (a view of the mapped file, or Blosc2's built copy)."""
+        offset = int(self._file_offsets[chunk])
+        if offset < 0:
+            return self._special_by_index[chunk]
+        return memoryview(self._map)[offset: offset + int(self._sizes[chunk])]
+
     def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         """gather() for callers that checked their buffers once (the reader's slots)."""
+        if self._checksums is not None:
+            self._verify_chunks(indices)
         status = lib.shm_gather_blosc(self._layout, index_pointer, len(indices), out_pointer, out_bytes, self._failure)
         if status == Status.OK:
             return
@@ -468,10 +545,45 @@ class BloscPythonField:
         self._array = None
 
 
-def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16):
-    """Opens a described field for gathering, in whichever process calls it."""
+class EmptyRowsField:
+    """Rows of zero bytes (shape (N, 0)): nothing to read, but indices are still checked."""
+
+    def __init__(self, spec: FieldSpec) -> None:
+        self.spec = spec
+
+    def gather(self, indices, out) -> None:
+        indices = _check_indices(self.spec, indices)
+        self.gather_unchecked(indices, None, _out_pointer(self.spec, out, len(indices)), 0)
+
+    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+        bad = np.flatnonzero(indices >= self.spec.row_count)
+        if bad.size:
+            _raise_index_error(self.spec, indices, int(bad[0]))
+
+    def close(self) -> None:
+        pass
+
+
+def _msgpack_binary(packed: bytes, path: str) -> bytes:
+    """The payload of a msgpack bin 8/16/32 value (how Blosc2 stores a bytes vlmeta)."""
+    sizes = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+    width = sizes.get(packed[0]) if packed else None
+    if width is None or len(packed) < 1 + width:
+        raise StorageError(f"{path}: its {CHECKSUM_META} metadata is not msgpack binary data")
+    length = int.from_bytes(packed[1:1 + width], "big")
+    payload = packed[1 + width: 1 + width + length]
+    if len(payload) != length:
+        raise StorageError(f"{path}: its {CHECKSUM_META} metadata is truncated")
+    return payload
+
+
+def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False):
+    """Opens a described field for gathering, in whichever process calls it; `verify`
+    checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them)."""
+    if spec.row_bytes == 0:
+        return EmptyRowsField(spec)
     if spec.kind == "npy":
         return NpyField(spec)
     if spec.row_contiguous:
-        return BloscField(spec, batch_size_max)
+        return BloscField(spec, batch_size_max, verify=verify)
     return BloscPythonField(spec)

@@ -47,6 +47,17 @@ def main() -> None:
         loader.close()
         thread.join(10)
         print(json.dumps({"alive": thread.is_alive(), "outcome": outcome}), flush=True)
+    if behaviour == "close-with-stopped-readers":
+        # close() then waits for its stopped readers; the test interrupts it meanwhile.
+        for pid in loader.reader_pids:
+            os.kill(pid, signal.SIGSTOP)
+        print("closing", flush=True)
+        loader.close()
+        print("closed", flush=True)
+        time.sleep(60)
+    if behaviour == "exec":
+        # The same pid runs another program: ppid checks alone would never notice.
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"])
     if behaviour == "stall":
         # Readers stopped: once the ring's ready batches are used up, next() blocks in its wait.
         for pid in loader.reader_pids:

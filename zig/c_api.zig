@@ -11,7 +11,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 3; // 3: protocol constants from ring.h, explicit orderings, named gather failures.
+const abi_version: u32 = 4; // 4: shm_publish and shm_arm_waiter (bounded ready semaphores).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -87,6 +87,21 @@ export fn shm_state_compare_swap(address: *u64, expected: u64, desired: u64) u64
     return @cmpxchgStrong(u64, address, expected, desired, .acq_rel, .acquire) orelse expected;
 }
 
+/// A reader publishes a slot's new state word (READY or FAILED) and learns whether the
+/// trainer waits on the slot's semaphore: sequentially consistent, so that with the
+/// trainer's shm_arm_waiter at least one side sees the other (ring.h). Returns the flag.
+export fn shm_publish(line: *ring.shm_control_line, word: u64) u64 {
+    @atomicStore(u64, &line.state, word, .seq_cst);
+    return @atomicLoad(u64, &line.waiter, .seq_cst);
+}
+
+/// The trainer announces that it is about to wait on a slot's semaphore, then reads the
+/// state word: if that is still in flight, a reader's publish will see the flag and post.
+export fn shm_arm_waiter(line: *ring.shm_control_line) u64 {
+    @atomicStore(u64, &line.waiter, 1, .seq_cst);
+    return @atomicLoad(u64, &line.state, .seq_cst);
+}
+
 /// Reader `reader_index` takes, among the `slot_count` control lines of `table`, the
 /// requested slot with the lowest step: REQUESTED -> FILLING | reader << OWNER_SHIFT by
 /// compare-and-swap of the whole state word (a requested slot has no owner bits).
@@ -135,6 +150,14 @@ test "state atomics" {
     try std.testing.expectEqual(@as(u64, 9), shm_state_compare_swap(&word, 5, 1));
     shm_state_store(&word, 10);
     try std.testing.expectEqual(@as(u64, 10), shm_state_load(&word));
+}
+
+test "publish reports the waiter flag the trainer armed" {
+    var line = std.mem.zeroes(ring.shm_control_line);
+    line.state = ring.SHM_SLOT_FILLING;
+    try std.testing.expectEqual(@as(u64, 0), shm_publish(&line, ring.SHM_SLOT_READY));
+    try std.testing.expectEqual(@as(u64, ring.SHM_SLOT_READY), shm_arm_waiter(&line));
+    try std.testing.expectEqual(@as(u64, 1), shm_publish(&line, ring.SHM_SLOT_FAILED));
 }
 
 test "claim takes the requested slot with the lowest step, once" {

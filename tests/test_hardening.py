@@ -1,0 +1,276 @@
+"""The defects an outside attack found (crashes, stalls, leaks, errors that hide their
+cause) stay fixed: each test drives real processes, real signals and real files into the
+situation that broke the loader, and checks the loader's answer and that nothing is left."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
+from shmloader import ReaderError, SharedMemoryError, ShmDataLoader, StorageError
+from shmloader.reader import FAULT_INJECTION_VARIABLE, ErrorReport
+from shmloader.ring import READER_ERROR_BYTES_MAX, sweep_stale
+from shmloader.storage import describe_field, open_field
+from test_faults import assert_all_gone, exit_code_and_errors, run_child
+
+
+def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(tmp_path):
+    """libblosc2 returned NULL for a truncated frame and close() freed it: SIGSEGV."""
+    path = write_b2nd(tmp_path / "t.b2nd", np.arange(4096, dtype=np.int64).reshape(512, 8))
+    spec = describe_field(path)
+    with open(path, "r+b") as handle:
+        handle.truncate(64)
+    code = (
+        "import sys; sys.path.insert(0, {tests!r}); from shmloader.storage import FieldSpec, open_field;"
+        "from shmloader import StorageError; import json\n"
+        "try:\n    open_field(FieldSpec.from_dict(json.loads(sys.argv[1])))\n"
+        "except StorageError as error:\n    print('StorageError', error)\n"
+    ).format(tests=os.path.dirname(__file__))
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_dict())], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
+    assert result.stdout.startswith("StorageError") and "t.b2nd" in result.stdout
+
+
+def test_ready_semaphores_stay_bounded_while_readers_run_ahead(dataset):
+    """Each fill used to post its slot's semaphore whether or not anyone waited on it."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=4, readers=2, slots=4) as loader:
+        for _ in range(2000):
+            next(loader)
+            if loader._next_step % 50 == 0:
+                time.sleep(0.002)  # Let the readers run ahead now and then.
+        values = [posix_ipc.Semaphore(name).value for name in loader._ring.names.ready]
+    assert max(values) <= 3, values  # Before the fix: about 2000 / 4 posts per slot.
+
+
+def test_the_sweep_of_another_pid_namespace_leaves_a_live_ring_alone(dataset):
+    """Seen from another PID namespace the owner's pid is dead; its lock is not."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
+        entries = our_shm_entries(os.getpid())
+        code = "import sys; from shmloader.ring import sweep_stale; print(sweep_stale())"
+        result = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
+                                text=True, timeout=60)
+        if result.returncode != 0 and "unshare" in result.stderr:
+            pytest.skip(f"no PID namespace here: {result.stderr.strip()}")
+        assert result.returncode == 0, result.stderr
+        assert our_shm_entries(os.getpid()) == entries
+        assert next(loader).step == 0
+
+
+def test_the_sweep_takes_a_ring_whose_owner_lock_is_free_even_if_its_pid_lives(dataset):
+    """Liveness is the owner lock, not a pid: a ring named after a live pid but abandoned goes."""
+    name = f"shml_{os.getppid()}_00112233aabb"  # A pid that lives (pytest's parent).
+    posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=4096).close_fd()
+    posix_ipc.Semaphore(f"/{name}_w", posix_ipc.O_CREX).close()
+    assert {name, f"sem.{name}_w"} <= set(sweep_stale())
+
+
+def test_entries_the_sweep_does_not_understand_are_skipped(dataset, tmp_path):
+    """A file named like a ring with a pid too large for os.kill stopped every loader."""
+    stray = "/dev/shm/shml_99999999999999999999_aa"
+    with open(stray, "w"):
+        pass
+    try:
+        with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
+            next(loader)
+        assert os.path.exists(stray)
+    finally:
+        os.unlink(stray)
+
+
+@pytest.mark.parametrize("signal_number", [signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT], ids=lambda s: s.name)
+def test_a_signal_to_the_whole_process_group_leaves_nothing(dataset, signal_number):
+    """Readers died with their trainer and nobody unlinked the ring."""
+    child, info = run_child("iterate", {"label": dataset["paths"]["labels_npy"]}, start_new_session=True)
+    os.killpg(child.pid, signal_number)
+    child.wait(10)
+    assert_all_gone(child.pid, info, timeout=5.0)
+
+
+def test_a_second_ctrl_c_during_close_leaks_nothing(dataset):
+    child, info = run_child("close-with-stopped-readers", {"label": dataset["paths"]["labels_npy"]},
+                            stderr=subprocess.PIPE)
+    assert child.stdout.readline().strip() == "closing"
+    time.sleep(0.3)  # Inside close(): its readers are stopped, so it waits to join them.
+    child.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGINT)
+    code, errors = exit_code_and_errors(child, 15)
+    assert "KeyboardInterrupt" in errors, errors
+    for pid in info["readers"]:
+        if process_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert_all_gone(child.pid, info)
+
+
+def test_a_trainer_that_execs_another_program_has_its_readers_clean_up(dataset):
+    child, info = run_child("exec", {"label": dataset["paths"]["labels_npy"]})
+    try:
+        assert_all_gone(child.pid, info, timeout=5.0)
+        assert child.poll() is None  # The exec'd program still runs under the same pid.
+    finally:
+        child.kill()
+        child.wait()
+
+
+def free_shm_bytes() -> int:
+    stats = os.statvfs("/dev/shm")
+    return stats.f_bavail * stats.f_frsize
+
+
+def test_close_gives_the_ring_memory_back_once_no_batch_view_is_alive(tmp_path):
+    np.save(tmp_path / "big.npy", np.zeros((64, 1 << 20), dtype=np.uint8))
+    before = free_shm_bytes()
+    loader = ShmDataLoader({"x": str(tmp_path / "big.npy")}, batch_size=32, readers=1, slots=4)
+    batch = next(loader)
+    assert before - free_shm_bytes() >= 100 << 20
+    loader.close()
+    view = batch["x"]
+    del batch
+    gc.collect()
+    assert before - free_shm_bytes() >= 100 << 20  # A live view keeps its mapping valid.
+    assert view.sum() == 0
+    del view
+    gc.collect()
+    assert wait_until(lambda: before - free_shm_bytes() < 16 << 20, 3), "the closed loader still holds the ring"
+    assert loader.closed  # The loader object itself is still referenced here.
+
+
+def test_an_oversized_error_report_keeps_type_step_and_the_end_of_its_traceback():
+    try:
+        raise RuntimeError("bad record " + "y" * (3 * READER_ERROR_BYTES_MAX))
+    except RuntimeError as error:
+        report = ErrorReport.of(error, step=41)
+    encoded = report.encode()
+    assert len(encoded) <= READER_ERROR_BYTES_MAX
+    decoded = ErrorReport.decode(encoded)
+    assert decoded.type == "RuntimeError" and decoded.step == 41
+    assert decoded.message.startswith("bad record yyy") and decoded.message.endswith("[... message cut]")
+    assert decoded.traceback.rstrip().endswith(report.traceback.rstrip()[-40:])
+
+
+def test_an_oversized_reader_error_reaches_the_trainer_readable(dataset, tmp_path, monkeypatch):
+    marker = tmp_path / "fire"
+    marker.touch()
+    monkeypatch.setenv(FAULT_INJECTION_VARIABLE, f"raise:5:{marker}")
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3) as loader:
+        with pytest.raises(ReaderError) as raised:
+            for _ in range(100):
+                next(loader)
+    assert raised.value.original_type == "RuntimeError" and raised.value.step == 5
+    assert "injected fault at step 5" in str(raised.value) and "unreadable" not in str(raised.value)
+
+
+def test_a_reader_error_is_reported_as_such_when_the_trainer_ignores_sigchld(dataset, tmp_path):
+    """With SIGCHLD ignored every child 'exits with code 0': the report must still be read."""
+    marker = tmp_path / "fire"
+    marker.touch()
+    code = (
+        "import signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+        "from shmloader import ShmDataLoader, ReaderError\n"
+        "with ShmDataLoader({'label': sys.argv[1]}, batch_size=8, readers=2, slots=3) as loader:\n"
+        "    try:\n"
+        "        for _ in range(100): next(loader)\n"
+        "    except ReaderError as error: print('ReaderError', error.original_type, error.step)\n"
+    )
+    environment = {**os.environ, FAULT_INJECTION_VARIABLE: f"raise:5:{marker}"}
+    result = subprocess.run([sys.executable, "-c", code, dataset["paths"]["labels_npy"]], capture_output=True,
+                            text=True, timeout=60, env=environment)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[:3] == ["ReaderError", "RuntimeError", "5"], result.stdout
+
+
+def test_a_npy_truncated_under_a_reader_is_named(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(1000, dtype=np.int64))
+    spec = describe_field(tmp_path / "t.npy")
+    with open(tmp_path / "t.npy", "r+b") as handle:
+        handle.truncate(200)
+    with pytest.raises(StorageError, match=r"t\.npy: cannot map the \.npy file.*200 bytes now, 1000 rows"):
+        open_field(spec)
+
+
+def test_a_b2nd_with_zero_width_rows_loads_like_the_npy_equivalent(tmp_path):
+    import blosc2
+
+    blosc2.asarray(np.zeros((10, 0), dtype=np.uint8), urlpath=str(tmp_path / "z.b2nd"), mode="w")
+    np.save(tmp_path / "z.npy", np.zeros((10, 0), dtype=np.uint8))
+    with ShmDataLoader({"b": str(tmp_path / "z.b2nd"), "n": str(tmp_path / "z.npy")}, batch_size=4, readers=1) as loader:
+        batch = next(loader)
+        assert batch["b"].shape == batch["n"].shape == (4, 0)
+
+
+@pytest.mark.parametrize("start_step", [2**63, 2**64 - 1])
+def test_steps_past_the_samplers_range_are_refused_at_construction_and_seek(dataset, start_step):
+    path = dataset["paths"]["labels_npy"]
+    with pytest.raises(ValueError, match=r"start_step must be in \[0, \d+\]"):
+        ShmDataLoader({"label": path}, batch_size=8, readers=1, slots=2, start_step=start_step)
+    with ShmDataLoader({"label": path}, batch_size=8, readers=1, slots=2) as loader:
+        with pytest.raises(ValueError, match=r"step must be in \[0, \d+\]"):
+            loader.seek(start_step)
+        assert next(loader).step == 0
+
+
+def test_next_from_a_second_thread_says_one_thread_iterates(dataset):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
+        next(loader)
+        os.kill(loader.reader_pids[0], signal.SIGSTOP)
+        try:
+            outcome = []
+
+            def iterate() -> None:
+                try:
+                    for _ in range(10):
+                        next(loader)
+                except Exception as error:  # Whatever ends it once the readers go on.
+                    outcome.append(error)
+
+            blocked = threading.Thread(target=iterate, daemon=True)
+            blocked.start()
+            time.sleep(0.5)  # The ring's ready batches are gone; it waits in next().
+            with pytest.raises(RuntimeError, match="one thread iterates a loader"):
+                next(loader)
+        finally:
+            os.kill(loader.reader_pids[0], signal.SIGCONT)
+        blocked.join(10)
+
+
+def test_no_room_for_the_semaphores_is_a_shared_memory_error_with_sizes(dataset, monkeypatch):
+    real = posix_ipc.Semaphore
+
+    def semaphore(name, flags=0, *args, **kwargs):
+        if flags & posix_ipc.O_CREX and name.endswith("_r1"):
+            raise OSError(28, "No space left on device")
+        return real(name, flags, *args, **kwargs)
+
+    monkeypatch.setattr(posix_ipc, "Semaphore", semaphore)
+    with pytest.raises(SharedMemoryError, match=r"MiB fit in /dev/shm, but its \d+ semaphores.*No space left"):
+        ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3)
+    assert not our_shm_entries(os.getpid())
+
+
+def test_a_fifo_as_a_data_path_is_refused_instead_of_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe.npy")
+    with pytest.raises(StorageError, match=r"pipe\.npy is not a regular file"):
+        ShmDataLoader({"label": str(tmp_path / "pipe.npy")}, batch_size=8, readers=1, slots=2)
+
+
+def test_losing_every_reader_at_once_costs_each_one_restart(dataset):
+    """The budget was per loader: four readers killed together exceeded the default 3."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=4, slots=6) as loader:
+        next(loader)
+        for pid in loader.reader_pids:
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            next(loader)
+        assert loader.stats()["reader_restarts"] == 4
