@@ -26,6 +26,11 @@ BATCH = 256
 DATA_DIR = pathlib.Path(os.environ.get("SHMLOADER_BENCH_DATA", "/tmp/shmloader-bench"))
 
 
+def _converted_here(path: str) -> bool:
+    """Whether a cached file exists and was written by this version's converter (checksums)."""
+    return os.path.exists(path) and describe_field(path).checksums
+
+
 def make_files(rows: int, row_bytes: int, with_default: bool) -> dict[str, str]:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
     stem = DATA_DIR / f"rows{rows}x{row_bytes}"
@@ -39,11 +44,11 @@ def make_files(rows: int, row_bytes: int, with_default: bool) -> dict[str, str]:
         array.flush()
         del array
         os.replace(paths["npy"] + ".partial", paths["npy"])
-    if not os.path.exists(paths["b2nd"]):
-        convert(paths["npy"], paths["b2nd"], codec="lz4", progress=False)
+    if not _converted_here(paths["b2nd"]):
+        convert(paths["npy"], paths["b2nd"], codec="lz4", progress=False, force=True)
     paths["auto"] = f"{stem}.auto.b2nd"
-    if not os.path.exists(paths["auto"]):
-        convert(paths["npy"], paths["auto"], codec="auto", progress=False)
+    if not _converted_here(paths["auto"]):
+        convert(paths["npy"], paths["auto"], codec="auto", progress=False, force=True)
     if with_default:
         paths["default"] = f"{stem}.default.b2nd"
         if not os.path.exists(paths["default"]):

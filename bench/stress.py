@@ -1,16 +1,22 @@
 """Stress: kill a random reader every few hundred batches for minutes; every batch must be right.
 
-Run: python bench/stress.py [--seconds 180]
+Run: python bench/stress.py [--seconds 180] [--signal-rounds 30]
 Prints batches delivered, readers killed, batches lost or duplicated (must be 0), batches with
-wrong contents (must be 0) and entries left in /dev/shm (must be 0). Exits 1 on any failure.
+wrong contents (must be 0) and entries left in /dev/shm (must be 0). Then it starts trainers
+in their own process groups and ends each one the way users and operators do (SIGTERM,
+SIGHUP or SIGQUIT to the group, SIGKILL of the trainer, a double Ctrl-C while close() waits
+for stopped readers): nothing of theirs may be left in /dev/shm nor among the processes.
+Exits 1 on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,10 +31,77 @@ def shm_entries(pid: int) -> list[str]:
     return [name for name in os.listdir("/dev/shm") if name.removeprefix("sem.").startswith(f"shml_{pid}_")]
 
 
+# A trainer that iterates until it is ended; on "close" it stops its readers and closes,
+# so that close() waits for them while the double Ctrl-C arrives.
+_CHILD = """
+import json, os, signal, sys, time
+from shmloader import ShmDataLoader
+loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=32, readers=2, slots=4)
+next(loader)
+print(json.dumps(loader.reader_pids), flush=True)
+if sys.argv[2] == "close":
+    for pid in loader.reader_pids:
+        os.kill(pid, signal.SIGSTOP)
+    print("closing", flush=True)
+    loader.close()
+while True:
+    next(loader)
+    time.sleep(0.0005)
+"""
+_ENDINGS = ("SIGTERM to the group", "SIGHUP to the group", "SIGQUIT to the group", "SIGKILL of the trainer",
+            "double Ctrl-C during close")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def signal_rounds(label_path: str, rounds: int, rng: random.Random) -> dict[str, int]:
+    """Ends `rounds` trainers in the ways of _ENDINGS; counts the endings that left anything."""
+    leaks = {ending: 0 for ending in _ENDINGS}
+    for round_index in range(rounds):
+        ending = _ENDINGS[round_index % len(_ENDINGS)]
+        mode = "close" if ending.startswith("double") else "iterate"
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, label_path, mode], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        readers = json.loads(child.stdout.readline())
+        if mode == "close":
+            child.stdout.readline()
+            time.sleep(0.2)
+            child.send_signal(signal.SIGINT)
+            time.sleep(rng.uniform(0.05, 0.5))
+            child.send_signal(signal.SIGINT)
+        else:
+            time.sleep(rng.uniform(0.1, 0.6))
+            if ending == "SIGKILL of the trainer":
+                child.kill()
+            else:
+                os.killpg(child.pid, getattr(signal, ending.split()[0]))
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        for pid in readers:  # Readers stopped by the test itself must run to exit.
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (shm_entries(child.pid) or any(_alive(pid) for pid in readers)):
+            time.sleep(0.05)
+        if shm_entries(child.pid) or any(_alive(pid) for pid in readers):
+            leaks[ending] += 1
+    return leaks
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--readers", type=int, default=3)
+    parser.add_argument("--signal-rounds", type=int, default=30, help="trainers ended by signals afterwards")
     arguments = parser.parse_args()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as directory:
@@ -68,13 +141,18 @@ def main() -> int:
             restarts = loader.stats()["reader_restarts"]
         time.sleep(0.5)
         left = shm_entries(os.getpid())
+        leaks = signal_rounds(fields["label"], arguments.signal_rounds, rng)
     print(f"ran {arguments.seconds:.0f} s with {arguments.readers} readers")
     print(f"batches delivered: {delivered}")
     print(f"readers killed: {killed} (restarts seen by the loader: {restarts})")
     print(f"batches lost or duplicated: {out_of_order}")
     print(f"batches with wrong contents: {wrong}")
     print(f"entries left in /dev/shm: {len(left)} {left if left else ''}")
-    return 0 if out_of_order == wrong == len(left) == 0 and restarts >= killed - 1 else 1
+    print(f"trainers ended by signals: {arguments.signal_rounds}; endings that left anything behind:")
+    for ending, count in leaks.items():
+        print(f"  {ending}: {count}")
+    clean = out_of_order == wrong == len(left) == sum(leaks.values()) == 0
+    return 0 if clean and restarts >= killed - 1 else 1
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ def label_files(directory: str) -> dict[str, str]:
     b2nd = os.path.join(directory, f"labels{ROWS}.lz4.b2nd")
     if not os.path.exists(npy):
         np.save(npy, np.arange(ROWS, dtype=np.int64) % 1000)
-    if not os.path.exists(b2nd):
-        convert(npy, b2nd, progress=False)
+    if not os.path.exists(b2nd) or not describe_field(b2nd).checksums:
+        convert(npy, b2nd, progress=False, force=True)
     return {"npy": npy, "b2nd": b2nd}
 
 
@@ -55,9 +55,10 @@ def memory_of(pid: int) -> str:
         return "?"
 
 
-def run_shmloader(fields: dict, batches: int, readers=2, slots=8) -> dict:
+def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=True) -> dict:
     started = time.perf_counter()
-    loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False)
+    loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False,
+                           verify=verify)
     with loader:
         first = next(loader)
         first_batch_s = time.perf_counter() - started
@@ -76,6 +77,23 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8) -> dict:
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
     }
+
+
+_CHECKSUM_PAIRS = 3
+
+
+def checksum_cost(images: dict, labels: dict, batches: int) -> float:
+    """1 - rate(verify=True) / rate(verify=False) on the .b2nd files, from alternating runs
+    (the machine's noise moves both alike within a pair). Each run starts fresh readers,
+    so every run pays the first pass over the chunks: the worst case, not a long run's."""
+    fields = {"image": images["b2nd"], "label": labels["b2nd"]}
+    ratios = []
+    for _ in range(_CHECKSUM_PAIRS):
+        checked = run_shmloader(fields, batches, verify=True)["rows_per_s"]
+        unchecked = run_shmloader(fields, batches, verify=False)["rows_per_s"]
+        ratios.append(checked / unchecked)
+    print(f"\nchunk checksums, verify=True / verify=False rows/s per pair: {', '.join(f'{r:.3f}' for r in ratios)}")
+    return 1 - statistics.median(ratios)
 
 
 def run_single_process(fields: dict, batches: int) -> dict:
@@ -194,6 +212,7 @@ def main() -> int:
                           f"{torch_result['rows_per_s'] * gigabytes:.2f}", "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"])
         print(f"reader memory ({kind}): " + "; ".join(ours["reader_memory"]))
     print(table(lines, ["file", "loader", "rows/s", "GB/s", "notes"]))
+    verify_cost = checksum_cost(images, labels, batches)
     print("\n## next() when the batch is ready (2 readers, 8 slots; microseconds)")
     costs = {}
     fields = {"image": images["npy"], "label": labels["npy"]}
@@ -219,6 +238,8 @@ def main() -> int:
         ratio = ours["rows_per_s"] / single["rows_per_s"]
         print(f"{kind}: shmloader / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
         print(f"{kind}: first batch {ours['first_batch_s']:.2f} s (target <= 1 s) -> {verdict(ours['first_batch_s'] <= 1)}")
+    print(f"b2nd: chunk checksums cost {verify_cost:.1%} of throughput over {batches} batches, the median of "
+          f"{_CHECKSUM_PAIRS} alternating pairs (target < 5% for verify=True by default) -> {verdict(verify_cost < 0.05)}")
     for label, cost in costs.items():
         print(f"next() with {label} batches, after a training step: median {cost['median']:.1f} us (target <= 20 us) "
               f"-> {verdict(cost['median'] <= 20)}; the floor of any next() there: {cost['floor']:.1f} us")

@@ -272,7 +272,9 @@ def main(argv: list[str]) -> int:
     config = ReaderConfig.from_json(text)
     try:
         ring = Ring.attach(config.names, config.layout)
-    except (posix_ipc.ExistentialError, OSError) as error:
+    except posix_ipc.ExistentialError:
+        return EXIT_NO_RING  # The loader closed (and unlinked the ring) while this reader started.
+    except OSError as error:
         print(f"shmloader reader {config.reader_index}: cannot attach the ring: {error}", file=sys.stderr)
         return EXIT_NO_RING
     reader = None

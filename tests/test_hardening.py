@@ -30,7 +30,7 @@ def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(t
     path = write_b2nd(tmp_path / "t.b2nd", np.arange(4096, dtype=np.int64).reshape(512, 8))
     spec = describe_field(path)
     with open(path, "r+b") as handle:
-        handle.truncate(64)
+        handle.truncate(os.path.getsize(path) // 2)  # The frame header survives; its chunks do not.
     code = (
         "import sys; sys.path.insert(0, {tests!r}); from shmloader.storage import FieldSpec, open_field;"
         "from shmloader import StorageError; import json\n"
@@ -46,12 +46,11 @@ def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(t
 def test_ready_semaphores_stay_bounded_while_readers_run_ahead(dataset):
     """Each fill used to post its slot's semaphore whether or not anyone waited on it."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=4, readers=2, slots=4) as loader:
-        for _ in range(2000):
+        for _ in range(1000):
             next(loader)
-            if loader._next_step % 50 == 0:
-                time.sleep(0.002)  # Let the readers run ahead now and then.
+            time.sleep(0.0005)  # A trainer slower than its readers: they are always ahead.
         values = [posix_ipc.Semaphore(name).value for name in loader._ring.names.ready]
-    assert max(values) <= 3, values  # Before the fix: about 2000 / 4 posts per slot.
+    assert max(values) <= 3, values  # Before the fix: about 1000 / 4 posts per slot.
 
 
 def test_the_sweep_of_another_pid_namespace_leaves_a_live_ring_alone(dataset):

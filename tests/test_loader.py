@@ -161,14 +161,23 @@ def test_arrays_changed_in_place_are_rebuilt_before_their_slot_is_reused(dataset
             assert np.array_equal(batch.indices, indices)
             if step % 3 == 0:
                 image = batch["image"]
-                image.shape = (16, -1)
-                batch["label"].dtype = np.uint8
-                batch.indices.flags.writeable = False
+                _change_in_place(lambda: setattr(image, "shape", (16, -1)))
+                _change_in_place(lambda: setattr(batch["label"], "dtype", np.uint8))
+                batch.indices.flags.writeable = False  # Always allowed.
                 del image
             elif step % 3 == 1:
-                with warnings.catch_warnings():  # Deprecated by numpy 2.4, still possible.
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    batch["image"].strides = (0, 64, 8, 1)  # Every row reads row 0.
+                _change_in_place(lambda: setattr(batch["image"], "strides", (0, 64, 8, 1)))  # Every row reads row 0.
+
+
+def _change_in_place(change) -> None:
+    """Numpy deprecates (2.4, 2.5) and will remove these setters; what it still allows must
+    not leak into later batches, and what it refuses cannot."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            change()
+        except (AttributeError, TypeError, ValueError):
+            pass
 
 
 def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(dataset):
