@@ -12,6 +12,8 @@ from .errors import (
 
 __all__ = [
     "Batch",
+    "Packed",
+    "Padded",
     "PerformanceWarning",
     "ReaderError",
     "ReaderStallWarning",
@@ -21,13 +23,15 @@ __all__ = [
     "ShmLoaderError",
     "SlotsExhaustedError",
     "StorageError",
+    "Windows",
 ]
 __version__ = "0.1.0"
 
 # Imported on first use (PEP 562): a reader process imports shmloader.reader, and through
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
-_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler"}
+_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".slots",
+         "Packed": ".slots", "Windows": ".slots"}
 
 
 def __getattr__(name: str):

@@ -92,7 +92,7 @@ def convert(
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
     if codec == "auto":
-        codec = "lz4" if _lz4_ratio(array, block_rows * row_bytes, clevel) >= _AUTO_MIN_RATIO else "none"
+        codec = auto_codec(array, block_rows * row_bytes, clevel)
     chunks = (rows_per_chunk, *shape[1:])
     blocks = (block_rows, *shape[1:])
     cparams = blosc2.CParams(
@@ -119,7 +119,7 @@ def convert(
             target[start:stop] = np.ascontiguousarray(array[start:stop])
             bar.update((stop - start) * row_bytes)
         bar.close()
-        _write_checksums(target.schunk)
+        write_checksums(target.schunk)
         del target
         os.replace(temporary, output)
     except BaseException:
@@ -133,7 +133,8 @@ def chunk_checksums(schunk) -> np.ndarray:
     return np.array([zlib.crc32(schunk.get_chunk(chunk)) for chunk in range(schunk.nchunks)], dtype="<u4")
 
 
-def _write_checksums(schunk) -> None:
+def write_checksums(schunk) -> None:
+    """Stores every chunk's CRC-32 in the frame's own metadata (storage.CHECKSUM_META)."""
     schunk.vlmeta[CHECKSUM_META] = chunk_checksums(schunk).tobytes()
 
 
@@ -166,6 +167,11 @@ def verify(path: str | os.PathLike, progress: bool = True) -> list[int]:
         bar.update(len(stored))
     bar.close()
     return bad
+
+
+def auto_codec(array, block_bytes: int, clevel: int) -> str:
+    """What `--codec auto` picks for this data: "lz4" if it pays for its decoding, else "none"."""
+    return "lz4" if _lz4_ratio(array, block_bytes, clevel) >= _AUTO_MIN_RATIO else "none"
 
 
 def _lz4_ratio(array, block_bytes: int, clevel: int) -> float:

@@ -21,9 +21,9 @@ from ._native import load_cursor
 from .errors import PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import ReaderConfig
 from .readers import ReaderPool
-from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, layout_for, sweep_stale
+from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
-from .storage import FieldSpec, describe_field
+from .slots import FieldPlan, Packed, Padded, Windows, plan_field
 
 cursor_module = load_cursor()
 
@@ -58,7 +58,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _normalise_fields(fields, label_path) -> dict[str, str]:
+def _normalise_fields(fields, label_path) -> dict:
     if isinstance(fields, collections.abc.Mapping):
         if label_path is not None:
             raise TypeError("label_path goes with a single data path, not with a mapping of fields")
@@ -71,37 +71,44 @@ def _normalise_fields(fields, label_path) -> dict[str, str]:
         raise TypeError(f"fields must be a path or a mapping of field name to path, got {type(fields).__name__}")
     if not mapping:
         raise ValueError("fields is empty; give at least one field name -> path")
-    for name, path in mapping.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"field names must be non-empty strings, got {name!r}")
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"field {name!r}: path must be a string or PathLike, got {type(path).__name__}")
-    return {name: os.fspath(path) for name, path in mapping.items()}
+    for name, declaration in mapping.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise TypeError(f"field names must be non-empty strings without '.', got {name!r}")
+        if isinstance(declaration, (Padded, Packed, Windows)):
+            declaration = declaration.path
+        if not isinstance(declaration, (str, os.PathLike)):
+            raise TypeError(f"field {name!r}: expected a path, or Padded/Packed/Windows of one, got "
+                            f"{type(declaration).__name__}")
+    return {name: declaration if isinstance(declaration, (Padded, Packed, Windows)) else os.fspath(declaration)
+            for name, declaration in mapping.items()}
 
 
-def _describe_fields(paths: dict[str, str]) -> dict[str, FieldSpec]:
-    """Describes every field's file, naming the field in any error; all must have as many rows."""
-    specs = {}
-    for name, path in paths.items():
+def _plan_fields(declarations: dict, batch_size: int) -> dict[str, FieldPlan]:
+    """Describes every field's file(s) and lays out its regions, naming the field in any
+    error; all fields must have as many rows (records, windows)."""
+    plans = {}
+    for name, declaration in declarations.items():
         try:
-            specs[name] = describe_field(path)
+            plans[name] = plan_field(name, declaration, batch_size)
         except FileNotFoundError as error:
             raise FileNotFoundError(f"field {name!r}: {error}") from None
         except StorageError as error:
-            raise StorageError(f"field {name!r}: {error}") from None
-    (first_name, first), *others = specs.items()
-    for name, spec in others:
-        if spec.row_count != first.row_count:
+            message = str(error)
+            raise StorageError(message if message.startswith("field ") else f"field {name!r}: {message}") from None
+    (first_name, first), *others = plans.items()
+    for name, plan in others:
+        if plan.row_count != first.row_count:
             raise StorageError(
-                f"fields must have the same number of rows: field {first_name!r} ({first.path}) has "
-                f"{first.row_count}, field {name!r} ({spec.path}) has {spec.row_count}"
+                f"fields must have the same number of rows: field {first_name!r} ({first.source.path}) has "
+                f"{first.row_count}, field {name!r} ({plan.source.path}) has {plan.row_count}"
             )
-    return specs
+    return plans
 
 
-def _warn_poor_layouts(specs: dict[str, FieldSpec]) -> None:
-    for name, spec in specs.items():
-        if _layout.poor_layout(spec):
+def _warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
+    for name, plan in plans.items():
+        spec = plan.source
+        if plan.kind == "rows" and _layout.poor_layout(spec):
             warnings.warn(
                 f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
                 f"{spec.blocks}, {spec.codec}) costs about {_layout.estimate_row_cost_us(spec):.0f} us per "
@@ -290,25 +297,26 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _prepare(self, paths, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
         """Validates the files and settings, then creates the ring and configures the readers."""
-        self.specs = _describe_fields(paths)
-        self.field_names = tuple(self.specs)
-        row_count = next(iter(self.specs.values())).row_count
+        self.plans = _plan_fields(paths, self.batch_size)
+        self.regions = tuple(region for plan in self.plans.values() for region in plan.regions)
+        self.field_names = tuple(region.name for region in self.regions)
+        row_count = next(iter(self.plans.values())).row_count
         self.sampler = Sampler(row_count, self.batch_size, mode, seed, shard_index, shard_count)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
-            _warn_poor_layouts(self.specs)
+            _warn_poor_layouts(self.plans)
         sweep_stale()
         self._start(start_step)
 
     def _start(self, start_step: int) -> None:
         """Creates the ring, sets up the native cursor, requests the first steps and
         configures the readers."""
-        self._layout = layout_for(self.slots, self.readers, self.batch_size, list(self.specs.values()))
+        self._layout = RingLayout(self.slots, self.readers, self.batch_size, tuple(r.nbytes for r in self.regions))
         self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
         self._field_geometry = [
-            (offset, spec.numpy_dtype, (self.batch_size, *spec.row_shape))
-            for spec, offset in zip(self.specs.values(), self._layout.field_offsets)
+            (offset, np.dtype(region.dtype), region.shape)
+            for region, offset in zip(self.regions, self._layout.region_offsets)
         ]
         self._field_geometry.append((self._layout.indices_offset, np.dtype(np.uint64), (self.batch_size,)))
         self._cursor_setup(CursorConfig(
@@ -333,7 +341,7 @@ class ShmDataLoader(cursor_module.Cursor):
             names=self._ring.names,
             layout=self._layout,
             sampler=self.sampler,
-            fields=tuple(self.specs.values()),
+            fields=tuple(self.plans.values()),
             verify_checksums=self.verify,
         ))
 
@@ -464,7 +472,7 @@ class ShmDataLoader(cursor_module.Cursor):
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size
-        row_bytes = sum(spec.row_bytes for spec in self.specs.values())
+        row_bytes = sum(region.nbytes for region in self.regions) / self.batch_size
         return {
             "batches": self._batches,
             "rows": rows,

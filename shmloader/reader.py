@@ -22,7 +22,7 @@ import posix_ipc
 from ._native import ffi
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
-from .storage import FieldSpec, open_field
+from .slots import FieldPlan, PlanReader, make_outputs
 
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
@@ -68,7 +68,7 @@ class ReaderConfig:
     names: RingNames
     layout: RingLayout
     sampler: Sampler
-    fields: tuple[FieldSpec, ...]
+    fields: tuple[FieldPlan, ...]
     verify_checksums: bool
 
     def to_json(self) -> str:
@@ -91,7 +91,7 @@ class ReaderConfig:
             names=RingNames.from_dict(data["names"]),
             layout=RingLayout.from_dict(data["layout"]),
             sampler=Sampler.from_dict(data["sampler"]),
-            fields=tuple(FieldSpec.from_dict(spec) for spec in data["fields"]),
+            fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
             verify_checksums=data["verify_checksums"],
         )
 
@@ -162,28 +162,29 @@ class Reader:
         self.ring = ring
         self.layout = ring.layout
         self.sampler = config.sampler
-        self.specs = list(config.fields)
         self.fields = []
-        for spec in self.specs:
-            self.fields.append(open_field(spec, batch_size_max=self.layout.batch_size, verify=config.verify_checksums))
+        for plan in config.fields:
+            self.fields.append(PlanReader(plan, self.layout.batch_size, config.verify_checksums, self.sampler))
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0
         self.batches = 0
         batch = self.layout.batch_size
         # Views of every slot's regions and pointers to them, made and checked once.
-        self.index_views, self.field_views = [], []
+        self.index_views, self.outputs = [], []
+        regions = [region for plan in config.fields for region in plan.regions]
         for slot in range(self.layout.slot_count):
             slot_offset = self.layout.slot_offset(slot)
             self.index_views.append(
                 np.frombuffer(ring.memory, dtype=np.uint64, count=batch, offset=slot_offset + self.layout.indices_offset)
             )
-            self.field_views.append([
-                np.frombuffer(ring.memory, dtype=np.uint8, count=batch * spec.row_bytes, offset=slot_offset + offset)
-                for spec, offset in zip(self.specs, self.layout.field_offsets)
-            ])
+            outputs = make_outputs(ring.memory, slot_offset, tuple(regions), self.layout.region_offsets)
+            per_field, first = [], 0
+            for plan in config.fields:
+                per_field.append(outputs[first:first + len(plan.regions)])
+                first += len(plan.regions)
+            self.outputs.append(per_field)
         self.index_pointers = [ffi.from_buffer("uint64_t[]", view) for view in self.index_views]
-        self.field_pointers = [[ffi.from_buffer("uint8_t[]", view) for view in views] for views in self.field_views]
 
     def trainer_alive(self) -> bool:
         """Its parent is still the trainer, and the trainer still holds the ring's owner
@@ -196,8 +197,8 @@ class Reader:
         self.fault.maybe_fire(self.step)
         indices, index_pointer = self.index_views[slot], self.index_pointers[slot]
         self.sampler.fill_unchecked(self.step, index_pointer)
-        for field, out_pointer in zip(self.fields, self.field_pointers[slot]):
-            field.gather_unchecked(indices, index_pointer, out_pointer, len(out_pointer))
+        for field, outputs in zip(self.fields, self.outputs[slot]):
+            field.fill(self.step, indices, index_pointer, outputs)
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1

@@ -13,8 +13,11 @@ Segment layout (all integers little-endian, offsets in bytes):
     64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
                                                                   error_bytes), then its UTF-8 JSON error report
     table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
-    slots_offset    slot_count * stride   slot data               per slot: uint64 indices (8*B), then one
-                                                                  64-byte-aligned region per field (B*row_bytes)
+    slots_offset    slot_count * stride   slot data               per slot: uint64 indices (8*B), then each
+                                                                  region of the output spec (slots.py), 64-byte
+                                                                  aligned: a field's rows, a ragged field's
+                                                                  padded or packed values and its lengths or
+                                                                  offsets
 
 table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096.
 The control lines sit together, apart from the data, so that the trainer's next() and
@@ -69,7 +72,6 @@ import posix_ipc
 
 from ._native import ffi, lib
 from .errors import SharedMemoryError
-from .storage import FieldSpec
 
 RING_MAGIC = lib.SHM_RING_MAGIC
 RING_VERSION = lib.SHM_RING_VERSION
@@ -119,23 +121,23 @@ class RingLayout:
     slot_count: int
     reader_count: int
     batch_size: int
-    field_row_bytes: tuple[int, ...]
+    region_bytes: tuple[int, ...]  # bytes of each region of a slot (slots.Region.nbytes), in order
 
     @functools.cached_property
     def indices_offset(self) -> int:
         return 0
 
     @functools.cached_property
-    def field_offsets(self) -> tuple[int, ...]:
+    def region_offsets(self) -> tuple[int, ...]:
         offsets, cursor = [], _align(self.indices_offset + 8 * self.batch_size, REGION_ALIGNMENT)
-        for row_bytes in self.field_row_bytes:
+        for region_bytes in self.region_bytes:
             offsets.append(cursor)
-            cursor = _align(cursor + self.batch_size * row_bytes, REGION_ALIGNMENT)
+            cursor = _align(cursor + region_bytes, REGION_ALIGNMENT)
         return tuple(offsets)
 
     @functools.cached_property
     def slot_stride(self) -> int:
-        last = self.field_offsets[-1] + self.batch_size * self.field_row_bytes[-1] if self.field_row_bytes else 0
+        last = self.region_offsets[-1] + self.region_bytes[-1] if self.region_bytes else 0
         return _align(max(last, self.indices_offset + 8 * self.batch_size), PAGE_BYTES)
 
     @functools.cached_property
@@ -157,11 +159,11 @@ class RingLayout:
         return HEADER_BYTES + reader * READER_RECORD_BYTES
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "field_row_bytes": list(self.field_row_bytes)}
+        return {**dataclasses.asdict(self), "region_bytes": list(self.region_bytes)}
 
     @classmethod
     def from_dict(cls, data: dict) -> RingLayout:
-        return cls(**{**data, "field_row_bytes": tuple(data["field_row_bytes"])})
+        return cls(**{**data, "region_bytes": tuple(data["region_bytes"])})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,7 +347,7 @@ class Ring:
             header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
             header.magic, header.version = RING_MAGIC, RING_VERSION
             header.slot_count, header.reader_count = layout.slot_count, layout.reader_count
-            header.field_count, header.trainer_pid = len(layout.field_row_bytes), trainer_pid
+            header.field_count, header.trainer_pid = len(layout.region_bytes), trainer_pid
             header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
             header.slots_offset, header.stop = layout.slots_offset, 0
             del header
@@ -389,7 +391,7 @@ class Ring:
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
                  header.batch_size, header.slot_stride, header.slots_offset)
         del header
-        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, len(layout.field_row_bytes),
+        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, len(layout.region_bytes),
                     layout.batch_size, layout.slot_stride, layout.slots_offset)
         if found != expected:
             memory.close()
@@ -510,5 +512,4 @@ class Ring:
         self.memory = None
 
 
-def layout_for(slot_count: int, reader_count: int, batch_size: int, fields: list[FieldSpec]) -> RingLayout:
-    return RingLayout(slot_count, reader_count, batch_size, tuple(spec.row_bytes for spec in fields))
+

@@ -261,6 +261,28 @@ def _raise_index_error(spec: FieldSpec, indices: np.ndarray, position: int) -> N
     )
 
 
+def _u64(array: np.ndarray):
+    """A cffi pointer to a C-contiguous uint64 array (the caller keeps the array alive)."""
+    return ffi.cast("uint64_t *", array.ctypes.data)
+
+
+def _check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:
+    if status == Status.OK:
+        return
+    position = int(failure.position)
+    if status == Status.INDEX_OUT_OF_RANGE:
+        raise IndexError(
+            f"{spec.path}: elements [{int(starts[position])}, {int(starts[position]) + int(counts[position])}) "
+            f"are out of range for {spec.row_count} elements"
+        )
+    if status == Status.DECOMPRESS_FAILED:
+        raise StorageError(
+            f"{spec.path}: the chunk holding element {int(starts[position])} failed to decompress (libblosc2 error "
+            f"{int(failure.code)}); the file is corrupted"
+        )
+    raise StorageError(f"{spec.path}: range gather failed: {status_name(status)}")
+
+
 class NpyField:
     """A memory-mapped .npy field; gather is a native row copy."""
 
@@ -295,6 +317,15 @@ class NpyField:
             _raise_index_error(self.spec, indices, self._failure.position)
         if status != Status.OK:
             raise StorageError(f"{self.spec.path}: gather failed: {status_name(status)}")
+
+    def gather_ranges(self, starts: np.ndarray, counts: np.ndarray, destinations: np.ndarray, out_pointer,
+                      out_bytes: int) -> None:
+        """Copies element ranges of a 1-D field to byte offsets of `out` (uint64 arrays)."""
+        status = lib.shm_gather_ranges_raw(
+            self._table, self.spec.row_count, self.spec.row_bytes, _u64(starts), _u64(counts), _u64(destinations),
+            len(starts), out_pointer, out_bytes, self._failure,
+        )
+        _check_range_status(self.spec, status, starts, counts, self._failure)
 
     def close(self) -> None:
         self._table = None
@@ -470,6 +501,23 @@ class BloscField:
             self._unverified_count -= 1
         if self._unverified_count == 0:
             self._checksums = None  # Every chunk checked once: gathers skip this from now on.
+
+    def gather_ranges(self, starts: np.ndarray, counts: np.ndarray, destinations: np.ndarray, out_pointer,
+                      out_bytes: int) -> None:
+        """Decompresses element ranges of a 1-D field to byte offsets of `out` (uint64
+        arrays), touching only the blocks that hold them."""
+        if self._checksums is not None and len(starts):
+            first = starts.astype(np.int64)
+            last = np.maximum(first + counts.astype(np.int64), first + 1) - 1
+            first_chunk, last_chunk = first // self.spec.chunk_rows, last // self.spec.chunk_rows
+            spans = last_chunk - first_chunk + 1
+            chunks = np.repeat(first_chunk, spans) + (np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans))
+            self._verify_chunks(chunks.astype(np.uint64) * np.uint64(self.spec.chunk_rows))
+        status = lib.shm_gather_ranges_blosc(
+            self._layout, _u64(starts), _u64(counts), _u64(destinations), len(starts), out_pointer, out_bytes,
+            self._failure,
+        )
+        _check_range_status(self.spec, status, starts, counts, self._failure)
 
     def chunk_bytes(self, chunk: int):
         """The bytes of a chunk as stored (a view of the mapped file, or Blosc2's built copy)."""

@@ -56,7 +56,7 @@ def test_struct_layout_is_the_documented_one():
 
 @pytest.fixture
 def ring():
-    layout = RingLayout(slot_count=3, reader_count=2, batch_size=4, field_row_bytes=(12,))
+    layout = RingLayout(slot_count=3, reader_count=2, batch_size=4, region_bytes=(48,))
     created = Ring.create(layout, os.getpid())
     yield created
     created.names.unlink_all()

@@ -11,7 +11,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 4; // 4: shm_publish and shm_arm_waiter (bounded ready semaphores).
+const abi_version: u32 = 5; // 5: element-range gathers (ragged records, token windows).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -67,6 +67,34 @@ export fn shm_gather_blosc(
     failure: *gather.GatherError,
 ) Status {
     return gather.gatherBlosc(layout, indices[0..index_count], out[0..out_bytes], failure);
+}
+
+export fn shm_gather_ranges_raw(
+    table: [*]const u8,
+    element_count: u64,
+    element_bytes: u64,
+    starts: [*]const u64,
+    counts: [*]const u64,
+    destinations: [*]const u64,
+    range_count: u64,
+    out: [*]u8,
+    out_bytes: u64,
+    failure: *gather.GatherError,
+) Status {
+    return gather.gatherRangesRaw(table, element_count, element_bytes, starts[0..range_count], counts[0..range_count], destinations[0..range_count], out[0..out_bytes], failure);
+}
+
+export fn shm_gather_ranges_blosc(
+    layout: *const gather.BloscLayout,
+    starts: [*]const u64,
+    counts: [*]const u64,
+    destinations: [*]const u64,
+    range_count: u64,
+    out: [*]u8,
+    out_bytes: u64,
+    failure: *gather.GatherError,
+) Status {
+    return gather.gatherRangesBlosc(layout, starts[0..range_count], counts[0..range_count], destinations[0..range_count], out[0..out_bytes], failure);
 }
 
 // The slot protocol's atomics (Python has none). The orderings are the ones tabled in

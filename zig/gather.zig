@@ -206,6 +206,91 @@ fn gatherByBlock(
     return .ok;
 }
 
+/// Byte ranges of a 1-D array (a ragged field's values, a token stream): element range i
+/// is [starts[i], starts[i] + counts[i]), written at byte offset destinations[i] of `out`.
+/// Every range is checked first, so that a bad one writes nothing.
+fn checkRanges(
+    element_count: u64,
+    element_bytes: u64,
+    starts: []const u64,
+    counts: []const u64,
+    destinations: []const u64,
+    out_bytes: u64,
+    failure: *GatherError,
+) Status {
+    for (starts, counts, destinations, 0..) |start, count, destination, position| {
+        const end = std.math.add(u64, start, count) catch element_count + 1;
+        const bytes = std.math.mul(u64, count, element_bytes) catch out_bytes + 1;
+        const last = std.math.add(u64, destination, bytes) catch out_bytes + 1;
+        if (end > element_count) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .index_out_of_range;
+        }
+        if (last > out_bytes) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .output_size_mismatch;
+        }
+    }
+    return .ok;
+}
+
+/// Element ranges of a raw, memory-mapped 1-D array (a .npy token stream): plain copies.
+pub fn gatherRangesRaw(
+    table: [*]const u8,
+    element_count: u64,
+    element_bytes: u64,
+    starts: []const u64,
+    counts: []const u64,
+    destinations: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    const status = checkRanges(element_count, element_bytes, starts, counts, destinations, out.len, failure);
+    if (status != .ok) return status;
+    for (starts, counts, destinations) |start, count, destination| {
+        const bytes = count * element_bytes;
+        @memcpy(out[destination..][0..bytes], table[start * element_bytes ..][0..bytes]);
+    }
+    return .ok;
+}
+
+/// Element ranges of a 1-D Blosc2 array (`layout.row_bytes` is the element size): each
+/// range is decompressed chunk by chunk straight into `out`; libblosc2's getitem
+/// decompresses only the blocks that overlap it.
+pub fn gatherRangesBlosc(
+    layout: *const BloscLayout,
+    starts: []const u64,
+    counts: []const u64,
+    destinations: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    if (layout.getitem == null or layout.rows_per_chunk == 0 or layout.row_bytes == 0) return .invalid_layout;
+    const element_bytes = layout.row_bytes;
+    const status = checkRanges(layout.row_count, element_bytes, starts, counts, destinations, out.len, failure);
+    if (status != .ok) return status;
+    for (starts, counts, destinations, 0..) |start, count, destination, position| {
+        var element = start;
+        var written = destination;
+        const end = start + count;
+        // Bounded: each turn consumes at least one element (a chunk's worth at most).
+        while (element < end) {
+            const chunk_index = element / layout.rows_per_chunk;
+            const in_chunk = element % layout.rows_per_chunk;
+            const take = @min(end - element, layout.rows_per_chunk - in_chunk);
+            var library_code: i64 = 0;
+            const got = getBytes(layout, chunk_index, in_chunk * element_bytes, take * element_bytes, out[written..].ptr, &library_code);
+            if (got != .ok) {
+                failure.* = .{ .position = position, .code = library_code };
+                return got;
+            }
+            element += take;
+            written += take * element_bytes;
+        }
+    }
+    return .ok;
+}
+
 const testing = std.testing;
 
 test "gatherRows copies rows in index order and rejects bad indices" {
@@ -278,4 +363,53 @@ test "gatherBlosc decompresses each shared block once and keeps batch order" {
     // Blocks {0,1}, {4,5} and {6}: three decompressions for five rows.
     try testing.expectEqual(@as(u64, 3), calls);
     try testing.expectEqual(Status.index_out_of_range, gatherBlosc(&layout, &[_]u64{ 7, 0, 0, 0, 0 }, &out, &failure));
+}
+
+test "gatherRangesRaw copies element ranges to their destinations and checks them first" {
+    const table = [_]u8{ 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 };
+    var out: [8]u8 = @splat(0xAA);
+    var failure: GatherError = undefined;
+    try testing.expectEqual(Status.ok, gatherRangesRaw(&table, 10, 1, &[_]u64{ 7, 2 }, &[_]u64{ 3, 2 }, &[_]u64{ 0, 5 }, &out, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 7, 8, 9, 0xAA, 0xAA, 2, 3, 0xAA }, &out);
+    try testing.expectEqual(Status.index_out_of_range, gatherRangesRaw(&table, 10, 1, &[_]u64{ 1, 8 }, &[_]u64{ 1, 3 }, &[_]u64{ 0, 1 }, &out, &failure));
+    try testing.expectEqual(@as(u64, 1), failure.position);
+    try testing.expectEqual(Status.output_size_mismatch, gatherRangesRaw(&table, 10, 1, &[_]u64{0}, &[_]u64{4}, &[_]u64{6}, &out, &failure));
+}
+
+test "gatherRangesBlosc splits a range at chunk boundaries" {
+    // Two chunks of 4 one-byte elements: 0..3 and 4..7.
+    var chunk_a: [36]u8 = @splat(0);
+    var chunk_b: [36]u8 = @splat(0);
+    chunk_a[3] = 1;
+    chunk_b[3] = 1;
+    for (0..4) |element| {
+        chunk_a[32 + element] = @intCast(element);
+        chunk_b[32 + element] = @intCast(4 + element);
+    }
+    const addresses = [_]u64{ @intFromPtr(&chunk_a), @intFromPtr(&chunk_b) };
+    const sizes = [_]u64{ 36, 36 };
+    var calls: u64 = 0;
+    var block_buffer: [1]u8 = undefined;
+    var order_buffer: [1]u128 = undefined;
+    const layout = BloscLayout{
+        .getitem = fakeGetItem,
+        .context = &calls,
+        .chunk_addresses = &addresses,
+        .chunk_bytes = &sizes,
+        .chunk_count = 2,
+        .row_count = 8,
+        .rows_per_chunk = 4,
+        .rows_per_block = 1,
+        .row_bytes = 1,
+        .block_buffer = &block_buffer,
+        .block_buffer_bytes = 0,
+        .order_buffer = &order_buffer,
+        .order_buffer_count = 0,
+    };
+    var out: [7]u8 = @splat(0);
+    var failure: GatherError = undefined;
+    try testing.expectEqual(Status.ok, gatherRangesBlosc(&layout, &[_]u64{ 2, 6 }, &[_]u64{ 5, 2 }, &[_]u64{ 0, 5 }, &out, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 2, 3, 4, 5, 6, 6, 7 }, &out);
+    try testing.expectEqual(@as(u64, 3), calls); // 2..3, 4..6, then 6..7.
+    try testing.expectEqual(Status.index_out_of_range, gatherRangesBlosc(&layout, &[_]u64{7}, &[_]u64{2}, &[_]u64{0}, &out, &failure));
 }
