@@ -1,0 +1,200 @@
+"""Variable-length fields: the ragged stored form round-trips through Blosc2 alone; every
+slot layout (Padded, Packed, Windows) equals a numpy reference for any reader count and
+sampler mode, resumes exactly, and bad files or settings fail naming file, record or step."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shmloader import Packed, Padded, ReaderError, Sampler, ShmDataLoader, StorageError, Windows
+from shmloader.convert import convert
+from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged, write_ragged
+
+RECORDS = 300
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory):
+    """Token documents of log-normal lengths (one longer than any max_length used below)."""
+    rng = np.random.default_rng(7)
+    lengths = np.maximum(1, rng.lognormal(3.5, 0.9, RECORDS)).astype(int)
+    lengths[17] = 400
+    docs = [rng.integers(1, 30000, size=length, dtype=np.int32) for length in lengths]
+    directory = tmp_path_factory.mktemp("ragged")
+    spec = write_ragged(directory / "docs.ragged", (doc for doc in docs))
+    np.save(directory / "labels.npy", np.arange(RECORDS, dtype=np.int64) * 7)
+    return {"docs": docs, "path": spec.path, "labels": str(directory / "labels.npy"), "directory": directory}
+
+
+def test_the_stored_form_is_plain_blosc2_arrays(documents):
+    import blosc2
+
+    values = blosc2.open(os.path.join(documents["path"], VALUES_NAME))[:]
+    offsets = blosc2.open(os.path.join(documents["path"], OFFSETS_NAME))[:]
+    assert offsets.dtype == np.uint64 and offsets.size == RECORDS + 1
+    for record in (0, 17, RECORDS - 1):
+        assert np.array_equal(values[offsets[record]:offsets[record + 1]], documents["docs"][record])
+    spec = describe_ragged(documents["path"])
+    assert spec.record_count == RECORDS and spec.length_max == 400 and spec.values.checksums
+
+
+def test_n_dimensional_records_round_trip_with_their_shapes(tmp_path):
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 255, size=(h, w, 3), dtype=np.uint8) for h, w in rng.integers(5, 40, size=(50, 2))]
+    spec = write_ragged(tmp_path / "images.ragged", images)
+    assert spec.record_ndim == 3
+    sampler = Sampler(50, 8, seed=2)
+    with ShmDataLoader({"image": Packed(spec.path)}, batch_size=8, readers=2, seed=2) as loader:
+        for _ in range(10):
+            batch = next(loader)
+            offsets, shapes = batch["image.offsets"], batch["image.shapes"]
+            for row, record in enumerate(sampler.fill(batch.step)):
+                image = batch["image"][offsets[row]:offsets[row + 1]].reshape(shapes[row])
+                assert np.array_equal(image, images[record])
+    with ShmDataLoader({"image": Padded(spec.path, max_length=(20, 30, 3), overflow="truncate")}, batch_size=8,
+                       readers=1, seed=2) as loader:
+        batch = next(loader)
+        for row, record in enumerate(sampler.fill(batch.step)):
+            h, w = min(images[record].shape[0], 20), min(images[record].shape[1], 30)
+            assert tuple(batch["image.shapes"][row]) == (h, w, 3)
+            assert np.array_equal(batch["image"][row, :h, :w], images[record][:h, :w])
+            assert not batch["image"][row, h:].any() and not batch["image"][row, :, w:].any()
+
+
+def padded_reference(docs, indices, max_length, pad):
+    out = np.full((len(indices), max_length), pad, dtype=np.int32)
+    lengths = np.zeros(len(indices), dtype=np.uint32)
+    for row, record in enumerate(indices):
+        doc = docs[record][:max_length]
+        out[row, :len(doc)], lengths[row] = doc, len(doc)
+    return out, lengths
+
+
+@pytest.mark.parametrize("readers", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["sequential", "random", "shuffle"])
+def test_every_layout_equals_the_numpy_reference(documents, readers, mode):
+    docs, batch_size = documents["docs"], 16
+    sampler = Sampler(RECORDS, batch_size, mode, seed=5)
+    labels = np.load(documents["labels"])
+    fields = {
+        "padded": Padded(documents["path"], max_length=64, pad=-1, overflow="truncate"),
+        "packed": Packed(documents["path"]),
+        "label": documents["labels"],
+    }
+    with ShmDataLoader(fields, batch_size=batch_size, readers=readers, mode=mode, seed=5) as loader:
+        for _ in range(25):
+            batch = next(loader)
+            indices = sampler.fill(batch.step)
+            padded, lengths = padded_reference(docs, indices, 64, -1)
+            assert np.array_equal(batch["padded"], padded) and np.array_equal(batch["padded.lengths"], lengths)
+            offsets = batch["packed.offsets"]
+            assert np.array_equal(np.diff(offsets), [len(docs[record]) for record in indices])
+            assert np.array_equal(batch["packed"][:offsets[-1]], np.concatenate([docs[r] for r in indices]))
+            assert np.array_equal(batch["label"], labels[indices])
+
+
+def test_windows_are_rows_of_length_plus_one_from_npy_and_b2nd(tmp_path):
+    stream = np.random.default_rng(3).integers(0, 50000, size=20011, dtype=np.int32)
+    np.save(tmp_path / "stream.npy", stream)
+    convert(tmp_path / "stream.npy", tmp_path / "stream.b2nd", codec="lz4", progress=False)
+    length = 100
+    sampler = Sampler((stream.size - 1) // length, 8, seed=1)
+    for path in (tmp_path / "stream.npy", tmp_path / "stream.b2nd"):
+        with ShmDataLoader({"tokens": Windows(path, length=length)}, batch_size=8, readers=2, seed=1) as loader:
+            for _ in range(30):
+                batch = next(loader)
+                expected = np.stack([stream[i * length: i * length + length + 1] for i in sampler.fill(batch.step)])
+                assert np.array_equal(batch["tokens"], expected)
+
+
+def test_resume_and_seek_give_identical_batches(documents):
+    fields = {"tokens": Padded(documents["path"], max_length=32, overflow="random")}
+    with ShmDataLoader(fields, batch_size=8, readers=2, seed=9) as loader:
+        first = [np.array(next(loader)["tokens"]) for _ in range(12)]
+        state = loader.state_dict()
+    with ShmDataLoader(fields, batch_size=8, readers=3, seed=9, start_step=5) as resumed:
+        for step in range(5, 12):
+            assert np.array_equal(next(resumed)["tokens"], first[step])
+        resumed.seek(2)
+        assert np.array_equal(next(resumed)["tokens"], first[2])
+    assert state["step"] == 12
+
+
+def test_random_windows_depend_only_on_seed_step_and_row(documents):
+    """overflow="random" keeps max_length elements of a long record at a position that is a
+    pure function of (seed, step, shard, row): the same for 1 or 4 readers."""
+    fields = {"tokens": Padded(documents["path"], max_length=16, overflow="random")}
+    runs = []
+    for readers in (1, 4):
+        with ShmDataLoader(fields, batch_size=8, readers=readers, seed=4, mode="sequential") as loader:
+            runs.append([np.array(next(loader)["tokens"]) for _ in range(40)])
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+    docs = documents["docs"]
+    window = runs[0][17 // 8][17 % 8]  # Record 17 (400 tokens) at step 2, row 1 in sequential mode.
+    start = next(i for i in range(400 - 16 + 1) if np.array_equal(docs[17][i:i + 16], window))
+    assert 0 <= start <= 400 - 16
+
+
+def test_a_record_longer_than_max_length_names_step_row_and_length(documents):
+    longest_other = max(len(doc) for record, doc in enumerate(documents["docs"]) if record != 17)
+    assert longest_other < 400
+    fields = {"tokens": Padded(documents["path"], max_length=longest_other)}
+    with ShmDataLoader(fields, batch_size=8, readers=1, mode="sequential") as loader:
+        with pytest.raises(ReaderError, match=rf"record 17 \(step 2, batch row 1\) has 400 elements, more than "
+                                               rf"max_length={longest_other}"):
+            for _ in range(10):
+                next(loader)
+
+
+def test_a_packed_batch_over_max_elements_names_its_step(documents):
+    docs = documents["docs"]
+    # Just enough for every batch of 8 but step 2's, which holds record 17 (400 tokens).
+    limit = max(sum(len(doc) for doc in docs[start:start + 8]) for start in range(0, 80, 8) if start != 16)
+    assert limit < sum(len(doc) for doc in docs[16:24])
+    fields = {"tokens": Packed(documents["path"], max_elements=max(limit, 400))}
+    with ShmDataLoader(fields, batch_size=8, readers=1, mode="sequential") as loader:
+        with pytest.raises(ReaderError, match=r"step 2's 8 records hold \d+ elements, more than the packed region's"):
+            for _ in range(10):
+                next(loader)
+
+
+def test_a_ragged_directory_without_a_layout_is_refused_with_the_fix(documents):
+    with pytest.raises(StorageError, match=r"field 'tokens'.*Padded\(path, max_length=...\) or Packed\(path\)"):
+        ShmDataLoader({"tokens": documents["path"]}, batch_size=8, readers=1)
+
+
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        ("decreasing", r"offsets decrease at record 1"),
+        ("past_end", r"the last offset is 999, but values.b2nd holds 6 values"),
+        ("empty", r"record 1 is empty"),
+        ("shapes", r"record 0 has shape \(2, 2\), which holds 4 elements, but its offsets give 3"),
+        ("truncated", r"values.b2nd"),
+    ],
+)
+def test_bad_ragged_files_are_named_with_the_record(tmp_path, damage, words):
+    directory = tmp_path / "bad.ragged"
+    directory.mkdir()
+    offsets = {"decreasing": [0, 4, 2, 6], "past_end": [0, 3, 6, 999], "empty": [0, 3, 3, 6]}.get(damage, [0, 3, 5, 6])
+    convert(np.arange(6, dtype=np.int32), directory / VALUES_NAME, progress=False)
+    convert(np.asarray(offsets, dtype=np.uint64), directory / OFFSETS_NAME, progress=False)
+    if damage == "shapes":
+        convert(np.array([[2, 2], [2, 1], [1, 1]], dtype=np.uint64), directory / SHAPES_NAME, progress=False)
+    if damage == "truncated":
+        with open(directory / VALUES_NAME, "r+b") as handle:
+            handle.truncate(os.path.getsize(directory / VALUES_NAME) // 2)
+    with pytest.raises(StorageError, match=words):
+        describe_ragged(directory)
+
+
+def test_write_ragged_refuses_mixed_records_and_leaves_nothing(tmp_path):
+    records = [np.arange(3, dtype=np.int32), np.arange(4, dtype=np.int64)]
+    with pytest.raises(ValueError, match="record 1 is int64 with 1 dimensions; the first record was int32"):
+        write_ragged(tmp_path / "mixed.ragged", records)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="record 0 is empty"):
+        write_ragged(tmp_path / "empty.ragged", [np.zeros(0, dtype=np.int32)])
