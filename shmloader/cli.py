@@ -46,6 +46,15 @@ def _inspect(arguments) -> int:
     return 0
 
 
+def _convert_images(arguments) -> int:
+    from .imagefolder import convert_images
+
+    paths = convert_images(arguments.directory, arguments.output, force=arguments.force, progress=not arguments.quiet)
+    print("wrote " + ", ".join(paths.values()))
+    print(f"load them with: ShmDataLoader({{'image': Packed({paths['image']!r}), 'label': {paths['label']!r}}}, ...)")
+    return 0
+
+
 def _verify(arguments) -> int:
     from .convert import verify
 
@@ -97,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="rows per Blosc2 block (default: about 4 KB of rows, at least one)")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    images = _command(commands, "convert-images",
+                      "store an ImageFolder directory (DIR/CLASS/IMAGE) as OUT.image, OUT.label and OUT.size",
+                      _convert_images)
+    images.add_argument("directory", help="one subdirectory per class, image files inside")
+    images.add_argument("output", help="the stem of the files to write")
+    images.add_argument("--force", action="store_true", help="overwrite existing outputs")
+    images.add_argument("--quiet", action="store_true", help="no progress bar")
 
     inspect = _command(commands, "inspect", "layout, compression and measured random-row cost of a file", _inspect)
     inspect.add_argument("file", help="a .npy or .b2nd file")

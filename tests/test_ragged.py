@@ -198,3 +198,59 @@ def test_write_ragged_refuses_mixed_records_and_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="record 0 is empty"):
         write_ragged(tmp_path / "empty.ragged", [np.zeros(0, dtype=np.int32)])
+
+
+def png_bytes(height: int, width: int, seed: int) -> bytes:
+    """A real PNG (8-bit greyscale), written with zlib alone."""
+    import struct
+    import zlib
+
+    pixels = np.random.default_rng(seed).integers(0, 255, size=(height, width), dtype=np.uint8)
+    raw = b"".join(b"\x00" + row.tobytes() for row in pixels)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+
+
+def jpeg_header_bytes(height: int, width: int, payload: int) -> bytes:
+    """The markers of a baseline JPEG up to its frame header, then opaque bytes and EOI."""
+    import struct
+
+    app0 = b"\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00\x01\x01\x00\x00\x01\x00\x01\x00\x00"
+    sof0 = b"\xff\xc0" + struct.pack(">HBHHB", 11, 8, height, width, 1) + b"\x01\x11\x00"
+    return b"\xff\xd8" + app0 + sof0 + bytes(range(256)) * payload + b"\xff\xd9"
+
+
+def test_convert_images_stores_bytes_unchanged_with_labels_and_sizes(tmp_path, capsys):
+    from shmloader.cli import main
+
+    images = tmp_path / "photos"
+    expected = []
+    for label, name in enumerate(["cat", "dog"]):
+        (images / name).mkdir(parents=True)
+        for index in range(3):
+            height, width = 20 + index, 30 + label
+            data = png_bytes(height, width, index) if index % 2 else jpeg_header_bytes(height, width, index + 1)
+            (images / name / f"{index}.{'png' if index % 2 else 'JPG'}").write_bytes(data)
+            expected.append((data, label, (height, width)))
+    (images / "cat" / "notes.txt").write_text("not an image")
+    assert main(["convert-images", str(images), str(tmp_path / "out"), "--quiet"]) == 0
+    assert "Packed(" in capsys.readouterr().out
+    labels, sizes = np.load(tmp_path / "out.label"), np.load(tmp_path / "out.size")
+    assert labels.tolist() == [label for _, label, _ in expected]
+    assert [tuple(size) for size in sizes] == [size for _, _, size in expected]
+    with ShmDataLoader({"image": Packed(tmp_path / "out.image"), "label": str(tmp_path / "out.label")},
+                       batch_size=6, readers=2, mode="sequential") as loader:
+        batch = next(loader)
+        for row in range(6):
+            start, stop = batch["image.offsets"][row], batch["image.offsets"][row + 1]
+            assert batch["image"][start:stop].tobytes() == expected[row][0]  # Byte-exact.
+    first = (tmp_path / "out.image" / VALUES_NAME).read_bytes()
+    assert main(["convert-images", str(images), str(tmp_path / "out"), "--quiet", "--force"]) == 0
+    assert (tmp_path / "out.image" / VALUES_NAME).read_bytes() == first  # Deterministic.
+    (images / "dog" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF")
+    assert main(["convert-images", str(images), str(tmp_path / "again"), "--quiet"]) == 2
+    assert "broken.jpg: a JPEG without a readable frame header" in capsys.readouterr().err

@@ -326,17 +326,32 @@ fn fakeGetItem(
     return item_count;
 }
 
-test "gatherBlosc decompresses each shared block once and keeps batch order" {
-    // Two chunks of 4 rows (1 byte each), blocks of 2 rows; chunk header byte 3 = typesize 1.
-    var chunk_a: [36]u8 = @splat(0);
-    var chunk_b: [36]u8 = @splat(0);
-    chunk_a[3] = 1;
-    chunk_b[3] = 1;
-    for (0..4) |row| {
-        chunk_a[32 + row] = @intCast(row);
-        chunk_b[32 + row] = @intCast(4 + row);
+/// Two stand-in chunks of 4 one-byte rows holding 0..3 and 4..7 (header byte 3 is the
+/// typesize, 1), for the fakeGetItem tests.
+const FakeChunks = struct {
+    a: [36]u8,
+    b: [36]u8,
+
+    fn init() FakeChunks {
+        var chunks = FakeChunks{ .a = @splat(0), .b = @splat(0) };
+        chunks.a[3] = 1;
+        chunks.b[3] = 1;
+        for (0..4) |row| {
+            chunks.a[32 + row] = @intCast(row);
+            chunks.b[32 + row] = @intCast(4 + row);
+        }
+        return chunks;
     }
-    const addresses = [_]u64{ @intFromPtr(&chunk_a), @intFromPtr(&chunk_b) };
+
+    fn addresses(chunks: *const FakeChunks) [2]u64 {
+        return .{ @intFromPtr(&chunks.a), @intFromPtr(&chunks.b) };
+    }
+};
+
+test "gatherBlosc decompresses each shared block once and keeps batch order" {
+    // Blocks of 2 rows over the two chunks of 4.
+    const chunks = FakeChunks.init();
+    const addresses = chunks.addresses();
     const sizes = [_]u64{ 36, 36 };
     var calls: u64 = 0;
     var block_buffer: [2]u8 = undefined;
@@ -377,16 +392,8 @@ test "gatherRangesRaw copies element ranges to their destinations and checks the
 }
 
 test "gatherRangesBlosc splits a range at chunk boundaries" {
-    // Two chunks of 4 one-byte elements: 0..3 and 4..7.
-    var chunk_a: [36]u8 = @splat(0);
-    var chunk_b: [36]u8 = @splat(0);
-    chunk_a[3] = 1;
-    chunk_b[3] = 1;
-    for (0..4) |element| {
-        chunk_a[32 + element] = @intCast(element);
-        chunk_b[32 + element] = @intCast(4 + element);
-    }
-    const addresses = [_]u64{ @intFromPtr(&chunk_a), @intFromPtr(&chunk_b) };
+    const chunks = FakeChunks.init();
+    const addresses = chunks.addresses();
     const sizes = [_]u64{ 36, 36 };
     var calls: u64 = 0;
     var block_buffer: [1]u8 = undefined;

@@ -1,0 +1,131 @@
+"""`shmloader convert-images DIR OUT`: an ImageFolder directory (one subdirectory per class)
+as a ragged field of the files' bytes, unchanged, plus labels and image sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+
+import numpy as np
+
+from .errors import StorageError
+
+# The extensions torchvision's ImageFolder takes, compared case-insensitively.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# JPEG start-of-frame markers (baseline, progressive, ...): all but DHT, JPG and DAC.
+_JPEG_FRAME_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# Segments a JPEG header walk visits before giving up (a frame header comes early).
+_JPEG_SEGMENTS_MAX = 4096
+
+
+def image_size(data: bytes, name: str) -> tuple[int, int]:
+    """(height, width) from a JPEG's frame header or a PNG's IHDR, without decoding; other
+    formats through Pillow when it is installed."""
+    if data.startswith(_PNG_SIGNATURE) and len(data) >= 24 and data[12:16] == b"IHDR":
+        width, height = struct.unpack(">II", data[16:24])
+        return height, width
+    if data.startswith(b"\xff\xd8"):
+        return _jpeg_size(data, name)
+    try:
+        import io
+
+        from PIL import Image
+    except ImportError:
+        raise StorageError(f"{name}: neither JPEG nor PNG, and Pillow is not installed to read its size "
+                           f"(pip install pillow)") from None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.height, image.width
+    except Exception as error:  # Pillow raises many types for a bad file.
+        raise StorageError(f"{name}: not a readable image ({type(error).__name__}: {error})") from None
+
+
+def _jpeg_size(data: bytes, name: str) -> tuple[int, int]:
+    position = 2
+    for _ in range(_JPEG_SEGMENTS_MAX):
+        while position < len(data) and data[position] == 0xFF and position + 1 < len(data) and data[position + 1] == 0xFF:
+            position += 1  # Fill bytes.
+        if position + 4 > len(data) or data[position] != 0xFF:
+            break
+        marker = data[position + 1]
+        (length,) = struct.unpack(">H", data[position + 2:position + 4])
+        if marker in _JPEG_FRAME_MARKERS:
+            if position + 9 > len(data):
+                break
+            height, width = struct.unpack(">HH", data[position + 5:position + 9])
+            return height, width
+        position += 2 + length
+    raise StorageError(f"{name}: a JPEG without a readable frame header (truncated or corrupted)")
+
+
+def list_images(directory: str | os.PathLike) -> tuple[list[str], list[tuple[pathlib.Path, int]]]:
+    """Class names (sorted subdirectory names) and (file, label) pairs in sorted order."""
+    root = pathlib.Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image directory {root} does not exist")
+    classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())
+    if not classes:
+        raise StorageError(f"{root}: no class subdirectories; expected DIR/CLASS/IMAGE files (the ImageFolder layout)")
+    files = []
+    for label, name in enumerate(classes):
+        for path in sorted((root / name).rglob("*")):
+            if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS:
+                files.append((path, label))
+    if not files:
+        raise StorageError(f"{root}: no image files ({', '.join(IMAGE_EXTENSIONS)}) in its class subdirectories")
+    return classes, files
+
+
+def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, force: bool = False,
+                   progress: bool = True) -> dict[str, str]:
+    """Writes OUTPUT.image (a ragged uint8 field: each file's bytes, unchanged, stored
+    uncompressed since JPEG and PNG are compressed already), OUTPUT.label (int64, the
+    class index), OUTPUT.size (uint32 (height, width) from each header) and
+    OUTPUT.classes.json (class names by index, and the files in order). Deterministic:
+    classes and files in sorted order. Returns the paths by name."""
+    from tqdm import tqdm
+
+    from .ragged import write_ragged
+
+    classes, files = list_images(directory)
+    output = pathlib.Path(output)
+    paths = {"image": f"{output}.image", "label": f"{output}.label", "size": f"{output}.size",
+             "classes": f"{output}.classes.json"}
+    existing = [path for path in paths.values() if os.path.exists(path)]
+    if existing and not force:
+        raise FileExistsError(f"{existing[0]} exists; pass --force to overwrite")
+    sizes = np.zeros((len(files), 2), dtype=np.uint32)
+    labels = np.array([label for _, label in files], dtype=np.int64)
+    bar = tqdm(total=len(files), desc=f"convert-images {pathlib.Path(directory).name}", unit="img",
+               disable=not progress, leave=False)
+
+    def records():
+        for index, (path, _) in enumerate(files):
+            data = path.read_bytes()
+            if not data:
+                raise StorageError(f"{path}: an empty file")
+            sizes[index] = image_size(data, str(path))
+            bar.update(1)
+            yield np.frombuffer(data, dtype=np.uint8)
+
+    try:
+        write_ragged(paths["image"], records(), codec="none", force=force)
+    finally:
+        bar.close()
+    _save_npy(paths["label"], labels)
+    _save_npy(paths["size"], sizes)
+    root = pathlib.Path(directory)
+    with open(paths["classes"], "w") as handle:
+        json.dump({"classes": classes, "files": [str(path.relative_to(root)) for path, _ in files]}, handle)
+    return paths
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    """np.save under exactly this name (np.save would append .npy), written atomically."""
+    temporary = f"{path}.partial-{os.getpid()}"
+    with open(temporary, "wb") as handle:
+        np.save(handle, array)
+    os.replace(temporary, path)
