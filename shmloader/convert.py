@@ -12,8 +12,12 @@ import zlib
 import numpy as np
 
 from .layout import choose_layout, convert_command, poor_layout
+from .ragged import write_ragged
 from .errors import StorageError
 from .storage import CHECKSUM_META, FieldSpec, check_dtype, check_rows, describe_field, open_field
+
+__all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",
+           "write_checksums", "write_ragged"]
 
 CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
 # "auto" stores data uncompressed when LZ4 would shrink a sample by less than this: noisy

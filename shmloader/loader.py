@@ -236,15 +236,17 @@ class ShmDataLoader(cursor_module.Cursor):
 
     ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
                   readers=None, slots=None, start_step=0, shard_index=0, shard_count=1,
-                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=True)
+                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=False)
 
     `fields` maps field names to .b2nd or .npy files with the same number of rows; a single
     path is the field "data", and `ShmDataLoader(data_path, label_path)` gives "data" and
     "label". Batch k depends only on the files, seed, k and the shard, so a loader built
     with start_step=k (or load_state_dict) continues exactly. Iterate it; see Batch for
     how long each batch's zero-copy arrays stay valid. Close it, or use `with`. With
-    `verify`, readers check each Blosc2 chunk's CRC-32 the first time they read it (files
-    written by `shmloader convert` carry them; other files load unchecked).
+    `verify=True`, readers check each Blosc2 chunk's CRC-32 the first time they read it
+    (files written by `shmloader convert` carry them; other files load unchecked). It is
+    off by default: every reader pays a first pass over the chunks it touches, which
+    costs more than 5% of a short run's throughput (bench/RESULTS.md).
     """
 
     def __init__(
@@ -263,7 +265,7 @@ class ShmDataLoader(cursor_module.Cursor):
         max_reader_restarts: int = 3,
         hold_timeout: float = 5.0,
         warn_layout: bool = True,
-        verify: bool = True,
+        verify: bool = False,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)

@@ -65,7 +65,7 @@ def test_a_flipped_byte_is_read_as_data_without_verification_and_caught_with_it(
 def test_the_loader_reports_the_bad_chunk_through_its_reader(stored):
     rows, spec = stored
     flip_a_byte_in_chunk(spec, 1)
-    with ShmDataLoader({"rows": spec.path}, batch_size=64, readers=2, slots=3, mode="sequential") as loader:
+    with ShmDataLoader({"rows": spec.path}, batch_size=64, readers=2, slots=3, mode="sequential", verify=True) as loader:
         with pytest.raises(ReaderError) as raised:
             for _ in range(8):
                 batch = next(loader)
