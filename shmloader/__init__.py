@@ -1,6 +1,7 @@
 """shmloader: a zero-copy shared-memory data loader for training on one machine."""
 
 from .errors import (
+    DeviceError,
     PerformanceWarning,
     ReaderError,
     ReaderStallWarning,
@@ -12,6 +13,7 @@ from .errors import (
 
 __all__ = [
     "Batch",
+    "DeviceError",
     "Packed",
     "Padded",
     "PerformanceWarning",

@@ -46,6 +46,10 @@ class SharedMemoryError(ShmLoaderError, OSError):
     """The shared-memory ring cannot be created (no room in /dev/shm) or is corrupted."""
 
 
+class DeviceError(ShmLoaderError, RuntimeError):
+    """The GPU path is unavailable (no CUDA here) or a device call failed."""
+
+
 class PerformanceWarning(UserWarning):
     """A file's layout makes random row reads much slower than it needs to be."""
 

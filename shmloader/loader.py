@@ -18,6 +18,7 @@ import numpy as np
 
 from . import layout as _layout
 from ._native import load_cursor
+from .device import DeviceIterator, PinnedRing, TorchCudaBackend
 from .errors import PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StorageError
 from .reader import ReaderConfig
 from .readers import ReaderPool
@@ -48,6 +49,18 @@ def _wake_after(slots: int) -> int:
     ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
     the batch after the one being delivered is not ready, so deferring costs no waiting."""
     return max(1, slots // 2)
+
+
+def _pin_backend(pin_memory):
+    """None, PyTorch's CUDA runtime for True (raising DeviceError where there is no CUDA), or
+    the backend object given (anything with register/unregister/copy/...: device.py)."""
+    if pin_memory is False or pin_memory is None:
+        return None
+    if pin_memory is True:
+        return TorchCudaBackend()
+    if not all(hasattr(pin_memory, name) for name in ("register", "unregister", "copy", "done", "synchronize")):
+        raise TypeError(f"pin_memory must be True, False or a device backend (see shmloader.device), got {pin_memory!r}")
+    return pin_memory
 
 
 def _user_stacklevel() -> int:
@@ -177,6 +190,8 @@ class _Resources:
         self.owner_pid = os.getpid()
         self.ring: Ring | None = None
         self.pool: ReaderPool | None = None
+        self.pinned: PinnedRing | None = None
+        self.device_iterators: weakref.WeakSet = weakref.WeakSet()
 
     def close(self) -> None:
         if os.getpid() != self.owner_pid:
@@ -193,6 +208,13 @@ class _Resources:
             if pool is not None:
                 pool.stop()
         finally:
+            for iterator in list(self.device_iterators):
+                try:
+                    iterator.close()  # Copies in flight read the ring: they finish first.
+                except Exception:
+                    pass  # A failed device must not stop the ring's teardown.
+            if self.pinned is not None:
+                self.pinned.unregister()  # Before the mapping can go.
             if ring is not None:
                 ring.close()
 
@@ -236,7 +258,8 @@ class ShmDataLoader(cursor_module.Cursor):
 
     ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
                   readers=None, slots=None, start_step=0, shard_index=0, shard_count=1,
-                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=False)
+                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=False,
+                  pin_memory=False)
 
     `fields` maps field names to .b2nd or .npy files with the same number of rows; a single
     path is the field "data", and `ShmDataLoader(data_path, label_path)` gives "data" and
@@ -246,7 +269,9 @@ class ShmDataLoader(cursor_module.Cursor):
     `verify=True`, readers check each Blosc2 chunk's CRC-32 the first time they read it
     (files written by `shmloader convert` carry them; other files load unchecked). It is
     off by default: every reader pays a first pass over the chunks it touches, which
-    costs more than 5% of a short run's throughput (bench/RESULTS.md).
+    costs more than 5% of a short run's throughput (bench/RESULTS.md). `pin_memory=True`
+    page-locks the whole ring with CUDA once (PyTorch's runtime), so that to_device()
+    copies run at the link's speed; without CUDA it raises DeviceError.
     """
 
     def __init__(
@@ -266,6 +291,7 @@ class ShmDataLoader(cursor_module.Cursor):
         hold_timeout: float = 5.0,
         warn_layout: bool = True,
         verify: bool = False,
+        pin_memory=False,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -284,6 +310,7 @@ class ShmDataLoader(cursor_module.Cursor):
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
         Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
+        self._pin_backend = _pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
@@ -316,6 +343,8 @@ class ShmDataLoader(cursor_module.Cursor):
         configures the readers."""
         self._layout = RingLayout(self.slots, self.readers, self.batch_size, tuple(r.nbytes for r in self.regions))
         self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
+        if self._pin_backend is not None:
+            self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
         self._field_geometry = [
             (offset, np.dtype(region.dtype), region.shape)
             for region, offset in zip(self.regions, self._layout.region_offsets)
@@ -423,6 +452,20 @@ class ShmDataLoader(cursor_module.Cursor):
                 f"raise slots (now {self.slots})."
             )
         time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
+
+    # The GPU hop.
+
+    def to_device(self, device="cuda", prefetch: int = 2, backend=None) -> DeviceIterator:
+        """An iterator of dicts of device tensors: each batch copied asynchronously on a side
+        stream, `prefetch` batches ahead, its slot kept until that copy has completed (see
+        device.DeviceIterator). With pin_memory the copies read page-locked memory; without,
+        they are plain pageable copies. `backend` defaults to PyTorch's CUDA runtime."""
+        self._raise_if_closed()
+        if backend is None:
+            backend = self._pin_backend if self._pin_backend is not None else TorchCudaBackend(device)
+        iterator = DeviceIterator(self, backend, prefetch)
+        self._resources.device_iterators.add(iterator)
+        return iterator
 
     # State and statistics.
 

@@ -1,0 +1,159 @@
+"""The GPU hop without a GPU: a fake device backend whose copies complete when the test
+says proves the slot-lifetime rules (a slot is never refilled under a copy that reads it,
+close and errors free everything, registration pairs with unregistration); without CUDA,
+pin_memory=True is a clear error; the CUDA checks run only where CUDA is."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from conftest import our_shm_entries, wait_until
+from shmloader import DeviceError, Sampler, ShmDataLoader
+from shmloader.ring import SlotState
+
+
+class FakeEvent:
+    def __init__(self, backend) -> None:
+        self.complete = False
+        backend.events.append(self)
+
+
+class FakeBackend:
+    """Copies complete only when complete_all() (or synchronize) says so; records calls."""
+
+    def __init__(self) -> None:
+        self.calls, self.events = [], []
+
+    def register(self, address, nbytes):
+        self.calls.append(("register", address, nbytes))
+
+    def unregister(self, address):
+        self.calls.append(("unregister", address))
+
+    def copy(self, batch):
+        tensors = {name: np.array(array) for name, array in batch.items()}  # The "device" copy.
+        tensors["step"] = batch.step
+        return tensors, FakeEvent(self)
+
+    def hand_over(self, tensors, event):
+        self.calls.append(("hand_over", tensors["step"]))
+
+    def done(self, event):
+        return event.complete
+
+    def synchronize(self, event):
+        self.calls.append(("synchronize",))
+        event.complete = True
+
+    def complete_all(self):
+        for event in self.events:
+            event.complete = True
+
+
+def test_pin_memory_without_cuda_is_a_clear_error_and_starts_nothing(dataset, monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from shmloader import readers
+
+    started = []
+    monkeypatch.setattr(readers, "spawn_reader", lambda: started.append(1))
+    with pytest.raises(DeviceError, match="torch.cuda.is_available\\(\\) is False"):
+        ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, pin_memory=True)
+    assert not started and not our_shm_entries(os.getpid())
+    monkeypatch.undo()
+    with pytest.raises(DeviceError, match="needs CUDA"):
+        with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1) as loader:
+            loader.to_device("cuda")
+
+
+def test_the_ring_is_registered_once_and_unregistered_before_it_goes(dataset):
+    backend = FakeBackend()
+    loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=4,
+                           pin_memory=backend)
+    assert backend.calls == [("register", loader._ring.base_address, loader.shared_memory_bytes)]
+    address = loader._ring.base_address
+    next(loader)
+    loader.close()
+    loader.close()
+    assert backend.calls[-1] == ("unregister", address) and len(backend.calls) == 2
+    collected = FakeBackend()
+    unclosed = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, pin_memory=collected)
+    del unclosed
+    gc.collect()
+    assert [call[0] for call in collected.calls] == ["register", "unregister"]
+
+
+def test_a_slot_stays_held_until_the_copy_that_reads_it_completes(dataset):
+    labels = dataset["labels"]
+    sampler = Sampler(600, 8, seed=3)
+    backend = FakeBackend()
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=6, seed=3) as loader:
+        device = loader.to_device(prefetch=1, backend=backend)
+        first = next(device)
+        assert first["step"] == 0 and np.array_equal(first["label"], labels[sampler.fill(0)])
+        # Step 0 was handed out, step 1's copy issued: neither completed, both slots held.
+        assert sorted(loader._held().values()) == [0, 1]
+        for step in (0, 1):
+            assert loader._ring.state(step % 6)[0] == SlotState.HELD
+        next(device)  # Copies still pending: nothing may be given back.
+        assert sorted(loader._held().values()) == [0, 1, 2]
+        backend.complete_all()
+        third = next(device)
+        assert third["step"] == 2 and np.array_equal(third["label"], labels[sampler.fill(2)])
+        loader._release_unused()
+        assert sorted(loader._held().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
+
+
+def test_slow_copies_are_waited_for_before_the_ring_runs_out(dataset):
+    backend = FakeBackend()
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=5) as loader:
+        device = loader.to_device(prefetch=2, backend=backend)
+        steps = [next(device)["step"] for _ in range(40)]  # No copy ever completes on its own.
+        assert steps == list(range(40))
+        assert device.held <= loader.slots - 2
+        assert ("synchronize",) in backend.calls
+
+
+def test_close_and_errors_with_copies_in_flight_free_every_slot(dataset):
+    backend = FakeBackend()
+    loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=6,
+                           pin_memory=backend)
+    with pytest.raises(ZeroDivisionError):
+        with loader.to_device(prefetch=2, backend=backend) as device:
+            next(device)
+            raise ZeroDivisionError("the training step failed")
+    assert device.held == 0 and all(event.complete for event in backend.events)
+    loader._release_unused()
+    assert loader._held() == {}
+    second = loader.to_device(prefetch=1, backend=backend)
+    next(second)
+    loader.close()  # Closes the iterator first: its copies finish before the ring is unregistered.
+    names = [call[0] for call in backend.calls]
+    assert names[-1] == "unregister" and names[-2] == "synchronize" and second.held == 0
+    assert wait_until(lambda: not our_shm_entries(os.getpid()))
+
+
+def test_prefetch_must_leave_slots_for_the_readers(dataset):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=4) as loader:
+        with pytest.raises(ValueError, match=r"prefetch must be an integer in \[0, slots - 3\] = \[0, 1\]"):
+            loader.to_device(prefetch=2, backend=FakeBackend())
+
+
+def test_pinned_batches_reach_the_gpu_unchanged(dataset):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA here")
+    sampler = Sampler(600, 8, seed=1)
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, seed=1,
+                       pin_memory=True) as loader:
+        batch = next(loader)
+        assert torch.from_numpy(batch["label"]).is_pinned()
+        del batch
+        for step, tensors in zip(range(1, 30), loader.to_device("cuda", prefetch=2)):
+            assert tensors["label"].is_cuda
+            assert np.array_equal(tensors["label"].cpu().numpy(), dataset["labels"][sampler.fill(step)])
