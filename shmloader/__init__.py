@@ -24,6 +24,7 @@ __all__ = [
     "ShmDataLoader",
     "ShmLoaderError",
     "SlotsExhaustedError",
+    "Source",
     "StorageError",
     "Windows",
 ]
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
 _LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".slots",
-         "Packed": ".slots", "Windows": ".slots"}
+         "Packed": ".slots", "Windows": ".slots", "Source": ".sources"}
 
 
 def __getattr__(name: str):

@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 5
+ABI_VERSION = 6
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -49,7 +49,31 @@ typedef struct {
     uint64_t order_buffer_count;
 } shm_blosc_layout;
 
+typedef struct {
+    uint64_t length;
+    uint64_t take;
+    uint64_t weight;
+    uint64_t seed;
+    uint32_t fixed;
+    uint32_t reserved;
+} shm_mixture_source;
+
+typedef struct {
+    const shm_mixture_source *sources;
+    uint64_t source_count;
+    const uint32_t *pattern_sources;
+    const uint64_t *pattern_ranks;
+    uint64_t block;
+    uint64_t batch_size;
+    uint32_t shard_index;
+    uint32_t shard_count;
+} shm_mixture_config;
+
 uint32_t shm_abi_version(void);
+uint64_t shm_sizeof_mixture_source(void);
+uint64_t shm_sizeof_mixture_config(void);
+int shm_mixture_check(const shm_mixture_config *config);
+int shm_mixture_fill(const shm_mixture_config *config, uint64_t step, uint64_t *rows, uint32_t *sources, uint64_t count);
 uint64_t shm_sizeof_sampler_config(void);
 uint64_t shm_sizeof_blosc_layout(void);
 uint64_t shm_sizeof_gather_error(void);

@@ -6,6 +6,8 @@ import collections.abc
 import contextlib
 import dataclasses
 import gc
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -24,7 +26,8 @@ from .reader import ReaderConfig
 from .readers import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
-from .slots import FieldPlan, Packed, Padded, Windows, plan_field
+from .slots import FieldPlan, Packed, Padded, Region, Windows, merge_sources, plan_field
+from .sources import MixtureSampler, Source
 
 cursor_module = load_cursor()
 
@@ -51,6 +54,18 @@ def _wake_after(slots: int) -> int:
     return max(1, slots // 2)
 
 
+def _sources_change(saved: list[dict], mine: list[dict]) -> str:
+    if len(saved) != len(mine):
+        return f"{len(saved)} sources in the checkpoint, {len(mine)} in this loader"
+    changes = []
+    for index, (before, after) in enumerate(zip(saved, mine)):
+        for key in after:
+            if before.get(key) != after[key]:
+                what = "its file list" if key == "files_digest" else key
+                changes.append(f"source {index} {what}: {before.get(key)!r} in the checkpoint, {after[key]!r} now")
+    return "; ".join(changes)
+
+
 def _pin_backend(pin_memory):
     """None, PyTorch's CUDA runtime for True (raising DeviceError where there is no CUDA), or
     the backend object given (anything with register/unregister/copy/...: device.py)."""
@@ -71,7 +86,14 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _normalise_fields(fields, label_path) -> dict:
+def _normalise_fields(fields, label_path) -> list[Source]:
+    """The loader's sources: one for a mapping or a path, or the Sources of a mixture."""
+    if isinstance(fields, (list, tuple)) and fields and all(isinstance(item, Source) for item in fields):
+        if label_path is not None:
+            raise TypeError("label_path goes with a single data path, not with a list of Sources")
+        sources = [source.checked(index) for index, source in enumerate(fields)]
+        return [dataclasses.replace(source, fields=_check_mapping(source.fields, f"source {index}: "))
+                for index, source in enumerate(sources)]
     if isinstance(fields, collections.abc.Mapping):
         if label_path is not None:
             raise TypeError("label_path goes with a single data path, not with a mapping of fields")
@@ -81,41 +103,71 @@ def _normalise_fields(fields, label_path) -> dict:
         if label_path is not None:
             mapping["label"] = label_path
     else:
-        raise TypeError(f"fields must be a path or a mapping of field name to path, got {type(fields).__name__}")
+        raise TypeError(f"fields must be a path, a mapping of field name to path, or a list of Source, got "
+                        f"{type(fields).__name__}")
+    return [Source(_check_mapping(mapping, ""))]
+
+
+def _check_mapping(mapping, where: str) -> dict:
     if not mapping:
-        raise ValueError("fields is empty; give at least one field name -> path")
+        raise ValueError(f"{where}fields is empty; give at least one field name -> path")
     for name, declaration in mapping.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise TypeError(f"field names must be non-empty strings without '.', got {name!r}")
+        if not isinstance(name, str) or not name or "." in name or name == "source":
+            raise TypeError(f"{where}field names must be non-empty strings without '.', and not 'source', got {name!r}")
         if isinstance(declaration, (Padded, Packed, Windows)):
             declaration = declaration.path
+        if isinstance(declaration, (list, tuple)):
+            declaration = declaration[0] if declaration else None
         if not isinstance(declaration, (str, os.PathLike)):
-            raise TypeError(f"field {name!r}: expected a path, or Padded/Packed/Windows of one, got "
-                            f"{type(declaration).__name__}")
-    return {name: declaration if isinstance(declaration, (Padded, Packed, Windows)) else os.fspath(declaration)
-            for name, declaration in mapping.items()}
+            raise TypeError(f"{where}field {name!r}: expected a path, a list or glob of paths, or Padded/Packed/"
+                            f"Windows of one, got {type(declaration).__name__}")
+    return dict(mapping)
 
 
-def _plan_fields(declarations: dict, batch_size: int) -> dict[str, FieldPlan]:
-    """Describes every field's file(s) and lays out its regions, naming the field in any
-    error; all fields must have as many rows (records, windows)."""
-    plans = {}
-    for name, declaration in declarations.items():
-        try:
-            plans[name] = plan_field(name, declaration, batch_size)
-        except FileNotFoundError as error:
-            raise FileNotFoundError(f"field {name!r}: {error}") from None
-        except StorageError as error:
-            message = str(error)
-            raise StorageError(message if message.startswith("field ") else f"field {name!r}: {message}") from None
-    (first_name, first), *others = plans.items()
-    for name, plan in others:
-        if plan.row_count != first.row_count:
-            raise StorageError(
-                f"fields must have the same number of rows: field {first_name!r} ({first.source.path}) has "
-                f"{first.row_count}, field {name!r} ({plan.source.path}) has {plan.row_count}"
-            )
-    return plans
+def _plan_fields(sources: list[Source], batch_size: int) -> dict[str, FieldPlan]:
+    """Describes every field's files and lays out its regions, naming the field (and the
+    source) in any error; within a source all fields must have as many rows."""
+    per_source = []
+    for index, source in enumerate(sources):
+        where = f"source {index}: " if len(sources) > 1 else ""
+        if per_source and set(source.fields) != set(per_source[0]):
+            raise StorageError(f"{where}fields {sorted(source.fields)} differ from source 0's {sorted(per_source[0])}; "
+                               f"every source must give the same fields")
+        plans = {}
+        for name, declaration in source.fields.items():
+            try:
+                plans[name] = plan_field(name, declaration, batch_size)
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"{where}{_name_field(name, error)}") from None
+            except StorageError as error:
+                raise StorageError(f"{where}{_name_field(name, error)}") from None
+        (first_name, first), *others = plans.items()
+        for name, plan in others:
+            if plan.row_count != first.row_count:
+                raise StorageError(
+                    f"{where}fields must have the same number of rows: field {first_name!r} ({first.source.path}) "
+                    f"has {first.row_count}, field {name!r} ({plan.source.path}) has {plan.row_count}"
+                )
+        per_source.append(plans)
+    return {name: merge_sources([plans[name] for plans in per_source]) for name in per_source[0]}
+
+
+def _name_field(name: str, error: Exception) -> str:
+    message = str(error)
+    return message if message.startswith(f"field {name!r}") else f"field {name!r}: {message}"
+
+
+def _sources_description(sources: list[Source], plans: dict[str, FieldPlan]) -> list[dict]:
+    """Per source, what its batches depend on (a checkpoint keeps it to refuse other data)."""
+    described = []
+    for index, source in enumerate(sources):
+        files = [plan.describe_files()[k] for plan in plans.values() for k, owner in enumerate(plan.part_sources)
+                 if owner == index]
+        digest = hashlib.blake2b(json.dumps(files).encode(), digest_size=8).hexdigest()
+        rows = next(iter(plans.values())).row_counts[index]
+        described.append({"files": len(files), "files_digest": digest, "rows": rows, "weight": source.weight,
+                          "fraction": source.fraction, "fixed": source.fixed})
+    return described
 
 
 def _warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
@@ -295,7 +347,11 @@ class ShmDataLoader(cursor_module.Cursor):
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
-        paths = _normalise_fields(fields, label_path)
+        sources = _normalise_fields(fields, label_path)
+        self.mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
+        if self.mixture and mode != "shuffle":
+            raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
+                             f"got {mode!r}")
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
         # Two slots per reader to fill, plus two for the trainer: the batch in use and the
@@ -319,18 +375,26 @@ class ShmDataLoader(cursor_module.Cursor):
         try:
             self._pool = self._resources.pool = ReaderPool(self.readers, self.max_reader_restarts)
             self._pool.start()
-            self._prepare(paths, mode, seed, shard_index, shard_count, warn_layout, start_step)
+            self._prepare(sources, mode, seed, shard_index, shard_count, warn_layout, start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise
 
-    def _prepare(self, paths, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
+    def _prepare(self, sources, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
         """Validates the files and settings, then creates the ring and configures the readers."""
-        self.plans = _plan_fields(paths, self.batch_size)
+        self.plans = _plan_fields(sources, self.batch_size)
         self.regions = tuple(region for plan in self.plans.values() for region in plan.regions)
+        if self.mixture:
+            self.regions += (Region("source", (self.batch_size,), "<u4"),)
         self.field_names = tuple(region.name for region in self.regions)
-        row_count = next(iter(self.plans.values())).row_count
-        self.sampler = Sampler(row_count, self.batch_size, mode, seed, shard_index, shard_count)
+        self.sources = _sources_description(sources, self.plans)
+        row_counts = next(iter(self.plans.values())).row_counts
+        if self.mixture:
+            self.sampler = MixtureSampler(list(row_counts), [source.weight for source in sources],
+                                          [source.fraction for source in sources], [source.fixed for source in sources],
+                                          self.batch_size, seed, shard_index, shard_count)
+        else:
+            self.sampler = Sampler(row_counts[0], self.batch_size, mode, seed, shard_index, shard_count)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
@@ -478,11 +542,15 @@ class ShmDataLoader(cursor_module.Cursor):
         return self._layout.total_bytes
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs: the next step to deliver, and the settings it depends on."""
-        return {"step": self._next_step, **self.sampler.to_dict()}
+        """What a checkpoint needs: the next step to deliver, the settings it depends on,
+        and a description of the sources (file lists as digests, rows, weights, fractions)."""
+        return {"step": self._next_step, **self.sampler.to_dict(), "sources": self.sources}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continues from `state` (from state_dict()): the next batch is exactly the one recorded."""
+        """Continues from `state` (from state_dict()): the next batch is exactly the one
+        recorded. A checkpoint of other sources or settings is refused, saying what changed."""
+        if "sources" in state and state["sources"] != self.sources:
+            raise ValueError(f"the checkpoint was made from other data: {_sources_change(state['sources'], self.sources)}")
         expected = self.sampler.to_dict()
         mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
         if mismatched:

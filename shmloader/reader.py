@@ -22,7 +22,8 @@ import posix_ipc
 from ._native import ffi
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
-from .slots import FieldPlan, PlanReader, make_outputs
+from .slots import FieldPlan, PlanReader, Region, make_outputs
+from .sources import MixtureSampler
 
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
@@ -67,7 +68,7 @@ class ReaderConfig:
     trainer_pid: int
     names: RingNames
     layout: RingLayout
-    sampler: Sampler
+    sampler: Sampler | MixtureSampler
     fields: tuple[FieldPlan, ...]
     verify_checksums: bool
 
@@ -90,7 +91,8 @@ class ReaderConfig:
             trainer_pid=data["trainer_pid"],
             names=RingNames.from_dict(data["names"]),
             layout=RingLayout.from_dict(data["layout"]),
-            sampler=Sampler.from_dict(data["sampler"]),
+            sampler=(MixtureSampler.from_dict(data["sampler"]) if data["sampler"].get("kind") == "mixture"
+                     else Sampler.from_dict(data["sampler"])),
             fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
             verify_checksums=data["verify_checksums"],
         )
@@ -171,8 +173,11 @@ class Reader:
         self.batches = 0
         batch = self.layout.batch_size
         # Views of every slot's regions and pointers to them, made and checked once.
-        self.index_views, self.outputs = [], []
+        self.index_views, self.outputs, self.source_outputs = [], [], []
+        self.mixture = isinstance(self.sampler, MixtureSampler)
         regions = [region for plan in config.fields for region in plan.regions]
+        if self.mixture:
+            regions.append(Region("source", (batch,), "<u4"))  # The loader's last region.
         for slot in range(self.layout.slot_count):
             slot_offset = self.layout.slot_offset(slot)
             self.index_views.append(
@@ -184,6 +189,7 @@ class Reader:
                 per_field.append(outputs[first:first + len(plan.regions)])
                 first += len(plan.regions)
             self.outputs.append(per_field)
+            self.source_outputs.append(outputs[-1] if self.mixture else None)
         self.index_pointers = [ffi.from_buffer("uint64_t[]", view) for view in self.index_views]
 
     def trainer_alive(self) -> bool:
@@ -196,9 +202,15 @@ class Reader:
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
         indices, index_pointer = self.index_views[slot], self.index_pointers[slot]
-        self.sampler.fill_unchecked(self.step, index_pointer)
+        sources = None
+        if self.mixture:
+            source_output = self.source_outputs[slot]
+            self.sampler.fill_unchecked(self.step, index_pointer, ffi.cast("uint32_t *", source_output.pointer))
+            sources = source_output.array
+        else:
+            self.sampler.fill_unchecked(self.step, index_pointer)
         for field, outputs in zip(self.fields, self.outputs[slot]):
-            field.fill(self.step, indices, index_pointer, outputs)
+            field.fill(self.step, indices, index_pointer, outputs, sources)
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1

@@ -10,6 +10,7 @@ dicts; a reader opens each one (open_plan) and fills its regions straight in the
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 
@@ -82,55 +83,135 @@ class Region:
 
 @dataclasses.dataclass(frozen=True)
 class FieldPlan:
-    """One field: its source (a FieldSpec or RaggedSpec), the regions it fills and how."""
+    """One field: the files it reads (parts, in order: source 0's files, then source 1's,
+    ...), the regions it fills and how. A part's rows follow the rows of the parts before
+    it in the same source; `row_counts` gives each source's total."""
 
     name: str
     kind: str  # "rows", "windows", "padded" or "packed"
-    source: FieldSpec | RaggedSpec
+    parts: tuple[FieldSpec | RaggedSpec, ...]
+    part_starts: tuple[int, ...]
+    part_sources: tuple[int, ...]
     regions: tuple[Region, ...]
-    row_count: int
+    row_counts: tuple[int, ...]
     options: dict
 
+    @property
+    def row_count(self) -> int:
+        return self.row_counts[0]
+
+    @property
+    def source(self) -> FieldSpec | RaggedSpec:
+        return self.parts[0]
+
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "source": self.source.to_dict(),
-                "regions": [region.to_dict() for region in self.regions], "row_count": self.row_count,
+        return {"name": self.name, "kind": self.kind, "parts": [part.to_dict() for part in self.parts],
+                "part_starts": list(self.part_starts), "part_sources": list(self.part_sources),
+                "regions": [region.to_dict() for region in self.regions], "row_counts": list(self.row_counts),
                 "options": self.options}
 
     @classmethod
     def from_dict(cls, data: dict) -> FieldPlan:
-        source_type = FieldSpec if data["kind"] in ("rows", "windows") else RaggedSpec
-        return cls(data["name"], data["kind"], source_type.from_dict(data["source"]),
-                   tuple(Region.from_dict(region) for region in data["regions"]), data["row_count"], data["options"])
+        part_type = FieldSpec if data["kind"] in ("rows", "windows") else RaggedSpec
+        return cls(data["name"], data["kind"], tuple(part_type.from_dict(part) for part in data["parts"]),
+                   tuple(data["part_starts"]), tuple(data["part_sources"]),
+                   tuple(Region.from_dict(region) for region in data["regions"]), tuple(data["row_counts"]),
+                   data["options"])
+
+    def describe_files(self) -> list:
+        """(path, rows) of every part: what a checkpoint's batches depend on."""
+        return [[part.path, getattr(part, "row_count", None) or getattr(part, "record_count", None)]
+                for part in self.parts]
 
 
-def declared_path(declaration) -> str:
-    return os.fspath(declaration.path if isinstance(declaration, (Padded, Packed, Windows)) else declaration)
+def expand_paths(name: str, paths) -> list[str]:
+    """A path, a list of paths, or a glob pattern, as a sorted list of absolute paths."""
+    if isinstance(paths, (list, tuple)):
+        expanded = [os.fspath(path) for path in paths]
+    else:
+        path = os.fspath(paths)
+        if glob.has_magic(path):
+            expanded = sorted(glob.glob(path))
+            if not expanded:
+                raise FileNotFoundError(f"field {name!r}: no file matches {path}")
+        else:
+            expanded = [path]
+    if not expanded:
+        raise ValueError(f"field {name!r}: an empty list of files")
+    return [os.path.abspath(path) for path in expanded]
 
 
 def plan_field(name: str, declaration, batch_size: int) -> FieldPlan:
-    """The trainer's side: validates the field's file(s) and lays out its regions."""
+    """The trainer's side, for one source: validates the field's file(s) and lays out its regions."""
+    paths = expand_paths(name, declaration.path if isinstance(declaration, (Padded, Packed, Windows)) else declaration)
     if isinstance(declaration, Windows):
-        return _plan_windows(name, declaration, batch_size)
+        if len(paths) != 1:
+            raise ValueError(f"field {name!r}: Windows reads one stream file, got {len(paths)} files")
+        return _plan_windows(name, declaration, paths[0], batch_size)
     if isinstance(declaration, (Padded, Packed)):
-        spec = describe_ragged(declaration.path)
+        parts = [describe_ragged(path) for path in paths]
+        _check_parts_alike(name, parts, lambda part: (part.dtype, part.record_ndim), "dtype and record dimensions")
+        counts = [part.record_count for part in parts]
         if isinstance(declaration, Padded):
-            return _plan_padded(name, declaration, spec, batch_size)
-        return _plan_packed(name, declaration, spec, batch_size)
-    if is_ragged(declaration):
-        raise StorageError(
-            f"field {name!r}: {os.fspath(declaration)} holds records of every length; declare how they fill a slot: "
-            f"Padded(path, max_length=...) or Packed(path)"
-        )
-    spec = describe_field(declaration)
-    region = Region(name, (batch_size, *spec.row_shape), spec.dtype)
-    return FieldPlan(name, "rows", spec, (region,), spec.row_count, {})
+            return _plan_padded(name, declaration, parts, counts, batch_size)
+        return _plan_packed(name, declaration, parts, counts, batch_size)
+    for path in paths:
+        if is_ragged(path):
+            raise StorageError(
+                f"field {name!r}: {path} holds records of every length; declare how they fill a slot: "
+                f"Padded(path, max_length=...) or Packed(path)"
+            )
+    parts = [describe_field(path) for path in paths]
+    _check_parts_alike(name, parts, lambda part: (part.row_shape, part.dtype), "row shape and dtype")
+    counts = [part.row_count for part in parts]
+    region = Region(name, (batch_size, *parts[0].row_shape), parts[0].dtype)
+    return _plan(name, "rows", parts, counts, (region,), {})
 
 
-def _plan_windows(name: str, declaration: Windows, batch_size: int) -> FieldPlan:
+def _plan(name: str, kind: str, parts: list, counts: list[int], regions, options: dict) -> FieldPlan:
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    return FieldPlan(name, kind, tuple(parts), tuple(starts), (0,) * len(parts), tuple(regions), (sum(counts),), options)
+
+
+def _check_parts_alike(name: str, parts: list, key, what: str) -> None:
+    for part in parts[1:]:
+        if key(part) != key(parts[0]):
+            raise StorageError(f"field {name!r}: {part.path} has {what} {key(part)}, but {parts[0].path} has "
+                               f"{key(parts[0])}; every file of a field must match")
+
+
+def merge_sources(plans: list[FieldPlan]) -> FieldPlan:
+    """One field across the sources of a mixture: the same kind, the same arrays (padded
+    maxima and packed capacities grow to fit every source)."""
+    first = plans[0]
+    regions, options = list(first.regions), dict(first.options)
+    for index, plan in enumerate(plans[1:], start=1):
+        if plan.kind != first.kind or [r.dtype for r in plan.regions] != [r.dtype for r in first.regions]:
+            raise StorageError(f"field {first.name!r}: source {index} gives {plan.kind} {plan.regions[0].dtype} "
+                               f"records, source 0 gives {first.kind} {first.regions[0].dtype}; sources must match")
+        if first.kind == "padded":
+            options["max_shape"] = [max(a, b) for a, b in zip(options["max_shape"], plan.options["max_shape"])]
+        elif first.kind == "packed":
+            options["capacity"] = max(options["capacity"], plan.options["capacity"])
+        elif [r.shape for r in plan.regions] != [r.shape for r in first.regions]:
+            raise StorageError(f"field {first.name!r}: source {index} has rows of shape {plan.regions[0].shape[1:]}, "
+                               f"source 0 {first.regions[0].shape[1:]}; sources must match")
+    if first.kind == "padded":
+        regions[0] = Region(first.name, (regions[0].shape[0], *options["max_shape"]), regions[0].dtype)
+    elif first.kind == "packed":
+        regions[0] = Region(first.name, (options["capacity"],), regions[0].dtype)
+    parts = tuple(part for plan in plans for part in plan.parts)
+    starts = tuple(start for plan in plans for start in plan.part_starts)
+    owners = tuple(index for index, plan in enumerate(plans) for _ in plan.parts)
+    return FieldPlan(first.name, first.kind, parts, starts, owners, tuple(regions),
+                     tuple(plan.row_count for plan in plans), options)
+
+
+def _plan_windows(name: str, declaration: Windows, path: str, batch_size: int) -> FieldPlan:
     length = declaration.length
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise ValueError(f"field {name!r}: Windows length must be a positive integer, got {length!r}")
-    spec = describe_field(declaration.path)
+    spec = describe_field(path)
     if spec.row_shape != ():
         raise StorageError(f"field {name!r}: Windows needs a 1-D stream, {spec.path} has rows of shape {spec.row_shape}")
     rows = (spec.row_count - 1) // length
@@ -138,16 +219,19 @@ def _plan_windows(name: str, declaration: Windows, batch_size: int) -> FieldPlan
         raise StorageError(f"field {name!r}: {spec.path} holds {spec.row_count} elements, fewer than one window of "
                            f"{length} + 1")
     region = Region(name, (batch_size, length + 1), spec.dtype)
-    return FieldPlan(name, "windows", spec, (region,), rows, {"length": length})
+    return _plan(name, "windows", [spec], [rows], (region,), {"length": length})
 
 
-def _plan_padded(name: str, declaration: Padded, spec: RaggedSpec, batch_size: int) -> FieldPlan:
+def _plan_padded(name: str, declaration: Padded, parts: list[RaggedSpec], counts: list[int],
+                 batch_size: int) -> FieldPlan:
+    spec = parts[0]
     if declaration.overflow not in OVERFLOWS:
         raise ValueError(f"field {name!r}: overflow must be one of {OVERFLOWS}, got {declaration.overflow!r}")
     dims = max(spec.record_ndim, 1)
     maximum = declaration.max_length
     if maximum is None:
-        maximum = _largest_shape(spec) if spec.record_ndim else spec.length_max
+        maximum = tuple(max(values) for values in zip(*(_largest_shape(part) for part in parts))) \
+            if spec.record_ndim else max(part.length_max for part in parts)
     shape = (maximum,) if isinstance(maximum, int) else tuple(maximum)
     if len(shape) != dims or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
         raise ValueError(f"field {name!r}: max_length must be {dims} positive integer(s) for {spec.path}'s "
@@ -160,7 +244,7 @@ def _plan_padded(name: str, declaration: Padded, spec: RaggedSpec, batch_size: i
         Region(f"{name}.lengths", (batch_size,), "<u4")
     regions = (Region(name, (batch_size, *shape), spec.dtype), aux)
     options = {"max_shape": list(shape), "pad": declaration.pad, "overflow": declaration.overflow}
-    return FieldPlan(name, "padded", spec, regions, spec.record_count, options)
+    return _plan(name, "padded", parts, counts, regions, options)
 
 
 def _largest_shape(spec: RaggedSpec) -> tuple[int, ...]:
@@ -169,8 +253,10 @@ def _largest_shape(spec: RaggedSpec) -> tuple[int, ...]:
     return tuple(int(x) for x in _read_all(spec.shapes).max(axis=0))
 
 
-def _plan_packed(name: str, declaration: Packed, spec: RaggedSpec, batch_size: int) -> FieldPlan:
-    lengths = record_lengths(spec)
+def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts: list[int],
+                 batch_size: int) -> FieldPlan:
+    spec = parts[0]
+    lengths = np.concatenate([record_lengths(part) for part in parts])
     longest = np.sort(lengths)[-min(batch_size, lengths.size):]
     capacity = int(longest.sum()) + int(lengths.max()) * max(0, batch_size - lengths.size)
     if declaration.max_elements is not None:
@@ -182,7 +268,7 @@ def _plan_packed(name: str, declaration: Packed, spec: RaggedSpec, batch_size: i
     regions = [Region(name, (capacity,), spec.dtype), Region(f"{name}.offsets", (batch_size + 1,), "<u8")]
     if spec.record_ndim:
         regions.append(Region(f"{name}.shapes", (batch_size, spec.record_ndim), "<u4"))
-    return FieldPlan(name, "packed", spec, tuple(regions), spec.record_count, {"capacity": capacity})
+    return _plan(name, "packed", parts, counts, regions, {"capacity": capacity})
 
 
 # ---- The reader's side -------------------------------------------------------------------
@@ -216,50 +302,108 @@ def make_outputs(memory, offset: int, regions: tuple[Region, ...], region_offset
 
 
 class PlanReader:
-    """Fills one field's regions of a slot; opened in the reader process."""
+    """Fills one field's regions of a slot; opened in the reader process. Its files (parts)
+    open on first touch: a field of thousands of shards costs nothing for those a reader
+    never reads, and a mapped file keeps no descriptor open."""
 
     def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
-        self.plan, self.batch_size, self.sampler = plan, batch_size, sampler
-        if plan.kind in ("rows", "windows"):
-            self.field = open_field(plan.source, batch_size_max=batch_size, verify=verify)
-        else:
-            self.field = RaggedField(plan.source, verify=verify)
+        self.plan, self.batch_size, self.sampler, self.verify = plan, batch_size, sampler, verify
+        self._opened: dict[int, object] = {}
         self.itemsize = np.dtype(plan.regions[0].dtype).itemsize
+        self.single = len(plan.parts) == 1
+        # Per source: the range of its parts and their first rows, for the row -> part search.
+        self._source_parts = {}
+        for source in sorted(set(plan.part_sources)):
+            members = [k for k, owner in enumerate(plan.part_sources) if owner == source]
+            self._source_parts[source] = (members[0], np.asarray([plan.part_starts[k] for k in members], np.uint64))
         if plan.kind == "windows":
             length = plan.options["length"]
             self._counts = np.full(batch_size, length + 1, dtype=np.uint64)
             self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((length + 1) * self.itemsize)
 
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output]) -> None:
-        kind = self.plan.kind
-        if kind == "rows":
-            self.field.gather_unchecked(indices, index_pointer, outputs[0].pointer, outputs[0].nbytes)
-        elif kind == "windows":
-            starts = indices * np.uint64(self.plan.options["length"])
-            self.field.gather_ranges(starts, self._counts, self._destinations, outputs[0].pointer, outputs[0].nbytes)
-        elif kind == "padded":
-            self._fill_padded(step, indices, outputs)
-        else:
-            self._fill_packed(step, indices, outputs)
+    def part(self, index: int):
+        field = self._opened.get(index)
+        if field is None:
+            spec = self.plan.parts[index]
+            field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify) if isinstance(spec, FieldSpec) \
+                else RaggedField(spec, verify=self.verify)
+            self._opened[index] = field
+        return field
 
-    def _too_long(self, step: int, indices: np.ndarray, row: int, found, limit) -> StorageError:
+    def groups(self, indices: np.ndarray, sources: np.ndarray | None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """(part, batch positions, rows within the part) for every part this batch reads."""
+        if sources is None and self.single:
+            return [(0, None, indices)]
+        parts = np.empty(len(indices), dtype=np.int64)
+        for source, (first, starts) in self._source_parts.items():
+            positions = slice(None) if sources is None else np.flatnonzero(sources == source)
+            parts[positions] = first + np.searchsorted(starts, indices[positions], side="right") - 1
+        order = np.argsort(parts, kind="stable")
+        boundaries = np.flatnonzero(np.diff(parts[order])) + 1
+        result = []
+        for positions in np.split(order, boundaries):
+            part = int(parts[positions[0]])
+            local = indices[positions] - np.uint64(self.plan.part_starts[part])
+            result.append((part, positions.astype(np.uint64), np.ascontiguousarray(local, dtype=np.uint64)))
+        return result
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        kind, groups = self.plan.kind, self.groups(indices, sources)
+        if kind == "padded":
+            self._fill_padded(step, indices, groups, outputs)
+        elif kind == "packed":
+            self._fill_packed(step, indices, groups, outputs)
+        elif len(groups) == 1 and groups[0][1] is None:  # One file, rows in batch order.
+            if kind == "rows":
+                self.part(0).gather_unchecked(indices, index_pointer, outputs[0].pointer, outputs[0].nbytes)
+            else:
+                starts = indices * np.uint64(self.plan.options["length"])
+                self.part(0).gather_ranges(starts, self._counts, self._destinations, outputs[0].pointer,
+                                           outputs[0].nbytes)
+        else:
+            row_bytes = outputs[0].nbytes // self.batch_size
+            for part, positions, local in groups:
+                if kind == "rows":  # A row is one element of row_bytes: a range of one.
+                    starts, counts = local, np.ones(len(local), dtype=np.uint64)
+                else:
+                    starts, counts = local * np.uint64(self.plan.options["length"]), self._counts[:len(local)]
+                destinations = positions * np.uint64(row_bytes)
+                self.part(part).gather_ranges(starts, counts, destinations, outputs[0].pointer, outputs[0].nbytes)
+
+    def _records(self, groups, count: int):
+        """Every row's (start in its part's values, length, shape, part), in batch order."""
+        starts = np.empty(count, dtype=np.uint64)
+        lengths = np.empty(count, dtype=np.uint64)
+        parts = np.empty(count, dtype=np.int64)
+        ndim = self.plan.parts[0].record_ndim
+        shapes = np.empty((count, ndim), dtype=np.uint64) if ndim else None
+        for part, positions, local in groups:
+            where = slice(None) if positions is None else positions
+            field = self.part(part)
+            starts[where], lengths[where] = field.starts_and_lengths(local)
+            parts[where] = part
+            if shapes is not None:
+                shapes[where] = field.shapes[local]
+        return starts, lengths, (shapes if shapes is not None else lengths[:, None]), parts
+
+    def _too_long(self, step: int, indices: np.ndarray, row: int, part: int, found, limit) -> StorageError:
         return StorageError(
-            f"field {self.plan.name!r} ({self.plan.source.path}): record {int(indices[row])} (step {step}, batch row "
-            f"{row}) has {found}, more than {limit}; raise it, or choose overflow='truncate' or 'random' (Padded)"
+            f"field {self.plan.name!r} ({self.plan.parts[part].path}): record {int(indices[row])} (step {step}, "
+            f"batch row {row}) has {found}, more than {limit}; raise it, or choose overflow='truncate' or 'random' "
+            f"(Padded)"
         )
 
-    def _fill_padded(self, step: int, indices: np.ndarray, outputs: list[_Output]) -> None:
-        starts, lengths = self.field.starts_and_lengths(indices)
+    def _fill_padded(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
+        starts, lengths, shapes, parts = self._records(groups, len(indices))
         max_shape = np.array(self.plan.options["max_shape"], dtype=np.uint64)
         overflow = self.plan.options["overflow"]
-        shapes = self.field.shapes[indices] if self.field.shapes is not None else lengths[:, None]
+        n_dimensional = self.plan.parts[0].record_ndim > 0
         over = shapes > max_shape
         if overflow == "error" and over.any():
             row = int(np.flatnonzero(over.any(axis=1))[0])
-            found = f"shape {tuple(int(x) for x in shapes[row])}" if self.field.shapes is not None else \
-                f"{int(lengths[row])} elements"
+            found = f"shape {tuple(int(x) for x in shapes[row])}" if n_dimensional else f"{int(lengths[row])} elements"
             limit = f"max_length={tuple(int(x) for x in max_shape) if len(max_shape) > 1 else int(max_shape[0])}"
-            raise self._too_long(step, indices, row, found, limit)
+            raise self._too_long(step, indices, row, int(parts[row]), found, limit)
         kept = np.minimum(shapes, max_shape)
         crop = np.zeros_like(shapes)
         if overflow == "random" and over.any():
@@ -268,19 +412,26 @@ class PlanReader:
                 crop[:, axis] = _window_starts(self.sampler.seed, step, self.sampler.shard_index * shapes.shape[1]
                                                + axis, len(indices), room)
         outputs[0].array[...] = self.plan.options["pad"]
-        outputs[1].array[...] = kept if self.field.shapes is not None else kept[:, 0]
-        source, counts, destinations = self._padded_ranges(starts, shapes, kept, crop, max_shape)
-        self.field.values.gather_ranges(source, counts, destinations, outputs[0].pointer, outputs[0].nbytes)
+        outputs[1].array[...] = kept if n_dimensional else kept[:, 0]
+        sources, counts, destinations, rows = self._padded_ranges(starts, shapes, kept, crop, max_shape)
+        self._gather_by_part(parts[rows], sources, counts, destinations, outputs[0])
+
+    def _gather_by_part(self, range_parts, starts, counts, destinations, output: _Output) -> None:
+        for part in np.unique(range_parts).tolist():
+            mask = range_parts == part
+            self.part(part).values.gather_ranges(np.ascontiguousarray(starts[mask]), np.ascontiguousarray(counts[mask]),
+                                                 np.ascontiguousarray(destinations[mask]), output.pointer, output.nbytes)
 
     def _padded_ranges(self, starts, shapes, kept, crop, max_shape):
-        """Element ranges of each record's kept part and their byte offsets in the padded
-        region: one range per record for 1-D records, one per line of the last axis else."""
+        """Element ranges of each record's kept part, their byte offsets in the padded
+        region and their batch rows: one range per 1-D record, one per line of the last
+        axis of an N-D record."""
         itemsize = np.uint64(self.itemsize)
         slot_elements = np.uint64(math.prod(int(x) for x in max_shape))
         rows = np.arange(len(starts), dtype=np.uint64)
         if shapes.shape[1] == 1:
-            return starts + crop[:, 0], kept[:, 0], rows * slot_elements * itemsize
-        sources, counts, destinations = [], [], []
+            return starts + crop[:, 0], kept[:, 0], rows * slot_elements * itemsize, rows.astype(np.int64)
+        sources, counts, destinations, owners = [], [], [], []
         for row in range(len(starts)):
             shape, keep, offset = shapes[row].astype(np.int64), kept[row].astype(np.int64), crop[row].astype(np.int64)
             lines = np.indices(keep[:-1]).reshape(len(keep) - 1, -1).T  # Every index of the leading axes.
@@ -289,25 +440,27 @@ class PlanReader:
             sources.append(int(starts[row]) + (lines + offset[:-1]) @ source_strides[:-1] + offset[-1])
             destinations.append((row * int(slot_elements) + lines @ target_strides[:-1]) * int(itemsize))
             counts.append(np.full(len(lines), keep[-1]))
+            owners.append(np.full(len(lines), row))
         return (np.concatenate(sources).astype(np.uint64), np.concatenate(counts).astype(np.uint64),
-                np.concatenate(destinations).astype(np.uint64))
+                np.concatenate(destinations).astype(np.uint64), np.concatenate(owners).astype(np.int64))
 
-    def _fill_packed(self, step: int, indices: np.ndarray, outputs: list[_Output]) -> None:
-        starts, lengths = self.field.starts_and_lengths(indices)
+    def _fill_packed(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
+        starts, lengths, shapes, parts = self._records(groups, len(indices))
         offsets = outputs[1].array
         offsets[0] = 0
         np.cumsum(lengths, out=offsets[1:])
         capacity = self.plan.options["capacity"]
         if int(offsets[-1]) > capacity:
             raise StorageError(
-                f"field {self.plan.name!r} ({self.plan.source.path}): step {step}'s {len(indices)} records hold "
+                f"field {self.plan.name!r} ({self.plan.parts[0].path}): step {step}'s {len(indices)} records hold "
                 f"{int(offsets[-1])} elements, more than the packed region's {capacity} (max_elements); raise "
                 f"max_elements or leave it unset (sized for the longest records)"
             )
-        if self.field.shapes is not None:
-            outputs[2].array[...] = self.field.shapes[indices]
-        destinations = offsets[:-1] * np.uint64(self.itemsize)
-        self.field.values.gather_ranges(starts, lengths, destinations, outputs[0].pointer, outputs[0].nbytes)
+        if self.plan.parts[0].record_ndim:
+            outputs[2].array[...] = shapes
+        self._gather_by_part(parts, starts, lengths, offsets[:-1] * np.uint64(self.itemsize), outputs[0])
 
     def close(self) -> None:
-        self.field.close()
+        for field in self._opened.values():
+            field.close()
+        self._opened.clear()

@@ -589,6 +589,19 @@ class BloscPythonField:
         if rows is not None:
             np.take(rows, inverse, axis=0, out=target)
 
+    def gather_ranges(self, starts, counts, destinations, out_pointer, out_bytes: int) -> None:
+        """Rows (ranges of one row each) to byte offsets of `out`, through a staging buffer."""
+        if np.any(counts != 1):
+            raise ValueError(f"{self.spec.path}: this layout reads whole rows only")
+        staged = np.empty((len(starts), *self.spec.row_shape), dtype=self.spec.numpy_dtype)
+        pointer = ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8))
+        self.gather_unchecked(np.ascontiguousarray(starts, dtype=np.uint64), None, pointer, staged.nbytes)
+        out = np.frombuffer(ffi.buffer(out_pointer, out_bytes), dtype=np.uint8)
+        row_bytes = self.spec.row_bytes
+        flat = staged.reshape(len(starts), -1).view(np.uint8)
+        for row, destination in enumerate(destinations.tolist()):
+            out[destination: destination + row_bytes] = flat[row]
+
     def close(self) -> None:
         self._array = None
 
@@ -607,6 +620,9 @@ class EmptyRowsField:
         bad = np.flatnonzero(indices >= self.spec.row_count)
         if bad.size:
             _raise_index_error(self.spec, indices, int(bad[0]))
+
+    def gather_ranges(self, starts, counts, destinations, out_pointer, out_bytes: int) -> None:
+        self.gather_unchecked(starts, None, out_pointer, 0)
 
     def close(self) -> None:
         pass

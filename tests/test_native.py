@@ -24,6 +24,8 @@ def test_abi_version_matches():
         ("shm_sampler_config", "shm_sizeof_sampler_config"),
         ("shm_blosc_layout", "shm_sizeof_blosc_layout"),
         ("shm_gather_error", "shm_sizeof_gather_error"),
+        ("shm_mixture_source", "shm_sizeof_mixture_source"),
+        ("shm_mixture_config", "shm_sizeof_mixture_config"),
     ],
 )
 def test_struct_sizes_match(struct, size_function):

@@ -4,6 +4,7 @@
 const std = @import("std");
 const sampler = @import("sampler.zig");
 const gather = @import("gather.zig");
+const mixture = @import("mixture.zig");
 const status = @import("status.zig");
 const Status = status.Status;
 /// Generated from shmloader/ring.h by `zig translate-c` at build time (setup.py).
@@ -11,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 5; // 5: element-range gathers (ragged records, token windows).
+const abi_version: u32 = 6; // 6: weighted mixtures (shm_mixture_fill).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -43,6 +44,22 @@ export fn shm_sampler_check(config: *const sampler.SamplerConfig) Status {
 
 export fn shm_sampler_fill(config: *const sampler.SamplerConfig, step: u64, out: [*]u64, out_count: u64) Status {
     return sampler.fill(config, step, out[0..out_count]);
+}
+
+export fn shm_sizeof_mixture_source() u64 {
+    return @sizeOf(mixture.MixtureSource);
+}
+
+export fn shm_sizeof_mixture_config() u64 {
+    return @sizeOf(mixture.MixtureConfig);
+}
+
+export fn shm_mixture_check(config: *const mixture.MixtureConfig) Status {
+    return mixture.check(config);
+}
+
+export fn shm_mixture_fill(config: *const mixture.MixtureConfig, step: u64, rows: [*]u64, sources: [*]u32, count: u64) Status {
+    return mixture.fill(config, step, rows[0..count], sources[0..count]);
 }
 
 export fn shm_gather_rows(
@@ -170,6 +187,7 @@ comptime {
 test {
     _ = sampler;
     _ = gather;
+    _ = mixture;
 }
 
 test "state atomics" {
