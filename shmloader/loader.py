@@ -159,9 +159,9 @@ def _name_field(name: str, error: Exception) -> str:
 
 def _sources_description(sources: list[Source], plans: dict[str, FieldPlan]) -> list[dict]:
     """Per source, what its batches depend on (a checkpoint keeps it to refuse other data)."""
-    described = []
+    described, files_by_plan = [], [(plan, plan.describe_files()) for plan in plans.values()]
     for index, source in enumerate(sources):
-        files = [plan.describe_files()[k] for plan in plans.values() for k, owner in enumerate(plan.part_sources)
+        files = [files[k] for plan, files in files_by_plan for k, owner in enumerate(plan.part_sources)
                  if owner == index]
         digest = hashlib.blake2b(json.dumps(files).encode(), digest_size=8).hexdigest()
         rows = next(iter(plans.values())).row_counts[index]
