@@ -2,7 +2,9 @@
 
 Run: python bench/sampler.py
 Targets (issue 2): shuffle fills >= 50 M indices/s at B=8192 on one core; one fill() from
-Python costs <= 5 us at B=256 with a preallocated `out`.
+Python costs <= 5 us at B=256 with a preallocated `out`. Issue 14: a three-source mixture
+(weights 7/2/1, one source down-sampled, one fixed subset) draws >= 50% of plain shuffle's
+indices/s.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numpy as np
 
 from _common import best_rate, machine_line, table, verdict
 from shmloader import Sampler
+from shmloader._native import ffi
+from shmloader.sources import MixtureSampler
 
 LENGTH = 1_281_167  # ImageNet's training set: not a power of two.
 
@@ -51,6 +55,21 @@ def shmloader_fill(mode: str, batch_size: int):
     return fill
 
 
+def mixture_fill(batch_size: int):
+    lengths = [LENGTH, LENGTH // 5, LENGTH // 20]
+    sampler = MixtureSampler(lengths, [7, 2, 1], [1.0, 0.5, 0.3], [False, False, True], batch_size, seed=1)
+    rows = np.empty(batch_size, dtype=np.uint64)
+    sources = np.empty(batch_size, dtype=np.uint32)
+    rows_pointer, sources_pointer = ffi.from_buffer("uint64_t[]", rows), ffi.from_buffer("uint32_t[]", sources)
+    state = {"step": 0}
+
+    def fill():
+        sampler.fill_unchecked(state["step"], rows_pointer, sources_pointer)
+        state["step"] += 1
+
+    return fill
+
+
 def fill_call_microseconds(batch_size: int = 256, calls: int = 20000, repeats: int = 7) -> float:
     sampler = Sampler(LENGTH, batch_size, "shuffle", seed=1)
     out = np.empty(batch_size, dtype=np.uint64)
@@ -74,12 +93,23 @@ def main() -> int:
             numpy_job = "rng.permutation per epoch, sliced" if mode == "shuffle" else "rng.integers"
             rows.append([mode, batch_size, f"{ours / 1e6:.1f}", f"{theirs / 1e6:.1f}", numpy_job, f"{ours / theirs:.2f}x"])
     print(table(rows, ["mode", "B", "shmloader M idx/s", "numpy M idx/s", "numpy does", "ratio"]))
+    mixture_rows = []
+    for batch_size in (256, 8192):
+        mixture = best_rate(mixture_fill(batch_size), batch_size)
+        results[("mixture", batch_size)] = mixture
+        mixture_rows.append([batch_size, f"{mixture / 1e6:.1f}", f"{results[('shuffle', batch_size)] / 1e6:.1f}",
+                             f"{mixture / results[('shuffle', batch_size)]:.0%}"])
+    print("\n## three-source mixture (weights 7/2/1, fractions 1/0.5/0.3 fixed)")
+    print(table(mixture_rows, ["B", "mixture M idx/s", "plain shuffle M idx/s", "share"]))
     call_us = fill_call_microseconds()
     shuffle_rate = results[("shuffle", 8192)]
     print()
     print(f"one fill() call, B=256, preallocated out: {call_us:.2f} us")
     print(f"target shuffle >= 50 M idx/s at B=8192: {shuffle_rate / 1e6:.1f} -> {verdict(shuffle_rate >= 50e6)}")
     print(f"target fill() <= 5 us at B=256:         {call_us:.2f} -> {verdict(call_us <= 5.0)}")
+    for batch_size in (256, 8192):
+        share = results[("mixture", batch_size)] / results[("shuffle", batch_size)]
+        print(f"target mixture >= 50% of plain shuffle at B={batch_size}: {share:.0%} -> {verdict(share >= 0.5)}")
     return 0
 
 

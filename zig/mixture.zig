@@ -42,13 +42,70 @@ pub const MixtureConfig = extern struct {
 /// The most sources a mixture may have: their caches live on the stack of one fill.
 pub const sources_max = 256;
 
-/// One source's permutations for the epoch last used: a batch's positions of a source are
-/// consecutive, so an epoch's permutation is built once per batch, not once per row.
-const SourceCache = struct {
+/// One source's place in its own stream during a fill: a source's positions within a batch
+/// are consecutive in its stream (q, q + 1, ...), so after the first one each costs an
+/// increment instead of divisions, and an epoch's permutation is built once per batch.
+const SourceCursor = struct {
+    started: bool = false,
     epoch: u64 = 0,
-    valid: bool = false,
+    offset: u64 = 0,
     subset: sampler.EpochPermutation = undefined,
     order: sampler.EpochPermutation = undefined,
+
+    fn begin(self: *SourceCursor, source: *const MixtureSource, q: u64) void {
+        self.started = true;
+        self.epoch = q / source.take;
+        self.offset = q % source.take;
+        self.buildEpoch(source);
+    }
+
+    fn advance(self: *SourceCursor, source: *const MixtureSource) void {
+        self.offset += 1;
+        if (self.offset == source.take) {
+            self.offset = 0;
+            self.epoch += 1;
+            self.buildEpoch(source);
+        }
+    }
+
+    /// A fresh subset: the first `take` offsets of this epoch's permutation of all rows.
+    /// A fixed one: the first `take` offsets of epoch 0's, visited in an order of its own.
+    fn buildEpoch(self: *SourceCursor, source: *const MixtureSource) void {
+        self.subset = sampler.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else self.epoch);
+        if (source.fixed != 0) self.order = sampler.EpochPermutation.init(source.take, source.seed ^ 0x6f72646572, self.epoch); // "order"
+    }
+
+    /// The offset into `subset` of the cursor's position (before the subset's permutation).
+    fn subsetOffset(self: *const SourceCursor, source: *const MixtureSource) u64 {
+        if (source.fixed != 0) return self.order.apply(self.offset);
+        return self.offset;
+    }
+};
+
+/// Positions whose subset permutations run together: independent Feistel chains overlap
+/// in the pipeline, as in the plain shuffle.
+const lanes_max = 8;
+
+const Lanes = struct {
+    permutations: [lanes_max]*const sampler.EpochPermutation = undefined,
+    values: [lanes_max]u64 = undefined,
+    outputs: [lanes_max]usize = undefined,
+    count: usize = 0,
+
+    fn flush(self: *Lanes, rows: []u64) void {
+        var permuted: [lanes_max]u64 = undefined;
+        inline for (0..lanes_max) |lane| {
+            if (lane < self.count) permuted[lane] = self.permutations[lane].permuteDomain(self.values[lane]);
+        }
+        for (0..self.count) |lane| {
+            var value = permuted[lane];
+            const permutation = self.permutations[lane];
+            // The domain exceeds the length by less than 2^low_bits: walks are rare and short.
+            while (value >= permutation.length) value = permutation.permuteDomain(value);
+            rows[self.outputs[lane]] = value;
+        }
+        self.count = 0;
+    }
 };
 
 pub fn check(config: *const MixtureConfig) Status {
@@ -70,42 +127,46 @@ pub fn check(config: *const MixtureConfig) Status {
     return .ok;
 }
 
-/// The row of source `source` at its own stream position `q`.
-fn sourceRow(source: *const MixtureSource, cache: *SourceCache, q: u64) u64 {
-    const epoch = q / source.take;
-    const offset = q % source.take;
-    if (!cache.valid or cache.epoch != epoch) {
-        // A fresh subset: the first `take` offsets of this epoch's permutation of all rows.
-        // A fixed one: the first `take` offsets of epoch 0's, visited in an order of its own.
-        cache.subset = sampler.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else epoch);
-        if (source.fixed != 0) cache.order = sampler.EpochPermutation.init(source.take, source.seed ^ 0x6f72646572, epoch); // "order"
-        cache.epoch = epoch;
-        cache.valid = true;
-    }
-    if (source.fixed != 0) return cache.subset.apply(cache.order.apply(offset));
-    return cache.subset.apply(offset);
-}
-
 /// Fills `rows` and `sources` (batch_size entries each) for `step`.
 pub fn fill(config: *const MixtureConfig, step: u64, rows: []u64, sources: []u32) Status {
     const status = check(config);
     if (status != .ok) return status;
     if (rows.len != config.batch_size or sources.len != config.batch_size) return .output_size_mismatch;
-    var caches: [sources_max]SourceCache = @splat(.{});
+    // Only the sources in use are initialised: the rest of the array is never read.
+    var cursors: [sources_max]SourceCursor = undefined;
+    for (cursors[0..config.source_count]) |*cursor| cursor.* = .{};
     const global_batch = config.batch_size * config.shard_count;
     const step_start = std.math.mul(u64, step, global_batch) catch return .overflow;
     const first = std.math.add(u64, step_start, config.batch_size * config.shard_index) catch return .overflow;
     _ = std.math.add(u64, first, config.batch_size) catch return .overflow;
-    for (rows, sources, 0..) |*row, *source_out, i| {
-        const position = first + i;
-        const block = position / config.block;
-        const offset = position % config.block;
+    var block = first / config.block;
+    var offset = first % config.block;
+    var lanes = Lanes{};
+    for (sources, 0..) |*source_out, position| {
         const source_index = config.pattern_sources[offset];
         const source = &config.sources[source_index];
-        const q = std.math.add(u64, std.math.mul(u64, block, source.weight) catch return .overflow, config.pattern_ranks[offset]) catch return .overflow;
-        row.* = sourceRow(source, &caches[source_index], q);
+        const cursor = &cursors[source_index];
+        if (cursor.started) {
+            // A new epoch rebuilds this cursor's permutations, which pending lanes may use.
+            if (cursor.offset + 1 == source.take) lanes.flush(rows);
+            cursor.advance(source);
+        } else {
+            const q = std.math.add(u64, std.math.mul(u64, block, source.weight) catch return .overflow, config.pattern_ranks[offset]) catch return .overflow;
+            cursor.begin(source, q);
+        }
+        lanes.permutations[lanes.count] = &cursor.subset;
+        lanes.values[lanes.count] = cursor.subsetOffset(source);
+        lanes.outputs[lanes.count] = position;
+        lanes.count += 1;
+        if (lanes.count == lanes_max) lanes.flush(rows);
         source_out.* = source_index;
+        offset += 1;
+        if (offset == config.block) {
+            offset = 0;
+            block += 1;
+        }
     }
+    lanes.flush(rows);
     return .ok;
 }
 

@@ -154,7 +154,7 @@ pub const EpochPermutation = struct {
     }
 
     /// A bijection of [0, high_count << low_bits).
-    fn permuteDomain(self: *const EpochPermutation, value: u64) u64 {
+    pub fn permuteDomain(self: *const EpochPermutation, value: u64) u64 {
         const low_mask = (@as(u64, 1) << self.low_bits) - 1;
         var low = value & low_mask;
         var high = value >> self.low_bits;
