@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 6
+ABI_VERSION = 7
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -88,6 +88,10 @@ int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes
 int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, uint64_t index_count,
                      uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
 
+int shm_gather_parts_raw(const uint64_t *part_tables, const uint64_t *part_starts, uint64_t part_count,
+                         uint64_t total_rows, uint64_t row_bytes, const uint64_t *indices,
+                         const uint64_t *destinations, uint64_t index_count, uint8_t *out, uint64_t out_bytes,
+                         shm_gather_error *failure);
 int shm_gather_ranges_raw(const uint8_t *table, uint64_t element_count, uint64_t element_bytes,
                           const uint64_t *starts, const uint64_t *counts, const uint64_t *destinations,
                           uint64_t range_count, uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);

@@ -16,10 +16,10 @@ import os
 
 import numpy as np
 
-from ._native import ffi
+from ._native import Status, ffi, lib, status_name
 from .errors import StorageError
 from .ragged import RaggedField, RaggedSpec, describe_ragged, is_ragged, record_lengths
-from .storage import FieldSpec, describe_field, open_field
+from .storage import FieldSpec, _u64, describe_field, open_field
 
 OVERFLOWS = ("error", "truncate", "random")
 
@@ -320,6 +320,43 @@ class PlanReader:
             length = plan.options["length"]
             self._counts = np.full(batch_size, length + 1, dtype=np.uint64)
             self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((length + 1) * self.itemsize)
+        # Rows of many raw files go through one native call per source: every part of the
+        # source is mapped at the first batch, and their addresses form its table.
+        self._all_raw = plan.kind == "rows" and not self.single and all(
+            isinstance(part, FieldSpec) and part.kind == "npy" and part.row_bytes > 0 for part in plan.parts)
+        self._raw_tables: dict[int, tuple] = {}
+        self._failure = ffi.new("shm_gather_error *")
+
+    def _raw_table(self, source: int) -> tuple:
+        table = self._raw_tables.get(source)
+        if table is None:
+            first, starts = self._source_parts[source]
+            addresses = np.array([int(ffi.cast("uintptr_t", self.part(first + k)._table)) for k in range(len(starts))],
+                                 dtype=np.uint64)
+            # The pointers are made once: they keep their arrays alive with them.
+            table = self._raw_tables[source] = (_u64(addresses), _u64(starts), len(starts), self.plan.row_counts[source])
+        return table
+
+    def _fill_raw_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+        row_bytes = output.nbytes // self.batch_size
+        if sources is None:  # The slot's own indices, in batch order: nothing to convert.
+            batches = [(0, indices, index_pointer, ffi.NULL)]
+        else:
+            batches = []
+            for source in np.unique(sources).tolist():
+                positions = np.flatnonzero(sources == source).astype(np.uint64)
+                wanted = np.ascontiguousarray(indices[positions])
+                batches.append((source, wanted, _u64(wanted), _u64(positions * np.uint64(row_bytes))))
+        for source, wanted, wanted_pointer, destinations in batches:
+            addresses, starts, part_count, rows = self._raw_table(source)
+            status = lib.shm_gather_parts_raw(
+                addresses, starts, part_count, rows, row_bytes, wanted_pointer, destinations, len(wanted),
+                output.pointer, output.nbytes, self._failure,
+            )
+            if status != Status.OK:
+                position = int(self._failure.position)
+                raise StorageError(f"field {self.plan.name!r}: row {int(wanted[position])} of source {source}: "
+                                   f"gather failed ({status_name(status)}; {rows} rows)")
 
     def part(self, index: int):
         field = self._opened.get(index)
@@ -348,6 +385,9 @@ class PlanReader:
         return result
 
     def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        if self._all_raw:
+            self._fill_raw_parts(indices, index_pointer, sources, outputs[0])
+            return
         kind, groups = self.plan.kind, self.groups(indices, sources)
         if kind == "padded":
             self._fill_padded(step, indices, groups, outputs)

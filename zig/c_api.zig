@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 6; // 6: weighted mixtures (shm_mixture_fill).
+const abi_version: u32 = 7; // 7: many-file raw gathers (shm_gather_parts_raw).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -84,6 +84,23 @@ export fn shm_gather_blosc(
     failure: *gather.GatherError,
 ) Status {
     return gather.gatherBlosc(layout, indices[0..index_count], out[0..out_bytes], failure);
+}
+
+export fn shm_gather_parts_raw(
+    part_tables: [*]const u64,
+    part_starts: [*]const u64,
+    part_count: u64,
+    total_rows: u64,
+    row_bytes: u64,
+    indices: [*]const u64,
+    destinations: ?[*]const u64,
+    index_count: u64,
+    out: [*]u8,
+    out_bytes: u64,
+    failure: *gather.GatherError,
+) Status {
+    const targets: []const u64 = if (destinations) |pointer| pointer[0..index_count] else &.{};
+    return gather.gatherPartsRaw(part_tables[0..part_count], part_starts[0..part_count], total_rows, row_bytes, indices[0..index_count], targets, out[0..out_bytes], failure);
 }
 
 export fn shm_gather_ranges_raw(

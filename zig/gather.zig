@@ -206,6 +206,70 @@ fn gatherByBlock(
     return .ok;
 }
 
+/// Rows of a field split over many raw, memory-mapped files (shards of .npy): global row
+/// r lies in the last part whose first row is <= r (a binary search over `part_starts`,
+/// which begins at 0 and increases), at local row r - part_starts[part]. Row i goes to
+/// byte destinations[i] of `out`, or to i * row_bytes when `destinations` is empty.
+pub fn gatherPartsRaw(
+    part_tables: []const u64,
+    part_starts: []const u64,
+    total_rows: u64,
+    row_bytes: u64,
+    indices: []const u64,
+    destinations: []const u64,
+    out: []u8,
+    failure: *GatherError,
+) Status {
+    if (part_tables.len != part_starts.len or part_starts.len == 0 or part_starts[0] != 0) return .invalid_layout;
+    if (destinations.len != 0 and destinations.len != indices.len) return .output_size_mismatch;
+    if (destinations.len == 0 and out.len != indices.len * row_bytes) return .output_size_mismatch;
+    for (indices, 0..) |index, position| {
+        const destination = if (destinations.len == 0) position * row_bytes else destinations[position];
+        if (index >= total_rows) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .index_out_of_range;
+        }
+        if (destination > out.len or out.len - destination < row_bytes) {
+            failure.* = .{ .position = position, .code = 0 };
+            return .output_size_mismatch;
+        }
+    }
+    for (indices, 0..) |index, position| {
+        const part = partOf(part_starts, total_rows, index);
+        const table: [*]const u8 = @ptrFromInt(part_tables[part]);
+        const local = index - part_starts[part];
+        const destination = if (destinations.len == 0) position * row_bytes else destinations[position];
+        @memcpy(out[destination..][0..row_bytes], table[local * row_bytes ..][0..row_bytes]);
+    }
+    return .ok;
+}
+
+/// The last part whose first row is <= `index` (part_starts[0] == 0, increasing, and
+/// index < total_rows). Shards are usually of similar sizes, so the search starts where
+/// the index would fall with equal parts and gallops outwards from there: one or two
+/// probes for even shards, a logarithmic number for any others.
+fn partOf(part_starts: []const u64, total_rows: u64, index: u64) usize {
+    const count = part_starts.len;
+    const guess: usize = @intCast(@min(count - 1, std.math.mulWide(u64, index, count) / total_rows));
+    var low: usize = 0; // The answer is in [low, high).
+    var high: usize = count;
+    var stride: usize = 1;
+    if (part_starts[guess] <= index) {
+        low = guess;
+        while (low + stride < count and part_starts[low + stride] <= index) : (stride *= 2) low += stride;
+        high = @min(count, low + stride);
+    } else {
+        high = guess;
+        while (high > stride and part_starts[high - stride] > index) : (stride *= 2) high -= stride;
+        low = if (high > stride) high - stride else 0;
+    }
+    while (high - low > 1) {
+        const middle = low + (high - low) / 2;
+        if (part_starts[middle] <= index) low = middle else high = middle;
+    }
+    return low;
+}
+
 /// Byte ranges of a 1-D array (a ragged field's values, a token stream): element range i
 /// is [starts[i], starts[i] + counts[i]), written at byte offset destinations[i] of `out`.
 /// Every range is checked first, so that a bad one writes nothing.
@@ -419,4 +483,31 @@ test "gatherRangesBlosc splits a range at chunk boundaries" {
     try testing.expectEqualSlices(u8, &[_]u8{ 2, 3, 4, 5, 6, 6, 7 }, &out);
     try testing.expectEqual(@as(u64, 3), calls); // 2..3, 4..6, then 6..7.
     try testing.expectEqual(Status.index_out_of_range, gatherRangesBlosc(&layout, &[_]u64{7}, &[_]u64{2}, &[_]u64{0}, &out, &failure));
+}
+
+test "gatherPartsRaw finds each row's part at every boundary" {
+    const part_a = [_]u8{ 0, 1, 2 };
+    const part_b = [_]u8{3};
+    const part_c = [_]u8{ 4, 5 };
+    const tables = [_]u64{ @intFromPtr(&part_a), @intFromPtr(&part_b), @intFromPtr(&part_c) };
+    const starts = [_]u64{ 0, 3, 4 };
+    var out: [6]u8 = undefined;
+    var failure: GatherError = undefined;
+    try testing.expectEqual(Status.ok, gatherPartsRaw(&tables, &starts, 6, 1, &[_]u64{ 5, 3, 2, 4, 0, 1 }, &.{}, &out, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 5, 3, 2, 4, 0, 1 }, &out);
+    var scattered: [4]u8 = @splat(9);
+    try testing.expectEqual(Status.ok, gatherPartsRaw(&tables, &starts, 6, 1, &[_]u64{ 4, 2 }, &[_]u64{ 3, 0 }, &scattered, &failure));
+    try testing.expectEqualSlices(u8, &[_]u8{ 2, 9, 9, 4 }, &scattered);
+    try testing.expectEqual(Status.index_out_of_range, gatherPartsRaw(&tables, &starts, 6, 1, &[_]u64{6}, &.{}, out[0..1], &failure));
+}
+
+test "partOf finds the part of every row, for even and skewed parts" {
+    const even = [_]u64{ 0, 10, 20, 30, 40 };
+    const skewed = [_]u64{ 0, 1, 2, 3, 1000 };
+    var index: u64 = 0;
+    while (index < 1010) : (index += 1) {
+        if (index < 50) try testing.expectEqual(@as(usize, @intCast(index / 10)), partOf(&even, 50, index));
+        const expected: usize = if (index >= 1000) 4 else @intCast(@min(index, 3));
+        try testing.expectEqual(expected, partOf(&skewed, 1010, index));
+    }
 }
