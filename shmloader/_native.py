@@ -202,8 +202,10 @@ def load_cursor():
         from . import _cursor
     except ImportError as error:
         raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {REBUILD_HINT}") from None
-    source = PACKAGE_DIR / "_cursor.c"
-    _check_fresh(pathlib.Path(_cursor.__file__), [source, RING_HEADER] if source.exists() else [])
+    # Only a source checkout (zig/ beside the package) has sources to compare with: an
+    # installed package may carry _cursor.c and ring.h as data, copied after the build.
+    in_checkout = (PACKAGE_DIR.parent / "zig").is_dir()
+    _check_fresh(pathlib.Path(_cursor.__file__), [PACKAGE_DIR / "_cursor.c", RING_HEADER] if in_checkout else [])
     return _cursor
 
 

@@ -127,38 +127,33 @@ pub fn check(config: *const MixtureConfig) Status {
     return .ok;
 }
 
+/// Up to this many sources, a fill draws each source's run of positions on its own (one
+/// scan of the batch per source, its permutations in lanes over consecutive offsets, as
+/// the plain shuffle does); past it, one pass over the batch serves every source.
+const per_source_passes_max = 16;
+
 /// Fills `rows` and `sources` (batch_size entries each) for `step`.
 pub fn fill(config: *const MixtureConfig, step: u64, rows: []u64, sources: []u32) Status {
     const status = check(config);
     if (status != .ok) return status;
     if (rows.len != config.batch_size or sources.len != config.batch_size) return .output_size_mismatch;
-    // Only the sources in use are initialised: the rest of the array is never read.
-    var cursors: [sources_max]SourceCursor = undefined;
-    for (cursors[0..config.source_count]) |*cursor| cursor.* = .{};
     const global_batch = config.batch_size * config.shard_count;
     const step_start = std.math.mul(u64, step, global_batch) catch return .overflow;
     const first = std.math.add(u64, step_start, config.batch_size * config.shard_index) catch return .overflow;
     _ = std.math.add(u64, first, config.batch_size) catch return .overflow;
+    // Where each source's run starts in its own stream, and how long it is in this batch.
+    var firsts: [sources_max]u64 = undefined;
+    var counts: [sources_max]u64 = undefined;
+    @memset(counts[0..config.source_count], 0);
     var block = first / config.block;
     var offset = first % config.block;
-    var lanes = Lanes{};
-    for (sources, 0..) |*source_out, position| {
+    for (sources) |*source_out| {
         const source_index = config.pattern_sources[offset];
-        const source = &config.sources[source_index];
-        const cursor = &cursors[source_index];
-        if (cursor.started) {
-            // A new epoch rebuilds this cursor's permutations, which pending lanes may use.
-            if (cursor.offset + 1 == source.take) lanes.flush(rows);
-            cursor.advance(source);
-        } else {
-            const q = std.math.add(u64, std.math.mul(u64, block, source.weight) catch return .overflow, config.pattern_ranks[offset]) catch return .overflow;
-            cursor.begin(source, q);
+        if (counts[source_index] == 0) {
+            const weight = config.sources[source_index].weight;
+            firsts[source_index] = std.math.add(u64, std.math.mul(u64, block, weight) catch return .overflow, config.pattern_ranks[offset]) catch return .overflow;
         }
-        lanes.permutations[lanes.count] = &cursor.subset;
-        lanes.values[lanes.count] = cursor.subsetOffset(source);
-        lanes.outputs[lanes.count] = position;
-        lanes.count += 1;
-        if (lanes.count == lanes_max) lanes.flush(rows);
+        counts[source_index] += 1;
         source_out.* = source_index;
         offset += 1;
         if (offset == config.block) {
@@ -166,8 +161,84 @@ pub fn fill(config: *const MixtureConfig, step: u64, rows: []u64, sources: []u32
             block += 1;
         }
     }
-    lanes.flush(rows);
+    if (config.source_count <= per_source_passes_max) {
+        for (0..config.source_count) |source_index| {
+            if (counts[source_index] > 0) fillSource(config, @intCast(source_index), firsts[source_index], sources, rows);
+        }
+        return .ok;
+    }
+    fillInterleaved(config, firsts[0..config.source_count], sources, rows);
     return .ok;
+}
+
+/// Source `source_index`'s rows of the batch, from its stream position `q_first` on.
+/// Its consecutive offsets go through one permutation eight at a time, held in a local
+/// copy so that its keys stay in registers, as in the plain shuffle.
+fn fillSource(config: *const MixtureConfig, source_index: u32, q_first: u64, sources: []const u32, rows: []u64) void {
+    const source = &config.sources[source_index];
+    var cursor = SourceCursor{};
+    cursor.begin(source, q_first);
+    var values: [lanes_max]u64 = undefined;
+    var outputs: [lanes_max]usize = undefined;
+    var count: usize = 0;
+    var started = false;
+    for (sources, 0..) |owner, position| {
+        if (owner != source_index) continue;
+        if (started) {
+            // A new epoch rebuilds the cursor's permutations: finish the pending lanes first.
+            if (cursor.offset + 1 == source.take) {
+                permuteLanes(cursor.subset, values[0..count], outputs[0..count], rows);
+                count = 0;
+            }
+            cursor.advance(source);
+        }
+        started = true;
+        values[count] = cursor.subsetOffset(source);
+        outputs[count] = position;
+        count += 1;
+        if (count == lanes_max) {
+            permuteLanes(cursor.subset, values[0..count], outputs[0..count], rows);
+            count = 0;
+        }
+    }
+    permuteLanes(cursor.subset, values[0..count], outputs[0..count], rows);
+}
+
+fn permuteLanes(permutation: sampler.EpochPermutation, values: []const u64, outputs: []const usize, rows: []u64) void {
+    if (values.len == lanes_max) {
+        var permuted: [lanes_max]u64 = undefined;
+        inline for (&permuted, 0..) |*value, lane| value.* = permutation.permuteDomain(values[lane]);
+        inline for (permuted, 0..) |value, lane| {
+            var walked = value;
+            while (walked >= permutation.length) walked = permutation.permuteDomain(walked);
+            rows[outputs[lane]] = walked;
+        }
+        return;
+    }
+    for (values, outputs) |value, output| rows[output] = permutation.apply(value);
+}
+
+/// Every source in one pass over the batch (many sources).
+fn fillInterleaved(config: *const MixtureConfig, firsts: []const u64, sources: []const u32, rows: []u64) void {
+    var cursors: [sources_max]SourceCursor = undefined;
+    for (cursors[0..config.source_count]) |*cursor| cursor.* = .{};
+    var lanes = Lanes{};
+    for (sources, 0..) |source_index, position| {
+        const source = &config.sources[source_index];
+        const cursor = &cursors[source_index];
+        if (cursor.started) {
+            if (cursor.offset + 1 == source.take) lanes.flush(rows);
+            cursor.advance(source);
+        } else {
+            cursor.begin(source, firsts[source_index]);
+        }
+        lanes.permutations[lanes.count] = &cursor.subset;
+        lanes.values[lanes.count] = cursor.subsetOffset(source);
+        lanes.outputs[lanes.count] = position;
+        lanes.count += 1;
+        if (lanes.count == lanes_max) lanes.flush(rows);
+    }
+    lanes.flush(rows);
 }
 
 const testing = std.testing;
@@ -212,4 +283,46 @@ test "every block holds each source's exact share and each source covers its row
         }
     }
     try testing.expectEqual(@as(u32, 2), used);
+}
+
+test "the per-source and the interleaved fills agree" {
+    const source_list = [_]MixtureSource{
+        .{ .length = 1000, .take = 1000, .weight = 5, .seed = 1, .fixed = 0, .reserved = 0 },
+        .{ .length = 37, .take = 12, .weight = 2, .seed = 2, .fixed = 1, .reserved = 0 },
+        .{ .length = 9, .take = 5, .weight = 1, .seed = 3, .fixed = 0, .reserved = 0 },
+    };
+    const pattern_sources = [_]u32{ 0, 1, 0, 2, 0, 1, 0, 0 };
+    const pattern_ranks = [_]u64{ 0, 0, 1, 0, 2, 1, 3, 4 };
+    const config = MixtureConfig{
+        .sources = &source_list,
+        .source_count = 3,
+        .pattern_sources = &pattern_sources,
+        .pattern_ranks = &pattern_ranks,
+        .block = 8,
+        .batch_size = 29,
+        .shard_index = 1,
+        .shard_count = 2,
+    };
+    var rows: [29]u64 = undefined;
+    var sources: [29]u32 = undefined;
+    var step: u64 = 0;
+    while (step < 40) : (step += 1) {
+        try testing.expectEqual(Status.ok, fill(&config, step, &rows, &sources));
+        // The interleaved pass, from the same starting positions.
+        var firsts: [3]u64 = undefined;
+        var seen = [_]bool{ false, false, false };
+        const first = step * 29 * 2 + 29;
+        for (0..29) |i| {
+            const position = first + i;
+            const offset = position % 8;
+            const source_index = pattern_sources[offset];
+            if (!seen[source_index]) {
+                firsts[source_index] = (position / 8) * source_list[source_index].weight + pattern_ranks[offset];
+                seen[source_index] = true;
+            }
+        }
+        var other: [29]u64 = undefined;
+        fillInterleaved(&config, &firsts, &sources, &other);
+        try testing.expectEqualSlices(u64, &rows, &other);
+    }
 }
