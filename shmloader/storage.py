@@ -264,6 +264,15 @@ def _raise_index_error(spec: FieldSpec, indices: np.ndarray, position: int) -> N
     )
 
 
+def _unmap(mapping: mmap.mmap | None) -> None:
+    """Closes a file mapping unless a pointer into it is still alive (then it goes with the last one)."""
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:
+            pass
+
+
 def _u64(array: np.ndarray):
     """A cffi pointer to a C-contiguous uint64 array; it keeps the array alive while it lives."""
     return ffi.from_buffer("uint64_t[]", array)
@@ -339,12 +348,8 @@ class NpyField:
     def close(self) -> None:
         self._table = None
         self._array = None
-        if getattr(self, "_map", None) is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # A pointer into it is still alive; the mapping goes with the last one.
-            self._map = None
+        _unmap(getattr(self, "_map", None))
+        self._map = None
 
 
 class BloscField:
@@ -568,12 +573,8 @@ class BloscField:
             self._schunk = None
         self._layout = self._layout_keepalive = None
         self._special_chunks = []
-        if getattr(self, "_map", None) is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # A pointer into it is still alive; the mapping goes with the last one.
-            self._map = None
+        _unmap(getattr(self, "_map", None))
+        self._map = None
 
 
 class BloscPythonField:

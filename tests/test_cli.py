@@ -82,13 +82,16 @@ def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
-def test_python_dash_m_and_version_work_like_the_command():
+def test_python_dash_m_and_version_work_like_the_command(tmp_path):
     from shmloader import __version__
 
-    result = subprocess.run([sys.executable, "-m", "shmloader", "--version"], capture_output=True, text=True, timeout=60)
+    # In tmp_path: `-m` puts the working directory first on sys.path, where a source
+    # checkout must not shadow the installed package.
+    result = subprocess.run([sys.executable, "-m", "shmloader", "--version"], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path)
     assert result.returncode == 0 and result.stdout.strip() == f"shmloader {__version__}"
     result = subprocess.run([sys.executable, "-m", "shmloader", "convert", "--help"], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, cwd=tmp_path)
     assert result.returncode == 0 and "(default: auto)" in result.stdout and "(default: 5)" in result.stdout
 
 
@@ -133,7 +136,7 @@ def test_ctrl_c_in_a_command_exits_130_with_one_line(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "shmloader", "bench", str(tmp_path / "x.npy"), "--steps", "100000000", "--quiet",
          "--batch-size", "8", "--readers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
     )
     try:
         deadline = time.monotonic() + 30

@@ -22,7 +22,11 @@ from shmloader import ReaderError, SharedMemoryError, ShmDataLoader, StorageErro
 from shmloader.reader import FAULT_INJECTION_VARIABLE, ErrorReport
 from shmloader.ring import READER_ERROR_BYTES_MAX, sweep_stale
 from shmloader.storage import describe_field, open_field
-from test_faults import assert_all_gone, exit_code_and_errors, run_child
+from test_faults import HERE, assert_all_gone, exit_code_and_errors, run_child
+
+# Subprocesses run in the tests' folder: `python -c` puts its working directory first on
+# sys.path, and a source checkout there (without a build in it) must not shadow the
+# installed package.
 
 
 def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(tmp_path):
@@ -38,7 +42,7 @@ def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(t
         "except StorageError as error:\n    print('StorageError', error)\n"
     ).format(tests=os.path.dirname(__file__))
     result = subprocess.run([sys.executable, "-c", code, json.dumps(spec.to_dict())], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, cwd=HERE)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr}"
     assert result.stdout.startswith("StorageError") and "t.b2nd" in result.stdout
 
@@ -59,7 +63,7 @@ def test_the_sweep_of_another_pid_namespace_leaves_a_live_ring_alone(dataset):
         entries = our_shm_entries(os.getpid())
         code = "import sys; from shmloader.ring import sweep_stale; print(sweep_stale())"
         result = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
-                                text=True, timeout=60)
+                                text=True, timeout=60, cwd=HERE)
         if result.returncode != 0 and "unshare" in result.stderr:
             pytest.skip(f"no PID namespace here: {result.stderr.strip()}")
         assert result.returncode == 0, result.stderr
@@ -185,7 +189,7 @@ def test_a_reader_error_is_reported_as_such_when_the_trainer_ignores_sigchld(dat
     )
     environment = {**os.environ, FAULT_INJECTION_VARIABLE: f"raise:5:{marker}"}
     result = subprocess.run([sys.executable, "-c", code, dataset["paths"]["labels_npy"]], capture_output=True,
-                            text=True, timeout=60, env=environment)
+                            text=True, timeout=60, env=environment, cwd=HERE)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[:3] == ["ReaderError", "RuntimeError", "5"], result.stdout
 

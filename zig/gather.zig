@@ -410,31 +410,38 @@ const FakeChunks = struct {
     fn addresses(chunks: *const FakeChunks) [2]u64 {
         return .{ @intFromPtr(&chunks.a), @intFromPtr(&chunks.b) };
     }
+
+    /// A layout over `addresses` of one-byte rows, 4 per chunk, read through fakeGetItem.
+    fn layout(chunk_addresses: *const [2]u64, calls: *u64, row_count: u64, rows_per_block: u64, block_buffer: []u8, order_buffer: []u128) BloscLayout {
+        const sizes = struct {
+            const both = [_]u64{ 36, 36 };
+        };
+        return .{
+            .getitem = fakeGetItem,
+            .context = calls,
+            .chunk_addresses = chunk_addresses,
+            .chunk_bytes = &sizes.both,
+            .chunk_count = 2,
+            .row_count = row_count,
+            .rows_per_chunk = 4,
+            .rows_per_block = rows_per_block,
+            .row_bytes = 1,
+            .block_buffer = block_buffer.ptr,
+            .block_buffer_bytes = block_buffer.len,
+            .order_buffer = order_buffer.ptr,
+            .order_buffer_count = order_buffer.len,
+        };
+    }
 };
 
 test "gatherBlosc decompresses each shared block once and keeps batch order" {
     // Blocks of 2 rows over the two chunks of 4.
     const chunks = FakeChunks.init();
     const addresses = chunks.addresses();
-    const sizes = [_]u64{ 36, 36 };
     var calls: u64 = 0;
     var block_buffer: [2]u8 = undefined;
     var order_buffer: [5]u128 = undefined;
-    const layout = BloscLayout{
-        .getitem = fakeGetItem,
-        .context = &calls,
-        .chunk_addresses = &addresses,
-        .chunk_bytes = &sizes,
-        .chunk_count = 2,
-        .row_count = 7,
-        .rows_per_chunk = 4,
-        .rows_per_block = 2,
-        .row_bytes = 1,
-        .block_buffer = &block_buffer,
-        .block_buffer_bytes = 2,
-        .order_buffer = &order_buffer,
-        .order_buffer_count = 5,
-    };
+    const layout = FakeChunks.layout(&addresses, &calls, 7, 2, &block_buffer, &order_buffer);
     var out: [5]u8 = undefined;
     var failure: GatherError = undefined;
     try testing.expectEqual(Status.ok, gatherBlosc(&layout, &[_]u64{ 5, 0, 1, 4, 6 }, &out, &failure));
@@ -458,25 +465,8 @@ test "gatherRangesRaw copies element ranges to their destinations and checks the
 test "gatherRangesBlosc splits a range at chunk boundaries" {
     const chunks = FakeChunks.init();
     const addresses = chunks.addresses();
-    const sizes = [_]u64{ 36, 36 };
     var calls: u64 = 0;
-    var block_buffer: [1]u8 = undefined;
-    var order_buffer: [1]u128 = undefined;
-    const layout = BloscLayout{
-        .getitem = fakeGetItem,
-        .context = &calls,
-        .chunk_addresses = &addresses,
-        .chunk_bytes = &sizes,
-        .chunk_count = 2,
-        .row_count = 8,
-        .rows_per_chunk = 4,
-        .rows_per_block = 1,
-        .row_bytes = 1,
-        .block_buffer = &block_buffer,
-        .block_buffer_bytes = 0,
-        .order_buffer = &order_buffer,
-        .order_buffer_count = 0,
-    };
+    const layout = FakeChunks.layout(&addresses, &calls, 8, 1, &.{}, &.{});
     var out: [7]u8 = @splat(0);
     var failure: GatherError = undefined;
     try testing.expectEqual(Status.ok, gatherRangesBlosc(&layout, &[_]u64{ 2, 6 }, &[_]u64{ 5, 2 }, &[_]u64{ 0, 5 }, &out, &failure));
