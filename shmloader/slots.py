@@ -19,7 +19,7 @@ import numpy as np
 from ._native import Status, ffi, lib, status_name
 from .errors import StorageError
 from .ragged import RaggedField, RaggedSpec, describe_ragged, is_ragged, record_lengths
-from .storage import FieldSpec, _u64, describe_field, open_field
+from .storage import CombinedBlosc, FieldSpec, _u64, describe_field, open_field
 
 OVERFLOWS = ("error", "truncate", "random")
 
@@ -326,6 +326,13 @@ class PlanReader:
             isinstance(part, FieldSpec) and part.kind == "npy" and part.row_bytes > 0 for part in plan.parts)
         self._raw_tables: dict[int, tuple] = {}
         self._failure = ffi.new("shm_gather_error *")
+        # Rows of many row-friendly .b2nd files of one layout: one joined chunk table per
+        # source (checked chunks go file by file: their checksums are per file).
+        self._all_blosc = plan.kind == "rows" and not self.single and not verify and all(
+            isinstance(part, FieldSpec) and part.kind == "b2nd" and part.row_contiguous and part.row_bytes > 0
+            and (part.chunk_rows, part.block_rows) == (plan.parts[0].chunk_rows, plan.parts[0].block_rows)
+            for part in plan.parts)
+        self._combined: dict[int, CombinedBlosc] = {}
 
     def _raw_table(self, source: int) -> tuple:
         table = self._raw_tables.get(source)
@@ -358,6 +365,26 @@ class PlanReader:
                 raise StorageError(f"field {self.plan.name!r}: row {int(wanted[position])} of source {source}: "
                                    f"gather failed ({status_name(status)}; {rows} rows)")
 
+    def _fill_blosc_parts(self, indices: np.ndarray, sources, output: _Output) -> None:
+        present = [0] if sources is None else np.unique(sources).tolist()
+        for source in present:
+            first, starts = self._source_parts[source]
+            combined = self._combined.get(source)
+            if combined is None:
+                parts = [self.part(first + k) for k in range(len(starts))]
+                combined = self._combined[source] = CombinedBlosc(parts, self.batch_size)
+            positions = None if sources is None else np.flatnonzero(sources == source)
+            rows = indices if positions is None else indices[positions]
+            parts = np.searchsorted(starts, rows, side="right") - 1
+            virtual = combined.virtual_rows(parts, rows - starts[parts])
+            if positions is None:
+                combined.gather_unchecked(virtual, output.pointer, output.nbytes)
+            else:  # A mixture's rows of this source, gathered together, then put in place.
+                staged = np.empty((len(positions), *output.array.shape[1:]), dtype=output.array.dtype)
+                combined.gather_unchecked(virtual, ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8)),
+                                          staged.nbytes)
+                output.array[positions] = staged
+
     def part(self, index: int):
         field = self._opened.get(index)
         if field is None:
@@ -387,6 +414,9 @@ class PlanReader:
     def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
         if self._all_raw:
             self._fill_raw_parts(indices, index_pointer, sources, outputs[0])
+            return
+        if self._all_blosc:
+            self._fill_blosc_parts(indices, sources, outputs[0])
             return
         kind, groups = self.plan.kind, self.groups(indices, sources)
         if kind == "padded":

@@ -577,6 +577,60 @@ class BloscField:
         self._map = None
 
 
+class CombinedBlosc:
+    """Many row-friendly .b2nd files of one layout read as one: their chunk tables joined,
+    so that a batch spread over hundreds of shards is one native gather. A file's row r
+    is "virtual" row (its first chunk + r // chunk_rows) * chunk_rows + r % chunk_rows:
+    Blosc2 stores every chunk at full size, so chunk c holds virtual rows from c * chunk_rows.
+    The parts stay open (their mappings and in-memory chunks back the joined table)."""
+
+    def __init__(self, parts: list[BloscField], batch_size_max: int) -> None:
+        first = parts[0]
+        for part in parts[1:]:
+            if (part.spec.chunk_rows, part._block_rows, part.spec.row_bytes) != \
+                    (first.spec.chunk_rows, first._block_rows, first.spec.row_bytes):
+                raise ValueError(f"{part.spec.path}: another chunk layout than {first.spec.path}")
+        self.parts = parts
+        self.chunk_rows = first.spec.chunk_rows
+        self.chunk_starts = np.concatenate([[0], np.cumsum([part.spec.chunk_count for part in parts])[:-1]]).astype(np.uint64)
+        self._addresses = np.concatenate([part._addresses for part in parts])
+        self._sizes = np.concatenate([part._sizes for part in parts])
+        block_rows = first._block_rows
+        block_bytes = block_rows * first.spec.row_bytes if block_rows > 1 else 0
+        self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
+        self._order_buffer = np.empty(max(2 * batch_size_max, 1), dtype=np.uint64)
+        layout = ffi.new("shm_blosc_layout *")
+        layout.getitem, layout.context = first._layout.getitem, first._layout.context
+        layout.chunk_addresses = ffi.from_buffer("uint64_t[]", self._addresses)
+        layout.chunk_bytes = ffi.from_buffer("uint64_t[]", self._sizes)
+        layout.chunk_count = len(self._addresses)
+        layout.row_count = len(self._addresses) * self.chunk_rows
+        layout.rows_per_chunk = self.chunk_rows
+        layout.rows_per_block = max(block_rows, 1)
+        layout.row_bytes = first.spec.row_bytes
+        layout.block_buffer = ffi.from_buffer("uint8_t[]", self._block_buffer)
+        layout.block_buffer_bytes = block_bytes
+        layout.order_buffer = ffi.from_buffer("uint64_t[]", self._order_buffer)
+        layout.order_buffer_count = batch_size_max if block_rows > 1 else 0
+        self._layout_keepalive = (layout.chunk_addresses, layout.chunk_bytes, layout.block_buffer, layout.order_buffer)
+        self._layout = layout
+        self._failure = ffi.new("shm_gather_error *")
+
+    def virtual_rows(self, parts: np.ndarray, local: np.ndarray) -> np.ndarray:
+        chunk_rows = np.uint64(self.chunk_rows)
+        return (self.chunk_starts[parts] + local // chunk_rows) * chunk_rows + local % chunk_rows
+
+    def gather_unchecked(self, virtual_rows: np.ndarray, out_pointer, out_bytes: int) -> None:
+        status = lib.shm_gather_blosc(self._layout, _u64(virtual_rows), len(virtual_rows), out_pointer, out_bytes,
+                                      self._failure)
+        if status != Status.OK:
+            row = int(virtual_rows[int(self._failure.position)])
+            chunk = row // self.chunk_rows
+            part = int(np.searchsorted(self.chunk_starts, chunk, side="right")) - 1
+            raise StorageError(f"{self.parts[part].spec.path}: chunk {chunk - int(self.chunk_starts[part])} failed "
+                               f"({status_name(status)}, libblosc2 code {int(self._failure.code)}); the file is corrupted")
+
+
 class BloscPythonField:
     """Any other Blosc2 layout, through blosc2's Python API: correct but slow (a warning says so)."""
 

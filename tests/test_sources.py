@@ -153,3 +153,25 @@ def test_files_of_one_field_must_match_and_bad_sources_are_named(tmp_path):
         ShmDataLoader([Source(one), Source({"y": str(tmp_path / "a.npy")})], batch_size=2, readers=1)
     with pytest.raises(ValueError, match="mode must be 'shuffle'"):
         ShmDataLoader([Source(one)], batch_size=2, readers=1, mode="sequential")
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["joined-chunk-table", "file-by-file"])
+def test_a_field_of_b2nd_shards_reads_like_one_file(tmp_path, verify):
+    from shmloader.convert import convert
+    from shmloader.sampler import Sampler
+
+    rows = np.random.default_rng(0).integers(0, 255, size=(700, 96), dtype=np.uint8)
+    for shard, start in enumerate(range(0, 700, 30)):  # 24 shards, the last one short.
+        convert(rows[start:start + 30], tmp_path / f"img-{shard:03d}.b2nd", codec="lz4", progress=False)
+    sampler = Sampler(700, 64, seed=3)
+    with ShmDataLoader({"x": str(tmp_path / "img-*.b2nd")}, batch_size=64, readers=2, seed=3,
+                       verify=verify) as loader:
+        for _ in range(25):
+            batch = next(loader)
+            assert np.array_equal(batch["x"], rows[sampler.fill(batch.step)])
+    shards = sorted(str(path) for path in tmp_path.glob("img-*.b2nd"))
+    mixture = [Source({"x": shards}, weight=3), Source({"x": shards[:2]}, weight=1)]
+    with ShmDataLoader(mixture, batch_size=64, readers=2, seed=3, verify=verify) as loader:
+        for _ in range(10):
+            batch = next(loader)
+            assert np.array_equal(batch["x"], rows[batch.indices])
