@@ -83,7 +83,7 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
 
 _CHECKSUM_PAIRS = 3
 _SHARD_FILES = 1000
-_SHARD_WARM_UP = 50
+_SHARD_WARM_UP = 500
 
 
 def shard_files(images: dict, labels: dict) -> dict:
@@ -103,8 +103,9 @@ def shard_files(images: dict, labels: dict) -> dict:
 
 def many_files_ratio(images: dict, labels: dict, batches: int) -> float:
     """rate(the rows split over _SHARD_FILES files) / rate(one file), the median of
-    alternating pairs, after a warm-up in which every reader has mapped the files (a
-    one-time cost, about a hundred microseconds a file and reader)."""
+    alternating pairs, after a warm-up of _SHARD_WARM_UP batches in which every reader has
+    mapped the files and faulted their pages in (one-time costs, which a 50-batch warm-up
+    left partly inside the timed run)."""
     one = {"image": images["npy"], "label": labels["npy"]}
     many = shard_files(images, labels)
     ratios = [run_shmloader(many, batches, warm_up=_SHARD_WARM_UP)["rows_per_s"]
