@@ -182,11 +182,16 @@ static int wake_readers(Cursor *self) {
  * Returns how many slots were handed back, or -1 with an exception set. */
 static Py_ssize_t release_unused(Cursor *self, int flush) {
     Py_ssize_t released = 0;
+    unsigned long long now_ns = 0; /* Read once, and only when a slot goes back. */
     for (Py_ssize_t s = 0; s < self->slot_count; s++) {
         Slot *slot = &self->slots[s];
         if (!slot->held || slot_in_use(slot)) {
             continue;
         }
+        if (now_ns == 0) {
+            now_ns = monotonic_ns();
+        }
+        slot->control->requested_ns = now_ns;
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);

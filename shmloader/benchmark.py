@@ -63,6 +63,8 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
             "wait_fraction": stats["wait_fraction"],
             "first_batch_s": first_batch_s,
             "shared_memory_mib": loader.shared_memory_bytes / 2**20,
+            "starved_fraction": max(reader["starved_fraction"] for reader in stats["readers"]),
+            "batches_per_wakeup": sum(r["batches"] for r in stats["readers"]) / max(1, sum(r["wakeups"] for r in stats["readers"])),
         }
 
 
@@ -137,7 +139,8 @@ def _print_result(result: dict) -> None:
     print(
         f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, "
         f"{result['gb_per_s']:.2f} GB/s, {result['batches_per_s']:,.1f} batches/s, trainer waited "
-        f"{result['wait_fraction']:.0%}, first batch {result['first_batch_s']:.2f} s, "
+        f"{result['wait_fraction']:.0%}, readers starved up to {result['starved_fraction']:.0%} "
+        f"({result['batches_per_wakeup']:.1f} batches per wake-up), first batch {result['first_batch_s']:.2f} s, "
         f"shared memory {result['shared_memory_mib']:.1f} MiB"
     )
 

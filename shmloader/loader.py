@@ -581,7 +581,9 @@ class ShmDataLoader(cursor_module.Cursor):
         self._request_from(step)
 
     def stats(self) -> dict:
-        """Batches delivered, rates, the share of time the trainer waited, and reader busy time."""
+        """Batches delivered, rates, the share of time the trainer waited, and per reader its
+        busy time, the time it slept while a slot was waiting for it (starved_s; what must
+        go to zero while the trainer waits), its wake-ups and batches per wake-up."""
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size

@@ -171,6 +171,8 @@ class Reader:
         self.step = None
         self.busy_ns = 0
         self.batches = 0
+        self.starved_ns = self.sleeps = self.wakeups = 0
+        self._slept = None  # (began, ended) of the last wait for work, until the next claim
         batch = self.layout.batch_size
         # Views of every slot's regions and pointers to them, made and checked once.
         self.index_views, self.outputs, self.source_outputs = [], [], []
@@ -231,10 +233,28 @@ class Reader:
                 return 128 + _termination.signal  # Sent to this reader alone: the trainer restarts it.
             slot = self.ring.claim(self.index)
             if slot is None:
-                wait(self.ring.work_semaphore, _WAIT_SECONDS)
+                self._sleep()
             else:
+                self._count_starvation(slot)
                 self.fill(slot)
         return 0
+
+    def _sleep(self) -> None:
+        began = time.monotonic_ns()
+        woken = wait(self.ring.work_semaphore, _WAIT_SECONDS)
+        self.sleeps += 1
+        self.wakeups += woken
+        self._slept = (began, time.monotonic_ns())
+
+    def _count_starvation(self, slot: int) -> None:
+        """The part of the last sleep after `slot` was requested: time the pipeline starved
+        while this reader slept (a deferred or lost wake-up)."""
+        if self._slept is None:
+            return
+        began, ended = self._slept
+        self._slept = None
+        self.starved_ns += max(0, ended - max(began, self.ring.requested_ns(slot)))
+        self.ring.write_reader_sleeps(self.index, self.starved_ns, self.sleeps, self.wakeups)
 
     def close(self) -> None:
         for field in self.fields:

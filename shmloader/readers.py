@@ -95,6 +95,7 @@ class ReaderPool:
         self._config: ReaderConfig | None = None
         self._retired_busy_ns = [0] * count
         self._retired_batches = [0] * count
+        self._retired_sleeps = [(0, 0, 0)] * count  # (starved_ns, sleeps, wakeups)
         self.count = count
 
     def start(self) -> None:
@@ -151,7 +152,10 @@ class ReaderPool:
         busy_ns, batches = ring.reader_stats(reader_index)[1:]
         self._retired_busy_ns[reader_index] += busy_ns
         self._retired_batches[reader_index] += batches
+        self._retired_sleeps[reader_index] = tuple(
+            a + b for a, b in zip(self._retired_sleeps[reader_index], ring.reader_sleeps(reader_index)))
         ring.write_reader_stats(reader_index, 0, 0, 0)
+        ring.write_reader_sleeps(reader_index, 0, 0, 0)
         for slot in range(ring.layout.slot_count):
             state, owner = ring.state(slot)
             if state == SlotState.FILLING and owner == reader_index:
@@ -210,17 +214,27 @@ class ReaderPool:
                 self.check()
 
     def report(self, elapsed_s: float) -> list[dict]:
-        """Per reader: pid, batches filled and time busy, counting the readers it replaced."""
+        """Per reader, counting the readers it replaced: pid, batches filled, time busy,
+        time asleep while a slot it then claimed was already requested (a starved
+        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up."""
         readers = []
         for reader_index in range(self.count):
             pid, busy_ns, batches = self.ring.reader_stats(reader_index)
+            starved_ns, sleeps, wakeups = (a + b for a, b in zip(self.ring.reader_sleeps(reader_index),
+                                                                  self._retired_sleeps[reader_index]))
+            batches += self._retired_batches[reader_index]
             busy_s = (busy_ns + self._retired_busy_ns[reader_index]) / 1e9
             readers.append({
                 "index": reader_index,
                 "pid": pid,
-                "batches": batches + self._retired_batches[reader_index],
+                "batches": batches,
                 "busy_s": busy_s,
                 "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
+                "starved_s": starved_ns / 1e9,
+                "starved_fraction": starved_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
+                "sleeps": sleeps,
+                "wakeups": wakeups,
+                "batches_per_wakeup": batches / wakeups if wakeups else float(batches),
             })
         return readers
 

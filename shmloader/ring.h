@@ -16,8 +16,8 @@
 /* "SHMLRING" read as a little-endian u64, at offset 0 of the segment. */
 #define SHM_RING_MAGIC 0x474E49524C4D4853
 /* Bumped whenever the layout or the protocol changes; a reader refuses any other.
- * 3: the control line's waiter flag; the creator holds an exclusive flock on the segment. */
-#define SHM_RING_VERSION 3
+ * 4: when a slot was requested, and the readers' sleep counters, for stats(). */
+#define SHM_RING_VERSION 4
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -54,16 +54,22 @@ typedef struct {
     uint64_t state;
     uint64_t step;
     uint64_t waiter;
-    uint64_t reserved[5];
+    uint64_t requested_ns; /* CLOCK_MONOTONIC when the trainer requested the slot */
+    uint64_t reserved[4];
 } shm_control_line;
 
-/* The fixed head of a reader's record; its UTF-8 JSON error report follows. */
+/* The fixed head of a reader's record; its UTF-8 JSON error report follows. starved_ns:
+ * time the reader slept while a slot it then claimed was already requested; sleeps and
+ * wakeups: waits for work begun, and ended by a post rather than the time-out. */
 typedef struct {
     uint64_t pid;
     uint64_t busy_ns;
     uint64_t batches;
     uint32_t error_bytes;
     uint32_t reserved;
+    uint64_t starved_ns;
+    uint64_t sleeps;
+    uint64_t wakeups;
 } shm_reader_record;
 
 #endif

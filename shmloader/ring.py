@@ -442,6 +442,10 @@ class Ring:
         requested = int(SlotState.REQUESTED)
         return lib.shm_state_compare_swap(self._state_pointers[slot], requested, int(SlotState.IDLE)) == requested
 
+    def requested_ns(self, slot: int) -> int:
+        """When the trainer requested the slot (CLOCK_MONOTONIC); read after claiming it."""
+        return self._lines[slot].requested_ns
+
     def step(self, slot: int) -> int:
         """The slot's step; read it after the state word that published it."""
         return self._lines[slot].step
@@ -449,6 +453,7 @@ class Ring:
     def request(self, slot: int, step: int) -> None:
         """Asks the readers to fill `slot` with `step` (the trainer's side)."""
         self._lines[slot].step = step
+        self._lines[slot].requested_ns = time.monotonic_ns()
         lib.shm_state_store(self._state_pointers[slot], int(SlotState.REQUESTED))
         self.work_semaphore.release()
 
@@ -475,6 +480,15 @@ class Ring:
     def reader_stats(self, reader: int) -> tuple[int, int, int]:
         record = self._records[reader]
         return record.pid, record.busy_ns, record.batches
+
+    def write_reader_sleeps(self, reader: int, starved_ns: int, sleeps: int, wakeups: int) -> None:
+        record = self._records[reader]
+        record.starved_ns, record.sleeps, record.wakeups = starved_ns, sleeps, wakeups
+
+    def reader_sleeps(self, reader: int) -> tuple[int, int, int]:
+        """(starved_ns, sleeps, wakeups) of a reader (see ring.h)."""
+        record = self._records[reader]
+        return record.starved_ns, record.sleeps, record.wakeups
 
     def write_reader_error(self, reader: int, report: bytes) -> None:
         if len(report) > READER_ERROR_BYTES_MAX:

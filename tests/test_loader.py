@@ -422,3 +422,18 @@ def test_not_enough_shared_memory_is_an_error_naming_sizes(dataset, monkeypatch)
     monkeypatch.setattr(ring.os, "statvfs", lambda path: TinyStatvfs)
     with pytest.raises(SharedMemoryError, match=r"needs \d+\.\d MiB.*0\.0 MiB are free"):
         ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=1000, readers=1, slots=2)
+
+
+def test_stats_show_readers_starved_by_deferred_wake_ups(dataset):
+    """While readers are ahead the trainer defers their wake-ups to once per half ring: a
+    slot requested meanwhile waits for a reader that sleeps, and stats() shows that time."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=8) as loader:
+        next(loader)
+        time.sleep(0.2)  # The reader fills the ring and goes to sleep.
+        for _ in range(24):
+            next(loader)
+            time.sleep(0.01)  # A slow trainer: the reader is always ahead, then asleep.
+        reader = loader.stats()["readers"][0]
+    assert reader["sleeps"] > 0 and reader["wakeups"] > 0
+    assert reader["starved_s"] > 0.005  # Requests waited for the deferred post.
+    assert reader["batches_per_wakeup"] > 1  # One post wakes it for several slots.

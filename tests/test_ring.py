@@ -47,7 +47,7 @@ def test_slot_states_are_the_headers():
 
 
 def test_struct_layout_is_the_documented_one():
-    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 32
+    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 56
     assert ffi.offsetof("shm_ring_header", "stop") == 56
     assert ffi.offsetof("shm_ring_header", "batch_size") == 32
     assert ffi.offsetof("shm_control_line", "step") == 8
