@@ -224,7 +224,7 @@ pub fn gatherPartsRaw(
     if (destinations.len != 0 and destinations.len != indices.len) return .output_size_mismatch;
     if (destinations.len == 0 and out.len != indices.len * row_bytes) return .output_size_mismatch;
     for (indices, 0..) |index, position| {
-        const destination = if (destinations.len == 0) position * row_bytes else destinations[position];
+        const destination = rowDestination(destinations, row_bytes, position);
         if (index >= total_rows) {
             failure.* = .{ .position = position, .code = 0 };
             return .index_out_of_range;
@@ -238,10 +238,15 @@ pub fn gatherPartsRaw(
         const part = partOf(part_starts, total_rows, index);
         const table: [*]const u8 = @ptrFromInt(part_tables[part]);
         const local = index - part_starts[part];
-        const destination = if (destinations.len == 0) position * row_bytes else destinations[position];
+        const destination = rowDestination(destinations, row_bytes, position);
         @memcpy(out[destination..][0..row_bytes], table[local * row_bytes ..][0..row_bytes]);
     }
     return .ok;
+}
+
+/// Where row `position` of a batch goes: its own offset, or packed in batch order.
+fn rowDestination(destinations: []const u64, row_bytes: u64, position: usize) u64 {
+    return if (destinations.len == 0) position * row_bytes else destinations[position];
 }
 
 /// The last part whose first row is <= `index` (part_starts[0] == 0, increasing, and
