@@ -27,6 +27,7 @@ __all__ = [
     "Source",
     "StorageError",
     "Windows",
+    "transform",
 ]
 __version__ = "0.1.0"
 
@@ -49,3 +50,10 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
+
+
+def transform(outputs, *, name: str | None = None):
+    """Declares a transform (see shmloader.transforms.transform)."""
+    from .transforms import transform as declare
+
+    return declare(outputs, name=name)

@@ -28,6 +28,8 @@ from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stal
 from .sampler import STEP_MAX, Sampler, check_integer
 from .slots import FieldPlan, Packed, Padded, Region, Windows, merge_sources, plan_field
 from .sources import MixtureSampler, Source
+from .transforms import TransformSpec
+from .transforms import resolve as resolve_transform
 
 cursor_module = load_cursor()
 
@@ -124,7 +126,7 @@ def _check_mapping(mapping, where: str) -> dict:
     return dict(mapping)
 
 
-def _plan_fields(sources: list[Source], batch_size: int) -> dict[str, FieldPlan]:
+def _plan_fields(sources: list[Source], batch_size: int, ragged_packed: bool = False) -> dict[str, FieldPlan]:
     """Describes every field's files and lays out its regions, naming the field (and the
     source) in any error; within a source all fields must have as many rows."""
     per_source = []
@@ -136,7 +138,7 @@ def _plan_fields(sources: list[Source], batch_size: int) -> dict[str, FieldPlan]
         plans = {}
         for name, declaration in source.fields.items():
             try:
-                plans[name] = plan_field(name, declaration, batch_size)
+                plans[name] = plan_field(name, declaration, batch_size, ragged_packed)
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"{where}{_name_field(name, error)}") from None
             except StorageError as error:
@@ -168,6 +170,48 @@ def _sources_description(sources: list[Source], plans: dict[str, FieldPlan]) -> 
         described.append({"files": len(files), "files_digest": digest, "rows": rows, "weight": source.weight,
                           "fraction": source.fraction, "fixed": source.fixed})
     return described
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderPlan:
+    """What a loader's batches are made of: its fields' plans, the slot's regions, the
+    sampler and the transform (None without one)."""
+
+    plans: dict[str, FieldPlan]
+    regions: tuple[Region, ...]
+    sampler: Sampler | MixtureSampler
+    transform: TransformSpec | None
+    sources: list[dict]
+    mixture: bool
+
+
+def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
+                transform=None, transform_args=None) -> LoaderPlan:
+    """Validates the files and settings and lays out the slot: the loader's plan, also used
+    in one process by shmloader.transforms.compute_batch."""
+    sources = _normalise_fields(fields, label_path)
+    mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
+    if mixture and mode != "shuffle":
+        raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
+                         f"got {mode!r}")
+    if transform_args is not None and transform is None:
+        raise TypeError("transform_args given without a transform")
+    spec = None if transform is None else resolve_transform(transform, transform_args, batch_size)
+    plans = _plan_fields(sources, batch_size, ragged_packed=spec is not None)
+    if spec is None:
+        regions = tuple(region for plan in plans.values() for region in plan.regions)
+    else:  # The slot holds the transform's outputs only; its inputs stay in the readers.
+        regions = tuple(Region(name, (batch_size, *shape), dtype) for name, shape, dtype in spec.outputs)
+    if mixture:
+        regions += (Region("source", (batch_size,), "<u4"),)
+    row_counts = next(iter(plans.values())).row_counts
+    if mixture:
+        sampler = MixtureSampler(list(row_counts), [source.weight for source in sources],
+                                 [source.fraction for source in sources], [source.fixed for source in sources],
+                                 batch_size, seed, shard_index, shard_count)
+    else:
+        sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count)
+    return LoaderPlan(plans, regions, sampler, spec, _sources_description(sources, plans), mixture)
 
 
 def _warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
@@ -344,14 +388,11 @@ class ShmDataLoader(cursor_module.Cursor):
         warn_layout: bool = True,
         verify: bool = False,
         pin_memory=False,
+        transform=None,
+        transform_args: dict | None = None,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
-        sources = _normalise_fields(fields, label_path)
-        self.mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
-        if self.mixture and mode != "shuffle":
-            raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
-                             f"got {mode!r}")
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
         # Two slots per reader to fill, plus two for the trainer: the batch in use and the
@@ -375,26 +416,18 @@ class ShmDataLoader(cursor_module.Cursor):
         try:
             self._pool = self._resources.pool = ReaderPool(self.readers, self.max_reader_restarts)
             self._pool.start()
-            self._prepare(sources, mode, seed, shard_index, shard_count, warn_layout, start_step)
+            self._prepare(plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
+                                      transform, transform_args), warn_layout, start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise
 
-    def _prepare(self, sources, mode, seed, shard_index, shard_count, warn_layout, start_step) -> None:
-        """Validates the files and settings, then creates the ring and configures the readers."""
-        self.plans = _plan_fields(sources, self.batch_size)
-        self.regions = tuple(region for plan in self.plans.values() for region in plan.regions)
-        if self.mixture:
-            self.regions += (Region("source", (self.batch_size,), "<u4"),)
+    def _prepare(self, plan: LoaderPlan, warn_layout: bool, start_step: int) -> None:
+        """Takes the validated plan, then creates the ring and configures the readers."""
+        self.plans, self.regions, self.sampler, self.mixture = plan.plans, plan.regions, plan.sampler, plan.mixture
+        self.transform = plan.transform
         self.field_names = tuple(region.name for region in self.regions)
-        self.sources = _sources_description(sources, self.plans)
-        row_counts = next(iter(self.plans.values())).row_counts
-        if self.mixture:
-            self.sampler = MixtureSampler(list(row_counts), [source.weight for source in sources],
-                                          [source.fraction for source in sources], [source.fixed for source in sources],
-                                          self.batch_size, seed, shard_index, shard_count)
-        else:
-            self.sampler = Sampler(row_counts[0], self.batch_size, mode, seed, shard_index, shard_count)
+        self.sources = plan.sources
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
@@ -438,6 +471,8 @@ class ShmDataLoader(cursor_module.Cursor):
             sampler=self.sampler,
             fields=tuple(self.plans.values()),
             verify_checksums=self.verify,
+            transform=self.transform,
+            sys_path=tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (),
         ))
 
     def _request_from(self, step: int) -> None:
@@ -544,13 +579,20 @@ class ShmDataLoader(cursor_module.Cursor):
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,
         and a description of the sources (file lists as digests, rows, weights, fractions)."""
-        return {"step": self._next_step, **self.sampler.to_dict(), "sources": self.sources}
+        state = {"step": self._next_step, **self.sampler.to_dict(), "sources": self.sources}
+        if self.transform is not None:
+            state["transform"] = {"name": self.transform.name, "args": self.transform.args}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one
         recorded. A checkpoint of other sources or settings is refused, saying what changed."""
         if "sources" in state and state["sources"] != self.sources:
             raise ValueError(f"the checkpoint was made from other data: {_sources_change(state['sources'], self.sources)}")
+        mine = None if self.transform is None else {"name": self.transform.name, "args": self.transform.args}
+        if state.get("transform") != mine and ("transform" in state or mine is not None):
+            raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
+                             f"{mine!r}; its batches would differ")
         expected = self.sampler.to_dict()
         mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
         if mismatched:

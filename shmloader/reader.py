@@ -22,8 +22,9 @@ import posix_ipc
 from ._native import ffi
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
-from .slots import FieldPlan, PlanReader, Region, make_outputs
+from .slots import FieldPlan, InputBuffers, PlanReader, Region, make_outputs
 from .sources import MixtureSampler
+from .transforms import TransformRunner, TransformSpec
 
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
@@ -71,6 +72,8 @@ class ReaderConfig:
     sampler: Sampler | MixtureSampler
     fields: tuple[FieldPlan, ...]
     verify_checksums: bool
+    transform: TransformSpec | None = None
+    sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
 
     def to_json(self) -> str:
         return json.dumps({
@@ -81,6 +84,8 @@ class ReaderConfig:
             "sampler": self.sampler.to_dict(),
             "fields": [spec.to_dict() for spec in self.fields],
             "verify_checksums": self.verify_checksums,
+            "transform": None if self.transform is None else self.transform.to_dict(),
+            "sys_path": list(self.sys_path),
         })
 
     @classmethod
@@ -95,6 +100,8 @@ class ReaderConfig:
                      else Sampler.from_dict(data["sampler"])),
             fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
             verify_checksums=data["verify_checksums"],
+            transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
+            sys_path=tuple(data["sys_path"]),
         )
 
 
@@ -164,9 +171,14 @@ class Reader:
         self.ring = ring
         self.layout = ring.layout
         self.sampler = config.sampler
-        self.fields = []
-        for plan in config.fields:
-            self.fields.append(PlanReader(plan, self.layout.batch_size, config.verify_checksums, self.sampler))
+        self.fields, self.runner, self.inputs = [], None, None
+        if config.transform is None:
+            for plan in config.fields:
+                self.fields.append(PlanReader(plan, self.layout.batch_size, config.verify_checksums, self.sampler))
+        else:  # The fields fill this reader's own buffers; the transform fills the slot.
+            sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
+            self.runner = TransformRunner(config.transform, self.layout.batch_size, self.sampler)
+            self.inputs = InputBuffers(config.fields, self.layout.batch_size, config.verify_checksums, self.sampler)
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0
@@ -177,7 +189,8 @@ class Reader:
         # Views of every slot's regions and pointers to them, made and checked once.
         self.index_views, self.outputs, self.source_outputs = [], [], []
         self.mixture = isinstance(self.sampler, MixtureSampler)
-        regions = [region for plan in config.fields for region in plan.regions]
+        plans = config.fields if config.transform is None else [_transform_plan(config.transform, batch)]
+        regions = [region for plan in plans for region in plan.regions]
         if self.mixture:
             regions.append(Region("source", (batch,), "<u4"))  # The loader's last region.
         for slot in range(self.layout.slot_count):
@@ -187,7 +200,7 @@ class Reader:
             )
             outputs = make_outputs(ring.memory, slot_offset, tuple(regions), self.layout.region_offsets)
             per_field, first = [], 0
-            for plan in config.fields:
+            for plan in plans:
                 per_field.append(outputs[first:first + len(plan.regions)])
                 first += len(plan.regions)
             self.outputs.append(per_field)
@@ -211,8 +224,13 @@ class Reader:
             sources = source_output.array
         else:
             self.sampler.fill_unchecked(self.step, index_pointer)
-        for field, outputs in zip(self.fields, self.outputs[slot]):
-            field.fill(self.step, indices, index_pointer, outputs, sources)
+        if self.runner is None:
+            for field, outputs in zip(self.fields, self.outputs[slot]):
+                field.fill(self.step, indices, index_pointer, outputs, sources)
+        else:
+            inputs = self.inputs.fill(self.step, indices, index_pointer, sources)
+            out = {name: output.array for name, output in zip(self.runner.shapes, self.outputs[slot][0])}
+            self.runner.run(self.step, indices, sources, inputs, out)
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1
@@ -259,6 +277,14 @@ class Reader:
     def close(self) -> None:
         for field in self.fields:
             field.close()
+        if self.inputs is not None:
+            self.inputs.close()
+
+
+def _transform_plan(spec: TransformSpec, batch_size: int) -> FieldPlan:
+    """The slot's regions under a transform, as one pseudo-field: its declared outputs."""
+    regions = tuple(Region(name, (batch_size, *shape), dtype) for name, shape, dtype in spec.outputs)
+    return FieldPlan("transform", "transform", (), (), (), regions, (0,), {})
 
 
 def _yield_to_the_trainer() -> None:

@@ -141,9 +141,13 @@ def expand_paths(name: str, paths) -> list[str]:
     return [os.path.abspath(path) for path in expanded]
 
 
-def plan_field(name: str, declaration, batch_size: int) -> FieldPlan:
-    """The trainer's side, for one source: validates the field's file(s) and lays out its regions."""
+def plan_field(name: str, declaration, batch_size: int, ragged_packed: bool = False) -> FieldPlan:
+    """The trainer's side, for one source: validates the field's file(s) and lays out its
+    regions. With `ragged_packed` (a transform's input), a bare path of ragged records is
+    read as Packed."""
     paths = expand_paths(name, declaration.path if isinstance(declaration, (Padded, Packed, Windows)) else declaration)
+    if ragged_packed and not isinstance(declaration, (Padded, Packed, Windows)) and is_ragged(paths[0]):
+        declaration = Packed(declaration)
     if isinstance(declaration, Windows):
         if len(paths) != 1:
             raise ValueError(f"field {name!r}: Windows reads one stream file, got {len(paths)} files")
@@ -534,3 +538,31 @@ class PlanReader:
         for field in self._opened.values():
             field.close()
         self._opened.clear()
+
+
+class InputBuffers:
+    """A transform's input fields, filled into this process's own memory (they never enter
+    the ring): `views` maps each field to what the transform gets (see transforms)."""
+
+    def __init__(self, plans: tuple[FieldPlan, ...], batch_size: int, verify: bool, sampler) -> None:
+        from .transforms import Records
+
+        self.readers = [PlanReader(plan, batch_size, verify, sampler) for plan in plans]
+        self.outputs, self.views = [], {}
+        for plan in plans:
+            outputs = [_Output(np.zeros(region.shape, np.dtype(region.dtype))) for region in plan.regions]
+            self.outputs.append(outputs)
+            arrays = {region.name: output.array for region, output in zip(plan.regions, outputs)}
+            if plan.kind == "packed":
+                shapes = arrays.get(f"{plan.name}.shapes")
+                arrays[plan.name] = Records(arrays[plan.name], arrays[f"{plan.name}.offsets"], shapes)
+            self.views.update(arrays)
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, sources) -> dict:
+        for reader, outputs in zip(self.readers, self.outputs):
+            reader.fill(step, indices, index_pointer, outputs, sources)
+        return self.views
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()

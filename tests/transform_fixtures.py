@@ -1,0 +1,69 @@
+"""Transforms for the tests: importable by name (tests/ is on the trainer's sys.path, which
+readers share), as a user's own module would be."""
+
+import random
+
+import numpy as np
+
+import shmloader
+
+
+def _outputs(scale=2, width=4):
+    return {"x": ((width,), "float32"), "noise": ((3,), "int64"), "position": ((), "uint64"), "draw": ((), "int64")}
+
+
+@shmloader.transform(outputs=_outputs)
+def scaled(batch, out, ctx, *, scale=2, width=4):
+    """x = data * scale; noise from each sample's generator; the batch generator's draw."""
+    out["x"][:] = batch["data"] * scale
+    for i in range(len(ctx.indices)):
+        out["noise"][i] = ctx.rng(i).integers(0, 1 << 40, 3)
+    out["position"][:] = ctx.positions
+    out["draw"][:] = ctx.batch_rng.integers(0, 1 << 40)
+
+
+@shmloader.transform(outputs={"total": ((), "int64"), "length": ((), "uint32"), "first": ((), "int32")})
+def summarise(batch, out, ctx):
+    """Reduces each ragged record (tokens) to its sum, length and first element."""
+    records = batch["tokens"]
+    for i in range(len(records)):
+        record = records[i]
+        out["total"][i] = record.sum()
+        out["length"][i] = record.size
+        out["first"][i] = record.reshape(-1)[0]
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def uses_numpy_global(batch, out, ctx):
+    out["x"][:] = batch["data"] + np.random.random((len(ctx.indices), 1))
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def uses_python_global(batch, out, ctx):
+    out["x"][:] = batch["data"] + random.random()
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def fails_on_row_seven(batch, out, ctx):
+    if 7 in ctx.indices.tolist():
+        raise ValueError("row seven is cursed")
+    out["x"][:] = batch["data"]
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def returns_wrong_dtype(batch, out, ctx):
+    return {"x": batch["data"].astype(np.float64)}
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def returns_wrong_shape(batch, out, ctx):
+    out["x"] = np.zeros((len(ctx.indices), 5), np.float32)
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def returns_arrays(batch, out, ctx):
+    return {"x": batch["data"] + 1}
+
+
+def undeclared(batch, out, ctx):
+    pass
