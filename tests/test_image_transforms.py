@@ -1,0 +1,150 @@
+"""Built-in image transforms: decode + random resized crop + flip (and evaluation's resize
++ center crop) in readers equal a one-process reference, and a corrupt image names its record."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from shmloader import ReaderError, ShmDataLoader
+from shmloader.convert import write_ragged
+from shmloader.imagefolder import convert_images
+from shmloader.transforms import sample_rng
+from shmloader.transforms.images import center_crop_box, random_resized_crop_box
+
+Image = pytest.importorskip("PIL.Image")
+TRAIN = "shmloader.transforms.images:train"
+
+
+def photo(rng, height, width):
+    """Smooth colour gradients with a little noise: JPEG-friendly, every image distinct."""
+    y, x = np.mgrid[0:height, 0:width]
+    phase = rng.uniform(0, 6, 3)
+    channels = [127 + 100 * np.sin(x / rng.uniform(5, 20) + y / rng.uniform(5, 20) + p) for p in phase]
+    image = np.stack(channels, axis=-1) + rng.normal(0, 3, (height, width, 3))
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """30 JPEGs of 40-90 px in 3 class directories, one PNG and one greyscale JPEG, converted."""
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    for index in range(32):
+        directory = root / "images" / f"class{index % 3}"
+        directory.mkdir(parents=True, exist_ok=True)
+        picture = Image.fromarray(photo(rng, int(rng.integers(40, 90)), int(rng.integers(40, 90))))
+        if index == 30:
+            picture.save(directory / f"{index:03d}.png")
+        elif index == 31:
+            picture.convert("L").save(directory / f"{index:03d}.jpg", quality=90)
+        else:
+            picture.save(directory / f"{index:03d}.jpg", quality=90)
+    paths = convert_images(root / "images", root / "photos", progress=False)
+    records = [(root / "images" / name).read_bytes() for name in __import__("json").load(open(paths["classes"]))["files"]]
+    return {"image": paths["image"], "label": paths["label"]}, records, np.load(paths["label"])
+
+
+def pillow_reference(data: bytes, rng, size: int) -> np.ndarray:
+    """torchvision's order of operations, spelled out with Pillow: decode, crop box, resize, flip."""
+    flipped = rng.random() < 0.5
+    image = Image.open(io.BytesIO(data))
+    top, left, h, w = random_resized_crop_box(image.height, image.width, rng)
+    resized = image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+    if flipped:
+        resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    return np.asarray(resized)
+
+
+@pytest.mark.parametrize("readers", [1, 2, 4])
+def test_pillow_train_equals_a_one_process_reference(photos, readers):
+    fields, records, labels = photos
+    with ShmDataLoader(fields, transform=TRAIN, transform_args={"size": 24, "decoder": "pillow"}, batch_size=8,
+                       readers=readers, seed=4) as loader:
+        assert loader.field_names == ("image", "label")
+        for step, batch in zip(range(8), loader):
+            assert batch["image"].shape == (8, 24, 24, 3) and batch["image"].dtype == np.uint8
+            np.testing.assert_array_equal(batch["label"], labels[batch.indices])
+            for i, row in enumerate(batch.indices.tolist()):
+                rng = sample_rng(4, step * 8 + i, TRAIN)
+                np.testing.assert_array_equal(batch["image"][i], pillow_reference(records[row], rng, 24),
+                                              err_msg=f"step {step} row {row}")
+
+
+@pytest.mark.parametrize("shard_count", [1, 2])
+def test_fast_train_is_deterministic_and_crops_what_pillow_crops(photos, shard_count):
+    pytest.importorskip("simplejpeg")
+    pytest.importorskip("cv2")
+    fields, _, _ = photos
+    batches = {}
+    for decoder, readers in (("fast", 1), ("fast", 3), ("pillow", 2)):
+        images = []
+        for shard in range(shard_count):
+            with ShmDataLoader(fields, transform=TRAIN, transform_args={"size": 32, "decoder": decoder},
+                               batch_size=16 // shard_count, readers=readers, shard_index=shard,
+                               shard_count=shard_count) as loader:
+                images.append([np.array(batch["image"]) for _, batch in zip(range(6), loader)])
+        batches[decoder, readers] = [np.concatenate(parts) for parts in zip(*images)]
+    for one, three in zip(batches["fast", 1], batches["fast", 3]):
+        np.testing.assert_array_equal(one, three)
+    # The fast path decodes at a DCT scale and resamples with OpenCV (no antialiasing): the
+    # same crop and flip give nearly the same pixels; another crop or the mirror image
+    # differs by tens of levels.
+    for fast, pillow in zip(batches["fast", 1], batches["pillow", 2]):
+        difference = np.abs(fast.astype(np.int16) - pillow.astype(np.int16)).mean(axis=(1, 2, 3))
+        mismatched = np.abs(fast.astype(np.int16) - pillow[::-1].astype(np.int16)).mean(axis=(1, 2, 3))
+        flipped = np.abs(fast.astype(np.int16) - pillow[:, :, ::-1].astype(np.int16)).mean(axis=(1, 2, 3))
+        assert difference.max() < 15 and (difference < np.minimum(mismatched, flipped) / 3).all(), \
+            (difference, mismatched, flipped)
+
+
+def test_evaluate_resizes_the_shorter_side_and_center_crops(photos):
+    fields, records, _ = photos
+    with ShmDataLoader(fields, transform="shmloader.transforms.images:evaluate", batch_size=8, mode="sequential",
+                       transform_args={"size": 24, "resize": 28, "decoder": "pillow", "label": None},
+                       readers=2) as loader:
+        assert loader.field_names == ("image",)
+        batch = next(loader)
+        for i, row in enumerate(batch.indices.tolist()):
+            image = Image.open(io.BytesIO(records[row]))
+            top, left, h, w = center_crop_box(image.height, image.width, 24, 28)
+            expected = image.convert("RGB").resize((24, 24), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
+            np.testing.assert_array_equal(batch["image"][i], np.asarray(expected))
+            # Two-step reference (resize then crop): the one-step crop keeps the same region.
+            scale = 28 / min(image.height, image.width)
+            two_step = image.convert("RGB").resize((round(image.width * scale), round(image.height * scale)),
+                                                   Image.Resampling.BILINEAR)
+            top2, left2 = (two_step.height - 24) // 2, (two_step.width - 24) // 2
+            two_step = np.asarray(two_step)[top2:top2 + 24, left2:left2 + 24]
+            assert np.abs(two_step.astype(int) - batch["image"][i].astype(int)).mean() < 8
+
+
+def test_random_resized_crop_box_stays_inside_and_within_scale():
+    rng = np.random.default_rng(1)
+    for _ in range(2000):
+        height, width = (int(x) for x in rng.integers(1, 600, 2))
+        top, left, h, w = random_resized_crop_box(height, width, rng, (0.08, 1.0), (3 / 4, 4 / 3))
+        assert 0 <= top and top + h <= height and 0 <= left and left + w <= width and h >= 1 and w >= 1
+    # A square image: ten tries almost never fail, and the areas follow the scale range.
+    areas = [np.prod(random_resized_crop_box(400, 400, rng)[2:]) / 160000 for _ in range(500)]
+    assert 0.07 < min(areas) and max(areas) <= 1.0 and 0.4 < np.mean(areas) < 0.65
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "fast"])
+def test_a_corrupt_image_names_its_record(tmp_path, decoder):
+    if decoder == "fast":
+        pytest.importorskip("simplejpeg")
+        pytest.importorskip("cv2")
+    rng = np.random.default_rng(2)
+    good = io.BytesIO()
+    Image.fromarray(photo(rng, 40, 50)).save(good, format="JPEG")
+    records = [np.frombuffer(good.getvalue(), np.uint8)] * 5
+    records[3] = np.frombuffer(b"\xff\xd8\xff\xe0" + bytes(200), np.uint8)  # A JPEG start, then nothing valid.
+    write_ragged(tmp_path / "images", records)
+    with ShmDataLoader({"image": str(tmp_path / "images")}, transform=TRAIN, mode="sequential", batch_size=5,
+                       transform_args={"size": 16, "decoder": decoder, "label": None}, readers=1) as loader:
+        with pytest.raises(ReaderError, match=r"field 'image': record 3 \(step 0, batch row 3\) is not a readable "
+                                              r"image \(204 bytes"):
+            next(loader)
