@@ -9,6 +9,7 @@ from .errors import (
     ShmLoaderError,
     SlotsExhaustedError,
     StorageError,
+    TransformError,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "SlotsExhaustedError",
     "Source",
     "StorageError",
+    "TransformError",
     "Windows",
     "transform",
 ]

@@ -38,6 +38,11 @@ class ReaderError(ShmLoaderError, RuntimeError):
         self.traceback_text = traceback_text
 
 
+class TransformError(ShmLoaderError, ValueError):
+    """A transform that cannot be used as given (refused at construction), or one whose
+    call failed in a reader (the loader raises ReaderError carrying it)."""
+
+
 class SlotsExhaustedError(ShmLoaderError, RuntimeError):
     """The trainer holds the slot the next batch needs and did not release it in time."""
 

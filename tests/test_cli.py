@@ -73,6 +73,15 @@ def test_examples_train(name, module):
     assert example.main(steps=200) > 0.3
 
 
+def test_imagenet_style_example_trains():
+    pytest.importorskip("torch")
+    pytest.importorskip("PIL")
+    spec = importlib.util.spec_from_file_location("train_imagenet_style", ROOT / "examples" / "train_imagenet_style.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(steps=60) > 0.5  # Four classes: chance is 0.25.
+
+
 def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"

@@ -39,18 +39,13 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..errors import ShmLoaderError
+from ..errors import TransformError
 
 _MASK64 = (1 << 64) - 1
 # Philox counters: the highest word holds the sample's position (or the step), the next one
 # which stream it is, so that no two streams share a counter before 2**128 draws.
 _SAMPLE_STREAM, _BATCH_STREAM = 0, 1
 RESERVED_NAMES = ("indices", "source")
-
-
-class TransformError(ShmLoaderError, ValueError):
-    """A transform that cannot be used as given (refused at construction), or one whose
-    call failed in a reader (the loader raises ReaderError carrying it)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,200 @@
+"""ImageNet-style loading: decode + random resized crop 224 + flip, batch 256, equal process
+counts: shmloader (Pillow decoder, and the fast DCT-scaled simplejpeg + OpenCV path) against
+PyTorch's DataLoader over an ImageFolder with torchvision's transforms, and against one
+process doing the fast path's work alone (the per-core limit).
+
+Run: python bench/images.py [--images 20000] [--workers 2] [--batches 30]
+Needs the images extra, torch and torchvision (torchvision is optional: without it the
+PyTorch row is left out), and scikit-image for its bundled photographs (without it the
+images are synthetic gradients, which decode faster than photographs: the run says so).
+Data: JPEGs of 300-500 px a side at quality 90, random crops of the photographs with
+colour shifts and noise, in 10 class directories; converted once with convert-images.
+Targets (issue 13): shmloader >= 1.3x PyTorch with the same decoder, >= 2x with the fast
+path, and >= 90% of (readers x the one-process limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+from _common import machine_line, table, verdict
+from gather import DATA_DIR
+
+BATCH = 256
+SIZE = 224
+CLASSES = 10
+
+
+def _photographs():
+    try:
+        from skimage import data
+    except ImportError:
+        return None
+    names = ["astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "retina", "hubble_deep_field"]
+    return [np.asarray(getattr(data, name)())[..., :3] for name in names if hasattr(data, name)]
+
+
+def _write_some(arguments) -> None:
+    directory, first, count = arguments
+    from PIL import Image
+
+    photographs = _photographs()
+    rng = np.random.default_rng(first)
+    for index in range(first, first + count):
+        height, width = (int(x) for x in rng.integers(300, 501, 2))
+        if photographs:
+            source = photographs[index % len(photographs)]
+            scale = max(height / source.shape[0], width / source.shape[1], rng.uniform(0.6, 1.4))
+            picture = Image.fromarray(source).resize((max(width, int(source.shape[1] * scale)),
+                                                      max(height, int(source.shape[0] * scale))))
+            array = np.asarray(picture)
+            top = int(rng.integers(0, array.shape[0] - height + 1))
+            left = int(rng.integers(0, array.shape[1] - width + 1))
+            array = array[top:top + height, left:left + width].astype(np.float32)
+        else:
+            y, x = np.mgrid[0:height, 0:width]
+            array = np.stack([127 + 100 * np.sin(x / rng.uniform(10, 60) + y / rng.uniform(10, 60) + p)
+                              for p in rng.uniform(0, 6, 3)], axis=-1)
+        array = array * rng.uniform(0.8, 1.2, 3) + rng.normal(0, 4, array.shape)
+        target = pathlib.Path(directory) / f"class{index % CLASSES}" / f"{index:06d}.jpg"
+        Image.fromarray(np.clip(array, 0, 255).astype(np.uint8)).save(target, quality=90)
+
+
+def make_images(count: int, workers: int) -> tuple[pathlib.Path, dict]:
+    directory = DATA_DIR / f"jpegs{count}"
+    done = directory / "done.json"
+    if not done.exists():
+        print(f"writing {count} JPEGs into {directory} ...", file=sys.stderr)
+        for k in range(CLASSES):
+            (directory / f"class{k}").mkdir(parents=True, exist_ok=True)
+        chunk = 500
+        with multiprocessing.Pool(workers) as pool:
+            pool.map(_write_some, [(str(directory), first, min(chunk, count - first)) for first in range(0, count, chunk)])
+        done.write_text(json.dumps({"photographs": _photographs() is not None}))
+    converted = DATA_DIR / f"jpegs{count}.converted"
+    if not pathlib.Path(f"{converted}.classes.json").exists():
+        from shmloader.imagefolder import convert_images
+
+        convert_images(directory, converted, progress=False)
+    fields = {"image": f"{converted}.image", "label": f"{converted}.label"}
+    return directory, {"fields": fields, **json.loads(done.read_text())}
+
+
+def one_process(fields: dict, decoder: str, images: int) -> float:
+    """Images/s of decode + crop + flip alone, in this process, into one output buffer."""
+    import blosc2
+
+    from shmloader.ragged import describe_ragged
+    from shmloader.transforms import sample_rng
+    from shmloader.transforms.images import ImageWriter, random_resized_crop_box
+
+    spec = describe_ragged(fields["image"])
+    offsets = blosc2.open(spec.offsets.path)[:images + 1]
+    values = blosc2.open(spec.values.path)[:int(offsets[-1])]
+    records = [values[offsets[k]:offsets[k + 1]] for k in range(images)]
+    writer = ImageWriter(decoder, "bilinear")
+    target = np.empty((SIZE, SIZE, 3), np.uint8)
+    started = time.perf_counter()
+    for k, data in enumerate(records):
+        rng = sample_rng(0, k, "bench")
+        flip = rng.random() < 0.5
+        writer.write(data, target, lambda h, w: random_resized_crop_box(h, w, rng), flip)
+    return images / (time.perf_counter() - started)
+
+
+def run_shmloader(fields: dict, decoder: str, workers: int, batches: int) -> tuple[float, dict]:
+    from shmloader import ShmDataLoader
+
+    with ShmDataLoader(fields, transform="shmloader.transforms.images:train", batch_size=BATCH, readers=workers,
+                       transform_args={"size": SIZE, "decoder": decoder}) as loader:
+        for _, batch in zip(range(3), loader):  # Readers started, first batches through.
+            pass
+        next_ns, started = 0, time.perf_counter()
+        for _ in range(batches):
+            before = time.thread_time_ns()  # CPU time: next()'s own cost, not its waiting.
+            batch = next(loader)
+            next_ns += time.thread_time_ns() - before
+            int(batch["image"][:, 0, 0, 0].sum())  # The trainer touches its batch.
+        elapsed = time.perf_counter() - started
+    return batches * BATCH / elapsed, {"next_us": next_ns / batches / 1e3}
+
+
+def run_torch(directory: pathlib.Path, workers: int, batches: int, prefetch: int) -> float | None:
+    try:
+        import torch
+        import torchvision
+        from torchvision import transforms
+    except ImportError:
+        return None
+    torch.set_num_threads(1)
+    pipeline = transforms.Compose([transforms.RandomResizedCrop(SIZE), transforms.RandomHorizontalFlip(),
+                                   transforms.PILToTensor()])
+    dataset = torchvision.datasets.ImageFolder(str(directory), transform=pipeline)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers,
+                                         persistent_workers=True, prefetch_factor=prefetch, drop_last=True)
+    def endless():  # Epochs back to back, like the endless loaders it is compared with.
+        while True:
+            yield from loader
+
+    iterator = endless()
+    for _ in range(3):
+        next(iterator)
+    started = time.perf_counter()
+    for _ in range(batches):
+        images, _ = next(iterator)
+        int(images[:, 0, 0, 0].sum())
+    rate = batches * BATCH / (time.perf_counter() - started)
+    del iterator
+    return rate
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=20_000, help="JPEGs generated (default 20000)")
+    parser.add_argument("--workers", type=int, default=2, help="readers / DataLoader workers (default 2)")
+    parser.add_argument("--batches", type=int, default=30, help="batches timed per run, after 3 (default 30)")
+    args = parser.parse_args(argv)
+    directory, made = make_images(args.images, max(1, os.cpu_count() or 1))
+    fields = made["fields"]
+    print(machine_line())
+    print(f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'SYNTHETIC gradients'}), batch {BATCH}, "
+          f"{args.workers} processes, {args.batches} batches per run")
+    limit_fast = one_process(fields, "fast", min(args.images, 4000))
+    limit_pillow = one_process(fields, "pillow", min(args.images, 2000))
+    shm_pillow, pillow_stats = run_shmloader(fields, "pillow", args.workers, args.batches)
+    shm_fast, fast_stats = run_shmloader(fields, "fast", args.workers, args.batches)
+    torch_rates = {prefetch: run_torch(directory, args.workers, args.batches, prefetch) for prefetch in (2, 4)}
+    torch_rate = max((rate for rate in torch_rates.values() if rate), default=None)
+    rows = [
+        ["one process, fast path (per-core limit)", f"{limit_fast:,.0f}", f"{limit_fast:,.0f}", ""],
+        ["one process, Pillow", f"{limit_pillow:,.0f}", f"{limit_pillow:,.0f}", ""],
+        ["shmloader, Pillow decoder", f"{shm_pillow:,.0f}", f"{shm_pillow / args.workers:,.0f}",
+         f"{pillow_stats['next_us']:.0f}"],
+        ["shmloader, fast path", f"{shm_fast:,.0f}", f"{shm_fast / args.workers:,.0f}", f"{fast_stats['next_us']:.0f}"],
+    ]
+    for prefetch, rate in torch_rates.items():
+        if rate:
+            rows.append([f"PyTorch DataLoader + torchvision, prefetch {prefetch}", f"{rate:,.0f}",
+                         f"{rate / args.workers:,.0f}", ""])
+    print(table(rows, ["loader", "images/s", "per process", "trainer CPU per next(), us"]))
+    if torch_rate:
+        print(f"shmloader Pillow / PyTorch: {shm_pillow / torch_rate:.2f}x (target 1.3x) "
+              f"{verdict(shm_pillow >= 1.3 * torch_rate)}")
+        print(f"shmloader fast / PyTorch: {shm_fast / torch_rate:.2f}x (target 2x) {verdict(shm_fast >= 2 * torch_rate)}")
+    else:
+        print("PyTorch rows skipped: torchvision is not installed")
+    share = shm_fast / (args.workers * limit_fast)
+    print(f"shmloader fast / ({args.workers} x one-process limit): {share:.0%} (target 90%) {verdict(share >= 0.9)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
