@@ -240,6 +240,18 @@ static StepState step_state(const Cursor *self, unsigned long long step, uint64_
     }
 }
 
+/* Whether the readers are far enough ahead that waking them can wait: the batch one
+ * reader count past this one is ready. Each reader fills one batch at a time, so with
+ * fewer ready ahead, the trainer could reach an unfilled step before a deferred wake-up
+ * has all readers busy again (a low watermark that grows with the readers, as a pipe's
+ * would with its number of producers). */
+static int readers_ahead(const Cursor *self) {
+    uint64_t room = self->slot_count > 3 ? (uint64_t)self->slot_count - 2 : 1; /* Past the trainer's two. */
+    uint64_t lookahead = self->reader_count < room ? self->reader_count : room;
+    uint64_t owner;
+    return step_state(self, self->next_step + lookahead, &owner) == STEP_READY;
+}
+
 /* Hands out the slot of next_step, which the caller found ready. The only place where
  * time spent waiting for data is counted: from `started_ns` (0: next() did not wait). */
 static PyObject *take(Cursor *self, unsigned long long started_ns) {
@@ -386,10 +398,7 @@ static PyObject *next_batch(Cursor *self) {
             continue;
         }
         if (state == STEP_READY) {
-            /* Readers not ahead (the batch after this one is not ready): wake them now. */
-            uint64_t next_owner;
-            if (started_ns == 0 && self->pending_posts > 0 &&
-                step_state(self, self->next_step + 1, &next_owner) != STEP_READY && wake_readers(self) < 0) {
+            if (started_ns == 0 && self->pending_posts > 0 && !readers_ahead(self) && wake_readers(self) < 0) {
                 return NULL;
             }
             return take(self, started_ns);

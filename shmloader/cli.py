@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="field files (.b2nd or .npy), one per field")
     bench.add_argument("--readers", type=int, default=None, help="reader processes (default: the loader's)")
-    bench.add_argument("--slots", type=int, default=None, help="batch slots (default: the loader's, 2 * readers + 2)")
+    bench.add_argument("--slots", type=int, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
     bench.add_argument("--batch-size", type=int, default=256, help="rows per batch")
     bench.add_argument("--steps", type=int, default=500, help="batches timed per run")
     bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle", help="sampler mode")

@@ -49,6 +49,21 @@ def _default_readers() -> int:
     return max(1, min(cores, 8))
 
 
+# The default ring stays under this many bytes where the readers' share allows (see _default_slots).
+_DEFAULT_RING_BYTES = 1 << 30
+
+
+def _default_slots(readers: int, slot_bytes: int) -> int:
+    """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
+    loop's variable still holds while next() runs). A step filled slowly holds the
+    trainer while the other readers run ahead: with two per reader they ran out of
+    requested slots and slept (about 70% of the ideal rate with uneven fills in
+    bench/protocol.py), with four they stayed busy. Fewer where that passes
+    _DEFAULT_RING_BYTES, but never under two per reader."""
+    affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
+    return max(2 * readers + 2, min(4 * readers + 2, affordable))
+
+
 def _wake_after(slots: int) -> int:
     """How many slots the trainer hands back before it wakes the readers while they are
     ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
@@ -395,10 +410,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
-        # Two slots per reader to fill, plus two for the trainer: the batch in use and the
-        # one a `for` loop's variable still refers to while next() runs.
-        default_slots = 2 * self.readers + 2
-        self.slots = check_integer("slots", default_slots if slots is None else slots, 2, 4096)
+        self.slots = None if slots is None else check_integer("slots", slots, 2, 4096)  # None: _default_slots.
         self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
@@ -414,7 +426,7 @@ class ShmDataLoader(cursor_module.Cursor):
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
-            self._pool = self._resources.pool = ReaderPool(self.readers, self.max_reader_restarts)
+            self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts)
             self._pool.start()
             self._prepare(plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
                                       transform, transform_args), warn_layout, start_step)
@@ -422,12 +434,17 @@ class ShmDataLoader(cursor_module.Cursor):
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise
 
+    def _make_pool(self, count: int, max_restarts: int) -> ReaderPool:
+        return ReaderPool(count, max_restarts)  # Replaced by shmloader.simulation's threads.
+
     def _prepare(self, plan: LoaderPlan, warn_layout: bool, start_step: int) -> None:
         """Takes the validated plan, then creates the ring and configures the readers."""
         self.plans, self.regions, self.sampler, self.mixture = plan.plans, plan.regions, plan.sampler, plan.mixture
         self.transform = plan.transform
         self.field_names = tuple(region.name for region in self.regions)
         self.sources = plan.sources
+        if self.slots is None:
+            self.slots = _default_slots(self.readers, sum(r.nbytes for r in self.regions) + 8 * self.batch_size)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:

@@ -146,6 +146,14 @@ class ReaderPool:
 
     def restart(self, reader_index: int) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
+        self.retire(reader_index)
+        process = spawn_reader()
+        self.processes[reader_index] = process
+        self._send_config(process, reader_index)
+
+    def retire(self, reader_index: int) -> None:
+        """Counts a dead reader's restart, keeps its statistics and requests again the step
+        it was filling, so that its replacement starts clean."""
         self.restarts += 1
         self._restarts_by_reader[reader_index] += 1
         ring = self.ring
@@ -160,9 +168,6 @@ class ReaderPool:
             state, owner = ring.state(slot)
             if state == SlotState.FILLING and owner == reader_index:
                 ring.request(slot, ring.step(slot))
-        process = spawn_reader()
-        self.processes[reader_index] = process
-        self._send_config(process, reader_index)
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
