@@ -337,6 +337,11 @@ class PlanReader:
             and (part.chunk_rows, part.block_rows) == (plan.parts[0].chunk_rows, plan.parts[0].block_rows)
             for part in plan.parts)
         self._combined: dict[int, CombinedBlosc] = {}
+        self._padded_simple = plan.kind == "padded" and self.single and plan.parts[0].record_ndim == 0 \
+            and plan.options["overflow"] != "random"
+        if self._padded_simple:
+            row_bytes = plan.options["max_shape"][0] * self.itemsize
+            self._row_destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64(row_bytes)
 
     def _raw_table(self, source: int) -> tuple:
         table = self._raw_tables.get(source)
@@ -422,6 +427,9 @@ class PlanReader:
         if self._all_blosc:
             self._fill_blosc_parts(indices, sources, outputs[0])
             return
+        if self._padded_simple:
+            self._fill_padded_simple(step, indices, outputs)
+            return
         kind, groups = self.plan.kind, self.groups(indices, sources)
         if kind == "padded":
             self._fill_padded(step, indices, groups, outputs)
@@ -466,6 +474,20 @@ class PlanReader:
             f"batch row {row}) has {found}, more than {limit}; raise it, or choose overflow='truncate' or 'random' "
             f"(Padded)"
         )
+
+    def _fill_padded_simple(self, step: int, indices: np.ndarray, outputs: list[_Output]) -> None:
+        """One file of 1-D records, cut at their start or refused: each record is one range
+        to its row, the least work per batch (the general path below costs more in numpy
+        than the gather itself on short records)."""
+        field, limit = self.part(0), self.plan.options["max_shape"][0]
+        starts, lengths = field.starts_and_lengths(indices)
+        if self.plan.options["overflow"] == "error" and int(lengths.max()) > limit:
+            row = int(np.argmax(lengths > limit))
+            raise self._too_long(step, indices, row, 0, f"{int(lengths[row])} elements", f"max_length={limit}")
+        kept = np.minimum(lengths, np.uint64(limit))
+        outputs[0].array[...] = self.plan.options["pad"]
+        outputs[1].array[...] = kept
+        field.values.gather_ranges(starts, kept, self._row_destinations, outputs[0].pointer, outputs[0].nbytes)
 
     def _fill_padded(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
         starts, lengths, shapes, parts = self._records(groups, len(indices))
