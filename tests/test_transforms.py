@@ -201,3 +201,22 @@ def test_an_output_of_the_wrong_shape_or_dtype_is_caught_before_publishing(rows,
     with ShmDataLoader({"data": path}, transform=f"transform_fixtures:{name}", batch_size=8, readers=1) as loader:
         with pytest.raises(ReaderError, match=message):
             next(loader)
+
+
+def test_padded_and_windows_inputs_reach_the_transform_as_their_arrays(tmp_path):
+    from shmloader import Padded, Windows
+
+    rng = np.random.default_rng(4)
+    documents = [rng.integers(1, 100, size=rng.integers(1, 30)).astype(np.int32) for _ in range(50)]
+    write_ragged(tmp_path / "docs", documents)
+    stream = np.arange(50 * 6 + 1, dtype=np.int64)
+    np.save(tmp_path / "stream.npy", stream)
+    fields = {"tokens": Padded(str(tmp_path / "docs"), max_length=20, overflow="truncate"),
+              "stream": Windows(str(tmp_path / "stream.npy"), length=6)}
+    with ShmDataLoader(fields, transform="transform_fixtures:padded_and_windows", batch_size=8, readers=2) as loader:
+        assert loader.field_names == ("total", "length", "window_sum")
+        for _, batch in zip(range(10), loader):
+            for i, row in enumerate(batch.indices.tolist()):
+                kept = documents[row][:20]
+                assert (batch["total"][i], batch["length"][i]) == (kept.sum(), kept.size)
+                assert batch["window_sum"][i] == stream[row * 6: row * 6 + 7].sum()

@@ -67,3 +67,11 @@ def returns_arrays(batch, out, ctx):
 
 def undeclared(batch, out, ctx):
     pass
+
+
+@shmloader.transform(outputs={"total": ((), "int64"), "length": ((), "uint32"), "window_sum": ((), "int64")})
+def padded_and_windows(batch, out, ctx):
+    """Reads a Padded input (its arrays and lengths) and a Windows input side by side."""
+    out["length"][:] = batch["tokens.lengths"]
+    out["total"][:] = batch["tokens"].sum(axis=1)
+    out["window_sum"][:] = batch["stream"].sum(axis=1)
