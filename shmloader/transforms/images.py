@@ -131,25 +131,45 @@ class ImageWriter:
     def _write_fast(self, data, target, choose_box, flip) -> None:
         cv2 = self.cv2
         size_h, size_w = target.shape[:2]
-        if bytes(data[:2]) == _JPEG_MAGIC:
-            height, width, _, _ = self.simplejpeg.decode_jpeg_header(data)
-            top, left, h, w = choose_box(height, width)
-            image = self.simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=math.ceil(height * size_h / h),
-                                                min_width=math.ceil(width * size_w / w))
-            scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
-            top, left = int(top * scale_y), int(left * scale_x)
-            h, w = max(1, int(round(h * scale_y))), max(1, int(round(w * scale_x)))
-        else:
-            image = cv2.imdecode(np.asarray(data), cv2.IMREAD_COLOR)
+        decoded = self._decode_jpeg_scaled(data, choose_box, size_h, size_w) if bytes(data[:2]) == _JPEG_MAGIC else None
+        if decoded is None:  # Not a JPEG, or one libjpeg-turbo's fast path refuses (CMYK, ...).
+            image = cv2.imdecode(np.asarray(data), cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
             if image is None:
                 raise ValueError("OpenCV cannot decode it")
             image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
             top, left, h, w = choose_box(*image.shape[:2])
+        else:
+            image, (top, left, h, w) = decoded
         result = cv2.resize(image[top:top + h, left:left + w], (size_w, size_h), dst=target, interpolation=self.flag)
         if result is not target:
             target[...] = result
         if flip:
             cv2.flip(target, 1, dst=target)
+
+    def _decode_jpeg_scaled(self, data, choose_box, size_h: int, size_w: int):
+        """(image, crop box in its pixels), decoded at the smallest DCT scale that keeps the
+        crop at least the output size; None where simplejpeg cannot read the JPEG. The box
+        is chosen once, from the header's size, whichever decoder then runs."""
+        try:
+            height, width, _, _ = self.simplejpeg.decode_jpeg_header(data)
+        except ValueError:
+            return None
+        top, left, h, w = box = choose_box(height, width)
+        try:
+            image = self.simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=math.ceil(height * size_h / h),
+                                                min_width=math.ceil(width * size_w / w))
+        except ValueError:
+            return self._decode_with_box(data, box)
+        scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
+        top, left = int(top * scale_y), int(left * scale_x)
+        return image, (top, left, max(1, int(round(h * scale_y))), max(1, int(round(w * scale_x))))
+
+    def _decode_with_box(self, data, box):
+        """OpenCV's full decode, keeping a box already drawn (the generator has moved on)."""
+        image = self.cv2.imdecode(np.asarray(data), self.cv2.IMREAD_COLOR | self.cv2.IMREAD_IGNORE_ORIENTATION)
+        if image is None:
+            raise ValueError("neither libjpeg-turbo's fast path nor OpenCV can decode it")
+        return self.cv2.cvtColor(image, self.cv2.COLOR_BGR2RGB), box
 
 
 def _decode_error(field: str, data: np.ndarray, ctx, i: int, error: Exception) -> ImageDecodeError:
