@@ -51,6 +51,11 @@ def deliver(loader, batches: int) -> None:
         assert int(batch.indices[0]) == step, f"step {step} got the slot of step {int(batch.indices[0])}"
 
 
+def busy_and_starved(stats: dict, readers: int) -> tuple[float, float]:
+    busy = float(np.mean([reader["busy_fraction"] for reader in stats["readers"]]))
+    return busy, sum(reader["starved_s"] for reader in stats["readers"]) / (readers * stats["elapsed_s"])
+
+
 @pytest.mark.parametrize("readers", [1, 3, 6])
 def test_every_step_is_published_once_and_delivered_in_order_under_reader_deaths(rows, readers):
     died = set()
@@ -85,10 +90,9 @@ def test_readers_stay_busy_while_the_trainer_waits(rows):
         watchdog.done.set()
         watchdog.join()
         stats = loader.stats()
-    busy = np.mean([reader["busy_fraction"] for reader in stats["readers"]])
-    starved = sum(reader["starved_s"] for reader in stats["readers"]) / (6 * stats["elapsed_s"])
+    busy, starved = busy_and_starved(stats, 6)
     # Sleeps overshoot and a woken thread takes a while to run: busy stays a little under 1.
-    assert stats["wait_fraction"] > 0.9 and busy > 0.85 and starved < 0.05, (stats["wait_fraction"], busy, starved)
+    assert stats["wait_fraction"] > 0.9 and busy > 0.9 and starved < 0.05, (stats["wait_fraction"], busy, starved)
     assert watchdog.longest < POLL_INTERVAL_SECONDS
 
 
@@ -98,8 +102,8 @@ def test_two_slots_per_reader_starve_on_uneven_fills(rows):
     with simulated_loader(rows, 6, uneven(0.002), batch_size=4, slots=14) as loader:
         deliver(loader, 1200)
         stats = loader.stats()
-    busy = np.mean([reader["busy_fraction"] for reader in stats["readers"]])
-    assert busy < 0.85, busy
+    busy, _ = busy_and_starved(stats, 6)
+    assert busy < 0.88, busy  # About 0.78 here, against 0.99 with the default.
 
 
 def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
