@@ -148,3 +148,17 @@ def test_a_corrupt_image_names_its_record(tmp_path, decoder):
         with pytest.raises(ReaderError, match=r"field 'image': record 3 \(step 0, batch row 3\) is not a readable "
                                               r"image \(204 bytes"):
             next(loader)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"decoder": "turbo"}, "decoder must be one of"),
+    ({"interpolation": "cubic"}, "interpolation must be one of"),
+    ({"size": 0}, "size must be a positive integer"),
+    ({"scale": [0.5, 2.0]}, "scale must be"),
+])
+def test_bad_image_transform_arguments_are_refused_at_construction(photos, args, message):
+    from shmloader import TransformError
+
+    fields, _, _ = photos
+    with pytest.raises(TransformError, match=message):
+        ShmDataLoader(fields, transform=TRAIN, transform_args=args, batch_size=8, readers=1)

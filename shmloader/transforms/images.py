@@ -178,7 +178,19 @@ def _decode_error(field: str, data: np.ndarray, ctx, i: int, error: Exception) -
                             f"a readable image ({data.size} bytes, starting {head!r}): {type(error).__name__}: {error}")
 
 
-def _outputs(size=224, label="label", **_):
+def _outputs(size=224, label="label", decoder="auto", interpolation="bilinear", scale=(0.08, 1.0),
+             ratio=(3 / 4, 4 / 3), resize=256, **_):
+    """The declared outputs, and the arguments checked at construction rather than in a reader."""
+    for name, value in (("size", size), ("resize", resize)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TransformError(f"{name} must be a positive integer, got {value!r}")
+    if interpolation not in INTERPOLATIONS:
+        raise TransformError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+    choose_decoder(decoder)  # Unknown, or its libraries missing: said now.
+    for name, pair in (("scale", scale), ("ratio", ratio)):
+        if len(pair) != 2 or not 0 < pair[0] <= pair[1] or (name == "scale" and pair[1] > 1):
+            raise TransformError(f"{name} must be [low, high] with 0 < low <= high{' <= 1' if name == 'scale' else ''}, "
+                                 f"got {pair!r}")
     outputs = {"image": ((size, size, 3), "uint8")}
     if label:
         outputs["label"] = ((), "int64")
