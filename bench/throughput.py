@@ -181,6 +181,9 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: flo
     slots = 8
     work = np.random.default_rng(0).random((256, 256))
     floor_iterator = iter(range(1 << 62))
+    # Which samples time the floor is drawn at random: alternating would alias with the
+    # readers' wake-up, due every few calls, and time it in half the calls or in none.
+    timed_floor = np.random.default_rng(1).random(2 * samples) < 0.5
     ours, floor = [], []
     with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=slots, seed=2, warn_layout=False) as loader:
         ring = loader._ring
@@ -197,7 +200,7 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: flo
             else:
                 simulated_training_step(step_seconds, work)
             ready = ring.state(loader._next_step % slots)[0] == SlotState.READY
-            if sample % 2:
+            if timed_floor[sample]:
                 started = time.perf_counter_ns()
                 next(floor_iterator)
                 floor.append((time.perf_counter_ns() - started) / 1e3)
