@@ -216,7 +216,7 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
     if spec is None:
         regions = tuple(region for plan in plans.values() for region in plan.regions)
     else:  # The slot holds the transform's outputs only; its inputs stay in the readers.
-        regions = tuple(Region(name, (batch_size, *shape), dtype) for name, shape, dtype in spec.outputs)
+        regions = spec.regions(batch_size)
     if mixture:
         regions += (Region("source", (batch_size,), "<u4"),)
     row_counts = next(iter(plans.values())).row_counts

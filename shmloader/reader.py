@@ -189,8 +189,10 @@ class Reader:
         # Views of every slot's regions and pointers to them, made and checked once.
         self.index_views, self.outputs, self.source_outputs = [], [], []
         self.mixture = isinstance(self.sampler, MixtureSampler)
-        plans = config.fields if config.transform is None else [_transform_plan(config.transform, batch)]
-        regions = [region for plan in plans for region in plan.regions]
+        # The slot's regions in groups: one per field, or the transform's outputs as one.
+        groups = [plan.regions for plan in config.fields] if config.transform is None else \
+            [config.transform.regions(batch)]
+        regions = [region for group in groups for region in group]
         if self.mixture:
             regions.append(Region("source", (batch,), "<u4"))  # The loader's last region.
         for slot in range(self.layout.slot_count):
@@ -200,9 +202,9 @@ class Reader:
             )
             outputs = make_outputs(ring.memory, slot_offset, tuple(regions), self.layout.region_offsets)
             per_field, first = [], 0
-            for plan in plans:
-                per_field.append(outputs[first:first + len(plan.regions)])
-                first += len(plan.regions)
+            for group in groups:
+                per_field.append(outputs[first:first + len(group)])
+                first += len(group)
             self.outputs.append(per_field)
             self.source_outputs.append(outputs[-1] if self.mixture else None)
         self.index_pointers = [ffi.from_buffer("uint64_t[]", view) for view in self.index_views]
@@ -279,12 +281,6 @@ class Reader:
             field.close()
         if self.inputs is not None:
             self.inputs.close()
-
-
-def _transform_plan(spec: TransformSpec, batch_size: int) -> FieldPlan:
-    """The slot's regions under a transform, as one pseudo-field: its declared outputs."""
-    regions = tuple(Region(name, (batch_size, *shape), dtype) for name, shape, dtype in spec.outputs)
-    return FieldPlan("transform", "transform", (), (), (), regions, (0,), {})
 
 
 def _yield_to_the_trainer() -> None:

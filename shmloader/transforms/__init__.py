@@ -161,6 +161,12 @@ class TransformSpec:
     def load(self):
         return import_transform(self.path)[0]
 
+    def regions(self, batch_size: int) -> tuple:
+        """The slot's arrays under this transform: its outputs, (batch_size, *shape) each."""
+        from ..slots import Region
+
+        return tuple(Region(name, (batch_size, *shape), dtype) for name, shape, dtype in self.outputs)
+
 
 def _path_of(function) -> str:
     module = getattr(function, "__module__", None)
@@ -264,7 +270,7 @@ class TransformRunner:
     def __init__(self, spec: TransformSpec, batch_size: int, sampler) -> None:
         self.spec, self.batch_size, self.sampler = spec, batch_size, sampler
         self.function = spec.load()
-        self.shapes = {name: ((batch_size, *shape), np.dtype(dtype)) for name, shape, dtype in spec.outputs}
+        self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
