@@ -109,13 +109,7 @@ def describe_ragged(path: str | os.PathLike) -> RaggedSpec:
         if len(shapes_spec.row_shape) != 1 or shapes_spec.row_count != record_count:
             raise StorageError(f"{shapes_spec.path}: expected shapes of {record_count} records, (records, dims), "
                                f"got ({shapes_spec.row_count}, {shapes_spec.row_shape})")
-        shapes = _read_all(shapes_spec).astype(np.uint64)
-        products = np.prod(shapes, axis=1, dtype=np.uint64)
-        bad = np.flatnonzero(products != lengths)
-        if bad.size:
-            record = int(bad[0])
-            raise StorageError(f"{path}: record {record} has shape {tuple(int(x) for x in shapes[record])}, "
-                               f"which holds {int(products[record])} elements, but its offsets give {int(lengths[record])}")
+        _check_shapes(path, _read_all(shapes_spec), lengths)
         record_ndim = shapes_spec.row_shape[0]
     return RaggedSpec(path=path, record_count=record_count, dtype=values.dtype, record_ndim=record_ndim,
                       length_max=int(lengths.max()), values=values, offsets=offsets_spec, shapes=shapes_spec)
@@ -126,12 +120,13 @@ def _check_offsets(path: str, offsets: np.ndarray, value_count: int) -> np.ndarr
         raise StorageError(f"{path}: no records (offsets holds {offsets.size} entries, expected records + 1 >= 2)")
     if offsets[0] != 0:
         raise StorageError(f"{path}: offsets must start at 0, got {int(offsets[0])}")
-    lengths = np.diff(offsets.astype(np.int64))
-    decreasing = np.flatnonzero(lengths < 0)
+    # Compared as uint64: a difference taken in int64 wraps past 2**63 and hides a decrease.
+    decreasing = np.flatnonzero(offsets[1:] < offsets[:-1])
     if decreasing.size:
         record = int(decreasing[0])
         raise StorageError(f"{path}: offsets decrease at record {record} ({int(offsets[record])} then "
                            f"{int(offsets[record + 1])}); they must not")
+    lengths = np.diff(offsets)
     empty = np.flatnonzero(lengths == 0)
     if empty.size:
         raise StorageError(f"{path}: record {int(empty[0])} is empty ({empty.size} empty records); "
@@ -139,7 +134,45 @@ def _check_offsets(path: str, offsets: np.ndarray, value_count: int) -> np.ndarr
     if int(offsets[-1]) != value_count:
         raise StorageError(f"{path}: the last offset is {int(offsets[-1])}, but {VALUES_NAME} holds {value_count} "
                            f"values (truncated or mismatched files)")
-    return lengths.astype(np.uint64)
+    return lengths
+
+
+# Batches carry each record's extents as uint32 (Padded's and Packed's `.shapes`).
+_EXTENT_MAX = (1 << 32) - 1
+
+
+def _check_shapes(path: str, shapes: np.ndarray, lengths: np.ndarray) -> None:
+    """Each record's shape must be non-negative, fit uint32 and hold exactly its length:
+    the product is checked for 64-bit overflow axis by axis, since a wrapped product can
+    equal the length ((8, 2**63 + 1) holds "8" elements in uint64 arithmetic)."""
+    if shapes.dtype.kind not in "iu":
+        raise StorageError(f"{path}: {SHAPES_NAME} must hold integers, got {shapes.dtype}")
+    if shapes.dtype.kind == "i":
+        negative = np.flatnonzero((shapes < 0).any(axis=1))
+        if negative.size:
+            record = int(negative[0])
+            raise StorageError(f"{path}: record {record} has a negative extent in its shape "
+                               f"{tuple(int(x) for x in shapes[record])}")
+    shapes = shapes.astype(np.uint64)
+    too_large = np.flatnonzero((shapes > _EXTENT_MAX).any(axis=1))
+    if too_large.size:
+        record = int(too_large[0])
+        raise StorageError(f"{path}: record {record} has shape {tuple(int(x) for x in shapes[record])}; each extent "
+                           f"must be at most {_EXTENT_MAX}")
+    # Extents below 2**32: a product of two never overflows, so check before each multiply.
+    products = np.ones(len(shapes), dtype=np.uint64)
+    overflow = np.zeros(len(shapes), dtype=bool)
+    limit = np.uint64((1 << 64) - 1)
+    for axis in range(shapes.shape[1]):
+        extent = shapes[:, axis]
+        overflow |= (extent > 0) & (products > limit // np.maximum(extent, np.uint64(1)))
+        products = products * extent
+    bad = np.flatnonzero(overflow | (products != lengths))
+    if bad.size:
+        record = int(bad[0])
+        holds = "more than 2**64" if overflow[record] else str(int(products[record]))
+        raise StorageError(f"{path}: record {record} has shape {tuple(int(x) for x in shapes[record])}, "
+                           f"which holds {holds} elements, but its offsets give {int(lengths[record])}")
 
 
 def record_lengths(spec: RaggedSpec) -> np.ndarray:

@@ -62,6 +62,9 @@ class FieldSpec:
     checksums: bool = False
     # .npy only: where the data starts, so that readers map it without parsing the header.
     data_offset: int = 0
+    # (device, inode, size, mtime_ns) of the file as described: a reader refuses a file that
+    # no longer matches (replaced, rewritten in place), since its layout may differ too.
+    identity: tuple[int, ...] = ()
 
     # Cached: a reader reads them on every gather (a frozen dataclass still has a __dict__).
     @functools.cached_property
@@ -82,7 +85,7 @@ class FieldSpec:
     @classmethod
     def from_dict(cls, data: dict) -> FieldSpec:
         data = dict(data)
-        for key in ("row_shape", "chunks", "blocks"):
+        for key in ("row_shape", "chunks", "blocks", "identity"):
             data[key] = tuple(data[key])
         return cls(**data)
 
@@ -104,8 +107,33 @@ def check_rows(path: str, shape: tuple[int, ...]) -> None:
         raise StorageError(f"{path}: the array has zero rows; expected at least one")
 
 
+def file_identity(status: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one version of a file from another: a replacement changes the inode, a
+    write in place the size or the modification time."""
+    return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+def check_identity(spec: FieldSpec, status: os.stat_result) -> None:
+    """Raises StorageError when the file at spec.path is not the one that was described."""
+    if spec.identity and file_identity(status) != tuple(spec.identity):
+        device, inode, size, mtime_ns = spec.identity
+        raise StorageError(
+            f"{spec.path}: the file changed since the loader described it (inode {inode} of {size} bytes, modified "
+            f"at {mtime_ns} ns; now inode {status.st_ino} of {status.st_size} bytes, modified at "
+            f"{status.st_mtime_ns} ns). Its rows may be other rows now: restart the loader to read the new file, or "
+            f"write new data to new paths"
+        )
+
+
 def describe_field(path: str | os.PathLike) -> FieldSpec:
     """Validates a field file and describes it. Raises FileNotFoundError or StorageError."""
+    spec = _describe_field(path)
+    # The identity is taken after the description, so a file replaced while it was being
+    # described fails the readers' check instead of passing with another layout.
+    return dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
+
+
+def _describe_field(path: str | os.PathLike) -> FieldSpec:
     path = os.path.abspath(os.fspath(path))  # Readers run elsewhere: paths must not be relative.
     if not os.path.exists(path):
         raise FileNotFoundError(f"field file {path} does not exist")
@@ -305,7 +333,9 @@ class NpyField:
             # Mapped at the offset the trainer found: no header parsing per reader and file,
             # which matters for fields of thousands of shards. The descriptor closes at once.
             with open(spec.path, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
+                status = os.fstat(handle.fileno())
+                check_identity(spec, status)
+                size = status.st_size
                 if size < spec.data_offset + data_bytes:
                     raise OSError("the file is shorter than the rows it was described with")
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -376,6 +406,7 @@ class BloscField:
         self._special_chunks = []  # Chunks Blosc2 builds in memory (all zeros, etc.).
         self._special_by_index = {}
         with open(spec.path, "rb") as handle:
+            check_identity(spec, os.fstat(handle.fileno()))
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
         try:
@@ -397,6 +428,9 @@ class BloscField:
         if schunk == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: libblosc2 cannot open the frame (corrupted or truncated file)")
         self._schunk = schunk  # Only a real handle: close() must never free NULL.
+        # libblosc2 opened the path again: it must still be the file mapped above, or its
+        # offset table would not have the description's chunk count read below.
+        check_identity(spec, os.stat(spec.path))
         offsets_pointer = capi.blosc2_frame_get_offsets(self._schunk)
         if offsets_pointer == capi_ffi.NULL:
             raise StorageError(f"{spec.path}: cannot read the frame's chunk offsets (corrupted or truncated file)")
@@ -638,7 +672,9 @@ class BloscPythonField:
         import blosc2
 
         self.spec = spec
+        check_identity(spec, os.stat(spec.path))
         self._array = blosc2.open(spec.path, mode="r")
+        check_identity(spec, os.stat(spec.path))
 
     def gather(self, indices, out) -> None:
         indices = _check_indices(self.spec, indices)
