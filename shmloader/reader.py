@@ -33,6 +33,8 @@ _WAIT_SECONDS = 0.1
 _SIGNAL_GRACE_SECONDS = 3.0
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
+# A process forked inside a transform that returned into the reader loop exits with this.
+EXIT_FORKED_CHILD = 5
 # Testing hook: "exit:STEP:MARKER" makes the reader os._exit(17) when it starts filling
 # STEP, once: only while the file MARKER exists (it is deleted first). "raise:STEP:MARKER"
 # makes it raise a RuntimeError whose message is larger than its error record.
@@ -164,8 +166,20 @@ class ErrorReport:
             return cls("unknown", f"unreadable error report {raw[:200]!r}", "", None)
 
 
+def leave_if_forked(reader_pid: int) -> None:
+    """Ends a process forked inside a transform that came back into the reader's code.
+
+    It shares the reader's ring mapping and semaphores: left to run, it would publish a
+    slot its parent also publishes (a step delivered twice, with another step's data),
+    and, seeing its parent is not the trainer, unlink the live ring. os._exit runs no
+    handler and no `finally` that could touch the ring."""
+    if os.getpid() != reader_pid:
+        os._exit(EXIT_FORKED_CHILD)
+
+
 class Reader:
     def __init__(self, config: ReaderConfig, ring: Ring) -> None:
+        self.pid = os.getpid()
         self.index = config.reader_index
         self.trainer_pid = config.trainer_pid
         self.ring = ring
@@ -233,6 +247,7 @@ class Reader:
             inputs = self.inputs.fill(self.step, indices, index_pointer, sources)
             out = {name: output.array for name, output in zip(self.runner.shapes, self.outputs[slot][0])}
             self.runner.run(self.step, indices, sources, inputs, out)
+            leave_if_forked(self.pid)
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1
@@ -332,11 +347,12 @@ def main(argv: list[str]) -> int:
     except OSError as error:
         print(f"shmloader reader {config.reader_index}: cannot attach the ring: {error}", file=sys.stderr)
         return EXIT_NO_RING
-    reader = None
+    reader, pid = None, os.getpid()
     try:
         reader = Reader(config, ring)
         return reader.run()
     except Exception as error:
+        leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.
         step = reader.step if reader is not None else None
         ring.write_reader_error(config.reader_index, ErrorReport.of(error, step).encode())
         if reader is not None and step is not None:
@@ -346,6 +362,7 @@ def main(argv: list[str]) -> int:
                     ring.publish(slot, SlotState.FAILED, owner)
         return EXIT_REPORTED_ERROR
     finally:
+        leave_if_forked(pid)
         if reader is not None:
             reader.close()
         ring.close()

@@ -75,3 +75,43 @@ def padded_and_windows(batch, out, ctx):
     out["length"][:] = batch["tokens.lengths"]
     out["total"][:] = batch["tokens"].sum(axis=1)
     out["window_sum"][:] = batch["stream"].sum(axis=1)
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def sorts_indices(batch, out, ctx):
+    """Sorts ctx.indices in place: it must not reach the batch the trainer gets."""
+    ctx.indices.sort()
+    out["x"][:] = batch["data"]
+
+
+_kept = {}
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def writes_late(batch, out, ctx):
+    """Keeps `out` and writes into the previous call's slot: that batch may already be
+    delivered, so the write must fail instead of changing it."""
+    previous = _kept.get("out")
+    if previous is not None:
+        try:
+            previous["x"][...] = -1
+        except (ValueError, KeyError):
+            pass
+        try:
+            _kept["array"][...] = -2
+        except ValueError:
+            pass
+    _kept["out"], _kept["array"] = out, out["x"]
+    out["x"][:] = batch["data"]
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def forks(batch, out, ctx):
+    """Forks a child that returns into the reader loop instead of exiting (a user's bug)."""
+    import os
+
+    out["x"][:] = batch["data"]
+    if ctx.step % 5 == 3:
+        pid = os.fork()
+        if pid:
+            os.waitpid(pid, 0)

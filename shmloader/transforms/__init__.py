@@ -25,6 +25,13 @@ count, slot count, shard count (at the same global batch) or resume. ctx.batch_r
 by (seed, step, name), the same on every shard. The global `random` and `np.random` must
 not be used: readers reseed them from (seed, step, shard) before each call, so misuse is
 at least reproducible, and check_determinism() finds it.
+
+Lifetime: `out`'s arrays are the slot's memory for the length of the call only. Once the
+call returns the slot may be delivered to the trainer at any moment, so the arrays passed
+become read-only then; a transform must not keep them, or views derived from them, to
+write later. `ctx.indices` and `ctx.sources` are read-only views of the slot: copy them
+to reorder them. A transform must not fork a process that returns into the reader (a
+forked child that does is ended before it can touch the ring).
 """
 
 from __future__ import annotations
@@ -273,19 +280,29 @@ class TransformRunner:
         self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
+        """Calls the transform on fresh views: `ctx.indices` and `ctx.sources` read-only (they
+        are the slot's, which the trainer receives), and `out`'s arrays made read-only once
+        the call returns, so that a transform that keeps them cannot change a batch after
+        it is delivered (a view it derives from them and keeps is not covered: the rule in
+        the module docstring still applies)."""
         sampler = self.sampler
-        ctx = Context(step, indices, sources, sampler.seed, sampler.shard_index, sampler.shard_count, self.spec.name)
+        ctx = Context(step, _read_only(indices), None if sources is None else _read_only(sources), sampler.seed,
+                      sampler.shard_index, sampler.shard_count, self.spec.name)
         reseed_globals(sampler.seed, step, sampler.shard_index, salt)
-        given = dict(out)
+        given = {name: array.view() for name, array in out.items()}
+        passed = dict(given)
         try:
             returned = self.function(inputs, given, ctx, **self.spec.args)
         except Exception as error:
             raise TransformError(f"transform {self.spec.path!r} raised {type(error).__name__} at step {step} on rows "
                                  f"{_rows_text(indices)}: {error}") from error
+        finally:
+            for view in passed.values():
+                view.flags.writeable = False
         if returned is not None and not isinstance(returned, Mapping):
             raise TransformError(f"transform {self.spec.path!r} returned a {type(returned).__name__} at step {step}; "
                                  f"it must write into `out` and return None, or return a mapping of arrays")
-        replaced = {name: array for name, array in given.items() if array is not out.get(name)}
+        replaced = {name: array for name, array in given.items() if array is not passed.get(name)}
         for name, array in {**replaced, **(returned or {})}.items():
             self._copy_in(step, name, array, out)
 
@@ -299,6 +316,12 @@ class TransformRunner:
             raise TransformError(f"transform {self.spec.path!r}: output {name!r} at step {step} is {array.dtype} of "
                                  f"shape {array.shape}; it declares {dtype} of shape {shape}")
         out[name][...] = array
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _rows_text(indices: np.ndarray) -> str:

@@ -94,6 +94,16 @@ def center_crop_box(height: int, width: int, size: int, resize: int) -> tuple[in
     return (height - side) // 2, (width - side) // 2, side, side
 
 
+def _to_rgb(Image, image):
+    """RGB at 8 bits. Pillow's convert("RGB") clips 16- and 32-bit greyscale ("I;16", "I") at
+    255, so a 16-bit PNG would come out white: scale it to 8 bits first (value >> 8, as
+    OpenCV's 8-bit decode of the fast path does)."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        values = np.asarray(image).astype(np.int64)
+        image = Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8))  # 2-D uint8: mode "L"
+    return image.convert("RGB")
+
+
 class ImageWriter:
     """Decodes one record and writes its crop, resized and maybe flipped, into an output row."""
 
@@ -122,7 +132,7 @@ class ImageWriter:
     def _write_pillow(self, data, target, choose_box, flip) -> None:
         image = self.Image.open(io.BytesIO(data))
         top, left, h, w = choose_box(image.height, image.width)
-        image = image.convert("RGB")
+        image = _to_rgb(self.Image, image)
         resized = image.resize(target.shape[1::-1], self.flag, box=(left, top, left + w, top + h))
         if flip:
             resized = resized.transpose(self.Image.Transpose.FLIP_LEFT_RIGHT)
