@@ -27,6 +27,7 @@ from .readers import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
 from .slots import FieldPlan, Packed, Padded, Region, Windows, merge_sources, plan_field
+from .storage import FieldSpec
 from .sources import MixtureSampler, Source
 from .transforms import TransformSpec
 from .transforms import resolve as resolve_transform
@@ -200,12 +201,45 @@ class LoaderPlan:
     mixture: bool
 
 
+# The block-local shuffle reads blocks of about this many bytes per row of all fields: a
+# read this long costs many times a random read's latency on a disk or a network volume,
+# so the disk streams, and a window of a few hundred blocks is still well mixed.
+_SHUFFLE_BLOCK_BYTES = 4 << 20
+
+
+# A window deals at least this many blocks, so that a batch draws its rows from that many
+# places of the file even when the window is small.
+_WINDOW_BLOCKS_MIN = 8
+
+
+def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int) -> int:
+    """Rows per block of the block-local shuffle: about _SHUFFLE_BLOCK_BYTES of all fields
+    together, at most a _WINDOW_BLOCKS_MIN-th of the window, rounded up to whole chunks of
+    the coarsest Blosc2 field (a chunk is the unit that field decompresses, so a block
+    that split one would read it twice)."""
+    row_count = next(iter(plans.values())).row_count
+    stored_bytes, chunk_rows = 0, 1
+    for plan in plans.values():
+        for part in plan.parts:
+            if isinstance(part, FieldSpec):
+                stored_bytes += part.compressed_bytes or part.uncompressed_bytes
+                chunk_rows = max(chunk_rows, part.chunk_rows if plan.kind == "rows" else 1)
+            else:  # Ragged: its values (the offsets are read once, into memory).
+                stored_bytes += part.values.compressed_bytes or part.values.uncompressed_bytes
+    block_rows = max(1, min(_SHUFFLE_BLOCK_BYTES * row_count // max(1, stored_bytes),
+                            shuffle_window // _WINDOW_BLOCKS_MIN))
+    return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
+
+
 def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
-                transform=None, transform_args=None) -> LoaderPlan:
+                transform=None, transform_args=None, shuffle_window: int | None = None) -> LoaderPlan:
     """Validates the files and settings and lays out the slot: the loader's plan, also used
     in one process by shmloader.transforms.compute_batch."""
     sources = _normalise_fields(fields, label_path)
     mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
+    if shuffle_window is not None and mixture:
+        raise ValueError("shuffle_window is not supported for a mixture of Sources yet: give it to a single source, "
+                         "or leave it None for the mixture's global shuffle of each source")
     if mixture and mode != "shuffle":
         raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
                          f"got {mode!r}")
@@ -225,7 +259,8 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
                                  [source.fraction for source in sources], [source.fixed for source in sources],
                                  batch_size, seed, shard_index, shard_count)
     else:
-        sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count)
+        block_rows = 1 if shuffle_window is None else shuffle_block_rows(plans, shuffle_window)
+        sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)
     return LoaderPlan(plans, regions, sampler, spec, _sources_description(sources, plans), mixture)
 
 
@@ -383,6 +418,12 @@ class ShmDataLoader(cursor_module.Cursor):
     costs more than 5% of a short run's throughput (bench/RESULTS.md). `pin_memory=True`
     page-locks the whole ring with CUDA once (PyTorch's runtime), so that to_device()
     copies run at the link's speed; without CUDA it raises DeviceError.
+
+    `shuffle_window` (rows, mode="shuffle"; None: the global shuffle) is for data larger
+    than memory: each epoch permutes blocks of consecutive rows (about 4 MiB of all fields,
+    whole Blosc2 chunks), deals them into windows of about `shuffle_window` rows and
+    permutes the rows within each window; readers ask the kernel for the next window's
+    blocks ahead of use, so the disk streams. Memory: about two windows of page cache.
     """
 
     def __init__(
@@ -405,6 +446,7 @@ class ShmDataLoader(cursor_module.Cursor):
         pin_memory=False,
         transform=None,
         transform_args: dict | None = None,
+        shuffle_window: int | None = None,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -418,7 +460,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self.verify = bool(verify)
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
-        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
+        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count, shuffle_window)
         self._pin_backend = _pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
@@ -429,7 +471,7 @@ class ShmDataLoader(cursor_module.Cursor):
             self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts)
             self._pool.start()
             self._prepare(plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
-                                      transform, transform_args), warn_layout, start_step)
+                                      transform, transform_args, shuffle_window), warn_layout, start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise

@@ -20,6 +20,7 @@ import numpy as np
 import posix_ipc
 
 from ._native import ffi
+from .readahead import ReadAhead
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
 from .sampler import Sampler
 from .slots import FieldPlan, InputBuffers, PlanReader, Region, make_outputs
@@ -193,6 +194,9 @@ class Reader:
             sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
             self.runner = TransformRunner(config.transform, self.layout.batch_size, self.sampler)
             self.inputs = InputBuffers(config.fields, self.layout.batch_size, config.verify_checksums, self.sampler)
+        self.read_ahead = None
+        if getattr(self.sampler, "blocks_per_window", 0):  # The block-local shuffle reads windows ahead.
+            self.read_ahead = ReadAhead(self.sampler, self.fields or self.inputs.readers)
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0
@@ -232,6 +236,8 @@ class Reader:
         started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
+        if self.read_ahead is not None:
+            self.read_ahead.note(self.step)
         indices, index_pointer = self.index_views[slot], self.index_pointers[slot]
         sources = None
         if self.mixture:
@@ -292,6 +298,8 @@ class Reader:
         self.ring.write_reader_sleeps(self.index, self.starved_ns, self.sleeps, self.wakeups)
 
     def close(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()
         for field in self.fields:
             field.close()
         if self.inputs is not None:

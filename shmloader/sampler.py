@@ -41,9 +41,17 @@ class Sampler:
       - "shuffle": without replacement; epoch p // length is a seeded permutation of all
         rows, so every epoch covers every row once, and batches cross epochs seamlessly.
 
+      - "shuffle" with `shuffle_window` (rows): the block-local shuffle, for data larger
+        than memory. Each epoch permutes blocks of `block_rows` consecutive rows, deals
+        them in order into windows of ceil(shuffle_window / block_rows) blocks, and
+        permutes the rows within each window (the rows past the last full block join the
+        last window). Every epoch still covers every row once; a window's rows come from
+        its blocks only, so readers read whole blocks ahead instead of random rows.
+
     Sharding: the global batch of a step has batch_size * shard_count positions; shard h
     takes the h-th block of batch_size. Shards of one step are disjoint and together they
-    form the global batch.
+    form the global batch. With a shuffle window, every shard reads from the same window
+    at the same time (each host reads all of the window's blocks, once).
     """
 
     def __init__(
@@ -54,6 +62,8 @@ class Sampler:
         seed: int = 0,
         shard_index: int = 0,
         shard_count: int = 1,
+        shuffle_window: int | None = None,
+        block_rows: int = 1,
     ) -> None:
         self.length = check_integer("length", length, 1, LENGTH_MAX)
         self.batch_size = check_integer("batch_size", batch_size, 1, _U32_MAX)
@@ -68,7 +78,18 @@ class Sampler:
                 f"shard_index must be in [0, shard_count - 1] = [0, {self.shard_count - 1}], "
                 f"got {self.shard_index}"
             )
+        self.shuffle_window = shuffle_window
+        self.block_rows = check_integer("block_rows", block_rows, 1, LENGTH_MAX)
+        window_blocks = 0
+        if shuffle_window is not None:
+            check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
+            if mode != "shuffle":
+                raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
+            window_blocks = max(1, -(-shuffle_window // self.block_rows))
+        self.blocks_per_window = window_blocks
         self._config = ffi.new("shm_sampler_config *")
+        self._config.block_rows = self.block_rows
+        self._config.window_blocks = window_blocks
         self._config.length = self.length
         self._config.batch_size = self.batch_size
         self._config.seed = self.seed
@@ -118,6 +139,21 @@ class Sampler:
         if status != Status.OK:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
 
+    def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
+        """((epoch, window), block ids) of the shuffle window that holds global stream
+        `position`: the blocks a reader reads ahead (the tail block, id length //
+        block_rows, with the rows past the last full block)."""
+        if not self.blocks_per_window:
+            raise ValueError("window_blocks needs a sampler with a shuffle_window")
+        position = check_integer("position", position, 0, _U64_MAX)
+        out = np.empty(self.blocks_per_window + 1, dtype=np.uint64)
+        count, window = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        status = lib.shm_sampler_window_blocks(self._config, position, ffi.from_buffer("uint64_t[]", out), len(out),
+                                               count, window)
+        if status != Status.OK:
+            raise ValueError(f"cannot find the window of position {position}: {status_name(status)}")
+        return (position // self.length, int(window[0])), out[:count[0]]
+
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iterate(0)
 
@@ -138,6 +174,8 @@ class Sampler:
             "seed": self.seed,
             "shard_index": self.shard_index,
             "shard_count": self.shard_count,
+            "shuffle_window": self.shuffle_window,
+            "block_rows": self.block_rows,
         }
 
     @classmethod

@@ -394,6 +394,32 @@ class PlanReader:
                                           staged.nbytes)
                 output.array[positions] = staged
 
+    def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple[str, int, int]]:
+        """(path, file offset, bytes) of what rows [first_row, first_row + row_count) of
+        `source` are stored in: what the block-local shuffle reads ahead (readahead.py).
+        Opens the parts it touches; a layout that cannot say (Blosc2 read through the
+        Python API) gives nothing."""
+        first_part, starts = self._source_parts[source]
+        end_row = first_row + row_count
+        result = []
+        index = int(np.searchsorted(starts, np.uint64(first_row), side="right")) - 1
+        while index < len(starts) and first_row < end_row:
+            part_start = int(starts[index])
+            part_end = int(starts[index + 1]) if index + 1 < len(starts) else end_row
+            local, count = first_row - part_start, min(end_row, part_end) - first_row
+            field = self.part(first_part + index)
+            if self.plan.kind == "windows":  # Row i holds elements [i * length, (i + 1) * length].
+                length = self.plan.options["length"]
+                local, count = local * length, count * length + 1
+            if isinstance(field, RaggedField):
+                offsets = field.offsets
+                last = min(local + count, len(offsets) - 1)
+                field, local, count = field.values, int(offsets[local]), int(offsets[last] - offsets[local])
+            ranges = field.byte_ranges(local, count) if hasattr(field, "byte_ranges") else []
+            result.extend((field.spec.path, offset, size) for offset, size in ranges if size > 0)
+            first_row, index = min(end_row, part_end), index + 1
+        return result
+
     def part(self, index: int):
         field = self._opened.get(index)
         if field is None:

@@ -375,6 +375,12 @@ class NpyField:
         )
         _check_range_status(self.spec, status, starts, counts, self._failure)
 
+    def byte_ranges(self, first_row: int, row_count: int) -> list[tuple[int, int]]:
+        """(file offset, bytes) holding rows [first_row, first_row + row_count)."""
+        first_row = min(first_row, self.spec.row_count)
+        row_count = min(row_count, self.spec.row_count - first_row)
+        return [(self.spec.data_offset + first_row * self.spec.row_bytes, row_count * self.spec.row_bytes)]
+
     def close(self) -> None:
         self._table = None
         self._array = None
@@ -572,6 +578,19 @@ class BloscField:
             self._failure,
         )
         _check_range_status(self.spec, status, starts, counts, self._failure)
+
+    def byte_ranges(self, first_row: int, row_count: int) -> list[tuple[int, int]]:
+        """(file offset, bytes) of the stored chunks holding rows [first_row, first_row +
+        row_count), one range (chunks are stored in order, one after another)."""
+        rows = self.spec.chunk_rows
+        first = min(first_row // rows, self.spec.chunk_count)
+        last = min((first_row + max(row_count, 1) - 1) // rows, self.spec.chunk_count - 1)
+        offsets = self._file_offsets[first:last + 1]
+        stored = offsets >= 0  # Chunks Blosc2 builds in memory are not in the file.
+        if not stored.any():
+            return []
+        starts, ends = offsets[stored], offsets[stored] + self._sizes[first:last + 1][stored].astype(np.int64)
+        return [(int(starts.min()), int(ends.max() - starts.min()))]
 
     def chunk_bytes(self, chunk: int):
         """The bytes of a chunk as stored (a view of the mapped file, or Blosc2's built copy)."""

@@ -21,6 +21,11 @@ pub const SamplerConfig = extern struct {
     shard_index: u32,
     shard_count: u32,
     reserved: u32,
+    /// Shuffle mode only: the block-local shuffle (data larger than memory) when
+    /// window_blocks > 0: rows are read in blocks of `block_rows` consecutive rows, and a
+    /// window deals out `window_blocks` blocks. Zero keeps the global shuffle.
+    block_rows: u64,
+    window_blocks: u64,
 };
 
 /// Row counts above this would make the Feistel domain (one bit above N) overflow the
@@ -54,6 +59,11 @@ pub fn check(config: *const SamplerConfig) Status {
     if (config.shard_count == 0 or config.shard_index >= config.shard_count) return .invalid_shard;
     if (config.mode > @intFromEnum(Mode.shuffle)) return .invalid_mode;
     _ = std.math.mul(u64, config.batch_size, config.shard_count) catch return .overflow;
+    if (config.window_blocks != 0) {
+        if (config.mode != @intFromEnum(Mode.shuffle)) return .invalid_mode;
+        if (config.block_rows == 0) return .invalid_length;
+        _ = std.math.mul(u64, config.block_rows, config.window_blocks) catch return .overflow;
+    }
     return .ok;
 }
 
@@ -77,9 +87,132 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     switch (@as(Mode, @enumFromInt(config.mode))) {
         .sequential => fillSequential(config.length, first, batch),
         .random => fillRandom(config.length, config.seed, first, batch),
-        .shuffle => fillShuffle(config.length, config.seed, first, batch),
+        .shuffle => if (config.window_blocks == 0)
+            fillShuffle(config.length, config.seed, first, batch)
+        else
+            fillWindowShuffle(config, first, batch),
     }
     return .ok;
+}
+
+/// The blocks of the window that holds global stream `position` (block-local shuffle),
+/// in the order the window deals them, the tail block (rows past the last full block)
+/// last where the window holds it: what a reader reads ahead. Writes how many to `count`
+/// and the window's number in its epoch to `window_out`; `out` must hold window_blocks + 1.
+pub fn windowBlocks(config: *const SamplerConfig, position: u64, out: []u64, count: *u64, window_out: *u64) Status {
+    const status = check(config);
+    if (status != .ok) return status;
+    if (config.window_blocks == 0) return .invalid_mode;
+    if (out.len < config.window_blocks + 1) return .output_size_mismatch;
+    const shuffle = WindowShuffle.init(config.length, config.block_rows, config.window_blocks, config.seed,
+        position / config.length);
+    const window = shuffle.windowOf(position % config.length);
+    var written: u64 = 0;
+    var slot = window * config.window_blocks;
+    const slot_end = @min(slot + config.window_blocks, shuffle.full_blocks);
+    while (slot < slot_end) : (slot += 1) {
+        out[written] = shuffle.blocks.apply(slot);
+        written += 1;
+    }
+    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
+        out[written] = shuffle.full_blocks;
+        written += 1;
+    }
+    count.* = written;
+    window_out.* = window;
+    return .ok;
+}
+
+/// The block-local shuffle of one epoch, for data larger than memory: the epoch's full
+/// blocks of `block_rows` consecutive rows are permuted, dealt in order into windows of
+/// `window_blocks` blocks, and the rows of each window permuted; the rows past the last
+/// full block (fewer than block_rows) join the last window. Each window's rows are a
+/// bijection of its blocks' rows and the windows partition the blocks, so every epoch
+/// still covers every row once; a reader that reads a window's blocks ahead of use reads
+/// the disk in block-sized runs instead of one random row at a time.
+pub const WindowShuffle = struct {
+    length: u64,
+    block_rows: u64,
+    window_blocks: u64,
+    window_rows: u64,
+    full_blocks: u64,
+    last_window: u64,
+    last_start: u64,
+    seed: u64,
+    epoch: u64,
+    blocks: EpochPermutation,
+
+    pub fn init(length: u64, block_rows: u64, window_blocks: u64, seed: u64, epoch: u64) WindowShuffle {
+        std.debug.assert(length > 0);
+        std.debug.assert(block_rows > 0);
+        std.debug.assert(window_blocks > 0);
+        const full_blocks = length / block_rows;
+        const window_rows = block_rows * window_blocks;
+        const windows = @max(1, (full_blocks + window_blocks - 1) / window_blocks);
+        return .{
+            .length = length,
+            .block_rows = block_rows,
+            .window_blocks = window_blocks,
+            .window_rows = window_rows,
+            .full_blocks = full_blocks,
+            .last_window = windows - 1,
+            .last_start = (windows - 1) * window_rows,
+            .seed = seed,
+            .epoch = epoch,
+            // Keyed apart from the global shuffle's and the windows' permutations.
+            .blocks = EpochPermutation.init(@max(1, full_blocks), hash2(seed, 0x626c6f636b73), epoch), // "blocks"
+        };
+    }
+
+    pub fn windowOf(self: *const WindowShuffle, offset: u64) u64 {
+        std.debug.assert(offset < self.length);
+        return if (offset >= self.last_start) self.last_window else offset / self.window_rows;
+    }
+
+    pub fn windowStart(self: *const WindowShuffle, window: u64) u64 {
+        return window * self.window_rows;
+    }
+
+    pub fn windowSize(self: *const WindowShuffle, window: u64) u64 {
+        return if (window == self.last_window) self.length - self.last_start else self.window_rows;
+    }
+
+    pub fn rowsPermutation(self: *const WindowShuffle, window: u64) EpochPermutation {
+        return EpochPermutation.init(self.windowSize(window), hash2(hash2(self.seed, 0x77696e646f77), window), // "window"
+            self.epoch);
+    }
+
+    /// The row at `offset` of the epoch, given the permutation of its window's rows.
+    pub fn row(self: *const WindowShuffle, window: u64, rows: *const EpochPermutation, offset: u64) u64 {
+        const within = rows.apply(offset - self.windowStart(window));
+        const slot = window * self.window_blocks + within / self.block_rows;
+        if (slot < self.full_blocks) return self.blocks.apply(slot) * self.block_rows + within % self.block_rows;
+        // The tail: rows after the last full block, in the last window after its blocks.
+        const tail_first = (self.full_blocks - window * self.window_blocks) * self.block_rows;
+        return self.full_blocks * self.block_rows + (within - tail_first);
+    }
+};
+
+fn fillWindowShuffle(config: *const SamplerConfig, first: u64, out: []u64) void {
+    const length = config.length;
+    var epoch = first / length;
+    var offset = first % length;
+    var shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    var window = shuffle.windowOf(offset);
+    var rows = shuffle.rowsPermutation(window);
+    for (out) |*slot| {
+        slot.* = shuffle.row(window, &rows, offset);
+        offset += 1;
+        if (offset == length) {
+            offset = 0;
+            epoch += 1;
+            shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+        }
+        if (offset == 0 or shuffle.windowOf(offset) != window) {
+            window = shuffle.windowOf(offset);
+            rows = shuffle.rowsPermutation(window);
+        }
+    }
 }
 
 fn fillSequential(length: u64, first: u64, out: []u64) void {
@@ -230,6 +363,8 @@ fn testConfig(length: u64, batch_size: u64, mode: Mode) SamplerConfig {
         .shard_index = 0,
         .shard_count = 1,
         .reserved = 0,
+        .block_rows = 0,
+        .window_blocks = 0,
     };
 }
 
@@ -262,6 +397,62 @@ test "shuffle permutation is a bijection for small and odd lengths" {
             seen[value] = true;
         }
     }
+}
+
+fn windowConfig(length: u64, batch_size: u64, block_rows: u64, window_blocks: u64) SamplerConfig {
+    var config = testConfig(length, batch_size, .shuffle);
+    config.block_rows = block_rows;
+    config.window_blocks = window_blocks;
+    return config;
+}
+
+test "the block-local shuffle covers every row once per epoch, for tails and single windows" {
+    // (length, block rows, blocks per window): a tail, no tail, fewer rows than a block,
+    // fewer blocks than a window, a last window of a single block plus the tail.
+    const cases = [_][3]u64{ .{ 1000, 16, 4 }, .{ 1024, 16, 4 }, .{ 10, 16, 4 }, .{ 1000, 16, 100 }, .{ 1000, 16, 62 } };
+    for (cases) |case| {
+        const length = case[0];
+        const config = windowConfig(length, 7, case[1], case[2]);
+        var seen: [1024]u8 = @splat(0);
+        var out: [7]u64 = undefined;
+        var step: u64 = 2 * length / 7;
+        while (step <= 3 * length / 7 + 1) : (step += 1) {
+            try testing.expectEqual(Status.ok, fill(&config, step, &out));
+            for (out, 0..) |index, i| {
+                try testing.expect(index < length);
+                const position = step * 7 + i;
+                if (position >= 2 * length and position < 3 * length) seen[index] += 1;
+            }
+        }
+        for (seen[0..length]) |count| try testing.expectEqual(@as(u8, 1), count);
+    }
+}
+
+test "a window's rows come from its own blocks only" {
+    const config = windowConfig(1000, 10, 16, 4);
+    var blocks: [5]u64 = undefined;
+    var count: u64 = 0;
+    var window: u64 = 0;
+    var out: [10]u64 = undefined;
+    var step: u64 = 0;
+    while (step < 100) : (step += 1) {
+        try testing.expectEqual(Status.ok, fill(&config, step, &out));
+        for (out, 0..) |index, i| {
+            try testing.expectEqual(Status.ok, windowBlocks(&config, step * 10 + i, &blocks, &count, &window));
+            try testing.expectEqual((step * 10 + i) / 64, window);
+            var found = false;
+            for (blocks[0..count]) |block| found = found or index / 16 == block;
+            try testing.expect(found);
+        }
+    }
+}
+
+test "window settings outside the shuffle are refused" {
+    var config = windowConfig(100, 4, 16, 4);
+    config.mode = @intFromEnum(Mode.sequential);
+    try testing.expectEqual(Status.invalid_mode, check(&config));
+    config = windowConfig(100, 4, 0, 4);
+    try testing.expectEqual(Status.invalid_length, check(&config));
 }
 
 test "sequential wraps around" {

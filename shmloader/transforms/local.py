@@ -13,12 +13,12 @@ from ..sources import MixtureSampler
 class LocalTransform:
     def __init__(self, fields, transform, transform_args=None, *, label_path=None, batch_size: int = 256,
                  mode: str = "shuffle", seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                 verify: bool = False) -> None:
+                 verify: bool = False, shuffle_window: int | None = None) -> None:
         from ..loader import plan_loader
         from . import TransformRunner
 
         plan = plan_loader(fields, label_path, batch_size, mode, seed, shard_index, shard_count, transform,
-                           transform_args)
+                           transform_args, shuffle_window)
         self.spec, self.sampler, self.batch_size = plan.transform, plan.sampler, batch_size
         self.runner = TransformRunner(self.spec, batch_size, self.sampler)
         self.inputs = InputBuffers(tuple(plan.plans.values()), batch_size, verify, self.sampler)

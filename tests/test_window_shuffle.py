@@ -1,0 +1,161 @@
+"""The block-local shuffle (shuffle_window, for data larger than memory): every epoch covers
+every row once, a window's rows come from its own blocks, batches equal a reference read
+for every field kind and reader count, resume is exact, and the readahead asks for exactly
+the bytes of the next window's blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import write_b2nd
+from shmloader import Packed, Padded, ShmDataLoader, Windows
+from shmloader.ragged import write_ragged
+from shmloader.readahead import ReadAhead
+from shmloader.sampler import Sampler
+from shmloader.slots import PlanReader, plan_field
+
+
+@pytest.mark.parametrize("length, window, block_rows", [(1000, 64, 16), (1024, 64, 16), (10, 64, 16), (5000, 700, 9)])
+def test_every_epoch_covers_every_row_once(length, window, block_rows):
+    sampler = Sampler(length, 7, "shuffle", 3, shuffle_window=window, block_rows=block_rows)
+    positions = np.concatenate([sampler.fill(step) for step in range(-(-3 * length // 7))])
+    for epoch in range(3):
+        rows = positions[epoch * length:(epoch + 1) * length]
+        np.testing.assert_array_equal(np.sort(rows), np.arange(length), err_msg=f"epoch {epoch}")
+    assert not np.array_equal(positions[:length], positions[length:2 * length])  # Epochs differ.
+
+
+def test_a_windows_rows_come_from_its_blocks_and_each_block_is_read_whole():
+    sampler = Sampler(10_000, 32, "shuffle", 1, shuffle_window=1000, block_rows=100)
+    rows = np.concatenate([sampler.fill(step) for step in range(10_000 // 32)])
+    for position in range(0, 9000, 1000):  # Nine full windows of ten blocks each.
+        _, blocks = sampler.window_blocks(position)
+        window_rows = rows[position:position + 1000]
+        assert set((window_rows // 100).tolist()) == set(blocks.tolist())
+        np.testing.assert_array_equal(np.sort(window_rows), np.sort(
+            (blocks[:, None] * 100 + np.arange(100)[None, :]).ravel()))
+
+
+def test_the_order_within_a_window_is_shuffled_not_block_by_block():
+    sampler = Sampler(100_000, 256, "shuffle", 0, shuffle_window=10_000, block_rows=500)
+    batch = sampler.fill(3)
+    assert len(np.unique(batch // 500)) >= 15  # 20 blocks in the window: a batch draws from most.
+
+
+def test_window_settings_are_checked():
+    with pytest.raises(ValueError, match="mode='shuffle' only"):
+        Sampler(100, 4, "sequential", shuffle_window=10)
+    with pytest.raises(ValueError, match="shuffle_window"):
+        Sampler(100, 4, "shuffle", shuffle_window=0)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("window_shuffle")
+    rows = np.arange(3000 * 6, dtype=np.int32).reshape(3000, 6)
+    np.save(directory / "rows.npy", rows)
+    write_b2nd(directory / "rows.b2nd", rows, chunks=(64, 6), blocks=(8, 6))
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 1000, rng.integers(1, 40)).astype(np.int32) for _ in range(3000)]
+    write_ragged(directory / "docs.ragged", documents)
+    tokens = np.arange(20_000, dtype=np.int32)
+    np.save(directory / "tokens.npy", tokens)
+    np.save(directory / "a.npy", rows[:1200])
+    np.save(directory / "b.npy", rows[1200:])
+    return {"dir": directory, "rows": rows, "documents": documents, "tokens": tokens}
+
+
+def _check(batch, files, kind):
+    indices = batch.indices
+    if kind in ("npy", "b2nd", "shards"):
+        np.testing.assert_array_equal(batch["x"], files["rows"][indices])
+    elif kind == "packed":
+        expected = np.concatenate([files["documents"][i] for i in indices])
+        np.testing.assert_array_equal(batch["x"][:int(batch["x.offsets"][-1])], expected)
+    elif kind == "padded":
+        for row, index in enumerate(indices):
+            document = files["documents"][index]
+            np.testing.assert_array_equal(batch["x"][row, :len(document)], document)
+    elif kind == "windows":
+        expected = np.stack([files["tokens"][i * 16:i * 16 + 17] for i in indices])
+        np.testing.assert_array_equal(batch["x"], expected)
+
+
+def _declaration(files, kind):
+    directory = files["dir"]
+    return {"npy": str(directory / "rows.npy"), "b2nd": str(directory / "rows.b2nd"),
+            "shards": [str(directory / "a.npy"), str(directory / "b.npy")],
+            "packed": Packed(str(directory / "docs.ragged")),
+            "padded": Padded(str(directory / "docs.ragged"), max_length=40),
+            "windows": Windows(str(directory / "tokens.npy"), length=16)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["npy", "b2nd", "shards", "packed", "padded", "windows"])
+def test_batches_equal_the_reference_and_do_not_depend_on_the_reader_count(files, kind):
+    fields = {"x": _declaration(files, kind)}
+    seen = {}
+    for readers in (1, 3):
+        with ShmDataLoader(fields, batch_size=32, readers=readers, seed=4, shuffle_window=400) as loader:
+            assert loader.sampler.blocks_per_window > 4  # Eight blocks, unless a Blosc2 chunk is larger.
+            indices = []
+            for step, batch in zip(range(40), loader):
+                _check(batch, files, kind)
+                indices.append(np.array(batch.indices))
+                del batch
+            seen[readers] = np.concatenate(indices)
+    np.testing.assert_array_equal(seen[1], seen[3])
+
+
+def test_resume_from_a_checkpoint_is_exact(files):
+    fields = {"x": _declaration(files, "npy")}
+    with ShmDataLoader(fields, batch_size=32, readers=2, seed=4, shuffle_window=400) as loader:
+        for _ in range(17):
+            del _
+            next(loader)
+        state = loader.state_dict()
+        expected = [np.array(next(loader).indices) for _ in range(30)]
+    assert state["shuffle_window"] == 400
+    with ShmDataLoader(fields, batch_size=32, readers=1, seed=4, shuffle_window=400) as loader:
+        loader.load_state_dict(state)
+        for indices in expected:
+            np.testing.assert_array_equal(next(loader).indices, indices)
+    with ShmDataLoader(fields, batch_size=32, readers=1, seed=4) as loader:
+        with pytest.raises(ValueError, match="shuffle_window"):
+            loader.load_state_dict(state)
+
+
+def test_a_mixture_with_a_window_is_refused_with_a_reason(files):
+    from shmloader import Source
+
+    sources = [Source({"x": _declaration(files, "npy")}), Source({"x": _declaration(files, "shards")})]
+    with pytest.raises(ValueError, match="shuffle_window is not supported for a mixture"):
+        ShmDataLoader(sources, batch_size=8, readers=1, shuffle_window=100)
+
+
+@pytest.mark.parametrize("kind", ["npy", "b2nd", "packed", "windows"])
+def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
+    plan = plan_field("x", _declaration(files, kind), 32)
+    rows = plan.row_count
+    sampler = Sampler(rows, 32, "shuffle", 2, shuffle_window=rows // 4, block_rows=rows // 32)
+    reader = PlanReader(plan, 32, False, sampler)
+    read_ahead = ReadAhead(sampler, [reader])
+    try:
+        _, blocks = sampler.window_blocks(0)
+        ranges = read_ahead._ranges(blocks)
+        assert ranges and all(size > 0 for _, _, size in ranges)
+        # Every row of the window lies in an advised range of its file.
+        part = reader.part(0)
+        for block in blocks.tolist():
+            first = block * sampler.block_rows
+            for row in (first, min(rows, first + sampler.block_rows) - 1):
+                for path, offset, size in reader.byte_ranges(row, 1):
+                    assert any(path == p and o <= offset and offset + size <= o + s for p, o, s in ranges), (row, kind)
+        assert part is not None
+        read_ahead.note(0)
+        assert read_ahead.windows_advised == 2  # This window and the next, once each.
+        read_ahead.note(1)
+        assert read_ahead.windows_advised == 2
+    finally:
+        read_ahead.close()
+        reader.close()
