@@ -1,0 +1,157 @@
+"""Data larger than memory: rows/s of the loader's global shuffle, its block-local shuffle
+(shuffle_window) and its sequential mode over a file that does not fit the memory the
+loader may use.
+
+A cgroup-v1 memory group (page cache counts against it) confines the loader and its
+readers to --limit-gib, below the file's size; the file is evicted from the page cache
+(posix_fadvise DONTNEED) before each run, so every run starts cold. Needs root and
+/sys/fs/cgroup/memory; the group is removed at the end. The file is written once to
+--path (a disk, not tmpfs) and kept for later runs unless --remove.
+
+    python bench/larger_than_memory.py                      # 1,000,000 rows of 3,072 B (3 GB), 2 GiB
+    python bench/larger_than_memory.py --rows 300000 --limit-gib 0.5 --seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import machine_line, table  # noqa: E402
+
+_CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def write_file(path: str, rows: int, row_bytes: int) -> None:
+    if os.path.exists(path) and os.path.getsize(path) > rows * row_bytes:
+        header = np.load(path, mmap_mode="r")
+        if header.shape == (rows, row_bytes):
+            return
+    print(f"writing {rows:,} rows of {row_bytes} bytes to {path} ...", flush=True)
+    array = np.lib.format.open_memmap(path + ".partial", mode="w+", dtype=np.uint8, shape=(rows, row_bytes))
+    piece = 65536
+    for start in range(0, rows, piece):
+        stop = min(rows, start + piece)
+        # Each row starts with its own index, so that a wrong row would be caught below.
+        block = np.random.default_rng(start).integers(0, 256, (stop - start, row_bytes), dtype=np.uint8)
+        block[:, :8] = np.arange(start, stop, dtype=np.uint64)[:, None].view(np.uint8)
+        array[start:stop] = block
+    array.flush()
+    del array
+    os.replace(path + ".partial", path)
+
+
+def evict(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def run_child(args) -> None:
+    """One measurement, inside the memory group: prints a JSON line."""
+    from shmloader import ShmDataLoader
+
+    window = None if args.window == 0 else args.window
+    mode = "sequential" if args.mode == "sequential" else "shuffle"
+    with ShmDataLoader({"x": args.path}, batch_size=args.batch_size, readers=args.readers, mode=mode, seed=1,
+                       shuffle_window=window) as loader:
+        rows, wrong, started = 0, 0, time.perf_counter()
+        warm_rows = None
+        while time.perf_counter() - started < args.seconds:
+            batch = next(loader)
+            wrong += int(np.count_nonzero(batch["x"][:, :8].copy().view(np.uint64).ravel() != batch.indices))
+            rows += len(batch.indices)
+            del batch
+        elapsed = time.perf_counter() - started
+        sampler = loader.sampler
+    print(json.dumps({"rows": rows, "seconds": elapsed, "wrong_rows": wrong,
+                      "block_rows": sampler.block_rows, "window_blocks": sampler.blocks_per_window}))
+
+
+def measure(args, mode: str, window: int) -> dict:
+    group = f"{_CGROUP_ROOT}/shmloader_bench_{os.getpid()}"
+    os.makedirs(group, exist_ok=True)
+    try:
+        with open(f"{group}/memory.limit_in_bytes", "w") as handle:
+            handle.write(str(int(args.limit_gib * 2**30)))
+        evict(args.path)
+        command = [sys.executable, os.path.abspath(__file__), "--child", "--path", args.path, "--mode", mode,
+                   "--window", str(window), "--seconds", str(args.seconds), "--readers", str(args.readers),
+                   "--batch-size", str(args.batch_size)]
+
+        def enter_group() -> None:
+            with open(f"{group}/cgroup.procs", "w") as handle:
+                handle.write(str(os.getpid()))
+
+        result = subprocess.run(command, capture_output=True, text=True, preexec_fn=enter_group,
+                                timeout=args.seconds + 120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{mode} window={window}: exit {result.returncode}\n{result.stderr[-3000:]}")
+        with open(f"{group}/memory.max_usage_in_bytes") as handle:
+            peak = int(handle.read())
+        measured = json.loads(result.stdout.strip().splitlines()[-1])
+        measured["peak_bytes"] = peak
+        return measured
+    finally:
+        for _ in range(50):
+            try:
+                os.rmdir(group)
+                break
+            except OSError:
+                time.sleep(0.1)  # The group's last process is still exiting.
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", default="/var/tmp/shmloader_larger_than_memory.npy")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--row-bytes", type=int, default=3072)
+    parser.add_argument("--limit-gib", type=float, default=2.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--readers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--windows", default="262144,65536", help="shuffle_window values to measure")
+    parser.add_argument("--remove", action="store_true", help="delete the file at the end")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_child(args)
+        return
+    if not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0:
+        sys.exit(f"needs root and a cgroup-v1 memory controller at {_CGROUP_ROOT}")
+    write_file(args.path, args.rows, args.row_bytes)
+    size_gib = os.path.getsize(args.path) / 2**30
+    print(f"{machine_line()}; file {size_gib:.2f} GiB, memory group {args.limit_gib:g} GiB, "
+          f"{args.readers} readers, batch {args.batch_size}, {args.seconds:g} s a run, cold cache each run")
+    runs = [("shuffle (global)", "shuffle", 0)]
+    runs += [(f"shuffle_window={int(window):,}", "shuffle", int(window)) for window in args.windows.split(",") if window]
+    runs += [("sequential", "sequential", 0)]
+    rows = []
+    try:
+        for label, mode, window in runs:
+            measured = measure(args, mode, window)
+            rate = measured["rows"] / measured["seconds"]
+            block = f"{measured['block_rows']:,} x {measured['window_blocks']}" if window else "-"
+            rows.append([label, f"{rate:,.0f}", f"{rate * args.row_bytes / 1e6:,.0f}", block,
+                         f"{measured['peak_bytes'] / 2**30:.2f}", measured["wrong_rows"]])
+            print(" | ".join(str(cell) for cell in rows[-1]), flush=True)
+    finally:
+        if args.remove:
+            os.unlink(args.path)
+    print(table(rows, ["order", "rows/s", "MB/s", "block rows x blocks", "group peak GiB", "wrong rows"]))
+
+
+if __name__ == "__main__":
+    main()
