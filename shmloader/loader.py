@@ -27,7 +27,6 @@ from .readers import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
 from .slots import FieldPlan, Packed, Padded, Region, Windows, merge_sources, plan_field
-from .storage import FieldSpec
 from .sources import MixtureSampler, Source
 from .transforms import TransformSpec
 from .transforms import resolve as resolve_transform
@@ -204,7 +203,7 @@ class LoaderPlan:
 # The block-local shuffle reads blocks of about this many bytes per row of all fields: a
 # read this long costs many times a random read's latency on a disk or a network volume,
 # so the disk streams, and a window of a few hundred blocks is still well mixed.
-_SHUFFLE_BLOCK_BYTES = 4 << 20
+_SHUFFLE_BLOCK_BYTES = 16 << 20
 
 
 # A window deals at least this many blocks, so that a batch draws its rows from that many
@@ -218,14 +217,8 @@ def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int) -> int:
     the coarsest Blosc2 field (a chunk is the unit that field decompresses, so a block
     that split one would read it twice)."""
     row_count = next(iter(plans.values())).row_count
-    stored_bytes, chunk_rows = 0, 1
-    for plan in plans.values():
-        for part in plan.parts:
-            if isinstance(part, FieldSpec):
-                stored_bytes += part.compressed_bytes or part.uncompressed_bytes
-                chunk_rows = max(chunk_rows, part.chunk_rows if plan.kind == "rows" else 1)
-            else:  # Ragged: its values (the offsets are read once, into memory).
-                stored_bytes += part.values.compressed_bytes or part.values.uncompressed_bytes
+    stored_bytes = sum(plan.stored_bytes for plan in plans.values())
+    chunk_rows = max([1] + [part.chunk_rows for plan in plans.values() if plan.kind == "rows" for part in plan.parts])
     block_rows = max(1, min(_SHUFFLE_BLOCK_BYTES * row_count // max(1, stored_bytes),
                             shuffle_window // _WINDOW_BLOCKS_MIN))
     return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)

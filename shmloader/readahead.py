@@ -1,16 +1,23 @@
-"""Reading ahead for the block-local shuffle: a reader asks the kernel for the blocks of the
-window after the one it is filling from, so that the disk streams whole blocks while the
-current window is served from the page cache.
+"""Reading ahead for the block-local shuffle: as a reader enters a window it asks the kernel
+for the next window's blocks and lets go of the previous window's, so the disk streams
+whole blocks while the current window is served from the page cache, and the cache holds
+about two windows.
 
 The window a step reads from is a pure function of the step (sampler.py), so every reader
-knows the next window's blocks without talking to the others; two readers that advise the
-same window cost the kernel a look-up of pages it already has. The advice runs on a thread
-of the reader (posix_fadvise releases the GIL and may block while the kernel queues the
-reads), so a fill never waits for the disk it asks ahead of.
+knows the windows without talking to the others. Each reader, at its first step in window
+j: drops its own mappings of window j-1's blocks and advises the kernel that they are not
+needed (POSIX_FADV_DONTNEED drops pages no reader maps any more: the last reader to leave
+the window frees it), then advises WILLNEED for window j+1 (and for j itself at the start
+of a run). Without the drop, the pages read ahead were the first the kernel reclaimed
+under memory pressure (new pages, never referenced) while the finished window, mapped and
+referenced, stayed: the disk read each block several times. The advice runs on a thread of
+the reader (posix_fadvise releases the GIL and may block while the kernel queues reads),
+so a fill never waits for the disk it reads ahead of. Advice that fails costs speed only.
 
-Memory: the kernel reads into the page cache, which it may reclaim: about two windows
-(the current and the next) of all fields' stored bytes are wanted at once, so a window
-should be well under half of the memory the loader can use for the page cache.
+Memory: two windows of all fields' stored bytes (the one being served and the next); a
+window should stay under half of the memory the loader may use for the page cache.
+Windows are let go only when the fields are larger than half that memory (the machine's,
+or its memory cgroup's limit): data that fits stays cached for the next epochs.
 """
 
 from __future__ import annotations
@@ -20,46 +27,99 @@ import os
 import queue
 import threading
 
-# Windows this reader remembers having advised: the current and the next, with room for
-# the ones its other steps in flight still read.
-_ADVISED_REMEMBERED = 8
-# Windows waiting for the thread: the reader only ever needs the next one, so a full queue
-# means the disk is behind and another request would only add to its backlog.
-_PENDING_WINDOWS_MAX = 2
+# posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
+# read-ahead works in pieces of 2 MiB too.
+_ADVICE_PIECE_BYTES = 2 << 20
+# Windows this reader remembers having entered or advised.
+_WINDOWS_REMEMBERED = 8
+# Requests waiting for the thread: the reader only ever needs the next window, so a full
+# queue means the disk is behind and another request would only add to its backlog.
+_PENDING_MAX = 8
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use for the page cache: the machine's, or its memory
+    cgroup's limit (v1 or v2) where that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                with open(candidate) as handle:
+                    text = handle.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+    return limit
 
 
 class ReadAhead:
-    """Advises the kernel of the windows each step will read next (one per reader)."""
+    """Advises the kernel of the windows each step will read (one per reader)."""
 
-    def __init__(self, sampler, plan_readers) -> None:
+    def __init__(self, sampler, plan_readers, stored_bytes: int) -> None:
+        """`stored_bytes`: the fields' bytes on disk. Windows are let go only when they
+        cannot all stay cached (more than half the memory limit): data that fits keeps
+        its pages, and later epochs read from memory."""
         self.sampler = sampler
         self.plan_readers = list(plan_readers)
+        self.release_windows = stored_bytes > memory_limit_bytes() // 2
         self.window_rows = sampler.block_rows * sampler.blocks_per_window
-        self._advised: collections.deque = collections.deque(maxlen=_ADVISED_REMEMBERED)
-        self._pending: queue.Queue = queue.Queue(maxsize=_PENDING_WINDOWS_MAX)
+        self._entered: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
+        self._advised: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
+        self._pending: queue.Queue = queue.Queue(maxsize=_PENDING_MAX)
         self._thread = threading.Thread(target=self._advise_loop, name="shmloader-readahead", daemon=True)
         self._thread.start()
-        self.windows_advised = 0
+        self.windows_advised = self.windows_released = 0
 
     def note(self, step: int) -> None:
-        """Called as a reader starts `step`: advises the step's own window (at the start
-        of a run) and the one after it, each once."""
+        """Called as a reader starts `step`: at its first step in a window, releases the
+        previous window; then advises this window and the next, each once (a request the
+        full queue refused is made again at the next step)."""
         sampler = self.sampler
-        first = (step * sampler.shard_count + sampler.shard_index) * sampler.batch_size
-        for position in (first, first + self.window_rows):
-            key, blocks = sampler.window_blocks(position)
-            if key in self._advised:
-                continue
-            ranges = self._ranges(blocks)
-            try:
-                self._pending.put_nowait(ranges)
-            except queue.Full:
-                return  # Try again at the next step.
+        position = (step * sampler.shard_count + sampler.shard_index) * sampler.batch_size
+        key, blocks = sampler.window_blocks(position)
+        start = self._window_start(key)
+        if key not in self._entered:
+            self._entered.append(key)
+            if self.release_windows and start > 0 and self._submit("release", sampler.window_blocks(start - 1)[1]):
+                self.windows_released += 1
+        self._advise(key, blocks)
+        following = start + self.window_rows
+        if following >= (key[0] + 1) * sampler.length or sampler.window_blocks(following)[0] == key:
+            following = (key[0] + 1) * sampler.length  # The last window of an epoch may be longer.
+        next_key, next_blocks = sampler.window_blocks(following)
+        self._advise(next_key, next_blocks)
+
+    def _window_start(self, key: tuple[int, int]) -> int:
+        epoch, window = key
+        return epoch * self.sampler.length + window * self.window_rows
+
+    def _advise(self, key, blocks) -> None:
+        if key not in self._advised and self._submit("advise", blocks):
             self._advised.append(key)
             self.windows_advised += 1
 
-    def _ranges(self, blocks) -> list[tuple[str, int, int]]:
-        """(path, offset, bytes) of every field's share of `blocks`, in file order."""
+    def _submit(self, what: str, blocks) -> bool:
+        try:
+            self._pending.put_nowait((what, self._ranges(blocks)))
+            return True
+        except queue.Full:
+            return False
+
+    def _ranges(self, blocks) -> list[tuple]:
+        """(opened file, offset, bytes) of every field's share of `blocks`, in file order."""
         block_rows, length = self.sampler.block_rows, self.sampler.length
         ranges = []
         for block in sorted(int(block) for block in blocks):
@@ -67,38 +127,52 @@ class ReadAhead:
             count = min(block_rows, length - first)
             for reader in self.plan_readers:
                 ranges.extend(reader.byte_ranges(first, count))
-        return sorted(ranges)
+        return ranges
 
     def _advise_loop(self) -> None:
         while True:
-            ranges = self._pending.get()
-            if ranges is None:
+            request = self._pending.get()
+            if request is None:
                 return
-            _advise(ranges)
+            what, ranges = request
+            if what == "release":
+                for field, offset, size in ranges:
+                    field.forget(offset, size)
+                _fadvise(ranges, os.POSIX_FADV_DONTNEED)
+            else:
+                _fadvise(ranges, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        try:
-            self._pending.put_nowait(None)
-        except queue.Full:
-            pass  # A daemon thread: it ends with the reader.
+        """Stops the thread after what it has queued (the fields stay open until it is done)."""
+        while True:
+            try:
+                self._pending.put(None, timeout=0.1)
+                break
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return
+        self._thread.join(timeout=5.0)
 
 
-def _advise(ranges: list[tuple[str, int, int]]) -> None:
-    """posix_fadvise(WILLNEED) over each range: the kernel starts reading them into the page
-    cache and returns. Errors are ignored: advice that fails costs speed, never data."""
+def _fadvise(ranges: list[tuple], advice: int) -> None:
+    """posix_fadvise over each range, one descriptor per file for the call."""
     descriptors: dict[str, int] = {}
     try:
-        for path, offset, size in ranges:
+        for field, offset, size in ranges:
+            path = field.spec.path
             descriptor = descriptors.get(path)
             if descriptor is None:
                 try:
                     descriptor = descriptors[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                 except OSError:
                     continue
-            try:
-                os.posix_fadvise(descriptor, offset, size, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
+            # One call per piece: the kernel reads at most its read-ahead size (read_ahead_kb,
+            # or the device's largest request) per WILLNEED call and drops the rest.
+            for piece in range(offset, offset + size, _ADVICE_PIECE_BYTES):
+                try:
+                    os.posix_fadvise(descriptor, piece, min(_ADVICE_PIECE_BYTES, offset + size - piece), advice)
+                except OSError:
+                    break
     finally:
         for descriptor in descriptors.values():
             os.close(descriptor)

@@ -196,7 +196,9 @@ class Reader:
             self.inputs = InputBuffers(config.fields, self.layout.batch_size, config.verify_checksums, self.sampler)
         self.read_ahead = None
         if getattr(self.sampler, "blocks_per_window", 0):  # The block-local shuffle reads windows ahead.
-            self.read_ahead = ReadAhead(self.sampler, self.fields or self.inputs.readers)
+            plans = config.fields
+            self.read_ahead = ReadAhead(self.sampler, self.fields or self.inputs.readers,
+                                        sum(plan.stored_bytes for plan in plans))
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0

@@ -104,6 +104,15 @@ class FieldPlan:
     def source(self) -> FieldSpec | RaggedSpec:
         return self.parts[0]
 
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes of its files on disk (a ragged field's values; compressed where they are)."""
+        total = 0
+        for part in self.parts:
+            spec = part if isinstance(part, FieldSpec) else part.values
+            total += spec.compressed_bytes or spec.uncompressed_bytes
+        return total
+
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "parts": [part.to_dict() for part in self.parts],
                 "part_starts": list(self.part_starts), "part_sources": list(self.part_sources),
@@ -312,6 +321,11 @@ class PlanReader:
 
     def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
         self.plan, self.batch_size, self.sampler, self.verify = plan, batch_size, sampler, verify
+        # Rows in shuffled or random order: no read-around on page faults (storage.open_field).
+        # The block-local shuffle keeps it: a fault ahead of its read-ahead then reads the
+        # block around the row in one go instead of page by page.
+        self.random_access = getattr(sampler, "mode", "shuffle") != "sequential" and \
+            not getattr(sampler, "blocks_per_window", 0)
         self._opened: dict[int, object] = {}
         self.itemsize = np.dtype(plan.regions[0].dtype).itemsize
         self.single = len(plan.parts) == 1
@@ -394,8 +408,8 @@ class PlanReader:
                                           staged.nbytes)
                 output.array[positions] = staged
 
-    def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple[str, int, int]]:
-        """(path, file offset, bytes) of what rows [first_row, first_row + row_count) of
+    def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
+        """(opened file, file offset, bytes) of what rows [first_row, first_row + row_count) of
         `source` are stored in: what the block-local shuffle reads ahead (readahead.py).
         Opens the parts it touches; a layout that cannot say (Blosc2 read through the
         Python API) gives nothing."""
@@ -416,7 +430,7 @@ class PlanReader:
                 last = min(local + count, len(offsets) - 1)
                 field, local, count = field.values, int(offsets[local]), int(offsets[last] - offsets[local])
             ranges = field.byte_ranges(local, count) if hasattr(field, "byte_ranges") else []
-            result.extend((field.spec.path, offset, size) for offset, size in ranges if size > 0)
+            result.extend((field, offset, size) for offset, size in ranges if size > 0)
             first_row, index = min(end_row, part_end), index + 1
         return result
 
@@ -424,8 +438,9 @@ class PlanReader:
         field = self._opened.get(index)
         if field is None:
             spec = self.plan.parts[index]
-            field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify) if isinstance(spec, FieldSpec) \
-                else RaggedField(spec, verify=self.verify)
+            field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify,
+                               random_access=self.random_access) if isinstance(spec, FieldSpec) \
+                else RaggedField(spec, verify=self.verify, random_access=self.random_access)
             self._opened[index] = field
         return field
 

@@ -301,6 +301,25 @@ def _unmap(mapping: mmap.mmap | None) -> None:
             pass
 
 
+_PAGE_BYTES = mmap.PAGESIZE
+
+
+def forget_mapped(mapping: mmap.mmap | None, offset: int, size: int) -> None:
+    """Drops this process's page-table entries for bytes [offset, offset + size) of a file
+    mapping (MADV_DONTNEED: the pages stay in the page cache, unmapped, so the kernel can
+    reclaim them without an rmap walk, and fadvise DONTNEED can drop them). A later read
+    maps them again: it costs a fault, never data."""
+    if mapping is None or size <= 0:
+        return
+    start = offset - offset % _PAGE_BYTES
+    end = min(len(mapping), offset + size)
+    if end > start:
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (ValueError, OSError):
+            pass  # Closed meanwhile, or refused: advice only.
+
+
 def _u64(array: np.ndarray):
     """A cffi pointer to a C-contiguous uint64 array; it keeps the array alive while it lives."""
     return ffi.from_buffer("uint64_t[]", array)
@@ -380,6 +399,9 @@ class NpyField:
         first_row = min(first_row, self.spec.row_count)
         row_count = min(row_count, self.spec.row_count - first_row)
         return [(self.spec.data_offset + first_row * self.spec.row_bytes, row_count * self.spec.row_bytes)]
+
+    def forget(self, offset: int, size: int) -> None:
+        forget_mapped(self._map, offset, size)
 
     def close(self) -> None:
         self._table = None
@@ -592,6 +614,9 @@ class BloscField:
         starts, ends = offsets[stored], offsets[stored] + self._sizes[first:last + 1][stored].astype(np.int64)
         return [(int(starts.min()), int(ends.max() - starts.min()))]
 
+    def forget(self, offset: int, size: int) -> None:
+        forget_mapped(self._map, offset, size)
+
     def chunk_bytes(self, chunk: int):
         """The bytes of a chunk as stored (a view of the mapped file, or Blosc2's built copy)."""
         offset = int(self._file_offsets[chunk])
@@ -766,13 +791,24 @@ def _msgpack_binary(packed: bytes, path: str) -> bytes:
     return payload
 
 
-def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False):
+def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False, random_access: bool = False):
     """Opens a described field for gathering, in whichever process calls it; `verify`
-    checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them)."""
+    checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them).
+    `random_access` tells the kernel not to read ahead around a page fault (MADV_RANDOM):
+    for rows read in random order, a fault's read-around (read_ahead_kb, up to megabytes)
+    is mostly other rows, read for nothing and evicting the cache; the block-local shuffle
+    reads ahead itself (readahead.py)."""
     if spec.row_bytes == 0:
         return EmptyRowsField(spec)
     if spec.kind == "npy":
-        return NpyField(spec)
-    if spec.row_contiguous:
-        return BloscField(spec, batch_size_max, verify=verify)
-    return BloscPythonField(spec)
+        field = NpyField(spec)
+    elif spec.row_contiguous:
+        field = BloscField(spec, batch_size_max, verify=verify)
+    else:
+        return BloscPythonField(spec)
+    if random_access:
+        try:
+            field._map.madvise(mmap.MADV_RANDOM)
+        except (AttributeError, OSError):
+            pass  # Advice only.
+    return field

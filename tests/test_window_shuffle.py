@@ -139,7 +139,7 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
     rows = plan.row_count
     sampler = Sampler(rows, 32, "shuffle", 2, shuffle_window=rows // 4, block_rows=rows // 32)
     reader = PlanReader(plan, 32, False, sampler)
-    read_ahead = ReadAhead(sampler, [reader])
+    read_ahead = ReadAhead(sampler, [reader], plan.stored_bytes)
     try:
         _, blocks = sampler.window_blocks(0)
         ranges = read_ahead._ranges(blocks)
@@ -149,8 +149,8 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
         for block in blocks.tolist():
             first = block * sampler.block_rows
             for row in (first, min(rows, first + sampler.block_rows) - 1):
-                for path, offset, size in reader.byte_ranges(row, 1):
-                    assert any(path == p and o <= offset and offset + size <= o + s for p, o, s in ranges), (row, kind)
+                for field, offset, size in reader.byte_ranges(row, 1):
+                    assert any(field is f and o <= offset and offset + size <= o + s for f, o, s in ranges), (row, kind)
         assert part is not None
         read_ahead.note(0)
         assert read_ahead.windows_advised == 2  # This window and the next, once each.
