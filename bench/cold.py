@@ -1,6 +1,7 @@
-"""Data larger than memory: rows/s of the loader's global shuffle, its block-local shuffle
-(shuffle_window) and its sequential mode over a file that does not fit the memory the
-loader may use.
+"""Data larger than memory (cold cache): rows/s of a plain read() of the file (one process,
+8 MiB at a time, no read-ahead overlap), the loader's sequential mode, its global shuffle, its block-local shuffle
+(shuffle_window) at several sizes, and PyTorch's DataLoader (shuffle, 2 workers) over a
+memory-mapped .npy, over a file that does not fit the memory the loader may use.
 
 A cgroup-v1 memory group (page cache counts against it) confines the loader and its
 readers to --limit-gib, below the file's size; the file is evicted from the page cache
@@ -8,8 +9,8 @@ readers to --limit-gib, below the file's size; the file is evicted from the page
 /sys/fs/cgroup/memory; the group is removed at the end. The file is written once to
 --path (a disk, not tmpfs) and kept for later runs unless --remove.
 
-    python bench/larger_than_memory.py                      # 1,000,000 rows of 3,072 B (3 GB), 2 GiB
-    python bench/larger_than_memory.py --rows 300000 --limit-gib 0.5 --seconds 10
+    python bench/cold.py                                    # 1,000,000 rows of 3,072 B (3 GB), 2 GiB
+    python bench/cold.py --rows 300000 --limit-gib 0.5 --seconds 10
 """
 
 from __future__ import annotations
@@ -57,8 +58,58 @@ def evict(path: str) -> None:
         os.close(descriptor)
 
 
+def _disk_rate(args) -> dict:
+    """The file read front to back in 8 MiB reads by one process (one request at a time:
+    a floor for the disk, not its ceiling; the kernel's read-ahead under mmap does more)."""
+    rows_total = np.load(args.path, mmap_mode="r").shape[0]
+    buffer = bytearray(8 << 20)
+    started, read = time.perf_counter(), 0
+    with open(args.path, "rb", buffering=0) as handle:
+        while time.perf_counter() - started < args.seconds:
+            count = handle.readinto(buffer)
+            if not count:
+                break
+            read += count
+    elapsed = time.perf_counter() - started
+    return {"rows": read * rows_total // os.path.getsize(args.path), "seconds": elapsed, "wrong_rows": 0,
+            "block_rows": 0, "window_blocks": 0}
+
+
+def _torch_rate(args) -> dict:
+    """PyTorch's DataLoader over np.load(mmap_mode="r"): shuffle, 2 workers, batched
+    __getitems__ (one fancy index per batch), as a user would write it."""
+    import torch
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, path):
+            self.path, self.array = path, None
+
+        def __len__(self):
+            return np.load(self.path, mmap_mode="r").shape[0]
+
+        def __getitems__(self, indices):
+            if self.array is None:
+                self.array = np.load(self.path, mmap_mode="r")
+            order = np.asarray(indices)
+            return torch.from_numpy(self.array[order]), torch.from_numpy(order)
+
+    loader = torch.utils.data.DataLoader(Rows(args.path), batch_size=args.batch_size, shuffle=True,
+                                         num_workers=args.readers, collate_fn=lambda batch: batch)
+    rows, wrong, started = 0, 0, time.perf_counter()
+    for data, order in loader:
+        wrong += int(np.count_nonzero(data[:, :8].numpy().copy().view(np.uint64).ravel() != order.numpy()))
+        rows += len(order)
+        if time.perf_counter() - started > args.seconds:
+            break
+    return {"rows": rows, "seconds": time.perf_counter() - started, "wrong_rows": wrong, "block_rows": 0,
+            "window_blocks": 0}
+
+
 def run_child(args) -> None:
     """One measurement, inside the memory group: prints a JSON line."""
+    if args.mode in ("disk", "torch"):
+        print(json.dumps(_disk_rate(args) if args.mode == "disk" else _torch_rate(args)))
+        return
     from shmloader import ShmDataLoader
 
     window = None if args.window == 0 else args.window
@@ -120,7 +171,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--windows", default="262144,65536", help="shuffle_window values to measure")
+    parser.add_argument("--windows", default="262144,65536,16384", help="shuffle_window values to measure")
     parser.add_argument("--remove", action="store_true", help="delete the file at the end")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
@@ -135,9 +186,14 @@ def main() -> None:
     size_gib = os.path.getsize(args.path) / 2**30
     print(f"{machine_line()}; file {size_gib:.2f} GiB, memory group {args.limit_gib:g} GiB, "
           f"{args.readers} readers, batch {args.batch_size}, {args.seconds:g} s a run, cold cache each run")
-    runs = [("shuffle (global)", "shuffle", 0)]
+    runs = [("read() of the file, 8 MiB at a time", "disk", 0), ("sequential", "sequential", 0),
+            ("shuffle (global)", "shuffle", 0)]
     runs += [(f"shuffle_window={int(window):,}", "shuffle", int(window)) for window in args.windows.split(",") if window]
-    runs += [("sequential", "sequential", 0)]
+    try:
+        import torch  # noqa: F401
+        runs.append(("PyTorch DataLoader, memmap, shuffle", "torch", 0))
+    except ImportError:
+        print("PyTorch is not installed: its row is left out")
     rows = []
     try:
         for label, mode, window in runs:
@@ -151,6 +207,10 @@ def main() -> None:
         if args.remove:
             os.unlink(args.path)
     print(table(rows, ["order", "rows/s", "MB/s", "block rows x blocks", "group peak GiB", "wrong rows"]))
+    rates = {row[0]: float(row[1].replace(",", "")) for row in rows}
+    sequential = rates["sequential"]
+    print("\n".join(f"{label}: {rate / sequential:.1%} of shmloader's sequential rate"
+                    for label, rate in rates.items() if label != "sequential"))
 
 
 if __name__ == "__main__":
