@@ -159,3 +159,43 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
     finally:
         read_ahead.close()
         reader.close()
+
+
+@pytest.mark.parametrize("shard_count", [1, 2, 3])
+def test_shards_together_cover_every_row_once_per_epoch(shard_count):
+    length, batch = 999, 9
+    global_positions = length * 2  # Two epochs: the union of all shards' batches, in step order.
+    steps = -(-global_positions // (batch * shard_count))
+    per_step = []
+    for step in range(steps):
+        per_step.append(np.concatenate([
+            Sampler(length, batch, "shuffle", 5, shard, shard_count, shuffle_window=120, block_rows=13).fill(step)
+            for shard in range(shard_count)]))
+    stream = np.concatenate(per_step)
+    whole = Sampler(length, batch * shard_count, "shuffle", 5, shuffle_window=120, block_rows=13)
+    np.testing.assert_array_equal(stream, np.concatenate([whole.fill(step) for step in range(steps)]))
+    for epoch in range(2):
+        np.testing.assert_array_equal(np.sort(stream[epoch * length:(epoch + 1) * length]), np.arange(length))
+
+
+def test_a_reader_killed_mid_window_costs_no_batch(files):
+    import os
+    import signal
+
+    from conftest import process_alive, wait_until
+
+    fields = {"x": _declaration(files, "b2nd")}
+    with ShmDataLoader(fields, batch_size=32, readers=2, seed=6, shuffle_window=400) as reference:
+        expected = [np.array(next(reference).indices) for _ in range(60)]
+    with ShmDataLoader(fields, batch_size=32, readers=2, seed=6, shuffle_window=400) as loader:
+        for step in range(60):
+            if step == 20:
+                victim = loader.reader_pids[0]
+                os.kill(victim, signal.SIGKILL)
+                assert wait_until(lambda: not process_alive(victim), timeout=10)
+            batch = next(loader)
+            assert batch.step == step
+            np.testing.assert_array_equal(batch.indices, expected[step])
+            _check(batch, files, "b2nd")
+            del batch
+        assert loader.stats()["reader_restarts"] == 1
