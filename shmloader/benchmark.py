@@ -12,8 +12,10 @@ from .loader import ShmDataLoader
 from .storage import describe_field
 
 
-# --sweep tries these many slots per reader for each reader count.
+# --sweep tries these many slots per reader for each reader count, plus the trainer's two
+# (the loader's default is 4 per reader + 2; with fewer than 2 per reader readers ran dry).
 _SLOTS_PER_READER = (2, 4)
+_TRAINER_SLOTS = 2
 
 
 def field_names(paths: list[str]) -> dict[str, str]:
@@ -48,9 +50,15 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
         touch(first)
         del first
         timed = time.perf_counter()
-        for _, batch in tqdm(zip(range(steps), loader), total=steps, desc=f"readers={loader.readers} slots={loader.slots}",
-                             disable=not progress, leave=False):
-            touch(batch)
+        # A bar updated by hand: tqdm(zip(range(n), loader)) keeps the batch before the
+        # loop variable's alive (in the tuple tqdm holds), one more than a plain loop.
+        with tqdm(total=steps, desc=f"readers={loader.readers} slots={loader.slots}", disable=not progress,
+                  leave=False) as bar:
+            for _ in range(steps):
+                batch = next(loader)
+                touch(batch)
+                del batch
+                bar.update()
         elapsed = time.perf_counter() - timed
         stats = loader.stats()
         row_bytes = sum(describe_field(path).row_bytes for path in fields.values())
@@ -164,8 +172,10 @@ def _plot(results: list[dict], path: str) -> None:
 
     figure, axis = plt.subplots(figsize=(6, 4))
     for per_reader in _SLOTS_PER_READER:
-        points = sorted((r["readers"], r["rows_per_s"]) for r in results if r["slots"] == per_reader * r["readers"])
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"slots = {per_reader} x readers")
+        points = sorted((r["readers"], r["rows_per_s"]) for r in results
+                        if r["slots"] == per_reader * r["readers"] + _TRAINER_SLOTS)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                  label=f"slots = {per_reader} x readers + {_TRAINER_SLOTS}")
     axis.set_xticks(sorted({result["readers"] for result in results}))
     axis.set_xlabel("reader processes")
     axis.set_ylabel("rows / s")
@@ -194,7 +204,7 @@ def run_cli(arguments) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
         for readers in reader_counts:
-            for slots in (per_reader * readers for per_reader in _SLOTS_PER_READER):
+            for slots in (per_reader * readers + _TRAINER_SLOTS for per_reader in _SLOTS_PER_READER):
                 results.append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots, arguments.mode, progress))
                 _print_result(results[-1])
         best = max(results, key=lambda result: result["rows_per_s"])

@@ -600,7 +600,9 @@ class ShmDataLoader(cursor_module.Cursor):
                 f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
                 f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
                 f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
-                f"raise slots (now {self.slots})."
+                f"raise slots (now {self.slots}). An iterator around the loader may keep the batch before the "
+                f"current one (tqdm(zip(range(n), loader)) does): iterate the loader itself, or allow one more "
+                f"slot per batch it keeps."
             )
         time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
 
