@@ -17,6 +17,20 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers (baseline, progressive, ...): all but DHT, JPG and DAC.
 _JPEG_FRAME_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+# The most pixels an image may declare: Pillow's MAX_IMAGE_PIXELS (a quarter GiB of 24-bit
+# RGB). A 633-byte JPEG can declare 30000 x 30000, which OpenCV's full decode turns into 5 GB
+# and seconds per record per reader: a decompression bomb, refused from the header.
+IMAGE_PIXELS_MAX = 89_478_485
+
+
+def check_pixels(height: int, width: int, name: str) -> None:
+    """Raises StorageError for an image that declares more than IMAGE_PIXELS_MAX pixels."""
+    if height * width > IMAGE_PIXELS_MAX:
+        raise StorageError(f"{name}: declares {width} x {height} = {height * width:,} pixels, over the limit of "
+                           f"{IMAGE_PIXELS_MAX:,} (Pillow's MAX_IMAGE_PIXELS): a decompression bomb, or an image "
+                           f"to downscale before storing it")
+
+
 # Segments a JPEG header walk visits before giving up (a frame header comes early).
 _JPEG_SEGMENTS_MAX = 4096
 
@@ -107,7 +121,9 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
             data = path.read_bytes()
             if not data:
                 raise StorageError(f"{path}: an empty file")
-            sizes[index] = image_size(data, str(path))
+            height, width = image_size(data, str(path))
+            check_pixels(height, width, str(path))
+            sizes[index] = height, width
             bar.update(1)
             yield np.frombuffer(data, dtype=np.uint8)
 

@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from ..imagefolder import check_pixels, image_size
 from . import TransformError, transform
 
 DECODERS = ("auto", "fast", "pillow")
@@ -123,7 +124,11 @@ class ImageWriter:
                          "bicubic": resampling.BICUBIC, "area": resampling.BOX, "lanczos": resampling.LANCZOS}[interpolation]
 
     def write(self, data: np.ndarray, target: np.ndarray, choose_box, flip: bool) -> None:
-        """`choose_box(height, width)` gives the crop once the image's size is known."""
+        """`choose_box(height, width)` gives the crop once the image's size is known. An
+        image that declares more than IMAGE_PIXELS_MAX pixels is refused from its header,
+        before any decoder allocates for it."""
+        height, width = image_size(data.tobytes(), "the record")
+        check_pixels(height, width, "the record")
         if self.decoder == "fast":
             self._write_fast(data, target, choose_box, flip)
         else:
