@@ -8,6 +8,7 @@ from .errors import (
     SharedMemoryError,
     ShmLoaderError,
     SlotsExhaustedError,
+    StepTimeoutError,
     StorageError,
     TransformError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ShmLoaderError",
     "SlotsExhaustedError",
     "Source",
+    "StepTimeoutError",
     "StorageError",
     "TransformError",
     "Windows",

@@ -47,6 +47,15 @@ class SlotsExhaustedError(ShmLoaderError, RuntimeError):
     """The trainer holds the slot the next batch needs and did not release it in time."""
 
 
+class StepTimeoutError(ShmLoaderError, TimeoutError):
+    """A step stayed in flight past the loader's step_timeout (a stuck transform, a stalled
+    file system). Attributes: step, reader_index and pid of the reader filling it (or None)."""
+
+    def __init__(self, message: str, step: int, reader_index: int | None = None, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.step, self.reader_index, self.pid = step, reader_index, pid
+
+
 class SharedMemoryError(ShmLoaderError, OSError):
     """The shared-memory ring cannot be created (no room in /dev/shm) or is corrupted."""
 

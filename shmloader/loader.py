@@ -21,7 +21,8 @@ import numpy as np
 from . import layout as _layout
 from ._native import load_cursor
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend
-from .errors import PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StorageError
+from .errors import (PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError,
+                     StorageError)
 from .reader import ReaderConfig
 from .readers import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
@@ -417,6 +418,8 @@ class ShmDataLoader(cursor_module.Cursor):
     whole Blosc2 chunks), deals them into windows of about `shuffle_window` rows and
     permutes the rows within each window; readers ask the kernel for the next window's
     blocks ahead of use, so the disk streams. Memory: about two windows of page cache.
+    `step_timeout` (seconds; None waits, warning after 10 s) makes next() raise
+    StepTimeoutError for a step in flight that long.
     """
 
     def __init__(
@@ -440,6 +443,7 @@ class ShmDataLoader(cursor_module.Cursor):
         transform=None,
         transform_args: dict | None = None,
         shuffle_window: int | None = None,
+        step_timeout: float | None = None,
     ) -> None:
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -450,6 +454,10 @@ class ShmDataLoader(cursor_module.Cursor):
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
             raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
         self.hold_timeout = float(hold_timeout)
+        if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+                                         or not step_timeout > 0):
+            raise ValueError(f"step_timeout must be None or a positive number of seconds, got {step_timeout!r}")
+        self.step_timeout = None if step_timeout is None else float(step_timeout)
         self.verify = bool(verify)
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
@@ -579,6 +587,15 @@ class ShmDataLoader(cursor_module.Cursor):
         waited_s = time.monotonic() - self._episode_since
         if state == cursor_module.STEP_HELD:
             self._wait_for_holder(step, waited_s)
+        elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
+            found, filler = self._ring.state(step % self.slots)
+            filling = found == SlotState.FILLING
+            who = f"reader {filler} (pid {self._pool.pids[filler]}) is filling it" if filling else "no reader claimed it"
+            raise StepTimeoutError(
+                f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
+                f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
+                f"loader (its readers are killed) and look at that step with shmloader.transforms.compute_batch.",
+                step, filler if filling else None, self._pool.pids[filler] if filling else None)
         elif state == cursor_module.STEP_IN_FLIGHT and waited_s > _STALL_WARNING_SECONDS and not self._stall_warned:
             self._stall_warned = True
             found, filler = self._ring.state(step % self.slots)

@@ -320,15 +320,41 @@ def _yield_to_the_trainer() -> None:
 
 
 class _Termination:
-    """The first termination signal a reader received, and when."""
+    """The first termination signal a reader received, and when; and what a reader whose
+    trainer is gone must clean up (set once the reader has its configuration)."""
 
     since: float | None = None
     signal: int = 0
+    trainer_pid: int | None = None
+    names: RingNames | None = None
+    reader_pid: int = 0
 
     @classmethod
     def note(cls, number: int, frame) -> None:
         if cls.since is None:
             cls.since, cls.signal = time.monotonic(), number
+        # The trainer died (PR_SET_PDEATHSIG sends SIGTERM then) or the reader's parent is
+        # otherwise gone: a reader stuck in a transform never reaches its loop's check, so
+        # it unlinks the ring here, since nobody else will, and leaves at once.
+        if cls.trainer_pid is not None and os.getppid() != cls.trainer_pid and os.getpid() == cls.reader_pid:
+            if cls.names is not None:
+                cls.names.unlink_all()
+            os._exit(128 + number)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_trainer() -> None:
+    """Asks the kernel for SIGTERM when this reader's parent (the trainer) dies, whatever
+    the reader is doing then (Linux; elsewhere the loop's parent check remains)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 _termination = _Termination
@@ -346,10 +372,17 @@ def main(argv: list[str]) -> int:
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
     _yield_to_the_trainer()
+    _die_with_the_trainer()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
     if not text:
         return 0  # The loader gave up before configuring this reader.
     config = ReaderConfig.from_json(text)
+    # Set after the death signal was asked for: a trainer that died before this check is
+    # seen here, one that dies after it sends the signal.
+    _termination.trainer_pid, _termination.names, _termination.reader_pid = config.trainer_pid, config.names, os.getpid()
+    if os.getppid() != config.trainer_pid:
+        config.names.unlink_all()
+        return 0
     try:
         ring = Ring.attach(config.names, config.layout)
     except posix_ipc.ExistentialError:

@@ -15,6 +15,12 @@ from shmloader import ShmDataLoader
 
 def main() -> None:
     behaviour, fields = sys.argv[1], json.loads(sys.argv[2])
+    if behaviour == "stuck-transform":
+        # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
+        loader = ShmDataLoader(fields, batch_size=4, readers=2, slots=4, transform="transform_fixtures:hangs")
+        print(json.dumps({"readers": loader.reader_pids, "segment": loader._ring.names.segment}), flush=True)
+        next(loader)
+        return
     loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
     next(loader)
     print(json.dumps({"readers": loader.reader_pids, "segment": loader._ring.names.segment}), flush=True)

@@ -21,6 +21,7 @@ from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
 from shmloader import ReaderError, Sampler, ShmDataLoader
 from shmloader import readers
 from shmloader.reader import FAULT_INJECTION_VARIABLE
+from shmloader.ring import sweep_stale
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -134,6 +135,38 @@ def test_readers_exit_and_clean_up_when_the_trainer_is_killed(dataset):
     started = time.monotonic()
     assert_all_gone(child.pid, info)
     assert time.monotonic() - started < 2.5
+
+
+def test_readers_stuck_in_a_transform_die_with_their_killed_trainer(tmp_path):
+    """They stayed alive with ppid 1, holding the ring, until killed by hand."""
+    np.save(tmp_path / "data.npy", np.zeros((64, 4), dtype=np.float32))
+    child, info = run_child("stuck-transform", {"data": str(tmp_path / "data.npy")})
+    try:
+        time.sleep(1.0)  # The readers are inside the transform by now.
+        assert all(process_alive(pid) for pid in info["readers"])
+        child.kill()
+        child.wait()
+        assert_all_gone(child.pid, info, timeout=5.0)
+    finally:  # A failure must not leave stuck readers (and their ring) behind.
+        for pid in info["readers"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sweep_stale()
+
+
+def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path):
+    from shmloader import StepTimeoutError
+
+    np.save(tmp_path / "data.npy", np.zeros((64, 4), dtype=np.float32))
+    with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=4, readers=1, slots=3,
+                       transform="transform_fixtures:hangs", step_timeout=0.5) as loader:
+        started = time.monotonic()
+        with pytest.raises(StepTimeoutError, match=r"step 0 has been in flight for .* reader 0 \(pid \d+\)") as raised:
+            next(loader)
+        assert time.monotonic() - started < 5
+        assert raised.value.step == 0 and raised.value.pid == loader.reader_pids[0]
 
 
 def test_sigterm_of_the_trainer_leaves_nothing(dataset):

@@ -115,3 +115,12 @@ def forks(batch, out, ctx):
         pid = os.fork()
         if pid:
             os.waitpid(pid, 0)
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def hangs(batch, out, ctx):
+    """A transform that never returns (a deadlock, a network call without a timeout)."""
+    import time
+
+    while True:
+        time.sleep(0.05)
