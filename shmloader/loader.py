@@ -388,6 +388,9 @@ def _forget_loaders_in_child() -> None:
     """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
     for loader in list(_live_loaders):
         loader._deactivate()
+        ring = loader._resources.ring
+        if ring is not None and not ring.closed:
+            ring.forget_descriptors_in_child()
 
 
 os.register_at_fork(after_in_child=_forget_loaders_in_child)

@@ -403,6 +403,31 @@ class Ring:
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
         return cls(names, layout, memory, semaphores, created=False, segment_fd=segment_fd)
 
+    def forget_descriptors_in_child(self) -> None:
+        """In a process forked from this ring's owner: points every descriptor of the ring's
+        segment (the owner-lock one and the mapping's own) at /dev/null, so that the child
+        neither holds the owner lock (a dead trainer's ring would look alive) nor keeps the
+        unlinked segment's file open. dup2 rather than close: the objects that own those
+        numbers close them later, which must not close another file that took the number.
+        The mapping itself stays until the child exits or execs (a batch view there may
+        still point into it)."""
+        segment = SHM_DIRECTORY + self.names.segment
+        try:
+            entries = os.listdir("/proc/self/fd")
+            devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for entry in entries:
+                try:
+                    link = os.readlink(f"/proc/self/fd/{entry}")
+                except OSError:
+                    continue
+                if link in (segment, segment + " (deleted)"):
+                    os.dup2(devnull, int(entry), inheritable=False)
+        finally:
+            os.close(devnull)
+
     def owner_alive(self) -> bool:
         """Whether the ring's creator still holds its owner lock (a reader's question)."""
         return not _lock_free(self.segment_fd, shared=True)

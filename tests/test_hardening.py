@@ -282,3 +282,32 @@ def test_losing_every_reader_at_once_costs_each_one_restart(dataset):
         for _ in range(200):
             next(loader)
         assert loader.stats()["reader_restarts"] == 4
+
+
+def test_a_child_forked_while_a_loader_lives_keeps_no_descriptor_of_its_ring(dataset):
+    """It kept two (the owner lock's and the mapping's), holding the unlinked segment and
+    making a dead trainer's ring look owned."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
+        segment = "/dev/shm" + loader._ring.names.segment
+
+        def ring_descriptors() -> int:
+            count = 0
+            for entry in os.listdir("/proc/self/fd"):
+                try:
+                    count += os.readlink(f"/proc/self/fd/{entry}").startswith(segment)
+                except OSError:
+                    pass
+            return count
+
+        assert ring_descriptors() >= 1
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write_end, str(ring_descriptors()).encode())
+            os._exit(0)
+        os.close(write_end)
+        found = int(os.read(read_end, 16))
+        os.close(read_end)
+        os.waitpid(pid, 0)
+        assert found == 0
+        assert next(loader).step == 0  # The parent's loader is untouched.
