@@ -19,6 +19,7 @@ import zlib
 import numpy as np
 
 from . import _blosc2_capi
+from ._filemap import FileMapping, map_file
 from ._native import Status, ffi, lib, status_name
 from .errors import StorageError
 
@@ -292,32 +293,13 @@ def _raise_index_error(spec: FieldSpec, indices: np.ndarray, position: int) -> N
     )
 
 
-def _unmap(mapping: mmap.mmap | None) -> None:
-    """Closes a file mapping unless a pointer into it is still alive (then it goes with the last one)."""
-    if mapping is not None:
-        try:
-            mapping.close()
-        except BufferError:
-            pass
-
-
-_PAGE_BYTES = mmap.PAGESIZE
-
-
-def forget_mapped(mapping: mmap.mmap | None, offset: int, size: int) -> None:
+def forget_mapped(mapping: FileMapping | None, offset: int, size: int) -> None:
     """Drops this process's page-table entries for bytes [offset, offset + size) of a file
     mapping (MADV_DONTNEED: the pages stay in the page cache, unmapped, so the kernel can
     reclaim them without an rmap walk, and fadvise DONTNEED can drop them). A later read
     maps them again: it costs a fault, never data."""
-    if mapping is None or size <= 0:
-        return
-    start = offset - offset % _PAGE_BYTES
-    end = min(len(mapping), offset + size)
-    if end > start:
-        try:
-            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (ValueError, OSError):
-            pass  # Closed meanwhile, or refused: advice only.
+    if mapping is not None and size > 0:
+        mapping.advise(mmap.MADV_DONTNEED, offset, size)
 
 
 def _u64(array: np.ndarray):
@@ -348,22 +330,22 @@ class NpyField:
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
         data_bytes = spec.row_count * spec.row_bytes
+        def check(status: os.stat_result) -> None:
+            check_identity(spec, status)
+            if status.st_size < spec.data_offset + data_bytes:
+                raise OSError("the file is shorter than the rows it was described with")
+
         try:
             # Mapped at the offset the trainer found: no header parsing per reader and file,
-            # which matters for fields of thousands of shards. The descriptor closes at once.
-            with open(spec.path, "rb") as handle:
-                status = os.fstat(handle.fileno())
-                check_identity(spec, status)
-                size = status.st_size
-                if size < spec.data_offset + data_bytes:
-                    raise OSError("the file is shorter than the rows it was described with")
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            # which matters for fields of thousands of shards. No descriptor stays open.
+            self._mapping = map_file(spec.path, check)
         except OSError as error:
             size = os.path.getsize(spec.path) if os.path.exists(spec.path) else "no"
             raise StorageError(
                 f"{spec.path}: cannot map the .npy file ({error}); it has {size} bytes now, "
                 f"{spec.row_count} rows of {spec.row_bytes} bytes were described (truncated or replaced?)"
             ) from None
+        self._map = self._mapping.buffer
         self._array = np.frombuffer(self._map, dtype=np.uint8, count=data_bytes, offset=spec.data_offset)
         self._table = ffi.from_buffer("uint8_t[]", self._array)
         self._failure = ffi.new("shm_gather_error *")
@@ -401,13 +383,12 @@ class NpyField:
         return [(self.spec.data_offset + first_row * self.spec.row_bytes, row_count * self.spec.row_bytes)]
 
     def forget(self, offset: int, size: int) -> None:
-        forget_mapped(self._map, offset, size)
+        forget_mapped(self._mapping, offset, size)
 
     def close(self) -> None:
-        self._table = None
-        self._array = None
-        _unmap(getattr(self, "_map", None))
-        self._map = None
+        # The mapping goes with the last object that refers to it (a pointer still in use
+        # keeps it): dropping this field's references is all closing takes.
+        self._table = self._array = self._map = self._mapping = None
 
 
 class BloscField:
@@ -433,9 +414,8 @@ class BloscField:
         self._context = None
         self._special_chunks = []  # Chunks Blosc2 builds in memory (all zeros, etc.).
         self._special_by_index = {}
-        with open(spec.path, "rb") as handle:
-            check_identity(spec, os.fstat(handle.fileno()))
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mapping = map_file(spec.path, lambda status: check_identity(spec, status))
+        self._map = self._mapping.buffer
         self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
         try:
             self._locate_chunks()
@@ -615,7 +595,7 @@ class BloscField:
         return [(int(starts.min()), int(ends.max() - starts.min()))]
 
     def forget(self, offset: int, size: int) -> None:
-        forget_mapped(self._map, offset, size)
+        forget_mapped(self._mapping, offset, size)
 
     def chunk_bytes(self, chunk: int):
         """The bytes of a chunk as stored (a view of the mapped file, or Blosc2's built copy)."""
@@ -651,8 +631,7 @@ class BloscField:
             self._schunk = None
         self._layout = self._layout_keepalive = None
         self._special_chunks = []
-        _unmap(getattr(self, "_map", None))
-        self._map = None
+        self._map = self._mapping = None  # Unmapped with the last pointer into it.
 
 
 class CombinedBlosc:
@@ -807,8 +786,5 @@ def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = Fa
     else:
         return BloscPythonField(spec)
     if random_access:
-        try:
-            field._map.madvise(mmap.MADV_RANDOM)
-        except (AttributeError, OSError):
-            pass  # Advice only.
+        field._mapping.advise(mmap.MADV_RANDOM)
     return field

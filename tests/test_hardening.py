@@ -311,3 +311,30 @@ def test_a_child_forked_while_a_loader_lives_keeps_no_descriptor_of_its_ring(dat
         os.waitpid(pid, 0)
         assert found == 0
         assert next(loader).step == 0  # The parent's loader is untouched.
+
+
+@pytest.mark.parametrize("kind", ["npy", "b2nd"])
+def test_a_field_of_more_shards_than_the_descriptor_limit_loads(tmp_path, kind):
+    """CPython's mmap kept a descriptor per mapped shard: 1,500 shards under `ulimit -n
+    1024` failed at the first shuffled batch (a bare OSError [Errno 24] for .b2nd)."""
+    rows = np.arange(600 * 4, dtype=np.int32).reshape(600, 4)
+    for shard in range(300):
+        part = rows[shard * 2:(shard + 1) * 2]
+        if kind == "npy":
+            np.save(tmp_path / f"part{shard:04d}.npy", part)
+        else:
+            write_b2nd(tmp_path / f"part{shard:04d}.b2nd", part, chunks=(2, 4), blocks=(1, 4))
+    np.save(tmp_path / "rows.npy", rows)
+    code = (
+        "import resource, sys, numpy as np\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))\n"
+        "from shmloader import ShmDataLoader\n"
+        "rows = np.load(sys.argv[2])\n"
+        "with ShmDataLoader({'x': sys.argv[1]}, batch_size=64, readers=1, slots=3, seed=1) as loader:\n"
+        "    for _, batch in zip(range(40), loader):\n"
+        "        assert np.array_equal(batch['x'], rows[batch.indices]), batch.step\n"
+        "print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"part*.{kind}"), str(tmp_path / "rows.npy")],
+                            capture_output=True, text=True, timeout=120, cwd=HERE)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

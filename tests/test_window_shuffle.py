@@ -186,9 +186,10 @@ def test_a_reader_killed_mid_window_costs_no_batch(files):
 
     fields = {"x": _declaration(files, "b2nd")}
     with ShmDataLoader(fields, batch_size=32, readers=2, seed=6, shuffle_window=400) as reference:
-        expected = [np.array(next(reference).indices) for _ in range(60)]
+        expected = [np.array(next(reference).indices) for _ in range(150)]
     with ShmDataLoader(fields, batch_size=32, readers=2, seed=6, shuffle_window=400) as loader:
-        for step in range(60):
+        # The trainer checks its readers at least every 64 batches: the death is seen by 150.
+        for step in range(150):
             if step == 20:
                 victim = loader.reader_pids[0]
                 os.kill(victim, signal.SIGKILL)
