@@ -14,7 +14,8 @@ import numpy as np
 from .layout import choose_layout, convert_command, poor_layout
 from .ragged import write_ragged
 from .errors import StorageError
-from .storage import CHECKSUM_META, FieldSpec, check_dtype, check_rows, describe_field, open_field
+from .storage import (CHECKSUM_META, FieldSpec, check_dtype, check_output_directory, check_rows, describe_field,
+                      open_field)
 
 __all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",
            "write_checksums", "write_ragged"]
@@ -79,6 +80,7 @@ def convert(
     if not isinstance(clevel, int) or not 0 <= clevel <= 9:
         raise ValueError(f"clevel must be an integer in [0, 9], got {clevel!r}")
     output = pathlib.Path(output)
+    check_output_directory(output)
     if output.suffix.lower() == ".npy":
         raise ValueError(f"{output}: convert writes a Blosc2 frame, which a .npy name would misdescribe; name it .b2nd")
     if output.exists() and not force:

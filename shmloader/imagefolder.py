@@ -11,6 +11,7 @@ import struct
 import numpy as np
 
 from .errors import StorageError
+from .storage import check_output_directory
 
 # The extensions torchvision's ImageFolder takes, compared case-insensitively.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
@@ -100,6 +101,7 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
     class index), OUTPUT.size (uint32 (height, width) from each header) and
     OUTPUT.classes.json (class names by index, and the files in order). Deterministic:
     classes and files in sorted order. Returns the paths by name."""
+    check_output_directory(output)
     from tqdm import tqdm
 
     from .ragged import write_ragged
@@ -118,7 +120,10 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
 
     def records():
         for index, (path, _) in enumerate(files):
-            data = path.read_bytes()
+            try:
+                data = path.read_bytes()
+            except OSError as error:
+                raise StorageError(f"{path}: cannot be read ({error.strerror or error})") from None
             if not data:
                 raise StorageError(f"{path}: an empty file")
             height, width = image_size(data, str(path))

@@ -660,8 +660,19 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one
-        recorded. A checkpoint of other sources or settings is refused, saying what changed."""
-        if "sources" in state and state["sources"] != self.sources:
+        recorded. A checkpoint of other sources or settings is refused, saying what changed;
+        one that lacks them (a bare {"step": n}) too: seek(n) says the same thing knowingly."""
+        if not isinstance(state, collections.abc.Mapping):
+            raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
+        # Settings added after a checkpoint format was first written are optional at their defaults.
+        missing = sorted({"step", "sources", *self.sampler.to_dict()} - {"shuffle_window", "block_rows"} - set(state))
+        if missing:
+            raise ValueError(f"the checkpoint lacks {missing}: without them nothing checks that its batches are this "
+                             f"loader's. Pass the whole state_dict(), or call seek(step) to jump without checks")
+        if not isinstance(state["sources"], list) or not all(isinstance(item, dict) for item in state["sources"]):
+            raise ValueError(f"the checkpoint's sources must be a list of dicts (as state_dict() gives), got "
+                             f"{state['sources']!r}")
+        if state["sources"] != self.sources:
             raise ValueError(f"the checkpoint was made from other data: {_sources_change(state['sources'], self.sources)}")
         mine = None if self.transform is None else {"name": self.transform.name, "args": self.transform.args}
         if state.get("transform") != mine and ("transform" in state or mine is not None):

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import StorageError
-from .storage import FieldSpec, check_dtype, describe_field, open_field
+from .storage import FieldSpec, check_dtype, check_output_directory, describe_field, open_field
 
 VALUES_NAME = "values.b2nd"
 OFFSETS_NAME = "offsets.b2nd"
@@ -215,6 +215,7 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
     under a temporary name and renamed at the end, so an interrupted write leaves nothing
     at `path`. `codec="auto"` keeps LZ4 where it saves 10% on the first records, else
     stores values uncompressed (encoded images gain nothing)."""
+    check_output_directory(path)
     import blosc2
 
     from .convert import CODECS, auto_codec, write_checksums

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 
 import numpy as np
 
@@ -43,9 +44,11 @@ class Source:
         if not isinstance(self.fields, dict) or not self.fields:
             raise TypeError(f"source {index}: fields must be a non-empty mapping of field name to path")
         check_integer(f"source {index} weight", self.weight, 1, _U32_MAX)
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
-            raise ValueError(f"source {index}: fraction must be in (0, 1], got {self.fraction!r}")
-        return self
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real) or not 0 < self.fraction <= 1:
+            raise ValueError(f"source {index}: fraction must be a number in (0, 1], got {self.fraction!r}")
+        if not isinstance(self.fixed, (bool, np.bool_)):
+            raise TypeError(f"source {index}: fixed must be True or False, got {self.fixed!r}")
+        return dataclasses.replace(self, fraction=float(self.fraction), fixed=bool(self.fixed))
 
 
 def interleave(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:

@@ -104,6 +104,9 @@ def check_dtype(path: str, dtype: np.dtype) -> None:
 def check_rows(path: str, shape: tuple[int, ...]) -> None:
     if len(shape) == 0:
         raise StorageError(f"{path}: a 0-d array has no rows; expected an array of shape (rows, ...)")
+    if any(extent < 0 for extent in shape):
+        raise StorageError(f"{path}: its header declares the shape {tuple(shape)}, with a negative extent; expected "
+                           f"non-negative extents (a corrupted or hand-edited header)")
     if shape[0] == 0:
         raise StorageError(f"{path}: the array has zero rows; expected at least one")
 
@@ -124,6 +127,14 @@ def check_identity(spec: FieldSpec, status: os.stat_result) -> None:
             f"{status.st_mtime_ns} ns). Its rows may be other rows now: restart the loader to read the new file, or "
             f"write new data to new paths"
         )
+
+
+def check_output_directory(output: str | os.PathLike) -> None:
+    """Raises FileNotFoundError naming `output` when its directory does not exist (writers
+    stage under a hidden name beside it, whose error would name that instead)."""
+    directory = os.path.dirname(os.path.abspath(os.fspath(output)))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{output}: its directory {directory} does not exist; create it first")
 
 
 def describe_field(path: str | os.PathLike) -> FieldSpec:
@@ -538,7 +549,11 @@ class BloscField:
             packed = bytes(capi_ffi.buffer(content[0], length[0]))
         finally:
             capi.free(content[0])
-        checksums = np.frombuffer(_msgpack_binary(packed, self.spec.path), dtype="<u4")
+        payload = _msgpack_binary(packed, self.spec.path)
+        if len(payload) % 4:
+            raise StorageError(f"{self.spec.path}: its {CHECKSUM_META} metadata holds {len(payload)} bytes, not a whole "
+                               f"number of 4-byte CRC-32s (corrupted metadata)")
+        checksums = np.frombuffer(payload, dtype="<u4")
         if checksums.size != self.spec.chunk_count:
             raise StorageError(
                 f"{self.spec.path}: {checksums.size} chunk checksums for {self.spec.chunk_count} chunks (corrupted metadata)"

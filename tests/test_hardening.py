@@ -338,3 +338,80 @@ def test_a_field_of_more_shards_than_the_descriptor_limit_loads(tmp_path, kind):
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"part*.{kind}"), str(tmp_path / "rows.npy")],
                             capture_output=True, text=True, timeout=120, cwd=HERE)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_a_npy_header_with_a_negative_extent_is_refused_naming_the_file(tmp_path):
+    """numpy reads (-5, 3) from a hand-edited header: it was described as -5 rows."""
+    path = tmp_path / "neg.npy"
+    np.save(path, np.zeros((5, 3), np.float32))
+    path.write_bytes(path.read_bytes().replace(b"(5, 3)", b"(-5, 3)"))
+    with pytest.raises(StorageError, match=r"neg\.npy: its header declares the shape \(-5, 3\)"):
+        describe_field(path)
+
+
+@pytest.mark.parametrize("writer", ["convert", "write_ragged", "convert_images"])
+def test_an_output_in_a_missing_directory_is_named_before_anything_is_written(tmp_path, writer):
+    """convert ended in RuntimeError: Could not build empty array; the others named a hidden .partial path."""
+    from shmloader.convert import convert, write_ragged
+    from shmloader.imagefolder import convert_images
+
+    np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
+    target = tmp_path / "missing" / "out"
+    with pytest.raises(FileNotFoundError, match=rf"{target}.*: its directory {tmp_path / 'missing'} does not exist"):
+        if writer == "convert":
+            convert(tmp_path / "x.npy", f"{target}.b2nd", progress=False)
+        elif writer == "write_ragged":
+            write_ragged(target, [np.zeros(3)])
+        else:
+            convert_images(tmp_path, target, progress=False)
+
+
+def test_mixture_settings_take_numpy_numbers_and_refuse_a_string_for_fixed(dataset):
+    from shmloader import Source
+
+    path = dataset["paths"]["labels_npy"]
+    assert Source({"x": path}, fraction=np.float32(0.5)).checked(0).fraction == 0.5
+    with pytest.raises(TypeError, match="source 0: fixed must be True or False, got 'yes'"):
+        Source({"x": path}, fixed="yes").checked(0)
+
+
+def test_a_structured_output_dtype_is_refused_when_the_transform_is_declared(dataset):
+    from shmloader.transforms import TransformError, _check_outputs
+
+    with pytest.raises(TransformError, match="structured fields"):
+        _check_outputs("m:f", {"x": ((2,), [("a", "<f4"), ("b", "<i4")])})
+    with pytest.raises(TransformError, match="sub-arrays"):
+        _check_outputs("m:f", {"x": ((2,), "(3,)f4")})
+
+
+@pytest.mark.parametrize("state, error, message", [
+    ({"step": 3}, ValueError, r"lacks \[.*'sources'.*\].*seek\(step\)"),
+    ("step 3", TypeError, "state must be the mapping state_dict"),
+    (None, TypeError, "state must be the mapping state_dict"),
+])
+def test_a_checkpoint_that_cannot_be_checked_is_refused(dataset, state, error, message):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
+        with pytest.raises(error, match=message):
+            loader.load_state_dict(state)
+
+
+def test_a_checkpoint_whose_sources_are_not_a_list_is_refused(dataset):
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
+        state = {**loader.state_dict(), "sources": "x"}
+        with pytest.raises(ValueError, match="sources must be a list of dicts"):
+            loader.load_state_dict(state)
+
+
+def test_checksum_metadata_of_an_odd_length_names_the_file(tmp_path):
+    import blosc2
+
+    from shmloader.convert import convert
+    from shmloader.storage import CHECKSUM_META
+
+    np.save(tmp_path / "x.npy", np.arange(4096, dtype=np.int64).reshape(512, 8))
+    spec = convert(tmp_path / "x.npy", tmp_path / "x.b2nd", progress=False)
+    array = blosc2.open(spec.path, mode="a")
+    array.schunk.vlmeta[CHECKSUM_META] = b"\x01\x02\x03\x04\x05"
+    del array
+    with pytest.raises(StorageError, match=r"x\.b2nd: its shmloader\.crc32 metadata holds 5 bytes"):
+        open_field(describe_field(spec.path), verify=True)

@@ -147,7 +147,7 @@ def test_files_of_one_field_must_match_and_bad_sources_are_named(tmp_path):
     one = {"x": str(tmp_path / "a.npy")}
     with pytest.raises(ValueError, match=r"source 1 weight must be in \[1, \d+\], got 0"):
         ShmDataLoader([Source(one), Source(one, weight=0)], batch_size=2, readers=1)
-    with pytest.raises(ValueError, match=r"source 0: fraction must be in \(0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"source 0: fraction must be a number in \(0, 1\], got 1.5"):
         ShmDataLoader([Source(one, fraction=1.5)], batch_size=2, readers=1)
     with pytest.raises(StorageError, match=r"source 1: fields \['y'\] differ from source 0's \['x'\]"):
         ShmDataLoader([Source(one), Source({"y": str(tmp_path / "a.npy")})], batch_size=2, readers=1)

@@ -254,9 +254,11 @@ def _check_outputs(path: str, declared) -> tuple:
         except (TypeError, ValueError):
             raise TransformError(f"transform {path!r}: output {name!r} must be (shape per sample, dtype), "
                                  f"got {value!r}") from None
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape) or dtype.hasobject:
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape) or dtype.hasobject \
+                or dtype.fields is not None or dtype.subdtype is not None or dtype.itemsize == 0:
             raise TransformError(f"transform {path!r}: output {name!r} needs a shape of non-negative integers and a "
-                                 f"plain dtype, got {shape!r}, {dtype}")
+                                 f"plain numeric or bool dtype (no objects, structured fields or sub-arrays: put a "
+                                 f"sub-array's shape in the output's shape), got {shape!r}, {dtype}")
         checked.append((name, shape, dtype.str))
     return tuple(checked)
 
