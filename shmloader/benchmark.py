@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import pathlib
 import time
@@ -9,6 +10,8 @@ import time
 import numpy as np
 
 from .loader import ShmDataLoader
+from .ragged import describe_ragged, is_ragged
+from .slots import Packed
 from .storage import describe_field
 
 
@@ -19,10 +22,10 @@ _TRAINER_SLOTS = 2
 
 
 def field_names(paths: list[str]) -> dict[str, str]:
-    """Field names from file names (stems), made unique."""
+    """Field names from file names (stems; a glob's, without its wildcards), made unique."""
     names: dict[str, str] = {}
     for path in paths:
-        stem = pathlib.Path(path).name.split(".")[0] or "field"
+        stem = pathlib.Path(path).name.split(".")[0].strip("*?[]-_") or "field"
         name, counter = stem, 1
         while name in names:
             counter += 1
@@ -44,9 +47,11 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
     from tqdm import tqdm
 
     started = time.perf_counter()
-    with ShmDataLoader(fields, batch_size=batch_size, readers=readers, slots=slots, mode=mode) as loader:
+    declared = {name: Packed(path) if is_ragged(path) else path for name, path in fields.items()}
+    with ShmDataLoader(declared, batch_size=batch_size, readers=readers, slots=slots, mode=mode) as loader:
         first = next(loader)
         first_batch_s = time.perf_counter() - started
+        batch_bytes = sum(array.nbytes for array in first.values())
         touch(first)
         del first
         timed = time.perf_counter()
@@ -61,13 +66,12 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
                 bar.update()
         elapsed = time.perf_counter() - timed
         stats = loader.stats()
-        row_bytes = sum(describe_field(path).row_bytes for path in fields.values())
         return {
             "readers": loader.readers,
             "slots": loader.slots,
             "rows_per_s": steps * batch_size / elapsed,
             "batches_per_s": steps / elapsed,
-            "gb_per_s": steps * batch_size * row_bytes / elapsed / 1e9,
+            "gb_per_s": steps * batch_bytes / elapsed / 1e9,  # Slot bytes (a Packed field's capacity).
             "wait_fraction": stats["wait_fraction"],
             "first_batch_s": first_batch_s,
             "shared_memory_mib": loader.shared_memory_bytes / 2**20,
@@ -187,11 +191,24 @@ def _plot(results: list[dict], path: str) -> None:
     print(f"plot written to {path}")
 
 
+def _describe(path: str) -> str:
+    if is_ragged(path):
+        spec = describe_ragged(path)
+        return f"{spec.path}, {spec.record_count:,} ragged records of {spec.dtype}, read as Packed"
+    if glob.has_magic(path):
+        parts = [describe_field(part) for part in sorted(glob.glob(path))]
+        if not parts:
+            raise FileNotFoundError(f"no file matches {path}")
+        return f"{path}, {len(parts):,} files, {sum(part.row_count for part in parts):,} rows of {parts[0].row_shape} " \
+               f"{parts[0].numpy_dtype}"
+    spec = describe_field(path)
+    return f"{path}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}"
+
+
 def run_cli(arguments) -> int:
     fields = field_names(arguments.files)
     for name, path in fields.items():
-        spec = describe_field(path)
-        print(f"field {name!r}: {path}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}")
+        print(f"field {name!r}: {_describe(path)}")
     progress = not arguments.quiet
     if arguments.plot and not arguments.sweep:
         raise ValueError("--plot goes with --sweep")
@@ -199,6 +216,10 @@ def run_cli(arguments) -> int:
         _require("matplotlib", "--plot", "matplotlib", "plot")
     if arguments.compare == "torch":
         _require("torch", "--compare torch", "torch", "torch")
+        for path in fields.values():
+            if is_ragged(path) or glob.has_magic(path):
+                raise ValueError(f"--compare torch takes single .npy or .b2nd files; {path} is "
+                                 f"{'a ragged directory' if is_ragged(path) else 'a glob'}")
     results = []
     if arguments.sweep:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -216,7 +237,7 @@ def run_cli(arguments) -> int:
                                   arguments.mode, progress))
         _print_result(results[-1])
     if arguments.compare == "torch":
-        workers = results[-1]["readers"]
+        workers = max(results, key=lambda result: result["rows_per_s"])["readers"]  # The best point's.
         theirs = run_torch(fields, arguments.batch_size, max(20, arguments.steps // 4), workers)
         ours = max(result["rows_per_s"] for result in results)
         print(f"PyTorch DataLoader, {workers} workers, __getitems__: {theirs['rows_per_s']:,.0f} rows/s "

@@ -35,8 +35,18 @@ def _convert(arguments) -> int:
 
 def _inspect(arguments) -> int:
     from .convert import inspect
+    from .ragged import describe_ragged, is_ragged, record_lengths
 
-    report = inspect(arguments.file, sample=arguments.sample)
+    if is_ragged(arguments.file):  # A ragged field: its records, then its values file.
+        spec = describe_ragged(arguments.file)
+        lengths = record_lengths(spec)
+        report = {"path": spec.path, "format": "ragged", "records": spec.record_count, "dtype": spec.dtype,
+                  "record_ndim": spec.record_ndim, "elements_min": int(lengths.min()),
+                  "elements_mean": round(float(lengths.mean()), 1), "elements_max": int(lengths.max())}
+        report.update({f"values_{key}": value for key, value in inspect(spec.values.path, sample=arguments.sample).items()
+                       if key not in ("path", "format")})
+    else:
+        report = inspect(arguments.file, sample=arguments.sample)
     if arguments.json:
         print(json.dumps(report, default=str))
         return 0
@@ -57,7 +67,21 @@ def _convert_images(arguments) -> int:
 
 def _verify(arguments) -> int:
     from .convert import verify
+    from .ragged import describe_ragged, is_ragged
 
+    if is_ragged(arguments.file):  # Each of its files that carries checksums.
+        spec = describe_ragged(arguments.file)
+        parts = [part for part in (spec.values, spec.offsets, spec.shapes) if part is not None and part.checksums]
+        if not parts:
+            print(f"{arguments.file}: none of its files carries chunk checksums (write_ragged stores none); nothing "
+                  f"to verify")
+            return 1
+        failed = 0
+        for part in parts:
+            bad = verify(part.path, progress=not arguments.quiet)
+            print(f"{part.path}: {len(bad)} bad chunks" if bad else f"{part.path}: every chunk matches its checksum")
+            failed += bool(bad)
+        return 1 if failed else 0
     bad = verify(arguments.file, progress=not arguments.quiet)
     if bad:
         shown = ", ".join(str(chunk) for chunk in bad[:20]) + (" ..." if len(bad) > 20 else "")
@@ -74,7 +98,22 @@ def _bench(arguments) -> int:
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default."""
+    """Every option's help ends with its default, unless the help already says it or there
+    is none to say (None, a flag's False)."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _command(commands, name: str, help_text: str, handler) -> argparse.ArgumentParser:
@@ -116,21 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument("--quiet", action="store_true", help="no progress bar")
 
     inspect = _command(commands, "inspect", "layout, compression and measured random-row cost of a file", _inspect)
-    inspect.add_argument("file", help="a .npy or .b2nd file")
-    inspect.add_argument("--sample", type=int, default=64, help="random rows timed")
+    inspect.add_argument("file", help="a .npy or .b2nd file, or a ragged field directory")
+    inspect.add_argument("--sample", type=_positive, default=64, help="random rows timed")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
 
     verify = _command(commands, "verify", "check every chunk of a converted .b2nd against its stored CRC-32",
                       _verify)
-    verify.add_argument("file", help="a .b2nd file written by shmloader convert")
+    verify.add_argument("file", help="a .b2nd file written by shmloader convert, or a ragged field directory")
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
 
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
-    bench.add_argument("files", nargs="+", help="field files (.b2nd or .npy), one per field")
-    bench.add_argument("--readers", type=int, default=None, help="reader processes (default: the loader's)")
-    bench.add_argument("--slots", type=int, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
-    bench.add_argument("--batch-size", type=int, default=256, help="rows per batch")
-    bench.add_argument("--steps", type=int, default=500, help="batches timed per run")
+    bench.add_argument("files", nargs="+", help="one per field: a .b2nd or .npy file, a quoted glob of them, or a "
+                       "ragged directory (read as Packed)")
+    bench.add_argument("--readers", type=_positive, default=None, help="reader processes (default: the loader's)")
+    bench.add_argument("--slots", type=_positive, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
+    bench.add_argument("--batch-size", type=_positive, default=256, help="rows per batch")
+    bench.add_argument("--steps", type=_positive, default=500, help="batches timed per run")
     bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle", help="sampler mode")
     bench.add_argument("--sweep", action="store_true", help="try several reader and slot counts")
     bench.add_argument("--plot", metavar="PNG", default=None, help="with --sweep: draw throughput (needs matplotlib)")

@@ -79,6 +79,9 @@ def _jpeg_size(data: bytes, name: str) -> tuple[int, int]:
 def list_images(directory: str | os.PathLike) -> tuple[list[str], list[tuple[pathlib.Path, int]]]:
     """Class names (sorted subdirectory names) and (file, label) pairs in sorted order."""
     root = pathlib.Path(directory)
+    if root.is_file():
+        raise StorageError(f"{root} is a file; expected a directory of class subdirectories (DIR/CLASS/IMAGE, the "
+                           f"ImageFolder layout)")
     if not root.is_dir():
         raise FileNotFoundError(f"image directory {root} does not exist")
     classes = sorted(entry.name for entry in root.iterdir() if entry.is_dir())

@@ -396,6 +396,15 @@ def _forget_loaders_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_loaders_in_child)
 
 
+def _cpu_tensors(loader):
+    """to_device("cpu"): each batch as torch tensors over the slot, without a copy."""
+    import torch
+
+    for batch in loader:
+        yield {name: torch.from_numpy(array) for name, array in batch.items()}
+        del batch
+
+
 class ShmDataLoader(cursor_module.Cursor):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
@@ -632,8 +641,12 @@ class ShmDataLoader(cursor_module.Cursor):
         """An iterator of dicts of device tensors: each batch copied asynchronously on a side
         stream, `prefetch` batches ahead, its slot kept until that copy has completed (see
         device.DeviceIterator). With pin_memory the copies read page-locked memory; without,
-        they are plain pageable copies. `backend` defaults to PyTorch's CUDA runtime."""
+        they are plain pageable copies. `backend` defaults to PyTorch's CUDA runtime.
+        `device="cpu"` copies nothing: dicts of torch.from_numpy views of each batch (the
+        batch lifetime rule applies to them)."""
         self._raise_if_closed()
+        if backend is None and str(device) == "cpu":
+            return _cpu_tensors(self)
         if backend is None:
             backend = self._pin_backend if self._pin_backend is not None else TorchCudaBackend(device)
         iterator = DeviceIterator(self, backend, prefetch)

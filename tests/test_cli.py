@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import pathlib
 import subprocess
 import sys
@@ -166,3 +167,72 @@ def test_ctrl_c_in_a_command_exits_130_with_one_line(tmp_path):
         process.kill()
     assert process.returncode == 130, stderr
     assert stderr.strip() == "shmloader bench: interrupted"
+
+
+@pytest.fixture
+def ragged_dir(tmp_path):
+    from shmloader.ragged import write_ragged
+
+    rng = np.random.default_rng(0)
+    write_ragged(tmp_path / "docs.ragged", [rng.integers(0, 100, rng.integers(1, 30)).astype(np.int32)
+                                            for _ in range(200)])
+    return str(tmp_path / "docs.ragged")
+
+
+def test_inspect_verify_and_bench_take_a_ragged_directory(ragged_dir, capsys):
+    """They refused it: "... is a directory"."""
+    assert main(["inspect", ragged_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "ragged" and report["records"] == 200 and 1 <= report["elements_min"]
+    assert main(["verify", ragged_dir, "--quiet"]) == 0  # Each of its files with checksums.
+    assert "values.b2nd: every chunk matches its checksum" in capsys.readouterr().out
+    assert main(["bench", ragged_dir, "--steps", "20", "--batch-size", "8", "--quiet"]) == 0
+    assert "read as Packed" in capsys.readouterr().out
+
+
+def test_bench_takes_a_glob_of_shards(tmp_path, capsys):
+    for shard in range(3):
+        np.save(tmp_path / f"label-{shard}.npy", np.arange(50, dtype=np.int64))
+    assert main(["bench", str(tmp_path / "label-*.npy"), "--steps", "20", "--batch-size", "8", "--quiet"]) == 0
+    assert "3 files, 150 rows" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["bench", "x.npy", "--steps", "0"], ["inspect", "x.npy", "--sample", "0"],
+                                  ["inspect", "x.npy", "--sample", "-1"], ["bench", "x.npy", "--readers", "0"]])
+def test_counts_below_one_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2 and "must be at least 1" in capsys.readouterr().err
+
+
+def test_help_texts_name_each_default_once(capsys):
+    for command in ("bench", "convert", "inspect"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: None)" not in text and "(default: False)" not in text
+        assert not re.search(r"\(default: [^)]*\) \(default:", text), text
+
+
+def test_convert_images_given_a_file_says_it_wants_a_directory(tmp_path, capsys):
+    (tmp_path / "one.jpg").write_bytes(b"\xff\xd8")
+    assert main(["convert-images", str(tmp_path / "one.jpg"), str(tmp_path / "out")]) == 2
+    assert "one.jpg is a file; expected a directory of class subdirectories" in capsys.readouterr().err
+
+
+def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(dataset, monkeypatch, capsys):
+    from shmloader import benchmark
+
+    def fake_run(fields, batch_size, steps, readers, slots, mode, progress):
+        rate = {1: 10.0, 2: 30.0}.get(readers, 5.0)  # The best point is not the last one swept.
+        return {"readers": readers, "slots": slots, "rows_per_s": rate, "batches_per_s": 1.0, "gb_per_s": 0.0,
+                "wait_fraction": 0.0, "first_batch_s": 0.0, "shared_memory_mib": 0.0, "starved_fraction": 0.0,
+                "batches_per_wakeup": 1.0}
+
+    used = []
+    monkeypatch.setattr(benchmark, "run_loader", fake_run)
+    monkeypatch.setattr(benchmark, "run_torch", lambda fields, batch, steps, workers: used.append(workers) or
+                        {"rows_per_s": 1.0})
+    monkeypatch.setattr(benchmark, "_require", lambda *args: None)
+    assert main(["bench", dataset["paths"]["labels_npy"], "--sweep", "--compare", "torch", "--quiet"]) == 0
+    assert used == [2]

@@ -157,3 +157,14 @@ def test_pinned_batches_reach_the_gpu_unchanged(dataset):
         for step, tensors in zip(range(1, 30), loader.to_device("cuda", prefetch=2)):
             assert tensors["label"].is_cuda
             assert np.array_equal(tensors["label"].cpu().numpy(), dataset["labels"][sampler.fill(step)])
+
+
+def test_to_device_cpu_gives_tensors_over_the_slots_without_a_copy(dataset):
+    """It raised (no CUDA) instead of passing the batches through."""
+    torch = pytest.importorskip("torch")
+    labels = dataset["labels"]
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, mode="sequential") as loader:
+        for step, tensors in zip(range(3), loader.to_device("cpu")):
+            assert isinstance(tensors["label"], torch.Tensor)
+            np.testing.assert_array_equal(tensors["label"].numpy(), labels[step * 8:(step + 1) * 8])
+            del tensors

@@ -144,7 +144,7 @@ def test_global_randomness_is_at_least_reproducible_across_readers(rows):
     ("transform_fixtures:undeclared", None, "not declared as one"),
     ("__main__:train", None, "cannot import __main__"),
     (NAME, {"scale": 3, "colour": "red"}, "cannot be called"),
-    (NAME, {"scale": (1, 2)}, "JSON"),
+    (NAME, {"scale": {1, 2}}, "JSON"),  # A set; tuples are taken as lists.
 ])
 def test_unusable_transforms_are_refused_at_construction(rows, transform, args, message):
     path, _ = rows
@@ -220,3 +220,11 @@ def test_padded_and_windows_inputs_reach_the_transform_as_their_arrays(tmp_path)
                 kept = documents[row][:20]
                 assert (batch["total"][i], batch["length"][i]) == (kept.sum(), kept.size)
                 assert batch["window_sum"][i] == stream[row * 6: row * 6 + 7].sum()
+
+
+def test_transform_args_take_tuples_as_the_built_in_defaults_are(rows):
+    """transform_args={"scale": (0.5, 1.0)} was refused ("changes in a JSON round trip")."""
+    from shmloader.transforms import resolve
+
+    spec = resolve("shmloader.transforms.images:train", {"scale": (0.5, 1.0), "ratio": (0.75, 1.25)}, 8)
+    assert spec.args == {"scale": [0.5, 1.0], "ratio": [0.75, 1.25]}

@@ -223,7 +223,7 @@ def resolve(transform_, transform_args, batch_size: int) -> TransformSpec:
     args = {} if transform_args is None else transform_args
     if not isinstance(args, Mapping):
         raise TransformError(f"transform_args must be a mapping of keyword arguments, got {type(args).__name__}")
-    args = dict(args)
+    args = _lists_for_tuples(dict(args))
     try:
         if json.loads(json.dumps(args)) != args:
             raise TypeError("it changes in a JSON round trip (tuples, non-string keys)")
@@ -236,6 +236,16 @@ def resolve(transform_, transform_args, batch_size: int) -> TransformSpec:
         raise TransformError(f"transform {path!r} cannot be called as f(batch, out, ctx, **{args!r}): {error}") from None
     declared = info.outputs(**args) if callable(info.outputs) else info.outputs
     return TransformSpec(path, args, info.name or path, _check_outputs(path, declared))
+
+
+def _lists_for_tuples(value):
+    """Tuples as lists, recursively: they cross to readers as JSON, which has lists only
+    (the built-in transforms' defaults are tuples, and a user passes them the same way)."""
+    if isinstance(value, (tuple, list)):
+        return [_lists_for_tuples(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _lists_for_tuples(item) for key, item in value.items()}
+    return value
 
 
 def _check_outputs(path: str, declared) -> tuple:
