@@ -13,11 +13,12 @@ import dataclasses
 import glob
 import math
 import os
+import warnings
 
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .errors import StorageError
+from .errors import PerformanceWarning, StorageError
 from .ragged import RaggedField, RaggedSpec, describe_ragged, is_ragged, record_lengths
 from .storage import CombinedBlosc, FieldSpec, _u64, describe_field, open_field
 
@@ -245,6 +246,8 @@ def _plan_padded(name: str, declaration: Padded, parts: list[RaggedSpec], counts
     if maximum is None:
         maximum = tuple(max(values) for values in zip(*(_largest_shape(part) for part in parts))) \
             if spec.record_ndim else max(part.length_max for part in parts)
+        if not spec.record_ndim:
+            _warn_if_one_record_sizes_the_batch(name, parts, maximum, batch_size)
     shape = (maximum,) if isinstance(maximum, int) else tuple(maximum)
     if len(shape) != dims or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
         raise ValueError(f"field {name!r}: max_length must be {dims} positive integer(s) for {spec.path}'s "
@@ -258,6 +261,27 @@ def _plan_padded(name: str, declaration: Padded, parts: list[RaggedSpec], counts
     regions = (Region(name, (batch_size, *shape), spec.dtype), aux)
     options = {"max_shape": list(shape), "pad": declaration.pad, "overflow": declaration.overflow}
     return _plan(name, "padded", parts, counts, regions, options)
+
+
+# Padded(max_length=None) warns when the longest record makes a batch's padded array this
+# large while it is this many times the 99th percentile's: every slot holds it, in /dev/shm.
+_PADDED_WARNING_BYTES = 64 << 20
+_PADDED_WARNING_RATIO = 4
+
+
+def _warn_if_one_record_sizes_the_batch(name: str, parts: list[RaggedSpec], longest: int, batch_size: int) -> None:
+    lengths = np.concatenate([record_lengths(part) for part in parts])
+    region_bytes = batch_size * longest * np.dtype(parts[0].dtype).itemsize
+    typical = int(np.percentile(lengths, 99))
+    if region_bytes > _PADDED_WARNING_BYTES and longest > _PADDED_WARNING_RATIO * max(typical, 1):
+        record = int(np.argmax(lengths))
+        warnings.warn(
+            f"field {name!r}: Padded(max_length=None) pads every row to the longest record, record {record} of "
+            f"{longest:,} elements: {region_bytes / 2**20:,.0f} MiB per batch in every slot of /dev/shm, while 99% of "
+            f"records hold at most {typical:,}. Give max_length (e.g. {typical}) with overflow='truncate' or "
+            f"'random', or read the field as Packed.",
+            PerformanceWarning, stacklevel=4,
+        )
 
 
 def _largest_shape(spec: RaggedSpec) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ import pytest
 from shmloader import Packed, Padded, ReaderError, Sampler, ShmDataLoader, StorageError, Windows
 from shmloader.convert import convert
 from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged, write_ragged
+from shmloader.slots import plan_field
 
 RECORDS = 300
 
@@ -254,3 +255,14 @@ def test_convert_images_stores_bytes_unchanged_with_labels_and_sizes(tmp_path, c
     (images / "dog" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF")
     assert main(["convert-images", str(images), str(tmp_path / "again"), "--quiet"]) == 2
     assert "broken.jpg: a JPEG without a readable frame header" in capsys.readouterr().err
+
+
+def test_padded_without_max_length_warns_when_one_record_sizes_every_slot(tmp_path):
+    """One 757k-token file in a corpus made 924 MiB of /dev/shm for batch 32 without a word."""
+    from shmloader import PerformanceWarning
+
+    documents = [np.arange(50, dtype=np.int32)] * 300 + [np.arange(600_000, dtype=np.int32)]
+    spec = write_ragged(tmp_path / "docs.ragged", documents)
+    with pytest.warns(PerformanceWarning, match=r"record 300 of 600,000 elements: 73 MiB per batch.*max_length \(e\.g\. 50\)"):
+        plan = plan_field("tokens", Padded(spec.path), 32)
+    assert plan.regions[0].shape == (32, 600_000)
