@@ -21,7 +21,7 @@ import posix_ipc
 
 from ._native import ffi
 from .readahead import ReadAhead
-from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, wait
+from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 from .sampler import Sampler
 from .slots import FieldPlan, InputBuffers, PlanReader, Region, make_outputs
 from .sources import MixtureSampler
@@ -30,6 +30,8 @@ from .transforms import TransformRunner, TransformSpec
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
 _WAIT_SECONDS = 0.1
+# How long a reader that read no configuration waits to see whether its trainer died.
+_ORPHAN_CHECK_SECONDS = 1.0
 # How long a reader outlives a termination signal while its trainer lives on.
 _SIGNAL_GRACE_SECONDS = 3.0
 EXIT_REPORTED_ERROR = 3
@@ -373,9 +375,22 @@ def main(argv: list[str]) -> int:
         signal.signal(number, _termination.note)
     _yield_to_the_trainer()
     _die_with_the_trainer()
+    # The trainer that started this reader (readers.spawn_reader passes its pid): it may
+    # have died before this reader finished importing, so getppid() cannot tell it here.
+    parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
     if not text:
-        return 0  # The loader gave up before configuring this reader.
+        # The loader gave up before configuring this reader, or its trainer died: then the
+        # ring it may have created has no owner, and nobody else would unlink it now. A
+        # dying trainer closes its descriptors (EOF here) before the kernel reparents its
+        # children, so wait a bounded time for the parent to change: once it has, the
+        # trainer's owner lock is gone too and the sweep can judge its ring.
+        deadline = time.monotonic() + _ORPHAN_CHECK_SECONDS
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if os.getppid() != parent:
+            sweep_stale()
+        return 0
     config = ReaderConfig.from_json(text)
     # Set after the death signal was asked for: a trainer that died before this check is
     # seen here, one that dies after it sends the signal.

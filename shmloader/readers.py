@@ -42,7 +42,11 @@ from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 _JOIN_TIMEOUT_SECONDS = 2.0
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
-_READER_BOOTSTRAP = "import sys; from shmloader.reader import main; sys.exit(main(sys.argv))"
+# SIGINT is ignored first: Ctrl-C reaches the whole process group, and a reader still
+# importing (a few hundred ms) would die of it with a KeyboardInterrupt traceback; the
+# trainer handles Ctrl-C and closes its readers.
+_READER_BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+                     "from shmloader.reader import main; sys.exit(main(sys.argv))")
 _PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parent.parent)
 
 
@@ -66,7 +70,7 @@ def spawn_reader() -> subprocess.Popen:
         environment.setdefault(variable, "1")
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
     return subprocess.Popen(
-        [sys.executable, "-c", _READER_BOOTSTRAP],
+        [sys.executable, "-c", _READER_BOOTSTRAP, str(os.getpid())],
         stdin=subprocess.PIPE,
         env=environment,
         close_fds=True,

@@ -415,3 +415,53 @@ def test_checksum_metadata_of_an_odd_length_names_the_file(tmp_path):
     del array
     with pytest.raises(StorageError, match=r"x\.b2nd: its shmloader\.crc32 metadata holds 5 bytes"):
         open_field(describe_field(spec.path), verify=True)
+
+
+def test_a_trainer_killed_before_its_readers_are_configured_leaves_nothing(dataset):
+    """Killed 0.3-0.4 s after start (ring made, readers still waiting for their
+    configuration), it left the ring until another loader swept it: readers read EOF and
+    exited without a name to unlink."""
+    code = (
+        "import os, sys, json\n"
+        "from shmloader import readers\n"
+        "def configure(self, ring, config):\n"
+        "    print(json.dumps({'readers': self.pids, 'segment': ring.names.segment}), flush=True)\n"
+        "    os.kill(os.getpid(), 9)\n"
+        "readers.ReaderPool.configure = configure\n"
+        "from shmloader import ShmDataLoader\n"
+        "ShmDataLoader({'label': sys.argv[1]}, batch_size=8, readers=2, slots=4)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, dataset["paths"]["labels_npy"]], stdout=subprocess.PIPE,
+                             text=True, cwd=HERE)
+    info = json.loads(child.stdout.readline())
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert_all_gone(child.pid, info, timeout=5.0)
+
+
+def test_ctrl_c_while_readers_start_prints_no_reader_traceback(dataset):
+    """Ctrl-C 0.4-0.6 s after start printed two readers' KeyboardInterrupt tracebacks."""
+    code = (
+        "import sys, time\n"
+        "from shmloader import ShmDataLoader, readers\n"
+        "start = readers.ReaderPool.start\n"
+        "def started(self):\n"
+        "    start(self)\n"
+        "    print('spawned', flush=True)\n"
+        "    time.sleep(0.05)\n"
+        "readers.ReaderPool.start = started\n"
+        "try:\n"
+        "    with ShmDataLoader({'label': sys.argv[1]}, batch_size=8, readers=2, slots=4) as loader:\n"
+        "        time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, dataset["paths"]["labels_npy"]], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=HERE, start_new_session=True)
+    assert child.stdout.readline().strip() == "spawned"
+    time.sleep(0.1)  # The readers are importing now.
+    os.killpg(child.pid, signal.SIGINT)  # As a terminal does: the whole process group.
+    out, err = child.communicate(timeout=60)
+    assert "interrupted" in out
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    assert wait_until(lambda: not our_shm_entries(child.pid), timeout=5.0)
