@@ -6,7 +6,10 @@ wrong contents (must be 0) and entries left in /dev/shm (must be 0). Then it sta
 in their own process groups and ends each one the way users and operators do (SIGTERM,
 SIGHUP or SIGQUIT to the group, SIGKILL of the trainer, a double Ctrl-C while close() waits
 for stopped readers): nothing of theirs may be left in /dev/shm nor among the processes.
-Exits 1 on any failure.
+Then two faults that once gave wrong data: a file replaced under a running loader (and a
+reader restart, which reopens it) must end in an error naming the change, never a wrong
+batch; a transform that forks children which return into the reader must deliver every
+step once and right. Exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -58,6 +61,63 @@ def _alive(pid: int) -> bool:
             return handle.read().split(") ")[-1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+_FORKING_TRANSFORM = """
+import os
+import shmloader
+
+
+@shmloader.transform(outputs={"x": ((768,), "uint8")})
+def forks(batch, out, ctx):
+    out["x"][:] = batch["image"]
+    if ctx.step % 7 == 3:
+        pid = os.fork()  # The child returns into the reader: it must be ended, never publish.
+        if pid:
+            os.waitpid(pid, 0)
+"""
+
+
+def replaced_file(directory: str, labels: np.ndarray) -> tuple[int, bool]:
+    """(wrong batches, whether the error named the change) for a .npy replaced by one of
+    the same size and another dtype, then its readers SIGKILLed so that they reopen it."""
+    from shmloader import ReaderError
+
+    path = f"{directory}/replaced.npy"
+    np.save(path, labels)
+    wrong, named = 0, False
+    with ShmDataLoader({"label": path}, batch_size=64, readers=2, slots=6, seed=3) as loader:
+        sampler = Sampler(len(labels), 64, "shuffle", seed=3)
+        try:
+            for count, batch in enumerate(loader):
+                wrong += not np.array_equal(batch["label"], labels[sampler.fill(batch.step)])
+                if count == 50:
+                    np.save(f"{directory}/other.npy", labels.astype(np.float64))
+                    os.replace(f"{directory}/other.npy", path)
+                    for pid in loader.reader_pids:  # Every reader reopens the file.
+                        os.kill(pid, signal.SIGKILL)
+                    deadline = time.monotonic() + 30
+                if count > 50 and time.monotonic() > deadline:
+                    break
+        except ReaderError as error:
+            named = "changed since the loader described it" in str(error)
+    return wrong, named
+
+
+def forking_transform(directory: str, images: np.ndarray, batches: int) -> tuple[int, int]:
+    """(wrong batches, batches out of order) with a transform whose children return."""
+    with open(f"{directory}/stress_transforms.py", "w") as handle:
+        handle.write(_FORKING_TRANSFORM)
+    sys.path.insert(0, directory)
+    sampler = Sampler(len(images), 32, "shuffle", seed=9)
+    wrong = out_of_order = 0
+    with ShmDataLoader({"image": f"{directory}/images.npy"}, batch_size=32, readers=2, slots=6, seed=9,
+                       transform="stress_transforms:forks") as loader:
+        for step, batch in zip(range(batches), loader):
+            out_of_order += batch.step != step
+            indices = sampler.fill(batch.step)
+            wrong += not (np.array_equal(batch.indices, indices) and np.array_equal(batch["x"], images[indices]))
+    return wrong, out_of_order
 
 
 def signal_rounds(label_path: str, rounds: int, rng: random.Random) -> dict[str, int]:
@@ -142,6 +202,9 @@ def main() -> int:
         time.sleep(0.5)
         left = shm_entries(os.getpid())
         leaks = signal_rounds(fields["label"], arguments.signal_rounds, rng)
+        replaced_wrong, replaced_named = replaced_file(directory, labels)
+        forked_wrong, forked_out_of_order = forking_transform(directory, images, 700)
+        left += shm_entries(os.getpid())
     print(f"ran {arguments.seconds:.0f} s with {arguments.readers} readers")
     print(f"batches delivered: {delivered}")
     print(f"readers killed: {killed} (restarts seen by the loader: {restarts})")
@@ -151,7 +214,11 @@ def main() -> int:
     print(f"trainers ended by signals: {arguments.signal_rounds}; endings that left anything behind:")
     for ending, count in leaks.items():
         print(f"  {ending}: {count}")
-    clean = out_of_order == wrong == len(left) == sum(leaks.values()) == 0
+    print(f"file replaced under the loader: {replaced_wrong} wrong batches, the error named the change: "
+          f"{replaced_named}")
+    print(f"forking transform (700 batches, 100 forks): {forked_wrong} wrong, {forked_out_of_order} out of order")
+    clean = out_of_order == wrong == len(left) == sum(leaks.values()) == 0 and replaced_named and \
+        replaced_wrong == forked_wrong == forked_out_of_order == 0
     return 0 if clean and restarts >= killed - 1 else 1
 
 
