@@ -43,7 +43,9 @@ def touch(batch) -> int:
     return total
 
 
-def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: str, progress: bool) -> dict:
+def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: str, progress: bool,
+               min_seconds: float = 0.0) -> dict:
+    """One timed run: at least `steps` batches and at least `min_seconds` of them."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -59,11 +61,14 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
         # loop variable's alive (in the tuple tqdm holds), one more than a plain loop.
         with tqdm(total=steps, desc=f"readers={loader.readers} slots={loader.slots}", disable=not progress,
                   leave=False) as bar:
-            for _ in range(steps):
+            counted = 0
+            while counted < steps or time.perf_counter() - timed < min_seconds:
                 batch = next(loader)
                 touch(batch)
                 del batch
+                counted += 1
                 bar.update()
+        steps = counted
         elapsed = time.perf_counter() - timed
         stats = loader.stats()
         return {
@@ -148,8 +153,10 @@ def run_torch(fields: dict, batch_size: int, steps: int, workers: int) -> dict:
 
 
 def _print_result(result: dict) -> None:
+    spread = result.get("rows_per_s_range")
+    spread = f" (runs {spread[0]:,.0f}-{spread[1]:,.0f})" if spread else ""
     print(
-        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, "
+        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s{spread}, "
         f"{result['gb_per_s']:.2f} GB/s, {result['batches_per_s']:,.1f} batches/s, trainer waited "
         f"{result['wait_fraction']:.0%}, readers starved up to {result['starved_fraction']:.0%} "
         f"({result['batches_per_wakeup']:.1f} batches per wake-up), first batch {result['first_batch_s']:.2f} s, "
@@ -205,6 +212,37 @@ def _describe(path: str) -> str:
     return f"{path}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}"
 
 
+def _sweep(fields: dict, arguments, points: list[tuple[int, int]], progress: bool) -> list[dict]:
+    """Each point run `repeats` times, every round over all points (in reverse order on odd
+    rounds, so that a machine's drift does not favour one end), each run timed for at least
+    `seconds_per_point`; a point's rows_per_s is its median, with its lowest and highest."""
+    rates: dict[tuple[int, int], list[dict]] = {point: [] for point in points}
+    for round_index in range(arguments.repeats):
+        for readers, slots in (points if round_index % 2 == 0 else points[::-1]):
+            rates[readers, slots].append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots,
+                                                    arguments.mode, progress, arguments.seconds_per_point))
+    results = []
+    for point in points:
+        runs = sorted(rates[point], key=lambda result: result["rows_per_s"])
+        result = dict(runs[len(runs) // 2])
+        result["rows_per_s_range"] = (runs[0]["rows_per_s"], runs[-1]["rows_per_s"])
+        results.append(result)
+        _print_result(result)
+    return results
+
+
+def _pick(results: list[dict]) -> str:
+    """The best point by median, and whether another point's runs reach it."""
+    best = max(results, key=lambda result: result["rows_per_s"])
+    close = [result for result in results if result is not best
+             and result["rows_per_s_range"][1] >= best["rows_per_s_range"][0]]
+    text = f"best: readers={best['readers']} slots={best['slots']} ({best['rows_per_s']:,.0f} rows/s median)"
+    if not close:
+        return text + "; every other setting's runs stayed below its slowest run"
+    shown = ", ".join(f"readers={result['readers']} slots={result['slots']}" for result in close[:4])
+    return text + f"; within run-to-run noise of {shown}: any of them will do (more --repeats tell them apart)"
+
+
 def run_cli(arguments) -> int:
     fields = field_names(arguments.files)
     for name, path in fields.items():
@@ -224,12 +262,10 @@ def run_cli(arguments) -> int:
     if arguments.sweep:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
-        for readers in reader_counts:
-            for slots in (per_reader * readers + _TRAINER_SLOTS for per_reader in _SLOTS_PER_READER):
-                results.append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots, arguments.mode, progress))
-                _print_result(results[-1])
-        best = max(results, key=lambda result: result["rows_per_s"])
-        print(f"best: readers={best['readers']} slots={best['slots']} ({best['rows_per_s']:,.0f} rows/s)")
+        points = [(readers, per_reader * readers + _TRAINER_SLOTS) for readers in reader_counts
+                  for per_reader in _SLOTS_PER_READER]
+        results = _sweep(fields, arguments, points, progress)
+        print(_pick(results))
         if arguments.plot:
             _plot(results, arguments.plot)
     else:

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive, default=500, help="batches timed per run")
     bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle", help="sampler mode")
     bench.add_argument("--sweep", action="store_true", help="try several reader and slot counts")
+    bench.add_argument("--seconds-per-point", type=float, default=2.0, help="with --sweep: the least time a run lasts")
+    bench.add_argument("--repeats", type=_positive, default=2, help="with --sweep: runs of each setting")
     bench.add_argument("--plot", metavar="PNG", default=None, help="with --sweep: draw throughput (needs matplotlib)")
     bench.add_argument("--compare", choices=["torch"], default=None, help="also run PyTorch's DataLoader on the files")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -87,6 +87,7 @@ def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "sweep.png"
     assert main(["bench", dataset["paths"]["labels_npy"], "--steps", "10", "--batch-size", "8", "--sweep",
+                 "--seconds-per-point", "0", "--repeats", "1",
                  "--plot", str(plot), "--quiet"]) == 0
     assert "best: readers=" in capsys.readouterr().out
     assert plot.read_bytes().startswith(b"\x89PNG")
@@ -95,7 +96,8 @@ def test_bench_sweep_draws_a_plot(dataset, tmp_path, capsys):
 def test_bench_sweep_runs_with_its_progress_bar(dataset, capsys):
     """tqdm(zip(range(n), loader)) kept one batch more than the sweep's 2 slots per reader
     allowed: SlotsExhaustedError on every run with the bar on (the default)."""
-    assert main(["bench", dataset["paths"]["labels_npy"], "--steps", "30", "--batch-size", "8", "--sweep"]) == 0
+    assert main(["bench", dataset["paths"]["labels_npy"], "--steps", "30", "--batch-size", "8", "--sweep",
+                 "--seconds-per-point", "0"]) == 0
     out = capsys.readouterr().out
     assert "best: readers=" in out and "readers=1 slots=4:" in out  # 2 per reader + the trainer's 2.
 
@@ -223,7 +225,7 @@ def test_convert_images_given_a_file_says_it_wants_a_directory(tmp_path, capsys)
 def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(dataset, monkeypatch, capsys):
     from shmloader import benchmark
 
-    def fake_run(fields, batch_size, steps, readers, slots, mode, progress):
+    def fake_run(fields, batch_size, steps, readers, slots, mode, progress, min_seconds=0.0):
         rate = {1: 10.0, 2: 30.0}.get(readers, 5.0)  # The best point is not the last one swept.
         return {"readers": readers, "slots": slots, "rows_per_s": rate, "batches_per_s": 1.0, "gb_per_s": 0.0,
                 "wait_fraction": 0.0, "first_batch_s": 0.0, "shared_memory_mib": 0.0, "starved_fraction": 0.0,
@@ -234,5 +236,32 @@ def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(datase
     monkeypatch.setattr(benchmark, "run_torch", lambda fields, batch, steps, workers: used.append(workers) or
                         {"rows_per_s": 1.0})
     monkeypatch.setattr(benchmark, "_require", lambda *args: None)
-    assert main(["bench", dataset["paths"]["labels_npy"], "--sweep", "--compare", "torch", "--quiet"]) == 0
+    assert main(["bench", dataset["paths"]["labels_npy"], "--sweep", "--compare", "torch", "--quiet",
+                 "--repeats", "1"]) == 0
     assert used == [2]
+
+
+def test_the_sweep_times_each_setting_long_enough_repeats_it_and_says_how_sure_the_pick_is(dataset, monkeypatch,
+                                                                                          capsys):
+    """Its advice was noise: 500 steps (0.1-0.6 s) a point, run once; the best changed
+    between runs; the default slots were never tried."""
+    from shmloader import benchmark
+
+    calls = []
+
+    def fake_run(fields, batch_size, steps, readers, slots, mode, progress, min_seconds=0.0):
+        calls.append((readers, slots, min_seconds))
+        rate = 100.0 + (10.0 if readers == 2 else 0.0) + len(calls) % 3  # Readers 2 ahead, within noise of none.
+        return {"readers": readers, "slots": slots, "rows_per_s": rate, "batches_per_s": 1.0, "gb_per_s": 0.0,
+                "wait_fraction": 0.0, "first_batch_s": 0.0, "shared_memory_mib": 0.0, "starved_fraction": 0.0,
+                "batches_per_wakeup": 1.0}
+
+    monkeypatch.setattr(benchmark, "run_loader", fake_run)
+    assert main(["bench", dataset["paths"]["labels_npy"], "--sweep", "--quiet", "--repeats", "3"]) == 0
+    out = capsys.readouterr().out
+    assert {slots for readers, slots, _ in calls if readers == 2} == {6, 10}  # 2 and 4 per reader + 2: the default.
+    assert all(seconds == 2.0 for _, _, seconds in calls)
+    points = {(readers, slots) for readers, slots, _ in calls}
+    assert len(calls) == 3 * len(points)
+    assert "best: readers=2" in out and "rows/s median" in out
+    assert "every other setting's runs stayed below its slowest run" in out or "within run-to-run noise" in out
