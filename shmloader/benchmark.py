@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import statistics
 import time
 
 import numpy as np
@@ -224,7 +225,8 @@ def _sweep(fields: dict, arguments, points: list[tuple[int, int]], progress: boo
     results = []
     for point in points:
         runs = sorted(rates[point], key=lambda result: result["rows_per_s"])
-        result = dict(runs[len(runs) // 2])
+        result = dict(runs[len(runs) // 2])  # The middle run's statistics, the median's rate.
+        result["rows_per_s"] = statistics.median(run["rows_per_s"] for run in runs)
         result["rows_per_s_range"] = (runs[0]["rows_per_s"], runs[-1]["rows_per_s"])
         results.append(result)
         _print_result(result)
