@@ -202,3 +202,14 @@ def test_bad_image_transform_arguments_are_refused_at_construction(photos, args,
     fields, _, _ = photos
     with pytest.raises(TransformError, match=message):
         ShmDataLoader(fields, transform=TRAIN, transform_args=args, batch_size=8, readers=1)
+
+
+def test_convert_images_names_a_file_it_cannot_read(tmp_path):
+    """An EIO surfaced without the file's name. /proc/self/mem reads as EIO from offset 0."""
+    from shmloader import StorageError
+
+    directory = tmp_path / "tree" / "cats"
+    directory.mkdir(parents=True)
+    (directory / "broken.jpg").symlink_to("/proc/self/mem")
+    with pytest.raises(StorageError, match=r"broken\.jpg: cannot be read \(Input/output error\)"):
+        convert_images(tmp_path / "tree", tmp_path / "out", progress=False)
