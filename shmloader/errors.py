@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
+import functools
+import sys
+
 
 class ShmLoaderError(Exception):
     """Base class of every error shmloader raises on purpose."""
@@ -36,6 +40,28 @@ class ReaderError(ShmLoaderError, RuntimeError):
         self.step = step
         self.original_type = original_type
         self.traceback_text = traceback_text
+
+
+@functools.cache
+def reader_error_type(module: str, name: str) -> type:
+    """The class the trainer raises for a reader's exception of type `module.name`: a
+    ReaderError that is also that type where it can be had, so that a ValueError raised in
+    a transform is caught by `except ValueError` (as PyTorch's ExceptionWrapper.reraise
+    keeps the worker's type) and still by `except ReaderError`. Only builtins and classes
+    of modules the trainer has imported already: a report read from shared memory must not
+    make the trainer import code. A type that cannot be combined with RuntimeError (an
+    instance layout conflict) stays plain ReaderError, with its name in original_type."""
+    if module == "builtins":
+        candidate = getattr(builtins, name, None)
+    else:
+        candidate = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
+    if not isinstance(candidate, type) or not issubclass(candidate, Exception) or issubclass(candidate, ReaderError):
+        return ReaderError
+    try:
+        return type(name, (ReaderError, candidate), {"__module__": "shmloader.errors",
+                                                     "__qualname__": f"ReaderError.{name}"})
+    except TypeError:  # An instance layout conflict.
+        return ReaderError
 
 
 class TransformError(ShmLoaderError, ValueError):

@@ -20,6 +20,7 @@ import numpy as np
 import posix_ipc
 
 from ._native import ffi
+from .errors import TransformError
 from .readahead import ReadAhead
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 from .sampler import Sampler
@@ -123,12 +124,17 @@ class ErrorReport:
 
     @classmethod
     def of(cls, error: BaseException, step: int | None) -> ErrorReport:
+        """A transform's exception is reported with its own type (TransformError adds the
+        step and rows to its message): the trainer raises that type."""
+        kind = type(error)
+        if isinstance(error, TransformError) and isinstance(error.__cause__, Exception):
+            kind = type(error.__cause__)
         return cls(
-            type=type(error).__name__,
+            type=kind.__name__,
             message=str(error),
             traceback="".join(traceback.format_exception(type(error), error, error.__traceback__)),
             step=step,
-            module=type(error).__module__,
+            module=kind.__module__,
             pid=os.getpid(),
         )
 

@@ -35,7 +35,7 @@ import time
 
 import posix_ipc
 
-from .errors import ReaderError, SlotsExhaustedError
+from .errors import ReaderError, SlotsExhaustedError, reader_error_type
 from .reader import EXIT_REPORTED_ERROR, ErrorReport, ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 
@@ -192,7 +192,7 @@ class ReaderPool:
             f"reader {reader_index} (pid {process.pid}) raised {report.type}{where}: "
             f"{report.message}\n--- reader traceback ---\n{report.traceback}"
         )
-        return ReaderError(
+        return reader_error_type(report.module, report.type)(
             message,
             reader_index=reader_index,
             pid=process.pid,

@@ -187,7 +187,8 @@ def test_a_transform_that_raises_names_step_rows_and_traceback(rows):
         with pytest.raises(ReaderError) as caught:
             next(loader)
     error = caught.value
-    assert error.step == 1 and error.original_type == "TransformError"
+    assert error.step == 1 and error.original_type == "ValueError"
+    assert isinstance(error, ValueError)  # The transform's own type: `except ValueError` catches it.
     assert "raised ValueError at step 1 on rows [4, 5, 6, 7] (4 rows): row seven is cursed" in str(error)
     assert "fails_on_row_seven" in error.traceback_text and 'raise ValueError("row seven is cursed")' in str(error)
 
@@ -228,3 +229,25 @@ def test_transform_args_take_tuples_as_the_built_in_defaults_are(rows):
 
     spec = resolve("shmloader.transforms.images:train", {"scale": (0.5, 1.0), "ratio": (0.75, 1.25)}, 8)
     assert spec.args == {"scale": [0.5, 1.0], "ratio": [0.75, 1.25]}
+
+
+@pytest.mark.parametrize("name, kind", [("raises_key_error", KeyError), ("raises_own_error", "CustomError")])
+def test_a_transforms_exception_keeps_its_type_in_the_trainer(rows, name, kind):
+    """It arrived as ReaderError only: `except ValueError` around the loop caught nothing."""
+    import transform_fixtures
+
+    path, _ = rows
+    kind = getattr(transform_fixtures, kind) if isinstance(kind, str) else kind
+    with ShmDataLoader({"data": path}, transform=f"transform_fixtures:{name}", batch_size=4, readers=1) as loader:
+        with pytest.raises(kind) as caught:
+            next(loader)
+    assert isinstance(caught.value, ReaderError) and caught.value.step == 0
+    assert "--- reader traceback ---" in str(caught.value)
+
+
+def test_an_error_type_the_trainer_has_not_imported_stays_a_plain_reader_error():
+    from shmloader.errors import reader_error_type
+
+    assert reader_error_type("no_such_module_here", "Boom") is ReaderError
+    assert reader_error_type("builtins", "len") is ReaderError  # Not an exception type: a report is foreign input.
+    assert issubclass(reader_error_type("builtins", "ValueError"), ValueError)

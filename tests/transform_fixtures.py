@@ -124,3 +124,17 @@ def hangs(batch, out, ctx):
 
     while True:
         time.sleep(0.05)
+
+
+class CustomError(Exception):
+    """A user's own exception type."""
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def raises_key_error(batch, out, ctx):
+    raise KeyError("no such sample")
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def raises_own_error(batch, out, ctx):
+    raise CustomError("the user's own failure")
