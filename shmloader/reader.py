@@ -415,7 +415,7 @@ def main(argv: list[str]) -> int:
     try:
         reader = Reader(config, ring)
         return reader.run()
-    except Exception as error:
+    except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
         leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.
         step = reader.step if reader is not None else None
         ring.write_reader_error(config.reader_index, ErrorReport.of(error, step).encode())

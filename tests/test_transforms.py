@@ -251,3 +251,12 @@ def test_an_error_type_the_trainer_has_not_imported_stays_a_plain_reader_error()
     assert reader_error_type("no_such_module_here", "Boom") is ReaderError
     assert reader_error_type("builtins", "len") is ReaderError  # Not an exception type: a report is foreign input.
     assert issubclass(reader_error_type("builtins", "ValueError"), ValueError)
+
+
+def test_sys_exit_in_a_transform_is_reported_with_its_step_and_traceback(rows):
+    path, _ = rows
+    with ShmDataLoader({"data": path}, transform="transform_fixtures:exits", batch_size=4, readers=1,
+                       max_reader_restarts=0) as loader:
+        with pytest.raises(ReaderError, match=r"raised SystemExit at step 0") as caught:
+            next(loader)
+    assert "sys.exit(0)" in caught.value.traceback_text

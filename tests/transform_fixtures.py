@@ -138,3 +138,11 @@ def raises_key_error(batch, out, ctx):
 @shmloader.transform(outputs={"x": ((4,), "float32")})
 def raises_own_error(batch, out, ctx):
     raise CustomError("the user's own failure")
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def exits(batch, out, ctx):
+    """sys.exit() in a transform: the reader reported "exited with code 0"."""
+    import sys
+
+    sys.exit(0)
