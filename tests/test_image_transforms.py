@@ -132,22 +132,27 @@ def test_random_resized_crop_box_stays_inside_and_within_scale():
     assert 0.07 < min(areas) and max(areas) <= 1.0 and 0.4 < np.mean(areas) < 0.65
 
 
-@pytest.mark.parametrize("decoder", ["pillow", "fast"])
-def test_a_corrupt_image_names_its_record(tmp_path, decoder):
+def _first_batch_with_a_bad_record(directory, decoder: str, bad: bytes, count: int, position: int, seed: int):
+    """Loads `count` good JPEGs with `bad` at `position` through the train transform."""
     if decoder == "fast":
         pytest.importorskip("simplejpeg")
         pytest.importorskip("cv2")
-    rng = np.random.default_rng(2)
     good = io.BytesIO()
-    Image.fromarray(photo(rng, 40, 50)).save(good, format="JPEG")
-    records = [np.frombuffer(good.getvalue(), np.uint8)] * 5
-    records[3] = np.frombuffer(b"\xff\xd8\xff\xe0" + bytes(200), np.uint8)  # A JPEG start, then nothing valid.
-    write_ragged(tmp_path / "images", records)
-    with ShmDataLoader({"image": str(tmp_path / "images")}, transform=TRAIN, mode="sequential", batch_size=5,
+    Image.fromarray(photo(np.random.default_rng(seed), 40, 50)).save(good, format="JPEG")
+    records = [np.frombuffer(good.getvalue(), np.uint8)] * count
+    records[position] = np.frombuffer(bad, np.uint8)
+    write_ragged(directory / "images", records)
+    with ShmDataLoader({"image": str(directory / "images")}, transform=TRAIN, mode="sequential", batch_size=count,
                        transform_args={"size": 16, "decoder": decoder, "label": None}, readers=1) as loader:
-        with pytest.raises(ReaderError, match=r"field 'image': record 3 \(step 0, batch row 3\) is not a readable "
-                                              r"image \(204 bytes"):
-            next(loader)
+        next(loader)
+
+
+@pytest.mark.parametrize("decoder", ["pillow", "fast"])
+def test_a_corrupt_image_names_its_record(tmp_path, decoder):
+    with pytest.raises(ReaderError, match=r"field 'image': record 3 \(step 0, batch row 3\) is not a readable "
+                                          r"image \(204 bytes"):
+        # A JPEG start, then nothing valid.
+        _first_batch_with_a_bad_record(tmp_path, decoder, b"\xff\xd8\xff\xe0" + bytes(200), 5, 3, seed=2)
 
 
 def _bomb(rng) -> bytes:
@@ -164,19 +169,8 @@ def _bomb(rng) -> bytes:
 def test_a_decompression_bomb_is_refused_from_its_header_before_decoding(tmp_path, decoder):
     """It passed convert-images, and decoder="auto" decoded it fully with OpenCV: 8.9 s and
     5.2 GB per record per reader, then a grey image as a valid sample."""
-    if decoder == "fast":
-        pytest.importorskip("simplejpeg")
-        pytest.importorskip("cv2")
-    rng = np.random.default_rng(3)
-    good = io.BytesIO()
-    Image.fromarray(photo(rng, 40, 50)).save(good, format="JPEG")
-    records = [np.frombuffer(good.getvalue(), np.uint8)] * 4
-    records[2] = np.frombuffer(_bomb(rng), np.uint8)
-    write_ragged(tmp_path / "images", records)
-    with ShmDataLoader({"image": str(tmp_path / "images")}, transform=TRAIN, mode="sequential", batch_size=4,
-                       transform_args={"size": 16, "decoder": decoder, "label": None}, readers=1) as loader:
-        with pytest.raises(ReaderError, match=r"record 2 \(step 0, batch row 2\).*30000 x 30000 = 900,000,000 pixels"):
-            next(loader)
+    with pytest.raises(ReaderError, match=r"record 2 \(step 0, batch row 2\).*30000 x 30000 = 900,000,000 pixels"):
+        _first_batch_with_a_bad_record(tmp_path, decoder, _bomb(np.random.default_rng(3)), 4, 2, seed=3)
 
 
 def test_convert_images_refuses_a_decompression_bomb_naming_its_file(tmp_path):
