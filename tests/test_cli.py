@@ -97,7 +97,7 @@ def test_bench_sweep_runs_with_its_progress_bar(dataset, capsys):
     """tqdm(zip(range(n), loader)) kept one batch more than the sweep's 2 slots per reader
     allowed: SlotsExhaustedError on every run with the bar on (the default)."""
     assert main(["bench", dataset["paths"]["labels_npy"], "--steps", "30", "--batch-size", "8", "--sweep",
-                 "--seconds-per-point", "0"]) == 0
+                 "--seconds-per-point", "0", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "best: readers=" in out and "readers=1 slots=4:" in out  # 2 per reader + the trainer's 2.
 
