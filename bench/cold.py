@@ -129,25 +129,22 @@ def run_child(args) -> None:
                       "block_rows": sampler.block_rows, "window_blocks": sampler.blocks_per_window}))
 
 
-def measure(args, mode: str, window: int) -> dict:
+def run_in_group(command: list[str], limit_bytes: int, timeout: float) -> dict:
+    """Runs `command` (which prints a JSON line last) in a new cgroup-v1 memory group of
+    `limit_bytes`, and returns that JSON with the group's peak usage; removes the group."""
     group = f"{_CGROUP_ROOT}/shmloader_bench_{os.getpid()}"
     os.makedirs(group, exist_ok=True)
     try:
         with open(f"{group}/memory.limit_in_bytes", "w") as handle:
-            handle.write(str(int(args.limit_gib * 2**30)))
-        evict(args.path)
-        command = [sys.executable, os.path.abspath(__file__), "--child", "--path", args.path, "--mode", mode,
-                   "--window", str(window), "--seconds", str(args.seconds), "--readers", str(args.readers),
-                   "--batch-size", str(args.batch_size)]
+            handle.write(str(limit_bytes))
 
         def enter_group() -> None:
             with open(f"{group}/cgroup.procs", "w") as handle:
                 handle.write(str(os.getpid()))
 
-        result = subprocess.run(command, capture_output=True, text=True, preexec_fn=enter_group,
-                                timeout=args.seconds + 120)
+        result = subprocess.run(command, capture_output=True, text=True, preexec_fn=enter_group, timeout=timeout)
         if result.returncode != 0:
-            raise RuntimeError(f"{mode} window={window}: exit {result.returncode}\n{result.stderr[-3000:]}")
+            raise RuntimeError(f"{' '.join(command[2:])}: exit {result.returncode}\n{result.stderr[-3000:]}")
         with open(f"{group}/memory.max_usage_in_bytes") as handle:
             peak = int(handle.read())
         measured = json.loads(result.stdout.strip().splitlines()[-1])
@@ -160,6 +157,14 @@ def measure(args, mode: str, window: int) -> dict:
                 break
             except OSError:
                 time.sleep(0.1)  # The group's last process is still exiting.
+
+
+def measure(args, mode: str, window: int) -> dict:
+    evict(args.path)
+    command = [sys.executable, os.path.abspath(__file__), "--child", "--path", args.path, "--mode", mode,
+               "--window", str(window), "--seconds", str(args.seconds), "--readers", str(args.readers),
+               "--batch-size", str(args.batch_size)]
+    return run_in_group(command, int(args.limit_gib * 2**30), args.seconds + 120)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ def _demo(arguments) -> int:
 
 
 def _convert(arguments) -> int:
-    from .convert import convert
+    from .convert import convert, io_advice
 
     spec = convert(
         arguments.input, arguments.output, codec=arguments.codec, clevel=arguments.clevel,
@@ -30,6 +30,7 @@ def _convert(arguments) -> int:
     codec = "uncompressed" if spec.clevel == 0 else spec.codec
     print(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks {spec.chunks}, "
           f"blocks {spec.blocks}, {codec}, ratio {ratio:.2f}")
+    print(io_advice(spec))
     return 0
 
 

@@ -33,7 +33,9 @@ def test_convert_and_inspect_commands(tmp_path, capsys, dataset):
     assert main(["convert", str(tmp_path / "x.npy"), str(tmp_path / "x.b2nd"), "--quiet"]) == 2
     assert "--force" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "x.npy"), str(tmp_path / "x.b2nd"), "--quiet", "--force", "--codec", "zstd"]) == 0
-    capsys.readouterr()
+    out = capsys.readouterr().out  # Whether compression pays for cold reads, from a measured rate and the ratio.
+    assert re.search(r"decompresses at [\d,]+ MB/s on one core: compression pays for cold reads only where the disk "
+                     r"gives each reader less than [\d,]+ MB/s", out), out
     assert main(["inspect", str(tmp_path / "x.b2nd"), "--json", "--sample", "8"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["rows"] == 1000 and report["codec"] == "ZSTD"
