@@ -45,7 +45,9 @@ def write_corpus(directory: str, tokens: int) -> dict[str, str]:
     paths = {"npy": raw}
     for codec in ("lz4", "zstd"):
         path = os.path.join(directory, f"tokens.{codec}.b2nd")
-        if not os.path.exists(path):
+        # Made again when the raw corpus is newer (another --tokens): a stale file would be
+        # a smaller corpus that the memory group caches.
+        if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(raw):
             print(f"converting to {codec} ...", flush=True)
             convert(raw, path, codec=codec, progress=False)
         paths[codec] = path
