@@ -25,7 +25,7 @@ typedef struct {
     uint32_t mode;
     uint32_t shard_index;
     uint32_t shard_count;
-    uint32_t reserved;
+    uint32_t flags;
     uint64_t block_rows;
     uint64_t window_blocks;
 } shm_sampler_config;

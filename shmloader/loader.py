@@ -473,7 +473,11 @@ class ShmDataLoader(cursor_module.Cursor):
         self.verify = bool(verify)
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
-        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count, shuffle_window)
+        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
+        if shuffle_window is not None:  # The window's own checks need the rows: here, its type and mode.
+            check_integer("shuffle_window", shuffle_window, 1, STEP_MAX >> 2)
+            if mode != "shuffle":
+                raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
         self._pin_backend = _pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0

@@ -88,8 +88,7 @@ class ReadAhead:
         previous window; then advises this window and the next, each once (a request the
         full queue refused is made again at the next step)."""
         sampler = self.sampler
-        position = (step * sampler.shard_count + sampler.shard_index) * sampler.batch_size
-        key, blocks = sampler.window_blocks(position)
+        key, blocks = sampler.window_blocks(sampler.stream_position(step))
         start = self._window_start(key)
         if key not in self._entered:
             self._entered.append(key)
@@ -97,14 +96,14 @@ class ReadAhead:
                 self.windows_released += 1
         self._advise(key, blocks)
         following = start + self.window_rows
-        if following >= (key[0] + 1) * sampler.length or sampler.window_blocks(following)[0] == key:
-            following = (key[0] + 1) * sampler.length  # The last window of an epoch may be longer.
+        if following >= (key[0] + 1) * sampler.epoch_length or sampler.window_blocks(following)[0] == key:
+            following = (key[0] + 1) * sampler.epoch_length  # The last window of an epoch may be longer.
         next_key, next_blocks = sampler.window_blocks(following)
         self._advise(next_key, next_blocks)
 
     def _window_start(self, key: tuple[int, int]) -> int:
         epoch, window = key
-        return epoch * self.sampler.length + window * self.window_rows
+        return epoch * self.sampler.epoch_length + window * self.window_rows
 
     def _advise(self, key, blocks) -> None:
         if key not in self._advised and self._submit("advise", blocks):

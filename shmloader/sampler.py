@@ -50,8 +50,13 @@ class Sampler:
 
     Sharding: the global batch of a step has batch_size * shard_count positions; shard h
     takes the h-th block of batch_size. Shards of one step are disjoint and together they
-    form the global batch. With a shuffle window, every shard reads from the same window
-    at the same time (each host reads all of the window's blocks, once).
+    form the global batch. With a shuffle window, each shard instead reads only its share
+    of the blocks, so that each host reads about 1/shard_count of the bytes: the full
+    blocks whose slot in the epoch's block permutation is h modulo shard_count (and the tail
+    rows for the shard next in that round), shuffled by windows as a dataset of its own, at
+    the shard's own positions step * batch_size. The shards' shares of an epoch partition
+    it (every row once per epoch across shards), but a shard's batches now depend on
+    shard_count, and shards whose shares differ by a block cross epochs a little apart.
     """
 
     def __init__(
@@ -87,7 +92,15 @@ class Sampler:
                 raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
             window_blocks = max(1, -(-shuffle_window // self.block_rows))
         self.blocks_per_window = window_blocks
+        # Each shard reads only its share of the blocks (see the class docstring).
+        self.shard_blocks = bool(window_blocks) and self.shard_count > 1
+        self.epoch_length = self._share_length() if self.shard_blocks else self.length
+        if self.epoch_length == 0:
+            raise ValueError(f"shard {self.shard_index} of {self.shard_count} gets no rows: {self.length} rows make "
+                             f"{self.length // self.block_rows} blocks of {self.block_rows}; use fewer shards or a "
+                             f"smaller shuffle_window (blocks are at most an eighth of it)")
         self._config = ffi.new("shm_sampler_config *")
+        self._config.flags = 1 if self.shard_blocks else 0
         self._config.block_rows = self.block_rows
         self._config.window_blocks = window_blocks
         self._config.length = self.length
@@ -139,9 +152,23 @@ class Sampler:
         if status != Status.OK:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
 
+    def _share_length(self) -> int:
+        """Rows in this shard's share of an epoch (mirrors ShardShare in zig/sampler.zig)."""
+        full_blocks = self.length // self.block_rows
+        share_blocks = full_blocks // self.shard_count + (self.shard_index < full_blocks % self.shard_count)
+        tail = self.length - full_blocks * self.block_rows if self.shard_index == full_blocks % self.shard_count else 0
+        return share_blocks * self.block_rows + tail
+
+    def stream_position(self, step: int) -> int:
+        """Where `step` starts in the stream this shard reads: the global position of its
+        block of the global batch, or its own position when it reads its share of blocks."""
+        if self.shard_blocks:
+            return step * self.batch_size
+        return (step * self.shard_count + self.shard_index) * self.batch_size
+
     def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
-        """((epoch, window), block ids) of the shuffle window that holds global stream
-        `position`: the blocks a reader reads ahead (the tail block, id length //
+        """((epoch, window), block ids) of the shuffle window that holds stream `position`
+        (see stream_position): the blocks a reader reads ahead (the tail block, id length //
         block_rows, with the rows past the last full block)."""
         if not self.blocks_per_window:
             raise ValueError("window_blocks needs a sampler with a shuffle_window")
@@ -152,7 +179,7 @@ class Sampler:
                                                count, window)
         if status != Status.OK:
             raise ValueError(f"cannot find the window of position {position}: {status_name(status)}")
-        return (position // self.length, int(window[0])), out[:count[0]]
+        return (position // self.epoch_length, int(window[0])), out[:count[0]]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iterate(0)

@@ -162,20 +162,42 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
 
 
 @pytest.mark.parametrize("shard_count", [1, 2, 3])
-def test_shards_together_cover_every_row_once_per_epoch(shard_count):
-    length, batch = 999, 9
-    global_positions = length * 2  # Two epochs: the union of all shards' batches, in step order.
-    steps = -(-global_positions // (batch * shard_count))
-    per_step = []
-    for step in range(steps):
-        per_step.append(np.concatenate([
-            Sampler(length, batch, "shuffle", 5, shard, shard_count, shuffle_window=120, block_rows=13).fill(step)
-            for shard in range(shard_count)]))
-    stream = np.concatenate(per_step)
-    whole = Sampler(length, batch * shard_count, "shuffle", 5, shuffle_window=120, block_rows=13)
-    np.testing.assert_array_equal(stream, np.concatenate([whole.fill(step) for step in range(steps)]))
+def test_shards_read_disjoint_shares_that_cover_every_row_once_per_epoch(shard_count):
+    """Each host reads its own share of the blocks (about 1/shard_count of the bytes)."""
+    length, batch, block_rows = 999, 9, 13
+    shares = []
+    for shard in range(shard_count):
+        sampler = Sampler(length, batch, "shuffle", 5, shard, shard_count, shuffle_window=120, block_rows=block_rows)
+        share = sampler.epoch_length
+        steps = -(-2 * share // batch)
+        stream = np.concatenate([sampler.fill(step) for step in range(steps)])
+        epochs = [stream[:share], stream[share:2 * share]]
+        assert len(np.unique(epochs[0])) == share  # No row twice within a shard's epoch.
+        for position in range(0, share, 120):  # Its windows hold rows of its window's blocks only.
+            _, blocks = sampler.window_blocks(position)
+            assert set((stream[position:position + 10] // block_rows).tolist()) <= set(blocks.tolist())
+        shares.append(epochs)
     for epoch in range(2):
-        np.testing.assert_array_equal(np.sort(stream[epoch * length:(epoch + 1) * length]), np.arange(length))
+        together = np.concatenate([epochs[epoch] for epochs in shares])
+        np.testing.assert_array_equal(np.sort(together), np.arange(length))  # A partition, every epoch.
+    if shard_count > 1:
+        assert abs(shares[0][0].size - shares[1][0].size) <= block_rows
+
+
+def test_two_shard_loaders_read_disjoint_halves_and_give_the_rows_they_name(files):
+    fields = {"x": _declaration(files, "npy")}
+    seen = []
+    for shard in range(2):
+        with ShmDataLoader(fields, batch_size=30, readers=1, seed=4, shuffle_window=400, shard_index=shard,
+                           shard_count=2) as loader:
+            rows = []
+            for _, batch in zip(range(loader.sampler.epoch_length // 30), loader):
+                _check(batch, files, "npy")
+                rows.append(np.array(batch.indices))
+                del batch
+            seen.append(np.concatenate(rows))
+    assert not set(seen[0].tolist()) & set(seen[1].tolist())
+    assert len(seen[0]) + len(seen[1]) > 0.95 * 3000
 
 
 def test_a_reader_killed_mid_window_costs_no_batch(files):

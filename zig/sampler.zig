@@ -20,7 +20,9 @@ pub const SamplerConfig = extern struct {
     mode: u32,
     shard_index: u32,
     shard_count: u32,
-    reserved: u32,
+    /// Bit 0 (shard_blocks), with a window and shard_count > 1: each shard reads only its
+    /// share of the blocks (see ShardShare); the shard's batches then depend on shard_count.
+    flags: u32,
     /// Shuffle mode only: the block-local shuffle (data larger than memory) when
     /// window_blocks > 0: rows are read in blocks of `block_rows` consecutive rows, and a
     /// window deals out `window_blocks` blocks. Zero keeps the global shuffle.
@@ -64,6 +66,11 @@ pub fn check(config: *const SamplerConfig) Status {
         if (config.block_rows == 0) return .invalid_length;
         _ = std.math.mul(u64, config.block_rows, config.window_blocks) catch return .overflow;
     }
+    if (config.flags & ~flag_shard_blocks != 0) return .invalid_mode;
+    if (shardBlocks(config)) {
+        if (config.window_blocks == 0) return .invalid_mode;
+        if (ShardShare.init(config, 0).length == 0) return .invalid_length; // More shards than blocks.
+    }
     return .ok;
 }
 
@@ -78,10 +85,28 @@ fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
     return first;
 }
 
+pub const flag_shard_blocks: u32 = 1;
+
+fn shardBlocks(config: *const SamplerConfig) bool {
+    return config.flags & flag_shard_blocks != 0 and config.shard_count > 1;
+}
+
+/// The position in the shard's own stream where `step` starts (shard_blocks), or null.
+fn shardFirstPosition(config: *const SamplerConfig, step: u64) ?u64 {
+    const first = std.math.mul(u64, step, config.batch_size) catch return null;
+    _ = std.math.add(u64, first, config.batch_size) catch return null;
+    return first;
+}
+
 pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     const status = check(config);
     if (status != .ok) return status;
     if (out.len < config.batch_size) return .output_size_mismatch;
+    if (shardBlocks(config)) {
+        const local = shardFirstPosition(config, step) orelse return .overflow;
+        fillShardWindowShuffle(config, local, out[0..config.batch_size]);
+        return .ok;
+    }
     const first = firstPosition(config, step) orelse return .overflow;
     const batch = out[0..config.batch_size];
     switch (@as(Mode, @enumFromInt(config.mode))) {
@@ -104,6 +129,7 @@ pub fn windowBlocks(config: *const SamplerConfig, position: u64, out: []u64, cou
     if (status != .ok) return status;
     if (config.window_blocks == 0) return .invalid_mode;
     if (out.len < config.window_blocks + 1) return .output_size_mismatch;
+    if (shardBlocks(config)) return shardWindowBlocks(config, position, out, count, window_out);
     const shuffle = WindowShuffle.init(config.length, config.block_rows, config.window_blocks, config.seed,
         position / config.length);
     const window = shuffle.windowOf(position % config.length);
@@ -192,6 +218,103 @@ pub const WindowShuffle = struct {
         return self.full_blocks * self.block_rows + (within - tail_first);
     }
 };
+
+/// A shard's share of one epoch (shard_blocks): the full blocks whose slot in the epoch's
+/// block permutation is the shard's index modulo the shard count, and the tail rows (past
+/// the last full block) for the shard next in that round. Seen as a dataset of its own
+/// (virtual rows 0..length), it gets its own block-local shuffle; a virtual row maps back
+/// through its block. The shards' shares of an epoch partition its rows, so across shards
+/// every row comes once per epoch, and each host reads only its share of the bytes. A
+/// shard's position is its own: step * batch_size (so shards whose shares differ by a block
+/// cross epochs a little apart).
+pub const ShardShare = struct {
+    length: u64,
+    block_rows: u64,
+    full_blocks: u64,
+    share_blocks: u64,
+    shard_index: u64,
+    shard_count: u64,
+    all_blocks: EpochPermutation,
+
+    pub fn init(config: *const SamplerConfig, epoch: u64) ShardShare {
+        const block_rows = config.block_rows;
+        const full_blocks = config.length / block_rows;
+        const shard_count: u64 = config.shard_count;
+        const shard_index: u64 = config.shard_index;
+        const share_blocks = full_blocks / shard_count + @intFromBool(shard_index < full_blocks % shard_count);
+        const tail_rows = config.length - full_blocks * block_rows;
+        const owns_tail = shard_index == full_blocks % shard_count;
+        return .{
+            .length = share_blocks * block_rows + (if (owns_tail) tail_rows else 0),
+            .block_rows = block_rows,
+            .full_blocks = full_blocks,
+            .share_blocks = share_blocks,
+            .shard_index = shard_index,
+            .shard_count = shard_count,
+            // The same permutation for every shard of an epoch: their shares partition it.
+            .all_blocks = EpochPermutation.init(@max(1, full_blocks), hash2(config.seed, 0x7368617265), epoch), // "share"
+        };
+    }
+
+    /// The dataset row of virtual block `block` (the tail past share_blocks) and `offset`.
+    pub fn rowOf(self: *const ShardShare, block: u64, offset: u64) u64 {
+        if (block < self.share_blocks) {
+            return self.all_blocks.apply(self.shard_index + block * self.shard_count) * self.block_rows + offset;
+        }
+        return self.full_blocks * self.block_rows + offset;
+    }
+
+    pub fn blockOf(self: *const ShardShare, block: u64) u64 {
+        return if (block < self.share_blocks) self.all_blocks.apply(self.shard_index + block * self.shard_count) else self.full_blocks;
+    }
+};
+
+fn fillShardWindowShuffle(config: *const SamplerConfig, first: u64, out: []u64) void {
+    const length = ShardShare.init(config, 0).length; // The same for every epoch.
+    var epoch = first / length;
+    var offset = first % length;
+    var share = ShardShare.init(config, epoch);
+    var shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    var window = shuffle.windowOf(offset);
+    var rows = shuffle.rowsPermutation(window);
+    for (out) |*slot| {
+        const virtual = shuffle.row(window, &rows, offset);
+        slot.* = share.rowOf(virtual / config.block_rows, virtual % config.block_rows);
+        offset += 1;
+        if (offset == length) {
+            offset = 0;
+            epoch += 1;
+            share = ShardShare.init(config, epoch);
+            shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+        }
+        if (offset == 0 or shuffle.windowOf(offset) != window) {
+            window = shuffle.windowOf(offset);
+            rows = shuffle.rowsPermutation(window);
+        }
+    }
+}
+
+fn shardWindowBlocks(config: *const SamplerConfig, position: u64, out: []u64, count: *u64, window_out: *u64) Status {
+    const length = ShardShare.init(config, 0).length;
+    const epoch = position / length;
+    const share = ShardShare.init(config, epoch);
+    const shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    const window = shuffle.windowOf(position % length);
+    var written: u64 = 0;
+    var slot = window * config.window_blocks;
+    const slot_end = @min(slot + config.window_blocks, shuffle.full_blocks);
+    while (slot < slot_end) : (slot += 1) {
+        out[written] = share.blockOf(shuffle.blocks.apply(slot));
+        written += 1;
+    }
+    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
+        out[written] = share.blockOf(shuffle.full_blocks); // The virtual tail: the share's tail, or a block.
+        written += 1;
+    }
+    count.* = written;
+    window_out.* = window;
+    return .ok;
+}
 
 fn fillWindowShuffle(config: *const SamplerConfig, first: u64, out: []u64) void {
     const length = config.length;
@@ -362,7 +485,7 @@ fn testConfig(length: u64, batch_size: u64, mode: Mode) SamplerConfig {
         .mode = @intFromEnum(mode),
         .shard_index = 0,
         .shard_count = 1,
-        .reserved = 0,
+        .flags = 0,
         .block_rows = 0,
         .window_blocks = 0,
     };
@@ -453,6 +576,34 @@ test "window settings outside the shuffle are refused" {
     try testing.expectEqual(Status.invalid_mode, check(&config));
     config = windowConfig(100, 4, 0, 4);
     try testing.expectEqual(Status.invalid_length, check(&config));
+}
+
+test "shards reading their own blocks together cover every row once per epoch" {
+    for ([_]u64{ 1000, 1024, 997 }) |length| {
+        for ([_]u32{ 2, 3 }) |shard_count| {
+            var seen: [1024]u8 = @splat(0);
+            var shard: u32 = 0;
+            while (shard < shard_count) : (shard += 1) {
+                var config = windowConfig(length, 10, 16, 4);
+                config.shard_count = shard_count;
+                config.shard_index = shard;
+                config.flags = flag_shard_blocks;
+                try testing.expectEqual(Status.ok, check(&config));
+                const share = ShardShare.init(&config, 0).length;
+                var out: [10]u64 = undefined;
+                var step: u64 = 0;
+                // The shard's second epoch: positions share .. 2 * share.
+                while (step * 10 < 2 * share) : (step += 1) {
+                    try testing.expectEqual(Status.ok, fill(&config, step, &out));
+                    for (out, 0..) |row, i| {
+                        const position = step * 10 + i;
+                        if (position >= share and position < 2 * share) seen[row] += 1;
+                    }
+                }
+            }
+            for (seen[0..length]) |times| try testing.expectEqual(@as(u8, 1), times);
+        }
+    }
 }
 
 test "sequential wraps around" {
