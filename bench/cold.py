@@ -167,26 +167,40 @@ def measure(args, mode: str, window: int) -> dict:
     return run_in_group(command, int(args.limit_gib * 2**30), args.seconds + 120)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, batch_size: int) -> None:
+    """The settings every cold benchmark shares: the memory group and the loader's run."""
+    parser.add_argument("--limit-gib", type=float, default=2.0, help="the memory group's limit")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long each run lasts")
+    parser.add_argument("--readers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def parse_or_run_child(parser: argparse.ArgumentParser, run_child) -> argparse.Namespace | None:
+    """The parsed arguments of the parent run (root and a memory controller checked), or
+    None once `run_child` has run this process as one measurement (--child)."""
+    args = parser.parse_args()
+    if args.child:
+        run_child(args)
+        return None
+    if not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0:
+        sys.exit(f"needs root and a cgroup-v1 memory controller at {_CGROUP_ROOT}")
+    return args
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", default="/var/tmp/shmloader_larger_than_memory.npy")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--row-bytes", type=int, default=3072)
-    parser.add_argument("--limit-gib", type=float, default=2.0)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--readers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=256)
+    add_run_arguments(parser, batch_size=256)
     parser.add_argument("--windows", default="262144,65536,16384", help="shuffle_window values to measure")
     parser.add_argument("--remove", action="store_true", help="delete the file at the end")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
     parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        run_child(args)
+    args = parse_or_run_child(parser, run_child)
+    if args is None:
         return
-    if not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0:
-        sys.exit(f"needs root and a cgroup-v1 memory controller at {_CGROUP_ROOT}")
     write_file(args.path, args.rows, args.row_bytes)
     size_gib = os.path.getsize(args.path) / 2**30
     print(f"{machine_line()}; file {size_gib:.2f} GiB, memory group {args.limit_gib:g} GiB, "

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine_line, table  # noqa: E402
-from cold import _CGROUP_ROOT, evict, run_in_group  # noqa: E402
+from cold import add_run_arguments, evict, parse_or_run_child, run_in_group  # noqa: E402
 
 _LENGTH = 2048
 
@@ -77,20 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--directory", default="/var/tmp/shmloader_cold_tokens")
     parser.add_argument("--tokens", type=int, default=1_500_000_000)
-    parser.add_argument("--limit-gib", type=float, default=2.0)
-    parser.add_argument("--seconds", type=float, default=20.0)
-    parser.add_argument("--readers", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=32)
+    add_run_arguments(parser, batch_size=32)
     parser.add_argument("--window", type=int, default=65536, help="shuffle_window rows for the shuffled runs")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--reference", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        run_child(args)
+    args = parse_or_run_child(parser, run_child)
+    if args is None:
         return
-    if not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0:
-        sys.exit(f"needs root and a cgroup-v1 memory controller at {_CGROUP_ROOT}")
     os.makedirs(args.directory, exist_ok=True)
     paths = write_corpus(args.directory, args.tokens)
     sizes = {name: os.path.getsize(path) for name, path in paths.items()}
