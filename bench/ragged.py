@@ -21,7 +21,8 @@ from _common import machine_line, table, verdict
 from gather import DATA_DIR
 from shmloader import Packed, Padded, Sampler, ShmDataLoader
 from shmloader._native import ffi
-from shmloader.ragged import RaggedField, describe_ragged, write_ragged
+from shmloader.convert import write_ragged
+from shmloader.ragged import RaggedField, describe_ragged
 
 BATCH = 64
 MAX_LENGTH = 2048

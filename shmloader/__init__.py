@@ -38,8 +38,8 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562): a reader process imports shmloader.reader, and through
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
-_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".slots",
-         "Packed": ".slots", "Windows": ".slots", "Source": ".sources"}
+_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".plan",
+         "Packed": ".plan", "Windows": ".plan", "Source": ".sources"}
 
 
 def __getattr__(name: str):
@@ -58,6 +58,6 @@ def __dir__() -> list[str]:
 
 def transform(outputs, *, name: str | None = None):
     """Declares a transform (see shmloader.transforms.transform)."""
-    from .transforms import transform as declare
+    from .transforms.core import transform as declare
 
     return declare(outputs, name=name)

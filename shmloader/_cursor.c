@@ -80,7 +80,7 @@ typedef struct {
     uint64_t check_every;       /* batches between reader checks when next() never waits */
     uint64_t wake_after;        /* wake readers once this many slots were handed back */
     uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
-    uint64_t reader_count;      /* at most this many posts per wake-up */
+    uint64_t reader_count;      /* at most this many posts per wake-up; 0: the trainer fills (readers=0) */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;
@@ -417,7 +417,9 @@ static PyObject *next_batch(Cursor *self) {
         if (started_ns == 0) {
             started_ns = monotonic_ns(); /* Not ready at once: from here on, next() waits. */
         }
-        if (state == STEP_IN_FLIGHT) {
+        /* With no reader processes (readers=0) nobody else fills it: _supervise fills the
+         * step in this thread, and the next turn takes it. */
+        if (state == STEP_IN_FLIGHT && self->reader_count > 0) {
             WaitResult waited = wait_in_flight(self);
             if (waited == WAIT_ERROR) {
                 return NULL;
@@ -628,9 +630,9 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
                         "setup needs a control table, and one ready semaphore and one views tuple per slot");
         goto done;
     }
-    if (check_every < 1 || wake_after < 1 || reader_count < 1 || poll_ns < 1) {
+    if (check_every < 1 || wake_after < 1 || poll_ns < 1) {
         PyErr_SetString(PyExc_ValueError,
-                        "check_every_batches, wake_after_slots, reader_count and poll_interval_ns must be at least 1");
+                        "check_every_batches, wake_after_slots and poll_interval_ns must be at least 1");
         goto done;
     }
     if (!PyType_Check(batch_type) || !PyType_IsSubtype((PyTypeObject *)batch_type, &BatchBaseType)) {

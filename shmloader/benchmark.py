@@ -12,7 +12,7 @@ import numpy as np
 
 from .loader import ShmDataLoader
 from .ragged import describe_ragged, is_ragged
-from .slots import Packed
+from .plan import Packed
 from .storage import describe_field
 
 

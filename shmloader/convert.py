@@ -5,15 +5,17 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import shutil
 import statistics
 import time
 import zlib
+from collections.abc import Iterable
 
 import numpy as np
 
 from ._native import ffi
 from .layout import choose_layout, convert_command, poor_layout
-from .ragged import write_ragged
+from .ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, RaggedSpec, describe_ragged
 from .errors import StorageError
 from .storage import (CHECKSUM_META, FieldSpec, check_dtype, check_output_directory, check_rows, describe_field,
                       open_field)
@@ -300,3 +302,125 @@ def inspect(path: str | os.PathLike, sample: int = 64) -> dict:
     if report["poor_layout"]:
         report["fix"] = convert_command(spec)
     return report
+
+
+# ---- Ragged fields (the reading side is ragged.py) ---------------------------------------
+
+# Blocks of about half a typical record: a record then spans two or three blocks, so
+# reading it decodes little beyond its own bytes, while per-block overhead stays small
+# against the record. Bounded so that tiny records still share a block of a few KiB and
+# huge ones (photos) do not decode megabytes for a crop.
+_BLOCK_BYTES_MIN = 4 << 10
+_BLOCK_BYTES_MAX = 64 << 10
+_BLOCKS_PER_CHUNK = 64
+# The converter decides block size and codec from the first records, up to this much.
+_SAMPLE_BYTES = 4 << 20
+_SAMPLE_RECORDS = 4096
+
+
+def _choose_block_elements(sample: list[np.ndarray], itemsize: int) -> int:
+    median_bytes = float(np.median([record.size for record in sample])) * itemsize if sample else _BLOCK_BYTES_MIN
+    block_bytes = 1 << max(0, math.ceil(math.log2(max(median_bytes / 2, 1))))
+    block_bytes = min(max(block_bytes, _BLOCK_BYTES_MIN), _BLOCK_BYTES_MAX)
+    return max(1, block_bytes // itemsize)
+
+
+def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "auto", clevel: int = 5,
+                 force: bool = False) -> RaggedSpec:
+    """Writes an iterable of arrays (all of one dtype and one number of dimensions) as a
+    ragged field directory. Streams: only the offsets (and shapes) stay in memory. Written
+    under a temporary name and renamed at the end, so an interrupted write leaves nothing
+    at `path`. `codec="auto"` keeps LZ4 where it saves 10% on the first records, else
+    stores values uncompressed (encoded images gain nothing)."""
+    check_output_directory(path)
+    import blosc2
+
+
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    path = pathlib.Path(path)
+    if path.exists() and not force:
+        raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
+    iterator = iter(records)
+    sample, sample_bytes = [], 0
+    for record in iterator:
+        sample.append(_as_record(record, len(sample), sample[0] if sample else None))
+        sample_bytes += sample[-1].nbytes
+        if sample_bytes >= _SAMPLE_BYTES or len(sample) >= _SAMPLE_RECORDS:
+            break
+    if not sample:
+        raise ValueError(f"{path}: no records to write")
+    dtype, ndim = sample[0].dtype, sample[0].ndim
+    check_dtype(str(path), dtype)
+    block_elements = _choose_block_elements(sample, dtype.itemsize)
+    chunk_elements = block_elements * _BLOCKS_PER_CHUNK
+    if codec == "auto":
+        codec = auto_codec(np.concatenate([record.ravel() for record in sample]), block_elements * dtype.itemsize, clevel)
+    cparams = blosc2.CParams(
+        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD, "none": blosc2.Codec.LZ4}[codec],
+        clevel=0 if codec == "none" else clevel, typesize=dtype.itemsize, nthreads=1,
+        filters=[blosc2.Filter.SHUFFLE] if dtype.itemsize > 1 else [blosc2.Filter.NOFILTER], filters_meta=[0],
+    )
+    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        values = blosc2.empty((0,), dtype=dtype, chunks=(chunk_elements,), blocks=(block_elements,),
+                              urlpath=str(temporary / VALUES_NAME), mode="w", cparams=cparams)
+        offsets, shapes, pending, pending_elements, written = [0], [], [], 0, 0
+
+        def flush(final: bool) -> None:
+            nonlocal pending, pending_elements, written
+            if not pending:
+                return
+            flat = np.concatenate(pending)
+            keep = len(flat) if final else len(flat) // chunk_elements * chunk_elements
+            if keep:
+                values.resize((written + keep,))
+                values[written:written + keep] = flat[:keep]
+                written += keep
+            pending, pending_elements = ([flat[keep:]] if keep < len(flat) else []), len(flat) - keep
+
+        def add(record: np.ndarray) -> None:
+            nonlocal pending_elements
+            offsets.append(offsets[-1] + record.size)
+            shapes.append(record.shape)
+            pending.append(record.ravel())
+            pending_elements += record.size
+            if pending_elements >= 4 * chunk_elements:
+                flush(final=False)
+
+        for record in sample:
+            add(record)
+        for record in iterator:
+            add(_as_record(record, len(offsets) - 1, sample[0]))
+        flush(final=True)
+        write_checksums(values.schunk)
+        values = None  # Closes the frame before the directory is renamed.
+        _write_small(temporary / OFFSETS_NAME, np.asarray(offsets, dtype=np.uint64))
+        if ndim != 1:
+            _write_small(temporary / SHAPES_NAME, np.asarray(shapes, dtype=np.uint64).reshape(len(shapes), ndim))
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return describe_ragged(path)
+
+
+def _as_record(record, index: int, first: np.ndarray | None) -> np.ndarray:
+    array = np.ascontiguousarray(record)
+    if array.ndim == 0:
+        raise ValueError(f"record {index} is a scalar; records are arrays of one or more elements")
+    if array.size == 0:
+        raise ValueError(f"record {index} is empty; leave empty records out")
+    if first is not None and (array.dtype != first.dtype or array.ndim != first.ndim):
+        raise ValueError(f"record {index} is {array.dtype} with {array.ndim} dimensions; the first record was "
+                         f"{first.dtype} with {first.ndim}: every record needs the same dtype and dimensions")
+    return array
+
+
+def _write_small(path: pathlib.Path, array: np.ndarray) -> None:
+    """Offsets or shapes: small, uncompressed-friendly, read whole by every reader."""
+    convert(array, path, codec="lz4", progress=False)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 import sys
+
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
 
 class ShmLoaderError(Exception):
@@ -96,3 +99,16 @@ class PerformanceWarning(UserWarning):
 
 class ReaderStallWarning(RuntimeWarning):
     """One step has been in flight for a long time: a reader is stopped or its files stall."""
+
+
+def user_stacklevel() -> int:
+    """The stacklevel that makes a warning point at the first frame outside this package."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and _in_package(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _in_package(filename: str) -> bool:
+    directory = os.path.dirname(os.path.abspath(filename))
+    return directory == _PACKAGE_DIRECTORY or directory.startswith(_PACKAGE_DIRECTORY + os.sep)

@@ -107,7 +107,7 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
     check_output_directory(output)
     from tqdm import tqdm
 
-    from .ragged import write_ragged
+    from .convert import write_ragged
 
     classes, files = list_images(directory)
     output = pathlib.Path(output)

@@ -6,8 +6,6 @@ import collections.abc
 import contextlib
 import dataclasses
 import gc
-import hashlib
-import json
 import os
 import signal
 import sys
@@ -18,19 +16,15 @@ import weakref
 
 import numpy as np
 
-from . import layout as _layout
 from ._native import load_cursor
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend
-from .errors import (PerformanceWarning, ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError,
-                     StorageError)
+from .errors import ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError, user_stacklevel
+from .filler import StepFiller
+from .plan import LoaderPlan, plan_loader, warn_poor_layouts
 from .reader import ReaderConfig
 from .readers import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
-from .slots import FieldPlan, Packed, Padded, Region, Windows, merge_sources, plan_field
-from .sources import MixtureSampler, Source
-from .transforms import TransformSpec
-from .transforms import resolve as resolve_transform
 
 cursor_module = load_cursor()
 
@@ -39,7 +33,6 @@ _READER_CHECK_BATCHES = 64
 # next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
 # a file on a stalled network mount): silence would look like a hang.
 _STALL_WARNING_SECONDS = 10.0
-_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__))
 
 
 def _default_readers() -> int:
@@ -50,6 +43,9 @@ def _default_readers() -> int:
     return max(1, min(cores, 8))
 
 
+# Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
+# loop's variable still holds while next() runs (_cursor.c's readers_ahead counts them too).
+TRAINER_SLOTS = 2
 # The default ring stays under this many bytes where the readers' share allows (see _default_slots).
 _DEFAULT_RING_BYTES = 1 << 30
 
@@ -60,9 +56,12 @@ def _default_slots(readers: int, slot_bytes: int) -> int:
     trainer while the other readers run ahead: with two per reader they ran out of
     requested slots and slept (about 70% of the ideal rate with uneven fills in
     bench/protocol.py), with four they stayed busy. Fewer where that passes
-    _DEFAULT_RING_BYTES, but never under two per reader."""
+    _DEFAULT_RING_BYTES, but never under two per reader. With readers=0, one slot beyond
+    the trainer's: the step it fills next."""
     affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
-    return max(2 * readers + 2, min(4 * readers + 2, affordable))
+    if readers == 0:
+        return TRAINER_SLOTS + 1
+    return max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
 
 
 def _wake_after(slots: int) -> int:
@@ -94,182 +93,6 @@ def _pin_backend(pin_memory):
     if not all(hasattr(pin_memory, name) for name in ("register", "unregister", "copy", "done", "synchronize")):
         raise TypeError(f"pin_memory must be True, False or a device backend (see shmloader.device), got {pin_memory!r}")
     return pin_memory
-
-
-def _user_stacklevel() -> int:
-    """The stacklevel that makes a warning point at the first frame outside this package."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIRECTORY:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _normalise_fields(fields, label_path) -> list[Source]:
-    """The loader's sources: one for a mapping or a path, or the Sources of a mixture."""
-    if isinstance(fields, (list, tuple)) and fields and all(isinstance(item, Source) for item in fields):
-        if label_path is not None:
-            raise TypeError("label_path goes with a single data path, not with a list of Sources")
-        sources = [source.checked(index) for index, source in enumerate(fields)]
-        return [dataclasses.replace(source, fields=_check_mapping(source.fields, f"source {index}: "))
-                for index, source in enumerate(sources)]
-    if isinstance(fields, collections.abc.Mapping):
-        if label_path is not None:
-            raise TypeError("label_path goes with a single data path, not with a mapping of fields")
-        mapping = dict(fields)
-    elif isinstance(fields, (str, os.PathLike)):
-        mapping = {"data": fields}
-        if label_path is not None:
-            mapping["label"] = label_path
-    else:
-        raise TypeError(f"fields must be a path, a mapping of field name to path, or a list of Source, got "
-                        f"{type(fields).__name__}")
-    return [Source(_check_mapping(mapping, ""))]
-
-
-def _check_mapping(mapping, where: str) -> dict:
-    if not mapping:
-        raise ValueError(f"{where}fields is empty; give at least one field name -> path")
-    for name, declaration in mapping.items():
-        if not isinstance(name, str) or not name or "." in name or name == "source":
-            raise TypeError(f"{where}field names must be non-empty strings without '.', and not 'source', got {name!r}")
-        if isinstance(declaration, (Padded, Packed, Windows)):
-            declaration = declaration.path
-        if isinstance(declaration, (list, tuple)):
-            declaration = declaration[0] if declaration else None
-        if not isinstance(declaration, (str, os.PathLike)):
-            raise TypeError(f"{where}field {name!r}: expected a path, a list or glob of paths, or Padded/Packed/"
-                            f"Windows of one, got {type(declaration).__name__}")
-    return dict(mapping)
-
-
-def _plan_fields(sources: list[Source], batch_size: int, ragged_packed: bool = False) -> dict[str, FieldPlan]:
-    """Describes every field's files and lays out its regions, naming the field (and the
-    source) in any error; within a source all fields must have as many rows."""
-    per_source = []
-    for index, source in enumerate(sources):
-        where = f"source {index}: " if len(sources) > 1 else ""
-        if per_source and set(source.fields) != set(per_source[0]):
-            raise StorageError(f"{where}fields {sorted(source.fields)} differ from source 0's {sorted(per_source[0])}; "
-                               f"every source must give the same fields")
-        plans = {}
-        for name, declaration in source.fields.items():
-            try:
-                plans[name] = plan_field(name, declaration, batch_size, ragged_packed)
-            except FileNotFoundError as error:
-                raise FileNotFoundError(f"{where}{_name_field(name, error)}") from None
-            except StorageError as error:
-                raise StorageError(f"{where}{_name_field(name, error)}") from None
-        (first_name, first), *others = plans.items()
-        for name, plan in others:
-            if plan.row_count != first.row_count:
-                raise StorageError(
-                    f"{where}fields must have the same number of rows: field {first_name!r} ({first.source.path}) "
-                    f"has {first.row_count}, field {name!r} ({plan.source.path}) has {plan.row_count}"
-                )
-        per_source.append(plans)
-    return {name: merge_sources([plans[name] for plans in per_source]) for name in per_source[0]}
-
-
-def _name_field(name: str, error: Exception) -> str:
-    message = str(error)
-    return message if message.startswith(f"field {name!r}") else f"field {name!r}: {message}"
-
-
-def _sources_description(sources: list[Source], plans: dict[str, FieldPlan]) -> list[dict]:
-    """Per source, what its batches depend on (a checkpoint keeps it to refuse other data)."""
-    described, files_by_plan = [], [(plan, plan.describe_files()) for plan in plans.values()]
-    for index, source in enumerate(sources):
-        files = [files[k] for plan, files in files_by_plan for k, owner in enumerate(plan.part_sources)
-                 if owner == index]
-        digest = hashlib.blake2b(json.dumps(files).encode(), digest_size=8).hexdigest()
-        rows = next(iter(plans.values())).row_counts[index]
-        described.append({"files": len(files), "files_digest": digest, "rows": rows, "weight": source.weight,
-                          "fraction": source.fraction, "fixed": source.fixed})
-    return described
-
-
-@dataclasses.dataclass(frozen=True)
-class LoaderPlan:
-    """What a loader's batches are made of: its fields' plans, the slot's regions, the
-    sampler and the transform (None without one)."""
-
-    plans: dict[str, FieldPlan]
-    regions: tuple[Region, ...]
-    sampler: Sampler | MixtureSampler
-    transform: TransformSpec | None
-    sources: list[dict]
-    mixture: bool
-
-
-# The block-local shuffle reads blocks of about this many bytes per row of all fields: a
-# read this long costs many times a random read's latency on a disk or a network volume,
-# so the disk streams, and a window of a few hundred blocks is still well mixed.
-_SHUFFLE_BLOCK_BYTES = 16 << 20
-
-
-# A window deals at least this many blocks, so that a batch draws its rows from that many
-# places of the file even when the window is small.
-_WINDOW_BLOCKS_MIN = 8
-
-
-def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int) -> int:
-    """Rows per block of the block-local shuffle: about _SHUFFLE_BLOCK_BYTES of all fields
-    together, at most a _WINDOW_BLOCKS_MIN-th of the window, rounded up to whole chunks of
-    the coarsest Blosc2 field (a chunk is the unit that field decompresses, so a block
-    that split one would read it twice)."""
-    row_count = next(iter(plans.values())).row_count
-    stored_bytes = sum(plan.stored_bytes for plan in plans.values())
-    chunk_rows = max([1] + [part.chunk_rows for plan in plans.values() if plan.kind == "rows" for part in plan.parts])
-    block_rows = max(1, min(_SHUFFLE_BLOCK_BYTES * row_count // max(1, stored_bytes),
-                            shuffle_window // _WINDOW_BLOCKS_MIN))
-    return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
-
-
-def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
-                transform=None, transform_args=None, shuffle_window: int | None = None) -> LoaderPlan:
-    """Validates the files and settings and lays out the slot: the loader's plan, also used
-    in one process by shmloader.transforms.compute_batch."""
-    sources = _normalise_fields(fields, label_path)
-    mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
-    if shuffle_window is not None and mixture:
-        raise ValueError("shuffle_window is not supported for a mixture of Sources yet: give it to a single source, "
-                         "or leave it None for the mixture's global shuffle of each source")
-    if mixture and mode != "shuffle":
-        raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
-                         f"got {mode!r}")
-    if transform_args is not None and transform is None:
-        raise TypeError("transform_args given without a transform")
-    spec = None if transform is None else resolve_transform(transform, transform_args, batch_size)
-    plans = _plan_fields(sources, batch_size, ragged_packed=spec is not None)
-    if spec is None:
-        regions = tuple(region for plan in plans.values() for region in plan.regions)
-    else:  # The slot holds the transform's outputs only; its inputs stay in the readers.
-        regions = spec.regions(batch_size)
-    if mixture:
-        regions += (Region("source", (batch_size,), "<u4"),)
-    row_counts = next(iter(plans.values())).row_counts
-    if mixture:
-        sampler = MixtureSampler(list(row_counts), [source.weight for source in sources],
-                                 [source.fraction for source in sources], [source.fixed for source in sources],
-                                 batch_size, seed, shard_index, shard_count)
-    else:
-        block_rows = 1 if shuffle_window is None else shuffle_block_rows(plans, shuffle_window)
-        sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)
-    return LoaderPlan(plans, regions, sampler, spec, _sources_description(sources, plans), mixture)
-
-
-def _warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
-    for name, plan in plans.items():
-        spec = plan.source
-        if plan.kind == "rows" and _layout.poor_layout(spec):
-            warnings.warn(
-                f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
-                f"{spec.blocks}, {spec.codec}) costs about {_layout.estimate_row_cost_us(spec):.0f} us per "
-                f"random row, against about {_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
-                f"file. Re-lay it out once with: {_layout.convert_command(spec)}",
-                PerformanceWarning,
-                stacklevel=_user_stacklevel(),
-            )
 
 
 class Batch(cursor_module.BatchBase, collections.abc.Mapping):
@@ -426,7 +249,7 @@ class ShmDataLoader(cursor_module.Cursor):
     copies run at the link's speed; without CUDA it raises DeviceError.
 
     `shuffle_window` (rows, mode="shuffle"; None: the global shuffle) is for data larger
-    than memory: each epoch permutes blocks of consecutive rows (about 4 MiB of all fields,
+    than memory: each epoch permutes blocks of consecutive rows (about 16 MiB of all fields,
     whole Blosc2 chunks), deals them into windows of about `shuffle_window` rows and
     permutes the rows within each window; readers ask the kernel for the next window's
     blocks ahead of use, so the disk streams. Memory: about two windows of page cache.
@@ -460,7 +283,8 @@ class ShmDataLoader(cursor_module.Cursor):
         self._resources = _Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
-        self.readers = check_integer("readers", _default_readers() if readers is None else readers, 1, 256)
+        # readers=0: the trainer fills each step itself when next() needs it (debugging).
+        self.readers = check_integer("readers", _default_readers() if readers is None else readers, 0, 256)
         self.slots = None if slots is None else check_integer("slots", slots, 2, 4096)  # None: _default_slots.
         self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
         if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
@@ -482,6 +306,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
+        self._fill_ns = 0  # readers=0: time this process spent filling steps.
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
@@ -498,31 +323,30 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _prepare(self, plan: LoaderPlan, warn_layout: bool, start_step: int) -> None:
         """Takes the validated plan, then creates the ring and configures the readers."""
-        self.plans, self.regions, self.sampler, self.mixture = plan.plans, plan.regions, plan.sampler, plan.mixture
-        self.transform = plan.transform
-        self.field_names = tuple(region.name for region in self.regions)
-        self.sources = plan.sources
+        self.plan = plan
+        self.plans, self.slot, self.sampler, self.transform = plan.plans, plan.slot, plan.sampler, plan.transform
+        self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
         if self.slots is None:
-            self.slots = _default_slots(self.readers, sum(r.nbytes for r in self.regions) + 8 * self.batch_size)
+            self.slots = _default_slots(self.readers, self.slot.nbytes)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
-            _warn_poor_layouts(self.plans)
+            warn_poor_layouts(self.plans)
         sweep_stale()
         self._start(start_step)
 
     def _start(self, start_step: int) -> None:
         """Creates the ring, sets up the native cursor, requests the first steps and
-        configures the readers."""
-        self._layout = RingLayout(self.slots, self.readers, self.batch_size, tuple(r.nbytes for r in self.regions))
+        configures the readers (or, with readers=0, this process's filler)."""
+        self._layout = RingLayout(self.slots, max(1, self.readers), self.batch_size, self.slot.nbytes,
+                                  len(self.slot.regions))
         self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
         if self._pin_backend is not None:
             self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
-        self._field_geometry = [
-            (offset, np.dtype(region.dtype), region.shape)
-            for region, offset in zip(self.regions, self._layout.region_offsets)
-        ]
-        self._field_geometry.append((self._layout.indices_offset, np.dtype(np.uint64), (self.batch_size,)))
+        if self.readers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
+            self._filler = self._resources.filler = StepFiller(self.plan.fields, self.slot, self.sampler,
+                                                               self.transform, self.verify)
+            self._filler_outputs = [self._filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
         self._cursor_setup(CursorConfig(
             control_table_address=self._ring.control_table_address,
             slot_count=self.slots,
@@ -544,8 +368,9 @@ class ShmDataLoader(cursor_module.Cursor):
             trainer_pid=os.getpid(),
             names=self._ring.names,
             layout=self._layout,
+            slot=self.slot,
             sampler=self.sampler,
-            fields=tuple(self.plans.values()),
+            fields=self.plan.fields,
             verify_checksums=self.verify,
             transform=self.transform,
             sys_path=tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (),
@@ -558,10 +383,8 @@ class ShmDataLoader(cursor_module.Cursor):
     # Slot arrays.
 
     def _slot_views(self, slot: int) -> tuple[np.ndarray, ...]:
-        """Slot `slot`'s arrays: one per field, then the indices. Their base is the mapping
-        itself, so numpy makes every view of them refer to them (see Batch)."""
-        memory, base = self._ring.memory, self._layout.slot_offset(slot)
-        return tuple(np.ndarray(shape, dtype, memory, base + offset) for offset, dtype, shape in self._field_geometry)
+        """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""
+        return self.slot.views(self._ring.memory, self._layout.slot_offset(slot))
 
     def _rebuild_views(self, slot: int) -> None:
         """Called by the native next() when a user changed one of the slot's arrays in place."""
@@ -585,6 +408,9 @@ class ShmDataLoader(cursor_module.Cursor):
         failed slot, and every _READER_CHECK_BATCHES batches. Raises, or returns for
         next() to look again."""
         self._raise_if_closed()
+        if state == cursor_module.STEP_IN_FLIGHT and self.readers == 0:
+            self._fill_here(step)
+            return
         if state == cursor_module.STEP_FAILED:
             self._pool.raise_reported(owner)
         if state == cursor_module.STEP_WRONG:
@@ -620,8 +446,23 @@ class ShmDataLoader(cursor_module.Cursor):
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
                 f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
                 ReaderStallWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
+
+    def _fill_here(self, step: int) -> None:
+        """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An
+        exception propagates as raised (the step is requested again for the next try)."""
+        slot = step % self.slots
+        claimed = self._ring.claim(0)
+        assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
+        started = time.perf_counter_ns()
+        try:
+            self._filler.fill(step, self._filler_outputs[slot])
+        except BaseException:
+            self._ring.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+            raise
+        self._fill_ns += time.perf_counter_ns() - started
+        self._ring.publish(slot, SlotState.READY, 0)
 
     def _wait_for_holder(self, step: int, waited_s: float) -> None:
         """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
@@ -731,7 +572,7 @@ class ShmDataLoader(cursor_module.Cursor):
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size
-        row_bytes = sum(region.nbytes for region in self.regions) / self.batch_size
+        row_bytes = self.slot.row_bytes
         return {
             "batches": self._batches,
             "rows": rows,

@@ -16,17 +16,16 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import posix_ipc
 
-from ._native import ffi
 from .errors import TransformError
-from .readahead import ReadAhead
+from .filler import StepFiller
+from .plan import FieldPlan
 from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 from .sampler import Sampler
-from .slots import FieldPlan, InputBuffers, PlanReader, Region, make_outputs
+from .slot_layout import SlotLayout
 from .sources import MixtureSampler
-from .transforms import TransformRunner, TransformSpec
+from .transforms.core import TransformSpec
 
 # How long one wait for work lasts before the reader checks its trainer and the stop flag:
 # it bounds how long a reader outlives a dead trainer.
@@ -35,6 +34,9 @@ _WAIT_SECONDS = 0.1
 _ORPHAN_CHECK_SECONDS = 1.0
 # How long a reader outlives a termination signal while its trainer lives on.
 _SIGNAL_GRACE_SECONDS = 3.0
+# What a trainer that gives up before configuring its readers sends them instead of a
+# configuration: they exit at once. Plain EOF means the trainer may have died (see main).
+STOP_MESSAGE = b"stop"
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # A process forked inside a transform that returned into the reader loop exits with this.
@@ -75,6 +77,7 @@ class ReaderConfig:
     trainer_pid: int
     names: RingNames
     layout: RingLayout
+    slot: SlotLayout
     sampler: Sampler | MixtureSampler
     fields: tuple[FieldPlan, ...]
     verify_checksums: bool
@@ -87,6 +90,7 @@ class ReaderConfig:
             "trainer_pid": self.trainer_pid,
             "names": self.names.to_dict(),
             "layout": self.layout.to_dict(),
+            "slot": self.slot.to_dict(),
             "sampler": self.sampler.to_dict(),
             "fields": [spec.to_dict() for spec in self.fields],
             "verify_checksums": self.verify_checksums,
@@ -102,6 +106,7 @@ class ReaderConfig:
             trainer_pid=data["trainer_pid"],
             names=RingNames.from_dict(data["names"]),
             layout=RingLayout.from_dict(data["layout"]),
+            slot=SlotLayout.from_dict(data["slot"]),
             sampler=(MixtureSampler.from_dict(data["sampler"]) if data["sampler"].get("kind") == "mixture"
                      else Sampler.from_dict(data["sampler"])),
             fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
@@ -187,55 +192,29 @@ def leave_if_forked(reader_pid: int) -> None:
 
 
 class Reader:
-    def __init__(self, config: ReaderConfig, ring: Ring) -> None:
+    """The reader loop: claims requested slots, fills each with its StepFiller (given, in
+    the simulation), publishes it, and keeps its statistics in its ring record."""
+
+    def __init__(self, config: ReaderConfig, ring: Ring, filler=None) -> None:
         self.pid = os.getpid()
         self.index = config.reader_index
         self.trainer_pid = config.trainer_pid
         self.ring = ring
         self.layout = ring.layout
-        self.sampler = config.sampler
-        self.fields, self.runner, self.inputs = [], None, None
-        if config.transform is None:
-            for plan in config.fields:
-                self.fields.append(PlanReader(plan, self.layout.batch_size, config.verify_checksums, self.sampler))
-        else:  # The fields fill this reader's own buffers; the transform fills the slot.
-            sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
-            self.runner = TransformRunner(config.transform, self.layout.batch_size, self.sampler)
-            self.inputs = InputBuffers(config.fields, self.layout.batch_size, config.verify_checksums, self.sampler)
-        self.read_ahead = None
-        if getattr(self.sampler, "blocks_per_window", 0):  # The block-local shuffle reads windows ahead.
-            plans = config.fields
-            self.read_ahead = ReadAhead(self.sampler, self.fields or self.inputs.readers,
-                                        sum(plan.stored_bytes for plan in plans))
+        if filler is None:
+            if config.transform is not None:  # Imported by the trainer's sys.path.
+                sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
+            filler = StepFiller(config.fields, config.slot, config.sampler, config.transform, config.verify_checksums)
+        self.filler = filler
+        # Every slot's arrays and their pointers, made once.
+        self.outputs = [filler.bind(config.slot.views(ring.memory, self.layout.slot_offset(slot)))
+                        for slot in range(self.layout.slot_count)]
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.busy_ns = 0
         self.batches = 0
         self.starved_ns = self.sleeps = self.wakeups = 0
         self._slept = None  # (began, ended) of the last wait for work, until the next claim
-        batch = self.layout.batch_size
-        # Views of every slot's regions and pointers to them, made and checked once.
-        self.index_views, self.outputs, self.source_outputs = [], [], []
-        self.mixture = isinstance(self.sampler, MixtureSampler)
-        # The slot's regions in groups: one per field, or the transform's outputs as one.
-        groups = [plan.regions for plan in config.fields] if config.transform is None else \
-            [config.transform.regions(batch)]
-        regions = [region for group in groups for region in group]
-        if self.mixture:
-            regions.append(Region("source", (batch,), "<u4"))  # The loader's last region.
-        for slot in range(self.layout.slot_count):
-            slot_offset = self.layout.slot_offset(slot)
-            self.index_views.append(
-                np.frombuffer(ring.memory, dtype=np.uint64, count=batch, offset=slot_offset + self.layout.indices_offset)
-            )
-            outputs = make_outputs(ring.memory, slot_offset, tuple(regions), self.layout.region_offsets)
-            per_field, first = [], 0
-            for group in groups:
-                per_field.append(outputs[first:first + len(group)])
-                first += len(group)
-            self.outputs.append(per_field)
-            self.source_outputs.append(outputs[-1] if self.mixture else None)
-        self.index_pointers = [ffi.from_buffer("uint64_t[]", view) for view in self.index_views]
 
     def trainer_alive(self) -> bool:
         """Its parent is still the trainer, and the trainer still holds the ring's owner
@@ -246,24 +225,8 @@ class Reader:
         started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
-        if self.read_ahead is not None:
-            self.read_ahead.note(self.step)
-        indices, index_pointer = self.index_views[slot], self.index_pointers[slot]
-        sources = None
-        if self.mixture:
-            source_output = self.source_outputs[slot]
-            self.sampler.fill_unchecked(self.step, index_pointer, ffi.cast("uint32_t *", source_output.pointer))
-            sources = source_output.array
-        else:
-            self.sampler.fill_unchecked(self.step, index_pointer)
-        if self.runner is None:
-            for field, outputs in zip(self.fields, self.outputs[slot]):
-                field.fill(self.step, indices, index_pointer, outputs, sources)
-        else:
-            inputs = self.inputs.fill(self.step, indices, index_pointer, sources)
-            out = {name: output.array for name, output in zip(self.runner.shapes, self.outputs[slot][0])}
-            self.runner.run(self.step, indices, sources, inputs, out)
-            leave_if_forked(self.pid)
+        self.filler.fill(self.step, self.outputs[slot])
+        leave_if_forked(self.pid)  # A transform forked a child that came back here.
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1
@@ -308,12 +271,7 @@ class Reader:
         self.ring.write_reader_sleeps(self.index, self.starved_ns, self.sleeps, self.wakeups)
 
     def close(self) -> None:
-        if self.read_ahead is not None:
-            self.read_ahead.close()
-        for field in self.fields:
-            field.close()
-        if self.inputs is not None:
-            self.inputs.close()
+        self.filler.close()
 
 
 def _yield_to_the_trainer() -> None:
@@ -385,6 +343,8 @@ def main(argv: list[str]) -> int:
     # have died before this reader finished importing, so getppid() cannot tell it here.
     parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
+    if text == STOP_MESSAGE.decode():
+        return 0
     if not text:
         # The loader gave up before configuring this reader, or its trainer died: then the
         # ring it may have created has no owner, and nobody else would unlink it now. A

@@ -9,8 +9,8 @@ all come here, through loader._Resources.close):
    to attach and exits.
 2. ReaderPool.stop posts the work semaphore once per reader, so a reader asleep in its
    bounded wait wakes at once; a reader mid-fill finishes that batch and sees the flag.
-   It closes the stdin of any reader still waiting for its configuration: that reader
-   reads EOF and exits.
+   It sends any reader still waiting for its configuration reader.STOP_MESSAGE instead,
+   and that reader exits at once (bare EOF would make it wait to judge its trainer dead).
 3. It joins every reader for at most _JOIN_TIMEOUT_SECONDS in all, then SIGKILLs and reaps
    whoever is left (a reader stopped by SIGSTOP, or stuck on a stalled file system); an
    exception in the join (Ctrl-C) kills and reaps the rest before it propagates.
@@ -36,7 +36,7 @@ import time
 import posix_ipc
 
 from .errors import ReaderError, SlotsExhaustedError, reader_error_type
-from .reader import EXIT_REPORTED_ERROR, ErrorReport, ReaderConfig
+from .reader import EXIT_REPORTED_ERROR, STOP_MESSAGE, ErrorReport, ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 
 _JOIN_TIMEOUT_SECONDS = 2.0
@@ -261,8 +261,9 @@ class ReaderPool:
                     pass
         for process in processes:
             if process.stdin is not None and not process.stdin.closed:
-                try:
-                    process.stdin.close()  # A reader still waiting for its configuration exits.
+                try:  # A reader still waiting for its configuration is told to leave, and exits at once.
+                    process.stdin.write(STOP_MESSAGE)
+                    process.stdin.close()
                 except OSError:
                     pass
         deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS

@@ -83,7 +83,6 @@ OWNER_SHIFT = lib.SHM_OWNER_SHIFT
 READER_RECORD_BYTES = 16384
 READER_ERROR_OFFSET = ffi.sizeof("shm_reader_record")
 READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
-REGION_ALIGNMENT = 64
 PAGE_BYTES = 4096
 # How long one wait of the trainer lasts before it checks that its readers live (a dead
 # reader is noticed within about this long); the native next() waits in units of it.
@@ -116,29 +115,18 @@ def _align(value: int, alignment: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RingLayout:
-    """Byte offsets of everything in the segment, computed from the sizes alone."""
+    """Byte offsets of everything in the segment, computed from the sizes alone (a slot's
+    own layout is slot_layout.SlotLayout's: here only its size and array count)."""
 
     slot_count: int
-    reader_count: int
+    reader_count: int  # reader records; at least one (with readers=0 the trainer fills as reader 0)
     batch_size: int
-    region_bytes: tuple[int, ...]  # bytes of each region of a slot (slots.Region.nbytes), in order
-
-    @functools.cached_property
-    def indices_offset(self) -> int:
-        return 0
-
-    @functools.cached_property
-    def region_offsets(self) -> tuple[int, ...]:
-        offsets, cursor = [], _align(self.indices_offset + 8 * self.batch_size, REGION_ALIGNMENT)
-        for region_bytes in self.region_bytes:
-            offsets.append(cursor)
-            cursor = _align(cursor + region_bytes, REGION_ALIGNMENT)
-        return tuple(offsets)
+    slot_bytes: int  # SlotLayout.nbytes
+    field_count: int  # regions of a slot, indices excluded (checked by readers against the header)
 
     @functools.cached_property
     def slot_stride(self) -> int:
-        last = self.region_offsets[-1] + self.region_bytes[-1] if self.region_bytes else 0
-        return _align(max(last, self.indices_offset + 8 * self.batch_size), PAGE_BYTES)
+        return _align(self.slot_bytes, PAGE_BYTES)
 
     @functools.cached_property
     def table_offset(self) -> int:
@@ -159,11 +147,11 @@ class RingLayout:
         return HEADER_BYTES + reader * READER_RECORD_BYTES
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "region_bytes": list(self.region_bytes)}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> RingLayout:
-        return cls(**{**data, "region_bytes": tuple(data["region_bytes"])})
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +335,7 @@ class Ring:
             header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
             header.magic, header.version = RING_MAGIC, RING_VERSION
             header.slot_count, header.reader_count = layout.slot_count, layout.reader_count
-            header.field_count, header.trainer_pid = len(layout.region_bytes), trainer_pid
+            header.field_count, header.trainer_pid = layout.field_count, trainer_pid
             header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
             header.slots_offset, header.stop = layout.slots_offset, 0
             del header
@@ -391,7 +379,7 @@ class Ring:
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
                  header.batch_size, header.slot_stride, header.slots_offset)
         del header
-        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, len(layout.region_bytes),
+        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, layout.field_count,
                     layout.batch_size, layout.slot_stride, layout.slots_offset)
         if found != expected:
             memory.close()

@@ -18,7 +18,6 @@ import time
 from .loader import ShmDataLoader
 from .reader import Reader
 from .readers import ReaderPool
-from .ring import SlotState
 
 
 class ReaderDied(Exception):
@@ -26,10 +25,28 @@ class ReaderDied(Exception):
     its slot stays FILLING, nothing is published, and the pool must restart it."""
 
 
+class _SleepFiller:
+    """A step filler whose fill writes the step into the indices and sleeps for
+    fill_seconds(step, reader) instead of reading: the reader loop around it is the real one."""
+
+    def __init__(self, fill_seconds, reader_index: int, published: list) -> None:
+        self.fill_seconds, self.reader_index, self.published = fill_seconds, reader_index, published
+
+    def bind(self, views):
+        return views[-1]  # The indices: what the trainer checks is the step it was given.
+
+    def fill(self, step: int, indices) -> None:
+        indices[:] = step
+        time.sleep(self.fill_seconds(step, self.reader_index))
+        self.published.append(step)  # list.append is atomic under the GIL; published right after.
+
+    def close(self) -> None:
+        pass
+
+
 class _SimulatedReader(Reader):
     def __init__(self, config, ring, fill_seconds, published: list) -> None:
-        super().__init__(config, ring)
-        self.fill_seconds, self.published = fill_seconds, published
+        super().__init__(config, ring, _SleepFiller(fill_seconds, config.reader_index, published))
         self.asleep = False
 
     def trainer_alive(self) -> bool:
@@ -47,17 +64,6 @@ class _SimulatedReader(Reader):
             return super().run()
         except ReaderDied:
             return 17
-
-    def fill(self, slot: int) -> None:
-        started = time.perf_counter_ns()
-        step = self.ring.step(slot)
-        self.index_views[slot][:] = step  # What the trainer checks: the step it was given.
-        time.sleep(self.fill_seconds(step, self.index))
-        self.busy_ns += time.perf_counter_ns() - started
-        self.batches += 1
-        self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
-        self.published.append(step)  # list.append is atomic under the GIL.
-        self.ring.publish(slot, SlotState.READY, self.index)
 
 
 class SimulatedPool(ReaderPool):

@@ -175,7 +175,7 @@ def test_ctrl_c_in_a_command_exits_130_with_one_line(tmp_path):
 
 @pytest.fixture
 def ragged_dir(tmp_path):
-    from shmloader.ragged import write_ragged
+    from shmloader.convert import write_ragged
 
     rng = np.random.default_rng(0)
     write_ragged(tmp_path / "docs.ragged", [rng.integers(0, 100, rng.integers(1, 30)).astype(np.int32)

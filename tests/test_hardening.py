@@ -376,7 +376,8 @@ def test_mixture_settings_take_numpy_numbers_and_refuse_a_string_for_fixed(datas
 
 
 def test_a_structured_output_dtype_is_refused_when_the_transform_is_declared(dataset):
-    from shmloader.transforms import TransformError, _check_outputs
+    from shmloader.transforms import TransformError
+    from shmloader.transforms.core import _check_outputs
 
     with pytest.raises(TransformError, match="structured fields"):
         _check_outputs("m:f", {"x": ((2,), [("a", "<f4"), ("b", "<i4")])})

@@ -389,7 +389,7 @@ def test_poor_layout_warns_once_and_good_layout_does_not(dataset):
     [
         ({"batch_size": 0}, ValueError, "batch_size"),
         ({"slots": 1}, ValueError, "slots"),
-        ({"readers": 0}, ValueError, "readers"),
+        ({"readers": -1}, ValueError, "readers"),
         ({"mode": "epochs"}, ValueError, "mode"),
         ({"shard_index": 1, "shard_count": 1}, ValueError, "shard_index"),
         ({"hold_timeout": 0}, ValueError, "hold_timeout"),

@@ -11,8 +11,9 @@ import pytest
 
 from shmloader import Packed, Padded, ReaderError, Sampler, ShmDataLoader, StorageError, Windows
 from shmloader.convert import convert
-from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged, write_ragged
-from shmloader.slots import plan_field
+from shmloader.convert import write_ragged
+from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged
+from shmloader.plan import plan_field
 
 RECORDS = 300
 

@@ -7,9 +7,11 @@ import os
 import re
 import struct
 
+import numpy as np
 import pytest
 
 from shmloader import _native
+from shmloader.slot_layout import Region, SlotLayout
 from shmloader.ring import (
     HEADER_BYTES,
     OWNER_SHIFT,
@@ -56,7 +58,8 @@ def test_struct_layout_is_the_documented_one():
 
 @pytest.fixture
 def ring():
-    layout = RingLayout(slot_count=3, reader_count=2, batch_size=4, region_bytes=(48,))
+    slot = SlotLayout.of(4, (Region("x", (4, 12), "|u1"),), mixture=False)
+    layout = RingLayout(slot_count=3, reader_count=2, batch_size=4, slot_bytes=slot.nbytes, field_count=1)
     created = Ring.create(layout, os.getpid())
     yield created
     created.names.unlink_all()
@@ -91,3 +94,25 @@ def test_a_state_word_no_process_writes_is_refused(ring):
     struct.pack_into("<Q", ring.memory, ring.layout.table_offset, 0x77)
     with pytest.raises(Exception, match="invalid state word 0x77"):
         ring.state(0)
+
+
+def test_the_slot_layout_owns_offsets_and_view_order():
+    regions = (Region("tokens", (4, 7), "<i4"), Region("tokens.lengths", (4,), "<u4"))
+    slot = SlotLayout.of(4, regions, mixture=True)
+    assert slot.names == ("tokens", "tokens.lengths", "source") and slot.mixture
+    # In memory the indices come first, every region 64-byte aligned after them.
+    assert slot.offsets == (64, 64 + 128, 64 + 128 + 64)
+    assert slot.nbytes == 64 + 128 + 64 + 16
+    assert SlotLayout.from_dict(slot.to_dict()) == slot
+    memory = bytearray(4096)
+    views = slot.views(memory, 1024)
+    assert [view.shape for view in views] == [(4, 7), (4,), (4,), (4,)]
+    assert views[-1].dtype == np.uint64
+    views[-1][:] = 9
+    assert struct.unpack_from("<Q", memory, 1024)[0] == 9  # The indices sit at the slot's start.
+    views[2][:] = 5
+    assert struct.unpack_from("<I", memory, 1024 + slot.offsets[2])[0] == 5
+    with pytest.raises(ValueError, match="distinct names"):
+        SlotLayout.of(4, (Region("indices", (4,), "<u4"),), mixture=False)
+    with pytest.raises(ValueError, match="distinct names"):
+        SlotLayout.of(4, (Region("source", (4,), "<u4"),), mixture=True)

@@ -225,7 +225,7 @@ def test_padded_and_windows_inputs_reach_the_transform_as_their_arrays(tmp_path)
 
 def test_transform_args_take_tuples_as_the_built_in_defaults_are(rows):
     """transform_args={"scale": (0.5, 1.0)} was refused ("changes in a JSON round trip")."""
-    from shmloader.transforms import resolve
+    from shmloader.transforms.core import resolve
 
     spec = resolve("shmloader.transforms.images:train", {"scale": (0.5, 1.0), "ratio": (0.75, 1.25)}, 8)
     assert spec.args == {"scale": [0.5, 1.0], "ratio": [0.75, 1.25]}

@@ -10,10 +10,11 @@ import pytest
 
 from conftest import write_b2nd
 from shmloader import Packed, Padded, ShmDataLoader, Windows
-from shmloader.ragged import write_ragged
+from shmloader.convert import write_ragged
 from shmloader.readahead import ReadAhead
 from shmloader.sampler import Sampler
-from shmloader.slots import PlanReader, plan_field
+from shmloader.fields import PlanReader
+from shmloader.plan import plan_field
 
 
 @pytest.mark.parametrize("length, window, block_rows", [(1000, 64, 16), (1024, 64, 16), (10, 64, 16), (5000, 700, 9)])

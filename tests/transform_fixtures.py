@@ -1,6 +1,7 @@
 """Transforms for the tests: importable by name (tests/ is on the trainer's sys.path, which
 readers share), as a user's own module would be."""
 
+import os
 import random
 
 import numpy as np
@@ -146,3 +147,10 @@ def exits(batch, out, ctx):
     import sys
 
     sys.exit(0)
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32"), "pid": ((), "int64")})
+def records_pid(batch, out, ctx):
+    """x as given, and the id of the process that ran the transform."""
+    out["x"][:] = batch["data"]
+    out["pid"][:] = os.getpid()

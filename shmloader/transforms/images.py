@@ -25,7 +25,8 @@ import math
 import numpy as np
 
 from ..imagefolder import check_pixels, image_size
-from . import TransformError, transform
+from ..errors import TransformError
+from .core import transform
 
 DECODERS = ("auto", "fast", "pillow")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "area", "lanczos")

@@ -1,315 +1,20 @@
-"""The output spec: which arrays a slot holds, computed once from the fields and their slot
-layouts (plain rows, Padded, Packed, Windows), and how a reader fills each of them.
-
-The trainer turns each field into a FieldPlan (plan_field): its source file's description
-and the regions it writes, named as they appear in a batch: "tokens", plus auxiliary
-arrays such as "tokens.lengths" or "tokens.offsets". Plans cross to readers as small
-dicts; a reader opens each one (open_plan) and fills its regions straight in the slot.
+"""The readers' side of the field plans: opens a FieldPlan's files and fills its regions of
+a slot for one step's rows (or a transform's input buffers, InputBuffers). Files open on
+first touch, in the process that fills (a reader, or the trainer with readers=0).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import math
-import os
-import warnings
 
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .errors import PerformanceWarning, StorageError
-from .ragged import RaggedField, RaggedSpec, describe_ragged, is_ragged, record_lengths
-from .storage import CombinedBlosc, FieldSpec, _u64, describe_field, open_field
-
-OVERFLOWS = ("error", "truncate", "random")
-
-
-@dataclasses.dataclass(frozen=True)
-class Padded:
-    """A ragged field as a padded batch: `name` is (B, max_length) (or (B, *max_shape) for
-    N-D records) filled with `pad` past each record, `name.lengths` (B,) uint32 gives each
-    record's length (`name.shapes` (B, k) uint32 its shape for N-D records). A record
-    longer than the maximum raises (overflow="error"), is cut to its start ("truncate"),
-    or to a window at a position that depends only on (seed, step, shard, row) ("random").
-    max_length=None sizes it for the longest record."""
-
-    path: str | os.PathLike
-    max_length: int | tuple[int, ...] | None = None
-    pad: int | float = 0
-    overflow: str = "error"
-
-
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """A ragged field packed back to back: `name` is a flat array, `name.offsets` (B+1,)
-    uint64 where record i is name[offsets[i]:offsets[i+1]] (the cu_seqlens convention;
-    N-D records add `name.shapes`). Sized so that no batch overflows it (the B longest
-    records), unless `max_elements` says less; a batch that does not fit then raises,
-    naming its step. Elements past offsets[-1] are left as they were."""
-
-    path: str | os.PathLike
-    max_elements: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Windows:
-    """A 1-D field (a token stream, .npy or .b2nd) read as rows of `length` + 1 elements:
-    row i is stream[i*length : i*length + length + 1], inputs and shifted targets of
-    language-model pre-training with no padding."""
-
-    path: str | os.PathLike
-    length: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Region:
-    """One array of a slot: its name in the batch, its shape per batch and its dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Region:
-        return cls(data["name"], tuple(data["shape"]), data["dtype"])
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldPlan:
-    """One field: the files it reads (parts, in order: source 0's files, then source 1's,
-    ...), the regions it fills and how. A part's rows follow the rows of the parts before
-    it in the same source; `row_counts` gives each source's total."""
-
-    name: str
-    kind: str  # "rows", "windows", "padded" or "packed"
-    parts: tuple[FieldSpec | RaggedSpec, ...]
-    part_starts: tuple[int, ...]
-    part_sources: tuple[int, ...]
-    regions: tuple[Region, ...]
-    row_counts: tuple[int, ...]
-    options: dict
-
-    @property
-    def row_count(self) -> int:
-        return self.row_counts[0]
-
-    @property
-    def source(self) -> FieldSpec | RaggedSpec:
-        return self.parts[0]
-
-    @property
-    def stored_bytes(self) -> int:
-        """The bytes of its files on disk (a ragged field's values; compressed where they are)."""
-        total = 0
-        for part in self.parts:
-            spec = part if isinstance(part, FieldSpec) else part.values
-            total += spec.compressed_bytes or spec.uncompressed_bytes
-        return total
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "parts": [part.to_dict() for part in self.parts],
-                "part_starts": list(self.part_starts), "part_sources": list(self.part_sources),
-                "regions": [region.to_dict() for region in self.regions], "row_counts": list(self.row_counts),
-                "options": self.options}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> FieldPlan:
-        part_type = FieldSpec if data["kind"] in ("rows", "windows") else RaggedSpec
-        return cls(data["name"], data["kind"], tuple(part_type.from_dict(part) for part in data["parts"]),
-                   tuple(data["part_starts"]), tuple(data["part_sources"]),
-                   tuple(Region.from_dict(region) for region in data["regions"]), tuple(data["row_counts"]),
-                   data["options"])
-
-    def describe_files(self) -> list:
-        """(path, rows) of every part: what a checkpoint's batches depend on."""
-        return [[part.path, getattr(part, "row_count", None) or getattr(part, "record_count", None)]
-                for part in self.parts]
-
-
-def expand_paths(name: str, paths) -> list[str]:
-    """A path, a list of paths, or a glob pattern, as a sorted list of absolute paths."""
-    if isinstance(paths, (list, tuple)):
-        expanded = [os.fspath(path) for path in paths]
-    else:
-        path = os.fspath(paths)
-        if glob.has_magic(path):
-            expanded = sorted(glob.glob(path))
-            if not expanded:
-                raise FileNotFoundError(f"field {name!r}: no file matches {path}")
-        else:
-            expanded = [path]
-    if not expanded:
-        raise ValueError(f"field {name!r}: an empty list of files")
-    return [os.path.abspath(path) for path in expanded]
-
-
-def plan_field(name: str, declaration, batch_size: int, ragged_packed: bool = False) -> FieldPlan:
-    """The trainer's side, for one source: validates the field's file(s) and lays out its
-    regions. With `ragged_packed` (a transform's input), a bare path of ragged records is
-    read as Packed."""
-    paths = expand_paths(name, declaration.path if isinstance(declaration, (Padded, Packed, Windows)) else declaration)
-    if ragged_packed and not isinstance(declaration, (Padded, Packed, Windows)) and is_ragged(paths[0]):
-        declaration = Packed(declaration)
-    if isinstance(declaration, Windows):
-        if len(paths) != 1:
-            raise ValueError(f"field {name!r}: Windows reads one stream file, got {len(paths)} files")
-        return _plan_windows(name, declaration, paths[0], batch_size)
-    if isinstance(declaration, (Padded, Packed)):
-        parts = [describe_ragged(path) for path in paths]
-        _check_parts_alike(name, parts, lambda part: (part.dtype, part.record_ndim), "dtype and record dimensions")
-        counts = [part.record_count for part in parts]
-        if isinstance(declaration, Padded):
-            return _plan_padded(name, declaration, parts, counts, batch_size)
-        return _plan_packed(name, declaration, parts, counts, batch_size)
-    for path in paths:
-        if is_ragged(path):
-            raise StorageError(
-                f"field {name!r}: {path} holds records of every length; declare how they fill a slot: "
-                f"Padded(path, max_length=...) or Packed(path)"
-            )
-    parts = [describe_field(path) for path in paths]
-    _check_parts_alike(name, parts, lambda part: (part.row_shape, part.dtype), "row shape and dtype")
-    counts = [part.row_count for part in parts]
-    region = Region(name, (batch_size, *parts[0].row_shape), parts[0].dtype)
-    return _plan(name, "rows", parts, counts, (region,), {})
-
-
-def _plan(name: str, kind: str, parts: list, counts: list[int], regions, options: dict) -> FieldPlan:
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    return FieldPlan(name, kind, tuple(parts), tuple(starts), (0,) * len(parts), tuple(regions), (sum(counts),), options)
-
-
-def _check_parts_alike(name: str, parts: list, key, what: str) -> None:
-    for part in parts[1:]:
-        if key(part) != key(parts[0]):
-            raise StorageError(f"field {name!r}: {part.path} has {what} {key(part)}, but {parts[0].path} has "
-                               f"{key(parts[0])}; every file of a field must match")
-
-
-def merge_sources(plans: list[FieldPlan]) -> FieldPlan:
-    """One field across the sources of a mixture: the same kind, the same arrays (padded
-    maxima and packed capacities grow to fit every source)."""
-    first = plans[0]
-    regions, options = list(first.regions), dict(first.options)
-    for index, plan in enumerate(plans[1:], start=1):
-        if plan.kind != first.kind or [r.dtype for r in plan.regions] != [r.dtype for r in first.regions]:
-            raise StorageError(f"field {first.name!r}: source {index} gives {plan.kind} {plan.regions[0].dtype} "
-                               f"records, source 0 gives {first.kind} {first.regions[0].dtype}; sources must match")
-        if first.kind == "padded":
-            options["max_shape"] = [max(a, b) for a, b in zip(options["max_shape"], plan.options["max_shape"])]
-        elif first.kind == "packed":
-            options["capacity"] = max(options["capacity"], plan.options["capacity"])
-        elif [r.shape for r in plan.regions] != [r.shape for r in first.regions]:
-            raise StorageError(f"field {first.name!r}: source {index} has rows of shape {plan.regions[0].shape[1:]}, "
-                               f"source 0 {first.regions[0].shape[1:]}; sources must match")
-    if first.kind == "padded":
-        regions[0] = Region(first.name, (regions[0].shape[0], *options["max_shape"]), regions[0].dtype)
-    elif first.kind == "packed":
-        regions[0] = Region(first.name, (options["capacity"],), regions[0].dtype)
-    parts = tuple(part for plan in plans for part in plan.parts)
-    starts = tuple(start for plan in plans for start in plan.part_starts)
-    owners = tuple(index for index, plan in enumerate(plans) for _ in plan.parts)
-    return FieldPlan(first.name, first.kind, parts, starts, owners, tuple(regions),
-                     tuple(plan.row_count for plan in plans), options)
-
-
-def _plan_windows(name: str, declaration: Windows, path: str, batch_size: int) -> FieldPlan:
-    length = declaration.length
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise ValueError(f"field {name!r}: Windows length must be a positive integer, got {length!r}")
-    spec = describe_field(path)
-    if spec.row_shape != ():
-        raise StorageError(f"field {name!r}: Windows needs a 1-D stream, {spec.path} has rows of shape {spec.row_shape}")
-    rows = (spec.row_count - 1) // length
-    if rows < 1:
-        raise StorageError(f"field {name!r}: {spec.path} holds {spec.row_count} elements, fewer than one window of "
-                           f"{length} + 1")
-    region = Region(name, (batch_size, length + 1), spec.dtype)
-    return _plan(name, "windows", [spec], [rows], (region,), {"length": length})
-
-
-def _plan_padded(name: str, declaration: Padded, parts: list[RaggedSpec], counts: list[int],
-                 batch_size: int) -> FieldPlan:
-    spec = parts[0]
-    if declaration.overflow not in OVERFLOWS:
-        raise ValueError(f"field {name!r}: overflow must be one of {OVERFLOWS}, got {declaration.overflow!r}")
-    dims = max(spec.record_ndim, 1)
-    maximum = declaration.max_length
-    if maximum is None:
-        maximum = tuple(max(values) for values in zip(*(_largest_shape(part) for part in parts))) \
-            if spec.record_ndim else max(part.length_max for part in parts)
-        if not spec.record_ndim:
-            _warn_if_one_record_sizes_the_batch(name, parts, maximum, batch_size)
-    shape = (maximum,) if isinstance(maximum, int) else tuple(maximum)
-    if len(shape) != dims or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape):
-        raise ValueError(f"field {name!r}: max_length must be {dims} positive integer(s) for {spec.path}'s "
-                         f"{dims}-D records, got {maximum!r}")
-    try:
-        np.array(declaration.pad, dtype=spec.numpy_dtype)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"field {name!r}: pad {declaration.pad!r} is not a {spec.dtype} value") from None
-    aux = Region(f"{name}.shapes", (batch_size, dims), "<u4") if spec.record_ndim else \
-        Region(f"{name}.lengths", (batch_size,), "<u4")
-    regions = (Region(name, (batch_size, *shape), spec.dtype), aux)
-    options = {"max_shape": list(shape), "pad": declaration.pad, "overflow": declaration.overflow}
-    return _plan(name, "padded", parts, counts, regions, options)
-
-
-# Padded(max_length=None) warns when the longest record makes a batch's padded array this
-# large while it is this many times the 99th percentile's: every slot holds it, in /dev/shm.
-_PADDED_WARNING_BYTES = 64 << 20
-_PADDED_WARNING_RATIO = 4
-
-
-def _warn_if_one_record_sizes_the_batch(name: str, parts: list[RaggedSpec], longest: int, batch_size: int) -> None:
-    lengths = np.concatenate([record_lengths(part) for part in parts])
-    region_bytes = batch_size * longest * np.dtype(parts[0].dtype).itemsize
-    typical = int(np.percentile(lengths, 99))
-    if region_bytes > _PADDED_WARNING_BYTES and longest > _PADDED_WARNING_RATIO * max(typical, 1):
-        record = int(np.argmax(lengths))
-        warnings.warn(
-            f"field {name!r}: Padded(max_length=None) pads every row to the longest record, record {record} of "
-            f"{longest:,} elements: {region_bytes / 2**20:,.0f} MiB per batch in every slot of /dev/shm, while 99% of "
-            f"records hold at most {typical:,}. Give max_length (e.g. {typical}) with overflow='truncate' or "
-            f"'random', or read the field as Packed.",
-            PerformanceWarning, stacklevel=4,
-        )
-
-
-def _largest_shape(spec: RaggedSpec) -> tuple[int, ...]:
-    from .ragged import _read_all
-
-    return tuple(int(x) for x in _read_all(spec.shapes).max(axis=0))
-
-
-def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts: list[int],
-                 batch_size: int) -> FieldPlan:
-    spec = parts[0]
-    lengths = np.concatenate([record_lengths(part) for part in parts])
-    longest = np.sort(lengths)[-min(batch_size, lengths.size):]
-    capacity = int(longest.sum()) + int(lengths.max()) * max(0, batch_size - lengths.size)
-    if declaration.max_elements is not None:
-        if isinstance(declaration.max_elements, bool) or not isinstance(declaration.max_elements, int) \
-                or declaration.max_elements < int(lengths.max()):
-            raise ValueError(f"field {name!r}: max_elements must be an integer of at least the longest record "
-                             f"({int(lengths.max())}), got {declaration.max_elements!r}")
-        capacity = min(capacity, declaration.max_elements)
-    regions = [Region(name, (capacity,), spec.dtype), Region(f"{name}.offsets", (batch_size + 1,), "<u8")]
-    if spec.record_ndim:
-        regions.append(Region(f"{name}.shapes", (batch_size, spec.record_ndim), "<u4"))
-    return _plan(name, "packed", parts, counts, regions, {"capacity": capacity})
-
-
-# ---- The reader's side -------------------------------------------------------------------
-
+from .errors import StorageError
+from .plan import FieldPlan
+from .ragged import RaggedField
+from .storage import CombinedBlosc, FieldSpec, _u64, open_field
+from .transforms.core import Records
 
 def _window_starts(seed: int, step: int, shard: int, count: int, room: np.ndarray) -> np.ndarray:
     """A start in [0, room] for each of `count` rows, a pure function of (seed, step, shard,
@@ -331,11 +36,6 @@ class _Output:
         self.array = array
         self.pointer = ffi.from_buffer("uint8_t[]", array.reshape(-1).view(np.uint8))
         self.nbytes = array.nbytes
-
-
-def make_outputs(memory, offset: int, regions: tuple[Region, ...], region_offsets) -> list[_Output]:
-    return [_Output(np.ndarray(region.shape, np.dtype(region.dtype), memory, offset + region_offset))
-            for region, region_offset in zip(regions, region_offsets)]
 
 
 class PlanReader:
@@ -632,8 +332,6 @@ class InputBuffers:
     the ring): `views` maps each field to what the transform gets (see transforms)."""
 
     def __init__(self, plans: tuple[FieldPlan, ...], batch_size: int, verify: bool, sampler) -> None:
-        from .transforms import Records
-
         self.readers = [PlanReader(plan, batch_size, verify, sampler) for plan in plans]
         self.outputs, self.views = [], {}
         for plan in plans:
