@@ -85,6 +85,10 @@ typedef struct {
     unsigned long long batches;
     unsigned long long wait_ns;
     unsigned long long first_next_ns;
+    /* Python functions called as f(cursor, ...): supervise(state, owner, step) and
+     * rebuild_views(slot), given by the config (composition, not methods found by name). */
+    PyObject *supervise;
+    PyObject *rebuild_views;
 } Cursor;
 
 typedef struct {
@@ -94,8 +98,6 @@ typedef struct {
     unsigned long long step;
 } BatchBase;
 
-static PyObject *str_supervise;
-static PyObject *str_rebuild_views;
 
 static inline unsigned long long monotonic_ns(void) {
     struct timespec now;
@@ -174,6 +176,16 @@ static int wake_readers(Cursor *self) {
     return 0;
 }
 
+/* -> REQUESTED with `step`: the one place the trainer requests a slot (release_unused
+ * below, and _request for the first ring of steps, a seek and a dead reader's slot). The
+ * step word and the request time are published by the release store of the state after
+ * them (ring.py's table). */
+static inline void request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
+    control->step = step;
+    control->requested_ns = now_ns;
+    __atomic_store_n(&control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
+}
+
 /* Requests the next step of every held slot nothing refers to any more, then wakes the
  * readers if `flush` or once wake_after slots wait for them. Waking is the costly part (a
  * futex system call, and an interrupt to the core of a sleeping reader), so while the
@@ -191,14 +203,16 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
         if (now_ns == 0) {
             now_ns = monotonic_ns();
         }
-        slot->control->requested_ns = now_ns;
+        uint64_t word = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE);
+        if (word != SHM_SLOT_HELD) { /* Only the trainer writes HELD, and only it leaves it. */
+            PyErr_Format(PyExc_RuntimeError, "slot %zd is held by this loader but its state word is %#llx, not HELD: "
+                         "another process wrote to the ring", s, (unsigned long long)word);
+            return -1;
+        }
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
-        /* The step is published by the release store of the state word after it. */
-        /* HELD -> REQUESTED: the step is published by the release store after it. */
-        slot->control->step = slot->held_step + (uint64_t)self->slot_count;
-        __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
+        request_slot(slot->control, slot->held_step + (uint64_t)self->slot_count, now_ns); /* HELD -> REQUESTED */
         released++;
     }
     self->pending_posts += (uint64_t)released;
@@ -261,7 +275,8 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
         /* A user changed one of its arrays in place (shape, dtype, ...) and has let go of
          * it since: the loader builds fresh arrays for the slot. Rare; Python does it. */
         PyObject *number = PyLong_FromSsize_t(index);
-        PyObject *result = number == NULL ? NULL : PyObject_CallMethodObjArgs((PyObject *)self, str_rebuild_views, number, NULL);
+        PyObject *result = number == NULL ? NULL
+                                          : PyObject_CallFunctionObjArgs(self->rebuild_views, (PyObject *)self, number, NULL);
         Py_XDECREF(number);
         if (result == NULL) {
             return NULL;
@@ -366,15 +381,19 @@ static WaitResult wait_in_flight(Cursor *self) {
     return outcome;
 }
 
-/* Calls ShmDataLoader._supervise(state, owner, step): reader checks and errors. */
+/* Calls the config's supervise(cursor, state, owner, step): reader checks and errors. */
 static int supervise(Cursor *self, StepState state, uint64_t owner) {
+    if (self->supervise == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the loader was never set up");
+        return -1;
+    }
     PyObject *state_number = PyLong_FromLong((long)state);
     PyObject *owner_number = PyLong_FromUnsignedLongLong((unsigned long long)owner);
     PyObject *step_number = PyLong_FromUnsignedLongLong(self->next_step);
     PyObject *result = NULL;
     if (state_number != NULL && owner_number != NULL && step_number != NULL) {
-        result = PyObject_CallMethodObjArgs((PyObject *)self, str_supervise, state_number, owner_number,
-                                            step_number, NULL);
+        result = PyObject_CallFunctionObjArgs(self->supervise, (PyObject *)self, state_number, owner_number,
+                                              step_number, NULL);
     }
     Py_XDECREF(state_number);
     Py_XDECREF(owner_number);
@@ -619,8 +638,15 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     PyObject *names = PyObject_GetAttrString(config, "field_names");
     PyObject *batch_type = PyObject_GetAttrString(config, "batch_type");
     PyObject *views = PyObject_GetAttrString(config, "views");
+    PyObject *supervise = PyObject_GetAttrString(config, "supervise");
+    PyObject *rebuild_views = PyObject_GetAttrString(config, "rebuild_views");
     PyObject *result = NULL;
-    if (work == NULL || ready == NULL || names == NULL || batch_type == NULL || views == NULL) {
+    if (work == NULL || ready == NULL || names == NULL || batch_type == NULL || views == NULL || supervise == NULL ||
+        rebuild_views == NULL) {
+        goto done;
+    }
+    if (!PyCallable_Check(supervise) || !PyCallable_Check(rebuild_views)) {
+        PyErr_SetString(PyExc_TypeError, "supervise and rebuild_views must be callables");
         goto done;
     }
     if (slot_count < 1 || control_table == 0 || !PyUnicode_Check(work) || !PyTuple_Check(ready) ||
@@ -640,6 +666,8 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
         goto done;
     }
     self->slot_count = (Py_ssize_t)slot_count;
+    self->supervise = Py_NewRef(supervise);
+    self->rebuild_views = Py_NewRef(rebuild_views);
     Py_INCREF(names);
     self->names = names;
     Py_INCREF(batch_type);
@@ -662,6 +690,8 @@ done:
     Py_XDECREF(names);
     Py_XDECREF(batch_type);
     Py_XDECREF(views);
+    Py_XDECREF(supervise);
+    Py_XDECREF(rebuild_views);
     return result;
 }
 
@@ -691,6 +721,39 @@ static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored
     }
     Py_ssize_t released = release_unused(self, 1);
     return released < 0 ? NULL : PyLong_FromSsize_t(released);
+}
+
+/* _request(slot, step): IDLE, READY (a seek discards it) or FILLING (its filler is dead or
+ * gave up: the caller knows) -> REQUESTED, then wakes a reader. HELD is release_unused's
+ * to hand back, REQUESTED is a request already, FAILED must be raised first. */
+static PyObject *cursor_request(Cursor *self, PyObject *args) {
+    Py_ssize_t index;
+    unsigned long long step;
+    if (!PyArg_ParseTuple(args, "nK", &index, &step)) {
+        return NULL;
+    }
+    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
+        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
+        return NULL;
+    }
+    Slot *slot = &self->slots[index];
+    uint64_t state = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE) & SHM_STATE_MASK;
+    if (slot->held || (state != SHM_SLOT_IDLE && state != SHM_SLOT_READY && state != SHM_SLOT_FILLING)) {
+        PyErr_Format(PyExc_RuntimeError, "slot %zd cannot be requested for step %llu from state %llu%s", index, step,
+                     (unsigned long long)state, slot->held ? " (held by a batch)" : "");
+        return NULL;
+    }
+    if ((unsigned long long)index != step % (unsigned long long)self->slot_count) {
+        PyErr_Format(PyExc_ValueError, "step %llu belongs to slot %llu, not %zd", step,
+                     step % (unsigned long long)self->slot_count, index);
+        return NULL;
+    }
+    request_slot(slot->control, step, monotonic_ns());
+    self->pending_posts++;
+    if (wake_readers(self) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *cursor_held(Cursor *self, PyObject *Py_UNUSED(ignored)) {
@@ -730,6 +793,8 @@ static PyObject *cursor_iter(PyObject *self) {
 
 static void cursor_dealloc(Cursor *self) {
     cursor_clear(self);
+    Py_CLEAR(self->supervise); /* Kept past cursor_clear: a closed loader's next() still asks supervise. */
+    Py_CLEAR(self->rebuild_views);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -737,6 +802,8 @@ static PyMethodDef cursor_methods[] = {
     {"_cursor_setup", (PyCFunction)cursor_setup, METH_O,
      "Points the cursor at the ring's control table and each slot's arrays (one config object); activates it."},
     {"_set_views", (PyCFunction)cursor_set_views, METH_VARARGS, "Replaces a free slot's arrays."},
+    {"_request", (PyCFunction)cursor_request, METH_VARARGS,
+     "Requests `step` in its slot (from IDLE, READY or a FILLING whose filler is gone) and wakes a reader."},
     {"_release_unused", (PyCFunction)cursor_release_unused, METH_NOARGS,
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
@@ -754,7 +821,7 @@ static PyMemberDef cursor_members[] = {
     {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,
      "the clock when next() first delivered or began waiting for the first batch, 0 before"},
     {"_active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
-    {"_pending_wakes", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
+    {"_pending_posts", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
      "slots handed back whose readers were not woken yet"},
     {NULL},
 };
@@ -886,9 +953,7 @@ static struct PyModuleDef cursor_module = {
 };
 
 PyMODINIT_FUNC PyInit__cursor(void) {
-    str_supervise = PyUnicode_InternFromString("_supervise");
-    str_rebuild_views = PyUnicode_InternFromString("_rebuild_views");
-    if (str_supervise == NULL || str_rebuild_views == NULL || PyType_Ready(&CursorType) < 0 ||
+    if (PyType_Ready(&CursorType) < 0 ||
         PyType_Ready(&BatchBaseType) < 0) {
         return NULL;
     }

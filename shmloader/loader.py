@@ -142,6 +142,8 @@ class CursorConfig:
     wake_after_slots: int
     reader_count: int
     poll_interval_ns: int
+    supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
+    rebuild_views: collections.abc.Callable  # f(cursor, slot)
 
 
 class _Resources:
@@ -217,6 +219,14 @@ def _forget_loaders_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_loaders_in_child)
+
+
+def _weak_method(owner, function):
+    """function(owner, ...) without a reference to `owner`: the pool the loader owns calls
+    back into it, and a cycle would keep an unclosed loader (and its ring) alive past its
+    last use."""
+    reference = weakref.ref(owner)
+    return lambda *args: function(reference(), *args)
 
 
 def _cpu_tensors(loader):
@@ -360,10 +370,12 @@ class ShmDataLoader(cursor_module.Cursor):
             wake_after_slots=_wake_after(self.slots),
             reader_count=self.readers,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
+            supervise=type(self)._supervise,
+            rebuild_views=type(self)._rebuild_views,
         ))
         _live_loaders.add(self)
         self._request_from(start_step)
-        self._pool.configure(self._ring, ReaderConfig(
+        self._pool.configure(self._ring, _weak_method(self, type(self)._request), ReaderConfig(
             reader_index=0,
             trainer_pid=os.getpid(),
             names=self._ring.names,
@@ -378,7 +390,7 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _request_from(self, step: int) -> None:
         for step_k in range(step, step + self.slots):
-            self._ring.request(step_k % self.slots, step_k)
+            self._request(step_k % self.slots, step_k)
 
     # Slot arrays.
 
@@ -459,7 +471,7 @@ class ShmDataLoader(cursor_module.Cursor):
         try:
             self._filler.fill(step, self._filler_outputs[slot])
         except BaseException:
-            self._ring.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+            self._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
         self._fill_ns += time.perf_counter_ns() - started
         self._ring.publish(slot, SlotState.READY, 0)
@@ -507,6 +519,20 @@ class ShmDataLoader(cursor_module.Cursor):
     @property
     def shared_memory_bytes(self) -> int:
         return self._layout.total_bytes
+
+    @property
+    def ring_name(self) -> str:
+        """The POSIX name of the ring's segment (/dev/shm/<name>; its semaphores are named
+        after it): what to look for when judging a leak."""
+        return self._ring.names.segment
+
+    def held_steps(self) -> dict[int, int]:
+        """{slot: step} of the slots that batches (or views of them) still hold."""
+        return self._held()
+
+    def slot_states(self) -> list[tuple[str, int]]:
+        """(state, step) of every slot, as the ring's control table says now (diagnostics)."""
+        return [(self._ring.state(slot)[0].name, self._ring.step(slot)) for slot in range(self.slots)]
 
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,

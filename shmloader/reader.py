@@ -365,7 +365,7 @@ def main(argv: list[str]) -> int:
         config.names.unlink_all()
         return 0
     try:
-        ring = Ring.attach(config.names, config.layout)
+        ring = Ring.attach(config.names, config.layout, config.trainer_pid)
     except posix_ipc.ExistentialError:
         return EXIT_NO_RING  # The loader closed (and unlinked the ring) while this reader started.
     except OSError as error:
@@ -380,10 +380,8 @@ def main(argv: list[str]) -> int:
         step = reader.step if reader is not None else None
         ring.write_reader_error(config.reader_index, ErrorReport.of(error, step).encode())
         if reader is not None and step is not None:
-            for slot in range(config.layout.slot_count):
-                state, owner = ring.state(slot)
-                if state == SlotState.FILLING and owner == config.reader_index:
-                    ring.publish(slot, SlotState.FAILED, owner)
+            for slot in ring.slots_filled_by(config.reader_index):
+                ring.publish(slot, SlotState.FAILED, config.reader_index)
         return EXIT_REPORTED_ERROR
     finally:
         leave_if_forked(pid)

@@ -112,9 +112,11 @@ class ReaderPool:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
-    def configure(self, ring: Ring, config: ReaderConfig) -> None:
-        """Sends every started reader `config` with its own reader_index."""
-        self.ring, self._config = ring, config
+    def configure(self, ring: Ring, request, config: ReaderConfig) -> None:
+        """Sends every started reader `config` with its own reader_index. `request(slot,
+        step)` is the trainer's request (the cursor's): a dead reader's slot goes back
+        through it."""
+        self.ring, self._request, self._config = ring, request, config
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
 
@@ -168,10 +170,8 @@ class ReaderPool:
             a + b for a, b in zip(self._retired_sleeps[reader_index], ring.reader_sleeps(reader_index)))
         ring.write_reader_stats(reader_index, 0, 0, 0)
         ring.write_reader_sleeps(reader_index, 0, 0, 0)
-        for slot in range(ring.layout.slot_count):
-            state, owner = ring.state(slot)
-            if state == SlotState.FILLING and owner == reader_index:
-                ring.request(slot, ring.step(slot))
+        for slot in ring.slots_filled_by(reader_index):
+            self._request(slot, ring.step(slot))
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""

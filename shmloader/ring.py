@@ -13,8 +13,8 @@ Segment layout (all integers little-endian, offsets in bytes):
     64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
                                                                   error_bytes), then its UTF-8 JSON error report
     table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
-    slots_offset    slot_count * stride   slot data               per slot: uint64 indices (8*B), then each
-                                                                  region of the output spec (slots.py), 64-byte
+    slots_offset    slot_count * stride   slot data               per slot: its SlotLayout (slot_layout.py):
+                                                                  uint64 indices (8*B), then each region, 64-byte
                                                                   aligned: a field's rows, a ragged field's
                                                                   padded or packed values and its lengths or
                                                                   offsets
@@ -31,15 +31,18 @@ and the memory ordering (one ordering per transition, the same in every language
 
     from -> to                who        where                              ordering
     ------------------------  ---------  ---------------------------------  ----------------------------------
-    IDLE or HELD -> REQUESTED trainer    Ring.request; release_unused (C)   release store, after the step word
+    IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor._request  release store, after the step word
+    HELD -> REQUESTED         trainer    request_slot (C): release_unused   the same; HELD is checked first
     REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
-    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish        seq_cst store after the data, then a
-                                                                        seq_cst load of the waiter flag
+    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish (or    seq_cst store after the data, then a
+                                         the trainer as r=0: readers=0)     seq_cst load of the waiter flag
     FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
     READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
                                                                             reads HELD, and it publishes nothing
-    FILLING|r -> REQUESTED    trainer    ReaderPool.restart (r is dead)     release store (Ring.request)
-    REQUESTED -> IDLE         trainer    ShmDataLoader.seek                 compare-and-swap, acq_rel (a reader
+    FILLING|r -> REQUESTED    trainer    request_slot (C): Cursor._request  release store; r is dead (ReaderPool.
+                                         from ReaderPool.retire, or a       retire) or r=0 is the trainer itself
+                                         failed fill with readers=0
+    REQUESTED -> IDLE         trainer    Ring.withdraw (a seek)             compare-and-swap, acq_rel (a reader
                                                                             may claim the slot first)
 
 Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
@@ -288,8 +291,7 @@ class Ring:
     readers attach and close. close() releases this process's semaphore handles; the
     mapping goes with the last reference to the Ring (batch views keep it)."""
 
-    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, created: bool,
-                 segment_fd: int) -> None:
+    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, segment_fd: int) -> None:
         self.names = names
         # The creator holds its owner lock on this descriptor; a reader probes the lock.
         self.segment_fd = segment_fd
@@ -297,7 +299,6 @@ class Ring:
         self.memory = memory
         self.work_semaphore = semaphores[0]
         self.ready_semaphores = semaphores[1:]
-        self.created = created
         self.closed = False
         self._pointer = ffi.from_buffer("uint8_t[]", memory)
         self.base_address = int(ffi.cast("uintptr_t", self._pointer))
@@ -348,7 +349,7 @@ class Ring:
                     f"{1 + layout.slot_count} semaphores (a page each) did not ({error.strerror}); free space "
                     f"there or use fewer slots"
                 ) from None
-            return cls(names, layout, memory, semaphores, created=True, segment_fd=segment_fd)
+            return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
         except BaseException:
             for semaphore in semaphores:
                 semaphore.close()
@@ -360,8 +361,9 @@ class Ring:
             raise
 
     @classmethod
-    def attach(cls, names: RingNames, layout: RingLayout) -> Ring:
-        """Maps an existing ring and checks its header against the layout expected."""
+    def attach(cls, names: RingNames, layout: RingLayout, trainer_pid: int) -> Ring:
+        """Maps an existing ring and checks its header against the layout and the trainer
+        (its creator) expected."""
         segment = posix_ipc.SharedMemory(names.segment)
         segment_fd = os.dup(segment.fd)
         segment.close_fd()
@@ -377,19 +379,19 @@ class Ring:
             raise
         header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
-                 header.batch_size, header.slot_stride, header.slots_offset)
+                 header.batch_size, header.slot_stride, header.slots_offset, header.trainer_pid)
         del header
         expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, layout.field_count,
-                    layout.batch_size, layout.slot_stride, layout.slots_offset)
+                    layout.batch_size, layout.slot_stride, layout.slots_offset, trainer_pid)
         if found != expected:
             memory.close()
             os.close(segment_fd)
             raise SharedMemoryError(
                 f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
-                f"stride, slots offset) = {found}, expected {expected}"
+                f"stride, slots offset, trainer pid) = {found}, expected {expected}"
             )
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
-        return cls(names, layout, memory, semaphores, created=False, segment_fd=segment_fd)
+        return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
 
     def forget_descriptors_in_child(self) -> None:
         """In a process forked from this ring's owner: points every descriptor of the ring's
@@ -463,12 +465,9 @@ class Ring:
         """The slot's step; read it after the state word that published it."""
         return self._lines[slot].step
 
-    def request(self, slot: int, step: int) -> None:
-        """Asks the readers to fill `slot` with `step` (the trainer's side)."""
-        self._lines[slot].step = step
-        self._lines[slot].requested_ns = time.monotonic_ns()
-        lib.shm_state_store(self._state_pointers[slot], int(SlotState.REQUESTED))
-        self.work_semaphore.release()
+    def slots_filled_by(self, reader: int) -> list[int]:
+        """The slots in FILLING by `reader` (a dead or failing reader's: restarted or failed)."""
+        return [slot for slot in range(self.layout.slot_count) if self.state(slot) == (SlotState.FILLING, reader)]
 
     def claim(self, reader: int) -> int | None:
         """A reader takes the requested slot with the lowest step (natively: one scan of

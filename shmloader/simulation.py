@@ -98,8 +98,8 @@ class SimulatedPool(ReaderPool):
     def pids(self) -> list[int]:
         return [os.getpid()] * self.count
 
-    def configure(self, ring, config) -> None:
-        self.ring, self._config = ring, config
+    def configure(self, ring, request, config) -> None:
+        self.ring, self._request, self._config = ring, request, config
         for index in range(self.count):
             self._start_thread(index)
 

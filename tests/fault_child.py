@@ -18,12 +18,12 @@ def main() -> None:
     if behaviour == "stuck-transform":
         # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
         loader = ShmDataLoader(fields, batch_size=4, readers=2, slots=4, transform="transform_fixtures:hangs")
-        print(json.dumps({"readers": loader.reader_pids, "segment": loader._ring.names.segment}), flush=True)
+        print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)
         next(loader)
         return
     loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
     next(loader)
-    print(json.dumps({"readers": loader.reader_pids, "segment": loader._ring.names.segment}), flush=True)
+    print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)
     if behaviour == "exit-without-close":
         return
     if behaviour == "iterate":

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import our_shm_entries, wait_until
 from shmloader import DeviceError, Sampler, ShmDataLoader
-from shmloader.ring import SlotState
 
 
 class FakeEvent:
@@ -97,16 +96,16 @@ def test_a_slot_stays_held_until_the_copy_that_reads_it_completes(dataset):
         first = next(device)
         assert first["step"] == 0 and np.array_equal(first["label"], labels[sampler.fill(0)])
         # Step 0 was handed out, step 1's copy issued: neither completed, both slots held.
-        assert sorted(loader._held().values()) == [0, 1]
+        assert sorted(loader.held_steps().values()) == [0, 1]
         for step in (0, 1):
-            assert loader._ring.state(step % 6)[0] == SlotState.HELD
+            assert loader.slot_states()[step % 6][0] == "HELD"
         next(device)  # Copies still pending: nothing may be given back.
-        assert sorted(loader._held().values()) == [0, 1, 2]
+        assert sorted(loader.held_steps().values()) == [0, 1, 2]
         backend.complete_all()
         third = next(device)
         assert third["step"] == 2 and np.array_equal(third["label"], labels[sampler.fill(2)])
         loader._release_unused()
-        assert sorted(loader._held().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
+        assert sorted(loader.held_steps().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
 
 
 def test_slow_copies_are_waited_for_before_the_ring_runs_out(dataset):
@@ -129,7 +128,7 @@ def test_close_and_errors_with_copies_in_flight_free_every_slot(dataset):
             raise ZeroDivisionError("the training step failed")
     assert device.held == 0 and all(event.complete for event in backend.events)
     loader._release_unused()
-    assert loader._held() == {}
+    assert loader.held_steps() == {}
     second = loader.to_device(prefetch=1, backend=backend)
     next(second)
     loader.close()  # Closes the iterator first: its copies finish before the ring is unregistered.

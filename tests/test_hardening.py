@@ -288,7 +288,7 @@ def test_a_child_forked_while_a_loader_lives_keeps_no_descriptor_of_its_ring(dat
     """It kept two (the owner lock's and the mapping's), holding the unlinked segment and
     making a dead trainer's ring look owned."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
-        segment = "/dev/shm" + loader._ring.names.segment
+        segment = "/dev/shm" + loader.ring_name
 
         def ring_descriptors() -> int:
             count = 0
@@ -425,7 +425,7 @@ def test_a_trainer_killed_before_its_readers_are_configured_leaves_nothing(datas
     code = (
         "import os, sys, json\n"
         "from shmloader import readers\n"
-        "def configure(self, ring, config):\n"
+        "def configure(self, ring, request, config):\n"
         "    print(json.dumps({'readers': self.pids, 'segment': ring.names.segment}), flush=True)\n"
         "    os.kill(os.getpid(), 9)\n"
         "readers.ReaderPool.configure = configure\n"

@@ -185,19 +185,19 @@ def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(datas
     batch's slot goes back at the call after, and a dropped batch's at the next call."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=6) as loader:
         for batch in loader:
-            held = sorted(loader._held().values())
+            held = sorted(loader.held_steps().values())
             assert held == ([0] if batch.step == 0 else [batch.step - 1, batch.step])
             if batch.step == 10:
                 break
         batch.release()
         released = next(loader)
-        assert released.step == 11 and sorted(loader._held().values()) == [11]
+        assert released.step == 11 and sorted(loader.held_steps().values()) == [11]
         kept = released["label"]
         del released
-        assert next(loader).step == 12 and sorted(loader._held().values()) == [11, 12]
+        assert next(loader).step == 12 and sorted(loader.held_steps().values()) == [11, 12]
         del kept
         loader._release_unused()
-        assert loader._held() == {}
+        assert loader.held_steps() == {}
 
 
 def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
@@ -214,10 +214,10 @@ def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
             time.sleep(0.01)  # The readers fill the ring (steps 1-7) and go to sleep.
         for step in range(1, 4):
             batch = next(loader)  # Hands back the previous step's slot: requested, not yet woken.
-            assert batch.step == step and loader._pending_wakes == step
+            assert batch.step == step and loader._pending_posts == step
             assert ring.state((step - 1) % 8)[0] in (SlotState.REQUESTED, SlotState.FILLING, SlotState.READY)
             del batch
-        assert next(loader).step == 4 and loader._pending_wakes == 0  # Half the ring (4): woken.
+        assert next(loader).step == 4 and loader._pending_posts == 0  # Half the ring (4): woken.
         check_batches(loader, data, steps=40, start=5)  # And nothing is lost on the way.
 
 
@@ -329,7 +329,7 @@ def test_two_loaders_in_one_process_do_not_interfere(dataset):
     paths = dataset["paths"]
     with ShmDataLoader({"label": paths["labels_npy"]}, batch_size=10, readers=2, slots=3, seed=1) as first, \
             ShmDataLoader({"label": paths["labels_b2nd"]}, batch_size=7, readers=1, slots=4, seed=2, mode="sequential") as second:
-        assert first._ring.names.segment != second._ring.names.segment
+        assert first.ring_name != second.ring_name
         one, two = Sampler(600, 10, seed=1), Sampler(600, 7, "sequential", seed=2)
         for step in range(40):
             assert np.array_equal(next(first)["label"], dataset["labels"][one.fill(step)])

@@ -56,6 +56,14 @@ def test_struct_layout_is_the_documented_one():
     assert ffi.offsetof("shm_reader_record", "error_bytes") == 24
 
 
+def request(ring, slot, step):
+    """What the trainer's cursor does to request a slot (_cursor.c request_slot): the step
+    word, then the state."""
+    line = ring.layout.table_offset + slot * SLOT_CONTROL_BYTES
+    struct.pack_into("<Q", ring.memory, line + 8, step)
+    struct.pack_into("<Q", ring.memory, line, SlotState.REQUESTED)
+
+
 @pytest.fixture
 def ring():
     slot = SlotLayout.of(4, (Region("x", (4, 12), "|u1"),), mixture=False)
@@ -68,7 +76,7 @@ def ring():
 
 def test_ring_writes_land_at_the_offsets_the_layout_computes(ring):
     layout = ring.layout
-    ring.request(2, 77)
+    request(ring, 2, 77)
     line = layout.table_offset + 2 * SLOT_CONTROL_BYTES
     state, step = struct.unpack_from("<QQ", ring.memory, line)
     assert (state, step) == (SlotState.REQUESTED, 77)
@@ -82,8 +90,8 @@ def test_ring_writes_land_at_the_offsets_the_layout_computes(ring):
 
 
 def test_claim_takes_the_lowest_requested_step_and_withdraw_loses_to_it(ring):
-    ring.request(0, 9)
-    ring.request(1, 7)
+    request(ring, 0, 9)
+    request(ring, 1, 7)
     assert ring.claim(reader=1) == 1 and ring.state(1) == (SlotState.FILLING, 1)
     assert not ring.withdraw(1)  # Being filled: a seek must wait for it.
     assert ring.withdraw(0) and ring.state(0) == (SlotState.IDLE, 0)
