@@ -81,6 +81,7 @@ typedef struct {
     uint64_t wake_after;        /* wake readers once this many slots were handed back */
     uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
     uint64_t reader_count;      /* at most this many posts per wake-up; 0: the trainer fills (readers=0) */
+    uint64_t trainer_slots;     /* slots the trainer's own references may hold (loader.TRAINER_SLOTS) */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;
@@ -260,7 +261,8 @@ static StepState step_state(const Cursor *self, unsigned long long step, uint64_
  * has all readers busy again (a low watermark that grows with the readers, as a pipe's
  * would with its number of producers). */
 static int readers_ahead(const Cursor *self) {
-    uint64_t room = self->slot_count > 3 ? (uint64_t)self->slot_count - 2 : 1; /* Past the trainer's two. */
+    uint64_t room = (uint64_t)self->slot_count > self->trainer_slots + 1 ? (uint64_t)self->slot_count - self->trainer_slots
+                                                                           : 1; /* Past the trainer's own. */
     uint64_t lookahead = self->reader_count < room ? self->reader_count : room;
     uint64_t owner;
     return step_state(self, self->next_step + lookahead, &owner) == STEP_READY;
@@ -624,13 +626,14 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return NULL;
     }
-    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, poll_ns;
+    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, poll_ns,
+        trainer_slots;
     if (config_u64(config, "control_table_address", &control_table) < 0 ||
         config_u64(config, "slot_count", &slot_count) < 0 || config_u64(config, "next_step", &next_step) < 0 ||
         config_u64(config, "check_every_batches", &check_every) < 0 ||
         config_u64(config, "wake_after_slots", &wake_after) < 0 ||
         config_u64(config, "reader_count", &reader_count) < 0 ||
-        config_u64(config, "poll_interval_ns", &poll_ns) < 0) {
+        config_u64(config, "poll_interval_ns", &poll_ns) < 0 || config_u64(config, "trainer_slots", &trainer_slots) < 0) {
         return NULL;
     }
     PyObject *work = PyObject_GetAttrString(config, "work_semaphore");
@@ -680,6 +683,7 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     self->check_every = check_every;
     self->wake_after = wake_after;
     self->reader_count = reader_count;
+    self->trainer_slots = trainer_slots;
     self->poll_interval_ns = poll_ns;
     self->pending_posts = 0;
     self->active = 1;

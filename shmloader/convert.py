@@ -38,6 +38,24 @@ _COMPRESS_THREADS_MAX = 4
 _PIECE_BYTES_TARGET = 64 << 20
 
 
+def compression_params(codec: str, clevel: int, itemsize: int, threads: int):
+    """Blosc2's CParams for one of CODECS (not "auto": decide it first), for fixed rows and
+    ragged values alike. "none" is LZ4 at level 0: stored, with Blosc2's framing."""
+    import blosc2
+
+    return blosc2.CParams(
+        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD,
+               "none": blosc2.Codec.LZ4}[codec],
+        clevel=0 if codec == "none" else clevel,
+        typesize=itemsize,
+        nthreads=threads,
+        # Byte shuffle helps multi-byte types compress; on 1-byte types it does nothing
+        # but libblosc2 still runs a scalar byte loop over every decompressed block.
+        filters=[blosc2.Filter.SHUFFLE] if itemsize > 1 else [blosc2.Filter.NOFILTER],
+        filters_meta=[0],
+    )
+
+
 def _open_input(path: str):
     """The input as an array-like that supports row slicing, read lazily."""
     with open(path, "rb") as handle:
@@ -104,16 +122,7 @@ def convert(
         codec = auto_codec(array, block_rows * row_bytes, clevel)
     chunks = (rows_per_chunk, *shape[1:])
     blocks = (block_rows, *shape[1:])
-    cparams = blosc2.CParams(
-        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD, "none": blosc2.Codec.LZ4}[codec],
-        clevel=0 if codec == "none" else clevel,
-        typesize=dtype.itemsize,
-        nthreads=min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX),
-        # Byte shuffle helps multi-byte types compress; on 1-byte types it does nothing
-        # but libblosc2 still runs a scalar byte loop over every decompressed block.
-        filters=[blosc2.Filter.SHUFFLE] if dtype.itemsize > 1 else [blosc2.Filter.NOFILTER],
-        filters_meta=[0],
-    )
+    cparams = compression_params(codec, clevel, dtype.itemsize, min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX))
     temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
     piece_rows = rows_per_chunk * max(
         math.ceil(_input_chunk_rows(array) / rows_per_chunk),
@@ -356,11 +365,7 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
     chunk_elements = block_elements * _BLOCKS_PER_CHUNK
     if codec == "auto":
         codec = auto_codec(np.concatenate([record.ravel() for record in sample]), block_elements * dtype.itemsize, clevel)
-    cparams = blosc2.CParams(
-        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD, "none": blosc2.Codec.LZ4}[codec],
-        clevel=0 if codec == "none" else clevel, typesize=dtype.itemsize, nthreads=1,
-        filters=[blosc2.Filter.SHUFFLE] if dtype.itemsize > 1 else [blosc2.Filter.NOFILTER], filters_meta=[0],
-    )
+    cparams = compression_params(codec, clevel, dtype.itemsize, 1)
     temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()

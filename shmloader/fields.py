@@ -9,11 +9,11 @@ import math
 
 import numpy as np
 
-from ._native import Status, ffi, lib, status_name
+from ._native import ffi, lib
 from .errors import StorageError
 from .plan import FieldPlan
 from .ragged import RaggedField
-from .storage import CombinedBlosc, FieldSpec, _u64, open_field
+from .storage import CombinedBlosc, FieldSpec, _u64, check_gather, open_field
 from .transforms.core import Records
 
 def _window_starts(seed: int, step: int, shard: int, count: int, room: np.ndarray) -> np.ndarray:
@@ -38,10 +38,11 @@ class _Output:
         self.nbytes = array.nbytes
 
 
-class PlanReader:
-    """Fills one field's regions of a slot; opened in the reader process. Its files (parts)
-    open on first touch: a field of thousands of shards costs nothing for those a reader
-    never reads, and a mapped file keeps no descriptor open."""
+class FieldReader:
+    """Fills one field's regions of a slot; opened in the process that fills. One subclass
+    per kind of field (rows, windows, padded, packed), chosen by field_reader() from the
+    plan. Its files (parts) open on first touch: a field of thousands of shards costs
+    nothing for those a reader never reads, and a mapped file keeps no descriptor open."""
 
     def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
         self.plan, self.batch_size, self.sampler, self.verify = plan, batch_size, sampler, verify
@@ -58,79 +59,11 @@ class PlanReader:
         for source in sorted(set(plan.part_sources)):
             members = [k for k, owner in enumerate(plan.part_sources) if owner == source]
             self._source_parts[source] = (members[0], np.asarray([plan.part_starts[k] for k in members], np.uint64))
-        if plan.kind == "windows":
-            length = plan.options["length"]
-            self._counts = np.full(batch_size, length + 1, dtype=np.uint64)
-            self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((length + 1) * self.itemsize)
-        # Rows of many raw files go through one native call per source: every part of the
-        # source is mapped at the first batch, and their addresses form its table.
-        self._all_raw = plan.kind == "rows" and not self.single and all(
-            isinstance(part, FieldSpec) and part.kind == "npy" and part.row_bytes > 0 for part in plan.parts)
-        self._raw_tables: dict[int, tuple] = {}
-        self._failure = ffi.new("shm_gather_error *")
-        # Rows of many row-friendly .b2nd files of one layout: one joined chunk table per
-        # source (checked chunks go file by file: their checksums are per file).
-        self._all_blosc = plan.kind == "rows" and not self.single and not verify and all(
-            isinstance(part, FieldSpec) and part.kind == "b2nd" and part.row_contiguous and part.row_bytes > 0
-            and (part.chunk_rows, part.block_rows) == (plan.parts[0].chunk_rows, plan.parts[0].block_rows)
-            for part in plan.parts)
-        self._combined: dict[int, CombinedBlosc] = {}
-        self._padded_simple = plan.kind == "padded" and self.single and plan.parts[0].record_ndim == 0 \
-            and plan.options["overflow"] != "random"
-        if self._padded_simple:
-            row_bytes = plan.options["max_shape"][0] * self.itemsize
-            self._row_destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64(row_bytes)
 
-    def _raw_table(self, source: int) -> tuple:
-        table = self._raw_tables.get(source)
-        if table is None:
-            first, starts = self._source_parts[source]
-            addresses = np.array([int(ffi.cast("uintptr_t", self.part(first + k)._table)) for k in range(len(starts))],
-                                 dtype=np.uint64)
-            # The pointers are made once: they keep their arrays alive with them.
-            table = self._raw_tables[source] = (_u64(addresses), _u64(starts), len(starts), self.plan.row_counts[source])
-        return table
-
-    def _fill_raw_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
-        row_bytes = output.nbytes // self.batch_size
-        if sources is None:  # The slot's own indices, in batch order: nothing to convert.
-            batches = [(0, indices, index_pointer, ffi.NULL)]
-        else:
-            batches = []
-            for source in np.unique(sources).tolist():
-                positions = np.flatnonzero(sources == source).astype(np.uint64)
-                wanted = np.ascontiguousarray(indices[positions])
-                batches.append((source, wanted, _u64(wanted), _u64(positions * np.uint64(row_bytes))))
-        for source, wanted, wanted_pointer, destinations in batches:
-            addresses, starts, part_count, rows = self._raw_table(source)
-            status = lib.shm_gather_parts_raw(
-                addresses, starts, part_count, rows, row_bytes, wanted_pointer, destinations, len(wanted),
-                output.pointer, output.nbytes, self._failure,
-            )
-            if status != Status.OK:
-                position = int(self._failure.position)
-                raise StorageError(f"field {self.plan.name!r}: row {int(wanted[position])} of source {source}: "
-                                   f"gather failed ({status_name(status)}; {rows} rows)")
-
-    def _fill_blosc_parts(self, indices: np.ndarray, sources, output: _Output) -> None:
-        present = [0] if sources is None else np.unique(sources).tolist()
-        for source in present:
-            first, starts = self._source_parts[source]
-            combined = self._combined.get(source)
-            if combined is None:
-                parts = [self.part(first + k) for k in range(len(starts))]
-                combined = self._combined[source] = CombinedBlosc(parts, self.batch_size)
-            positions = None if sources is None else np.flatnonzero(sources == source)
-            rows = indices if positions is None else indices[positions]
-            parts = np.searchsorted(starts, rows, side="right") - 1
-            virtual = combined.virtual_rows(parts, rows - starts[parts])
-            if positions is None:
-                combined.gather_unchecked(virtual, output.pointer, output.nbytes)
-            else:  # A mixture's rows of this source, gathered together, then put in place.
-                staged = np.empty((len(positions), *output.array.shape[1:]), dtype=output.array.dtype)
-                combined.gather_unchecked(virtual, ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8)),
-                                          staged.nbytes)
-                output.array[positions] = staged
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        """Fills the field's regions (`outputs`, in the plan's region order) with the rows
+        `indices` of step `step` (`sources`: a mixture's source of each row, else None)."""
+        raise NotImplementedError
 
     def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
         """(opened file, file offset, bytes) of what rows [first_row, first_row + row_count) of
@@ -185,38 +118,6 @@ class PlanReader:
             result.append((part, positions.astype(np.uint64), np.ascontiguousarray(local, dtype=np.uint64)))
         return result
 
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
-        if self._all_raw:
-            self._fill_raw_parts(indices, index_pointer, sources, outputs[0])
-            return
-        if self._all_blosc:
-            self._fill_blosc_parts(indices, sources, outputs[0])
-            return
-        if self._padded_simple:
-            self._fill_padded_simple(step, indices, outputs)
-            return
-        kind, groups = self.plan.kind, self.groups(indices, sources)
-        if kind == "padded":
-            self._fill_padded(step, indices, groups, outputs)
-        elif kind == "packed":
-            self._fill_packed(step, indices, groups, outputs)
-        elif len(groups) == 1 and groups[0][1] is None:  # One file, rows in batch order.
-            if kind == "rows":
-                self.part(0).gather_unchecked(indices, index_pointer, outputs[0].pointer, outputs[0].nbytes)
-            else:
-                starts = indices * np.uint64(self.plan.options["length"])
-                self.part(0).gather_ranges(starts, self._counts, self._destinations, outputs[0].pointer,
-                                           outputs[0].nbytes)
-        else:
-            row_bytes = outputs[0].nbytes // self.batch_size
-            for part, positions, local in groups:
-                if kind == "rows":  # A row is one element of row_bytes: a range of one.
-                    starts, counts = local, np.ones(len(local), dtype=np.uint64)
-                else:
-                    starts, counts = local * np.uint64(self.plan.options["length"]), self._counts[:len(local)]
-                destinations = positions * np.uint64(row_bytes)
-                self.part(part).gather_ranges(starts, counts, destinations, outputs[0].pointer, outputs[0].nbytes)
-
     def _records(self, groups, count: int):
         """Every row's (start in its part's values, length, shape, part), in batch order."""
         starts = np.empty(count, dtype=np.uint64)
@@ -232,6 +133,140 @@ class PlanReader:
             if shapes is not None:
                 shapes[where] = field.shapes[local]
         return starts, lengths, (shapes if shapes is not None else lengths[:, None]), parts
+
+    def _gather_by_part(self, range_parts, starts, counts, destinations, output: _Output) -> None:
+        for part in np.unique(range_parts).tolist():
+            mask = range_parts == part
+            self.part(part).values.gather_ranges(np.ascontiguousarray(starts[mask]), np.ascontiguousarray(counts[mask]),
+                                                 np.ascontiguousarray(destinations[mask]), output.pointer, output.nbytes)
+
+    def close(self) -> None:
+        for field in self._opened.values():
+            field.close()
+        self._opened.clear()
+
+
+class RowsReader(FieldReader):
+    """Fixed-shape rows: one native gather per file, or per source over many files."""
+
+    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
+        super().__init__(plan, batch_size, verify, sampler)
+        self._failure = ffi.new("shm_gather_error *")
+        # Rows of many raw files go through one native call per source: every part of the
+        # source is mapped at the first batch, and their addresses form its table.
+        all_raw = not self.single and all(
+            isinstance(part, FieldSpec) and part.kind == "npy" and part.row_bytes > 0 for part in plan.parts)
+        self._raw_tables: dict[int, tuple] = {}
+        # Rows of many row-friendly .b2nd files of one layout: one joined chunk table per
+        # source (checked chunks go file by file: their checksums are per file).
+        all_blosc = not self.single and not verify and all(
+            isinstance(part, FieldSpec) and part.kind == "b2nd" and part.row_contiguous and part.row_bytes > 0
+            and (part.chunk_rows, part.block_rows) == (plan.parts[0].chunk_rows, plan.parts[0].block_rows)
+            for part in plan.parts)
+        self._combined: dict[int, CombinedBlosc] = {}
+        self._fill = self._fill_raw_parts if all_raw else self._fill_blosc_parts if all_blosc else self._fill_groups
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        self._fill(indices, index_pointer, sources, outputs[0])
+
+    def _raw_table(self, source: int) -> tuple:
+        table = self._raw_tables.get(source)
+        if table is None:
+            first, starts = self._source_parts[source]
+            addresses = np.array([int(ffi.cast("uintptr_t", self.part(first + k)._table)) for k in range(len(starts))],
+                                 dtype=np.uint64)
+            # The pointers are made once: they keep their arrays alive with them.
+            table = self._raw_tables[source] = (_u64(addresses), _u64(starts), len(starts), self.plan.row_counts[source])
+        return table
+
+    def _fill_raw_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+        row_bytes = output.nbytes // self.batch_size
+        if sources is None:  # The slot's own indices, in batch order: nothing to convert.
+            batches = [(0, indices, index_pointer, ffi.NULL)]
+        else:
+            batches = []
+            for source in np.unique(sources).tolist():
+                positions = np.flatnonzero(sources == source).astype(np.uint64)
+                wanted = np.ascontiguousarray(indices[positions])
+                batches.append((source, wanted, _u64(wanted), _u64(positions * np.uint64(row_bytes))))
+        for source, wanted, wanted_pointer, destinations in batches:
+            addresses, starts, part_count, rows = self._raw_table(source)
+            status = lib.shm_gather_parts_raw(
+                addresses, starts, part_count, rows, row_bytes, wanted_pointer, destinations, len(wanted),
+                output.pointer, output.nbytes, self._failure,
+            )
+            check_gather(status, self._failure, f"field {self.plan.name!r}",
+                         lambda k: f"row {int(wanted[k])} of source {source} ({rows} rows)", None)
+
+    def _fill_blosc_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+        present = [0] if sources is None else np.unique(sources).tolist()
+        for source in present:
+            first, starts = self._source_parts[source]
+            combined = self._combined.get(source)
+            if combined is None:
+                parts = [self.part(first + k) for k in range(len(starts))]
+                combined = self._combined[source] = CombinedBlosc(parts, self.batch_size)
+            positions = None if sources is None else np.flatnonzero(sources == source)
+            rows = indices if positions is None else indices[positions]
+            parts = np.searchsorted(starts, rows, side="right") - 1
+            virtual = combined.virtual_rows(parts, rows - starts[parts])
+            if positions is None:
+                combined.gather_into(virtual, output.pointer, output.nbytes)
+            else:  # A mixture's rows of this source, gathered together, then put in place.
+                staged = np.empty((len(positions), *output.array.shape[1:]), dtype=output.array.dtype)
+                combined.gather_into(virtual, ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8)),
+                                          staged.nbytes)
+                output.array[positions] = staged
+
+    def _fill_groups(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+        groups = self.groups(indices, sources)
+        if len(groups) == 1 and groups[0][1] is None:  # One file, rows in batch order.
+            self.part(0).gather_into(indices, index_pointer, output.pointer, output.nbytes)
+            return
+        row_bytes = output.nbytes // self.batch_size
+        ones = np.ones(self.batch_size, dtype=np.uint64)
+        for part, positions, local in groups:  # A row is one element of row_bytes: a range of one.
+            self.part(part).gather_ranges(local, ones[:len(local)], positions * np.uint64(row_bytes), output.pointer,
+                                          output.nbytes)
+
+
+class WindowsReader(FieldReader):
+    """Rows of length + 1 consecutive elements of a 1-D stream: one range per row."""
+
+    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
+        super().__init__(plan, batch_size, verify, sampler)
+        self.length = plan.options["length"]
+        self._counts = np.full(batch_size, self.length + 1, dtype=np.uint64)
+        self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((self.length + 1) * self.itemsize)
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        output, length = outputs[0], np.uint64(self.length)
+        groups = self.groups(indices, sources)
+        if len(groups) == 1 and groups[0][1] is None:
+            self.part(0).gather_ranges(indices * length, self._counts, self._destinations, output.pointer, output.nbytes)
+            return
+        row_bytes = np.uint64(output.nbytes // self.batch_size)
+        for part, positions, local in groups:
+            self.part(part).gather_ranges(local * length, self._counts[:len(local)], positions * row_bytes,
+                                          output.pointer, output.nbytes)
+
+
+class PaddedReader(FieldReader):
+    """Ragged records padded to the maximum shape, with their lengths (or shapes)."""
+
+    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
+        super().__init__(plan, batch_size, verify, sampler)
+        # One file of 1-D records, cut at their start or refused: the least work per batch.
+        self._simple = self.single and plan.parts[0].record_ndim == 0 and plan.options["overflow"] != "random"
+        if self._simple:
+            row_bytes = plan.options["max_shape"][0] * self.itemsize
+            self._row_destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64(row_bytes)
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        if self._simple:
+            self._fill_padded_simple(step, indices, outputs)
+        else:
+            self._fill_padded(step, indices, self.groups(indices, sources), outputs)
 
     def _too_long(self, step: int, indices: np.ndarray, row: int, part: int, found, limit) -> StorageError:
         return StorageError(
@@ -277,12 +312,6 @@ class PlanReader:
         sources, counts, destinations, rows = self._padded_ranges(starts, shapes, kept, crop, max_shape)
         self._gather_by_part(parts[rows], sources, counts, destinations, outputs[0])
 
-    def _gather_by_part(self, range_parts, starts, counts, destinations, output: _Output) -> None:
-        for part in np.unique(range_parts).tolist():
-            mask = range_parts == part
-            self.part(part).values.gather_ranges(np.ascontiguousarray(starts[mask]), np.ascontiguousarray(counts[mask]),
-                                                 np.ascontiguousarray(destinations[mask]), output.pointer, output.nbytes)
-
     def _padded_ranges(self, starts, shapes, kept, crop, max_shape):
         """Element ranges of each record's kept part, their byte offsets in the padded
         region and their batch rows: one range per 1-D record, one per line of the last
@@ -305,6 +334,13 @@ class PlanReader:
         return (np.concatenate(sources).astype(np.uint64), np.concatenate(counts).astype(np.uint64),
                 np.concatenate(destinations).astype(np.uint64), np.concatenate(owners).astype(np.int64))
 
+
+class PackedReader(FieldReader):
+    """Ragged records back to back, with their offsets (and shapes)."""
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        self._fill_packed(step, indices, self.groups(indices, sources), outputs)
+
     def _fill_packed(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
         starts, lengths, shapes, parts = self._records(groups, len(indices))
         offsets = outputs[1].array
@@ -321,10 +357,13 @@ class PlanReader:
             outputs[2].array[...] = shapes
         self._gather_by_part(parts, starts, lengths, offsets[:-1] * np.uint64(self.itemsize), outputs[0])
 
-    def close(self) -> None:
-        for field in self._opened.values():
-            field.close()
-        self._opened.clear()
+
+_READERS = {"rows": RowsReader, "windows": WindowsReader, "padded": PaddedReader, "packed": PackedReader}
+
+
+def field_reader(plan: FieldPlan, batch_size: int, verify: bool, sampler) -> FieldReader:
+    """The reader of the plan's kind."""
+    return _READERS[plan.kind](plan, batch_size, verify, sampler)
 
 
 class InputBuffers:
@@ -332,7 +371,7 @@ class InputBuffers:
     the ring): `views` maps each field to what the transform gets (see transforms)."""
 
     def __init__(self, plans: tuple[FieldPlan, ...], batch_size: int, verify: bool, sampler) -> None:
-        self.readers = [PlanReader(plan, batch_size, verify, sampler) for plan in plans]
+        self.readers = [field_reader(plan, batch_size, verify, sampler) for plan in plans]
         self.outputs, self.views = [], {}
         for plan in plans:
             outputs = [_Output(np.zeros(region.shape, np.dtype(region.dtype))) for region in plan.regions]

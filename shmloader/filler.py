@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._native import ffi
-from .fields import InputBuffers, PlanReader, _Output
+from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
 from .readahead import ReadAhead
 from .slot_layout import SlotLayout
@@ -48,7 +48,7 @@ class StepFiller:
             raise ValueError("a mixture's sampler needs a slot with a source region, and only it")
         self.fields, self.runner, self.inputs = [], None, None
         if transform is None:
-            self.fields = [PlanReader(plan, batch, verify, sampler) for plan in self.plans]
+            self.fields = [field_reader(plan, batch, verify, sampler) for plan in self.plans]
             expected = [region for plan in self.plans for region in plan.regions]
         else:  # The fields fill this process's own buffers; the transform fills the slot.
             self.runner = TransformRunner(transform, batch, sampler)
@@ -62,7 +62,7 @@ class StepFiller:
             self.read_ahead = ReadAhead(sampler, self.field_readers, sum(plan.stored_bytes for plan in self.plans))
 
     @property
-    def field_readers(self) -> list[PlanReader]:
+    def field_readers(self) -> list[FieldReader]:
         return self.fields or self.inputs.readers
 
     def bind(self, views: tuple[np.ndarray, ...]) -> SlotOutputs:

@@ -22,7 +22,7 @@ from .errors import ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, 
 from .filler import StepFiller
 from .plan import LoaderPlan, plan_loader, warn_poor_layouts
 from .reader import ReaderConfig
-from .readers import ReaderPool
+from .pool import ReaderPool
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, Sampler, check_integer
 
@@ -141,6 +141,7 @@ class CursorConfig:
     check_every_batches: int
     wake_after_slots: int
     reader_count: int
+    trainer_slots: int
     poll_interval_ns: int
     supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
     rebuild_views: collections.abc.Callable  # f(cursor, slot)
@@ -149,7 +150,7 @@ class CursorConfig:
 class _Resources:
     """Everything the loader must give back, without a reference to the loader itself, so
     that weakref.finalize can clean up a loader that was never closed. Teardown follows
-    the shutdown note in readers.py; it is idempotent and never raises."""
+    the shutdown note in pool.py; it is idempotent and never raises."""
 
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
@@ -189,7 +190,7 @@ def _interrupts_deferred():
     """Holds back Ctrl-C (SIGINT) while the block runs, then delivers it, so that a second
     Ctrl-C cannot stop a teardown half-way. Only the main thread can do this; elsewhere
     the block runs as it is (its steps are ordered so that an interruption leaks nothing
-    in /dev/shm, see readers.py)."""
+    in /dev/shm, see pool.py)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -369,6 +370,7 @@ class ShmDataLoader(cursor_module.Cursor):
             check_every_batches=_READER_CHECK_BATCHES,
             wake_after_slots=_wake_after(self.slots),
             reader_count=self.readers,
+            trainer_slots=TRAINER_SLOTS,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
             supervise=type(self)._supervise,
             rebuild_views=type(self)._rebuild_views,
@@ -617,7 +619,7 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def close(self) -> None:
         """Stops and joins the readers (killing stragglers) and unlinks the ring, as the
-        shutdown note in readers.py describes. Idempotent.
+        shutdown note in pool.py describes. Idempotent.
 
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.

@@ -88,7 +88,7 @@ class FieldPlan:
         return self.row_counts[0]
 
     @property
-    def source(self) -> FieldSpec | RaggedSpec:
+    def first_part(self) -> FieldSpec | RaggedSpec:
         return self.parts[0]
 
     @property
@@ -351,8 +351,8 @@ def _plan_fields(sources: list[Source], batch_size: int, ragged_packed: bool = F
         for name, plan in others:
             if plan.row_count != first.row_count:
                 raise StorageError(
-                    f"{where}fields must have the same number of rows: field {first_name!r} ({first.source.path}) "
-                    f"has {first.row_count}, field {name!r} ({plan.source.path}) has {plan.row_count}"
+                    f"{where}fields must have the same number of rows: field {first_name!r} ({first.first_part.path}) "
+                    f"has {first.row_count}, field {name!r} ({plan.first_part.path}) has {plan.row_count}"
                 )
         per_source.append(plans)
     return {name: merge_sources([plans[name] for plans in per_source]) for name in per_source[0]}
@@ -456,7 +456,7 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
 def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
     """A PerformanceWarning per Blosc2 field whose layout makes random rows costly."""
     for name, plan in plans.items():
-        spec = plan.source
+        spec = plan.first_part
         if plan.kind == "rows" and blosc_layout.poor_layout(spec):
             warnings.warn(
                 f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "

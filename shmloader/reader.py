@@ -1,6 +1,6 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Started by the loader (readers.py) as `python -c "...reader.main..."`, it reads a
+Started by the loader (pool.py) as `python -c "...reader.main..."`, it reads a
 ReaderConfig as JSON on stdin: only names, paths and numbers cross the process boundary,
 each part serialised by its own to_dict/from_dict. It exits when the loader sets the
 ring's stop flag, when its trainer (its parent) is gone, or after reporting an error.
@@ -21,19 +21,17 @@ import posix_ipc
 from .errors import TransformError
 from .filler import StepFiller
 from .plan import FieldPlan
-from .ring import READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
+from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
 from .transforms.core import TransformSpec
 
-# How long one wait for work lasts before the reader checks its trainer and the stop flag:
-# it bounds how long a reader outlives a dead trainer.
-_WAIT_SECONDS = 0.1
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
-# How long a reader outlives a termination signal while its trainer lives on.
-_SIGNAL_GRACE_SECONDS = 3.0
+# How long a reader outlives a termination signal while its trainer lives on (by default:
+# ReaderConfig.signal_grace_seconds, which ReaderPool.signal_grace_seconds sets).
+SIGNAL_GRACE_SECONDS = 3.0
 # What a trainer that gives up before configuring its readers sends them instead of a
 # configuration: they exit at once. Plain EOF means the trainer may have died (see main).
 STOP_MESSAGE = b"stop"
@@ -83,6 +81,7 @@ class ReaderConfig:
     verify_checksums: bool
     transform: TransformSpec | None = None
     sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
+    signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
 
     def to_json(self) -> str:
         return json.dumps({
@@ -96,6 +95,7 @@ class ReaderConfig:
             "verify_checksums": self.verify_checksums,
             "transform": None if self.transform is None else self.transform.to_dict(),
             "sys_path": list(self.sys_path),
+            "signal_grace_seconds": self.signal_grace_seconds,
         })
 
     @classmethod
@@ -113,6 +113,7 @@ class ReaderConfig:
             verify_checksums=data["verify_checksums"],
             transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
             sys_path=tuple(data["sys_path"]),
+            signal_grace_seconds=float(data["signal_grace_seconds"]),
         )
 
 
@@ -199,6 +200,7 @@ class Reader:
         self.pid = os.getpid()
         self.index = config.reader_index
         self.trainer_pid = config.trainer_pid
+        self.signal_grace_seconds = config.signal_grace_seconds
         self.ring = ring
         self.layout = ring.layout
         if filler is None:
@@ -236,14 +238,15 @@ class Reader:
 
     def run(self) -> int:
         """Fills requested slots until the stop flag; checks its trainer before each batch
-        and at least every _WAIT_SECONDS while idle (a loop bounded by those checks)."""
+        and at least every poll interval while idle (a loop bounded by those checks): that
+        bounds how long a reader outlives a dead trainer."""
         self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)
         while not self.ring.stopping:
             if not self.trainer_alive():
                 # Nobody else will clean up after a trainer that was killed.
                 self.ring.names.unlink_all()
                 return 0
-            if _termination.since is not None and time.monotonic() - _termination.since > _SIGNAL_GRACE_SECONDS:
+            if _termination.since is not None and time.monotonic() - _termination.since > self.signal_grace_seconds:
                 return 128 + _termination.signal  # Sent to this reader alone: the trainer restarts it.
             slot = self.ring.claim(self.index)
             if slot is None:
@@ -255,7 +258,7 @@ class Reader:
 
     def _sleep(self) -> None:
         began = time.monotonic_ns()
-        woken = wait(self.ring.work_semaphore, _WAIT_SECONDS)
+        woken = wait(self.ring.work_semaphore, POLL_INTERVAL_SECONDS)
         self.sleeps += 1
         self.wakeups += woken
         self._slept = (began, time.monotonic_ns())
@@ -333,13 +336,13 @@ def main(argv: list[str]) -> int:
     # SIGTERM, SIGHUP and SIGQUIT sent to the trainer's process group (a closed terminal,
     # `kill -TERM -PGID`, a service manager's stop) must not kill the readers with their
     # trainer: then nobody would unlink the ring. A reader outlives such a signal by at
-    # most _SIGNAL_GRACE_SECONDS: it sees its trainer gone and cleans up, or, if the
+    # most its signal grace (SIGNAL_GRACE_SECONDS): it sees its trainer gone and cleans up, or, if the
     # signal was for it alone, exits and is restarted.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
     _yield_to_the_trainer()
     _die_with_the_trainer()
-    # The trainer that started this reader (readers.spawn_reader passes its pid): it may
+    # The trainer that started this reader (pool.spawn_reader passes its pid): it may
     # have died before this reader finished importing, so getppid() cannot tell it here.
     parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Iterator
 
@@ -15,6 +16,25 @@ LENGTH_MAX = 1 << 62
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 STEP_MAX = _U64_MAX
+
+
+def global_position(step: int, batch_size: int, shard_index: int, shard_count: int) -> int:
+    """Where shard `shard_index`'s part of step `step` starts in the global stream of
+    positions: a step's global batch holds batch_size * shard_count positions, and shard h
+    takes its h-th block of batch_size (zig/sampler.zig computes the same)."""
+    return (step * shard_count + shard_index) * batch_size
+
+
+def step_max(batch_size: int, shard_index: int, shard_count: int) -> int:
+    """The last step whose positions fit the sampler's 64-bit stream."""
+    return (_U64_MAX - batch_size * (shard_index + 1)) // (batch_size * shard_count)
+
+
+def derive_seed(*parts) -> int:
+    """A 64-bit value keyed by `parts` (their text joined by "/"): every seed the loader
+    derives (a mixture's per-source seeds, transform names, the global generators'
+    reseeding) comes from here."""
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
 
 
 def check_integer(name: str, value, minimum: int, maximum: int) -> int:
@@ -118,8 +138,7 @@ class Sampler:
     @property
     def step_max(self) -> int:
         """The last step whose positions fit the sampler's 64-bit stream."""
-        global_batch = self.batch_size * self.shard_count
-        return (_U64_MAX - self.batch_size * (self.shard_index + 1)) // global_batch
+        return step_max(self.batch_size, self.shard_index, self.shard_count)
 
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
@@ -164,7 +183,7 @@ class Sampler:
         block of the global batch, or its own position when it reads its share of blocks."""
         if self.shard_blocks:
             return step * self.batch_size
-        return (step * self.shard_count + self.shard_index) * self.batch_size
+        return global_position(step, self.batch_size, self.shard_index, self.shard_count)
 
     def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
         """((epoch, window), block ids) of the shuffle window that holds stream `position`

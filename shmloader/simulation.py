@@ -17,7 +17,7 @@ import time
 
 from .loader import ShmDataLoader
 from .reader import Reader
-from .readers import ReaderPool
+from .pool import ReaderPool
 
 
 class ReaderDied(Exception):

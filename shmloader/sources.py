@@ -9,15 +9,13 @@ ceil(fraction * rows) rows (a fresh subset each epoch, or one fixed subset).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import numbers
 
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .sampler import check_integer
+from .sampler import check_integer, derive_seed, step_max
 
 # The most sources a mixture may have (zig/mixture.zig keeps a cache per source on its stack).
 SOURCES_MAX = 256
@@ -94,7 +92,7 @@ class MixtureSampler:
             source = self._sources[index]
             source.length, source.take, source.weight, source.fixed = length, take, weight, int(fixed)
             # Each source's own shuffle, from the loader's seed and its position in the list.
-            source.seed = int.from_bytes(hashlib.blake2b(f"{self.seed}/{index}".encode(), digest_size=8).digest(), "little")
+            source.seed = derive_seed(self.seed, index)
         self._config = ffi.new("shm_mixture_config *")
         self._config.sources, self._config.source_count = self._sources, len(lengths)
         self._config.pattern_sources = ffi.cast("uint32_t *", self._pattern_sources.ctypes.data)
@@ -106,13 +104,8 @@ class MixtureSampler:
             raise ValueError(f"invalid mixture: {status_name(status)}")
 
     @property
-    def length(self) -> int:
-        return sum(self.lengths)
-
-    @property
     def step_max(self) -> int:
-        global_batch = self.batch_size * self.shard_count
-        return (_U64_MAX - self.batch_size * (self.shard_index + 1)) // global_batch
+        return step_max(self.batch_size, self.shard_index, self.shard_count)
 
     def fill(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, sources) of `step`, as new arrays."""
@@ -135,11 +128,3 @@ class MixtureSampler:
     @classmethod
     def from_dict(cls, data: dict) -> MixtureSampler:
         return cls(**{key: value for key, value in data.items() if key != "kind"})
-
-
-def fingerprint(plans_by_source: list[dict], weights: list[int], fractions: list[float], fixed: list[bool]) -> str:
-    """A short digest of what a checkpoint's batches depend on: every file and its row
-    count, per source, with the weights and fractions."""
-    description = json.dumps({"sources": plans_by_source, "weights": weights, "fractions": fractions,
-                              "fixed": fixed}, sort_keys=True)
-    return hashlib.blake2b(description.encode(), digest_size=12).hexdigest()

@@ -14,6 +14,7 @@ import mmap
 import os
 import stat
 import struct
+import typing
 import zlib
 
 import numpy as np
@@ -318,21 +319,59 @@ def _u64(array: np.ndarray):
     return ffi.from_buffer("uint64_t[]", array)
 
 
-def _check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:
+def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
+    """The one mapping of a native gather's status to an exception. `what(position)` names
+    the row or range at the failing batch position; `out_of_range(position)` gives an
+    IndexError's message (or None: out of range is then a corrupted layout)."""
     if status == Status.OK:
         return
     position = int(failure.position)
-    if status == Status.INDEX_OUT_OF_RANGE:
-        raise IndexError(
-            f"{spec.path}: elements [{int(starts[position])}, {int(starts[position]) + int(counts[position])}) "
-            f"are out of range for {spec.row_count} elements"
-        )
+    if status == Status.INDEX_OUT_OF_RANGE and out_of_range is not None:
+        raise IndexError(f"{path}: {out_of_range(position)}")
     if status == Status.DECOMPRESS_FAILED:
-        raise StorageError(
-            f"{spec.path}: the chunk holding element {int(starts[position])} failed to decompress (libblosc2 error "
-            f"{int(failure.code)}); the file is corrupted"
-        )
-    raise StorageError(f"{spec.path}: range gather failed: {status_name(status)}")
+        raise StorageError(f"{path}: {what(position)} failed to decompress (libblosc2 error {int(failure.code)}); "
+                           f"the file is corrupted")
+    raise StorageError(f"{path}: gather of {what(position)} failed: {status_name(status)}")
+
+
+def _check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:
+    check_gather(status, failure, spec.path,
+                 lambda k: f"the chunk holding element {int(starts[k])}",
+                 lambda k: f"elements [{int(starts[k])}, {int(starts[k]) + int(counts[k])}) are out of range for "
+                           f"{spec.row_count} elements")
+
+
+def _check_row_status(spec: FieldSpec, status: int, indices, failure) -> None:
+    check_gather(status, failure, spec.path,
+                 lambda k: f"chunk {int(indices[k]) // max(spec.chunk_rows, 1)} (holding row {int(indices[k])})",
+                 lambda k: f"index {int(indices[k])} at batch position {k} is out of range for {spec.row_count} rows")
+
+
+def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row_count: int, chunk_rows: int,
+                 block_rows: int, row_bytes: int, batch_size_max: int):
+    """The native gather's view of chunked Blosc2 rows (shm_blosc_layout), built in one
+    place for one file (BloscField) and for many joined (CombinedBlosc). Returns the
+    struct and what its raw pointers point to, which the caller keeps alive with it."""
+    block_bytes = block_rows * row_bytes if block_rows > 1 else 0
+    block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
+    order_count = batch_size_max if block_rows > 1 else 0
+    order_buffer = np.empty(max(2 * order_count, 1), dtype=np.uint64)
+    layout = ffi.new("shm_blosc_layout *")
+    layout.getitem, layout.context = getitem, context
+    layout.chunk_addresses = ffi.from_buffer("uint64_t[]", addresses)
+    layout.chunk_bytes = ffi.from_buffer("uint64_t[]", sizes)
+    layout.chunk_count = len(addresses)
+    layout.row_count = row_count
+    layout.rows_per_chunk = chunk_rows
+    layout.rows_per_block = max(block_rows, 1)
+    layout.row_bytes = row_bytes
+    layout.block_buffer = ffi.from_buffer("uint8_t[]", block_buffer)
+    layout.block_buffer_bytes = block_bytes
+    layout.order_buffer = ffi.from_buffer("uint64_t[]", order_buffer)
+    layout.order_buffer_count = order_count
+    keepalive = (addresses, sizes, block_buffer, order_buffer, layout.chunk_addresses, layout.chunk_bytes,
+                 layout.block_buffer, layout.order_buffer)
+    return layout, keepalive
 
 
 class NpyField:
@@ -365,18 +404,15 @@ class NpyField:
         """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
         indices = _check_indices(self.spec, indices)
         out_pointer = _out_pointer(self.spec, out, len(indices))
-        self.gather_unchecked(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
+        self.gather_into(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
 
-    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+    def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         """gather() for callers that checked their buffers once (the reader's slots)."""
         status = lib.shm_gather_rows(
             self._table, self.spec.row_count, self.spec.row_bytes,
             index_pointer, len(indices), out_pointer, out_bytes, self._failure,
         )
-        if status == Status.INDEX_OUT_OF_RANGE:
-            _raise_index_error(self.spec, indices, self._failure.position)
-        if status != Status.OK:
-            raise StorageError(f"{self.spec.path}: gather failed: {status_name(status)}")
+        _check_row_status(self.spec, status, indices, self._failure)
 
     def gather_ranges(self, starts: np.ndarray, counts: np.ndarray, destinations: np.ndarray, out_pointer,
                       out_bytes: int) -> None:
@@ -423,8 +459,7 @@ class BloscField:
         self._capi_ffi, self._capi = _blosc2_capi.load()
         self._schunk = None
         self._context = None
-        self._special_chunks = []  # Chunks Blosc2 builds in memory (all zeros, etc.).
-        self._special_by_index = {}
+        self._special_by_index = {}  # Chunks Blosc2 builds in memory (all zeros, etc.).
         self._mapping = map_file(spec.path, lambda status: check_identity(spec, status))
         self._map = self._mapping.buffer
         self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
@@ -494,7 +529,6 @@ class BloscField:
         copy = np.frombuffer(capi_ffi.buffer(chunk_pointer[0], chunk_bytes), dtype=np.uint8).copy()
         if needs_free[0]:
             capi.free(chunk_pointer[0])
-        self._special_chunks.append(copy)
         self._special_by_index[chunk] = copy
         self._addresses[chunk] = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", copy)))
         self._sizes[chunk] = chunk_bytes
@@ -509,36 +543,21 @@ class BloscField:
             raise StorageError(f"{spec.path}: libblosc2 could not create a decompression context")
         self._context = context
         self._getitem = capi_ffi.cast("void *", capi_ffi.addressof(capi, "blosc2_getitem_ctx"))
-        block_bytes = self._block_rows * spec.row_bytes if self._block_rows > 1 else 0
-        self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
-        self._order_capacity = batch_size_max if self._block_rows > 1 else 0
-        self._order_buffer = np.empty(max(2 * self._order_capacity, 1), dtype=np.uint64)
-        layout = ffi.new("shm_blosc_layout *")
-        layout.getitem = ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem)))
-        layout.context = ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context)))
-        layout.chunk_addresses = ffi.from_buffer("uint64_t[]", self._addresses)
-        layout.chunk_bytes = ffi.from_buffer("uint64_t[]", self._sizes)
-        layout.chunk_count = spec.chunk_count
-        layout.row_count = spec.row_count
-        layout.rows_per_chunk = spec.chunk_rows
-        layout.rows_per_block = max(self._block_rows, 1)
-        layout.row_bytes = spec.row_bytes
-        layout.block_buffer = ffi.from_buffer("uint8_t[]", self._block_buffer)
-        layout.block_buffer_bytes = block_bytes
-        layout.order_buffer = ffi.from_buffer("uint64_t[]", self._order_buffer)
-        layout.order_buffer_count = self._order_capacity
-        # The struct holds raw pointers: keep what they point to alive alongside it.
-        self._layout_keepalive = (layout.chunk_addresses, layout.chunk_bytes, layout.block_buffer, layout.order_buffer)
-        self._layout = layout
+        self._layout, self._layout_keepalive = blosc_layout(
+            ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem))),
+            ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context))),
+            self._addresses, self._sizes, spec.row_count, spec.chunk_rows, self._block_rows, spec.row_bytes,
+            batch_size_max)
         self._failure = ffi.new("shm_gather_error *")
 
     def gather(self, indices, out) -> None:
         """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
         indices = _check_indices(self.spec, indices)
-        if len(indices) > self._order_capacity and self._block_rows > 1:
-            raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {self._order_capacity}")
+        capacity = self._layout.order_buffer_count
+        if len(indices) > capacity and self._block_rows > 1:
+            raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {capacity}")
         out_pointer = _out_pointer(self.spec, out, len(indices))
-        self.gather_unchecked(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
+        self.gather_into(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
 
     def _load_checksums(self) -> None:
         capi, capi_ffi = self._capi, self._capi_ffi
@@ -619,23 +638,12 @@ class BloscField:
             return self._special_by_index[chunk]
         return memoryview(self._map)[offset: offset + int(self._sizes[chunk])]
 
-    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+    def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         """gather() for callers that checked their buffers once (the reader's slots)."""
         if self._checksums is not None:
             self._verify_chunks(indices)
         status = lib.shm_gather_blosc(self._layout, index_pointer, len(indices), out_pointer, out_bytes, self._failure)
-        if status == Status.OK:
-            return
-        position = int(self._failure.position)
-        if status == Status.INDEX_OUT_OF_RANGE:
-            _raise_index_error(self.spec, indices, position)
-        if status == Status.DECOMPRESS_FAILED:
-            row = int(indices[position])
-            raise StorageError(
-                f"{self.spec.path}: chunk {row // self.spec.chunk_rows} (holding row {row}) failed to "
-                f"decompress (libblosc2 error {int(self._failure.code)}); the file is corrupted"
-            )
-        raise StorageError(f"{self.spec.path}: gather failed: {status_name(status)}")
+        _check_row_status(self.spec, status, indices, self._failure)
 
     def close(self) -> None:
         if self._context is not None:
@@ -645,7 +653,7 @@ class BloscField:
             self._capi.blosc2_schunk_free(self._schunk)
             self._schunk = None
         self._layout = self._layout_keepalive = None
-        self._special_chunks = []
+        self._special_by_index = {}
         self._map = self._mapping = None  # Unmapped with the last pointer into it.
 
 
@@ -665,42 +673,25 @@ class CombinedBlosc:
         self.parts = parts
         self.chunk_rows = first.spec.chunk_rows
         self.chunk_starts = np.concatenate([[0], np.cumsum([part.spec.chunk_count for part in parts])[:-1]]).astype(np.uint64)
-        self._addresses = np.concatenate([part._addresses for part in parts])
-        self._sizes = np.concatenate([part._sizes for part in parts])
-        block_rows = first._block_rows
-        block_bytes = block_rows * first.spec.row_bytes if block_rows > 1 else 0
-        self._block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
-        self._order_buffer = np.empty(max(2 * batch_size_max, 1), dtype=np.uint64)
-        layout = ffi.new("shm_blosc_layout *")
-        layout.getitem, layout.context = first._layout.getitem, first._layout.context
-        layout.chunk_addresses = ffi.from_buffer("uint64_t[]", self._addresses)
-        layout.chunk_bytes = ffi.from_buffer("uint64_t[]", self._sizes)
-        layout.chunk_count = len(self._addresses)
-        layout.row_count = len(self._addresses) * self.chunk_rows
-        layout.rows_per_chunk = self.chunk_rows
-        layout.rows_per_block = max(block_rows, 1)
-        layout.row_bytes = first.spec.row_bytes
-        layout.block_buffer = ffi.from_buffer("uint8_t[]", self._block_buffer)
-        layout.block_buffer_bytes = block_bytes
-        layout.order_buffer = ffi.from_buffer("uint64_t[]", self._order_buffer)
-        layout.order_buffer_count = batch_size_max if block_rows > 1 else 0
-        self._layout_keepalive = (layout.chunk_addresses, layout.chunk_bytes, layout.block_buffer, layout.order_buffer)
-        self._layout = layout
+        addresses = np.concatenate([part._addresses for part in parts])
+        sizes = np.concatenate([part._sizes for part in parts])
+        self._layout, self._layout_keepalive = blosc_layout(
+            first._layout.getitem, first._layout.context, addresses, sizes, len(addresses) * self.chunk_rows,
+            self.chunk_rows, first._block_rows, first.spec.row_bytes, batch_size_max)
         self._failure = ffi.new("shm_gather_error *")
 
     def virtual_rows(self, parts: np.ndarray, local: np.ndarray) -> np.ndarray:
         chunk_rows = np.uint64(self.chunk_rows)
         return (self.chunk_starts[parts] + local // chunk_rows) * chunk_rows + local % chunk_rows
 
-    def gather_unchecked(self, virtual_rows: np.ndarray, out_pointer, out_bytes: int) -> None:
+    def gather_into(self, virtual_rows: np.ndarray, out_pointer, out_bytes: int) -> None:
         status = lib.shm_gather_blosc(self._layout, _u64(virtual_rows), len(virtual_rows), out_pointer, out_bytes,
                                       self._failure)
         if status != Status.OK:
-            row = int(virtual_rows[int(self._failure.position)])
-            chunk = row // self.chunk_rows
+            chunk = int(virtual_rows[int(self._failure.position)]) // self.chunk_rows
             part = int(np.searchsorted(self.chunk_starts, chunk, side="right")) - 1
-            raise StorageError(f"{self.parts[part].spec.path}: chunk {chunk - int(self.chunk_starts[part])} failed "
-                               f"({status_name(status)}, libblosc2 code {int(self._failure.code)}); the file is corrupted")
+            check_gather(status, self._failure, self.parts[part].spec.path,
+                         lambda k: f"chunk {chunk - int(self.chunk_starts[part])}", None)
 
 
 class BloscPythonField:
@@ -717,9 +708,9 @@ class BloscPythonField:
     def gather(self, indices, out) -> None:
         indices = _check_indices(self.spec, indices)
         out_pointer = _out_pointer(self.spec, out, len(indices))
-        self.gather_unchecked(indices, None, out_pointer, len(out_pointer))
+        self.gather_into(indices, None, out_pointer, len(out_pointer))
 
-    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+    def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         out = ffi.buffer(out_pointer, out_bytes)
         bad = np.flatnonzero(indices >= self.spec.row_count)
         if bad.size:
@@ -739,7 +730,7 @@ class BloscPythonField:
             raise ValueError(f"{self.spec.path}: this layout reads whole rows only")
         staged = np.empty((len(starts), *self.spec.row_shape), dtype=self.spec.numpy_dtype)
         pointer = ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8))
-        self.gather_unchecked(np.ascontiguousarray(starts, dtype=np.uint64), None, pointer, staged.nbytes)
+        self.gather_into(np.ascontiguousarray(starts, dtype=np.uint64), None, pointer, staged.nbytes)
         out = np.frombuffer(ffi.buffer(out_pointer, out_bytes), dtype=np.uint8)
         row_bytes = self.spec.row_bytes
         flat = staged.reshape(len(starts), -1).view(np.uint8)
@@ -758,15 +749,15 @@ class EmptyRowsField:
 
     def gather(self, indices, out) -> None:
         indices = _check_indices(self.spec, indices)
-        self.gather_unchecked(indices, None, _out_pointer(self.spec, out, len(indices)), 0)
+        self.gather_into(indices, None, _out_pointer(self.spec, out, len(indices)), 0)
 
-    def gather_unchecked(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+    def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         bad = np.flatnonzero(indices >= self.spec.row_count)
         if bad.size:
             _raise_index_error(self.spec, indices, int(bad[0]))
 
     def gather_ranges(self, starts, counts, destinations, out_pointer, out_bytes: int) -> None:
-        self.gather_unchecked(starts, None, out_pointer, 0)
+        self.gather_into(starts, None, out_pointer, 0)
 
     def close(self) -> None:
         pass
@@ -785,7 +776,30 @@ def _msgpack_binary(packed: bytes, path: str) -> bytes:
     return payload
 
 
-def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False, random_access: bool = False):
+class Field(typing.Protocol):
+    """What an opened field offers its readers (NpyField, BloscField, BloscPythonField,
+    EmptyRowsField; ragged.RaggedField wraps one for its values). Rows and elements are
+    uint64; `out_pointer` is a cffi pointer to `out_bytes` writable bytes."""
+
+    spec: FieldSpec
+
+    def gather(self, indices, out) -> None:
+        """Rows `indices` into `out`, every argument checked (the public, slow path)."""
+
+    def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
+        """Rows `indices` (uint64, contiguous; `index_pointer` to them, or None) into a buffer
+        the caller checked once: a slot's region. Bad rows still raise."""
+
+    def gather_ranges(self, starts: np.ndarray, counts: np.ndarray, destinations: np.ndarray, out_pointer,
+                      out_bytes: int) -> None:
+        """Element ranges [starts, starts + counts) to byte offsets `destinations` of the output."""
+
+    def close(self) -> None:
+        """Drops this process's mapping and native state (idempotent)."""
+
+
+def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False,
+               random_access: bool = False) -> Field:
     """Opens a described field for gathering, in whichever process calls it; `verify`
     checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them).
     `random_access` tells the kernel not to read ahead around a page fault (MADV_RANDOM):

@@ -57,7 +57,7 @@ def test_pin_memory_without_cuda_is_a_clear_error_and_starts_nothing(dataset, mo
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    from shmloader import readers
+    from shmloader import pool as readers
 
     started = []
     monkeypatch.setattr(readers, "spawn_reader", lambda: started.append(1))

@@ -424,7 +424,7 @@ def test_a_trainer_killed_before_its_readers_are_configured_leaves_nothing(datas
     exited without a name to unlink."""
     code = (
         "import os, sys, json\n"
-        "from shmloader import readers\n"
+        "from shmloader import pool as readers\n"
         "def configure(self, ring, request, config):\n"
         "    print(json.dumps({'readers': self.pids, 'segment': ring.names.segment}), flush=True)\n"
         "    os.kill(os.getpid(), 9)\n"
@@ -444,7 +444,7 @@ def test_ctrl_c_while_readers_start_prints_no_reader_traceback(dataset):
     """Ctrl-C 0.4-0.6 s after start printed two readers' KeyboardInterrupt tracebacks."""
     code = (
         "import sys, time\n"
-        "from shmloader import ShmDataLoader, readers\n"
+        "from shmloader import ShmDataLoader, pool as readers\n"
         "start = readers.ReaderPool.start\n"
         "def started(self):\n"
         "    start(self)\n"

@@ -13,7 +13,7 @@ from shmloader import Packed, Padded, ShmDataLoader, Windows
 from shmloader.convert import write_ragged
 from shmloader.readahead import ReadAhead
 from shmloader.sampler import Sampler
-from shmloader.fields import PlanReader
+from shmloader.fields import field_reader
 from shmloader.plan import plan_field
 
 
@@ -139,7 +139,7 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
     plan = plan_field("x", _declaration(files, kind), 32)
     rows = plan.row_count
     sampler = Sampler(rows, 32, "shuffle", 2, shuffle_window=rows // 4, block_rows=rows // 32)
-    reader = PlanReader(plan, 32, False, sampler)
+    reader = field_reader(plan, 32, False, sampler)
     read_ahead = ReadAhead(sampler, [reader], plan.stored_bytes)
     try:
         _, blocks = sampler.window_blocks(0)

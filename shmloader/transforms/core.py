@@ -5,7 +5,6 @@ to write one). The package re-exports the public names; the loader's modules imp
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import inspect
 import json
@@ -15,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..errors import TransformError
+from ..sampler import derive_seed, global_position
 from ..slot_layout import RESERVED_NAMES, Region
 
 _MASK64 = (1 << 64) - 1
@@ -44,7 +44,7 @@ def transform(outputs, *, name: str | None = None):
 
 
 def name_key(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+    return derive_seed(name)
 
 
 def sample_rng(seed: int, position: int, name: str) -> np.random.Generator:
@@ -62,7 +62,7 @@ def batch_rng(seed: int, step: int, name: str) -> np.random.Generator:
 def global_positions(step: int, batch_size: int, shard_index: int, shard_count: int) -> np.ndarray:
     """Each row's position in the global stream: a step's global batch holds batch_size *
     shard_count positions and shard h takes the h-th block of batch_size (sampler.py)."""
-    first = (step * shard_count + shard_index) * batch_size
+    first = global_position(step, batch_size, shard_index, shard_count)
     return np.arange(first, first + batch_size, dtype=np.uint64)
 
 
@@ -242,8 +242,7 @@ def _check_outputs(path: str, declared) -> tuple:
 def reseed_globals(seed: int, step: int, shard_index: int, salt: int = 0) -> None:
     """Seeds `random` and `np.random` from (seed, step, shard): a transform that uses them
     anyway gives the same batch on every reader and resume (check_determinism finds it)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{shard_index}/{salt}".encode(), digest_size=8).digest()
-    value = int.from_bytes(digest, "little")
+    value = derive_seed(seed, step, shard_index, salt)
     random.seed(value)
     np.random.seed(value & 0xFFFFFFFF)
 

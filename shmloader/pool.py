@@ -11,7 +11,7 @@ all come here, through loader._Resources.close):
    bounded wait wakes at once; a reader mid-fill finishes that batch and sees the flag.
    It sends any reader still waiting for its configuration reader.STOP_MESSAGE instead,
    and that reader exits at once (bare EOF would make it wait to judge its trainer dead).
-3. It joins every reader for at most _JOIN_TIMEOUT_SECONDS in all, then SIGKILLs and reaps
+3. It joins every reader for at most join_timeout_seconds in all, then SIGKILLs and reaps
    whoever is left (a reader stopped by SIGSTOP, or stuck on a stalled file system); an
    exception in the join (Ctrl-C) kills and reaps the rest before it propagates.
 4. The ring's handles are closed: the owner lock goes, and the mapping is unmapped once
@@ -36,10 +36,9 @@ import time
 import posix_ipc
 
 from .errors import ReaderError, SlotsExhaustedError, reader_error_type
-from .reader import EXIT_REPORTED_ERROR, STOP_MESSAGE, ErrorReport, ReaderConfig
+from .reader import EXIT_REPORTED_ERROR, SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ErrorReport, ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 
-_JOIN_TIMEOUT_SECONDS = 2.0
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
 # SIGINT is ignored first: Ctrl-C reaches the whole process group, and a reader still
@@ -86,7 +85,14 @@ class ReaderPool:
     Readers are started before the ring exists, so that their interpreter start-up
     overlaps the trainer's validation of the files; `configure` hands each its JSON
     configuration once the ring is there.
+
+    Its two waits are attributes, so that tests can shorten them: how long stop() joins
+    readers before killing them, and how long a reader outlives a termination signal
+    sent to it alone (then it exits and is restarted).
     """
+
+    join_timeout_seconds = 2.0
+    signal_grace_seconds = SIGNAL_GRACE_SECONDS
 
     def __init__(self, count: int, max_restarts: int) -> None:
         self.max_restarts = max_restarts
@@ -123,7 +129,9 @@ class ReaderPool:
     def _send_config(self, process: subprocess.Popen, reader_index: int) -> None:
         self.ring.clear_reader_error(reader_index)
         try:
-            process.stdin.write(dataclasses.replace(self._config, reader_index=reader_index).to_json().encode())
+            config = dataclasses.replace(self._config, reader_index=reader_index,
+                                         signal_grace_seconds=self.signal_grace_seconds)
+            process.stdin.write(config.to_json().encode())
             process.stdin.close()
         except BrokenPipeError:
             pass  # It died while starting: check() restarts it like any dead reader.
@@ -177,7 +185,7 @@ class ReaderPool:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
         exit_code = None
         try:
-            exit_code = self.processes[reader_index].wait(_JOIN_TIMEOUT_SECONDS)
+            exit_code = self.processes[reader_index].wait(self.join_timeout_seconds)
         except subprocess.TimeoutExpired:
             pass
         raise self.reported_error(reader_index, exit_code)
@@ -266,7 +274,7 @@ class ReaderPool:
                     process.stdin.close()
                 except OSError:
                     pass
-        deadline = time.monotonic() + _JOIN_TIMEOUT_SECONDS
+        deadline = time.monotonic() + self.join_timeout_seconds
         try:
             for process in processes:
                 try:
