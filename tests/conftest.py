@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -59,10 +60,52 @@ def write_b2nd(path, array, *, chunks=None, blocks=None, codec="LZ4", clevel=5):
     return str(path)
 
 
+def reader_descendants() -> list[int]:
+    """Pids of the reader processes descended from this process (their command line runs
+    shmloader.reader), however deep (a test's child trainer's readers too)."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, bytes] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(") ", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                commands[int(entry)] = handle.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            frontier.append(child)
+            if b"shmloader.reader" in commands.get(child, b""):
+                found.append(child)
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        item.shmloader_failed = True
+    return report
+
+
 @pytest.fixture(autouse=True)
-def no_leaked_rings():
-    """Every test must leave nothing of its own process's rings in /dev/shm."""
+def no_leaked_rings(request):
+    """Every test must leave nothing of its own process's rings in /dev/shm. A test that
+    failed may have left readers behind (stopped by SIGSTOP, or of a loader it never
+    closed): they are killed, so that they cannot slow or confuse the tests after it."""
     yield
+    if getattr(request.node, "shmloader_failed", False):
+        for pid in reader_descendants():
+            for number in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, number)
+                except ProcessLookupError:
+                    pass
     pid = os.getpid()
     assert wait_until(lambda: not our_shm_entries(pid), timeout=5.0), f"leaked: {our_shm_entries(pid)}"
 

