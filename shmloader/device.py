@@ -153,7 +153,7 @@ class DeviceIterator:
 
 class PinnedRing:
     """The ring's registration with a backend: registered once, unregistered once, before
-    the mapping can go (loader._Resources calls unregister first when it closes)."""
+    the mapping can go (lifecycle.Resources calls unregister first when it closes)."""
 
     def __init__(self, backend, address: int, nbytes: int) -> None:
         backend.register(address, nbytes)
@@ -169,3 +169,24 @@ class PinnedRing:
             backend.unregister(self.address)
         except Exception:
             pass
+
+
+def pin_backend(pin_memory):
+    """None, PyTorch's CUDA runtime for True (raising DeviceError where there is no CUDA), or
+    the backend object given (anything with register/unregister/copy/...: device.py)."""
+    if pin_memory is False or pin_memory is None:
+        return None
+    if pin_memory is True:
+        return TorchCudaBackend()
+    if not all(hasattr(pin_memory, name) for name in ("register", "unregister", "copy", "done", "synchronize")):
+        raise TypeError(f"pin_memory must be True, False or a device backend (see shmloader.device), got {pin_memory!r}")
+    return pin_memory
+
+
+def cpu_tensors(loader):
+    """to_device("cpu"): each batch as torch tensors over the slot, without a copy."""
+    import torch
+
+    for batch in loader:
+        yield {name: torch.from_numpy(array) for name, array in batch.items()}
+        del batch

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import dataclasses
 import gc
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 import weakref
@@ -17,14 +14,17 @@ import weakref
 import numpy as np
 
 from ._native import load_cursor
-from .device import DeviceIterator, PinnedRing, TorchCudaBackend
+from .checkpoint import state_of, step_to_resume
+from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
 from .errors import ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError, user_stacklevel
 from .filler import StepFiller
-from .plan import LoaderPlan, plan_loader, warn_poor_layouts
-from .reader import ReaderConfig
+from .lifecycle import Resources, live_loaders
+from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
+                   plan_loader, wake_after, warn_poor_layouts)
 from .pool import ReaderPool
+from .reader import ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
-from .sampler import STEP_MAX, Sampler, check_integer
+from .sampler import STEP_MAX, check_integer
 
 cursor_module = load_cursor()
 
@@ -33,66 +33,6 @@ _READER_CHECK_BATCHES = 64
 # next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
 # a file on a stalled network mount): silence would look like a hang.
 _STALL_WARNING_SECONDS = 10.0
-
-
-def _default_readers() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
-
-
-# Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
-# loop's variable still holds while next() runs (_cursor.c's readers_ahead counts them too).
-TRAINER_SLOTS = 2
-# The default ring stays under this many bytes where the readers' share allows (see _default_slots).
-_DEFAULT_RING_BYTES = 1 << 30
-
-
-def _default_slots(readers: int, slot_bytes: int) -> int:
-    """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
-    loop's variable still holds while next() runs). A step filled slowly holds the
-    trainer while the other readers run ahead: with two per reader they ran out of
-    requested slots and slept (about 70% of the ideal rate with uneven fills in
-    bench/protocol.py), with four they stayed busy. Fewer where that passes
-    _DEFAULT_RING_BYTES, but never under two per reader. With readers=0, one slot beyond
-    the trainer's: the step it fills next."""
-    affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
-    if readers == 0:
-        return TRAINER_SLOTS + 1
-    return max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
-
-
-def _wake_after(slots: int) -> int:
-    """How many slots the trainer hands back before it wakes the readers while they are
-    ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
-    the batch after the one being delivered is not ready, so deferring costs no waiting."""
-    return max(1, slots // 2)
-
-
-def _sources_change(saved: list[dict], mine: list[dict]) -> str:
-    if len(saved) != len(mine):
-        return f"{len(saved)} sources in the checkpoint, {len(mine)} in this loader"
-    changes = []
-    for index, (before, after) in enumerate(zip(saved, mine)):
-        for key in after:
-            if before.get(key) != after[key]:
-                what = "its file list" if key == "files_digest" else key
-                changes.append(f"source {index} {what}: {before.get(key)!r} in the checkpoint, {after[key]!r} now")
-    return "; ".join(changes)
-
-
-def _pin_backend(pin_memory):
-    """None, PyTorch's CUDA runtime for True (raising DeviceError where there is no CUDA), or
-    the backend object given (anything with register/unregister/copy/...: device.py)."""
-    if pin_memory is False or pin_memory is None:
-        return None
-    if pin_memory is True:
-        return TorchCudaBackend()
-    if not all(hasattr(pin_memory, name) for name in ("register", "unregister", "copy", "done", "synchronize")):
-        raise TypeError(f"pin_memory must be True, False or a device backend (see shmloader.device), got {pin_memory!r}")
-    return pin_memory
 
 
 class Batch(cursor_module.BatchBase, collections.abc.Mapping):
@@ -147,81 +87,6 @@ class CursorConfig:
     rebuild_views: collections.abc.Callable  # f(cursor, slot)
 
 
-class _Resources:
-    """Everything the loader must give back, without a reference to the loader itself, so
-    that weakref.finalize can clean up a loader that was never closed. Teardown follows
-    the shutdown note in pool.py; it is idempotent and never raises."""
-
-    def __init__(self) -> None:
-        self.owner_pid = os.getpid()
-        self.ring: Ring | None = None
-        self.pool: ReaderPool | None = None
-        self.pinned: PinnedRing | None = None
-        self.device_iterators: weakref.WeakSet = weakref.WeakSet()
-
-    def close(self) -> None:
-        if os.getpid() != self.owner_pid:
-            return  # A forked child inherited this object: the ring is its parent's.
-        with _interrupts_deferred():
-            self._close()
-
-    def _close(self) -> None:
-        pool, ring = self.pool, self.ring
-        try:
-            if ring is not None and not ring.closed:
-                ring.set_stopping()
-                ring.names.unlink_all()
-            if pool is not None:
-                pool.stop()
-        finally:
-            for iterator in list(self.device_iterators):
-                try:
-                    iterator.close()  # Copies in flight read the ring: they finish first.
-                except Exception:
-                    pass  # A failed device must not stop the ring's teardown.
-            if self.pinned is not None:
-                self.pinned.unregister()  # Before the mapping can go.
-            if ring is not None:
-                ring.close()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred():
-    """Holds back Ctrl-C (SIGINT) while the block runs, then delivers it, so that a second
-    Ctrl-C cannot stop a teardown half-way. Only the main thread can do this; elsewhere
-    the block runs as it is (its steps are ordered so that an interruption leaks nothing
-    in /dev/shm, see pool.py)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            if callable(previous):
-                previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt.
-            elif previous == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
-
-
-_live_loaders: weakref.WeakSet = weakref.WeakSet()
-
-
-def _forget_loaders_in_child() -> None:
-    """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
-    for loader in list(_live_loaders):
-        loader._deactivate()
-        ring = loader._resources.ring
-        if ring is not None and not ring.closed:
-            ring.forget_descriptors_in_child()
-
-
-os.register_at_fork(after_in_child=_forget_loaders_in_child)
-
-
 def _weak_method(owner, function):
     """function(owner, ...) without a reference to `owner`: the pool the loader owns calls
     back into it, and a cycle would keep an unclosed loader (and its ring) alive past its
@@ -230,42 +95,24 @@ def _weak_method(owner, function):
     return lambda *args: function(reference(), *args)
 
 
-def _cpu_tensors(loader):
-    """to_device("cpu"): each batch as torch tensors over the slot, without a copy."""
-    import torch
-
-    for batch in loader:
-        yield {name: torch.from_numpy(array) for name, array in batch.items()}
-        del batch
-
-
 class ShmDataLoader(cursor_module.Cursor):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
-    ShmDataLoader(fields, label_path=None, *, batch_size=256, mode="shuffle", seed=0,
-                  readers=None, slots=None, start_step=0, shard_index=0, shard_count=1,
-                  max_reader_restarts=3, hold_timeout=5.0, warn_layout=True, verify=False,
-                  pin_memory=False)
+    `fields` maps field names to .b2nd/.npy files (or lists, globs, Padded/Packed/Windows of
+    them) with the same number of rows; a single path is the field "data", and
+    `ShmDataLoader(data_path, label_path)` gives "data" and "label"; a list of Sources is a
+    mixture. Batch k depends only on the files, seed, k and the shard, so a loader built
+    with start_step=k (or load_state_dict) continues exactly. Iterate it (see Batch for how
+    long a batch's zero-copy arrays stay valid); close it, or use `with`.
 
-    `fields` maps field names to .b2nd or .npy files with the same number of rows; a single
-    path is the field "data", and `ShmDataLoader(data_path, label_path)` gives "data" and
-    "label". Batch k depends only on the files, seed, k and the shard, so a loader built
-    with start_step=k (or load_state_dict) continues exactly. Iterate it; see Batch for
-    how long each batch's zero-copy arrays stay valid. Close it, or use `with`. With
-    `verify=True`, readers check each Blosc2 chunk's CRC-32 the first time they read it
-    (files written by `shmloader convert` carry them; other files load unchecked). It is
-    off by default: every reader pays a first pass over the chunks it touches, which
-    costs more than 5% of a short run's throughput (bench/RESULTS.md). `pin_memory=True`
-    page-locks the whole ring with CUDA once (PyTorch's runtime), so that to_device()
-    copies run at the link's speed; without CUDA it raises DeviceError.
-
-    `shuffle_window` (rows, mode="shuffle"; None: the global shuffle) is for data larger
-    than memory: each epoch permutes blocks of consecutive rows (about 16 MiB of all fields,
-    whole Blosc2 chunks), deals them into windows of about `shuffle_window` rows and
-    permutes the rows within each window; readers ask the kernel for the next window's
-    blocks ahead of use, so the disk streams. Memory: about two windows of page cache.
-    `step_timeout` (seconds; None waits, warning after 10 s) makes next() raise
-    StepTimeoutError for a step in flight that long.
+    readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
+    step itself when next() needs it). slots: steps the ring holds (plan.default_slots).
+    verify: readers check each Blosc2 chunk's CRC-32 the first time they read it (files
+    from `shmloader convert` carry them). pin_memory: page-lock the ring with CUDA once, for
+    to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
+    mode="shuffle"): the block-local shuffle for data larger than memory (README). step_timeout
+    (seconds; None waits, warning after 10 s): next() raises StepTimeoutError for a step in
+    flight that long. hold_timeout: how long next() waits for a slot a batch still holds.
     """
 
     def __init__(
@@ -291,33 +138,23 @@ class ShmDataLoader(cursor_module.Cursor):
         shuffle_window: int | None = None,
         step_timeout: float | None = None,
     ) -> None:
-        self._resources = _Resources()
+        self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
-        self.readers = check_integer("readers", _default_readers() if readers is None else readers, 0, 256)
-        self.slots = None if slots is None else check_integer("slots", slots, 2, 4096)  # None: _default_slots.
+        self.readers = check_integer("readers", default_readers() if readers is None else readers, 0, 256)
+        self.slots = None if slots is None else check_integer("slots", slots, 2, 4096)  # None: plan.default_slots.
         self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
-        if isinstance(hold_timeout, bool) or not isinstance(hold_timeout, (int, float)) or not hold_timeout > 0:
-            raise ValueError(f"hold_timeout must be a positive number of seconds, got {hold_timeout!r}")
-        self.hold_timeout = float(hold_timeout)
-        if step_timeout is not None and (isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
-                                         or not step_timeout > 0):
-            raise ValueError(f"step_timeout must be None or a positive number of seconds, got {step_timeout!r}")
-        self.step_timeout = None if step_timeout is None else float(step_timeout)
+        self.hold_timeout = check_seconds("hold_timeout", hold_timeout)
+        self.step_timeout = None if step_timeout is None else check_seconds("step_timeout", step_timeout)
         self.verify = bool(verify)
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
-        Sampler(1, self.batch_size, mode, seed, shard_index, shard_count)
-        if shuffle_window is not None:  # The window's own checks need the rows: here, its type and mode.
-            check_integer("shuffle_window", shuffle_window, 1, STEP_MAX >> 2)
-            if mode != "shuffle":
-                raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
-        self._pin_backend = _pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
+        check_sampler_settings(self.batch_size, mode, seed, shard_index, shard_count, shuffle_window)
+        self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
-        self._fill_ns = 0  # readers=0: time this process spent filling steps.
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
@@ -338,7 +175,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self.plans, self.slot, self.sampler, self.transform = plan.plans, plan.slot, plan.sampler, plan.transform
         self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
         if self.slots is None:
-            self.slots = _default_slots(self.readers, self.slot.nbytes)
+            self.slots = default_slots(self.readers, self.slot.nbytes)
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
         if warn_layout:
@@ -368,14 +205,14 @@ class ShmDataLoader(cursor_module.Cursor):
             views=tuple(self._slot_views(slot) for slot in range(self.slots)),
             next_step=start_step,
             check_every_batches=_READER_CHECK_BATCHES,
-            wake_after_slots=_wake_after(self.slots),
+            wake_after_slots=wake_after(self.slots),
             reader_count=self.readers,
             trainer_slots=TRAINER_SLOTS,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
             supervise=type(self)._supervise,
             rebuild_views=type(self)._rebuild_views,
         ))
-        _live_loaders.add(self)
+        live_loaders.add(self)
         self._request_from(start_step)
         self._pool.configure(self._ring, _weak_method(self, type(self)._request), ReaderConfig(
             reader_index=0,
@@ -469,13 +306,11 @@ class ShmDataLoader(cursor_module.Cursor):
         slot = step % self.slots
         claimed = self._ring.claim(0)
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
-        started = time.perf_counter_ns()
-        try:
+        try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
             self._filler.fill(step, self._filler_outputs[slot])
         except BaseException:
             self._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
-        self._fill_ns += time.perf_counter_ns() - started
         self._ring.publish(slot, SlotState.READY, 0)
 
     def _wait_for_holder(self, step: int, waited_s: float) -> None:
@@ -505,7 +340,7 @@ class ShmDataLoader(cursor_module.Cursor):
         batch lifetime rule applies to them)."""
         self._raise_if_closed()
         if backend is None and str(device) == "cpu":
-            return _cpu_tensors(self)
+            return cpu_tensors(self)
         if backend is None:
             backend = self._pin_backend if self._pin_backend is not None else TorchCudaBackend(device)
         iterator = DeviceIterator(self, backend, prefetch)
@@ -539,37 +374,13 @@ class ShmDataLoader(cursor_module.Cursor):
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,
         and a description of the sources (file lists as digests, rows, weights, fractions)."""
-        state = {"step": self._next_step, **self.sampler.to_dict(), "sources": self.sources}
-        if self.transform is not None:
-            state["transform"] = {"name": self.transform.name, "args": self.transform.args}
-        return state
+        return state_of(self._next_step, self.sampler, self.sources, self.transform)
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one
         recorded. A checkpoint of other sources or settings is refused, saying what changed;
         one that lacks them (a bare {"step": n}) too: seek(n) says the same thing knowingly."""
-        if not isinstance(state, collections.abc.Mapping):
-            raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
-        # Settings added after a checkpoint format was first written are optional at their defaults.
-        missing = sorted({"step", "sources", *self.sampler.to_dict()} - {"shuffle_window", "block_rows"} - set(state))
-        if missing:
-            raise ValueError(f"the checkpoint lacks {missing}: without them nothing checks that its batches are this "
-                             f"loader's. Pass the whole state_dict(), or call seek(step) to jump without checks")
-        if not isinstance(state["sources"], list) or not all(isinstance(item, dict) for item in state["sources"]):
-            raise ValueError(f"the checkpoint's sources must be a list of dicts (as state_dict() gives), got "
-                             f"{state['sources']!r}")
-        if state["sources"] != self.sources:
-            raise ValueError(f"the checkpoint was made from other data: {_sources_change(state['sources'], self.sources)}")
-        mine = None if self.transform is None else {"name": self.transform.name, "args": self.transform.args}
-        if state.get("transform") != mine and ("transform" in state or mine is not None):
-            raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
-                             f"{mine!r}; its batches would differ")
-        expected = self.sampler.to_dict()
-        mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
-        if mismatched:
-            details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
-            raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
-        self.seek(state.get("step"))
+        self.seek(step_to_resume(state, self.sampler, self.sources, self.transform))
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.

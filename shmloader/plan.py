@@ -22,7 +22,7 @@ import numpy as np
 from . import layout as blosc_layout
 from .errors import PerformanceWarning, StorageError, user_stacklevel
 from .ragged import RaggedSpec, describe_ragged, is_ragged, read_all, record_lengths
-from .sampler import Sampler
+from .sampler import STEP_MAX, Sampler, check_integer
 from .slot_layout import Region, SlotLayout
 from .sources import MixtureSampler, Source
 from .storage import FieldSpec, describe_field
@@ -421,6 +421,24 @@ def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int) -> int:
     return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
 
 
+def check_seconds(name: str, value) -> float:
+    """A positive number of seconds, or a ValueError naming the setting."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def check_sampler_settings(batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
+                           shuffle_window: int | None) -> None:
+    """The sampler's own checks, before any file is read (the window's need the rows: here
+    its type and mode)."""
+    Sampler(1, batch_size, mode, seed, shard_index, shard_count)
+    if shuffle_window is not None:
+        check_integer("shuffle_window", shuffle_window, 1, STEP_MAX >> 2)
+        if mode != "shuffle":
+            raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
+
+
 def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
                 transform=None, transform_args=None, shuffle_window: int | None = None) -> LoaderPlan:
     """Validates the files and settings and lays out the slot: the loader's plan, also used
@@ -466,3 +484,42 @@ def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
                 PerformanceWarning,
                 stacklevel=user_stacklevel(),
             )
+
+
+# ---- Sizing the ring ----------------------------------------------------------------------
+
+
+def default_readers() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
+
+
+# Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
+# loop's variable still holds while next() runs (_cursor.c's readers_ahead counts them too).
+TRAINER_SLOTS = 2
+# The default ring stays under this many bytes where the readers' share allows (see default_slots).
+_DEFAULT_RING_BYTES = 1 << 30
+
+
+def default_slots(readers: int, slot_bytes: int) -> int:
+    """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
+    loop's variable still holds while next() runs). A step filled slowly holds the
+    trainer while the other readers run ahead: with two per reader they ran out of
+    requested slots and slept (about 70% of the ideal rate with uneven fills in
+    bench/protocol.py), with four they stayed busy. Fewer where that passes
+    _DEFAULT_RING_BYTES, but never under two per reader. With readers=0, one slot beyond
+    the trainer's: the step it fills next."""
+    affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
+    if readers == 0:
+        return TRAINER_SLOTS + 1
+    return max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
+
+
+def wake_after(slots: int) -> int:
+    """How many slots the trainer hands back before it wakes the readers while they are
+    ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
+    the batch after the one being delivered is not ready, so deferring costs no waiting."""
+    return max(1, slots // 2)

@@ -1,7 +1,7 @@
 """The trainer's reader pool: starts, configures, watches, restarts and stops reader processes.
 
 Shutdown, described once (ShmDataLoader.close, the loader's finalizer and interpreter exit
-all come here, through loader._Resources.close):
+all come here, through lifecycle.Resources.close):
 
 1. The trainer sets the ring's stop flag, then unlinks the ring's segment and semaphores
    at once: from here on nothing is left in /dev/shm, whatever interrupts what follows (a

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from shmloader.loader import _default_slots
+from shmloader.plan import default_slots as _default_slots
 from shmloader.ring import POLL_INTERVAL_SECONDS, SlotState
 from shmloader.simulation import ReaderDied, simulated_loader
 

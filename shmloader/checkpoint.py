@@ -1,0 +1,52 @@
+"""Checkpoints: what state_dict() records and the checks load_state_dict() makes before it
+continues (a checkpoint of other data, settings or transform is refused, saying what)."""
+
+from __future__ import annotations
+
+import collections.abc
+
+
+def state_of(next_step: int, sampler, sources: list[dict], transform) -> dict:
+    """The next step to deliver, the sampler's settings and the sources' description."""
+    state = {"step": next_step, **sampler.to_dict(), "sources": sources}
+    if transform is not None:
+        state["transform"] = {"name": transform.name, "args": transform.args}
+    return state
+
+
+def step_to_resume(state, sampler, sources: list[dict], transform):
+    """The step `state` continues from, once it is this loader's checkpoint."""
+    if not isinstance(state, collections.abc.Mapping):
+        raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
+    # Settings added after a checkpoint format was first written are optional at their defaults.
+    missing = sorted({"step", "sources", *sampler.to_dict()} - {"shuffle_window", "block_rows"} - set(state))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {missing}: without them nothing checks that its batches are this "
+                         f"loader's. Pass the whole state_dict(), or call seek(step) to jump without checks")
+    if not isinstance(state["sources"], list) or not all(isinstance(item, dict) for item in state["sources"]):
+        raise ValueError(f"the checkpoint's sources must be a list of dicts (as state_dict() gives), got "
+                         f"{state['sources']!r}")
+    if state["sources"] != sources:
+        raise ValueError(f"the checkpoint was made from other data: {_sources_change(state['sources'], sources)}")
+    mine = None if transform is None else {"name": transform.name, "args": transform.args}
+    if state.get("transform") != mine and ("transform" in state or mine is not None):
+        raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
+                         f"{mine!r}; its batches would differ")
+    expected = sampler.to_dict()
+    mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
+    if mismatched:
+        details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
+        raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
+    return state.get("step")
+
+
+def _sources_change(saved: list[dict], mine: list[dict]) -> str:
+    if len(saved) != len(mine):
+        return f"{len(saved)} sources in the checkpoint, {len(mine)} in this loader"
+    changes = []
+    for index, (before, after) in enumerate(zip(saved, mine)):
+        for key in after:
+            if before.get(key) != after[key]:
+                what = "its file list" if key == "files_digest" else key
+                changes.append(f"source {index} {what}: {before.get(key)!r} in the checkpoint, {after[key]!r} now")
+    return "; ".join(changes)
