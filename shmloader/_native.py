@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 8
+ABI_VERSION = 9
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -83,6 +83,8 @@ const char *shm_status_name(int value);
 
 int shm_sampler_check(const shm_sampler_config *config);
 int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
+void shm_bounded_draws(uint64_t seed, uint64_t step, uint64_t stream, const uint64_t *bounds, uint64_t *out,
+                       uint64_t count);
 int shm_sampler_window_blocks(const shm_sampler_config *config, uint64_t position, uint64_t *out, uint64_t out_count,
                               uint64_t *count, uint64_t *window);
 

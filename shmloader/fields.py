@@ -16,17 +16,13 @@ from .ragged import RaggedField
 from .storage import CombinedBlosc, FieldSpec, _u64, check_gather, open_field
 from .transforms.core import Records
 
-def _window_starts(seed: int, step: int, shard: int, count: int, room: np.ndarray) -> np.ndarray:
-    """A start in [0, room] for each of `count` rows, a pure function of (seed, step, shard,
-    row): splitmix64 of a counter, the same in every reader."""
-    with np.errstate(over="ignore"):
-        key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(step) * np.uint64(0xBF58476D1CE4E5B9)
-               + np.uint64(shard) * np.uint64(0x94D049BB133111EB))
-        value = key + np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        value = (value ^ (value >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        value = (value ^ (value >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        value = value ^ (value >> np.uint64(31))
-    return value % (room.astype(np.uint64) + np.uint64(1))
+def _window_starts(seed: int, step: int, stream: int, count: int, room: np.ndarray) -> np.ndarray:
+    """A start in [0, room[i]] for each of `count` rows, a pure function of (seed, step,
+    stream, row) computed in Zig (sampler.boundedDraws), the same in every reader."""
+    bounds = np.ascontiguousarray(room[:count], dtype=np.uint64)
+    out = np.empty(count, dtype=np.uint64)
+    lib.shm_bounded_draws(seed, step, stream, _u64(bounds), _u64(out), count)
+    return out
 
 
 class _Output:

@@ -508,10 +508,9 @@ def default_slots(readers: int, slot_bytes: int) -> int:
     """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
     loop's variable still holds while next() runs). A step filled slowly holds the
     trainer while the other readers run ahead: with two per reader they ran out of
-    requested slots and slept (about 70% of the ideal rate with uneven fills in
-    bench/protocol.py), with four they stayed busy. Fewer where that passes
-    _DEFAULT_RING_BYTES, but never under two per reader. With readers=0, one slot beyond
-    the trainer's: the step it fills next."""
+    requested slots and slept, with four they stayed busy (bench/protocol.py --slots).
+    Fewer where that passes _DEFAULT_RING_BYTES, but never under two per reader. With
+    readers=0, one slot beyond the trainer's: the step it fills next."""
     affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
     if readers == 0:
         return TRAINER_SLOTS + 1

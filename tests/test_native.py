@@ -93,3 +93,28 @@ def test_the_source_distribution_holds_every_source(tmp_path):
     expected |= {"shmloader/_cursor.c", "shmloader/ring.h", "shmloader/py.typed", "setup.py", "pyproject.toml"}
     assert expected <= names, expected - names
     assert "zig/ring_h.zig" not in names  # Generated at build time from ring.h.
+
+
+def test_bounded_draws_are_splitmix64_of_a_keyed_counter():
+    """Padded(overflow="random") crops with these draws: the specification, spelled out in
+    numpy, must give the same values (checkpoints made before the Zig version resume alike)."""
+    import numpy as np
+
+    from shmloader.fields import _window_starts
+
+    def reference(seed, step, stream, room):
+        with np.errstate(over="ignore"):
+            key = (np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(step) * np.uint64(0xBF58476D1CE4E5B9)
+                   + np.uint64(stream) * np.uint64(0x94D049BB133111EB))
+            value = key + np.arange(1, len(room) + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+            value = (value ^ (value >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            value = (value ^ (value >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            value = value ^ (value >> np.uint64(31))
+        return value % (room + np.uint64(1))
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        seed, step, stream = (int(x) for x in rng.integers(0, 1 << 62, 3))
+        room = rng.integers(0, 1 << 40, 64).astype(np.uint64)
+        draws = _window_starts(seed, step, stream, 64, room)
+        assert np.array_equal(draws, reference(seed, step, stream, room)) and (draws <= room).all()

@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 8; // 8: the block-local shuffle (shm_sampler_config's window, shm_sampler_window_blocks).
+const abi_version: u32 = 9; // 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -49,6 +49,10 @@ export fn shm_sampler_fill(config: *const sampler.SamplerConfig, step: u64, out:
 export fn shm_sampler_window_blocks(config: *const sampler.SamplerConfig, position: u64, out: [*]u64, out_count: u64,
     count: *u64, window: *u64) Status {
     return sampler.windowBlocks(config, position, out[0..out_count], count, window);
+}
+
+export fn shm_bounded_draws(seed: u64, step: u64, stream: u64, bounds: [*]const u64, out: [*]u64, count: u64) void {
+    sampler.boundedDraws(seed, step, stream, bounds[0..count], out[0..count]);
 }
 
 export fn shm_sizeof_mixture_source() u64 {

@@ -51,6 +51,17 @@ fn mix64(value: u64) u64 {
     return x;
 }
 
+/// Draws out[i] in [0, bounds[i]], a pure function of (seed, step, stream, i): splitmix64
+/// of a counter keyed by the three. Padded(overflow="random") crops with it, so that a
+/// record's window is the same in every reader and on resume.
+pub fn boundedDraws(seed: u64, step: u64, stream: u64, bounds: []const u64, out: []u64) void {
+    const key = seed *% golden +% step *% 0xbf58476d1ce4e5b9 +% stream *% 0x94d049bb133111eb;
+    for (out, bounds, 0..) |*draw, bound, i| {
+        const value = mix64(key +% (@as(u64, i) +% 1) *% golden);
+        draw.* = if (bound == std.math.maxInt(u64)) value else value % (bound + 1);
+    }
+}
+
 fn hash2(a: u64, b: u64) u64 {
     return mix64(a ^ mix64(b +% golden));
 }
@@ -489,6 +500,20 @@ fn testConfig(length: u64, batch_size: u64, mode: Mode) SamplerConfig {
         .block_rows = 0,
         .window_blocks = 0,
     };
+}
+
+test "bounded draws stay within their bounds and depend on every key" {
+    const bounds = [_]u64{ 0, 1, 7, 1000, std.math.maxInt(u64) };
+    var first: [5]u64 = undefined;
+    var again: [5]u64 = undefined;
+    var other: [5]u64 = undefined;
+    boundedDraws(3, 9, 2, &bounds, &first);
+    boundedDraws(3, 9, 2, &bounds, &again);
+    boundedDraws(3, 10, 2, &bounds, &other);
+    try std.testing.expectEqualSlices(u64, &first, &again);
+    try std.testing.expect(first[4] != other[4]);
+    for (first, bounds) |draw, bound| try std.testing.expect(draw <= bound);
+    try std.testing.expectEqual(@as(u64, 0), first[0]);
 }
 
 test "shuffle covers every row once per epoch across batch boundaries" {
