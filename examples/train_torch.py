@@ -43,12 +43,28 @@ def main(steps: int = 300, batch_size: int = 256) -> float:
                 if step % 100 == 0:
                     print(f"step {step}: loss {loss.item():.3f}")
             print(f"loader: {loader.stats()['rows_per_s']:,.0f} rows/s")
-    test_images, test_labels = make_dataset(2_000, seed=1)
-    with torch.no_grad():
-        logits = model(torch.from_numpy(test_images).to(device).float().sub_(128).div_(64))
-    accuracy = (logits.argmax(dim=1).cpu() == torch.from_numpy(test_labels)).float().mean().item()
+        accuracy = evaluate(model, device, pathlib.Path(directory), batch_size)
     print(f"held-out accuracy {accuracy:.1%} (chance {1 / CLASSES:.0%})")
     return accuracy
+
+
+def evaluate(model, device, directory: pathlib.Path, batch_size: int) -> float:
+    """An exact evaluation pass: mode="sequential", epochs=1 gives every held-out row once,
+    in order, the last batch partial (len(loader) batches), so nothing is counted twice."""
+    images, labels = make_dataset(2_003, seed=1)  # Not a multiple of the batch: a partial last batch.
+    np.save(directory / "test_images.npy", images)
+    np.save(directory / "test_labels.npy", labels)
+    fields = {"image": directory / "test_images.npy", "label": directory / "test_labels.npy"}
+    correct = seen = 0
+    with torch.no_grad(), ShmDataLoader(fields, batch_size=batch_size, mode="sequential", epochs=1, readers=1) as loader:
+        for batch in loader:  # Ends after len(loader) batches.
+            with batch:
+                x = torch.from_numpy(batch["image"]).to(device).float().sub_(128).div_(64)
+                y = torch.from_numpy(batch["label"]).to(device)
+            correct += int((model(x).argmax(dim=1) == y).sum())
+            seen += len(y)
+    assert seen == len(labels)
+    return correct / seen
 
 
 if __name__ == "__main__":

@@ -86,10 +86,17 @@ typedef struct {
     unsigned long long batches;
     unsigned long long wait_ns;
     unsigned long long first_next_ns;
-    /* Python functions called as f(cursor, ...): supervise(state, owner, step) and
-     * rebuild_views(slot), given by the config (composition, not methods found by name). */
+    /* A finite pass: next() ends (StopIteration) at end_step, and hands batches from
+     * partial_from on to partial(cursor, batch), which returns them cut to their rows.
+     * Both are UINT64_MAX for the endless loader. */
+    unsigned long long end_step;
+    unsigned long long partial_from;
+    /* Python functions called as f(cursor, ...): supervise(state, owner, step),
+     * rebuild_views(slot) and partial(batch), given by the config (composition, not
+     * methods found by name). */
     PyObject *supervise;
     PyObject *rebuild_views;
+    PyObject *partial;
 } Cursor;
 
 typedef struct {
@@ -213,7 +220,12 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
-        request_slot(slot->control, slot->held_step + (uint64_t)self->slot_count, now_ns); /* HELD -> REQUESTED */
+        uint64_t step = slot->held_step + (uint64_t)self->slot_count;
+        if (step >= self->end_step) { /* Past a finite pass: nothing to fill (HELD -> IDLE). */
+            __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_IDLE, __ATOMIC_RELEASE);
+            continue;
+        }
+        request_slot(slot->control, step, now_ns); /* HELD -> REQUESTED */
         released++;
     }
     self->pending_posts += (uint64_t)released;
@@ -305,6 +317,11 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     }
     if (started_ns != 0) {
         self->wait_ns += monotonic_ns() - started_ns;
+    }
+    if (batch->step >= self->partial_from) { /* The rare end of a finite pass: Python cuts it. */
+        PyObject *cut = PyObject_CallFunctionObjArgs(self->partial, (PyObject *)self, (PyObject *)batch, NULL);
+        Py_DECREF(batch);
+        return cut;
     }
     return (PyObject *)batch;
 }
@@ -414,6 +431,9 @@ static PyObject *next_batch(Cursor *self) {
     }
     if (release_unused(self, 0) < 0) {
         return NULL;
+    }
+    if (self->next_step >= self->end_step) {
+        return NULL; /* The end of a finite pass: StopIteration. */
     }
     int due = (self->batches + 1) % self->check_every == 0;
     unsigned long long started_ns = 0;
@@ -627,13 +647,14 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
         return NULL;
     }
     unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, poll_ns,
-        trainer_slots;
+        trainer_slots, end_step, partial_from;
     if (config_u64(config, "control_table_address", &control_table) < 0 ||
         config_u64(config, "slot_count", &slot_count) < 0 || config_u64(config, "next_step", &next_step) < 0 ||
         config_u64(config, "check_every_batches", &check_every) < 0 ||
         config_u64(config, "wake_after_slots", &wake_after) < 0 ||
         config_u64(config, "reader_count", &reader_count) < 0 ||
-        config_u64(config, "poll_interval_ns", &poll_ns) < 0 || config_u64(config, "trainer_slots", &trainer_slots) < 0) {
+        config_u64(config, "poll_interval_ns", &poll_ns) < 0 || config_u64(config, "trainer_slots", &trainer_slots) < 0 ||
+        config_u64(config, "end_step", &end_step) < 0 || config_u64(config, "partial_from", &partial_from) < 0) {
         return NULL;
     }
     PyObject *work = PyObject_GetAttrString(config, "work_semaphore");
@@ -643,13 +664,14 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     PyObject *views = PyObject_GetAttrString(config, "views");
     PyObject *supervise = PyObject_GetAttrString(config, "supervise");
     PyObject *rebuild_views = PyObject_GetAttrString(config, "rebuild_views");
+    PyObject *partial = PyObject_GetAttrString(config, "partial");
     PyObject *result = NULL;
     if (work == NULL || ready == NULL || names == NULL || batch_type == NULL || views == NULL || supervise == NULL ||
-        rebuild_views == NULL) {
+        rebuild_views == NULL || partial == NULL) {
         goto done;
     }
-    if (!PyCallable_Check(supervise) || !PyCallable_Check(rebuild_views)) {
-        PyErr_SetString(PyExc_TypeError, "supervise and rebuild_views must be callables");
+    if (!PyCallable_Check(supervise) || !PyCallable_Check(rebuild_views) || !PyCallable_Check(partial)) {
+        PyErr_SetString(PyExc_TypeError, "supervise, rebuild_views and partial must be callables");
         goto done;
     }
     if (slot_count < 1 || control_table == 0 || !PyUnicode_Check(work) || !PyTuple_Check(ready) ||
@@ -671,6 +693,7 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     self->slot_count = (Py_ssize_t)slot_count;
     self->supervise = Py_NewRef(supervise);
     self->rebuild_views = Py_NewRef(rebuild_views);
+    self->partial = Py_NewRef(partial);
     Py_INCREF(names);
     self->names = names;
     Py_INCREF(batch_type);
@@ -684,6 +707,8 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     self->wake_after = wake_after;
     self->reader_count = reader_count;
     self->trainer_slots = trainer_slots;
+    self->end_step = end_step;
+    self->partial_from = partial_from;
     self->poll_interval_ns = poll_ns;
     self->pending_posts = 0;
     self->active = 1;
@@ -696,6 +721,7 @@ done:
     Py_XDECREF(views);
     Py_XDECREF(supervise);
     Py_XDECREF(rebuild_views);
+    Py_XDECREF(partial);
     return result;
 }
 
@@ -752,12 +778,39 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
                      step % (unsigned long long)self->slot_count, index);
         return NULL;
     }
+    if (step >= self->end_step) {
+        PyErr_Format(PyExc_ValueError, "step %llu is past the pass's end (%llu steps)", step, self->end_step);
+        return NULL;
+    }
     request_slot(slot->control, step, monotonic_ns());
     self->pending_posts++;
     if (wake_readers(self) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
+}
+
+/* _batch_of(views, step): a Batch of this loader's type over `views` (a partial batch's
+ * cut arrays), with the loader's names. */
+static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
+    PyObject *views;
+    unsigned long long step;
+    if (!PyArg_ParseTuple(args, "O!K", &PyTuple_Type, &views, &step)) {
+        return NULL;
+    }
+    if (self->batch_type == NULL || self->names == NULL ||
+        PyTuple_GET_SIZE(views) != PyTuple_GET_SIZE(self->names) + 1) {
+        PyErr_SetString(PyExc_ValueError, "_batch_of needs a set-up cursor and one array per name, then the indices");
+        return NULL;
+    }
+    BatchBase *batch = (BatchBase *)self->batch_type->tp_alloc(self->batch_type, 0);
+    if (batch == NULL) {
+        return NULL;
+    }
+    batch->views = Py_NewRef(views);
+    batch->names = Py_NewRef(self->names);
+    batch->step = step;
+    return (PyObject *)batch;
 }
 
 static PyObject *cursor_held(Cursor *self, PyObject *Py_UNUSED(ignored)) {
@@ -799,6 +852,7 @@ static void cursor_dealloc(Cursor *self) {
     cursor_clear(self);
     Py_CLEAR(self->supervise); /* Kept past cursor_clear: a closed loader's next() still asks supervise. */
     Py_CLEAR(self->rebuild_views);
+    Py_CLEAR(self->partial);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -812,6 +866,7 @@ static PyMethodDef cursor_methods[] = {
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
     {"_held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
+    {"_batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
     {"_deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
      "Closes the cursor: drops every slot's arrays and semaphores; next() raises through _supervise."},
     {"_now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},

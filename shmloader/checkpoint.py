@@ -6,15 +6,18 @@ from __future__ import annotations
 import collections.abc
 
 
-def state_of(next_step: int, sampler, sources: list[dict], transform) -> dict:
-    """The next step to deliver, the sampler's settings and the sources' description."""
+def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None) -> dict:
+    """The next step to deliver, the sampler's settings, the sources' description, and a
+    finite pass's epochs and drop_last."""
     state = {"step": next_step, **sampler.to_dict(), "sources": sources}
+    if finite is not None:
+        state.update(finite.to_dict())
     if transform is not None:
         state["transform"] = {"name": transform.name, "args": transform.args}
     return state
 
 
-def step_to_resume(state, sampler, sources: list[dict], transform):
+def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     """The step `state` continues from, once it is this loader's checkpoint."""
     if not isinstance(state, collections.abc.Mapping):
         raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
@@ -32,7 +35,7 @@ def step_to_resume(state, sampler, sources: list[dict], transform):
     if state.get("transform") != mine and ("transform" in state or mine is not None):
         raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
                          f"{mine!r}; its batches would differ")
-    expected = sampler.to_dict()
+    expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
     mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
     if mismatched:
         details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())

@@ -92,6 +92,7 @@ class DeviceIterator:
         self._issued = collections.deque()  # (batch, tensors, event): copies issued, not handed out yet
         self._handed = collections.deque()  # (batch, event): handed out, copy perhaps still running
         self._held_max = loader.slots - 2  # One slot for the loader to fill meanwhile, one in hand.
+        self._exhausted = False
         self.closed = False
 
     def __iter__(self) -> DeviceIterator:
@@ -101,11 +102,17 @@ class DeviceIterator:
         if self.closed:
             raise RuntimeError("the device iterator is closed")
         self._retire(block=False)
-        while len(self._issued) < self.prefetch + 1:
+        while len(self._issued) < self.prefetch + 1 and not self._exhausted:
             self._retire(block=len(self._issued) + len(self._handed) >= self._held_max)
-            batch = next(self.loader)
+            try:
+                batch = next(self.loader)
+            except StopIteration:  # The end of a finite pass: hand out what was issued first.
+                self._exhausted = True
+                break
             tensors, event = self.backend.copy(batch)
             self._issued.append((batch, tensors, event))
+        if not self._issued:
+            raise StopIteration
         batch, tensors, event = self._issued.popleft()
         self.backend.hand_over(tensors, event)
         self._handed.append((batch, event))

@@ -19,6 +19,7 @@ from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, p
 from .errors import ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError, user_stacklevel
 from .filler import StepFiller
 from .lifecycle import Resources, live_loaders
+from .passes import ENDLESS, FinitePass
 from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
                    plan_loader, wake_after, warn_poor_layouts)
 from .pool import ReaderPool
@@ -83,8 +84,11 @@ class CursorConfig:
     reader_count: int
     trainer_slots: int
     poll_interval_ns: int
+    end_step: int  # a finite pass's steps (passes.ENDLESS: none)
+    partial_from: int  # the first step cut to fewer rows
     supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
     rebuild_views: collections.abc.Callable  # f(cursor, slot)
+    partial: collections.abc.Callable  # f(cursor, batch) -> the batch cut to its rows
 
 
 def _weak_method(owner, function):
@@ -137,6 +141,8 @@ class ShmDataLoader(cursor_module.Cursor):
         transform_args: dict | None = None,
         shuffle_window: int | None = None,
         step_timeout: float | None = None,
+        epochs: int | None = None,
+        drop_last: bool = False,
     ) -> None:
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -151,6 +157,9 @@ class ShmDataLoader(cursor_module.Cursor):
         start_step = check_integer("start_step", start_step, 0, STEP_MAX)
         # The sampler's own checks, early: no reader is started for settings it would refuse.
         check_sampler_settings(self.batch_size, mode, seed, shard_index, shard_count, shuffle_window)
+        if epochs is not None:
+            check_integer("epochs", epochs, 1, 1 << 32)
+        self._epochs, self.drop_last = epochs, bool(drop_last)
         self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
@@ -176,8 +185,11 @@ class ShmDataLoader(cursor_module.Cursor):
         self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
         if self.slots is None:
             self.slots = default_slots(self.readers, self.slot.nbytes)
+        self.finite = None if self._epochs is None else FinitePass.of(self.sampler, self._epochs, self.drop_last)
+        self._end_step = ENDLESS if self.finite is None else self.finite.steps
+        self._short_rows = 0  # rows the partial batches of a finite pass left out
         # The whole first ring of steps must be steps the sampler can compute.
-        check_integer("start_step", start_step, 0, self.sampler.step_max - self.slots)
+        check_integer("start_step", start_step, 0, min(self.sampler.step_max - self.slots, self._end_step))
         if warn_layout:
             warn_poor_layouts(self.plans)
         sweep_stale()
@@ -209,8 +221,11 @@ class ShmDataLoader(cursor_module.Cursor):
             reader_count=self.readers,
             trainer_slots=TRAINER_SLOTS,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
+            end_step=self._end_step,
+            partial_from=ENDLESS if self.finite is None else self.finite.partial_from,
             supervise=type(self)._supervise,
             rebuild_views=type(self)._rebuild_views,
+            partial=type(self)._partial,
         ))
         live_loaders.add(self)
         self._request_from(start_step)
@@ -228,7 +243,7 @@ class ShmDataLoader(cursor_module.Cursor):
         ))
 
     def _request_from(self, step: int) -> None:
-        for step_k in range(step, step + self.slots):
+        for step_k in range(step, min(step + self.slots, self._end_step)):
             self._request(step_k % self.slots, step_k)
 
     # Slot arrays.
@@ -236,6 +251,23 @@ class ShmDataLoader(cursor_module.Cursor):
     def _slot_views(self, slot: int) -> tuple[np.ndarray, ...]:
         """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""
         return self.slot.views(self._ring.memory, self._layout.slot_offset(slot))
+
+    def _partial(self, batch: Batch) -> Batch:
+        """Called by the native next() for a step of a finite pass that keeps fewer rows (the
+        last, or an empty one on a shard whose part ended): the batch over its rows only."""
+        rows = self.finite.rows(batch.step)
+        self._short_rows += self.batch_size - rows
+        views = tuple(batch[name] for name in self.field_names) + (batch.indices,)
+        return self._batch_of(self.slot.cut(views, rows), batch.step)
+
+    def __len__(self) -> int:
+        """The steps of a finite pass (epochs=...); an endless loader has no length."""
+        if self.finite is None:
+            raise TypeError("an endless loader (epochs=None) has no length; give epochs=N for a finite pass")
+        return self.finite.steps
+
+    def __bool__(self) -> bool:
+        return True
 
     def _rebuild_views(self, slot: int) -> None:
         """Called by the native next() when a user changed one of the slot's arrays in place."""
@@ -374,13 +406,13 @@ class ShmDataLoader(cursor_module.Cursor):
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,
         and a description of the sources (file lists as digests, rows, weights, fractions)."""
-        return state_of(self._next_step, self.sampler, self.sources, self.transform)
+        return state_of(self._next_step, self.sampler, self.sources, self.transform, self.finite)
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one
         recorded. A checkpoint of other sources or settings is refused, saying what changed;
         one that lacks them (a bare {"step": n}) too: seek(n) says the same thing knowingly."""
-        self.seek(step_to_resume(state, self.sampler, self.sources, self.transform))
+        self.seek(step_to_resume(state, self.sampler, self.sources, self.transform, self.finite))
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.
@@ -392,7 +424,7 @@ class ShmDataLoader(cursor_module.Cursor):
         discarded; readers in the middle of one finish it first.
         """
         self._raise_if_closed()
-        step = check_integer("step", step, 0, self.sampler.step_max - self.slots)
+        step = check_integer("step", step, 0, min(self.sampler.step_max - self.slots, self._end_step))
         self._release_unused()
         gc.collect()
         self._release_unused()
@@ -410,7 +442,7 @@ class ShmDataLoader(cursor_module.Cursor):
         go to zero while the trainer waits), its wake-ups and batches per wake-up."""
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
-        rows = self._batches * self.batch_size
+        rows = self._batches * self.batch_size - self._short_rows
         row_bytes = self.slot.row_bytes
         return {
             "batches": self._batches,

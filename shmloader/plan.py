@@ -199,7 +199,7 @@ def merge_sources(plans: list[FieldPlan]) -> FieldPlan:
     if first.kind == "padded":
         regions[0] = Region(first.name, (regions[0].shape[0], *options["max_shape"]), regions[0].dtype)
     elif first.kind == "packed":
-        regions[0] = Region(first.name, (options["capacity"],), regions[0].dtype)
+        regions[0] = Region(first.name, (options["capacity"],), regions[0].dtype, "packed")
     parts = tuple(part for plan in plans for part in plan.parts)
     starts = tuple(start for plan in plans for start in plan.part_starts)
     owners = tuple(index for index, plan in enumerate(plans) for _ in plan.parts)
@@ -286,7 +286,7 @@ def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts
             raise ValueError(f"field {name!r}: max_elements must be an integer of at least the longest record "
                              f"({int(lengths.max())}), got {declaration.max_elements!r}")
         capacity = min(capacity, declaration.max_elements)
-    regions = [Region(name, (capacity,), spec.dtype), Region(f"{name}.offsets", (batch_size + 1,), "<u8")]
+    regions = [Region(name, (capacity,), spec.dtype, "packed"), Region(f"{name}.offsets", (batch_size + 1,), "<u8", "offsets")]
     if spec.record_ndim:
         regions.append(Region(f"{name}.shapes", (batch_size, spec.record_ndim), "<u4"))
     return _plan(name, "packed", parts, counts, regions, {"capacity": capacity})

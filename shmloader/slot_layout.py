@@ -27,24 +27,32 @@ def align(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
+# How a region is cut to the rows of a partial batch (the end of a finite pass): its first
+# axis is the batch ("rows"), it holds batch_size + 1 offsets ("offsets"), or it holds a
+# Packed field's values, cut where its offsets say the kept rows end ("packed").
+CUTS = ("rows", "offsets", "packed")
+
+
 @dataclasses.dataclass(frozen=True)
 class Region:
-    """One array of a slot: its name in the batch, its shape per batch and its dtype."""
+    """One array of a slot: its name in the batch, its shape per batch, its dtype and how a
+    partial batch cuts it."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+    cut: str = "rows"
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "cut": self.cut}
 
     @classmethod
     def from_dict(cls, data: dict) -> Region:
-        return cls(data["name"], tuple(data["shape"]), data["dtype"])
+        return cls(data["name"], tuple(data["shape"]), data["dtype"], data["cut"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +110,21 @@ class SlotLayout:
                   for region, offset in zip(self.regions, self.offsets)]
         arrays.append(np.ndarray((self.batch_size,), np.uint64, memory, base))
         return tuple(arrays)
+
+    def cut(self, views: tuple[np.ndarray, ...], rows: int) -> tuple[np.ndarray, ...]:
+        """`views` (view order) cut to their first `rows` rows: a partial batch's arrays,
+        views of the slot's (they keep it, as any view does)."""
+        by_name = dict(zip(self.names, views))
+        cut = []
+        for region, view in zip(self.regions, views):
+            if region.cut == "offsets":
+                cut.append(view[:rows + 1])
+            elif region.cut == "packed":
+                cut.append(view[:int(by_name[f"{region.name}.offsets"][rows])])
+            else:
+                cut.append(view[:rows])
+        cut.append(views[-1][:rows])
+        return tuple(cut)
 
     def allocate(self) -> tuple[np.ndarray, ...]:
         """Fresh zeroed arrays in view order, for a step filled outside the ring."""

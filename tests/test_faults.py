@@ -164,6 +164,8 @@ def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path):
     np.save(tmp_path / "data.npy", np.zeros((64, 4), dtype=np.float32))
     with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=4, readers=1, slots=3,
                        transform="transform_fixtures:hangs", step_timeout=0.5) as loader:
+        # The reader has claimed step 0 (and hangs in it) before the timeout's clock starts.
+        assert wait_until(lambda: loader.slot_states()[0][0] == "FILLING", timeout=30)
         started = time.monotonic()
         with pytest.raises(StepTimeoutError, match=r"step 0 has been in flight for .* reader 0 \(pid \d+\)") as raised:
             next(loader)
