@@ -417,9 +417,7 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
 def _as_record(record, index: int, first: np.ndarray | None) -> np.ndarray:
     array = np.ascontiguousarray(record)
     if array.ndim == 0:
-        raise ValueError(f"record {index} is a scalar; records are arrays of one or more elements")
-    if array.size == 0:
-        raise ValueError(f"record {index} is empty; leave empty records out")
+        raise ValueError(f"record {index} is a scalar; records are arrays (of one or more dimensions, empty ones included)")
     if first is not None and (array.dtype != first.dtype or array.ndim != first.ndim):
         raise ValueError(f"record {index} is {array.dtype} with {array.ndim} dimensions; the first record was "
                          f"{first.dtype} with {first.ndim}: every record needs the same dtype and dimensions")

@@ -339,19 +339,21 @@ class PackedReader(FieldReader):
 
     def _fill_packed(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
         starts, lengths, shapes, parts = self._records(groups, len(indices))
-        offsets = outputs[1].array
-        offsets[0] = 0
-        np.cumsum(lengths, out=offsets[1:])
+        ends = np.cumsum(lengths)  # uint64: checked before it is written as the offsets' dtype.
         capacity = self.plan.options["capacity"]
-        if int(offsets[-1]) > capacity:
+        if len(ends) and int(ends[-1]) > capacity:
             raise StorageError(
                 f"field {self.plan.name!r} ({self.plan.parts[0].path}): step {step}'s {len(indices)} records hold "
-                f"{int(offsets[-1])} elements, more than the packed region's {capacity} (max_elements); raise "
+                f"{int(ends[-1])} elements, more than the packed region's {capacity} (max_elements); raise "
                 f"max_elements or leave it unset (sized for the longest records)"
             )
+        offsets = outputs[1].array
+        offsets[0] = 0
+        offsets[1:] = ends
         if self.plan.parts[0].record_ndim:
             outputs[2].array[...] = shapes
-        self._gather_by_part(parts, starts, lengths, offsets[:-1] * np.uint64(self.itemsize), outputs[0])
+        starts_in_output = np.concatenate([[0], ends[:-1]]).astype(np.uint64) * np.uint64(self.itemsize)
+        self._gather_by_part(parts, starts, lengths, starts_in_output, outputs[0])
 
 
 _READERS = {"rows": RowsReader, "windows": WindowsReader, "padded": PaddedReader, "packed": PackedReader}

@@ -49,13 +49,16 @@ class Padded:
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A ragged field packed back to back: `name` is a flat array, `name.offsets` (B+1,)
-    uint64 where record i is name[offsets[i]:offsets[i+1]] (the cu_seqlens convention;
-    N-D records add `name.shapes`). Sized so that no batch overflows it (the B longest
-    records), unless `max_elements` says less; a batch that does not fit then raises,
-    naming its step. Elements past offsets[-1] are left as they were."""
+    where record i is name[offsets[i]:offsets[i+1]] (the cu_seqlens convention; N-D records
+    add `name.shapes`). `offsets` is their dtype: "int64" (what torch's ops take), or
+    "int32" (flash-attention's cu_seqlens; the packed region must then hold under 2**31
+    elements). Sized so that no batch overflows it (the B longest records), unless
+    `max_elements` says less; a batch that does not fit then raises, naming its step.
+    Elements past offsets[-1] are left as they were (a partial batch cuts them off)."""
 
     path: str | os.PathLike
     max_elements: int | None = None
+    offsets: str = "int64"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +289,14 @@ def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts
             raise ValueError(f"field {name!r}: max_elements must be an integer of at least the longest record "
                              f"({int(lengths.max())}), got {declaration.max_elements!r}")
         capacity = min(capacity, declaration.max_elements)
-    regions = [Region(name, (capacity,), spec.dtype, "packed"), Region(f"{name}.offsets", (batch_size + 1,), "<u8", "offsets")]
+    offsets_dtype = {"int64": "<i8", "int32": "<i4"}.get(declaration.offsets)
+    if offsets_dtype is None:
+        raise ValueError(f"field {name!r}: Packed offsets must be 'int64' or 'int32', got {declaration.offsets!r}")
+    if offsets_dtype == "<i4" and capacity >= 1 << 31:
+        raise ValueError(f"field {name!r}: int32 offsets hold under 2**31 elements, but a batch of the {batch_size} "
+                         f"longest records holds {capacity}; give max_elements below 2**31 or use int64 offsets")
+    regions = [Region(name, (capacity,), spec.dtype, "packed"),
+               Region(f"{name}.offsets", (batch_size + 1,), offsets_dtype, "offsets")]
     if spec.record_ndim:
         regions.append(Region(f"{name}.shapes", (batch_size, spec.record_ndim), "<u4"))
     return _plan(name, "packed", parts, counts, regions, {"capacity": capacity})
@@ -489,12 +499,31 @@ def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
 # ---- Sizing the ring ----------------------------------------------------------------------
 
 
-def default_readers() -> int:
+# Environment variables that say how many trainer processes share this node, in order:
+# torchrun's, then Slurm's (a launcher that sets neither can set LOCAL_WORLD_SIZE itself).
+LOCAL_TRAINERS_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_trainers(environment=os.environ) -> int:
+    """How many trainers share this node (1 when no launcher says)."""
+    for variable in LOCAL_TRAINERS_VARIABLES:
+        text = environment.get(variable, "").split("(")[0]  # Slurm may write "4(x2)".
+        if text.strip().isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def default_readers(environment=os.environ) -> int:
+    """The cores this process may use, divided among the node's trainers (each one starts
+    its own loader: eight ranks with a reader per core each would run 8x the cores), at
+    least one and at most 8."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    # A rank pinned to its own cores (affinity already divided) keeps them all.
+    share = cores if cores < (os.cpu_count() or cores) else cores // local_trainers(environment)
+    return max(1, min(share, 8))
 
 
 # Slots a trainer's own references may hold at once: the batch in use, and the one a `for`

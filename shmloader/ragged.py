@@ -113,11 +113,7 @@ def _check_offsets(path: str, offsets: np.ndarray, value_count: int) -> np.ndarr
         record = int(decreasing[0])
         raise StorageError(f"{path}: offsets decrease at record {record} ({int(offsets[record])} then "
                            f"{int(offsets[record + 1])}); they must not")
-    lengths = np.diff(offsets)
-    empty = np.flatnonzero(lengths == 0)
-    if empty.size:
-        raise StorageError(f"{path}: record {int(empty[0])} is empty ({empty.size} empty records); "
-                           f"leave empty records out when writing")
+    lengths = np.diff(offsets)  # Empty records (length 0) are records too.
     if int(offsets[-1]) != value_count:
         raise StorageError(f"{path}: the last offset is {int(offsets[-1])}, but {VALUES_NAME} holds {value_count} "
                            f"values (truncated or mismatched files)")

@@ -437,3 +437,16 @@ def test_stats_show_readers_starved_by_deferred_wake_ups(dataset):
     assert reader["sleeps"] > 0 and reader["wakeups"] > 0
     assert reader["starved_s"] > 0.005  # Requests waited for the deferred post.
     assert reader["batches_per_wakeup"] > 1  # One post wakes it for several slots.
+
+
+def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(monkeypatch):
+    from shmloader import plan
+
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(plan.os, "cpu_count", lambda: 16)
+    assert plan.default_readers({}) == 8
+    assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 2  # torchrun, 8 ranks: 2 readers each
+    assert plan.default_readers({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4
+    assert plan.default_readers({"LOCAL_WORLD_SIZE": "32"}) == 1
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # A rank pinned to 3 cores.
+    assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 3

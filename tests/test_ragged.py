@@ -12,7 +12,7 @@ import pytest
 from shmloader import Packed, Padded, ReaderError, Sampler, ShmDataLoader, StorageError, Windows
 from shmloader.convert import convert
 from shmloader.convert import write_ragged
-from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged
+from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged, record_lengths
 from shmloader.plan import plan_field
 
 RECORDS = 300
@@ -173,7 +173,6 @@ def test_a_ragged_directory_without_a_layout_is_refused_with_the_fix(documents):
     [
         ("decreasing", r"offsets decrease at record 1"),
         ("past_end", r"the last offset is 999, but values.b2nd holds 6 values"),
-        ("empty", r"record 1 is empty"),
         ("shapes", r"record 0 has shape \(2, 2\), which holds 4 elements, but its offsets give 3"),
         ("truncated", r"values.b2nd"),
     ],
@@ -181,7 +180,7 @@ def test_a_ragged_directory_without_a_layout_is_refused_with_the_fix(documents):
 def test_bad_ragged_files_are_named_with_the_record(tmp_path, damage, words):
     directory = tmp_path / "bad.ragged"
     directory.mkdir()
-    offsets = {"decreasing": [0, 4, 2, 6], "past_end": [0, 3, 6, 999], "empty": [0, 3, 3, 6]}.get(damage, [0, 3, 5, 6])
+    offsets = {"decreasing": [0, 4, 2, 6], "past_end": [0, 3, 6, 999]}.get(damage, [0, 3, 5, 6])
     convert(np.arange(6, dtype=np.int32), directory / VALUES_NAME, progress=False)
     convert(np.asarray(offsets, dtype=np.uint64), directory / OFFSETS_NAME, progress=False)
     if damage == "shapes":
@@ -198,8 +197,30 @@ def test_write_ragged_refuses_mixed_records_and_leaves_nothing(tmp_path):
     with pytest.raises(ValueError, match="record 1 is int64 with 1 dimensions; the first record was int32"):
         write_ragged(tmp_path / "mixed.ragged", records)
     assert os.listdir(tmp_path) == []
-    with pytest.raises(ValueError, match="record 0 is empty"):
-        write_ragged(tmp_path / "empty.ragged", [np.zeros(0, dtype=np.int32)])
+
+
+@pytest.mark.parametrize("codec", ["lz4", "none"])
+def test_empty_records_are_all_pad_rows_and_empty_segments(tmp_path, codec):
+    """Records of length 0 (28 empty __init__.py files in a token corpus): an all-pad row of
+    length 0 in Padded, an empty segment in Packed, an empty record in a transform."""
+    records = [np.arange(i % 4, dtype=np.int32) + 100 * i for i in range(50)] + [np.zeros(0, dtype=np.int32)]
+    write_ragged(tmp_path / "docs.ragged", records, codec=codec)
+    spec = describe_ragged(tmp_path / "docs.ragged")
+    assert spec.record_count == 51 and int(record_lengths(spec).min()) == 0
+    for readers in (0, 2):
+        with ShmDataLoader({"t": Padded(str(tmp_path / "docs.ragged"), max_length=4, pad=-1)}, batch_size=51,
+                           mode="sequential", readers=readers) as loader:
+            batch = next(loader)
+            for i, record in enumerate(records):
+                assert batch["t.lengths"][i] == len(record)
+                np.testing.assert_array_equal(batch["t"][i][:len(record)], record)
+                assert (batch["t"][i][len(record):] == -1).all()
+        with ShmDataLoader({"t": Packed(str(tmp_path / "docs.ragged"))}, batch_size=51, mode="sequential",
+                           readers=readers) as loader:
+            batch = next(loader)
+            offsets = batch["t.offsets"]
+            for i, record in enumerate(records):
+                np.testing.assert_array_equal(batch["t"][offsets[i]:offsets[i + 1]], record)
 
 
 def png_bytes(height: int, width: int, seed: int) -> bytes:
@@ -267,3 +288,23 @@ def test_padded_without_max_length_warns_when_one_record_sizes_every_slot(tmp_pa
     with pytest.warns(PerformanceWarning, match=r"record 300 of 600,000 elements: 73 MiB per batch.*max_length \(e\.g\. 50\)"):
         plan = plan_field("tokens", Padded(spec.path), 32)
     assert plan.regions[0].shape == (32, 600_000)
+
+
+def test_packed_offsets_are_torch_ready_and_int32_on_request(documents):
+    torch = pytest.importorskip("torch")
+    expected = None
+    for dtype, torch_dtype in (("int64", torch.int64), ("int32", torch.int32)):
+        with ShmDataLoader({"t": Packed(documents["path"], offsets=dtype)}, batch_size=8, readers=1,
+                           mode="sequential") as loader:
+            batch = next(loader)
+            offsets = torch.from_numpy(batch["t.offsets"])
+            assert offsets.dtype == torch_dtype
+            lengths = torch.diff(offsets).tolist()  # "add_stub" not implemented for 'UInt64' before
+            assert lengths == [len(documents["docs"][int(i)]) for i in batch.indices]
+            values = np.asarray(batch["t"])
+            got = [values[int(a):int(b)] for a, b in zip(batch["t.offsets"][:-1], batch["t.offsets"][1:])]
+            expected = expected or got
+            for one, other in zip(expected, got):
+                np.testing.assert_array_equal(one, other)
+    with pytest.raises(ValueError, match="'int64' or 'int32'"):
+        ShmDataLoader({"t": Packed(documents["path"], offsets="uint64")}, batch_size=8, readers=1)
