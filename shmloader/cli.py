@@ -58,8 +58,16 @@ def _inspect(arguments) -> int:
 
 
 def _convert_images(arguments) -> int:
-    from .imagefolder import convert_images
+    from .imagefolder import check_images, convert_images
 
+    if arguments.check:
+        bad = check_images(arguments.directory, progress=not arguments.quiet)
+        for path, error in bad:
+            print(f"{path}: {error}")
+        if bad:
+            print(f"{len(bad)} image(s) do not decode: nothing written. Remove or replace them, or convert without "
+                  f"--check and load with on_error='skip'", file=sys.stderr)
+            return 1
     paths = convert_images(arguments.directory, arguments.output, force=arguments.force, progress=not arguments.quiet)
     print("wrote " + ", ".join(paths.values()))
     print(f"load them with: ShmDataLoader({{'image': Packed({paths['image']!r}), 'label': {paths['label']!r}}}, ...)")
@@ -148,12 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 
     images = _command(commands, "convert-images",
-                      "store an ImageFolder directory (DIR/CLASS/IMAGE) as OUT.image, OUT.label and OUT.size",
+                      "store an ImageFolder directory (DIR/CLASS/IMAGE) as OUT.image, OUT.label, OUT.size and OUT.path",
                       _convert_images)
     images.add_argument("directory", help="one subdirectory per class, image files inside")
     images.add_argument("output", help="the stem of the files to write")
     images.add_argument("--force", action="store_true", help="overwrite existing outputs")
     images.add_argument("--quiet", action="store_true", help="no progress bar")
+    images.add_argument("--check", action="store_true",
+                        help="decode every image first (in parallel) and list those that fail, writing nothing then")
 
     inspect = _command(commands, "inspect", "layout, compression and measured random-row cost of a file", _inspect)
     inspect.add_argument("file", help="a .npy or .b2nd file, or a ragged field directory")

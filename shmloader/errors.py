@@ -97,6 +97,11 @@ class PerformanceWarning(UserWarning):
     """A file's layout makes random row reads much slower than it needs to be."""
 
 
+class SkippedRecordsWarning(UserWarning):
+    """on_error="skip" replaced records that failed to read or transform (once per loader;
+    stats()["skipped"] counts and names them)."""
+
+
 class ReaderStallWarning(RuntimeWarning):
     """One step has been in flight for a long time: a reader is stopped or its files stall."""
 

@@ -6,13 +6,14 @@ first touch, in the process that fills (a reader, or the trainer with readers=0)
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from ._native import ffi, lib
 from .errors import StorageError
 from .plan import FieldPlan
-from .ragged import RaggedField
+from .ragged import RaggedField, describe_ragged, is_ragged
 from .storage import CombinedBlosc, FieldSpec, _u64, check_gather, open_field
 from .transforms.core import Records
 
@@ -23,6 +24,27 @@ def _window_starts(seed: int, step: int, stream: int, count: int, room: np.ndarr
     out = np.empty(count, dtype=np.uint64)
     lib.shm_bounded_draws(seed, step, stream, _u64(bounds), _u64(out), count)
     return out
+
+
+def original_file(path: str, record: int) -> str | None:
+    """The source file of record `record` of a converted field `path` (STEM.image, ...), from
+    the STEM.path ragged field of UTF-8 paths that convert-images writes beside it."""
+    stem, _ = os.path.splitext(path)
+    sibling = stem + ".path"
+    if sibling == path or not is_ragged(sibling):
+        return None
+    try:
+        field = RaggedField(describe_ragged(sibling))
+        try:
+            starts, lengths = field.starts_and_lengths(np.array([record], dtype=np.uint64))
+            text = np.zeros(int(lengths[0]), dtype=np.uint8)
+            field.values.gather_ranges(starts, lengths, np.zeros(1, dtype=np.uint64),
+                                       ffi.from_buffer("uint8_t[]", text), text.nbytes)
+        finally:
+            field.close()
+        return bytes(text).decode("utf-8", errors="replace")
+    except Exception:  # Naming the file is a courtesy: never a second error.
+        return None
 
 
 class _Output:
@@ -60,6 +82,16 @@ class FieldReader:
         """Fills the field's regions (`outputs`, in the plan's region order) with the rows
         `indices` of step `step` (`sources`: a mixture's source of each row, else None)."""
         raise NotImplementedError
+
+    def describe_row(self, row: int, source: int = 0) -> str:
+        """Where row `row` of `source` is stored: its file and record, and the file it was
+        converted from where the converter kept one beside it (convert-images' OUT.path)."""
+        first, starts = self._source_parts[source]
+        k = int(np.searchsorted(starts, np.uint64(row), side="right")) - 1
+        part, local = self.plan.parts[first + k], row - int(starts[k])
+        stored = f"{part.path} record {local}"
+        original = original_file(part.path, local)
+        return f"{original} ({stored})" if original else stored
 
     def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
         """(opened file, file offset, bytes) of what rows [first_row, first_row + row_count) of

@@ -9,15 +9,51 @@ trainer itself with readers=0 (loader.py), and compute_batch / check_determinism
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ._native import ffi
+from .errors import ShmLoaderError
 from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
 from .readahead import ReadAhead
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
 from .transforms.core import TransformRunner, TransformSpec
+
+
+ON_ERROR = ("raise", "skip")
+# A batch with more failing records than this fails for another reason than its records.
+BAD_RECORDS_MAX = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRecord:
+    """A record replaced under on_error="skip": its step, batch position, row, source,
+    where it is stored, and the error it raised."""
+
+    step: int
+    position: int
+    row: int
+    source: int | None
+    where: str
+    error: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _naming(error: Exception, text: str) -> Exception:
+    """`error` with `text` added: in the message for the package's own errors (their type
+    and cause kept), as a note on others."""
+    if isinstance(error, ShmLoaderError):
+        named = type(error)(f"{error}; {text}")
+        named.__cause__ = error.__cause__ if error.__cause__ is not None else error
+        return named
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    return error
 
 
 class SlotOutputs:
@@ -39,8 +75,12 @@ class StepFiller:
     windows (read_ahead=False for a one-off computation)."""
 
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
-                 verify: bool, read_ahead: bool = True) -> None:
-        self.slot, self.sampler, self.transform = slot, sampler, transform
+                 verify: bool, read_ahead: bool = True, on_error: str = "raise") -> None:
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
+        self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
+        self._scratch = None  # outputs outside the slot, for finding a failing batch's bad records
         self.plans = tuple(fields)
         batch = slot.batch_size
         self.mixture = isinstance(sampler, MixtureSampler)
@@ -81,13 +121,21 @@ class StepFiller:
 
     def fill(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
-        check_determinism's second run)."""
+        check_determinism's second run). A batch that fails is searched for the records
+        that fail it; on_error="skip" replaces them, "raise" names them in the error."""
         if self.read_ahead is not None:
             self.read_ahead.note(step)
         if self.mixture:
             self.sampler.fill_unchecked(step, outputs.index_pointer, outputs.source_pointer)
         else:
             self.sampler.fill_unchecked(step, outputs.index_pointer)
+        try:
+            self._fill_rows(step, outputs, salt)
+        except Exception as error:
+            self._recover(step, outputs, salt, error)
+
+    def _fill_rows(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
+        """Fills the regions from the rows already in outputs.indices (and sources)."""
         indices, sources = outputs.indices, outputs.sources
         if self.runner is None:
             for field, field_outputs in zip(self.fields, outputs.fields):
@@ -95,6 +143,67 @@ class StepFiller:
         else:
             inputs = self.inputs.fill(step, indices, outputs.index_pointer, sources)
             self.runner.run(step, indices, sources, inputs, outputs.out, salt)
+
+    # Bad records.
+
+    def _fails(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> bool:
+        """Whether a batch made of the records at `positions` alone (repeated to fill it)
+        fails: the probe of the search for bad records, in scratch arrays."""
+        if self._scratch is None:
+            self._scratch = self.bind(self.slot.allocate())
+        scratch, take = self._scratch, np.resize(np.asarray(positions), len(rows))
+        scratch.indices[:] = rows[take]
+        if sources is not None:
+            scratch.sources[:] = sources[take]
+        try:
+            self._fill_rows(step, scratch)
+        except Exception:
+            return True
+        return False
+
+    def _bad_positions(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> list[int] | None:
+        """The positions whose records fail on their own, by halving: about 2 log2(B) probes
+        per bad record, deterministic (it depends only on the batch's records). None when
+        more than BAD_RECORDS_MAX fail: then the failure is not the records' (a file
+        replaced, a transform that fails on every batch) and the search stops early."""
+        if len(positions) == 1:
+            return positions if self._fails(step, rows, sources, positions) else []
+        half = len(positions) // 2
+        found = []
+        for part in (positions[:half], positions[half:]):
+            if self._fails(step, rows, sources, part):
+                more = self._bad_positions(step, rows, sources, part)
+                if more is None or len(found) + len(more) > BAD_RECORDS_MAX:
+                    return None
+                found += more
+        return found
+
+    def _recover(self, step: int, outputs: SlotOutputs, salt: int, error: Exception) -> None:
+        rows = outputs.indices.copy()
+        sources = None if outputs.sources is None else outputs.sources.copy()
+        bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or []
+        named = [self.describe(int(rows[i]), 0 if sources is None else int(sources[i])) for i in bad]
+        if self.on_error == "raise" or not bad:
+            if named:
+                raise _naming(error, f"the batch fails on record(s) {', '.join(named[:4])}"
+                                     f"{' and more' if len(named) > 4 else ''} (on_error='skip' replaces them)")
+            raise error
+        # Each bad record is replaced by the next good one of its batch (cyclically): the
+        # same whatever the reader count, and on resume.
+        good = [i for i in range(len(rows)) if i not in set(bad)]
+        for i, description in zip(bad, named):
+            j = next((k for k in good if k > i), good[0])
+            self.skipped.append(SkippedRecord(step, i, int(rows[i]), None if sources is None else int(sources[i]),
+                                              description, f"{type(error).__name__}: {error}"[:300]))
+            outputs.indices[i] = rows[j]
+            if sources is not None:
+                outputs.sources[i] = sources[j]
+        self._fill_rows(step, outputs, salt)
+
+    def describe(self, row: int, source: int = 0) -> str:
+        """Where record `row` (of `source`) is stored, with its original file where the
+        converter kept one (readers' error messages name it)."""
+        return self.field_readers[0].describe_row(row, source)
 
     def close(self) -> None:
         if self.read_ahead is not None:

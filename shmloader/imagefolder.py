@@ -101,9 +101,10 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
                    progress: bool = True) -> dict[str, str]:
     """Writes OUTPUT.image (a ragged uint8 field: each file's bytes, unchanged, stored
     uncompressed since JPEG and PNG are compressed already), OUTPUT.label (int64, the
-    class index), OUTPUT.size (uint32 (height, width) from each header) and
-    OUTPUT.classes.json (class names by index, and the files in order). Deterministic:
-    classes and files in sorted order. Returns the paths by name."""
+    class index), OUTPUT.size (uint32 (height, width) from each header), OUTPUT.path (a
+    ragged uint8 field: each file's absolute path in UTF-8, which errors about a record
+    name) and OUTPUT.classes.json (class names by index, and the files in order).
+    Deterministic: classes and files in sorted order. Returns the paths by name."""
     check_output_directory(output)
     from tqdm import tqdm
 
@@ -112,7 +113,7 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
     classes, files = list_images(directory)
     output = pathlib.Path(output)
     paths = {"image": f"{output}.image", "label": f"{output}.label", "size": f"{output}.size",
-             "classes": f"{output}.classes.json"}
+             "path": f"{output}.path", "classes": f"{output}.classes.json"}
     existing = [path for path in paths.values() if os.path.exists(path)]
     if existing and not force:
         raise FileExistsError(f"{existing[0]} exists; pass --force to overwrite")
@@ -141,6 +142,8 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
         bar.close()
     _save_npy(paths["label"], labels)
     _save_npy(paths["size"], sizes)
+    write_ragged(paths["path"], (np.frombuffer(str(path.resolve()).encode(), dtype=np.uint8) for path, _ in files),
+                 codec="lz4", force=force)
     root = pathlib.Path(directory)
     with open(paths["classes"], "w") as handle:
         json.dump({"classes": classes, "files": [str(path.relative_to(root)) for path, _ in files]}, handle)
@@ -153,3 +156,36 @@ def _save_npy(path: str, array: np.ndarray) -> None:
     with open(temporary, "wb") as handle:
         np.save(handle, array)
     os.replace(temporary, path)
+
+
+def _decode_error(path: str) -> str | None:
+    """Why Pillow cannot decode the image at `path` entirely, or None."""
+    try:
+        from PIL import Image
+
+        with Image.open(path) as image:
+            image.load()
+        return None
+    except Exception as error:  # Any failure to decode is what the check reports.
+        return f"{type(error).__name__}: {error}"
+
+
+def check_images(directory: str | os.PathLike, workers: int | None = None, progress: bool = True) -> list[tuple[str, str]]:
+    """Decodes every image of an ImageFolder tree once, in `workers` processes (default:
+    the cores), and returns (path, error) for each that does not decode, in file order:
+    what convert-images' header reads cannot see (a truncated or corrupt body)."""
+    import concurrent.futures
+
+    from tqdm import tqdm
+
+    _, files = list_images(directory)
+    names = [str(path) for path, _ in files]
+    workers = workers or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    bad = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(_decode_error, names, chunksize=64)
+        for name, error in tqdm(zip(names, results), total=len(names), desc="check images", unit="img",
+                                disable=not progress, leave=False):
+            if error is not None:
+                bad.append((name, error))
+    return bad

@@ -16,8 +16,9 @@ import numpy as np
 from ._native import load_cursor
 from .checkpoint import state_of, step_to_resume
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
-from .errors import ReaderStallWarning, SharedMemoryError, SlotsExhaustedError, StepTimeoutError, user_stacklevel
-from .filler import StepFiller
+from .errors import (ReaderStallWarning, SharedMemoryError, SkippedRecordsWarning, SlotsExhaustedError, StepTimeoutError,
+                     user_stacklevel)
+from .filler import ON_ERROR, StepFiller
 from .lifecycle import Resources, live_loaders
 from .passes import ENDLESS, FinitePass
 from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
@@ -143,6 +144,7 @@ class ShmDataLoader(cursor_module.Cursor):
         step_timeout: float | None = None,
         epochs: int | None = None,
         drop_last: bool = False,
+        on_error: str = "raise",
     ) -> None:
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -160,6 +162,9 @@ class ShmDataLoader(cursor_module.Cursor):
         if epochs is not None:
             check_integer("epochs", epochs, 1, 1 << 32)
         self._epochs, self.drop_last = epochs, bool(drop_last)
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        self.on_error, self._skips_warned = on_error, False
         self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
@@ -205,7 +210,7 @@ class ShmDataLoader(cursor_module.Cursor):
             self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
         if self.readers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
             self._filler = self._resources.filler = StepFiller(self.plan.fields, self.slot, self.sampler,
-                                                               self.transform, self.verify)
+                                                               self.transform, self.verify, on_error=self.on_error)
             self._filler_outputs = [self._filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
         self._cursor_setup(CursorConfig(
             control_table_address=self._ring.control_table_address,
@@ -240,6 +245,7 @@ class ShmDataLoader(cursor_module.Cursor):
             verify_checksums=self.verify,
             transform=self.transform,
             sys_path=tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (),
+            on_error=self.on_error,
         ))
 
     def _request_from(self, step: int) -> None:
@@ -304,6 +310,8 @@ class ShmDataLoader(cursor_module.Cursor):
                 f"while step {step} was expected; another process wrote to the ring"
             )
         self._pool.check()
+        if self.on_error == "skip" and not self._skips_warned:
+            self._warn_if_skipped()
         episode = (step, self._batches)
         if episode != self._episode:
             self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
@@ -344,6 +352,22 @@ class ShmDataLoader(cursor_module.Cursor):
             self._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
         self._ring.publish(slot, SlotState.READY, 0)
+        if self._filler.skipped and not self._skips_warned:
+            self._warn_if_skipped()
+
+    def _skipped(self) -> tuple[int, list]:
+        if self.readers == 0:
+            return len(self._filler.skipped), [record.to_dict() for record in self._filler.skipped]
+        return self._pool.skipped()
+
+    def _warn_if_skipped(self) -> None:
+        count, records = self._skipped()
+        if count:
+            self._skips_warned = True
+            first = records[0] if records else {}
+            warnings.warn(f"on_error='skip' replaced {count} record(s) that failed, the first at step "
+                          f"{first.get('step')}: {first.get('where')} ({first.get('error')}); stats()['skipped'] "
+                          f"lists them", SkippedRecordsWarning, stacklevel=user_stacklevel())
 
     def _wait_for_holder(self, step: int, waited_s: float) -> None:
         """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
@@ -440,6 +464,8 @@ class ShmDataLoader(cursor_module.Cursor):
         """Batches delivered, rates, the share of time the trainer waited, and per reader its
         busy time, the time it slept while a slot was waiting for it (starved_s; what must
         go to zero while the trainer waits), its wake-ups and batches per wake-up."""
+        if self.on_error == "skip" and not self._skips_warned and self._active:
+            self._warn_if_skipped()
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size - self._short_rows
@@ -454,6 +480,7 @@ class ShmDataLoader(cursor_module.Cursor):
             "wait_s": self._wait_ns / 1e9,
             "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
             "reader_restarts": self._pool.restarts,
+            "skipped": dict(zip(("count", "records"), self._skipped())) if self._active else {"count": 0, "records": []},
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": self._pool.report(elapsed_s) if self._active else [],
         }
@@ -467,6 +494,8 @@ class ShmDataLoader(cursor_module.Cursor):
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.
         """
+        if self.on_error == "skip" and not self._skips_warned and self._active:
+            self._warn_if_skipped()  # The one warning, if next() never had a moment to give it.
         self._deactivate()
         self._finalizer()
 

@@ -26,6 +26,7 @@ half-built loader tears down the same way.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import signal
@@ -76,6 +77,12 @@ def spawn_reader() -> subprocess.Popen:
         # `-c` puts the working directory first on sys.path; "/" keeps a source
         # checkout there from shadowing the package this trainer imported.
         cwd="/",
+        # Its own session, so its own process group: a terminal's Ctrl-C (or a signal to
+        # the trainer's group) reaches the trainer alone, which closes its readers. A
+        # reader signalled before its bootstrap could ignore SIGINT died in `site` with a
+        # "Fatal Python error" traceback. A dead trainer still ends its readers
+        # (PR_SET_PDEATHSIG and their parent checks).
+        start_new_session=True,
     )
 
 
@@ -106,6 +113,7 @@ class ReaderPool:
         self._retired_busy_ns = [0] * count
         self._retired_batches = [0] * count
         self._retired_sleeps = [(0, 0, 0)] * count  # (starved_ns, sleeps, wakeups)
+        self._retired_skips: list[tuple[int, list]] = [(0, [])] * count  # (count, first records)
         self.count = count
 
     def start(self) -> None:
@@ -176,8 +184,11 @@ class ReaderPool:
         self._retired_batches[reader_index] += batches
         self._retired_sleeps[reader_index] = tuple(
             a + b for a, b in zip(self._retired_sleeps[reader_index], ring.reader_sleeps(reader_index)))
+        count, records = self._reader_skips(reader_index)
+        self._retired_skips[reader_index] = (count, records)
         ring.write_reader_stats(reader_index, 0, 0, 0)
         ring.write_reader_sleeps(reader_index, 0, 0, 0)
+        ring.write_reader_skips(reader_index, 0, b"")
         for slot in ring.slots_filled_by(reader_index):
             self._request(slot, ring.step(slot))
 
@@ -229,6 +240,24 @@ class ReaderPool:
                 )
             if not ring.wait_published(slot, POLL_INTERVAL_SECONDS):
                 self.check()
+
+    def _reader_skips(self, reader_index: int) -> tuple[int, list]:
+        """The records reader `reader_index` skipped, with those of the readers it replaced."""
+        count, raw = self.ring.reader_skips(reader_index)
+        try:
+            records = json.loads(raw.decode()) if raw else []
+        except ValueError:
+            records = []  # Foreign input: the count still stands.
+        retired_count, retired = self._retired_skips[reader_index]
+        return retired_count + count, retired + (records if isinstance(records, list) else [])
+
+    def skipped(self) -> tuple[int, list]:
+        """Records skipped by every reader (on_error="skip"), and the first described."""
+        total, records = 0, []
+        for reader_index in range(self.count):
+            count, described = self._reader_skips(reader_index)
+            total, records = total + count, records + described
+        return total, sorted(records, key=lambda record: (record.get("step", 0), record.get("position", 0)))
 
     def report(self, elapsed_s: float) -> list[dict]:
         """Per reader, counting the readers it replaced: pid, batches filled, time busy,

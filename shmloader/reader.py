@@ -21,7 +21,7 @@ import posix_ipc
 from .errors import TransformError
 from .filler import StepFiller
 from .plan import FieldPlan
-from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
+from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, READER_SKIP_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
@@ -82,6 +82,7 @@ class ReaderConfig:
     transform: TransformSpec | None = None
     sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
     signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
+    on_error: str = "raise"
 
     def to_json(self) -> str:
         return json.dumps({
@@ -96,6 +97,7 @@ class ReaderConfig:
             "transform": None if self.transform is None else self.transform.to_dict(),
             "sys_path": list(self.sys_path),
             "signal_grace_seconds": self.signal_grace_seconds,
+            "on_error": self.on_error,
         })
 
     @classmethod
@@ -114,6 +116,7 @@ class ReaderConfig:
             transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
             sys_path=tuple(data["sys_path"]),
             signal_grace_seconds=float(data["signal_grace_seconds"]),
+            on_error=data["on_error"],
         )
 
 
@@ -181,6 +184,17 @@ class ErrorReport:
             return cls("unknown", f"unreadable error report {raw[:200]!r}", "", None)
 
 
+def skips_report(skipped: list) -> bytes:
+    """JSON of the first skipped records that fit a reader record's skip area."""
+    report = b"[]"
+    for count in range(1, len(skipped) + 1):
+        encoded = json.dumps([record.to_dict() for record in skipped[:count]]).encode()
+        if len(encoded) > READER_SKIP_BYTES_MAX:
+            break
+        report = encoded
+    return report
+
+
 def leave_if_forked(reader_pid: int) -> None:
     """Ends a process forked inside a transform that came back into the reader's code.
 
@@ -206,7 +220,8 @@ class Reader:
         if filler is None:
             if config.transform is not None:  # Imported by the trainer's sys.path.
                 sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
-            filler = StepFiller(config.fields, config.slot, config.sampler, config.transform, config.verify_checksums)
+            filler = StepFiller(config.fields, config.slot, config.sampler, config.transform, config.verify_checksums,
+                                on_error=config.on_error)
         self.filler = filler
         # Every slot's arrays and their pointers, made once.
         self.outputs = [filler.bind(config.slot.views(ring.memory, self.layout.slot_offset(slot)))
@@ -227,8 +242,11 @@ class Reader:
         started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
+        skipped = len(getattr(self.filler, "skipped", ()))
         self.filler.fill(self.step, self.outputs[slot])
         leave_if_forked(self.pid)  # A transform forked a child that came back here.
+        if skipped != len(getattr(self.filler, "skipped", ())):  # Before READY: the trainer may look then.
+            self.ring.write_reader_skips(self.index, len(self.filler.skipped), skips_report(self.filler.skipped))
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1
@@ -333,11 +351,12 @@ def main(argv: list[str]) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the trainer handles it and
     # closes the readers, so a reader must not die of it first with a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM, SIGHUP and SIGQUIT sent to the trainer's process group (a closed terminal,
-    # `kill -TERM -PGID`, a service manager's stop) must not kill the readers with their
-    # trainer: then nobody would unlink the ring. A reader outlives such a signal by at
-    # most its signal grace (SIGNAL_GRACE_SECONDS): it sees its trainer gone and cleans up, or, if the
-    # signal was for it alone, exits and is restarted.
+    # SIGTERM, SIGHUP and SIGQUIT sent to every process at once (a service manager stopping
+    # the whole cgroup, pkill; readers have their own process group, so the trainer's
+    # group signals miss them) must not kill the readers with their trainer: then nobody
+    # would unlink the ring. A reader outlives such a signal by at most its signal grace
+    # (SIGNAL_GRACE_SECONDS): it sees its trainer gone and cleans up, or, if the signal
+    # was for it alone, exits and is restarted.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
     _yield_to_the_trainer()

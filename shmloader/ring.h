@@ -16,8 +16,9 @@
 /* "SHMLRING" read as a little-endian u64, at offset 0 of the segment. */
 #define SHM_RING_MAGIC 0x474E49524C4D4853
 /* Bumped whenever the layout or the protocol changes; a reader refuses any other.
- * 4: when a slot was requested, and the readers' sleep counters, for stats(). */
-#define SHM_RING_VERSION 4
+ * 4: when a slot was requested, and the readers' sleep counters, for stats().
+ * 5: the records a reader skipped. */
+#define SHM_RING_VERSION 5
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -58,18 +59,22 @@ typedef struct {
     uint64_t reserved[4];
 } shm_control_line;
 
-/* The fixed head of a reader's record; its UTF-8 JSON error report follows. starved_ns:
- * time the reader slept while a slot it then claimed was already requested; sleeps and
- * wakeups: waits for work begun, and ended by a post rather than the time-out. */
+/* The fixed head of a reader's record; SHM_READER_SKIP_BYTES of UTF-8 JSON describing the
+ * first records it skipped (on_error="skip") follow, then its UTF-8 JSON error report.
+ * starved_ns: time the reader slept while a slot it then claimed was already requested;
+ * sleeps and wakeups: waits for work begun, and ended by a post rather than the time-out;
+ * skipped: records it replaced. */
+#define SHM_READER_SKIP_BYTES 2048
 typedef struct {
     uint64_t pid;
     uint64_t busy_ns;
     uint64_t batches;
     uint32_t error_bytes;
-    uint32_t reserved;
+    uint32_t skip_bytes;
     uint64_t starved_ns;
     uint64_t sleeps;
     uint64_t wakeups;
+    uint64_t skipped;
 } shm_reader_record;
 
 #endif

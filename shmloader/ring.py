@@ -11,7 +11,8 @@ Segment layout (all integers little-endian, offsets in bytes):
     0               64                    shm_ring_header         magic, version, counts, trainer pid, batch
                                                                   size, slot stride, slots offset, stop flag
     64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
-                                                                  error_bytes), then its UTF-8 JSON error report
+                                                                  error_bytes, skipped), 2048 bytes of JSON on
+                                                                  the records it skipped, its JSON error report
     table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
     slots_offset    slot_count * stride   slot data               per slot: its SlotLayout (slot_layout.py):
                                                                   uint64 indices (8*B), then each region, 64-byte
@@ -84,7 +85,9 @@ STATE_MASK = lib.SHM_STATE_MASK
 OWNER_SHIFT = lib.SHM_OWNER_SHIFT
 # A reader's record: the fixed struct, then room for its error report.
 READER_RECORD_BYTES = 16384
-READER_ERROR_OFFSET = ffi.sizeof("shm_reader_record")
+READER_SKIP_OFFSET = ffi.sizeof("shm_reader_record")
+READER_SKIP_BYTES_MAX = lib.SHM_READER_SKIP_BYTES
+READER_ERROR_OFFSET = READER_SKIP_OFFSET + READER_SKIP_BYTES_MAX
 READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
 PAGE_BYTES = 4096
 # How long one wait of the trainer lasts before it checks that its readers live (a dead
@@ -508,6 +511,20 @@ class Ring:
         offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
         self.memory[offset: offset + len(report)] = report
         self._records[reader].error_bytes = len(report)
+
+    def write_reader_skips(self, reader: int, count: int, report: bytes) -> None:
+        """How many records the reader skipped, and JSON describing the first of them."""
+        report = report[:READER_SKIP_BYTES_MAX]
+        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
+        self.memory[offset: offset + len(report)] = report
+        record = self._records[reader]
+        record.skip_bytes, record.skipped = len(report), count
+
+    def reader_skips(self, reader: int) -> tuple[int, bytes]:
+        record = self._records[reader]
+        length = min(record.skip_bytes, READER_SKIP_BYTES_MAX)  # Foreign input.
+        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
+        return record.skipped, bytes(self.memory[offset: offset + length])
 
     def clear_reader_error(self, reader: int) -> None:
         self._records[reader].error_bytes = 0

@@ -98,6 +98,9 @@ class SimulatedPool(ReaderPool):
     def pids(self) -> list[int]:
         return [os.getpid()] * self.count
 
+    def skipped(self) -> tuple[int, list]:
+        return 0, []
+
     def configure(self, ring, request, config) -> None:
         self.ring, self._request, self._config = ring, request, config
         for index in range(self.count):

@@ -11,11 +11,12 @@ from ..slot_layout import INDICES
 class LocalTransform:
     def __init__(self, fields, transform, transform_args=None, *, label_path=None, batch_size: int = 256,
                  mode: str = "shuffle", seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                 verify: bool = False, shuffle_window: int | None = None) -> None:
+                 verify: bool = False, shuffle_window: int | None = None, on_error: str = "raise") -> None:
         plan = plan_loader(fields, label_path, batch_size, mode, seed, shard_index, shard_count, transform,
                            transform_args, shuffle_window)
         self.spec, self.slot = plan.transform, plan.slot
-        self.filler = StepFiller(plan.fields, plan.slot, plan.sampler, plan.transform, verify, read_ahead=False)
+        self.filler = StepFiller(plan.fields, plan.slot, plan.sampler, plan.transform, verify, read_ahead=False,
+                                 on_error=on_error)
 
     def compute(self, step: int, salt: int = 0) -> dict:
         """Batch `step`'s arrays (new ones): the transform's outputs, "source" for a mixture,

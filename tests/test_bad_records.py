@@ -1,0 +1,122 @@
+"""Bad records: on_error="skip" replaces a record whose read or transform fails by the next
+good record of its batch, the same for any reader count and on resume, counts and names
+it; on_error="raise" names the record (and its original file) in the error."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+
+from shmloader import ShmDataLoader, SkippedRecordsWarning
+from shmloader.transforms import compute_batch
+
+CURSED = "transform_fixtures:fails_on_row_seven"
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bad_records")
+    data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    np.save(directory / "data.npy", data)
+    return str(directory / "data.npy"), data
+
+
+@pytest.mark.parametrize("readers", [0, 1, 2])
+def test_a_failing_record_is_replaced_by_the_next_good_one_and_named(rows, readers):
+    path, data = rows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ShmDataLoader({"data": path}, transform=CURSED, batch_size=16, mode="sequential", readers=readers,
+                           on_error="skip", epochs=2) as loader:  # A finite pass: no step is filled past it.
+            batches = [(np.array(batch.indices), np.array(batch["x"])) for batch in loader]
+            stats = loader.stats()
+    indices, x = batches[0]
+    expected = np.arange(16)
+    expected[7] = 8  # Row 7 fails; the next good record of its batch takes its place.
+    np.testing.assert_array_equal(indices, expected)
+    np.testing.assert_array_equal(x, data[expected])
+    for step, (indices, x) in enumerate(batches[1:4], start=1):  # Rows 16.. are sound: untouched.
+        np.testing.assert_array_equal(indices, np.arange(16 * step, 16 * step + 16))
+    assert len(batches) == 8 and stats["skipped"]["count"] == 2  # Row 7 comes again at step 4.
+    first = stats["skipped"]["records"][0]
+    assert (first["step"], first["position"], first["row"]) == (0, 7, 7)
+    assert "data.npy record 7" in first["where"] and "row seven is cursed" in first["error"]
+    assert any(issubclass(w.category, SkippedRecordsWarning) for w in caught)
+    reference = compute_batch({"data": path}, 0, CURSED, batch_size=16, mode="sequential", on_error="skip")
+    np.testing.assert_array_equal(reference["indices"], expected)
+
+
+def test_under_raise_the_error_names_the_record(rows):
+    path, _ = rows
+    with ShmDataLoader({"data": path}, transform=CURSED, batch_size=16, mode="sequential", readers=1) as loader:
+        with pytest.raises(ValueError, match=r"fails on record\(s\) .*data.npy record 7"):
+            next(loader)
+
+
+def test_a_batch_that_fails_for_every_record_is_not_skipped(rows):
+    path, _ = rows
+    with ShmDataLoader({"data": path}, transform="transform_fixtures:returns_wrong_shape", batch_size=16, readers=1,
+                       on_error="skip") as loader:
+        with pytest.raises(ValueError, match="shape"):
+            next(loader)
+
+
+def broken_tree(root, count: int = 24) -> dict:
+    """An ImageFolder tree of `count` JPEGs, one truncated and one corrupt (headers intact:
+    only decoding finds them)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    files = {}
+    for index in range(count):
+        directory = root / f"class{index % 2}"
+        directory.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(buffer, format="JPEG")
+        data = buffer.getvalue()
+        if index == 5:
+            data = data[:len(data) // 2]
+        elif index == 14:
+            data = data[:400] + bytes(rng.integers(0, 255, len(data) - 400, dtype=np.uint8))
+        path = directory / f"{index:03d}.jpg"
+        path.write_bytes(data)
+        files[index] = path
+    return files
+
+
+def test_broken_images_are_listed_by_check_skipped_with_their_paths_and_named_under_raise(tmp_path):
+    pytest.importorskip("PIL")
+    from shmloader.imagefolder import check_images, convert_images
+
+    files = broken_tree(tmp_path / "images")
+    bad = check_images(tmp_path / "images", workers=2, progress=False)
+    assert [path for path, _ in bad] == sorted([str(files[5]), str(files[14])])
+    paths = convert_images(tmp_path / "images", tmp_path / "photos", progress=False)
+    fields = {"image": paths["image"], "label": paths["label"]}
+    options = dict(transform="shmloader.transforms.images:train", transform_args={"size": 16}, batch_size=12,
+                   mode="sequential", epochs=1)
+    results = []
+    for readers in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SkippedRecordsWarning)
+            with ShmDataLoader(fields, readers=readers, on_error="skip", **options) as loader:
+                results.append([(np.array(batch.indices), np.array(batch["image"]), np.array(batch["label"]))
+                                for batch in loader])
+                skipped = loader.stats()["skipped"]
+        assert skipped["count"] == 2
+        named = " ".join(record["where"] for record in skipped["records"])
+        assert str(files[5].resolve()) in named and str(files[14].resolve()) in named
+    for (indices, images, labels), (indices2, images2, labels2) in zip(*results):  # The same for any reader count.
+        np.testing.assert_array_equal(indices, indices2)
+        np.testing.assert_array_equal(images, images2)
+        np.testing.assert_array_equal(labels, labels2)
+    order = [str(path) for path in sorted(files.values(), key=lambda p: (p.parent.name, p.name))]
+    broken = {order.index(str(files[5])), order.index(str(files[14]))}
+    delivered = np.concatenate([indices for indices, _, _ in results[0]])
+    assert not broken & set(delivered.tolist()) and len(delivered) == 24
+    with ShmDataLoader(fields, readers=1, **options) as loader:
+        with pytest.raises(Exception, match=str(files[14].resolve()).replace(".", r"\.")):  # In step 0.
+            list(loader)
