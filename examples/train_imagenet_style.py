@@ -6,6 +6,10 @@ Run: python examples/train_imagenet_style.py [IMAGE_DIR]
      (needs `pip install torch 'shmloader[images]'`; without IMAGE_DIR it makes a small
      directory of 4 colour classes first)
 
+One image of the generated directory is truncated: on_error="skip" replaces it with the
+next good image of its batch, and stats()["skipped"] names its file (convert-images keeps
+each record's path). `shmloader convert-images DIR OUT --check` lists such files first.
+
 The readers run shmloader.transforms.images:train on each batch: the slot receives
 (B, size, size, 3) uint8 images and (B,) int64 labels, nothing else. Each image's crop and
 flip come from its own generator, keyed by (seed, its position in the stream, the
@@ -42,6 +46,9 @@ def make_image_directory(root: pathlib.Path, per_class: int = 60) -> pathlib.Pat
             shade = 0.7 + 0.3 * np.sin(x / rng.uniform(5, 30) + y / rng.uniform(5, 30))[..., None]
             image = np.array(tint) * shade + rng.normal(0, 12, (height, width, 3))
             Image.fromarray(np.clip(image, 0, 255).astype(np.uint8)).save(directory / f"{index:04d}.jpg", quality=90)
+    # One file cut short, as an interrupted copy leaves it: its header reads, its pixels do not.
+    broken = root / "class0" / "0007.jpg"
+    broken.write_bytes(broken.read_bytes()[:600])
     return root
 
 
@@ -63,7 +70,8 @@ def main(steps: int = 150, image_directory: str | None = None, batch_size: int =
         with ShmDataLoader({"image": paths["image"], "label": paths["label"]},
                            transform="shmloader.transforms.images:train",
                            transform_args={"size": SIZE, "scale": [0.3, 1.0]},
-                           batch_size=batch_size, readers=2, seed=0) as loader:
+                           batch_size=batch_size, readers=2, seed=0,
+                           on_error="skip") as loader:  # A broken image is replaced, counted and named.
             for step, batch in zip(range(steps), loader):
                 with batch:  # The slot goes back once the data is copied out (the float conversion).
                     images = torch.from_numpy(batch["image"]).permute(0, 3, 1, 2).float().div_(255)
@@ -78,6 +86,9 @@ def main(steps: int = 150, image_directory: str | None = None, batch_size: int =
                     seen += len(labels)
                 if step % 50 == 0:
                     print(f"step {step}: loss {loss.item():.3f}")
+            skipped = loader.stats()["skipped"]
+            for record in skipped["records"][:3]:
+                print(f"skipped at step {record['step']}: {record['where']}")
     accuracy = correct / seen
     print(f"accuracy over the last 20 batches: {accuracy:.2f}")
     return accuracy

@@ -44,6 +44,15 @@ class SkippedRecord:
         return dataclasses.asdict(self)
 
 
+def _roomy(plan: FieldPlan, batch_size: int) -> FieldPlan:
+    """`plan` with a packed region that holds batch_size of its longest records."""
+    if plan.kind != "packed":
+        return plan
+    capacity = batch_size * max(part.length_max for part in plan.parts)
+    values = dataclasses.replace(plan.regions[0], shape=(capacity,))
+    return dataclasses.replace(plan, regions=(values, *plan.regions[1:]), options={**plan.options, "capacity": capacity})
+
+
 def _naming(error: Exception, text: str) -> Exception:
     """`error` with `text` added: in the message for the package's own errors (their type
     and cause kept), as a note on others."""
@@ -80,7 +89,8 @@ class StepFiller:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
         self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
-        self._scratch = None  # outputs outside the slot, for finding a failing batch's bad records
+        self.verify = verify
+        self._probe = self._probe_outputs = None  # a filler with room to spare, for finding bad records
         self.plans = tuple(fields)
         batch = slot.batch_size
         self.mixture = isinstance(sampler, MixtureSampler)
@@ -149,14 +159,20 @@ class StepFiller:
     def _fails(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> bool:
         """Whether a batch made of the records at `positions` alone (repeated to fill it)
         fails: the probe of the search for bad records, in scratch arrays."""
-        if self._scratch is None:
-            self._scratch = self.bind(self.slot.allocate())
-        scratch, take = self._scratch, np.resize(np.asarray(positions), len(rows))
-        scratch.indices[:] = rows[take]
+        if self._probe is None:
+            # Records repeated to fill a probe can hold more elements than the batch's
+            # packed regions are sized for: the probe's regions hold every row at its longest.
+            plans = tuple(_roomy(plan, self.slot.batch_size) for plan in self.plans)
+            slot = self.slot if self.runner is not None else SlotLayout.of(
+                self.slot.batch_size, [region for plan in plans for region in plan.regions], self.mixture)
+            self._probe = StepFiller(plans, slot, self.sampler, self.transform, self.verify, read_ahead=False)
+            self._probe_outputs = self._probe.bind(slot.allocate())
+        probe, take = self._probe_outputs, np.resize(np.asarray(positions), len(rows))
+        probe.indices[:] = rows[take]
         if sources is not None:
-            scratch.sources[:] = sources[take]
+            probe.sources[:] = sources[take]
         try:
-            self._fill_rows(step, scratch)
+            self._probe._fill_rows(step, probe)
         except Exception:
             return True
         return False
@@ -206,6 +222,9 @@ class StepFiller:
         return self.field_readers[0].describe_row(row, source)
 
     def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = self._probe_outputs = None
         if self.read_ahead is not None:
             self.read_ahead.close()
             self.read_ahead = None

@@ -120,3 +120,24 @@ def test_broken_images_are_listed_by_check_skipped_with_their_paths_and_named_un
     with ShmDataLoader(fields, readers=1, **options) as loader:
         with pytest.raises(Exception, match=str(files[14].resolve()).replace(".", r"\.")):  # In step 0.
             list(loader)
+
+
+def test_a_bad_ragged_record_is_found_even_beside_a_long_one(tmp_path):
+    """The search repeats records to fill its probes: a long record repeated must not look
+    bad for overflowing a packed region sized for the batch's own records."""
+    from shmloader.convert import write_ragged
+
+    records = [np.full(3, i, dtype=np.int32) for i in range(32)]
+    records[0] = np.ones(5000, dtype=np.int32)  # Long, and sound.
+    records[9] = np.array([1, -1, 2], dtype=np.int32)  # Bad.
+    write_ragged(tmp_path / "docs.ragged", records)
+    with ShmDataLoader({"tokens": str(tmp_path / "docs.ragged")}, transform="transform_fixtures:refuses_negative_records",
+                       batch_size=16, mode="sequential", epochs=1, readers=1, on_error="skip") as loader:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SkippedRecordsWarning)
+            totals = np.concatenate([np.array(batch["total"]) for batch in loader])
+            skipped = loader.stats()["skipped"]
+    assert [record["row"] for record in skipped["records"]] == [9]
+    expected = [int(record.sum()) for record in records]
+    expected[9] = expected[10]
+    np.testing.assert_array_equal(totals, expected)

@@ -154,3 +154,13 @@ def records_pid(batch, out, ctx):
     """x as given, and the id of the process that ran the transform."""
     out["x"][:] = batch["data"]
     out["pid"][:] = os.getpid()
+
+
+@shmloader.transform(outputs={"total": ((), "int64")})
+def refuses_negative_records(batch, out, ctx):
+    """Sums each ragged record; a record holding a negative value is refused (a bad record)."""
+    records = batch["tokens"]
+    for i in range(len(records)):
+        if (records[i] < 0).any():
+            raise ValueError(f"record {int(ctx.indices[i])} holds a negative value")
+        out["total"][i] = records[i].sum()
