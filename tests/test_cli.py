@@ -76,6 +76,7 @@ def test_examples_train(name, module):
     assert example.main(steps=200) > 0.3
 
 
+@pytest.mark.filterwarnings("ignore::shmloader.SkippedRecordsWarning")  # The example's broken image, on purpose.
 def test_imagenet_style_example_trains():
     pytest.importorskip("torch")
     pytest.importorskip("PIL")

@@ -167,3 +167,18 @@ def test_to_device_cpu_gives_tensors_over_the_slots_without_a_copy(dataset):
             assert isinstance(tensors["label"], torch.Tensor)
             np.testing.assert_array_equal(tensors["label"].numpy(), labels[step * 8:(step + 1) * 8])
             del tensors
+
+
+def test_a_finite_pass_hands_out_every_prefetched_batch_before_it_stops(dataset):
+    """The loader's StopIteration comes while copies are still issued: they are handed out
+    first, the last one partial, and then the iterator stops."""
+    backend = FakeBackend()
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=64, slots=6, readers=1,
+                       mode="sequential", epochs=1) as loader:
+        iterator = loader.to_device("cuda", prefetch=2, backend=backend)
+        labels = [tensors["label"] for tensors in iterator]
+        with pytest.raises(StopIteration):  # And stays stopped.
+            next(iterator)
+        iterator.close()
+    assert [len(batch) for batch in labels] == [64] * 9 + [24]  # 600 rows
+    np.testing.assert_array_equal(np.concatenate(labels), dataset["labels"])
