@@ -74,6 +74,27 @@ def _convert_images(arguments) -> int:
     return 0
 
 
+def _import(arguments) -> int:
+    from . import formats
+
+    columns = arguments.columns.split(",") if arguments.columns else None
+    options = dict(columns=columns, force=arguments.force, progress=not arguments.quiet)
+    if arguments.format == "parquet":
+        paths = formats.from_parquet(arguments.source, arguments.output, **options)
+    else:
+        import pyarrow as pa
+
+        with pa.memory_map(arguments.source, "r") as source:
+            try:
+                table = pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                table = pa.ipc.open_stream(source).read_all()
+        paths = formats.from_arrow(table, arguments.output, **options)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def _verify(arguments) -> int:
     from .convert import verify
     from .ragged import describe_ragged, is_ragged
@@ -164,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument("--quiet", action="store_true", help="no progress bar")
     images.add_argument("--check", action="store_true",
                         help="decode every image first (in parallel) and list those that fail, writing nothing then")
+
+    imports = _command(commands, "import", "import Parquet files or an Arrow file as fields (one per column)", _import)
+    imports.add_argument("format", choices=("parquet", "arrow"))
+    imports.add_argument("source", help="Parquet: a file or a glob (quote it); Arrow: an IPC file or stream")
+    imports.add_argument("output", help="the directory to write, one field per column")
+    imports.add_argument("--columns", help="comma-separated columns to import (default: all)")
+    imports.add_argument("--force", action="store_true", help="overwrite an existing output")
+    imports.add_argument("--quiet", action="store_true", help="no progress bar")
 
     inspect = _command(commands, "inspect", "layout, compression and measured random-row cost of a file", _inspect)
     inspect.add_argument("file", help="a .npy or .b2nd file, or a ragged field directory")

@@ -58,6 +58,13 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
     def __enter__(self) -> Batch:
         return self
 
+    def strings(self, name: str, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
+        """A Packed field of bytes (paths, captions, keys; formats.from_parquet's strings)
+        as Python strings, one per row."""
+        offsets = self[f"{name}.offsets"].tolist()
+        data = self[name][:offsets[-1]].tobytes()
+        return [data[start:end].decode(encoding, errors) for start, end in zip(offsets[:-1], offsets[1:])]
+
     def __exit__(self, *exc_info) -> None:
         self.release()
 
