@@ -81,6 +81,12 @@ def _import(arguments) -> int:
     options = dict(columns=columns, force=arguments.force, progress=not arguments.quiet)
     if arguments.format == "parquet":
         paths = formats.from_parquet(arguments.source, arguments.output, **options)
+    elif arguments.format == "webdataset":
+        if columns is not None:
+            print("--columns applies to parquet and arrow; a WebDataset import takes every extension", file=sys.stderr)
+            return 2
+        paths = formats.from_webdataset(arguments.source, arguments.output, force=arguments.force,
+                                        progress=not arguments.quiet)
     else:
         import pyarrow as pa
 
@@ -186,9 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument("--check", action="store_true",
                         help="decode every image first (in parallel) and list those that fail, writing nothing then")
 
-    imports = _command(commands, "import", "import Parquet files or an Arrow file as fields (one per column)", _import)
-    imports.add_argument("format", choices=("parquet", "arrow"))
-    imports.add_argument("source", help="Parquet: a file or a glob (quote it); Arrow: an IPC file or stream")
+    imports = _command(commands, "import", "import Parquet, an Arrow file or WebDataset shards as fields", _import)
+    imports.add_argument("format", choices=("parquet", "arrow", "webdataset"), help="what SOURCE holds")
+    imports.add_argument("source", help="Parquet or WebDataset tar shards: a file or a glob (quote it); Arrow: an "
+                                        "IPC file or stream")
     imports.add_argument("output", help="the directory to write, one field per column")
     imports.add_argument("--columns", help="comma-separated columns to import (default: all)")
     imports.add_argument("--force", action="store_true", help="overwrite an existing output")

@@ -1,5 +1,6 @@
 """The formats users have, in: Parquet files and Arrow tables (a Hugging Face `datasets.Dataset`
-is one: `dataset.data.table`), column by column into the fields ShmDataLoader reads.
+is one: `dataset.data.table`), column by column, and WebDataset tar shards (from_webdataset,
+one field per extension), into the fields ShmDataLoader reads.
 
 Each column becomes a field in the output directory OUT:
 
@@ -243,3 +244,141 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
     text = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(shape)})
     length = _NPY_HEADER_BYTES - 10
     return b"\x93NUMPY\x01\x00" + length.to_bytes(2, "little") + (text.ljust(length - 1) + "\n").encode("latin1")
+
+
+# ---- WebDataset ------------------------------------------------------------------------
+
+# Entries read as one integer per sample (the WebDataset convention for class labels).
+_INTEGER_EXTENSIONS = ("cls", "cls2", "class", "label", "index", "idx")
+# Samples in flight between the tar reader and the field writers.
+_QUEUE_SAMPLES = 256
+_DONE = object()
+
+
+def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) -> dict[str, str]:
+    """Imports WebDataset tar shards (a path, a list or a glob; samples in shard order) into
+    OUT: one ragged bytes field per extension (`jpg`, `txt`, ...), integer entries (`cls`,
+    ...) as int64 fields, and the samples' keys as the bytes field `__key__`. Every sample
+    must have the extensions of the first; one that lacks or adds one is refused, naming it.
+    One pass over the shards: a reader thread feeds one writer thread per field."""
+    import queue
+    import tarfile
+    import threading
+
+    files = _expand(shards)
+    out = pathlib.Path(out)
+    check_output_directory(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; pass force=True to overwrite it")
+
+    def samples():
+        """(shard, key, {extension: bytes}) in order: members of one key are consecutive."""
+        for shard in files:
+            try:
+                with tarfile.open(shard, "r|*") as archive:
+                    key, entries = None, {}
+                    for member in archive:
+                        if not member.isfile():
+                            continue
+                        base = os.path.basename(member.name)
+                        stem, dot, extension = base.partition(".")
+                        member_key = os.path.join(os.path.dirname(member.name), stem)
+                        if not dot:
+                            raise StorageError(f"{shard}: member {member.name} has no extension (expected KEY.EXT)")
+                        if member_key != key and key is not None:
+                            yield shard, key, entries
+                            entries = {}
+                        key = member_key
+                        if extension in entries:
+                            raise StorageError(f"{shard}: sample {key} has two {extension!r} entries")
+                        entries[extension] = archive.extractfile(member).read()
+                    if key is not None:
+                        yield shard, key, entries
+            except (tarfile.TarError, OSError, EOFError) as error:
+                raise StorageError(f"{shard}: not a readable tar shard ({error})") from None
+
+    stream = samples()
+    try:
+        first_shard, first_key, first = next(stream)
+    except StopIteration:
+        raise StorageError(f"{files[0]}: no samples in the shards") from None
+    extensions = sorted(first)
+    integers = [extension for extension in extensions if extension in _INTEGER_EXTENSIONS]
+    names = {extension: extension.replace(".", "_") for extension in extensions}
+    temporary = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    queues = {name: queue.Queue(_QUEUE_SAMPLES) for name in [*names.values(), "__key__"]}
+    failures = []
+
+    def writer(name: str) -> None:
+        from .convert import write_ragged
+
+        def records():
+            while (item := queues[name].get()) is not _DONE:
+                yield item
+
+        try:
+            write_ragged(temporary / f"{name}.ragged", records(), codec="none")
+        except BaseException as error:  # Reported by the reader's thread; the queue is drained.
+            failures.append(error)
+            while queues[name].get() is not _DONE:
+                pass
+
+    ragged = [name for extension, name in names.items() if extension not in integers] + ["__key__"]
+    threads = [threading.Thread(target=writer, args=(name,), daemon=True) for name in ragged]
+    labels = {names[extension]: [] for extension in integers}
+    from tqdm import tqdm
+
+    bar = tqdm(desc=f"import {out.name}", unit="sample", disable=not progress, leave=False)
+
+    def put(shard, key, entries):
+        if sorted(entries) != extensions:
+            missing, extra = sorted(set(extensions) - set(entries)), sorted(set(entries) - set(extensions))
+            raise StorageError(f"{shard}: sample {key} has extensions {sorted(entries)}; the first sample "
+                               f"({first_key} in {first_shard}) has {extensions}"
+                               f"{f', missing {missing}' if missing else ''}{f', extra {extra}' if extra else ''}")
+        for extension in extensions:
+            data = entries[extension]
+            if extension in integers:
+                try:
+                    labels[names[extension]].append(int(data.decode().strip()))
+                except ValueError:
+                    raise StorageError(f"{shard}: sample {key}: its {extension!r} entry {data[:40]!r} is not "
+                                       f"an integer") from None
+            else:
+                queues[names[extension]].put(np.frombuffer(data, dtype=np.uint8))
+        queues["__key__"].put(np.frombuffer(key.encode(), dtype=np.uint8))
+        bar.update(1)
+        if failures:
+            raise failures[0]
+
+    try:
+        try:
+            for thread in threads:
+                thread.start()
+            put(first_shard, first_key, first)
+            for shard, key, entries in stream:
+                put(shard, key, entries)
+        finally:
+            for name in ragged:
+                queues[name].put(_DONE)
+            for thread in threads:
+                if thread.is_alive() or thread.ident is not None:
+                    thread.join()
+            bar.close()
+        if failures:
+            raise failures[0]
+        paths = {}
+        for name, values in labels.items():
+            np.save(temporary / f"{name}.npy", np.asarray(values, dtype=np.int64))
+            paths[name] = f"{name}.npy"
+        for name in ragged:
+            paths[name] = f"{name}.ragged"
+        if out.exists():
+            shutil.rmtree(out) if out.is_dir() else out.unlink()
+        os.replace(temporary, out)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    return {name: str(out / path) for name, path in paths.items()}

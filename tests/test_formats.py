@@ -113,3 +113,55 @@ def test_bad_input_names_the_file_or_column(tmp_path):
     table = pa.table({"nested": pa.array([{"a": 1}], type=pa.struct([("a", pa.int64())]))})
     with pytest.raises(StorageError, match="column 'nested'"):
         from_arrow(table, tmp_path / "out", progress=False)
+
+
+def write_shards(directory, samples: int = 90, per_shard: int = 40, drop=None):
+    webdataset = pytest.importorskip("webdataset")
+    rng = np.random.default_rng(3)
+    expected = []
+    for shard in range(-(-samples // per_shard)):
+        with webdataset.TarWriter(str(directory / f"shard-{shard:03d}.tar")) as sink:
+            for index in range(shard * per_shard, min(samples, (shard + 1) * per_shard)):
+                sample = {"__key__": f"sample{index:05d}", "jpg": rng.bytes(int(rng.integers(0, 300))),
+                          "cls": index % 7, "txt": f"caption of {index}"}
+                if index == drop:
+                    del sample["txt"]
+                sink.write(sample)
+                expected.append(sample)
+    return expected
+
+
+def test_webdataset_shards_import_in_order_and_read_back_like_webdataset_reads_them(tmp_path):
+    from shmloader.formats import from_webdataset
+
+    webdataset = pytest.importorskip("webdataset")
+    write_shards(tmp_path)
+    paths = from_webdataset(str(tmp_path / "shard-*.tar"), tmp_path / "out", progress=False)
+    assert sorted(paths) == ["__key__", "cls", "jpg", "txt"]
+    reference = list(webdataset.WebDataset(sorted(str(p) for p in tmp_path.glob("shard-*.tar")), shardshuffle=False))
+    fields = {"jpg": Packed(paths["jpg"]), "txt": Packed(paths["txt"]), "key": Packed(paths["__key__"]),
+              "cls": paths["cls"]}
+    got = {"jpg": [], "txt": [], "key": [], "cls": []}
+    with ShmDataLoader(fields, batch_size=16, mode="sequential", epochs=1, readers=2) as loader:
+        for batch in loader:
+            offsets = batch["jpg.offsets"].tolist()
+            got["jpg"] += [batch["jpg"][a:b].tobytes() for a, b in zip(offsets[:-1], offsets[1:])]
+            got["txt"] += batch.strings("txt")
+            got["key"] += batch.strings("key")
+            got["cls"] += batch["cls"].tolist()
+    assert got["key"] == [sample["__key__"] for sample in reference]
+    assert got["jpg"] == [sample["jpg"] for sample in reference]
+    assert got["txt"] == [sample["txt"].decode() for sample in reference]
+    assert got["cls"] == [int(sample["cls"]) for sample in reference]
+
+
+def test_a_sample_missing_an_extension_or_a_broken_shard_is_named(tmp_path):
+    from shmloader.formats import from_webdataset
+
+    write_shards(tmp_path, drop=57)
+    with pytest.raises(StorageError, match=r"shard-001.tar: sample sample00057 has extensions \['cls', 'jpg'\].*missing \['txt'\]"):
+        from_webdataset(str(tmp_path / "shard-*.tar"), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
+    (tmp_path / "broken.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(StorageError, match="broken.tar: not a readable tar shard"):
+        from_webdataset(tmp_path / "broken.tar", tmp_path / "out2", progress=False)
