@@ -279,6 +279,76 @@ class WindowsReader(FieldReader):
                                           output.pointer, output.nbytes)
 
 
+class DocumentWindowsReader(FieldReader):
+    """Windows over ragged documents back to back (a separator after each where one is
+    given): each row's pieces of documents are gathered in one native call per batch, the
+    separators and the segment ids written by numpy."""
+
+    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
+        super().__init__(plan, batch_size, verify, sampler)
+        self.length, self.separator = plan.options["length"], plan.options["separator"]
+        self._stream_starts = None  # each document's first stream position, once its offsets are read
+
+    def _starts(self) -> np.ndarray:
+        if self._stream_starts is None:
+            offsets = self.part(0).offsets.astype(np.int64)
+            gap = np.arange(len(offsets), dtype=np.int64) if self.separator is not None else 0
+            self._stream_starts = offsets + gap  # entry d: where document d starts; the last: the end
+        return self._stream_starts
+
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+        starts_of, offsets = self._starts(), self.part(0).offsets.astype(np.int64)
+        width, itemsize = self.length + 1, self.itemsize
+        tokens, segments = outputs[0].array, outputs[1].array
+        pieces_start, pieces_count, pieces_destination = [], [], []
+        separators = []  # (row, column) of each separator
+        for row, index in enumerate(indices.tolist()):
+            first, end = index * self.length, index * self.length + width
+            document = int(np.searchsorted(starts_of, first, side="right")) - 1
+            segment_row = segments[row]
+            segment_row[:] = 0
+            position, segment = first, 0
+            while position < end:
+                doc_start, doc_values = int(starts_of[document]), int(offsets[document])
+                doc_length = int(offsets[document + 1]) - doc_values
+                if position >= doc_start + doc_length + (self.separator is not None):
+                    document += 1
+                    continue
+                if position > first and position == doc_start:  # A document begins inside the row.
+                    segment += 1
+                    segment_row[position - first:] = segment
+                inside = position - doc_start
+                if inside < doc_length:
+                    count = min(doc_length - inside, end - position)
+                    pieces_start.append(doc_values + inside)
+                    pieces_count.append(count)
+                    pieces_destination.append((row * width + position - first) * itemsize)
+                    position += count
+                else:  # The separator after the document.
+                    separators.append((row, position - first))
+                    position += 1
+        if pieces_start:
+            self.part(0).values.gather_ranges(np.asarray(pieces_start, np.uint64), np.asarray(pieces_count, np.uint64),
+                                              np.asarray(pieces_destination, np.uint64), outputs[0].pointer,
+                                              outputs[0].nbytes)
+        if separators:
+            rows, columns = np.asarray(separators).T
+            tokens[rows, columns] = self.separator
+
+    def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
+        """The stored values under rows [first_row, first_row + row_count) (their documents'
+        values, separators aside): what the block-local shuffle reads ahead."""
+        field, starts_of = self.part(0), self._starts()
+        first = first_row * self.length
+        end = (first_row + row_count) * self.length + 1
+        documents = np.searchsorted(starts_of, [first, end], side="right") - 1
+        offsets = field.offsets
+        low = int(offsets[min(int(documents[0]), len(offsets) - 1)])
+        high = int(offsets[min(int(documents[1]) + 1, len(offsets) - 1)])
+        ranges = field.values.byte_ranges(low, high - low) if hasattr(field.values, "byte_ranges") else []
+        return [(field.values, offset, size) for offset, size in ranges if size > 0]
+
+
 class PaddedReader(FieldReader):
     """Ragged records padded to the maximum shape, with their lengths (or shapes)."""
 
@@ -388,7 +458,8 @@ class PackedReader(FieldReader):
         self._gather_by_part(parts, starts, lengths, starts_in_output, outputs[0])
 
 
-_READERS = {"rows": RowsReader, "windows": WindowsReader, "padded": PaddedReader, "packed": PackedReader}
+_READERS = {"rows": RowsReader, "windows": WindowsReader, "documents": DocumentWindowsReader,
+            "padded": PaddedReader, "packed": PackedReader}
 
 
 def field_reader(plan: FieldPlan, batch_size: int, verify: bool, sampler) -> FieldReader:

@@ -65,10 +65,17 @@ class Packed:
 class Windows:
     """A 1-D field (a token stream, .npy or .b2nd) read as rows of `length` + 1 elements:
     row i is stream[i*length : i*length + length + 1], inputs and shifted targets of
-    language-model pre-training with no padding."""
+    language-model pre-training with no padding.
+
+    Over a ragged field of 1-D documents the stream is the documents back to back, each
+    followed by `separator` where one is given (an end-of-document token), so that a row
+    may span documents; `name.segments` (B, length + 1) int32 numbers the documents inside
+    each row from 0 (a separator belongs to the document it ends): what intra-document
+    attention masks are built from (Megatron's GPTDataset layout)."""
 
     path: str | os.PathLike
     length: int
+    separator: int | float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +85,7 @@ class FieldPlan:
     it in the same source; `row_counts` gives each source's total."""
 
     name: str
-    kind: str  # "rows", "windows", "padded" or "packed"
+    kind: str  # "rows", "windows", "documents" (Windows over ragged documents), "padded" or "packed"
     parts: tuple[FieldSpec | RaggedSpec, ...]
     part_starts: tuple[int, ...]
     part_sources: tuple[int, ...]
@@ -214,6 +221,11 @@ def _plan_windows(name: str, declaration: Windows, path: str, batch_size: int) -
     length = declaration.length
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise ValueError(f"field {name!r}: Windows length must be a positive integer, got {length!r}")
+    if is_ragged(path):
+        return _plan_document_windows(name, declaration, path, batch_size)
+    if declaration.separator is not None:
+        raise ValueError(f"field {name!r}: a separator goes between documents: give Windows a ragged field of "
+                         f"documents, {path} is one stream")
     spec = describe_field(path)
     if spec.row_shape != ():
         raise StorageError(f"field {name!r}: Windows needs a 1-D stream, {spec.path} has rows of shape {spec.row_shape}")
@@ -223,6 +235,28 @@ def _plan_windows(name: str, declaration: Windows, path: str, batch_size: int) -
                            f"{length} + 1")
     region = Region(name, (batch_size, length + 1), spec.dtype)
     return _plan(name, "windows", [spec], [rows], (region,), {"length": length})
+
+
+def _plan_document_windows(name: str, declaration: Windows, path: str, batch_size: int) -> FieldPlan:
+    spec = describe_ragged(path)
+    if spec.record_ndim:
+        raise StorageError(f"field {name!r}: Windows over documents needs 1-D records, {path} holds "
+                           f"{spec.record_ndim}-D ones")
+    separator = declaration.separator
+    if separator is not None:
+        try:
+            if np.array(separator, dtype=spec.numpy_dtype) != separator:
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"field {name!r}: separator {separator!r} is not a {spec.dtype} value") from None
+    stream = spec.values.row_count + (spec.record_count if separator is not None else 0)
+    rows = (stream - 1) // declaration.length
+    if rows < 1:
+        raise StorageError(f"field {name!r}: {path} holds {stream} stream elements, fewer than one window of "
+                           f"{declaration.length} + 1")
+    regions = (Region(name, (batch_size, declaration.length + 1), spec.dtype),
+               Region(f"{name}.segments", (batch_size, declaration.length + 1), "<i4"))
+    return _plan(name, "documents", [spec], [rows], regions, {"length": declaration.length, "separator": separator})
 
 
 def _plan_padded(name: str, declaration: Padded, parts: list[RaggedSpec], counts: list[int],

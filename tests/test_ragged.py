@@ -308,3 +308,31 @@ def test_packed_offsets_are_torch_ready_and_int32_on_request(documents):
                 np.testing.assert_array_equal(one, other)
     with pytest.raises(ValueError, match="'int64' or 'int32'"):
         ShmDataLoader({"t": Packed(documents["path"], offsets="uint64")}, batch_size=8, readers=1)
+
+
+@pytest.mark.parametrize("separator", [None, -1])
+def test_windows_over_documents_span_them_with_segments(tmp_path, separator):
+    """Windows over a ragged field: the documents back to back (each followed by the
+    separator), rows of length + 1 that span documents, and the documents present in a row
+    numbered from 0; equal to a numpy reference for readers 0 and 2 (empty documents too)."""
+    rng = np.random.default_rng(11)
+    documents = [rng.integers(0, 1000, size=int(n)).astype(np.int32) for n in rng.integers(0, 40, size=300)]
+    write_ragged(tmp_path / "docs.ragged", documents)
+    stream, owner = [], []
+    for number, document in enumerate(documents):
+        pieces = list(document) + ([separator] if separator is not None else [])
+        stream += pieces
+        owner += [number] * len(pieces)
+    stream, owner = np.asarray(stream, np.int32), np.asarray(owner)
+    length = 16
+    for readers in (0, 2):
+        with ShmDataLoader({"tokens": Windows(str(tmp_path / "docs.ragged"), length=length, separator=separator)},
+                           batch_size=8, readers=readers, seed=4) as loader:
+            assert len(loader.plans["tokens"].parts) == 1
+            for _, batch in zip(range(30), loader):
+                for row, index in enumerate(batch.indices.tolist()):
+                    window = slice(index * length, index * length + length + 1)
+                    np.testing.assert_array_equal(batch["tokens"][row], stream[window])
+                    # Documents numbered in order of appearance (an empty one, with no token, has no number).
+                    segments = np.unique(owner[window], return_inverse=True)[1]
+                    np.testing.assert_array_equal(batch["tokens.segments"][row], segments)
