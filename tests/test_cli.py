@@ -268,3 +268,16 @@ def test_the_sweep_times_each_setting_long_enough_repeats_it_and_says_how_sure_t
     assert len(calls) == 3 * len(points)
     assert "best: readers=2" in out and "rows/s median" in out
     assert "every other setting's runs stayed below its slowest run" in out or "within run-to-run noise" in out
+
+
+def test_the_tokenize_example_writes_documents_that_windows_read(tmp_path):
+    pytest.importorskip("tokenizers")
+    spec = importlib.util.spec_from_file_location("tokenize_corpus", ROOT / "examples" / "tokenize_corpus.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 9)}) for i in range(300)))
+    assert example.main([str(corpus), "--out", str(tmp_path / "corpus.tokens")]) > 0
+    from shmloader.ragged import describe_ragged
+
+    assert describe_ragged(tmp_path / "corpus.tokens").record_count == 300
