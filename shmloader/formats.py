@@ -42,10 +42,12 @@ def from_parquet(paths, out, *, columns=None, nulls=None, force: bool = False, p
     import pyarrow.parquet as pq
 
     files = _expand(paths)
-    try:
-        opened = [pq.ParquetFile(path) for path in files]
-    except Exception as error:  # pyarrow's errors name no file.
-        raise StorageError(f"cannot read Parquet: {error}") from None
+    opened = []
+    for path in files:
+        try:
+            opened.append(pq.ParquetFile(path))
+        except Exception as error:  # pyarrow's errors name no file.
+            raise StorageError(f"{path}: not a readable Parquet file ({error})") from None
     schema = opened[0].schema_arrow
     for path, parquet in zip(files[1:], opened[1:]):
         if not parquet.schema_arrow.equals(schema):

@@ -108,8 +108,16 @@ def test_nulls_are_refused_naming_column_and_row_or_mapped(tmp_path):
 
 def test_bad_input_names_the_file_or_column(tmp_path):
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
-    with pytest.raises(StorageError, match="Parquet"):
+    with pytest.raises(StorageError, match=r"bad.parquet: not a readable Parquet file"):
         from_parquet(tmp_path / "bad.parquet", tmp_path / "out", progress=False)
+    good = make_table(200)
+    pq.write_table(good, tmp_path / "damaged.parquet", row_group_size=50)
+    data = bytearray((tmp_path / "damaged.parquet").read_bytes())
+    data[300:2300] = bytes(2000)  # Inside the first row groups' pages; the footer stays readable.
+    (tmp_path / "damaged.parquet").write_bytes(bytes(data))
+    with pytest.raises(StorageError, match=r"damaged.parquet: row group \d+, column '\w+'"):
+        from_parquet(tmp_path / "damaged.parquet", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.partial-*"))
     table = pa.table({"nested": pa.array([{"a": 1}], type=pa.struct([("a", pa.int64())]))})
     with pytest.raises(StorageError, match="column 'nested'"):
         from_arrow(table, tmp_path / "out", progress=False)
