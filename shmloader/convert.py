@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-import shutil
 import statistics
 import time
 import zlib
@@ -17,7 +16,7 @@ from ._native import ffi
 from .layout import choose_layout, convert_command, poor_layout
 from .ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, RaggedSpec, describe_ragged
 from .errors import StorageError
-from .storage import (CHECKSUM_META, FieldSpec, check_dtype, check_output_directory, check_rows, describe_field,
+from .storage import (CHECKSUM_META, publishing, FieldSpec, check_dtype, check_output_directory, check_rows, describe_field,
                       open_field)
 
 __all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",
@@ -366,10 +365,7 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
     if codec == "auto":
         codec = auto_codec(np.concatenate([record.ravel() for record in sample]), block_elements * dtype.itemsize, clevel)
     cparams = compression_params(codec, clevel, dtype.itemsize, 1)
-    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    try:
+    with publishing(path) as temporary:
         values = blosc2.empty((0,), dtype=dtype, chunks=(chunk_elements,), blocks=(block_elements,),
                               urlpath=str(temporary / VALUES_NAME), mode="w", cparams=cparams)
         offsets, shapes, pending, pending_elements, written = [0], [], [], 0, 0
@@ -405,12 +401,6 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
         _write_small(temporary / OFFSETS_NAME, np.asarray(offsets, dtype=np.uint64))
         if ndim != 1:
             _write_small(temporary / SHAPES_NAME, np.asarray(shapes, dtype=np.uint64).reshape(len(shapes), ndim))
-        if path.exists():
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        os.replace(temporary, path)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     return describe_ragged(path)
 
 

@@ -23,12 +23,11 @@ import concurrent.futures
 import glob as globbing
 import os
 import pathlib
-import shutil
 
 import numpy as np
 
 from .errors import StorageError
-from .storage import check_output_directory
+from .storage import check_output_directory, publishing
 
 # A .npy header is written before the row count is known, then rewritten in place with
 # it: this many bytes hold any header of a column (magic, version, length, dict, padding).
@@ -108,12 +107,9 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
             raise KeyError(f"column {name!r} is not in the source (columns: {schema.names})")
     nulls = dict(nulls or {})
     plans = {name: _column_plan(name, schema.field(name).type, nulls.get(name)) for name in names}
-    temporary = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    try:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
+    with publishing(out) as temporary:
         bar = tqdm(total=rows * len(names), desc=f"import {out.name}", unit="value", disable=not progress,
                    leave=False)
         workers = threads or min(len(names), max(1, len(os.sched_getaffinity(0))))
@@ -122,12 +118,6 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
                        for name in names}
             written = {name: future.result() for name, future in futures.items()}
         bar.close()
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(temporary, out)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     return {name: str(out / written[name]) for name in names}
 
 
@@ -307,9 +297,6 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
     extensions = sorted(first)
     integers = [extension for extension in extensions if extension in _INTEGER_EXTENSIONS]
     names = {extension: extension.replace(".", "_") for extension in extensions}
-    temporary = out.with_name(f"{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
     queues = {name: queue.Queue(_QUEUE_SAMPLES) for name in [*names.values(), "__key__"]}
     failures = []
 
@@ -355,7 +342,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
         if failures:
             raise failures[0]
 
-    try:
+    with publishing(out) as temporary:
         try:
             for thread in threads:
                 thread.start()
@@ -366,7 +353,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
             for name in ragged:
                 queues[name].put(_DONE)
             for thread in threads:
-                if thread.is_alive() or thread.ident is not None:
+                if thread.ident is not None:
                     thread.join()
             bar.close()
         if failures:
@@ -377,10 +364,4 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
             paths[name] = f"{name}.npy"
         for name in ragged:
             paths[name] = f"{name}.ragged"
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(temporary, out)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     return {name: str(out / path) for name, path in paths.items()}

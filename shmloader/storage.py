@@ -7,11 +7,14 @@ is a small description that crosses to reader processes, which `open_field` it a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import mmap
 import os
+import pathlib
+import shutil
 import stat
 import struct
 import typing
@@ -128,6 +131,25 @@ def check_identity(spec: FieldSpec, status: os.stat_result) -> None:
             f"{status.st_mtime_ns} ns). Its rows may be other rows now: restart the loader to read the new file, or "
             f"write new data to new paths"
         )
+
+
+@contextlib.contextmanager
+def publishing(path: str | os.PathLike):
+    """Yields a fresh directory beside `path` to write into; when the block ends it takes
+    `path`'s place in one rename (replacing a file or directory there), and when the block
+    raises it is removed: an interrupted write leaves nothing that looks finished."""
+    path = pathlib.Path(path)
+    temporary = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    try:
+        yield temporary
+        if path.exists():
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
 
 
 def check_output_directory(output: str | os.PathLike) -> None:
