@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -326,23 +327,32 @@ _SAMPLE_BYTES = 4 << 20
 _SAMPLE_RECORDS = 4096
 
 
-def _choose_block_elements(sample: list[np.ndarray], itemsize: int) -> int:
-    median_bytes = float(np.median([record.size for record in sample])) * itemsize if sample else _BLOCK_BYTES_MIN
+def _choose_block_elements(sizes: np.ndarray, itemsize: int) -> int:
+    median_bytes = float(np.median(sizes)) * itemsize if len(sizes) else _BLOCK_BYTES_MIN
     block_bytes = 1 << max(0, math.ceil(math.log2(max(median_bytes / 2, 1))))
     block_bytes = min(max(block_bytes, _BLOCK_BYTES_MIN), _BLOCK_BYTES_MAX)
     return max(1, block_bytes // itemsize)
 
 
+@dataclasses.dataclass(frozen=True)
+class RecordChunk:
+    """Many 1-D records back to back, for write_ragged: record i is
+    values[sum(lengths[:i]):sum(lengths[:i + 1])]. Importers hand whole row groups over
+    this way instead of one Python object per record."""
+
+    values: np.ndarray
+    lengths: np.ndarray
+
+
 def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "auto", clevel: int = 5,
                  force: bool = False) -> RaggedSpec:
-    """Writes an iterable of arrays (all of one dtype and one number of dimensions) as a
-    ragged field directory. Streams: only the offsets (and shapes) stay in memory. Written
-    under a temporary name and renamed at the end, so an interrupted write leaves nothing
-    at `path`. `codec="auto"` keeps LZ4 where it saves 10% on the first records, else
-    stores values uncompressed (encoded images gain nothing)."""
+    """Writes an iterable of arrays (all of one dtype and one number of dimensions), or of
+    RecordChunks of 1-D records, as a ragged field directory. Streams: only the offsets
+    (and shapes) stay in memory. Written under a temporary name and renamed at the end, so
+    an interrupted write leaves nothing at `path`. `codec="auto"` keeps LZ4 where it saves
+    10% on the first records, else stores values uncompressed (encoded images gain nothing)."""
     check_output_directory(path)
     import blosc2
-
 
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
@@ -350,20 +360,26 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
     iterator = iter(records)
-    sample, sample_bytes = [], 0
-    for record in iterator:
-        sample.append(_as_record(record, len(sample), sample[0] if sample else None))
-        sample_bytes += sample[-1].nbytes
-        if sample_bytes >= _SAMPLE_BYTES or len(sample) >= _SAMPLE_RECORDS:
+    sample, sample_bytes, sample_records, first = [], 0, 0, None
+    for item in iterator:
+        item = _as_chunk(item, sample_records, first) if isinstance(item, RecordChunk) else \
+            _as_record(item, sample_records, first)
+        first = first if first is not None else (item.values if isinstance(item, RecordChunk) else item)
+        sample.append(item)
+        sample_records += len(item.lengths) if isinstance(item, RecordChunk) else 1
+        sample_bytes += item.values.nbytes if isinstance(item, RecordChunk) else item.nbytes
+        if sample_bytes >= _SAMPLE_BYTES or sample_records >= _SAMPLE_RECORDS:
             break
-    if not sample:
+    if not sample_records:
         raise ValueError(f"{path}: no records to write")
-    dtype, ndim = sample[0].dtype, sample[0].ndim
+    dtype, ndim = first.dtype, first.ndim
     check_dtype(str(path), dtype)
-    block_elements = _choose_block_elements(sample, dtype.itemsize)
+    sizes = np.concatenate([item.lengths if isinstance(item, RecordChunk) else [item.size] for item in sample])
+    block_elements = _choose_block_elements(sizes, dtype.itemsize)
     chunk_elements = block_elements * _BLOCKS_PER_CHUNK
     if codec == "auto":
-        codec = auto_codec(np.concatenate([record.ravel() for record in sample]), block_elements * dtype.itemsize, clevel)
+        flat = [item.values if isinstance(item, RecordChunk) else item.ravel() for item in sample]
+        codec = auto_codec(np.concatenate(flat), block_elements * dtype.itemsize, clevel)
     cparams = compression_params(codec, clevel, dtype.itemsize, 1)
     with publishing(path) as temporary:
         values = blosc2.empty((0,), dtype=dtype, chunks=(chunk_elements,), blocks=(block_elements,),
@@ -382,19 +398,25 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
                 written += keep
             pending, pending_elements = ([flat[keep:]] if keep < len(flat) else []), len(flat) - keep
 
-        def add(record: np.ndarray) -> None:
+        def add(item) -> None:
             nonlocal pending_elements
-            offsets.append(offsets[-1] + record.size)
-            shapes.append(record.shape)
-            pending.append(record.ravel())
-            pending_elements += record.size
+            if isinstance(item, RecordChunk):
+                offsets.extend((offsets[-1] + np.cumsum(item.lengths, dtype=np.int64)).tolist())
+                values_of = item.values
+            else:
+                offsets.append(offsets[-1] + item.size)
+                shapes.append(item.shape)
+                values_of = item.ravel()
+            pending.append(values_of)
+            pending_elements += values_of.size
             if pending_elements >= 4 * chunk_elements:
                 flush(final=False)
 
-        for record in sample:
-            add(record)
-        for record in iterator:
-            add(_as_record(record, len(offsets) - 1, sample[0]))
+        for item in sample:
+            add(item)
+        for item in iterator:
+            index = len(offsets) - 1
+            add(_as_chunk(item, index, first) if isinstance(item, RecordChunk) else _as_record(item, index, first))
         flush(final=True)
         write_checksums(values.schunk)
         values = None  # Closes the frame before the directory is renamed.
@@ -402,6 +424,18 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
         if ndim != 1:
             _write_small(temporary / SHAPES_NAME, np.asarray(shapes, dtype=np.uint64).reshape(len(shapes), ndim))
     return describe_ragged(path)
+
+
+def _as_chunk(chunk: RecordChunk, index: int, first: np.ndarray | None) -> RecordChunk:
+    values = np.ascontiguousarray(chunk.values).reshape(-1)
+    lengths = np.asarray(chunk.lengths, dtype=np.int64)
+    if lengths.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != values.size:
+        raise ValueError(f"records from {index}: a RecordChunk's lengths must be non-negative and sum to its "
+                         f"{values.size} values, got {lengths.size} lengths summing to {int(lengths.sum())}")
+    if first is not None and (values.dtype != first.dtype or first.ndim != 1):
+        raise ValueError(f"records from {index} are {values.dtype} 1-D records; the first record was {first.dtype} "
+                         f"with {first.ndim} dimensions: every record needs the same dtype and dimensions")
+    return RecordChunk(values, lengths)
 
 
 def _as_record(record, index: int, first: np.ndarray | None) -> np.ndarray:

@@ -180,7 +180,7 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
         return _write_fixed(directory, name, plan, chunks, rows, bar)
     import pyarrow as pa
 
-    from .convert import write_ragged
+    from .convert import RecordChunk, write_ragged
 
     def records():
         first = 0
@@ -201,8 +201,8 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
                     raise StorageError(f"column {name!r}: row {row} holds a null item; lists must hold numbers")
                 values = items.to_numpy(zero_copy_only=False).astype(plan.dtype, copy=False)
                 offsets = offsets - offsets[0]
-            for i in range(len(chunk)):
-                yield values[offsets[i]:offsets[i + 1]]
+            # The chunk's records at once: no Python object per record.
+            yield RecordChunk(values[int(offsets[0]):int(offsets[-1])], np.diff(offsets))
             first += len(chunk)
             bar.update(len(chunk))
 

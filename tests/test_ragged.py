@@ -336,3 +336,21 @@ def test_windows_over_documents_span_them_with_segments(tmp_path, separator):
                     # Documents numbered in order of appearance (an empty one, with no token, has no number).
                     segments = np.unique(owner[window], return_inverse=True)[1]
                     np.testing.assert_array_equal(batch["tokens.segments"][row], segments)
+
+
+def test_write_ragged_takes_record_chunks_beside_single_records(tmp_path):
+    from shmloader.convert import RecordChunk
+
+    records = [np.arange(n, dtype=np.int32) + n for n in (3, 0, 5, 1, 0, 7)]
+    items = [records[0], RecordChunk(np.concatenate(records[1:4]), np.array([0, 5, 1])), RecordChunk(
+        np.zeros(0, np.int32), np.zeros(0, np.int64)), records[4], RecordChunk(records[5], np.array([7]))]
+    write_ragged(tmp_path / "mixed.ragged", items)
+    with ShmDataLoader({"t": Packed(str(tmp_path / "mixed.ragged"))}, batch_size=6, mode="sequential",
+                       readers=0) as loader:
+        batch = next(loader)
+        offsets = batch["t.offsets"].tolist()
+        for i, record in enumerate(records):
+            np.testing.assert_array_equal(batch["t"][offsets[i]:offsets[i + 1]], record)
+    with pytest.raises(ValueError, match="lengths must be non-negative and sum to its 4 values"):
+        write_ragged(tmp_path / "bad.ragged", [RecordChunk(np.zeros(4, np.int32), np.array([1, 2]))])
+    assert not (tmp_path / "bad.ragged").exists()
