@@ -110,6 +110,14 @@ def no_leaked_rings(request):
     assert wait_until(lambda: not our_shm_entries(pid), timeout=5.0), f"leaked: {our_shm_entries(pid)}"
 
 
+def float_rows(tmp_path_factory, name: str, count: int) -> tuple[str, np.ndarray]:
+    """A .npy of `count` rows of 4 float32 (row i holds 4i..4i+3): a transform's input."""
+    directory = tmp_path_factory.mktemp(name)
+    data = np.arange(count * 4, dtype=np.float32).reshape(count, 4)
+    np.save(directory / "data.npy", data)
+    return str(directory / "data.npy"), data
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     """600 rows of (3, 8, 8) uint8 images and int64 labels, as .npy and as converted .b2nd."""

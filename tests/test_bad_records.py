@@ -13,15 +13,14 @@ import pytest
 from shmloader import ShmDataLoader, SkippedRecordsWarning
 from shmloader.transforms import compute_batch
 
+from conftest import float_rows
+
 CURSED = "transform_fixtures:fails_on_row_seven"
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("bad_records")
-    data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
-    np.save(directory / "data.npy", data)
-    return str(directory / "data.npy"), data
+    return float_rows(tmp_path_factory, "bad_records", 64)
 
 
 @pytest.mark.parametrize("readers", [0, 1, 2])

@@ -13,7 +13,7 @@ import signal
 import numpy as np
 import pytest
 
-from conftest import process_alive, wait_until, write_b2nd
+from conftest import float_rows, process_alive, wait_until, write_b2nd
 from shmloader import ReaderError, ShmDataLoader, StorageError
 from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, describe_ragged
 from shmloader.sampler import Sampler
@@ -133,10 +133,7 @@ def test_shapes_whose_product_overflows_64_bits_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("wrong_data_rows")
-    data = np.arange(200 * 4, dtype=np.float32).reshape(200, 4)
-    np.save(directory / "data.npy", data)
-    return str(directory / "data.npy"), data
+    return float_rows(tmp_path_factory, "wrong_data_rows", 200)
 
 
 def _expected_indices(step: int, rows: int = 200, batch_size: int = 8, seed: int = 0) -> np.ndarray:
