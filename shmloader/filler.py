@@ -10,6 +10,7 @@ trainer itself with readers=0 (loader.py), and compute_batch / check_determinism
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from .errors import ShmLoaderError
 from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
 from .readahead import ReadAhead
+from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
 from .transforms.core import TransformRunner, TransformSpec
@@ -63,6 +65,51 @@ def _naming(error: Exception, text: str) -> Exception:
     if hasattr(error, "add_note"):
         error.add_note(text)
     return error
+
+
+@dataclasses.dataclass(frozen=True)
+class FillerSpec:
+    """What a step filler is built from, as data: a reader process gets it in its
+    ReaderConfig (JSON on stdin), a Ray actor as its constructor's argument, and the
+    trainer builds its own (readers=0) from it, so every filler of a loader is the same."""
+
+    slot: SlotLayout
+    sampler: Sampler | MixtureSampler
+    fields: tuple[FieldPlan, ...]
+    verify: bool = False
+    transform: TransformSpec | None = None
+    sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
+    on_error: str = "raise"
+
+    def build(self, read_ahead: bool = True) -> StepFiller:
+        """The filler; a transform's module is looked for on the trainer's sys.path too."""
+        if self.transform is not None:
+            sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
+        return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error)
+
+    def to_dict(self) -> dict:
+        return {
+            "slot": self.slot.to_dict(),
+            "sampler": self.sampler.to_dict(),
+            "fields": [plan.to_dict() for plan in self.fields],
+            "verify": self.verify,
+            "transform": None if self.transform is None else self.transform.to_dict(),
+            "sys_path": list(self.sys_path),
+            "on_error": self.on_error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FillerSpec:
+        sampler = data["sampler"]
+        return cls(
+            slot=SlotLayout.from_dict(data["slot"]),
+            sampler=MixtureSampler.from_dict(sampler) if sampler.get("kind") == "mixture" else Sampler.from_dict(sampler),
+            fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
+            verify=bool(data["verify"]),
+            transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
+            sys_path=tuple(data["sys_path"]),
+            on_error=data["on_error"],
+        )
 
 
 class SlotOutputs:

@@ -18,7 +18,7 @@ from .checkpoint import state_of, step_to_resume
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
 from .errors import (ReaderStallWarning, SharedMemoryError, SkippedRecordsWarning, SlotsExhaustedError, StepTimeoutError,
                      user_stacklevel)
-from .filler import ON_ERROR, StepFiller
+from .filler import ON_ERROR, FillerSpec
 from .lifecycle import Resources, live_loaders
 from .passes import ENDLESS, FinitePass
 from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
@@ -216,8 +216,7 @@ class ShmDataLoader(cursor_module.Cursor):
         if self._pin_backend is not None:
             self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
         if self.readers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
-            self._filler = self._resources.filler = StepFiller(self.plan.fields, self.slot, self.sampler,
-                                                               self.transform, self.verify, on_error=self.on_error)
+            self._filler = self._resources.filler = self._filler_spec().build()
             self._filler_outputs = [self._filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
         self._cursor_setup(CursorConfig(
             control_table_address=self._ring.control_table_address,
@@ -246,14 +245,12 @@ class ShmDataLoader(cursor_module.Cursor):
             trainer_pid=os.getpid(),
             names=self._ring.names,
             layout=self._layout,
-            slot=self.slot,
-            sampler=self.sampler,
-            fields=self.plan.fields,
-            verify_checksums=self.verify,
-            transform=self.transform,
-            sys_path=tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (),
-            on_error=self.on_error,
+            filler=self._filler_spec(),
         ))
+
+    def _filler_spec(self) -> FillerSpec:
+        return FillerSpec(self.slot, self.sampler, self.plan.fields, self.verify, self.transform,
+                          tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (), self.on_error)
 
     def _request_from(self, step: int) -> None:
         for step_k in range(step, min(step + self.slots, self._end_step)):

@@ -19,13 +19,8 @@ import traceback
 import posix_ipc
 
 from .errors import TransformError
-from .filler import StepFiller
-from .plan import FieldPlan
+from .filler import FillerSpec
 from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, READER_SKIP_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
-from .sampler import Sampler
-from .slot_layout import SlotLayout
-from .sources import MixtureSampler
-from .transforms.core import TransformSpec
 
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
@@ -69,20 +64,15 @@ class _FaultInjection:
 
 @dataclasses.dataclass(frozen=True)
 class ReaderConfig:
-    """Everything a reader is told, as the trainer sends it (JSON on the reader's stdin)."""
+    """Everything a reader is told, as the trainer sends it (JSON on the reader's stdin):
+    its ring and what its step filler is built from."""
 
     reader_index: int
     trainer_pid: int
     names: RingNames
     layout: RingLayout
-    slot: SlotLayout
-    sampler: Sampler | MixtureSampler
-    fields: tuple[FieldPlan, ...]
-    verify_checksums: bool
-    transform: TransformSpec | None = None
-    sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
+    filler: FillerSpec
     signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
-    on_error: str = "raise"
 
     def to_json(self) -> str:
         return json.dumps({
@@ -90,14 +80,8 @@ class ReaderConfig:
             "trainer_pid": self.trainer_pid,
             "names": self.names.to_dict(),
             "layout": self.layout.to_dict(),
-            "slot": self.slot.to_dict(),
-            "sampler": self.sampler.to_dict(),
-            "fields": [spec.to_dict() for spec in self.fields],
-            "verify_checksums": self.verify_checksums,
-            "transform": None if self.transform is None else self.transform.to_dict(),
-            "sys_path": list(self.sys_path),
+            "filler": self.filler.to_dict(),
             "signal_grace_seconds": self.signal_grace_seconds,
-            "on_error": self.on_error,
         })
 
     @classmethod
@@ -108,15 +92,8 @@ class ReaderConfig:
             trainer_pid=data["trainer_pid"],
             names=RingNames.from_dict(data["names"]),
             layout=RingLayout.from_dict(data["layout"]),
-            slot=SlotLayout.from_dict(data["slot"]),
-            sampler=(MixtureSampler.from_dict(data["sampler"]) if data["sampler"].get("kind") == "mixture"
-                     else Sampler.from_dict(data["sampler"])),
-            fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
-            verify_checksums=data["verify_checksums"],
-            transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
-            sys_path=tuple(data["sys_path"]),
+            filler=FillerSpec.from_dict(data["filler"]),
             signal_grace_seconds=float(data["signal_grace_seconds"]),
-            on_error=data["on_error"],
         )
 
 
@@ -217,14 +194,9 @@ class Reader:
         self.signal_grace_seconds = config.signal_grace_seconds
         self.ring = ring
         self.layout = ring.layout
-        if filler is None:
-            if config.transform is not None:  # Imported by the trainer's sys.path.
-                sys.path.extend(entry for entry in config.sys_path if entry not in sys.path)
-            filler = StepFiller(config.fields, config.slot, config.sampler, config.transform, config.verify_checksums,
-                                on_error=config.on_error)
-        self.filler = filler
+        self.filler = filler = config.filler.build() if filler is None else filler
         # Every slot's arrays and their pointers, made once.
-        self.outputs = [filler.bind(config.slot.views(ring.memory, self.layout.slot_offset(slot)))
+        self.outputs = [filler.bind(config.filler.slot.views(ring.memory, self.layout.slot_offset(slot)))
                         for slot in range(self.layout.slot_count)]
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
