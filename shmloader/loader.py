@@ -152,6 +152,7 @@ class ShmDataLoader(cursor_module.Cursor):
         epochs: int | None = None,
         drop_last: bool = False,
         on_error: str = "raise",
+        remote=None,
     ) -> None:
         self._resources = Resources()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -172,6 +173,9 @@ class ShmDataLoader(cursor_module.Cursor):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.on_error, self._skips_warned = on_error, False
+        if remote is not None and not all(hasattr(remote, name) for name in ("start", "count", "capacity")):
+            raise TypeError(f"remote must be remote readers such as shmloader.ray.RayReaders(...), got {remote!r}")
+        self.remote = remote
         self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
         self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
         self._episode_since = 0.0
@@ -179,7 +183,7 @@ class ShmDataLoader(cursor_module.Cursor):
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
-            self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts)
+            self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts, remote)
             self._pool.start()
             self._prepare(plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
                                       transform, transform_args, shuffle_window), warn_layout, start_step)
@@ -187,8 +191,13 @@ class ShmDataLoader(cursor_module.Cursor):
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise
 
-    def _make_pool(self, count: int, max_restarts: int) -> ReaderPool:
-        return ReaderPool(count, max_restarts)  # Replaced by shmloader.simulation's threads.
+    def _make_pool(self, count: int, max_restarts: int, remote) -> ReaderPool:
+        return ReaderPool(count, max_restarts, remote)  # Replaced by shmloader.simulation's threads.
+
+    @property
+    def _fillers(self) -> int:
+        """Steps filled at once: one per reader, and the remote readers' steps in flight."""
+        return self.readers + (0 if self.remote is None else self.remote.capacity)
 
     def _prepare(self, plan: LoaderPlan, warn_layout: bool, start_step: int) -> None:
         """Takes the validated plan, then creates the ring and configures the readers."""
@@ -196,7 +205,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self.plans, self.slot, self.sampler, self.transform = plan.plans, plan.slot, plan.sampler, plan.transform
         self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
         if self.slots is None:
-            self.slots = default_slots(self.readers, self.slot.nbytes)
+            self.slots = default_slots(self._fillers, self.slot.nbytes)
         self.finite = None if self._epochs is None else FinitePass.of(self.sampler, self._epochs, self.drop_last)
         self._end_step = ENDLESS if self.finite is None else self.finite.steps
         self._short_rows = 0  # rows the partial batches of a finite pass left out
@@ -210,12 +219,12 @@ class ShmDataLoader(cursor_module.Cursor):
     def _start(self, start_step: int) -> None:
         """Creates the ring, sets up the native cursor, requests the first steps and
         configures the readers (or, with readers=0, this process's filler)."""
-        self._layout = RingLayout(self.slots, max(1, self.readers), self.batch_size, self.slot.nbytes,
+        self._layout = RingLayout(self.slots, max(1, self._pool.records), self.batch_size, self.slot.nbytes,
                                   len(self.slot.regions))
         self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
         if self._pin_backend is not None:
             self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
-        if self.readers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
+        if self._fillers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
             self._filler = self._resources.filler = self._filler_spec().build()
             self._filler_outputs = [self._filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
         self._cursor_setup(CursorConfig(
@@ -229,7 +238,7 @@ class ShmDataLoader(cursor_module.Cursor):
             next_step=start_step,
             check_every_batches=_READER_CHECK_BATCHES,
             wake_after_slots=wake_after(self.slots),
-            reader_count=self.readers,
+            reader_count=self._fillers,
             trainer_slots=TRAINER_SLOTS,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
             end_step=self._end_step,
@@ -301,7 +310,7 @@ class ShmDataLoader(cursor_module.Cursor):
         failed slot, and every _READER_CHECK_BATCHES batches. Raises, or returns for
         next() to look again."""
         self._raise_if_closed()
-        if state == cursor_module.STEP_IN_FLIGHT and self.readers == 0:
+        if state == cursor_module.STEP_IN_FLIGHT and self._fillers == 0:
             self._fill_here(step)
             return
         if state == cursor_module.STEP_FAILED:
@@ -327,16 +336,16 @@ class ShmDataLoader(cursor_module.Cursor):
         elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self._ring.state(step % self.slots)
             filling = found == SlotState.FILLING
-            who = f"reader {filler} (pid {self._pool.pids[filler]}) is filling it" if filling else "no reader claimed it"
+            who = f"{self._pool.describe(filler)} is filling it" if filling else "no reader claimed it"
             raise StepTimeoutError(
                 f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
                 f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
                 f"loader (its readers are killed) and look at that step with shmloader.transforms.compute_batch.",
-                step, filler if filling else None, self._pool.pids[filler] if filling else None)
+                step, filler if filling else None, self._pool.pid(filler) if filling else None)
         elif state == cursor_module.STEP_IN_FLIGHT and waited_s > _STALL_WARNING_SECONDS and not self._stall_warned:
             self._stall_warned = True
             found, filler = self._ring.state(step % self.slots)
-            who = f"reader {filler} (pid {self._pool.pids[filler]})" if found == SlotState.FILLING else "no reader"
+            who = self._pool.describe(filler) if found == SlotState.FILLING else "no reader"
             warnings.warn(
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
                 f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
@@ -360,7 +369,7 @@ class ShmDataLoader(cursor_module.Cursor):
             self._warn_if_skipped()
 
     def _skipped(self) -> tuple[int, list]:
-        if self.readers == 0:
+        if self._fillers == 0:
             return len(self._filler.skipped), [record.to_dict() for record in self._filler.skipped]
         return self._pool.skipped()
 
@@ -483,7 +492,7 @@ class ShmDataLoader(cursor_module.Cursor):
             "bytes_per_s": rows * row_bytes / elapsed_s if elapsed_s else 0.0,
             "wait_s": self._wait_ns / 1e9,
             "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
-            "reader_restarts": self._pool.restarts,
+            "reader_restarts": self._pool.restarts + self._pool.remote_restarts,
             "skipped": dict(zip(("count", "records"), self._skipped())) if self._active else {"count": 0, "records": []},
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": self._pool.report(elapsed_s) if self._active else [],

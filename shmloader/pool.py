@@ -101,7 +101,7 @@ class ReaderPool:
     join_timeout_seconds = 2.0
     signal_grace_seconds = SIGNAL_GRACE_SECONDS
 
-    def __init__(self, count: int, max_restarts: int) -> None:
+    def __init__(self, count: int, max_restarts: int, remote=None) -> None:
         self.max_restarts = max_restarts
         self.restarts = 0
         # The budget counts per reader: losing every reader at once (an OOM kill of the
@@ -110,10 +110,14 @@ class ReaderPool:
         self.processes: list[subprocess.Popen] = []
         self.ring: Ring | None = None
         self._config: ReaderConfig | None = None
+        # Remote readers (shmloader.ray.RayReaders): reader records count..records-1, fed
+        # by their bridge, a thread of this process, once configured.
+        self.remote_spec, self.remote = remote, None
+        self.records = count + (0 if remote is None else remote.count)
         self._retired_busy_ns = [0] * count
         self._retired_batches = [0] * count
-        self._retired_sleeps = [(0, 0, 0)] * count  # (starved_ns, sleeps, wakeups)
-        self._retired_skips: list[tuple[int, list]] = [(0, [])] * count  # (count, first records)
+        self._retired_sleeps = [(0, 0, 0)] * self.records  # (starved_ns, sleeps, wakeups)
+        self._retired_skips: list[tuple[int, list]] = [(0, [])] * self.records  # (count, first records)
         self.count = count
 
     def start(self) -> None:
@@ -133,6 +137,24 @@ class ReaderPool:
         self.ring, self._request, self._config = ring, request, config
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
+        if self.remote_spec is not None:
+            for record in range(self.count, self.records):
+                ring.clear_reader_error(record)
+            self.remote = self.remote_spec.start(ring, self.count, config.filler)
+
+    @property
+    def remote_restarts(self) -> int:
+        return 0 if self.remote is None else self.remote.restarts
+
+    def pid(self, reader_index: int) -> int:
+        """The process of reader record `reader_index` (a remote one's as last reported, or 0)."""
+        return self.pids[reader_index] if reader_index < self.count else self.ring.reader_stats(reader_index)[0]
+
+    def describe(self, reader_index: int) -> str:
+        """"reader 2 (pid 123)", or the remote reader that has that record."""
+        if reader_index >= self.count:
+            return self.remote.describe(reader_index)
+        return f"reader {reader_index} (pid {self.pid(reader_index)})"
 
     def _send_config(self, process: subprocess.Popen, reader_index: int) -> None:
         self.ring.clear_reader_error(reader_index)
@@ -148,7 +170,9 @@ class ReaderPool:
 
     def check(self) -> None:
         """Raises for a reader that reported an error or died past the restart budget;
-        restarts any other dead reader."""
+        restarts any other dead reader. Raises what stopped the remote readers' bridge."""
+        if self.remote is not None:
+            self.remote.check()
         for reader_index, process in enumerate(self.processes):
             exit_code = process.poll()
             if exit_code is None:
@@ -195,6 +219,8 @@ class ReaderPool:
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
         exit_code = None
+        if reader_index >= self.count:
+            raise self.reported_error(reader_index, None)
         try:
             exit_code = self.processes[reader_index].wait(self.join_timeout_seconds)
         except subprocess.TimeoutExpired:
@@ -202,19 +228,19 @@ class ReaderPool:
         raise self.reported_error(reader_index, exit_code)
 
     def reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
-        process = self.processes[reader_index]
+        remote = reader_index >= self.count
         report = ErrorReport.decode(self.ring.reader_error(reader_index))
         if not report.type:
             report = ErrorReport("unknown", f"it {describe_exit(exit_code)} without an error report", "", None)
         where = f" at step {report.step}" if report.step is not None else " while starting"
         message = (
-            f"reader {reader_index} (pid {process.pid}) raised {report.type}{where}: "
-            f"{report.message}\n--- reader traceback ---\n{report.traceback}"
+            f"{self.describe(reader_index)} raised {report.type}{where}: "
+            f"{report.message}\n--- {'actor' if remote else 'reader'} traceback ---\n{report.traceback}"
         )
         return reader_error_type(report.module, report.type)(
             message,
             reader_index=reader_index,
-            pid=process.pid,
+            pid=report.pid if remote else self.processes[reader_index].pid,
             exit_code=exit_code,
             step=report.step,
             original_type=report.type,
@@ -254,7 +280,7 @@ class ReaderPool:
     def skipped(self) -> tuple[int, list]:
         """Records skipped by every reader (on_error="skip"), and the first described."""
         total, records = 0, []
-        for reader_index in range(self.count):
+        for reader_index in range(self.records):
             count, described = self._reader_skips(reader_index)
             total, records = total + count, records + described
         return total, sorted(records, key=lambda record: (record.get("step", 0), record.get("position", 0)))
@@ -262,16 +288,20 @@ class ReaderPool:
     def report(self, elapsed_s: float) -> list[dict]:
         """Per reader, counting the readers it replaced: pid, batches filled, time busy,
         time asleep while a slot it then claimed was already requested (a starved
-        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up."""
+        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up.
+        Remote readers (remote: True) follow, busy_s their actor's time filling."""
         readers = []
-        for reader_index in range(self.count):
+        for reader_index in range(self.records):
             pid, busy_ns, batches = self.ring.reader_stats(reader_index)
             starved_ns, sleeps, wakeups = (a + b for a, b in zip(self.ring.reader_sleeps(reader_index),
                                                                   self._retired_sleeps[reader_index]))
-            batches += self._retired_batches[reader_index]
-            busy_s = (busy_ns + self._retired_busy_ns[reader_index]) / 1e9
+            if reader_index < self.count:
+                batches += self._retired_batches[reader_index]
+                busy_ns += self._retired_busy_ns[reader_index]
+            busy_s = busy_ns / 1e9
             readers.append({
                 "index": reader_index,
+                "remote": reader_index >= self.count,
                 "pid": pid,
                 "batches": batches,
                 "busy_s": busy_s,
@@ -288,8 +318,14 @@ class ReaderPool:
 
     def stop(self) -> None:
         """Stops and reaps every reader (steps 2 and 3 of the module's note). Idempotent;
-        raises only what interrupts it (Ctrl-C), after every reader is reaped."""
+        raises only what interrupts it (Ctrl-C), after every reader is reaped. The remote
+        readers' bridge stops first, and kills its actors."""
         ring, processes = self.ring, self.processes
+        if self.remote is not None:
+            try:
+                self.remote.stop()
+            except Exception:
+                pass  # Ray gone already: nothing of ours is left in it.
         if ring is not None and not ring.closed:
             for _ in processes:
                 try:

@@ -161,11 +161,11 @@ class ErrorReport:
             return cls("unknown", f"unreadable error report {raw[:200]!r}", "", None)
 
 
-def skips_report(skipped: list) -> bytes:
-    """JSON of the first skipped records that fit a reader record's skip area."""
+def skips_report(skipped: list[dict]) -> bytes:
+    """JSON of the first skipped records (as dicts) that fit a reader record's skip area."""
     report = b"[]"
     for count in range(1, len(skipped) + 1):
-        encoded = json.dumps([record.to_dict() for record in skipped[:count]]).encode()
+        encoded = json.dumps(skipped[:count]).encode()
         if len(encoded) > READER_SKIP_BYTES_MAX:
             break
         report = encoded
@@ -218,7 +218,8 @@ class Reader:
         self.filler.fill(self.step, self.outputs[slot])
         leave_if_forked(self.pid)  # A transform forked a child that came back here.
         if skipped != len(getattr(self.filler, "skipped", ())):  # Before READY: the trainer may look then.
-            self.ring.write_reader_skips(self.index, len(self.filler.skipped), skips_report(self.filler.skipped))
+            described = [record.to_dict() for record in self.filler.skipped]
+            self.ring.write_reader_skips(self.index, len(described), skips_report(described))
         # Statistics first: once READY is published the trainer may read them.
         self.busy_ns += time.perf_counter_ns() - started
         self.batches += 1

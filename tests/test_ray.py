@@ -1,0 +1,185 @@
+"""Remote readers on a real local Ray cluster (a head and worker nodes on this machine,
+bound to 127.0.0.1): batches equal local ones for every field kind and transforms; a
+killed actor, a removed node and an actor that raises cost no batch; close() leaves no
+actor alive and nothing in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from shmloader import Packed, Padded, ShmDataLoader, Source, Windows  # noqa: E402
+from shmloader.errors import ReaderError  # noqa: E402
+from shmloader.ray import RayReaders  # noqa: E402
+
+from conftest import wait_until  # noqa: E402
+from test_in_process import assert_same, batches, declarations, kinds  # noqa: E402,F401 (the fixture)
+
+# One Ray cluster per worker process of the suite: the tests share it (xdist's loadgroup
+# keeps them on one worker, README's test command).
+pytestmark = pytest.mark.xdist_group("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Loopback only (README: more machines).
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "object_store_memory": 256 << 20, "include_dashboard": False})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def alive_actors() -> list[dict]:
+    return [actor for actor in ray._private.state.actors().values()
+            if actor["State"] != "DEAD" and actor["ActorClassName"] == "_FillActor"]
+
+
+def remote_batches(fields, readers=0, steps=12, actors=2, **options):
+    return batches(fields, readers, steps, remote=RayReaders(actors=actors), **options)
+
+
+@pytest.mark.parametrize("kind", ["rows npy", "rows b2nd", "padded", "packed", "windows"])
+def test_remote_batches_equal_local_ones_for_every_field_kind(cluster, kinds, kind):
+    fields = declarations(kinds)[kind]
+    assert_same(batches(fields, 0), remote_batches(fields))
+
+
+def test_remote_and_local_readers_share_steps_for_mixtures_windows_and_transforms(cluster, kinds):
+    mixture = [Source({"x": str(kinds / "rows.npy")}, weight=3), Source({"x": str(kinds / "part1.npy")}, weight=1)]
+    assert_same(batches(mixture, 0, steps=30), remote_batches(mixture, readers=1, steps=30))
+    windowed = {"x": str(kinds / "rows.npy")}
+    assert_same(batches(windowed, 0, shuffle_window=64), remote_batches(windowed, shuffle_window=64))
+    data = {"data": str(kinds / "data.npy")}
+    assert_same(batches(data, 0, steps=30, transform="transform_fixtures:scaled"),
+                remote_batches(data, readers=1, steps=30, transform="transform_fixtures:scaled"))
+
+
+def test_both_kinds_of_reader_fill_steps_and_report_them(cluster, kinds):
+    fields = {"x": str(kinds / "rows.npy")}
+    with ShmDataLoader(fields, readers=1, batch_size=16, seed=7, remote=RayReaders(actors=2), warn_layout=False) as loader:
+        expected = batches(fields, 0, steps=200)
+        assert_same(expected, [{"step": b.step, "indices": b.indices.copy(), "x": np.array(b["x"])}
+                               for _, b in zip(range(200), loader)])
+        readers = loader.stats()["readers"]
+    assert [reader["remote"] for reader in readers] == [False, True, True]
+    assert sum(reader["batches"] for reader in readers) >= 200
+    assert sum(reader["batches"] for reader in readers[1:]) > 0, "the actors filled nothing"
+    assert all(reader["pid"] > 0 for reader in readers[1:] if reader["batches"])
+
+
+def test_killed_actors_cost_no_batch(cluster, kinds):
+    """One actor killed through Ray, another's process by SIGKILL, mid-run: replaced, their
+    steps sent again, every batch still the right one."""
+    fields = {"x": str(kinds / "rows.b2nd")}
+    expected = batches(fields, 0, steps=120)
+    with ShmDataLoader(fields, readers=0, batch_size=16, seed=7, remote=RayReaders(actors=2), warn_layout=False) as loader:
+        found = []
+        for batch in loader:
+            found.append({"step": batch.step, "indices": batch.indices.copy(), "x": np.array(batch["x"])})
+            if batch.step == 20:
+                ray.kill(loader._pool.remote.actors[0])
+            if batch.step == 60:
+                pid = ray.get(loader._pool.remote.actors[1].where.remote())[0]
+                assert pid > 0
+                os.kill(pid, signal.SIGKILL)
+            if len(found) == 120:
+                break
+        assert loader.stats()["reader_restarts"] == 2
+    assert_same(expected, found)
+    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+
+
+def test_an_actor_that_raises_reaches_the_trainer_with_its_type_and_step(cluster, kinds):
+    fields = {"data": str(kinds / "data.npy")}
+    with ShmDataLoader(fields, readers=0, batch_size=16, mode="sequential", remote=RayReaders(actors=1),
+                       transform="transform_fixtures:fails_on_row_seven", warn_layout=False) as loader:
+        with pytest.raises(ValueError, match="row seven is cursed") as raised:
+            next(loader)
+    assert isinstance(raised.value, ReaderError)
+    assert raised.value.step == 0 and "Ray actor 0" in str(raised.value)
+    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+
+
+def test_an_actor_lost_past_its_budget_stops_the_loader_with_a_named_error(cluster, kinds):
+    fields = {"x": str(kinds / "rows.npy")}
+    with ShmDataLoader(fields, readers=0, batch_size=16, remote=RayReaders(actors=1, max_restarts=0),
+                       warn_layout=False) as loader:
+        next(loader)
+        ray.kill(loader._pool.remote.actors[0])
+        with pytest.raises(ReaderError, match=r"Ray actor 0 .*max_restarts=0"):
+            for _ in range(100):
+                next(loader)
+
+
+def test_close_with_steps_in_flight_leaves_no_actor_and_no_ring(cluster, kinds):
+    fields = {"x": str(kinds / "rows.npy")}
+    loader = ShmDataLoader(fields, readers=1, batch_size=16, remote=RayReaders(actors=3, in_flight=3),
+                           warn_layout=False)
+    next(loader)
+    assert len(alive_actors()) == 3
+    name = loader.ring_name
+    loader.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+
+
+def test_a_removed_node_costs_no_batch(cluster, kinds):
+    """The actor lives on a worker node that is taken out of the cluster mid-run; its
+    replacement starts on the other worker node."""
+    nodes = [cluster.add_node(num_cpus=1, resources={"shmloader_side": 1}) for _ in range(2)]
+    try:
+        cluster.wait_for_nodes()
+        fields = {"tokens": Packed(str(kinds / "docs.ragged"))}
+        expected = batches(fields, 0, steps=60)
+        remote = RayReaders(actors=1, options={"resources": {"shmloader_side": 1}})
+        with ShmDataLoader(fields, readers=0, batch_size=16, seed=7, remote=remote, warn_layout=False) as loader:
+            found = []
+            for batch in loader:
+                found.append({"step": batch.step, "indices": batch.indices.copy(),
+                              **{k: np.array(v) for k, v in batch.items()}})
+                if batch.step == 15:
+                    actor_node = ray.get(loader._pool.remote.actors[0].where.remote())
+                    node_id = next(actor["Address"]["NodeID"] for actor in alive_actors())
+                    victim = next(node for node in nodes if node.node_id == node_id)
+                    cluster.remove_node(victim)
+                    nodes.remove(victim)
+                if len(found) == 60:
+                    break
+            assert loader.stats()["reader_restarts"] >= 1
+            assert actor_node[0] > 0
+        assert_same(expected, found)
+    finally:
+        for node in nodes:
+            cluster.remove_node(node)
+
+
+def test_remote_settings_are_checked(cluster, kinds):
+    with pytest.raises(ValueError, match="actors must be an integer >= 1"):
+        RayReaders(actors=0)
+    with pytest.raises(ValueError, match="in_flight"):
+        RayReaders(in_flight=0)
+    with pytest.raises(TypeError, match="remote must be remote readers"):
+        ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, remote="ray://somewhere")
+
+
+
+def test_records_an_actor_skips_are_reported_like_a_readers(cluster, kinds):
+    fields = {"data": str(kinds / "data.npy")}
+    options = dict(mode="sequential", transform="transform_fixtures:fails_on_row_seven", on_error="skip")
+    with pytest.warns(UserWarning, match="replaced 1 record"):
+        with ShmDataLoader(fields, readers=0, batch_size=16, remote=RayReaders(actors=1), warn_layout=False,
+                           **options) as loader:
+            found = [{"step": b.step, "indices": b.indices.copy(), "x": np.array(b["x"])}
+                     for _, b in zip(range(3), loader)]
+            skipped = loader.stats()["skipped"]
+    assert skipped["count"] == 1 and skipped["records"][0]["row"] == 7 and skipped["records"][0]["step"] == 0
+    with pytest.warns(UserWarning, match="replaced 1 record"):
+        assert_same(batches(fields, 0, steps=3, **options), found)
