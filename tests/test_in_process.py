@@ -9,56 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from shmloader import Packed, Padded, ShmDataLoader, Source, Windows
-from shmloader.convert import convert, write_ragged
+from conftest import assert_same, batches, declarations
+
+from shmloader import ShmDataLoader, Source
 from shmloader.transforms import TransformError, compute_batch
-
-
-@pytest.fixture(scope="module")
-def kinds(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("in_process")
-    rng = np.random.default_rng(3)
-    rows = rng.integers(0, 255, size=(400, 6), dtype=np.uint8)
-    np.save(directory / "rows.npy", rows)
-    np.save(directory / "part0.npy", rows[:150])
-    np.save(directory / "part1.npy", rows[150:])
-    convert(directory / "rows.npy", directory / "rows.b2nd", progress=False)
-    np.save(directory / "data.npy", rows[:, :4].astype(np.float32))
-    np.save(directory / "stream.npy", rng.integers(0, 50_000, size=40_000, dtype=np.int32))
-    documents = [rng.integers(0, 1000, size=int(n), dtype=np.int32) for n in rng.integers(1, 40, size=400)]
-    write_ragged(directory / "docs.ragged", documents)
-    return directory
-
-
-def declarations(directory):
-    return {
-        "rows npy": {"x": str(directory / "rows.npy")},
-        "rows b2nd": {"x": str(directory / "rows.b2nd")},
-        "many files": {"x": [str(directory / "part0.npy"), str(directory / "part1.npy")]},
-        "padded": {"tokens": Padded(str(directory / "docs.ragged"), max_length=16, overflow="random")},
-        "packed": {"tokens": Packed(str(directory / "docs.ragged"))},
-        "windows": {"tokens": Windows(str(directory / "stream.npy"), length=32)},
-    }
-
-
-def batches(fields, readers, steps=12, **options):
-    with ShmDataLoader(fields, readers=readers, batch_size=16, seed=7, warn_layout=False, **options) as loader:
-        if readers == 0:
-            assert loader.reader_pids == []
-        return [{"step": batch.step, "indices": batch.indices.copy(), **{k: np.array(v) for k, v in batch.items()}}
-                for _, batch in zip(range(steps), loader)]
-
-
-def assert_same(expected, found):
-    assert len(expected) == len(found)
-    for one, other in zip(expected, found):
-        assert one.keys() == other.keys()
-        assert one["step"] == other["step"]
-        for name in set(one) - {"step"}:
-            end = None  # A packed field's elements past offsets[-1] are whatever the slot held before.
-            if f"{name}.offsets" in one:
-                end = int(one[f"{name}.offsets"][-1])
-            np.testing.assert_array_equal(one[name][:end], other[name][:end], err_msg=f"{name} of step {one['step']}")
 
 
 @pytest.mark.parametrize("kind", ["rows npy", "rows b2nd", "many files", "padded", "packed", "windows"])

@@ -14,12 +14,11 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from shmloader import Packed, Padded, ShmDataLoader, Source, Windows  # noqa: E402
+from conftest import assert_same, batches, declarations, wait_until  # noqa: E402
+
+from shmloader import Packed, ShmDataLoader, Source  # noqa: E402
 from shmloader.errors import ReaderError  # noqa: E402
 from shmloader.ray import RayReaders  # noqa: E402
-
-from conftest import wait_until  # noqa: E402
-from test_in_process import assert_same, batches, declarations, kinds  # noqa: E402,F401 (the fixture)
 
 # One Ray cluster per worker process of the suite: the tests share it (xdist's loadgroup
 # keeps them on one worker, README's test command).
