@@ -34,7 +34,7 @@ import ray.exceptions
 
 from .errors import ReaderError
 from .filler import FillerSpec
-from .reader import ErrorReport, skips_report
+from .reader import ErrorReport, skips_report, yield_to_the_trainer
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
 
 # While the bridge could send more steps than it has in flight, it looks for requested
@@ -54,6 +54,7 @@ class _FillActor:
     reader writes into its record, so that it reaches the trainer with its step."""
 
     def __init__(self, filler: dict) -> None:
+        yield_to_the_trainer()  # As a local reader does: on the trainer's node it must not preempt it.
         self.pid, self.node = os.getpid(), ray.util.get_node_ip_address()
         self.filler = self.outputs = self.failure = None
         try:

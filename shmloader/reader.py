@@ -268,7 +268,7 @@ class Reader:
         self.filler.close()
 
 
-def _yield_to_the_trainer() -> None:
+def yield_to_the_trainer() -> None:
     """SCHED_BATCH: the kernel's policy for non-interactive work. A reader the trainer
     wakes then waits for a free core or the end of the trainer's time slice instead of
     preempting it in the middle of next(), where a preemption costs the trainer a whole
@@ -332,7 +332,7 @@ def main(argv: list[str]) -> int:
     # was for it alone, exits and is restarted.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
-    _yield_to_the_trainer()
+    yield_to_the_trainer()
     _die_with_the_trainer()
     # The trainer that started this reader (pool.spawn_reader passes its pid): it may
     # have died before this reader finished importing, so getppid() cannot tell it here.
