@@ -7,8 +7,10 @@ all come here, through lifecycle.Resources.close):
    at once: from here on nothing is left in /dev/shm, whatever interrupts what follows (a
    second Ctrl-C). Attached readers keep their mappings; a reader not yet attached fails
    to attach and exits.
-2. ReaderPool.stop posts the work semaphore once per reader, so a reader asleep in its
-   bounded wait wakes at once; a reader mid-fill finishes that batch and sees the flag.
+2. ReaderPool.stop first stops the remote readers' bridge (its thread finishes the copy
+   it is making; their actors are killed). It posts the work semaphore once per reader,
+   so a reader asleep in its bounded wait wakes at once; a reader mid-fill finishes that
+   batch and sees the flag.
    It sends any reader still waiting for its configuration reader.STOP_MESSAGE instead,
    and that reader exits at once (bare EOF would make it wait to judge its trainer dead).
 3. It joins every reader for at most join_timeout_seconds in all, then SIGKILLs and reaps
