@@ -182,3 +182,20 @@ def test_records_an_actor_skips_are_reported_like_a_readers(cluster, kinds):
     assert skipped["count"] == 1 and skipped["records"][0]["row"] == 7 and skipped["records"][0]["step"] == 0
     with pytest.warns(UserWarning, match="replaced 1 record"):
         assert_same(batches(fields, 0, steps=3, **options), found)
+
+
+def test_seek_and_resume_with_actors_are_exact(cluster, kinds):
+    fields = {"x": str(kinds / "rows.b2nd")}
+    expected = batches(fields, 0, steps=40)
+    with ShmDataLoader(fields, readers=1, batch_size=16, seed=7, remote=RayReaders(actors=2), warn_layout=False) as loader:
+        for _, batch in zip(range(25), loader):
+            pass
+        state = loader.state_dict()
+        del batch
+        loader.seek(5)
+        found = [{"step": b.step, "indices": b.indices.copy(), "x": np.array(b["x"])} for _, b in zip(range(10), loader)]
+    assert_same(expected[5:15], found)
+    with ShmDataLoader(fields, readers=0, batch_size=16, seed=7, remote=RayReaders(actors=1), warn_layout=False) as loader:
+        loader.load_state_dict(state)
+        found = [{"step": b.step, "indices": b.indices.copy(), "x": np.array(b["x"])} for _, b in zip(range(15), loader)]
+    assert_same(expected[25:40], found)
