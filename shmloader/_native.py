@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 9
+ABI_VERSION = 10
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -58,6 +58,8 @@ typedef struct {
     uint64_t seed;
     uint32_t fixed;
     uint32_t reserved;
+    uint64_t block_rows;
+    uint64_t window_blocks;
 } shm_mixture_source;
 
 typedef struct {
@@ -76,6 +78,8 @@ uint64_t shm_sizeof_mixture_source(void);
 uint64_t shm_sizeof_mixture_config(void);
 int shm_mixture_check(const shm_mixture_config *config);
 int shm_mixture_fill(const shm_mixture_config *config, uint64_t step, uint64_t *rows, uint32_t *sources, uint64_t count);
+int shm_mixture_window_blocks(const shm_mixture_config *config, uint64_t source, uint64_t q, uint64_t *out,
+                              uint64_t out_count, uint64_t *count, uint64_t *window);
 uint64_t shm_sizeof_sampler_config(void);
 uint64_t shm_sizeof_blosc_layout(void);
 uint64_t shm_sizeof_gather_error(void);

@@ -154,9 +154,10 @@ class StepFiller:
         found = list(slot.regions[:-1] if self.mixture else slot.regions)
         if found != expected:
             raise ValueError(f"the slot's regions {[r.name for r in found]} are not the plan's {[r.name for r in expected]}")
-        self.read_ahead = None
-        if read_ahead and getattr(sampler, "blocks_per_window", 0):  # The block-local shuffle reads windows ahead.
-            self.read_ahead = ReadAhead(sampler, self.field_readers, sum(plan.stored_bytes for plan in self.plans))
+        # The block-local shuffle reads windows ahead: one ReadAhead, or one per source of a mixture.
+        stored_bytes = sum(plan.stored_bytes for plan in self.plans)
+        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0))
+                           for view in (sampler.window_views() if read_ahead else [])]
 
     @property
     def field_readers(self) -> list[FieldReader]:
@@ -180,8 +181,8 @@ class StepFiller:
         """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
         check_determinism's second run). A batch that fails is searched for the records
         that fail it; on_error="skip" replaces them, "raise" names them in the error."""
-        if self.read_ahead is not None:
-            self.read_ahead.note(step)
+        for ahead in self.read_ahead:
+            ahead.note(step)
         if self.mixture:
             self.sampler.fill_unchecked(step, outputs.index_pointer, outputs.source_pointer)
         else:
@@ -272,9 +273,9 @@ class StepFiller:
         if self._probe is not None:
             self._probe.close()
             self._probe = self._probe_outputs = None
-        if self.read_ahead is not None:
-            self.read_ahead.close()
-            self.read_ahead = None
+        for ahead in self.read_ahead:
+            ahead.close()
+        self.read_ahead = []
         for field in self.fields:
             field.close()
         if self.inputs is not None:

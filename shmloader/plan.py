@@ -104,10 +104,15 @@ class FieldPlan:
     @property
     def stored_bytes(self) -> int:
         """The bytes of its files on disk (a ragged field's values; compressed where they are)."""
+        return self.source_bytes(None)
+
+    def source_bytes(self, source: int | None) -> int:
+        """stored_bytes of one source's files (all with None)."""
         total = 0
-        for part in self.parts:
-            spec = part if isinstance(part, FieldSpec) else part.values
-            total += spec.compressed_bytes or spec.uncompressed_bytes
+        for part, owner in zip(self.parts, self.part_sources):
+            if source is None or owner == source:
+                spec = part if isinstance(part, FieldSpec) else part.values
+                total += spec.compressed_bytes or spec.uncompressed_bytes
         return total
 
     def to_dict(self) -> dict:
@@ -452,14 +457,15 @@ _SHUFFLE_BLOCK_BYTES = 16 << 20
 _WINDOW_BLOCKS_MIN = 8
 
 
-def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int) -> int:
-    """Rows per block of the block-local shuffle: about _SHUFFLE_BLOCK_BYTES of all fields
-    together, at most a _WINDOW_BLOCKS_MIN-th of the window, rounded up to whole chunks of
-    the coarsest Blosc2 field (a chunk is the unit that field decompresses, so a block
-    that split one would read it twice)."""
-    row_count = next(iter(plans.values())).row_count
-    stored_bytes = sum(plan.stored_bytes for plan in plans.values())
-    chunk_rows = max([1] + [part.chunk_rows for plan in plans.values() if plan.kind == "rows" for part in plan.parts])
+def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int, source: int = 0) -> int:
+    """Rows per block of the block-local shuffle for `source` (0 unless a mixture's): about
+    _SHUFFLE_BLOCK_BYTES of all its fields together, at most a _WINDOW_BLOCKS_MIN-th of the
+    window, rounded up to whole chunks of its coarsest Blosc2 field (a chunk is the unit
+    that field decompresses, so a block that split one would read it twice)."""
+    row_count = next(iter(plans.values())).row_counts[source]
+    stored_bytes = sum(plan.source_bytes(source) for plan in plans.values())
+    chunk_rows = max([1] + [part.chunk_rows for plan in plans.values() if plan.kind == "rows"
+                            for part, owner in zip(plan.parts, plan.part_sources) if owner == source])
     block_rows = max(1, min(_SHUFFLE_BLOCK_BYTES * row_count // max(1, stored_bytes),
                             shuffle_window // _WINDOW_BLOCKS_MIN))
     return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
@@ -489,9 +495,6 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
     in one process by shmloader.transforms.compute_batch."""
     sources = _normalise_fields(fields, label_path)
     mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
-    if shuffle_window is not None and mixture:
-        raise ValueError("shuffle_window is not supported for a mixture of Sources yet: give it to a single source, "
-                         "or leave it None for the mixture's global shuffle of each source")
     if mixture and mode != "shuffle":
         raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
                          f"got {mode!r}")
@@ -505,9 +508,11 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
         regions = spec.regions(batch_size)
     row_counts = next(iter(plans.values())).row_counts
     if mixture:
+        block_rows = None if shuffle_window is None else [shuffle_block_rows(plans, shuffle_window, index)
+                                                           for index in range(len(sources))]
         sampler = MixtureSampler(list(row_counts), [source.weight for source in sources],
                                  [source.fraction for source in sources], [source.fixed for source in sources],
-                                 batch_size, seed, shard_index, shard_count)
+                                 batch_size, seed, shard_index, shard_count, shuffle_window, block_rows)
     else:
         block_rows = 1 if shuffle_window is None else shuffle_block_rows(plans, shuffle_window)
         sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)

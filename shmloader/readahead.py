@@ -68,11 +68,12 @@ def memory_limit_bytes() -> int:
 class ReadAhead:
     """Advises the kernel of the windows each step will read (one per reader)."""
 
-    def __init__(self, sampler, plan_readers, stored_bytes: int) -> None:
-        """`stored_bytes`: the fields' bytes on disk. Windows are let go only when they
-        cannot all stay cached (more than half the memory limit): data that fits keeps
-        its pages, and later epochs read from memory."""
-        self.sampler = sampler
+    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0) -> None:
+        """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
+        whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Windows are let
+        go only when they cannot all stay cached (more than half the memory limit): data
+        that fits keeps its pages, and later epochs read from memory."""
+        self.sampler, self.source = sampler, source
         self.plan_readers = list(plan_readers)
         self.release_windows = stored_bytes > memory_limit_bytes() // 2
         self.window_rows = sampler.block_rows * sampler.blocks_per_window
@@ -125,7 +126,7 @@ class ReadAhead:
             first = block * block_rows
             count = min(block_rows, length - first)
             for reader in self.plan_readers:
-                ranges.extend(reader.byte_ranges(first, count))
+                ranges.extend(reader.byte_ranges(first, count, self.source))
         return ranges
 
     def _advise_loop(self) -> None:

@@ -200,6 +200,11 @@ class Sampler:
             raise ValueError(f"cannot find the window of position {position}: {status_name(status)}")
         return (position // self.epoch_length, int(window[0])), out[:count[0]]
 
+    def window_views(self) -> list[Sampler]:
+        """What reads ahead for this sampler's windows (readahead.py): itself, or nothing
+        without a shuffle window. A mixture gives one per source."""
+        return [self] if self.blocks_per_window else []
+
     def __iter__(self) -> Iterator[np.ndarray]:
         return self.iterate(0)
 

@@ -3,7 +3,9 @@
 `Source(fields, weight, fraction, fixed)` declares one data set; a loader given a list of
 them draws every block of sum(weights) consecutive positions with each source's exact
 share, in a fixed interleave, and each source runs its own shuffle epochs over
-ceil(fraction * rows) rows (a fresh subset each epoch, or one fixed subset).
+ceil(fraction * rows) rows (a fresh subset each epoch, or one fixed subset). With a
+shuffle window each source runs the block-local shuffle instead (its own blocks, sized to
+its own rows), and each reads ahead for its own windows (SourceWindows).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numbers
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .sampler import check_integer, derive_seed, step_max
+from .sampler import LENGTH_MAX, check_integer, derive_seed, global_position, step_max
 
 # The most sources a mixture may have (zig/mixture.zig keeps a cache per source on its stack).
 SOURCES_MAX = 256
@@ -75,7 +77,8 @@ class MixtureSampler:
     function of (source sizes, weights, fractions, fixed, batch size, seed, shard, step)."""
 
     def __init__(self, lengths: list[int], weights: list[int], fractions: list[float], fixed: list[bool],
-                 batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1) -> None:
+                 batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,
+                 shuffle_window: int | None = None, block_rows: list[int] | None = None) -> None:
         if not 1 <= len(lengths) <= SOURCES_MAX:
             raise ValueError(f"a mixture has 1 to {SOURCES_MAX} sources, got {len(lengths)}")
         self.lengths, self.weights = [int(x) for x in lengths], [int(x) for x in weights]
@@ -86,11 +89,32 @@ class MixtureSampler:
         self.shard_index = check_integer("shard_index", shard_index, 0, self.shard_count - 1)
         self.mode = "shuffle"
         self.takes = [max(1, math.ceil(fraction * length)) for fraction, length in zip(self.fractions, self.lengths)]
+        self.shuffle_window, self.block_rows = shuffle_window, None
+        self.window_blocks = [0] * len(lengths)
+        if shuffle_window is not None:
+            check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
+            if block_rows is None or len(block_rows) != len(lengths):
+                raise ValueError(f"a mixture with a shuffle_window needs block_rows for each of its {len(lengths)} "
+                                 f"sources, got {block_rows!r}")
+            self.block_rows = [check_integer(f"source {index} block_rows", rows, 1, length)
+                               for index, (rows, length) in enumerate(zip(block_rows, self.lengths))]
+            for index, (fixed_subset, take, length) in enumerate(zip(self.fixed, self.takes, self.lengths)):
+                if fixed_subset and take < length:
+                    raise ValueError(f"source {index}: a fixed subset (fixed=True, fraction < 1) is not supported with "
+                                     f"shuffle_window yet (its own order would read its windows at random); use "
+                                     f"fixed=False, fraction=1, or no shuffle_window")
+            self.window_blocks = [max(1, -(-shuffle_window // rows)) for rows in self.block_rows]
+        # Nonzero with a window: the field readers then keep the kernel's read-around.
+        self.blocks_per_window = max(self.window_blocks)
         self._pattern_sources, self._pattern_ranks = interleave(self.weights)
+        # Per source, the block offsets it draws from, in order (its q within a block is their index).
+        self._offsets_of = [np.flatnonzero(self._pattern_sources == index) for index in range(len(lengths))]
         self._sources = ffi.new("shm_mixture_source[]", len(lengths))
         for index, (length, take, weight, fixed) in enumerate(zip(self.lengths, self.takes, self.weights, self.fixed)):
             source = self._sources[index]
             source.length, source.take, source.weight, source.fixed = length, take, weight, int(fixed)
+            source.window_blocks = self.window_blocks[index]
+            source.block_rows = self.block_rows[index] if self.block_rows else 0
             # Each source's own shuffle, from the loader's seed and its position in the list.
             source.seed = derive_seed(self.seed, index)
         self._config = ffi.new("shm_mixture_config *")
@@ -120,11 +144,51 @@ class MixtureSampler:
         if status != Status.OK:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
 
+    def source_position(self, step: int, source: int) -> int:
+        """Source `source`'s own stream position at its first draw in `step` or after."""
+        first = global_position(step, self.batch_size, self.shard_index, self.shard_count)
+        block, offset = divmod(first, len(self._pattern_sources))
+        offsets = self._offsets_of[source]
+        index = int(np.searchsorted(offsets, offset))
+        if index == len(offsets):
+            return (block + 1) * self.weights[source]
+        return block * self.weights[source] + index
+
+    def window_views(self) -> list[SourceWindows]:
+        """Each source's windows, for reading ahead (none without a shuffle window)."""
+        return [SourceWindows(self, index) for index in range(len(self.lengths)) if self.window_blocks[index]]
+
     def to_dict(self) -> dict:
         return {"kind": "mixture", "lengths": self.lengths, "weights": self.weights, "fractions": self.fractions,
                 "fixed": self.fixed, "batch_size": self.batch_size, "seed": self.seed,
-                "shard_index": self.shard_index, "shard_count": self.shard_count}
+                "shard_index": self.shard_index, "shard_count": self.shard_count,
+                "shuffle_window": self.shuffle_window, "block_rows": self.block_rows}
 
     @classmethod
     def from_dict(cls, data: dict) -> MixtureSampler:
         return cls(**{key: value for key, value in data.items() if key != "kind"})
+
+
+class SourceWindows:
+    """One source of a windowed mixture, seen as readahead.ReadAhead sees a sampler: its
+    stream position at a step, and the blocks of the window holding a position."""
+
+    def __init__(self, mixture: MixtureSampler, source: int) -> None:
+        self.mixture, self.source = mixture, source
+        self.length = mixture.lengths[source]
+        self.epoch_length = mixture.takes[source]
+        self.block_rows = mixture.block_rows[source]
+        self.blocks_per_window = mixture.window_blocks[source]
+
+    def stream_position(self, step: int) -> int:
+        return self.mixture.source_position(step, self.source)
+
+    def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
+        """((epoch, window), block ids) of the window holding the source's `position`."""
+        out = np.empty(self.blocks_per_window + 1, dtype=np.uint64)
+        count, window = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        status = lib.shm_mixture_window_blocks(self.mixture._config, self.source, position,
+                                               ffi.from_buffer("uint64_t[]", out), len(out), count, window)
+        if status != Status.OK:
+            raise ValueError(f"cannot find source {self.source}'s window of position {position}: {status_name(status)}")
+        return (position // self.epoch_length, int(window[0])), out[:count[0]]

@@ -30,6 +30,7 @@ def test_in_process_mixtures_and_windows_equal_readers(kinds):
     assert_same(in_process, batches(mixture, 2))
     windowed = {"x": str(kinds / "rows.npy")}
     assert_same(batches(windowed, 0, shuffle_window=64), batches(windowed, 3, shuffle_window=64))
+    assert_same(batches(mixture, 0, shuffle_window=64), batches(mixture, 2, shuffle_window=64))
 
 
 def test_in_process_transform_runs_in_this_process_and_equals_readers(kinds):

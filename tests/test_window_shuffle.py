@@ -13,6 +13,7 @@ from shmloader import Packed, Padded, ShmDataLoader, Windows
 from shmloader.convert import write_ragged
 from shmloader.readahead import ReadAhead
 from shmloader.sampler import Sampler
+from shmloader.sources import MixtureSampler
 from shmloader.fields import field_reader
 from shmloader.plan import plan_field
 
@@ -126,12 +127,87 @@ def test_resume_from_a_checkpoint_is_exact(files):
             loader.load_state_dict(state)
 
 
-def test_a_mixture_with_a_window_is_refused_with_a_reason(files):
+@pytest.mark.parametrize("fractions, shards", [((1.0, 1.0), 1), ((1.0, 0.4), 1), ((0.7, 1.0), 3)])
+def test_each_source_of_a_windowed_mixture_covers_its_rows_once_per_its_epoch(fractions, shards):
+    """Windowed sources beside each other: each runs its own block-local epochs (over its
+    first ceil(fraction * rows) positions, whole windows), the union of shards' positions
+    being the source's stream; a window's rows come from its own blocks."""
+    lengths, weights, block_rows, window = [1000, 333], [3, 1], [16, 9], 64
+    samplers = [MixtureSampler(lengths, weights, list(fractions), [False, False], 7, 2, shard, shards, window,
+                               block_rows) for shard in range(shards)]
+    streams = [[], []]
+    for step in range(-(-700 // shards)):  # Over 3 epochs of each source.
+        for sampler in samplers:
+            rows, sources = sampler.fill(step)
+            for source in (0, 1):
+                streams[source].append(rows[sources == source])
+    views = samplers[0].window_views()
+    assert [view.source for view in views] == [0, 1]
+    for source, view in enumerate(views):
+        stream, take = np.concatenate(streams[source]), samplers[0].takes[source]
+        assert view.epoch_length == take and view.blocks_per_window == -(-window // block_rows[source])
+        for epoch in range(3):
+            rows = stream[epoch * take:(epoch + 1) * take]
+            assert len(np.unique(rows)) == take, f"source {source} epoch {epoch} repeats a row"
+            if take == lengths[source]:
+                np.testing.assert_array_equal(np.sort(rows), np.arange(take))
+        window_rows = view.blocks_per_window * block_rows[source]
+        for start in range(0, take - window_rows, window_rows):  # Full windows (the last one may be longer).
+            _, blocks = view.window_blocks(take + start)  # Epoch 1.
+            assert set((stream[take + start:take + start + window_rows] // block_rows[source]).tolist()) <= \
+                set(blocks.tolist())
+    # A step's position in a source's stream: the draws of that source in the steps before.
+    for step in (0, 11, 57):
+        before = sum(len(part) for part in streams[1][:step * shards])
+        assert views[1].stream_position(step) == before
+
+
+def test_a_windowed_mixture_gives_the_rows_it_names_for_any_reader_count_and_resumes(files):
     from shmloader import Source
 
-    sources = [Source({"x": _declaration(files, "npy")}), Source({"x": _declaration(files, "shards")})]
-    with pytest.raises(ValueError, match="shuffle_window is not supported for a mixture"):
-        ShmDataLoader(sources, batch_size=8, readers=1, shuffle_window=100)
+    sources = [Source({"x": _declaration(files, "npy")}, weight=2),
+               Source({"x": _declaration(files, "shards")}, weight=1, fraction=0.5)]
+    seen = {}
+    for readers in (1, 3):
+        with ShmDataLoader(sources, batch_size=32, readers=readers, seed=4, shuffle_window=400) as loader:
+            assert loader.sampler.window_blocks[0] > 4 and loader.sampler.window_blocks[1] > 4
+            indices = []
+            for step, batch in zip(range(60), loader):
+                _check(batch, files, "npy")  # Both sources hold the same rows.
+                assert set(np.unique(batch["source"]).tolist()) == {0, 1}
+                indices.append(np.array(batch.indices))
+                del batch
+            state = loader.state_dict() if readers == 1 else None
+            seen[readers] = np.concatenate(indices)
+        if readers == 1:
+            resumed_state = state
+    np.testing.assert_array_equal(seen[1], seen[3])
+    with ShmDataLoader(sources, batch_size=32, readers=1, seed=4, shuffle_window=400) as loader:
+        loader.load_state_dict(resumed_state)
+        assert next(loader).step == 60
+    with pytest.raises(ValueError, match="a fixed subset"):
+        ShmDataLoader([sources[0], Source({"x": _declaration(files, "npy")}, fraction=0.5, fixed=True)],
+                      batch_size=8, readers=1, shuffle_window=100)
+
+
+def test_a_windowed_mixture_reads_ahead_each_sources_own_files(files):
+    from shmloader import Source
+    from shmloader.filler import StepFiller
+    from shmloader.plan import plan_loader
+
+    sources = [Source({"x": _declaration(files, "b2nd")}), Source({"x": _declaration(files, "shards")})]
+    plan = plan_loader(sources, None, 32, "shuffle", 4, 0, 1, shuffle_window=400)
+    filler = StepFiller(plan.fields, plan.slot, plan.sampler, None, False)
+    try:
+        assert [ahead.source for ahead in filler.read_ahead] == [0, 1]
+        for ahead, names in zip(filler.read_ahead, [{"rows.b2nd"}, {"a.npy", "b.npy"}]):
+            _, blocks = ahead.sampler.window_blocks(ahead.sampler.stream_position(0))
+            ranges = ahead._ranges(blocks)
+            assert ranges and {field.spec.path.rsplit("/", 1)[1] for field, _, _ in ranges} <= names
+            ahead.note(0)
+            assert ahead.windows_advised == 2  # This window and the next.
+    finally:
+        filler.close()
 
 
 @pytest.mark.parametrize("kind", ["npy", "b2nd", "packed", "windows"])

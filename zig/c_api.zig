@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 9; // 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 10; // 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -69,6 +69,11 @@ export fn shm_mixture_check(config: *const mixture.MixtureConfig) Status {
 
 export fn shm_mixture_fill(config: *const mixture.MixtureConfig, step: u64, rows: [*]u64, sources: [*]u32, count: u64) Status {
     return mixture.fill(config, step, rows[0..count], sources[0..count]);
+}
+
+export fn shm_mixture_window_blocks(config: *const mixture.MixtureConfig, source: u64, q: u64, out: [*]u64, out_count: u64,
+    count: *u64, window: *u64) Status {
+    return mixture.windowBlocks(config, source, q, out[0..out_count], count, window);
 }
 
 export fn shm_gather_rows(

@@ -8,6 +8,11 @@
 //! block drew from it (its rank). Source j's own position is then q = block * w_j + rank:
 //! each source runs its own shuffle epochs of `take` rows (a fraction of its rows), so a
 //! small source repeats while a large one is still in its first pass.
+//!
+//! A source with window_blocks > 0 runs the block-local shuffle (sampler.WindowShuffle)
+//! instead of the global one: a fresh subset is then the first `take` offsets of its
+//! epoch's windowed order, whole windows of whole blocks (a fixed subset with a window is
+//! refused: its own order would read the subset's windows at random).
 
 const std = @import("std");
 const sampler = @import("sampler.zig");
@@ -24,6 +29,9 @@ pub const MixtureSource = extern struct {
     /// 1: one fixed subset of `take` rows for every epoch; 0: a fresh subset per epoch.
     fixed: u32,
     reserved: u32,
+    /// The block-local shuffle when window_blocks > 0 (see sampler.SamplerConfig).
+    block_rows: u64,
+    window_blocks: u64,
 };
 
 /// Mirrors `shm_mixture_config` in shmloader/_native.py.
@@ -51,6 +59,12 @@ const SourceCursor = struct {
     offset: u64 = 0,
     subset: sampler.EpochPermutation = undefined,
     order: sampler.EpochPermutation = undefined,
+    /// A windowed source: its epoch's shuffle, and the permutation of the window last used.
+    windows: sampler.WindowShuffle = undefined,
+    window: u64 = no_window,
+    window_rows: sampler.EpochPermutation = undefined,
+
+    const no_window = std.math.maxInt(u64);
 
     fn begin(self: *SourceCursor, source: *const MixtureSource, q: u64) void {
         self.started = true;
@@ -71,8 +85,24 @@ const SourceCursor = struct {
     /// A fresh subset: the first `take` offsets of this epoch's permutation of all rows.
     /// A fixed one: the first `take` offsets of epoch 0's, visited in an order of its own.
     fn buildEpoch(self: *SourceCursor, source: *const MixtureSource) void {
+        if (source.window_blocks != 0) {
+            self.windows = sampler.WindowShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, self.epoch);
+            self.window = no_window;
+            return;
+        }
         self.subset = sampler.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else self.epoch);
         if (source.fixed != 0) self.order = sampler.EpochPermutation.init(source.take, source.seed ^ 0x6f72646572, self.epoch); // "order"
+    }
+
+    /// The row at the cursor's position, one at a time (the windowed fill).
+    fn row(self: *SourceCursor, source: *const MixtureSource) u64 {
+        if (source.window_blocks == 0) return self.subset.apply(self.subsetOffset(source));
+        const window = self.windows.windowOf(self.offset);
+        if (window != self.window) {
+            self.window = window;
+            self.window_rows = self.windows.rowsPermutation(window);
+        }
+        return self.windows.row(window, &self.window_rows, self.offset);
     }
 
     /// The offset into `subset` of the cursor's position (before the subset's permutation).
@@ -116,6 +146,11 @@ pub fn check(config: *const MixtureConfig) Status {
     for (config.sources[0..config.source_count]) |source| {
         if (source.length == 0 or source.length > sampler.length_max) return .invalid_length;
         if (source.take == 0 or source.take > source.length or source.weight == 0) return .invalid_length;
+        if (source.window_blocks != 0) {
+            if (source.block_rows == 0 or source.block_rows > source.length) return .invalid_length;
+            if (source.fixed != 0 and source.take != source.length) return .invalid_mode;
+            _ = std.math.mul(u64, source.block_rows, source.window_blocks) catch return .overflow;
+        }
         weights = std.math.add(u64, weights, source.weight) catch return .overflow;
     }
     if (weights != config.block) return .invalid_length;
@@ -159,6 +194,12 @@ pub fn fill(config: *const MixtureConfig, step: u64, rows: []u64, sources: []u32
         if (offset == config.block) {
             offset = 0;
             block += 1;
+        }
+    }
+    for (config.sources[0..config.source_count]) |source| {
+        if (source.window_blocks != 0) {
+            fillOneByOne(config, firsts[0..config.source_count], sources, rows);
+            return .ok;
         }
     }
     if (config.source_count <= per_source_passes_max) {
@@ -241,13 +282,54 @@ fn fillInterleaved(config: *const MixtureConfig, firsts: []const u64, sources: [
     lanes.flush(rows);
 }
 
+/// Every source in one pass, one row at a time: with windowed sources, whose rows come
+/// from a window's permutation rather than the epoch's.
+fn fillOneByOne(config: *const MixtureConfig, firsts: []const u64, sources: []const u32, rows: []u64) void {
+    var cursors: [sources_max]SourceCursor = undefined;
+    for (cursors[0..config.source_count]) |*cursor| cursor.* = .{};
+    for (sources, rows) |source_index, *row| {
+        const source = &config.sources[source_index];
+        const cursor = &cursors[source_index];
+        if (cursor.started) cursor.advance(source) else cursor.begin(source, firsts[source_index]);
+        row.* = cursor.row(source);
+    }
+}
+
+/// The blocks of the window that holds source `source_index`'s stream position `q`, in
+/// the order the window deals them (the tail block last where the window holds it): what
+/// a reader reads ahead for that source. As sampler.windowBlocks, for one source.
+pub fn windowBlocks(config: *const MixtureConfig, source_index: u64, q: u64, out: []u64, count: *u64, window_out: *u64) Status {
+    const status = check(config);
+    if (status != .ok) return status;
+    if (source_index >= config.source_count) return .invalid_length;
+    const source = &config.sources[source_index];
+    if (source.window_blocks == 0) return .invalid_mode;
+    if (out.len < source.window_blocks + 1) return .output_size_mismatch;
+    const shuffle = sampler.WindowShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
+    const window = shuffle.windowOf(q % source.take);
+    var written: u64 = 0;
+    var slot = window * source.window_blocks;
+    const slot_end = @min(slot + source.window_blocks, shuffle.full_blocks);
+    while (slot < slot_end) : (slot += 1) {
+        out[written] = shuffle.blocks.apply(slot);
+        written += 1;
+    }
+    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
+        out[written] = shuffle.full_blocks;
+        written += 1;
+    }
+    count.* = written;
+    window_out.* = window;
+    return .ok;
+}
+
 const testing = std.testing;
 
 test "every block holds each source's exact share and each source covers its rows once per epoch" {
     // Weights 2 and 1: pattern A B A; source A has 4 rows, source B 3 (a half fraction: 2).
     const source_list = [_]MixtureSource{
-        .{ .length = 4, .take = 4, .weight = 2, .seed = 1, .fixed = 0, .reserved = 0 },
-        .{ .length = 3, .take = 2, .weight = 1, .seed = 2, .fixed = 1, .reserved = 0 },
+        .{ .length = 4, .take = 4, .weight = 2, .seed = 1, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+        .{ .length = 3, .take = 2, .weight = 1, .seed = 2, .fixed = 1, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
     };
     const pattern_sources = [_]u32{ 0, 1, 0 };
     const pattern_ranks = [_]u64{ 0, 0, 1 };
@@ -287,9 +369,9 @@ test "every block holds each source's exact share and each source covers its row
 
 test "the per-source and the interleaved fills agree" {
     const source_list = [_]MixtureSource{
-        .{ .length = 1000, .take = 1000, .weight = 5, .seed = 1, .fixed = 0, .reserved = 0 },
-        .{ .length = 37, .take = 12, .weight = 2, .seed = 2, .fixed = 1, .reserved = 0 },
-        .{ .length = 9, .take = 5, .weight = 1, .seed = 3, .fixed = 0, .reserved = 0 },
+        .{ .length = 1000, .take = 1000, .weight = 5, .seed = 1, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+        .{ .length = 37, .take = 12, .weight = 2, .seed = 2, .fixed = 1, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+        .{ .length = 9, .take = 5, .weight = 1, .seed = 3, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
     };
     const pattern_sources = [_]u32{ 0, 1, 0, 2, 0, 1, 0, 0 };
     const pattern_ranks = [_]u64{ 0, 0, 1, 0, 2, 1, 3, 4 };
@@ -325,4 +407,61 @@ test "the per-source and the interleaved fills agree" {
         fillInterleaved(&config, &firsts, &sources, &other);
         try testing.expectEqualSlices(u64, &rows, &other);
     }
+}
+
+test "a windowed source covers its rows once per epoch, window by window, beside a plain one" {
+    // Source A: 103 rows in blocks of 4, windows of 3 blocks; B: 10 rows, global shuffle.
+    const source_list = [_]MixtureSource{
+        .{ .length = 103, .take = 103, .weight = 3, .seed = 5, .fixed = 0, .reserved = 0, .block_rows = 4, .window_blocks = 3 },
+        .{ .length = 10, .take = 10, .weight = 1, .seed = 6, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+    };
+    const pattern_sources = [_]u32{ 0, 1, 0, 0 };
+    const pattern_ranks = [_]u64{ 0, 0, 1, 2 };
+    const config = MixtureConfig{
+        .sources = &source_list,
+        .source_count = 2,
+        .pattern_sources = &pattern_sources,
+        .pattern_ranks = &pattern_ranks,
+        .block = 4,
+        .batch_size = 8,
+        .shard_index = 0,
+        .shard_count = 1,
+    };
+    var rows: [8]u64 = undefined;
+    var sources: [8]u32 = undefined;
+    var a_rows: [206]u64 = undefined;
+    var a_count: usize = 0;
+    var step: u64 = 0;
+    // 2 epochs of A (206 positions) = 68.67 blocks of 4 positions: 35 steps of 8 cover them.
+    while (step < 35) : (step += 1) {
+        try testing.expectEqual(Status.ok, fill(&config, step, &rows, &sources));
+        for (rows, sources) |row, source| {
+            if (source == 0 and a_count < 206) {
+                a_rows[a_count] = row;
+                a_count += 1;
+            }
+            if (source == 1) try testing.expect(row < 10);
+        }
+    }
+    try testing.expectEqual(@as(usize, 206), a_count);
+    // Every row once per epoch.
+    var epoch_seen: [103]u32 = @splat(0);
+    for (a_rows[0..103]) |row| epoch_seen[row] += 1;
+    for (epoch_seen) |count| try testing.expectEqual(@as(u32, 1), count);
+    // Each window's 12 rows come from the window's own 3 blocks (windowBlocks).
+    var blocks: [4]u64 = undefined;
+    var count: u64 = 0;
+    var window: u64 = 0;
+    var q: u64 = 0;
+    while (q < 96) : (q += 12) {
+        try testing.expectEqual(Status.ok, windowBlocks(&config, 0, q, &blocks, &count, &window));
+        try testing.expectEqual(@as(u64, 3), count);
+        for (a_rows[q .. q + 12]) |row| {
+            const block = row / 4;
+            try testing.expect(block == blocks[0] or block == blocks[1] or block == blocks[2]);
+        }
+    }
+    // The last window holds 3 blocks, the tail block (rows 100..102) and one more block.
+    try testing.expectEqual(Status.ok, windowBlocks(&config, 0, 100, &blocks, &count, &window));
+    try testing.expectEqual(@as(u64, 8), window);
 }
