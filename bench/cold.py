@@ -1,7 +1,9 @@
 """Data larger than memory (cold cache): rows/s of a plain read() of the file (one process,
 8 MiB at a time, no read-ahead overlap), the loader's sequential mode, its global shuffle, its block-local shuffle
-(shuffle_window) at several sizes, and PyTorch's DataLoader (shuffle, 2 workers) over a
-memory-mapped .npy, over a file that does not fit the memory the loader may use.
+(shuffle_window) at several sizes, PyTorch's DataLoader (shuffle, 2 workers) over a
+memory-mapped .npy, and litdata (the same rows optimized into 64 MB chunks, its shuffle:
+chunk order, then rows within the chunks its workers hold), over a file that does not fit
+the memory the loader may use. Every delivered row is checked against its index.
 
 A cgroup-v1 memory group (page cache counts against it) confines the loader and its
 readers to --limit-gib, below the file's size; the file is evicted from the page cache
@@ -11,6 +13,7 @@ readers to --limit-gib, below the file's size; the file is evicted from the page
 
     python bench/cold.py                                    # 1,000,000 rows of 3,072 B (3 GB), 2 GiB
     python bench/cold.py --rows 300000 --limit-gib 0.5 --seconds 10
+    python bench/cold.py --rows 11000000 --limit-gib 0 --skip litdata   # 33 GB, larger than the machine
 """
 
 from __future__ import annotations
@@ -105,10 +108,57 @@ def _torch_rate(args) -> dict:
             "window_blocks": 0}
 
 
+class _LitdataRows:
+    """litdata's fn: the first row of a piece in, its rows out with their indices."""
+
+    def __init__(self, path: str, piece: int) -> None:
+        self.path, self.piece = path, piece
+
+    def __call__(self, first: int):
+        array = np.load(self.path, mmap_mode="r")
+        for index in range(first, min(first + self.piece, array.shape[0])):
+            yield {"index": index, "row": np.array(array[index])}
+
+
+def litdata_directory(path: str) -> str:
+    return path.removesuffix(".npy") + ".litdata"
+
+
+def write_litdata(path: str) -> None:
+    """The file's rows optimized by litdata into 64 MB chunks, once."""
+    import litdata
+
+    directory = litdata_directory(path)
+    if os.path.exists(os.path.join(directory, "index.json")):
+        return
+    rows, piece = np.load(path, mmap_mode="r").shape[0], 65536
+    print(f"optimizing {rows:,} rows with litdata into {directory} ...", flush=True)
+    litdata.optimize(fn=_LitdataRows(path, piece), inputs=list(range(0, rows, piece)), output_dir=directory,
+                     chunk_bytes="64MB", num_workers=1, mode="overwrite")
+
+
+def _litdata_rate(args) -> dict:
+    """litdata's StreamingDataLoader over the optimized chunks: shuffle, `readers` workers."""
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    dataset = StreamingDataset(litdata_directory(args.path), shuffle=True, seed=1)
+    loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
+    rows, wrong, started = 0, 0, time.perf_counter()
+    for batch in loader:
+        order, data = batch["index"].numpy(), batch["row"].numpy()
+        wrong += int(np.count_nonzero(data[:, :8].copy().view(np.uint64).ravel() != order.astype(np.uint64)))
+        rows += len(order)
+        if time.perf_counter() - started > args.seconds:
+            break
+    return {"rows": rows, "seconds": time.perf_counter() - started, "wrong_rows": wrong, "block_rows": 0,
+            "window_blocks": 0}
+
+
 def run_child(args) -> None:
     """One measurement, inside the memory group: prints a JSON line."""
-    if args.mode in ("disk", "torch"):
-        print(json.dumps(_disk_rate(args) if args.mode == "disk" else _torch_rate(args)))
+    if args.mode in ("disk", "torch", "litdata"):
+        rate = {"disk": _disk_rate, "torch": _torch_rate, "litdata": _litdata_rate}[args.mode]
+        print(json.dumps(rate(args)))
         return
     from shmloader import ShmDataLoader
 
@@ -117,7 +167,6 @@ def run_child(args) -> None:
     with ShmDataLoader({"x": args.path}, batch_size=args.batch_size, readers=args.readers, mode=mode, seed=1,
                        shuffle_window=window) as loader:
         rows, wrong, started = 0, 0, time.perf_counter()
-        warm_rows = None
         while time.perf_counter() - started < args.seconds:
             batch = next(loader)
             wrong += int(np.count_nonzero(batch["x"][:, :8].copy().view(np.uint64).ravel() != batch.indices))
@@ -131,7 +180,13 @@ def run_child(args) -> None:
 
 def run_in_group(command: list[str], limit_bytes: int, timeout: float) -> dict:
     """Runs `command` (which prints a JSON line last) in a new cgroup-v1 memory group of
-    `limit_bytes`, and returns that JSON with the group's peak usage; removes the group."""
+    `limit_bytes` (0: no group, for a file larger than the machine's memory), and returns
+    that JSON with the group's peak usage; removes the group."""
+    if not limit_bytes:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command[2:])}: exit {result.returncode}\n{result.stderr[-3000:]}")
+        return {**json.loads(result.stdout.strip().splitlines()[-1]), "peak_bytes": 0}
     group = f"{_CGROUP_ROOT}/shmloader_bench_{os.getpid()}"
     os.makedirs(group, exist_ok=True)
     try:
@@ -161,6 +216,10 @@ def run_in_group(command: list[str], limit_bytes: int, timeout: float) -> dict:
 
 def measure(args, mode: str, window: int) -> dict:
     evict(args.path)
+    if mode == "litdata":
+        directory = litdata_directory(args.path)
+        for name in os.listdir(directory):
+            evict(os.path.join(directory, name))
     command = [sys.executable, os.path.abspath(__file__), "--child", "--path", args.path, "--mode", mode,
                "--window", str(window), "--seconds", str(args.seconds), "--readers", str(args.readers),
                "--batch-size", str(args.batch_size)]
@@ -169,7 +228,8 @@ def measure(args, mode: str, window: int) -> dict:
 
 def add_run_arguments(parser: argparse.ArgumentParser, batch_size: int) -> None:
     """The settings every cold benchmark shares: the memory group and the loader's run."""
-    parser.add_argument("--limit-gib", type=float, default=2.0, help="the memory group's limit")
+    parser.add_argument("--limit-gib", type=float, default=2.0,
+                        help="the memory group's limit (0: no group, for a file larger than the machine)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each run lasts")
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=batch_size)
@@ -183,7 +243,7 @@ def parse_or_run_child(parser: argparse.ArgumentParser, run_child) -> argparse.N
     if args.child:
         run_child(args)
         return None
-    if not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0:
+    if args.limit_gib and (not os.path.isdir(_CGROUP_ROOT) or os.geteuid() != 0):
         sys.exit(f"needs root and a cgroup-v1 memory controller at {_CGROUP_ROOT}")
     return args
 
@@ -196,6 +256,7 @@ def main() -> None:
     add_run_arguments(parser, batch_size=256)
     parser.add_argument("--windows", default="262144,65536,16384", help="shuffle_window values to measure")
     parser.add_argument("--remove", action="store_true", help="delete the file at the end")
+    parser.add_argument("--skip", default="", help="contenders left out: any of disk,global,torch,litdata")
     parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
     parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
     args = parse_or_run_child(parser, run_child)
@@ -203,16 +264,30 @@ def main() -> None:
         return
     write_file(args.path, args.rows, args.row_bytes)
     size_gib = os.path.getsize(args.path) / 2**30
-    print(f"{machine_line()}; file {size_gib:.2f} GiB, memory group {args.limit_gib:g} GiB, "
+    group = f"memory group {args.limit_gib:g} GiB" if args.limit_gib else "no memory group"
+    print(f"{machine_line()}; file {size_gib:.2f} GiB, {group}, "
           f"{args.readers} readers, batch {args.batch_size}, {args.seconds:g} s a run, cold cache each run")
-    runs = [("read() of the file, 8 MiB at a time", "disk", 0), ("sequential", "sequential", 0),
-            ("shuffle (global)", "shuffle", 0)]
+    skip = set(filter(None, args.skip.split(",")))
+    runs = [("read() of the file, 8 MiB at a time", "disk", 0)] * ("disk" not in skip) + [("sequential", "sequential", 0)]
+    runs += [("shuffle (global)", "shuffle", 0)] * ("global" not in skip)
     runs += [(f"shuffle_window={int(window):,}", "shuffle", int(window)) for window in args.windows.split(",") if window]
     try:
-        import torch  # noqa: F401
-        runs.append(("PyTorch DataLoader, memmap, shuffle", "torch", 0))
+        if "torch" not in skip:
+            import torch  # noqa: F401
+            runs.append(("PyTorch DataLoader, memmap, shuffle", "torch", 0))
     except ImportError:
         print("PyTorch is not installed: its row is left out")
+    try:
+        if "litdata" not in skip:
+            write_litdata(args.path)
+            runs.append(("litdata, 64 MB chunks, shuffle", "litdata", 0))
+    except ImportError:
+        print("litdata is not installed: its row is left out")
+    try:
+        import streaming  # noqa: F401
+        print("MosaicML streaming is installed but not a contender here yet")
+    except Exception as error:  # noqa: BLE001 (it fails in many ways beside other packages)
+        print(f"MosaicML streaming cannot run here: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
     rows = []
     try:
         for label, mode, window in runs:

@@ -213,6 +213,7 @@ class RayBridge:
         record = self.first + job.actor
         if report:
             self._failed.add(job.actor)
+            self.ring.write_reader_stats(record, pid, self._busy_ns[job.actor], self._batches[job.actor])
             self.ring.write_reader_error(record, report)
             self.ring.publish(job.slot, SlotState.FAILED, record)
             return
@@ -256,8 +257,12 @@ class RayBridge:
             raise ReaderError(f"the Ray bridge stopped: {type(self.failure).__name__}: {self.failure}") from self.failure
 
     def describe(self, record: int) -> str:
+        """How the trainer's messages name an actor; one that never delivered a step may not
+        have been placed (Ray waits for the resources it asks for)."""
         pid = self.ring.reader_stats(record)[0]
-        return f"Ray actor {record - self.first} (reader record {record}{f', pid {pid}' if pid else ''})"
+        state = f"pid {pid}" if pid else ("no step delivered yet: Ray may lack the resources it asks for "
+                                          f"(num_cpus={self.spec.num_cpus}, options={self.spec.options})")
+        return f"Ray actor {record - self.first} (reader record {record}, {state})"
 
     def stop(self) -> None:
         """Stops the thread (it finishes the result it is copying) and kills the actors;

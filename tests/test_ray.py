@@ -199,3 +199,14 @@ def test_seek_and_resume_with_actors_are_exact(cluster, kinds):
         loader.load_state_dict(state)
         found = [{"step": b.step, "indices": b.indices.copy(), "x": np.array(b["x"])} for _, b in zip(range(15), loader)]
     assert_same(expected[25:40], found)
+
+
+def test_an_actor_ray_cannot_place_is_named_when_a_step_times_out(cluster, kinds):
+    from shmloader.errors import StepTimeoutError
+
+    remote = RayReaders(actors=1, options={"resources": {"no_such_node": 1}})
+    with ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=remote, step_timeout=1.0,
+                       warn_layout=False) as loader:
+        with pytest.raises(StepTimeoutError, match=r"Ray actor 0 .*Ray may lack the resources .*no_such_node"):
+            next(loader)
+    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
