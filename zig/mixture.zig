@@ -307,18 +307,7 @@ pub fn windowBlocks(config: *const MixtureConfig, source_index: u64, q: u64, out
     if (out.len < source.window_blocks + 1) return .output_size_mismatch;
     const shuffle = sampler.WindowShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
     const window = shuffle.windowOf(q % source.take);
-    var written: u64 = 0;
-    var slot = window * source.window_blocks;
-    const slot_end = @min(slot + source.window_blocks, shuffle.full_blocks);
-    while (slot < slot_end) : (slot += 1) {
-        out[written] = shuffle.blocks.apply(slot);
-        written += 1;
-    }
-    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
-        out[written] = shuffle.full_blocks;
-        written += 1;
-    }
-    count.* = written;
+    count.* = shuffle.blocksOf(window, out);
     window_out.* = window;
     return .ok;
 }

@@ -144,18 +144,7 @@ pub fn windowBlocks(config: *const SamplerConfig, position: u64, out: []u64, cou
     const shuffle = WindowShuffle.init(config.length, config.block_rows, config.window_blocks, config.seed,
         position / config.length);
     const window = shuffle.windowOf(position % config.length);
-    var written: u64 = 0;
-    var slot = window * config.window_blocks;
-    const slot_end = @min(slot + config.window_blocks, shuffle.full_blocks);
-    while (slot < slot_end) : (slot += 1) {
-        out[written] = shuffle.blocks.apply(slot);
-        written += 1;
-    }
-    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
-        out[written] = shuffle.full_blocks;
-        written += 1;
-    }
-    count.* = written;
+    count.* = shuffle.blocksOf(window, out);
     window_out.* = window;
     return .ok;
 }
@@ -217,6 +206,24 @@ pub const WindowShuffle = struct {
     pub fn rowsPermutation(self: *const WindowShuffle, window: u64) EpochPermutation {
         return EpochPermutation.init(self.windowSize(window), hash2(hash2(self.seed, 0x77696e646f77), window), // "window"
             self.epoch);
+    }
+
+    /// The blocks `window` deals, in order, the tail block (id full_blocks, the rows past
+    /// the last full block) last where the window holds it; returns how many it wrote
+    /// (`out` holds window_blocks + 1).
+    pub fn blocksOf(self: *const WindowShuffle, window: u64, out: []u64) u64 {
+        var written: u64 = 0;
+        var slot = window * self.window_blocks;
+        const slot_end = @min(slot + self.window_blocks, self.full_blocks);
+        while (slot < slot_end) : (slot += 1) {
+            out[written] = self.blocks.apply(slot);
+            written += 1;
+        }
+        if (window == self.last_window and self.length > self.full_blocks * self.block_rows) {
+            out[written] = self.full_blocks;
+            written += 1;
+        }
+        return written;
     }
 
     /// The row at `offset` of the epoch, given the permutation of its window's rows.
@@ -311,17 +318,9 @@ fn shardWindowBlocks(config: *const SamplerConfig, position: u64, out: []u64, co
     const share = ShardShare.init(config, epoch);
     const shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
     const window = shuffle.windowOf(position % length);
-    var written: u64 = 0;
-    var slot = window * config.window_blocks;
-    const slot_end = @min(slot + config.window_blocks, shuffle.full_blocks);
-    while (slot < slot_end) : (slot += 1) {
-        out[written] = share.blockOf(shuffle.blocks.apply(slot));
-        written += 1;
-    }
-    if (window == shuffle.last_window and shuffle.length > shuffle.full_blocks * shuffle.block_rows) {
-        out[written] = share.blockOf(shuffle.full_blocks); // The virtual tail: the share's tail, or a block.
-        written += 1;
-    }
+    const written = shuffle.blocksOf(window, out);
+    // The share's blocks, as dataset blocks (the virtual tail: the share's tail, or a block).
+    for (out[0..written]) |*block| block.* = share.blockOf(block.*);
     count.* = written;
     window_out.* = window;
     return .ok;
