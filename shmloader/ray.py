@@ -24,6 +24,7 @@ Ray is an optional extra (pip install "shmloader[ray]"); only this module import
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import threading
 import time
@@ -41,6 +42,35 @@ from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
 # slots this often; with every actor's queue full it waits for a result (at most a poll
 # interval, to see the loader stop).
 _CLAIM_INTERVAL_SECONDS = 0.002
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _driver_paths() -> list[str]:
+    """The directories Ray puts first on its workers' sys.path: the driver's working
+    directory (and script directory) when it called ray.init. Read from the job's config,
+    a private part of Ray; the working directory now if that is not there."""
+    try:
+        return list(ray._private.worker.global_worker.core_worker.get_job_config().py_driver_sys_path)
+    except Exception:  # noqa: BLE001 (another Ray version): the likeliest answer.
+        return [os.getcwd()]
+
+
+def _check_not_shadowed() -> None:
+    """A source checkout of shmloader in one of those directories, not the package this
+    trainer imported and with no native library built, is what actors would import:
+    refuse with the reason rather than lose every actor as it starts."""
+    for directory in _driver_paths():
+        shadow = os.path.join(directory, "shmloader")
+        if not os.path.isdir(shadow) or os.path.realpath(shadow) == os.path.realpath(_PACKAGE):
+            continue
+        if not glob.glob(os.path.join(shadow, "_shmloader_native*")):
+            raise RuntimeError(
+                f"Ray actors would import shmloader from {shadow} (Ray puts {directory}, where ray.init was called, "
+                f"first on its workers' sys.path), a source checkout without its native library, not the installed "
+                f"package this trainer uses ({_PACKAGE}). Call ray.init from another directory, or install the "
+                f"checkout for development (pip install -e .)")
+
 
 # What a lost actor looks like to the caller of ray.get: its process died, its node
 # left, or it cannot be reached. A replacement gets its steps.
@@ -119,6 +149,7 @@ class RayReaders:
     def start(self, ring: Ring, first_record: int, filler: FillerSpec) -> RayBridge:
         if not ray.is_initialized():
             ray.init()
+        _check_not_shadowed()
         return RayBridge(self, ring, first_record, filler)
 
 

@@ -13,6 +13,14 @@ from shmloader import Packed, Padded, ShmDataLoader, Windows
 
 SHM_DIRECTORY = "/dev/shm"
 
+# A suite started in the background by a shell without job control (or under nohup)
+# inherits SIGINT and SIGQUIT (or SIGHUP) ignored, and every process it starts would too:
+# the tests that signal a child trainer need their default actions.
+for _number, _action in ((signal.SIGINT, signal.default_int_handler), (signal.SIGQUIT, signal.SIG_DFL),
+                         (signal.SIGHUP, signal.SIG_DFL)):
+    if signal.getsignal(_number) == signal.SIG_IGN:
+        signal.signal(_number, _action)
+
 
 def our_shm_entries(pid: int | None = None) -> set[str]:
     """Entries of /dev/shm that belong to shmloader rings (of one creating pid, if given)."""

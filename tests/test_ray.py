@@ -11,6 +11,8 @@ import signal
 import numpy as np
 import pytest
 
+# Before Ray is imported: its nodes then bind 127.0.0.1 only (the suite talks to loopback).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -26,11 +28,19 @@ pytestmark = pytest.mark.xdist_group("ray")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Loopback only (README: more machines).
+def cluster(tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "object_store_memory": 256 << 20, "include_dashboard": False})
-    ray.init(address=cluster.address, log_to_driver=False)
+    # Ray puts the driver's working directory first on its workers' sys.path: started from a
+    # source checkout (CI runs the suite from one, with the package installed), actors would
+    # import the checkout, which has no native library. shmloader.ray refuses that case
+    # (test_a_checkout_where_ray_was_started_is_refused_with_the_reason).
+    here = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("ray_driver"))
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+    finally:
+        os.chdir(here)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
@@ -210,3 +220,12 @@ def test_an_actor_ray_cannot_place_is_named_when_a_step_times_out(cluster, kinds
         with pytest.raises(StepTimeoutError, match=r"Ray actor 0 .*Ray may lack the resources .*no_such_node"):
             next(loader)
     assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+
+
+def test_a_checkout_where_ray_was_started_is_refused_with_the_reason(cluster, kinds, tmp_path, monkeypatch):
+    (tmp_path / "shmloader").mkdir()
+    (tmp_path / "shmloader" / "__init__.py").write_text("")
+    monkeypatch.setattr("shmloader.ray._driver_paths", lambda: [str(tmp_path)])
+    with pytest.raises(RuntimeError, match="a source checkout without its native library"):
+        ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(),
+                      warn_layout=False)
