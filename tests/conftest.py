@@ -70,9 +70,8 @@ def write_b2nd(path, array, *, chunks=None, blocks=None, codec="LZ4", clevel=5):
     return str(path)
 
 
-def reader_descendants() -> list[int]:
-    """Pids of the reader processes descended from this process (their command line runs
-    shmloader.reader), however deep (a test's child trainer's readers too)."""
+def _processes() -> tuple[dict[int, list[int]], dict[int, bytes]]:
+    """Every process's children and command line, from /proc."""
     children: dict[int, list[int]] = {}
     commands: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
@@ -86,12 +85,33 @@ def reader_descendants() -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(parent, []).append(int(entry))
+    return children, commands
+
+
+def reader_descendants() -> list[int]:
+    """Pids of the reader processes descended from this process (their command line runs
+    shmloader.reader), however deep (a test's child trainer's readers too)."""
+    children, commands = _processes()
     found, frontier = [], [os.getpid()]
     while frontier:
         for child in children.get(frontier.pop(), []):
             frontier.append(child)
             if b"shmloader.reader" in commands.get(child, b""):
                 found.append(child)
+    return found
+
+
+def orphaned_readers() -> list[int]:
+    """Pids of reader processes whose trainer (the pid their command line ends with) is
+    gone: a test's child trainer killed while its readers were stopped (SIGSTOP) leaves
+    them reparented away from this process, and stopped, they cannot act on their
+    trainer's death."""
+    _, commands = _processes()
+    found = []
+    for pid, command in commands.items():
+        arguments = command.rstrip(b"\0").split(b"\0")
+        if b"shmloader.reader" in command and arguments[-1].isdigit() and not process_alive(int(arguments[-1])):
+            found.append(pid)
     return found
 
 
@@ -110,7 +130,7 @@ def no_leaked_rings(request):
     closed): they are killed, so that they cannot slow or confuse the tests after it."""
     yield
     if getattr(request.node, "shmloader_failed", False):
-        for pid in reader_descendants():
+        for pid in reader_descendants() + orphaned_readers():
             for number in (signal.SIGCONT, signal.SIGKILL):
                 try:
                     os.kill(pid, number)
