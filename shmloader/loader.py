@@ -423,6 +423,13 @@ class ShmDataLoader(cursor_module.Cursor):
         return self._pool.pids
 
     @property
+    def remote_actors(self) -> list:
+        """The remote readers' live handles (Ray actors, in reader-record order after the
+        local readers), [] without remote readers."""
+        remote = self._pool.remote
+        return [] if remote is None else list(remote.actors)
+
+    @property
     def shared_memory_bytes(self) -> int:
         return self._layout.total_bytes
 

@@ -94,9 +94,9 @@ def test_killed_actors_cost_no_batch(cluster, kinds):
         for batch in loader:
             found.append({"step": batch.step, "indices": batch.indices.copy(), "x": np.array(batch["x"])})
             if batch.step == 20:
-                ray.kill(loader._pool.remote.actors[0])
+                ray.kill(loader.remote_actors[0])
             if batch.step == 60:
-                pid = ray.get(loader._pool.remote.actors[1].where.remote())[0]
+                pid = ray.get(loader.remote_actors[1].where.remote())[0]
                 assert pid > 0
                 os.kill(pid, signal.SIGKILL)
             if len(found) == 120:
@@ -122,7 +122,7 @@ def test_an_actor_lost_past_its_budget_stops_the_loader_with_a_named_error(clust
     with ShmDataLoader(fields, readers=0, batch_size=16, remote=RayReaders(actors=1, max_restarts=0),
                        warn_layout=False) as loader:
         next(loader)
-        ray.kill(loader._pool.remote.actors[0])
+        ray.kill(loader.remote_actors[0])
         with pytest.raises(ReaderError, match=r"Ray actor 0 .*max_restarts=0"):
             for _ in range(100):
                 next(loader)
@@ -133,11 +133,12 @@ def test_close_with_steps_in_flight_leaves_no_actor_and_no_ring(cluster, kinds):
     loader = ShmDataLoader(fields, readers=1, batch_size=16, remote=RayReaders(actors=3, in_flight=3),
                            warn_layout=False)
     next(loader)
-    assert len(alive_actors()) == 3
+    ours = {handle._actor_id.hex() for handle in loader.remote_actors}
+    assert len(ours) == 3 and ours <= {actor["ActorID"] for actor in alive_actors()}
     name = loader.ring_name
     loader.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+    assert wait_until(lambda: not ours & {actor["ActorID"] for actor in alive_actors()}, timeout=10), alive_actors()
 
 
 def test_a_removed_node_costs_no_batch(cluster, kinds):
@@ -155,7 +156,7 @@ def test_a_removed_node_costs_no_batch(cluster, kinds):
                 found.append({"step": batch.step, "indices": batch.indices.copy(),
                               **{k: np.array(v) for k, v in batch.items()}})
                 if batch.step == 15:
-                    actor_node = ray.get(loader._pool.remote.actors[0].where.remote())
+                    actor_node = ray.get(loader.remote_actors[0].where.remote())
                     node_id = next(actor["Address"]["NodeID"] for actor in alive_actors())
                     victim = next(node for node in nodes if node.node_id == node_id)
                     cluster.remove_node(victim)
