@@ -22,7 +22,7 @@ from .filler import ON_ERROR, FillerSpec
 from .lifecycle import Resources, live_loaders
 from .passes import ENDLESS, FinitePass
 from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
-                   plan_loader, wake_after, warn_poor_layouts)
+                   plan_loader, wake_after, warn_poor_layouts, warn_window_memory)
 from .pool import ReaderPool
 from .reader import ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
@@ -213,6 +213,7 @@ class ShmDataLoader(cursor_module.Cursor):
         check_integer("start_step", start_step, 0, min(self.sampler.step_max - self.slots, self._end_step))
         if warn_layout:
             warn_poor_layouts(self.plans)
+        warn_window_memory(self.plans, self.sampler)
         sweep_stale()
         self._start(start_step)
 

@@ -22,6 +22,7 @@ import numpy as np
 from . import layout as blosc_layout
 from .errors import PerformanceWarning, StorageError, user_stacklevel
 from .ragged import RaggedSpec, describe_ragged, is_ragged, read_all, record_lengths
+from .readahead import memory_limit_bytes
 from .sampler import STEP_MAX, Sampler, check_integer
 from .slot_layout import Region, SlotLayout
 from .sources import MixtureSampler, Source
@@ -518,6 +519,37 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
         sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)
     return LoaderPlan(plans, SlotLayout.of(batch_size, regions, mixture), sampler, spec,
                       _sources_description(sources, plans))
+
+
+def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | None = None) -> None:
+    """A PerformanceWarning when the block-local shuffle's two windows (the one served and
+    the one read ahead) take more than half the memory this process may use for the page
+    cache, while the data does not fit in it: the kernel then reclaims pages read ahead
+    before they are used, and the disk is read again row by row (bench/cold.py: a 2 GiB
+    memory group with two 820 MB windows ran at 47-74% of the sequential rate)."""
+    views = sampler.window_views()
+    if not views:
+        return
+    limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
+    if sum(plan.stored_bytes for plan in plans.values()) <= limit // 2:
+        return  # It all stays cached after the first epoch: the windows are never let go.
+    needed, row_bytes = 0, 0.0
+    for view in views:
+        source = getattr(view, "source", 0)
+        source_bytes = sum(plan.source_bytes(source) for plan in plans.values())
+        source_row_bytes = source_bytes / max(1, view.length)
+        needed += 2 * view.block_rows * view.blocks_per_window * source_row_bytes
+        row_bytes = max(row_bytes, source_row_bytes)
+    if needed > limit / 2:
+        fits = int(limit / 4 / len(views) / max(row_bytes, 1.0))
+        warnings.warn(
+            f"shuffle_window={sampler.shuffle_window:,}: two windows take about {needed / 2**30:.2f} GiB of page cache, "
+            f"more than half of the {limit / 2**30:.2f} GiB this process may use (its memory limit or cgroup), and "
+            f"the data is larger: pages read ahead would be reclaimed before use. A shuffle_window of at most about "
+            f"{fits:,} rows keeps them under half of it.",
+            PerformanceWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:

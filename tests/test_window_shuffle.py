@@ -299,3 +299,20 @@ def test_a_reader_killed_mid_window_costs_no_batch(files):
             _check(batch, files, "b2nd")
             del batch
         assert loader.stats()["reader_restarts"] == 1
+
+
+def test_a_window_too_large_for_the_memory_is_warned_about_with_one_that_fits(files, monkeypatch):
+    """Two windows must fit beside each other in the page cache the loader may use."""
+    import warnings
+
+    from shmloader import PerformanceWarning
+
+    fields = {"x": _declaration(files, "npy")}  # 3,000 rows of 24 bytes: 72 KB.
+    monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 100_000)
+    with pytest.warns(PerformanceWarning, match=r"shuffle_window=2,000: two windows .* at most about 1,041 rows"):
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()  # Two windows: 96 KB.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PerformanceWarning)
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=1000).close()  # Two windows: 48 KB.
+        monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 1_000_000)  # The data stays cached.
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
