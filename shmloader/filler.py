@@ -18,7 +18,7 @@ from ._native import ffi
 from .errors import ShmLoaderError
 from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
-from .readahead import ReadAhead
+from .readahead import PENDING_MAX, Advisor, ReadAhead
 from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
@@ -154,10 +154,13 @@ class StepFiller:
         found = list(slot.regions[:-1] if self.mixture else slot.regions)
         if found != expected:
             raise ValueError(f"the slot's regions {[r.name for r in found]} are not the plan's {[r.name for r in expected]}")
-        # The block-local shuffle reads windows ahead: one ReadAhead, or one per source of a mixture.
+        # The block-local shuffle reads windows ahead: one ReadAhead, or one per source of a
+        # mixture, all through one advisor thread.
+        views = sampler.window_views() if read_ahead else []
         stored_bytes = sum(plan.stored_bytes for plan in self.plans)
-        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0))
-                           for view in (sampler.window_views() if read_ahead else [])]
+        self.advisor = Advisor(PENDING_MAX * len(views)) if views else None
+        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor)
+                           for view in views]
 
     @property
     def field_readers(self) -> list[FieldReader]:
@@ -273,9 +276,10 @@ class StepFiller:
         if self._probe is not None:
             self._probe.close()
             self._probe = self._probe_outputs = None
-        for ahead in self.read_ahead:
-            ahead.close()
         self.read_ahead = []
+        if self.advisor is not None:
+            self.advisor.close()
+            self.advisor = None
         for field in self.fields:
             field.close()
         if self.inputs is not None:

@@ -34,7 +34,7 @@ _ADVICE_PIECE_BYTES = 2 << 20
 _WINDOWS_REMEMBERED = 8
 # Requests waiting for the thread: the reader only ever needs the next window, so a full
 # queue means the disk is behind and another request would only add to its backlog.
-_PENDING_MAX = 8
+PENDING_MAX = 8
 
 
 def memory_limit_bytes() -> int:
@@ -68,20 +68,20 @@ def memory_limit_bytes() -> int:
 class ReadAhead:
     """Advises the kernel of the windows each step will read (one per reader)."""
 
-    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0) -> None:
+    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None) -> None:
         """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
         whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Windows are let
         go only when they cannot all stay cached (more than half the memory limit): data
-        that fits keeps its pages, and later epochs read from memory."""
+        that fits keeps its pages, and later epochs read from memory. `advisor`: the thread
+        that makes the calls, shared by a mixture's sources (one of its own if None)."""
         self.sampler, self.source = sampler, source
         self.plan_readers = list(plan_readers)
         self.release_windows = stored_bytes > memory_limit_bytes() // 2
         self.window_rows = sampler.block_rows * sampler.blocks_per_window
         self._entered: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
         self._advised: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
-        self._pending: queue.Queue = queue.Queue(maxsize=_PENDING_MAX)
-        self._thread = threading.Thread(target=self._advise_loop, name="shmloader-readahead", daemon=True)
-        self._thread.start()
+        self._own_advisor = advisor is None
+        self.advisor = Advisor() if advisor is None else advisor
         self.windows_advised = self.windows_released = 0
 
     def note(self, step: int) -> None:
@@ -112,11 +112,7 @@ class ReadAhead:
             self.windows_advised += 1
 
     def _submit(self, what: str, blocks) -> bool:
-        try:
-            self._pending.put_nowait((what, self._ranges(blocks)))
-            return True
-        except queue.Full:
-            return False
+        return self.advisor.submit(what, self._ranges(blocks))
 
     def _ranges(self, blocks) -> list[tuple]:
         """(opened file, offset, bytes) of every field's share of `blocks`, in file order."""
@@ -129,7 +125,32 @@ class ReadAhead:
                 ranges.extend(reader.byte_ranges(first, count, self.source))
         return ranges
 
-    def _advise_loop(self) -> None:
+    def close(self) -> None:
+        """Stops its advisor if it is its own (a shared one is its owner's to close)."""
+        if self._own_advisor:
+            self.advisor.close()
+
+
+class Advisor:
+    """The thread that makes the read-ahead's calls (posix_fadvise releases the GIL and may
+    block while the kernel queues reads, so a fill never waits for the disk it reads ahead
+    of). One per filler: a mixture's sources share it."""
+
+    def __init__(self, pending_max: int = PENDING_MAX) -> None:
+        self._pending: queue.Queue = queue.Queue(maxsize=pending_max)
+        self._thread = threading.Thread(target=self._loop, name="shmloader-readahead", daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, ranges: list[tuple]) -> bool:
+        """Queues "advise" or "release" of `ranges`; False if the queue is full (the disk
+        is behind: the caller asks again later)."""
+        try:
+            self._pending.put_nowait((what, ranges))
+            return True
+        except queue.Full:
+            return False
+
+    def _loop(self) -> None:
         while True:
             request = self._pending.get()
             if request is None:

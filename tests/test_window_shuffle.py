@@ -197,9 +197,14 @@ def test_a_windowed_mixture_reads_ahead_each_sources_own_files(files):
 
     sources = [Source({"x": _declaration(files, "b2nd")}), Source({"x": _declaration(files, "shards")})]
     plan = plan_loader(sources, None, 32, "shuffle", 4, 0, 1, shuffle_window=400)
+    import threading
+
+    before = {thread for thread in threading.enumerate() if thread.name == "shmloader-readahead"}
     filler = StepFiller(plan.fields, plan.slot, plan.sampler, None, False)
     try:
         assert [ahead.source for ahead in filler.read_ahead] == [0, 1]
+        started = {thread for thread in threading.enumerate() if thread.name == "shmloader-readahead"} - before
+        assert len(started) == 1  # The sources share one advisor thread.
         for ahead, names in zip(filler.read_ahead, [{"rows.b2nd"}, {"a.npy", "b.npy"}]):
             _, blocks = ahead.sampler.window_blocks(ahead.sampler.stream_position(0))
             ranges = ahead._ranges(blocks)
