@@ -12,7 +12,7 @@ import cffi
 
 # The declarations below mirror zig/c_api.zig; tests/test_native.py checks sizes, the
 # status enum and the ABI version against the library, so a drift fails loudly.
-ABI_VERSION = 10
+ABI_VERSION = 11
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 _NOT_FOR_CFFI = re.compile(r"^\s*#\s*(?:if|ifndef|ifdef|endif|include|define\s+SHMLOADER_RING_H\b)")
@@ -78,8 +78,10 @@ uint64_t shm_sizeof_mixture_source(void);
 uint64_t shm_sizeof_mixture_config(void);
 int shm_mixture_check(const shm_mixture_config *config);
 int shm_mixture_fill(const shm_mixture_config *config, uint64_t step, uint64_t *rows, uint32_t *sources, uint64_t count);
-int shm_mixture_window_blocks(const shm_mixture_config *config, uint64_t source, uint64_t q, uint64_t *out,
-                              uint64_t out_count, uint64_t *count, uint64_t *window);
+int shm_mixture_places(const shm_mixture_config *config, uint64_t source, uint64_t q, uint64_t *opened,
+                       uint64_t *closed, uint64_t *total);
+int shm_mixture_place_blocks(const shm_mixture_config *config, uint64_t source, uint64_t epoch, uint64_t first,
+                             uint64_t *out, uint64_t count);
 uint64_t shm_sizeof_sampler_config(void);
 uint64_t shm_sizeof_blosc_layout(void);
 uint64_t shm_sizeof_gather_error(void);
@@ -89,8 +91,10 @@ int shm_sampler_check(const shm_sampler_config *config);
 int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
 void shm_bounded_draws(uint64_t seed, uint64_t step, uint64_t stream, const uint64_t *bounds, uint64_t *out,
                        uint64_t count);
-int shm_sampler_window_blocks(const shm_sampler_config *config, uint64_t position, uint64_t *out, uint64_t out_count,
-                              uint64_t *count, uint64_t *window);
+int shm_sampler_places(const shm_sampler_config *config, uint64_t position, uint64_t *opened, uint64_t *closed,
+                       uint64_t *total);
+int shm_sampler_place_blocks(const shm_sampler_config *config, uint64_t epoch, uint64_t first, uint64_t *out,
+                             uint64_t count);
 
 int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes,
                     const uint64_t *indices, uint64_t index_count,

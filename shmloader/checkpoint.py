@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import collections.abc
 
+# The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
+# order that dealt whole windows one after another (checkpoints without this key) was
+# replaced; such a checkpoint's steps name other rows.
+SHUFFLE_ORDER = "sliding"
+
 
 def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None) -> dict:
     """The next step to deliver, the sampler's settings, the sources' description, and a
@@ -14,6 +19,8 @@ def state_of(next_step: int, sampler, sources: list[dict], transform, finite=Non
         state.update(finite.to_dict())
     if transform is not None:
         state["transform"] = {"name": transform.name, "args": transform.args}
+    if sampler.shuffle_window is not None:
+        state["shuffle_order"] = SHUFFLE_ORDER
     return state
 
 
@@ -35,6 +42,12 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     if state.get("transform") != mine and ("transform" in state or mine is not None):
         raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
                          f"{mine!r}; its batches would differ")
+    if sampler.shuffle_window is not None and state.get("shuffle_window") is not None and \
+            state.get("shuffle_order") != SHUFFLE_ORDER:
+        raise ValueError(f"the checkpoint was made with shuffle_window={state['shuffle_window']!r} by a shmloader "
+                         f"whose block-local shuffle dealt whole windows one after another (no shuffle_order "
+                         f"{SHUFFLE_ORDER!r} recorded); this one's order differs, so its steps name other rows. "
+                         f"Resume it with the shmloader that wrote it, or seek(step) to continue in this order")
     expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
     mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
     if mismatched:

@@ -22,7 +22,7 @@ import numpy as np
 from . import layout as blosc_layout
 from .errors import PerformanceWarning, StorageError, user_stacklevel
 from .ragged import RaggedSpec, describe_ragged, is_ragged, read_all, record_lengths
-from .readahead import memory_limit_bytes
+from .readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
 from .sampler import STEP_MAX, Sampler, check_integer
 from .slot_layout import Region, SlotLayout
 from .sources import MixtureSampler, Source
@@ -522,31 +522,31 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
 
 
 def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | None = None) -> None:
-    """A PerformanceWarning when the block-local shuffle's two windows (the one served and
-    the one read ahead) take more than half the memory this process may use for the page
-    cache, while the data does not fit in it: the kernel then reclaims pages read ahead
-    before they are used, and the disk is read again row by row (bench/cold.py: a 2 GiB
-    memory group with two 820 MB windows ran at 47-74% of the sequential rate)."""
+    """A PerformanceWarning when the block-local shuffle's blocks in memory (a window and the
+    blocks read ahead of it, readahead.py) take more than half the memory this process may
+    use for the page cache, while the data does not fit in it: the kernel then reclaims
+    pages read ahead before they are used, and the disk is read again row by row."""
     views = sampler.window_views()
     if not views:
         return
     limit = memory_limit_bytes() if limit_bytes is None else limit_bytes
     if sum(plan.stored_bytes for plan in plans.values()) <= limit // 2:
-        return  # It all stays cached after the first epoch: the windows are never let go.
-    needed, row_bytes = 0, 0.0
+        return  # It all stays cached after the first epoch: blocks are never let go.
+    needed, ahead, row_bytes = 0, 0, 0.0
     for view in views:
         source = getattr(view, "source", 0)
         source_bytes = sum(plan.source_bytes(source) for plan in plans.values())
         source_row_bytes = source_bytes / max(1, view.length)
-        needed += 2 * view.block_rows * view.blocks_per_window * source_row_bytes
+        needed += view.block_rows * (view.blocks_per_window + LOOKAHEAD_BLOCKS) * source_row_bytes
+        ahead += view.block_rows * LOOKAHEAD_BLOCKS * source_row_bytes
         row_bytes = max(row_bytes, source_row_bytes)
     if needed > limit / 2:
-        fits = int(limit / 4 / len(views) / max(row_bytes, 1.0))
+        fits = max(1, int((limit / 2 - ahead) / len(views) / max(row_bytes, 1.0)))
         warnings.warn(
-            f"shuffle_window={sampler.shuffle_window:,}: two windows take about {needed / 2**30:.2f} GiB of page cache, "
-            f"more than half of the {limit / 2**30:.2f} GiB this process may use (its memory limit or cgroup), and "
-            f"the data is larger: pages read ahead would be reclaimed before use. A shuffle_window of at most about "
-            f"{fits:,} rows keeps them under half of it.",
+            f"shuffle_window={sampler.shuffle_window:,}: the window and the blocks read ahead of it take about "
+            f"{needed / 2**30:.2f} GiB of page cache, more than half of the {limit / 2**30:.2f} GiB this process may "
+            f"use (its memory limit or cgroup), and the data is larger: pages read ahead would be reclaimed before "
+            f"use. A shuffle_window of at most about {fits:,} rows keeps them under half of it.",
             PerformanceWarning,
             stacklevel=user_stacklevel(),
         )

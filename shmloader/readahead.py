@@ -1,28 +1,30 @@
-"""Reading ahead for the block-local shuffle: as a reader enters a window it asks the kernel
-for the next window's blocks and lets go of the previous window's, so the disk streams
-whole blocks while the current window is served from the page cache, and the cache holds
-about two windows.
+"""Reading ahead for the block-local shuffle: as a reader moves through an epoch it asks the
+kernel for the blocks that open next and lets go of those whose rows are all dealt, so the
+disk streams whole blocks while the rows being served come from the page cache.
 
-The window a step reads from is a pure function of the step (sampler.py), so every reader
-knows the windows without talking to the others. Each reader, at its first step in window
-j: drops its own mappings of window j-1's blocks and advises the kernel that they are not
-needed (POSIX_FADV_DONTNEED drops pages no reader maps any more: the last reader to leave
-the window frees it), then advises WILLNEED for window j+1 (and for j itself at the start
-of a run). Without the drop, the pages read ahead were the first the kernel reclaimed
-under memory pressure (new pages, never referenced) while the finished window, mapped and
-referenced, stayed: the disk read each block several times. The advice runs on a thread of
-the reader (posix_fadvise releases the GIL and may block while the kernel queues reads),
-so a fill never waits for the disk it reads ahead of. Advice that fails costs speed only.
+Where a step reads is a pure function of the step (sampler.py, SlidingShuffle in
+zig/sampler.zig): at each step a reader learns its position's places, `closed` <= the
+places being dealt from < `opened`, and keeps the kernel asked for the places up to
+`closed + blocks_per_window + LOOKAHEAD_BLOCKS` (crossing into the next epoch where this
+one ends, so the next epoch's first blocks stream in while this one's last drain). It
+releases the places closed LAG_STEPS steps before its own: drops its own mappings of them
+and advises the kernel that they are not needed (POSIX_FADV_DONTNEED drops pages no
+reader maps any more, so the last reader to pass frees them). Without the release, the
+pages read ahead were the first the kernel reclaimed under memory pressure (new pages,
+never referenced) while finished blocks, mapped and referenced, stayed: the disk read
+each block several times. The advice runs on a thread of the reader (posix_fadvise
+releases the GIL and may block while the kernel queues reads), so a fill never waits for
+the disk it reads ahead of. Advice that fails costs speed only.
 
-Memory: two windows of all fields' stored bytes (the one being served and the next); a
-window should stay under half of the memory the loader may use for the page cache.
-Windows are let go only when the fields are larger than half that memory (the machine's,
-or its memory cgroup's limit): data that fits stays cached for the next epochs.
+Memory: about blocks_per_window + LOOKAHEAD_BLOCKS blocks of all fields' stored bytes,
+plus the blocks closed in the last LAG_STEPS steps (one window, where the former
+window-by-window order held two). Blocks are let go only when the fields are larger than
+half the memory the loader may use (the machine's, or its memory cgroup's limit): data
+that fits stays cached for the next epochs.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import queue
 import threading
@@ -30,10 +32,15 @@ import threading
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
-# Windows this reader remembers having entered or advised.
-_WINDOWS_REMEMBERED = 8
-# Requests waiting for the thread: the reader only ever needs the next window, so a full
-# queue means the disk is behind and another request would only add to its backlog.
+# Blocks asked for beyond the window being dealt from (blocks are about 16 MiB of rows,
+# plan.shuffle_block_rows): the disk's queue while the next block is being waited for.
+LOOKAHEAD_BLOCKS = 4
+# A block is released this many steps after its last rows were dealt: readers fill steps
+# a little apart (by up to the ring's slots), and a reader still filling an earlier step
+# would otherwise read the block's released pages again, one row at a time.
+LAG_STEPS = 8
+# Requests waiting for the thread: a full queue means the disk is behind and another
+# request would only add to its backlog (the caller asks again at its next step).
 PENDING_MAX = 8
 
 
@@ -66,59 +73,69 @@ def memory_limit_bytes() -> int:
 
 
 class ReadAhead:
-    """Advises the kernel of the windows each step will read (one per reader)."""
+    """Advises the kernel of the blocks each step will read (one per reader and source)."""
 
     def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None) -> None:
         """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
-        whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Windows are let
+        whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Blocks are let
         go only when they cannot all stay cached (more than half the memory limit): data
         that fits keeps its pages, and later epochs read from memory. `advisor`: the thread
         that makes the calls, shared by a mixture's sources (one of its own if None)."""
         self.sampler, self.source = sampler, source
         self.plan_readers = list(plan_readers)
-        self.release_windows = stored_bytes > memory_limit_bytes() // 2
-        self.window_rows = sampler.block_rows * sampler.blocks_per_window
-        self._entered: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
-        self._advised: collections.deque = collections.deque(maxlen=_WINDOWS_REMEMBERED)
+        self.release_blocks = stored_bytes > memory_limit_bytes() // 2
+        self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
+        # Places counted across epochs (epoch * places per epoch + place): the next to
+        # advise and the next to release; None before the first step and after a jump.
+        self._advised: int | None = None
+        self._released: int | None = None
         self._own_advisor = advisor is None
         self.advisor = Advisor() if advisor is None else advisor
-        self.windows_advised = self.windows_released = 0
+        self.blocks_advised = self.blocks_released = 0
 
     def note(self, step: int) -> None:
-        """Called as a reader starts `step`: at its first step in a window, releases the
-        previous window; then advises this window and the next, each once (a request the
-        full queue refused is made again at the next step)."""
+        """Called as a reader starts `step`: asks for the places from the ones being dealt
+        from to `ahead` past the first of them, and releases those closed LAG_STEPS steps
+        ago, each once (a request the full queue refused is made again at the next step)."""
         sampler = self.sampler
-        key, blocks = sampler.window_blocks(sampler.stream_position(step))
-        start = self._window_start(key)
-        if key not in self._entered:
-            self._entered.append(key)
-            if self.release_windows and start > 0 and self._submit("release", sampler.window_blocks(start - 1)[1]):
-                self.windows_released += 1
-        self._advise(key, blocks)
-        following = start + self.window_rows
-        if following >= (key[0] + 1) * sampler.epoch_length or sampler.window_blocks(following)[0] == key:
-            following = (key[0] + 1) * sampler.epoch_length  # The last window of an epoch may be longer.
-        next_key, next_blocks = sampler.window_blocks(following)
-        self._advise(next_key, next_blocks)
+        places = sampler.places(sampler.stream_position(step))
+        needed = places.epoch * places.total + places.closed
+        if self._advised is None or not needed <= self._advised <= needed + self.ahead:
+            self._advised = needed  # A first step, a seek or a jump back: start afresh.
+            self._released = None
+        end = needed + self.ahead
+        if self._advised < end and self._submit("advise", self._blocks(self._advised, end, places.total)):
+            self.blocks_advised += end - self._advised
+            self._advised = end
+        if not self.release_blocks or step < LAG_STEPS:
+            return
+        lagged = sampler.places(sampler.stream_position(step - LAG_STEPS))
+        done = min(needed, lagged.epoch * lagged.total + lagged.closed)
+        if self._released is None:
+            self._released = done  # Nothing before the first step was read by this reader.
+        if self._released < done and self._submit("release", self._blocks(self._released, done, places.total)):
+            self.blocks_released += done - self._released
+            self._released = done
 
-    def _window_start(self, key: tuple[int, int]) -> int:
-        epoch, window = key
-        return epoch * self.sampler.epoch_length + window * self.window_rows
-
-    def _advise(self, key, blocks) -> None:
-        if key not in self._advised and self._submit("advise", blocks):
-            self._advised.append(key)
-            self.windows_advised += 1
+    def _blocks(self, first: int, end: int, total: int) -> list[int]:
+        """The block ids of places [first, end), counted across epochs of `total` places."""
+        blocks = []
+        while first < end:
+            epoch, place = divmod(first, total)
+            count = min(end - first, total - place)
+            blocks.extend(int(block) for block in self.sampler.place_blocks(epoch, place, count))
+            first += count
+        return blocks
 
     def _submit(self, what: str, blocks) -> bool:
         return self.advisor.submit(what, self._ranges(blocks))
 
     def _ranges(self, blocks) -> list[tuple]:
-        """(opened file, offset, bytes) of every field's share of `blocks`, in file order."""
+        """(opened file, offset, bytes) of every field's share of `blocks`, in their order
+        (the kernel queues reads in the order it is asked: the block needed first, first)."""
         block_rows, length = self.sampler.block_rows, self.sampler.length
         ranges = []
-        for block in sorted(int(block) for block in blocks):
+        for block in dict.fromkeys(blocks):
             first = block * block_rows
             count = min(block_rows, length - first)
             for reader in self.plan_readers:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,6 +17,45 @@ LENGTH_MAX = 1 << 62
 _U32_MAX = (1 << 32) - 1
 _U64_MAX = (1 << 64) - 1
 STEP_MAX = _U64_MAX
+
+
+class Places(NamedTuple):
+    """A stream position in its epoch's block-local shuffle (zig/sampler.zig, SlidingShuffle):
+    the epoch deals from `total` places (blocks, the tail last), `opened` of them by the
+    position, all rows of the first `closed` before it. A reader needs places [closed,
+    opened) now and the following ones next."""
+
+    epoch: int
+    opened: int
+    closed: int
+    total: int
+
+
+def read_places(epoch: int, function, *arguments) -> Places:
+    """Places from the native `function` (shm_sampler_places or shm_mixture_places)."""
+    opened, closed, total = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    status = function(*arguments, opened, closed, total)
+    if status != Status.OK:
+        raise ValueError(f"cannot find the places of position {arguments[-1]}: {status_name(status)}")
+    return Places(epoch, int(opened[0]), int(closed[0]), int(total[0]))
+
+
+def read_place_blocks(function, *arguments) -> np.ndarray:
+    """The blocks at places [first, first + count) of an epoch, from the native `function`
+    (shm_sampler_place_blocks or shm_mixture_place_blocks; arguments end epoch, first, count)."""
+    count = arguments[-1]
+    out = np.empty(count, dtype=np.uint64)
+    status = function(*arguments[:-1], ffi.from_buffer("uint64_t[]", out), count)
+    if status != Status.OK:
+        raise ValueError(f"cannot list places {arguments[-2]} to {arguments[-2] + count} of epoch {arguments[-3]}: "
+                         f"{status_name(status)}")
+    return out
+
+
+def window_blocks_of(shuffle_window: int, block_rows: int, length: int) -> int:
+    """Blocks a phase of the block-local shuffle mixes: ceil(shuffle_window / block_rows),
+    but no more than the data has (a larger window orders rows no differently)."""
+    return max(1, min(-(-shuffle_window // block_rows), length // block_rows + 1))
 
 
 def global_position(step: int, batch_size: int, shard_index: int, shard_count: int) -> int:
@@ -62,18 +102,20 @@ class Sampler:
         rows, so every epoch covers every row once, and batches cross epochs seamlessly.
 
       - "shuffle" with `shuffle_window` (rows): the block-local shuffle, for data larger
-        than memory. Each epoch permutes blocks of `block_rows` consecutive rows, deals
-        them in order into windows of ceil(shuffle_window / block_rows) blocks, and
-        permutes the rows within each window (the rows past the last full block join the
-        last window). Every epoch still covers every row once; a window's rows come from
-        its blocks only, so readers read whole blocks ahead instead of random rows.
+        than memory. Each epoch permutes blocks of `block_rows` consecutive rows and deals
+        them out as a sliding window: each block's rows are spread over B = ceil(
+        shuffle_window / block_rows) consecutive phases of block_rows positions, so a
+        phase mixes the rows of B blocks, one block opens and one closes per phase, and
+        the rows of a phase are permuted (the rows past the last full block come last).
+        Every epoch still covers every row once; readers read whole blocks ahead, about
+        one window's worth of them at a time, instead of random rows.
 
     Sharding: the global batch of a step has batch_size * shard_count positions; shard h
     takes the h-th block of batch_size. Shards of one step are disjoint and together they
     form the global batch. With a shuffle window, each shard instead reads only its share
     of the blocks, so that each host reads about 1/shard_count of the bytes: the full
     blocks whose slot in the epoch's block permutation is h modulo shard_count (and the tail
-    rows for the shard next in that round), shuffled by windows as a dataset of its own, at
+    rows for the shard next in that round), shuffled as a dataset of its own, at
     the shard's own positions step * batch_size. The shards' shares of an epoch partition
     it (every row once per epoch across shards), but a shard's batches now depend on
     shard_count, and shards whose shares differ by a block cross epochs a little apart.
@@ -110,7 +152,7 @@ class Sampler:
             check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
             if mode != "shuffle":
                 raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
-            window_blocks = max(1, -(-shuffle_window // self.block_rows))
+            window_blocks = window_blocks_of(shuffle_window, self.block_rows, self.length)
         self.blocks_per_window = window_blocks
         # Each shard reads only its share of the blocks (see the class docstring).
         self.shard_blocks = bool(window_blocks) and self.shard_count > 1
@@ -185,20 +227,15 @@ class Sampler:
             return step * self.batch_size
         return global_position(step, self.batch_size, self.shard_index, self.shard_count)
 
-    def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
-        """((epoch, window), block ids) of the shuffle window that holds stream `position`
-        (see stream_position): the blocks a reader reads ahead (the tail block, id length //
-        block_rows, with the rows past the last full block)."""
-        if not self.blocks_per_window:
-            raise ValueError("window_blocks needs a sampler with a shuffle_window")
+    def places(self, position: int) -> Places:
+        """Where stream `position` (see stream_position) stands in its epoch's block-local
+        shuffle: what a reader reads ahead and lets go of (readahead.py)."""
         position = check_integer("position", position, 0, _U64_MAX)
-        out = np.empty(self.blocks_per_window + 1, dtype=np.uint64)
-        count, window = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        status = lib.shm_sampler_window_blocks(self._config, position, ffi.from_buffer("uint64_t[]", out), len(out),
-                                               count, window)
-        if status != Status.OK:
-            raise ValueError(f"cannot find the window of position {position}: {status_name(status)}")
-        return (position // self.epoch_length, int(window[0])), out[:count[0]]
+        return read_places(position // self.epoch_length, lib.shm_sampler_places, self._config, position)
+
+    def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
+        """The block ids (row // block_rows) at places first .. first + count of `epoch`."""
+        return read_place_blocks(lib.shm_sampler_place_blocks, self._config, epoch, first, count)
 
     def window_views(self) -> list[Sampler]:
         """What reads ahead for this sampler's windows (readahead.py): itself, or nothing

@@ -17,7 +17,8 @@ import numbers
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .sampler import LENGTH_MAX, check_integer, derive_seed, global_position, step_max
+from .sampler import (LENGTH_MAX, Places, check_integer, derive_seed, global_position, read_place_blocks, read_places,
+                      step_max, window_blocks_of)
 
 # The most sources a mixture may have (zig/mixture.zig keeps a cache per source on its stack).
 SOURCES_MAX = 256
@@ -103,7 +104,8 @@ class MixtureSampler:
                     raise ValueError(f"source {index}: a fixed subset (fixed=True, fraction < 1) is not supported with "
                                      f"shuffle_window yet (its own order would read its windows at random); use "
                                      f"fixed=False, fraction=1, or no shuffle_window")
-            self.window_blocks = [max(1, -(-shuffle_window // rows)) for rows in self.block_rows]
+            self.window_blocks = [window_blocks_of(shuffle_window, rows, length)
+                                  for rows, length in zip(self.block_rows, self.lengths)]
         # Nonzero with a window: the field readers then keep the kernel's read-around.
         self.blocks_per_window = max(self.window_blocks)
         self._pattern_sources, self._pattern_ranks = interleave(self.weights)
@@ -171,7 +173,7 @@ class MixtureSampler:
 
 class SourceWindows:
     """One source of a windowed mixture, seen as readahead.ReadAhead sees a sampler: its
-    stream position at a step, and the blocks of the window holding a position."""
+    stream position at a step, and the places and blocks of its block-local shuffle."""
 
     def __init__(self, mixture: MixtureSampler, source: int) -> None:
         self.mixture, self.source = mixture, source
@@ -183,12 +185,10 @@ class SourceWindows:
     def stream_position(self, step: int) -> int:
         return self.mixture.source_position(step, self.source)
 
-    def window_blocks(self, position: int) -> tuple[tuple[int, int], np.ndarray]:
-        """((epoch, window), block ids) of the window holding the source's `position`."""
-        out = np.empty(self.blocks_per_window + 1, dtype=np.uint64)
-        count, window = ffi.new("uint64_t *"), ffi.new("uint64_t *")
-        status = lib.shm_mixture_window_blocks(self.mixture._config, self.source, position,
-                                               ffi.from_buffer("uint64_t[]", out), len(out), count, window)
-        if status != Status.OK:
-            raise ValueError(f"cannot find source {self.source}'s window of position {position}: {status_name(status)}")
-        return (position // self.epoch_length, int(window[0])), out[:count[0]]
+    def places(self, position: int) -> Places:
+        """The source's `position` in its epoch's block-local shuffle (Sampler.places)."""
+        return read_places(position // self.epoch_length, lib.shm_mixture_places, self.mixture._config, self.source,
+                           position)
+
+    def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
+        return read_place_blocks(lib.shm_mixture_place_blocks, self.mixture._config, self.source, epoch, first, count)

@@ -1,7 +1,8 @@
 """The block-local shuffle (shuffle_window, for data larger than memory): every epoch covers
-every row once, a window's rows come from its own blocks, batches equal a reference read
-for every field kind and reader count, resume is exact, and the readahead asks for exactly
-the bytes of the next window's blocks."""
+every row once, each row comes from a block open at its position (about one window of
+them), batches equal a reference read for every field kind and reader count, resume is
+exact, and the read-ahead asks for the bytes of every block before it is read and lets go
+of blocks only once they are done."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from conftest import write_b2nd
 from shmloader import Packed, Padded, ShmDataLoader, Windows
 from shmloader.convert import write_ragged
-from shmloader.readahead import ReadAhead
+from shmloader.readahead import LAG_STEPS, LOOKAHEAD_BLOCKS, ReadAhead
 from shmloader.sampler import Sampler
 from shmloader.sources import MixtureSampler
 from shmloader.fields import field_reader
@@ -28,21 +29,34 @@ def test_every_epoch_covers_every_row_once(length, window, block_rows):
     assert not np.array_equal(positions[:length], positions[length:2 * length])  # Epochs differ.
 
 
-def test_a_windows_rows_come_from_its_blocks_and_each_block_is_read_whole():
-    sampler = Sampler(10_000, 32, "shuffle", 1, shuffle_window=1000, block_rows=100)
-    rows = np.concatenate([sampler.fill(step) for step in range(10_000 // 32)])
-    for position in range(0, 9000, 1000):  # Nine full windows of ten blocks each.
-        _, blocks = sampler.window_blocks(position)
-        window_rows = rows[position:position + 1000]
-        assert set((window_rows // 100).tolist()) == set(blocks.tolist())
-        np.testing.assert_array_equal(np.sort(window_rows), np.sort(
-            (blocks[:, None] * 100 + np.arange(100)[None, :]).ravel()))
+def _open_blocks(sampler, position: int) -> set[int]:
+    """The blocks being dealt from at stream `position`."""
+    places = sampler.places(position)
+    return set(sampler.place_blocks(places.epoch, places.closed, places.opened - places.closed).tolist())
 
 
-def test_the_order_within_a_window_is_shuffled_not_block_by_block():
+def test_each_row_comes_from_an_open_block_and_each_block_is_dealt_within_its_window():
+    sampler = Sampler(10_050, 32, "shuffle", 1, shuffle_window=1000, block_rows=100)  # 100 blocks, 50 tail rows.
+    rows = np.concatenate([sampler.fill(step) for step in range(2 * 10_050 // 32)])
+    for position in range(0, len(rows), 7):
+        places = sampler.places(position)
+        assert places.total == 101 and places.opened - places.closed <= 10
+        assert rows[position] // 100 in _open_blocks(sampler, position), position
+    epoch = rows[10_050:20_100]  # Epoch 1.
+    first, last = np.full(101, len(epoch)), np.zeros(101, dtype=np.int64)
+    np.minimum.at(first, epoch // 100, np.arange(len(epoch)))
+    np.maximum.at(last, epoch // 100, np.arange(len(epoch)))
+    # A block's rows are spread over its ten phases (of 100 rows where the window is full),
+    # so a reader holds it for about one window: never more than eleven phases' rows.
+    assert (last - first < 1100).all() and (last[:100] - first[:100] > 500).mean() > 0.8
+    assert (first[100] >= 10_000) and (last[100] < 10_050)  # The tail comes last.
+
+
+def test_the_order_of_a_phase_is_shuffled_not_block_by_block():
     sampler = Sampler(100_000, 256, "shuffle", 0, shuffle_window=10_000, block_rows=500)
-    batch = sampler.fill(3)
+    batch = sampler.fill(200)  # Mid-epoch: the window is full.
     assert len(np.unique(batch // 500)) >= 15  # 20 blocks in the window: a batch draws from most.
+    assert len(np.unique(sampler.fill(0) // 500)) >= 4  # An epoch's first phases fill the window.
 
 
 def test_window_settings_are_checked():
@@ -122,6 +136,10 @@ def test_resume_from_a_checkpoint_is_exact(files):
         loader.load_state_dict(state)
         for indices in expected:
             np.testing.assert_array_equal(next(loader).indices, indices)
+        # A checkpoint of the order that dealt whole windows (before "shuffle_order") names other rows.
+        before_sliding = {key: value for key, value in state.items() if key != "shuffle_order"}
+        with pytest.raises(ValueError, match="dealt whole windows one after another"):
+            loader.load_state_dict(before_sliding)
     with ShmDataLoader(fields, batch_size=32, readers=1, seed=4) as loader:
         with pytest.raises(ValueError, match="shuffle_window"):
             loader.load_state_dict(state)
@@ -130,8 +148,8 @@ def test_resume_from_a_checkpoint_is_exact(files):
 @pytest.mark.parametrize("fractions, shards", [((1.0, 1.0), 1), ((1.0, 0.4), 1), ((0.7, 1.0), 3)])
 def test_each_source_of_a_windowed_mixture_covers_its_rows_once_per_its_epoch(fractions, shards):
     """Windowed sources beside each other: each runs its own block-local epochs (over its
-    first ceil(fraction * rows) positions, whole windows), the union of shards' positions
-    being the source's stream; a window's rows come from its own blocks."""
+    first ceil(fraction * rows) positions), the union of shards' positions being the
+    source's stream; each row comes from a block open at its position."""
     lengths, weights, block_rows, window = [1000, 333], [3, 1], [16, 9], 64
     samplers = [MixtureSampler(lengths, weights, list(fractions), [False, False], 7, 2, shard, shards, window,
                                block_rows) for shard in range(shards)]
@@ -151,11 +169,8 @@ def test_each_source_of_a_windowed_mixture_covers_its_rows_once_per_its_epoch(fr
             assert len(np.unique(rows)) == take, f"source {source} epoch {epoch} repeats a row"
             if take == lengths[source]:
                 np.testing.assert_array_equal(np.sort(rows), np.arange(take))
-        window_rows = view.blocks_per_window * block_rows[source]
-        for start in range(0, take - window_rows, window_rows):  # Full windows (the last one may be longer).
-            _, blocks = view.window_blocks(take + start)  # Epoch 1.
-            assert set((stream[take + start:take + start + window_rows] // block_rows[source]).tolist()) <= \
-                set(blocks.tolist())
+        for position in range(take, 2 * take, 5):  # Epoch 1.
+            assert stream[position] // block_rows[source] in _open_blocks(view, position)
     # A step's position in a source's stream: the draws of that source in the steps before.
     for step in (0, 11, 57):
         before = sum(len(part) for part in streams[1][:step * shards])
@@ -206,11 +221,10 @@ def test_a_windowed_mixture_reads_ahead_each_sources_own_files(files):
         started = {thread for thread in threading.enumerate() if thread.name == "shmloader-readahead"} - before
         assert len(started) == 1  # The sources share one advisor thread.
         for ahead, names in zip(filler.read_ahead, [{"rows.b2nd"}, {"a.npy", "b.npy"}]):
-            _, blocks = ahead.sampler.window_blocks(ahead.sampler.stream_position(0))
-            ranges = ahead._ranges(blocks)
+            ranges = ahead._ranges(_open_blocks(ahead.sampler, ahead.sampler.stream_position(0)))
             assert ranges and {field.spec.path.rsplit("/", 1)[1] for field, _, _ in ranges} <= names
             ahead.note(0)
-            assert ahead.windows_advised == 2  # This window and the next.
+            assert ahead.blocks_advised == ahead.sampler.blocks_per_window + LOOKAHEAD_BLOCKS
     finally:
         filler.close()
 
@@ -223,7 +237,7 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
     reader = field_reader(plan, 32, False, sampler)
     read_ahead = ReadAhead(sampler, [reader], plan.stored_bytes)
     try:
-        _, blocks = sampler.window_blocks(0)
+        blocks = sampler.place_blocks(0, 0, 12)
         ranges = read_ahead._ranges(blocks)
         assert ranges and all(size > 0 for _, _, size in ranges)
         # Every row of the window lies in an advised range of its file.
@@ -235,12 +249,61 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
                     assert any(field is f and o <= offset and offset + size <= o + s for f, o, s in ranges), (row, kind)
         assert part is not None
         read_ahead.note(0)
-        assert read_ahead.windows_advised == 2  # This window and the next, once each.
+        ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
+        assert read_ahead.blocks_advised == ahead  # The first window and the blocks ahead of it.
         read_ahead.note(1)
-        assert read_ahead.windows_advised == 2
+        assert read_ahead.blocks_advised == ahead  # Still in the first phases: nothing new.
     finally:
         read_ahead.close()
         reader.close()
+
+
+class _RecordingAdvisor:
+    """Takes the read-ahead's requests as block ids (see _BlockReadAhead)."""
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    def submit(self, what, blocks) -> bool:
+        self.requests.append((what, list(blocks)))
+        return True
+
+
+class _BlockReadAhead(ReadAhead):
+    def _ranges(self, blocks):
+        return list(blocks)
+
+
+@pytest.mark.parametrize("shard_count, tail", [(1, 0), (1, 37), (2, 37)])
+def test_every_block_is_asked_for_before_its_rows_are_read_and_let_go_only_after(shard_count, tail):
+    """One reader through three epochs: each step's rows lie in blocks it has asked for and
+    not let go of, at most a window and the blocks ahead (and those closed in the last
+    LAG_STEPS steps) are held at once, and every block is let go once per epoch."""
+    block_rows, window = 50, 400
+    sampler = Sampler(100 * block_rows + tail, 20, "shuffle", 3, 0, shard_count, shuffle_window=window,
+                      block_rows=block_rows)
+    advisor = _RecordingAdvisor()
+    read_ahead = _BlockReadAhead(sampler, [], 0, advisor=advisor)
+    read_ahead.release_blocks = True
+    held: dict[int, int] = {}  # Block -> times asked for and not let go of.
+    released = 0
+    step_rows = sampler.batch_size
+    for step in range(3 * sampler.epoch_length // step_rows):
+        read_ahead.note(step)
+        for what, blocks in advisor.requests:
+            for block in blocks:
+                held[block] = held.get(block, 0) + (1 if what == "advise" else -1)
+                assert held[block] >= 0, f"block {block} let go of before it was asked for"
+        released += sum(len(blocks) for what, blocks in advisor.requests if what == "release")
+        advisor.requests.clear()
+        for row in sampler.fill(step).tolist():
+            assert held.get(row // block_rows, 0) > 0, f"step {step}: row {row} read from a block not asked for"
+        # Held: the window, the blocks ahead, and those closed in the last LAG_STEPS steps.
+        now, then = sampler.places(step * step_rows), sampler.places(max(0, step - LAG_STEPS) * step_rows)
+        lagging = (now.epoch - then.epoch) * now.total + now.closed - then.closed
+        in_memory = sum(1 for count in held.values() if count > 0)
+        assert in_memory <= sampler.blocks_per_window + LOOKAHEAD_BLOCKS + lagging + 1, step
+    assert released >= 2 * (sampler.epoch_length // block_rows)
 
 
 @pytest.mark.parametrize("shard_count", [1, 2, 3])
@@ -255,9 +318,8 @@ def test_shards_read_disjoint_shares_that_cover_every_row_once_per_epoch(shard_c
         stream = np.concatenate([sampler.fill(step) for step in range(steps)])
         epochs = [stream[:share], stream[share:2 * share]]
         assert len(np.unique(epochs[0])) == share  # No row twice within a shard's epoch.
-        for position in range(0, share, 120):  # Its windows hold rows of its window's blocks only.
-            _, blocks = sampler.window_blocks(position)
-            assert set((stream[position:position + 10] // block_rows).tolist()) <= set(blocks.tolist())
+        for position in range(0, 2 * share, 3):  # Its rows come from its own open blocks.
+            assert stream[position] // block_rows in _open_blocks(sampler, position)
         shares.append(epochs)
     for epoch in range(2):
         together = np.concatenate([epochs[epoch] for epochs in shares])
@@ -307,17 +369,19 @@ def test_a_reader_killed_mid_window_costs_no_batch(files):
 
 
 def test_a_window_too_large_for_the_memory_is_warned_about_with_one_that_fits(files, monkeypatch):
-    """Two windows must fit beside each other in the page cache the loader may use."""
+    """A window and the blocks read ahead of it must fit in the page cache the loader may use."""
     import warnings
 
     from shmloader import PerformanceWarning
 
     fields = {"x": _declaration(files, "npy")}  # 3,000 rows of 24 bytes: 72 KB.
     monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 100_000)
-    with pytest.warns(PerformanceWarning, match=r"shuffle_window=2,000: two windows .* at most about 1,041 rows"):
-        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()  # Two windows: 96 KB.
+    # shuffle_window=2000: 8 blocks of 250 rows and 4 ahead, 72 KB, over half the 100 KB.
+    with pytest.warns(PerformanceWarning, match=r"shuffle_window=2,000: the window and the blocks read ahead of it "
+                                                r"take .* at most about 1,083 rows"):
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
     with warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
-        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=1000).close()  # Two windows: 48 KB.
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=1083).close()  # 13 blocks of 135 rows: 42 KB.
         monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 1_000_000)  # The data stays cached.
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()

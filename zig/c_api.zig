@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 10; // 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 11; // 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -46,9 +46,14 @@ export fn shm_sampler_fill(config: *const sampler.SamplerConfig, step: u64, out:
     return sampler.fill(config, step, out[0..out_count]);
 }
 
-export fn shm_sampler_window_blocks(config: *const sampler.SamplerConfig, position: u64, out: [*]u64, out_count: u64,
-    count: *u64, window: *u64) Status {
-    return sampler.windowBlocks(config, position, out[0..out_count], count, window);
+export fn shm_sampler_places(config: *const sampler.SamplerConfig, position: u64, opened: *u64, closed: *u64,
+    total: *u64) Status {
+    return sampler.places(config, position, opened, closed, total);
+}
+
+export fn shm_sampler_place_blocks(config: *const sampler.SamplerConfig, epoch: u64, first: u64, out: [*]u64,
+    count: u64) Status {
+    return sampler.placeBlocks(config, epoch, first, out[0..count]);
 }
 
 export fn shm_bounded_draws(seed: u64, step: u64, stream: u64, bounds: [*]const u64, out: [*]u64, count: u64) void {
@@ -71,9 +76,14 @@ export fn shm_mixture_fill(config: *const mixture.MixtureConfig, step: u64, rows
     return mixture.fill(config, step, rows[0..count], sources[0..count]);
 }
 
-export fn shm_mixture_window_blocks(config: *const mixture.MixtureConfig, source: u64, q: u64, out: [*]u64, out_count: u64,
-    count: *u64, window: *u64) Status {
-    return mixture.windowBlocks(config, source, q, out[0..out_count], count, window);
+export fn shm_mixture_places(config: *const mixture.MixtureConfig, source: u64, q: u64, opened: *u64, closed: *u64,
+    total: *u64) Status {
+    return mixture.places(config, source, q, opened, closed, total);
+}
+
+export fn shm_mixture_place_blocks(config: *const mixture.MixtureConfig, source: u64, epoch: u64, first: u64,
+    out: [*]u64, count: u64) Status {
+    return mixture.placeBlocks(config, source, epoch, first, out[0..count]);
 }
 
 export fn shm_gather_rows(

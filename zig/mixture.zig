@@ -9,10 +9,10 @@
 //! each source runs its own shuffle epochs of `take` rows (a fraction of its rows), so a
 //! small source repeats while a large one is still in its first pass.
 //!
-//! A source with window_blocks > 0 runs the block-local shuffle (sampler.WindowShuffle)
+//! A source with window_blocks > 0 runs the block-local shuffle (sampler.SlidingShuffle)
 //! instead of the global one: a fresh subset is then the first `take` offsets of its
-//! epoch's windowed order, whole windows of whole blocks (a fixed subset with a window is
-//! refused: its own order would read the subset's windows at random).
+//! epoch's sliding order (a fixed subset with a window is refused: its own order would
+//! read the subset's blocks at random).
 
 const std = @import("std");
 const sampler = @import("sampler.zig");
@@ -59,12 +59,10 @@ const SourceCursor = struct {
     offset: u64 = 0,
     subset: sampler.EpochPermutation = undefined,
     order: sampler.EpochPermutation = undefined,
-    /// A windowed source: its epoch's shuffle, and the permutation of the window last used.
-    windows: sampler.WindowShuffle = undefined,
-    window: u64 = no_window,
-    window_rows: sampler.EpochPermutation = undefined,
-
-    const no_window = std.math.maxInt(u64);
+    /// A windowed source: its epoch's shuffle, and the phase last used (an empty range
+    /// until the first row of the epoch).
+    sliding: sampler.SlidingShuffle = undefined,
+    phase: sampler.SlidingShuffle.Phase = undefined,
 
     fn begin(self: *SourceCursor, source: *const MixtureSource, q: u64) void {
         self.started = true;
@@ -86,8 +84,9 @@ const SourceCursor = struct {
     /// A fixed one: the first `take` offsets of epoch 0's, visited in an order of its own.
     fn buildEpoch(self: *SourceCursor, source: *const MixtureSource) void {
         if (source.window_blocks != 0) {
-            self.windows = sampler.WindowShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, self.epoch);
-            self.window = no_window;
+            self.sliding = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, self.epoch);
+            self.phase.start = 0;
+            self.phase.end = 0;
             return;
         }
         self.subset = sampler.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else self.epoch);
@@ -97,12 +96,13 @@ const SourceCursor = struct {
     /// The row at the cursor's position, one at a time (the windowed fill).
     fn row(self: *SourceCursor, source: *const MixtureSource) u64 {
         if (source.window_blocks == 0) return self.subset.apply(self.subsetOffset(source));
-        const window = self.windows.windowOf(self.offset);
-        if (window != self.window) {
-            self.window = window;
-            self.window_rows = self.windows.rowsPermutation(window);
+        if (self.offset < self.phase.start or self.offset >= self.phase.end) {
+            self.phase = if (self.offset == self.phase.end and self.phase.end != 0)
+                self.sliding.nextPhase(&self.phase)
+            else
+                self.sliding.phaseOf(self.offset);
         }
-        return self.windows.row(window, &self.window_rows, self.offset);
+        return self.sliding.row(&self.phase, self.offset);
     }
 
     /// The offset into `subset` of the cursor's position (before the subset's permutation).
@@ -150,6 +150,7 @@ pub fn check(config: *const MixtureConfig) Status {
             if (source.block_rows == 0 or source.block_rows > source.length) return .invalid_length;
             if (source.fixed != 0 and source.take != source.length) return .invalid_mode;
             _ = std.math.mul(u64, source.block_rows, source.window_blocks) catch return .overflow;
+            if (source.window_blocks >= 1 << 32) return .invalid_length; // See sampler.floorSum.
         }
         weights = std.math.add(u64, weights, source.weight) catch return .overflow;
     }
@@ -295,21 +296,42 @@ fn fillOneByOne(config: *const MixtureConfig, firsts: []const u64, sources: []co
     }
 }
 
-/// The blocks of the window that holds source `source_index`'s stream position `q`, in
-/// the order the window deals them (the tail block last where the window holds it): what
-/// a reader reads ahead for that source. As sampler.windowBlocks, for one source.
-pub fn windowBlocks(config: *const MixtureConfig, source_index: u64, q: u64, out: []u64, count: *u64, window_out: *u64) Status {
-    const status = check(config);
-    if (status != .ok) return status;
-    if (source_index >= config.source_count) return .invalid_length;
-    const source = &config.sources[source_index];
-    if (source.window_blocks == 0) return .invalid_mode;
-    if (out.len < source.window_blocks + 1) return .output_size_mismatch;
-    const shuffle = sampler.WindowShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
-    const window = shuffle.windowOf(q % source.take);
-    count.* = shuffle.blocksOf(window, out);
-    window_out.* = window;
+/// Source `source_index`'s stream position `q`, as sampler.places for a plain sampler:
+/// the places of q's epoch dealt from by q, those all dealt before it, and those the
+/// epoch deals from (its first `take` offsets).
+pub fn places(config: *const MixtureConfig, source_index: u64, q: u64, opened: *u64, closed: *u64, total: *u64) Status {
+    const source = switch (windowedSource(config, source_index)) {
+        .source => |source| source,
+        .status => |status| return status,
+    };
+    const shuffle = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
+    opened.* = shuffle.opened(q % source.take);
+    closed.* = shuffle.closed(q % source.take);
+    total.* = shuffle.opened(source.take - 1);
     return .ok;
+}
+
+/// The blocks at places first .. first + out.len of source `source_index`'s epoch `epoch`.
+pub fn placeBlocks(config: *const MixtureConfig, source_index: u64, epoch: u64, first: u64, out: []u64) Status {
+    const source = switch (windowedSource(config, source_index)) {
+        .source => |source| source,
+        .status => |status| return status,
+    };
+    const shuffle = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, epoch);
+    const total = shuffle.opened(source.take - 1);
+    if (first > total or out.len > total - first) return .output_size_mismatch;
+    for (out, first..) |*block, place| block.* = shuffle.placeBlock(place);
+    return .ok;
+}
+
+/// Source `source_index` of a valid config, if it has a window; else why not.
+fn windowedSource(config: *const MixtureConfig, source_index: u64) union(enum) { source: *const MixtureSource, status: Status } {
+    const status = check(config);
+    if (status != .ok) return .{ .status = status };
+    if (source_index >= config.source_count) return .{ .status = .invalid_length };
+    const source = &config.sources[source_index];
+    if (source.window_blocks == 0) return .{ .status = .invalid_mode };
+    return .{ .source = source };
 }
 
 const testing = std.testing;
@@ -398,7 +420,7 @@ test "the per-source and the interleaved fills agree" {
     }
 }
 
-test "a windowed source covers its rows once per epoch, window by window, beside a plain one" {
+test "a windowed source covers its rows once per epoch, phase by phase, beside a plain one" {
     // Source A: 103 rows in blocks of 4, windows of 3 blocks; B: 10 rows, global shuffle.
     const source_list = [_]MixtureSource{
         .{ .length = 103, .take = 103, .weight = 3, .seed = 5, .fixed = 0, .reserved = 0, .block_rows = 4, .window_blocks = 3 },
@@ -437,20 +459,19 @@ test "a windowed source covers its rows once per epoch, window by window, beside
     var epoch_seen: [103]u32 = @splat(0);
     for (a_rows[0..103]) |row| epoch_seen[row] += 1;
     for (epoch_seen) |count| try testing.expectEqual(@as(u32, 1), count);
-    // Each window's 12 rows come from the window's own 3 blocks (windowBlocks).
+    // Each row comes from a place open at its position (places, placeBlocks).
     var blocks: [4]u64 = undefined;
-    var count: u64 = 0;
-    var window: u64 = 0;
-    var q: u64 = 0;
-    while (q < 96) : (q += 12) {
-        try testing.expectEqual(Status.ok, windowBlocks(&config, 0, q, &blocks, &count, &window));
-        try testing.expectEqual(@as(u64, 3), count);
-        for (a_rows[q .. q + 12]) |row| {
-            const block = row / 4;
-            try testing.expect(block == blocks[0] or block == blocks[1] or block == blocks[2]);
-        }
+    var opened: u64 = 0;
+    var closed: u64 = 0;
+    var total: u64 = 0;
+    for (a_rows[0..103], 0..) |row, q| {
+        try testing.expectEqual(Status.ok, places(&config, 0, q, &opened, &closed, &total));
+        try testing.expectEqual(@as(u64, 26), total); // 25 full blocks and the tail (rows 100..102).
+        try testing.expect(closed < opened and opened - closed <= 3);
+        try testing.expectEqual(Status.ok, placeBlocks(&config, 0, 0, closed, blocks[0 .. opened - closed]));
+        var found = false;
+        for (blocks[0 .. opened - closed]) |block| found = found or row / 4 == block;
+        try testing.expect(found);
     }
-    // The last window holds 3 blocks, the tail block (rows 100..102) and one more block.
-    try testing.expectEqual(Status.ok, windowBlocks(&config, 0, 100, &blocks, &count, &window));
-    try testing.expectEqual(@as(u64, 8), window);
+    try testing.expectEqual(Status.invalid_mode, places(&config, 1, 0, &opened, &closed, &total));
 }

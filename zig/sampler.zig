@@ -24,8 +24,9 @@ pub const SamplerConfig = extern struct {
     /// share of the blocks (see ShardShare); the shard's batches then depend on shard_count.
     flags: u32,
     /// Shuffle mode only: the block-local shuffle (data larger than memory) when
-    /// window_blocks > 0: rows are read in blocks of `block_rows` consecutive rows, and a
-    /// window deals out `window_blocks` blocks. Zero keeps the global shuffle.
+    /// window_blocks > 0: rows are read in blocks of `block_rows` consecutive rows, and
+    /// each phase mixes `window_blocks` of them (SlidingShuffle). Zero keeps the global
+    /// shuffle.
     block_rows: u64,
     window_blocks: u64,
 };
@@ -75,7 +76,9 @@ pub fn check(config: *const SamplerConfig) Status {
     if (config.window_blocks != 0) {
         if (config.mode != @intFromEnum(Mode.shuffle)) return .invalid_mode;
         if (config.block_rows == 0) return .invalid_length;
-        _ = std.math.mul(u64, config.block_rows, config.window_blocks) catch return .overflow;
+        // The sliding shuffle's floor sums stay within 64 bits (floorSum).
+        if (config.window_blocks >= 1 << 32) return .invalid_length;
+        _ = std.math.mul(u64, config.block_rows, std.math.add(u64, config.window_blocks, 1) catch return .overflow) catch return .overflow;
     }
     if (config.flags & ~flag_shard_blocks != 0) return .invalid_mode;
     if (shardBlocks(config)) {
@@ -115,7 +118,7 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     if (out.len < config.batch_size) return .output_size_mismatch;
     if (shardBlocks(config)) {
         const local = shardFirstPosition(config, step) orelse return .overflow;
-        fillShardWindowShuffle(config, local, out[0..config.batch_size]);
+        fillSliding(config, local, out[0..config.batch_size], true);
         return .ok;
     }
     const first = firstPosition(config, step) orelse return .overflow;
@@ -126,114 +129,239 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
         .shuffle => if (config.window_blocks == 0)
             fillShuffle(config.length, config.seed, first, batch)
         else
-            fillWindowShuffle(config, first, batch),
+            fillSliding(config, first, batch, false),
     }
     return .ok;
 }
 
-/// The blocks of the window that holds global stream `position` (block-local shuffle),
-/// in the order the window deals them, the tail block (rows past the last full block)
-/// last where the window holds it: what a reader reads ahead. Writes how many to `count`
-/// and the window's number in its epoch to `window_out`; `out` must hold window_blocks + 1.
-pub fn windowBlocks(config: *const SamplerConfig, position: u64, out: []u64, count: *u64, window_out: *u64) Status {
+/// What a reader reads ahead for the block-local shuffle at global stream `position`
+/// (see SlidingShuffle): `opened`, the places of the position's epoch dealt from by then;
+/// `closed`, the places whose rows are all dealt before it; `total`, the places the epoch
+/// deals from (the tail block, past the last full block, is the last place).
+pub fn places(config: *const SamplerConfig, position: u64, opened: *u64, closed: *u64, total: *u64) Status {
     const status = check(config);
     if (status != .ok) return status;
     if (config.window_blocks == 0) return .invalid_mode;
-    if (out.len < config.window_blocks + 1) return .output_size_mismatch;
-    if (shardBlocks(config)) return shardWindowBlocks(config, position, out, count, window_out);
-    const shuffle = WindowShuffle.init(config.length, config.block_rows, config.window_blocks, config.seed,
-        position / config.length);
-    const window = shuffle.windowOf(position % config.length);
-    count.* = shuffle.blocksOf(window, out);
-    window_out.* = window;
+    const length = epochLength(config);
+    const shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, position / length);
+    opened.* = shuffle.opened(position % length);
+    closed.* = shuffle.closed(position % length);
+    total.* = shuffle.opened(length - 1);
     return .ok;
 }
 
-/// The block-local shuffle of one epoch, for data larger than memory: the epoch's full
-/// blocks of `block_rows` consecutive rows are permuted, dealt in order into windows of
-/// `window_blocks` blocks, and the rows of each window permuted; the rows past the last
-/// full block (fewer than block_rows) join the last window. Each window's rows are a
-/// bijection of its blocks' rows and the windows partition the blocks, so every epoch
-/// still covers every row once; a reader that reads a window's blocks ahead of use reads
-/// the disk in block-sized runs instead of one random row at a time.
-pub const WindowShuffle = struct {
+/// The dataset blocks at places first .. first + out.len of `epoch` (see places): what a
+/// reader advises the kernel of, or lets go of. Block id length / block_rows is the tail.
+pub fn placeBlocks(config: *const SamplerConfig, epoch: u64, first: u64, out: []u64) Status {
+    const status = check(config);
+    if (status != .ok) return status;
+    if (config.window_blocks == 0) return .invalid_mode;
+    const length = epochLength(config);
+    const shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    const total = shuffle.opened(length - 1);
+    if (first > total or out.len > total - first) return .output_size_mismatch;
+    const share = if (shardBlocks(config)) ShardShare.init(config, epoch) else null;
+    for (out, first..) |*block, place| {
+        const virtual = shuffle.placeBlock(place);
+        block.* = if (share) |s| s.blockOf(virtual) else virtual;
+    }
+    return .ok;
+}
+
+/// Rows in one epoch of this shard's stream: the dataset's, or its share of the blocks.
+fn epochLength(config: *const SamplerConfig) u64 {
+    return if (shardBlocks(config)) ShardShare.init(config, 0).length else config.length;
+}
+
+/// sum over i in [0, n) of floor((a * i + b) / m): the floor sum, by the Euclidean-like
+/// reduction (each round swaps the roles of a and m, so it takes O(log m) rounds). With
+/// m = B < 2^32, n < B and a = b = R (check), every term stays within 64 bits.
+fn floorSum(count: u64, modulus: u64, slope: u64, intercept: u64) u64 {
+    var n = count;
+    var m = modulus;
+    var a = slope;
+    var b = intercept;
+    var sum: u64 = 0;
+    while (n > 0) {
+        if (a >= m) {
+            sum += n * (n - 1) / 2 * (a / m);
+            a %= m;
+        }
+        if (b >= m) {
+            sum += n * (b / m);
+            b %= m;
+        }
+        const y_max = a * n + b;
+        if (y_max < m) break;
+        n = y_max / m;
+        b = y_max % m;
+        const swapped = m;
+        m = a;
+        a = swapped;
+    }
+    return sum;
+}
+
+/// The block-local shuffle of one epoch, for data larger than memory: a sliding window.
+///
+/// The epoch's full blocks (R = block_rows consecutive rows each) are permuted into places
+/// 0..F-1. The block at place c is dealt over the B = window_blocks phases c .. c+B-1, a
+/// 1/B share of its rows in each: phase p mixes the rows of the B blocks at places
+/// p-B+1 .. p (fewer in the first and last B-1 phases, where the window fills and drains),
+/// and its rows are permuted together. A block's order is a permutation of 0..R-1 (one per
+/// epoch, rotated per place); its share k (k = p - c) is that order's q in [C(k-1), C(k)),
+/// C(k) = floor((k+1) R / B). The rows past the last full block (fewer than R) come last,
+/// permuted among themselves.
+///
+/// So every epoch covers every row once, a position maps to its row in O(1) once its phase
+/// is known (a binary search over the phases' starts, each a floor sum), and a reader holds
+/// about B blocks (one window) at a time: one block opens and one closes per phase, so the
+/// disk streams one block per R rows served, and nothing is read twice in an epoch. Phases
+/// are R rows where the window is full: a batch draws from B blocks; the first and last
+/// B-1 phases of an epoch draw from fewer.
+pub const SlidingShuffle = struct {
     length: u64,
     block_rows: u64,
     window_blocks: u64,
-    window_rows: u64,
     full_blocks: u64,
-    last_window: u64,
-    last_start: u64,
-    seed: u64,
+    full_rows: u64,
+    /// Phases with full-block rows: F + B - 1 (none without a full block). The tail, if
+    /// any, is phase `phase_count`.
+    phase_count: u64,
+    /// Where phase B - 1 starts: the rows of the phases where the window fills. From there
+    /// to phase F, phases are R rows each.
+    ramp_rows: u64,
+    phase_key: u64,
     epoch: u64,
     blocks: EpochPermutation,
+    within: EpochPermutation,
+    rotation_key: u64,
 
-    pub fn init(length: u64, block_rows: u64, window_blocks: u64, seed: u64, epoch: u64) WindowShuffle {
+    /// One phase: its offsets [start, end) of the epoch deal its blocks' shares q in
+    /// [first_q, first_q + end - start), in the order `rows` permutes them.
+    pub const Phase = struct {
+        index: u64,
+        start: u64,
+        end: u64,
+        first_q: u64,
+        rows: EpochPermutation,
+    };
+
+    pub fn init(length: u64, block_rows: u64, window_blocks: u64, seed: u64, epoch: u64) SlidingShuffle {
         std.debug.assert(length > 0);
         std.debug.assert(block_rows > 0);
         std.debug.assert(window_blocks > 0);
         const full_blocks = length / block_rows;
-        const window_rows = block_rows * window_blocks;
-        const windows = @max(1, (full_blocks + window_blocks - 1) / window_blocks);
+        const within_key = hash2(seed, 0x77697468696e); // "within"
+        const ramp_rows = floorSum(window_blocks - 1, window_blocks, block_rows, block_rows);
         return .{
+            .ramp_rows = ramp_rows,
             .length = length,
             .block_rows = block_rows,
             .window_blocks = window_blocks,
-            .window_rows = window_rows,
             .full_blocks = full_blocks,
-            .last_window = windows - 1,
-            .last_start = (windows - 1) * window_rows,
-            .seed = seed,
+            .full_rows = full_blocks * block_rows,
+            .phase_count = if (full_blocks == 0) 0 else full_blocks + window_blocks - 1,
+            .phase_key = hash2(seed, 0x7068617365), // "phase"
             .epoch = epoch,
-            // Keyed apart from the global shuffle's and the windows' permutations.
+            // Keyed apart from the global shuffle's permutation.
             .blocks = EpochPermutation.init(@max(1, full_blocks), hash2(seed, 0x626c6f636b73), epoch), // "blocks"
+            .within = EpochPermutation.init(block_rows, within_key, epoch),
+            .rotation_key = hash2(within_key, epoch),
         };
     }
 
-    pub fn windowOf(self: *const WindowShuffle, offset: u64) u64 {
+    /// C(k): how many of a block's rows its first k + 1 phases deal (R from k = B - 1 on).
+    fn dealt(self: *const SlidingShuffle, k: u64) u64 {
+        if (k + 1 >= self.window_blocks) return self.block_rows;
+        return @intCast(@as(u128, k + 1) * self.block_rows / self.window_blocks);
+    }
+
+    /// The sum of C(i) for i in [0, n).
+    fn dealtSum(self: *const SlidingShuffle, n: u64) u64 {
+        if (n + 1 < self.window_blocks) return floorSum(n, self.window_blocks, self.block_rows, self.block_rows);
+        return self.ramp_rows + (n + 1 - self.window_blocks) * self.block_rows;
+    }
+
+    /// The offset where phase p starts (p <= phase_count): the shares of places up to p
+    /// dealt before it, less those of the places before p - F (which do not exist).
+    fn phaseStart(self: *const SlidingShuffle, p: u64) u64 {
+        return self.dealtSum(p) - self.dealtSum(p -| self.full_blocks);
+    }
+
+    fn phaseAt(self: *const SlidingShuffle, p: u64, start: u64) Phase {
+        if (p == self.phase_count) {
+            return .{ .index = p, .start = self.full_rows, .end = self.length, .first_q = 0,
+                .rows = EpochPermutation.init(self.length - self.full_rows, hash2(self.phase_key, 0x7461696c), self.epoch) }; // "tail"
+        }
+        const first_q = if (p >= self.full_blocks) self.dealt(p - self.full_blocks) else 0;
+        const end = start + self.dealt(p) - first_q;
+        return .{ .index = p, .start = start, .end = end, .first_q = first_q,
+            .rows = EpochPermutation.init(@max(1, end - start), hash2(self.phase_key, p), self.epoch) };
+    }
+
+    /// The phase holding `offset` (< length).
+    pub fn phaseOf(self: *const SlidingShuffle, offset: u64) Phase {
+        const index = self.phaseIndex(offset);
+        return self.phaseAt(index, if (index == self.phase_count) self.full_rows else self.phaseStart(index));
+    }
+
+    /// The index of the phase holding `offset` (< length).
+    fn phaseIndex(self: *const SlidingShuffle, offset: u64) u64 {
         std.debug.assert(offset < self.length);
-        return if (offset >= self.last_start) self.last_window else offset / self.window_rows;
-    }
-
-    pub fn windowStart(self: *const WindowShuffle, window: u64) u64 {
-        return window * self.window_rows;
-    }
-
-    pub fn windowSize(self: *const WindowShuffle, window: u64) u64 {
-        return if (window == self.last_window) self.length - self.last_start else self.window_rows;
-    }
-
-    pub fn rowsPermutation(self: *const WindowShuffle, window: u64) EpochPermutation {
-        return EpochPermutation.init(self.windowSize(window), hash2(hash2(self.seed, 0x77696e646f77), window), // "window"
-            self.epoch);
-    }
-
-    /// The blocks `window` deals, in order, the tail block (id full_blocks, the rows past
-    /// the last full block) last where the window holds it; returns how many it wrote
-    /// (`out` holds window_blocks + 1).
-    pub fn blocksOf(self: *const WindowShuffle, window: u64, out: []u64) u64 {
-        var written: u64 = 0;
-        var slot = window * self.window_blocks;
-        const slot_end = @min(slot + self.window_blocks, self.full_blocks);
-        while (slot < slot_end) : (slot += 1) {
-            out[written] = self.blocks.apply(slot);
-            written += 1;
+        if (offset >= self.full_rows) return self.phase_count;
+        // Where the window is full (phases B - 1 .. F - 1), phases are R rows each.
+        if (offset >= self.ramp_rows and self.full_blocks + 1 >= self.window_blocks) {
+            const phase = self.window_blocks - 1 + (offset - self.ramp_rows) / self.block_rows;
+            if (phase < self.full_blocks) return phase;
         }
-        if (window == self.last_window and self.length > self.full_blocks * self.block_rows) {
-            out[written] = self.full_blocks;
-            written += 1;
+        // The last phase starting at or before offset: empty phases start where the next
+        // one does, so it is the one that holds it.
+        var low: u64 = 0;
+        var high: u64 = self.phase_count;
+        while (high - low > 1) {
+            const middle = low + (high - low) / 2;
+            if (self.phaseStart(middle) <= offset) low = middle else high = middle;
         }
-        return written;
+        return low;
     }
 
-    /// The row at `offset` of the epoch, given the permutation of its window's rows.
-    pub fn row(self: *const WindowShuffle, window: u64, rows: *const EpochPermutation, offset: u64) u64 {
-        const within = rows.apply(offset - self.windowStart(window));
-        const slot = window * self.window_blocks + within / self.block_rows;
-        if (slot < self.full_blocks) return self.blocks.apply(slot) * self.block_rows + within % self.block_rows;
-        // The tail: rows after the last full block, in the last window after its blocks.
-        const tail_first = (self.full_blocks - window * self.window_blocks) * self.block_rows;
-        return self.full_blocks * self.block_rows + (within - tail_first);
+    /// The phase after `phase` that holds at least one row (phase.end < length).
+    pub fn nextPhase(self: *const SlidingShuffle, phase: *const Phase) Phase {
+        var next = self.phaseAt(phase.index + 1, phase.end);
+        while (next.end == next.start) next = self.phaseAt(next.index + 1, next.end);
+        return next;
+    }
+
+    /// The row at `offset`, which `phase` holds.
+    pub fn row(self: *const SlidingShuffle, phase: *const Phase, offset: u64) u64 {
+        const dealt_index = phase.first_q + phase.rows.apply(offset - phase.start);
+        if (phase.index == self.phase_count) return self.full_rows + dealt_index;
+        // The share k that dealt index q belongs to: the least k with (q + 1) B <= (k + 1) R.
+        const share = ((dealt_index + 1) * self.window_blocks - 1) / self.block_rows;
+        const place = phase.index - share;
+        // The place's rotation, mapped into [0, R) by Lemire's multiply-shift (no division).
+        const rotation: u64 = @truncate(std.math.mulWide(u64, mix64(self.rotation_key ^ place), self.block_rows) >> 64);
+        var within = self.within.apply(dealt_index) + rotation;
+        if (within >= self.block_rows) within -= self.block_rows;
+        return self.blocks.apply(place) * self.block_rows + within;
+    }
+
+    /// Places dealt from at or before `offset`: up to its phase's (the tail last).
+    pub fn opened(self: *const SlidingShuffle, offset: u64) u64 {
+        if (offset >= self.full_rows) return self.full_blocks + 1;
+        return @min(self.phaseIndex(offset) + 1, self.full_blocks);
+    }
+
+    /// Places whose rows are all dealt before `offset`'s phase.
+    pub fn closed(self: *const SlidingShuffle, offset: u64) u64 {
+        if (offset >= self.full_rows) return self.full_blocks;
+        return @min(self.phaseIndex(offset) -| (self.window_blocks - 1), self.full_blocks);
+    }
+
+    /// The block at `place` (the tail block, id F, at place F).
+    pub fn placeBlock(self: *const SlidingShuffle, place: u64) u64 {
+        return if (place < self.full_blocks) self.blocks.apply(place) else self.full_blocks;
     }
 };
 
@@ -287,63 +415,28 @@ pub const ShardShare = struct {
     }
 };
 
-fn fillShardWindowShuffle(config: *const SamplerConfig, first: u64, out: []u64) void {
-    const length = ShardShare.init(config, 0).length; // The same for every epoch.
+/// The block-local shuffle from stream position `first`: over the dataset, or (shard_blocks)
+/// over this shard's share of the blocks, whose virtual rows map back through their block.
+fn fillSliding(config: *const SamplerConfig, first: u64, out: []u64, comptime sharded: bool) void {
+    const length = epochLength(config); // The same for every epoch.
     var epoch = first / length;
     var offset = first % length;
-    var share = ShardShare.init(config, epoch);
-    var shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
-    var window = shuffle.windowOf(offset);
-    var rows = shuffle.rowsPermutation(window);
-    for (out) |*slot| {
-        const virtual = shuffle.row(window, &rows, offset);
-        slot.* = share.rowOf(virtual / config.block_rows, virtual % config.block_rows);
+    var share = if (sharded) ShardShare.init(config, epoch) else {};
+    var shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    var phase = shuffle.phaseOf(offset);
+    for (out, 0..) |*slot, i| {
+        const virtual = shuffle.row(&phase, offset);
+        slot.* = if (sharded) share.rowOf(virtual / config.block_rows, virtual % config.block_rows) else virtual;
+        if (i + 1 == out.len) break;
         offset += 1;
         if (offset == length) {
             offset = 0;
             epoch += 1;
-            share = ShardShare.init(config, epoch);
-            shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
-        }
-        if (offset == 0 or shuffle.windowOf(offset) != window) {
-            window = shuffle.windowOf(offset);
-            rows = shuffle.rowsPermutation(window);
-        }
-    }
-}
-
-fn shardWindowBlocks(config: *const SamplerConfig, position: u64, out: []u64, count: *u64, window_out: *u64) Status {
-    const length = ShardShare.init(config, 0).length;
-    const epoch = position / length;
-    const share = ShardShare.init(config, epoch);
-    const shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
-    const window = shuffle.windowOf(position % length);
-    const written = shuffle.blocksOf(window, out);
-    // The share's blocks, as dataset blocks (the virtual tail: the share's tail, or a block).
-    for (out[0..written]) |*block| block.* = share.blockOf(block.*);
-    count.* = written;
-    window_out.* = window;
-    return .ok;
-}
-
-fn fillWindowShuffle(config: *const SamplerConfig, first: u64, out: []u64) void {
-    const length = config.length;
-    var epoch = first / length;
-    var offset = first % length;
-    var shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
-    var window = shuffle.windowOf(offset);
-    var rows = shuffle.rowsPermutation(window);
-    for (out) |*slot| {
-        slot.* = shuffle.row(window, &rows, offset);
-        offset += 1;
-        if (offset == length) {
-            offset = 0;
-            epoch += 1;
-            shuffle = WindowShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
-        }
-        if (offset == 0 or shuffle.windowOf(offset) != window) {
-            window = shuffle.windowOf(offset);
-            rows = shuffle.rowsPermutation(window);
+            if (sharded) share = ShardShare.init(config, epoch);
+            shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+            phase = shuffle.phaseOf(0);
+        } else if (offset == phase.end) {
+            phase = shuffle.nextPhase(&phase);
         }
     }
 }
@@ -554,9 +647,10 @@ fn windowConfig(length: u64, batch_size: u64, block_rows: u64, window_blocks: u6
 }
 
 test "the block-local shuffle covers every row once per epoch, for tails and single windows" {
+    // Besides the cases below: one block a window (a block shuffle), and blocks of one row.
     // (length, block rows, blocks per window): a tail, no tail, fewer rows than a block,
     // fewer blocks than a window, a last window of a single block plus the tail.
-    const cases = [_][3]u64{ .{ 1000, 16, 4 }, .{ 1024, 16, 4 }, .{ 10, 16, 4 }, .{ 1000, 16, 100 }, .{ 1000, 16, 62 } };
+    const cases = [_][3]u64{ .{ 1000, 16, 4 }, .{ 1024, 16, 4 }, .{ 10, 16, 4 }, .{ 1000, 16, 100 }, .{ 1000, 16, 62 }, .{ 1000, 16, 1 }, .{ 1000, 1, 9 }, .{ 1000, 3, 7 } };
     for (cases) |case| {
         const length = case[0];
         const config = windowConfig(length, 7, case[1], case[2]);
@@ -575,21 +669,59 @@ test "the block-local shuffle covers every row once per epoch, for tails and sin
     }
 }
 
-test "a window's rows come from its own blocks only" {
-    const config = windowConfig(1000, 10, 16, 4);
-    var blocks: [5]u64 = undefined;
-    var count: u64 = 0;
-    var window: u64 = 0;
-    var out: [10]u64 = undefined;
-    var step: u64 = 0;
-    while (step < 100) : (step += 1) {
-        try testing.expectEqual(Status.ok, fill(&config, step, &out));
-        for (out, 0..) |index, i| {
-            try testing.expectEqual(Status.ok, windowBlocks(&config, step * 10 + i, &blocks, &count, &window));
-            try testing.expectEqual((step * 10 + i) / 64, window);
-            var found = false;
-            for (blocks[0..count]) |block| found = found or index / 16 == block;
-            try testing.expect(found);
+test "each row comes from a place open at its position, and a full phase mixes B blocks" {
+    // (length, block rows, blocks per window): a tail, more blocks than rows, one block.
+    const cases = [_][3]u64{ .{ 1000, 16, 4 }, .{ 1000, 3, 7 }, .{ 1000, 16, 1 }, .{ 37, 16, 8 } };
+    for (cases) |case| {
+        const length = case[0];
+        const config = windowConfig(length, 10, case[1], case[2]);
+        var out: [10]u64 = undefined;
+        var blocks: [1024]u64 = undefined;
+        var opened: u64 = 0;
+        var closed: u64 = 0;
+        var total: u64 = 0;
+        var step: u64 = 0;
+        while (step * 10 < 2 * length) : (step += 1) {
+            try testing.expectEqual(Status.ok, fill(&config, step, &out));
+            for (out, 0..) |row, i| {
+                const position = step * 10 + i;
+                try testing.expectEqual(Status.ok, places(&config, position, &opened, &closed, &total));
+                try testing.expectEqual(length / case[1] + @intFromBool(length % case[1] != 0), total);
+                try testing.expect(closed < opened and opened <= total);
+                try testing.expect(opened - closed <= case[2] + 1);
+                try testing.expectEqual(Status.ok, placeBlocks(&config, position / length, closed, blocks[0 .. opened - closed]));
+                var found = false;
+                for (blocks[0 .. opened - closed]) |block| found = found or row / case[1] == block;
+                try testing.expect(found);
+            }
+        }
+    }
+    // Where the window is full, a phase of R = 16 rows takes 4 rows from each of 4 blocks.
+    const shuffle = SlidingShuffle.init(1000, 16, 4, 7, 0);
+    var phase = shuffle.phaseOf(shuffle.phaseStart(10));
+    try testing.expectEqual(@as(u64, 10), phase.index);
+    try testing.expectEqual(@as(u64, 16), phase.end - phase.start);
+    var counts: [63]u8 = @splat(0);
+    for (phase.start..phase.end) |offset| counts[shuffle.row(&phase, offset) / 16] += 1;
+    var blocks_seen: u64 = 0;
+    for (counts) |count| {
+        if (count != 0) try testing.expectEqual(@as(u8, 4), count);
+        blocks_seen += @intFromBool(count != 0);
+    }
+    try testing.expectEqual(@as(u64, 4), blocks_seen);
+    phase = shuffle.nextPhase(&phase);
+    try testing.expectEqual(@as(u64, 11), phase.index);
+}
+
+test "the floor sum equals the sum it stands for" {
+    for ([_]u64{ 1, 2, 3, 7, 16, 100 }) |modulus| {
+        for ([_]u64{ 0, 1, 5, 16, 99, 1000 }) |slope| {
+            var count: u64 = 0;
+            var expected: u64 = 0;
+            while (count < 50) : (count += 1) {
+                try testing.expectEqual(expected, floorSum(count, modulus, slope, slope));
+                expected += (slope * count + slope) / modulus;
+            }
         }
     }
 }
