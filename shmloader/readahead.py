@@ -6,18 +6,21 @@ Where a step reads is a pure function of the step (sampler.py, SlidingShuffle in
 zig/sampler.zig): at each step a reader learns its position's places, `closed` <= the
 places being dealt from < `opened`, and keeps the kernel asked for the places up to
 `closed + blocks_per_window + LOOKAHEAD_BLOCKS` (crossing into the next epoch where this
-one ends, so the next epoch's first blocks stream in while this one's last drain). It
-releases the places closed LAG_STEPS steps before its own: drops its own mappings of them
-and advises the kernel that they are not needed (POSIX_FADV_DONTNEED drops pages no
-reader maps any more, so the last reader to pass frees them). Without the release, the
-pages read ahead were the first the kernel reclaimed under memory pressure (new pages,
-never referenced) while finished blocks, mapped and referenced, stayed: the disk read
-each block several times. The advice runs on a thread of the reader (posix_fadvise
-releases the GIL and may block while the kernel queues reads), so a fill never waits for
-the disk it reads ahead of. Advice that fails costs speed only.
+one ends, so the next epoch's first blocks stream in while this one's last drain). Blocks
+whose rows are all dealt are let go of in two stages: LAG_STEPS steps after they closed
+a reader drops its own mappings of them (MADV_DONTNEED), and LAG_STEPS steps later, when
+every reader has done the same, advises the kernel that they are not needed
+(POSIX_FADV_DONTNEED). A page still mapped by another reader cannot be dropped, and the
+kernel answers such a failure by draining every CPU's page lists and waiting for them:
+done in one stage, that stalled each reader's thread and disturbed the other's fills.
+Without letting go, the pages read ahead were the first the kernel reclaimed under memory
+pressure (new pages, never referenced) while finished blocks, mapped and referenced,
+stayed: the disk read each block several times. The calls run on a thread of the reader
+(posix_fadvise releases the GIL and may block while the kernel queues reads), so a fill
+never waits for the disk it reads ahead of. Advice that fails costs speed only.
 
 Memory: about blocks_per_window + LOOKAHEAD_BLOCKS blocks of all fields' stored bytes,
-plus the blocks closed in the last LAG_STEPS steps (one window, where the former
+plus the blocks closed in the last 2 * LAG_STEPS steps (one window, where the former
 window-by-window order held two). Blocks are let go only when the fields are larger than
 half the memory the loader may use (the machine's, or its memory cgroup's limit): data
 that fits stays cached for the next epochs.
@@ -35,9 +38,10 @@ _ADVICE_PIECE_BYTES = 2 << 20
 # Blocks asked for beyond the window being dealt from (blocks are about 16 MiB of rows,
 # plan.shuffle_block_rows): the disk's queue while the next block is being waited for.
 LOOKAHEAD_BLOCKS = 4
-# A block is released this many steps after its last rows were dealt: readers fill steps
-# a little apart (by up to the ring's slots), and a reader still filling an earlier step
-# would otherwise read the block's released pages again, one row at a time.
+# A reader drops its mappings of a block this many steps after the block's last rows were
+# dealt, and the block's pages this many steps later again: readers fill steps a little
+# apart (by up to the ring's slots), and a reader still filling an earlier step would
+# otherwise read dropped pages again, one row at a time.
 LAG_STEPS = 8
 # Requests waiting for the thread: a full queue means the disk is behind and another
 # request would only add to its backlog (the caller asks again at its next step).
@@ -86,36 +90,44 @@ class ReadAhead:
         self.release_blocks = stored_bytes > memory_limit_bytes() // 2
         self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
         # Places counted across epochs (epoch * places per epoch + place): the next to
-        # advise and the next to release; None before the first step and after a jump.
+        # advise, and the next to let go of at each stage; None before the first step and
+        # after a jump.
         self._advised: int | None = None
-        self._released: int | None = None
+        self._released: dict[str, int | None] = {"forget": None, "drop": None}
         self._own_advisor = advisor is None
         self.advisor = Advisor() if advisor is None else advisor
         self.blocks_advised = self.blocks_released = 0
 
     def note(self, step: int) -> None:
         """Called as a reader starts `step`: asks for the places from the ones being dealt
-        from to `ahead` past the first of them, and releases those closed LAG_STEPS steps
-        ago, each once (a request the full queue refused is made again at the next step)."""
+        from to `ahead` past the first of them, and lets go of those closed LAG_STEPS and
+        2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the full queue refused is made again at the next step)."""
         sampler = self.sampler
         places = sampler.places(sampler.stream_position(step))
         needed = places.epoch * places.total + places.closed
         if self._advised is None or not needed <= self._advised <= needed + self.ahead:
             self._advised = needed  # A first step, a seek or a jump back: start afresh.
-            self._released = None
+            self._released = {"forget": None, "drop": None}
         end = needed + self.ahead
         if self._advised < end and self._submit("advise", self._blocks(self._advised, end, places.total)):
             self.blocks_advised += end - self._advised
             self._advised = end
         if not self.release_blocks or step < LAG_STEPS:
             return
-        lagged = sampler.places(sampler.stream_position(step - LAG_STEPS))
-        done = min(needed, lagged.epoch * lagged.total + lagged.closed)
-        if self._released is None:
-            self._released = done  # Nothing before the first step was read by this reader.
-        if self._released < done and self._submit("release", self._blocks(self._released, done, places.total)):
-            self.blocks_released += done - self._released
-            self._released = done
+        # Its own mappings of the blocks closed LAG_STEPS steps ago, then the pages of those
+        # closed twice as long ago (every reader has let go of its mappings by then).
+        for stage, lag in (("forget", LAG_STEPS), ("drop", 2 * LAG_STEPS)):
+            if step < lag:
+                continue
+            lagged = sampler.places(sampler.stream_position(step - lag))
+            done = min(needed, lagged.epoch * lagged.total + lagged.closed)
+            if self._released[stage] is None:
+                self._released[stage] = done  # Nothing before the first step was read by this reader.
+            if self._released[stage] < done and self._submit(stage, self._blocks(self._released[stage], done,
+                                                                                   places.total)):
+                if stage == "drop":
+                    self.blocks_released += done - self._released[stage]
+                self._released[stage] = done
 
     def _blocks(self, first: int, end: int, total: int) -> list[int]:
         """The block ids of places [first, end), counted across epochs of `total` places."""
@@ -159,8 +171,9 @@ class Advisor:
         self._thread.start()
 
     def submit(self, what: str, ranges: list[tuple]) -> bool:
-        """Queues "advise" or "release" of `ranges`; False if the queue is full (the disk
-        is behind: the caller asks again later)."""
+        """Queues "advise" (read ahead), "forget" (drop this process's mappings) or "drop"
+        (drop the pages) of `ranges`; False if the queue is full (the disk is behind: the
+        caller asks again later)."""
         try:
             self._pending.put_nowait((what, ranges))
             return True
@@ -173,9 +186,10 @@ class Advisor:
             if request is None:
                 return
             what, ranges = request
-            if what == "release":
+            if what == "forget":
                 for field, offset, size in ranges:
                     field.forget(offset, size)
+            elif what == "drop":
                 _fadvise(ranges, os.POSIX_FADV_DONTNEED)
             else:
                 _fadvise(ranges, os.POSIX_FADV_WILLNEED)

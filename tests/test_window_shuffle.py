@@ -277,33 +277,41 @@ class _BlockReadAhead(ReadAhead):
 @pytest.mark.parametrize("shard_count, tail", [(1, 0), (1, 37), (2, 37)])
 def test_every_block_is_asked_for_before_its_rows_are_read_and_let_go_only_after(shard_count, tail):
     """One reader through three epochs: each step's rows lie in blocks it has asked for and
-    not let go of, at most a window and the blocks ahead (and those closed in the last
-    LAG_STEPS steps) are held at once, and every block is let go once per epoch."""
+    still maps, a block's mappings go before its pages, at most a window and the blocks
+    ahead (and those closed in the last 2 * LAG_STEPS steps) are held at once, and every
+    block is let go of once per epoch."""
     block_rows, window = 50, 400
     sampler = Sampler(100 * block_rows + tail, 20, "shuffle", 3, 0, shard_count, shuffle_window=window,
                       block_rows=block_rows)
     advisor = _RecordingAdvisor()
     read_ahead = _BlockReadAhead(sampler, [], 0, advisor=advisor)
     read_ahead.release_blocks = True
-    held: dict[int, int] = {}  # Block -> times asked for and not let go of.
-    released = 0
+    held: dict[int, int] = {}  # Block -> times asked for and not dropped.
+    mapped: dict[int, int] = {}  # Block -> times asked for and not forgotten.
+    dropped = 0
     step_rows = sampler.batch_size
     for step in range(3 * sampler.epoch_length // step_rows):
         read_ahead.note(step)
         for what, blocks in advisor.requests:
             for block in blocks:
-                held[block] = held.get(block, 0) + (1 if what == "advise" else -1)
-                assert held[block] >= 0, f"block {block} let go of before it was asked for"
-        released += sum(len(blocks) for what, blocks in advisor.requests if what == "release")
+                if what == "advise":
+                    held[block], mapped[block] = held.get(block, 0) + 1, mapped.get(block, 0) + 1
+                elif what == "forget":
+                    mapped[block] -= 1
+                    assert mapped[block] >= 0, f"block {block} forgotten before it was asked for"
+                else:
+                    held[block] -= 1
+                    assert held[block] >= mapped[block], f"block {block} dropped while still mapped"
+            dropped += len(blocks) if what == "drop" else 0
         advisor.requests.clear()
         for row in sampler.fill(step).tolist():
-            assert held.get(row // block_rows, 0) > 0, f"step {step}: row {row} read from a block not asked for"
-        # Held: the window, the blocks ahead, and those closed in the last LAG_STEPS steps.
-        now, then = sampler.places(step * step_rows), sampler.places(max(0, step - LAG_STEPS) * step_rows)
+            assert mapped.get(row // block_rows, 0) > 0, f"step {step}: row {row} read from a block not asked for"
+        # Held: the window, the blocks ahead, and those closed in the last 2 * LAG_STEPS steps.
+        now, then = sampler.places(step * step_rows), sampler.places(max(0, step - 2 * LAG_STEPS) * step_rows)
         lagging = (now.epoch - then.epoch) * now.total + now.closed - then.closed
         in_memory = sum(1 for count in held.values() if count > 0)
         assert in_memory <= sampler.blocks_per_window + LOOKAHEAD_BLOCKS + lagging + 1, step
-    assert released >= 2 * (sampler.epoch_length // block_rows)
+    assert dropped >= 2 * (sampler.epoch_length // block_rows)
 
 
 @pytest.mark.parametrize("shard_count", [1, 2, 3])
