@@ -39,8 +39,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--block-rows", default="5461",
-                        help="rows per block, comma-separated (5461: the loader's 16 MiB blocks of 3 KB rows)")
+    parser.add_argument("--block-rows", default="10922",
+                        help="rows per block, comma-separated (10922: the loader's 32 MiB blocks of 3 KB rows)")
     parser.add_argument("--windows", default="16384,65536,262144")
     args = parser.parse_args()
     expected = args.classes * (1 - (1 - 1 / args.classes) ** args.batch_size)

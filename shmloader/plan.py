@@ -449,9 +449,9 @@ class LoaderPlan:
 
 # The block-local shuffle reads blocks of about this many bytes per row of all fields: a
 # read this long costs many times a random read's latency on a disk or a network volume,
-# so the disk streams (this machine's virtio disk read random 16 MiB pieces at about 80%
-# of its sequential rate, 32 MiB ones at its full rate: bench/RESULTS.md), while the label
-# mix of a batch depends on the window's rows, not on how many blocks hold them
+# so the disk streams (a virtual disk measured here read random 16 MiB pieces slower than
+# in order, 32 MiB ones as fast: bench/disk_blocks.py), while the label mix of a batch
+# depends on the window's rows, not on how many blocks hold them
 # (bench/window_randomness.py).
 _SHUFFLE_BLOCK_BYTES = 32 << 20
 

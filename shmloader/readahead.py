@@ -35,7 +35,7 @@ import threading
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
-# Blocks asked for beyond the window being dealt from (blocks are about 16 MiB of rows,
+# Blocks asked for beyond the window being dealt from (blocks are about 32 MiB of rows,
 # plan.shuffle_block_rows): the disk's queue while the next block is being waited for.
 LOOKAHEAD_BLOCKS = 4
 # A reader drops its mappings of a block this many steps after the block's last rows were
