@@ -11,8 +11,8 @@ whose rows are all dealt are let go of in two stages: LAG_STEPS steps after they
 a reader drops its own mappings of them (MADV_DONTNEED), and LAG_STEPS steps later, when
 every reader has done the same, advises the kernel that they are not needed
 (POSIX_FADV_DONTNEED). A page still mapped by another reader cannot be dropped, and the
-kernel answers such a failure by draining every CPU's page lists and waiting for them:
-done in one stage, that stalled each reader's thread and disturbed the other's fills.
+kernel answers such a failure by draining every CPU's page lists and waiting for them (in
+one stage, perf showed the readers' threads waiting there).
 Without letting go, the pages read ahead were the first the kernel reclaimed under memory
 pressure (new pages, never referenced) while finished blocks, mapped and referenced,
 stayed: the disk read each block several times. The calls run on a thread of the reader
@@ -101,7 +101,8 @@ class ReadAhead:
     def note(self, step: int) -> None:
         """Called as a reader starts `step`: asks for the places from the ones being dealt
         from to `ahead` past the first of them, and lets go of those closed LAG_STEPS and
-        2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the full queue refused is made again at the next step)."""
+        2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the
+        full queue refused is made again at the next step)."""
         sampler = self.sampler
         places = sampler.places(sampler.stream_position(step))
         needed = places.epoch * places.total + places.closed
