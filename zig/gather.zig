@@ -40,7 +40,7 @@ pub fn gatherRows(
     return .ok;
 }
 
-/// How many rows ahead gatherRows asks for a row's first cache line.
+/// How many rows (or ranges) ahead a raw gather asks for one's first cache line.
 const prefetch_distance = 4;
 
 /// `blosc2_getitem_ctx` from libblosc2, passed in by address so that this library does
@@ -324,7 +324,10 @@ pub fn gatherRangesRaw(
 ) Status {
     const status = checkRanges(element_count, element_bytes, starts, counts, destinations, out.len, failure);
     if (status != .ok) return status;
-    for (starts, counts, destinations) |start, count, destination| {
+    for (starts, counts, destinations, 0..) |start, count, destination, position| {
+        if (position + prefetch_distance < starts.len) {
+            @prefetch(table + starts[position + prefetch_distance] * element_bytes, .{});
+        }
         const bytes = count * element_bytes;
         @memcpy(out[destination..][0..bytes], table[start * element_bytes ..][0..bytes]);
     }
