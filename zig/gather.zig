@@ -242,14 +242,29 @@ pub fn gatherPartsRaw(
             return .output_size_mismatch;
         }
     }
-    for (indices, 0..) |index, position| {
-        const part = partOf(part_starts, total_rows, index);
-        const table: [*]const u8 = @ptrFromInt(part_tables[part]);
-        const local = index - part_starts[part];
+    // Each row's address is found once, prefetch_distance rows before it is copied (as in
+    // gatherRows), and kept in a ring until then.
+    var sources: [prefetch_distance][*]const u8 = undefined;
+    const ahead = @min(prefetch_distance, indices.len);
+    for (0..ahead) |position| sources[position] = partRow(part_tables, part_starts, total_rows, row_bytes, indices[position]);
+    for (indices, 0..) |_, position| {
+        const source = sources[position % prefetch_distance];
+        if (position + prefetch_distance < indices.len) {
+            const later = partRow(part_tables, part_starts, total_rows, row_bytes, indices[position + prefetch_distance]);
+            @prefetch(later, .{});
+            sources[position % prefetch_distance] = later;
+        }
         const destination = rowDestination(destinations, row_bytes, position);
-        @memcpy(out[destination..][0..row_bytes], table[local * row_bytes ..][0..row_bytes]);
+        @memcpy(out[destination..][0..row_bytes], source[0..row_bytes]);
     }
     return .ok;
+}
+
+/// The address of row `index` of a field of parts.
+fn partRow(part_tables: []const u64, part_starts: []const u64, total_rows: u64, row_bytes: u64, index: u64) [*]const u8 {
+    const part = partOf(part_starts, total_rows, index);
+    const table: [*]const u8 = @ptrFromInt(part_tables[part]);
+    return table + (index - part_starts[part]) * row_bytes;
 }
 
 /// Where row `position` of a batch goes: its own offset, or packed in batch order.
