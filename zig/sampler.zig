@@ -210,8 +210,10 @@ fn floorSum(count: u64, modulus: u64, slope: u64, intercept: u64) u64 {
 /// p-B+1 .. p (fewer in the first and last B-1 phases, where the window fills and drains),
 /// and its rows are permuted together. A block's order is a permutation of 0..R-1 (one per
 /// epoch, rotated per place); its share k (k = p - c) is that order's q in [C(k-1), C(k)),
-/// C(k) = floor((k+1) R / B). The rows past the last full block (fewer than R) come last,
-/// permuted among themselves.
+/// C(k) = floor((k+1) R / B). The rows past the last full block (the tail, T < R rows) are
+/// dealt in the last B - 1 phases, where the window drains, floor((i+1) T / (B-1)) -
+/// floor(i T / (B-1)) of them in the i-th, so that the epoch's last batches still mix
+/// several blocks (with B = 1 or no full block they come last, permuted among themselves).
 ///
 /// So every epoch covers every row once, a position maps to its row in O(1) once its phase
 /// is known (a binary search over the phases' starts, each a floor sum), and a reader holds
@@ -225,9 +227,12 @@ pub const SlidingShuffle = struct {
     window_blocks: u64,
     full_blocks: u64,
     full_rows: u64,
-    /// Phases with full-block rows: F + B - 1 (none without a full block). The tail, if
-    /// any, is phase `phase_count`.
+    /// Phases with full-block rows: F + B - 1 (none without a full block). The tail's rows
+    /// are dealt in the last B - 1 of them, or (tail_phase) make phase `phase_count`.
     phase_count: u64,
+    tail_rows: u64,
+    tail_phase: bool,
+    tail_rotation: u64,
     /// Where phase B - 1 starts: the rows of the phases where the window fills. From there
     /// to phase F, phases are R rows each.
     ramp_rows: u64,
@@ -238,12 +243,15 @@ pub const SlidingShuffle = struct {
     rotation_key: u64,
 
     /// One phase: its offsets [start, end) of the epoch deal its blocks' shares q in
-    /// [first_q, first_q + end - start), in the order `rows` permutes them.
+    /// [first_q, first_q + block_part) and tail rows tail_first.. after them, in the order
+    /// `rows` permutes them.
     pub const Phase = struct {
         index: u64,
         start: u64,
         end: u64,
         first_q: u64,
+        block_part: u64,
+        tail_first: u64,
         rows: EpochPermutation,
     };
 
@@ -254,8 +262,12 @@ pub const SlidingShuffle = struct {
         const full_blocks = length / block_rows;
         const within_key = hash2(seed, 0x77697468696e); // "within"
         const ramp_rows = floorSum(window_blocks - 1, window_blocks, block_rows, block_rows);
+        const tail_rows = length - full_blocks * block_rows;
         return .{
             .ramp_rows = ramp_rows,
+            .tail_rows = tail_rows,
+            .tail_phase = tail_rows > 0 and (full_blocks == 0 or window_blocks == 1),
+            .tail_rotation = if (tail_rows == 0) 0 else hash2(hash2(seed, 0x7461696c), epoch) % tail_rows, // "tail"
             .length = length,
             .block_rows = block_rows,
             .window_blocks = window_blocks,
@@ -283,33 +295,43 @@ pub const SlidingShuffle = struct {
         return self.ramp_rows + (n + 1 - self.window_blocks) * self.block_rows;
     }
 
+    /// Tail rows dealt before phase p (p <= phase_count; none with a tail phase).
+    fn tailBefore(self: *const SlidingShuffle, p: u64) u64 {
+        if (self.tail_phase or p <= self.full_blocks) return 0;
+        const drain = self.window_blocks - 1;
+        return @intCast(@as(u128, @min(p - self.full_blocks, drain)) * self.tail_rows / drain);
+    }
+
     /// The offset where phase p starts (p <= phase_count): the shares of places up to p
-    /// dealt before it, less those of the places before p - F (which do not exist).
+    /// dealt before it, less those of the places before p - F (which do not exist), and
+    /// the tail rows before it.
     fn phaseStart(self: *const SlidingShuffle, p: u64) u64 {
-        return self.dealtSum(p) - self.dealtSum(p -| self.full_blocks);
+        return self.dealtSum(p) - self.dealtSum(p -| self.full_blocks) + self.tailBefore(p);
     }
 
     fn phaseAt(self: *const SlidingShuffle, p: u64, start: u64) Phase {
-        if (p == self.phase_count) {
-            return .{ .index = p, .start = self.full_rows, .end = self.length, .first_q = 0,
-                .rows = EpochPermutation.init(self.length - self.full_rows, hash2(self.phase_key, 0x7461696c), self.epoch) }; // "tail"
+        if (self.tail_phase and p == self.phase_count) {
+            return .{ .index = p, .start = self.full_rows, .end = self.length, .first_q = 0, .block_part = 0,
+                .tail_first = 0, .rows = EpochPermutation.init(self.tail_rows, hash2(self.phase_key, 0x7461696c), self.epoch) }; // "tail"
         }
         const first_q = if (p >= self.full_blocks) self.dealt(p - self.full_blocks) else 0;
-        const end = start + self.dealt(p) - first_q;
-        return .{ .index = p, .start = start, .end = end, .first_q = first_q,
-            .rows = EpochPermutation.init(@max(1, end - start), hash2(self.phase_key, p), self.epoch) };
+        const block_part = self.dealt(p) - first_q;
+        const tail_first = self.tailBefore(p);
+        const end = start + block_part + self.tailBefore(p + 1) - tail_first;
+        return .{ .index = p, .start = start, .end = end, .first_q = first_q, .block_part = block_part,
+            .tail_first = tail_first, .rows = EpochPermutation.init(@max(1, end - start), hash2(self.phase_key, p), self.epoch) };
     }
 
     /// The phase holding `offset` (< length).
     pub fn phaseOf(self: *const SlidingShuffle, offset: u64) Phase {
         const index = self.phaseIndex(offset);
-        return self.phaseAt(index, if (index == self.phase_count) self.full_rows else self.phaseStart(index));
+        return self.phaseAt(index, if (self.tail_phase and index == self.phase_count) self.full_rows else self.phaseStart(index));
     }
 
     /// The index of the phase holding `offset` (< length).
     fn phaseIndex(self: *const SlidingShuffle, offset: u64) u64 {
         std.debug.assert(offset < self.length);
-        if (offset >= self.full_rows) return self.phase_count;
+        if (self.tail_phase and offset >= self.full_rows) return self.phase_count;
         // Where the window is full (phases B - 1 .. F - 1), phases are R rows each.
         if (offset >= self.ramp_rows and self.full_blocks + 1 >= self.window_blocks) {
             const phase = self.window_blocks - 1 + (offset - self.ramp_rows) / self.block_rows;
@@ -335,8 +357,15 @@ pub const SlidingShuffle = struct {
 
     /// The row at `offset`, which `phase` holds.
     pub fn row(self: *const SlidingShuffle, phase: *const Phase, offset: u64) u64 {
-        const dealt_index = phase.first_q + phase.rows.apply(offset - phase.start);
-        if (phase.index == self.phase_count) return self.full_rows + dealt_index;
+        const within_phase = phase.rows.apply(offset - phase.start);
+        if (self.tail_phase and phase.index == self.phase_count) return self.full_rows + within_phase;
+        if (within_phase >= phase.block_part) {
+            // A tail row, rotated per epoch so that each drain phase gets other tail rows.
+            var tail = phase.tail_first + (within_phase - phase.block_part) + self.tail_rotation;
+            if (tail >= self.tail_rows) tail -= self.tail_rows;
+            return self.full_rows + tail;
+        }
+        const dealt_index = phase.first_q + within_phase;
         // The share k that dealt index q belongs to: the least k with (q + 1) B <= (k + 1) R.
         const share = ((dealt_index + 1) * self.window_blocks - 1) / self.block_rows;
         const place = phase.index - share;
@@ -347,15 +376,17 @@ pub const SlidingShuffle = struct {
         return self.blocks.apply(place) * self.block_rows + within;
     }
 
-    /// Places dealt from at or before `offset`: up to its phase's (the tail last).
+    /// Places dealt from at or before `offset`: up to its phase's, the tail (place F)
+    /// from the first drain phase on, or in its own phase.
     pub fn opened(self: *const SlidingShuffle, offset: u64) u64 {
-        if (offset >= self.full_rows) return self.full_blocks + 1;
-        return @min(self.phaseIndex(offset) + 1, self.full_blocks);
+        const phase = self.phaseIndex(offset);
+        const tail_open = self.tail_rows > 0 and phase >= self.full_blocks;
+        return @min(phase + 1, self.full_blocks) + @intFromBool(tail_open);
     }
 
-    /// Places whose rows are all dealt before `offset`'s phase.
+    /// Places whose rows are all dealt before `offset`'s phase (the tail closes with the
+    /// epoch).
     pub fn closed(self: *const SlidingShuffle, offset: u64) u64 {
-        if (offset >= self.full_rows) return self.full_blocks;
         return @min(self.phaseIndex(offset) -| (self.window_blocks - 1), self.full_blocks);
     }
 
