@@ -53,13 +53,20 @@ def from_parquet(paths, out, *, columns=None, nulls=None, force: bool = False, p
             raise StorageError(f"{path}: its schema differs from {files[0]}'s; every file of an import must match")
 
     def batches(column):
-        for path, parquet in zip(files, opened):
-            for group in range(parquet.num_row_groups):
-                try:
-                    table = parquet.read_row_group(group, columns=[column])
-                except Exception as error:
-                    raise StorageError(f"{path}: row group {group}, column {column!r}: {error}") from None
-                yield from table.column(0).chunks
+        # Columns are written by threads of their own, and each opens its own readers: one
+        # ParquetFile read from two threads at once deadlocked now and then (a suite hung
+        # in read_row_group). The threads are the parallelism: Arrow's own pool stays out.
+        for path in files:
+            parquet = pq.ParquetFile(path)
+            try:
+                for group in range(parquet.num_row_groups):
+                    try:
+                        table = parquet.read_row_group(group, columns=[column], use_threads=False)
+                    except Exception as error:
+                        raise StorageError(f"{path}: row group {group}, column {column!r}: {error}") from None
+                    yield from table.column(0).chunks
+            finally:
+                parquet.close()
 
     rows = sum(parquet.metadata.num_rows for parquet in opened)
     return _import(schema, batches, rows, out, columns, nulls, force, progress, threads)

@@ -77,6 +77,28 @@ def test_parquet_with_row_groups_of_several_sizes_reads_back_exactly(tmp_path):
     check_equal(table, read_back(paths, ROWS))
 
 
+def test_no_parquet_reader_is_shared_between_the_column_threads(tmp_path, monkeypatch):
+    """pyarrow's ParquetFile is not safe to read from two threads at once (a shared one
+    crashed the interpreter, or hung a suite, now and then): each column's thread opens
+    its own."""
+    import threading
+
+    pq.write_table(make_table(), tmp_path / "part-0.parquet", row_group_size=100)
+    readers: dict[int, set] = {}
+    alive = []  # Keeps every reader, so that no id is reused for another.
+    original = pq.ParquetFile.read_row_group
+
+    def recording(self, *args, **kwargs):
+        alive.append(self)
+        readers.setdefault(id(self), set()).add(threading.get_ident())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", recording)
+    from_parquet(str(tmp_path / "part-0.parquet"), tmp_path / "out", progress=False, threads=4)
+    assert len(readers) >= 8  # One reader per column (eight columns), each read by one thread.
+    assert all(len(threads) == 1 for threads in readers.values())
+
+
 def test_an_arrow_table_reads_back_exactly(tmp_path):
     table = make_table(300, seed=1)
     check_equal(table, read_back(from_arrow(table, tmp_path / "arrow", progress=False), 300))
