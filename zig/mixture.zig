@@ -336,6 +336,21 @@ fn windowedSource(config: *const MixtureConfig, source_index: u64) union(enum) {
 
 const testing = std.testing;
 
+/// A mixture of `source_list`, whose blocks are the pattern's length, for the tests.
+fn testConfig(source_list: []const MixtureSource, pattern_sources: []const u32, pattern_ranks: []const u64,
+    batch_size: u64, shard_index: u32, shard_count: u32) MixtureConfig {
+    return .{
+        .sources = source_list.ptr,
+        .source_count = source_list.len,
+        .pattern_sources = pattern_sources.ptr,
+        .pattern_ranks = pattern_ranks.ptr,
+        .block = pattern_sources.len,
+        .batch_size = batch_size,
+        .shard_index = shard_index,
+        .shard_count = shard_count,
+    };
+}
+
 test "every block holds each source's exact share and each source covers its rows once per epoch" {
     // Weights 2 and 1: pattern A B A; source A has 4 rows, source B 3 (a half fraction: 2).
     const source_list = [_]MixtureSource{
@@ -344,16 +359,7 @@ test "every block holds each source's exact share and each source covers its row
     };
     const pattern_sources = [_]u32{ 0, 1, 0 };
     const pattern_ranks = [_]u64{ 0, 0, 1 };
-    const config = MixtureConfig{
-        .sources = &source_list,
-        .source_count = 2,
-        .pattern_sources = &pattern_sources,
-        .pattern_ranks = &pattern_ranks,
-        .block = 3,
-        .batch_size = 3,
-        .shard_index = 0,
-        .shard_count = 1,
-    };
+    const config = testConfig(&source_list, &pattern_sources, &pattern_ranks, 3, 0, 1);
     var rows: [3]u64 = undefined;
     var sources: [3]u32 = undefined;
     var seen_a: [4]u32 = @splat(0);
@@ -386,16 +392,7 @@ test "the per-source and the interleaved fills agree" {
     };
     const pattern_sources = [_]u32{ 0, 1, 0, 2, 0, 1, 0, 0 };
     const pattern_ranks = [_]u64{ 0, 0, 1, 0, 2, 1, 3, 4 };
-    const config = MixtureConfig{
-        .sources = &source_list,
-        .source_count = 3,
-        .pattern_sources = &pattern_sources,
-        .pattern_ranks = &pattern_ranks,
-        .block = 8,
-        .batch_size = 29,
-        .shard_index = 1,
-        .shard_count = 2,
-    };
+    const config = testConfig(&source_list, &pattern_sources, &pattern_ranks, 29, 1, 2);
     var rows: [29]u64 = undefined;
     var sources: [29]u32 = undefined;
     var step: u64 = 0;
@@ -428,16 +425,7 @@ test "a windowed source covers its rows once per epoch, phase by phase, beside a
     };
     const pattern_sources = [_]u32{ 0, 1, 0, 0 };
     const pattern_ranks = [_]u64{ 0, 0, 1, 2 };
-    const config = MixtureConfig{
-        .sources = &source_list,
-        .source_count = 2,
-        .pattern_sources = &pattern_sources,
-        .pattern_ranks = &pattern_ranks,
-        .block = 4,
-        .batch_size = 8,
-        .shard_index = 0,
-        .shard_count = 1,
-    };
+    const config = testConfig(&source_list, &pattern_sources, &pattern_ranks, 8, 0, 1);
     var rows: [8]u64 = undefined;
     var sources: [8]u32 = undefined;
     var a_rows: [206]u64 = undefined;
