@@ -288,33 +288,44 @@ def test_losing_every_reader_at_once_costs_each_one_restart(dataset):
         assert loader.stats()["reader_restarts"] == 4
 
 
+_FORK_DESCRIPTORS_SCENARIO = """
+import os, sys
+from shmloader import ShmDataLoader
+
+def ring_descriptors(segment):
+    count = 0
+    for entry in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{entry}").startswith(segment)
+        except OSError:
+            pass
+    return count
+
+with ShmDataLoader({"label": sys.argv[1]}, batch_size=8, readers=1, slots=3) as loader:
+    segment = "/dev/shm" + loader.ring_name
+    assert ring_descriptors(segment) >= 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write_end, str(ring_descriptors(segment)).encode())
+        os._exit(0)
+    os.close(write_end)
+    found = int(os.read(read_end, 16))
+    os.waitpid(pid, 0)
+    assert found == 0, found
+    assert next(loader).step == 0  # The parent's loader is untouched.
+print("ok")
+"""
+
+
 def test_a_child_forked_while_a_loader_lives_keeps_no_descriptor_of_its_ring(dataset):
     """It kept two (the owner lock's and the mapping's), holding the unlinked segment and
-    making a dead trainer's ring look owned."""
-    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3) as loader:
-        segment = "/dev/shm" + loader.ring_name
-
-        def ring_descriptors() -> int:
-            count = 0
-            for entry in os.listdir("/proc/self/fd"):
-                try:
-                    count += os.readlink(f"/proc/self/fd/{entry}").startswith(segment)
-                except OSError:
-                    pass
-            return count
-
-        assert ring_descriptors() >= 1
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.write(write_end, str(ring_descriptors()).encode())
-            os._exit(0)
-        os.close(write_end)
-        found = int(os.read(read_end, 16))
-        os.close(read_end)
-        os.waitpid(pid, 0)
-        assert found == 0
-        assert next(loader).step == 0  # The parent's loader is untouched.
+    making a dead trainer's ring look owned. Forked in a fresh interpreter: a worker of the
+    suite runs threads (faulthandler's, pytest-timeout's, Ray's after its tests), and a
+    child forked from threads can block on a lock one of them held."""
+    result = subprocess.run([sys.executable, "-c", _FORK_DESCRIPTORS_SCENARIO, dataset["paths"]["labels_npy"]],
+                            capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 @pytest.mark.parametrize("kind", ["npy", "b2nd"])
