@@ -40,7 +40,7 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562): a reader process imports shmloader.reader, and through
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
-_LAZY = {"Batch": ".loader", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".plan",
+_LAZY = {"Batch": ".batch", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".plan",
          "Packed": ".plan", "Windows": ".plan", "Source": ".sources"}
 
 

@@ -639,7 +639,7 @@ static int set_up_slots(Cursor *self, unsigned long long control_table, PyObject
     return 0;
 }
 
-/* _cursor_setup(config): one object (loader.CursorConfig) whose attributes name every
+/* _cursor_setup(config): one object (batch.CursorConfig) whose attributes name every
  * setting; the protocol's own values come from ring.h. */
 static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     if (self->slots != NULL) {

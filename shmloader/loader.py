@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import collections.abc
-import dataclasses
 import gc
 import os
 import sys
-import time
-import warnings
 import weakref
 
 import numpy as np
 
-from ._native import load_cursor
+from .batch import Batch, CursorConfig, cursor_module, weak_method
 from .checkpoint import state_of, step_to_resume
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
-from .errors import (ReaderStallWarning, SharedMemoryError, SkippedRecordsWarning, SlotsExhaustedError, StepTimeoutError,
-                     user_stacklevel)
 from .filler import ON_ERROR, FillerSpec
 from .lifecycle import Resources, live_loaders
 from .passes import ENDLESS, FinitePass
@@ -25,86 +19,12 @@ from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seco
                    plan_loader, wake_after, warn_poor_layouts, warn_window_memory)
 from .pool import ReaderPool
 from .reader import ReaderConfig
-from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
+from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, sweep_stale
 from .sampler import STEP_MAX, check_integer
-
-cursor_module = load_cursor()
+from .supervision import Supervisor
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
-# next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
-# a file on a stalled network mount): silence would look like a hang.
-_STALL_WARNING_SECONDS = 10.0
-
-
-class Batch(cursor_module.BatchBase, collections.abc.Mapping):
-    """One batch: a mapping of field name to a numpy array that views a shared-memory slot.
-
-    `step` is the step it is, `indices` its row indices (uint64). Lifetime: the slot is
-    reserved for this batch while the Batch (until released) or any array of it or view of
-    one (slices, np.asarray, torch.from_numpy tensors) is alive; the loader hands it back to
-    the readers at the first next() after the last of them is gone. `release()` or leaving
-    `with batch:` gives up the Batch's own references. A view kept longer keeps the slot:
-    it is never overwritten under you, but a loader whose every slot is kept this way
-    raises SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
-
-    The arrays are built once per slot and handed out again for later steps in that slot,
-    so a batch costs no allocation; an array changed in place (its shape, dtype, strides or
-    writeable flag) is replaced by a fresh one before its slot is handed out again.
-    """
-
-    __slots__ = ()
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def strings(self, name: str, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
-        """A Packed field of bytes (paths, captions, keys; formats.from_parquet's strings)
-        as Python strings, one per row."""
-        offsets = self[f"{name}.offsets"].tolist()
-        data = self[name][:offsets[-1]].tobytes()
-        return [data[start:end].decode(encoding, errors) for start, end in zip(offsets[:-1], offsets[1:])]
-
-    def __exit__(self, *exc_info) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        if self.released:
-            return f"Batch(step={self.step}, released)"
-        fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self.items())
-        return f"Batch(step={self.step}, {fields})"
-
-
-@dataclasses.dataclass(frozen=True)
-class CursorConfig:
-    """Everything the native cursor is set up with (_cursor.c reads these attributes)."""
-
-    control_table_address: int
-    slot_count: int
-    work_semaphore: str
-    ready_semaphores: tuple[str, ...]
-    field_names: tuple[str, ...]
-    batch_type: type
-    views: tuple[tuple[np.ndarray, ...], ...]
-    next_step: int
-    check_every_batches: int
-    wake_after_slots: int
-    reader_count: int
-    trainer_slots: int
-    poll_interval_ns: int
-    end_step: int  # a finite pass's steps (passes.ENDLESS: none)
-    partial_from: int  # the first step cut to fewer rows
-    supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
-    rebuild_views: collections.abc.Callable  # f(cursor, slot)
-    partial: collections.abc.Callable  # f(cursor, batch) -> the batch cut to its rows
-
-
-def _weak_method(owner, function):
-    """function(owner, ...) without a reference to `owner`: the pool the loader owns calls
-    back into it, and a cycle would keep an unclosed loader (and its ring) alive past its
-    last use."""
-    reference = weakref.ref(owner)
-    return lambda *args: function(reference(), *args)
 
 
 class ShmDataLoader(cursor_module.Cursor):
@@ -172,14 +92,11 @@ class ShmDataLoader(cursor_module.Cursor):
         self._epochs, self.drop_last = epochs, bool(drop_last)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        self.on_error, self._skips_warned = on_error, False
+        self.on_error = on_error
         if remote is not None and not all(hasattr(remote, name) for name in ("start", "count", "capacity")):
             raise TypeError(f"remote must be remote readers such as shmloader.ray.RayReaders(...), got {remote!r}")
         self.remote = remote
         self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
-        self._episode = None  # (step, batches) of the wait _supervise is timing, and since when.
-        self._episode_since = 0.0
-        self._stall_warned = False
         # Readers start now and wait for their configuration on stdin: their interpreter
         # start-up overlaps the validation of the files below instead of following it.
         try:
@@ -225,9 +142,13 @@ class ShmDataLoader(cursor_module.Cursor):
         self._ring = self._resources.ring = Ring.create(self._layout, os.getpid())
         if self._pin_backend is not None:
             self._resources.pinned = PinnedRing(self._pin_backend, self._ring.base_address, self._layout.total_bytes)
+        filler, outputs = None, ()
         if self._fillers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
-            self._filler = self._resources.filler = self._filler_spec().build()
-            self._filler_outputs = [self._filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
+            filler = self._resources.filler = self._filler_spec().build()
+            outputs = [filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
+        self._supervisor = Supervisor(self._pool, self._ring, self.slots, step_timeout=self.step_timeout,
+                                      hold_timeout=self.hold_timeout, on_error=self.on_error, filler=filler,
+                                      outputs=outputs)
         self._cursor_setup(CursorConfig(
             control_table_address=self._ring.control_table_address,
             slot_count=self.slots,
@@ -250,7 +171,7 @@ class ShmDataLoader(cursor_module.Cursor):
         ))
         live_loaders.add(self)
         self._request_from(start_step)
-        self._pool.configure(self._ring, _weak_method(self, type(self)._request), ReaderConfig(
+        self._pool.configure(self._ring, weak_method(self, type(self)._request), ReaderConfig(
             reader_index=0,
             trainer_pid=os.getpid(),
             names=self._ring.names,
@@ -306,98 +227,9 @@ class ShmDataLoader(cursor_module.Cursor):
             raise RuntimeError("the loader is closed")
 
     def _supervise(self, state: int, owner: int, step: int) -> None:
-        """Called by the native next() for a step it cannot deliver at once (`state` is one
-        of _cursor's STEP_* values): after each poll interval in flight, for a held or
-        failed slot, and every _READER_CHECK_BATCHES batches. Raises, or returns for
-        next() to look again."""
+        """Called by the native next() for a step it cannot deliver at once (supervision.py)."""
         self._raise_if_closed()
-        if state == cursor_module.STEP_IN_FLIGHT and self._fillers == 0:
-            self._fill_here(step)
-            return
-        if state == cursor_module.STEP_FAILED:
-            self._pool.raise_reported(owner)
-        if state == cursor_module.STEP_WRONG:
-            slot = step % self.slots
-            found, _ = self._ring.state(slot)
-            raise SharedMemoryError(
-                f"slot {slot} of ring {self._ring.names.segment} is {found.name} with step {self._ring.step(slot)} "
-                f"while step {step} was expected; another process wrote to the ring"
-            )
-        self._pool.check()
-        if self.on_error == "skip" and not self._skips_warned:
-            self._warn_if_skipped()
-        episode = (step, self._batches)
-        if episode != self._episode:
-            self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
-            if state == cursor_module.STEP_HELD:
-                gc.collect()  # Views caught in reference cycles: give them one chance to go.
-        waited_s = time.monotonic() - self._episode_since
-        if state == cursor_module.STEP_HELD:
-            self._wait_for_holder(step, waited_s)
-        elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
-            found, filler = self._ring.state(step % self.slots)
-            filling = found == SlotState.FILLING
-            who = f"{self._pool.describe(filler)} is filling it" if filling else "no reader claimed it"
-            raise StepTimeoutError(
-                f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
-                f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
-                f"loader (its readers are killed) and look at that step with shmloader.transforms.compute_batch.",
-                step, filler if filling else None, self._pool.pid(filler) if filling else None)
-        elif state == cursor_module.STEP_IN_FLIGHT and waited_s > _STALL_WARNING_SECONDS and not self._stall_warned:
-            self._stall_warned = True
-            found, filler = self._ring.state(step % self.slots)
-            who = self._pool.describe(filler) if found == SlotState.FILLING else "no reader"
-            warnings.warn(
-                f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
-                f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
-                ReaderStallWarning,
-                stacklevel=user_stacklevel(),
-            )
-
-    def _fill_here(self, step: int) -> None:
-        """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An
-        exception propagates as raised (the step is requested again for the next try)."""
-        slot = step % self.slots
-        claimed = self._ring.claim(0)
-        assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
-        try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
-            self._filler.fill(step, self._filler_outputs[slot])
-        except BaseException:
-            self._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
-            raise
-        self._ring.publish(slot, SlotState.READY, 0)
-        if self._filler.skipped and not self._skips_warned:
-            self._warn_if_skipped()
-
-    def _skipped(self) -> tuple[int, list]:
-        if self._fillers == 0:
-            return len(self._filler.skipped), [record.to_dict() for record in self._filler.skipped]
-        return self._pool.skipped()
-
-    def _warn_if_skipped(self) -> None:
-        count, records = self._skipped()
-        if count:
-            self._skips_warned = True
-            first = records[0] if records else {}
-            warnings.warn(f"on_error='skip' replaced {count} record(s) that failed, the first at step "
-                          f"{first.get('step')}: {first.get('where')} ({first.get('error')}); stats()['skipped'] "
-                          f"lists them", SkippedRecordsWarning, stacklevel=user_stacklevel())
-
-    def _wait_for_holder(self, step: int, waited_s: float) -> None:
-        """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
-        if self._release_unused():
-            return
-        if waited_s > self.hold_timeout:
-            slot = step % self.slots
-            raise SlotsExhaustedError(
-                f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
-                f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
-                f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
-                f"raise slots (now {self.slots}). An iterator around the loader may keep the batch before the "
-                f"current one (tqdm(zip(range(n), loader)) does): iterate the loader itself, or allow one more "
-                f"slot per batch it keeps."
-            )
-        time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
+        self._supervisor.supervise(self, state, owner, step)
 
     # The GPU hop.
 
@@ -485,8 +317,8 @@ class ShmDataLoader(cursor_module.Cursor):
         """Batches delivered, rates, the share of time the trainer waited, and per reader its
         busy time, the time it slept while a slot was waiting for it (starved_s; what must
         go to zero while the trainer waits), its wake-ups and batches per wake-up."""
-        if self.on_error == "skip" and not self._skips_warned and self._active:
-            self._warn_if_skipped()
+        if self._active:
+            self._supervisor.warn_if_skipped()
         now = self._now_ns()
         elapsed_s = (now - self._first_next_ns) / 1e9 if self._first_next_ns else 0.0
         rows = self._batches * self.batch_size - self._short_rows
@@ -501,7 +333,7 @@ class ShmDataLoader(cursor_module.Cursor):
             "wait_s": self._wait_ns / 1e9,
             "wait_fraction": self._wait_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
             "reader_restarts": self._pool.restarts + self._pool.remote_restarts,
-            "skipped": dict(zip(("count", "records"), self._skipped())) if self._active else {"count": 0, "records": []},
+            "skipped": dict(zip(("count", "records"), self._supervisor.skipped())) if self._active else {"count": 0, "records": []},
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": self._pool.report(elapsed_s) if self._active else [],
         }
@@ -515,8 +347,8 @@ class ShmDataLoader(cursor_module.Cursor):
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.
         """
-        if self.on_error == "skip" and not self._skips_warned and self._active:
-            self._warn_if_skipped()  # The one warning, if next() never had a moment to give it.
+        if self._active:
+            self._supervisor.warn_if_skipped()  # The one warning, if next() never had a moment to give it.
         self._deactivate()
         self._finalizer()
 
