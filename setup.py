@@ -16,6 +16,8 @@ CURSOR_SOURCE = "shmloader/_cursor.c"
 # The slot protocol's one definition; the Zig sources import its translation.
 RING_HEADER = "shmloader/ring.h"
 GENERATED_ZIG_HEADER = "zig/ring_h.zig"
+# The C declarations called through cffi; _ffi.py is generated from them.
+DECLARATIONS = "shmloader/_declarations.py"
 
 
 def translate_ring_header(zig: list[str], output: pathlib.Path) -> None:
@@ -24,8 +26,27 @@ def translate_ring_header(zig: list[str], output: pathlib.Path) -> None:
     output.write_bytes(result.stdout)
 
 
+def write_ffi_module(package_dir: pathlib.Path) -> None:
+    """Writes shmloader/_ffi.py: cffi's declarations parsed now, so that a process does not
+    import pycparser and parse them at every start (a reader starts often)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_declarations", ROOT / DECLARATIONS)
+    declarations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(declarations)
+    builder = declarations.ffi_builder((ROOT / RING_HEADER).read_text())
+    builder.emit_python_code(str(package_dir / "_ffi.py"))
+
+
 class ZigBuildExt(build_ext):
-    """Compiles each extension with the Zig toolchain instead of the system's C compiler."""
+    """Compiles each extension with the Zig toolchain instead of the system's C compiler,
+    and generates the cffi module the Zig library is called through."""
+
+    def run(self) -> None:
+        package_dir = pathlib.Path(self.get_ext_fullpath("shmloader._cursor")).resolve().parent
+        package_dir.mkdir(parents=True, exist_ok=True)
+        write_ffi_module(package_dir)
+        super().run()
 
     def build_extension(self, ext: Extension) -> None:
         target = pathlib.Path(self.get_ext_fullpath(ext.name)).resolve()

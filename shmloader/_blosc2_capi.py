@@ -10,33 +10,6 @@ import functools
 import importlib.util
 import pathlib
 
-import cffi
-
-# Declared as in blosc2/include/blosc2.h; tests/test_storage.py compares this struct with
-# the header shipped in the installed wheel, because it is passed by value.
-CDEF = """
-typedef struct blosc2_context_s blosc2_context;
-typedef struct blosc2_schunk blosc2_schunk;
-typedef struct {
-    int16_t nthreads;
-    void *schunk;
-    void *postfilter;
-    void *postparams;
-    int32_t typesize;
-} blosc2_dparams;
-
-void blosc2_init(void);
-blosc2_context *blosc2_create_dctx(blosc2_dparams dparams);
-void blosc2_free_ctx(blosc2_context *context);
-int blosc2_getitem_ctx(blosc2_context *context, const void *src, int32_t srcsize,
-                       int start, int nitems, void *dest, int32_t destsize);
-blosc2_schunk *blosc2_schunk_open(const char *urlpath);
-int blosc2_schunk_free(blosc2_schunk *schunk);
-int64_t *blosc2_frame_get_offsets(blosc2_schunk *schunk);
-int blosc2_schunk_get_chunk(blosc2_schunk *schunk, int64_t nchunk, uint8_t **chunk, bool *needs_free);
-int blosc2_vlmeta_get(blosc2_schunk *schunk, const char *name, uint8_t **content, int32_t *content_len);
-void free(void *pointer);
-"""
 
 DPARAMS_FIELDS = ("nthreads", "schunk", "postfilter", "postparams", "typesize")
 
@@ -63,8 +36,8 @@ def library_path() -> pathlib.Path:
 @functools.cache
 def load():
     """(ffi, lib) for libblosc2, initialised once per process."""
-    ffi = cffi.FFI()
-    ffi.cdef(CDEF)
+    from ._native import ffi  # Declared in _declarations.BLOSC2_CDEF.
+
     lib = ffi.dlopen(str(library_path()))
     lib.blosc2_init()
     return ffi, lib

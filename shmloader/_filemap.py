@@ -12,14 +12,8 @@ from __future__ import annotations
 import mmap
 import os
 
-import cffi
+from ._native import ffi as _ffi
 
-_ffi = cffi.FFI()
-_ffi.cdef("""
-char *mmap(void *address, size_t length, int protection, int flags, int descriptor, long offset);
-int munmap(void *address, size_t length);
-int madvise(void *address, size_t length, int advice);
-""")
 _libc = _ffi.dlopen(None)
 _PAGE_BYTES = mmap.PAGESIZE
 

@@ -57,6 +57,15 @@ def test_zig_unit_tests_pass_in_a_safe_build_mode(tmp_path):
     assert "passed" in result.stdout + result.stderr
 
 
+def test_no_process_parses_c_declarations_at_run_time():
+    """They are parsed at build time (_ffi.py): pycparser's import and parse were about a
+    fifth of a reader's start-up."""
+    code = ("import sys, shmloader.reader, shmloader.storage, shmloader._blosc2_capi as capi; capi.load(); "
+            "print('pycparser' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
+    assert result.stdout.strip() == "False", result.stderr
+
+
 def test_stale_library_is_refused(tmp_path, monkeypatch):
     library = tmp_path / "lib.so"
     library.write_bytes(b"")
@@ -90,9 +99,11 @@ def test_the_source_distribution_holds_every_source(tmp_path):
     with tarfile.open(archive) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     expected = {f"zig/{path.name}" for path in ZIG_DIR.glob("*.zig") if path.name != _native.GENERATED_ZIG_HEADER}
-    expected |= {"shmloader/_cursor.c", "shmloader/ring.h", "shmloader/py.typed", "setup.py", "pyproject.toml"}
+    expected |= {"shmloader/_cursor.c", "shmloader/ring.h", "shmloader/py.typed", "shmloader/_declarations.py",
+                 "setup.py", "pyproject.toml"}
     assert expected <= names, expected - names
     assert "zig/ring_h.zig" not in names  # Generated at build time from ring.h.
+    assert "shmloader/_ffi.py" not in names  # Generated at build time from _declarations.py.
 
 
 def test_bounded_draws_are_splitmix64_of_a_keyed_counter():
