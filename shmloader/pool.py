@@ -137,6 +137,7 @@ class ReaderPool:
         step)` is the trainer's request (the cursor's): a dead reader's slot goes back
         through it."""
         self.ring, self._request, self._config = ring, request, config
+        self._filler_json = json.dumps(config.filler.to_dict())  # Once for every reader and restart.
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
         if self.remote_spec is not None:
@@ -163,7 +164,7 @@ class ReaderPool:
         try:
             config = dataclasses.replace(self._config, reader_index=reader_index,
                                          signal_grace_seconds=self.signal_grace_seconds)
-            process.stdin.write(config.to_json().encode())
+            process.stdin.write(config.to_json(self._filler_json).encode())
             process.stdin.close()
         except BrokenPipeError:
             pass  # It died while starting: check() restarts it like any dead reader.

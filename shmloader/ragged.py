@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 
 import numpy as np
 
@@ -59,8 +58,9 @@ class RaggedSpec:
 
 
 def is_ragged(path: str | os.PathLike) -> bool:
-    path = pathlib.Path(path)
-    return path.is_dir() and (path / VALUES_NAME).is_file() and (path / OFFSETS_NAME).is_file()
+    path = os.fspath(path)
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, VALUES_NAME))
+            and os.path.isfile(os.path.join(path, OFFSETS_NAME)))
 
 
 def read_all(spec: FieldSpec) -> np.ndarray:

@@ -74,15 +74,19 @@ class ReaderConfig:
     filler: FillerSpec
     signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
 
-    def to_json(self) -> str:
-        return json.dumps({
+    def to_json(self, filler_json: str | None = None) -> str:
+        """The JSON a reader reads; `filler_json` is json.dumps(self.filler.to_dict()) when
+        the caller has it already (the same for every reader of a loader, and large for a
+        field of many files)."""
+        head = json.dumps({
             "reader_index": self.reader_index,
             "trainer_pid": self.trainer_pid,
             "names": self.names.to_dict(),
             "layout": self.layout.to_dict(),
-            "filler": self.filler.to_dict(),
             "signal_grace_seconds": self.signal_grace_seconds,
         })
+        filler = json.dumps(self.filler.to_dict()) if filler_json is None else filler_json
+        return f'{head[:-1]}, "filler": {filler}}}'
 
     @classmethod
     def from_json(cls, text: str) -> ReaderConfig:

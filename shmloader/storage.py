@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import pathlib
+import re
 import shutil
 import stat
 import struct
@@ -85,7 +86,9 @@ class FieldSpec:
         return self.row_count * self.row_bytes
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # Not dataclasses.asdict, which deep-copies every value: a field of 10,000 files was
+        # a second of serialisation per reader configured.
+        return {name: getattr(self, name) for name in _FIELD_SPEC_KEYS}
 
     @classmethod
     def from_dict(cls, data: dict) -> FieldSpec:
@@ -93,6 +96,9 @@ class FieldSpec:
         for key in ("row_shape", "chunks", "blocks", "identity"):
             data[key] = tuple(data[key])
         return cls(**data)
+
+
+_FIELD_SPEC_KEYS = tuple(field.name for field in dataclasses.fields(FieldSpec))
 
 
 def check_dtype(path: str, dtype: np.dtype) -> None:
@@ -161,41 +167,73 @@ def check_output_directory(output: str | os.PathLike) -> None:
 
 
 def describe_field(path: str | os.PathLike) -> FieldSpec:
-    """Validates a field file and describes it. Raises FileNotFoundError or StorageError."""
-    spec = _describe_field(path)
-    # The identity is taken after the description, so a file replaced while it was being
-    # described fails the readers' check instead of passing with another layout.
-    return dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
+    """Validates a field file and describes it. Raises FileNotFoundError or StorageError.
 
-
-def _describe_field(path: str | os.PathLike) -> FieldSpec:
+    The file's identity is taken after its description (for .npy, of the very file read), so
+    that a file replaced while it was being described fails the readers' check instead of
+    passing with another layout."""
     path = os.path.abspath(os.fspath(path))  # Readers run elsewhere: paths must not be relative.
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"field file {path} does not exist")
-    if os.path.isdir(path):
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"field file {path} does not exist") from None
+    if stat.S_ISDIR(status.st_mode):
         raise StorageError(f"{path} is a directory; expected a .npy file or a contiguous Blosc2 .b2nd file")
-    if not stat.S_ISREG(os.stat(path).st_mode):
+    if not stat.S_ISREG(status.st_mode):
         # A FIFO or a device would block the open or the read below, or change under readers.
         raise StorageError(f"{path} is not a regular file; expected a .npy file or a contiguous Blosc2 .b2nd file")
     with open(path, "rb") as handle:
         head = handle.read(16)
-    if head.startswith(NPY_MAGIC):
-        return _describe_npy(path)
+        if head.startswith(NPY_MAGIC):
+            handle.seek(0)
+            return _describe_npy(path, handle)
     if head[_B2FRAME_MAGIC_OFFSET:_B2FRAME_MAGIC_OFFSET + len(B2FRAME_MAGIC)] == B2FRAME_MAGIC:
-        return _describe_b2nd(path)
+        spec = _describe_b2nd(path)
+        return dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
     raise StorageError(f"{path} is neither a .npy file nor a Blosc2 frame (.b2nd): its first bytes are {head[:8]!r}")
 
 
-def _describe_npy(path: str) -> FieldSpec:
+# The header np.save writes for a plain dtype, e.g. "{'descr': '<f4', 'fortran_order': False,
+# 'shape': (600, 3, 8, 8), }": matched instead of numpy's ast.literal_eval of it, which was
+# a third of describing a field of many small files.
+_NPY_HEADER = re.compile(rb"\{'descr': '([<>|=][a-zA-Z][0-9]*)', 'fortran_order': (True|False), "
+                         rb"'shape': \(((?:[0-9]+, ?)*[0-9]*)\), \} *\n")
+_NPY_LENGTH_FIELD = {1: "<H", 2: "<I", 3: "<I"}
+
+
+def _simple_npy_header(handle) -> tuple | None:
+    """(shape, fortran_order, dtype, data_offset) of a .npy header as np.save writes it for a
+    plain dtype, or None for any other (numpy parses those)."""
+    prefix = handle.read(len(NPY_MAGIC) + 2)
+    length_format = _NPY_LENGTH_FIELD.get(prefix[len(NPY_MAGIC)]) if len(prefix) == len(NPY_MAGIC) + 2 else None
+    if length_format is None:
+        return None
+    length_bytes = handle.read(struct.calcsize(length_format))
+    if len(length_bytes) != struct.calcsize(length_format):
+        return None
+    (length,) = struct.unpack(length_format, length_bytes)
+    header = handle.read(length)
+    match = _NPY_HEADER.fullmatch(header)
+    if match is None:
+        return None
+    shape = tuple(int(size) for size in match.group(3).split(b",") if size.strip())
+    return shape, match.group(2) == b"True", np.dtype(match.group(1).decode()), handle.tell()
+
+
+def _describe_npy(path: str, handle) -> FieldSpec:
+    """`handle`: the file, open at its start."""
     try:
-        with open(path, "rb") as handle:
+        found = _simple_npy_header(handle)
+        if found is None:  # Not what np.save writes for a plain dtype: numpy's own parser.
+            handle.seek(0)
             version = np.lib.format.read_magic(handle)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
             shape, fortran_order, dtype = read_header(handle)
             data_offset = handle.tell()
-    except (ValueError, OSError, SyntaxError) as error:
+        else:
+            shape, fortran_order, dtype, data_offset = found
+    except (ValueError, OSError, SyntaxError, TypeError) as error:
         raise StorageError(f"{path}: unreadable .npy header ({error})") from None
     check_dtype(path, dtype)
     check_rows(path, shape)
@@ -205,13 +243,14 @@ def _describe_npy(path: str) -> FieldSpec:
             f"rewrite it with np.save(path, np.ascontiguousarray(array))"
         )
     expected_bytes = data_offset + math.prod(shape) * dtype.itemsize
-    actual_bytes = os.path.getsize(path)
+    status = os.fstat(handle.fileno())  # After the description: the identity of the file read.
+    actual_bytes = status.st_size
     if actual_bytes < expected_bytes:
         raise StorageError(
             f"{path}: truncated .npy file: {actual_bytes} bytes, the header promises {expected_bytes}"
         )
     return FieldSpec(path=path, kind="npy", row_count=shape[0], row_shape=tuple(shape[1:]), dtype=dtype.str,
-                     data_offset=data_offset)
+                     data_offset=data_offset, identity=file_identity(status))
 
 
 def row_contiguous_layout(shape, chunks, blocks) -> bool:

@@ -180,6 +180,40 @@ def test_unsupported_npy_arrays(tmp_path, array, words):
         describe_field(tmp_path / "bad.npy")
 
 
+def test_npy_headers_are_read_as_numpy_reads_them(tmp_path):
+    """describe_field matches np.save's plain headers itself (numpy's literal_eval was a third
+    of describing many small files); every header must give what numpy's parser gives, and
+    other headers (version 2.0, a dtype with a shape, an odd layout) go to numpy's parser."""
+    import io
+    import struct
+
+    from shmloader.storage import _simple_npy_header
+
+    arrays = [np.zeros(5, np.int64), np.ones((3, 1), ">f8"), np.zeros((2, 0, 3), np.uint8),
+              np.zeros((4, 7, 11, 2), np.bool_), np.zeros((1,), np.complex64), np.zeros((12345678, 0), "<u2"),
+              np.asfortranarray(np.zeros((3, 4), np.float32)), np.zeros(6, "<M8[s]"), np.zeros(6, "<U3")]
+    for number, array in enumerate(arrays):
+        for version in ((1, 0), (2, 0), (3, 0)):
+            buffer = io.BytesIO()
+            np.lib.format.write_array(buffer, array, version=version)
+            buffer.seek(0)
+            np.lib.format.read_magic(buffer)
+            reader = {(1, 0): np.lib.format.read_array_header_1_0}.get(version, np.lib.format.read_array_header_2_0)
+            expected = (*reader(buffer), buffer.tell())
+            buffer.seek(0)
+            found = _simple_npy_header(buffer)
+            assert found == expected or (found is None and array.dtype.kind not in "biufc"), (number, version, found)
+    for header in (b"{'descr': [('a', '<i4')], 'fortran_order': False, 'shape': (3,), }",
+                   b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,), 'extra': 1, }"):
+        padded = header + b" " * (63 - len(header) % 64) + b"\n"
+        assert _simple_npy_header(io.BytesIO(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(padded)) + padded)) is None
+    array = np.arange(24, dtype=">i4").reshape(6, 4)
+    np.save(tmp_path / "big.npy", array)
+    spec = describe_field(tmp_path / "big.npy")
+    assert (spec.row_count, spec.row_shape, spec.dtype, spec.data_offset) == (6, (4,), ">i4", 128)
+    assert spec.identity[1] == os.stat(tmp_path / "big.npy").st_ino
+
+
 def test_truncated_npy(tmp_path):
     np.save(tmp_path / "t.npy", np.zeros((100, 10), np.float32))
     size = os.path.getsize(tmp_path / "t.npy")
