@@ -12,6 +12,8 @@ import pytest
 from shmloader import Packed, Padded, ShmDataLoader, Windows
 
 SHM_DIRECTORY = "/dev/shm"
+# The pid child trainers check that they were started by (child_guard.py).
+os.environ["SHMLOADER_TEST_WORKER_PID"] = str(os.getpid())
 
 # A suite started in the background by a shell without job control (or under nohup)
 # inherits SIGINT and SIGQUIT (or SIGHUP) ignored, and every process it starts would too:

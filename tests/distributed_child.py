@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import child_guard  # noqa: F401  (first: it dies with the test worker)
 import torch.distributed as dist
 
 from shmloader import ShmDataLoader

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import child_guard  # noqa: F401  (first: it dies with the test worker)
 from shmloader import ShmDataLoader
 
 
