@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import sys
 
-import child_guard  # noqa: F401  (first: it dies with the test worker)
+from child_guard import die_with_parent
 import torch.distributed as dist
 
 from shmloader import ShmDataLoader
 
 
 def main() -> None:
+    die_with_parent()
     path, steps, output = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from the environment.
     rank, world = dist.get_rank(), dist.get_world_size()

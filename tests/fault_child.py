@@ -10,11 +10,12 @@ import sys
 import threading
 import time
 
-import child_guard  # noqa: F401  (first: it dies with the test worker)
+from child_guard import die_with_parent
 from shmloader import ShmDataLoader
 
 
 def main() -> None:
+    die_with_parent()
     behaviour, fields = sys.argv[1], json.loads(sys.argv[2])
     if behaviour == "stuck-transform":
         # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
