@@ -81,11 +81,13 @@ class FillerSpec:
     sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
     on_error: str = "raise"
 
-    def build(self, read_ahead: bool = True) -> StepFiller:
-        """The filler; a transform's module is looked for on the trainer's sys.path too."""
+    def build(self, read_ahead: bool = True, share: tuple[int, int] = (0, 1)) -> StepFiller:
+        """The filler; a transform's module is looked for on the trainer's sys.path too.
+        `share`: (reader index, readers on this machine), see ReadAhead."""
         if self.transform is not None:
             sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
-        return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error)
+        return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
+                          share)
 
     def to_dict(self) -> dict:
         return {
@@ -131,7 +133,8 @@ class StepFiller:
     windows (read_ahead=False for a one-off computation)."""
 
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
-                 verify: bool, read_ahead: bool = True, on_error: str = "raise") -> None:
+                 verify: bool, read_ahead: bool = True, on_error: str = "raise",
+                 share: tuple[int, int] = (0, 1)) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
@@ -159,8 +162,8 @@ class StepFiller:
         views = sampler.window_views() if read_ahead else []
         stored_bytes = sum(plan.stored_bytes for plan in self.plans)
         self.advisor = Advisor(PENDING_MAX * len(views)) if views else None
-        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor)
-                           for view in views]
+        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor,
+                                     share) for view in views]
 
     @property
     def field_readers(self) -> list[FieldReader]:

@@ -177,6 +177,7 @@ class ShmDataLoader(cursor_module.Cursor):
             names=self._ring.names,
             layout=self._layout,
             filler=self._filler_spec(),
+            local_readers=self.readers,
         ))
 
     def _filler_spec(self) -> FillerSpec:

@@ -9,10 +9,14 @@ places being dealt from < `opened`, and keeps the kernel asked for the places up
 one ends, so the next epoch's first blocks stream in while this one's last drain). Blocks
 whose rows are all dealt are let go of in two stages: LAG_STEPS steps after they closed
 a reader drops its own mappings of them (MADV_DONTNEED), and LAG_STEPS steps later, when
-every reader has done the same, advises the kernel that they are not needed
-(POSIX_FADV_DONTNEED). A page still mapped by another reader cannot be dropped, and the
-kernel answers such a failure by draining every CPU's page lists and waiting for them (in
-one stage, perf showed the readers' threads waiting there).
+every reader has done the same, one reader advises the kernel that they are not needed
+(POSIX_FADV_DONTNEED): the reader of index place % readers (the page cache is the
+machine's, so one call per block is enough). A page still mapped by another reader cannot
+be dropped, and the kernel answers such a failure by draining every CPU's page lists and
+waiting for them (in one stage, perf showed the readers' threads waiting there); every
+reader dropping every block stalled both readers on each other that way, and cold in a
+2 GiB group the window served a third fewer rows than with one call per block (RESULTS).
+Pages a failed call leaves are reclaimed by the kernel like any cached page.
 Without letting go, the pages read ahead were the first the kernel reclaimed under memory
 pressure (new pages, never referenced) while finished blocks, mapped and referenced,
 stayed: the disk read each block several times. The calls run on a thread of the reader
@@ -79,13 +83,17 @@ def memory_limit_bytes() -> int:
 class ReadAhead:
     """Advises the kernel of the blocks each step will read (one per reader and source)."""
 
-    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None) -> None:
+    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None,
+                 share: tuple[int, int] = (0, 1)) -> None:
         """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
         whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Blocks are let
         go only when they cannot all stay cached (more than half the memory limit): data
         that fits keeps its pages, and later epochs read from memory. `advisor`: the thread
-        that makes the calls, shared by a mixture's sources (one of its own if None)."""
+        that makes the calls, shared by a mixture's sources (one of its own if None).
+        `share`: (this reader's index, the readers on this machine): the pages of the
+        blocks at places p with p % readers == index are this reader's to drop."""
         self.sampler, self.source = sampler, source
+        self.share_index, self.share_count = share
         self.plan_readers = list(plan_readers)
         self.release_blocks = stored_bytes > memory_limit_bytes() // 2
         self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
@@ -125,19 +133,23 @@ class ReadAhead:
             if self._released[stage] is None:
                 self._released[stage] = done  # Nothing before the first step was read by this reader.
             if self._released[stage] < done and self._submit(stage, self._blocks(self._released[stage], done,
-                                                                                   places.total)):
+                                                                                   places.total, stage == "drop")):
                 if stage == "drop":
                     self.blocks_released += done - self._released[stage]
                 self._released[stage] = done
 
-    def _blocks(self, first: int, end: int, total: int) -> list[int]:
-        """The block ids of places [first, end), counted across epochs of `total` places."""
-        blocks = []
+    def _blocks(self, first: int, end: int, total: int, own_share: bool = False) -> list[int]:
+        """The block ids of places [first, end), counted across epochs of `total` places
+        (with `own_share`, only those of the places that are this reader's share)."""
+        blocks, start = [], first
         while first < end:
             epoch, place = divmod(first, total)
             count = min(end - first, total - place)
             blocks.extend(int(block) for block in self.sampler.place_blocks(epoch, place, count))
             first += count
+        if own_share and self.share_count > 1:
+            blocks = [block for offset, block in enumerate(blocks)
+                      if (start + offset) % self.share_count == self.share_index]
         return blocks
 
     def _submit(self, what: str, blocks) -> bool:

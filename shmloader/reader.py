@@ -73,6 +73,9 @@ class ReaderConfig:
     layout: RingLayout
     filler: FillerSpec
     signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
+    # The loader's local readers: they share this machine's page cache, and the read-ahead's
+    # dropping of finished blocks among them (readahead.ReadAhead's `share`).
+    local_readers: int = 1
 
     def to_json(self, filler_json: str | None = None) -> str:
         """The JSON a reader reads; `filler_json` is json.dumps(self.filler.to_dict()) when
@@ -84,6 +87,7 @@ class ReaderConfig:
             "names": self.names.to_dict(),
             "layout": self.layout.to_dict(),
             "signal_grace_seconds": self.signal_grace_seconds,
+            "local_readers": self.local_readers,
         })
         filler = json.dumps(self.filler.to_dict()) if filler_json is None else filler_json
         return f'{head[:-1]}, "filler": {filler}}}'
@@ -98,6 +102,7 @@ class ReaderConfig:
             layout=RingLayout.from_dict(data["layout"]),
             filler=FillerSpec.from_dict(data["filler"]),
             signal_grace_seconds=float(data["signal_grace_seconds"]),
+            local_readers=int(data["local_readers"]),
         )
 
 
@@ -198,7 +203,9 @@ class Reader:
         self.signal_grace_seconds = config.signal_grace_seconds
         self.ring = ring
         self.layout = ring.layout
-        self.filler = filler = config.filler.build() if filler is None else filler
+        if filler is None:
+            filler = config.filler.build(share=(config.reader_index, max(1, config.local_readers)))
+        self.filler = filler
         # Every slot's arrays and their pointers, made once.
         self.outputs = [filler.bind(config.filler.slot.views(ring.memory, self.layout.slot_offset(slot)))
                         for slot in range(self.layout.slot_count)]

@@ -318,6 +318,34 @@ def test_every_block_is_asked_for_before_its_rows_are_read_and_let_go_only_after
     assert dropped >= 2 * (sampler.epoch_length // block_rows)
 
 
+@pytest.mark.parametrize("readers", [2, 3])
+def test_the_readers_drop_each_finished_block_once_between_them_when_one_reader_would(readers):
+    """The page cache is the machine's: of the readers of one loader, the reader of index
+    place % readers drops a finished block's pages, at the step a lone reader would, and
+    each still reads ahead and lets go of its own mappings of every block."""
+    sampler = Sampler(100 * 50 + 37, 20, "shuffle", 3, shuffle_window=400, block_rows=50)
+
+    def requests(share):
+        advisor = _RecordingAdvisor()
+        read_ahead = _BlockReadAhead(sampler, [], 0, advisor=advisor, share=share)
+        read_ahead.release_blocks = True
+        found = {"advise": [], "forget": [], "drop": []}
+        for step in range(3 * sampler.epoch_length // sampler.batch_size):
+            read_ahead.note(step)
+            for what, blocks in advisor.requests:
+                found[what] += [(step, block) for block in blocks]
+            advisor.requests.clear()
+        return found
+
+    alone = requests((0, 1))
+    shared = [requests((index, readers)) for index in range(readers)]
+    for found in shared:
+        assert found["advise"] == alone["advise"] and found["forget"] == alone["forget"]
+    drops = [drop for found in shared for drop in found["drop"]]  # (step, block) of each reader's drops
+    assert sorted(drops) == sorted(alone["drop"]) and len(alone["drop"]) >= 2 * 100
+    assert all(len(found["drop"]) >= len(alone["drop"]) // readers - 2 for found in shared)  # Shared evenly.
+
+
 @pytest.mark.parametrize("shard_count", [1, 2, 3])
 def test_shards_read_disjoint_shares_that_cover_every_row_once_per_epoch(shard_count):
     """Each host reads its own share of the blocks (about 1/shard_count of the bytes)."""
