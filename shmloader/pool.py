@@ -38,6 +38,7 @@ import time
 
 import posix_ipc
 
+from . import forkserver
 from .errors import ReaderError, SlotsExhaustedError, reader_error_type
 from .reader import EXIT_REPORTED_ERROR, SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ErrorReport, ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
@@ -62,15 +63,31 @@ def describe_exit(exit_code: int) -> str:
     return f"exited with code {exit_code}"
 
 
-def spawn_reader() -> subprocess.Popen:
-    """Starts a reader interpreter; it waits for its configuration on stdin."""
-    # A fresh interpreter, not fork (safe with threads) nor multiprocessing's spawn
-    # (which re-imports the trainer's __main__): only this package is imported.
+def reader_environment() -> dict[str, str]:
+    """The environment a reader gets: the trainer's, with this package importable."""
     environment = dict(os.environ)
     # A reader is one thread of work: numpy's BLAS thread pools would only cost memory.
     for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         environment.setdefault(variable, "1")
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
+    return environment
+
+
+def spawn_reader():
+    """Starts a reader, which waits for its configuration on stdin: forked by this
+    trainer's fork server where the system allows (forkserver.py), else a fresh
+    interpreter. Either has pid, stdin, poll(), wait(timeout), kill()."""
+    environment = reader_environment()
+    if forkserver.available():
+        return forkserver.start_reader(environment)
+    return spawn_interpreter(environment)
+
+
+def spawn_interpreter(environment: dict[str, str]) -> subprocess.Popen:
+    """A reader in an interpreter of its own."""
+    # A fresh interpreter, not a fork of the trainer (safe with threads) nor
+    # multiprocessing's spawn (which re-imports the trainer's __main__): only this package
+    # is imported.
     return subprocess.Popen(
         [sys.executable, "-c", _READER_BOOTSTRAP, str(os.getpid())],
         stdin=subprocess.PIPE,
@@ -109,7 +126,7 @@ class ReaderPool:
         # The budget counts per reader: losing every reader at once (an OOM kill of the
         # group) costs each one restart, not the whole budget.
         self._restarts_by_reader = [0] * count
-        self.processes: list[subprocess.Popen] = []
+        self.processes: list = []  # subprocess.Popen or forkserver.ForkedReader
         self.ring: Ring | None = None
         self._config: ReaderConfig | None = None
         # Remote readers (shmloader.ray.RayReaders): reader records count..records-1, fed
@@ -159,7 +176,7 @@ class ReaderPool:
             return self.remote.describe(reader_index)
         return f"reader {reader_index} (pid {self.pid(reader_index)})"
 
-    def _send_config(self, process: subprocess.Popen, reader_index: int) -> None:
+    def _send_config(self, process, reader_index: int) -> None:
         self.ring.clear_reader_error(reader_index)
         try:
             config = dataclasses.replace(self._config, reader_index=reader_index,

@@ -1,9 +1,9 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Started by the loader (pool.py) as `python -c "...reader.main..."`, it reads a
-ReaderConfig as JSON on stdin: only names, paths and numbers cross the process boundary,
+Forked by the trainer's fork server (forkserver.py), or started alone as
+`python -c "...reader.main..."` (pool.py), it reads a ReaderConfig as JSON on stdin: only names, paths and numbers cross the process boundary,
 each part serialised by its own to_dict/from_dict. It exits when the loader sets the
-ring's stop flag, when its trainer (its parent) is gone, or after reporting an error.
+ring's stop flag, when its trainer is gone, or after reporting an error.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import signal
 import sys
 import time
 import traceback
+
+import select
 
 import posix_ipc
 
@@ -196,10 +198,10 @@ class Reader:
     """The reader loop: claims requested slots, fills each with its StepFiller (given, in
     the simulation), publishes it, and keeps its statistics in its ring record."""
 
-    def __init__(self, config: ReaderConfig, ring: Ring, filler=None) -> None:
+    def __init__(self, config: ReaderConfig, ring: Ring, filler=None, watch: TrainerWatch | None = None) -> None:
         self.pid = os.getpid()
         self.index = config.reader_index
-        self.trainer_pid = config.trainer_pid
+        self.watch = TrainerWatch(config.trainer_pid, os.getppid()) if watch is None else watch
         self.signal_grace_seconds = config.signal_grace_seconds
         self.ring = ring
         self.layout = ring.layout
@@ -217,9 +219,9 @@ class Reader:
         self._slept = None  # (began, ended) of the last wait for work, until the next claim
 
     def trainer_alive(self) -> bool:
-        """Its parent is still the trainer, and the trainer still holds the ring's owner
-        lock (gone once it dies or execs another program)."""
-        return os.getppid() == self.trainer_pid and self.ring.owner_alive()
+        """The trainer's process lives and still holds the ring's owner lock (gone once it
+        dies or execs another program)."""
+        return not self.watch.exited() and self.ring.owner_alive()
 
     def fill(self, slot: int) -> None:
         started = time.perf_counter_ns()
@@ -290,13 +292,33 @@ def yield_to_the_trainer() -> None:
         pass  # Not Linux, or not allowed: only the trainer's latency is affected.
 
 
+class TrainerWatch:
+    """Whether the trainer's process has exited: by a pidfd on it where the system has
+    them, else by this reader's parent changing (then the parent is the trainer). The
+    parent alone cannot tell for a forked reader: its parent is the fork server, which may
+    die alone; the trainer then restarts its readers."""
+
+    def __init__(self, trainer_pid: int, parent_pid: int) -> None:
+        self.trainer_pid, self.parent_pid = trainer_pid, parent_pid
+        self.fd = None
+        try:
+            self.fd = os.pidfd_open(trainer_pid)
+        except (AttributeError, OSError):
+            pass  # No pidfds here (or the trainer is gone already: the parent test says so).
+
+    def exited(self) -> bool:
+        if self.fd is None:
+            return os.getppid() != self.parent_pid
+        return bool(select.select([self.fd], [], [], 0)[0])
+
+
 class _Termination:
     """The first termination signal a reader received, and when; and what a reader whose
     trainer is gone must clean up (set once the reader has its configuration)."""
 
     since: float | None = None
     signal: int = 0
-    trainer_pid: int | None = None
+    watch: TrainerWatch | None = None
     names: RingNames | None = None
     reader_pid: int = 0
 
@@ -304,21 +326,35 @@ class _Termination:
     def note(cls, number: int, frame) -> None:
         if cls.since is None:
             cls.since, cls.signal = time.monotonic(), number
-        # The trainer died (PR_SET_PDEATHSIG sends SIGTERM then) or the reader's parent is
-        # otherwise gone: a reader stuck in a transform never reaches its loop's check, so
-        # it unlinks the ring here, since nobody else will, and leaves at once.
-        if cls.trainer_pid is not None and os.getppid() != cls.trainer_pid and os.getpid() == cls.reader_pid:
+        # The trainer died (PR_SET_PDEATHSIG sends SIGTERM when the parent, the trainer or
+        # its fork server, dies): a reader stuck in a transform never reaches its loop's
+        # check, so it unlinks the ring here, since nobody else will, and leaves at once.
+        if cls.watch is not None and os.getpid() == cls.reader_pid and cls.watch.exited():
             if cls.names is not None:
                 cls.names.unlink_all()
             os._exit(128 + number)
 
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+# What top and `ps -o comm` show for a reader (/proc/PID/comm, at most 15 bytes).
+PROCESS_NAME = b"shml-reader"
 
 
-def _die_with_the_trainer() -> None:
-    """Asks the kernel for SIGTERM when this reader's parent (the trainer) dies, whatever
-    the reader is doing then (Linux; elsewhere the loop's parent check remains)."""
+def set_process_name(name: bytes) -> None:
+    """Sets /proc/self/comm; Linux only, best effort."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with_the_parent() -> None:
+    """Asks the kernel for SIGTERM when this reader's parent (the trainer, or its fork
+    server, which exits with it) dies, whatever the reader is doing then (Linux;
+    elsewhere the loop's check remains)."""
     try:
         import ctypes
 
@@ -343,10 +379,11 @@ def main(argv: list[str]) -> int:
     # was for it alone, exits and is restarted.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
+    set_process_name(PROCESS_NAME)
     yield_to_the_trainer()
-    _die_with_the_trainer()
-    # The trainer that started this reader (pool.spawn_reader passes its pid): it may
-    # have died before this reader finished importing, so getppid() cannot tell it here.
+    _die_with_the_parent()
+    # The process that started this reader (the trainer, or its fork server), as it said:
+    # it may have died before this reader got here, so getppid() cannot tell it.
     parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
     text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
     if text == STOP_MESSAGE.decode():
@@ -366,8 +403,9 @@ def main(argv: list[str]) -> int:
     config = ReaderConfig.from_json(text)
     # Set after the death signal was asked for: a trainer that died before this check is
     # seen here, one that dies after it sends the signal.
-    _termination.trainer_pid, _termination.names, _termination.reader_pid = config.trainer_pid, config.names, os.getpid()
-    if os.getppid() != config.trainer_pid:
+    watch = TrainerWatch(config.trainer_pid, parent)
+    _termination.watch, _termination.names, _termination.reader_pid = watch, config.names, os.getpid()
+    if watch.exited():
         config.names.unlink_all()
         return 0
     try:
@@ -379,7 +417,7 @@ def main(argv: list[str]) -> int:
         return EXIT_NO_RING
     reader, pid = None, os.getpid()
     try:
-        reader = Reader(config, ring)
+        reader = Reader(config, ring, watch=watch)
         return reader.run()
     except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
         leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.

@@ -73,7 +73,8 @@ def write_b2nd(path, array, *, chunks=None, blocks=None, codec="LZ4", clevel=5):
 
 
 def _processes() -> tuple[dict[int, list[int]], dict[int, bytes]]:
-    """Every process's children and command line, from /proc."""
+    """Every process's children, and the command line of each reader (a forked reader has
+    its fork server's command line: its name, /proc/PID/comm, says what it is)."""
     children: dict[int, list[int]] = {}
     commands: dict[int, bytes] = {}
     for entry in os.listdir("/proc"):
@@ -81,11 +82,14 @@ def _processes() -> tuple[dict[int, list[int]], dict[int, bytes]]:
             continue
         try:
             with open(f"/proc/{entry}/stat") as handle:
-                parent = int(handle.read().rsplit(") ", 1)[1].split()[1])
+                name, rest = handle.read().split(" (", 1)[1].rsplit(") ", 1)
+            parent = int(rest.split()[1])
             with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                commands[int(entry)] = handle.read()
+                command = handle.read()
         except (OSError, IndexError, ValueError):
             continue
+        if name == "shml-reader" or b"shmloader.reader" in command:
+            commands[int(entry)] = command
         children.setdefault(parent, []).append(int(entry))
     return children, commands
 
@@ -98,7 +102,7 @@ def reader_descendants() -> list[int]:
     while frontier:
         for child in children.get(frontier.pop(), []):
             frontier.append(child)
-            if b"shmloader.reader" in commands.get(child, b""):
+            if child in commands:
                 found.append(child)
     return found
 
@@ -112,7 +116,7 @@ def orphaned_readers() -> list[int]:
     found = []
     for pid, command in commands.items():
         arguments = command.rstrip(b"\0").split(b"\0")
-        if b"shmloader.reader" in command and arguments[-1].isdigit() and not process_alive(int(arguments[-1])):
+        if arguments[-1].isdigit() and not process_alive(int(arguments[-1])):
             found.append(pid)
     return found
 

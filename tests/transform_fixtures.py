@@ -164,3 +164,13 @@ def refuses_negative_records(batch, out, ctx):
         if (records[i] < 0).any():
             raise ValueError(f"record {int(ctx.indices[i])} holds a negative value")
         out["total"][i] = records[i].sum()
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def says_hello(batch, out, ctx):
+    """x as given; writes a line to the reader's standard error at step 0."""
+    if int(ctx.step) == 0:
+        import sys
+
+        print(f"hello from reader {os.getpid()}", file=sys.stderr, flush=True)
+    out["x"][:] = batch["data"]

@@ -1,0 +1,131 @@
+"""Readers are forked by the trainer's fork server: one server per trainer process and
+start-up settings, readers with the trainer's current environment and output, the right
+batches whoever started them, and a server that dies alone costs no batch and no ring."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import our_shm_entries, process_alive, wait_until
+from shmloader import ShmDataLoader
+from shmloader import forkserver
+from shmloader import pool as readers
+
+pytestmark = pytest.mark.skipif(not forkserver.available(), reason="no pidfds: readers start as fresh interpreters")
+
+
+def parent_and_name(pid: int) -> tuple[int, str]:
+    with open(f"/proc/{pid}/stat") as handle:
+        name, rest = handle.read().split(" (", 1)[1].rsplit(") ", 1)
+    return int(rest.split()[1]), name
+
+
+@pytest.fixture
+def data(tmp_path):
+    rows = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
+    np.save(tmp_path / "data.npy", rows)
+    return str(tmp_path / "data.npy"), rows
+
+
+def check(loader, rows, steps, field="data"):
+    for _, batch in zip(range(steps), loader):
+        np.testing.assert_array_equal(batch[field], rows[batch.indices], err_msg=f"step {batch.step}")
+
+
+def test_readers_of_successive_loaders_are_forked_by_one_server_of_this_trainer(data):
+    path, rows = data
+    servers = set()
+    for count in (2, 3):
+        with ShmDataLoader({"data": path}, batch_size=8, readers=count, seed=count) as loader:
+            check(loader, rows, 30)
+            assert wait_until(lambda: {parent_and_name(pid)[1] for pid in loader.reader_pids} == {"shml-reader"})
+            servers.update(parent_and_name(pid)[0] for pid in loader.reader_pids)
+    (server,) = servers
+    assert parent_and_name(server) == (os.getpid(), "shml-forkserver")
+
+
+def test_without_the_server_readers_are_interpreters_of_their_own(data, monkeypatch):
+    path, rows = data
+    monkeypatch.setenv(forkserver.ENVIRONMENT_VARIABLE, "0")
+    with ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=3) as loader:
+        check(loader, rows, 30)
+        # One may still be importing (its name is set in reader.main) while the other filled all.
+        assert wait_until(lambda: [parent_and_name(pid) for pid in loader.reader_pids] == [(os.getpid(), "shml-reader")] * 2)
+
+
+def test_a_loader_made_in_a_thread_that_ended_keeps_its_readers(data, monkeypatch):
+    """A reader's death signal followed the thread that started it: once a thread that made
+    a loader ended, every reader got SIGTERM, left after its grace and was restarted."""
+    path, rows = data
+    monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
+    made = {}
+
+    def make():
+        made["loader"] = loader = ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=1)
+        check(loader, rows, 5)  # The readers are configured and running before the thread ends.
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    with made["loader"] as loader:
+        pids = loader.reader_pids
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            check(loader, rows, 20)
+        assert loader.stats()["reader_restarts"] == 0
+        assert loader.reader_pids == pids
+
+
+def test_a_fork_server_killed_alone_costs_no_batch_and_keeps_the_ring(data, monkeypatch):
+    """Its readers lose their parent (their death signal comes) while the trainer lives: they
+    must not unlink the trainer's ring; the trainer replaces them through a new server."""
+    path, rows = data
+    monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
+    with ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=5, max_reader_restarts=1) as loader:
+        check(loader, rows, 20)
+        old_pids = loader.reader_pids
+        server = parent_and_name(old_pids[0])[0]
+        ring = set(our_shm_entries(os.getpid()))
+        os.kill(server, signal.SIGKILL)
+        assert wait_until(lambda: not any(process_alive(pid) for pid in old_pids), 5), [
+            open(f"/proc/{pid}/stat").read() + open(f"/proc/{pid}/wchan").read() for pid in old_pids if process_alive(pid)]
+        check(loader, rows, 200)
+        assert set(our_shm_entries(os.getpid())) == ring
+        assert loader.stats()["reader_restarts"] == 2
+        new_servers = {parent_and_name(pid)[0] for pid in loader.reader_pids}
+        assert len(new_servers) == 1 and server not in new_servers
+
+
+def test_readers_write_to_the_trainers_current_standard_error(data, capfd):
+    """The server started under another stderr (an earlier test's, or none): each reader gets
+    the trainer's descriptors of the moment it is started."""
+    path, rows = data
+    for _ in range(2):
+        with ShmDataLoader({"data": path}, transform="transform_fixtures:says_hello", batch_size=8, readers=1) as loader:
+            check(loader, rows, 3, field="x")
+            pid = loader.reader_pids[0]
+        assert f"hello from reader {pid}" in capfd.readouterr().err
+
+
+def test_a_new_cpu_affinity_gets_a_new_server(data):
+    """The server's readers inherit its affinity: a trainer that changed its own needs another."""
+    path, rows = data
+    cpus = sorted(os.sched_getaffinity(0))
+    with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
+        server = parent_and_name(loader.reader_pids[0])[0]
+    try:
+        os.sched_setaffinity(0, cpus[:1])
+        with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
+            check(loader, rows, 5)
+            pid = loader.reader_pids[0]
+            assert os.sched_getaffinity(pid) == set(cpus[:1])
+            if len(cpus) > 1:
+                assert parent_and_name(pid)[0] != server
+    finally:
+        os.sched_setaffinity(0, cpus)
