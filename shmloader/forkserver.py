@@ -427,9 +427,10 @@ def _fork_reader(channel, request: dict, descriptors: list[int], own: tuple, rea
             channel.send(json.dumps({"error": "the fork server has more than one thread"
                                      if len(descriptors) == 3 else "a request without its descriptors"}).encode())
             return
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become_reader(request, descriptors, own, reader_module)  # Never returns.
+            _become_reader(request, descriptors, own, reader_module, server_pid)  # Never returns.
         pidfd = os.pidfd_open(pid)
         try:
             socket.send_fds(channel, [json.dumps({"forked": pid}).encode()], [pidfd])
@@ -440,7 +441,7 @@ def _fork_reader(channel, request: dict, descriptors: list[int], own: tuple, rea
             os.close(descriptor)
 
 
-def _become_reader(request: dict, descriptors: list[int], own: tuple, reader_module) -> None:
+def _become_reader(request: dict, descriptors: list[int], own: tuple, reader_module, server_pid: int) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -453,7 +454,9 @@ def _become_reader(request: dict, descriptors: list[int], own: tuple, reader_mod
             os.close(descriptor)
         os.environ.clear()
         os.environ.update(request["env"])
-        code = reader_module.main(["shmloader-reader", str(os.getppid())])
+        # The server's pid as it was at the fork: it may die before the reader asks for its
+        # death signal, and the reader must see that (reader.main).
+        code = reader_module.main(["shmloader-reader", str(server_pid)])
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     except BaseException:

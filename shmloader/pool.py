@@ -40,7 +40,7 @@ import posix_ipc
 
 from . import forkserver
 from .errors import ReaderError, SlotsExhaustedError, reader_error_type
-from .reader import EXIT_REPORTED_ERROR, SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ErrorReport, ReaderConfig
+from .reader import EXIT_REPORTED_ERROR, EXIT_SERVER_GONE, SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ErrorReport, ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState
 
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
@@ -60,6 +60,8 @@ def describe_exit(exit_code: int) -> str:
         except ValueError:
             name = f"signal {-exit_code}"
         return f"was killed by {name} (exit code {exit_code})"
+    if exit_code == EXIT_SERVER_GONE:
+        return f"exited with code {exit_code} (its fork server died before it was tied to it)"
     return f"exited with code {exit_code}"
 
 

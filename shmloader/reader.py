@@ -36,6 +36,9 @@ EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # A process forked inside a transform that returned into the reader loop exits with this.
 EXIT_FORKED_CHILD = 5
+# A forked reader whose fork server died before the reader could ask for its death signal:
+# nothing would end it with its trainer, so it leaves at once and is restarted.
+EXIT_SERVER_GONE = 6
 # Testing hook: "exit:STEP:MARKER" makes the reader os._exit(17) when it starts filling
 # STEP, once: only while the file MARKER exists (it is deleted first). "raise:STEP:MARKER"
 # makes it raise a RuntimeError whose message is larger than its error record.
@@ -408,6 +411,8 @@ def main(argv: list[str]) -> int:
     if watch.exited():
         config.names.unlink_all()
         return 0
+    if os.getppid() != parent:
+        return EXIT_SERVER_GONE
     try:
         ring = Ring.attach(config.names, config.layout, config.trainer_pid)
     except posix_ipc.ExistentialError:

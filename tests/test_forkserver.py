@@ -26,6 +26,15 @@ def parent_and_name(pid: int) -> tuple[int, str]:
     return int(rest.split()[1]), name
 
 
+def describe(pid: int) -> str:
+    """A process's state and where it sleeps, for a failure's message."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat, open(f"/proc/{pid}/wchan") as wchan:
+            return f"{stat.read().strip()} in {wchan.read()}"
+    except OSError:
+        return f"{pid} gone"
+
+
 @pytest.fixture
 def data(tmp_path):
     rows = np.arange(400 * 4, dtype=np.float32).reshape(400, 4)
@@ -94,7 +103,7 @@ def test_a_fork_server_killed_alone_costs_no_batch_and_keeps_the_ring(data, monk
         ring = set(our_shm_entries(os.getpid()))
         os.kill(server, signal.SIGKILL)
         assert wait_until(lambda: not any(process_alive(pid) for pid in old_pids), 5), [
-            open(f"/proc/{pid}/stat").read() + open(f"/proc/{pid}/wchan").read() for pid in old_pids if process_alive(pid)]
+            describe(pid) for pid in old_pids]
         check(loader, rows, 200)
         assert set(our_shm_entries(os.getpid())) == ring
         assert loader.stats()["reader_restarts"] == 2
