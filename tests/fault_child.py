@@ -12,11 +12,15 @@ import time
 
 from child_guard import die_with_parent
 from shmloader import ShmDataLoader
+from shmloader.pool import ReaderPool
 
 
 def main() -> None:
     die_with_parent()
     behaviour, fields = sys.argv[1], json.loads(sys.argv[2])
+    if behaviour in ("stall", "close-while-waiting"):
+        # Their close() joins readers stopped by SIGSTOP, then kills them: no need to wait 2 s.
+        ReaderPool.join_timeout_seconds = 0.3
     if behaviour == "stuck-transform":
         # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
         loader = ShmDataLoader(fields, batch_size=4, readers=2, slots=4, transform="transform_fixtures:hangs")

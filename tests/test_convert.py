@@ -125,10 +125,11 @@ def test_poor_layout_rule(dataset):
 
 
 def test_converting_a_large_b2nd_stays_within_a_small_memory_budget(tmp_path):
-    """A 512 MiB (uncompressed) default-layout file converts with far less than 512 MiB of memory."""
+    """A 256 MiB (uncompressed) default-layout file converts in less than half that memory
+    (its 16 MiB pieces bound the peak, not the file's size)."""
     import blosc2
 
-    rows, row_bytes = 174_763, 3072  # 512 MiB.
+    rows, row_bytes = 87_382, 3072  # 256 MiB.
     source = blosc2.empty((rows, row_bytes), dtype=np.uint8, urlpath=str(tmp_path / "big.b2nd"), mode="w")
     ramp = (np.arange(row_bytes) % 251).astype(np.uint8)
     for start in range(0, rows, 8192):
@@ -146,12 +147,12 @@ def test_converting_a_large_b2nd_stays_within_a_small_memory_budget(tmp_path):
                             capture_output=True, text=True, cwd=HERE, timeout=300)
     assert result.returncode == 0, result.stderr
     before_kib, peak_kib = map(int, result.stdout.split())
-    assert (peak_kib - before_kib) * 1024 < 160 << 20, (before_kib, peak_kib)
+    assert (peak_kib - before_kib) * 1024 < 128 << 20, (before_kib, peak_kib)  # Half the file.
     spec = describe_field(tmp_path / "rows.b2nd")
     field = open_field(spec, 8)
     out = np.empty((3, row_bytes), dtype=np.uint8)
-    field.gather(np.array([0, 100_000, rows - 1], dtype=np.uint64), out)
-    expected = np.stack([ramp + np.uint8(index % 7) for index in (0, 100_000, rows - 1)])
+    field.gather(np.array([0, 50_000, rows - 1], dtype=np.uint64), out)
+    expected = np.stack([ramp + np.uint8(index % 7) for index in (0, 50_000, rows - 1)])
     assert np.array_equal(out, expected)
     field.close()
 

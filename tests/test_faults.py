@@ -139,13 +139,22 @@ def test_readers_exit_and_clean_up_when_the_trainer_is_killed(dataset):
     assert time.monotonic() - started < 2.5
 
 
+def sleeping(pid: int) -> bool:
+    """Whether the process sleeps in nanosleep (time.sleep), from /proc/PID/wchan."""
+    try:
+        with open(f"/proc/{pid}/wchan") as handle:
+            return "nanosleep" in handle.read()
+    except OSError:
+        return False
+
+
 def test_readers_stuck_in_a_transform_die_with_their_killed_trainer(tmp_path):
     """They stayed alive with ppid 1, holding the ring, until killed by hand."""
     np.save(tmp_path / "data.npy", np.zeros((64, 4), dtype=np.float32))
     child, info = run_child("stuck-transform", {"data": str(tmp_path / "data.npy")})
     try:
-        time.sleep(1.0)  # The readers are inside the transform by now.
-        assert all(process_alive(pid) for pid in info["readers"])
+        # Both readers are inside the transform (sleeping in it, not waiting for work).
+        assert wait_until(lambda: all(sleeping(pid) for pid in info["readers"]), 10)
         child.kill()
         child.wait()
         assert_all_gone(child.pid, info, timeout=5.0)
@@ -158,9 +167,10 @@ def test_readers_stuck_in_a_transform_die_with_their_killed_trainer(tmp_path):
         sweep_stale()
 
 
-def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path):
+def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path, monkeypatch):
     from shmloader import StepTimeoutError
 
+    monkeypatch.setattr(readers.ReaderPool, "join_timeout_seconds", 0.3)  # close() then kills the hung reader.
     np.save(tmp_path / "data.npy", np.zeros((64, 4), dtype=np.float32))
     with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=4, readers=1, slots=3,
                        transform="transform_fixtures:hangs", step_timeout=0.5) as loader:
@@ -195,7 +205,7 @@ def test_ctrl_c_interrupts_a_next_that_waits_for_stalled_readers(dataset):
     child, info = run_child("stall", {"label": dataset["paths"]["labels_npy"]}, stderr=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == "stalled"
-        time.sleep(1.0)  # The ring's ready batches go in microseconds; then next() blocks.
+        time.sleep(0.3)  # The ring's ready batches go in microseconds; then next() blocks.
         assert child.poll() is None, "next() returned although every reader is stopped"
     except BaseException:
         child.kill()  # It would block for ever on its stopped readers.
@@ -204,7 +214,7 @@ def test_ctrl_c_interrupts_a_next_that_waits_for_stalled_readers(dataset):
     started = time.monotonic()
     code, errors = exit_code_and_errors(child, 10)
     assert code != 0
-    # Closing waits 2 s for the stopped readers to exit, then kills them.
+    # Closing waits (0.3 s here) for the stopped readers to exit, then kills them.
     assert time.monotonic() - started < 5
     assert "KeyboardInterrupt" in errors, errors
     assert_all_gone(child.pid, info)

@@ -108,13 +108,13 @@ def _holders():
         "indices": lambda batch: batch.indices,
         "the batch itself": lambda batch: batch,
     }
-    try:
-        import torch
-
-        holders["torch.from_numpy"] = lambda batch: torch.from_numpy(batch["image"])
-    except ImportError:
-        pass
+    holders["torch.from_numpy"] = lambda batch: _torch().from_numpy(batch["image"])
     return holders
+
+
+def _torch():
+    """Imported by the one case that uses it, not at collection (torch takes seconds to import)."""
+    return pytest.importorskip("torch")
 
 
 def _as_array(kept) -> np.ndarray:

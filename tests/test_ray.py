@@ -52,7 +52,7 @@ def alive_actors() -> list[dict]:
             if actor["State"] != "DEAD" and actor["ActorClassName"] == "_FillActor"]
 
 
-def remote_batches(fields, readers=0, steps=12, actors=2, **options):
+def remote_batches(fields, readers=0, steps=12, actors=1, **options):
     return batches(fields, readers, steps, remote=RayReaders(actors=actors), **options)
 
 
