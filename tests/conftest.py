@@ -42,11 +42,12 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
 
 
 def process_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie counts as gone)."""
+    """True while `pid` runs (a zombie counts as gone). A reader forked by its fork server is
+    reaped at once: /proc/PID can vanish between the open and the read (ESRCH)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 

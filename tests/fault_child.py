@@ -21,6 +21,8 @@ def main() -> None:
     if behaviour in ("stall", "close-while-waiting"):
         # Their close() joins readers stopped by SIGSTOP, then kills them: no need to wait 2 s.
         ReaderPool.join_timeout_seconds = 0.3
+    if behaviour == "close-with-stopped-readers":
+        ReaderPool.join_timeout_seconds = 1.0  # Still longer than the test's two Ctrl-C, 0.3 s apart.
     if behaviour == "stuck-transform":
         # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
         loader = ShmDataLoader(fields, batch_size=4, readers=2, slots=4, transform="transform_fixtures:hangs")
