@@ -10,10 +10,11 @@ its re-import of the trainer's __main__.
 
 A forked reader gets, per request, what a fresh interpreter would: the trainer's current
 environment, its current standard output and error (descriptors passed with SCM_RIGHTS),
-a stdin pipe for its configuration, its own session. (Global random states need no
-reseeding: `random` reseeds after a fork, and the step filler seeds numpy's per step.) What the server
-fixed when it started (sys.path from PYTHONPATH, its cgroup, CPU affinity and nice value)
-is its key: a trainer that changed one of those gets a new server.
+a stdin pipe for its configuration, its own session. Global random states need no
+reseeding: `random` reseeds after a fork, and the step filler seeds numpy's per step. What
+the server fixed when it started (sys.path from PYTHONPATH, its cgroup, CPU affinity, nice
+value, resource limits, user and group ids) is its key: a trainer that changed one of those
+gets a new server. A server costs its trainer one idle process (its imports' memory).
 
 Lifetimes:
 - The server watches its trainer through a pidfd (the whole process: a loader made in a
@@ -25,7 +26,8 @@ Lifetimes:
   never reaches a recycled pid.
 - A server that dies while its trainer lives (killed alone) loses its readers' exit
   statuses: the trainer kills them through their pidfds, reports them killed, and the
-  pool restarts them through a new server.
+  pool restarts them through a new server. A reader forked just before its server died
+  exits at once (reader.EXIT_SERVER_GONE): nothing would end it with its trainer.
 
 Without pidfds (Linux before 5.3, other systems) or with SHMLOADER_FORKSERVER=0, every
 reader starts as a fresh interpreter (pool.spawn_interpreter).
@@ -38,6 +40,7 @@ import atexit
 import collections
 import json
 import os
+import resource
 import select
 import signal
 import socket
@@ -60,20 +63,22 @@ _STARTUP_PREFIXES = ("PYTHON", "LD_", "OPENBLAS", "OMP_", "MKL_", "BLOSC", "MALL
 
 
 def available() -> bool:
-    """Whether readers can be forked from a server here: pidfds exist and work."""
-    global _available
-    if _available is None:
-        _available = False
-        if os.environ.get(ENVIRONMENT_VARIABLE, "1") != "0" and hasattr(os, "pidfd_open") and hasattr(socket, "send_fds"):
+    """Whether readers are forked from a server here: not turned off, and pidfds work."""
+    global _pidfds
+    if os.environ.get(ENVIRONMENT_VARIABLE, "1") == "0":
+        return False
+    if _pidfds is None:
+        _pidfds = False
+        if hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal") and hasattr(socket, "send_fds"):
             try:
                 os.close(os.pidfd_open(os.getpid()))
-                _available = True
+                _pidfds = True
             except OSError:
                 pass  # ENOSYS (before Linux 5.3) or refused by a seccomp filter.
-    return _available and os.environ.get(ENVIRONMENT_VARIABLE, "1") != "0"
+    return _pidfds
 
 
-_available: bool | None = None
+_pidfds: bool | None = None
 
 
 class ServerLost(OSError):
@@ -151,7 +156,6 @@ class ForkServer:
     statuses. Thread-safe: loaders in several threads may share it."""
 
     def __init__(self, environment: dict[str, str]) -> None:
-        self.environment = environment
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             # Like a reader started alone (pool.spawn_interpreter): a fresh interpreter,
@@ -173,7 +177,6 @@ class ForkServer:
         self._lock = threading.RLock()
         self._pending: collections.deque[ForkedReader] = collections.deque()
         self._exits: dict[int, int] = {}
-        self._readers: dict[int, ForkedReader] = {}
 
     def fork(self, environment: dict[str, str]) -> ForkedReader:
         """Asks for a reader with `environment`; its stdin is a pipe the caller writes."""
@@ -223,7 +226,6 @@ class ForkServer:
         with self._lock:
             code = self._exits.pop(reader._pid, None)
             if code is not None:
-                self._readers.pop(reader._pid, None)
                 return code
         if self.lost:  # Its status is gone with the server: kill it, then say so.
             if reader._pidfd is not None:
@@ -260,7 +262,6 @@ class ForkServer:
         reader = self._pending.popleft()
         if "forked" in message:
             reader.answered(message["forked"], descriptors[0] if descriptors else None)
-            self._readers[message["forked"]] = reader
         else:
             for descriptor in descriptors:
                 os.close(descriptor)
@@ -300,6 +301,10 @@ def _receive(channel: socket.socket, descriptors_max: int, flags: int = 0) -> tu
     return data, list(descriptors)
 
 
+# Resource limits a reader inherits from its server (a trainer may lower RLIMIT_NOFILE or
+# RLIMIT_AS after its first loader).
+_LIMITS = (resource.RLIMIT_NOFILE, resource.RLIMIT_AS, resource.RLIMIT_DATA, resource.RLIMIT_MEMLOCK,
+           resource.RLIMIT_NPROC, resource.RLIMIT_CORE)
 _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
@@ -312,8 +317,9 @@ def _key(environment: dict[str, str]) -> tuple:
             cgroup = handle.read()
     except OSError:
         cgroup = ""
+    limits = tuple(resource.getrlimit(limit) for limit in _LIMITS)
     return (sys.executable, startup, cgroup, tuple(sorted(os.sched_getaffinity(0))),
-            os.getpriority(os.PRIO_PROCESS, 0))
+            os.getpriority(os.PRIO_PROCESS, 0), limits, os.getresuid(), os.getresgid())
 
 
 def start_reader(environment: dict[str, str]) -> ForkedReader:

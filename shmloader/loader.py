@@ -97,8 +97,8 @@ class ShmDataLoader(cursor_module.Cursor):
             raise TypeError(f"remote must be remote readers such as shmloader.ray.RayReaders(...), got {remote!r}")
         self.remote = remote
         self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
-        # Readers start now and wait for their configuration on stdin: their interpreter
-        # start-up overlaps the validation of the files below instead of following it.
+        # Readers start now and wait for their configuration on stdin: their start-up
+        # overlaps the validation of the files below instead of following it.
         try:
             self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts, remote)
             self._pool.start()

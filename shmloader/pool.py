@@ -20,7 +20,7 @@ all come here, through lifecycle.Resources.close):
    no batch array refers to it, which gives tmpfs its pages back.
 
 Readers never unlink anything while their trainer lives; a reader whose trainer died or
-exec'd (its parent changed, or the ring's owner lock is free) unlinks the ring itself,
+exec'd (a pidfd on the trainer says so, or the ring's owner lock is free) unlinks the ring itself,
 since nobody else will (reader.py). Each step is idempotent and never raises, so a
 half-built loader tears down the same way.
 """
@@ -110,8 +110,8 @@ def spawn_interpreter(environment: dict[str, str]) -> subprocess.Popen:
 class ReaderPool:
     """The reader processes of one loader, indexed 0..count-1 like their ring records.
 
-    Readers are started before the ring exists, so that their interpreter start-up
-    overlaps the trainer's validation of the files; `configure` hands each its JSON
+    Readers are started before the ring exists, so that their start-up (a fork request, or
+    an interpreter's imports) overlaps the trainer's validation of the files; `configure` hands each its JSON
     configuration once the ring is there.
 
     Its two waits are attributes, so that tests can shorten them: how long stop() joins

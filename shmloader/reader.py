@@ -191,7 +191,7 @@ def leave_if_forked(reader_pid: int) -> None:
 
     It shares the reader's ring mapping and semaphores: left to run, it would publish a
     slot its parent also publishes (a step delivered twice, with another step's data),
-    and, seeing its parent is not the trainer, unlink the live ring. os._exit runs no
+    and, seeing its parent is not the reader's, could unlink the live ring. os._exit runs no
     handler and no `finally` that could touch the ring."""
     if os.getpid() != reader_pid:
         os._exit(EXIT_FORKED_CHILD)
