@@ -138,3 +138,24 @@ def test_a_new_cpu_affinity_gets_a_new_server(data):
                 assert parent_and_name(pid)[0] != server
     finally:
         os.sched_setaffinity(0, cpus)
+
+
+def test_a_lower_descriptor_limit_gets_a_new_server_whose_readers_have_it(data):
+    import resource
+
+    path, rows = data
+    with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
+        server = parent_and_name(loader.reader_pids[0])[0]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowered = min(soft, 4096) - 1
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
+    try:
+        with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
+            check(loader, rows, 5)
+            pid = loader.reader_pids[0]
+            with open(f"/proc/{pid}/limits") as handle:
+                line = next(line for line in handle if line.startswith("Max open files"))
+            assert int(line.split()[3]) == lowered
+            assert parent_and_name(pid)[0] != server
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
