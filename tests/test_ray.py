@@ -31,7 +31,8 @@ pytestmark = pytest.mark.xdist_group("ray")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "object_store_memory": 256 << 20, "include_dashboard": False})
+        "num_cpus": 2, "object_store_memory": 256 << 20, "include_dashboard": False,
+        "_system_config": {"enable_worker_prestart": False}})
     # Ray puts the driver's working directory first on its workers' sys.path: started from a
     # source checkout (CI runs the suite from one, with the package installed), actors would
     # import the checkout, which has no native library. shmloader.ray refuses that case
