@@ -144,11 +144,16 @@ def test_close_with_steps_in_flight_leaves_no_actor_and_no_ring(cluster, kinds):
     fields = {"x": str(kinds / "rows.npy")}
     loader = ShmDataLoader(fields, readers=1, batch_size=16, remote=RayReaders(actors=3, in_flight=3),
                            warn_layout=False)
-    next(loader)
-    ours = {handle._actor_id.hex() for handle in loader.remote_actors}
-    assert len(ours) == 3 and ours <= {actor["ActorID"] for actor in alive_actors()}
-    name = loader.ring_name
-    loader.close()
+    try:
+        next(loader)  # The local reader may have filled it before any actor started.
+        ours = {handle._actor_id.hex() for handle in loader.remote_actors}
+        assert len(ours) == 3
+        assert wait_until(lambda: ours <= {actor["ActorID"] for actor in alive_actors()}, timeout=30), alive_actors()
+        for _ in range(20):
+            next(loader)
+        name = loader.ring_name
+    finally:
+        loader.close()
     assert not os.path.exists(f"/dev/shm/{name}")
     assert wait_until(lambda: not ours & {actor["ActorID"] for actor in alive_actors()}, timeout=10), alive_actors()
 
@@ -169,7 +174,8 @@ def test_a_removed_node_costs_no_batch(cluster, kinds):
                               **{k: np.array(v) for k, v in batch.items()}})
                 if batch.step == 15:
                     actor_node = ray.get(loader.remote_actors[0].where.remote())
-                    node_id = next(actor["Address"]["NodeID"] for actor in alive_actors())
+                    ours = loader.remote_actors[0]._actor_id.hex()
+                    node_id = next(actor["Address"]["NodeID"] for actor in alive_actors() if actor["ActorID"] == ours)
                     victim = next(node for node in nodes if node.node_id == node_id)
                     cluster.remove_node(victim)
                     nodes.remove(victim)
