@@ -161,10 +161,13 @@ class ForkServer:
             # Like a reader started alone (pool.spawn_interpreter): a fresh interpreter,
             # its own session, "/" as working directory; its command line ends with the
             # trainer's pid, and so do its readers'.
+            # Descriptors 0-2 always open there (its stderr the trainer's, for its own crash),
+            # so that the descriptors a request brings never take their numbers.
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_end.fileno()), str(os.getpid())],
-                stdin=subprocess.DEVNULL, env=environment, cwd="/", pass_fds=[child_end.fileno()],
-                start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=None if _is_open(2) else subprocess.DEVNULL,
+                env=environment, cwd="/", pass_fds=[child_end.fileno()], start_new_session=True,
             )
         except BaseException:
             parent_end.close()
@@ -186,12 +189,10 @@ class ForkServer:
         try:
             streams = []
             for descriptor in (1, 2):
-                try:
-                    os.fstat(descriptor)
-                    streams.append(descriptor)
-                except OSError:  # Closed in this trainer: the reader writes to /dev/null.
+                if not _is_open(descriptor):  # Closed in this trainer: the reader writes to /dev/null.
                     opened.append(os.open(os.devnull, os.O_WRONLY))
-                    streams.append(opened[-1])
+                    descriptor = opened[-1]
+                streams.append(descriptor)
             with self._lock:
                 if self.lost:
                     raise ServerLost("the fork server is gone")
@@ -290,6 +291,14 @@ class ForkServer:
         self.process.returncode = 0  # Not this process's child: never wait for it here.
 
 
+def _is_open(descriptor: int) -> bool:
+    try:
+        os.fstat(descriptor)
+        return True
+    except OSError:
+        return False
+
+
 def _receive(channel: socket.socket, descriptors_max: int, flags: int = 0) -> tuple[bytes, list[int]]:
     """One message and the descriptors that came with it (socket.recv_fds ignores its
     flags before Python 3.12)."""
@@ -372,9 +381,6 @@ def serve(argv: list[str]) -> int:
     """The server's loop: forks a reader per request, reports every exit, and ends with
     its trainer or its socket."""
     channel, trainer_pid = socket.socket(fileno=int(argv[1])), int(argv[2])
-    from .reader import set_process_name
-
-    set_process_name(SERVER_NAME)
     try:
         trainer = os.pidfd_open(trainer_pid)
     except OSError:
@@ -382,6 +388,8 @@ def serve(argv: list[str]) -> int:
     if os.getppid() != trainer_pid:
         return 0  # The trainer died while this server started: the pidfd may name another process.
     from . import reader  # What every reader imports before its configuration, once.
+
+    reader.set_process_name(SERVER_NAME)
 
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
@@ -429,9 +437,10 @@ def _fork_reader(channel, request: dict, descriptors: list[int], own: tuple, rea
     try:
         # A fork copies only the calling thread: a server with another thread (none is ever
         # started here) could fork a reader holding a lock that thread had.
-        if len(os.listdir("/proc/self/task")) != 1 or len(descriptors) != 3:
-            channel.send(json.dumps({"error": "the fork server has more than one thread"
-                                     if len(descriptors) == 3 else "a request without its descriptors"}).encode())
+        refused = ("a request without its three descriptors" if len(descriptors) != 3 else
+                   "the fork server has more than one thread" if len(os.listdir("/proc/self/task")) != 1 else None)
+        if refused:
+            channel.send(json.dumps({"error": refused}).encode())
             return
         server_pid = os.getpid()
         pid = os.fork()

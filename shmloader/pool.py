@@ -20,8 +20,8 @@ all come here, through lifecycle.Resources.close):
    no batch array refers to it, which gives tmpfs its pages back.
 
 Readers never unlink anything while their trainer lives; a reader whose trainer died or
-exec'd (a pidfd on the trainer says so, or the ring's owner lock is free) unlinks the ring itself,
-since nobody else will (reader.py). Each step is idempotent and never raises, so a
+exec'd (a pidfd on the trainer says so, or the ring's owner lock is free) unlinks the ring
+itself, since nobody else will (reader.py). Each step is idempotent and never raises, so a
 half-built loader tears down the same way.
 """
 
@@ -110,9 +110,9 @@ def spawn_interpreter(environment: dict[str, str]) -> subprocess.Popen:
 class ReaderPool:
     """The reader processes of one loader, indexed 0..count-1 like their ring records.
 
-    Readers are started before the ring exists, so that their start-up (a fork request, or
-    an interpreter's imports) overlaps the trainer's validation of the files; `configure` hands each its JSON
-    configuration once the ring is there.
+    Readers are started before the ring exists, so that their start-up (a fork request,
+    or an interpreter's imports) overlaps the trainer's validation of the files;
+    `configure` hands each its JSON configuration once the ring is there.
 
     Its two waits are attributes, so that tests can shorten them: how long stop() joins
     readers before killing them, and how long a reader outlives a termination signal

@@ -1,8 +1,9 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
-Forked by the trainer's fork server (forkserver.py), or started alone as
-`python -c "...reader.main..."` (pool.py), it reads a ReaderConfig as JSON on stdin: only names, paths and numbers cross the process boundary,
-each part serialised by its own to_dict/from_dict. It exits when the loader sets the
+Forked by the trainer's fork server (forkserver.py), or started alone as `python -c
+"...reader.main..."` (pool.py), it reads a ReaderConfig as JSON on stdin: only names,
+paths and numbers cross the process boundary, each part serialised by its own
+to_dict/from_dict. It exits when the loader sets the
 ring's stop flag, when its trainer is gone, or after reporting an error.
 """
 
@@ -11,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import select
 import signal
 import sys
 import time
 import traceback
-
-import select
 
 import posix_ipc
 
@@ -303,16 +303,18 @@ class TrainerWatch:
 
     def __init__(self, trainer_pid: int, parent_pid: int) -> None:
         self.trainer_pid, self.parent_pid = trainer_pid, parent_pid
-        self.fd = None
+        self.fd = self._poll = None
         try:
             self.fd = os.pidfd_open(trainer_pid)
         except (AttributeError, OSError):
-            pass  # No pidfds here (or the trainer is gone already: the parent test says so).
+            return  # No pidfds here (or the trainer is gone already: the parent test says so).
+        self._poll = select.poll()  # Registered once: asked before every batch.
+        self._poll.register(self.fd, select.POLLIN)
 
     def exited(self) -> bool:
-        if self.fd is None:
+        if self._poll is None:
             return os.getppid() != self.parent_pid
-        return bool(select.select([self.fd], [], [], 0)[0])
+        return bool(self._poll.poll(0))
 
 
 class _Termination:
@@ -344,27 +346,28 @@ _PR_SET_NAME = 15
 PROCESS_NAME = b"shml-reader"
 
 
-def set_process_name(name: bytes) -> None:
-    """Sets /proc/self/comm; Linux only, best effort."""
+def _prctl(option: int, argument) -> None:
+    """Linux's prctl, best effort (elsewhere nothing happens)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+        ctypes.CDLL(None).prctl(option, argument, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def set_process_name(name: bytes) -> None:
+    """Sets /proc/self/comm (at most 15 bytes)."""
+    import ctypes
+
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]))
 
 
 def _die_with_the_parent() -> None:
     """Asks the kernel for SIGTERM when this reader's parent (the trainer, or its fork
     server, which exits with it) dies, whatever the reader is doing then (Linux;
     elsewhere the loop's check remains)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 _termination = _Termination
@@ -411,7 +414,7 @@ def main(argv: list[str]) -> int:
     if watch.exited():
         config.names.unlink_all()
         return 0
-    if os.getppid() != parent:
+    if parent != config.trainer_pid and os.getppid() != parent:
         return EXIT_SERVER_GONE
     try:
         ring = Ring.attach(config.names, config.layout, config.trainer_pid)
