@@ -316,6 +316,16 @@ class TrainerWatch:
             return os.getppid() != self.parent_pid
         return bool(self._poll.poll(0))
 
+    def exited_in_handler(self) -> bool:
+        """exited() for a signal handler: a signal that arrives while exited() waits in
+        poll() runs its handler inside that call, and a poll object refuses to be entered
+        twice ("concurrent poll() invocation"), so the handler asks through one of its own."""
+        if self._poll is None:
+            return os.getppid() != self.parent_pid
+        poll = select.poll()
+        poll.register(self.fd, select.POLLIN)
+        return bool(poll.poll(0))
+
 
 class _Termination:
     """The first termination signal a reader received, and when; and what a reader whose
@@ -334,7 +344,7 @@ class _Termination:
         # The trainer died (PR_SET_PDEATHSIG sends SIGTERM when the parent, the trainer or
         # its fork server, dies): a reader stuck in a transform never reaches its loop's
         # check, so it unlinks the ring here, since nobody else will, and leaves at once.
-        if cls.watch is not None and os.getpid() == cls.reader_pid and cls.watch.exited():
+        if cls.watch is not None and os.getpid() == cls.reader_pid and cls.watch.exited_in_handler():
             if cls.names is not None:
                 cls.names.unlink_all()
             os._exit(128 + number)

@@ -87,6 +87,16 @@ fn itemSize(chunk: [*]const u8) u64 {
 
 /// Decompresses `byte_count` bytes at `byte_start` of a chunk into `destination`. On
 /// .decompress_failed, `library_code` holds libblosc2's (negative) error code.
+///
+/// libblosc2's getitem (`_blosc_getitem` in blosc/blosc2.c, still so in its August 2026
+/// sources) decompresses a block straight into the destination when that block starts at
+/// or after the range's start and is exactly as long as the whole range
+/// (`get_single_block`). That is right only when the block is the range's first: a range
+/// that starts inside one block and is exactly as long as a later block it reaches (a
+/// full block, or the chunk's shorter last block) comes back as that later block, with
+/// no error. Such a range is read in two calls split at its first block boundary: the
+/// first lies inside one block, the second starts on a boundary, and neither can meet
+/// the condition. tests/test_upstream_blosc2.py keeps the fault's minimal reproduction.
 fn getBytes(
     layout: *const BloscLayout,
     chunk_index: u64,
@@ -98,11 +108,47 @@ fn getBytes(
     const chunk_bytes = layout.chunk_bytes[chunk_index];
     if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
+    const split = singleBlockSplit(chunk, byte_start, byte_count);
+    if (split == 0) return getItems(layout, chunk_index, byte_start, byte_count, destination, library_code);
+    std.debug.assert(split < byte_count);
+    const first = getItems(layout, chunk_index, byte_start, split, destination, library_code);
+    if (first != .ok) return first;
+    return getItems(layout, chunk_index, byte_start + split, byte_count - split, destination + split, library_code);
+}
+
+/// Where a range must be cut so that libblosc2's getitem reads it right (see getBytes):
+/// the bytes up to its first block boundary, or 0 when it can be read in one call.
+fn singleBlockSplit(chunk: [*]const u8, byte_start: u64, byte_count: u64) u64 {
+    // Bytes 4-7 of a Blosc chunk header are the uncompressed size, 8-11 the block size.
+    const chunk_uncompressed = std.mem.readInt(u32, chunk[4..8], .little);
+    const block_bytes: u64 = std.mem.readInt(u32, chunk[8..12], .little);
+    if (block_bytes == 0) return 0;
+    const offset_in_block = byte_start % block_bytes;
+    if (offset_in_block == 0) return 0;
+    const to_boundary = block_bytes - offset_in_block;
+    if (byte_count <= to_boundary) return 0; // Inside one block.
+    const last_block_bytes = chunk_uncompressed % block_bytes;
+    if (byte_count != block_bytes and byte_count != last_block_bytes) return 0;
+    return to_boundary;
+}
+
+/// One call of libblosc2's getitem over `byte_count` bytes at `byte_start` of a chunk.
+fn getItems(
+    layout: *const BloscLayout,
+    chunk_index: u64,
+    byte_start: u64,
+    byte_count: u64,
+    destination: [*]u8,
+    library_code: *i64,
+) Status {
+    const chunk_bytes = layout.chunk_bytes[chunk_index];
+    const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
     const item_bytes = itemSize(chunk);
     if (byte_start % item_bytes != 0 or byte_count % item_bytes != 0) return .item_misaligned;
     const start_item = byte_start / item_bytes;
     const item_count = byte_count / item_bytes;
     if (start_item > std.math.maxInt(c_int) or item_count > std.math.maxInt(c_int)) return .item_count_too_large;
+    if (byte_count > std.math.maxInt(i32)) return .item_count_too_large;
     const written = layout.getitem.?(
         layout.context,
         chunk,
@@ -480,6 +526,26 @@ test "gatherBlosc decompresses each shared block once and keeps batch order" {
     // Blocks {0,1}, {4,5} and {6}: three decompressions for five rows.
     try testing.expectEqual(@as(u64, 3), calls);
     try testing.expectEqual(Status.index_out_of_range, gatherBlosc(&layout, &[_]u64{ 7, 0, 0, 0, 0 }, &out, &failure));
+}
+
+test "singleBlockSplit cuts exactly the ranges libblosc2's getitem misreads" {
+    // A chunk of 10,000 bytes in blocks of 4,096: two full blocks and a last one of 1,808.
+    var header: [chunk_header_bytes]u8 = @splat(0);
+    std.mem.writeInt(u32, header[4..8], 10_000, .little);
+    std.mem.writeInt(u32, header[8..12], 4096, .little);
+    // Aligned starts, ranges inside one block, and other lengths are read in one call.
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&header, 0, 4096));
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&header, 4096, 4096));
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&header, 100, 3996));
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&header, 100, 4095));
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&header, 100, 4097));
+    // A block-long range from inside a block is cut at the boundary.
+    try testing.expectEqual(@as(u64, 3996), singleBlockSplit(&header, 100, 4096));
+    // So is one as long as the last block that reaches it.
+    try testing.expectEqual(@as(u64, 1192), singleBlockSplit(&header, 7000, 1808));
+    // A header without a block size (the stand-in chunks below) is never cut.
+    var bare: [chunk_header_bytes]u8 = @splat(0);
+    try testing.expectEqual(@as(u64, 0), singleBlockSplit(&bare, 100, 4096));
 }
 
 test "gatherRangesRaw copies element ranges to their destinations and checks them first" {
