@@ -16,7 +16,11 @@ def _demo(arguments) -> int:
     from .demo import run
 
     result = run(rows=arguments.rows, steps=arguments.steps, readers=arguments.readers, progress=not arguments.quiet)
-    return 0 if result["accuracy"] > 2 * result["chance"] else 1
+    if result["accuracy"] > 2 * result["chance"]:
+        return 0
+    print(f"shmloader demo: the model reached {result['accuracy']:.1%}, not twice chance ({2 * result['chance']:.0%}); "
+          f"give it more --rows or --steps", file=sys.stderr)
+    return 1
 
 
 def _convert(arguments) -> int:
@@ -78,12 +82,13 @@ def _import(arguments) -> int:
     from . import formats
 
     columns = arguments.columns.split(",") if arguments.columns else None
-    options = dict(columns=columns, force=arguments.force, progress=not arguments.quiet)
+    options = dict(columns=columns, nulls=_nulls(arguments.nulls), force=arguments.force, progress=not arguments.quiet)
     if arguments.format == "parquet":
         paths = formats.from_parquet(arguments.source, arguments.output, **options)
     elif arguments.format == "webdataset":
-        if columns is not None:
-            print("--columns applies to parquet and arrow; a WebDataset import takes every extension", file=sys.stderr)
+        if columns is not None or arguments.nulls:
+            print("--columns and --nulls apply to parquet and arrow; a WebDataset import takes every extension",
+                  file=sys.stderr)
             return 2
         paths = formats.from_webdataset(arguments.source, arguments.output, force=arguments.force,
                                         progress=not arguments.quiet)
@@ -94,11 +99,38 @@ def _import(arguments) -> int:
             try:
                 table = pa.ipc.open_file(source).read_all()
             except pa.ArrowInvalid:
-                table = pa.ipc.open_stream(source).read_all()
+                try:
+                    source.seek(0)
+                    table = pa.ipc.open_stream(source).read_all()
+                except pa.ArrowInvalid as error:
+                    raise ValueError(f"{arguments.source}: neither an Arrow IPC file nor an Arrow stream "
+                                     f"({error})") from None
         paths = formats.from_arrow(table, arguments.output, **options)
     for name, path in paths.items():
         print(f"{name}: {path}")
     return 0
+
+
+def _nulls(items: list[str] | None) -> dict | None:
+    """--nulls COLUMN=VALUE (repeatable): VALUE is a number, or "empty" for lists and text."""
+    if not items:
+        return None
+    nulls = {}
+    for item in items:
+        column, equals, text = item.partition("=")
+        if not equals or not column:
+            raise ValueError(f"--nulls takes COLUMN=VALUE (VALUE a number, or 'empty' for lists and text), got {item!r}")
+        if text == "empty":
+            nulls[column] = text
+            continue
+        try:
+            nulls[column] = int(text)
+        except ValueError:
+            try:
+                nulls[column] = float(text)
+            except ValueError:
+                raise ValueError(f"--nulls {item}: {text!r} is neither a number nor 'empty'") from None
+    return nulls
 
 
 def _verify(arguments) -> int:
@@ -165,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = _command(commands, "demo", "train a small model on a generated dataset through the loader", _demo)
-    demo.add_argument("--rows", type=int, default=20_000, help="rows in the generated dataset")
-    demo.add_argument("--steps", type=int, default=300, help="training steps")
+    demo.add_argument("--rows", type=_positive, default=20_000, help="rows in the generated dataset (at least 2,000)")
+    demo.add_argument("--steps", type=_positive, default=300, help="training steps")
     demo.add_argument("--readers", type=int, default=2, help="reader processes")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -198,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "IPC file or stream")
     imports.add_argument("output", help="the directory to write, one field per column")
     imports.add_argument("--columns", help="comma-separated columns to import (default: all)")
+    imports.add_argument("--nulls", action="append", metavar="COLUMN=VALUE",
+                         help="what a null of COLUMN becomes: a number, or 'empty' for lists, strings and binaries "
+                              "(repeat for more columns; default: nulls are refused)")
     imports.add_argument("--force", action="store_true", help="overwrite an existing output")
     imports.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -130,7 +130,12 @@ def convert(
         1,
     )
     try:
-        target = blosc2.empty(shape, dtype=dtype, chunks=chunks, blocks=blocks, urlpath=str(temporary), mode="w", cparams=cparams)
+        try:
+            target = blosc2.empty(shape, dtype=dtype, chunks=chunks, blocks=blocks, urlpath=str(temporary), mode="w",
+                                  cparams=cparams)
+        except RuntimeError as error:  # libblosc2 names neither the file nor the reason.
+            raise OSError(f"{output}: cannot create the file beside it ({temporary.name}): Blosc2 says "
+                          f"{error}; is the directory writable, with room?") from None
         bar = _progress_bar(shape[0] * row_bytes, f"convert {pathlib.Path(source_name).name}", progress)
         for start in range(0, shape[0], piece_rows):
             stop = min(start + piece_rows, shape[0])
@@ -358,7 +363,7 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     path = pathlib.Path(path)
     if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
+        raise FileExistsError(f"{path} exists; pass force=True (--force) to overwrite it")
     iterator = iter(records)
     sample, sample_bytes, sample_records, first = [], 0, 0, None
     for item in iterator:

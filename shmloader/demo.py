@@ -66,9 +66,19 @@ class SoftmaxRegression:
         return float((self.logits(images).argmax(axis=1) == labels).mean())
 
 
+# Fewer rows than this leave the model too little to learn the ten classes from.
+ROWS_MIN = 2_000
+
+
 def run(rows: int = 20_000, steps: int = 300, batch_size: int = 256, readers: int = 2, slots: int = 8,
         progress: bool = True) -> dict:
     from tqdm import tqdm
+
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < ROWS_MIN:
+        raise ValueError(f"rows must be an integer of at least {ROWS_MIN:,} (the model learns ten classes from "
+                         f"them), got {rows!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer of at least 1, got {steps!r}")
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="shmloader-demo-") as directory:

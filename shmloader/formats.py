@@ -27,6 +27,7 @@ import pathlib
 import numpy as np
 
 from .errors import StorageError
+from .naming import field_file, file_name_problem
 from .storage import check_output_directory, publishing
 
 # A .npy header is written before the row count is known, then rewritten in place with
@@ -74,12 +75,18 @@ def from_parquet(paths, out, *, columns=None, nulls=None, force: bool = False, p
 
 def from_arrow(table, out, *, columns=None, nulls=None, force: bool = False, progress: bool = True,
                threads: int | None = None) -> dict[str, str]:
-    """Imports an Arrow table (or anything with `.to_table()`, or a Hugging Face
-    `datasets.Dataset`) into OUT; returns {column: path}."""
+    """Imports an Arrow table (or a RecordBatchReader, or a Hugging Face `datasets.Dataset`)
+    into OUT; returns {column: path}. A Dataset is read through its indices mapping, so
+    that `select`, `shuffle`, `filter` and `train_test_split` give their own rows in their
+    own order (not the table they share underneath)."""
     import pyarrow as pa
 
-    if hasattr(table, "data") and hasattr(table.data, "table"):  # datasets.Dataset: its (mapped) Arrow table.
-        table = table.data.table
+    if _is_hugging_face_dict(table):
+        raise TypeError(f"from_arrow takes one split, got a DatasetDict of splits {sorted(table)}; pass one of them, "
+                        f"e.g. dataset[{sorted(table)[0]!r}]")
+    if _is_hugging_face_dataset(table):
+        return _import(table.data.schema, _hugging_face_batches(table), table.num_rows, out, columns, nulls, force,
+                       progress, threads)
     if isinstance(table, pa.RecordBatchReader):
         table = table.read_all()  # A stream is read once: its batches must be held to go column by column.
     if not isinstance(table, pa.Table):
@@ -87,6 +94,34 @@ def from_arrow(table, out, *, columns=None, nulls=None, force: bool = False, pro
                         f"{type(table).__name__}")
     return _import(table.schema, lambda column: iter(table.column(column).chunks), table.num_rows, out, columns,
                    nulls, force, progress, threads)
+
+
+# A Hugging Face dataset with an indices mapping is read this many rows at a time (each
+# piece is gathered by Arrow's take into one column of that many rows).
+_HUGGING_FACE_BATCH_ROWS = 1 << 16
+
+
+def _is_hugging_face_dataset(value) -> bool:
+    return type(value).__module__.startswith("datasets.") and hasattr(value, "with_format") \
+        and hasattr(value, "num_rows") and hasattr(value, "data")
+
+
+def _is_hugging_face_dict(value) -> bool:
+    return type(value).__module__.startswith("datasets.") and type(value).__name__.endswith("DatasetDict")
+
+
+def _hugging_face_batches(dataset):
+    """A column's Arrow chunks of a Dataset, its rows in the dataset's own order: through
+    the public Arrow view, which applies the indices mapping a select/shuffle/filter/split
+    left (the underlying table holds every row of the parent, in storage order)."""
+    arrow = dataset.with_format("arrow")
+
+    def batches(column):
+        view = arrow.select_columns([column])
+        for start in range(0, dataset.num_rows, _HUGGING_FACE_BATCH_ROWS):
+            yield from view[start:start + _HUGGING_FACE_BATCH_ROWS].column(0).chunks
+
+    return batches
 
 
 def _expand(paths) -> list[str]:
@@ -107,13 +142,15 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     out = pathlib.Path(out)
     check_output_directory(out)
     if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass force=True to overwrite it")
-    names = list(schema.names) if columns is None else list(columns)
-    for name in names:
-        if name not in schema.names:
-            raise KeyError(f"column {name!r} is not in the source (columns: {schema.names})")
+        raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
+    names = _check_columns(schema, columns)
     nulls = dict(nulls or {})
+    unknown = sorted(set(nulls) - set(names))
+    if unknown:
+        raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {names})")
     plans = {name: _column_plan(name, schema.field(name).type, nulls.get(name)) for name in names}
+    if rows == 0:
+        raise StorageError(f"{out}: the source has no rows; a field needs at least one")
     from tqdm import tqdm
 
     with publishing(out) as temporary:
@@ -128,6 +165,31 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     return {name: str(out / written[name]) for name in names}
 
 
+def _check_columns(schema, columns) -> list[str]:
+    """The columns to import, each a name the loader takes and a safe file name: unknown,
+    repeated or unusable names are refused here, naming them, before anything is written."""
+    available = list(schema.names)
+    repeated = sorted({name for name in available if available.count(name) > 1})
+    names = available if columns is None else list(columns)
+    if columns is not None:
+        unknown = [name for name in names if name not in available]
+        if unknown:
+            raise StorageError(f"columns {unknown} are not in the source (its columns: {available})")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise StorageError(f"columns {twice} are asked for more than once")
+    clashing = sorted(set(names) & set(repeated))
+    if clashing:
+        raise StorageError(f"the source has several columns named {clashing}; a field needs a name of its own "
+                           f"(rename them before the import)")
+    for name in names:
+        problem = file_name_problem(name)
+        if problem is not None:
+            raise StorageError(f"column {name!r}: its name {problem}, so it cannot be a field; rename it, or leave it "
+                               f"out with columns= (--columns)")
+    return names
+
+
 class _ColumnPlan:
     """How one column is written: "fixed" rows of a dtype and shape, or "ragged" records
     (of numbers, or of bytes for strings and binaries), and what stands for a null."""
@@ -137,6 +199,16 @@ class _ColumnPlan:
 
 
 def _column_plan(name: str, arrow_type, null) -> _ColumnPlan:
+    plan = _column_form(name, arrow_type, null)
+    if plan.kind == "ragged" and null not in (None, "empty"):
+        raise StorageError(f"column {name!r}: nulls of a list, string or binary column map to \"empty\" only, got "
+                           f"{null!r}")
+    if plan.kind == "fixed" and null is not None:
+        _check_null_value(name, null, plan.dtype)
+    return plan
+
+
+def _column_form(name: str, arrow_type, null) -> _ColumnPlan:
     import pyarrow.types as types
 
     if types.is_string(arrow_type) or types.is_large_string(arrow_type) or types.is_binary(arrow_type) \
@@ -160,9 +232,23 @@ def _column_plan(name: str, arrow_type, null) -> _ColumnPlan:
                        f"variable lists of them, strings and binaries do)")
 
 
+def _check_null_value(name: str, null, dtype: np.dtype) -> None:
+    """A scalar column's `nulls` value must be a number (or bool) its dtype holds exactly."""
+    exact = False
+    if isinstance(null, (int, float, bool, np.number, np.bool_)):
+        try:
+            stored = np.array(null, dtype=dtype)
+            exact = bool(stored == null) or (dtype.kind == "f" and bool(np.isnan(stored)) and null != null)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    if not exact:
+        raise StorageError(f"column {name!r}: its nulls value {null!r} is not a {dtype} value; give a number that "
+                           f"{dtype} holds exactly")
+
+
 def _check_nulls(name: str, chunk, first_row: int, plan: _ColumnPlan):
-    """The chunk with its nulls mapped as the caller said, or a StorageError naming the
-    column and the first null's row."""
+    """A chunk of a ragged column with its null rows made empty as the caller said, or a
+    StorageError naming the column and the first null's row."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -173,13 +259,8 @@ def _check_nulls(name: str, chunk, first_row: int, plan: _ColumnPlan):
         raise StorageError(f"column {name!r}: row {row} is null ({chunk.null_count} nulls in rows {first_row}.."
                            f"{first_row + len(chunk) - 1}); give nulls={{{name!r}: value}} (\"empty\" for lists, "
                            f"strings and binaries) or drop those rows")
-    if plan.kind == "ragged":
-        if plan.null != "empty":
-            raise StorageError(f"column {name!r}: nulls of a list, string or binary column map to \"empty\" only, got "
-                               f"{plan.null!r}")
-        empty = pa.scalar(b"" if plan.text else [], type=chunk.type)
-        return pc.fill_null(chunk, empty)
-    return pc.fill_null(chunk, pa.scalar(plan.null, type=chunk.type))
+    empty = pa.scalar(b"" if plan.text else [], type=chunk.type)
+    return pc.fill_null(chunk, empty)
 
 
 def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> str:
@@ -213,29 +294,58 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
             first += len(chunk)
             bar.update(len(chunk))
 
-    filename = f"{name}.ragged"
-    write_ragged(directory / filename, records(), codec="lz4" if not plan.text else "auto")
-    return filename
+    path = field_file(directory, name, ".ragged", f"column {name!r}")
+    write_ragged(path, records(), codec="lz4" if not plan.text else "auto")
+    return path.name
 
 
 def _write_fixed(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> str:
-    filename = f"{name}.npy"
+    path = field_file(directory, name, ".npy", f"column {name!r}")
     written = 0
-    with open(directory / filename, "wb") as handle:
+    with open(path, "wb") as handle:
         handle.write(_npy_header(plan.dtype, (rows, *plan.shape)))
         for chunk in chunks:
-            chunk = _check_nulls(name, chunk, written, plan)
-            values = chunk.flatten() if plan.shape else chunk
-            for _ in plan.shape[1:]:
-                values = values.flatten()
-            array = values.to_numpy(zero_copy_only=False).astype(plan.dtype, copy=False)
-            handle.write(np.ascontiguousarray(array).tobytes())
+            handle.write(_fixed_values(name, chunk, written, plan).tobytes())
             written += len(chunk)
             bar.update(len(chunk))
         if written != rows:  # A source whose metadata miscounted: the header says what was written.
             handle.seek(0)
             handle.write(_npy_header(plan.dtype, (written, *plan.shape)))
-    return filename
+    return path.name
+
+
+def _fixed_values(name: str, chunk, first_row: int, plan: _ColumnPlan) -> np.ndarray:
+    """A chunk of a scalar or fixed-size-list column as a C-contiguous (rows, *shape)
+    array. A null anywhere (a row, a list inside it, an item) is refused naming the column
+    and the row, or replaced by the column's `nulls` value, item by item."""
+    import pyarrow.compute as pc
+
+    mask = np.asarray(chunk.is_null()) if chunk.null_count else None
+    values = chunk
+    for _ in plan.shape:
+        # Every child value, those under null entries too (`values` ignores the slice's
+        # offset, hence the slice), so that each row keeps its place.
+        width = values.type.list_size
+        values = values.values.slice(values.offset * width, len(values) * width)
+        if mask is not None:
+            mask = np.repeat(mask, width)
+        if values.null_count:
+            inner = np.asarray(values.is_null())
+            mask = inner if mask is None else mask | inner
+    if mask is not None and mask.any():
+        values = pc.fill_null(values, False if plan.dtype == np.bool_ else 0)
+    array = np.asarray(values.to_numpy(zero_copy_only=False)).astype(plan.dtype, copy=True)
+    if mask is not None and mask.any():
+        if plan.null is None:
+            item = int(np.flatnonzero(mask)[0])
+            row_items = max(1, int(np.prod(plan.shape)))
+            where = f"item {item % row_items} of row {first_row + item // row_items}" if plan.shape else \
+                f"row {first_row + item}"
+            raise StorageError(f"column {name!r}: {where} is null ({int(mask.sum())} null values in rows {first_row}.."
+                               f"{first_row + len(chunk) - 1}); give nulls={{{name!r}: value}} (--nulls "
+                               f"{name}=VALUE) or drop those rows")
+        array[mask] = plan.null
+    return np.ascontiguousarray(array.reshape(len(chunk), *plan.shape))
 
 
 def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
@@ -252,6 +362,28 @@ _INTEGER_EXTENSIONS = ("cls", "cls2", "class", "label", "index", "idx")
 # Samples in flight between the tar reader and the field writers.
 _QUEUE_SAMPLES = 256
 _DONE = object()
+# The field that holds each sample's key.
+_KEY_FIELD = "__key__"
+
+
+def _webdataset_names(shard: str, key: str, extensions: list[str]) -> dict[str, str]:
+    """{extension: field name}: dots become underscores (`seg.png` -> `seg_png`). Refused,
+    naming them: `__key__` (the keys' own field), two extensions that become one name, and
+    any that is no safe field name."""
+    names = {extension: extension.replace(".", "_") for extension in extensions}
+    if _KEY_FIELD in names.values():
+        raise StorageError(f"{shard}: sample {key} has an entry with extension {_KEY_FIELD!r}, the name of the field "
+                           f"that holds the samples' keys")
+    seen = {}
+    for extension, name in names.items():
+        if name in seen:
+            raise StorageError(f"{shard}: sample {key}: extensions {seen[name]!r} and {extension!r} would both be the "
+                               f"field {name!r}; rename one of them")
+        seen[name] = extension
+        problem = file_name_problem(name)
+        if problem is not None:
+            raise StorageError(f"{shard}: sample {key}: extension {extension!r} cannot be a field: {name!r} {problem}")
+    return names
 
 
 def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) -> dict[str, str]:
@@ -268,7 +400,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
     out = pathlib.Path(out)
     check_output_directory(out)
     if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass force=True to overwrite it")
+        raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
 
     def samples():
         """(shard, key, {extension: bytes}) in order: members of one key are consecutive."""
@@ -303,25 +435,32 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
         raise StorageError(f"{files[0]}: no samples in the shards") from None
     extensions = sorted(first)
     integers = [extension for extension in extensions if extension in _INTEGER_EXTENSIONS]
-    names = {extension: extension.replace(".", "_") for extension in extensions}
-    queues = {name: queue.Queue(_QUEUE_SAMPLES) for name in [*names.values(), "__key__"]}
+    names = _webdataset_names(first_shard, first_key, extensions)
+    queues = {name: queue.Queue(_QUEUE_SAMPLES) for name in [*names.values(), _KEY_FIELD]}
     failures = []
 
     def writer(name: str) -> None:
         from .convert import write_ragged
 
+        finished = False
+
         def records():
+            nonlocal finished
             while (item := queues[name].get()) is not _DONE:
                 yield item
+            finished = True
 
         try:
-            write_ragged(temporary / f"{name}.ragged", records(), codec="none")
-        except BaseException as error:  # Reported by the reader's thread; the queue is drained.
+            write_ragged(field_file(temporary, name, ".ragged", f"{first_shard}: extension {name!r}"), records(),
+                         codec="none")
+        except BaseException as error:  # Reported by the reader's thread.
             failures.append(error)
-            while queues[name].get() is not _DONE:
+            # Drained until the reader's end marker, unless the write failed after it (the
+            # last flush, a full disk): a second one never comes.
+            while not finished and queues[name].get() is not _DONE:
                 pass
 
-    ragged = [name for extension, name in names.items() if extension not in integers] + ["__key__"]
+    ragged = [name for extension, name in names.items() if extension not in integers] + [_KEY_FIELD]
     threads = [threading.Thread(target=writer, args=(name,), daemon=True) for name in ragged]
     labels = {names[extension]: [] for extension in integers}
     from tqdm import tqdm
@@ -344,7 +483,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
                                        f"an integer") from None
             else:
                 queues[names[extension]].put(np.frombuffer(data, dtype=np.uint8))
-        queues["__key__"].put(np.frombuffer(key.encode(), dtype=np.uint8))
+        queues[_KEY_FIELD].put(np.frombuffer(key.encode(), dtype=np.uint8))
         bar.update(1)
         if failures:
             raise failures[0]
@@ -367,7 +506,8 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
             raise failures[0]
         paths = {}
         for name, values in labels.items():
-            np.save(temporary / f"{name}.npy", np.asarray(values, dtype=np.int64))
+            np.save(field_file(temporary, name, ".npy", f"{first_shard}: extension {name!r}"),
+                    np.asarray(values, dtype=np.int64))
             paths[name] = f"{name}.npy"
         for name in ragged:
             paths[name] = f"{name}.ragged"

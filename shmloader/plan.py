@@ -24,7 +24,8 @@ from .errors import PerformanceWarning, StorageError, user_stacklevel
 from .ragged import RaggedSpec, describe_ragged, is_ragged, read_all, record_lengths
 from .readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
 from .sampler import STEP_MAX, Sampler, check_integer
-from .slot_layout import Region, SlotLayout
+from .naming import loader_name_problem
+from .slot_layout import RESERVED_NAMES, Region, SlotLayout
 from .sources import MixtureSampler, Source
 from .storage import FieldSpec, describe_field
 from .transforms.core import TransformSpec, resolve as resolve_transform
@@ -368,8 +369,10 @@ def _check_mapping(mapping, where: str) -> dict:
     if not mapping:
         raise ValueError(f"{where}fields is empty; give at least one field name -> path")
     for name, declaration in mapping.items():
-        if not isinstance(name, str) or not name or "." in name or name == "source":
-            raise TypeError(f"{where}field names must be non-empty strings without '.', and not 'source', got {name!r}")
+        problem = loader_name_problem(name)
+        if problem is not None:
+            raise TypeError(f"{where}field names must be non-empty strings without '.', and not one of "
+                            f"{sorted(RESERVED_NAMES)}: {name!r} {problem}")
         if isinstance(declaration, (Padded, Packed, Windows)):
             declaration = declaration.path
         if isinstance(declaration, (list, tuple)):
@@ -544,12 +547,16 @@ def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | 
         ahead += view.block_rows * LOOKAHEAD_BLOCKS * source_row_bytes
         row_bytes = max(row_bytes, source_row_bytes)
     if needed > limit / 2:
-        fits = max(1, int((limit / 2 - ahead) / len(views) / max(row_bytes, 1.0)))
+        fits = int((limit / 2 - ahead) / len(views) / max(row_bytes, 1.0))
+        smallest = max(view.block_rows for view in views)  # A window holds at least one block.
+        advice = (f"A shuffle_window of at most about {fits:,} rows keeps them under half of it." if fits >= smallest
+                  else f"The blocks read ahead alone take {ahead / 2**30:.2f} GiB, so no window fits: give the "
+                       f"process more memory, or use the global shuffle (no shuffle_window) on data that fits.")
         warnings.warn(
             f"shuffle_window={sampler.shuffle_window:,}: the window and the blocks read ahead of it take about "
             f"{needed / 2**30:.2f} GiB of page cache, more than half of the {limit / 2**30:.2f} GiB this process may "
             f"use (its memory limit or cgroup), and the data is larger: pages read ahead would be reclaimed before "
-            f"use. A shuffle_window of at most about {fits:,} rows keeps them under half of it.",
+            f"use. {advice}",
             PerformanceWarning,
             stacklevel=user_stacklevel(),
         )

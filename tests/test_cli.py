@@ -281,3 +281,51 @@ def test_the_tokenize_example_writes_documents_that_windows_read(tmp_path):
     from shmloader.ragged import describe_ragged
 
     assert describe_ragged(tmp_path / "corpus.tokens").record_count == 300
+
+
+def _one_line_error(capsys, argv, pattern) -> str:
+    """The command exits 2 with one message matching `pattern`, and no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and re.search(pattern, err), err
+    return err
+
+
+def test_import_errors_name_the_column_file_or_setting_without_a_traceback(tmp_path, capsys):
+    """Before: KeyError and ArrowInvalid tracebacks, and an option the import lacked."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"a": [1, None, 3], "b": [[1], [2, 3], None]}), tmp_path / "t.parquet")
+    source, out = str(tmp_path / "t.parquet"), str(tmp_path / "out")
+    _one_line_error(capsys, ["import", "parquet", source, out, "--columns", "nope", "--quiet"],
+                    r"columns \['nope'\] are not in the source")
+    _one_line_error(capsys, ["import", "parquet", source, out, "--columns", "a,a", "--quiet"],
+                    r"asked for more than once")
+    _one_line_error(capsys, ["import", "parquet", source, out, "--quiet"], r"column 'a': row 1 is null")
+    _one_line_error(capsys, ["import", "parquet", source, out, "--nulls", "a", "--quiet"], r"COLUMN=VALUE")
+    assert main(["import", "parquet", source, out, "--nulls", "a=-1", "--nulls", "b=empty", "--quiet"]) == 0
+    assert np.load(tmp_path / "out" / "a.npy").tolist() == [1, -1, 3]
+    (tmp_path / "garbage.arrow").write_bytes(b"garbage\n" * 10)
+    _one_line_error(capsys, ["import", "arrow", str(tmp_path / "garbage.arrow"), str(tmp_path / "o2"), "--quiet"],
+                    r"garbage.arrow: neither an Arrow IPC file nor an Arrow stream")
+    _one_line_error(capsys, ["import", "parquet", source, out, "--quiet"], r"--force")
+
+
+def test_convert_into_an_unwritable_place_names_it(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.arange(100).reshape(10, 10))
+    _one_line_error(capsys, ["convert", str(tmp_path / "x.npy"), "/proc/x.b2nd", "--quiet"], r"/proc/x.b2nd: ")
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["demo", "--steps", "-1"], r"--steps: .*at least 1"),
+    (["demo", "--rows", "0"], r"--rows: .*at least 1"),
+])
+def test_demo_counts_below_one_are_refused(argv, pattern, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2 and re.search(pattern, capsys.readouterr().err)
+
+
+def test_a_demo_too_small_to_learn_says_so(capsys):
+    """Before: `demo --rows 10` exited 1 with no message."""
+    _one_line_error(capsys, ["demo", "--rows", "10", "--quiet"], r"rows must be an integer of at least 2,000")

@@ -5,6 +5,7 @@ what pyarrow reads for the same rows; nulls and bad input name the column and ro
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -195,3 +196,139 @@ def test_a_sample_missing_an_extension_or_a_broken_shard_is_named(tmp_path):
     (tmp_path / "broken.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(StorageError, match="broken.tar: not a readable tar shard"):
         from_webdataset(tmp_path / "broken.tar", tmp_path / "out2", progress=False)
+
+
+# Defects an outside attack found (round 4): each test failed before its fix.
+
+@pytest.mark.parametrize("split", ["select", "shuffle", "filter", "train_test_split"])
+def test_a_hugging_face_split_imports_its_own_rows_in_its_own_order(tmp_path, split):
+    """A split shares its parent's table and keeps an indices mapping: the import must
+    follow the mapping. Before: every split imported the parent's 1,000 rows in storage order."""
+    datasets = pytest.importorskip("datasets")
+    parent = datasets.Dataset.from_dict({"id": list(range(1000)), "tokens": [[i] * (i % 5) for i in range(1000)]})
+    chosen = {"select": lambda d: d.select(range(10, 500, 7)),
+              "shuffle": lambda d: d.shuffle(seed=3),
+              "filter": lambda d: d.filter(lambda row: row["id"] % 3 == 0),
+              "train_test_split": lambda d: d.train_test_split(test_size=0.25, seed=5)["test"]}[split](parent)
+    paths = from_arrow(chosen, tmp_path / "out", progress=False)
+    expected_ids = chosen["id"]  # What the dataset itself gives, in its order.
+    assert np.load(paths["id"]).tolist() == expected_ids
+    with ShmDataLoader({"tokens": Packed(paths["tokens"])}, batch_size=len(expected_ids), mode="sequential",
+                       readers=0) as loader:
+        batch = next(loader)
+        offsets = batch["tokens.offsets"]
+        got = [batch["tokens"][a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])]
+    assert got == chosen["tokens"]
+
+
+def test_a_dataset_dict_is_refused_naming_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"x": [1, 2]}),
+                                   "test": datasets.Dataset.from_dict({"x": [3]})})
+    with pytest.raises(TypeError, match=r"DatasetDict of splits \['test', 'train'\]"):
+        from_arrow(splits, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/abs/escaped", "a/b", "..", "a.b", "source", "indices", "",
+                                  "tab\there"])
+def test_a_column_name_that_is_no_safe_field_name_is_refused_and_nothing_is_written(tmp_path, name):
+    """Before: '../../x' and '/abs/x' wrote files outside the output directory (exit 0)."""
+    table = pa.table({"ok": pa.array([1, 2, 3]), name: pa.array([4, 5, 6])})
+    pq.write_table(table, tmp_path / "names.parquet")
+    work = tmp_path / "work"
+    work.mkdir()
+    before = sorted(str(path) for path in tmp_path.rglob("*"))
+    with pytest.raises(StorageError, match=re.escape(f"column {name!r}: its name")):
+        from_parquet(tmp_path / "names.parquet", work / "out", progress=False)
+    assert sorted(str(path) for path in tmp_path.rglob("*")) == before
+    assert not os.path.exists("/abs/escaped")
+
+
+def test_unknown_repeated_or_duplicate_columns_are_refused(tmp_path):
+    table = pa.table({"a": [1, 2], "b": [3, 4]})
+    with pytest.raises(StorageError, match=r"columns \['nope'\] are not in the source"):
+        from_arrow(table, tmp_path / "out", columns=["a", "nope"], progress=False)
+    with pytest.raises(StorageError, match=r"columns \['a'\] are asked for more than once"):
+        from_arrow(table, tmp_path / "out", columns=["a", "a"], progress=False)
+    twice = pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["x", "x"])
+    with pytest.raises(StorageError, match=r"several columns named \['x'\]"):
+        from_arrow(twice, tmp_path / "out", progress=False)
+    with pytest.raises(StorageError, match=r"nulls= names \['b'\]"):
+        from_arrow(table, tmp_path / "out", columns=["a"], nulls={"b": 0}, progress=False)
+    with pytest.raises(StorageError, match="has no rows"):
+        from_arrow(table.slice(0, 0), tmp_path / "out", progress=False)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("inner", [pa.int32(), pa.float64()])
+def test_a_null_inside_a_fixed_size_list_is_refused_naming_row_or_mapped(tmp_path, inner):
+    """Before: imported silently as INT_MIN or NaN."""
+    values = [[1, 2, 3], [4, None, 6], None, [7, 8, 9]]
+    table = pa.table({"v": pa.array(values, type=pa.list_(inner, 3))})
+    with pytest.raises(StorageError, match=r"column 'v': item 1 of row 1 is null"):
+        from_arrow(table, tmp_path / "out", progress=False)
+    paths = from_arrow(table, tmp_path / "out", nulls={"v": -1}, progress=False)
+    np.testing.assert_array_equal(np.load(paths["v"]), [[1, 2, 3], [4, -1, 6], [-1, -1, -1], [7, 8, 9]])
+    nested = pa.table({"g": pa.array([[[1, 2], [3, 4]], [[5, None], [7, 8]]], type=pa.list_(pa.list_(inner, 2), 2))})
+    with pytest.raises(StorageError, match=r"column 'g': item 1 of row 1 is null"):
+        from_arrow(nested, tmp_path / "nested", progress=False)
+    with pytest.raises(StorageError, match=r"nulls value 'x' is not"):
+        from_arrow(table, tmp_path / "bad", nulls={"v": "x"}, progress=False)
+
+
+def test_a_null_inside_a_variable_list_is_refused_naming_row(tmp_path):
+    table = pa.table({"t": pa.array([[1, 2], [], [3, None, 5]], type=pa.list_(pa.int64()))})
+    for sliced in (table, table.slice(1)):
+        with pytest.raises(StorageError, match=r"column 't': row \d holds a null item"):
+            from_arrow(sliced, tmp_path / "out", progress=False)
+    with pytest.raises(StorageError, match=r"column 't': row 2 holds a null item"):
+        from_arrow(table, tmp_path / "out", nulls={"t": "empty"}, progress=False)
+    assert not os.listdir(tmp_path)
+
+
+def _tar(path, members: dict) -> None:
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w") as archive:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("members, message", [
+    ({"s0.__key__": b"x", "s0.txt": b"a"}, "extension '__key__'"),
+    ({"s0.a.b": b"x", "s0.a_b": b"y"}, "extensions 'a.b' and 'a_b' would both be the field 'a_b'"),
+    ({"s0.source": b"x"}, "extension 'source' cannot be a field"),
+], ids=["key-extension", "colliding-names", "reserved-name"])
+def test_webdataset_names_that_cannot_be_fields_are_refused_not_hung(tmp_path, members, message):
+    """Before: the import hung forever (two writers on one queue)."""
+    from shmloader.formats import from_webdataset
+
+    _tar(tmp_path / "shard.tar", members)
+    with pytest.raises(StorageError, match=message):
+        from_webdataset(tmp_path / "shard.tar", tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["shard.tar"]
+
+
+@pytest.mark.timeout(30)
+def test_a_webdataset_import_whose_last_write_fails_raises_instead_of_hanging(tmp_path, monkeypatch):
+    """A write that fails after the writer took the end marker (a full disk at the last
+    flush): before, the writer waited for a second end marker forever."""
+    import shmloader.convert as convert_module
+    from shmloader.formats import from_webdataset
+
+    _tar(tmp_path / "shard.tar", {f"s{i}.txt": b"caption %d" % i for i in range(20)})
+    real = convert_module.write_ragged
+
+    def fails_at_the_end(path, records, **options):
+        list(records)  # Every record, the end marker included, then the disk is full.
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(convert_module, "write_ragged", fails_at_the_end)
+    with pytest.raises(OSError, match="File too large"):
+        from_webdataset(tmp_path / "shard.tar", tmp_path / "out", progress=False)
+    monkeypatch.setattr(convert_module, "write_ragged", real)
+    assert sorted(os.listdir(tmp_path)) == ["shard.tar"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import write_b2nd
-from shmloader import Packed, Padded, ShmDataLoader, Windows
+from shmloader import Packed, Padded, PerformanceWarning, ShmDataLoader, Windows
 from shmloader.convert import write_ragged
 from shmloader.readahead import LAG_STEPS, LOOKAHEAD_BLOCKS, ReadAhead
 from shmloader.sampler import Sampler
@@ -425,3 +425,13 @@ def test_a_window_too_large_for_the_memory_is_warned_about_with_one_that_fits(fi
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=1083).close()  # 13 blocks of 135 rows: 42 KB.
         monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 1_000_000)  # The data stays cached.
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
+
+
+def test_a_memory_too_small_for_any_window_says_so_instead_of_advising_one_row(files, monkeypatch):
+    """Before: "a shuffle_window of at most about 1 rows" when the blocks read ahead alone
+    took more than half of the memory."""
+    fields = {"x": _declaration(files, "npy")}
+    monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 20_000)
+    with pytest.warns(PerformanceWarning, match=r"read ahead alone take .* no window fits") as caught:
+        ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
+    assert not any("at most about" in str(warning.message) for warning in caught)
