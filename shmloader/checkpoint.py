@@ -49,11 +49,27 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
                          f"{SHUFFLE_ORDER!r} recorded); this one's order differs, so its steps name other rows. "
                          f"Resume it with the shmloader that wrote it, or seek(step) to continue in this order")
     expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
-    mismatched = {key: (state.get(key), value) for key, value in expected.items() if state.get(key, value) != value}
+    mismatched = {key: (_recorded(state, key), value) for key, value in expected.items()
+                  if _recorded(state, key) != value}
     if mismatched:
         details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
         raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
     return state.get("step")
+
+
+# Settings added after checkpoints were first written, and the value a checkpoint without
+# the key was made under (the behaviour before the setting existed). A missing key is that
+# value, never "whatever this loader has": a checkpoint from before shuffle_window existed
+# names steps of the global shuffle, and a windowed loader must refuse it.
+_VALUE_BEFORE_KEY = {"shuffle_window": None, "block_rows": 1, "epochs": None, "drop_last": None}
+_MISSING = "(not recorded)"
+
+
+def _recorded(state, key: str):
+    """The value `state` records for a setting, or what its absence means."""
+    if key in state:
+        return state[key]
+    return _VALUE_BEFORE_KEY.get(key, _MISSING)
 
 
 def _sources_change(saved: list[dict], mine: list[dict]) -> str:

@@ -318,12 +318,48 @@ def _largest_shape(spec: RaggedSpec) -> tuple[int, ...]:
     return tuple(int(x) for x in read_all(spec.shapes).max(axis=0))
 
 
+def records_repeated_max(sampler) -> int:
+    """The most times one record can appear in one batch of `sampler`. A shuffle or
+    sequential stream is a run of epochs, each holding every row of its epoch once, so a
+    batch of B positions meets a row at most once per epoch it spans: ceil(B / epoch) + 1
+    times. Draws with replacement (mode "random") and mixtures (whose sources' epochs
+    interleave in one batch) may repeat a record up to B times."""
+    batch_size = sampler.batch_size
+    if isinstance(sampler, MixtureSampler) or sampler.mode == "random":
+        return batch_size
+    return min(batch_size, -(-batch_size // max(1, sampler.epoch_length)) + 1)
+
+
+def packed_capacity(lengths: np.ndarray, batch_size: int, repeats: int) -> int:
+    """Elements that hold any batch of `batch_size` records, each record at most `repeats`
+    times: the longest records, each counted up to `repeats` times, until the batch is full."""
+    longest = np.sort(lengths)[::-1][:batch_size].astype(np.int64)
+    counted = np.minimum(repeats, np.maximum(0, batch_size - repeats * np.arange(len(longest))))
+    return int((longest * counted).sum())
+
+
+def _packed_for_repeats(plan: FieldPlan, batch_size: int, repeats: int) -> FieldPlan:
+    """A Packed plan sized for its sampler (see records_repeated_max), unless its
+    max_elements fixed the size."""
+    if plan.kind != "packed" or plan.options.get("max_elements") is not None or repeats <= 1:
+        return plan
+    lengths = np.concatenate([record_lengths(part) for part in plan.parts])
+    capacity = packed_capacity(lengths, batch_size, repeats)
+    if capacity <= plan.options["capacity"]:
+        return plan
+    if plan.regions[1].dtype == "<i4" and capacity >= 1 << 31:
+        raise ValueError(f"field {plan.name!r}: int32 offsets hold under 2**31 elements, but a batch of the "
+                         f"{batch_size} longest records (a record may come {repeats} times in one batch) holds "
+                         f"{capacity}; give max_elements below 2**31 or use int64 offsets")
+    values = dataclasses.replace(plan.regions[0], shape=(capacity,))
+    return dataclasses.replace(plan, regions=(values, *plan.regions[1:]), options={**plan.options, "capacity": capacity})
+
+
 def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts: list[int],
                  batch_size: int) -> FieldPlan:
     spec = parts[0]
     lengths = np.concatenate([record_lengths(part) for part in parts])
-    longest = np.sort(lengths)[-min(batch_size, lengths.size):]
-    capacity = int(longest.sum()) + int(lengths.max()) * max(0, batch_size - lengths.size)
+    capacity = packed_capacity(lengths, batch_size, 1) + int(lengths.max()) * max(0, batch_size - lengths.size)
     if declaration.max_elements is not None:
         if isinstance(declaration.max_elements, bool) or not isinstance(declaration.max_elements, int) \
                 or declaration.max_elements < int(lengths.max()):
@@ -340,7 +376,8 @@ def _plan_packed(name: str, declaration: Packed, parts: list[RaggedSpec], counts
                Region(f"{name}.offsets", (batch_size + 1,), offsets_dtype, "offsets")]
     if spec.record_ndim:
         regions.append(Region(f"{name}.shapes", (batch_size, spec.record_ndim), "<u4"))
-    return _plan(name, "packed", parts, counts, regions, {"capacity": capacity})
+    return _plan(name, "packed", parts, counts, regions,
+                 {"capacity": capacity, "max_elements": declaration.max_elements})
 
 
 def _normalise_fields(fields, label_path) -> list[Source]:
@@ -509,10 +546,6 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
         raise TypeError("transform_args given without a transform")
     spec = None if transform is None else resolve_transform(transform, transform_args, batch_size)
     plans = _plan_fields(sources, batch_size, ragged_packed=spec is not None)
-    if spec is None:
-        regions = tuple(region for plan in plans.values() for region in plan.regions)
-    else:  # The slot holds the transform's outputs only; its inputs stay in the readers.
-        regions = spec.regions(batch_size)
     row_counts = next(iter(plans.values())).row_counts
     if mixture:
         block_rows = None if shuffle_window is None else [shuffle_block_rows(plans, shuffle_window, index)
@@ -523,6 +556,12 @@ def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard
     else:
         block_rows = 1 if shuffle_window is None else shuffle_block_rows(plans, shuffle_window)
         sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)
+    repeats = records_repeated_max(sampler)
+    plans = {name: _packed_for_repeats(plan, batch_size, repeats) for name, plan in plans.items()}
+    if spec is None:
+        regions = tuple(region for plan in plans.values() for region in plan.regions)
+    else:  # The slot holds the transform's outputs only; its inputs stay in the readers.
+        regions = spec.regions(batch_size)
     return LoaderPlan(plans, SlotLayout.of(batch_size, regions, mixture), sampler, spec,
                       _sources_description(sources, plans))
 

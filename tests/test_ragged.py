@@ -354,3 +354,34 @@ def test_write_ragged_takes_record_chunks_beside_single_records(tmp_path):
     with pytest.raises(ValueError, match="lengths must be non-negative and sum to its 4 values"):
         write_ragged(tmp_path / "bad.ragged", [RecordChunk(np.zeros(4, np.int32), np.array([1, 2]))])
     assert not (tmp_path / "bad.ragged").exists()
+
+
+@pytest.mark.parametrize("options", [dict(mode="shuffle"), dict(mode="random"), dict(mode="sequential"),
+                                     dict(mode="shuffle", shuffle_window=4, shard_count=2)],
+                         ids=["shuffle", "random", "sequential", "windowed-shards"])
+def test_packed_without_max_elements_holds_a_batch_that_repeats_its_longest_record(tmp_path, options):
+    """A batch can hold a record twice or more (crossing epochs, draws with replacement):
+    before, a batch of 4 over 5 rows whose longest record came twice overflowed the region
+    sized for the 4 longest distinct records, and the loader raised mid-run."""
+    docs = [np.arange(n, dtype=np.int32) + 1000 * k for k, n in enumerate([3, 500, 2, 4, 1])]
+    spec = write_ragged(tmp_path / "docs.ragged", docs)
+    with ShmDataLoader({"docs": Packed(spec.path)}, batch_size=4, readers=0, seed=5, **options) as loader:
+        repeated = 0
+        for _ in range(60):
+            batch = next(loader)
+            offsets = batch["docs.offsets"]
+            indices = batch.indices.tolist()
+            repeated += indices.count(1) > 1
+            for row, record in enumerate(indices):
+                np.testing.assert_array_equal(batch["docs"][offsets[row]:offsets[row + 1]], docs[record])
+    assert repeated or options["mode"] == "sequential"  # The case was met.
+
+
+def test_packed_capacity_counts_each_record_as_often_as_a_batch_can_hold_it():
+    from shmloader.plan import packed_capacity
+
+    lengths = np.array([3, 500, 2, 4, 1])
+    assert packed_capacity(lengths, 4, 1) == 500 + 4 + 3 + 2
+    assert packed_capacity(lengths, 4, 2) == 500 * 2 + 4 * 2
+    assert packed_capacity(lengths, 4, 4) == 500 * 4
+    assert packed_capacity(lengths, 5, 2) == 1000 + 8 + 3

@@ -149,6 +149,24 @@ def test_resume_from_a_checkpoint_is_exact(files):
             loader.load_state_dict(state)
 
 
+@pytest.mark.parametrize("missing", [("shuffle_window",), ("shuffle_window", "block_rows"), ("epochs",)])
+def test_a_checkpoint_from_before_a_setting_existed_is_refused_where_the_setting_is_used(files, missing):
+    """A checkpoint without a key was made before the setting existed, at the setting's
+    old behaviour; a loader that uses the setting must refuse it (before: a missing key
+    matched anything, and a windowed loader resumed at other rows)."""
+    fields = {"x": _declaration(files, "npy")}
+    with ShmDataLoader(fields, batch_size=32, readers=0, seed=4) as loader:
+        next(loader)
+        old = {key: value for key, value in loader.state_dict().items() if key not in missing}
+    windowed = {"shuffle_window": 400} if "shuffle_window" in missing else {"epochs": 1}
+    with ShmDataLoader(fields, batch_size=32, readers=0, seed=4, **windowed) as loader:
+        with pytest.raises(ValueError, match=f"{missing[0]}: checkpoint"):
+            loader.load_state_dict(old)
+    with ShmDataLoader(fields, batch_size=32, readers=0, seed=4) as loader:
+        loader.load_state_dict(old)  # Where the setting keeps its old behaviour, it still loads.
+        assert next(loader).step == 1
+
+
 @pytest.mark.parametrize("fractions, shards", [((1.0, 1.0), 1), ((1.0, 0.4), 1), ((0.7, 1.0), 3)])
 def test_each_source_of_a_windowed_mixture_covers_its_rows_once_per_its_epoch(fractions, shards):
     """Windowed sources beside each other: each runs its own block-local epochs (over its
