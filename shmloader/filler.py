@@ -252,6 +252,11 @@ class StepFiller:
         rows = outputs.indices.copy()
         sources = None if outputs.sources is None else outputs.sources.copy()
         bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or []
+        if len(bad) == len(rows):  # Not some bad records: whatever the records, the step fails.
+            what = "the transform" if self.runner is not None else "reading its fields"
+            raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of {len(rows)}): "
+                                 f"{what} fails on every record, not on a few bad ones, so on_error='skip' cannot "
+                                 f"replace them")
         named = [self.describe(int(rows[i]), 0 if sources is None else int(sources[i])) for i in bad]
         if self.on_error == "raise" or not bad:
             if named:

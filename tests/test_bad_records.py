@@ -140,3 +140,16 @@ def test_a_bad_ragged_record_is_found_even_beside_a_long_one(tmp_path):
     expected = [int(record.sum()) for record in records]
     expected[9] = expected[10]
     np.testing.assert_array_equal(totals, expected)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+@pytest.mark.parametrize("batch_size", [1, 4, 8])
+def test_a_transform_that_fails_on_every_record_is_reported_as_such(rows, on_error, batch_size):
+    """Before: on_error='skip' raised IndexError (no good record to replace the bad ones
+    with), and 'raise' blamed the batch's records one by one."""
+    path, _ = rows
+    with pytest.raises(ValueError, match=r"fails on every batch") as raised:
+        compute_batch({"data": path}, 0, "transform_fixtures:always_fails", batch_size=batch_size,
+                      mode="sequential", on_error=on_error)
+    assert "fails on every record, not on a few bad ones" in str(raised.value) + "".join(
+        getattr(raised.value, "__notes__", []))

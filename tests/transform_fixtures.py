@@ -52,6 +52,11 @@ def fails_on_row_seven(batch, out, ctx):
 
 
 @shmloader.transform(outputs={"x": ((4,), "float32")})
+def always_fails(batch, out, ctx):
+    raise ValueError("this transform fails on every batch")
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
 def returns_wrong_dtype(batch, out, ctx):
     return {"x": batch["data"].astype(np.float64)}
 
