@@ -28,6 +28,7 @@ import glob
 import os
 import threading
 import time
+import warnings
 
 import numpy as np
 import ray
@@ -248,7 +249,17 @@ class RayBridge:
             self.ring.write_reader_error(record, report)
             self.ring.publish(job.slot, SlotState.FAILED, record)
             return
-        np.copyto(self._slots[job.slot], data)
+        target = self._slots[job.slot]
+        problem = _result_problem(data, target)
+        if problem is not None:  # Never broadcast or cast into a slot: the step fails, naming the actor.
+            self._failed.add(job.actor)
+            error = ReaderError(f"Ray actor {job.actor} (pid {pid}) returned {problem} for step {job.step}, where "
+                                f"a slot of {target.nbytes} uint8 bytes was expected: is every node running the same "
+                                f"shmloader?", reader_index=record, step=job.step)
+            self.ring.write_reader_error(record, ErrorReport.of(error, job.step).encode())
+            self.ring.publish(job.slot, SlotState.FAILED, record)
+            return
+        np.copyto(target, data)
         del data  # The object store's copy goes once nothing refers to it.
         if skipped:  # Before READY: the trainer may look then.
             self._skipped[job.actor] += skipped
@@ -297,16 +308,46 @@ class RayBridge:
 
     def stop(self) -> None:
         """Stops the thread (it finishes the result it is copying) and kills the actors;
-        steps still in flight are dropped with them. Idempotent."""
+        steps still in flight are dropped with them. Idempotent, and bounded: with Ray's
+        head gone, ray.kill blocks (until Ray's own abort ends the process, about a
+        minute later), so the kills run in a thread of their own and are given up on
+        after _STOP_SECONDS with a warning."""
         self._stop.set()
         thread = getattr(self, "_thread", None)
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(_STOP_SECONDS)  # ray.wait returns within a poll interval; ray.get may not.
         self._pending.clear()
-        for handle in self.actors:
-            try:
-                ray.kill(handle)
-            except Exception:
-                pass  # Already gone, or Ray was shut down first.
-        self.actors = []
+        handles, self.actors = self.actors, []
+        if not handles:
+            return
+        killer = threading.Thread(target=_kill_all, args=(handles,), name="shmloader-ray-kill", daemon=True)
+        killer.start()
+        killer.join(_STOP_SECONDS)
+        if killer.is_alive() or (thread is not None and thread.is_alive()):
+            warnings.warn(f"Ray did not answer within {_STOP_SECONDS:g} s while the loader closed (is the Ray "
+                          f"head or its GCS gone?); its {len(handles)} actor(s) may outlive the loader until Ray "
+                          f"ends them", RuntimeWarning, stacklevel=2)
+
+
+# How long close() waits for the bridge's thread, then for Ray to kill the actors.
+_STOP_SECONDS = 5.0
+
+
+def _kill_all(handles: list) -> None:
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception:
+            pass  # Already gone, or Ray was shut down first.
+
+
+def _result_problem(data, target: np.ndarray) -> str | None:
+    """What is wrong with an actor's result for a slot like `target`, or None: it must be
+    a 1-D uint8 array of exactly the slot's bytes (np.copyto would broadcast one byte over
+    the slot, or cast another dtype, without a word)."""
+    if not isinstance(data, np.ndarray):
+        return f"a {type(data).__name__}"
+    if data.dtype != np.uint8 or data.shape != target.shape:
+        return f"an array of shape {data.shape} and dtype {data.dtype}"
+    return None
 

@@ -248,3 +248,57 @@ def test_a_checkout_where_ray_was_started_is_refused_with_the_reason(cluster, ki
     with pytest.raises(RuntimeError, match="a source checkout without its native library"):
         ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(),
                       warn_layout=False)
+
+
+class _RayWith:
+    """shmloader.ray's view of Ray with one call replaced (the bridge runs in this process)."""
+
+    def __init__(self, **replaced) -> None:
+        self._replaced = replaced
+
+    def __getattr__(self, name):
+        return self._replaced.get(name, getattr(ray, name))
+
+
+@pytest.mark.parametrize("mangle", [lambda data: data[:1], lambda data: data.view(np.int8),
+                                    lambda data: data.astype(np.uint16), lambda data: data.tobytes()],
+                         ids=["one-byte", "int8", "uint16", "bytes"])
+def test_a_remote_result_of_the_wrong_size_or_dtype_fails_its_step_instead_of_filling_the_slot(
+        cluster, kinds, monkeypatch, mangle):
+    """Before: np.copyto broadcast a one-byte result over the whole slot (or cast another
+    dtype) and the batch was delivered."""
+    def get(ref):
+        data, *rest = ray.get(ref)
+        return (mangle(data) if data is not None else None), *rest
+
+    monkeypatch.setattr("shmloader.ray.ray", _RayWith(get=get))
+    with ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(actors=1),
+                       warn_layout=False) as loader:
+        with pytest.raises(ReaderError, match=r"Ray actor 0 \(pid \d+\) returned (an array of shape|a bytes)"):
+            next(loader)
+
+
+def test_close_is_bounded_when_ray_no_longer_answers(cluster, kinds, monkeypatch):
+    """With Ray's head gone, ray.kill blocks until Ray aborts the process a minute later;
+    close() gives up after a bound and says so (the blocked kill simulated here)."""
+    import threading
+
+    import shmloader.ray as remote
+
+    released = threading.Event()
+    monkeypatch.setattr(remote, "_STOP_SECONDS", 0.5)
+    loader = ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(actors=1),
+                           warn_layout=False)
+    actors = list(loader.remote_actors)
+    try:
+        next(loader)
+        monkeypatch.setattr("shmloader.ray.ray", _RayWith(kill=lambda handle: released.wait(60)))
+        started = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"Ray did not answer within 0.5 s"):
+            loader.close()
+        assert time.monotonic() - started < 10
+    finally:
+        released.set()
+        loader.close()
+        for handle in actors:
+            ray.kill(handle)
