@@ -38,6 +38,7 @@ from __future__ import annotations
 import array
 import atexit
 import collections
+import fcntl
 import json
 import os
 import resource
@@ -55,6 +56,11 @@ SERVER_NAME = b"shml-forkserver"  # Its /proc/PID/comm; a reader's is reader.PRO
 # the server (an interpreter start and the reader's imports take well under a second).
 _ANSWER_TIMEOUT_SECONDS = 60.0
 _MESSAGE_BYTES_MAX = 1 << 20  # A request carries the environment.
+# A server reports a reader's exit as soon as it reaps it (a SIGCHLD wakes it); one that
+# has not, this long after the reader's pidfd said it exited, or that has been stopped
+# (SIGSTOP) this long while a request waits, is given up on: its readers are restarted
+# through a new server, and close() never waits on it.
+_REPORT_TIMEOUT_SECONDS = 2.0
 _BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
               "from shmloader.forkserver import serve; sys.exit(serve(sys.argv))")
 # Environment variables read once, while an interpreter starts or imports numpy and blosc2:
@@ -97,6 +103,7 @@ class ForkedReader:
         self._pid: int | None = None
         self._pidfd: int | None = None
         self._failure: str | None = None
+        self.unreported_since: float | None = None  # When its pidfd first said it exited.
 
     @property
     def pid(self) -> int:
@@ -156,7 +163,8 @@ class ForkServer:
     statuses. Thread-safe: loaders in several threads may share it."""
 
     def __init__(self, environment: dict[str, str]) -> None:
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        parent_end, child_end = (_above_standard(end) for end in socket.socketpair(socket.AF_UNIX,
+                                                                                   socket.SOCK_SEQPACKET))
         try:
             # Like a reader started alone (pool.spawn_interpreter): a fresh interpreter,
             # its own session, "/" as working directory; its command line ends with the
@@ -166,7 +174,7 @@ class ForkServer:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_end.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=None if _is_open(2) else subprocess.DEVNULL,
+                stderr=None if _standard_stream(2) else subprocess.DEVNULL,
                 env=environment, cwd="/", pass_fds=[child_end.fileno()], start_new_session=True,
             )
         except BaseException:
@@ -189,7 +197,7 @@ class ForkServer:
         try:
             streams = []
             for descriptor in (1, 2):
-                if not _is_open(descriptor):  # Closed in this trainer: the reader writes to /dev/null.
+                if not _standard_stream(descriptor):  # None in this trainer: the reader writes to /dev/null.
                     opened.append(os.open(os.devnull, os.O_WRONLY))
                     descriptor = opened[-1]
                 streams.append(descriptor)
@@ -213,21 +221,34 @@ class ForkServer:
 
     def await_answer(self, reader: ForkedReader) -> None:
         deadline = time.monotonic() + _ANSWER_TIMEOUT_SECONDS
+        stopped_since = None
         while reader._pid is None and reader._failure is None:
-            if self.lost or time.monotonic() > deadline:
+            if not self.lost and _stopped(self.process.pid):
+                stopped_since = stopped_since or time.monotonic()
+            else:
+                stopped_since = None
+            if self.lost or time.monotonic() > deadline or (
+                    stopped_since is not None and time.monotonic() - stopped_since > _REPORT_TIMEOUT_SECONDS):
                 self._lose()
-                reader.answered(None, None, "its fork server died before starting it")
+                reader.answered(None, None, "its fork server died or stopped before starting it")
                 return
             self.receive(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def exit_code(self, reader: ForkedReader) -> int | None:
         """The reader's exit code once the server reaped it (as subprocess reports it:
-        -N for signal N), or None while it runs."""
+        -N for signal N), or None while it runs. A server that has not reported a reader
+        whose pidfd says it has exited within _REPORT_TIMEOUT_SECONDS is not serving (a
+        SIGSTOP, a debugger, a hang): it is given up on, which ends its readers too."""
         self.receive(0)
         with self._lock:
             code = self._exits.pop(reader._pid, None)
             if code is not None:
                 return code
+        if not self.lost and reader._pidfd is not None and reader.exited(0):
+            if reader.unreported_since is None:
+                reader.unreported_since = time.monotonic()
+            elif time.monotonic() - reader.unreported_since > _REPORT_TIMEOUT_SECONDS:
+                self._lose()
         if self.lost:  # Its status is gone with the server: kill it, then say so.
             if reader._pidfd is not None:
                 try:
@@ -289,6 +310,35 @@ class ForkServer:
         except OSError:
             pass
         self.process.returncode = 0  # Not this process's child: never wait for it here.
+
+
+def _above_standard(end: socket.socket) -> socket.socket:
+    """`end` on a descriptor above 2. A trainer started with its standard output or error
+    closed hands those numbers to the next descriptors it opens: a socket there would be
+    taken for the trainer's output (by the server's Popen, by a reader's request), and a
+    reader's print would write into the server's channel."""
+    if end.fileno() > 2:
+        return end
+    moved = socket.socket(fileno=fcntl.fcntl(end.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
+    end.close()
+    return moved
+
+
+def _standard_stream(descriptor: int) -> bool:
+    """Whether descriptor 1 or 2 is the trainer's standard output or error: open, and the
+    interpreter started with it (a trainer started with it closed has no sys.__stdout__,
+    and whatever it opens later may take the number)."""
+    stream = sys.__stdout__ if descriptor == 1 else sys.__stderr__
+    return stream is not None and _is_open(descriptor)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (by a signal or a tracer): state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b") ", 1)[1][:1] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
 
 
 def _is_open(descriptor: int) -> bool:

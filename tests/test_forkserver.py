@@ -159,3 +159,71 @@ def test_a_lower_descriptor_limit_gets_a_new_server_whose_readers_have_it(data):
             assert parent_and_name(pid)[0] != server
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("closed", ["1>&-", "2>&-", "1>&- 2>&-"])
+def test_a_trainer_started_with_its_output_closed_keeps_its_server_when_readers_print(data, tmp_path, closed):
+    """Before: the trainer's socket to its server took descriptor 1 or 2, readers got it as
+    their standard output, and a print in a transform killed the server."""
+    import json
+    import subprocess
+    import sys
+
+    path, rows = data
+    tests = os.path.dirname(os.path.abspath(__file__))
+    result = tmp_path / "result.json"
+    script = f"""
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from child_guard import die_with_parent
+from shmloader import ShmDataLoader
+die_with_parent()
+rows = np.load({path!r})
+with ShmDataLoader({{"data": {path!r}}}, transform="transform_fixtures:prints_every_step", batch_size=8, readers=2,
+                   max_reader_restarts=0) as loader:
+    wrong = 0
+    for _, batch in zip(range(40), loader):
+        wrong += not np.array_equal(batch["x"], rows[batch.indices])
+    restarts = loader.stats()["reader_restarts"]
+with open({str(result)!r}, "w") as handle:
+    json.dump({{"wrong": wrong, "restarts": restarts}}, handle)
+"""
+    (tmp_path / "trainer.py").write_text(script)
+    subprocess.run(["bash", "-c", f"exec {sys.executable} {tmp_path / 'trainer.py'} {closed}"], timeout=60,
+                   check=True, stdin=subprocess.DEVNULL)
+    assert json.loads(result.read_text()) == {"wrong": 0, "restarts": 0}
+
+
+def test_a_stopped_server_is_given_up_on_a_reader_killed_meanwhile_is_replaced_and_close_returns(data, monkeypatch):
+    """Before: with the server stopped (SIGSTOP) a reader killed mid-run was never noticed
+    (its exit is reported by the server), close() waited for that report forever, and a new
+    loader waited 60 s for its readers."""
+    path, rows = data
+    monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
+    loader = ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=5, max_reader_restarts=2)
+    server = parent_and_name(loader.reader_pids[0])[0]
+    try:
+        check(loader, rows, 20)
+        os.kill(server, signal.SIGSTOP)
+        os.kill(loader.reader_pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while server in {parent_and_name(pid)[0] for pid in loader.reader_pids if process_alive(pid)} or \
+                not all(process_alive(pid) for pid in loader.reader_pids):
+            assert time.monotonic() < deadline, [describe(pid) for pid in loader.reader_pids]
+            check(loader, rows, 5)  # Readers replaced through a new server, no batch lost or wrong.
+        assert wait_until(lambda: not process_alive(server), 5), describe(server)
+        new_server = parent_and_name(loader.reader_pids[0])[0]
+        os.kill(new_server, signal.SIGSTOP)
+        started = time.monotonic()
+        loader.close()
+        assert time.monotonic() - started < 15
+        started = time.monotonic()
+        with ShmDataLoader({"data": path}, batch_size=8, readers=1, seed=5) as second:
+            check(second, rows, 5)
+        assert time.monotonic() - started < 15
+    finally:
+        loader.close()
+        for pid in (server, locals().get("new_server")):
+            if pid and process_alive(pid):
+                os.kill(pid, signal.SIGCONT)

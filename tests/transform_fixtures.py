@@ -172,6 +172,16 @@ def refuses_negative_records(batch, out, ctx):
 
 
 @shmloader.transform(outputs={"x": ((4,), "float32")})
+def prints_every_step(batch, out, ctx):
+    """x as given; prints a line to standard output and to standard error at every step."""
+    import sys
+
+    print(f"step {int(ctx.step)} from reader {os.getpid()}", flush=True)
+    print(f"step {int(ctx.step)} from reader {os.getpid()}", file=sys.stderr, flush=True)
+    out["x"][:] = batch["data"]
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
 def says_hello(batch, out, ctx):
     """x as given; writes a line to the reader's standard error at step 0."""
     if int(ctx.step) == 0:
