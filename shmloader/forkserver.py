@@ -431,13 +431,15 @@ def serve(argv: list[str]) -> int:
     """The server's loop: forks a reader per request, reports every exit, and ends with
     its trainer or its socket."""
     channel, trainer_pid = socket.socket(fileno=int(argv[1])), int(argv[2])
+    from . import reader  # What every reader imports before its configuration, once.
+
     try:
         trainer = os.pidfd_open(trainer_pid)
     except OSError:
-        return 1
+        return _trainer_gone(trainer_pid, 1)
     if os.getppid() != trainer_pid:
-        return 0  # The trainer died while this server started: the pidfd may name another process.
-    from . import reader  # What every reader imports before its configuration, once.
+        # The trainer died while this server started (the pidfd may name another process).
+        return _trainer_gone(trainer_pid, 0)
 
     reader.set_process_name(SERVER_NAME)
 
@@ -450,7 +452,7 @@ def serve(argv: list[str]) -> int:
         while True:
             readable = select.select([channel, trainer, wake_read], [], [], 1.0)[0]
             if trainer in readable:
-                return 0
+                return _trainer_gone(trainer_pid, 0)
             if wake_read in readable:
                 while True:
                     try:
@@ -470,6 +472,16 @@ def serve(argv: list[str]) -> int:
                 _fork_reader(channel, request, descriptors, (channel.fileno(), trainer, wake_read, wake_write), reader)
     except (BrokenPipeError, ConnectionError):
         return 0  # The trainer is gone.
+
+
+def _trainer_gone(trainer_pid: int, code: int) -> int:
+    """Removes the rings of a trainer that died (their owner locks free): a trainer killed
+    before its readers were forked left nobody else to (its readers unlink their own ring,
+    reader.py). Returns `code`."""
+    from .ring import sweep_stale
+
+    sweep_stale(owner_pid=trainer_pid)
+    return code
 
 
 def _report_exits(channel: socket.socket) -> None:

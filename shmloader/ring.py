@@ -219,18 +219,23 @@ def _lock_free(fd: int, shared: bool) -> bool:
     return True
 
 
-def sweep_stale(directory: str = SHM_DIRECTORY) -> list[str]:
+def sweep_stale(directory: str = SHM_DIRECTORY, owner_pid: int | None = None) -> list[str]:
     """Unlinks the segments and semaphores of rings whose owner is gone: a segment whose
     owner lock this process can take, and semaphores whose segment no longer exists.
     Entries it cannot judge (not ours to open, mid-creation, unknown names) are left alone.
-    Returns what it removed."""
+    With `owner_pid`, only the rings named after that trainer (a fork server cleaning up
+    after its trainer). Returns what it removed."""
     removed = []
     try:
         entries = set(os.listdir(directory))
     except OSError:
         return removed
+    if owner_pid is not None:
+        mine = f"{NAME_PREFIX}{owner_pid}_"
+        entries = {entry for entry in entries if entry.startswith((mine, f"sem.{mine}"))}
     for entry in sorted(entries):
-        if not _SEGMENT_PATTERN.match(entry) or not _segment_abandoned(os.path.join(directory, entry)):
+        if not _SEGMENT_PATTERN.match(entry) or not _segment_abandoned(os.path.join(directory, entry),
+                                                                       owner_gone=owner_pid is not None):
             continue
         try:
             posix_ipc.unlink_shared_memory("/" + entry)
@@ -239,7 +244,7 @@ def sweep_stale(directory: str = SHM_DIRECTORY) -> list[str]:
             pass
     # Semaphores are created after their segment and unlinked before it, so one whose
     # segment is gone belongs to a ring whose owner is gone.
-    remaining = set(os.listdir(directory)) if removed else entries
+    remaining = (set(os.listdir(directory)) & entries) if removed else entries
     for entry in sorted(remaining):
         match = _SEMAPHORE_PATTERN.match(entry)
         if not match or match.group(1) in remaining:
@@ -252,7 +257,7 @@ def sweep_stale(directory: str = SHM_DIRECTORY) -> list[str]:
     return removed
 
 
-def _segment_abandoned(path: str) -> bool:
+def _segment_abandoned(path: str, owner_gone: bool = False) -> bool:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
@@ -262,8 +267,8 @@ def _segment_abandoned(path: str) -> bool:
             return False  # Its owner lives (in this PID namespace or another).
         stats = os.fstat(fd)
         # An empty segment may be one being created (the lock comes a moment after the
-        # name): leave it unless it is old.
-        return stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
+        # name): leave it unless it is old, or its owner is known to be gone.
+        return owner_gone or stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
     finally:
         os.close(fd)
 

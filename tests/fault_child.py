@@ -29,6 +29,12 @@ def main() -> None:
         print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)
         next(loader)
         return
+    if behaviour == "die-after-build":
+        # SIGKILLed as soon as its loader exists: its fork server may still be starting,
+        # and no reader may have been forked yet.
+        loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
+        print(json.dumps({"readers": [], "segment": loader.ring_name}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
     next(loader)
     print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)

@@ -232,6 +232,16 @@ def test_close_from_another_thread_ends_a_waiting_next(dataset):
     assert_all_gone(child.pid, info)
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_trainer_killed_as_its_first_loader_is_built_leaves_nothing(dataset, attempt):
+    """Killed while its fork server starts, before any reader exists to clean up: the
+    server removes the trainer's rings. Before: the ring and its semaphores stayed in
+    /dev/shm (5 of 5 runs) until another loader swept."""
+    child, info = run_child("die-after-build", {"label": dataset["paths"]["labels_npy"]})
+    assert child.wait(10) == -signal.SIGKILL
+    assert wait_until(lambda: not our_shm_entries(child.pid), 10), our_shm_entries(child.pid)
+
+
 def test_interpreter_exit_without_close_leaves_nothing(dataset):
     child, info = run_child("exit-without-close", {"label": dataset["paths"]["labels_npy"]})
     assert child.wait(10) == 0
