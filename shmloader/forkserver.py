@@ -188,6 +188,8 @@ class ForkServer:
         self._lock = threading.RLock()
         self._pending: collections.deque[ForkedReader] = collections.deque()
         self._exits: dict[int, int] = {}
+        self._running: set[int] = set()  # Pids forked whose exit has not been reported yet.
+        self.last_used = time.monotonic()
 
     def fork(self, environment: dict[str, str]) -> ForkedReader:
         """Asks for a reader with `environment`; its stdin is a pipe the caller writes."""
@@ -210,6 +212,7 @@ class ForkServer:
                     self._lose()
                     raise ServerLost(f"the fork server is gone: {error}") from None
                 self._pending.append(reader)
+                self.last_used = time.monotonic()
             return reader
         except BaseException:
             reader.stdin.close()
@@ -280,9 +283,11 @@ class ForkServer:
     def _handle(self, message: dict, descriptors: list[int]) -> None:
         if "exit" in message:
             self._exits[message["exit"]] = message["code"]
+            self._running.discard(message["exit"])
             return
         reader = self._pending.popleft()
         if "forked" in message:
+            self._running.add(message["forked"])
             reader.answered(message["forked"], descriptors[0] if descriptors else None)
         else:
             for descriptor in descriptors:
@@ -301,6 +306,25 @@ class ForkServer:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+
+    def idle(self) -> bool:
+        """Whether none of its readers runs and no request is pending."""
+        self.receive(0)
+        with self._lock:
+            return not self._running and not self._pending
+
+    def retire(self) -> None:
+        """Ends an idle server: it exits when its socket closes."""
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = True
+            self.socket.close()
+        try:
+            self.process.wait(1.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
     def forget_in_child(self) -> None:
         """A forked trainer's copy: closes its descriptor, leaves the server to the parent."""
@@ -381,11 +405,20 @@ def _key(environment: dict[str, str]) -> tuple:
             os.getpriority(os.PRIO_PROCESS, 0), limits, os.getresuid(), os.getresgid())
 
 
+# A server none of whose readers runs is ended once it has not forked one for this long,
+# or at once when the trainer has more servers than this (each holds an interpreter with
+# numpy and blosc2 imported: a trainer that changes OMP_NUM_THREADS per evaluation would
+# otherwise keep one per value for its whole life).
+_IDLE_SECONDS = 60.0
+_SERVERS_MAX = 3
+
+
 def start_reader(environment: dict[str, str]) -> ForkedReader:
     """A reader forked by this trainer's server for `environment` (started when needed)."""
     key = _key(environment)
     for attempt in range(2):
         with _servers_lock:
+            _retire_idle(keep=key)
             server = _servers.get(key)
             if server is None or server.lost:
                 server = _servers[key] = ForkServer(environment)
@@ -395,6 +428,20 @@ def start_reader(environment: dict[str, str]) -> ForkedReader:
             if attempt:
                 raise
     raise AssertionError("unreachable")
+
+
+def _retire_idle(keep: tuple) -> None:
+    """Ends servers other than `keep`'s that are lost, or idle past _IDLE_SECONDS, or idle
+    while there are more than _SERVERS_MAX (the least recently used first). Under
+    _servers_lock."""
+    now = time.monotonic()
+    for key, server in sorted(_servers.items(), key=lambda item: item[1].last_used):
+        if key == keep:
+            continue
+        crowded = len(_servers) >= _SERVERS_MAX
+        if server.lost or ((crowded or now - server.last_used > _IDLE_SECONDS) and server.idle()):
+            server.retire()
+            del _servers[key]
 
 
 def _forget_servers_in_child() -> None:

@@ -227,3 +227,19 @@ def test_a_stopped_server_is_given_up_on_a_reader_killed_meanwhile_is_replaced_a
         for pid in (server, locals().get("new_server")):
             if pid and process_alive(pid):
                 os.kill(pid, signal.SIGCONT)
+
+
+def test_idle_servers_of_other_settings_are_retired_instead_of_piling_up(data, monkeypatch):
+    """Before: each new OMP_NUM_THREADS value left one more server (an interpreter with
+    numpy imported) alive for the trainer's life."""
+    path, rows = data
+    servers = set()
+    for threads in range(1, 8):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+        with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
+            check(loader, rows, 3)
+            servers.add(parent_and_name(loader.reader_pids[0])[0])
+        alive = [pid for pid in servers if process_alive(pid) and parent_and_name(pid)[1] == "shml-forkserver"]
+        assert len(alive) <= forkserver._SERVERS_MAX, alive
+        assert len(forkserver._servers) <= forkserver._SERVERS_MAX
+    assert len(servers) == 7  # Each value had a server of its own while it was used.
