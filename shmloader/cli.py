@@ -64,15 +64,23 @@ def _inspect(arguments) -> int:
 def _convert_images(arguments) -> int:
     from .imagefolder import check_images, convert_images
 
+    bad = []
     if arguments.check:
         bad = check_images(arguments.directory, progress=not arguments.quiet)
         for path, error in bad:
             print(f"{path}: {error}")
-        if bad:
-            print(f"{len(bad)} image(s) do not decode: nothing written. Remove or replace them, or convert without "
-                  f"--check and load with on_error='skip'", file=sys.stderr)
+        if bad and not arguments.skip_bad:
+            print(f"{len(bad)} image(s) do not decode: nothing written. Remove or replace them, or add --skip-bad "
+                  f"to convert the others", file=sys.stderr)
             return 1
-    paths = convert_images(arguments.directory, arguments.output, force=arguments.force, progress=not arguments.quiet)
+    paths = convert_images(arguments.directory, arguments.output, force=arguments.force, progress=not arguments.quiet,
+                           skip_bad=arguments.skip_bad, skip=[path for path, _ in bad])
+    with open(paths["classes"]) as handle:
+        skipped = json.load(handle)["skipped"]
+    for entry in skipped:
+        print(f"skipped {entry['file']}: {entry['reason']}")
+    if skipped:
+        print(f"{len(skipped)} file(s) left out; {paths['classes']} lists them under \"skipped\"")
     print("wrote " + ", ".join(paths.values()))
     print(f"load them with: ShmDataLoader({{'image': Packed({paths['image']!r}), 'label': {paths['label']!r}}}, ...)")
     return 0
@@ -222,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     images.add_argument("--force", action="store_true", help="overwrite existing outputs")
     images.add_argument("--quiet", action="store_true", help="no progress bar")
     images.add_argument("--check", action="store_true",
-                        help="decode every image first (in parallel) and list those that fail, writing nothing then")
+                        help="decode every image first (in parallel) and list those that fail, writing nothing then "
+                             "(unless --skip-bad)")
+    images.add_argument("--skip-bad", action="store_true",
+                        help="leave out files that are empty, unreadable or not images (and, with --check, those that "
+                             "do not decode), listing them")
 
     imports = _command(commands, "import", "import Parquet, an Arrow file or WebDataset shards as fields", _import)
     imports.add_argument("format", choices=("parquet", "arrow", "webdataset"), help="what SOURCE holds")

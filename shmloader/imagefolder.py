@@ -98,13 +98,16 @@ def list_images(directory: str | os.PathLike) -> tuple[list[str], list[tuple[pat
 
 
 def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, force: bool = False,
-                   progress: bool = True) -> dict[str, str]:
+                   progress: bool = True, skip_bad: bool = False, skip=()) -> dict[str, str]:
     """Writes OUTPUT.image (a ragged uint8 field: each file's bytes, unchanged, stored
     uncompressed since JPEG and PNG are compressed already), OUTPUT.label (int64, the
     class index), OUTPUT.size (uint32 (height, width) from each header), OUTPUT.path (a
     ragged uint8 field: each file's absolute path in UTF-8, which errors about a record
-    name) and OUTPUT.classes.json (class names by index, and the files in order).
-    Deterministic: classes and files in sorted order. Returns the paths by name."""
+    name) and OUTPUT.classes.json (class names by index, the files in order, and those
+    skipped). Deterministic: classes and files in sorted order. A file that cannot be read,
+    is empty or has no readable image header stops the conversion naming it, unless
+    `skip_bad`: then it is left out and listed under "skipped" (with its reason), as are
+    the paths in `skip` (e.g. those check_images found). Returns the paths by name."""
     check_output_directory(output)
     from tqdm import tqdm
 
@@ -116,37 +119,56 @@ def convert_images(directory: str | os.PathLike, output: str | os.PathLike, *, f
              "path": f"{output}.path", "classes": f"{output}.classes.json"}
     existing = [path for path in paths.values() if os.path.exists(path)]
     if existing and not force:
-        raise FileExistsError(f"{existing[0]} exists; pass --force to overwrite")
-    sizes = np.zeros((len(files), 2), dtype=np.uint32)
-    labels = np.array([label for _, label in files], dtype=np.int64)
+        raise FileExistsError(f"{existing[0]} exists; pass force=True (--force) to overwrite")
+    excluded = {str(path) for path in skip}
+    kept, sizes, skipped = [], [], [(str(path), "did not decode") for path, _ in files if str(path) in excluded]
     bar = tqdm(total=len(files), desc=f"convert-images {pathlib.Path(directory).name}", unit="img",
                disable=not progress, leave=False)
 
+    def read(path: pathlib.Path) -> tuple[bytes, int, int]:
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise StorageError(f"{path}: cannot be read ({error.strerror or error})") from None
+        if not data:
+            raise StorageError(f"{path}: an empty file")
+        height, width = image_size(data, str(path))
+        check_pixels(height, width, str(path))
+        return data, height, width
+
     def records():
-        for index, (path, _) in enumerate(files):
-            try:
-                data = path.read_bytes()
-            except OSError as error:
-                raise StorageError(f"{path}: cannot be read ({error.strerror or error})") from None
-            if not data:
-                raise StorageError(f"{path}: an empty file")
-            height, width = image_size(data, str(path))
-            check_pixels(height, width, str(path))
-            sizes[index] = height, width
+        for path, label in files:
             bar.update(1)
+            if str(path) in excluded:
+                continue
+            try:
+                data, height, width = read(path)
+            except StorageError as error:
+                if not skip_bad:
+                    raise StorageError(f"{error}; convert with skip_bad=True (--skip-bad) to leave such files "
+                                       f"out") from None
+                skipped.append((str(path), str(error)))
+                continue
+            kept.append((path, label))
+            sizes.append((height, width))
             yield np.frombuffer(data, dtype=np.uint8)
 
     try:
         write_ragged(paths["image"], records(), codec="none", force=force)
+    except ValueError as error:
+        if kept or not skipped or isinstance(error, StorageError):
+            raise
+        raise StorageError(f"{directory}: no image could be read ({len(skipped)} skipped)") from error
     finally:
         bar.close()
-    _save_npy(paths["label"], labels)
-    _save_npy(paths["size"], sizes)
-    write_ragged(paths["path"], (np.frombuffer(str(path.resolve()).encode(), dtype=np.uint8) for path, _ in files),
+    _save_npy(paths["label"], np.array([label for _, label in kept], dtype=np.int64))
+    _save_npy(paths["size"], np.array(sizes, dtype=np.uint32).reshape(len(kept), 2))
+    write_ragged(paths["path"], (np.frombuffer(str(path.resolve()).encode(), dtype=np.uint8) for path, _ in kept),
                  codec="lz4", force=force)
     root = pathlib.Path(directory)
     with open(paths["classes"], "w") as handle:
-        json.dump({"classes": classes, "files": [str(path.relative_to(root)) for path, _ in files]}, handle)
+        json.dump({"classes": classes, "files": [str(path.relative_to(root)) for path, _ in kept],
+                   "skipped": [{"file": name, "reason": reason} for name, reason in skipped]}, handle)
     return paths
 
 

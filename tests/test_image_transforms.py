@@ -8,7 +8,7 @@ import io
 import numpy as np
 import pytest
 
-from shmloader import ReaderError, ShmDataLoader
+from shmloader import Packed, ReaderError, ShmDataLoader
 from shmloader.convert import write_ragged
 from shmloader.imagefolder import convert_images
 from shmloader.transforms import sample_rng
@@ -207,3 +207,40 @@ def test_convert_images_names_a_file_it_cannot_read(tmp_path):
     (directory / "broken.jpg").symlink_to("/proc/self/mem")
     with pytest.raises(StorageError, match=r"broken\.jpg: cannot be read \(Input/output error\)"):
         convert_images(tmp_path / "tree", tmp_path / "out", progress=False)
+
+
+def test_convert_images_skip_bad_leaves_out_empty_and_non_image_files_and_lists_them(tmp_path, capsys):
+    """--check advised converting and skipping at load time, but the conversion stopped at
+    the first empty or non-image file: --skip-bad converts the others and lists those."""
+    from shmloader import StorageError
+    from shmloader.cli import main
+
+    rng = np.random.default_rng(8)
+    tree = tmp_path / "tree"
+    for label in ("cats", "dogs"):
+        (tree / label).mkdir(parents=True)
+    good = {}
+    for index in range(6):
+        label = ("cats", "dogs")[index % 2]
+        path = tree / label / f"{index}.png"
+        image = rng.integers(0, 255, (8 + index, 9, 3), dtype=np.uint8)
+        Image.fromarray(image).save(path)
+        good[str(path.resolve())] = (index % 2, image.shape[:2])
+    (tree / "cats" / "empty.jpg").write_bytes(b"")
+    (tree / "dogs" / "notes.png").write_bytes(b"these are not pixels" * 10)
+    with pytest.raises(StorageError, match=r"empty.jpg: an empty file; convert with skip_bad=True \(--skip-bad\)"):
+        convert_images(tree, tmp_path / "out", progress=False)
+    assert main(["convert-images", str(tree), str(tmp_path / "out"), "--skip-bad", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped" in printed and "empty.jpg" in printed and "notes.png" in printed
+    import json
+
+    listing = json.loads((tmp_path / "out.classes.json").read_text())
+    assert sorted(entry["file"].rsplit("/", 1)[1] for entry in listing["skipped"]) == ["empty.jpg", "notes.png"]
+    paths = {"image": Packed(f"{tmp_path}/out.image"), "label": f"{tmp_path}/out.label",
+             "size": f"{tmp_path}/out.size", "path": Packed(f"{tmp_path}/out.path")}
+    with ShmDataLoader(paths, batch_size=6, mode="sequential", readers=0) as loader:
+        batch = next(loader)
+        for row, name in enumerate(batch.strings("path")):
+            label, shape = good[name]
+            assert batch["label"][row] == label and tuple(batch["size"][row]) == shape
