@@ -81,7 +81,7 @@ def describe_ragged(path: str | os.PathLike) -> RaggedSpec:
     path = os.path.abspath(os.fspath(path))
     if not is_ragged(path):
         raise StorageError(f"{path}: not a ragged field directory (expected {VALUES_NAME} and {OFFSETS_NAME} in it)")
-    values = describe_field(os.path.join(path, VALUES_NAME))
+    values = describe_field(os.path.join(path, VALUES_NAME), allow_empty=True)  # Every record may be empty.
     offsets_spec = describe_field(os.path.join(path, OFFSETS_NAME))
     if values.row_shape != ():
         raise StorageError(f"{values.path}: values must be one-dimensional, got rows of shape {values.row_shape}")

@@ -111,13 +111,13 @@ def check_dtype(path: str, dtype: np.dtype) -> None:
         raise StorageError(f"{path}: dtype {dtype} has zero-sized items")
 
 
-def check_rows(path: str, shape: tuple[int, ...]) -> None:
+def check_rows(path: str, shape: tuple[int, ...], allow_empty: bool = False) -> None:
     if len(shape) == 0:
         raise StorageError(f"{path}: a 0-d array has no rows; expected an array of shape (rows, ...)")
     if any(extent < 0 for extent in shape):
         raise StorageError(f"{path}: its header declares the shape {tuple(shape)}, with a negative extent; expected "
                            f"non-negative extents (a corrupted or hand-edited header)")
-    if shape[0] == 0:
+    if shape[0] == 0 and not allow_empty:
         raise StorageError(f"{path}: the array has zero rows; expected at least one")
 
 
@@ -166,8 +166,9 @@ def check_output_directory(output: str | os.PathLike) -> None:
         raise FileNotFoundError(f"{output}: its directory {directory} does not exist; create it first")
 
 
-def describe_field(path: str | os.PathLike) -> FieldSpec:
+def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldSpec:
     """Validates a field file and describes it. Raises FileNotFoundError or StorageError.
+    `allow_empty`: zero rows are fine (a ragged field's values when every record is empty).
 
     The file's identity is taken after its description (for .npy, of the very file read), so
     that a file replaced while it was being described fails the readers' check instead of
@@ -186,9 +187,9 @@ def describe_field(path: str | os.PathLike) -> FieldSpec:
         head = handle.read(16)
         if head.startswith(NPY_MAGIC):
             handle.seek(0)
-            return _describe_npy(path, handle)
+            return _describe_npy(path, handle, allow_empty)
     if head[_B2FRAME_MAGIC_OFFSET:_B2FRAME_MAGIC_OFFSET + len(B2FRAME_MAGIC)] == B2FRAME_MAGIC:
-        spec = _describe_b2nd(path)
+        spec = _describe_b2nd(path, allow_empty)
         return dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
     raise StorageError(f"{path} is neither a .npy file nor a Blosc2 frame (.b2nd): its first bytes are {head[:8]!r}")
 
@@ -220,7 +221,7 @@ def _simple_npy_header(handle) -> tuple | None:
     return shape, match.group(2) == b"True", np.dtype(match.group(1).decode()), handle.tell()
 
 
-def _describe_npy(path: str, handle) -> FieldSpec:
+def _describe_npy(path: str, handle, allow_empty: bool = False) -> FieldSpec:
     """`handle`: the file, open at its start."""
     try:
         found = _simple_npy_header(handle)
@@ -236,7 +237,7 @@ def _describe_npy(path: str, handle) -> FieldSpec:
     except (ValueError, OSError, SyntaxError, TypeError) as error:
         raise StorageError(f"{path}: unreadable .npy header ({error})") from None
     check_dtype(path, dtype)
-    check_rows(path, shape)
+    check_rows(path, shape, allow_empty)
     if fortran_order and len(shape) > 1:
         raise StorageError(
             f"{path}: the array is stored in Fortran order, so its rows are not contiguous; "
@@ -271,7 +272,7 @@ def row_contiguous_layout(shape, chunks, blocks) -> bool:
     return all(blocks[axis] == 1 for axis in range(last)) and chunks[last] % blocks[last] == 0
 
 
-def _describe_b2nd(path: str) -> FieldSpec:
+def _describe_b2nd(path: str, allow_empty: bool = False) -> FieldSpec:
     import blosc2  # Only the trainer describes files; readers never import blosc2.
 
     try:
@@ -283,7 +284,7 @@ def _describe_b2nd(path: str) -> FieldSpec:
     dtype = np.dtype(array.dtype)
     shape = tuple(int(extent) for extent in array.shape)
     check_dtype(path, dtype)
-    check_rows(path, shape)
+    check_rows(path, shape, allow_empty)
     schunk = array.schunk
     if not schunk.contiguous:
         raise StorageError(f"{path}: a sparse (directory) Blosc2 frame; re-save it contiguous with `shmloader convert`")
@@ -803,7 +804,8 @@ class BloscPythonField:
 
 
 class EmptyRowsField:
-    """Rows of zero bytes (shape (N, 0)): nothing to read, but indices are still checked."""
+    """Rows of zero bytes (shape (N, 0)), or no rows at all (the values of a ragged field whose
+    records are all empty): nothing to read, but indices and ranges are still checked."""
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
@@ -818,7 +820,12 @@ class EmptyRowsField:
             _raise_index_error(self.spec, indices, int(bad[0]))
 
     def gather_ranges(self, starts, counts, destinations, out_pointer, out_bytes: int) -> None:
-        self.gather_into(starts, None, out_pointer, 0)
+        ends = np.asarray(starts, dtype=np.uint64) + np.asarray(counts, dtype=np.uint64)
+        bad = np.flatnonzero(ends > self.spec.row_count)
+        if bad.size:
+            k = int(bad[0])
+            raise StorageError(f"{self.spec.path}: elements [{int(starts[k])}, {int(ends[k])}) are out of range for "
+                               f"{self.spec.row_count} elements")
 
     def close(self) -> None:
         pass
@@ -867,7 +874,7 @@ def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = Fa
     for rows read in random order, a fault's read-around (read_ahead_kb, up to megabytes)
     is mostly other rows, read for nothing and evicting the cache; the block-local shuffle
     reads ahead itself (readahead.py)."""
-    if spec.row_bytes == 0:
+    if spec.row_bytes == 0 or spec.row_count == 0:
         return EmptyRowsField(spec)
     if spec.kind == "npy":
         field = NpyField(spec)

@@ -228,3 +228,18 @@ def assert_same(expected, found):
             if f"{name}.offsets" in one:
                 end = int(one[f"{name}.offsets"][-1])
             np.testing.assert_array_equal(one[name][:end], other[name][:end], err_msg=f"{name} of step {one['step']}")
+
+
+# Property tests (test_reference.py): bounded for the suite; `--hypothesis-profile=long`
+# before a stop. No example database: CI runs on a clean checkout, and a run must not
+# depend on what an earlier one found.
+try:
+    from hypothesis import HealthCheck, settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile("default", deadline=None, database=None, print_blob=True,
+                                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    _hypothesis_settings.register_profile("long", parent=_hypothesis_settings.get_profile("default"),
+                                          max_examples=1000)
+    _hypothesis_settings.load_profile("default")
+except ImportError:
+    pass
