@@ -43,9 +43,37 @@ def cluster(tmp_path_factory):
         ray.init(address=cluster.address, log_to_driver=False)
     finally:
         os.chdir(here)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    reaper = _reaper_of(_descendants(os.getpid()))
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        reaper.kill()
+        reaper.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil  # Ray depends on it.
+
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+
+
+def _reaper_of(pids: list[int]):
+    """A process that SIGKILLs the cluster's processes if this test worker dies without
+    shutting it down (ended by pytest-timeout): Ray's raylets, GCS and agents were left as
+    orphans. It learns of the worker's death by its own death signal (PR_SET_PDEATHSIG)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time;"
+            "pids = [int(p) for p in sys.argv[1:]];"
+            "signal.signal(signal.SIGTERM, lambda *a: ([os.kill(p, 9) for p in pids if os.path.exists(f'/proc/{p}')],"
+            " os._exit(0)));"
+            "import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0);"
+            f"os.getppid() == {os.getpid()} or os.kill(os.getpid(), signal.SIGTERM);"
+            "time.sleep(24 * 3600)")
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, pids)])
 
 
 def alive_actors() -> list[dict]:
@@ -302,3 +330,31 @@ def test_close_is_bounded_when_ray_no_longer_answers(cluster, kinds, monkeypatch
         loader.close()
         for handle in actors:
             ray.kill(handle)
+
+
+def test_a_killed_test_worker_leaves_no_ray_process_behind(tmp_path):
+    """The cluster fixture's reaper: a worker ended by pytest-timeout (SIGKILL here) left
+    Ray's DashboardAgent and RuntimeEnvAgent running as orphans."""
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = f"""
+import os, signal, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+sys.path.insert(0, {tests!r})
+import ray, test_ray
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1, "object_store_memory": 96 << 20,
+                                                        "include_dashboard": False}})
+ray.init(address=cluster.address, log_to_driver=False)
+reaper = test_ray._reaper_of(test_ray._descendants(os.getpid()))
+print(" ".join(map(str, test_ray._descendants(os.getpid()))), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=str(tmp_path))
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert pids, result.stderr
+    assert wait_until(lambda: not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
+                                   open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"], timeout=20), pids
