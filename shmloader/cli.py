@@ -192,6 +192,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _command(commands, name: str, help_text: str, handler) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, help=help_text, description=help_text, formatter_class=_Formatter)
     parser.set_defaults(handler=handler)
@@ -261,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="one per field: a .b2nd or .npy file, a quoted glob of them, or a "
                        "ragged directory (read as Packed)")
-    bench.add_argument("--readers", type=_positive, default=None, help="reader processes (default: the loader's)")
+    bench.add_argument("--readers", type=_non_negative, default=None,
+                       help="reader processes, 0 to fill steps in the trainer (default: the loader's)")
     bench.add_argument("--slots", type=_positive, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
     bench.add_argument("--batch-size", type=_positive, default=256, help="rows per batch")
     bench.add_argument("--steps", type=_positive, default=500, help="batches timed per run")

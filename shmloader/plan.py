@@ -627,9 +627,14 @@ LOCAL_TRAINERS_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
 def local_trainers(environment=os.environ) -> int:
     """How many trainers share this node (1 when no launcher says)."""
     for variable in LOCAL_TRAINERS_VARIABLES:
-        text = environment.get(variable, "").split("(")[0]  # Slurm may write "4(x2)".
-        if text.strip().isdigit() and int(text) > 0:
-            return int(text)
+        value = environment.get(variable, "")
+        if not value.strip():
+            continue
+        text = value.split("(")[0].strip()  # Slurm may write "4(x2)".
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{variable}={value!r}: expected a positive integer (the trainers on this node, as a "
+                             f"launcher sets it); fix or unset it, or give readers= explicitly")
+        return int(text)
     return 1
 
 

@@ -138,6 +138,7 @@ class Supervisor:
         if count:
             self.skips_warned = True
             first = records[0] if records else {}
-            warnings.warn(f"on_error='skip' replaced {count} record(s) that failed, the first at step "
+            warnings.warn(f"on_error='skip' has replaced {count} record(s) so far (this warning comes once; "
+                          f"stats()['skipped'] counts every one), the first at step "
                           f"{first.get('step')}: {first.get('where')} ({first.get('error')}); stats()['skipped'] "
                           f"lists them", SkippedRecordsWarning, stacklevel=user_stacklevel())

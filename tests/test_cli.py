@@ -203,7 +203,7 @@ def test_bench_takes_a_glob_of_shards(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["bench", "x.npy", "--steps", "0"], ["inspect", "x.npy", "--sample", "0"],
-                                  ["inspect", "x.npy", "--sample", "-1"], ["bench", "x.npy", "--readers", "0"]])
+                                  ["inspect", "x.npy", "--sample", "-1"]])
 def test_counts_below_one_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as raised:
         main(argv)
@@ -329,3 +329,13 @@ def test_demo_counts_below_one_are_refused(argv, pattern, capsys):
 def test_a_demo_too_small_to_learn_says_so(capsys):
     """Before: `demo --rows 10` exited 1 with no message."""
     _one_line_error(capsys, ["demo", "--rows", "10", "--quiet"], r"rows must be an integer of at least 2,000")
+
+
+def test_bench_runs_with_readers_zero_and_refuses_negative_counts(dataset, capsys):
+    """The loader fills steps in the trainer with readers=0; bench refused it."""
+    assert main(["bench", dataset["paths"]["labels_npy"], "--readers", "0", "--steps", "20", "--batch-size", "8",
+                 "--quiet"]) == 0
+    assert "rows/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "x.npy", "--readers", "-1"])
+    assert "must be at least 0" in capsys.readouterr().err

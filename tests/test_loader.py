@@ -448,5 +448,9 @@ def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(mon
     assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 2  # torchrun, 8 ranks: 2 readers each
     assert plan.default_readers({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4
     assert plan.default_readers({"LOCAL_WORLD_SIZE": "32"}) == 1
+    for bad in ("abc", "0", "-2", "4.5"):  # Before: silently taken for one trainer.
+        with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE={bad!r}: expected a positive integer"):
+            plan.default_readers({"LOCAL_WORLD_SIZE": bad})
+    assert plan.default_readers({"LOCAL_WORLD_SIZE": ""}) == plan.default_readers({})
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # A rank pinned to 3 cores.
     assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 3
