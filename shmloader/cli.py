@@ -90,13 +90,15 @@ def _import(arguments) -> int:
     from . import formats
 
     columns = arguments.columns.split(",") if arguments.columns else None
-    options = dict(columns=columns, nulls=_nulls(arguments.nulls), force=arguments.force, progress=not arguments.quiet)
+    options = dict(columns=columns, nulls=_nulls(arguments.nulls), force=arguments.force, progress=not arguments.quiet,
+                   fixed=arguments.fixed.split(",") if arguments.fixed else None,
+                   skip_unsupported=arguments.skip_columns)
     if arguments.format == "parquet":
         paths = formats.from_parquet(arguments.source, arguments.output, **options)
     elif arguments.format == "webdataset":
-        if columns is not None or arguments.nulls:
-            print("--columns and --nulls apply to parquet and arrow; a WebDataset import takes every extension",
-                  file=sys.stderr)
+        if columns is not None or arguments.nulls or arguments.fixed or arguments.skip_columns:
+            print("--columns, --nulls, --fixed and --skip-columns apply to parquet and arrow; a WebDataset import "
+                  "takes every extension", file=sys.stderr)
             return 2
         paths = formats.from_webdataset(arguments.source, arguments.output, force=arguments.force,
                                         progress=not arguments.quiet)
@@ -116,7 +118,28 @@ def _import(arguments) -> int:
         paths = formats.from_arrow(table, arguments.output, **options)
     for name, path in paths.items():
         print(f"{name}: {path}")
+    _print_import_notes(arguments.output)
     return 0
+
+
+def _print_import_notes(output: str) -> None:
+    """What columns.json says a user may want to know: skipped columns, and list columns
+    of one length that --fixed would store as arrays."""
+    import os
+
+    from .formats import COLUMNS_FILE
+
+    path = os.path.join(output, COLUMNS_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as handle:
+        description = json.load(handle)
+    for column, reason in description.get("skipped", {}).items():
+        print(f"skipped column {column!r}: {reason}")
+    for field, notes in description.get("fields", {}).items():
+        if "one_length" in notes:
+            print(f"column {field!r}: every list holds {notes['one_length']} items; --fixed {field} stores it as an "
+                  f"(N, {notes['one_length']}) array instead of a ragged field")
 
 
 def _nulls(items: list[str] | None) -> dict | None:
@@ -250,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "IPC file or stream")
     imports.add_argument("output", help="the directory to write, one field per column")
     imports.add_argument("--columns", help="comma-separated columns to import (default: all)")
+    imports.add_argument("--fixed", metavar="COLUMNS",
+                         help="comma-separated list columns of one length throughout, stored as (N, length) arrays")
+    imports.add_argument("--skip-columns", action="store_true",
+                         help="skip (and name) columns with no field form, such as decimals, instead of stopping")
     imports.add_argument("--nulls", action="append", metavar="COLUMN=VALUE",
                          help="what a null of COLUMN becomes: a number, or 'empty' for lists, strings and binaries "
                               "(repeat for more columns; default: nulls are refused)")

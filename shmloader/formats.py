@@ -1,13 +1,25 @@
 """The formats users have, in: Parquet files and Arrow tables (a Hugging Face `datasets.Dataset`
-is one: `dataset.data.table`), column by column, and WebDataset tar shards (from_webdataset,
-one field per extension), into the fields ShmDataLoader reads.
+is one, read through its indices mapping), column by column, and WebDataset tar shards
+(from_webdataset, one field per extension), into the fields ShmDataLoader reads.
 
 Each column becomes a field in the output directory OUT:
 
     scalars (integers, floats, bool)            OUT/<column>.npy, (rows,)
-    fixed-size lists, nested ones too           OUT/<column>.npy, (rows, *shape)
+    fixed-size lists, nested ones too,          OUT/<column>.npy, (rows, *shape)
+      Hugging Face Array2D..5D, and list
+      columns named in fixed= (one length)
     variable-length lists of numbers (tokens)   OUT/<column>.ragged (Packed / Padded)
     strings and binaries                        OUT/<column>.ragged of uint8 bytes
+    dictionary (pandas category)                as its decoded values
+    timestamp, date, time, duration             OUT/<column>.npy of int64 (unit in columns.json)
+    Hugging Face Image()                        OUT/<column>.ragged (encoded bytes, what the
+                                                image transforms read) and OUT/<column>_path.ragged
+    Hugging Face ClassLabel                     int64, its names in OUT/classes.json
+
+OUT/columns.json describes every field (its column, Arrow type, file, unit, class names,
+and "one_length" for a list column whose lists all have one length: fixed= would store it
+as an (N, length) array) and the columns skipped. Decimals and other types with no exact
+field form are refused naming the column, or skipped with skip_unsupported=True.
 
 A null is refused naming the column and the row, unless `nulls` maps the column to a
 value (for scalars and list items) or to "empty" (for lists, strings and binaries). The
@@ -35,8 +47,8 @@ from .storage import check_output_directory, publishing
 _NPY_HEADER_BYTES = 256
 
 
-def from_parquet(paths, out, *, columns=None, nulls=None, force: bool = False, progress: bool = True,
-                 threads: int | None = None) -> dict[str, str]:
+def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
+                 force: bool = False, progress: bool = True, threads: int | None = None) -> dict[str, str]:
     """Imports Parquet file(s) (a path, a list or a glob; rows in that order) into OUT;
     returns {column: path} for ShmDataLoader (wrap list columns in Packed or Padded)."""
     import pyarrow.parquet as pq
@@ -70,11 +82,11 @@ def from_parquet(paths, out, *, columns=None, nulls=None, force: bool = False, p
                 parquet.close()
 
     rows = sum(parquet.metadata.num_rows for parquet in opened)
-    return _import(schema, batches, rows, out, columns, nulls, force, progress, threads)
+    return _import(schema, batches, rows, out, columns, nulls, force, progress, threads, fixed, skip_unsupported)
 
 
-def from_arrow(table, out, *, columns=None, nulls=None, force: bool = False, progress: bool = True,
-               threads: int | None = None) -> dict[str, str]:
+def from_arrow(table, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
+               force: bool = False, progress: bool = True, threads: int | None = None) -> dict[str, str]:
     """Imports an Arrow table (or a RecordBatchReader, or a Hugging Face `datasets.Dataset`)
     into OUT; returns {column: path}. A Dataset is read through its indices mapping, so
     that `select`, `shuffle`, `filter` and `train_test_split` give their own rows in their
@@ -86,14 +98,14 @@ def from_arrow(table, out, *, columns=None, nulls=None, force: bool = False, pro
                         f"e.g. dataset[{sorted(table)[0]!r}]")
     if _is_hugging_face_dataset(table):
         return _import(table.data.schema, _hugging_face_batches(table), table.num_rows, out, columns, nulls, force,
-                       progress, threads)
+                       progress, threads, fixed, skip_unsupported)
     if isinstance(table, pa.RecordBatchReader):
         table = table.read_all()  # A stream is read once: its batches must be held to go column by column.
     if not isinstance(table, pa.Table):
         raise TypeError(f"from_arrow takes a pyarrow Table, RecordBatchReader or datasets.Dataset, got "
                         f"{type(table).__name__}")
     return _import(table.schema, lambda column: iter(table.column(column).chunks), table.num_rows, out, columns,
-                   nulls, force, progress, threads)
+                   nulls, force, progress, threads, fixed, skip_unsupported)
 
 
 # A Hugging Face dataset with an indices mapping is read this many rows at a time (each
@@ -138,31 +150,182 @@ def _expand(paths) -> list[str]:
     return found
 
 
-def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progress: bool, threads) -> dict[str, str]:
+def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progress: bool, threads,
+            fixed=None, skip_unsupported: bool = False) -> dict[str, str]:
     out = pathlib.Path(out)
     check_output_directory(out)
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
     names = _check_columns(schema, columns)
-    nulls = dict(nulls or {})
-    unknown = sorted(set(nulls) - set(names))
+    fixed = set(fixed or ())
+    unknown = sorted(fixed - set(names))
     if unknown:
-        raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {names})")
-    plans = {name: _column_plan(name, schema.field(name).type, nulls.get(name)) for name in names}
+        raise StorageError(f"fixed= names {unknown}, which are not imported columns (imported: {names})")
+    features = _hugging_face_features(schema)
+    outputs, skipped = [], {}
+    for name in names:
+        try:
+            outputs += _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed)
+        except StorageError as error:
+            if not skip_unsupported:
+                raise StorageError(f"{error}; or skip such columns with skip_unsupported=True (--skip-columns)") \
+                    from None
+            skipped[name] = str(error)
+    if not outputs:
+        raise StorageError(f"no column can be imported (skipped: {skipped})")
+    fields = [output.field for output in outputs]
+    for output in outputs:
+        if fields.count(output.field) > 1:
+            raise StorageError(f"column {output.column!r} would write the field {output.field!r}, which another "
+                               f"column writes too; rename one of them")
+        problem = file_name_problem(output.field)
+        if problem is not None:
+            raise StorageError(f"column {output.column!r}: its field name {output.field!r} {problem}")
+    nulls = dict(nulls or {})
+    unknown = sorted(set(nulls) - set(fields))
+    if unknown:
+        raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {fields})")
+    plans = {output.field: _column_plan(output.field, output.arrow_type, nulls.get(output.field), output.fixed)
+             for output in outputs}
     if rows == 0:
         raise StorageError(f"{out}: the source has no rows; a field needs at least one")
     from tqdm import tqdm
 
     with publishing(out) as temporary:
-        bar = tqdm(total=rows * len(names), desc=f"import {out.name}", unit="value", disable=not progress,
+        bar = tqdm(total=rows * len(outputs), desc=f"import {out.name}", unit="value", disable=not progress,
                    leave=False)
-        workers = threads or min(len(names), max(1, len(os.sched_getaffinity(0))))
+        workers = threads or min(len(outputs), max(1, len(os.sched_getaffinity(0))))
         with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {name: pool.submit(_write_column, temporary, name, plans[name], batches(name), rows, bar)
-                       for name in names}
-            written = {name: future.result() for name, future in futures.items()}
+            futures = {output.field: pool.submit(_write_column, temporary, output.field, plans[output.field],
+                                                 map(output.extract, batches(output.column)), rows, bar)
+                       for output in outputs}
+            written = {field: future.result() for field, future in futures.items()}
         bar.close()
-    return {name: str(out / written[name]) for name in names}
+        _write_description(temporary, outputs, written, skipped)
+    return {field: str(out / written[field][0]) for field in fields}
+
+
+# What an import writes beside its fields: every field's column, Arrow type, file and
+# notes (time units, class names, one length throughout), and the columns it skipped.
+COLUMNS_FILE = "columns.json"
+# Class names of Hugging Face ClassLabel columns, {column: [name of class 0, ...]}.
+CLASSES_FILE = "classes.json"
+
+
+def _write_description(directory: pathlib.Path, outputs, written: dict, skipped: dict) -> None:
+    import json
+
+    described = {}
+    for output in outputs:
+        file, notes = written[output.field]
+        described[output.field] = {"column": output.column, "arrow_type": output.source_type, "file": file,
+                                   **output.notes, **notes}
+    with open(directory / COLUMNS_FILE, "w") as handle:
+        json.dump({"fields": described, "skipped": skipped}, handle, indent=1)
+    classes = {output.field: output.notes["classes"] for output in outputs if "classes" in output.notes}
+    if classes:
+        with open(directory / CLASSES_FILE, "w") as handle:
+            json.dump(classes, handle, indent=1)
+
+
+class _Output:
+    """One field an import writes: from which column, how each chunk of that column
+    becomes the array written (`extract`), its Arrow type then, and notes for columns.json."""
+
+    def __init__(self, field: str, column: str, arrow_type, extract, source_type, notes=None, fixed=False) -> None:
+        self.field, self.column, self.arrow_type, self.extract = field, column, arrow_type, extract
+        self.source_type, self.notes, self.fixed = str(source_type), dict(notes or {}), fixed
+
+
+def _hugging_face_features(schema) -> dict:
+    """{column: feature} from the Hugging Face metadata an Arrow or Parquet schema carries
+    (datasets writes it), or {}."""
+    import json
+
+    metadata = schema.metadata or {}
+    try:
+        info = json.loads(metadata.get(b"huggingface", b"{}"))
+    except ValueError:
+        return {}
+    features = info.get("info", {}).get("features", {})
+    return features if isinstance(features, dict) else {}
+
+
+def _identity(chunk):
+    return chunk
+
+
+def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Output]:
+    """The fields a column becomes: itself, or (a Hugging Face Image) its bytes and path;
+    extension, dictionary and time types as their storage, decoded values or integers."""
+    import pyarrow as pa
+    import pyarrow.types as types
+
+    source_type = arrow_type
+    notes = {}
+    if feature.get("_type") == "ClassLabel" and isinstance(feature.get("names"), list):
+        notes["classes"] = [str(label) for label in feature["names"]]
+    if isinstance(arrow_type, pa.ExtensionType):
+        shape = getattr(arrow_type, "shape", None)
+        value_type = getattr(arrow_type, "value_type", None)
+        if shape is not None and value_type is not None:  # Hugging Face Array2D .. Array5D: a fixed shape.
+            target = pa.from_numpy_dtype(np.dtype(value_type)) if isinstance(value_type, str) else value_type
+            for extent in reversed(tuple(shape)):
+                target = pa.list_(target, int(extent))
+            return [_Output(name, name, target, lambda chunk, target=target: _cast_shape(name, chunk.storage, target),
+                            source_type, notes)]
+        return _outputs_of_storage(name, arrow_type.storage_type, lambda chunk: chunk.storage, source_type, notes,
+                                   feature, fixed)
+    return _outputs_of_storage(name, arrow_type, _identity, source_type, notes, feature, fixed)
+
+
+def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fixed) -> list[_Output]:
+    import pyarrow as pa
+    import pyarrow.types as types
+
+    if types.is_dictionary(arrow_type):  # pandas' category: the values, decoded.
+        return _outputs_of_storage(name, arrow_type.value_type, lambda chunk: first(chunk).dictionary_decode(),
+                                   source_type, notes, feature, fixed)
+    if types.is_timestamp(arrow_type) or types.is_date(arrow_type) or types.is_time(arrow_type) \
+            or types.is_duration(arrow_type):
+        width = arrow_type.bit_width
+        integer = pa.int32() if width == 32 else pa.int64()
+        return [_Output(name, name, pa.int64(), lambda chunk: first(chunk).view(integer).cast(pa.int64()),
+                        source_type, {**notes, "unit": str(arrow_type), "stored_as": "int64"})]
+    if types.is_decimal(arrow_type):
+        raise StorageError(f"column {name!r}: {arrow_type} has no exact field form; cast it first (to float64, or to "
+                           f"int64 in units of 10**-{arrow_type.scale})")
+    if types.is_struct(arrow_type) and _image_struct(arrow_type, feature):
+        return [_Output(name, name, arrow_type.field("bytes").type,
+                        lambda chunk: _struct_child(first(chunk), "bytes"), source_type, {**notes, "image": True}),
+                _Output(f"{name}_path", name, arrow_type.field("path").type,
+                        lambda chunk: _struct_child(first(chunk), "path"), source_type, {"path_of": name})]
+    return [_Output(name, name, arrow_type, first, source_type, notes, fixed)]
+
+
+def _image_struct(arrow_type, feature: dict) -> bool:
+    """A Hugging Face Image(): a struct of the encoded bytes and the file's path."""
+    names = sorted(arrow_type.field(index).name for index in range(arrow_type.num_fields))
+    return names == ["bytes", "path"] and (feature.get("_type") == "Image" or not feature)
+
+
+def _struct_child(chunk, child: str):
+    """A child of a struct chunk, null where the struct itself is null."""
+    import pyarrow.compute as pc
+
+    values = pc.struct_field(chunk, child)
+    return values if chunk.null_count == 0 else pc.if_else(chunk.is_null(), None, values)
+
+
+def _cast_shape(name: str, chunk, target):
+    """Nested lists as nested fixed-size lists of `target`'s shape, or an error naming the
+    first row of another shape."""
+    import pyarrow as pa
+
+    try:
+        return chunk.cast(target)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise StorageError(f"column {name!r}: a row's lists do not have the shape {target} ({error})") from None
 
 
 def _check_columns(schema, columns) -> list[str]:
@@ -198,8 +361,13 @@ class _ColumnPlan:
         self.kind, self.dtype, self.shape, self.null, self.text = kind, dtype, shape, null, text
 
 
-def _column_plan(name: str, arrow_type, null) -> _ColumnPlan:
+def _column_plan(name: str, arrow_type, null, fixed: bool = False) -> _ColumnPlan:
     plan = _column_form(name, arrow_type, null)
+    if fixed:
+        if plan.kind != "ragged" or plan.text:
+            raise StorageError(f"column {name!r}: fixed= takes variable-length list columns, and this one is "
+                               f"{arrow_type}")
+        plan = _ColumnPlan("fixed", plan.dtype, None, null)  # (rows, length): the length from the data.
     if plan.kind == "ragged" and null not in (None, "empty"):
         raise StorageError(f"column {name!r}: nulls of a list, string or binary column map to \"empty\" only, got "
                            f"{null!r}")
@@ -263,9 +431,10 @@ def _check_nulls(name: str, chunk, first_row: int, plan: _ColumnPlan):
     return pc.fill_null(chunk, empty)
 
 
-def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> str:
+def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> tuple[str, dict]:
+    """Writes one field; returns its file name and notes (a list column of one length)."""
     if plan.kind == "fixed":
-        return _write_fixed(directory, name, plan, chunks, rows, bar)
+        return _write_fixed(directory, name, plan, chunks, rows, bar), {}
     import pyarrow as pa
 
     from .convert import RecordChunk, write_ragged
@@ -290,28 +459,59 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
                 values = items.to_numpy(zero_copy_only=False).astype(plan.dtype, copy=False)
                 offsets = offsets - offsets[0]
             # The chunk's records at once: no Python object per record.
-            yield RecordChunk(values[int(offsets[0]):int(offsets[-1])], np.diff(offsets))
+            lengths = np.diff(offsets)
+            if len(lengths):
+                extremes[0], extremes[1] = min(extremes[0], int(lengths.min())), max(extremes[1], int(lengths.max()))
+            yield RecordChunk(values[int(offsets[0]):int(offsets[-1])], lengths)
             first += len(chunk)
             bar.update(len(chunk))
 
+    extremes = [1 << 63, -1]  # The shortest and the longest record.
     path = field_file(directory, name, ".ragged", f"column {name!r}")
     write_ragged(path, records(), codec="lz4" if not plan.text else "auto")
-    return path.name
+    one_length = not plan.text and extremes[0] == extremes[1]
+    return path.name, ({"one_length": extremes[0]} if one_length else {})
 
 
 def _write_fixed(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> str:
     path = field_file(directory, name, ".npy", f"column {name!r}")
-    written = 0
+    written, shape = 0, plan.shape
     with open(path, "wb") as handle:
-        handle.write(_npy_header(plan.dtype, (rows, *plan.shape)))
+        handle.write(_npy_header(plan.dtype, (rows, *(shape or ()))))
         for chunk in chunks:
-            handle.write(_fixed_values(name, chunk, written, plan).tobytes())
+            if plan.shape is None:  # fixed=: lists of one length, as fixed-size lists of it.
+                chunk, shape = _as_fixed_lists(name, chunk, written, shape)
+                if shape is None:
+                    raise StorageError(f"column {name!r}: rows {written}..{written + len(chunk) - 1} are all null, so "
+                                       f"fixed= cannot learn the lists' length from them")
+            handle.write(_fixed_values(name, chunk, written, _ColumnPlan("fixed", plan.dtype, shape, plan.null))
+                         .tobytes())
             written += len(chunk)
             bar.update(len(chunk))
-        if written != rows:  # A source whose metadata miscounted: the header says what was written.
+        if written != rows or shape != plan.shape:  # Rows miscounted by the metadata, or a length found.
             handle.seek(0)
-            handle.write(_npy_header(plan.dtype, (written, *plan.shape)))
+            handle.write(_npy_header(plan.dtype, (written, *shape)))
     return path.name
+
+
+def _as_fixed_lists(name: str, chunk, first_row: int, shape):
+    """A chunk of a variable-length list column as fixed-size lists of the column's one
+    length (that of its first non-null row, or `shape`'s); a row of another length is
+    refused, naming it."""
+    import pyarrow as pa
+
+    lengths = np.asarray(chunk.value_lengths().fill_null(-1))
+    if shape is None:
+        present = lengths[lengths >= 0]
+        if not present.size:
+            return chunk, shape
+        shape = (int(present[0]),)
+    other = np.flatnonzero((lengths >= 0) & (lengths != shape[0]))
+    if other.size:
+        row = int(other[0])
+        raise StorageError(f"column {name!r}: row {first_row + row} holds {int(lengths[row])} items, row(s) before it "
+                           f"{shape[0]}; fixed= needs one length throughout (import it as a ragged field instead)")
+    return chunk.cast(pa.list_(chunk.type.value_type, shape[0])), shape
 
 
 def _fixed_values(name: str, chunk, first_row: int, plan: _ColumnPlan) -> np.ndarray:

@@ -332,3 +332,89 @@ def test_a_webdataset_import_whose_last_write_fails_raises_instead_of_hanging(tm
         from_webdataset(tmp_path / "shard.tar", tmp_path / "out", progress=False)
     monkeypatch.setattr(convert_module, "write_ragged", real)
     assert sorted(os.listdir(tmp_path)) == ["shard.tar"]
+
+
+# The data users bring (round 4): Hugging Face features and pandas/Arrow types.
+
+def _ragged_records(path: str) -> list[bytes]:
+    import blosc2
+
+    values = blosc2.open(os.path.join(path, "values.b2nd"))[...]
+    offsets = blosc2.open(os.path.join(path, "offsets.b2nd"))[...]
+    return [values[a:b].tobytes() for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def test_a_hugging_face_dataset_with_image_classlabel_and_array2d_imports_as_datasets_reads_it(tmp_path):
+    import json
+
+    datasets = pytest.importorskip("datasets")
+    Image = pytest.importorskip("PIL.Image")
+    import io
+
+    rng = np.random.default_rng(2)
+    pictures = []
+    for index in range(12):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (6 + index, 7, 3), dtype=np.uint8)).save(buffer, format="PNG")
+        pictures.append({"bytes": buffer.getvalue(), "path": f"img{index}.png"})
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["cat", "dog", "owl"]),
+                                  "grid": datasets.Array2D((2, 3), "float32")})
+    grids = [rng.standard_normal((2, 3)).astype(np.float32) for _ in range(12)]
+    dataset = datasets.Dataset.from_dict({"image": pictures, "label": [i % 3 for i in range(12)], "grid": grids},
+                                         features=features).shuffle(seed=1)
+    paths = from_arrow(dataset, tmp_path / "out", progress=False)
+    assert sorted(paths) == ["grid", "image", "image_path", "label"]
+    plain = dataset.cast_column("image", datasets.Image(decode=False))  # datasets' own read of the bytes.
+    assert _ragged_records(paths["image"]) == [row["bytes"] for row in plain["image"]]
+    assert [p.decode() for p in _ragged_records(paths["image_path"])] == [row["path"] for row in plain["image"]]
+    assert np.load(paths["label"]).tolist() == dataset["label"]
+    np.testing.assert_array_equal(np.load(paths["grid"]), np.array(dataset.with_format("numpy")["grid"]))
+    assert json.loads((tmp_path / "out" / "classes.json").read_text()) == {"label": ["cat", "dog", "owl"]}
+    described = json.loads((tmp_path / "out" / "columns.json").read_text())["fields"]
+    assert described["image"]["image"] and described["image_path"]["path_of"] == "image"
+    # The image transforms read the imported bytes directly.
+    with ShmDataLoader({"image": Packed(paths["image"]), "label": paths["label"]}, batch_size=4,
+                       transform="shmloader.transforms.images:evaluate", transform_args={"size": 8, "resize": 8},
+                       readers=0, mode="sequential") as loader:
+        assert next(loader)["image"].shape == (4, 8, 8, 3)
+
+
+def test_parquet_with_dictionary_time_fixed_list_and_decimal_columns(tmp_path, capsys):
+    import datetime
+    import decimal
+    import json
+
+    from shmloader.cli import main
+
+    rows = 50
+    stamps = [datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=7 * i)
+              for i in range(rows)]
+    table = pa.table({
+        "kind": pa.array([["a", "bb", "c"][i % 3] for i in range(rows)]).dictionary_encode(),
+        "when": pa.array(stamps, type=pa.timestamp("us", tz="UTC")),
+        "day": pa.array([datetime.date(2026, 1, 1 + i % 28) for i in range(rows)], type=pa.date32()),
+        "pixels": pa.array([[i, i + 1, i + 2, i + 3] for i in range(rows)], type=pa.list_(pa.int16())),
+        "vec": pa.array([[i, -i] for i in range(rows)], type=pa.list_(pa.float32(), 2)),
+        "price": pa.array([decimal.Decimal(i) / 4 for i in range(rows)], type=pa.decimal128(10, 2)),
+    })
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=16)
+    with pytest.raises(StorageError, match=r"column 'price': decimal128\(10, 2\) has no exact field form.*"
+                                           r"--skip-columns"):
+        from_parquet(tmp_path / "t.parquet", tmp_path / "out", progress=False)
+    assert main(["import", "parquet", str(tmp_path / "t.parquet"), str(tmp_path / "out"), "--skip-columns",
+                 "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped column 'price'" in printed and "--fixed pixels stores it as an (N, 4) array" in printed
+    out = tmp_path / "out"
+    assert _ragged_records(str(out / "kind.ragged")) == [value.encode() for value in table["kind"].to_pylist()]
+    assert np.load(out / "when.npy").tolist() == table["when"].cast(pa.int64()).to_pylist()
+    assert np.load(out / "day.npy").tolist() == table["day"].cast(pa.int32()).to_pylist()
+    np.testing.assert_array_equal(np.load(out / "vec.npy"), np.array(table["vec"].to_pylist(), np.float32))
+    described = json.loads((out / "columns.json").read_text())
+    assert described["fields"]["when"]["unit"] == "timestamp[us, tz=UTC]" and "price" in described["skipped"]
+    paths = from_parquet(tmp_path / "t.parquet", tmp_path / "fixed", columns=["pixels"], fixed=["pixels"],
+                         progress=False)
+    np.testing.assert_array_equal(np.load(paths["pixels"]), np.array(table["pixels"].to_pylist(), np.int16))
+    uneven = pa.table({"t": pa.array([[1, 2], [3, 4], [5]], type=pa.list_(pa.int64()))})
+    with pytest.raises(StorageError, match=r"column 't': row 2 holds 1 items, row\(s\) before it 2"):
+        from_arrow(uneven, tmp_path / "uneven", fixed=["t"], progress=False)
