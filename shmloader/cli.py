@@ -1,4 +1,5 @@
-"""The `shmloader` command (also `python -m shmloader`): demo, convert, inspect and bench."""
+"""The `shmloader` command (also `python -m shmloader`): demo, convert, import, inspect, verify,
+bench and top."""
 
 from __future__ import annotations
 
@@ -190,6 +191,12 @@ def _verify(arguments) -> int:
     return 0
 
 
+def _top(arguments) -> int:
+    from .monitor import run
+
+    return run(arguments.rings or None, interval_s=arguments.interval, once=arguments.once)
+
+
 def _bench(arguments) -> int:
     from .benchmark import run_cli
 
@@ -292,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
                       _verify)
     verify.add_argument("file", help="a .b2nd file written by shmloader convert, or a ragged field directory")
     verify.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    top = _command(commands, "top", "a live view of every loader on this machine (or of the rings named), read "
+                                    "from their rings: slots, readers, rows/s", _top)
+    top.add_argument("rings", nargs="*", help="ring names (loader.ring_name) to show; default: all")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    top.add_argument("--once", action="store_true", help="print one sample and exit")
 
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="one per field: a .b2nd or .npy file, a quoted glob of them, or a "

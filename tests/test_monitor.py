@@ -1,0 +1,104 @@
+"""`shmloader top`: run under a real pseudo-terminal against a live loader, the screen shows
+the loader's ring, each reader's pid, rows/s, the slot states, and a reader restart; it
+reads the rings only; Ctrl-C ends it."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from shmloader import ShmDataLoader
+from shmloader import pool as readers
+from shmloader.monitor import Monitor, render_text
+
+
+def _screen_until(master: int, pattern: str, timeout: float) -> str:
+    """What the terminal received until `pattern` appears (or the time-out)."""
+    received, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                received += os.read(master, 65536)
+            except OSError:
+                break
+            if re.search(pattern, received.decode(errors="replace")):
+                break
+    return received.decode(errors="replace")
+
+
+def _terminal_session() -> None:
+    """In the child: a session of its own whose controlling terminal is the pty on its
+    stdin, so that a typed Ctrl-C reaches it as SIGINT."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+@pytest.fixture
+def live_loader(tmp_path, monkeypatch):
+    monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
+    np.save(tmp_path / "x.npy", np.arange(4000 * 8, dtype=np.float32).reshape(4000, 8))
+    loader = ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=32, readers=2, slots=6)
+    stop = threading.Event()
+
+    def consume():
+        while not stop.is_set():
+            batch = next(loader)
+            del batch
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    yield loader
+    stop.set()
+    thread.join(10)
+    loader.close()
+
+
+def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
+    master, slave = pty.openpty()
+    process = subprocess.Popen([sys.executable, "-m", "shmloader", "top", "--interval", "0.2"], stdin=slave,
+                               stdout=slave, stderr=slave, close_fds=True, preexec_fn=_terminal_session)
+    os.close(slave)
+    try:
+        pids = live_loader.reader_pids
+        screen = _screen_until(master, rf"pid\s+{pids[1]}", 30)
+        assert live_loader.ring_name.lstrip("/") in screen, screen[-2000:]
+        assert re.search(rf"reader 0: pid\s+{pids[0]}", screen) and re.search(rf"reader 1: pid\s+{pids[1]}", screen)
+        assert re.search(r"[1-9][\d,]* rows/s", _screen_until(master, r"[1-9][\d,]* rows/s", 20))
+        os.kill(pids[0], signal.SIGKILL)
+        assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
+        screen = _screen_until(master, r"restarts [1-9]", 20)
+        assert re.search(r"restarts [1-9]", screen), screen[-2000:]
+        os.write(master, b"\x03")  # Ctrl-C, as a user would type it.
+        assert process.wait(10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(master)
+
+
+def test_the_view_reads_states_and_a_gone_trainers_ring(live_loader, tmp_path):
+    monitor = Monitor([live_loader.ring_name])
+    monitor.refresh()
+    time.sleep(0.3)
+    monitor.refresh()
+    (view,) = monitor.views.values()
+    assert view.last.trainer_pid == os.getpid() and view.last.trainer_alive
+    assert len(view.last.states) == live_loader.slots and view.rows_per_s > 0
+    assert "trainer" in render_text(monitor) and "(alive)" in render_text(monitor)
+    assert Monitor(["shml_1_000000000000"]).views == {}  # A name that is not there shows nothing.
