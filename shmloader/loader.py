@@ -219,6 +219,14 @@ class ShmDataLoader(cursor_module.Cursor):
     # or waits for it); it calls _supervise only to check readers and raise errors.
 
     def __iter__(self) -> ShmDataLoader:
+        """The loader itself. A finite pass that has ended is not restarted and does not
+        iterate as empty: it raises, saying how to get another pass."""
+        if self.finite is not None and self._next_step >= self.finite.steps and self._active:
+            raise RuntimeError(
+                f"this loader's pass (epochs={self.finite.epochs}, {self.finite.steps} steps) has ended; a pass is not "
+                f"restarted, since its order would repeat. For more passes give epochs=N up front (each epoch in "
+                f"its own order), or an endless loader (epochs=None) with your own step count; seek(0) replays "
+                f"this pass knowingly")
         return self
 
     def _raise_if_closed(self) -> None:

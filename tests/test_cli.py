@@ -339,3 +339,18 @@ def test_bench_runs_with_readers_zero_and_refuses_negative_counts(dataset, capsy
     with pytest.raises(SystemExit):
         main(["bench", "x.npy", "--readers", "-1"])
     assert "must be at least 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, module", [("train_lightning", "lightning"), ("train_hf_trainer", "transformers")])
+def test_the_framework_examples_train_on_the_cpu(name, module, tmp_path, monkeypatch):
+    """Lightning (a LightningDataModule, a fresh pass per epoch) and Hugging Face's Trainer
+    (get_train_dataloader overridden) train from shmloader.torch.TorchLoader."""
+    pytest.importorskip(module)
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main() > 0.3  # Ten classes: chance is 0.1.
+    import gc
+
+    gc.collect()  # The frameworks drop their dataloader when training ends; its loader closes with it.

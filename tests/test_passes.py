@@ -65,6 +65,18 @@ def test_an_evaluation_pass_gives_every_row_once_in_order(data, kind, readers):
             next(loader)
 
 
+def test_iterating_a_finished_pass_again_raises_instead_of_giving_no_batch(data):
+    """Before: a second `for batch in loader` over an ended pass gave 0 batches, silently
+    (a framework that iterates its dataloader once per epoch trained on nothing)."""
+    with ShmDataLoader(fields_of(data, "rows"), batch_size=256, mode="sequential", epochs=1, readers=1) as loader:
+        assert sum(1 for _ in loader) == 8
+        with pytest.raises(RuntimeError, match=r"pass \(epochs=1, 8 steps\) has ended"):
+            for _ in loader:
+                pass
+        loader.seek(0)  # Replaying the pass is asked for by name.
+        assert sum(1 for _ in loader) == 8
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_shards_split_an_evaluation_pass_exactly_with_the_same_steps(data, shards):
     counts, union = [], []
