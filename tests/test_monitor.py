@@ -102,3 +102,28 @@ def test_the_view_reads_states_and_a_gone_trainers_ring(live_loader, tmp_path):
     assert len(view.last.states) == live_loader.slots and view.rows_per_s > 0
     assert "trainer" in render_text(monitor) and "(alive)" in render_text(monitor)
     assert Monitor(["shml_1_000000000000"]).views == {}  # A name that is not there shows nothing.
+
+
+def test_stats_scrape_as_prometheus_metrics(tmp_path):
+    prometheus = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from shmloader.metrics import register
+
+    np.save(tmp_path / "x.npy", np.zeros((400, 4), np.float32))
+    registry = prometheus.CollectorRegistry()
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=8, readers=2) as loader:
+        register(loader, registry)
+        for _ in range(30):
+            next(loader)
+        samples = {(sample.name, sample.labels.get("reader")): sample.value
+                   for family in text_string_to_metric_families(prometheus.generate_latest(registry).decode())
+                   for sample in family.samples}
+        ring = loader.ring_name.lstrip("/")
+        stats = loader.stats()
+        text = prometheus.generate_latest(registry).decode()
+    assert samples[("shmloader_batches_total", None)] == 30 and samples[("shmloader_rows_total", None)] == 240
+    assert samples[("shmloader_shared_memory_bytes", None)] == stats["shared_memory_bytes"]
+    assert sum(samples[("shmloader_reader_batches_total", str(k))] for k in range(2)) >= 30
+    assert text.count(f'ring="{ring}"') > 5
+    assert "shmloader_batches" not in prometheus.generate_latest(registry).decode()  # Closed: reported no more.
