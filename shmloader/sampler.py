@@ -152,7 +152,11 @@ class Sampler:
             check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
             if mode != "shuffle":
                 raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
-            window_blocks = window_blocks_of(shuffle_window, self.block_rows, self.length)
+            # A window that covers the data holds all of it at once: the global shuffle is
+            # then its order (a block-local one would keep the block order as its only
+            # locality, and a batch of sorted data far fewer labels than the global one).
+            if shuffle_window < self.length:
+                window_blocks = window_blocks_of(shuffle_window, self.block_rows, self.length)
         self.blocks_per_window = window_blocks
         # Each shard reads only its share of the blocks (see the class docstring).
         self.shard_blocks = bool(window_blocks) and self.shard_count > 1

@@ -104,7 +104,8 @@ class MixtureSampler:
                     raise ValueError(f"source {index}: a fixed subset (fixed=True, fraction < 1) is not supported with "
                                      f"shuffle_window yet (its own order would read its windows at random); use "
                                      f"fixed=False, fraction=1, or no shuffle_window")
-            self.window_blocks = [window_blocks_of(shuffle_window, rows, length)
+            # A source the window covers runs the global shuffle (see Sampler).
+            self.window_blocks = [window_blocks_of(shuffle_window, rows, length) if shuffle_window < length else 0
                                   for rows, length in zip(self.block_rows, self.lengths)]
         # Nonzero with a window: the field readers then keep the kernel's read-around.
         self.blocks_per_window = max(self.window_blocks)

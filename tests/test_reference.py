@@ -227,12 +227,13 @@ def test_every_row_comes_once_per_epoch_across_shards(rows, batch_size, shard_co
         steps = -(-2 * epoch // batch_size)
         stream = np.concatenate([sampler.fill(step) for step in range(steps)])
         per_shard.append((stream, epoch))
-    if window is None:  # Shards interleave one global stream: batch k of shard h is its h-th share.
+    if not samplers[0].shard_blocks:  # Shards interleave one global stream: batch k of shard h is its h-th share.
         global_stream = np.stack([stream[:len(per_shard[0][0])].reshape(-1, batch_size) for stream, _ in per_shard],
                                  axis=1).reshape(-1)
         for epoch in range(2):
             assert sorted(global_stream[epoch * rows:(epoch + 1) * rows].tolist()) == list(range(rows))
-    else:  # Each shard has its own share of blocks, dealt anew each epoch: the shares partition the rows.
+    else:  # A window smaller than the data: each shard has its own share of blocks, dealt anew each
+        # epoch, and the shares partition the rows.
         for number in range(2):
             shares = np.concatenate([stream[number * epoch:(number + 1) * epoch] for stream, epoch in per_shard])
             assert sorted(shares.tolist()) == list(range(rows)), number
