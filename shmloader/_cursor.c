@@ -318,7 +318,7 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     if (started_ns != 0) {
         self->wait_ns += monotonic_ns() - started_ns;
     }
-    if (batch->step >= self->partial_from) { /* The rare end of a finite pass: Python cuts it. */
+    if (batch->step >= self->partial_from) { /* The end of a finite pass, or a resumed first step: Python cuts it. */
         PyObject *cut = PyObject_CallFunctionObjArgs(self->partial, (PyObject *)self, (PyObject *)batch, NULL);
         Py_DECREF(batch);
         return cut;
@@ -875,6 +875,8 @@ static PyMethodDef cursor_methods[] = {
 
 static PyMemberDef cursor_members[] = {
     {"_next_step", T_ULONGLONG, offsetof(Cursor, next_step), 0, "the step next() delivers next"},
+    {"_partial_from", T_ULONGLONG, offsetof(Cursor, partial_from), 0,
+     "the first step handed to partial() (the end of a finite pass, or a resumed first step)"},
     {"_batches", T_ULONGLONG, offsetof(Cursor, batches), READONLY, "batches delivered"},
     {"_wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent waiting for data, ns"},
     {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,

@@ -4,6 +4,7 @@ continues (a checkpoint of other data, settings or transform is refused, saying 
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
 
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
 # order that dealt whole windows one after another (checkpoints without this key) was
@@ -11,10 +12,42 @@ import collections.abc
 SHUFFLE_ORDER = "sliding"
 
 
-def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None) -> dict:
-    """The next step to deliver, the sampler's settings, the sources' description, and a
+# What a checkpoint's "position" counts: positions of the global stream every shard reads
+# a block of each step ("global"), or of each shard's own stream (a shuffle window split
+# among shards: "shard").
+GLOBAL, SHARD = "global", "shard"
+# Settings a checkpoint may be loaded under with other values: the position it names is
+# continued (elastic resume).
+ELASTIC_SETTINGS = ("batch_size", "shard_count", "shard_index")
+
+
+def position_of(sampler, next_step: int) -> tuple[int, str]:
+    """(position, kind): where the stream stands before `next_step`, the same on every
+    shard (each shard's next step is the same): the start of its global batch, or of the
+    shard's own batch where each shard reads its own stream."""
+    if getattr(sampler, "shard_blocks", False):
+        return next_step * sampler.batch_size, SHARD
+    return next_step * sampler.batch_size * sampler.shard_count, GLOBAL
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """A checkpoint continued under another batch size or shard count: the stream goes on
+    from `position`; `step` is the new numbering's step holding it, of which the rows before
+    `position` are cut (a first, shorter step)."""
+
+    position: int
+    kind: str
+    step: int
+
+
+def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None, position: int | None = None) -> dict:
+    """The next step to deliver, the position it stands at (`position` when a resume's
+    first step is still ahead), the sampler's settings, the sources' description, and a
     finite pass's epochs and drop_last."""
-    state = {"step": next_step, **sampler.to_dict(), "sources": sources}
+    found, kind = position_of(sampler, next_step)
+    state = {"step": next_step, "position": max(found, position or 0), "position_kind": kind, **sampler.to_dict(),
+             "sources": sources}
     if finite is not None:
         state.update(finite.to_dict())
     if transform is not None:
@@ -51,10 +84,48 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
     mismatched = {key: (_recorded(state, key), value) for key, value in expected.items()
                   if _recorded(state, key) != value}
-    if mismatched:
-        details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in mismatched.items())
+    elastic = {key for key in mismatched if key in ELASTIC_SETTINGS}
+    fixed = {key: values for key, values in mismatched.items() if key not in ELASTIC_SETTINGS}
+    if fixed:
+        details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in fixed.items())
         raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
-    return state.get("step")
+    if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
+        step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
+        global_batch = sampler.batch_size * (1 if getattr(sampler, "shard_blocks", False) else sampler.shard_count)
+        position = state.get("position")
+        if isinstance(step, int) and isinstance(position, int) and 0 < position - step * global_batch < global_batch:
+            return Resume(position, state.get("position_kind", GLOBAL), step)
+        return step
+    return _elastic(state, sampler, elastic)
+
+
+def _elastic(state, sampler, changed: set) -> Resume:
+    """Where a checkpoint taken under another batch size or shard count continues here."""
+    if "position" in state:
+        position, kind = state["position"], state.get("position_kind", GLOBAL)
+    else:  # Written before positions were recorded: the same arithmetic, from its own settings.
+        step, batch, shards = state["step"], state["batch_size"], state["shard_count"]
+        kind = SHARD if state.get("shuffle_window") is not None and shards > 1 and \
+            getattr(sampler, "shard_blocks", False) else GLOBAL
+        position = step * batch * (1 if kind == SHARD else shards)
+    if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+        raise ValueError(f"the checkpoint's position must be a non-negative integer, got {position!r}")
+    step, batch, shards = state.get("step"), state.get("batch_size"), state.get("shard_count")
+    if all(isinstance(value, int) for value in (step, batch, shards)):
+        recorded_batch = batch * (1 if kind == SHARD else shards)
+        if not step * recorded_batch <= position < (step + 1) * recorded_batch:
+            raise ValueError(f"the checkpoint's step {step} and position {position} disagree (a step of its "
+                             f"{recorded_batch} positions holds {step * recorded_batch} to "
+                             f"{(step + 1) * recorded_batch - 1}); pass the state_dict() as it was")
+    mine = SHARD if getattr(sampler, "shard_blocks", False) else GLOBAL
+    if kind != mine or (kind == SHARD and "shard_count" in changed):
+        raise ValueError(
+            f"the checkpoint was made with shard_count={state.get('shard_count')} and this loader has "
+            f"shard_count={sampler.shard_count}, with shuffle_window={sampler.shuffle_window}: each shard reads its "
+            f"own share of the blocks then, and continuing under another shard count is not supported yet. Resume "
+            f"with the checkpoint's shard_count (its batch_size may change)")
+    global_batch = sampler.batch_size * (1 if kind == SHARD else sampler.shard_count)
+    return Resume(position, kind, position // global_batch)
 
 
 # Settings added after checkpoints were first written, and the value a checkpoint without

@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 
 from .batch import Batch, CursorConfig, cursor_module, weak_method
-from .checkpoint import state_of, step_to_resume
+from .checkpoint import Resume, position_of, state_of, step_to_resume
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
 from .filler import ON_ERROR, FillerSpec
 from .lifecycle import Resources, live_loaders
@@ -20,7 +20,7 @@ from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seco
 from .pool import ReaderPool
 from .reader import ReaderConfig
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, sweep_stale
-from .sampler import STEP_MAX, check_integer
+from .sampler import STEP_MAX, check_integer, global_position
 from .supervision import Supervisor
 
 # The trainer also checks its readers every this many batches when it never has to wait.
@@ -125,7 +125,8 @@ class ShmDataLoader(cursor_module.Cursor):
             self.slots = default_slots(self._fillers, self.slot.nbytes)
         self.finite = None if self._epochs is None else FinitePass.of(self.sampler, self._epochs, self.drop_last)
         self._end_step = ENDLESS if self.finite is None else self.finite.steps
-        self._short_rows = 0  # rows the partial batches of a finite pass left out
+        self._short_rows = 0  # rows the partial batches of a finite pass (or a resumed first step) left out
+        self._resume = None  # an elastic resume's position, until its first step is delivered
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", start_step, 0, min(self.sampler.step_max - self.slots, self._end_step))
         if warn_layout:
@@ -195,12 +196,26 @@ class ShmDataLoader(cursor_module.Cursor):
         return self.slot.views(self._ring.memory, self._layout.slot_offset(slot))
 
     def _partial(self, batch: Batch) -> Batch:
-        """Called by the native next() for a step of a finite pass that keeps fewer rows (the
-        last, or an empty one on a shard whose part ended): the batch over its rows only."""
-        rows = self.finite.rows(batch.step)
-        self._short_rows += self.batch_size - rows
+        """Called by the native next() for a step that keeps fewer rows: of a finite pass
+        (the last, or an empty one on a shard whose part ended), or the first step of a
+        checkpoint continued under another batch size or shard count (the rows before its
+        position were delivered before it). The batch over its rows only."""
+        rows = self.batch_size if self.finite is None else self.finite.rows(batch.step)
+        first = 0
+        if self._resume is not None and batch.step == self._resume.step:
+            sampler = self.sampler
+            start = batch.step * self.batch_size if getattr(sampler, "shard_blocks", False) else \
+                global_position(batch.step, self.batch_size, sampler.shard_index, sampler.shard_count)
+            first = max(0, min(self.batch_size, self._resume.position - start))
+            self._resume = None
+            self._partial_from = ENDLESS if self.finite is None else self.finite.partial_from
+        elif self.finite is None or batch.step < self.finite.partial_from:
+            return batch
+        self._short_rows += self.batch_size - max(0, rows - first)
+        if first == 0 and rows == self.batch_size:
+            return batch
         views = tuple(batch[name] for name in self.field_names) + (batch.indices,)
-        return self._batch_of(self.slot.cut(views, rows), batch.step)
+        return self._batch_of(self.slot.cut(views, rows, first), batch.step)
 
     def __len__(self) -> int:
         """The steps of a finite pass (epochs=...); an endless loader has no length."""
@@ -292,13 +307,28 @@ class ShmDataLoader(cursor_module.Cursor):
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,
         and a description of the sources (file lists as digests, rows, weights, fractions)."""
-        return state_of(self._next_step, self.sampler, self.sources, self.transform, self.finite)
+        position = None if self._resume is None else self._resume.position
+        return state_of(self._next_step, self.sampler, self.sources, self.transform, self.finite, position)
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (from state_dict()): the next batch is exactly the one
         recorded. A checkpoint of other sources or settings is refused, saying what changed;
-        one that lacks them (a bare {"step": n}) too: seek(n) says the same thing knowingly."""
-        self.seek(step_to_resume(state, self.sampler, self.sources, self.transform, self.finite))
+        one that lacks them (a bare {"step": n}) too: seek(n) says the same thing knowingly.
+
+        Taken under another batch_size or shard_count (elastic resume), it continues the
+        stream from the position it names: every row the interrupted run had not delivered
+        comes once across the new shards, and later epochs are whole. Where the position is
+        not the start of a new global batch, the first step (`state_dict()["step"]` of the
+        checkpoint's position in the new numbering) is cut to the rows from it: on the shard
+        that holds the position a shorter batch, on those before it an empty one."""
+        resume = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
+        if not isinstance(resume, Resume):
+            self.seek(resume)
+            return
+        self.seek(resume.step)
+        if resume.position > position_of(self.sampler, resume.step)[0]:
+            self._resume = resume
+            self._partial_from = resume.step
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.
@@ -320,6 +350,8 @@ class ShmDataLoader(cursor_module.Cursor):
         for slot in range(self.slots):
             self._pool.take_back(slot, self.hold_timeout)
         self._next_step = step
+        self._resume = None  # A seek names its step knowingly: no resumed position to cut at.
+        self._partial_from = ENDLESS if self.finite is None else self.finite.partial_from
         self._request_from(step)
 
     def stats(self) -> dict:

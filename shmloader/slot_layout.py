@@ -111,19 +111,23 @@ class SlotLayout:
         arrays.append(np.ndarray((self.batch_size,), np.uint64, memory, base))
         return tuple(arrays)
 
-    def cut(self, views: tuple[np.ndarray, ...], rows: int) -> tuple[np.ndarray, ...]:
-        """`views` (view order) cut to their first `rows` rows: a partial batch's arrays,
-        views of the slot's (they keep it, as any view does)."""
+    def cut(self, views: tuple[np.ndarray, ...], rows: int, first: int = 0) -> tuple[np.ndarray, ...]:
+        """`views` (view order) cut to rows [first, rows): a partial batch's arrays, views of
+        the slot's (they keep it, as any view does), but for offsets that must start at 0
+        again once rows before `first` are cut (then a small new array)."""
+        first = min(first, rows)
         by_name = dict(zip(self.names, views))
         cut = []
         for region, view in zip(self.regions, views):
             if region.cut == "offsets":
-                cut.append(view[:rows + 1])
+                kept = view[first:rows + 1]
+                cut.append(kept if first == 0 else kept - kept[0])
             elif region.cut == "packed":
-                cut.append(view[:int(by_name[f"{region.name}.offsets"][rows])])
+                offsets = by_name[f"{region.name}.offsets"]
+                cut.append(view[int(offsets[first]):int(offsets[rows])])
             else:
-                cut.append(view[:rows])
-        cut.append(views[-1][:rows])
+                cut.append(view[first:rows])
+        cut.append(views[-1][first:rows])
         return tuple(cut)
 
     def allocate(self) -> tuple[np.ndarray, ...]:

@@ -1,0 +1,153 @@
+"""Elastic resume: a checkpoint taken under one (shard_count, batch_size) continues under
+another from the global position it names. Every row of the interrupted epoch comes once
+across the old and new runs, the next epoch is whole, any shard's checkpoint names the
+same position, a resumed run resumes again, mixtures and finite passes too; a windowed
+loader whose shards read their own blocks refuses another shard count, saying why."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from shmloader import ShmDataLoader, Source
+
+ROWS = 1000
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("elastic")
+    np.save(directory / "x.npy", np.arange(ROWS, dtype=np.int64))
+    np.save(directory / "small.npy", np.arange(ROWS, ROWS + 300, dtype=np.int64))
+    return {"x": str(directory / "x.npy")}, str(directory / "small.npy")
+
+
+def run(fields, shards: int, batch: int, steps: int, readers: int, state=None, **options):
+    """Every shard of a run for `steps` steps: {global position: row} of what it delivered,
+    and each shard's checkpoint at the end. A shortened first step keeps its block's last
+    rows (those from the checkpoint's position on)."""
+    delivered, states = {}, []
+    for shard in range(shards):
+        with ShmDataLoader(fields, batch_size=batch, shard_index=shard, shard_count=shards, readers=readers, seed=5,
+                           **options) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            for batch_data in (next(loader) for _ in range(steps)):
+                values = batch_data["x"].tolist()
+                start = (batch_data.step * shards + shard) * batch + batch - len(values)
+                for offset, value in enumerate(values):
+                    assert start + offset not in delivered
+                    delivered[start + offset] = value
+            states.append(loader.state_dict())
+    return delivered, states
+
+
+def check_epochs(delivered: dict, epochs: int) -> None:
+    """Positions [0, epochs * ROWS) were all delivered, each epoch every row once."""
+    for epoch in range(epochs):
+        rows = [delivered.get(position) for position in range(epoch * ROWS, (epoch + 1) * ROWS)]
+        assert None not in rows, f"epoch {epoch}: {rows.count(None)} positions never delivered"
+        assert sorted(rows) == list(range(ROWS)), f"epoch {epoch}: rows repeated or missing"
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+@pytest.mark.parametrize("after", [(2, 32), (2, 64), (3, 20), (5, 7)], ids=lambda value: f"{value[0]}x{value[1]}")
+def test_four_shards_of_32_continue_under_other_shard_counts_and_batch_sizes(rows, readers, after):
+    fields, _ = rows
+    before, states = run(fields, 4, 32, 5, 0 if readers == 3 else readers)  # 640 positions delivered.
+    assert {state["position"] for state in states} == {640}  # Any shard's checkpoint names it.
+    shards, batch = after
+    steps = -(-(2 * ROWS - 640) // (shards * batch)) + 1
+    continued, _ = run(fields, shards, batch, steps, readers, state=states[0])
+    assert not set(before) & set(continued)
+    check_epochs({**before, **continued}, 2)
+
+
+def test_a_resumed_run_resumes_again_and_a_same_shape_resume_is_the_old_path(rows):
+    fields, _ = rows
+    first, states = run(fields, 4, 32, 3, 0)               # to 384
+    second, states = run(fields, 3, 50, 2, 0, states[1])    # steps 2 (cut at 384) and 3: to 600
+    assert {state["position"] for state in states} == {600}
+    third, states = run(fields, 2, 64, 12, 0, states[2])    # 600 on, across the epoch end
+    check_epochs({**first, **second, **third}, 2)
+    with ShmDataLoader(fields, batch_size=64, shard_index=1, shard_count=2, readers=0, seed=5) as loader:
+        loader.load_state_dict(states[1])  # Its own shape: the plain path, no step cut.
+        assert len(next(loader)["x"]) == 64
+
+
+def test_a_checkpoint_taken_before_a_resumed_first_step_names_the_resumed_position(rows):
+    fields, _ = rows
+    _, states = run(fields, 4, 32, 5, 0)  # 640
+    with ShmDataLoader(fields, batch_size=100, shard_count=1, readers=0, seed=5) as loader:
+        loader.load_state_dict(states[0])
+        assert loader.state_dict()["position"] == 640  # Not 600, the start of step 6.
+        assert len(next(loader)["x"]) == 60
+        assert loader.state_dict()["position"] == 700
+
+
+@pytest.mark.parametrize("readers", [0, 2])
+def test_a_mixture_continues_under_another_shard_count(rows, readers):
+    fields, small = rows
+    sources = lambda: [Source(fields, weight=3), Source({"x": small}, weight=1)]
+    counts = collections.Counter()
+
+    def deliver(shards, batch, steps, state=None):
+        result = []
+        for shard in range(shards):
+            with ShmDataLoader(sources(), batch_size=batch, shard_index=shard, shard_count=shards, readers=readers,
+                               seed=2) as loader:
+                if state is not None:
+                    loader.load_state_dict(state)
+                for _ in range(steps):
+                    counts.update(next(loader)["x"].tolist())
+                result.append(loader.state_dict())
+        return result
+
+    states = deliver(4, 16, 6)                                    # 384 positions: 288 of x, 96 of small
+    deliver(3, 16, -(-(1200 - 384) // 48), states[0])             # from 384 up to position 1200
+    # Positions [0, 1200) of the mixture stream: 900 draws of x (the first 900 of its first
+    # shuffled epoch: 900 rows once) and 300 of small (its whole first epoch: each row once).
+    assert [counts[value] for value in range(ROWS, ROWS + 300)] == [1] * 300
+    assert sum(counts[value] for value in range(ROWS)) == 900 and max(counts[value] for value in range(ROWS)) == 1
+
+
+def test_a_finite_pass_continues_with_the_rows_it_has_left(rows):
+    fields, _ = rows
+    delivered = collections.Counter()
+    with ShmDataLoader(fields, batch_size=32, shard_index=0, shard_count=1, readers=0, seed=5, epochs=1) as loader:
+        for _ in range(10):
+            delivered.update(next(loader)["x"].tolist())
+        state = loader.state_dict()
+    with ShmDataLoader(fields, batch_size=100, readers=0, seed=5, epochs=1) as loader:
+        loader.load_state_dict(state)
+        assert len(loader) == 10 and loader.state_dict()["step"] == 3  # Steps 3..9 of the new numbering remain.
+        for batch in loader:
+            delivered.update(batch["x"].tolist())
+    assert sorted(delivered) == list(range(ROWS)) and set(delivered.values()) == {1}
+
+
+def test_a_finished_pass_checkpoint_resumes_as_finished(rows):
+    fields, _ = rows
+    with ShmDataLoader(fields, batch_size=64, readers=0, seed=5, epochs=1) as loader:
+        assert sum(1 for _ in loader) == 16
+        state = loader.state_dict()
+    with ShmDataLoader(fields, batch_size=100, readers=0, seed=5, epochs=1) as loader:
+        loader.load_state_dict(state)  # Position 1,000: the pass's end, step 10 of 10 here.
+        assert loader.state_dict()["step"] == len(loader) == 10
+        with pytest.raises(RuntimeError, match="has ended"):
+            next(iter(loader))
+
+
+def test_a_windowed_loader_whose_shards_read_their_own_blocks_refuses_another_shard_count(rows):
+    fields, _ = rows
+    with ShmDataLoader(fields, batch_size=16, shard_index=0, shard_count=2, shuffle_window=200, readers=0) as loader:
+        next(loader)
+        state = loader.state_dict()
+    with ShmDataLoader(fields, batch_size=16, shard_index=0, shard_count=3, shuffle_window=200, readers=0) as loader:
+        with pytest.raises(ValueError, match="continuing under another shard count is not supported yet"):
+            loader.load_state_dict(state)
+    with ShmDataLoader(fields, batch_size=8, shard_index=0, shard_count=2, shuffle_window=200, readers=0) as loader:
+        loader.load_state_dict(state)  # Another batch size, the same shards: each shard's own stream continues.
+        assert loader.state_dict()["position"] == 16
