@@ -314,7 +314,8 @@ class ForkServer:
             return not self._running and not self._pending
 
     def retire(self) -> None:
-        """Ends an idle server: it exits when its socket closes."""
+        """Ends the server (an idle one, or at exit): it exits when its socket closes, or is
+        killed a second later."""
         with self._lock:
             if self.lost:
                 return
@@ -456,15 +457,8 @@ def _close_servers() -> None:
     """At exit: each server sees its socket close and exits (the loaders' finalizers, which
     atexit runs before this, registered later, have stopped their readers)."""
     for server in list(_servers.values()):
-        if server.owner == os.getpid() and not server.lost:
-            with server._lock:
-                server.lost = True
-                server.socket.close()
-            try:
-                server.process.wait(1.0)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait()
+        if server.owner == os.getpid():
+            server.retire()
 
 
 os.register_at_fork(after_in_child=_forget_servers_in_child)
