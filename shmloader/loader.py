@@ -325,6 +325,9 @@ class ShmDataLoader(cursor_module.Cursor):
         if not isinstance(resume, Resume):
             self.seek(resume)
             return
+        if self.finite is not None and resume.position >= self.finite.positions:
+            self.seek(self.finite.steps)  # The pass had ended (its last global batch ran past its end).
+            return
         self.seek(resume.step)
         if resume.position > position_of(self.sampler, resume.step)[0]:
             self._resume = resume

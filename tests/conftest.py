@@ -241,5 +241,10 @@ try:
     _hypothesis_settings.register_profile("long", parent=_hypothesis_settings.get_profile("default"),
                                           max_examples=1000)
     _hypothesis_settings.load_profile("default")
+
+    def examples(count: int):
+        """`count` examples in the suite's profile, twenty times as many in the long one."""
+        long = _hypothesis_settings.default.max_examples >= 1000
+        return _hypothesis_settings(max_examples=count * (20 if long else 1))
 except ImportError:
-    pass
+    examples = None

@@ -151,3 +151,50 @@ def test_a_windowed_loader_whose_shards_read_their_own_blocks_refuses_another_sh
     with ShmDataLoader(fields, batch_size=8, shard_index=0, shard_count=2, shuffle_window=200, readers=0) as loader:
         loader.load_state_dict(state)  # Another batch size, the same shards: each shard's own stream continues.
         assert loader.state_dict()["position"] == 16
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, strategies as st  # noqa: E402
+
+from conftest import examples  # noqa: E402
+
+
+@examples(60)
+@given(before=st.tuples(st.integers(1, 5), st.integers(1, 40)), after=st.tuples(st.integers(1, 5), st.integers(1, 40)),
+       steps=st.integers(0, 30), mode=st.sampled_from(["shuffle", "sequential"]), seed=st.integers(0, 1000),
+       finite=st.booleans())
+def test_any_resharding_delivers_each_row_of_the_epoch_once(rows, before, after, steps, mode, seed, finite):
+    """Drawn shapes before and after, checkpoint anywhere (even past the epoch's end), the
+    pass endless or of two epochs: positions [0, 2 * ROWS) are delivered exactly once."""
+    fields, _ = rows
+    options = {"mode": mode, "epochs": 2} if finite else {"mode": mode}
+    (shards, batch), (new_shards, new_batch) = before, after
+    delivered, states = {}, []
+    for run_shards, run_batch, run_steps, state in ((shards, batch, steps, None),
+                                                    (new_shards, new_batch, None, "resume")):
+        resumed = states[0] if state else None
+        states = []
+        for shard in range(run_shards):
+            with ShmDataLoader(fields, batch_size=run_batch, shard_index=shard, shard_count=run_shards, readers=0,
+                               seed=seed, **options) as loader:
+                if resumed is not None:
+                    loader.load_state_dict(resumed)
+                count = run_steps if run_steps is not None else (
+                    len(loader) - loader.state_dict()["step"] if finite else
+                    -(-(2 * ROWS - resumed["position"]) // (run_shards * run_batch)) + 1)
+                for _ in range(max(0, count)):
+                    try:
+                        got = next(loader)
+                    except StopIteration:
+                        break
+                    values = got["x"].tolist()
+                    first = (got.step * run_shards + shard) * run_batch
+                    resumed_step = resumed is not None and got.step == resumed["position"] // (run_shards * run_batch)
+                    start = max(first, resumed["position"]) if resumed_step else first
+                    for offset, value in enumerate(values):
+                        assert start + offset not in delivered, (start + offset, "twice")
+                        delivered[start + offset] = value
+                states.append(loader.state_dict())
+    for epoch in range(2):  # Sequential or shuffled, an epoch is every row once.
+        epoch_rows = [delivered.get(position) for position in range(epoch * ROWS, (epoch + 1) * ROWS)]
+        assert None not in epoch_rows and sorted(epoch_rows) == list(range(ROWS)), epoch

@@ -7,7 +7,8 @@ is checked against what a shuffle must be (every row once per epoch, shards disj
 not against the sampler's own code.
 
 Bounded for the suite (the "default" profile, about a minute on 2 cores); before a stop
-run `pytest tests/test_reference.py --hypothesis-profile=long` (tests/conftest.py).
+run `pytest tests/test_reference.py tests/test_elastic.py --hypothesis-profile=long --timeout 0`
+(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, strategies as st  # noqa: E402
 
-from conftest import write_b2nd  # noqa: E402
+from conftest import examples, write_b2nd  # noqa: E402
 from shmloader import Packed, Padded, Sampler, ShmDataLoader, Windows  # noqa: E402
 from shmloader._native import ffi  # noqa: E402
 from shmloader.ragged import OFFSETS_NAME, VALUES_NAME, RaggedField, describe_ragged  # noqa: E402
@@ -31,12 +32,6 @@ from shmloader.storage import describe_field, open_field  # noqa: E402
 DTYPES = [np.uint8, np.uint16, np.int32, np.float64]
 CODECS = ["LZ4", "ZSTD", "BLOSCLZ", "NONE"]
 BLOCK_ELEMENTS = [8, 16, 64, 256, 1024]
-
-
-def examples(count: int):
-    """`count` examples in the suite's profile, twenty times as many in the long one."""
-    long = settings.default.max_examples >= 1000
-    return settings(max_examples=count * (20 if long else 1))
 
 
 def _pointer(array: np.ndarray):
