@@ -61,9 +61,15 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
         except Exception as error:  # pyarrow's errors name no file.
             raise StorageError(f"{path}: not a readable Parquet file ({error})") from None
     schema = opened[0].schema_arrow
+    features = _hugging_face_features(schema)
     for path, parquet in zip(files[1:], opened[1:]):
         if not parquet.schema_arrow.equals(schema):
             raise StorageError(f"{path}: its schema differs from {files[0]}'s; every file of an import must match")
+        theirs = _hugging_face_features(parquet.schema_arrow)
+        if theirs != features:  # ClassLabel names, say: codes that would be read with another file's names.
+            changed = sorted(name for name in set(features) | set(theirs) if features.get(name) != theirs.get(name))
+            raise StorageError(f"{path}: its Hugging Face features differ from {files[0]}'s for {changed} (e.g. "
+                               f"other ClassLabel names); every file of an import must match")
 
     def batches(column):
         # Columns are written by threads of their own, and each opens its own readers: one
@@ -162,15 +168,21 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     if unknown:
         raise StorageError(f"fixed= names {unknown}, which are not imported columns (imported: {names})")
     features = _hugging_face_features(schema)
-    outputs, skipped = [], {}
+    nulls = dict(nulls or {})
+    outputs, skipped, plans = [], {}, {}
     for name in names:
         try:
-            outputs += _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed)
+            found = _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed)
+            for output in found:
+                plans[output.field] = _column_plan(output.field, output.arrow_type, nulls.get(output.field),
+                                                   output.fixed)
         except StorageError as error:
             if not skip_unsupported:
                 raise StorageError(f"{error}; or skip such columns with skip_unsupported=True (--skip-columns)") \
                     from None
             skipped[name] = str(error)
+            continue
+        outputs += found
     if not outputs:
         raise StorageError(f"no column can be imported (skipped: {skipped})")
     fields = [output.field for output in outputs]
@@ -181,12 +193,9 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
         problem = file_name_problem(output.field)
         if problem is not None:
             raise StorageError(f"column {output.column!r}: its field name {output.field!r} {problem}")
-    nulls = dict(nulls or {})
     unknown = sorted(set(nulls) - set(fields))
     if unknown:
         raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {fields})")
-    plans = {output.field: _column_plan(output.field, output.arrow_type, nulls.get(output.field), output.fixed)
-             for output in outputs}
     if rows == 0:
         raise StorageError(f"{out}: the source has no rows; a field needs at least one")
     from tqdm import tqdm
@@ -269,14 +278,34 @@ def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Outp
         shape = getattr(arrow_type, "shape", None)
         value_type = getattr(arrow_type, "value_type", None)
         if shape is not None and value_type is not None:  # Hugging Face Array2D .. Array5D: a fixed shape.
-            target = pa.from_numpy_dtype(np.dtype(value_type)) if isinstance(value_type, str) else value_type
-            for extent in reversed(tuple(shape)):
-                target = pa.list_(target, int(extent))
+            target = _array_type(name, shape, value_type)
             return [_Output(name, name, target, lambda chunk, target=target: _cast_shape(name, chunk.storage, target),
                             source_type, notes)]
         return _outputs_of_storage(name, arrow_type.storage_type, lambda chunk: chunk.storage, source_type, notes,
                                    feature, fixed)
+    if str(feature.get("_type", "")).startswith("Array") and "shape" in feature and "dtype" in feature:
+        # The same, from a file's metadata where datasets has not registered its extension type.
+        target = _array_type(name, feature["shape"], feature["dtype"])
+        return [_Output(name, name, target, lambda chunk, target=target: _cast_shape(name, chunk, target),
+                        source_type, notes)]
     return _outputs_of_storage(name, arrow_type, _identity, source_type, notes, feature, fixed)
+
+
+def _array_type(name: str, shape, value_type):
+    """The nested fixed-size list type of a Hugging Face ArrayND of `shape`."""
+    import pyarrow as pa
+
+    if any(extent is None for extent in shape):
+        raise StorageError(f"column {name!r}: an array feature of shape {tuple(shape)} has a variable dimension, which "
+                           f"has no fixed field form (not supported yet); give it a fixed shape, or store it as "
+                           f"flat lists (a ragged field)")
+    try:
+        target = pa.from_numpy_dtype(np.dtype(value_type)) if isinstance(value_type, str) else value_type
+    except TypeError:
+        raise StorageError(f"column {name!r}: array dtype {value_type!r} has no field form") from None
+    for extent in reversed(tuple(shape)):
+        target = pa.list_(target, int(extent))
+    return target
 
 
 def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fixed) -> list[_Output]:
@@ -297,9 +326,10 @@ def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fi
                            f"int64 in units of 10**-{arrow_type.scale})")
     if types.is_struct(arrow_type) and _image_struct(arrow_type, feature):
         return [_Output(name, name, arrow_type.field("bytes").type,
-                        lambda chunk: _struct_child(first(chunk), "bytes"), source_type, {**notes, "image": True}),
+                        lambda chunk: _image_bytes(name, first(chunk)), source_type, {**notes, "image": True}),
                 _Output(f"{name}_path", name, arrow_type.field("path").type,
-                        lambda chunk: _struct_child(first(chunk), "path"), source_type, {"path_of": name})]
+                        lambda chunk: _struct_child(first(chunk), "path").fill_null(""), source_type,
+                        {"path_of": name})]
     return [_Output(name, name, arrow_type, first, source_type, notes, fixed)]
 
 
@@ -307,6 +337,29 @@ def _image_struct(arrow_type, feature: dict) -> bool:
     """A Hugging Face Image(): a struct of the encoded bytes and the file's path."""
     names = sorted(arrow_type.field(index).name for index in range(arrow_type.num_fields))
     return names == ["bytes", "path"] and (feature.get("_type") == "Image" or not feature)
+
+
+def _image_bytes(name: str, chunk):
+    """A Hugging Face Image chunk's encoded bytes: those stored, or where only the path is
+    (an image folder loaded without embedding its files), the file's bytes read from it.
+    A row with neither stays null (refused unless nulls says "empty")."""
+    import pyarrow as pa
+
+    data = _struct_child(chunk, "bytes")
+    if data.null_count == 0:
+        return data
+    paths = _struct_child(chunk, "path").to_pylist()
+    filled = data.to_pylist()
+    for row, (value, path) in enumerate(zip(filled, paths)):
+        if value is None and path:
+            try:
+                with open(path, "rb") as handle:
+                    filled[row] = handle.read()
+            except OSError as error:
+                raise StorageError(f"column {name!r}: an image stored by path only, {path!r}, cannot be read "
+                                   f"({error.strerror or error}); import where the files are, or embed them first "
+                                   f"(datasets: cast_column with Image(), then save)") from None
+    return pa.array(filled, type=data.type)
 
 
 def _struct_child(chunk, child: str):
@@ -369,8 +422,10 @@ def _column_plan(name: str, arrow_type, null, fixed: bool = False) -> _ColumnPla
                                f"{arrow_type}")
         plan = _ColumnPlan("fixed", plan.dtype, None, null)  # (rows, length): the length from the data.
     if plan.kind == "ragged" and null not in (None, "empty"):
-        raise StorageError(f"column {name!r}: nulls of a list, string or binary column map to \"empty\" only, got "
-                           f"{null!r}")
+        if plan.text:
+            raise StorageError(f"column {name!r}: nulls of a string or binary column map to \"empty\" only, got "
+                               f"{null!r}")
+        _check_null_value(name, null, plan.dtype)  # A list column's value replaces its null items.
     if plan.kind == "fixed" and null is not None:
         _check_null_value(name, null, plan.dtype)
     return plan
@@ -422,11 +477,11 @@ def _check_nulls(name: str, chunk, first_row: int, plan: _ColumnPlan):
 
     if chunk.null_count == 0:
         return chunk
-    if plan.null is None:
+    if plan.null != "empty":
         row = first_row + int(np.flatnonzero(np.asarray(chunk.is_null()))[0])
         raise StorageError(f"column {name!r}: row {row} is null ({chunk.null_count} nulls in rows {first_row}.."
-                           f"{first_row + len(chunk) - 1}); give nulls={{{name!r}: value}} (\"empty\" for lists, "
-                           f"strings and binaries) or drop those rows")
+                           f"{first_row + len(chunk) - 1}); give nulls={{{name!r}: \"empty\"}} to read null lists, "
+                           f"strings and binaries as empty records, or drop those rows")
     empty = pa.scalar(b"" if plan.text else [], type=chunk.type)
     return pc.fill_null(chunk, empty)
 
@@ -452,10 +507,15 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
             else:
                 offsets = np.asarray(chunk.offsets).astype(np.int64)
                 items = chunk.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0])) if len(chunk) else chunk.values
-                if items.null_count:
+                if items.null_count and plan.null in (None, "empty"):
                     row = first + int(np.searchsorted(offsets, int(offsets[0]) + int(
                         np.flatnonzero(np.asarray(items.is_null()))[0]), side="right")) - 1
-                    raise StorageError(f"column {name!r}: row {row} holds a null item; lists must hold numbers")
+                    raise StorageError(f"column {name!r}: row {row} holds a null item; give nulls={{{name!r}: value}} "
+                                       f"to replace null items by a number, or drop those rows")
+                if items.null_count:
+                    import pyarrow.compute as pc
+
+                    items = pc.fill_null(items, pa.scalar(plan.null, type=items.type))
                 values = items.to_numpy(zero_copy_only=False).astype(plan.dtype, copy=False)
                 offsets = offsets - offsets[0]
             # The chunk's records at once: no Python object per record.

@@ -281,9 +281,16 @@ def test_a_null_inside_a_variable_list_is_refused_naming_row(tmp_path):
     for sliced in (table, table.slice(1)):
         with pytest.raises(StorageError, match=r"column 't': row \d holds a null item"):
             from_arrow(sliced, tmp_path / "out", progress=False)
-    with pytest.raises(StorageError, match=r"column 't': row 2 holds a null item"):
+    with pytest.raises(StorageError, match=r"column 't': row 2 holds a null item; give nulls=\{'t': value\}"):
         from_arrow(table, tmp_path / "out", nulls={"t": "empty"}, progress=False)
     assert not os.listdir(tmp_path)
+    paths = from_arrow(table, tmp_path / "out", nulls={"t": -1}, progress=False)  # A value replaces null items.
+    import blosc2
+
+    assert blosc2.open(os.path.join(paths["t"], "values.b2nd"))[...].tolist() == [1, 2, 3, -1, 5]
+    with_null_row = pa.table({"t": pa.array([[1], None], type=pa.list_(pa.int64()))})
+    with pytest.raises(StorageError, match=r"row 1 is null .*nulls=\{'t': \"empty\"\}"):
+        from_arrow(with_null_row, tmp_path / "out2", nulls={"t": -1}, progress=False)
 
 
 def _tar(path, members: dict) -> None:
@@ -418,3 +425,60 @@ def test_parquet_with_dictionary_time_fixed_list_and_decimal_columns(tmp_path, c
     uneven = pa.table({"t": pa.array([[1, 2], [3, 4], [5]], type=pa.list_(pa.int64()))})
     with pytest.raises(StorageError, match=r"column 't': row 2 holds 1 items, row\(s\) before it 2"):
         from_arrow(uneven, tmp_path / "uneven", fixed=["t"], progress=False)
+
+
+# Found by an outside attack on the round-4 importers.
+
+def test_parquet_files_with_other_classlabel_names_are_refused(tmp_path):
+    """Before: the first file's names decoded every file's codes (cat, dog, cat, dog for
+    cat, dog, dog, fox)."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"label": ["cat", "dog"]}).class_encode_column("label").to_parquet(tmp_path / "p-0.parquet")
+    datasets.Dataset.from_dict({"label": ["dog", "fox"]}).class_encode_column("label").to_parquet(tmp_path / "p-1.parquet")
+    with pytest.raises(StorageError, match=r"p-1.parquet: its Hugging Face features differ .* \['label'\]"):
+        from_parquet(str(tmp_path / "p-*.parquet"), tmp_path / "out", progress=False)
+
+
+def test_images_stored_by_path_or_without_one_import_their_bytes(tmp_path):
+    """Before: an image folder's Image() column (bytes None, path set) was refused as null,
+    and nulls="empty" then gave empty images; images made from PIL (no path) were refused
+    naming a column the user never had."""
+    datasets = pytest.importorskip("datasets")
+    Image = pytest.importorskip("PIL.Image")
+    files = []
+    for index in range(3):
+        files.append(str(tmp_path / f"{index}.png"))
+        Image.new("RGB", (2 + index, 3), color=(index, 0, 0)).save(files[-1])
+    by_path = datasets.Dataset.from_dict({"image": files}).cast_column("image", datasets.Image())
+    paths = from_arrow(by_path, tmp_path / "a", progress=False)
+    assert _ragged_records(paths["image"]) == [open(name, "rb").read() for name in files]
+    assert [path.decode() for path in _ragged_records(paths["image_path"])] == files
+    made = datasets.Dataset.from_dict({"img": [Image.new("RGB", (2, 2))]}, features=datasets.Features(
+        {"img": datasets.Image()}))
+    paths = from_arrow(made, tmp_path / "b", progress=False)
+    assert _ragged_records(paths["img_path"]) == [b""] and _ragged_records(paths["img"])[0].startswith(b"\x89PNG")
+
+
+def test_skip_unsupported_skips_every_column_without_a_field_form(tmp_path):
+    table = pa.table({"x": [1, 2], "st": pa.array([{"a": 1}, {"a": 2}]),
+                      "nested": pa.array([[[1]], [[2, 3]]], type=pa.list_(pa.list_(pa.int64())))})
+    with pytest.raises(StorageError, match=r"column 'st'.*skip_unsupported=True \(--skip-columns\)"):
+        from_arrow(table, tmp_path / "out", progress=False)
+    paths = from_arrow(table, tmp_path / "out", skip_unsupported=True, progress=False)
+    assert sorted(paths) == ["x"]
+
+
+def test_a_hugging_face_array2d_parquet_imports_where_datasets_is_not_imported(tmp_path):
+    """Before: the command line (which never imports datasets, so its extension type is not
+    registered) refused the Array2D column of a file datasets wrote."""
+    import subprocess
+    import sys
+
+    datasets = pytest.importorskip("datasets")
+    grids = [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(4)]
+    datasets.Dataset.from_dict({"a": grids}, features=datasets.Features(
+        {"a": datasets.Array2D(shape=(2, 3), dtype="float32")})).to_parquet(tmp_path / "a.parquet")
+    result = subprocess.run([sys.executable, "-m", "shmloader", "import", "parquet", str(tmp_path / "a.parquet"),
+                             str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "a.npy"), np.stack(grids))
