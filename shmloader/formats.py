@@ -59,7 +59,7 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
         try:
             opened.append(pq.ParquetFile(path))
         except Exception as error:  # pyarrow's errors name no file.
-            raise StorageError(f"{path}: not a readable Parquet file ({error})") from None
+            raise StorageError(f"{path}: not a readable Parquet file ({_one_line(error)})") from None
     schema = opened[0].schema_arrow
     features = _hugging_face_features(schema)
     for path, parquet in zip(files[1:], opened[1:]):
@@ -82,7 +82,8 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
                     try:
                         table = parquet.read_row_group(group, columns=[column], use_threads=False)
                     except Exception as error:
-                        raise StorageError(f"{path}: row group {group}, column {column!r}: {error}") from None
+                        raise StorageError(f"{path}: row group {group}, column {column!r}: {_one_line(error)}") \
+                            from None
                     yield from table.column(0).chunks
             finally:
                 parquet.close()
@@ -140,6 +141,11 @@ def _hugging_face_batches(dataset):
             yield from view[start:start + _HUGGING_FACE_BATCH_ROWS].column(0).chunks
 
     return batches
+
+
+def _one_line(error: Exception) -> str:
+    """A library's message on one line (pyarrow's carry the C++ call site on the next)."""
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
 
 
 def _expand(paths) -> list[str]:
@@ -378,7 +384,7 @@ def _cast_shape(name: str, chunk, target):
     try:
         return chunk.cast(target)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
-        raise StorageError(f"column {name!r}: a row's lists do not have the shape {target} ({error})") from None
+        raise StorageError(f"column {name!r}: a row's lists do not have the shape {target} ({_one_line(error)})") from None
 
 
 def _check_columns(schema, columns) -> list[str]:
@@ -686,7 +692,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
                     if key is not None:
                         yield shard, key, entries
             except (tarfile.TarError, OSError, EOFError) as error:
-                raise StorageError(f"{shard}: not a readable tar shard ({error})") from None
+                raise StorageError(f"{shard}: not a readable tar shard ({_one_line(error)})") from None
 
     stream = samples()
     try:
@@ -737,10 +743,13 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
             data = entries[extension]
             if extension in integers:
                 try:
-                    labels[names[extension]].append(int(data.decode().strip()))
-                except ValueError:
+                    label = int(data.decode().strip())
+                except (ValueError, UnicodeDecodeError):
                     raise StorageError(f"{shard}: sample {key}: its {extension!r} entry {data[:40]!r} is not "
                                        f"an integer") from None
+                if not -(1 << 63) <= label < 1 << 63:
+                    raise StorageError(f"{shard}: sample {key}: its {extension!r} entry {label} does not fit an int64")
+                labels[names[extension]].append(label)
             else:
                 queues[names[extension]].put(np.frombuffer(data, dtype=np.uint8))
         queues[_KEY_FIELD].put(np.frombuffer(key.encode(), dtype=np.uint8))

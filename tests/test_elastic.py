@@ -198,3 +198,27 @@ def test_any_resharding_delivers_each_row_of_the_epoch_once(rows, before, after,
     for epoch in range(2):  # Sequential or shuffled, an epoch is every row once.
         epoch_rows = [delivered.get(position) for position in range(epoch * ROWS, (epoch + 1) * ROWS)]
         assert None not in epoch_rows and sorted(epoch_rows) == list(range(ROWS)), epoch
+
+
+def test_a_windowed_shards_rows_keep_their_transform_draws_under_another_batch_size(rows):
+    """ctx.rng(i) is keyed by the row's stream position: before, where each shard reads its
+    own stream it was keyed by a formula of batch_size, and 8 of 32 rows drew differently
+    after a resume under another batch size."""
+    fields, _ = rows
+    options = dict(seed=4, readers=0, shuffle_window=80, shard_count=2, shard_index=0,
+                   transform="transform_fixtures:draws_per_row")
+
+    def run_rows(batch, steps, state=None):
+        with ShmDataLoader(fields, batch_size=batch, **options) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            got = []
+            for _ in range(steps):
+                batch_data = next(loader)
+                got += list(zip(batch_data["x"].tolist(), batch_data["draw"].tolist()))
+            return got, loader.state_dict()
+
+    reference, _ = run_rows(8, 4)
+    first, state = run_rows(8, 2)
+    rest, _ = run_rows(4, 4, state)
+    assert first + rest == reference

@@ -189,3 +189,11 @@ def says_hello(batch, out, ctx):
 
         print(f"hello from reader {os.getpid()}", file=sys.stderr, flush=True)
     out["x"][:] = batch["data"]
+
+
+@shmloader.transform(outputs={"x": ((), "int64"), "draw": ((), "int64")})
+def draws_per_row(batch, out, ctx):
+    """x as given, and one draw of each row's ctx.rng."""
+    out["x"][:] = batch["x"]
+    for i in range(len(ctx.indices)):
+        out["draw"][i] = ctx.rng(i).integers(1 << 40)

@@ -68,16 +68,24 @@ def global_positions(step: int, batch_size: int, shard_index: int, shard_count: 
 
 class Context:
     """What a transform knows about the batch it fills: `step`, `indices` (rows, uint64),
-    `positions` (global stream positions), `sources` (a mixture's source ids, else None),
+    `positions` (each row's global stream position; where each shard reads its own stream,
+    its position there times shard_count plus the shard), `sources` (a mixture's source ids, else None),
     `seed`, `shard_index`, `shard_count`, `name`; `rng(i)` and `batch_rng`."""
 
     __slots__ = ("step", "indices", "positions", "sources", "seed", "shard_index", "shard_count", "name", "_batch_rng")
 
     def __init__(self, step: int, indices: np.ndarray, sources, seed: int, shard_index: int, shard_count: int,
-                 name: str) -> None:
+                 name: str, own_streams: bool = False) -> None:
         self.step, self.indices, self.sources, self.seed, self.name = step, indices, sources, seed, name
         self.shard_index, self.shard_count = shard_index, shard_count
-        self.positions = global_positions(step, len(indices), shard_index, shard_count)
+        if own_streams:
+            # Each shard reads its own stream (a shuffle window split among shards): row i's
+            # key is its position there, interleaved with the other shards' so that keys stay
+            # distinct, and independent of batch_size (a resume may change it).
+            own = np.arange(step * len(indices), (step + 1) * len(indices), dtype=np.uint64)
+            self.positions = own * np.uint64(shard_count) + np.uint64(shard_index)
+        else:
+            self.positions = global_positions(step, len(indices), shard_index, shard_count)
         self._batch_rng = None
 
     def rng(self, i: int) -> np.random.Generator:
@@ -264,7 +272,7 @@ class TransformRunner:
         the module docstring still applies)."""
         sampler = self.sampler
         ctx = Context(step, _read_only(indices), None if sources is None else _read_only(sources), sampler.seed,
-                      sampler.shard_index, sampler.shard_count, self.spec.name)
+                      sampler.shard_index, sampler.shard_count, self.spec.name, getattr(sampler, "shard_blocks", False))
         reseed_globals(sampler.seed, step, sampler.shard_index, salt)
         given = {name: array.view() for name, array in out.items()}
         passed = dict(given)
