@@ -6,8 +6,9 @@
     start_http_server(9100)     # (bind it where your scraper can reach it)
 
 Counters and gauges are named shmloader_*, labelled with the loader's ring name (and the
-reader index for the per-reader ones). The collector holds the loader weakly: a closed or
-collected loader is reported no more. prometheus_client is an optional extra
+reader index for the per-reader ones): one collector per registry serves every loader
+registered with it, holding them weakly, so a closed or collected loader is reported no
+more (a new loader per evaluation pass registers beside the others). prometheus_client is an optional extra
 (pip install "shmloader[metrics]"); only this module imports it.
 """
 
@@ -35,37 +36,54 @@ _READER_METRICS = (
 )
 
 
-class LoaderCollector:
-    """A prometheus_client collector over one loader's stats()."""
+class LoadersCollector:
+    """A prometheus_client collector over the stats() of every loader registered with it:
+    each family once, a sample per loader (label `ring`) and per reader."""
 
-    def __init__(self, loader) -> None:
-        self._loader = weakref.ref(loader)
-        self.ring = loader.ring_name.lstrip("/")
+    def __init__(self) -> None:
+        self._loaders = weakref.WeakSet()
+
+    def add(self, loader) -> None:
+        self._loaders.add(loader)
 
     def collect(self):
-        loader = self._loader()
-        if loader is None or loader.closed:
+        loaders = [loader for loader in list(self._loaders) if not loader.closed]
+        readings = [(loader.ring_name.lstrip("/"), loader.stats()) for loader in loaders]
+        if not readings:
             return
-        stats = loader.stats()
         for key, name, kind, text in _LOADER_METRICS:
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["ring"])
-            family.add_metric([self.ring], float(stats[key]))
+            family = _family(kind, name, text, ["ring"])
+            for ring, stats in readings:
+                family.add_metric([ring], float(stats[key]))
             yield family
         skipped = CounterMetricFamily("shmloader_skipped_records", "Records replaced under on_error='skip'.",
                                       labels=["ring"])
-        skipped.add_metric([self.ring], float(stats["skipped"]["count"]))
+        for ring, stats in readings:
+            skipped.add_metric([ring], float(stats["skipped"]["count"]))
         yield skipped
         for key, name, kind, text in _READER_METRICS:
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text,
-                                                                                      labels=["ring", "reader"])
-            for reader in stats["readers"]:
-                family.add_metric([self.ring, str(reader["index"])], float(reader[key]))
+            family = _family(kind, name, text, ["ring", "reader"])
+            for ring, stats in readings:
+                for reader in stats["readers"]:
+                    family.add_metric([ring, str(reader["index"])], float(reader[key]))
             yield family
 
 
-def register(loader, registry=REGISTRY) -> LoaderCollector:
-    """Adds a collector of `loader`'s stats() to `registry` (prometheus_client's default);
-    returns it, for registry.unregister."""
-    collector = LoaderCollector(loader)
-    registry.register(collector)
+def _family(kind: str, name: str, text: str, labels: list[str]):
+    return (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=labels)
+
+
+# One collector per registry: a registry refuses two collectors of the same families.
+_collectors: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register(loader, registry=REGISTRY) -> LoadersCollector:
+    """Adds `loader` to `registry`'s (prometheus_client's default) shmloader collector,
+    made and registered on first use; a closed or collected loader is reported no more.
+    Returns the collector."""
+    collector = _collectors.get(registry)
+    if collector is None:
+        collector = _collectors[registry] = LoadersCollector()
+        registry.register(collector)
+    collector.add(loader)
     return collector

@@ -15,6 +15,7 @@ ring, alive past its last use.
 from __future__ import annotations
 
 import gc
+import os
 import time
 import warnings
 
@@ -46,6 +47,7 @@ class Supervisor:
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
+        self._filled_here = self._filled_here_ns = 0  # readers=0: steps filled in this process, and their time.
 
     def supervise(self, cursor, state: int, owner: int, step: int) -> None:
         """For `step`, in `state` (one of _cursor's STEP_* values) with `owner` the reader
@@ -99,11 +101,16 @@ class Supervisor:
         slot = step % self.slots
         claimed = self.ring.claim(0)
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
+        started = time.perf_counter_ns()
         try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
             self.filler.fill(step, self.outputs[slot])
         except BaseException:
             cursor._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
+        # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
+        self._filled_here_ns += time.perf_counter_ns() - started
+        self._filled_here += 1
+        self.ring.write_reader_stats(0, os.getpid(), self._filled_here_ns, self._filled_here)
         self.ring.publish(slot, SlotState.READY, 0)
         if self.filler.skipped:
             self.warn_if_skipped()

@@ -127,3 +127,42 @@ def test_stats_scrape_as_prometheus_metrics(tmp_path):
     assert sum(samples[("shmloader_reader_batches_total", str(k))] for k in range(2)) >= 30
     assert text.count(f'ring="{ring}"') > 5
     assert "shmloader_batches" not in prometheus.generate_latest(registry).decode()  # Closed: reported no more.
+
+
+def test_several_loaders_share_one_collector_and_closed_ones_drop_out(tmp_path):
+    """Before: a second loader (even after the first closed) raised DuplicateTimeseries on
+    the default registry, and a custom one repeated every family."""
+    prometheus = pytest.importorskip("prometheus_client")
+    from shmloader.metrics import register
+
+    np.save(tmp_path / "x.npy", np.zeros((100, 2), np.float32))
+    registry = prometheus.CollectorRegistry()
+    for _ in range(2):  # A new loader per evaluation pass.
+        with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, epochs=1, readers=0) as loader:
+            register(loader, registry)
+            for batch in loader:
+                del batch
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=0) as first, \
+            ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=0) as second:
+        register(first, registry)
+        register(second, registry)
+        next(first)
+        text = prometheus.generate_latest(registry).decode()
+    assert text.count("# HELP shmloader_batches_total") == 1
+    assert text.count("shmloader_batches_total{") == 2  # The two open loaders; the closed ones are gone.
+
+
+def test_a_loader_that_fills_in_the_trainer_shows_its_work(tmp_path):
+    """readers=0: the trainer fills as reader 0, and its record says so (before: pid 0, no
+    batches, 0 rows/s while the trainer took millions of rows a second)."""
+    np.save(tmp_path / "x.npy", np.zeros((100, 2), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=0) as loader:
+        monitor = Monitor([loader.ring_name])
+        monitor.refresh()
+        for _ in range(50):
+            next(loader)
+        time.sleep(0.05)
+        monitor.refresh()
+        (view,) = monitor.views.values()
+        assert view.last.readers[0].pid == os.getpid() and view.last.readers[0].batches >= 50
+        assert view.rows_per_s > 0
