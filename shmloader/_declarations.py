@@ -83,6 +83,9 @@ uint64_t shm_sizeof_blosc_layout(void);
 uint64_t shm_sizeof_gather_error(void);
 const char *shm_status_name(int value);
 
+int shm_global_position(uint64_t step, uint64_t batch_size, uint64_t shard_index, uint64_t shard_count,
+                        uint64_t *out);
+uint64_t shm_share_length(const shm_sampler_config *config);
 int shm_sampler_check(const shm_sampler_config *config);
 int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
 void shm_bounded_draws(uint64_t seed, uint64_t step, uint64_t stream, const uint64_t *bounds, uint64_t *out,

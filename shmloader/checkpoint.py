@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 
+from .sampler import global_position
+
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
 # order that dealt whole windows one after another (checkpoints without this key) was
 # replaced; such a checkpoint's steps name other rows.
@@ -27,7 +29,7 @@ def position_of(sampler, next_step: int) -> tuple[int, str]:
     shard's own batch where each shard reads its own stream."""
     if getattr(sampler, "shard_blocks", False):
         return next_step * sampler.batch_size, SHARD
-    return next_step * sampler.batch_size * sampler.shard_count, GLOBAL
+    return global_position(next_step, sampler.batch_size, 0, sampler.shard_count), GLOBAL
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,8 +61,14 @@ def window_blocks_of(shuffle_window: int, block_rows: int, length: int) -> int:
 def global_position(step: int, batch_size: int, shard_index: int, shard_count: int) -> int:
     """Where shard `shard_index`'s part of step `step` starts in the global stream of
     positions: a step's global batch holds batch_size * shard_count positions, and shard h
-    takes its h-th block of batch_size (zig/sampler.zig computes the same)."""
-    return (step * shard_count + shard_index) * batch_size
+    takes its h-th block of batch_size. Computed by the sampler's own Zig function (one
+    definition for the sampler, mixtures, passes, checkpoints and transforms)."""
+    out = ffi.new("uint64_t *")
+    status = lib.shm_global_position(step, batch_size, shard_index, shard_count, out)
+    if status != Status.OK:
+        raise ValueError(f"step {step} of batch_size {batch_size} and shard {shard_index} of {shard_count} is past "
+                         f"the 64-bit stream of positions")
+    return int(out[0])
 
 
 def step_max(batch_size: int, shard_index: int, shard_count: int) -> int:
@@ -160,11 +166,6 @@ class Sampler:
         self.blocks_per_window = window_blocks
         # Each shard reads only its share of the blocks (see the class docstring).
         self.shard_blocks = bool(window_blocks) and self.shard_count > 1
-        self.epoch_length = self._share_length() if self.shard_blocks else self.length
-        if self.epoch_length == 0:
-            raise ValueError(f"shard {self.shard_index} of {self.shard_count} gets no rows: {self.length} rows make "
-                             f"{self.length // self.block_rows} blocks of {self.block_rows}; use fewer shards or a "
-                             f"smaller shuffle_window (blocks are at most an eighth of it)")
         self._config = ffi.new("shm_sampler_config *")
         self._config.flags = 1 if self.shard_blocks else 0
         self._config.block_rows = self.block_rows
@@ -175,6 +176,12 @@ class Sampler:
         self._config.mode = MODES[mode]
         self._config.shard_index = self.shard_index
         self._config.shard_count = self.shard_count
+        # Rows in this shard's share of an epoch (zig/sampler.zig ShardShare), or all of them.
+        self.epoch_length = int(lib.shm_share_length(self._config)) if self.shard_blocks else self.length
+        if self.epoch_length == 0:
+            raise ValueError(f"shard {self.shard_index} of {self.shard_count} gets no rows: {self.length} rows make "
+                             f"{self.length // self.block_rows} blocks of {self.block_rows}; use fewer shards or a "
+                             f"smaller shuffle_window (blocks are at most an eighth of it)")
         # fill() remembers the last `out` it checked, since callers reuse one buffer.
         self._last_out = self._last_shape = self._last_pointer = None
         status = lib.shm_sampler_check(self._config)
@@ -216,13 +223,6 @@ class Sampler:
         status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
         if status != Status.OK:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
-
-    def _share_length(self) -> int:
-        """Rows in this shard's share of an epoch (mirrors ShardShare in zig/sampler.zig)."""
-        full_blocks = self.length // self.block_rows
-        share_blocks = full_blocks // self.shard_count + (self.shard_index < full_blocks % self.shard_count)
-        tail = self.length - full_blocks * self.block_rows if self.shard_index == full_blocks % self.shard_count else 0
-        return share_blocks * self.block_rows + tail
 
     def stream_position(self, step: int) -> int:
         """Where `step` starts in the stream this shard reads: the global position of its

@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 11; // 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 12; // 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -36,6 +36,17 @@ export fn shm_status_name(value: c_int) [*:0]const u8 {
     if (value < 0 or value > @intFromEnum(status.status_last)) return "";
     const named: Status = @enumFromInt(value);
     return @tagName(named);
+}
+
+/// Where shard `shard_index`'s part of `step` starts in the global stream (sampler.globalPosition).
+export fn shm_global_position(step: u64, batch_size: u64, shard_index: u64, shard_count: u64, out: *u64) Status {
+    out.* = sampler.globalPosition(step, batch_size, shard_index, shard_count) orelse return .overflow;
+    return .ok;
+}
+
+/// Rows in a shard's share of an epoch when each shard reads its own blocks (sampler.ShardShare).
+export fn shm_share_length(config: *const sampler.SamplerConfig) u64 {
+    return sampler.ShardShare.init(config, 0).length;
 }
 
 export fn shm_sampler_check(config: *const sampler.SamplerConfig) Status {

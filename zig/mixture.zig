@@ -173,10 +173,8 @@ pub fn fill(config: *const MixtureConfig, step: u64, rows: []u64, sources: []u32
     const status = check(config);
     if (status != .ok) return status;
     if (rows.len != config.batch_size or sources.len != config.batch_size) return .output_size_mismatch;
-    const global_batch = config.batch_size * config.shard_count;
-    const step_start = std.math.mul(u64, step, global_batch) catch return .overflow;
-    const first = std.math.add(u64, step_start, config.batch_size * config.shard_index) catch return .overflow;
-    _ = std.math.add(u64, first, config.batch_size) catch return .overflow;
+    const first = sampler.globalPosition(step, config.batch_size, config.shard_index, config.shard_count) orelse
+        return .overflow;
     // Where each source's run starts in its own stream, and how long it is in this batch.
     var firsts: [sources_max]u64 = undefined;
     var counts: [sources_max]u64 = undefined;

@@ -88,15 +88,23 @@ pub fn check(config: *const SamplerConfig) Status {
     return .ok;
 }
 
-/// The global position of the first row this shard takes at `step`, or null on overflow.
-fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
-    const global_batch = std.math.mul(u64, config.batch_size, config.shard_count) catch return null;
+/// Where shard `shard_index`'s part of `step` starts in the global stream of positions: a
+/// step's global batch holds batch_size * shard_count positions and shard h takes its h-th
+/// block of batch_size. Null when a position of that part would overflow. The one
+/// definition: the mixture's fill and Python (shm_global_position) use it too.
+pub fn globalPosition(step: u64, batch_size: u64, shard_index: u64, shard_count: u64) ?u64 {
+    const global_batch = std.math.mul(u64, batch_size, shard_count) catch return null;
     const step_start = std.math.mul(u64, step, global_batch) catch return null;
-    const shard_offset = config.batch_size * config.shard_index;
+    const shard_offset = std.math.mul(u64, batch_size, shard_index) catch return null;
     const first = std.math.add(u64, step_start, shard_offset) catch return null;
     // The last position must fit as well.
-    _ = std.math.add(u64, first, config.batch_size) catch return null;
+    _ = std.math.add(u64, first, batch_size) catch return null;
     return first;
+}
+
+/// The global position of the first row this shard takes at `step`, or null on overflow.
+fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
+    return globalPosition(step, config.batch_size, config.shard_index, config.shard_count);
 }
 
 pub const flag_shard_blocks: u32 = 1;
