@@ -244,3 +244,24 @@ def test_convert_images_skip_bad_leaves_out_empty_and_non_image_files_and_lists_
         for row, name in enumerate(batch.strings("path")):
             label, shape = good[name]
             assert batch["label"][row] == label and tuple(batch["size"][row]) == shape
+
+
+def test_a_jpeg_with_libjpeg_warnings_is_decoded_without_printing_them(tmp_path, capfd):
+    """Extraneous bytes before a marker: libjpeg warns. Before: the fast path fell back to
+    OpenCV's decoder, which printed "Corrupt JPEG data: ..." from every reader."""
+    pytest.importorskip("simplejpeg")
+    rng = np.random.default_rng(6)
+    buffer = io.BytesIO()
+    Image.fromarray(photo(rng, 48, 40)).save(buffer, format="JPEG", quality=90)
+    data = buffer.getvalue()
+    warned = data[:-2] + b"\x00\x11\x22" + data[-2:]
+    tree = tmp_path / "tree" / "a"
+    tree.mkdir(parents=True)
+    (tree / "0.jpg").write_bytes(warned)
+    paths = convert_images(tmp_path / "tree", tmp_path / "out", progress=False)
+    capfd.readouterr()
+    with ShmDataLoader({"image": paths["image"], "label": paths["label"]}, transform="shmloader.transforms.images:evaluate",
+                       transform_args={"size": 16, "resize": 16, "decoder": "fast"}, batch_size=1, readers=1) as loader:
+        image = np.array(next(loader)["image"][0])
+    assert "Corrupt JPEG data" not in capfd.readouterr().err
+    assert image.std() > 0  # Decoded, not blank.

@@ -171,11 +171,17 @@ class ImageWriter:
         except ValueError:
             return None
         top, left, h, w = box = choose_box(height, width)
+        scale = dict(colorspace="RGB", min_height=math.ceil(height * size_h / h), min_width=math.ceil(width * size_w / w))
         try:
-            image = self.simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=math.ceil(height * size_h / h),
-                                                min_width=math.ceil(width * size_w / w))
+            image = self.simplejpeg.decode_jpeg(data, **scale)
         except ValueError:
-            return self._decode_with_box(data, box)
+            try:
+                # A warning of libjpeg's (extraneous bytes, a premature end) fails the strict
+                # decode; libjpeg-turbo then decodes what it can, as Pillow does, silently,
+                # where OpenCV's decoder would print "Corrupt JPEG data" lines from every reader.
+                image = self.simplejpeg.decode_jpeg(data, strict=False, **scale)
+            except ValueError:
+                return self._decode_with_box(data, box)
         scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
         top, left = int(top * scale_y), int(left * scale_x)
         return image, (top, left, max(1, int(round(h * scale_y))), max(1, int(round(w * scale_x))))
