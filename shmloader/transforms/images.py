@@ -174,10 +174,12 @@ class ImageWriter:
         scale = dict(colorspace="RGB", min_height=math.ceil(height * size_h / h), min_width=math.ceil(width * size_w / w))
         try:
             image = self.simplejpeg.decode_jpeg(data, **scale)
-        except ValueError:
+        except ValueError as error:
+            if "premature end" in str(error).lower():  # Truncated: a bad record, whichever decoder.
+                return self._decode_with_box(data, box)
             try:
-                # A warning of libjpeg's (extraneous bytes, a premature end) fails the strict
-                # decode; libjpeg-turbo then decodes what it can, as Pillow does, silently,
+                # Another warning of libjpeg's (extraneous bytes before a marker) fails the
+                # strict decode: libjpeg-turbo decodes it leniently, as Pillow does, silently,
                 # where OpenCV's decoder would print "Corrupt JPEG data" lines from every reader.
                 image = self.simplejpeg.decode_jpeg(data, strict=False, **scale)
             except ValueError:
