@@ -2,6 +2,7 @@
 the Zig library (zig/, called through cffi) and the trainer's next() (a CPython extension
 in C, compiled by `zig cc`)."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -35,7 +36,11 @@ def write_ffi_module(package_dir: pathlib.Path) -> None:
     declarations = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(declarations)
     builder = declarations.ffi_builder((ROOT / RING_HEADER).read_text())
-    builder.emit_python_code(str(package_dir / "_ffi.py"))
+    target = package_dir / "_ffi.py"
+    builder.emit_python_code(str(target))
+    # cffi leaves an unchanged file alone, old mtime and all; _native.py tells a stale build
+    # by mtimes (ring.h newer than _ffi.py), so a rebuild after a comment's edit must show.
+    os.utime(target)
 
 
 class ZigBuildExt(build_ext):

@@ -1,5 +1,5 @@
 //! Every symbol Python calls, all prefixed `shm_`, with stable status codes. The cffi
-//! declarations in shmloader/_native.py mirror this file; a test checks the two agree.
+//! declarations in shmloader/_declarations.py mirror this file; a test checks the two agree.
 
 const std = @import("std");
 const sampler = @import("sampler.zig");

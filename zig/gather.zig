@@ -57,7 +57,7 @@ pub const GetItemFn = *const fn (
 
 /// A Blosc2 NDArray whose chunks and blocks span whole rows, so that row r of a chunk is
 /// bytes [r*row_bytes, (r+1)*row_bytes) of that chunk once decompressed. Mirrors
-/// `shm_blosc_layout` in shmloader/_native.py.
+/// `shm_blosc_layout` in shmloader/_declarations.py.
 pub const BloscLayout = extern struct {
     getitem: ?GetItemFn,
     context: ?*anyopaque,

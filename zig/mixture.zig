@@ -18,7 +18,7 @@ const std = @import("std");
 const sampler = @import("sampler.zig");
 const Status = @import("status.zig").Status;
 
-/// Mirrors `shm_mixture_source` in shmloader/_native.py.
+/// Mirrors `shm_mixture_source` in shmloader/_declarations.py.
 pub const MixtureSource = extern struct {
     /// Rows of the source.
     length: u64,
@@ -34,7 +34,7 @@ pub const MixtureSource = extern struct {
     window_blocks: u64,
 };
 
-/// Mirrors `shm_mixture_config` in shmloader/_native.py.
+/// Mirrors `shm_mixture_config` in shmloader/_declarations.py.
 pub const MixtureConfig = extern struct {
     sources: [*]const MixtureSource,
     source_count: u64,

@@ -12,7 +12,7 @@ pub const Mode = enum(u32) {
     shuffle = 2,
 };
 
-/// Mirrors `shm_sampler_config` in shmloader/_native.py; a test there checks the layout.
+/// Mirrors `shm_sampler_config` in shmloader/_declarations.py; _native.py checks its size at load.
 pub const SamplerConfig = extern struct {
     length: u64,
     batch_size: u64,
