@@ -19,12 +19,16 @@ from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seco
                    plan_loader, wake_after, warn_poor_layouts, warn_window_memory)
 from .pool import ReaderPool
 from .reader import ReaderConfig
-from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, sweep_stale
+from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, check_integer, global_position
 from .supervision import Supervisor
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
+
+
+# How long seek() waits for a reader to finish the step it is filling, without a step_timeout.
+_SEEK_FILL_SECONDS = 60.0
 
 
 class ShmDataLoader(cursor_module.Cursor):
@@ -350,8 +354,23 @@ class ShmDataLoader(cursor_module.Cursor):
         held = self._held()
         if held:
             raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
-        for slot in range(self.slots):
-            self._pool.take_back(slot, self.hold_timeout)
+        # A reader in the middle of a step finishes it first: as long as a step may take
+        # (step_timeout, else a minute), not the hold timeout of a batch a user keeps.
+        fill_timeout = self.step_timeout if self.step_timeout is not None else max(self.hold_timeout, _SEEK_FILL_SECONDS)
+        taken = []
+        try:
+            for slot in range(self.slots):
+                self._pool.take_back(slot, fill_timeout)
+                taken.append(slot)
+        except BaseException:
+            # Nothing changed, as far as the caller can tell: the slots taken back so far
+            # are requested again for the steps they held, and the loader goes on as before.
+            for slot in taken:
+                if self._ring.state(slot)[0] == SlotState.IDLE:
+                    old = self._next_step + (slot - self._next_step) % self.slots
+                    if old < self._end_step:
+                        self._request(slot, old)
+            raise
         self._next_step = step
         self._resume = None  # A seek names its step knowingly: no resumed position to cut at.
         self._partial_from = ENDLESS if self.finite is None else self.finite.partial_from

@@ -454,3 +454,21 @@ def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(mon
     assert plan.default_readers({"LOCAL_WORLD_SIZE": ""}) == plan.default_readers({})
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 1, 2})  # A rank pinned to 3 cores.
     assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 3
+
+
+def test_a_seek_that_fails_while_a_reader_fills_leaves_the_loader_as_it_was(tmp_path, monkeypatch):
+    """Before: seek() took some slots back, raised, and never requested them again: the next
+    batches were old steps, then a SharedMemoryError blamed another process."""
+    import shmloader.loader as loader_module
+    from shmloader import SlotsExhaustedError
+
+    np.save(tmp_path / "x.npy", np.arange(60, dtype=np.int64))
+    monkeypatch.setattr(loader_module, "_SEEK_FILL_SECONDS", 0.5)
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=6,
+                       transform="transform_fixtures:slow_on_row_nine", hold_timeout=0.2) as loader:
+        assert next(loader).step == 0
+        time.sleep(0.3)  # The reader is inside step 2 now.
+        with pytest.raises(SlotsExhaustedError, match="stayed in filling"):
+            loader.seek(0)
+        got = [(batch.step, batch["x"].tolist()) for batch in (next(loader) for _ in range(5))]
+    assert got == [(step, list(range(4 * step, 4 * step + 4))) for step in range(1, 6)]

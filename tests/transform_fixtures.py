@@ -197,3 +197,13 @@ def draws_per_row(batch, out, ctx):
     out["x"][:] = batch["x"]
     for i in range(len(ctx.indices)):
         out["draw"][i] = ctx.rng(i).integers(1 << 40)
+
+
+@shmloader.transform(outputs={"x": ((), "int64")})
+def slow_on_row_nine(batch, out, ctx):
+    """x as given; the step holding row 9 takes 2.5 s."""
+    import time
+
+    if 9 in ctx.indices.tolist():
+        time.sleep(2.5)
+    out["x"][:] = batch["x"]
