@@ -17,7 +17,7 @@ from ._native import ffi
 from .layout import choose_layout, convert_command, poor_layout
 from .ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, RaggedSpec, describe_ragged
 from .errors import StorageError
-from .storage import (CHECKSUM_META, publishing, FieldSpec, check_dtype, check_output_directory, check_rows, describe_field,
+from .storage import (CHECKSUM_META, publishing, FieldSpec, check_dtype, check_output, check_output_directory, check_rows, describe_field,
                       open_field)
 
 __all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",
@@ -100,12 +100,11 @@ def convert(
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
     if not isinstance(clevel, int) or not 0 <= clevel <= 9:
         raise ValueError(f"clevel must be an integer in [0, 9], got {clevel!r}")
-    output = pathlib.Path(output)
-    check_output_directory(output)
-    if output.suffix.lower() == ".npy":
+    if pathlib.Path(output).suffix.lower() == ".npy":
         raise ValueError(f"{output}: convert writes a Blosc2 frame, which a .npy name would misdescribe; name it .b2nd")
-    if output.exists() and not force:
-        raise FileExistsError(f"{output} exists; pass force=True (--force) to overwrite it")
+    output = check_output(output, () if isinstance(source, np.ndarray) else (source,), force)
+    if output.is_dir():
+        raise FileExistsError(f"{output} is a directory; convert writes a .b2nd file: choose another output")
     if isinstance(source, np.ndarray):
         array, source_name = source, "array"
     else:
@@ -356,14 +355,14 @@ def write_ragged(path: str | os.PathLike, records: Iterable, *, codec: str = "au
     (and shapes) stay in memory. Written under a temporary name and renamed at the end, so
     an interrupted write leaves nothing at `path`. `codec="auto"` keeps LZ4 where it saves
     10% on the first records, else stores values uncompressed (encoded images gain nothing)."""
-    check_output_directory(path)
     import blosc2
 
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-    path = pathlib.Path(path)
-    if path.exists() and not force:
-        raise FileExistsError(f"{path} exists; pass force=True (--force) to overwrite it")
+    path = check_output(path, force=force)
+    if path.exists() and not (path / VALUES_NAME).is_file():  # force replaces a ragged field, nothing else.
+        raise FileExistsError(f"{path} exists and is not a ragged field (no {VALUES_NAME} in it): force replaces only "
+                              f"one; remove it yourself, or choose another output")
     iterator = iter(records)
     sample, sample_bytes, sample_records, first = [], 0, 0, None
     for item in iterator:

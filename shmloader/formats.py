@@ -40,7 +40,7 @@ import numpy as np
 
 from .errors import StorageError
 from .naming import field_file, file_name_problem
-from .storage import check_output_directory, publishing
+from .storage import check_output, publishing
 
 # A .npy header is written before the row count is known, then rewritten in place with
 # it: this many bytes hold any header of a column (magic, version, length, dict, padding).
@@ -89,7 +89,8 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
                 parquet.close()
 
     rows = sum(parquet.metadata.num_rows for parquet in opened)
-    return _import(schema, batches, rows, out, columns, nulls, force, progress, threads, fixed, skip_unsupported)
+    return _import(schema, batches, rows, out, columns, nulls, force, progress, threads, fixed, skip_unsupported,
+                   files)
 
 
 def from_arrow(table, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
@@ -163,11 +164,8 @@ def _expand(paths) -> list[str]:
 
 
 def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progress: bool, threads,
-            fixed=None, skip_unsupported: bool = False) -> dict[str, str]:
-    out = pathlib.Path(out)
-    check_output_directory(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
+            fixed=None, skip_unsupported: bool = False, sources=()) -> dict[str, str]:
+    out = check_output(out, sources, force, COLUMNS_FILE)
     names = _check_columns(schema, columns)
     fixed = set(fixed or ())
     unknown = sorted(fixed - set(names))
@@ -663,10 +661,7 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
     import threading
 
     files = _expand(shards)
-    out = pathlib.Path(out)
-    check_output_directory(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
+    out = check_output(out, files, force, COLUMNS_FILE)
 
     def samples():
         """(shard, key, {extension: bytes}) in order: members of one key are consecutive."""
@@ -780,4 +775,10 @@ def from_webdataset(shards, out, *, force: bool = False, progress: bool = True) 
             paths[name] = f"{name}.npy"
         for name in ragged:
             paths[name] = f"{name}.ragged"
+        import json
+
+        extension_of = {name: extension for extension, name in names.items()}
+        with open(temporary / COLUMNS_FILE, "w") as handle:  # What an import wrote (force replaces only such).
+            json.dump({"fields": {name: {"extension": extension_of.get(name, name), "file": path}
+                                  for name, path in paths.items()}, "skipped": {}}, handle, indent=1)
     return {name: str(out / path) for name, path in paths.items()}

@@ -166,6 +166,26 @@ def check_output_directory(output: str | os.PathLike) -> None:
         raise FileNotFoundError(f"{output}: its directory {directory} does not exist; create it first")
 
 
+def check_output(output: str | os.PathLike, sources=(), force: bool = False, marker: str | None = None) -> pathlib.Path:
+    """`output` as an absolute path once it is safe to write there: its directory exists;
+    it is none of `sources` and holds none of them; it does not exist, or `force` is given
+    and (where `marker` names one) it is an earlier output of the same kind, holding that
+    file: force replaces what a writer wrote, never a directory of other files."""
+    out = pathlib.Path(os.path.abspath(os.fspath(output)))
+    check_output_directory(out)
+    for source in sources:
+        path = pathlib.Path(os.path.abspath(os.fspath(source)))
+        if path == out or out in path.parents:
+            raise ValueError(f"{output}: writing there would replace the source {source}; choose another output")
+    if out.exists():
+        if not force:
+            raise FileExistsError(f"{out} exists; pass force=True (--force) to overwrite it")
+        if marker is not None and (not out.is_dir() or not (out / marker).is_file()):
+            raise FileExistsError(f"{out} exists and is not an earlier output of this command (no {marker} in it): "
+                                  f"force replaces only such an output; remove it yourself, or choose another output")
+    return out
+
+
 def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldSpec:
     """Validates a field file and describes it. Raises FileNotFoundError or StorageError.
     `allow_empty`: zero rows are fine (a ragged field's values when every record is empty).

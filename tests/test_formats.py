@@ -482,3 +482,31 @@ def test_a_hugging_face_array2d_parquet_imports_where_datasets_is_not_imported(t
                              str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "a.npy"), np.stack(grids))
+
+
+def test_force_never_replaces_the_sources_or_a_directory_of_other_files(tmp_path):
+    """Before: from_parquet('d/*.parquet', 'd', force=True) read the files, then replaced the
+    directory, sources and an unrelated README included; a source as its own output became
+    a directory."""
+    from shmloader.convert import convert
+
+    data = tmp_path / "d"
+    data.mkdir()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), data / "one.parquet")
+    (data / "README.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="would replace the source"):
+        from_parquet(str(data / "*.parquet"), data, force=True, progress=False)
+    with pytest.raises(ValueError, match="would replace the source"):
+        from_parquet(data / "one.parquet", data / "one.parquet", force=True, progress=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not an earlier output"):
+        from_parquet(data / "one.parquet", other, force=True, progress=False)
+    assert sorted(os.listdir(data)) == ["README.txt", "one.parquet"] and os.listdir(other) == ["notes.txt"]
+    from_parquet(data / "one.parquet", tmp_path / "out", progress=False)
+    from_parquet(data / "one.parquet", tmp_path / "out", force=True, progress=False)  # An earlier import: replaced.
+    np.save(tmp_path / "a.npy", np.arange(10))
+    convert(tmp_path / "a.npy", tmp_path / "a.b2nd", progress=False)
+    with pytest.raises(ValueError, match="would replace the source"):
+        convert(tmp_path / "a.b2nd", tmp_path / "a.b2nd", force=True, progress=False)
