@@ -269,6 +269,7 @@ class ShmDataLoader(cursor_module.Cursor):
         `device="cpu"` copies nothing: dicts of torch.from_numpy views of each batch (the
         batch lifetime rule applies to them)."""
         self._raise_if_closed()
+        iter(self)  # A finished pass raises here, as a loop over the loader would.
         if backend is None and str(device) == "cpu":
             return cpu_tensors(self)
         if backend is None:

@@ -182,3 +182,15 @@ def test_a_finite_pass_hands_out_every_prefetched_batch_before_it_stops(dataset)
         iterator.close()
     assert [len(batch) for batch in labels] == [64] * 9 + [24]  # 600 rows
     np.testing.assert_array_equal(np.concatenate(labels), dataset["labels"])
+
+
+def test_to_device_on_a_finished_pass_raises_instead_of_yielding_nothing(dataset):
+    """Before: a second epoch through to_device() (which calls next() itself) trained on
+    nothing, while a plain loop raised."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=100, readers=1, slots=6,
+                       epochs=1) as loader:
+        assert sum(1 for _ in loader.to_device("cuda", backend=FakeBackend())) == len(loader)
+        with pytest.raises(RuntimeError, match="has ended"):
+            loader.to_device("cuda", backend=FakeBackend())
+        with pytest.raises(RuntimeError, match="has ended"):
+            loader.to_device("cpu")
