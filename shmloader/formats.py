@@ -175,17 +175,18 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     nulls = dict(nulls or {})
     outputs, skipped, plans = [], {}, {}
     for name in names:
-        try:
+        try:  # What a column's type allows: a column without a field form may be skipped.
             found = _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed)
-            for output in found:
-                plans[output.field] = _column_plan(output.field, output.arrow_type, nulls.get(output.field),
-                                                   output.fixed)
+            forms = [_column_form(output.field, output.arrow_type, nulls.get(output.field)) for output in found]
         except StorageError as error:
             if not skip_unsupported:
                 raise StorageError(f"{error}; or skip such columns with skip_unsupported=True (--skip-columns)") \
                     from None
             skipped[name] = str(error)
             continue
+        for output, form in zip(found, forms):
+            plans[output.field] = _with_options(output.field, output.arrow_type, form, nulls.get(output.field),
+                                                output.fixed)
         outputs += found
     if not outputs:
         raise StorageError(f"no column can be imported (skipped: {skipped})")
@@ -199,7 +200,9 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
             raise StorageError(f"column {output.column!r}: its field name {output.field!r} {problem}")
     unknown = sorted(set(nulls) - set(fields))
     if unknown:
-        raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {fields})")
+        why = "; ".join(f"{name!r} was skipped: {skipped[name]}" for name in unknown if name in skipped)
+        raise StorageError(f"nulls= names {unknown}, which are not imported columns (imported: {fields})"
+                           f"{'; ' + why if why else ''}")
     if rows == 0:
         raise StorageError(f"{out}: the source has no rows; a field needs at least one")
     from tqdm import tqdm
@@ -276,8 +279,11 @@ def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Outp
 
     source_type = arrow_type
     notes = {}
-    if feature.get("_type") == "ClassLabel" and isinstance(feature.get("names"), list):
-        notes["classes"] = [str(label) for label in feature["names"]]
+    label = feature
+    while isinstance(label, dict) and label.get("_type") in ("Sequence", "List", "LargeList"):
+        label = label.get("feature")  # A list of class labels: the names are its items'.
+    if isinstance(label, dict) and label.get("_type") == "ClassLabel" and isinstance(label.get("names"), list):
+        notes["classes"] = [str(name) for name in label["names"]]
     if isinstance(arrow_type, pa.ExtensionType):
         shape = getattr(arrow_type, "shape", None)
         value_type = getattr(arrow_type, "value_type", None)
@@ -419,7 +425,12 @@ class _ColumnPlan:
 
 
 def _column_plan(name: str, arrow_type, null, fixed: bool = False) -> _ColumnPlan:
-    plan = _column_form(name, arrow_type, null)
+    return _with_options(name, arrow_type, _column_form(name, arrow_type, null), null, fixed)
+
+
+def _with_options(name: str, arrow_type, plan: _ColumnPlan, null, fixed: bool) -> _ColumnPlan:
+    """A column's form with what the caller asked of it (fixed=, nulls=), checked: a mistake
+    there is the caller's, refused even where unsupported columns are skipped."""
     if fixed:
         if plan.kind != "ragged" or plan.text:
             raise StorageError(f"column {name!r}: fixed= takes variable-length list columns, and this one is "
@@ -539,19 +550,28 @@ def _write_column(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks,
 
 def _write_fixed(directory: pathlib.Path, name: str, plan: _ColumnPlan, chunks, rows: int, bar) -> str:
     path = field_file(directory, name, ".npy", f"column {name!r}")
-    written, shape = 0, plan.shape
+    written, shape, waiting = 0, plan.shape, []
     with open(path, "wb") as handle:
         handle.write(_npy_header(plan.dtype, (rows, *(shape or ()))))
         for chunk in chunks:
             if plan.shape is None:  # fixed=: lists of one length, as fixed-size lists of it.
-                chunk, shape = _as_fixed_lists(name, chunk, written, shape)
-                if shape is None:
-                    raise StorageError(f"column {name!r}: rows {written}..{written + len(chunk) - 1} are all null, so "
-                                       f"fixed= cannot learn the lists' length from them")
-            handle.write(_fixed_values(name, chunk, written, _ColumnPlan("fixed", plan.dtype, shape, plan.null))
-                         .tobytes())
-            written += len(chunk)
-            bar.update(len(chunk))
+                _, shape = _as_fixed_lists(name, chunk, written + sum(map(len, waiting)), shape)
+                if shape is None:  # Empty or all null so far: written once a row gives the length.
+                    waiting.append(chunk)
+                    continue
+                pending, waiting = [*waiting, chunk], []
+            else:
+                pending = [chunk]
+            for piece in pending:
+                if plan.shape is None:
+                    piece, _ = _as_fixed_lists(name, piece, written, shape)
+                values = _fixed_values(name, piece, written, _ColumnPlan("fixed", plan.dtype, shape, plan.null))
+                handle.write(values.tobytes())
+                written += len(piece)
+                bar.update(len(piece))
+        if waiting and sum(map(len, waiting)):
+            raise StorageError(f"column {name!r}: every row is null, so fixed= cannot learn the lists' length")
+        shape = (0,) if shape is None else shape
         if written != rows or shape != plan.shape:  # Rows miscounted by the metadata, or a length found.
             handle.seek(0)
             handle.write(_npy_header(plan.dtype, (written, *shape)))

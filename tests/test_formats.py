@@ -510,3 +510,37 @@ def test_force_never_replaces_the_sources_or_a_directory_of_other_files(tmp_path
     convert(tmp_path / "a.npy", tmp_path / "a.b2nd", progress=False)
     with pytest.raises(ValueError, match="would replace the source"):
         convert(tmp_path / "a.b2nd", tmp_path / "a.b2nd", force=True, progress=False)
+
+
+def test_fixed_learns_the_length_past_empty_or_null_first_chunks(tmp_path):
+    """Before: a first row group of no rows, or of null rows only, made fixed= fail."""
+    empty = pa.table({"px": pa.array([], type=pa.list_(pa.int32()))})
+    rows = pa.table({"px": pa.array([[1, 2], [3, 4], [5, 6]], type=pa.list_(pa.int32()))})
+    with pq.ParquetWriter(tmp_path / "t.parquet", rows.schema) as writer:
+        writer.write_table(empty)
+        writer.write_table(rows)
+    paths = from_parquet(tmp_path / "t.parquet", tmp_path / "a", fixed=["px"], progress=False)
+    np.testing.assert_array_equal(np.load(paths["px"]), [[1, 2], [3, 4], [5, 6]])
+    nulls_first = pa.concat_tables([pa.table({"px": pa.array([None], type=pa.list_(pa.int32()))}), rows])
+    paths = from_arrow(nulls_first, tmp_path / "b", fixed=["px"], nulls={"px": 0}, progress=False)
+    np.testing.assert_array_equal(np.load(paths["px"]), [[0, 0], [1, 2], [3, 4], [5, 6]])
+
+
+def test_skip_unsupported_never_swallows_a_mistake_in_fixed_or_nulls(tmp_path):
+    table = pa.table({"txt": ["a", "b"], "n": [1, 2], "d": pa.array([None, None], type=pa.decimal128(5, 2))})
+    with pytest.raises(StorageError, match=r"column 'txt': fixed= takes variable-length list columns"):
+        from_arrow(table, tmp_path / "a", fixed=["txt"], skip_unsupported=True, progress=False)
+    with pytest.raises(StorageError, match=r"column 'n': its nulls value 'x' is not"):
+        from_arrow(table, tmp_path / "b", nulls={"n": "x"}, skip_unsupported=True, progress=False)
+    with pytest.raises(StorageError, match=r"nulls= names \['d'\].*'d' was skipped"):
+        from_arrow(table, tmp_path / "c", nulls={"d": 0}, skip_unsupported=True, progress=False)
+
+
+def test_class_names_of_a_list_of_class_labels_are_kept(tmp_path):
+    import json
+
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"tags": datasets.Sequence(datasets.ClassLabel(names=["a", "b", "c"]))})
+    dataset = datasets.Dataset.from_dict({"tags": [[0, 2], [1]]}, features=features)
+    from_arrow(dataset, tmp_path / "out", progress=False)
+    assert json.loads((tmp_path / "out" / "classes.json").read_text()) == {"tags": ["a", "b", "c"]}
