@@ -222,6 +222,14 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0 seconds, got {text}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     """An argparse type: an integer of at least 0."""
     value = int(text)
@@ -303,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = _command(commands, "top", "a live view of every loader on this machine (or of the rings named), read "
                                     "from their rings: slots, readers, rows/s", _top)
     top.add_argument("rings", nargs="*", help="ring names (loader.ring_name) to show; default: all")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between samples")
     top.add_argument("--once", action="store_true", help="print one sample and exit")
 
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)

@@ -166,3 +166,13 @@ def test_a_loader_that_fills_in_the_trainer_shows_its_work(tmp_path):
         (view,) = monitor.views.values()
         assert view.last.readers[0].pid == os.getpid() and view.last.readers[0].batches >= 50
         assert view.rows_per_s > 0
+
+
+def test_top_names_a_ring_it_cannot_find_and_refuses_a_bad_interval(capsys):
+    from shmloader.cli import main
+
+    assert main(["top", "shml_1_000000000000", "--once"]) == 1
+    assert "no ring named shml_1_000000000000" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["top", "--interval", "-1"])
+    assert "must be above 0 seconds" in capsys.readouterr().err
