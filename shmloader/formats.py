@@ -471,17 +471,22 @@ def _column_form(name: str, arrow_type, null) -> _ColumnPlan:
 
 
 def _check_null_value(name: str, null, dtype: np.dtype) -> None:
-    """A scalar column's `nulls` value must be a number (or bool) its dtype holds exactly."""
+    """A scalar column's `nulls` value must be a number (or bool) its dtype holds: exactly
+    for integers and bools, without overflowing for floats."""
     exact = False
     if isinstance(null, (int, float, bool, np.number, np.bool_)):
         try:
-            stored = np.array(null, dtype=dtype)
-            exact = bool(stored == null) or (dtype.kind == "f" and bool(np.isnan(stored)) and null != null)
+            with np.errstate(over="ignore"):
+                stored = np.array(null, dtype=dtype)
+            if dtype.kind == "f":  # The nearest float will do, but not an overflow to infinity.
+                exact = bool(np.isfinite(stored)) or not np.isfinite(float(null))
+            else:  # Compared as Python numbers: numpy would cast the other side to the dtype first.
+                exact = stored.item() == null
         except (TypeError, ValueError, OverflowError):
             pass
     if not exact:
         raise StorageError(f"column {name!r}: its nulls value {null!r} is not a {dtype} value; give a number that "
-                           f"{dtype} holds exactly")
+                           f"{dtype} holds")
 
 
 def _check_nulls(name: str, chunk, first_row: int, plan: _ColumnPlan):

@@ -544,3 +544,14 @@ def test_class_names_of_a_list_of_class_labels_are_kept(tmp_path):
     dataset = datasets.Dataset.from_dict({"tags": [[0, 2], [1]]}, features=features)
     from_arrow(dataset, tmp_path / "out", progress=False)
     assert json.loads((tmp_path / "out" / "classes.json").read_text()) == {"tags": ["a", "b", "c"]}
+
+
+def test_a_nulls_value_that_overflows_its_dtype_is_refused(tmp_path):
+    """Before: nulls={"d": 1e40} on a float32 column stored inf (numpy compared 1e40 as the
+    float32 it casts to)."""
+    table = pa.table({"d": pa.array([1.0, None], type=pa.float32()), "i": pa.array([1, None], type=pa.uint8())})
+    for nulls in ({"d": 1e40}, {"i": 300}, {"i": -1}, {"i": 2.5}):
+        with pytest.raises(StorageError, match="is not a"):
+            from_arrow(table.select(list(nulls)), tmp_path / "out", nulls=nulls, progress=False)
+    paths = from_arrow(table.select(["d"]), tmp_path / "out", nulls={"d": 0.1}, progress=False)  # The nearest float.
+    assert np.load(paths["d"]).tolist() == [1.0, np.float32(0.1)]
