@@ -159,7 +159,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 from conftest import examples  # noqa: E402
 
 
-@examples(60)
+@examples(30)
 @given(before=st.tuples(st.integers(1, 5), st.integers(1, 40)), after=st.tuples(st.integers(1, 5), st.integers(1, 40)),
        steps=st.integers(0, 30), mode=st.sampled_from(["shuffle", "sequential"]), seed=st.integers(0, 1000),
        finite=st.booleans())

@@ -23,18 +23,23 @@ from shmloader import pool as readers
 from shmloader.monitor import Monitor, render_text
 
 
-def _screen_until(master: int, pattern: str, timeout: float) -> str:
-    """What the terminal received until `pattern` appears (or the time-out)."""
-    received, deadline = b"", time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([master], [], [], 0.2)[0]:
-            try:
-                received += os.read(master, 65536)
-            except OSError:
-                break
-            if re.search(pattern, received.decode(errors="replace")):
-                break
-    return received.decode(errors="replace")
+class _Terminal:
+    """The screen side of a pty: everything received, read until a pattern shows."""
+
+    def __init__(self, master: int) -> None:
+        self.master, self.received, self.searched = master, b"", 0
+
+    def until(self, pattern: str, timeout: float) -> str:
+        """What arrived since the last call, read until `pattern` appears in it (or the time-out)."""
+        start, deadline = self.searched, time.monotonic() + timeout
+        while not re.search(pattern, self.received[start:].decode(errors="replace")) and time.monotonic() < deadline:
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.received += os.read(self.master, 65536)
+                except OSError:
+                    break
+        self.searched = len(self.received)
+        return self.received[start:].decode(errors="replace")
 
 
 def _terminal_session() -> None:
@@ -79,15 +84,17 @@ def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
     process = subprocess.Popen([sys.executable, "-m", "shmloader", "top", live_loader.ring_name, "--interval", "0.2"],
                                stdin=slave, stdout=slave, stderr=slave, close_fds=True, preexec_fn=_terminal_session)
     os.close(slave)
+    terminal = _Terminal(master)
     try:
         pids = live_loader.reader_pids
-        screen = _screen_until(master, rf"pid\s+{pids[1]}", 30)
+        screen = terminal.until(rf"reader 1: pid\s+{pids[1]}", 30)
         assert live_loader.ring_name.lstrip("/") in screen, screen[-2000:]
         assert re.search(rf"reader 0: pid\s+{pids[0]}", screen) and re.search(rf"reader 1: pid\s+{pids[1]}", screen)
-        assert re.search(r"[1-9][\d,]* rows/s", _screen_until(master, r"[1-9][\d,]* rows/s", 20))
+        screen = terminal.until(r"[1-9][\d,]* rows/s", 30)
+        assert re.search(r"[1-9][\d,]* rows/s", screen), screen[-2000:]
         os.kill(pids[0], signal.SIGKILL)
         assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
-        screen = _screen_until(master, r"restarts [1-9]", 20)
+        screen = terminal.until(r"restarts [1-9]", 30)
         assert re.search(r"restarts [1-9]", screen), screen[-2000:]
         os.write(master, b"\x03")  # Ctrl-C, as a user would type it.
         assert process.wait(10) == 0
