@@ -479,7 +479,8 @@ def test_a_hugging_face_array2d_parquet_imports_where_datasets_is_not_imported(t
     datasets.Dataset.from_dict({"a": grids}, features=datasets.Features(
         {"a": datasets.Array2D(shape=(2, 3), dtype="float32")})).to_parquet(tmp_path / "a.parquet")
     result = subprocess.run([sys.executable, "-m", "shmloader", "import", "parquet", str(tmp_path / "a.parquet"),
-                             str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120)
+                             str(tmp_path / "out"), "--quiet"], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)  # Not the checkout: there `shmloader` is the source tree, unbuilt.
     assert result.returncode == 0, result.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "a.npy"), np.stack(grids))
 

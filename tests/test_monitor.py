@@ -82,7 +82,8 @@ def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
     # A wide terminal, so that no line wraps; and only this test's ring (others' run beside it).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     process = subprocess.Popen([sys.executable, "-m", "shmloader", "top", live_loader.ring_name, "--interval", "0.2"],
-                               stdin=slave, stdout=slave, stderr=slave, close_fds=True, preexec_fn=_terminal_session)
+                               stdin=slave, stdout=slave, stderr=slave, close_fds=True, preexec_fn=_terminal_session,
+                               cwd="/")  # Not the checkout: there `shmloader` is the source tree, unbuilt.
     os.close(slave)
     terminal = _Terminal(master)
     try:
