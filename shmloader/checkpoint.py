@@ -12,6 +12,8 @@ from .sampler import global_position
 # order that dealt whole windows one after another (checkpoints without this key) was
 # replaced; such a checkpoint's steps name other rows.
 SHUFFLE_ORDER = "sliding"
+# Where a window covers the data (or a mixture's source), the global shuffle.
+GLOBAL_ORDER = "global"
 
 
 # What a checkpoint's "position" counts: positions of the global stream every shard reads
@@ -55,8 +57,21 @@ def state_of(next_step: int, sampler, sources: list[dict], transform, finite=Non
     if transform is not None:
         state["transform"] = {"name": transform.name, "args": transform.args}
     if sampler.shuffle_window is not None:
-        state["shuffle_order"] = SHUFFLE_ORDER
+        state["shuffle_order"] = shuffle_order(sampler)
     return state
+
+
+def shuffle_order(sampler) -> str:
+    """The order a windowed sampler deals: "sliding" (the block-local shuffle), or where the
+    window covers the data (a mixture's source) the global shuffle; a checkpoint records it,
+    since a window that covers the data dealt blocks in a sliding order before."""
+    window_blocks = getattr(sampler, "window_blocks", None)
+    if window_blocks is None:  # One source.
+        return SHUFFLE_ORDER if sampler.blocks_per_window else GLOBAL_ORDER
+    covered = [index for index, blocks in enumerate(window_blocks) if not blocks]
+    if not covered:
+        return SHUFFLE_ORDER
+    return f"{SHUFFLE_ORDER}, {GLOBAL_ORDER} for sources {covered}"
 
 
 def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
@@ -78,11 +93,14 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
         raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
                          f"{mine!r}; its batches would differ")
     if sampler.shuffle_window is not None and state.get("shuffle_window") is not None and \
-            state.get("shuffle_order") != SHUFFLE_ORDER:
+            state.get("shuffle_order") != shuffle_order(sampler):
+        before = state.get("shuffle_order")
+        what = ("whose block-local shuffle dealt whole windows one after another (no shuffle_order recorded)"
+                if before is None else f"whose order was {before!r}")
         raise ValueError(f"the checkpoint was made with shuffle_window={state['shuffle_window']!r} by a shmloader "
-                         f"whose block-local shuffle dealt whole windows one after another (no shuffle_order "
-                         f"{SHUFFLE_ORDER!r} recorded); this one's order differs, so its steps name other rows. "
-                         f"Resume it with the shmloader that wrote it, or seek(step) to continue in this order")
+                         f"{what}; this one's is {shuffle_order(sampler)!r} (a window that covers the data is the "
+                         f"global shuffle now), so its steps name other rows. Resume it with the shmloader that wrote "
+                         f"it, or seek(step) to continue in this order")
     expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
     mismatched = {key: (_recorded(state, key), value) for key, value in expected.items()
                   if _recorded(state, key) != value}

@@ -468,3 +468,17 @@ def test_a_window_that_covers_the_data_is_the_global_shuffle(window, shards):
             np.testing.assert_array_equal(windowed.fill(step), plain.fill(step))
     mixture = MixtureSampler([1000, 50], [3, 1], [1.0, 1.0], [False, False], 32, 3, 0, 1, 100, [10, 5])
     assert [view.source for view in mixture.window_views()] == [0]  # Only the source the window does not cover.
+
+
+def test_a_checkpoint_of_a_covering_window_from_before_the_global_fallback_is_refused(files):
+    """A window at least as large as the data dealt blocks in a sliding order before it
+    became the global shuffle: such a checkpoint names other rows now."""
+    fields = {"x": _declaration(files, "npy")}  # 3,000 rows.
+    with ShmDataLoader(fields, batch_size=32, readers=0, seed=4, shuffle_window=5000) as loader:
+        next(loader)
+        state = loader.state_dict()
+    assert state["shuffle_order"] == "global"
+    with ShmDataLoader(fields, batch_size=32, readers=0, seed=4, shuffle_window=5000) as loader:
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match=r"whose order was 'sliding'.*covers the data is the global shuffle"):
+            loader.load_state_dict({**state, "shuffle_order": "sliding"})
