@@ -34,6 +34,15 @@ CODECS = ["LZ4", "ZSTD", "BLOSCLZ", "NONE"]
 BLOCK_ELEMENTS = [8, 16, 64, 256, 1024]
 
 
+def _fresh(tmp_path_factory, name: str):
+    """A new directory per drawn case: mkdtemp, since tmp_path_factory.mktemp scans every
+    earlier one for the next number (quadratic over the long profile's thousands)."""
+    import pathlib
+    import tempfile
+
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=tmp_path_factory.getbasetemp()))
+
+
 def _pointer(array: np.ndarray):
     return ffi.from_buffer("uint8_t[]", array.reshape(-1).view(np.uint8))
 
@@ -93,7 +102,7 @@ def _write_ragged(directory, layout, seed: int):
 @given(layout=ragged_layouts(), picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=24),
        seed=st.integers(0, 2**16))
 def test_ragged_ranges_equal_numpy_for_any_lengths_layout_and_codec(tmp_path_factory, layout, picks, seed):
-    path, records = _write_ragged(tmp_path_factory.mktemp("ragged"), layout, seed)
+    path, records = _write_ragged(_fresh(tmp_path_factory, "ragged"), layout, seed)
     indices = np.array([pick % len(records) for pick in picks], dtype=np.uint64)
     field = RaggedField(describe_ragged(path))
     try:
@@ -114,7 +123,7 @@ def test_ragged_ranges_equal_numpy_for_any_lengths_layout_and_codec(tmp_path_fac
        declaration=st.sampled_from(["packed", "padded", "truncate", "random"]), max_length=st.integers(1, 2048))
 def test_packed_and_padded_batches_equal_numpy(tmp_path_factory, layout, seed, batch_size, mode, declaration,
                                                max_length):
-    path, records = _write_ragged(tmp_path_factory.mktemp("ragged"), layout, seed)
+    path, records = _write_ragged(_fresh(tmp_path_factory, "ragged"), layout, seed)
     longest = max(len(record) for record in records)
     declare = {"packed": lambda: Packed(path),
                "padded": lambda: Padded(path, max_length=max(longest, 1)),
@@ -154,7 +163,7 @@ def test_windows_equal_numpy_at_and_around_block_lengths(tmp_path_factory, block
     count = 4 * (length + 1) + extra
     rng = np.random.default_rng(seed)
     stream = rng.integers(0, 60000, count).astype(dtype)
-    directory = tmp_path_factory.mktemp("windows")
+    directory = _fresh(tmp_path_factory, "windows")
     if source == "b2nd":
         path = _write(directory / "stream.b2nd", stream, (block * chunk_blocks,), (block,), codec)
     else:  # Documents back to back: the stream is their concatenation.
@@ -190,7 +199,7 @@ def fixed_layouts(draw):
 def test_fixed_rows_equal_numpy_for_any_layout_and_codec(tmp_path_factory, layout, picks, seed):
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 200, (layout["rows"], layout["width"])).astype(layout["dtype"])
-    directory = tmp_path_factory.mktemp("rows")
+    directory = _fresh(tmp_path_factory, "rows")
     chunks = (layout["chunk_rows"], layout["chunk_width"])
     blocks = (layout["block_rows"], layout["chunk_width"])
     path = _write(directory / "rows.b2nd", data, chunks, blocks, layout["codec"])
@@ -279,7 +288,7 @@ def test_parquet_imports_equal_pyarrows_read(tmp_path_factory, table, row_group,
     from shmloader import StorageError
     from shmloader.formats import from_parquet
 
-    directory = tmp_path_factory.mktemp("parquet")
+    directory = _fresh(tmp_path_factory, "parquet")
     pq.write_table(table, directory / "t.parquet", row_group_size=row_group)
     nulls = {name: -7 for name in table.column_names if name.endswith(("int", "fixed", "float"))} if nulls_given else None
     has_nulls = any(_nested_null_count(table[name]) for name in table.column_names if name.endswith(("int", "fixed",
@@ -321,7 +330,7 @@ def _nested_null_count(column) -> int:
 def test_webdataset_imports_equal_tarfiles_read(tmp_path_factory, samples, per_shard):
     from shmloader.formats import from_webdataset
 
-    directory = tmp_path_factory.mktemp("wds")
+    directory = _fresh(tmp_path_factory, "wds")
     for shard, start in enumerate(range(0, len(samples), per_shard)):
         with tarfile.open(directory / f"shard-{shard:04d}.tar", "w") as archive:
             for index in range(start, min(start + per_shard, len(samples))):
