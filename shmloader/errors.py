@@ -18,6 +18,12 @@ class StorageError(ShmLoaderError, ValueError):
     """A data file is unusable: wrong format, corrupted, truncated, or of an unsupported dtype."""
 
 
+class RemoteError(StorageError):
+    """An object in a store cannot be read: missing, refused, unreachable past the retries,
+    or changed since the loader described it. Never a bad record: on_error="skip" does not
+    replace it."""
+
+
 class ReaderError(ShmLoaderError, RuntimeError):
     """A reader process failed: it raised (original type, message and traceback are kept) or died.
 

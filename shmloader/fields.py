@@ -26,6 +26,14 @@ def _window_starts(seed: int, step: int, stream: int, count: int, room: np.ndarr
     return out
 
 
+def stored_name(part) -> str:
+    """What names a part to the user: its path, or its URL for an object in a store."""
+    values = getattr(part, "values", None)
+    if values is not None and values.remote:  # A ragged directory in a store: the prefix of its files.
+        return values.remote.rsplit("/", 1)[0]
+    return getattr(part, "remote", "") or part.path
+
+
 def original_file(path: str, record: int) -> str | None:
     """The source file of record `record` of a converted field `path` (STEM.image, ...), from
     the STEM.path ragged field of UTF-8 paths that convert-images writes beside it."""
@@ -70,6 +78,8 @@ class FieldReader:
         self.random_access = getattr(sampler, "mode", "shuffle") != "sequential" and \
             not getattr(sampler, "blocks_per_window", 0)
         self._opened: dict[int, object] = {}
+        # Read from a store through the node cache: every fill pins its pages first (extents).
+        self.remote = any(spec.remote for spec in plan.stored_files())
         self.itemsize = np.dtype(plan.regions[0].dtype).itemsize
         self.single = len(plan.parts) == 1
         # Per source: the range of its parts and their first rows, for the row -> part search.
@@ -89,7 +99,7 @@ class FieldReader:
         first, starts = self._source_parts[source]
         k = int(np.searchsorted(starts, np.uint64(row), side="right")) - 1
         part, local = self.plan.parts[first + k], row - int(starts[k])
-        stored = f"{part.path} record {local}"
+        stored = f"{stored_name(part)} record {local}"
         original = original_file(part.path, local)
         return f"{original} ({stored})" if original else stored
 
@@ -118,6 +128,24 @@ class FieldReader:
             result.extend((field, offset, size) for offset, size in ranges if size > 0)
             first_row, index = min(end_row, part_end), index + 1
         return result
+
+    def extents(self, indices: np.ndarray, sources: np.ndarray | None) -> list[tuple]:
+        """(opened file, file offsets, bytes) of everything rows `indices` (of `sources`) are
+        read from, or more: what a fill from a store pins first (remote/cache.py)."""
+        result = []
+        for part, _, local in self.groups(indices, sources):
+            field = self.part(part)
+            values, starts, counts = self._element_ranges(field, local)
+            if values.remote is not None:
+                result.append((values, *values.extents(starts, counts)))
+        return result
+
+    def _element_ranges(self, field, local: np.ndarray) -> tuple:
+        """(stored field, element starts, element counts) that rows `local` of a part read."""
+        if isinstance(field, RaggedField):
+            starts, lengths = field.starts_and_lengths(local)
+            return field.values, starts, lengths
+        return field, local, np.ones(len(local), dtype=np.uint64)
 
     def part(self, index: int):
         field = self._opened.get(index)
@@ -267,6 +295,9 @@ class WindowsReader(FieldReader):
         self._counts = np.full(batch_size, self.length + 1, dtype=np.uint64)
         self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((self.length + 1) * self.itemsize)
 
+    def _element_ranges(self, field, local: np.ndarray) -> tuple:
+        return field, local * np.uint64(self.length), self._counts[:len(local)]
+
     def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
         output, length = outputs[0], np.uint64(self.length)
         groups = self.groups(indices, sources)
@@ -334,6 +365,15 @@ class DocumentWindowsReader(FieldReader):
         if separators:
             rows, columns = np.asarray(separators).T
             tokens[rows, columns] = self.separator
+
+    def _element_ranges(self, field, local: np.ndarray) -> tuple:
+        """Each row's documents' values, from the first document it starts in to the last it reaches."""
+        starts_of, offsets = self._starts(), field.offsets.astype(np.int64)
+        first = local.astype(np.int64) * self.length
+        documents = np.searchsorted(starts_of, np.stack([first, first + self.length]), side="right") - 1
+        documents = np.minimum(documents, len(offsets) - 2)
+        low, high = offsets[documents[0]], offsets[documents[1] + 1]
+        return field.values, low, high - low
 
     def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
         """The stored values under rows [first_row, first_row + row_count) (their documents'

@@ -15,10 +15,10 @@ import sys
 import numpy as np
 
 from ._native import ffi
-from .errors import ShmLoaderError
+from .errors import RemoteError, ShmLoaderError
 from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
-from .readahead import PENDING_MAX, Advisor, ReadAhead
+from .readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
 from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
@@ -164,6 +164,10 @@ class StepFiller:
         self.advisor = Advisor(PENDING_MAX * len(views)) if views else None
         self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor,
                                      share) for view in views]
+        # Fields from a store: each fill pins its pages (fetching what is missing), and
+        # without windows to read ahead, the next steps' pages are fetched ahead of them.
+        self.remote = any(reader.remote for reader in self.field_readers)
+        self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
 
     @property
     def field_readers(self) -> list[FieldReader]:
@@ -189,17 +193,37 @@ class StepFiller:
         that fail it; on_error="skip" replaces them, "raise" names them in the error."""
         for ahead in self.read_ahead:
             ahead.note(step)
+        if self.step_ahead is not None:
+            self.step_ahead.note(step)
         if self.mixture:
             self.sampler.fill_unchecked(step, outputs.index_pointer, outputs.source_pointer)
         else:
             self.sampler.fill_unchecked(step, outputs.index_pointer)
         try:
             self._fill_rows(step, outputs, salt)
+        except RemoteError:
+            raise  # A store that refuses or an object that changed: no record of the batch is at fault.
         except Exception as error:
             self._recover(step, outputs, salt, error)
 
     def _fill_rows(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
-        """Fills the regions from the rows already in outputs.indices (and sources)."""
+        """Fills the regions from the rows already in outputs.indices (and sources); from a
+        store, with the pages they read pinned in the node cache while they are read."""
+        if not self.remote:
+            self._fill_pinned(step, outputs, salt)
+            return
+        pinned = []
+        try:
+            for reader in self.field_readers:
+                for field, offsets, sizes in reader.extents(outputs.indices, outputs.sources):
+                    pinned.append(field.remote)
+                    field.remote.pin(offsets, sizes)
+            self._fill_pinned(step, outputs, salt)
+        finally:
+            for cached in pinned:
+                cached.unpin()
+
+    def _fill_pinned(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         indices, sources = outputs.indices, outputs.sources
         if self.runner is None:
             for field, field_outputs in zip(self.fields, outputs.fields):
@@ -285,6 +309,9 @@ class StepFiller:
             self._probe.close()
             self._probe = self._probe_outputs = None
         self.read_ahead = []
+        if self.step_ahead is not None:
+            self.step_ahead.close()
+            self.step_ahead = None
         if self.advisor is not None:
             self.advisor.close()
             self.advisor = None

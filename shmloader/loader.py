@@ -19,6 +19,8 @@ from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seco
                    plan_loader, wake_after, warn_poor_layouts, warn_window_memory)
 from .pool import ReaderPool
 from .reader import ReaderConfig
+from .remote.cache import COUNTERS
+from .remote.localize import localize
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
 from .sampler import STEP_MAX, check_integer, global_position
 from .supervision import Supervisor
@@ -77,8 +79,12 @@ class ShmDataLoader(cursor_module.Cursor):
         drop_last: bool = False,
         on_error: str = "raise",
         remote=None,
+        cache_dir=None,
+        cache_bytes: int | None = None,
+        storage_options: dict | None = None,
     ) -> None:
         self._resources = Resources()
+        self._node_cache = None
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
@@ -106,8 +112,20 @@ class ShmDataLoader(cursor_module.Cursor):
         try:
             self._pool = self._resources.pool = self._make_pool(self.readers, self.max_reader_restarts, remote)
             self._pool.start()
-            self._prepare(plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
-                                      transform, transform_args, shuffle_window), warn_layout, start_step)
+            # Fields in a store (s3://): their copies in the node cache, headers fetched.
+            fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
+            if localizer is not None:
+                self._node_cache = localizer.cache
+                self._cache_counters = self._node_cache.counters()
+            try:
+                plan = plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
+                                   transform, transform_args, shuffle_window)
+            except Exception as error:
+                renamed = error if localizer is None else localizer.renamed(error)
+                if renamed is error:
+                    raise
+                raise renamed from None  # Objects named by their URLs, not by their cache paths.
+            self._prepare(plan, warn_layout, start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise
@@ -400,7 +418,15 @@ class ShmDataLoader(cursor_module.Cursor):
             "skipped": dict(zip(("count", "records"), self._supervisor.skipped())) if self._active else {"count": 0, "records": []},
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": self._pool.report(elapsed_s) if self._active else [],
+            **({} if self._node_cache is None else {"cache": self._cache_stats()}),
         }
+
+    def _cache_stats(self) -> dict:
+        """The node cache's budget and bytes held now, and its requests, bytes fetched,
+        retries and pages evicted since this loader started (by every process of the node
+        that uses the cache)."""
+        now = self._node_cache.counters()
+        return {**now, **{name: now[name] - self._cache_counters[name] for name in COUNTERS}}
 
     # Lifecycle.
 

@@ -131,6 +131,14 @@ class FieldPlan:
                    tuple(Region.from_dict(region) for region in data["regions"]), tuple(data["row_counts"]),
                    data["options"])
 
+    def stored_files(self) -> list[FieldSpec]:
+        """Every file the field reads (a ragged part's values, offsets and shapes)."""
+        files = []
+        for part in self.parts:
+            files.extend([part] if isinstance(part, FieldSpec) else
+                         [spec for spec in (part.values, part.offsets, part.shapes) if spec is not None])
+        return files
+
     def describe_files(self) -> list:
         """(path, rows) of every part: what a checkpoint's batches depend on."""
         return [[part.path, getattr(part, "row_count", None) or getattr(part, "record_count", None)]

@@ -12,6 +12,7 @@ record), the values stay in the mapped file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -68,9 +69,11 @@ def read_all(spec: FieldSpec) -> np.ndarray:
     field = open_field(spec, batch_size_max=_OFFSET_PIECE)
     try:
         out = np.empty((spec.row_count, *spec.row_shape), dtype=spec.numpy_dtype)
-        for start in range(0, spec.row_count, _OFFSET_PIECE):
-            stop = min(start + _OFFSET_PIECE, spec.row_count)
-            field.gather(np.arange(start, stop, dtype=np.uint64), out[start:stop])
+        # An object from a store: its whole copy is pinned (fetched where it was evicted).
+        with contextlib.nullcontext() if field.remote is None else field.remote.pinned([(0, field.remote.size)]):
+            for start in range(0, spec.row_count, _OFFSET_PIECE):
+                stop = min(start + _OFFSET_PIECE, spec.row_count)
+                field.gather(np.arange(start, stop, dtype=np.uint64), out[start:stop])
         return out
     finally:
         field.close()

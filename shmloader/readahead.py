@@ -36,6 +36,8 @@ import os
 import queue
 import threading
 
+import numpy as np
+
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
@@ -50,6 +52,8 @@ LAG_STEPS = 8
 # Requests waiting for the thread: a full queue means the disk is behind and another
 # request would only add to its backlog (the caller asks again at its next step).
 PENDING_MAX = 8
+# Steps whose pages a reader of fields from a store fetches ahead, per reader (StepAhead).
+STEPS_AHEAD = 2
 
 
 def memory_limit_bytes() -> int:
@@ -199,6 +203,10 @@ class Advisor:
             if request is None:
                 return
             what, ranges = request
+            if what in ("advise", "fetch"):
+                ranges = _fetch_remote(ranges)
+            if what == "fetch":
+                continue
             if what == "forget":
                 for field, offset, size in ranges:
                     field.forget(offset, size)
@@ -217,6 +225,66 @@ class Advisor:
                 if not self._thread.is_alive():
                     return
         self._thread.join(timeout=5.0)
+
+
+def _fetch_remote(ranges: list[tuple]) -> list[tuple]:
+    """Fetches the ranges of fields from a store into the node cache (all of a field's at
+    once, so that their requests are in flight together); returns the other ranges.
+    A failure is left to the fill that needs the pages: it raises it, naming the URL."""
+    local, remote = [], {}
+    for field, offsets, sizes in ranges:
+        if getattr(field, "remote", None) is None:
+            local.append((field, offsets, sizes))
+        else:
+            remote.setdefault(id(field), (field, [], []))
+            remote[id(field)][1].append(np.atleast_1d(offsets))
+            remote[id(field)][2].append(np.atleast_1d(sizes))
+    for field, offsets, sizes in remote.values():
+        try:
+            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes))
+        except Exception:  # noqa: BLE001 - the pin of the fill reports it.
+            pass
+    return local
+
+
+class StepAhead:
+    """Fetches the pages of the next steps' rows into the node cache before a reader needs
+    them, for fields from a store read without windows (whose blocks ReadAhead fetches):
+    rows at random are many small ranges, and only many requests in flight fill a link.
+    Each reader fetches for the steps after its own, STEPS_AHEAD per reader of the machine
+    (readers fill steps in turn, so each one's next steps are mostly the others'); the
+    cache's fetch locks make sure that a page is downloaded once."""
+
+    def __init__(self, filler, readers: int) -> None:
+        self.filler, self.sampler = filler, filler.sampler
+        self.ahead = STEPS_AHEAD * max(1, readers)
+        self._next: int | None = None
+        batch = filler.slot.batch_size
+        self._indices = np.zeros(batch, dtype=np.uint64)
+        self._sources = np.zeros(batch, dtype=np.uint32) if filler.mixture else None
+        from ._native import ffi
+
+        self._index_pointer = ffi.from_buffer("uint64_t[]", self._indices)
+        self._source_pointer = None if self._sources is None else ffi.from_buffer("uint32_t[]", self._sources)
+        self.advisor = Advisor(self.ahead)
+
+    def note(self, step: int) -> None:
+        if self._next is None or not step < self._next <= step + self.ahead + 1:
+            self._next = step + 1  # A first step, a seek or a jump.
+        end = min(step + 1 + self.ahead, self.sampler.step_max)
+        while self._next < end:
+            if self._sources is None:
+                self.sampler.fill_unchecked(self._next, self._index_pointer)
+            else:
+                self.sampler.fill_unchecked(self._next, self._index_pointer, self._source_pointer)
+            ranges = [extent for reader in self.filler.field_readers for extent in
+                      reader.extents(self._indices, self._sources)]
+            if not self.advisor.submit("fetch", ranges):
+                break  # The fetches are behind: asked again at the next step.
+            self._next += 1
+
+    def close(self) -> None:
+        self.advisor.close()
 
 
 def _fadvise(ranges: list[tuple], advice: int) -> None:

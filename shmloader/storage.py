@@ -71,6 +71,10 @@ class FieldSpec:
     # (device, inode, size, mtime_ns) of the file as described: a reader refuses a file that
     # no longer matches (replaced, rewritten in place), since its layout may differ too.
     identity: tuple[int, ...] = ()
+    # An object in a store: its URL. `path` is then its copy in the node's cache
+    # (remote/cache.py), whose pages a gather pins first; `identity` is empty (the ETag
+    # the copy is named by stands for it).
+    remote: str = ""
 
     # Cached: a reader reads them on every gather (a frozen dataclass still has a __dict__).
     @functools.cached_property
@@ -194,6 +198,8 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
     that a file replaced while it was being described fails the readers' check instead of
     passing with another layout."""
     path = os.path.abspath(os.fspath(path))  # Readers run elsewhere: paths must not be relative.
+    if os.path.exists(path + REMOTE_MARKER):
+        return _describe_cached(path, allow_empty)
     try:
         status = os.stat(path)
     except FileNotFoundError:
@@ -203,14 +209,36 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
     if not stat.S_ISREG(status.st_mode):
         # A FIFO or a device would block the open or the read below, or change under readers.
         raise StorageError(f"{path} is not a regular file; expected a .npy file or a contiguous Blosc2 .b2nd file")
+    spec = _describe_file(path, allow_empty)
+    if not spec.identity:  # .npy takes the identity of the very file it read; Blosc2 reopens by path.
+        spec = dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
+    return spec
+
+
+REMOTE_MARKER = ".remote.json"  # remote/cache.py's MARKER_SUFFIX: an object's copy in the node cache.
+
+
+def _describe_cached(path: str, allow_empty: bool) -> FieldSpec:
+    """An object's copy in the node cache, its header pages pinned while it is read."""
+    from .remote.cache import cached_object
+
+    cached = cached_object(path)
+    try:
+        with cached.pinned():
+            spec = _describe_file(path, allow_empty)
+    except StorageError as error:  # Named by its URL: the cache's path means nothing to the user.
+        raise type(error)(str(error).replace(path, cached.url)) from None
+    return dataclasses.replace(spec, remote=cached.url, identity=())
+
+
+def _describe_file(path: str, allow_empty: bool) -> FieldSpec:
     with open(path, "rb") as handle:
         head = handle.read(16)
         if head.startswith(NPY_MAGIC):
             handle.seek(0)
             return _describe_npy(path, handle, allow_empty)
     if head[_B2FRAME_MAGIC_OFFSET:_B2FRAME_MAGIC_OFFSET + len(B2FRAME_MAGIC)] == B2FRAME_MAGIC:
-        spec = _describe_b2nd(path, allow_empty)
-        return dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
+        return _describe_b2nd(path, allow_empty)
     raise StorageError(f"{path} is neither a .npy file nor a Blosc2 frame (.b2nd): its first bytes are {head[:8]!r}")
 
 
@@ -459,6 +487,8 @@ def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row
 class NpyField:
     """A memory-mapped .npy field; gather is a native row copy."""
 
+    remote = None  # The node cache's object, for a field read from a store (_open_cached).
+
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
         data_bytes = spec.row_count * spec.row_bytes
@@ -505,6 +535,11 @@ class NpyField:
         )
         _check_range_status(self.spec, status, starts, counts, self._failure)
 
+    def extents(self, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file offsets, bytes) under element ranges (starts, counts)."""
+        row_bytes = self.spec.row_bytes
+        return self.spec.data_offset + starts.astype(np.int64) * row_bytes, counts.astype(np.int64) * row_bytes
+
     def byte_ranges(self, first_row: int, row_count: int) -> list[tuple[int, int]]:
         """(file offset, bytes) holding rows [first_row, first_row + row_count)."""
         first_row = min(first_row, self.spec.row_count)
@@ -528,6 +563,8 @@ class BloscField:
     straight into `out` (one-row blocks) or through one block buffer (larger blocks, where
     rows sharing a block cost one decompression per batch).
     """
+
+    remote = None  # The node cache's object, for a field read from a store (_open_cached).
 
     def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True,
                  verify: bool = False) -> None:
@@ -579,7 +616,18 @@ class BloscField:
         self._sizes = np.zeros(spec.chunk_count, dtype=np.uint64)
         in_file = np.flatnonzero(offsets >= 0)
         starts = header_bytes + offsets[in_file]
-        if in_file.size:
+        if spec.remote and in_file.size:
+            # A cached object's chunks are fetched as they are read: their headers cannot be
+            # read here. Stored one after another, a chunk reaches to the next one's start
+            # (the data's end for the last): a bound the gather accepts (libblosc2 reads each
+            # chunk's own length from its header), and the range its pin fetches.
+            data_end = min(header_bytes + spec.compressed_bytes, file_bytes)
+            if np.any(np.diff(starts) <= 0) or int(starts[-1]) + _CHUNK_HEADER_BYTES > data_end:
+                raise StorageError(f"{spec.remote}: its chunks are not stored in order, one after another; re-save "
+                                   f"it with `shmloader convert` before uploading it")
+            self._addresses[in_file] = base_address + starts
+            self._sizes[in_file] = np.diff(np.append(starts, data_end))
+        elif in_file.size:
             past_end = np.flatnonzero(starts + _CHUNK_HEADER_BYTES > file_bytes)
             if past_end.size:
                 raise StorageError(f"{spec.path}: chunk {int(in_file[past_end[0]])} starts past the end of the file (truncated?)")
@@ -598,6 +646,15 @@ class BloscField:
             self._sizes[in_file] = sizes
         self._file_offsets = np.full(spec.chunk_count, -1, dtype=np.int64)
         self._file_offsets[in_file] = starts
+        # Per chunk, the stored bytes from where it starts (or the next stored chunk, for
+        # one Blosc2 builds in memory) and to where it ends (or the previous one's end):
+        # the file range under any run of chunks (extents()).
+        ends = np.zeros(spec.chunk_count, dtype=np.int64)
+        ends[in_file] = starts + self._sizes[in_file].astype(np.int64)
+        self._chunk_high = np.maximum.accumulate(np.maximum(ends, header_bytes)) if spec.chunk_count else ends
+        low = np.full(spec.chunk_count, file_bytes, dtype=np.int64)
+        low[in_file] = starts
+        self._chunk_low = np.minimum.accumulate(low[::-1])[::-1]
         for chunk in np.flatnonzero(offsets < 0):
             self._load_special_chunk(int(chunk))
 
@@ -718,7 +775,19 @@ class BloscField:
         offset = int(self._file_offsets[chunk])
         if offset < 0:
             return self._special_by_index[chunk]
-        return memoryview(self._map)[offset: offset + int(self._sizes[chunk])]
+        size = int(self._sizes[chunk])
+        if self.spec.remote:  # Its size was a bound (see _locate_chunks); its header, pinned now, knows.
+            (size,) = struct.unpack_from("<i", self._map, offset + _CHUNK_CBYTES_OFFSET)
+        return memoryview(self._map)[offset: offset + size]
+
+    def extents(self, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file offsets, bytes) under element ranges (starts, counts): their whole chunks."""
+        starts, counts = starts.astype(np.int64), counts.astype(np.int64)
+        last_chunk = self.spec.chunk_count - 1
+        first = np.minimum(starts // self.spec.chunk_rows, last_chunk)
+        last = np.minimum((starts + np.maximum(counts, 1) - 1) // self.spec.chunk_rows, last_chunk)
+        low, high = self._chunk_low[first], self._chunk_high[last]
+        return low, np.where(counts > 0, np.maximum(high - low, 0), 0)
 
     def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         """gather() for callers that checked their buffers once (the reader's slots)."""
@@ -779,6 +848,8 @@ class CombinedBlosc:
 class BloscPythonField:
     """Any other Blosc2 layout, through blosc2's Python API: correct but slow (a warning says so)."""
 
+    remote = None  # The node cache's object, for a field read from a store (_open_cached).
+
     def __init__(self, spec: FieldSpec) -> None:
         import blosc2
 
@@ -826,6 +897,8 @@ class BloscPythonField:
 class EmptyRowsField:
     """Rows of zero bytes (shape (N, 0)), or no rows at all (the values of a ragged field whose
     records are all empty): nothing to read, but indices and ranges are still checked."""
+
+    remote = None  # The node cache's object, for a field read from a store (_open_cached).
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
@@ -896,12 +969,31 @@ def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = Fa
     reads ahead itself (readahead.py)."""
     if spec.row_bytes == 0 or spec.row_count == 0:
         return EmptyRowsField(spec)
+    if spec.remote:
+        return _open_cached(spec, batch_size_max, verify, random_access)
     if spec.kind == "npy":
         field = NpyField(spec)
     elif spec.row_contiguous:
         field = BloscField(spec, batch_size_max, verify=verify)
     else:
         return BloscPythonField(spec)
+    if random_access:
+        field._mapping.advise(mmap.MADV_RANDOM)
+    return field
+
+
+def _open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, random_access: bool) -> Field:
+    """A field over an object's copy in the node cache: opened with its header pages pinned;
+    its gathers are pinned by their caller (StepFiller) through `field.remote`."""
+    from .remote.cache import cached_object
+
+    if spec.kind == "b2nd" and not spec.row_contiguous:
+        raise StorageError(f"{spec.remote}: layout {spec.chunks}/{spec.blocks} is not row-contiguous, which a cached "
+                           f"object needs; re-save it with `shmloader convert` before uploading it")
+    cached = cached_object(spec.path)
+    with cached.pinned():
+        field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
+    field.remote = cached
     if random_access:
         field._mapping.advise(mmap.MADV_RANDOM)
     return field

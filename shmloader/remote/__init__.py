@@ -1,0 +1,17 @@
+"""Fields in object storage (`s3://bucket/key`): the client, the node's cache, and the step
+that turns a field's URLs into local cache files before the plan describes them.
+
+The trainer reads each object's header and index once (`localize`); every process of the
+node then maps the same sparse local copy of it (cache.py), whose pages are fetched by
+byte range the first time a gather or the read-ahead needs them. Nothing here is imported
+unless a field names a URL: the core needs no object-store client.
+"""
+
+from __future__ import annotations
+
+SCHEMES = ("s3://",)
+
+
+def is_url(path) -> bool:
+    """Whether a field's path names an object in a store rather than a local file."""
+    return isinstance(path, str) and path.startswith(SCHEMES)

@@ -1,0 +1,522 @@
+"""The node's cache of objects: a sparse local copy of each, filled page by page, shared by
+every process of every loader that names the same directory.
+
+An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
+its bytes at their own offsets (a sparse file the size of the object, so readers map and
+gather it exactly as a local file), `NAME.pages` (one uint32 per PAGE_BYTES page: 0 while
+absent, else when it was last used, in seconds; its byte ranges are also the page locks),
+and `NAME.remote.json` (URL, ETag, size, the header ranges the trainer read). The budget,
+the bytes held and the node's counters are `<root>/ledger`.
+
+Locks are open-file-description locks (fcntl F_OFD_SETLK): a process that dies, however
+it dies, holds none, so there is nothing to clean by hand after a SIGKILL. For page i:
+- USE (byte i of the pages file): held shared while a gather reads the page (a pin);
+  taken exclusively, never waited for, by an eviction.
+- FETCH (byte FETCH_BASE + i): held exclusively by whoever downloads the page, and by an
+  eviction; a reader that finds it taken waits for it shared, then looks again.
+A page is written (pwrite) before its stamp says it is present, and evicted (stamp 0,
+hole punched) only under both locks: a partial download, or a page being evicted, is
+never read as data. Blocking waits only ever wait for a holder that waits for nothing
+(an eviction, or a download): no cycle, no deadlock.
+
+Budget: bytes are reserved in the ledger before they are downloaded, evicting first when
+the reservation would pass the budget: the present pages used longest ago go first, never
+a pinned one (those are the "one block per reader" beyond the budget), and pages fetched
+for the next steps are the newest. The count is taken anew from the stamps when a loader
+starts on a cache no other process uses (a process killed mid-download leaves its
+reservation counted until then).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+
+from ..errors import StorageError
+from .store import Client
+
+# Pages are the unit of presence and of requests: small enough that a row read at random
+# costs little more than itself, large enough that a block read ahead is a few thousand
+# stamps. A request covers up to REQUEST_BYTES of consecutive missing pages.
+PAGE_BYTES = 1 << 16
+REQUEST_BYTES = 8 << 20
+# Requests one process has in flight (its fetch threads).
+IN_FLIGHT = 16
+FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
+# An eviction frees at least this share of the budget, so that it runs rarely.
+EVICT_SHARE = 1 / 32
+
+_LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
+_LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6}
+_LEDGER_BYTES = 4096
+COUNTERS = ("requests", "bytes", "retries", "evicted")
+_FLOCK = "hhqqi4x"  # struct flock on Linux (x86-64 and arm64): type, whence, start, len, pid.
+_F_OFD_SETLK, _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLK", 37), getattr(fcntl, "F_OFD_SETLKW", 38)
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_EPOCH = 1_700_000_000  # Stamps count seconds from here: uint32 lasts past 2150.
+
+MARKER_SUFFIX = ".remote.json"
+PAGES_SUFFIX = ".pages"
+
+
+def _lock(descriptor: int, kind: int, start: int, length: int, wait: bool) -> bool:
+    """An OFD lock (fcntl.F_RDLCK, F_WRLCK or F_UNLCK) on [start, start + length); False
+    when it is held elsewhere and `wait` is False."""
+    try:
+        fcntl.fcntl(descriptor, _F_OFD_SETLKW if wait else _F_OFD_SETLK, struct.pack(_FLOCK, kind, os.SEEK_SET, start,
+                                                                                      length, 0))
+        return True
+    except OSError as error:
+        if not wait and error.errno in (11, 13):  # EAGAIN, EACCES: held by another.
+            return False
+        raise
+
+
+def _evict_page(pages_fd: int, data_fd: int, data_size: int, page: int) -> int:
+    """Evicts one page if nobody pins or fetches it (both its locks, never waited for);
+    returns the bytes freed."""
+    if not _lock(pages_fd, fcntl.F_WRLCK, page, 1, False):
+        return 0  # Pinned by a gather.
+    try:
+        if not _lock(pages_fd, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
+            return 0
+        try:
+            if os.pread(pages_fd, 4, 4 * page) == bytes(4):
+                return 0
+            os.pwrite(pages_fd, bytes(4), 4 * page)  # Absent first: nobody reads it from here on.
+            offset = page * PAGE_BYTES
+            size = min(PAGE_BYTES, data_size - offset)
+            punch_hole(data_fd, offset, size)
+            return size
+        finally:
+            _lock(pages_fd, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
+    finally:
+        _lock(pages_fd, fcntl.F_UNLCK, page, 1, False)
+
+
+def now_stamp() -> int:
+    return max(1, int(time.time()) - _EPOCH)
+
+
+def _libc():
+    import cffi  # A core dependency: fallocate is not in os.
+
+    ffi = cffi.FFI()
+    ffi.cdef("int fallocate(int fd, int mode, long offset, long len);")
+    return ffi, ffi.dlopen(None)
+
+
+_FALLOCATE = None
+
+
+def punch_hole(descriptor: int, offset: int, size: int) -> None:
+    """Frees the disk space of [offset, offset + size) of a file, which reads as zeros after."""
+    global _FALLOCATE
+    if _FALLOCATE is None:
+        _FALLOCATE = _libc()
+    ffi, libc = _FALLOCATE
+    if libc.fallocate(descriptor, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, size) != 0:
+        number = ffi.errno
+        raise OSError(number, f"cannot free cached pages ({os.strerror(number)}): the cache directory's file system "
+                              f"must support hole punching (ext4, xfs, btrfs and tmpfs do)")
+
+
+def _map(descriptor: int, size: int) -> mmap.mmap:
+    return mmap.mmap(descriptor, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def default_root() -> str:
+    return os.environ.get("SHMLOADER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "shmloader")
+
+
+class NodeCache:
+    """One cache directory as this process sees it: the ledger, and the objects it opened."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(os.path.join(self.root, "objects"), exist_ok=True)
+        path = os.path.join(self.root, "ledger")
+        self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(self._ledger_fd).st_size < _LEDGER_BYTES:
+            os.ftruncate(self._ledger_fd, _LEDGER_BYTES)  # Zeros: a fresh ledger (held 0, no budget yet).
+        self._ledger_map = _map(self._ledger_fd, _LEDGER_BYTES)
+        self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
+        self._thread_lock = threading.Lock()  # OFD locks do not exclude this process's own threads.
+        with self.locked():
+            if self._ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
+                self._ledger[:] = 0
+                self._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC
+        self._recount()
+        _lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
+        self.client = Client(count=self.count)
+        self._objects: dict[str, CachedObject] = {}
+        self._objects_lock = threading.Lock()
+        self._pool = None
+        self._pool_lock = threading.Lock()
+
+    # The ledger.
+
+    @contextlib.contextmanager
+    def locked(self):
+        with self._thread_lock:
+            _lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
+            try:
+                yield
+            finally:
+                _lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
+
+    def count(self, requests: int = 0, size: int = 0, retries: int = 0, evicted: int = 0) -> None:
+        with self.locked():
+            for name, value in (("requests", requests), ("bytes", size), ("retries", retries), ("evicted", evicted)):
+                if value:
+                    self._ledger[_LEDGER[name]] += value
+
+    def counters(self) -> dict:
+        values = self._ledger.copy()
+        return {"bytes_held": int(values[_LEDGER["held"]]), "bytes_budget": int(values[_LEDGER["budget"]]),
+                **{name: int(values[_LEDGER[name]]) for name in COUNTERS}}
+
+    def set_budget(self, budget: int) -> None:
+        """The node's budget: the one of the loader that started last."""
+        with self.locked():
+            self._ledger[_LEDGER["budget"]] = budget
+
+    def _recount(self) -> None:
+        """The bytes held, counted anew from the pages present, where no other process uses
+        the cache (each user holds the ledger's byte 1 shared): it forgets the reservations
+        of processes killed mid-download."""
+        with self.locked():
+            users = os.open(os.path.join(self.root, "ledger"), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                if _lock(users, fcntl.F_WRLCK, 1, 1, False):
+                    self._ledger[_LEDGER["held"]] = sum(held for _, _, held in self._pages_files())
+            finally:
+                os.close(users)  # Closing the description drops its lock.
+
+    def _pages_files(self):
+        """(pages path, data path, bytes present) of every object in the cache."""
+        for directory, _, names in os.walk(os.path.join(self.root, "objects")):
+            for name in names:
+                if name.endswith(PAGES_SUFFIX):
+                    pages = os.path.join(directory, name)
+                    data = pages[:-len(PAGES_SUFFIX)]
+                    try:
+                        stamps = np.fromfile(pages, dtype=np.uint32)
+                        size = os.path.getsize(data)
+                    except OSError:
+                        continue
+                    present = np.flatnonzero(stamps)
+                    held = len(present) * PAGE_BYTES
+                    if len(present) and present[-1] == len(stamps) - 1:
+                        held -= len(stamps) * PAGE_BYTES - size  # The last page is shorter.
+                    yield pages, data, max(0, held)
+
+    def reserve(self, size: int) -> None:
+        """Counts `size` bytes about to be downloaded, evicting first what would pass the budget."""
+        with self.locked():
+            budget = int(self._ledger[_LEDGER["budget"]])
+            held = int(self._ledger[_LEDGER["held"]])
+            if budget and held + size > budget:
+                freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
+                self._ledger[_LEDGER["held"]] -= freed
+                self._ledger[_LEDGER["evicted"]] += freed // PAGE_BYTES
+            self._ledger[_LEDGER["held"]] += size
+
+    def unreserve(self, size: int) -> None:
+        with self.locked():
+            self._ledger[_LEDGER["held"]] -= size
+
+    def _evict(self, wanted: int) -> int:
+        """Frees at least `wanted` bytes if it can: present pages by last use, oldest first,
+        skipping any page that is pinned or being fetched. Runs under the ledger lock.
+        Stamps are read and written with pread/pwrite (the same page cache as every
+        process's mapping of them)."""
+        candidates = []  # (stamps, pages path, data path) of objects holding pages
+        for pages, data, held in self._pages_files():
+            if held:
+                candidates.append((np.fromfile(pages, dtype=np.uint32), pages, data))
+        if not candidates:
+            return 0
+        stamps = np.concatenate([found for found, _, _ in candidates]).astype(np.int64)
+        owners = np.repeat(np.arange(len(candidates)), [len(found) for found, _, _ in candidates])
+        numbers = np.concatenate([np.arange(len(found)) for found, _, _ in candidates])
+        present = np.flatnonzero(stamps)
+        order = present[np.argsort(stamps[present], kind="stable")]
+        freed, descriptors = 0, {}
+        try:
+            for k in order.tolist():
+                if freed >= wanted:
+                    break
+                owner, page = int(owners[k]), int(numbers[k])
+                if owner not in descriptors:
+                    _, pages, data = candidates[owner]
+                    try:
+                        descriptors[owner] = (os.open(pages, os.O_RDWR | os.O_CLOEXEC),
+                                              os.open(data, os.O_RDWR | os.O_CLOEXEC), os.path.getsize(data))
+                    except OSError:
+                        descriptors[owner] = None
+                if descriptors[owner] is None:
+                    continue
+                pages_fd, data_fd, data_size = descriptors[owner]
+                freed += _evict_page(pages_fd, data_fd, data_size, page)
+        finally:
+            for found in descriptors.values():
+                if found is not None:
+                    os.close(found[0])
+                    os.close(found[1])
+        return freed
+
+    # Objects and fetching.
+
+    def object(self, path: str) -> CachedObject:
+        with self._objects_lock:
+            found = self._objects.get(path)
+            if found is None:
+                found = self._objects[path] = CachedObject(self, path)
+            return found
+
+    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shmloader-fetch")
+            return self._pool
+
+
+_caches: dict[tuple[int, str], NodeCache] = {}
+_caches_lock = threading.Lock()
+
+
+def node_cache(root: str) -> NodeCache:
+    """This process's view of the cache at `root` (one per process and directory)."""
+    key = (os.getpid(), os.path.abspath(root))
+    with _caches_lock:
+        cache = _caches.get(key)
+        if cache is None:
+            cache = _caches[key] = NodeCache(root)
+        return cache
+
+
+def cached_object(path: str) -> CachedObject:
+    """The object whose copy is the file at `path`, opened in this process's view of its cache."""
+    marker = read_marker(path)
+    if marker is None:
+        raise StorageError(f"{path}: not an object of the cache (no {MARKER_SUFFIX} beside it)")
+    return node_cache(marker["root"]).object(path)
+
+
+def read_marker(path: str) -> dict | None:
+    try:
+        with open(path + MARKER_SUFFIX) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return None
+
+
+def object_directory(root: str, url: str, version: str) -> str:
+    """Where the copy of `url` at `version` (its ETag, or a ragged directory's ETags) lives."""
+    url_key = hashlib.sha256(url.encode()).hexdigest()[:24]
+    version_key = hashlib.sha256(version.encode()).hexdigest()[:16]
+    return os.path.join(os.path.abspath(root), "objects", url_key, version_key)
+
+
+def create_object(path: str, url: str, etag: str, size: int, root: str, options: dict) -> None:
+    """The sparse data file, its page stamps and its marker, if they are not there yet
+    (several trainers may create the same object at once: every step is idempotent)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pages = -(-size // PAGE_BYTES)
+    for name, length in ((path, size), (path + PAGES_SUFFIX, 4 * pages)):
+        descriptor = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(descriptor).st_size != length:
+                os.ftruncate(descriptor, length)
+        finally:
+            os.close(descriptor)
+    if read_marker(path) is None:
+        write_marker(path, {"url": url, "etag": etag, "size": size, "root": os.path.abspath(root),
+                            "options": options, "meta": []})
+
+
+def write_marker(path: str, marker: dict) -> None:
+    temporary = f"{path}{MARKER_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # It may hold credentials.
+    with os.fdopen(descriptor, "w") as handle:
+        json.dump(marker, handle)
+    os.replace(temporary, path + MARKER_SUFFIX)
+
+
+def pages_of(offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The sorted distinct pages that byte ranges (offsets, sizes) touch."""
+    keep = sizes > 0
+    if not keep.all():
+        offsets, sizes = offsets[keep], sizes[keep]
+    if not len(offsets):
+        return np.empty(0, dtype=np.int64)
+    first = offsets.astype(np.int64) // PAGE_BYTES
+    last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // PAGE_BYTES
+    spans = last - first + 1
+    if int(spans.max()) == 1:
+        return np.unique(first)
+    total = int(spans.sum())
+    pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
+    return np.unique(pages)
+
+
+def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
+    """Sorted distinct pages as [first, end) runs of consecutive pages, each at most `longest`."""
+    if not len(pages):
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    runs = []
+    for group in np.split(pages, breaks):
+        first, end = int(group[0]), int(group[-1]) + 1
+        for start in range(first, end, longest):
+            runs.append((start, min(end, start + longest)))
+    return runs
+
+
+class CachedObject:
+    """One object's local copy, opened in this process: pins pages for gathers and
+    fetches what is missing."""
+
+    def __init__(self, cache: NodeCache, path: str) -> None:
+        marker = read_marker(path)
+        if marker is None:
+            raise StorageError(f"{path}: not an object of the cache (no {MARKER_SUFFIX} beside it)")
+        self.cache, self.path = cache, path
+        self.url, self.etag, self.size = marker["url"], marker["etag"], int(marker["size"])
+        self.meta = [tuple(extent) for extent in marker.get("meta", [])]
+        self.client = Client(marker.get("options") or {}, cache.count)
+        self.page_count = -(-self.size // PAGE_BYTES)
+        self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self._pages_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+        # Pins are this description's locks: every thread but the gathering one works
+        # through its own description (OFD locks of one description do not exclude each other).
+        self._prefetch_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+        if os.fstat(self._pages_fd).st_size != 4 * self.page_count or os.fstat(self._data_fd).st_size != self.size:
+            raise StorageError(f"{path}: its cache files do not have the sizes of {self.url} ({self.size} bytes)")
+        self._map = _map(self._pages_fd, max(4, 4 * self.page_count))
+        self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
+        self._pinned = False
+
+    # Pins (the gathering thread).
+
+    def pin(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
+        unpin(): they are fetched (by this process, or by whoever fetches them already)."""
+        pages = pages_of(np.asarray(offsets), np.asarray(sizes))
+        if not len(pages):
+            return
+        self._pinned = True
+        for first, end in runs_of(pages, 1 << 30):
+            _lock(self._pages_fd, fcntl.F_RDLCK, first, end - first, True)
+        stamps = self.stamps[pages]
+        missing = pages[stamps == 0]
+        stamp = now_stamp()
+        stale = pages[(stamps != 0) & (stamps + 1 < stamp)]
+        if len(stale):
+            self.stamps[stale] = stamp  # Used now: the last to be evicted.
+        if len(missing):
+            self._fetch_missing(missing, self._pages_fd, wait=True)
+
+    def unpin(self) -> None:
+        if self._pinned:
+            _lock(self._pages_fd, fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
+            self._pinned = False
+
+    @contextlib.contextmanager
+    def pinned(self, extents=None):
+        """Pins `extents` ((offset, size) pairs; the header ranges when None) for a block."""
+        extents = self.meta if extents is None else extents
+        try:
+            if extents:
+                self.pin(np.array([offset for offset, _ in extents], np.int64),
+                         np.array([size for _, size in extents], np.int64))
+            yield self
+        finally:
+            self.unpin()
+
+    # Fetching.
+
+    def prefetch(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+        """Fetches the missing pages under the ranges that nobody fetches yet, without
+        waiting for others' (a read-ahead thread's call)."""
+        pages = pages_of(np.asarray(offsets), np.asarray(sizes))
+        missing = pages[self.stamps[pages] == 0] if len(pages) else pages
+        if len(missing):
+            self._fetch_missing(missing, self._prefetch_fd, wait=False)
+
+    def _fetch_missing(self, missing: np.ndarray, descriptor: int, wait: bool) -> None:
+        """Claims (FETCH lock) the missing pages nobody else claims, downloads them in
+        parallel, then (with `wait`) waits for the pages others claimed and looks again."""
+        while len(missing):
+            claimed, others = [], []
+            for first, end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
+                if _lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
+                    claimed.append((first, end))
+                else:  # Someone fetches some of these: claim page by page.
+                    for page in range(first, end):
+                        if _lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
+                            claimed.append((page, page + 1))
+                        else:
+                            others.append(page)
+            self._download(claimed, descriptor)
+            if not wait or not others:
+                return
+            for page in others:  # Their fetcher is downloading: its lock goes when it is done.
+                _lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
+                _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
+            others = np.asarray(others, dtype=np.int64)
+            missing = others[self.stamps[others] == 0]  # Their download failed: this process tries.
+
+    def _download(self, claimed: list[tuple[int, int]], descriptor: int) -> None:
+        """Downloads claimed runs (FETCH-locked by `descriptor`), then releases them."""
+        try:
+            todo = []
+            for first, end in claimed:
+                present = self.stamps[first:end] != 0  # Fetched between the look and the claim.
+                if present.all():
+                    continue
+                todo.append((first, end))
+            if not todo:
+                return
+            sizes = [min(end * PAGE_BYTES, self.size) - first * PAGE_BYTES for first, end in todo]
+            total = sum(sizes)
+            self.cache.reserve(total)
+            done = 0
+            try:
+                futures = [self.cache.pool().submit(self._fetch_run, first, end) for first, end in todo]
+                for future, size in zip(futures, sizes):
+                    future.result()
+                    done += size
+            finally:
+                if done < total:
+                    self.cache.unreserve(total - done)
+                    # The runs that did finish stay: their bytes are counted and present.
+        finally:
+            for first, end in claimed:
+                _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+
+    def _fetch_run(self, first: int, end: int) -> None:
+        start, stop = first * PAGE_BYTES, min(end * PAGE_BYTES, self.size)
+        data = self.client.get(self.url, self.etag, start, stop)
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self._data_fd, data[written:], start + written)
+        self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
+
+    def close(self) -> None:
+        self.unpin()
+        for descriptor in (self._data_fd, self._pages_fd, self._prefetch_fd):
+            os.close(descriptor)
+        self.stamps = None
+        self._map.close()

@@ -1,0 +1,213 @@
+"""The trainer's step for fields in a store: every URL of the field declarations becomes the
+path of its copy in the node cache, with the header and index bytes fetched, so that the
+plan describes it (and readers map it) exactly as a local file.
+
+A URL names an object (`.npy`, `.b2nd`), a ragged directory (a key prefix holding
+values.b2nd and offsets.b2nd, and shapes.b2nd where records are N-D), or a glob of objects
+(`s3://bucket/train/shard-*.b2nd`). A list may mix URLs and local paths.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import fnmatch
+import glob
+import os
+import posixpath
+import shutil
+import struct
+
+from ..errors import StorageError
+from . import is_url
+from .cache import PAGE_BYTES, create_object, node_cache, object_directory, read_marker, write_marker
+from .store import Client
+
+# A ragged directory's members (ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
+# offsets and shapes are the index: fetched whole by the trainer.
+_RAGGED_VALUES, _RAGGED_INDEX = "values.b2nd", ("offsets.b2nd", "shapes.b2nd")
+# Where a Blosc2 frame's header keeps its length (int32) and its chunks' bytes (int64),
+# big-endian (c-blosc2's frame.h: FRAME_HEADER_LEN, FRAME_CBYTES), and the bytes of the
+# first chunk's header that opening a frame reads.
+_B2_HEADER_LENGTH, _B2_CBYTES, _B2_CHUNK_HEADER = 11, 39, 32
+
+
+@dataclasses.dataclass
+class CacheSettings:
+    """The loader's cache_dir, cache_bytes and storage_options."""
+
+    root: str
+    budget: int
+    options: dict
+
+    @classmethod
+    def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
+        from .cache import default_root
+
+        root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
+        os.makedirs(root, exist_ok=True)
+        if cache_bytes is None:
+            cache_bytes = shutil.disk_usage(root).free // 2  # Half of what is free where it lives.
+        elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 16 * PAGE_BYTES:
+            raise ValueError(f"cache_bytes must be an integer of at least {16 * PAGE_BYTES} bytes (the node cache's "
+                             f"budget), got {cache_bytes!r}")
+        if storage_options is not None and not isinstance(storage_options, collections.abc.Mapping):
+            raise TypeError(f"storage_options must be a mapping of obstore S3 settings (endpoint, access_key_id, "
+                            f"secret_access_key, region, ...), got {type(storage_options).__name__}")
+        return cls(root, int(cache_bytes), {str(k): str(v) for k, v in (storage_options or {}).items()})
+
+
+def declares_urls(fields, label_path=None) -> bool:
+    return any(is_url(path) for path in _paths(fields)) or is_url(label_path)
+
+
+def _paths(value):
+    """Every path string a declaration holds."""
+    from ..sources import Source
+
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, collections.abc.Mapping):
+        for item in value.values():
+            yield from _paths(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _paths(item)
+    elif isinstance(value, Source):
+        yield from _paths(value.fields)
+    elif hasattr(value, "path") and dataclasses.is_dataclass(value):
+        yield from _paths(value.path)
+
+
+class Localizer:
+    """Turns the declarations' URLs into cache paths (one per loader, in the trainer)."""
+
+    def __init__(self, settings: CacheSettings) -> None:
+        self.settings = settings
+        self.cache = node_cache(settings.root)
+        self.cache.set_budget(settings.budget)
+        self.client = Client(settings.options, self.cache.count)
+        self.urls: dict[str, str] = {}  # cache path -> the URL it is a copy of
+
+    def renamed(self, error: Exception) -> Exception:
+        """`error` (of the same type) with every cache path in its message named by its URL."""
+        text = str(error)
+        for path in sorted(self.urls, key=len, reverse=True):
+            text = text.replace(path, self.urls[path])
+        if text == str(error):
+            return error
+        try:
+            renamed = type(error)(text)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments keeps its message.
+            return error
+        renamed.__cause__ = error.__cause__
+        return renamed
+
+    def fields(self, value):
+        """`value` (fields, a Source, a declaration, a path, a list) with URLs replaced."""
+        from ..sources import Source
+
+        if isinstance(value, str):
+            return self.path(value) if is_url(value) else value
+        if isinstance(value, collections.abc.Mapping):
+            return {name: self.fields(item) for name, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            expanded = []
+            for item in value:
+                local = self.fields(item)
+                expanded.extend(local if isinstance(item, str) and is_url(item) and isinstance(local, list) else [local])
+            return expanded if isinstance(value, list) else tuple(expanded)
+        if isinstance(value, Source):
+            return dataclasses.replace(value, fields=self.fields(value.fields))
+        if hasattr(value, "path") and dataclasses.is_dataclass(value):
+            return dataclasses.replace(value, path=self.fields(value.path))
+        return value
+
+    def path(self, url: str):
+        """A cache path for an object or a ragged directory; a list of them for a glob."""
+        if glob.has_magic(url):
+            # Stores list by key prefix up to a "/" (object_store's paths are segments).
+            magic = url[:min(url.index(mark) for mark in "*?[" if mark in url)]
+            prefix = magic[:magic.rindex("/") + 1]
+            matches = [(found, size, etag) for found, size, etag in self.client.list(prefix)
+                       if fnmatch.fnmatchcase(found, url)]
+            if not matches:
+                raise FileNotFoundError(f"no object matches {url}")
+            return [self._object(found, size, etag) for found, size, etag in matches]
+        try:
+            size, etag = self.client.head(url)
+        except FileNotFoundError:
+            return self._ragged(url)
+        return self._object(url, size, etag)
+
+    def _ragged(self, url: str) -> str:
+        base = url.rstrip("/")
+        members = {posixpath.relpath(found, base): (found, size, etag) for found, size, etag in self.client.list(base + "/")}
+        members = {name: member for name, member in members.items() if "/" not in name}
+        if _RAGGED_VALUES not in members or _RAGGED_INDEX[0] not in members:
+            if members:
+                raise StorageError(f"{url} is a prefix of {len(members)} objects but not a ragged directory (it needs "
+                                   f"{_RAGGED_VALUES} and {_RAGGED_INDEX[0]}); name an object, a glob, or a ragged "
+                                   f"directory")
+            raise FileNotFoundError(f"{url}: no such object, and no ragged directory under it")
+        wanted = [name for name in (_RAGGED_VALUES, *_RAGGED_INDEX) if name in members]
+        version = ";".join(f"{name}={members[name][2]}" for name in wanted)
+        directory = object_directory(self.settings.root, base, version)
+        for name in wanted:
+            found, size, etag = members[name]
+            self._object(found, size, etag, path=os.path.join(directory, name), whole=name in _RAGGED_INDEX)
+        self.urls[directory] = base
+        return directory
+
+    def _object(self, url: str, size: int, etag: str, path: str | None = None, whole: bool = False) -> str:
+        if size == 0:
+            raise StorageError(f"{url}: an empty object; expected a .npy or .b2nd file, or a ragged directory")
+        name = posixpath.basename(url) or "object"
+        path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
+        create_object(path, url, etag, size, self.settings.root, self.settings.options)
+        marker = read_marker(path)
+        if marker.get("options") != self.settings.options:
+            marker["options"] = self.settings.options  # This loader's credentials from now on.
+            write_marker(path, marker)
+        cached = self.cache.object(path)
+        cached.client = Client(self.settings.options, self.cache.count)
+        if not marker["meta"]:
+            marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)
+            write_marker(path, marker)
+        cached.meta = [tuple(extent) for extent in marker["meta"]]
+        self.urls[path] = url
+        return path
+
+    @staticmethod
+    def _header_extents(cached, size: int) -> list[list[int]]:
+        """The byte ranges that describing and opening the object read: a .npy header; a
+        Blosc2 frame's header, first chunk header, offsets and trailer."""
+        first = min(size, PAGE_BYTES)
+        with cached.pinned([(0, first)]):
+            with open(cached.path, "rb") as handle:
+                head = handle.read(first)
+        if head.startswith(b"\x93NUMPY") and len(head) >= 12:
+            if head[6] == 1:
+                (length,), start = struct.unpack_from("<H", head, 8), 10
+            else:
+                (length,), start = struct.unpack_from("<I", head, 8), 12
+            return [[0, min(size, start + length)]]
+        if head[1:10] == b"\xa8b2frame\x00" and len(head) >= _B2_CBYTES + 8:
+            (header,) = struct.unpack_from(">i", head, _B2_HEADER_LENGTH)
+            (data,) = struct.unpack_from(">q", head, _B2_CBYTES)
+            tail = header + data
+            if 0 < header and 0 <= data and tail <= size:
+                return [[0, min(size, header + _B2_CHUNK_HEADER)], [tail, size - tail]]
+        return [[0, first]]  # Not a field file: describing it says so, naming the URL.
+
+
+def localize(fields, label_path, cache_dir, cache_bytes, storage_options):
+    """(fields, label_path, the Localizer or None) with every URL replaced by its cache path."""
+    if not declares_urls(fields, label_path):
+        if cache_dir is not None or cache_bytes is not None or storage_options is not None:
+            raise ValueError("cache_dir, cache_bytes and storage_options go with fields in a store (s3:// URLs); "
+                             "these fields are local files")
+        return fields, label_path, None
+    localizer = Localizer(CacheSettings.of(cache_dir, cache_bytes, storage_options))
+    local_label = localizer.path(label_path) if is_url(label_path) else label_path
+    return localizer.fields(fields), local_label, localizer

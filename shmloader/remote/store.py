@@ -1,0 +1,166 @@
+"""The object-store client: HEAD, LIST and ranged GET of `s3://` URLs through obstore
+(Rust's object_store), with bounded retries.
+
+Why obstore: one maintained client for S3, GCS, Azure and HTTP, whose GETs release the GIL
+and run on its own runtime, so a reader's threads fetch many ranges at once without
+Python in the way; fsspec/s3fs goes through aiobotocore and an event loop thread per
+process. Measured against s3fs in bench/object_store.py.
+
+Retries are ours (obstore's own are switched off) so that each one is counted and bounded
+in time: timeouts, connection errors and 5xx answers are retried with exponential backoff
+and full jitter for at most RETRY_SECONDS; a missing object, a refused credential or an
+object that changed under the loader (If-Match fails) stops at once with an error naming
+the URL. Endpoint and credentials: `storage_options` (obstore's S3 config keys, e.g.
+endpoint, access_key_id, secret_access_key, region), else the standard AWS_* variables.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+import urllib.parse
+
+from ..errors import RemoteError
+
+# A failing request is tried again for at most this long (the server restarting, a
+# dropped connection), waiting BACKOFF_FIRST_SECONDS, then twice as long each time (at
+# most BACKOFF_MAX_SECONDS), each wait drawn uniformly below that bound (full jitter:
+# readers that failed together do not retry together).
+RETRY_SECONDS = float(os.environ.get("SHMLOADER_REMOTE_RETRY_SECONDS", "60"))
+BACKOFF_FIRST_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 4.0
+# One request's limits: a stalled connection is a timeout, and a timeout is retried.
+_CLIENT_OPTIONS = {"timeout": "60s", "connect_timeout": "5s"}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(bucket, key) of `s3://bucket/key`."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"{url!r}: expected an object URL s3://bucket/key")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def _import_obstore():
+    try:
+        import obstore
+        from obstore.store import S3Store
+    except ImportError:
+        raise ImportError("s3:// fields need obstore: pip install 'shmloader[s3]'") from None
+    return obstore, S3Store
+
+
+_stores: dict = {}
+_stores_lock = threading.Lock()
+
+
+def _store(bucket: str, options: dict):
+    """One client per bucket and options in this process (its connection pool is shared
+    by the process's threads). Made on first use: a reader forked from a process that
+    never made one has no runtime to inherit."""
+    key = (os.getpid(), bucket, tuple(sorted(options.items())))
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            _, S3Store = _import_obstore()
+            config = dict(options)
+            endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+                os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                config["endpoint"] = endpoint
+            if not (config.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
+                config["region"] = "us-east-1"  # object_store needs one; S3-compatible servers ignore it.
+            client = dict(_CLIENT_OPTIONS)
+            if str(endpoint or "").startswith("http://"):
+                client["allow_http"] = True  # The endpoint itself says plain HTTP: a local or test server.
+            store = _stores[key] = S3Store(bucket, client_options=client, retry_config={"max_retries": 0}, **config)
+    return store
+
+
+class Client:
+    """Requests to one store with the loader's options; `count(requests, bytes, retries)`
+    receives what each request cost (the node cache's counters)."""
+
+    def __init__(self, options: dict | None = None, count=None) -> None:
+        self.options = dict(options or {})
+        self._count = count or (lambda requests, size, retries: None)
+
+    def _call(self, url: str, what: str, function):
+        """function(store, key) with bounded, counted retries; errors name the URL."""
+        obstore, _ = _import_obstore()
+        from obstore import exceptions
+
+        bucket, key = split_url(url)
+        deadline = time.monotonic() + RETRY_SECONDS
+        wait, retries = BACKOFF_FIRST_SECONDS, 0
+        while True:
+            try:
+                result = function(obstore, _store(bucket, self.options), key)
+                self._count(1, result[1], retries)
+                return result[0]
+            except FileNotFoundError:
+                self._count(1, 0, retries)
+                raise FileNotFoundError(f"{url}: no such object ({what})") from None
+            except exceptions.PreconditionError:
+                self._count(1, 0, retries)
+                raise RemoteError(f"{url} changed since the loader described it (its ETag is not the one read "
+                                  f"then): its rows may be other rows now. Restart the loader to read the new "
+                                  f"object, or write new data under new keys") from None
+            except (exceptions.PermissionDeniedError, exceptions.UnauthenticatedError) as error:
+                self._count(1, 0, retries)
+                raise RemoteError(f"{url}: access refused ({what}): {_first_line(error)}; check the credentials "
+                                  f"(storage_options, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
+            except (exceptions.GenericError, OSError, TimeoutError) as error:
+                # Connection refused or reset, timeouts, 5xx: the server may come back.
+                now = time.monotonic()
+                if now >= deadline:
+                    self._count(1, 0, retries)
+                    raise RemoteError(f"{url}: {what} failed after {retries} retries over {RETRY_SECONDS:g} s "
+                                      f"(SHMLOADER_REMOTE_RETRY_SECONDS): {_first_line(error)}") from None
+                retries += 1
+                time.sleep(min(random.uniform(0, wait), deadline - now))
+                wait = min(2 * wait, BACKOFF_MAX_SECONDS)
+
+    def head(self, url: str) -> tuple[int, str]:
+        """(size, ETag) of an object."""
+        def function(obstore, store, key):
+            meta = obstore.head(store, key)
+            return (int(meta["size"]), str(meta.get("e_tag") or "")), 0
+        size, etag = self._call(url, "HEAD", function)
+        if not etag:
+            raise RemoteError(f"{url}: the store gives no ETag, so a replaced object could not be told from the "
+                              f"one described; shmloader needs stores that give ETags (S3 and S3-compatible do)")
+        return size, etag
+
+    def list(self, url: str) -> list[tuple[str, int, str]]:
+        """(URL, size, ETag) of every object whose key starts with the URL's key, sorted."""
+        bucket, prefix = split_url(url)
+
+        def function(obstore, store, key):
+            found = [(f"s3://{bucket}/{item['path']}", int(item["size"]), str(item.get("e_tag") or ""))
+                     for batch in obstore.list(store, prefix=key or None) for item in batch]
+            return sorted(found), 0
+        return self._call(url, "LIST", function)
+
+    def get(self, url: str, etag: str, start: int, end: int) -> memoryview:
+        """Bytes [start, end) of the object as it was when its ETag was `etag`."""
+        def function(obstore, store, key):
+            data = obstore.get(store, key, options={"range": (start, end), "if_match": etag}).bytes()
+            view = memoryview(data)
+            if view.nbytes != end - start:
+                raise OSError(f"the server sent {view.nbytes} bytes of the {end - start} asked for")
+            return view, view.nbytes
+        return self._call(url, f"GET bytes {start}-{end}", function)
+
+    def put(self, url: str, data) -> None:
+        def function(obstore, store, key):
+            obstore.put(store, key, data)
+            return None, 0
+        self._call(url, "PUT", function)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__

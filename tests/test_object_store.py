@@ -1,0 +1,336 @@
+"""Fields in object storage: an S3-compatible server on 127.0.0.1 that these tests start
+(moto's server mode), every field kind read from s3:// against the same local files read
+directly, the node cache's budget and sharing, and the store's faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("obstore")
+boto3 = pytest.importorskip("boto3")
+
+from shmloader import Packed, Padded, RemoteError, ReaderError, ShmDataLoader, Source, Windows  # noqa: E402
+from shmloader.convert import write_ragged  # noqa: E402
+
+from conftest import our_shm_entries  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("object_store")
+BUCKET = "shmloader-tests"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """moto's S3 server on 127.0.0.1 (its objects live in this process: a restart keeps them)."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self.start()
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                   aws_access_key_id="test", aws_secret_access_key="test")
+        self.client.create_bucket(Bucket=BUCKET)
+
+    def start(self) -> None:
+        self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop()
+
+    def upload(self, local: str, key: str) -> str:
+        """Uploads a file, or a directory's files under key/, and returns the URL."""
+        if os.path.isdir(local):
+            for name in sorted(os.listdir(local)):
+                self.client.upload_file(os.path.join(local, name), BUCKET, f"{key}/{name}")
+        else:
+            self.client.upload_file(local, BUCKET, key)
+        return f"s3://{BUCKET}/{key}"
+
+
+@pytest.fixture(scope="module")
+def server():
+    found = Server()
+    environment = {"AWS_ENDPOINT_URL": found.endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                   "AWS_REGION": "us-east-1"}
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)  # Readers inherit the trainer's environment.
+    yield found
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    found.stop()
+
+
+def _b2nd(path, array, chunks, blocks, codec=None):
+    import blosc2
+
+    cparams = {} if codec is None else {"codec": getattr(blosc2.Codec, codec), "clevel": 5}
+    blosc2.asarray(np.ascontiguousarray(array), urlpath=str(path), mode="w", chunks=chunks, blocks=blocks,
+                   cparams=cparams)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(server, tmp_path_factory):
+    """One data set of every field kind, local and uploaded: {name: (local, url)}."""
+    root = tmp_path_factory.mktemp("object-store-data")
+    rng = np.random.default_rng(20261201)
+    rows = 1500
+    found = {}
+    images = rng.integers(0, 255, size=(rows, 6, 5), dtype=np.uint8)
+    found["image"] = _b2nd(root / "image.b2nd", images, (128, 6, 5), (16, 6, 5), "ZSTD")
+    found["label"] = str(root / "label.npy")
+    np.save(found["label"], rng.integers(0, 1000, size=rows).astype(np.int64))
+    lengths = rng.integers(0, 300, size=rows)
+    lengths[rng.integers(0, rows, size=20)] = 0
+    write_ragged(root / "docs.ragged", [rng.integers(0, 50_000, size=n, dtype=np.int32) for n in lengths])
+    found["docs"] = str(root / "docs.ragged")
+    stream = rng.integers(0, 60_000, size=rows * 33 + 1).astype(np.uint16)
+    found["stream"] = str(root / "stream.npy")
+    np.save(found["stream"], stream)
+    for part in range(3):  # A glob of shards of uneven length.
+        count = (400, 650, 450)[part]
+        _b2nd(root / f"shard-{part}.b2nd", rng.standard_normal((count, 4)).astype(np.float32), (100, 4), (10, 4))
+    return {name: (local, server.upload(local, f"data/{os.path.basename(local)}")) for name, local in found.items()} | {
+        "shards": (str(root / "shard-*.b2nd"), None)} | {
+        "shard_urls": ([str(root / f"shard-{part}.b2nd") for part in range(3)],
+                       [server.upload(str(root / f"shard-{part}.b2nd"), f"data/shards/shard-{part}.b2nd")
+                        for part in range(3)])}
+
+
+def _fields(data, which: int):
+    """Every field kind, local (which=0) or from the store (1), of 1,500 rows each."""
+    return {
+        "image": data["image"][which],
+        "label": data["label"][which],
+        "packed": Packed(data["docs"][which]),
+        "padded": Padded(data["docs"][which], max_length=64, overflow="random"),
+    }
+
+
+def assert_same(left, right, where="") -> None:
+    """Two batches hold the same data (a packed region up to its last record's end: past it
+    a slot keeps whatever an earlier step left)."""
+    assert left.keys() == right.keys()
+    for name in left.keys():
+        a, b = np.asarray(left[name]), np.asarray(right[name])
+        if f"{name}.offsets" in left.keys():
+            end = int(np.asarray(left[f"{name}.offsets"])[-1])
+            a, b = a[:end], b[:end]
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} {where}")
+
+
+def _same_batches(local_kwargs, remote_kwargs, steps: int, **kwargs):
+    with ShmDataLoader(**local_kwargs, **kwargs) as local, ShmDataLoader(**remote_kwargs, **kwargs) as remote:
+        compared = 0
+        for left, right in zip(local, remote):
+            assert_same(left, right, f"at batch {compared}")
+            compared += 1
+            if compared == steps:
+                break
+        return compared, remote.stats()
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+@pytest.mark.parametrize("window", [None, 256])
+def test_every_field_kind_equals_the_local_files(data, tmp_path, readers, window):
+    compared, stats = _same_batches({"fields": _fields(data, 0)},
+                                    {"fields": _fields(data, 1), "cache_dir": tmp_path / "cache"}, steps=60,
+                                    batch_size=48, seed=7, readers=readers, shuffle_window=window)
+    assert compared == 60
+    assert stats["cache"]["requests"] > 0 and stats["cache"]["retries"] == 0
+
+
+def test_windows_globs_and_lists_of_objects(data, tmp_path):
+    for window in (lambda path: Windows(path, length=32), lambda path: Windows(path, length=16, separator=0)):
+        name = "stream" if window(".").separator is None else "docs"
+        _same_batches({"fields": {"x": window(data[name][0])}}, {"fields": {"x": window(data[name][1])},
+                                                                 "cache_dir": tmp_path / "a"},
+                      steps=40, batch_size=32, readers=2, seed=1)
+    glob_url = data["shard_urls"][1][0].replace("shard-0", "shard-*")
+    for remote_shards in (glob_url, data["shard_urls"][1]):
+        _same_batches({"fields": {"x": data["shards"][0]}}, {"fields": {"x": remote_shards},
+                                                           "cache_dir": tmp_path / "b"},
+                      steps=40, batch_size=64, readers=2, seed=2)
+
+
+def test_a_mixture_of_local_and_stored_sources(data, tmp_path):
+    def sources(which):
+        return [Source({"x": data["shards"][0]}, weight=2),
+                Source({"x": data["shard_urls"][which] if which else data["shards"][0]}, weight=1, fraction=0.5)]
+    _same_batches({"fields": sources(0)}, {"fields": sources(1), "cache_dir": tmp_path / "c"}, steps=50,
+                  batch_size=30, readers=2, seed=4)
+
+
+def test_shards_finite_passes_and_resume(data, tmp_path):
+    cache = tmp_path / "cache"
+    for shard in range(2):
+        shard_kwargs = dict(batch_size=40, seed=9, readers=2, shard_index=shard, shard_count=2, epochs=1)
+        with ShmDataLoader(_fields(data, 0), **shard_kwargs) as local, \
+                ShmDataLoader(_fields(data, 1), cache_dir=cache, **shard_kwargs) as remote:
+            steps = len(remote)
+            count = 0
+            for a, b in zip(local, remote):
+                assert_same(a, b)
+                count += 1
+            assert count == steps == len(local)
+    # Resume at step 7 from a checkpoint of the store's loader: the same batches as uninterrupted.
+    kwargs = dict(batch_size=40, seed=5, readers=2)
+    with ShmDataLoader(_fields(data, 1), cache_dir=cache, **kwargs) as first:
+        batches = iter(first)
+        for _ in range(7):
+            next(batches)
+        state = first.state_dict()
+    with ShmDataLoader(_fields(data, 1), cache_dir=cache, **kwargs) as resumed, \
+            ShmDataLoader(_fields(data, 0), start_step=7, **kwargs) as local:
+        resumed.load_state_dict(state)
+        for _, a, b in zip(range(10), local, resumed):
+            assert_same(a, b)
+
+
+def _cache_disk_bytes(root) -> int:
+    total = 0
+    for directory, _, names in os.walk(root):
+        for name in names:
+            if not name.endswith((".pages", ".json", "ledger")):
+                total += os.stat(os.path.join(directory, name)).st_blocks * 512
+    return total
+
+
+@pytest.fixture(scope="module")
+def big(server, tmp_path_factory):
+    """16 MB of incompressible 2 KB rows, local and uploaded: (path, url)."""
+    path = tmp_path_factory.mktemp("object-store-big") / "rows.npy"
+    np.save(path, np.random.default_rng(8).integers(0, 1 << 60, size=(8000, 256), dtype=np.int64))
+    return str(path), server.upload(str(path), "big/rows.npy")
+
+
+def test_the_budget_bounds_the_cache_and_evicted_pages_come_back_right(big, tmp_path):
+    cache, budget, batch, readers = tmp_path / "cache", 2 << 20, 16, 2
+    compared, stats = _same_batches({"fields": {"x": big[0]}},
+                                    {"fields": {"x": big[1]}, "cache_dir": cache, "cache_bytes": budget},
+                                    steps=80, batch_size=batch, seed=3, readers=readers)
+    assert stats["cache"]["evicted"] > 0
+    # The budget, plus what the fills may hold pinned beyond it: each reader's batch (a row
+    # may straddle two pages).
+    bound = budget + readers * batch * 2 * (64 << 10)
+    assert _cache_disk_bytes(cache) <= bound
+    assert stats["cache"]["bytes_held"] <= bound
+
+
+def test_a_second_epoch_from_a_cache_that_holds_the_data_makes_no_request(data, tmp_path):
+    with ShmDataLoader(_fields(data, 1), cache_dir=tmp_path, batch_size=100, readers=2, epochs=1) as loader:
+        assert sum(1 for _ in loader) == 15
+        first = loader.stats()["cache"]["requests"]
+    with ShmDataLoader(_fields(data, 1), cache_dir=tmp_path, batch_size=100, readers=2, epochs=1, seed=1) as loader:
+        assert sum(1 for _ in loader) == 15
+        assert first > 0 and loader.stats()["cache"]["requests"] == 0
+
+
+def test_two_loaders_share_one_copy(data, tmp_path):
+    kwargs = dict(cache_dir=tmp_path, batch_size=64, readers=2, seed=11)
+    with ShmDataLoader(_fields(data, 1), **kwargs) as one, ShmDataLoader(_fields(data, 1), **kwargs) as two:
+        for _, a, b in zip(range(40), one, two):
+            assert_same(a, b)
+        fetched = two.stats()["cache"]["bytes"]  # Both loaders' requests: the node's counters.
+    stored = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(os.path.dirname(data["image"][0]))
+                 for n in names if n.startswith(("image", "label", "values", "offsets")))
+    assert fetched <= stored * 1.2  # Each page once (pages round ranges up), not once per loader.
+
+
+def test_the_server_stopped_mid_run_and_restarted_delivers_no_wrong_batch(server, big, tmp_path):
+    import threading
+
+    kwargs = dict(batch_size=16, seed=21, readers=2)
+    with ShmDataLoader({"x": big[0]}, **kwargs) as local, \
+            ShmDataLoader({"x": big[1]}, cache_dir=tmp_path, cache_bytes=2 << 20, **kwargs) as remote:
+        compared = 0
+        for a, b in zip(local, remote):
+            if compared == 10:
+                server.stop()
+                threading.Timer(1.5, server.start).start()
+            assert_same(a, b)
+            compared += 1
+            if compared == 50:
+                break
+        assert remote.stats()["cache"]["retries"] > 0
+
+
+def test_an_object_replaced_under_a_run_stops_it_naming_the_url(server, tmp_path):
+    local = tmp_path / "replaced.npy"
+    np.save(local, np.arange(200_000, dtype=np.int64))
+    url = server.upload(str(local), "replaced/rows.npy")
+    with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", batch_size=64, readers=1, seed=0) as loader:
+        np.save(local, np.arange(200_000, dtype=np.int64)[::-1].copy())
+        server.upload(str(local), "replaced/rows.npy")
+        with pytest.raises((ReaderError, RemoteError), match="replaced/rows.npy changed since the loader described it"):
+            for _ in loader:
+                pass
+    # A new loader reads the new object.
+    with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", batch_size=64, readers=1, seed=0,
+                       mode="sequential") as loader:
+        assert next(iter(loader))["x"][0] == 199_999
+
+
+def test_missing_objects_and_prefixes_are_named(server, data, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing-here"):
+        ShmDataLoader({"x": f"s3://{BUCKET}/nothing-here.npy"}, cache_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no object matches"):
+        ShmDataLoader({"x": f"s3://{BUCKET}/data/none-*.b2nd"}, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="not a ragged directory"):
+        ShmDataLoader({"x": f"s3://{BUCKET}/data/shards"}, cache_dir=tmp_path)
+    broken = tmp_path / "broken.npy"
+    broken.write_bytes(b"not a field file at all" * 100)
+    url = server.upload(str(broken), "broken/x.npy")
+    with pytest.raises(ValueError, match=f"{url} is neither a .npy file nor a Blosc2 frame"):
+        ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache")
+    np.save(broken, np.arange(100))
+    short = server.upload(str(broken), "broken/short.npy")
+    with pytest.raises(ValueError, match=f"field 'x' \\({short}\\) has 100"):
+        ShmDataLoader({"x": short, "y": data["label"][1]}, cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="cache_dir, cache_bytes and storage_options go with fields in a store"):
+        ShmDataLoader({"x": data["label"][0]}, cache_dir=tmp_path)
+    assert not our_shm_entries(os.getpid())
+
+
+_KILLED_TRAINER = textwrap.dedent("""
+    import sys, numpy as np
+    from shmloader import ShmDataLoader
+    with ShmDataLoader({"x": sys.argv[1]}, cache_dir=sys.argv[2], cache_bytes=2 << 20, batch_size=16, readers=2) as loader:
+        for step, batch in enumerate(loader):
+            if step == 3:
+                print("running", flush=True)
+""")
+
+
+def test_a_sigkilled_trainer_leaves_nothing_a_later_run_reads_wrong(big, tmp_path):
+    local, url = big
+    cache = tmp_path / "cache"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, url, str(cache)], stdout=subprocess.PIPE,
+                             cwd=tmp_path, env=os.environ.copy(), start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == b"running"
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # The trainer and its readers, mid-download.
+        child.wait()
+    with ShmDataLoader({"x": url}, cache_dir=cache, cache_bytes=2 << 20, batch_size=16, readers=2, seed=0) as remote, \
+            ShmDataLoader({"x": local}, batch_size=16, readers=2, seed=0) as reference:
+        for _, a, b in zip(range(60), reference, remote):
+            np.testing.assert_array_equal(a["x"], b["x"])
