@@ -29,6 +29,7 @@ reservation counted until then).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import fcntl
@@ -161,7 +162,7 @@ class NodeCache:
         self.client = Client(count=self.count)
         self._objects: dict[str, CachedObject] = {}
         self._objects_lock = threading.Lock()
-        self._pool = None
+        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._pool_lock = threading.Lock()
 
     # The ledger.
@@ -285,12 +286,15 @@ class NodeCache:
                 found = self._objects[path] = CachedObject(self, path)
             return found
 
-    def pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    def pool(self, kind: str = "demand") -> concurrent.futures.ThreadPoolExecutor:
+        """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
+        read-ahead's (apart, so that a fill never queues behind the read-ahead's requests)."""
         with self._pool_lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shmloader-fetch")
-            return self._pool
-
+            pool = self._pools.get(kind)
+            if pool is None:
+                pool = self._pools[kind] = concurrent.futures.ThreadPoolExecutor(
+                    IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
+            return pool
 
 _caches: dict[tuple[int, str], NodeCache] = {}
 _caches_lock = threading.Lock()
@@ -354,8 +358,9 @@ def write_marker(path: str, marker: dict) -> None:
     os.replace(temporary, path + MARKER_SUFFIX)
 
 
-def pages_of(offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """The sorted distinct pages that byte ranges (offsets, sizes) touch."""
+def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> np.ndarray:
+    """The distinct pages that byte ranges (offsets, sizes) touch: sorted, or (`ordered`) in
+    the order the ranges first reach them."""
     keep = sizes > 0
     if not keep.all():
         offsets, sizes = offsets[keep], sizes[keep]
@@ -365,14 +370,19 @@ def pages_of(offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // PAGE_BYTES
     spans = last - first + 1
     if int(spans.max()) == 1:
-        return np.unique(first)
-    total = int(spans.sum())
-    pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
-    return np.unique(pages)
+        pages = first
+    else:
+        total = int(spans.sum())
+        pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
+    if not ordered:
+        return np.unique(pages)
+    _, where = np.unique(pages, return_index=True)
+    return pages[np.sort(where)]
 
 
 def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
-    """Sorted distinct pages as [first, end) runs of consecutive pages, each at most `longest`."""
+    """Distinct pages (sorted, or in any order) as [first, end) runs of consecutive pages,
+    each at most `longest`, in the pages' order."""
     if not len(pages):
         return []
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
@@ -426,7 +436,7 @@ class CachedObject:
         if len(stale):
             self.stamps[stale] = stamp  # Used now: the last to be evicted.
         if len(missing):
-            self._fetch_missing(missing, self._pages_fd, wait=True)
+            self._fetch_missing(missing)
 
     def unpin(self) -> None:
         if self._pinned:
@@ -448,16 +458,50 @@ class CachedObject:
     # Fetching.
 
     def prefetch(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
-        """Fetches the missing pages under the ranges that nobody fetches yet, without
-        waiting for others' (a read-ahead thread's call)."""
-        pages = pages_of(np.asarray(offsets), np.asarray(sizes))
+        """Fetches the missing pages under the ranges, in the ranges' order (the read-ahead
+        gives them in the order they will be needed), IN_FLIGHT requests at a time, each run
+        claimed just before its request: pages a fill needs meanwhile and nobody claimed
+        yet are the fill's to fetch at once. Pages others fetch are skipped, not waited for."""
+        pending: collections.deque = collections.deque()
+        pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
         missing = pages[self.stamps[pages] == 0] if len(pages) else pages
-        if len(missing):
-            self._fetch_missing(missing, self._prefetch_fd, wait=False)
+        try:
+            if len(missing):
+                for run_first, run_end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
+                    while len(pending) >= IN_FLIGHT:
+                        self._finish(pending.popleft())
+                    if not _lock(self._prefetch_fd, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
+                        continue  # Being fetched (or evicted) by another: left to it.
+                    if (self.stamps[run_first:run_end] != 0).all():
+                        _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                        continue
+                    size_bytes = min(run_end * PAGE_BYTES, self.size) - run_first * PAGE_BYTES
+                    try:
+                        self.cache.reserve(size_bytes)
+                    except BaseException:
+                        _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                        raise
+                    future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end)
+                    pending.append((future, run_first, run_end, size_bytes))
+        finally:
+            while pending:
+                self._finish(pending.popleft())
 
-    def _fetch_missing(self, missing: np.ndarray, descriptor: int, wait: bool) -> None:
+    def _finish(self, request) -> None:
+        """Waits for a read-ahead request, then lets go of its claim (and of its
+        reservation if it failed: the fill that needs the pages reports the failure)."""
+        future, first, end, size = request
+        try:
+            future.result()
+        except Exception:  # noqa: BLE001
+            self.cache.unreserve(size)
+        finally:
+            _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+
+    def _fetch_missing(self, missing: np.ndarray) -> None:
         """Claims (FETCH lock) the missing pages nobody else claims, downloads them in
-        parallel, then (with `wait`) waits for the pages others claimed and looks again."""
+        parallel, then waits for the pages others claimed and looks again."""
+        descriptor = self._pages_fd
         while len(missing):
             claimed, others = [], []
             for first, end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
@@ -470,7 +514,7 @@ class CachedObject:
                         else:
                             others.append(page)
             self._download(claimed, descriptor)
-            if not wait or not others:
+            if not others:
                 return
             for page in others:  # Their fetcher is downloading: its lock goes when it is done.
                 _lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
@@ -494,7 +538,7 @@ class CachedObject:
             self.cache.reserve(total)
             done = 0
             try:
-                futures = [self.cache.pool().submit(self._fetch_run, first, end) for first, end in todo]
+                futures = [self.cache.pool("demand").submit(self._fetch_run, first, end) for first, end in todo]
                 for future, size in zip(futures, sizes):
                     future.result()
                     done += size
