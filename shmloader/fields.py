@@ -129,15 +129,16 @@ class FieldReader:
             first_row, index = min(end_row, part_end), index + 1
         return result
 
-    def extents(self, indices: np.ndarray, sources: np.ndarray | None) -> list[tuple]:
+    def extents(self, indices: np.ndarray, sources: np.ndarray | None, wait: bool = True) -> list[tuple]:
         """(opened file, file offsets, bytes) of everything rows `indices` (of `sources`) are
-        read from, or more: what a fill from a store pins first (remote/cache.py)."""
+        read from, or more: what a fill from a store pins first (remote/cache.py), and what
+        the read-ahead fetches (`wait` False: nothing is fetched to find out)."""
         result = []
         for part, _, local in self.groups(indices, sources):
             field = self.part(part)
             values, starts, counts = self._element_ranges(field, local)
             if values.remote is not None:
-                result.append((values, *values.extents(starts, counts)))
+                result.append((values, *values.extents(starts, counts, wait)))
         return result
 
     def _element_ranges(self, field, local: np.ndarray) -> tuple:

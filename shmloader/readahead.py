@@ -32,6 +32,7 @@ that fits stays cached for the next epochs.
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -52,8 +53,12 @@ LAG_STEPS = 8
 # Requests waiting for the thread: a full queue means the disk is behind and another
 # request would only add to its backlog (the caller asks again at its next step).
 PENDING_MAX = 8
-# Steps whose pages a reader of fields from a store fetches ahead, per reader (StepAhead).
+# What a reader of fields from a store without windows keeps asked for ahead (StepAhead):
+# the pages of the next steps up to AHEAD_BYTES (a link's worth of a fraction of a second),
+# at least STEPS_AHEAD steps per reader, at most STEPS_AHEAD_MAX.
+AHEAD_BYTES = 64 << 20
 STEPS_AHEAD = 2
+STEPS_AHEAD_MAX = 256
 
 
 def memory_limit_bytes() -> int:
@@ -251,14 +256,17 @@ class StepAhead:
     """Fetches the pages of the next steps' rows into the node cache before a reader needs
     them, for fields from a store read without windows (whose blocks ReadAhead fetches):
     rows at random are many small ranges, and only many requests in flight fill a link.
-    Each reader fetches for the steps after its own, STEPS_AHEAD per reader of the machine
-    (readers fill steps in turn, so each one's next steps are mostly the others'); the
-    cache's fetch locks make sure that a page is downloaded once."""
+    A reader keeps the steps after its own asked for up to AHEAD_BYTES of pages (at least
+    STEPS_AHEAD per reader of the machine, at most STEPS_AHEAD_MAX): readers fill steps in
+    turn, so each one's next steps are mostly the others', and the cache's fetch locks make
+    sure that a page is downloaded once."""
 
     def __init__(self, filler, readers: int) -> None:
         self.filler, self.sampler = filler, filler.sampler
-        self.ahead = STEPS_AHEAD * max(1, readers)
+        self.least = STEPS_AHEAD * max(1, readers)
         self._next: int | None = None
+        self._asked: collections.deque = collections.deque()  # (step, bytes of its pages) asked for
+        self._asked_bytes = 0
         batch = filler.slot.batch_size
         self._indices = np.zeros(batch, dtype=np.uint64)
         self._sources = np.zeros(batch, dtype=np.uint32) if filler.mixture else None
@@ -266,25 +274,42 @@ class StepAhead:
 
         self._index_pointer = ffi.from_buffer("uint64_t[]", self._indices)
         self._source_pointer = None if self._sources is None else ffi.from_buffer("uint32_t[]", self._sources)
-        self.advisor = Advisor(self.ahead)
+        self.advisor = Advisor(STEPS_AHEAD_MAX)
 
     def note(self, step: int) -> None:
-        if self._next is None or not step < self._next <= step + self.ahead + 1:
+        if self._next is None or not step < self._next <= step + STEPS_AHEAD_MAX + 1:
             self._next = step + 1  # A first step, a seek or a jump.
-        end = min(step + 1 + self.ahead, self.sampler.step_max)
-        while self._next < end:
+            self._asked.clear()
+            self._asked_bytes = 0
+        while self._asked and self._asked[0][0] <= step:
+            self._asked_bytes -= self._asked.popleft()[1]
+        end = min(step + 1 + STEPS_AHEAD_MAX, self.sampler.step_max)
+        while self._next < end and (self._next <= step + self.least or self._asked_bytes < AHEAD_BYTES):
             if self._sources is None:
                 self.sampler.fill_unchecked(self._next, self._index_pointer)
             else:
                 self.sampler.fill_unchecked(self._next, self._index_pointer, self._source_pointer)
             ranges = [extent for reader in self.filler.field_readers for extent in
-                      reader.extents(self._indices, self._sources)]
+                      reader.extents(self._indices, self._sources, wait=False)]
             if not self.advisor.submit("fetch", ranges):
                 break  # The fetches are behind: asked again at the next step.
+            size = sum(_page_bytes(offsets, sizes) for _, offsets, sizes in ranges)
+            self._asked.append((self._next, size))
+            self._asked_bytes += size
             self._next += 1
 
     def close(self) -> None:
         self.advisor.close()
+
+
+def _page_bytes(offsets: np.ndarray, sizes: np.ndarray) -> int:
+    """The bytes of the cache pages under byte ranges (what fetching them costs, at most)."""
+    from .remote.cache import PAGE_BYTES
+
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    used = sizes > 0
+    pages = (offsets[used] + sizes[used] - 1) // PAGE_BYTES - offsets[used] // PAGE_BYTES + 1
+    return int(pages.sum()) * PAGE_BYTES
 
 
 def _fadvise(ranges: list[tuple], advice: int) -> None:

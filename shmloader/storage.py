@@ -535,7 +535,7 @@ class NpyField:
         )
         _check_range_status(self.spec, status, starts, counts, self._failure)
 
-    def extents(self, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def extents(self, starts: np.ndarray, counts: np.ndarray, wait: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(file offsets, bytes) under element ranges (starts, counts)."""
         row_bytes = self.spec.row_bytes
         return self.spec.data_offset + starts.astype(np.int64) * row_bytes, counts.astype(np.int64) * row_bytes
@@ -553,6 +553,9 @@ class NpyField:
         # The mapping goes with the last object that refers to it (a pointer still in use
         # keeps it): dropping this field's references is all closing takes.
         self._table = self._array = self._map = self._mapping = None
+
+
+_WHOLE_CHUNK = "whole chunk"  # BloscField._block_table: read the chunk whole.
 
 
 class BloscField:
@@ -575,6 +578,7 @@ class BloscField:
             raise StorageError(f"{spec.path}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
         self.spec = spec
         self._block_rows = spec.block_rows if share_blocks else 1
+        self._chunk_blocks = -(-spec.chunk_rows // max(spec.block_rows, 1))  # Blocks per chunk (at most).
         self._capi_ffi, self._capi = _blosc2_capi.load()
         self._schunk = None
         self._context = None
@@ -780,14 +784,78 @@ class BloscField:
             (size,) = struct.unpack_from("<i", self._map, offset + _CHUNK_CBYTES_OFFSET)
         return memoryview(self._map)[offset: offset + size]
 
-    def extents(self, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(file offsets, bytes) under element ranges (starts, counts): their whole chunks."""
+    def extents(self, starts: np.ndarray, counts: np.ndarray, wait: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(file offsets, bytes) under element ranges (starts, counts): their whole chunks;
+        for a range inside one chunk of a cached object, only the chunk's header and block
+        table and the blocks holding it (a row read at random costs its block, not its
+        chunk). The headers are pinned first to be read; with `wait` False (the
+        read-ahead's call), a chunk whose header is not here yet gives its header alone."""
         starts, counts = starts.astype(np.int64), counts.astype(np.int64)
         last_chunk = self.spec.chunk_count - 1
         first = np.minimum(starts // self.spec.chunk_rows, last_chunk)
         last = np.minimum((starts + np.maximum(counts, 1) - 1) // self.spec.chunk_rows, last_chunk)
         low, high = self._chunk_low[first], self._chunk_high[last]
-        return low, np.where(counts > 0, np.maximum(high - low, 0), 0)
+        sizes = np.where(counts > 0, np.maximum(high - low, 0), 0)
+        if self.remote is None or self._checksums is not None:  # Checksums cover whole chunks.
+            return low, sizes
+        inside = np.flatnonzero((first == last) & (counts > 0) & (self._file_offsets[first] >= 0))
+        if not len(inside):
+            return low, sizes
+        chunks = np.unique(first[inside])
+        tables = (self._file_offsets[chunks], np.minimum(_CHUNK_HEADER_BYTES + 4 * self._chunk_blocks,
+                                                          self._sizes[chunks].astype(np.int64)))
+        if wait:
+            self.remote.pin(*tables)
+            ready = np.ones(len(chunks), dtype=bool)
+        else:
+            ready = self.remote.present(*tables)
+        blocks = {int(chunk): self._block_table(int(chunk)) for chunk in chunks[ready]}
+        row_bytes, chunk_rows = self.spec.row_bytes, self.spec.chunk_rows
+        more_offsets, more_sizes = [tables[0]], [tables[1]]
+        for k in inside.tolist():
+            table = blocks.get(int(first[k]))
+            if table is None:  # Its header is not here yet (read-ahead only): the header alone.
+                low[k], sizes[k] = tables[0][chunks == first[k]][0], tables[1][chunks == first[k]][0]
+            elif table is not _WHOLE_CHUNK:
+                chunk_start, block_bytes, block_starts, block_ends = table
+                inner = int(starts[k] % chunk_rows) * row_bytes
+                first_block = inner // block_bytes
+                last_block = (inner + int(counts[k]) * row_bytes - 1) // block_bytes
+                low[k] = chunk_start + block_starts[first_block]
+                sizes[k] = block_ends[first_block] - block_starts[first_block]
+                if last_block > first_block:  # Blocks may be stored in any order (threads compress them).
+                    more_offsets.append(chunk_start + block_starts[first_block + 1:last_block + 1])
+                    more_sizes.append(block_ends[first_block + 1:last_block + 1] -
+                                      block_starts[first_block + 1:last_block + 1])
+        return np.concatenate([*more_offsets, low]), np.concatenate([*more_sizes, sizes])
+
+    def _block_table(self, chunk: int):
+        """(chunk start, uncompressed block bytes, each block's start and end in the chunk)
+        from a chunk's header (pinned), or _WHOLE_CHUNK where its blocks cannot be told apart
+        (a dictionary, a special value, blocks not stored in order)."""
+        offset = int(self._file_offsets[chunk])
+        header = bytes(memoryview(self._map)[offset: offset + _CHUNK_HEADER_BYTES])
+        flags, flags2 = header[2], header[31]
+        uncompressed, block_bytes, stored = struct.unpack_from("<iii", header, 4)
+        if block_bytes <= 0 or uncompressed <= 0 or flags2 & 0x1 or (flags2 >> 4) & 0x7:
+            return _WHOLE_CHUNK  # BLOSC2_USEDICT, or a special chunk (zeros, NaNs, a value).
+        count = -(-uncompressed // block_bytes)
+        if flags & 0x2:  # BLOSC_MEMCPYED: the blocks as they are, after the header.
+            block_starts = _CHUNK_HEADER_BYTES + np.arange(count, dtype=np.int64) * block_bytes
+        else:
+            if count > self._chunk_blocks or _CHUNK_HEADER_BYTES + 4 * count > stored:
+                return _WHOLE_CHUNK
+            block_starts = np.frombuffer(self._map, dtype="<i4", count=count,
+                                         offset=offset + _CHUNK_HEADER_BYTES).astype(np.int64)
+        # A block ends where the next stored one starts: blocks compressed by several threads
+        # are stored in the order they finished.
+        order = np.argsort(block_starts, kind="stable")
+        stored_order = block_starts[order]
+        if np.any(np.diff(stored_order) <= 0) or stored_order[0] < _CHUNK_HEADER_BYTES or stored_order[-1] >= stored:
+            return _WHOLE_CHUNK
+        block_ends = np.empty_like(block_starts)
+        block_ends[order] = np.append(stored_order[1:], stored)
+        return offset, block_bytes, block_starts, block_ends
 
     def gather_into(self, indices: np.ndarray, index_pointer, out_pointer, out_bytes: int) -> None:
         """gather() for callers that checked their buffers once (the reader's slots)."""

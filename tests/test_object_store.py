@@ -20,6 +20,7 @@ boto3 = pytest.importorskip("boto3")
 
 from shmloader import Packed, Padded, RemoteError, ReaderError, ShmDataLoader, Source, Windows  # noqa: E402
 from shmloader.convert import write_ragged  # noqa: E402
+from shmloader.remote.cache import PAGE_BYTES, pages_of  # noqa: E402
 
 from conftest import our_shm_entries  # noqa: E402
 
@@ -230,7 +231,7 @@ def test_the_budget_bounds_the_cache_and_evicted_pages_come_back_right(big, tmp_
     assert stats["cache"]["evicted"] > 0
     # The budget, plus what the fills may hold pinned beyond it: each reader's batch (a row
     # may straddle two pages).
-    bound = budget + readers * batch * 2 * (64 << 10)
+    bound = budget + readers * batch * 2 * PAGE_BYTES
     assert _cache_disk_bytes(cache) <= bound
     assert stats["cache"]["bytes_held"] <= bound
 
@@ -334,3 +335,49 @@ def test_a_sigkilled_trainer_leaves_nothing_a_later_run_reads_wrong(big, tmp_pat
             ShmDataLoader({"x": local}, batch_size=16, readers=2, seed=0) as reference:
         for _, a, b in zip(range(60), reference, remote):
             np.testing.assert_array_equal(a["x"], b["x"])
+
+
+@pytest.mark.parametrize("codec,clevel", [("LZ4", 5), ("ZSTD", 9), ("LZ4", 0)])
+def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tmp_path, codec, clevel):
+    """Pins exactly what extents() names, in a cache nothing else fills, then gathers: a
+    block range that misses the row's block would read zeros (pages never fetched)."""
+    import blosc2
+
+    from shmloader.remote.localize import CacheSettings, Localizer
+    from shmloader.storage import describe_field, open_field
+
+    rng = np.random.default_rng(hash((codec, clevel)) % 2**32)
+    rows = rng.integers(0, 256, size=(3000, 256), dtype=np.uint8)  # Incompressible: blocks span pages.
+    rows[1000:1400] = 0  # Some all-zero blocks, a zero chunk too.
+    path = tmp_path / "rows.b2nd"
+    blosc2.asarray(rows, urlpath=str(path), mode="w", chunks=(1024, 256), blocks=(96, 256),
+                   cparams={"codec": getattr(blosc2.Codec, codec), "clevel": clevel})
+    url = server.upload(str(path), f"blocks/{codec}{clevel}.b2nd")
+    localizer = Localizer(CacheSettings.of(tmp_path / "cache", None, None))
+    spec = describe_field(localizer.path(url))
+    field = open_field(spec)
+    try:
+        for _ in range(20):
+            wanted = np.sort(rng.choice(3000, size=rng.integers(1, 40), replace=False)).astype(np.uint64)
+            offsets, sizes = field.extents(wanted, np.ones(len(wanted), dtype=np.uint64))
+            chunks = np.unique(wanted // 1024).astype(np.int64)
+            whole = pages_of(field._file_offsets[chunks], field._sizes[chunks].astype(np.int64))
+            assert len(pages_of(offsets, sizes)) < len(whole)  # Blocks, not whole chunks.
+            field.remote.pin(offsets, sizes)
+            out = np.empty((len(wanted), 256), dtype=np.uint8)
+            field.gather(wanted, out)
+            field.remote.unpin()
+            np.testing.assert_array_equal(out, rows[wanted.astype(np.int64)])
+            # Evicted again: the next draw starts from an empty cache.
+            stamps = field.remote.stamps
+            with open(spec.path, "r+b") as handle:
+                for page in np.flatnonzero(stamps).tolist():
+                    handle.seek(page * PAGE_BYTES)
+                    handle.write(bytes(min(PAGE_BYTES, spec_size(spec) - page * PAGE_BYTES)))
+            stamps[:] = 0
+    finally:
+        field.close()
+
+
+def spec_size(spec) -> int:
+    return os.path.getsize(spec.path)

@@ -49,7 +49,7 @@ from .store import Client
 # Pages are the unit of presence and of requests: small enough that a row read at random
 # costs little more than itself, large enough that a block read ahead is a few thousand
 # stamps. A request covers up to REQUEST_BYTES of consecutive missing pages.
-PAGE_BYTES = 1 << 16
+PAGE_BYTES = 1 << 14
 REQUEST_BYTES = 8 << 20
 # Requests one process has in flight (its fetch threads).
 IN_FLIGHT = 16
@@ -437,6 +437,16 @@ class CachedObject:
             self.stamps[stale] = stamp  # Used now: the last to be evicted.
         if len(missing):
             self._fetch_missing(missing)
+
+    def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """Per byte range, whether all its pages are here (unpinned: a hint)."""
+        offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+        first, last = offsets // PAGE_BYTES, (offsets + np.maximum(sizes, 1) - 1) // PAGE_BYTES
+        single = first == last
+        found = self.stamps[first] != 0
+        for k in np.flatnonzero(~single).tolist():
+            found[k] = bool((self.stamps[first[k]:last[k] + 1] != 0).all())
+        return found
 
     def unpin(self) -> None:
         if self._pinned:

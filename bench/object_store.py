@@ -1,0 +1,361 @@
+"""Fields in object storage, cold, through a capped link: rows/s of shmloader (a shuffle
+window, the global shuffle over .b2nd, sequential; raw, LZ4 and ZSTD fields), litdata
+and MosaicML streaming, from one S3-compatible server, against the link's own rate (four
+ranged downloads at once, with obstore and with s3fs) measured in the same run.
+
+The server is npm's s3rver (filesystem-backed; moto, in Python, serves far less than the
+link) on 127.0.0.1 inside a network namespace this script makes, whose loopback is capped
+with `tc qdisc ... tbf` (this kernel has tbf but no netem: the cap is a rate, with no
+added latency). Every client runs inside the namespace; nothing leaves loopback. Every
+delivered row is checked: its first 8 bytes are its index. Each run starts cold (a new
+cache directory, for the peers too) and lasts --seconds or one pass.
+
+Needs root (ip netns, tc), node with s3rver, and for the peers a Python with litdata,
+mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
+
+    cd /tmp/objstore && npm install s3rver@3
+    python3 -m venv /tmp/objstore/venv && /tmp/objstore/venv/bin/pip install torch==2.14.1 torchvision==0.29.1 litdata mosaicml-streaming s3fs obstore
+    python bench/object_store.py --s3rver /tmp/objstore/node_modules/.bin/s3rver --peer-python /tmp/objstore/venv/bin/python
+    python bench/object_store.py ... --rate 1gbit --rows 524288 --seconds 15 --skip litdata
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import image_rows, machine_line, table  # noqa: E402
+
+BUCKET = "bench"
+PORT = 4599
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER", "AWS_REGION": "us-east-1"}
+ENDPOINT = f"http://127.0.0.1:{PORT}"
+PIECE = 8 << 20  # The link measurement's request size.
+
+
+# The data, written once under --data.
+
+def write_data(args) -> None:
+    os.makedirs(args.data, exist_ok=True)
+    raw = os.path.join(args.data, "x.npy")
+    if not (os.path.exists(raw) and np.load(raw, mmap_mode="r").shape == (args.rows, args.row_bytes)):
+        print(f"writing {args.rows:,} rows of {args.row_bytes} B ...", flush=True)
+        out = np.lib.format.open_memmap(raw + ".tmp", mode="w+", dtype=np.uint8, shape=(args.rows, args.row_bytes))
+        for start in range(0, args.rows, 65536):
+            stop = min(start + 65536, args.rows)
+            piece = image_rows(stop - start, args.row_bytes, seed=start)
+            piece[:, :8] = np.arange(start, stop, dtype=np.uint64)[:, None].view(np.uint8)
+            out[start:stop] = piece
+        out.flush()
+        del out
+        os.replace(raw + ".tmp", raw)
+    from shmloader.convert import convert
+
+    for codec in ("lz4", "zstd"):
+        path = os.path.join(args.data, f"x-{codec}.b2nd")
+        if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(raw):
+            print(f"converting to {codec} ...", flush=True)
+            convert(raw, path, codec=codec, force=True, progress=False)
+
+
+# Children: one measurement each, inside the namespace; a JSON line out.
+
+def _check(indices: np.ndarray, rows: np.ndarray) -> int:
+    found = np.ascontiguousarray(rows[:, :8]).view(np.uint64).ravel()
+    return int(np.count_nonzero(found != indices.astype(np.uint64)))
+
+
+def child_link(args) -> dict:
+    """Four ranged downloads at once, PIECE bytes each, through obstore (or s3fs)."""
+    size = os.path.getsize(os.path.join(args.data, "x.npy"))
+    pieces = iter(range(0, size, PIECE))
+    lock, total = threading.Lock(), [0]
+    deadline = time.perf_counter() + args.seconds
+    if args.mode == "link-s3fs":
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=CREDENTIALS["AWS_ACCESS_KEY_ID"], secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+                               client_kwargs={"endpoint_url": ENDPOINT, "region_name": "us-east-1"})
+
+        def get(start):
+            return len(fs.cat_file(f"{BUCKET}/x.npy", start=start, end=min(start + PIECE, size)))
+    else:
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(BUCKET, endpoint=ENDPOINT, access_key_id="S3RVER", secret_access_key="S3RVER",
+                        region="us-east-1", client_options={"allow_http": True})
+
+        def get(start):
+            return len(memoryview(obstore.get_range(store, "x.npy", start=start, end=min(start + PIECE, size))))
+
+    def worker():
+        while time.perf_counter() < deadline:
+            with lock:
+                start = next(pieces, None)
+            if start is None:
+                return
+            got = get(start)
+            with lock:
+                total[0] += got
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for future in [pool.submit(worker) for _ in range(4)]:
+            future.result()
+    seconds = time.perf_counter() - started
+    return {"rows": total[0] / args.row_bytes, "seconds": seconds, "wrong": 0, "bytes": total[0]}
+
+
+def child_shmloader(args) -> dict:
+    from shmloader import ShmDataLoader
+
+    name = {"raw": "x.npy", "lz4": "x-lz4.b2nd", "zstd": "x-zstd.b2nd"}[args.codec]
+    cache = os.path.join(args.data, "cache", f"{args.mode}-{args.codec}")
+    shutil.rmtree(cache, ignore_errors=True)  # Cold.
+    options = {"window": {"shuffle_window": args.window}, "global": {}, "sequential": {"mode": "sequential"}}[args.mode]
+    started = time.perf_counter()
+    with ShmDataLoader({"x": f"s3://{BUCKET}/{name}"}, batch_size=args.batch_size, readers=args.readers, epochs=1,
+                       cache_dir=cache, cache_bytes=args.cache_gib << 30, **options) as loader:
+        rows = wrong = 0
+        for batch in loader:
+            wrong += _check(np.asarray(batch.indices), np.asarray(batch["x"]))
+            rows += len(batch.indices)
+            if time.perf_counter() - started > args.seconds:
+                break
+        seconds = time.perf_counter() - started
+        cache_stats = loader.stats()["cache"]
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"rows": rows, "seconds": seconds, "wrong": wrong, "requests": cache_stats["requests"],
+            "bytes": cache_stats["bytes"], "retries": cache_stats["retries"]}
+
+
+def child_litdata(args) -> dict:
+    from litdata import StreamingDataLoader, StreamingDataset
+
+    cache = os.path.join(args.data, "cache", "litdata")
+    shutil.rmtree(cache, ignore_errors=True)
+    started = time.perf_counter()
+    dataset = StreamingDataset(f"s3://{BUCKET}/litdata", shuffle=True, seed=1, cache_dir=cache,
+                               storage_options={"endpoint_url": ENDPOINT, "aws_access_key_id": "S3RVER",
+                                                "aws_secret_access_key": "S3RVER", "region_name": "us-east-1"})
+    loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
+    rows = wrong = 0
+    for batch in loader:
+        wrong += _check(batch["index"].numpy(), batch["row"].numpy())
+        rows += len(batch["index"])
+        if time.perf_counter() - started > args.seconds:
+            break
+    seconds = time.perf_counter() - started
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"rows": rows, "seconds": seconds, "wrong": wrong}
+
+
+def child_mosaic(args) -> dict:
+    import torch
+    from streaming import StreamingDataset
+
+    local = os.path.join(args.data, "cache", "mosaic")
+    shutil.rmtree(local, ignore_errors=True)
+    started = time.perf_counter()
+    dataset = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=local, shuffle=True, shuffle_seed=1,
+                               batch_size=args.batch_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
+    rows = wrong = 0
+    for batch in loader:
+        data = np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])
+        wrong += _check(batch["index"].numpy(), data)
+        rows += len(batch["index"])
+        if time.perf_counter() - started > args.seconds:
+            break
+    seconds = time.perf_counter() - started
+    shutil.rmtree(local, ignore_errors=True)
+    return {"rows": rows, "seconds": seconds, "wrong": wrong}
+
+
+def child_make_peers(args) -> dict:
+    """litdata chunks and MDS shards of x.npy (64 MB each), written once."""
+    raw = np.load(os.path.join(args.data, "x.npy"), mmap_mode="r")
+    mds = os.path.join(args.data, "mds")
+    if not os.path.exists(os.path.join(mds, "index.json")):
+        from streaming import MDSWriter
+
+        with MDSWriter(out=mds, columns={"index": "int64", "row": "bytes"}, size_limit="64mb") as writer:
+            for index in range(raw.shape[0]):
+                writer.write({"index": index, "row": raw[index].tobytes()})
+    lit = os.path.join(args.data, "litdata")
+    if not os.path.exists(os.path.join(lit, "index.json")):
+        import litdata
+
+        litdata.optimize(fn=_LitdataRows(os.path.join(args.data, "x.npy")), inputs=list(range(0, raw.shape[0], 65536)),
+                         output_dir=lit, chunk_bytes="64MB", num_workers=1, mode="overwrite")
+    return {}
+
+
+class _LitdataRows:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, first: int):
+        array = np.load(self.path, mmap_mode="r")
+        for index in range(first, min(first + 65536, array.shape[0])):
+            yield {"index": index, "row": np.array(array[index])}
+
+
+def child_upload(args) -> dict:
+    """Every object the runs read, put once (before the cap): the fields and the peers' files."""
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(BUCKET, endpoint=ENDPOINT, access_key_id="S3RVER", secret_access_key="S3RVER",
+                    region="us-east-1", client_options={"allow_http": True, "timeout": "600s"})
+    files = [name for name in ("x.npy", "x-lz4.b2nd", "x-zstd.b2nd")]
+    for directory in ("litdata", "mds"):
+        if os.path.isdir(os.path.join(args.data, directory)):
+            files += [f"{directory}/{name}" for name in sorted(os.listdir(os.path.join(args.data, directory)))]
+    for name in files:
+        path = os.path.join(args.data, name)
+        try:
+            if obstore.head(store, name)["size"] == os.path.getsize(path):
+                continue
+        except FileNotFoundError:
+            pass
+        obstore.put(store, name, path)
+    return {"objects": len(files)}
+
+
+CHILDREN = {"link": child_link, "link-s3fs": child_link, "window": child_shmloader, "global": child_shmloader,
+            "sequential": child_shmloader, "litdata": child_litdata, "mosaic": child_mosaic,
+            "make-peers": child_make_peers, "upload": child_upload}
+
+
+# The namespace, the server and the runs.
+
+class Namespace:
+    def __init__(self, rate: str) -> None:
+        self.name, self.rate = f"shmloader-bench-{os.getpid()}", rate
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        self.run(["ip", "link", "set", "lo", "up"])
+        self.server = None
+
+    def run(self, command, **kwargs):
+        return subprocess.run(["ip", "netns", "exec", self.name, *command], check=True, **kwargs)
+
+    def cap(self) -> None:
+        # A burst of at least the loopback MTU (64 KiB): tbf drops any packet larger than it.
+        self.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate, "burst", "1mb",
+                  "latency", "50ms"])
+
+    def start_server(self, s3rver: str, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.server = subprocess.Popen(["ip", "netns", "exec", self.name, s3rver, "-d", directory, "-a", "127.0.0.1",
+                                        "-p", str(PORT), "--silent", "--configure-bucket", BUCKET],
+                                       start_new_session=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            probe = subprocess.run(["ip", "netns", "exec", self.name, sys.executable, "-c",
+                                    f"import socket; socket.create_connection(('127.0.0.1', {PORT}), 1)"],
+                                   capture_output=True)
+            if probe.returncode == 0:
+                return
+            time.sleep(0.3)
+        raise RuntimeError("s3rver did not start")
+
+    def close(self) -> None:
+        if self.server is not None:
+            os.killpg(self.server.pid, signal.SIGTERM)
+            self.server.wait(timeout=10)
+        subprocess.run(["ip", "netns", "del", self.name], check=False)
+
+
+def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict:
+    command = [python, os.path.abspath(__file__), "--child", mode, "--data", args.data, "--rows", str(args.rows),
+               "--row-bytes", str(args.row_bytes), "--seconds", str(args.seconds), "--batch-size",
+               str(args.batch_size), "--readers", str(args.readers), "--window", str(args.window),
+               "--cache-gib", str(args.cache_gib)]
+    for key, value in extra.items():
+        command += [f"--{key}", str(value)]
+    environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
+                   "AWS_ALLOW_HTTP": "true"}
+    done = namespace.run(command, capture_output=True, text=True, env=environment, cwd=args.data,
+                         timeout=args.seconds * 4 + 300)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--codec", default="raw", help=argparse.SUPPRESS)
+    parser.add_argument("--data", default="/tmp/shmloader-object-store")
+    parser.add_argument("--rows", type=int, default=524_288)
+    parser.add_argument("--row-bytes", type=int, default=3072)
+    parser.add_argument("--rate", default="1gbit", help="the cap on the link (tc's units)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="each run's length at most")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--readers", type=int, default=2)
+    parser.add_argument("--window", type=int, default=262_144)
+    parser.add_argument("--cache-gib", type=int, default=8)
+    parser.add_argument("--s3rver", default="/tmp/objstore/node_modules/.bin/s3rver")
+    parser.add_argument("--peer-python", default=None, help="a Python with litdata, mosaicml-streaming and s3fs")
+    parser.add_argument("--skip", default="", help="runs left out: any of litdata,mosaic,s3fs,global,sequential")
+    args = parser.parse_args()
+    args.data = os.path.abspath(args.data)
+    if args.child:
+        print(json.dumps(CHILDREN[args.child](argparse.Namespace(**{**vars(args), "mode": args.child}))))
+        return
+    skip = set(filter(None, args.skip.split(",")))
+    peers = args.peer_python if args.peer_python and os.path.exists(args.peer_python) else None
+    write_data(args)
+    if peers and not {"litdata", "mosaic"} <= skip:
+        print("writing litdata chunks and MDS shards ...", flush=True)
+        subprocess.run([peers, os.path.abspath(__file__), "--child", "make-peers", "--data", args.data], check=True,
+                       cwd=args.data)
+    namespace = Namespace(args.rate)
+    try:
+        namespace.start_server(args.s3rver, os.path.join(args.data, "s3rver"))
+        measure(namespace, sys.executable, args, "upload")
+        namespace.cap()
+        results = []
+
+        def run(label, python, mode, **extra):
+            result = measure(namespace, python, args, mode, **extra)
+            result["rows_per_s"] = result["rows"] / result["seconds"]
+            print(f"{label}: {result['rows_per_s']:,.0f} rows/s {json.dumps(result)}", flush=True)
+            results.append((label, result))
+
+        run("link: 4 ranged GETs (obstore)", sys.executable, "link")
+        if peers and "s3fs" not in skip:
+            run("link: 4 ranged GETs (s3fs)", peers, "link-s3fs")
+        for codec in ("raw", "lz4", "zstd"):
+            run(f"shmloader shuffle_window={args.window:,}, {codec}", sys.executable, "window", codec=codec)
+        if "global" not in skip:
+            run("shmloader global shuffle, lz4 .b2nd", sys.executable, "global", codec="lz4")
+        if "sequential" not in skip:
+            run("shmloader sequential, raw", sys.executable, "sequential", codec="raw")
+        if peers and "mosaic" not in skip:
+            run("MosaicML streaming, MDS 64 MB shards, shuffle", peers, "mosaic")
+        if peers and "litdata" not in skip:
+            run("litdata, 64 MB chunks, shuffle", peers, "litdata")
+    finally:
+        namespace.close()
+    link = results[0][1]["rows_per_s"]
+    print(f"\n{machine_line()}; link capped at {args.rate} (tbf), s3rver on 127.0.0.1 in a namespace; "
+          f"{args.rows:,} rows of {args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
+          f"at most {args.seconds:g} s each\n")
+    print(table([[label, f"{result['rows_per_s']:,.0f}", f"{result['rows_per_s'] / link:.2f}", result["wrong"]]
+                 for label, result in results], ["run", "rows/s", "x link (raw rows)", "wrong rows"]))
+
+
+if __name__ == "__main__":
+    main()
