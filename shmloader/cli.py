@@ -26,15 +26,17 @@ def _demo(arguments) -> int:
 
 def _convert(arguments) -> int:
     from .convert import convert, io_advice
+    from .remote.publish import named, staged_output
 
-    spec = convert(
-        arguments.input, arguments.output, codec=arguments.codec, clevel=arguments.clevel,
-        rows_per_block=arguments.rows_per_block, force=arguments.force, progress=not arguments.quiet,
-    )
+    with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
+        spec = convert(
+            arguments.input, output, codec=arguments.codec, clevel=arguments.clevel,
+            rows_per_block=arguments.rows_per_block, force=arguments.force, progress=not arguments.quiet,
+        )
     ratio = spec.uncompressed_bytes / max(spec.compressed_bytes, 1)
     codec = "uncompressed" if spec.clevel == 0 else spec.codec
-    print(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks {spec.chunks}, "
-          f"blocks {spec.blocks}, {codec}, ratio {ratio:.2f}")
+    print(named(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks "
+                f"{spec.chunks}, blocks {spec.blocks}, {codec}, ratio {ratio:.2f}", arguments.output, output))
     print(io_advice(spec))
     return 0
 
@@ -74,10 +76,14 @@ def _convert_images(arguments) -> int:
             print(f"{len(bad)} image(s) do not decode: nothing written. Remove or replace them, or add --skip-bad "
                   f"to convert the others", file=sys.stderr)
             return 1
-    paths = convert_images(arguments.directory, arguments.output, force=arguments.force, progress=not arguments.quiet,
-                           skip_bad=arguments.skip_bad, skip=[path for path, _ in bad])
-    with open(paths["classes"]) as handle:
-        skipped = json.load(handle)["skipped"]
+    from .remote.publish import named, staged_output
+
+    with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
+        paths = convert_images(arguments.directory, output, force=arguments.force, progress=not arguments.quiet,
+                               skip_bad=arguments.skip_bad, skip=[path for path, _ in bad])
+        with open(paths["classes"]) as handle:
+            skipped = json.load(handle)["skipped"]
+    paths = {name: named(path, arguments.output, output) for name, path in paths.items()}
     for entry in skipped:
         print(f"skipped {entry['file']}: {entry['reason']}")
     if skipped:
@@ -88,39 +94,45 @@ def _convert_images(arguments) -> int:
 
 
 def _import(arguments) -> int:
-    from . import formats
+    from .remote.publish import named, staged_output
 
     columns = arguments.columns.split(",") if arguments.columns else None
+    if arguments.format == "webdataset" and (columns is not None or arguments.nulls or arguments.fixed or
+                                             arguments.skip_columns):
+        print("--columns, --nulls, --fixed and --skip-columns apply to parquet and arrow; a WebDataset import "
+              "takes every extension", file=sys.stderr)
+        return 2
     options = dict(columns=columns, nulls=_nulls(arguments.nulls), force=arguments.force, progress=not arguments.quiet,
                    fixed=arguments.fixed.split(",") if arguments.fixed else None,
                    skip_unsupported=arguments.skip_columns)
-    if arguments.format == "parquet":
-        paths = formats.from_parquet(arguments.source, arguments.output, **options)
-    elif arguments.format == "webdataset":
-        if columns is not None or arguments.nulls or arguments.fixed or arguments.skip_columns:
-            print("--columns, --nulls, --fixed and --skip-columns apply to parquet and arrow; a WebDataset import "
-                  "takes every extension", file=sys.stderr)
-            return 2
-        paths = formats.from_webdataset(arguments.source, arguments.output, force=arguments.force,
-                                        progress=not arguments.quiet)
-    else:
-        import pyarrow as pa
-
-        with pa.memory_map(arguments.source, "r") as source:
-            try:
-                table = pa.ipc.open_file(source).read_all()
-            except pa.ArrowInvalid:
-                try:
-                    source.seek(0)
-                    table = pa.ipc.open_stream(source).read_all()
-                except pa.ArrowInvalid as error:
-                    raise ValueError(f"{arguments.source}: neither an Arrow IPC file nor an Arrow stream "
-                                     f"({error})") from None
-        paths = formats.from_arrow(table, arguments.output, **options)
-    for name, path in paths.items():
-        print(f"{name}: {path}")
-    _print_import_notes(arguments.output)
+    with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
+        paths = _import_into(arguments, output, options)
+        for name, path in paths.items():
+            print(f"{name}: {named(path, arguments.output, output)}")
+        _print_import_notes(output)
     return 0
+
+
+def _import_into(arguments, output: str, options: dict) -> dict:
+    from . import formats
+
+    if arguments.format == "parquet":
+        return formats.from_parquet(arguments.source, output, **options)
+    if arguments.format == "webdataset":
+        return formats.from_webdataset(arguments.source, output, force=arguments.force, progress=not arguments.quiet)
+    import pyarrow as pa
+
+    with pa.memory_map(arguments.source, "r") as source:
+        try:
+            table = pa.ipc.open_file(source).read_all()
+        except pa.ArrowInvalid:
+            try:
+                source.seek(0)
+                table = pa.ipc.open_stream(source).read_all()
+            except pa.ArrowInvalid as error:
+                raise ValueError(f"{arguments.source}: neither an Arrow IPC file nor an Arrow stream "
+                                 f"({error})") from None
+    return formats.from_arrow(table, output, **options)
 
 
 def _print_import_notes(output: str) -> None:

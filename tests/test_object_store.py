@@ -381,3 +381,48 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
 
 def spec_size(spec) -> int:
     return os.path.getsize(spec.path)
+
+
+def test_commands_write_to_the_store_whole_or_not_at_all(server, tmp_path, capsys, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shmloader.cli import main
+    from shmloader.remote.store import Client
+
+    rows = np.random.default_rng(3).standard_normal((5000, 7)).astype(np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    out = f"s3://{BUCKET}/written/rows.b2nd"
+    assert main(["convert", str(tmp_path / "rows.npy"), out, "--quiet"]) == 0
+    assert out in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "rows.npy"), out, "--quiet"]) == 2  # Exists: --force replaces it.
+    assert "pass force=True (--force)" in capsys.readouterr().err
+    lengths = np.random.default_rng(4).integers(0, 20, size=600)
+    table = pa.table({"label": np.arange(600), "tokens": [list(range(n)) for n in lengths]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    dataset = f"s3://{BUCKET}/written/imported"
+    assert main(["import", "parquet", str(tmp_path / "t.parquet"), dataset, "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert dataset in printed and "shmloader-upload" not in printed
+    with ShmDataLoader({"x": out}, cache_dir=tmp_path / "c", batch_size=50, mode="sequential", readers=1) as loader:
+        np.testing.assert_array_equal(next(iter(loader))["x"], rows[:50])
+    with ShmDataLoader({"label": f"{dataset}/label.npy", "tokens": Packed(f"{dataset}/tokens.ragged")},
+                       cache_dir=tmp_path / "c", batch_size=600, mode="sequential", readers=1) as loader:
+        batch = next(iter(loader))
+        np.testing.assert_array_equal(batch["label"], np.arange(600))
+        np.testing.assert_array_equal(np.diff(batch["tokens.offsets"]), lengths)
+    # An upload that fails part-way leaves nothing of the new output (and, with --force,
+    # nothing of the old one either).
+    real, calls = Client.put_file, []
+
+    def failing(self, url, path):
+        calls.append(url)
+        if len(calls) == 2:
+            raise OSError("the link went down")
+        return real(self, url, path)
+
+    monkeypatch.setattr(Client, "put_file", failing)
+    assert main(["import", "parquet", str(tmp_path / "t.parquet"), f"s3://{BUCKET}/written/failed", "--quiet"]) == 2
+    assert "the link went down" in capsys.readouterr().err
+    assert Client().list(f"s3://{BUCKET}/written/failed/") == []
+    assert calls[-1].endswith(".json") is False  # The metadata, last, was never reached.

@@ -17,6 +17,7 @@ endpoint, access_key_id, secret_access_key, region), else the standard AWS_* var
 from __future__ import annotations
 
 import os
+import pathlib
 import random
 import threading
 import time
@@ -154,11 +155,20 @@ class Client:
             return view, view.nbytes
         return self._call(url, f"GET bytes {start}-{end}", function)
 
-    def put(self, url: str, data) -> None:
+    def put_file(self, url: str, path: str) -> None:
+        """Uploads a file (multipart where it is large: the object appears only when whole)."""
+        size = os.path.getsize(path)
+
         def function(obstore, store, key):
-            obstore.put(store, key, data)
-            return None, 0
+            obstore.put(store, key, pathlib.Path(path))
+            return None, size
         self._call(url, "PUT", function)
+
+    def delete(self, url: str) -> None:
+        def function(obstore, store, key):
+            obstore.delete(store, key)
+            return None, 0
+        self._call(url, "DELETE", function)
 
 
 def _first_line(error: BaseException) -> str:

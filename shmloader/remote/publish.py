@@ -1,0 +1,73 @@
+"""Writing to a store: `shmloader convert`, `convert-images` and `import` given an `s3://`
+output write to a local staging directory, then upload what they wrote.
+
+A store has no rename, so a dataset of several objects cannot appear at once; instead it
+is visible only once whole. The objects that make a field readable go last: a ragged
+directory is read only where its offsets.b2nd is, so its values (and shapes) go before it,
+and the metadata (.json) after every field. Objects go up by multipart upload (obstore's
+put of a file), each of which the store shows only when complete; if any upload fails,
+those of this run that did complete are deleted again. With force, the objects of an
+earlier output of that name are deleted first, so none of them mixes with the new ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import shutil
+import tempfile
+
+from . import is_url
+from .store import Client
+
+# Uploaded after everything else: what makes a ragged field (or an import) readable.
+_LAST = ("offsets.b2nd", ".json")
+
+
+def _upload_order(relative: str) -> tuple[int, str]:
+    name = posixpath.basename(relative)
+    return (2 if name.endswith(".json") else 1 if name == "offsets.b2nd" else 0), relative
+
+
+@contextlib.contextmanager
+def staged_output(output: str, force: bool = False, options: dict | None = None):
+    """Yields where a command writes `output`: the path itself, or for a URL a local path
+    whose files are uploaded beside the URL when the block ends without an error."""
+    if not is_url(output):
+        yield output
+        return
+    client = Client(options)
+    parent, stem = posixpath.split(output.rstrip("/"))
+    if not stem:
+        raise ValueError(f"{output}: name the object or prefix to write, e.g. s3://bucket/train/images")
+    earlier = [url for url, _, _ in client.list(parent + "/")
+               if posixpath.relpath(url, parent).split("/")[0].startswith(stem)]
+    if earlier and not force:
+        raise FileExistsError(f"{output} exists ({len(earlier)} object(s) named {stem}... under {parent}/); pass "
+                              f"force=True (--force) to replace them")
+    staging = tempfile.mkdtemp(prefix="shmloader-upload-")
+    try:
+        yield os.path.join(staging, stem)
+        files = sorted((os.path.relpath(os.path.join(directory, name), staging)
+                        for directory, _, names in os.walk(staging) for name in names), key=_upload_order)
+        for url in earlier:  # An earlier output's objects never mix with these.
+            client.delete(url)
+        uploaded = []
+        try:
+            for relative in files:
+                url = f"{parent}/{relative.replace(os.sep, '/')}"
+                client.put_file(url, os.path.join(staging, relative))
+                uploaded.append(url)
+        except BaseException:
+            for url in reversed(uploaded):
+                with contextlib.suppress(Exception):
+                    client.delete(url)
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def named(text: str, output: str, local: str) -> str:
+    """`text` (a command's report) with the staging path named by the output URL."""
+    return text if local == output else text.replace(local, output.rstrip("/"))
