@@ -12,8 +12,9 @@ import numpy as np
 
 from ._native import ffi, lib
 from .errors import StorageError
-from .plan import FieldPlan
+from .plan import FieldPlan, part_name
 from .ragged import RaggedField, describe_ragged, is_ragged
+from .remote.cache import set_fetch_unit
 from .storage import CombinedBlosc, FieldSpec, _u64, check_gather, open_field
 from .transforms.core import Records
 
@@ -24,14 +25,6 @@ def _window_starts(seed: int, step: int, stream: int, count: int, room: np.ndarr
     out = np.empty(count, dtype=np.uint64)
     lib.shm_bounded_draws(seed, step, stream, _u64(bounds), _u64(out), count)
     return out
-
-
-def stored_name(part) -> str:
-    """What names a part to the user: its path, or its URL for an object in a store."""
-    values = getattr(part, "values", None)
-    if values is not None and values.remote:  # A ragged directory in a store: the prefix of its files.
-        return values.remote.rsplit("/", 1)[0]
-    return getattr(part, "remote", "") or part.path
 
 
 def original_file(path: str, record: int) -> str | None:
@@ -80,6 +73,7 @@ class FieldReader:
         self._opened: dict[int, object] = {}
         # Read from a store through the node cache: every fill pins its pages first (extents).
         self.remote = any(spec.remote for spec in plan.stored_files())
+        self.stored_total = plan.stored_bytes  # The loader's, once StepFiller knows every field.
         self.itemsize = np.dtype(plan.regions[0].dtype).itemsize
         self.single = len(plan.parts) == 1
         # Per source: the range of its parts and their first rows, for the row -> part search.
@@ -99,7 +93,7 @@ class FieldReader:
         first, starts = self._source_parts[source]
         k = int(np.searchsorted(starts, np.uint64(row), side="right")) - 1
         part, local = self.plan.parts[first + k], row - int(starts[k])
-        stored = f"{stored_name(part)} record {local}"
+        stored = f"{part_name(part)} record {local}"
         original = original_file(part.path, local)
         return f"{original} ({stored})" if original else stored
 
@@ -155,6 +149,9 @@ class FieldReader:
             field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify,
                                random_access=self.random_access) if isinstance(spec, FieldSpec) \
                 else RaggedField(spec, verify=self.verify, random_access=self.random_access)
+            stored = field.values if isinstance(field, RaggedField) else field
+            if stored.remote is not None:
+                set_fetch_unit(stored.remote, self.random_access, self.stored_total)
             self._opened[index] = field
         return field
 

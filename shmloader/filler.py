@@ -167,6 +167,8 @@ class StepFiller:
         # Fields from a store: each fill pins its pages (fetching what is missing), and
         # without windows to read ahead, the next steps' pages are fetched ahead of them.
         self.remote = any(reader.remote for reader in self.field_readers)
+        for reader in self.field_readers:  # Whether all the data fits the node cache decides what a fill fetches.
+            reader.stored_total = stored_bytes
         self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
 
     @property

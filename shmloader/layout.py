@@ -71,5 +71,8 @@ def poor_layout(spec: FieldSpec) -> bool:
 
 
 def convert_command(spec: FieldSpec) -> str:
+    if spec.remote:  # convert reads local files and writes to a store: from a local copy of the source.
+        stem, _, suffix = spec.remote.rpartition(".")
+        return f"shmloader convert LOCAL_COPY.{suffix} {stem}.rows.{suffix}"
     path = pathlib.Path(spec.path)
     return f"shmloader convert {path} {path.with_name(path.stem + '.rows' + path.suffix)}"

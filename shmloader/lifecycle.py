@@ -27,6 +27,7 @@ class Resources:
         self.pool: ReaderPool | None = None
         self.pinned: PinnedRing | None = None
         self.filler: StepFiller | None = None  # readers=0: the trainer's own filler.
+        self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
 
     def close(self) -> None:
@@ -55,6 +56,14 @@ class Resources:
                 self.filler.close()
             if ring is not None:
                 ring.close()
+            if self.node_cache is not None:
+                from .remote.cache import release
+
+                cache, self.node_cache = self.node_cache, None
+                try:
+                    release(cache)
+                except Exception:
+                    pass  # Its files close with the process anyway.
 
 
 @contextlib.contextmanager

@@ -84,7 +84,7 @@ class ShmDataLoader(cursor_module.Cursor):
         storage_options: dict | None = None,
     ) -> None:
         self._resources = Resources()
-        self._node_cache = None
+        self._node_cache, self._cache_final = None, {}
         self._finalizer = weakref.finalize(self, self._resources.close)
         self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
@@ -115,7 +115,7 @@ class ShmDataLoader(cursor_module.Cursor):
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
             if localizer is not None:
-                self._node_cache = localizer.cache
+                self._node_cache = self._resources.node_cache = localizer.cache
                 self._cache_counters = self._node_cache.counters()
             try:
                 plan = plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
@@ -424,7 +424,9 @@ class ShmDataLoader(cursor_module.Cursor):
     def _cache_stats(self) -> dict:
         """The node cache's budget and bytes held now, and its requests, bytes fetched,
         retries and pages evicted since this loader started (by every process of the node
-        that uses the cache)."""
+        that uses the cache); the last figures once the loader is closed."""
+        if self._resources.node_cache is None:
+            return self._cache_final
         now = self._node_cache.counters()
         return {**now, **{name: now[name] - self._cache_counters[name] for name in COUNTERS}}
 
@@ -440,6 +442,8 @@ class ShmDataLoader(cursor_module.Cursor):
         if self._active:
             self._supervisor.warn_if_skipped()  # The one warning, if next() never had a moment to give it.
         self._deactivate()
+        if self._resources.node_cache is not None:
+            self._cache_final = self._cache_stats()  # stats() after close still says what the run cost.
         self._finalizer()
 
     @property

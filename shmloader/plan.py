@@ -140,9 +140,18 @@ class FieldPlan:
         return files
 
     def describe_files(self) -> list:
-        """(path, rows) of every part: what a checkpoint's batches depend on."""
-        return [[part.path, getattr(part, "row_count", None) or getattr(part, "record_count", None)]
+        """(path, rows) of every part: what a checkpoint's batches depend on (an object in a
+        store by its URL: its copy's path depends on the cache directory)."""
+        return [[part_name(part), getattr(part, "row_count", None) or getattr(part, "record_count", None)]
                 for part in self.parts]
+
+
+def part_name(part) -> str:
+    """A part's path, or the URL of the object (or ragged prefix) in a store it is a copy of."""
+    values = getattr(part, "values", None)
+    if values is not None and values.remote:
+        return values.remote.rsplit("/", 1)[0]
+    return getattr(part, "remote", "") or part.path
 
 
 def expand_paths(name: str, paths) -> list[str]:
@@ -615,7 +624,7 @@ def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
         spec = plan.first_part
         if plan.kind == "rows" and blosc_layout.poor_layout(spec):
             warnings.warn(
-                f"field {name!r} ({spec.path}): its Blosc2 layout (chunks {spec.chunks}, blocks "
+                f"field {name!r} ({spec.name}): its Blosc2 layout (chunks {spec.chunks}, blocks "
                 f"{spec.blocks}, {spec.codec}) costs about {blosc_layout.estimate_row_cost_us(spec):.0f} us per "
                 f"random row, against about {blosc_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
                 f"file. Re-lay it out once with: {blosc_layout.convert_command(spec)}",

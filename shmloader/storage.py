@@ -89,6 +89,11 @@ class FieldSpec:
     def uncompressed_bytes(self) -> int:
         return self.row_count * self.row_bytes
 
+    @property
+    def name(self) -> str:
+        """What names the file to the user: its URL for an object in a store, else its path."""
+        return self.remote or self.path
+
     def to_dict(self) -> dict:
         # Not dataclasses.asdict, which deep-copies every value: a field of 10,000 files was
         # a second of serialisation per reader configured.
@@ -136,7 +141,7 @@ def check_identity(spec: FieldSpec, status: os.stat_result) -> None:
     if spec.identity and file_identity(status) != tuple(spec.identity):
         device, inode, size, mtime_ns = spec.identity
         raise StorageError(
-            f"{spec.path}: the file changed since the loader described it (inode {inode} of {size} bytes, modified "
+            f"{spec.name}: the file changed since the loader described it (inode {inode} of {size} bytes, modified "
             f"at {mtime_ns} ns; now inode {status.st_ino} of {status.st_size} bytes, modified at "
             f"{status.st_mtime_ns} ns). Its rows may be other rows now: restart the loader to read the new file, or "
             f"write new data to new paths"
@@ -374,7 +379,7 @@ def _check_indices(spec: FieldSpec, indices) -> np.ndarray:
     if indices.dtype != np.uint64:
         if indices.size and indices.dtype.kind in "iu" and indices.min() < 0:
             position = int(np.argmax(indices < 0))
-            raise IndexError(f"{spec.path}: index {int(indices[position])} at position {position} is negative")
+            raise IndexError(f"{spec.name}: index {int(indices[position])} at position {position} is negative")
         if indices.dtype.kind not in "iu" and indices.size:
             raise TypeError(f"indices must be integers, got dtype {indices.dtype}")
         indices = indices.astype(np.uint64)
@@ -386,31 +391,31 @@ def _out_pointer(spec: FieldSpec, out, count: int):
     expected_bytes = count * spec.row_bytes
     if isinstance(out, np.ndarray):
         if out.dtype != spec.numpy_dtype and out.dtype != np.uint8:
-            raise TypeError(f"{spec.path}: out has dtype {out.dtype}, expected {spec.numpy_dtype} (or raw uint8 bytes)")
+            raise TypeError(f"{spec.name}: out has dtype {out.dtype}, expected {spec.numpy_dtype} (or raw uint8 bytes)")
         if not out.flags.c_contiguous:
-            raise ValueError(f"{spec.path}: out must be C-contiguous")
+            raise ValueError(f"{spec.name}: out must be C-contiguous")
         if not out.flags.writeable:
-            raise ValueError(f"{spec.path}: out is read-only; gather needs a writable buffer")
+            raise ValueError(f"{spec.name}: out is read-only; gather needs a writable buffer")
         actual_bytes = out.nbytes
     else:
         try:
             actual_bytes = memoryview(out).nbytes
         except TypeError:
-            raise TypeError(f"{spec.path}: out must be a numpy array or a writable buffer, got {type(out).__name__}") from None
+            raise TypeError(f"{spec.name}: out must be a numpy array or a writable buffer, got {type(out).__name__}") from None
     if actual_bytes != expected_bytes:
         raise ValueError(
-            f"{spec.path}: out holds {actual_bytes} bytes, expected {expected_bytes} "
+            f"{spec.name}: out holds {actual_bytes} bytes, expected {expected_bytes} "
             f"({count} rows of {spec.row_bytes} bytes)"
         )
     try:
         return ffi.from_buffer("uint8_t[]", out, require_writable=True)
     except (TypeError, BufferError):
-        raise ValueError(f"{spec.path}: out is read-only; gather needs a writable buffer") from None
+        raise ValueError(f"{spec.name}: out is read-only; gather needs a writable buffer") from None
 
 
 def _raise_index_error(spec: FieldSpec, indices: np.ndarray, position: int) -> None:
     raise IndexError(
-        f"{spec.path}: index {int(indices[position])} at batch position {position} is out of range "
+        f"{spec.name}: index {int(indices[position])} at batch position {position} is out of range "
         f"for {spec.row_count} rows"
     )
 
@@ -445,14 +450,14 @@ def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
 
 
 def _check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:
-    check_gather(status, failure, spec.path,
+    check_gather(status, failure, spec.name,
                  lambda k: f"the chunk holding element {int(starts[k])}",
                  lambda k: f"elements [{int(starts[k])}, {int(starts[k]) + int(counts[k])}) are out of range for "
                            f"{spec.row_count} elements")
 
 
 def _check_row_status(spec: FieldSpec, status: int, indices, failure) -> None:
-    check_gather(status, failure, spec.path,
+    check_gather(status, failure, spec.name,
                  lambda k: f"chunk {int(indices[k]) // max(spec.chunk_rows, 1)} (holding row {int(indices[k])})",
                  lambda k: f"index {int(indices[k])} at batch position {k} is out of range for {spec.row_count} rows")
 
@@ -504,7 +509,7 @@ class NpyField:
         except OSError as error:
             size = os.path.getsize(spec.path) if os.path.exists(spec.path) else "no"
             raise StorageError(
-                f"{spec.path}: cannot map the .npy file ({error}); it has {size} bytes now, "
+                f"{spec.name}: cannot map the .npy file ({error}); it has {size} bytes now, "
                 f"{spec.row_count} rows of {spec.row_bytes} bytes were described (truncated or replaced?)"
             ) from None
         self._map = self._mapping.buffer
@@ -575,7 +580,7 @@ class BloscField:
         `verify=True` checks each chunk's CRC-32 the first time a gather touches it, when
         the file carries checksums (files without them load unchecked)."""
         if not spec.row_contiguous:
-            raise StorageError(f"{spec.path}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
+            raise StorageError(f"{spec.name}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
         self.spec = spec
         self._block_rows = spec.block_rows if share_blocks else 1
         self._chunk_blocks = -(-spec.chunk_rows // max(spec.block_rows, 1))  # Blocks per chunk (at most).
@@ -600,17 +605,17 @@ class BloscField:
         file_bytes = len(self._map)
         (header_bytes,) = struct.unpack_from(">i", self._map, _B2FRAME_HEADER_LENGTH_OFFSET)
         if not 0 < header_bytes < file_bytes:
-            raise StorageError(f"{spec.path}: corrupted frame header (header length {header_bytes}, file {file_bytes} bytes)")
+            raise StorageError(f"{spec.name}: corrupted frame header (header length {header_bytes}, file {file_bytes} bytes)")
         schunk = capi.blosc2_schunk_open(spec.path.encode())
         if schunk == capi_ffi.NULL:
-            raise StorageError(f"{spec.path}: libblosc2 cannot open the frame (corrupted or truncated file)")
+            raise StorageError(f"{spec.name}: libblosc2 cannot open the frame (corrupted or truncated file)")
         self._schunk = schunk  # Only a real handle: close() must never free NULL.
         # libblosc2 opened the path again: it must still be the file mapped above, or its
         # offset table would not have the description's chunk count read below.
         check_identity(spec, os.stat(spec.path))
         offsets_pointer = capi.blosc2_frame_get_offsets(self._schunk)
         if offsets_pointer == capi_ffi.NULL:
-            raise StorageError(f"{spec.path}: cannot read the frame's chunk offsets (corrupted or truncated file)")
+            raise StorageError(f"{spec.name}: cannot read the frame's chunk offsets (corrupted or truncated file)")
         try:
             offsets = np.frombuffer(capi_ffi.buffer(offsets_pointer, 8 * spec.chunk_count), dtype=np.int64).copy()
         finally:
@@ -634,7 +639,7 @@ class BloscField:
         elif in_file.size:
             past_end = np.flatnonzero(starts + _CHUNK_HEADER_BYTES > file_bytes)
             if past_end.size:
-                raise StorageError(f"{spec.path}: chunk {int(in_file[past_end[0]])} starts past the end of the file (truncated?)")
+                raise StorageError(f"{spec.name}: chunk {int(in_file[past_end[0]])} starts past the end of the file (truncated?)")
             raw = np.frombuffer(self._map, dtype=np.uint8)
             size_bytes = raw[(starts[:, None] + _CHUNK_CBYTES_OFFSET + np.arange(4)).ravel()]
             sizes = size_bytes.view("<i4").astype(np.int64)
@@ -643,7 +648,7 @@ class BloscField:
             if bad.size:
                 chunk = int(in_file[bad[0]])
                 raise StorageError(
-                    f"{spec.path}: chunk {chunk} is corrupted or truncated: it claims {int(sizes[bad[0]])} "
+                    f"{spec.name}: chunk {chunk} is corrupted or truncated: it claims {int(sizes[bad[0]])} "
                     f"bytes at offset {int(starts[bad[0]])} of a {file_bytes}-byte file"
                 )
             self._addresses[in_file] = base_address + starts
@@ -668,7 +673,7 @@ class BloscField:
         needs_free = capi_ffi.new("bool *")
         chunk_bytes = capi.blosc2_schunk_get_chunk(self._schunk, chunk, chunk_pointer, needs_free)
         if chunk_bytes < _CHUNK_HEADER_BYTES:
-            raise StorageError(f"{self.spec.path}: chunk {chunk} is unreadable (libblosc2 error {chunk_bytes})")
+            raise StorageError(f"{self.spec.name}: chunk {chunk} is unreadable (libblosc2 error {chunk_bytes})")
         copy = np.frombuffer(capi_ffi.buffer(chunk_pointer[0], chunk_bytes), dtype=np.uint8).copy()
         if needs_free[0]:
             capi.free(chunk_pointer[0])
@@ -683,7 +688,7 @@ class BloscField:
         dparams.typesize = 8
         context = capi.blosc2_create_dctx(dparams[0])
         if context == capi_ffi.NULL:
-            raise StorageError(f"{spec.path}: libblosc2 could not create a decompression context")
+            raise StorageError(f"{spec.name}: libblosc2 could not create a decompression context")
         self._context = context
         self._getitem = capi_ffi.cast("void *", capi_ffi.addressof(capi, "blosc2_getitem_ctx"))
         self._layout, self._layout_keepalive = blosc_layout(
@@ -698,7 +703,7 @@ class BloscField:
         indices = _check_indices(self.spec, indices)
         capacity = self._layout.order_buffer_count
         if len(indices) > capacity and self._block_rows > 1:
-            raise ValueError(f"{self.spec.path}: a batch of {len(indices)} rows exceeds this reader's {capacity}")
+            raise ValueError(f"{self.spec.name}: a batch of {len(indices)} rows exceeds this reader's {capacity}")
         out_pointer = _out_pointer(self.spec, out, len(indices))
         self.gather_into(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
 
@@ -706,19 +711,19 @@ class BloscField:
         capi, capi_ffi = self._capi, self._capi_ffi
         content, length = capi_ffi.new("uint8_t **"), capi_ffi.new("int32_t *")
         if capi.blosc2_vlmeta_get(self._schunk, CHECKSUM_META.encode(), content, length) < 0:
-            raise StorageError(f"{self.spec.path}: its chunk checksums ({CHECKSUM_META}) cannot be read")
+            raise StorageError(f"{self.spec.name}: its chunk checksums ({CHECKSUM_META}) cannot be read")
         try:
             packed = bytes(capi_ffi.buffer(content[0], length[0]))
         finally:
             capi.free(content[0])
-        payload = _msgpack_binary(packed, self.spec.path)
+        payload = _msgpack_binary(packed, self.spec.name)
         if len(payload) % 4:
-            raise StorageError(f"{self.spec.path}: its {CHECKSUM_META} metadata holds {len(payload)} bytes, not a whole "
+            raise StorageError(f"{self.spec.name}: its {CHECKSUM_META} metadata holds {len(payload)} bytes, not a whole "
                                f"number of 4-byte CRC-32s (corrupted metadata)")
         checksums = np.frombuffer(payload, dtype="<u4")
         if checksums.size != self.spec.chunk_count:
             raise StorageError(
-                f"{self.spec.path}: {checksums.size} chunk checksums for {self.spec.chunk_count} chunks (corrupted metadata)"
+                f"{self.spec.name}: {checksums.size} chunk checksums for {self.spec.chunk_count} chunks (corrupted metadata)"
             )
         self._checksums = checksums
         self._verified = np.zeros(self.spec.chunk_count, dtype=bool)
@@ -733,8 +738,8 @@ class BloscField:
             expected = int(self._checksums[chunk])
             if found != expected:
                 raise StorageError(
-                    f"{self.spec.path}: chunk {chunk} fails its checksum (stored CRC-32 {expected:#010x}, read "
-                    f"{found:#010x}): the file is corrupted. `shmloader verify {self.spec.path}` lists every bad chunk."
+                    f"{self.spec.name}: chunk {chunk} fails its checksum (stored CRC-32 {expected:#010x}, read "
+                    f"{found:#010x}): the file is corrupted. `shmloader verify {self.spec.name}` lists every bad chunk."
                 )
             self._verified[chunk] = True
             self._unverified_count -= 1
@@ -888,7 +893,7 @@ class CombinedBlosc:
         for part in parts[1:]:
             if (part.spec.chunk_rows, part._block_rows, part.spec.row_bytes) != \
                     (first.spec.chunk_rows, first._block_rows, first.spec.row_bytes):
-                raise ValueError(f"{part.spec.path}: another chunk layout than {first.spec.path}")
+                raise ValueError(f"{part.spec.name}: another chunk layout than {first.spec.name}")
         self.parts = parts
         self.chunk_rows = first.spec.chunk_rows
         self.chunk_starts = np.concatenate([[0], np.cumsum([part.spec.chunk_count for part in parts])[:-1]]).astype(np.uint64)
@@ -909,7 +914,7 @@ class CombinedBlosc:
         if status != Status.OK:
             chunk = int(virtual_rows[int(self._failure.position)]) // self.chunk_rows
             part = int(np.searchsorted(self.chunk_starts, chunk, side="right")) - 1
-            check_gather(status, self._failure, self.parts[part].spec.path,
+            check_gather(status, self._failure, self.parts[part].spec.name,
                          lambda k: f"chunk {chunk - int(self.chunk_starts[part])}", None)
 
 
@@ -941,14 +946,14 @@ class BloscPythonField:
         try:
             rows = np.stack([self._array[int(index)] for index in unique]) if unique.size else None
         except Exception as error:
-            raise StorageError(f"{self.spec.path}: reading rows failed ({type(error).__name__}: {error})") from None
+            raise StorageError(f"{self.spec.name}: reading rows failed ({type(error).__name__}: {error})") from None
         if rows is not None:
             np.take(rows, inverse, axis=0, out=target)
 
     def gather_ranges(self, starts, counts, destinations, out_pointer, out_bytes: int) -> None:
         """Rows (ranges of one row each) to byte offsets of `out`, through a staging buffer."""
         if np.any(counts != 1):
-            raise ValueError(f"{self.spec.path}: this layout reads whole rows only")
+            raise ValueError(f"{self.spec.name}: this layout reads whole rows only")
         staged = np.empty((len(starts), *self.spec.row_shape), dtype=self.spec.numpy_dtype)
         pointer = ffi.from_buffer("uint8_t[]", staged.reshape(-1).view(np.uint8))
         self.gather_into(np.ascontiguousarray(starts, dtype=np.uint64), None, pointer, staged.nbytes)
@@ -985,7 +990,7 @@ class EmptyRowsField:
         bad = np.flatnonzero(ends > self.spec.row_count)
         if bad.size:
             k = int(bad[0])
-            raise StorageError(f"{self.spec.path}: elements [{int(starts[k])}, {int(ends[k])}) are out of range for "
+            raise StorageError(f"{self.spec.name}: elements [{int(starts[k])}, {int(ends[k])}) are out of range for "
                                f"{self.spec.row_count} elements")
 
     def close(self) -> None:
@@ -1058,9 +1063,12 @@ def _open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, random_acce
     if spec.kind == "b2nd" and not spec.row_contiguous:
         raise StorageError(f"{spec.remote}: layout {spec.chunks}/{spec.blocks} is not row-contiguous, which a cached "
                            f"object needs; re-save it with `shmloader convert` before uploading it")
-    cached = cached_object(spec.path)
-    with cached.pinned():
-        field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
+    cached = cached_object(spec.path, spec.remote)
+    try:
+        with cached.pinned():
+            field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
+    except StorageError as error:  # Named by its URL: the cache's path means nothing to the user.
+        raise type(error)(str(error).replace(spec.path, spec.remote)) from None
     field.remote = cached
     if random_access:
         field._mapping.advise(mmap.MADV_RANDOM)

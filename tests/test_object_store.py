@@ -275,11 +275,14 @@ def test_the_server_stopped_mid_run_and_restarted_delivers_no_wrong_batch(server
 
 
 def test_an_object_replaced_under_a_run_stops_it_naming_the_url(server, tmp_path):
+    # Larger than the cache: pages are fetched (again) all along, so the change is met; a
+    # copy that were whole already would go on serving the rows it was described with.
     local = tmp_path / "replaced.npy"
-    np.save(local, np.arange(200_000, dtype=np.int64))
+    np.save(local, np.arange(2_000_000, dtype=np.int64))
     url = server.upload(str(local), "replaced/rows.npy")
-    with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", batch_size=64, readers=1, seed=0) as loader:
-        np.save(local, np.arange(200_000, dtype=np.int64)[::-1].copy())
+    with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", cache_bytes=2 << 20, batch_size=64, readers=1,
+                       seed=0) as loader:
+        np.save(local, np.arange(2_000_000, dtype=np.int64)[::-1].copy())
         server.upload(str(local), "replaced/rows.npy")
         with pytest.raises((ReaderError, RemoteError), match="replaced/rows.npy changed since the loader described it"):
             for _ in loader:
@@ -287,13 +290,13 @@ def test_an_object_replaced_under_a_run_stops_it_naming_the_url(server, tmp_path
     # A new loader reads the new object.
     with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", batch_size=64, readers=1, seed=0,
                        mode="sequential") as loader:
-        assert next(iter(loader))["x"][0] == 199_999
+        assert next(iter(loader))["x"][0] == 1_999_999
 
 
 def test_missing_objects_and_prefixes_are_named(server, data, tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-here"):
         ShmDataLoader({"x": f"s3://{BUCKET}/nothing-here.npy"}, cache_dir=tmp_path)
-    with pytest.raises(FileNotFoundError, match="no object matches"):
+    with pytest.raises(FileNotFoundError, match="no object or ragged directory matches"):
         ShmDataLoader({"x": f"s3://{BUCKET}/data/none-*.b2nd"}, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="not a ragged directory"):
         ShmDataLoader({"x": f"s3://{BUCKET}/data/shards"}, cache_dir=tmp_path)
@@ -426,3 +429,103 @@ def test_commands_write_to_the_store_whole_or_not_at_all(server, tmp_path, capsy
     assert "the link went down" in capsys.readouterr().err
     assert Client().list(f"s3://{BUCKET}/written/failed/") == []
     assert calls[-1].endswith(".json") is False  # The metadata, last, was never reached.
+
+
+def test_globs_match_as_local_globs_do_and_keys_are_taken_as_written(server, tmp_path):
+    """A wildcard stays inside one name and skips dot-names (as glob.glob); a key may hold
+    "#" and "?"; a glob may name ragged directories."""
+    root = tmp_path / "g"
+    (root / "old").mkdir(parents=True)
+    for name, first in (("a.npy", 0), ("b.npy", 100), ("old/a.npy", 200), (".tmp.npy", 300), ("x#1.npy", 400)):
+        np.save(root / name, np.arange(first, first + 100))
+        server.upload(str(root / name), f"globbed/{name}")
+    np.save(root / "x.npy", np.arange(900, 1000))  # What a key cut at "#" would read.
+    server.upload(str(root / "x.npy"), "globbed/x.npy")
+    for docs in range(2):
+        write_ragged(root / f"docs-{docs}.ragged", [np.arange(n) for n in range(docs, docs + 30)])
+        server.upload(str(root / f"docs-{docs}.ragged"), f"globbed/docs-{docs}.ragged")
+    kwargs = dict(batch_size=10, mode="sequential", readers=1, epochs=1)
+
+    def rows(fields, **more):
+        with ShmDataLoader(fields, **kwargs, **more) as loader:
+            return np.concatenate([np.array(batch["x"]) for batch in loader])
+
+    cache = {"cache_dir": tmp_path / "cache"}
+    np.testing.assert_array_equal(rows({"x": f"s3://{BUCKET}/globbed/*.npy"}, **cache),
+                                  rows({"x": str(root / "*.npy")}))
+    np.testing.assert_array_equal(rows({"x": f"s3://{BUCKET}/globbed/x#1.npy"}, **cache), np.arange(400, 500))
+    with ShmDataLoader({"x": Packed(f"s3://{BUCKET}/globbed/docs-*.ragged")}, **kwargs, **cache) as remote, \
+            ShmDataLoader({"x": Packed(str(root / "docs-*.ragged"))}, **kwargs) as local:
+        for a, b in zip(local, remote):
+            assert_same(a, b)
+
+
+def test_a_deleted_object_stops_the_run_even_when_skipping_bad_records(server, big, tmp_path):
+    local, _ = big
+    url = server.upload(local, "deleted/rows.npy")
+    with ShmDataLoader({"x": url}, cache_dir=tmp_path, cache_bytes=2 << 20, batch_size=16, readers=1,
+                       on_error="skip") as loader:
+        server.client.delete_object(Bucket=BUCKET, Key="deleted/rows.npy")
+        with pytest.raises((ReaderError, RemoteError), match="deleted/rows.npy was deleted since the loader"):
+            for _ in loader:
+                pass
+        assert loader.stats()["skipped"]["count"] == 0
+
+
+def test_checkpoints_and_budgets_follow_the_data_not_the_cache_directory(data, big, tmp_path):
+    kwargs = dict(batch_size=40, seed=5, readers=1)
+    with ShmDataLoader(_fields(data, 1), cache_dir=tmp_path / "one", **kwargs) as first:
+        for _, _ in zip(range(3), first):
+            pass
+        state = first.state_dict()
+    with ShmDataLoader(_fields(data, 1), cache_dir=tmp_path / "two", **kwargs) as other:
+        other.load_state_dict(state)  # The same objects from another cache: the same data.
+    # A cache directory moved keeps its budget: the copies find their ledger where they are.
+    with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path / "moved", cache_bytes=2 << 20, batch_size=16,
+                       readers=1) as loader:
+        for _, _ in zip(range(5), loader):
+            pass
+    os.rename(tmp_path / "moved", tmp_path / "here")
+    with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path / "here", cache_bytes=2 << 20, batch_size=16,
+                       readers=2) as loader:
+        for _, _ in zip(range(60), loader):
+            pass
+    assert not (tmp_path / "moved").exists()
+    assert _cache_disk_bytes(tmp_path / "here") <= (2 << 20) + 2 * 16 * 2 * PAGE_BYTES
+
+
+def test_a_closed_loader_gives_back_the_cache_and_a_removed_cache_is_made_anew(data, tmp_path):
+    import shutil
+    import threading
+
+    def open_files() -> set[str]:
+        found = set()
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found.add(os.readlink(f"/proc/self/fd/{name}"))
+        return found
+
+    import contextlib
+
+    before_files, before_threads = open_files(), threading.active_count()
+    for attempt in range(3):
+        with ShmDataLoader(_fields(data, 1), cache_dir=tmp_path / "cache", batch_size=40, readers=0) as loader:
+            for _, batch in zip(range(3), loader):
+                pass
+            stats = loader.stats()["cache"]
+        assert loader.stats()["cache"] == stats  # The run's figures stay readable after close.
+        shutil.rmtree(tmp_path / "cache")  # The next loader starts from nothing, in this same process.
+    leaked = {path for path in open_files() - before_files if str(tmp_path) in path}
+    assert not leaked
+    assert threading.active_count() <= before_threads + 1
+
+
+def test_buckets_and_bucket_urls_get_clear_errors_at_once(server, tmp_path):
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="no-such-bucket"):
+        ShmDataLoader({"x": "s3://no-such-bucket/x.npy"}, cache_dir=tmp_path)
+    assert time.monotonic() - started < 10  # Not retried: a 404 does not get better.
+    with pytest.raises(ValueError, match="a bucket, not an object"):
+        ShmDataLoader({"x": f"s3://{BUCKET}"}, cache_dir=tmp_path)

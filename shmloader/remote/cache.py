@@ -51,6 +51,9 @@ from .store import Client
 # stamps. A request covers up to REQUEST_BYTES of consecutive missing pages.
 PAGE_BYTES = 1 << 14
 REQUEST_BYTES = 8 << 20
+# The fetch unit of rows read at random from data that fits the budget: a first pass costs
+# its data once, in requests of this size, instead of a request per row.
+FIT_UNIT_BYTES = 1 << 20
 # Requests one process has in flight (its fetch threads).
 IN_FLIGHT = 16
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
@@ -150,6 +153,7 @@ class NodeCache:
         self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         if os.fstat(self._ledger_fd).st_size < _LEDGER_BYTES:
             os.ftruncate(self._ledger_fd, _LEDGER_BYTES)  # Zeros: a fresh ledger (held 0, no budget yet).
+        self._ledger_inode = os.fstat(self._ledger_fd).st_ino
         self._ledger_map = _map(self._ledger_fd, _LEDGER_BYTES)
         self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
         self._thread_lock = threading.Lock()  # OFD locks do not exclude this process's own threads.
@@ -279,12 +283,41 @@ class NodeCache:
 
     # Objects and fetching.
 
-    def object(self, path: str) -> CachedObject:
+    def object(self, path: str, url: str = "") -> CachedObject:
+        """This process's opening of the copy at `path` (opened anew where the file is not the
+        one it opened: the cache directory removed and made again)."""
         with self._objects_lock:
             found = self._objects.get(path)
+            if found is not None and not found.current():
+                found.close()
+                found = None
             if found is None:
-                found = self._objects[path] = CachedObject(self, path)
+                found = self._objects[path] = CachedObject(self, path, url)
             return found
+
+    def current(self) -> bool:
+        """Whether the ledger this view opened is still the directory's."""
+        try:
+            return os.stat(os.path.join(self.root, "ledger")).st_ino == self._ledger_inode
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Closes every object, the fetch threads and the ledger (a loader's close, when no
+        other loader of this process uses the directory)."""
+        with self._objects_lock:
+            for found in self._objects.values():
+                found.close()
+            self._objects.clear()
+        with self._pool_lock:
+            for pool in self._pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._pools.clear()
+        if self._ledger_fd is not None:
+            self._ledger = None
+            self._ledger_map.close()
+            os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
+            self._ledger_fd = None
 
     def pool(self, kind: str = "demand") -> concurrent.futures.ThreadPoolExecutor:
         """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
@@ -297,25 +330,66 @@ class NodeCache:
             return pool
 
 _caches: dict[tuple[int, str], NodeCache] = {}
+_users: dict[tuple[int, str], int] = {}  # Loaders of this process holding each view (acquire/release).
 _caches_lock = threading.Lock()
 
 
 def node_cache(root: str) -> NodeCache:
-    """This process's view of the cache at `root` (one per process and directory)."""
+    """This process's view of the cache at `root` (one per process and directory; a new one
+    where the directory was removed and made again)."""
     key = (os.getpid(), os.path.abspath(root))
     with _caches_lock:
         cache = _caches.get(key)
+        if cache is not None and not cache.current():
+            cache.close()
+            cache = None
         if cache is None:
             cache = _caches[key] = NodeCache(root)
         return cache
 
 
-def cached_object(path: str) -> CachedObject:
-    """The object whose copy is the file at `path`, opened in this process's view of its cache."""
-    marker = read_marker(path)
-    if marker is None:
-        raise StorageError(f"{path}: not an object of the cache (no {MARKER_SUFFIX} beside it)")
-    return node_cache(marker["root"]).object(path)
+def acquire(root: str) -> NodeCache:
+    """node_cache() for a loader, which release()s it when it closes."""
+    cache = node_cache(root)
+    with _caches_lock:
+        key = (os.getpid(), cache.root)
+        _users[key] = _users.get(key, 0) + 1
+    return cache
+
+
+def release(cache: NodeCache) -> None:
+    """A loader is done with the view: the last one of this process closes it (its files,
+    threads and locks)."""
+    key = (os.getpid(), cache.root)
+    with _caches_lock:
+        _users[key] = _users.get(key, 1) - 1
+        if _users[key] > 0:
+            return
+        del _users[key]
+        if _caches.get(key) is cache:
+            del _caches[key]
+    cache.close()
+
+
+def cache_root(path: str) -> str:
+    """The cache directory that holds the copy at `path` (ROOT/objects/URL KEY/VERSION/NAME):
+    found from where the copy is, so a cache directory moved or renamed still works."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while os.path.basename(directory) != "objects":
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            raise StorageError(f"{path}: not in a shmloader cache directory (no objects/ above it)")
+        directory = parent
+    return os.path.dirname(directory)
+
+
+def cached_object(path: str, url: str = "") -> CachedObject:
+    """The object whose copy is the file at `path`, opened in this process's view of its
+    cache; `url` names it in errors."""
+    if not os.path.exists(path + MARKER_SUFFIX):
+        raise StorageError(f"{url or path}: its copy in the node cache ({path}) is gone: was the cache directory "
+                           f"removed while the loader ran? Restart the loader")
+    return node_cache(cache_root(path)).object(path, url)
 
 
 def read_marker(path: str) -> dict | None:
@@ -333,7 +407,7 @@ def object_directory(root: str, url: str, version: str) -> str:
     return os.path.join(os.path.abspath(root), "objects", url_key, version_key)
 
 
-def create_object(path: str, url: str, etag: str, size: int, root: str, options: dict) -> None:
+def create_object(path: str, url: str, etag: str, size: int, options: dict) -> None:
     """The sparse data file, its page stamps and its marker, if they are not there yet
     (several trainers may create the same object at once: every step is idempotent)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -346,8 +420,7 @@ def create_object(path: str, url: str, etag: str, size: int, root: str, options:
         finally:
             os.close(descriptor)
     if read_marker(path) is None:
-        write_marker(path, {"url": url, "etag": etag, "size": size, "root": os.path.abspath(root),
-                            "options": options, "meta": []})
+        write_marker(path, {"url": url, "etag": etag, "size": size, "options": options, "meta": []})
 
 
 def write_marker(path: str, marker: dict) -> None:
@@ -396,27 +469,64 @@ def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
 
 class CachedObject:
     """One object's local copy, opened in this process: pins pages for gathers and
-    fetches what is missing."""
+    fetches what is missing. Each thread pins and claims through descriptions of its own:
+    OFD locks taken through one description do not exclude each other, so two threads
+    sharing one would release each other's pins and claims."""
 
-    def __init__(self, cache: NodeCache, path: str) -> None:
+    def __init__(self, cache: NodeCache, path: str, url: str = "") -> None:
         marker = read_marker(path)
         if marker is None:
-            raise StorageError(f"{path}: not an object of the cache (no {MARKER_SUFFIX} beside it)")
+            raise StorageError(f"{url or path}: its copy in the node cache ({path}) is gone: was the cache directory "
+                               f"removed while the loader ran? Restart the loader")
         self.cache, self.path = cache, path
         self.url, self.etag, self.size = marker["url"], marker["etag"], int(marker["size"])
         self.meta = [tuple(extent) for extent in marker.get("meta", [])]
         self.client = Client(marker.get("options") or {}, cache.count)
         self.page_count = -(-self.size // PAGE_BYTES)
+        # Pages fetched together: every missing page of the unit (aligned, in pages) around a
+        # needed one. Whole requests where the rows are read in order or all of the data
+        # fits the budget; single pages where rows at random overflow it (set_fetch_unit).
+        self.unit_pages = REQUEST_BYTES // PAGE_BYTES
         self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        self._pages_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
-        # Pins are this description's locks: every thread but the gathering one works
-        # through its own description (OFD locks of one description do not exclude each other).
-        self._prefetch_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
-        if os.fstat(self._pages_fd).st_size != 4 * self.page_count or os.fstat(self._data_fd).st_size != self.size:
-            raise StorageError(f"{path}: its cache files do not have the sizes of {self.url} ({self.size} bytes)")
-        self._map = _map(self._pages_fd, max(4, 4 * self.page_count))
+        self.inode = os.fstat(self._data_fd).st_ino
+        self._map_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+        if os.fstat(self._map_fd).st_size != 4 * self.page_count or os.fstat(self._data_fd).st_size != self.size:
+            raise StorageError(f"{self.url}: its copy in the node cache ({path}) does not have the object's size "
+                               f"({self.size} bytes)")
+        self._map = _map(self._map_fd, max(4, 4 * self.page_count))
         self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
-        self._pinned = False
+        self._local = threading.local()
+        self._descriptors: list[int] = []
+        self._descriptors_lock = threading.Lock()
+
+    def current(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def _fd(self, purpose: str) -> int:
+        """This thread's description of the pages file for `purpose` ("pin", "ahead")."""
+        descriptor = getattr(self._local, purpose, None)
+        if descriptor is None:
+            descriptor = os.open(self.path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+            with self._descriptors_lock:
+                self._descriptors.append(descriptor)
+            setattr(self._local, purpose, descriptor)
+        return descriptor
+
+    def _with_units(self, pages: np.ndarray) -> np.ndarray:
+        """The missing pages of every fetch unit holding one of `pages`, units in the order
+        `pages` first reaches them."""
+        unit = self.unit_pages
+        if unit <= 1 or not len(pages):
+            return pages
+        _, first_seen = np.unique(pages // unit, return_index=True)
+        units = (pages // unit)[np.sort(first_seen)]
+        starts = units * unit
+        counts = np.minimum(starts + unit, self.page_count) - starts
+        expanded = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
+        return expanded[self.stamps[expanded] == 0]
 
     # Pins (the gathering thread).
 
@@ -426,9 +536,10 @@ class CachedObject:
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
             return
-        self._pinned = True
+        descriptor = self._fd("pin")
+        self._local.pinned = True
         for first, end in runs_of(pages, 1 << 30):
-            _lock(self._pages_fd, fcntl.F_RDLCK, first, end - first, True)
+            _lock(descriptor, fcntl.F_RDLCK, first, end - first, True)
         stamps = self.stamps[pages]
         missing = pages[stamps == 0]
         stamp = now_stamp()
@@ -436,7 +547,7 @@ class CachedObject:
         if len(stale):
             self.stamps[stale] = stamp  # Used now: the last to be evicted.
         if len(missing):
-            self._fetch_missing(missing)
+            self._fetch_missing(missing, descriptor)
 
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
@@ -449,9 +560,9 @@ class CachedObject:
         return found
 
     def unpin(self) -> None:
-        if self._pinned:
-            _lock(self._pages_fd, fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
-            self._pinned = False
+        if getattr(self._local, "pinned", False):
+            _lock(self._fd("pin"), fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
+            self._local.pinned = False
 
     @contextlib.contextmanager
     def pinned(self, extents=None):
@@ -474,30 +585,30 @@ class CachedObject:
         yet are the fill's to fetch at once. Pages others fetch are skipped, not waited for."""
         pending: collections.deque = collections.deque()
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
-        missing = pages[self.stamps[pages] == 0] if len(pages) else pages
+        missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages)
+        descriptor = self._fd("ahead")
         try:
-            if len(missing):
-                for run_first, run_end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
-                    while len(pending) >= IN_FLIGHT:
-                        self._finish(pending.popleft())
-                    if not _lock(self._prefetch_fd, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
-                        continue  # Being fetched (or evicted) by another: left to it.
-                    if (self.stamps[run_first:run_end] != 0).all():
-                        _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
-                        continue
-                    size_bytes = min(run_end * PAGE_BYTES, self.size) - run_first * PAGE_BYTES
-                    try:
-                        self.cache.reserve(size_bytes)
-                    except BaseException:
-                        _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
-                        raise
-                    future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end)
-                    pending.append((future, run_first, run_end, size_bytes))
+            for run_first, run_end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
+                while len(pending) >= IN_FLIGHT:
+                    self._finish(pending.popleft(), descriptor)
+                if not _lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
+                    continue  # Being fetched (or evicted) by another: left to it.
+                if (self.stamps[run_first:run_end] != 0).all():
+                    _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                    continue
+                size = min(run_end * PAGE_BYTES, self.size) - run_first * PAGE_BYTES
+                try:
+                    self.cache.reserve(size)
+                except BaseException:
+                    _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                    raise
+                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end)
+                pending.append((future, run_first, run_end, size))
         finally:
             while pending:
-                self._finish(pending.popleft())
+                self._finish(pending.popleft(), descriptor)
 
-    def _finish(self, request) -> None:
+    def _finish(self, request, descriptor: int) -> None:
         """Waits for a read-ahead request, then lets go of its claim (and of its
         reservation if it failed: the fill that needs the pages reports the failure)."""
         future, first, end, size = request
@@ -506,15 +617,16 @@ class CachedObject:
         except Exception:  # noqa: BLE001
             self.cache.unreserve(size)
         finally:
-            _lock(self._prefetch_fd, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+            _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
 
-    def _fetch_missing(self, missing: np.ndarray) -> None:
-        """Claims (FETCH lock) the missing pages nobody else claims, downloads them in
-        parallel, then waits for the pages others claimed and looks again."""
-        descriptor = self._pages_fd
-        while len(missing):
+    def _fetch_missing(self, missing: np.ndarray, descriptor: int) -> None:
+        """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody
+        else claims, downloads them in parallel, then waits for the needed pages others
+        claimed and looks again."""
+        needed = missing
+        while len(needed):
             claimed, others = [], []
-            for first, end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
+            for first, end in runs_of(self._with_units(needed), REQUEST_BYTES // PAGE_BYTES):
                 if _lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
                 else:  # Someone fetches some of these: claim page by page.
@@ -524,23 +636,18 @@ class CachedObject:
                         else:
                             others.append(page)
             self._download(claimed, descriptor)
-            if not others:
+            others = np.intersect1d(np.asarray(others, dtype=np.int64), needed)
+            if not len(others):
                 return
-            for page in others:  # Their fetcher is downloading: its lock goes when it is done.
+            for page in others.tolist():  # Their fetcher is downloading: its lock goes when it is done.
                 _lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
                 _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
-            others = np.asarray(others, dtype=np.int64)
-            missing = others[self.stamps[others] == 0]  # Their download failed: this process tries.
+            needed = others[self.stamps[others] == 0]  # Their download failed: this process tries.
 
     def _download(self, claimed: list[tuple[int, int]], descriptor: int) -> None:
         """Downloads claimed runs (FETCH-locked by `descriptor`), then releases them."""
         try:
-            todo = []
-            for first, end in claimed:
-                present = self.stamps[first:end] != 0  # Fetched between the look and the claim.
-                if present.all():
-                    continue
-                todo.append((first, end))
+            todo = [(first, end) for first, end in claimed if not (self.stamps[first:end] != 0).all()]
             if not todo:
                 return
             sizes = [min(end * PAGE_BYTES, self.size) - first * PAGE_BYTES for first, end in todo]
@@ -569,8 +676,21 @@ class CachedObject:
         self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
 
     def close(self) -> None:
-        self.unpin()
-        for descriptor in (self._data_fd, self._pages_fd, self._prefetch_fd):
-            os.close(descriptor)
+        with self._descriptors_lock:
+            descriptors, self._descriptors = self._descriptors, []
+        for descriptor in (*descriptors, self._data_fd, self._map_fd):
+            with contextlib.suppress(OSError):
+                os.close(descriptor)
         self.stamps = None
         self._map.close()
+
+
+def set_fetch_unit(cached: CachedObject, random_rows: bool, stored_bytes: int) -> None:
+    """What a fill fetches around a needed page (CachedObject.unit_pages): whole requests
+    where rows are read in order (a window's blocks, sequential) or where all the data the
+    loader reads fits the budget (every page is needed soon and stays); the page alone where
+    rows at random overflow the budget (most of a larger unit would be evicted unread)."""
+    budget = cached.cache.counters()["bytes_budget"]
+    fits = budget == 0 or stored_bytes <= budget
+    cached.unit_pages = REQUEST_BYTES // PAGE_BYTES if not random_rows else \
+        (FIT_UNIT_BYTES // PAGE_BYTES if fits else 1)

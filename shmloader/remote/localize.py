@@ -20,7 +20,7 @@ import struct
 
 from ..errors import StorageError
 from . import is_url
-from .cache import PAGE_BYTES, create_object, node_cache, object_directory, read_marker, write_marker
+from .cache import PAGE_BYTES, acquire, create_object, object_directory, read_marker, write_marker
 from .store import Client
 
 # A ragged directory's members (ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
@@ -84,7 +84,7 @@ class Localizer:
 
     def __init__(self, settings: CacheSettings) -> None:
         self.settings = settings
-        self.cache = node_cache(settings.root)
+        self.cache = acquire(settings.root)  # The loader release()s it when it closes.
         self.cache.set_budget(settings.budget)
         self.client = Client(settings.options, self.cache.count)
         self.urls: dict[str, str] = {}  # cache path -> the URL it is a copy of
@@ -126,19 +126,32 @@ class Localizer:
     def path(self, url: str):
         """A cache path for an object or a ragged directory; a list of them for a glob."""
         if glob.has_magic(url):
-            # Stores list by key prefix up to a "/" (object_store's paths are segments).
-            magic = url[:min(url.index(mark) for mark in "*?[" if mark in url)]
-            prefix = magic[:magic.rindex("/") + 1]
-            matches = [(found, size, etag) for found, size, etag in self.client.list(prefix)
-                       if fnmatch.fnmatchcase(found, url)]
-            if not matches:
-                raise FileNotFoundError(f"no object matches {url}")
-            return [self._object(found, size, etag) for found, size, etag in matches]
+            return [self._object(*match) if match[1] is not None else self._ragged(match[0])
+                    for match in self._glob(url)]
         try:
             size, etag = self.client.head(url)
         except FileNotFoundError:
             return self._ragged(url)
         return self._object(url, size, etag)
+
+    def _glob(self, url: str) -> list[tuple]:
+        """(URL, size, ETag) of each object, or (URL, None, None) of each ragged directory,
+        that the pattern matches as glob.glob matches paths: a wildcard matches within one
+        "/"-separated name, and names starting with "." only where the pattern's do."""
+        magic = url[:min(url.index(mark) for mark in "*?[" if mark in url)]
+        prefix = magic[:magic.rindex("/") + 1]  # Stores list by key prefix up to a "/".
+        wanted = url[len(prefix):].rstrip("/").split("/")
+        objects, directories = [], set()
+        for found, size, etag in self.client.list(prefix):
+            names = found[len(prefix):].split("/")
+            if _names_match(names, wanted):
+                objects.append((found, size, etag))
+            elif len(names) > len(wanted) and _names_match(names[:len(wanted)], wanted):
+                directories.add(prefix + "/".join(names[:len(wanted)]))
+        matches = objects + [(directory, None, None) for directory in sorted(directories)]
+        if not matches:
+            raise FileNotFoundError(f"no object or ragged directory matches {url}")
+        return sorted(matches)
 
     def _ragged(self, url: str) -> str:
         base = url.rstrip("/")
@@ -164,12 +177,12 @@ class Localizer:
             raise StorageError(f"{url}: an empty object; expected a .npy or .b2nd file, or a ragged directory")
         name = posixpath.basename(url) or "object"
         path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
-        create_object(path, url, etag, size, self.settings.root, self.settings.options)
+        create_object(path, url, etag, size, self.settings.options)
         marker = read_marker(path)
         if marker.get("options") != self.settings.options:
             marker["options"] = self.settings.options  # This loader's credentials from now on.
             write_marker(path, marker)
-        cached = self.cache.object(path)
+        cached = self.cache.object(path, url)
         cached.client = Client(self.settings.options, self.cache.count)
         if not marker["meta"]:
             marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)
@@ -199,6 +212,12 @@ class Localizer:
             if 0 < header and 0 <= data and tail <= size:
                 return [[0, min(size, header + _B2_CHUNK_HEADER)], [tail, size - tail]]
         return [[0, first]]  # Not a field file: describing it says so, naming the URL.
+
+
+def _names_match(names: list[str], patterns: list[str]) -> bool:
+    return len(names) == len(patterns) and all(
+        fnmatch.fnmatchcase(name, pattern) and (not name.startswith(".") or pattern.startswith("."))
+        for name, pattern in zip(names, patterns))
 
 
 def localize(fields, label_path, cache_dir, cache_bytes, storage_options):

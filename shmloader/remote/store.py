@@ -20,8 +20,8 @@ import os
 import pathlib
 import random
 import threading
+import re
 import time
-import urllib.parse
 
 from ..errors import RemoteError
 
@@ -37,11 +37,12 @@ _CLIENT_OPTIONS = {"timeout": "60s", "connect_timeout": "5s"}
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """(bucket, key) of `s3://bucket/key`."""
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
+    """(bucket, key) of `s3://bucket/key`, the key as written: S3 keys may hold "#" and "?",
+    which a URL parser would take for a fragment and a query."""
+    if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
         raise ValueError(f"{url!r}: expected an object URL s3://bucket/key")
-    return parsed.netloc, parsed.path.lstrip("/")
+    bucket, _, key = url[5:].partition("/")
+    return bucket, key.lstrip("/")
 
 
 def _import_obstore():
@@ -103,6 +104,9 @@ class Client:
                 return result[0]
             except FileNotFoundError:
                 self._count(1, 0, retries)
+                if what.startswith("GET"):  # Described at the start: it was there then.
+                    raise RemoteError(f"{url} was deleted since the loader described it ({what}): restart the "
+                                      f"loader once the data is back") from None
                 raise FileNotFoundError(f"{url}: no such object ({what})") from None
             except exceptions.PreconditionError:
                 self._count(1, 0, retries)
@@ -114,7 +118,15 @@ class Client:
                 raise RemoteError(f"{url}: access refused ({what}): {_first_line(error)}; check the credentials "
                                   f"(storage_options, or AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
             except (exceptions.GenericError, OSError, TimeoutError) as error:
-                # Connection refused or reset, timeouts, 5xx: the server may come back.
+                status = _STATUS.search(str(error))
+                code = int(status.group(1)) if status else 0
+                if 400 <= code < 500 and code not in (408, 429):  # The request itself is refused: no retry.
+                    self._count(1, 0, retries)
+                    if code == 404:
+                        raise FileNotFoundError(f"{url}: not found ({what}: {_first_line(error)}); is the bucket "
+                                                f"{bucket!r} there, on this endpoint?") from None
+                    raise RemoteError(f"{url}: {what} refused with HTTP {code}: {_first_line(error)}") from None
+                # Connection refused or reset, timeouts, 5xx, throttling: the server may come back.
                 now = time.monotonic()
                 if now >= deadline:
                     self._count(1, 0, retries)
@@ -126,6 +138,9 @@ class Client:
 
     def head(self, url: str) -> tuple[int, str]:
         """(size, ETag) of an object."""
+        if not split_url(url)[1]:
+            raise ValueError(f"{url}: a bucket, not an object; name an object, a glob or a ragged directory in it "
+                             f"(s3://bucket/key)")
         def function(obstore, store, key):
             meta = obstore.head(store, key)
             return (int(meta["size"]), str(meta.get("e_tag") or "")), 0
@@ -169,6 +184,9 @@ class Client:
             obstore.delete(store, key)
             return None, 0
         self._call(url, "DELETE", function)
+
+
+_STATUS = re.compile(r"status code: (\d{3})")
 
 
 def _first_line(error: BaseException) -> str:
