@@ -8,7 +8,8 @@ link) on 127.0.0.1 inside a network namespace this script makes, whose loopback 
 with `tc qdisc ... tbf` (this kernel has tbf but no netem: the cap is a rate, with no
 added latency). Every client runs inside the namespace; nothing leaves loopback. Every
 delivered row is checked: its first 8 bytes are its index. Each run starts cold (a new
-cache directory, for the peers too) and lasts --seconds or one pass.
+cache directory, for the peers too) and lasts one pass, or --seconds where it is slower;
+rows/s count from the loader's construction (its start-up and first window included).
 
 Needs root (ip netns, tc), node with s3rver, and for the peers a Python with litdata,
 mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
@@ -16,7 +17,7 @@ mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
     cd /tmp/objstore && npm install s3rver@3
     python3 -m venv /tmp/objstore/venv && /tmp/objstore/venv/bin/pip install torch==2.14.1 torchvision==0.29.1 litdata mosaicml-streaming s3fs obstore
     python bench/object_store.py --s3rver /tmp/objstore/node_modules/.bin/s3rver --peer-python /tmp/objstore/venv/bin/python
-    python bench/object_store.py ... --rate 1gbit --rows 524288 --seconds 15 --skip litdata
+    python bench/object_store.py ... --rate 1gbit --rows 524288 --seconds 30 --skip litdata
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ def child_shmloader(args) -> dict:
 
 def child_litdata(args) -> dict:
     from litdata import StreamingDataLoader, StreamingDataset
+    from litdata.streaming import downloader
+
+    # litdata's obstore client passes client options of its own, which drop AWS_ALLOW_HTTP:
+    # without this a plain-http endpoint fails ("BadScheme"). Its defaults otherwise.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+    if os.environ.get("BENCH_LITDATA_SDK"):  # Its boto3 client instead of obstore.
+        downloader._OBSTORE_AVAILABLE = False
 
     cache = os.path.join(args.data, "cache", "litdata")
     shutil.rmtree(cache, ignore_errors=True)
@@ -285,11 +293,15 @@ def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict
                str(args.batch_size), "--readers", str(args.readers), "--window", str(args.window),
                "--cache-gib", str(args.cache_gib)]
     for key, value in extra.items():
+        if f"--{key}" in command:
+            del command[command.index(f"--{key}"):command.index(f"--{key}") + 2]
         command += [f"--{key}", str(value)]
     environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
                    "AWS_ALLOW_HTTP": "true"}
-    done = namespace.run(command, capture_output=True, text=True, env=environment, cwd=args.data,
-                         timeout=args.seconds * 4 + 300)
+    done = subprocess.run(["ip", "netns", "exec", namespace.name, *command], capture_output=True, text=True,
+                          env=environment, cwd=args.data, timeout=args.seconds * 4 + 300)
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -301,7 +313,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=524_288)
     parser.add_argument("--row-bytes", type=int, default=3072)
     parser.add_argument("--rate", default="1gbit", help="the cap on the link (tc's units)")
-    parser.add_argument("--seconds", type=float, default=15.0, help="each run's length at most")
+    parser.add_argument("--seconds", type=float, default=60.0, help="each run's length at most (else one pass)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--window", type=int, default=262_144)
@@ -329,10 +341,17 @@ def main() -> None:
         results = []
 
         def run(label, python, mode, **extra):
-            result = measure(namespace, python, args, mode, **extra)
+            try:
+                result = measure(namespace, python, args, mode, **extra)
+            except RuntimeError as error:  # A peer that fails is a row that says so.
+                print(f"{label}: {error}", flush=True)
+                reason = str(error).strip().splitlines()[-1][:80]
+                results.append((label, {"rows_per_s": 0.0, "wrong": "-", "failed": reason}))
+                return False
             result["rows_per_s"] = result["rows"] / result["seconds"]
             print(f"{label}: {result['rows_per_s']:,.0f} rows/s {json.dumps(result)}", flush=True)
             results.append((label, result))
+            return True
 
         run("link: 4 ranged GETs (obstore)", sys.executable, "link")
         if peers and "s3fs" not in skip:
@@ -341,10 +360,16 @@ def main() -> None:
             run(f"shmloader shuffle_window={args.window:,}, {codec}", sys.executable, "window", codec=codec)
         if "global" not in skip:
             run("shmloader global shuffle, lz4 .b2nd", sys.executable, "global", codec="lz4")
+            # Rows at random from data larger than the cache: each row's block by range.
+            small = max(1, (args.rows * args.row_bytes >> 30) // 2)
+            run(f"shmloader global shuffle, lz4 .b2nd, cache {small} GiB < data", sys.executable, "global",
+                codec="lz4", **{"cache-gib": small})
         if "sequential" not in skip:
             run("shmloader sequential, raw", sys.executable, "sequential", codec="raw")
         if peers and "mosaic" not in skip:
-            run("MosaicML streaming, MDS 64 MB shards, shuffle", peers, "mosaic")
+            label = "MosaicML streaming, MDS 64 MB shards, shuffle"
+            if not run(f"{label}, {args.readers} workers", peers, "mosaic") and args.readers > 1:
+                run(f"{label}, 1 worker", peers, "mosaic", readers=1)
         if peers and "litdata" not in skip:
             run("litdata, 64 MB chunks, shuffle", peers, "litdata")
     finally:
@@ -353,7 +378,8 @@ def main() -> None:
     print(f"\n{machine_line()}; link capped at {args.rate} (tbf), s3rver on 127.0.0.1 in a namespace; "
           f"{args.rows:,} rows of {args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
           f"at most {args.seconds:g} s each\n")
-    print(table([[label, f"{result['rows_per_s']:,.0f}", f"{result['rows_per_s'] / link:.2f}", result["wrong"]]
+    print(table([[label, f"{result['rows_per_s']:,.0f}" if "failed" not in result else f"failed: {result['failed']}",
+                  f"{result['rows_per_s'] / link:.2f}", result["wrong"]]
                  for label, result in results], ["run", "rows/s", "x link (raw rows)", "wrong rows"]))
 
 

@@ -801,8 +801,8 @@ class BloscField:
         last = np.minimum((starts + np.maximum(counts, 1) - 1) // self.spec.chunk_rows, last_chunk)
         low, high = self._chunk_low[first], self._chunk_high[last]
         sizes = np.where(counts > 0, np.maximum(high - low, 0), 0)
-        if self.remote is None or self._checksums is not None:  # Checksums cover whole chunks.
-            return low, sizes
+        if self.remote is None or self._checksums is not None or self.remote.unit_pages > 1:
+            return low, sizes  # Checksums cover whole chunks; a fetch unit of many pages takes them anyway.
         inside = np.flatnonzero((first == last) & (counts > 0) & (self._file_offsets[first] >= 0))
         if not len(inside):
             return low, sizes

@@ -54,6 +54,9 @@ REQUEST_BYTES = 8 << 20
 # The fetch unit of rows read at random from data that fits the budget: a first pass costs
 # its data once, in requests of this size, instead of a request per row.
 FIT_UNIT_BYTES = 1 << 20
+# Pins lock the pages of a fill in units of at most this many bytes (never more than the
+# fetch unit: rows at random from data larger than the budget pin their pages alone).
+PIN_UNIT_BYTES = 1 << 20
 # Requests one process has in flight (its fetch threads).
 IN_FLIGHT = 16
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
@@ -538,8 +541,11 @@ class CachedObject:
             return
         descriptor = self._fd("pin")
         self._local.pinned = True
-        for first, end in runs_of(pages, 1 << 30):
-            _lock(descriptor, fcntl.F_RDLCK, first, end - first, True)
+        # Pinned in lock units of pages (an eviction waits for the whole unit's pins): a
+        # batch of rows at random costs a lock call per unit, not per page.
+        unit = max(1, min(self.unit_pages, PIN_UNIT_BYTES // PAGE_BYTES))
+        for first, end in runs_of(np.unique(pages // unit), 1 << 30):
+            _lock(descriptor, fcntl.F_RDLCK, first * unit, (end - first) * unit, True)
         stamps = self.stamps[pages]
         missing = pages[stamps == 0]
         stamp = now_stamp()
