@@ -159,15 +159,21 @@ def child_litdata(args) -> dict:
                                storage_options={"endpoint_url": ENDPOINT, "aws_access_key_id": "S3RVER",
                                                 "aws_secret_access_key": "S3RVER", "region_name": "us-east-1"})
     loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
+    result = _consume(loader, started, args.seconds, lambda batch: (batch["index"].numpy(), batch["row"].numpy()))
+    shutil.rmtree(cache, ignore_errors=True)
+    return result
+
+
+def _consume(loader, started: float, seconds: float, rows_of) -> dict:
+    """Iterates a peer's loader until its end or `seconds`, checking every row."""
     rows = wrong = 0
     for batch in loader:
-        wrong += _check(batch["index"].numpy(), batch["row"].numpy())
-        rows += len(batch["index"])
-        if time.perf_counter() - started > args.seconds:
+        indices, data = rows_of(batch)
+        wrong += _check(indices, data)
+        rows += len(indices)
+        if time.perf_counter() - started > seconds:
             break
-    seconds = time.perf_counter() - started
-    shutil.rmtree(cache, ignore_errors=True)
-    return {"rows": rows, "seconds": seconds, "wrong": wrong}
+    return {"rows": rows, "seconds": time.perf_counter() - started, "wrong": wrong}
 
 
 def child_mosaic(args) -> dict:
@@ -180,16 +186,10 @@ def child_mosaic(args) -> dict:
     dataset = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=local, shuffle=True, shuffle_seed=1,
                                batch_size=args.batch_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
-    rows = wrong = 0
-    for batch in loader:
-        data = np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])
-        wrong += _check(batch["index"].numpy(), data)
-        rows += len(batch["index"])
-        if time.perf_counter() - started > args.seconds:
-            break
-    seconds = time.perf_counter() - started
+    result = _consume(loader, started, args.seconds, lambda batch: (
+        batch["index"].numpy(), np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])))
     shutil.rmtree(local, ignore_errors=True)
-    return {"rows": rows, "seconds": seconds, "wrong": wrong}
+    return result
 
 
 def child_make_peers(args) -> dict:

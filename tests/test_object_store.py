@@ -530,3 +530,15 @@ def test_buckets_and_bucket_urls_get_clear_errors_at_once(server, tmp_path):
     assert time.monotonic() - started < 10  # Not retried: a 404 does not get better.
     with pytest.raises(ValueError, match="a bucket, not an object"):
         ShmDataLoader({"x": f"s3://{BUCKET}"}, cache_dir=tmp_path)
+
+
+def test_storage_options_stand_in_for_the_environment(server, data, tmp_path, monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"):
+        monkeypatch.delenv(name)  # The readers, started now, see none of them either.
+    options = {"endpoint": server.endpoint, "access_key_id": "test", "secret_access_key": "test",
+               "region": "us-east-1"}
+    _same_batches({"fields": {"x": data["label"][0]}},
+                  {"fields": {"x": data["label"][1]}, "cache_dir": tmp_path, "storage_options": options},
+                  steps=5, batch_size=64, readers=2)
+    with pytest.raises(TypeError, match="storage_options must be a mapping"):
+        ShmDataLoader({"x": data["label"][1]}, cache_dir=tmp_path, storage_options="endpoint")
