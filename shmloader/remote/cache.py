@@ -390,8 +390,9 @@ def cached_object(path: str, url: str = "") -> CachedObject:
     """The object whose copy is the file at `path`, opened in this process's view of its
     cache; `url` names it in errors."""
     if not os.path.exists(path + MARKER_SUFFIX):
-        raise StorageError(f"{url or path}: its copy in the node cache ({path}) is gone: was the cache directory "
-                           f"removed while the loader ran? Restart the loader")
+        raise StorageError(f"{url or path}: its copy in the node cache ({path}) is not here: the cache directory "
+                           f"was removed while the loader ran (restart the loader), or this reader runs on another "
+                           f"machine than the trainer (Ray actors elsewhere cannot share its node's cache)")
     return node_cache(cache_root(path)).object(path, url)
 
 
@@ -676,19 +677,27 @@ class CachedObject:
     def _fetch_run(self, first: int, end: int) -> None:
         start, stop = first * PAGE_BYTES, min(end * PAGE_BYTES, self.size)
         data = self.client.get(self.url, self.etag, start, stop)
-        written = 0
-        while written < len(data):
-            written += os.pwrite(self._data_fd, data[written:], start + written)
-        self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
+        # Under the lock close() takes: a request that outlives its loader (a read-ahead
+        # thread given up on) must not write through a descriptor number reused since.
+        with self._descriptors_lock:
+            if self.stamps is None:
+                return
+            written = 0
+            while written < len(data):
+                written += os.pwrite(self._data_fd, data[written:], start + written)
+            self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
 
     def close(self) -> None:
         with self._descriptors_lock:
+            if self.stamps is None:
+                return
             descriptors, self._descriptors = self._descriptors, []
-        for descriptor in (*descriptors, self._data_fd, self._map_fd):
-            with contextlib.suppress(OSError):
-                os.close(descriptor)
-        self.stamps = None
-        self._map.close()
+            for descriptor in (*descriptors, self._data_fd, self._map_fd):
+                with contextlib.suppress(OSError):
+                    os.close(descriptor)
+            self.stamps = None
+            with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
+                self._map.close()
 
 
 def set_fetch_unit(cached: CachedObject, random_rows: bool, stored_bytes: int) -> None:
