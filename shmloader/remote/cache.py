@@ -337,27 +337,33 @@ _users: dict[tuple[int, str], int] = {}  # Loaders of this process holding each 
 _caches_lock = threading.Lock()
 
 
+def _view(root: str) -> NodeCache:
+    """node_cache() under _caches_lock, held by the caller."""
+    key = (os.getpid(), os.path.abspath(root))
+    cache = _caches.get(key)
+    if cache is not None and not cache.current():
+        cache.close()
+        cache = None
+    if cache is None:
+        cache = _caches[key] = NodeCache(root)
+    return cache
+
+
 def node_cache(root: str) -> NodeCache:
     """This process's view of the cache at `root` (one per process and directory; a new one
     where the directory was removed and made again)."""
-    key = (os.getpid(), os.path.abspath(root))
     with _caches_lock:
-        cache = _caches.get(key)
-        if cache is not None and not cache.current():
-            cache.close()
-            cache = None
-        if cache is None:
-            cache = _caches[key] = NodeCache(root)
-        return cache
+        return _view(root)
 
 
 def acquire(root: str) -> NodeCache:
-    """node_cache() for a loader, which release()s it when it closes."""
-    cache = node_cache(root)
+    """node_cache() for a loader, which release()s it when it closes (one lock for both, so
+    that a release between them cannot close the view being handed out)."""
     with _caches_lock:
+        cache = _view(root)
         key = (os.getpid(), cache.root)
         _users[key] = _users.get(key, 0) + 1
-    return cache
+        return cache
 
 
 def release(cache: NodeCache) -> None:
@@ -603,7 +609,7 @@ class CachedObject:
                 if (self.stamps[run_first:run_end] != 0).all():
                     _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
                     continue
-                size = min(run_end * PAGE_BYTES, self.size) - run_first * PAGE_BYTES
+                size = self._missing_bytes(run_first, run_end)
                 try:
                     self.cache.reserve(size)
                 except BaseException:
@@ -657,7 +663,7 @@ class CachedObject:
             todo = [(first, end) for first, end in claimed if not (self.stamps[first:end] != 0).all()]
             if not todo:
                 return
-            sizes = [min(end * PAGE_BYTES, self.size) - first * PAGE_BYTES for first, end in todo]
+            sizes = [self._missing_bytes(first, end) for first, end in todo]
             total = sum(sizes)
             self.cache.reserve(total)
             done = 0
@@ -673,6 +679,15 @@ class CachedObject:
         finally:
             for first, end in claimed:
                 _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+
+    def _missing_bytes(self, first: int, end: int) -> int:
+        """The bytes of the pages of [first, end) that are absent: what fetching the run adds
+        to the cache (its present pages are written again, with the same bytes)."""
+        missing = np.flatnonzero(self.stamps[first:end] == 0) + first
+        size = len(missing) * PAGE_BYTES
+        if len(missing) and missing[-1] == self.page_count - 1:
+            size -= self.page_count * PAGE_BYTES - self.size  # The last page is shorter.
+        return size
 
     def _fetch_run(self, first: int, end: int) -> None:
         start, stop = first * PAGE_BYTES, min(end * PAGE_BYTES, self.size)
