@@ -542,3 +542,35 @@ def test_storage_options_stand_in_for_the_environment(server, data, tmp_path, mo
                   steps=5, batch_size=64, readers=2)
     with pytest.raises(TypeError, match="storage_options must be a mapping"):
         ShmDataLoader({"x": data["label"][1]}, cache_dir=tmp_path, storage_options="endpoint")
+
+
+def test_reservations_of_a_dead_process_are_given_back(tmp_path):
+    from shmloader.remote.cache import NodeCache
+
+    root = str(tmp_path / "cache")
+    cache = NodeCache(root)
+    cache.set_budget(1 << 20)
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os
+        from shmloader.remote.cache import NodeCache
+        NodeCache({root!r}).reserve(900 << 10)   # A download begun...
+        os._exit(0)                              # ...by a process killed before it ended.
+    """)], cwd=tmp_path)
+    assert child.returncode == 0
+    assert cache.counters()["bytes_held"] == 900 << 10
+    assert cache.reserve(400 << 10, optional=True)  # Past the budget only with the dead one's bytes.
+    assert cache.counters()["bytes_held"] == 400 << 10
+    cache.settle(400 << 10, downloaded=False)
+    assert cache.counters()["bytes_held"] == 0
+    cache.close()
+
+
+def test_a_budget_smaller_than_a_fetch_unit_still_bounds_reads_in_order(big, tmp_path):
+    budget = 2 << 20  # A quarter of one 8 MiB unit.
+    with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path, cache_bytes=budget, batch_size=64, readers=2,
+                       mode="sequential") as loader:
+        peak = 0
+        for step, _ in zip(range(120), loader):
+            if step % 10 == 0:
+                peak = max(peak, _cache_disk_bytes(tmp_path))
+    assert peak <= budget + 2 * 64 * 2 * PAGE_BYTES + (budget // 32) * 16

@@ -54,6 +54,8 @@ REQUEST_BYTES = 8 << 20
 # The fetch unit of rows read at random from data that fits the budget: a first pass costs
 # its data once, in requests of this size, instead of a request per row.
 FIT_UNIT_BYTES = 1 << 20
+# A fetch unit is at most this share of the budget.
+BUDGET_UNITS_MIN = 32
 # Pins lock the pages of a fill in units of at most this many bytes (never more than the
 # fetch unit: rows at random from data larger than the budget pin their pages alone).
 PIN_UNIT_BYTES = 1 << 20
@@ -66,6 +68,8 @@ EVICT_SHARE = 1 / 32
 _LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
 _LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6}
 _LEDGER_BYTES = 4096
+# After the counters: (pid, bytes reserved in flight) per process using the cache.
+_SLOTS_OFFSET, _SLOT_COUNT = 256, 240
 COUNTERS = ("requests", "bytes", "retries", "evicted")
 _FLOCK = "hhqqi4x"  # struct flock on Linux (x86-64 and arm64): type, whence, start, len, pid.
 _F_OFD_SETLK, _F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLK", 37), getattr(fcntl, "F_OFD_SETLKW", 38)
@@ -87,6 +91,18 @@ def _lock(descriptor: int, kind: int, start: int, length: int, wait: bool) -> bo
         if not wait and error.errno in (11, 13):  # EAGAIN, EACCES: held by another.
             return False
         raise
+
+
+def _alive(pid: int) -> bool:
+    if pid == 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _evict_page(pages_fd: int, data_fd: int, data_size: int, page: int) -> int:
@@ -159,10 +175,13 @@ class NodeCache:
         self._ledger_inode = os.fstat(self._ledger_fd).st_ino
         self._ledger_map = _map(self._ledger_fd, _LEDGER_BYTES)
         self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
+        self._slots = np.frombuffer(self._ledger_map, dtype=np.int64, count=2 * _SLOT_COUNT,
+                                    offset=_SLOTS_OFFSET).reshape(_SLOT_COUNT, 2)
         self._thread_lock = threading.Lock()  # OFD locks do not exclude this process's own threads.
         with self.locked():
             if self._ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
                 self._ledger[:] = 0
+                self._slots[:] = 0
                 self._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC
         self._recount()
         _lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
@@ -229,20 +248,57 @@ class NodeCache:
                         held -= len(stamps) * PAGE_BYTES - size  # The last page is shorter.
                     yield pages, data, max(0, held)
 
-    def reserve(self, size: int) -> None:
-        """Counts `size` bytes about to be downloaded, evicting first what would pass the budget."""
+    def reserve(self, size: int, optional: bool = False) -> bool:
+        """Counts `size` bytes about to be downloaded, evicting first what would pass the
+        budget; an `optional` reservation (the read-ahead's) that would still pass it is
+        refused (False). Each process's reservations in flight are kept in its slot of the
+        ledger, so that those of a process that died mid-download are given back."""
         with self.locked():
             budget = int(self._ledger[_LEDGER["budget"]])
             held = int(self._ledger[_LEDGER["held"]])
             if budget and held + size > budget:
-                freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
-                self._ledger[_LEDGER["held"]] -= freed
-                self._ledger[_LEDGER["evicted"]] += freed // PAGE_BYTES
+                held -= self._reclaim_dead()
+                if held + size > budget:
+                    freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
+                    held -= freed
+                    self._ledger[_LEDGER["evicted"]] += freed // PAGE_BYTES
+                self._ledger[_LEDGER["held"]] = held
+                if optional and held + size > budget:
+                    return False
             self._ledger[_LEDGER["held"]] += size
+            self._slot()[1] += size
+            return True
 
-    def unreserve(self, size: int) -> None:
+    def settle(self, size: int, downloaded: bool) -> None:
+        """A reservation's download ended: its bytes stay counted as held if it succeeded."""
         with self.locked():
-            self._ledger[_LEDGER["held"]] -= size
+            self._slot()[1] -= size
+            if not downloaded:
+                self._ledger[_LEDGER["held"]] -= size
+
+    def _slot(self) -> np.ndarray:
+        """This process's (pid, bytes reserved) in the ledger's table (under the lock)."""
+        pid = os.getpid()
+        own = np.flatnonzero(self._slots[:, 0] == pid)
+        if len(own):
+            return self._slots[own[0]]
+        free = np.flatnonzero(self._slots[:, 0] == 0)
+        if not len(free):
+            self._reclaim_dead()
+            free = np.flatnonzero(self._slots[:, 0] == 0)
+        slot = self._slots[free[0] if len(free) else 0]  # Full of live processes: shares the first.
+        if slot[0] != pid and slot[0] == 0:
+            slot[:] = (pid, 0)
+        return slot
+
+    def _reclaim_dead(self) -> int:
+        """Gives back the reservations of processes that are gone (under the lock); returns
+        the bytes given back."""
+        alive = np.array([_alive(int(pid)) for pid in self._slots[:, 0]], dtype=bool)
+        dead = (self._slots[:, 0] != 0) & ~alive
+        reclaimed = int(self._slots[dead, 1].sum())
+        self._slots[dead] = 0
+        return reclaimed
 
     def _evict(self, wanted: int) -> int:
         """Frees at least `wanted` bytes if it can: present pages by last use, oldest first,
@@ -317,8 +373,9 @@ class NodeCache:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._pools.clear()
         if self._ledger_fd is not None:
-            self._ledger = None
-            self._ledger_map.close()
+            self._ledger = self._slots = None
+            with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
+                self._ledger_map.close()
             os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
             self._ledger_fd = None
 
@@ -495,8 +552,9 @@ class CachedObject:
         self.page_count = -(-self.size // PAGE_BYTES)
         # Pages fetched together: every missing page of the unit (aligned, in pages) around a
         # needed one. Whole requests where the rows are read in order or all of the data
-        # fits the budget; single pages where rows at random overflow it (set_fetch_unit).
-        self.unit_pages = REQUEST_BYTES // PAGE_BYTES
+        # fits the budget; single pages where rows at random overflow it (set_fetch_unit),
+        # and for the trainer's reads of headers.
+        self.unit_pages = 1
         self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self.inode = os.fstat(self._data_fd).st_ino
         self._map_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
@@ -611,24 +669,26 @@ class CachedObject:
                     continue
                 size = self._missing_bytes(run_first, run_end)
                 try:
-                    self.cache.reserve(size)
+                    room = self.cache.reserve(size, optional=True)
                 except BaseException:
                     _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
                     raise
-                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end)
-                pending.append((future, run_first, run_end, size))
+                if not room:  # The budget is full of pages in use: reading further ahead would evict them.
+                    _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                    break
+                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end, size)
+                pending.append((future, run_first, run_end))
         finally:
             while pending:
                 self._finish(pending.popleft(), descriptor)
 
     def _finish(self, request, descriptor: int) -> None:
-        """Waits for a read-ahead request, then lets go of its claim (and of its
-        reservation if it failed: the fill that needs the pages reports the failure)."""
-        future, first, end, size = request
+        """Waits for a read-ahead request, then lets go of its claim."""
+        future, first, end = request
         try:
             future.result()
-        except Exception:  # noqa: BLE001
-            self.cache.unreserve(size)
+        except Exception:  # noqa: BLE001 - the fill that needs the pages reports it.
+            pass
         finally:
             _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
 
@@ -664,18 +724,11 @@ class CachedObject:
             if not todo:
                 return
             sizes = [self._missing_bytes(first, end) for first, end in todo]
-            total = sum(sizes)
-            self.cache.reserve(total)
-            done = 0
-            try:
-                futures = [self.cache.pool("demand").submit(self._fetch_run, first, end) for first, end in todo]
-                for future, size in zip(futures, sizes):
-                    future.result()
-                    done += size
-            finally:
-                if done < total:
-                    self.cache.unreserve(total - done)
-                    # The runs that did finish stay: their bytes are counted and present.
+            self.cache.reserve(sum(sizes))  # Each run settles its own share when it ends.
+            futures = [self.cache.pool("demand").submit(self._fetch_run, first, end, size)
+                       for (first, end), size in zip(todo, sizes)]
+            for future in futures:
+                future.result()
         finally:
             for first, end in claimed:
                 _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
@@ -689,18 +742,28 @@ class CachedObject:
             size -= self.page_count * PAGE_BYTES - self.size  # The last page is shorter.
         return size
 
-    def _fetch_run(self, first: int, end: int) -> None:
+    def _fetch_run(self, first: int, end: int, reserved: int) -> None:
+        """Downloads pages [first, end) (claimed), then settles the `reserved` bytes."""
+        downloaded = False
+        try:
+            downloaded = self._download_run(first, end)
+        finally:
+            self.cache.settle(reserved, downloaded)
+
+    def _download_run(self, first: int, end: int) -> bool:
+        """Whether the pages were written (not when the object was closed meanwhile)."""
         start, stop = first * PAGE_BYTES, min(end * PAGE_BYTES, self.size)
         data = self.client.get(self.url, self.etag, start, stop)
         # Under the lock close() takes: a request that outlives its loader (a read-ahead
         # thread given up on) must not write through a descriptor number reused since.
         with self._descriptors_lock:
             if self.stamps is None:
-                return
+                return False
             written = 0
             while written < len(data):
                 written += os.pwrite(self._data_fd, data[written:], start + written)
             self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
+            return True
 
     def close(self) -> None:
         with self._descriptors_lock:
@@ -722,5 +785,7 @@ def set_fetch_unit(cached: CachedObject, random_rows: bool, stored_bytes: int) -
     rows at random overflow the budget (most of a larger unit would be evicted unread)."""
     budget = cached.cache.counters()["bytes_budget"]
     fits = budget == 0 or stored_bytes <= budget
-    cached.unit_pages = REQUEST_BYTES // PAGE_BYTES if not random_rows else \
-        (FIT_UNIT_BYTES // PAGE_BYTES if fits else 1)
+    unit = REQUEST_BYTES if not random_rows else (FIT_UNIT_BYTES if fits else PAGE_BYTES)
+    if budget:  # A small budget holds many units, not a few: evicting one unit would drop most of it.
+        unit = min(unit, max(PAGE_BYTES, budget // BUDGET_UNITS_MIN))
+    cached.unit_pages = max(1, unit // PAGE_BYTES)
