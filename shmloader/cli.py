@@ -33,11 +33,12 @@ def _convert(arguments) -> int:
             arguments.input, output, codec=arguments.codec, clevel=arguments.clevel,
             rows_per_block=arguments.rows_per_block, force=arguments.force, progress=not arguments.quiet,
         )
+        advice = io_advice(spec)  # It reads the file written: before a staged one goes.
     ratio = spec.uncompressed_bytes / max(spec.compressed_bytes, 1)
     codec = "uncompressed" if spec.clevel == 0 else spec.codec
     print(named(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks "
                 f"{spec.chunks}, blocks {spec.blocks}, {codec}, ratio {ratio:.2f}", arguments.output, output))
-    print(io_advice(spec))
+    print(named(advice, arguments.output, output))
     return 0
 
 

@@ -151,7 +151,7 @@ class FieldReader:
                 else RaggedField(spec, verify=self.verify, random_access=self.random_access)
             stored = field.values if isinstance(field, RaggedField) else field
             if stored.remote is not None:
-                set_fetch_unit(stored.remote, self.random_access, self.stored_total)
+                set_fetch_unit(stored, self.random_access, self.stored_total)
             self._opened[index] = field
         return field
 

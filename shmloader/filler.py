@@ -219,7 +219,7 @@ class StepFiller:
             for reader in self.field_readers:
                 for field, offsets, sizes in reader.extents(outputs.indices, outputs.sources):
                     pinned.append(field.remote)
-                    field.remote.pin(offsets, sizes)
+                    field.remote.pin(offsets, sizes, field.unit_pages)
             self._fill_pinned(step, outputs, salt)
         finally:
             for cached in pinned:

@@ -246,7 +246,7 @@ def _fetch_remote(ranges: list[tuple]) -> list[tuple]:
             remote[id(field)][2].append(np.atleast_1d(sizes))
     for field, offsets, sizes in remote.values():
         try:
-            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes))
+            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes), field.unit_pages)
         except Exception:  # noqa: BLE001 - the pin of the fill reports it.
             pass
     return local

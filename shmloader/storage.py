@@ -66,6 +66,9 @@ class FieldSpec:
     row_contiguous: bool = False
     # True when the file carries a CRC-32 per chunk (CHECKSUM_META).
     checksums: bool = False
+    # True when a chunk decodes right only whole (the DELTA filter, a ZSTD dictionary):
+    # libblosc2 reads a range of such a chunk wrong (tests/test_upstream_blosc2.py).
+    whole_chunks: bool = False
     # .npy only: where the data starts, so that readers map it without parsing the header.
     data_offset: int = 0
     # (device, inode, size, mtime_ns) of the file as described: a reader refuses a file that
@@ -325,6 +328,13 @@ def row_contiguous_layout(shape, chunks, blocks) -> bool:
     return all(blocks[axis] == 1 for axis in range(last)) and chunks[last] % blocks[last] == 0
 
 
+def _blocks_depend(cparams) -> bool:
+    """Whether a Blosc2 frame's blocks cannot be decoded one by one: the DELTA filter, or a
+    dictionary (such files are read through Blosc2's Python API, whole chunks at a time)."""
+    filters = [getattr(item, "name", str(item)) for item in getattr(cparams, "filters", [])]
+    return "DELTA" in filters or bool(getattr(cparams, "use_dict", False))
+
+
 def _describe_b2nd(path: str, allow_empty: bool = False) -> FieldSpec:
     import blosc2  # Only the trainer describes files; readers never import blosc2.
 
@@ -367,7 +377,10 @@ def _describe_b2nd(path: str, allow_empty: bool = False) -> FieldSpec:
         codec="none" if int(cparams.clevel) == 0 else getattr(cparams.codec, "name", str(cparams.codec)),
         clevel=int(cparams.clevel),
         compressed_bytes=int(schunk.cbytes),
-        row_contiguous=row_contiguous_layout(shape, chunks, blocks),
+        # DELTA stores each block against its chunk's first, and a ZSTD dictionary sits in
+        # the chunk: a block decoded alone (the native gather) would be wrong or fail.
+        row_contiguous=row_contiguous_layout(shape, chunks, blocks) and not _blocks_depend(cparams),
+        whole_chunks=_blocks_depend(cparams),
         checksums=CHECKSUM_META in schunk.vlmeta,
     )
 
@@ -493,6 +506,7 @@ class NpyField:
     """A memory-mapped .npy field; gather is a native row copy."""
 
     remote = None  # The node cache's object, for a field read from a store (_open_cached).
+    unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec
@@ -573,6 +587,7 @@ class BloscField:
     """
 
     remote = None  # The node cache's object, for a field read from a store (_open_cached).
+    unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
     def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True,
                  verify: bool = False) -> None:
@@ -739,7 +754,8 @@ class BloscField:
             if found != expected:
                 raise StorageError(
                     f"{self.spec.name}: chunk {chunk} fails its checksum (stored CRC-32 {expected:#010x}, read "
-                    f"{found:#010x}): the file is corrupted. `shmloader verify {self.spec.name}` lists every bad chunk."
+                    f"{found:#010x}): the file is corrupted. `shmloader verify "
+                    f"{'LOCAL_COPY' if self.spec.remote else self.spec.path}` lists every bad chunk."
                 )
             self._verified[chunk] = True
             self._unverified_count -= 1
@@ -801,7 +817,7 @@ class BloscField:
         last = np.minimum((starts + np.maximum(counts, 1) - 1) // self.spec.chunk_rows, last_chunk)
         low, high = self._chunk_low[first], self._chunk_high[last]
         sizes = np.where(counts > 0, np.maximum(high - low, 0), 0)
-        if self.remote is None or self._checksums is not None or self.remote.unit_pages > 1:
+        if self.remote is None or self._checksums is not None or self.unit_pages > 1:
             return low, sizes  # Checksums cover whole chunks; a fetch unit of many pages takes them anyway.
         inside = np.flatnonzero((first == last) & (counts > 0) & (self._file_offsets[first] >= 0))
         if not len(inside):
@@ -922,6 +938,7 @@ class BloscPythonField:
     """Any other Blosc2 layout, through blosc2's Python API: correct but slow (a warning says so)."""
 
     remote = None  # The node cache's object, for a field read from a store (_open_cached).
+    unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
     def __init__(self, spec: FieldSpec) -> None:
         import blosc2
@@ -930,6 +947,22 @@ class BloscPythonField:
         check_identity(spec, os.stat(spec.path))
         self._array = blosc2.open(spec.path, mode="r")
         check_identity(spec, os.stat(spec.path))
+        if spec.whole_chunks and tuple(spec.chunks[1:]) != tuple(spec.row_shape):
+            raise StorageError(f"{spec.name}: its chunks decode right only whole (the DELTA filter or a ZSTD "
+                               f"dictionary) and split rows; re-save it with `shmloader convert`")
+
+    def _rows(self, unique: np.ndarray) -> np.ndarray:
+        """Rows `unique` (sorted), through blosc2: whole chunks where only those decode right."""
+        if not self.spec.whole_chunks:
+            return np.stack([self._array[int(index)] for index in unique])
+        rows = np.empty((len(unique), *self.spec.row_shape), dtype=self.spec.numpy_dtype)
+        chunk_of = unique // self.spec.chunk_rows
+        for chunk in np.unique(chunk_of).tolist():
+            where = np.flatnonzero(chunk_of == chunk)
+            data = np.frombuffer(self._array.schunk.decompress_chunk(chunk), dtype=self.spec.numpy_dtype)
+            data = data.reshape(-1, *self.spec.row_shape)
+            rows[where] = data[unique[where] - chunk * self.spec.chunk_rows]
+        return rows
 
     def gather(self, indices, out) -> None:
         indices = _check_indices(self.spec, indices)
@@ -944,7 +977,7 @@ class BloscPythonField:
         target = np.frombuffer(out, dtype=self.spec.numpy_dtype).reshape(len(indices), *self.spec.row_shape)
         unique, inverse = np.unique(indices, return_inverse=True)
         try:
-            rows = np.stack([self._array[int(index)] for index in unique]) if unique.size else None
+            rows = self._rows(unique) if unique.size else None
         except Exception as error:
             raise StorageError(f"{self.spec.name}: reading rows failed ({type(error).__name__}: {error})") from None
         if rows is not None:
@@ -972,6 +1005,7 @@ class EmptyRowsField:
     records are all empty): nothing to read, but indices and ranges are still checked."""
 
     remote = None  # The node cache's object, for a field read from a store (_open_cached).
+    unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
     def __init__(self, spec: FieldSpec) -> None:
         self.spec = spec

@@ -359,7 +359,7 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
     localizer = Localizer(CacheSettings.of(tmp_path / "cache", None, None))
     spec = describe_field(localizer.path(url))
     field = open_field(spec)
-    field.remote.unit_pages = 1  # Rows at random from data larger than the cache: pages alone.
+    assert field.unit_pages == 1  # As for rows at random from data larger than the cache: pages alone.
     try:
         for _ in range(20):
             wanted = np.sort(rng.choice(3000, size=rng.integers(1, 40), replace=False)).astype(np.uint64)
@@ -574,3 +574,30 @@ def test_a_budget_smaller_than_a_fetch_unit_still_bounds_reads_in_order(big, tmp
             if step % 10 == 0:
                 peak = max(peak, _cache_disk_bytes(tmp_path))
     assert peak <= budget + 2 * 64 * 2 * PAGE_BYTES + (budget // 32) * 16
+
+
+def test_writing_replaces_only_the_output_named(server, tmp_path, capsys):
+    from shmloader.cli import main
+    from shmloader.remote.store import Client
+
+    rows = np.tile(np.arange(64, dtype=np.float32), (4000, 1))  # Compressible: convert's advice reads the file.
+    np.save(tmp_path / "rows.npy", rows)
+    for key in ("named/training.npy", "named/train_v2/values.b2nd", "named/train.label.npy"):
+        server.client.put_object(Bucket=BUCKET, Key=key, Body=b"other data")
+    assert main(["convert", str(tmp_path / "rows.npy"), f"s3://{BUCKET}/named/train", "--quiet"]) == 2
+    assert "named/train exists (1 object(s)" in capsys.readouterr().err  # train.label.npy: named after it.
+    assert main(["convert", str(tmp_path / "rows.npy"), f"s3://{BUCKET}/named/train", "--quiet", "--force"]) == 0
+    assert f"s3://{BUCKET}/named/train" in capsys.readouterr().out
+    left = {url.rsplit("/named/", 1)[1] for url, _, _ in Client().list(f"s3://{BUCKET}/named/")}
+    assert left == {"training.npy", "train_v2/values.b2nd", "train"}
+    assert main(["convert", str(tmp_path / "rows.npy"), f"s3://{BUCKET}", "--quiet"]) == 2
+    assert "a bucket; name the object or prefix to write in it" in capsys.readouterr().err
+
+
+def test_loaders_of_one_process_keep_their_own_fetch_units(big, tmp_path):
+    kwargs = dict(cache_dir=tmp_path, cache_bytes=4 << 20, batch_size=16, readers=0)  # 16 MB of data: too big.
+    with ShmDataLoader({"x": big[1]}, mode="sequential", **kwargs) as ordered, \
+            ShmDataLoader({"x": big[1]}, mode="shuffle", **kwargs) as shuffled:
+        next(iter(ordered)), next(iter(shuffled))
+        units = [loader._resources.filler.fields[0].part(0).unit_pages for loader in (ordered, shuffled)]
+    assert units[0] > 1 and units[1] == 1  # Rows in order take units; rows at random past the budget, pages.

@@ -136,3 +136,19 @@ def _pointer(array: np.ndarray):
     from shmloader._native import ffi
 
     return ffi.from_buffer("uint8_t[]", array.view(np.uint8))
+
+
+@pytest.mark.xfail(strict=True, reason="upstream: a range of a DELTA-filtered chunk that does not start at its "
+                                       "first block decodes against the wrong reference block (python-blosc2 and "
+                                       "libblosc2's getitem); whole chunks decode right. shmloader reads such "
+                                       "files a chunk at a time (FieldSpec.whole_chunks).")
+def test_upstream_a_delta_range_past_the_first_block_reads_right(tmp_path):
+    import blosc2
+
+    rows = np.cumsum(np.random.default_rng(7).integers(0, 5, size=(2000, 16)), axis=0).astype(np.int32)
+    blosc2.asarray(rows, urlpath=str(tmp_path / "d.b2nd"), mode="w", chunks=(1000, 16), blocks=(100, 16),
+                   cparams={"codec": blosc2.Codec.LZ4, "clevel": 5, "filters": [blosc2.Filter.DELTA],
+                            "filters_meta": [0]})
+    reopened = blosc2.open(str(tmp_path / "d.b2nd"), mode="r")
+    assert np.array_equal(reopened.schunk.decompress_chunk(0), rows[:1000].tobytes())  # Whole: right.
+    np.testing.assert_array_equal(reopened[100:200], rows[100:200])

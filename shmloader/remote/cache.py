@@ -270,7 +270,10 @@ class NodeCache:
             return True
 
     def settle(self, size: int, downloaded: bool) -> None:
-        """A reservation's download ended: its bytes stay counted as held if it succeeded."""
+        """A reservation's download ended: its bytes stay counted as held if it succeeded
+        (nothing once this view is closed: close() gave its reservations back)."""
+        if self._ledger_fd is None:
+            return
         with self.locked():
             self._slot()[1] -= size
             if not downloaded:
@@ -373,6 +376,11 @@ class NodeCache:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._pools.clear()
         if self._ledger_fd is not None:
+            with self.locked():  # Downloads given up on: their reservations go back now.
+                slot = self._slot()
+                self._ledger[_LEDGER["held"]] -= slot[1]
+                slot[:] = 0
+                del slot  # A view of the mapping: it must go before the mapping can close.
             self._ledger = self._slots = None
             with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
                 self._ledger_map.close()
@@ -550,11 +558,6 @@ class CachedObject:
         self.meta = [tuple(extent) for extent in marker.get("meta", [])]
         self.client = Client(marker.get("options") or {}, cache.count)
         self.page_count = -(-self.size // PAGE_BYTES)
-        # Pages fetched together: every missing page of the unit (aligned, in pages) around a
-        # needed one. Whole requests where the rows are read in order or all of the data
-        # fits the budget; single pages where rows at random overflow it (set_fetch_unit),
-        # and for the trainer's reads of headers.
-        self.unit_pages = 1
         self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self.inode = os.fstat(self._data_fd).st_ino
         self._map_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
@@ -583,10 +586,9 @@ class CachedObject:
             setattr(self._local, purpose, descriptor)
         return descriptor
 
-    def _with_units(self, pages: np.ndarray) -> np.ndarray:
-        """The missing pages of every fetch unit holding one of `pages`, units in the order
-        `pages` first reaches them."""
-        unit = self.unit_pages
+    def _with_units(self, pages: np.ndarray, unit: int) -> np.ndarray:
+        """The missing pages of every fetch unit of `unit` pages (aligned) holding one of
+        `pages`, units in the order `pages` first reaches them (see set_fetch_unit)."""
         if unit <= 1 or not len(pages):
             return pages
         _, first_seen = np.unique(pages // unit, return_index=True)
@@ -598,9 +600,10 @@ class CachedObject:
 
     # Pins (the gathering thread).
 
-    def pin(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def pin(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:
         """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
-        unpin(): they are fetched (by this process, or by whoever fetches them already)."""
+        unpin(): they are fetched (by this process, or by whoever fetches them already),
+        with the rest of their fetch units of `unit_pages`."""
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
             return
@@ -608,7 +611,7 @@ class CachedObject:
         self._local.pinned = True
         # Pinned in lock units of pages (an eviction waits for the whole unit's pins): a
         # batch of rows at random costs a lock call per unit, not per page.
-        unit = max(1, min(self.unit_pages, PIN_UNIT_BYTES // PAGE_BYTES))
+        unit = max(1, min(unit_pages, PIN_UNIT_BYTES // PAGE_BYTES))
         for first, end in runs_of(np.unique(pages // unit), 1 << 30):
             _lock(descriptor, fcntl.F_RDLCK, first * unit, (end - first) * unit, True)
         stamps = self.stamps[pages]
@@ -618,7 +621,7 @@ class CachedObject:
         if len(stale):
             self.stamps[stale] = stamp  # Used now: the last to be evicted.
         if len(missing):
-            self._fetch_missing(missing, descriptor)
+            self._fetch_missing(missing, descriptor, unit_pages)
 
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
@@ -649,14 +652,14 @@ class CachedObject:
 
     # Fetching.
 
-    def prefetch(self, offsets: np.ndarray, sizes: np.ndarray) -> None:
+    def prefetch(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:
         """Fetches the missing pages under the ranges, in the ranges' order (the read-ahead
         gives them in the order they will be needed), IN_FLIGHT requests at a time, each run
         claimed just before its request: pages a fill needs meanwhile and nobody claimed
         yet are the fill's to fetch at once. Pages others fetch are skipped, not waited for."""
         pending: collections.deque = collections.deque()
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
-        missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages)
+        missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
         descriptor = self._fd("ahead")
         try:
             for run_first, run_end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
@@ -692,14 +695,14 @@ class CachedObject:
         finally:
             _lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
 
-    def _fetch_missing(self, missing: np.ndarray, descriptor: int) -> None:
+    def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody
         else claims, downloads them in parallel, then waits for the needed pages others
         claimed and looks again."""
         needed = missing
         while len(needed):
             claimed, others = [], []
-            for first, end in runs_of(self._with_units(needed), REQUEST_BYTES // PAGE_BYTES):
+            for first, end in runs_of(self._with_units(needed, unit_pages), REQUEST_BYTES // PAGE_BYTES):
                 if _lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
                 else:  # Someone fetches some of these: claim page by page.
@@ -778,14 +781,16 @@ class CachedObject:
                 self._map.close()
 
 
-def set_fetch_unit(cached: CachedObject, random_rows: bool, stored_bytes: int) -> None:
-    """What a fill fetches around a needed page (CachedObject.unit_pages): whole requests
-    where rows are read in order (a window's blocks, sequential) or where all the data the
-    loader reads fits the budget (every page is needed soon and stays); the page alone where
-    rows at random overflow the budget (most of a larger unit would be evicted unread)."""
-    budget = cached.cache.counters()["bytes_budget"]
+def set_fetch_unit(field, random_rows: bool, stored_bytes: int) -> None:
+    """What a field's fills fetch around a needed page (`field.unit_pages`, passed to pin
+    and prefetch: loaders of one process share the object, not their reading pattern):
+    whole requests where rows are read in order (a window's blocks, sequential) or where all
+    the data the loader reads fits the budget (every page is needed soon and stays); the
+    page alone where rows at random overflow the budget (most of a larger unit would be
+    evicted unread)."""
+    budget = field.remote.cache.counters()["bytes_budget"]
     fits = budget == 0 or stored_bytes <= budget
     unit = REQUEST_BYTES if not random_rows else (FIT_UNIT_BYTES if fits else PAGE_BYTES)
     if budget:  # A small budget holds many units, not a few: evicting one unit would drop most of it.
         unit = min(unit, max(PAGE_BYTES, budget // BUDGET_UNITS_MIN))
-    cached.unit_pages = max(1, unit // PAGE_BYTES)
+    field.unit_pages = max(1, unit // PAGE_BYTES)

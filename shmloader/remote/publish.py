@@ -19,7 +19,7 @@ import shutil
 import tempfile
 
 from . import is_url
-from .store import Client
+from .store import Client, split_url
 
 # Uploaded after everything else: what makes a ragged field (or an import) readable.
 _LAST = ("offsets.b2nd", ".json")
@@ -38,11 +38,15 @@ def staged_output(output: str, force: bool = False, options: dict | None = None)
         yield output
         return
     client = Client(options)
-    parent, stem = posixpath.split(output.rstrip("/"))
-    if not stem:
-        raise ValueError(f"{output}: name the object or prefix to write, e.g. s3://bucket/train/images")
+    bucket, key = split_url(output.rstrip("/"))
+    if not key:
+        raise ValueError(f"{output}: a bucket; name the object or prefix to write in it, e.g. "
+                         f"s3://{bucket}/train/images")
+    parent, stem = posixpath.split(f"s3://{bucket}/{key}")
+    # An earlier output of this name: the object itself, what is under it as a prefix, and
+    # the files a command names after it (convert-images' STEM.image, STEM.label, ...).
     earlier = [url for url, _, _ in client.list(parent + "/")
-               if posixpath.relpath(url, parent).split("/")[0].startswith(stem)]
+               if _named_after(posixpath.relpath(url, parent), stem)]
     if earlier and not force:
         raise FileExistsError(f"{output} exists ({len(earlier)} object(s) named {stem}... under {parent}/); pass "
                               f"force=True (--force) to replace them")
@@ -66,6 +70,11 @@ def staged_output(output: str, force: bool = False, options: dict | None = None)
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _named_after(relative: str, stem: str) -> bool:
+    first = relative.split("/")[0]
+    return first == stem or first.startswith(stem + ".")
 
 
 def named(text: str, output: str, local: str) -> str:
