@@ -17,7 +17,7 @@ from ._native import ffi
 from .layout import choose_layout, convert_command, poor_layout
 from .ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, RaggedSpec, describe_ragged
 from .errors import StorageError
-from .storage import (CHECKSUM_META, publishing, FieldSpec, check_dtype, check_output, check_output_directory, check_rows, describe_field,
+from .storage import (CHECKSUM_META, publishing, FieldSpec, check_dtype, check_output, check_rows, describe_field,
                       open_field)
 
 __all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",

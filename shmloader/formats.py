@@ -275,7 +275,6 @@ def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Outp
     """The fields a column becomes: itself, or (a Hugging Face Image) its bytes and path;
     extension, dictionary and time types as their storage, decoded values or integers."""
     import pyarrow as pa
-    import pyarrow.types as types
 
     source_type = arrow_type
     notes = {}

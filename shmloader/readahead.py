@@ -39,6 +39,8 @@ import threading
 
 import numpy as np
 
+from .remote.cache import PAGE_BYTES
+
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
@@ -304,8 +306,6 @@ class StepAhead:
 
 def _page_bytes(offsets: np.ndarray, sizes: np.ndarray) -> int:
     """The bytes of the cache pages under byte ranges (what fetching them costs, at most)."""
-    from .remote.cache import PAGE_BYTES
-
     offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
     used = sizes > 0
     pages = (offsets[used] + sizes[used] - 1) // PAGE_BYTES - offsets[used] // PAGE_BYTES + 1

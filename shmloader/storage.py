@@ -27,6 +27,7 @@ from . import _blosc2_capi
 from ._filemap import FileMapping, map_file
 from ._native import Status, ffi, lib, status_name
 from .errors import StorageError
+from .remote.cache import MARKER_SUFFIX
 
 NPY_MAGIC = b"\x93NUMPY"
 # A contiguous Blosc2 frame starts with a msgpack fixarray marker, then the fixstr
@@ -206,7 +207,7 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
     that a file replaced while it was being described fails the readers' check instead of
     passing with another layout."""
     path = os.path.abspath(os.fspath(path))  # Readers run elsewhere: paths must not be relative.
-    if os.path.exists(path + REMOTE_MARKER):
+    if os.path.exists(path + MARKER_SUFFIX):  # An object's copy in the node cache.
         return _describe_cached(path, allow_empty)
     try:
         status = os.stat(path)
@@ -221,9 +222,6 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
     if not spec.identity:  # .npy takes the identity of the very file it read; Blosc2 reopens by path.
         spec = dataclasses.replace(spec, identity=file_identity(os.stat(spec.path)))
     return spec
-
-
-REMOTE_MARKER = ".remote.json"  # remote/cache.py's MARKER_SUFFIX: an object's copy in the node cache.
 
 
 def _describe_cached(path: str, allow_empty: bool) -> FieldSpec:

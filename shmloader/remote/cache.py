@@ -185,7 +185,6 @@ class NodeCache:
                 self._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC
         self._recount()
         _lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
-        self.client = Client(count=self.count)
         self._objects: dict[str, CachedObject] = {}
         self._objects_lock = threading.Lock()
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
