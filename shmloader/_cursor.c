@@ -877,6 +877,8 @@ static PyMemberDef cursor_members[] = {
     {"_next_step", T_ULONGLONG, offsetof(Cursor, next_step), 0, "the step next() delivers next"},
     {"_partial_from", T_ULONGLONG, offsetof(Cursor, partial_from), 0,
      "the first step handed to partial() (the end of a finite pass, or a resumed first step)"},
+    {"_end_step", T_ULONGLONG, offsetof(Cursor, end_step), 0,
+     "a finite pass's end (set anew only while every slot is taken back: a resharded resume)"},
     {"_batches", T_ULONGLONG, offsetof(Cursor, batches), READONLY, "batches delivered"},
     {"_wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent waiting for data, ns"},
     {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,

@@ -88,6 +88,7 @@ int shm_global_position(uint64_t step, uint64_t batch_size, uint64_t shard_index
 uint64_t shm_share_length(const shm_sampler_config *config);
 int shm_sampler_check(const shm_sampler_config *config);
 int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
+int shm_sampler_fill_positions(const shm_sampler_config *config, uint64_t first, uint64_t *out, uint64_t out_count);
 void shm_bounded_draws(uint64_t seed, uint64_t step, uint64_t stream, const uint64_t *bounds, uint64_t *out,
                        uint64_t count);
 int shm_sampler_places(const shm_sampler_config *config, uint64_t position, uint64_t *opened, uint64_t *closed,

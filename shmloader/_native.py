@@ -11,7 +11,7 @@ import pathlib
 
 # Checked against the library's shm_abi_version() at load (_declarations.py holds the
 # declarations, and tests/test_native.py checks their sizes and the status enum).
-ABI_VERSION = 12
+ABI_VERSION = 13
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 
+from .reshard import Transition, transition_from
 from .sampler import global_position
 
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
@@ -23,6 +24,8 @@ GLOBAL, SHARD = "global", "shard"
 # Settings a checkpoint may be loaded under with other values: the position it names is
 # continued (elastic resume).
 ELASTIC_SETTINGS = ("batch_size", "shard_count", "shard_index")
+# The sampler's dealing of a resharded checkpoint: compared on its own (step_to_resume).
+_NOT_COMPARED = ("transition",)
 
 
 def position_of(sampler, next_step: int) -> tuple[int, str]:
@@ -79,7 +82,8 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     if not isinstance(state, collections.abc.Mapping):
         raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
     # Settings added after a checkpoint format was first written are optional at their defaults.
-    missing = sorted({"step", "sources", *sampler.to_dict()} - {"shuffle_window", "block_rows"} - set(state))
+    missing = sorted({"step", "sources", *sampler.to_dict()} - {"shuffle_window", "block_rows", *_NOT_COMPARED} -
+                     set(state))
     if missing:
         raise ValueError(f"the checkpoint lacks {missing}: without them nothing checks that its batches are this "
                          f"loader's. Pass the whole state_dict(), or call seek(step) to jump without checks")
@@ -101,7 +105,8 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
                          f"{what}; this one's is {shuffle_order(sampler)!r} (a window that covers the data is the "
                          f"global shuffle now), so its steps name other rows. Resume it with the shmloader that wrote "
                          f"it, or seek(step) to continue in this order")
-    expected = {**sampler.to_dict(), **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
+    expected = {**{key: value for key, value in sampler.to_dict().items() if key not in _NOT_COMPARED},
+                **({"epochs": None, "drop_last": None} if finite is None else finite.to_dict())}
     mismatched = {key: (_recorded(state, key), value) for key, value in expected.items()
                   if _recorded(state, key) != value}
     elastic = {key for key in mismatched if key in ELASTIC_SETTINGS}
@@ -109,24 +114,29 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     if fixed:
         details = ", ".join(f"{key}: checkpoint {saved!r}, loader {mine!r}" for key, (saved, mine) in fixed.items())
         raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
+    # A dealing the checkpoint's run was making (a resharded resume of its own): it goes on
+    # as it was under the same shard count.
+    dealt = None if state.get("transition") is None else Transition.from_dict(state["transition"])
+    if "shard_count" in elastic and getattr(sampler, "blocks_per_window", 0):
+        return _resharded(state, sampler, dealt, finite)
     if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
         step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
         global_batch = sampler.batch_size * (1 if getattr(sampler, "shard_blocks", False) else sampler.shard_count)
         position = state.get("position")
         if isinstance(step, int) and isinstance(position, int) and 0 < position - step * global_batch < global_batch:
-            return Resume(position, state.get("position_kind", GLOBAL), step)
-        return step
-    return _elastic(state, sampler, elastic)
+            return Resume(position, state.get("position_kind", GLOBAL), step), dealt
+        return step, dealt
+    return _elastic(state, sampler, elastic), dealt
 
 
-def _elastic(state, sampler, changed: set) -> Resume:
-    """Where a checkpoint taken under another batch size or shard count continues here."""
+def _checked_position(state, sampler) -> tuple[int, str]:
+    """The checkpoint's position and its kind, checked against its step."""
     if "position" in state:
         position, kind = state["position"], state.get("position_kind", GLOBAL)
     else:  # Written before positions were recorded: the same arithmetic, from its own settings.
         step, batch, shards = state["step"], state["batch_size"], state["shard_count"]
         kind = SHARD if state.get("shuffle_window") is not None and shards > 1 and \
-            getattr(sampler, "shard_blocks", False) else GLOBAL
+            getattr(sampler, "blocks_per_window", 0) else GLOBAL
         position = step * batch * (1 if kind == SHARD else shards)
     if not isinstance(position, int) or isinstance(position, bool) or position < 0:
         raise ValueError(f"the checkpoint's position must be a non-negative integer, got {position!r}")
@@ -137,13 +147,43 @@ def _elastic(state, sampler, changed: set) -> Resume:
             raise ValueError(f"the checkpoint's step {step} and position {position} disagree (a step of its "
                              f"{recorded_batch} positions holds {step * recorded_batch} to "
                              f"{(step + 1) * recorded_batch - 1}); pass the state_dict() as it was")
+    return position, kind
+
+
+def _resharded(state, sampler, dealt: Transition | None, finite) -> tuple[int, Transition]:
+    """A checkpoint of a shuffle window split among shards (or of one host's window),
+    continued under another shard count: the dealing of its unread rows (reshard.py), from
+    the step of this loader's numbering that holds its position."""
+    position, _ = _checked_position(state, sampler)
+    old_count = state["shard_count"]
+    if not isinstance(old_count, int) or isinstance(old_count, bool) or old_count < 1:
+        raise ValueError(f"the checkpoint's shard_count must be a positive integer, got {old_count!r}")
+    if dealt is None:  # Every old shard stands at the same position of its own stream.
+        positions = [position] * old_count
+    elif position <= dealt.start:  # Its run had not begun its own dealing: deal the same rows anew.
+        positions = list(dealt.positions)
+    else:
+        dealings = [sampler.of_shard(index, old_count).with_transition(dealt).dealing for index in range(old_count)]
+        positions = [dealing.own_position(position) for dealing in dealings]
+        if None in positions:
+            end = max(dealing.piece_end_position for dealing in dealings)
+            raise ValueError(
+                f"the checkpoint was taken at position {position}, while its run (shard_count={old_count}) was still "
+                f"dealing the rows an earlier shard count ({dealt.shard_count}) had left (until position {end}); a "
+                f"dealing is not dealt again. Resume it with shard_count={old_count}, or change the shard count at a "
+                f"checkpoint from step {-(-end // state['batch_size'])} on")
+    step = position // sampler.batch_size
+    epochs = None if finite is None else finite.epochs
+    return step, transition_from(sampler, positions, step * sampler.batch_size, epochs)
+
+
+def _elastic(state, sampler, changed: set) -> Resume:
+    """Where a checkpoint taken under another batch size or shard count continues here."""
+    position, kind = _checked_position(state, sampler)
     mine = SHARD if getattr(sampler, "shard_blocks", False) else GLOBAL
-    if kind != mine or (kind == SHARD and "shard_count" in changed):
-        raise ValueError(
-            f"the checkpoint was made with shard_count={state.get('shard_count')} and this loader has "
-            f"shard_count={sampler.shard_count}, with shuffle_window={sampler.shuffle_window}: each shard reads its "
-            f"own share of the blocks then, and continuing under another shard count is not supported yet. Resume "
-            f"with the checkpoint's shard_count (its batch_size may change)")
+    if kind != mine:
+        raise ValueError(f"the checkpoint's position counts {kind!r} stream positions and this loader's count "
+                         f"{mine!r} ones, with the same settings otherwise; pass the state_dict() as it was")
     global_batch = sampler.batch_size * (1 if kind == SHARD else sampler.shard_count)
     return Resume(position, kind, position // global_batch)
 

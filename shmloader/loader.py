@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -22,7 +23,7 @@ from .reader import ReaderConfig
 from .remote.cache import COUNTERS
 from .remote.localize import localize
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
-from .sampler import STEP_MAX, check_integer, global_position
+from .sampler import STEP_MAX, Sampler, check_integer, global_position
 from .supervision import Supervisor
 
 # The trainer also checks its readers every this many batches when it never has to wait.
@@ -344,7 +345,9 @@ class ShmDataLoader(cursor_module.Cursor):
         not the start of a new global batch, the first step (`state_dict()["step"]` of the
         checkpoint's position in the new numbering) is cut to the rows from it: on the shard
         that holds the position a shorter batch, on those before it an empty one."""
-        resume = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
+        resume, transition = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
+        if transition != self.sampler.transition:
+            self._use_sampler(self.sampler.with_transition(transition))
         if not isinstance(resume, Resume):
             self.seek(resume)
             return
@@ -367,6 +370,15 @@ class ShmDataLoader(cursor_module.Cursor):
         """
         self._raise_if_closed()
         step = check_integer("step", step, 0, min(self.sampler.step_max - self.slots, self._end_step))
+        self._take_back_all()
+        self._next_step = step
+        self._resume = None  # A seek names its step knowingly: no resumed position to cut at.
+        self._partial_from = ENDLESS if self.finite is None else self.finite.partial_from
+        self._request_from(step)
+
+    def _take_back_all(self) -> None:
+        """Takes every slot back from the readers (seek's first half): raises, changing
+        nothing, while a batch is held or a reader does not finish its step in time."""
         self._release_unused()
         gc.collect()
         self._release_unused()
@@ -390,10 +402,23 @@ class ShmDataLoader(cursor_module.Cursor):
                     if old < self._end_step:
                         self._request(slot, old)
             raise
-        self._next_step = step
-        self._resume = None  # A seek names its step knowingly: no resumed position to cut at.
-        self._partial_from = ENDLESS if self.finite is None else self.finite.partial_from
-        self._request_from(step)
+
+    def _use_sampler(self, sampler: Sampler) -> None:
+        """Fills with `sampler` from now on: a resharded checkpoint's dealing (reshard.py),
+        or none again. Readers build their sampler from their configuration, so they are
+        replaced once every slot is taken back (the caller seeks next)."""
+        self._raise_if_closed()
+        self._take_back_all()
+        self.sampler, self.plan = sampler, dataclasses.replace(self.plan, sampler=sampler)
+        self.finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
+        self._end_step = ENDLESS if self.finite is None else self.finite.steps
+        spec = self._filler_spec()
+        if self._fillers == 0:  # readers=0: this process's filler, bound to the slots anew.
+            old, filler = self._resources.filler, spec.build()
+            self._resources.filler = self._supervisor.filler = filler
+            self._supervisor.outputs = [filler.bind(self._slot_views(slot)) for slot in range(self.slots)]
+            old.close()
+        self._pool.reconfigure(spec)
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and per reader its

@@ -39,6 +39,20 @@ def epoch_positions(sampler, shard_index: int | None = None) -> int:
     return sampler.length
 
 
+def pass_positions(sampler, epochs: int, shard_index: int) -> int:
+    """The positions of shard `shard_index`'s own stream in a pass of `epochs` epochs: whole
+    epochs, or after a resharded resume (reshard.py) the dealing's piece, then the epochs
+    after the last one it completes."""
+    transition = sampler.transition
+    if transition is None:
+        return epochs * epoch_positions(sampler, shard_index)
+    own = sampler.of_shard(shard_index, sampler.shard_count)
+    each, extra = divmod(sampler.dealing.total_rows, sampler.shard_count)
+    piece = each + (shard_index < extra)
+    later = max(0, epochs - (transition.through_epoch + 1))
+    return transition.start + piece + later * own.epoch_length
+
+
 @dataclasses.dataclass(frozen=True)
 class FinitePass:
     """`epochs` epochs of `sampler`'s stream: `steps` steps (the same on every shard), step
@@ -57,9 +71,9 @@ class FinitePass:
     def of(cls, sampler, epochs: int, drop_last: bool) -> FinitePass:
         epochs = check_integer("epochs", epochs, 1, 1 << 32)
         batch, shards = sampler.batch_size, sampler.shard_count
-        shard_blocks = bool(getattr(sampler, "shard_blocks", False))
+        shard_blocks = bool(getattr(sampler, "own_streams", False))
         if shard_blocks:  # Each shard reads its own stream: the pass ends where the longest one does.
-            totals = [epochs * epoch_positions(sampler, index) for index in range(shards)]
+            totals = [pass_positions(sampler, epochs, index) for index in range(shards)]
             steps = min(t // batch for t in totals) if drop_last else max(-(-t // batch) for t in totals)
             positions = totals[sampler.shard_index]
         else:

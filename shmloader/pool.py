@@ -164,6 +164,26 @@ class ReaderPool:
                 ring.clear_reader_error(record)
             self.remote = self.remote_spec.start(ring, self.count, config.filler)
 
+    def reconfigure(self, filler) -> None:
+        """Replaces every reader by one configured with `filler` (a resharded resume's new
+        sampler): readers build their sampler once, from their configuration. The trainer
+        has taken back every slot, so the readers are idle and nothing is lost with them;
+        this is no restart (the budget is untouched), but their statistics are kept."""
+        self._config = dataclasses.replace(self._config, filler=filler)
+        self._filler_json = json.dumps(filler.to_dict())
+        ring = self.ring
+        for reader_index, process in enumerate(self.processes):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            self._keep_stats(reader_index)
+            self.processes[reader_index] = spawn_reader()
+            self._send_config(self.processes[reader_index], reader_index)
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
+            self.remote = self.remote_spec.start(ring, self.count, filler)
+
     @property
     def remote_restarts(self) -> int:
         return 0 if self.remote is None else self.remote.restarts
@@ -224,6 +244,12 @@ class ReaderPool:
         it was filling, so that its replacement starts clean."""
         self.restarts += 1
         self._restarts_by_reader[reader_index] += 1
+        self._keep_stats(reader_index)
+        for slot in self.ring.slots_filled_by(reader_index):
+            self._request(slot, self.ring.step(slot))
+
+    def _keep_stats(self, reader_index: int) -> None:
+        """Adds a reader's statistics to its record's retired ones and clears them for the next."""
         ring = self.ring
         busy_ns, batches = ring.reader_stats(reader_index)[1:]
         self._retired_busy_ns[reader_index] += busy_ns
@@ -235,8 +261,6 @@ class ReaderPool:
         ring.write_reader_stats(reader_index, 0, 0, 0)
         ring.write_reader_sleeps(reader_index, 0, 0, 0)
         ring.write_reader_skips(reader_index, 0, b"")
-        for slot in ring.slots_filled_by(reader_index):
-            self._request(slot, ring.step(slot))
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""

@@ -91,6 +91,13 @@ def memory_limit_bytes() -> int:
     return limit
 
 
+def _window_stream(sampler, step: int) -> tuple:
+    """(key, stream, position) of the stream `step` reads (Sampler.window_stream); a
+    mixture's source has one stream."""
+    of = getattr(sampler, "window_stream", None)
+    return (None, sampler, sampler.stream_position(step)) if of is None else of(step)
+
+
 class ReadAhead:
     """Advises the kernel of the blocks each step will read (one per reader and source)."""
 
@@ -112,6 +119,7 @@ class ReadAhead:
         # advise, and the next to let go of at each stage; None before the first step and
         # after a jump.
         self._advised: int | None = None
+        self._key, self._stream = None, sampler  # the stream being read ahead (see _window_stream)
         self._released: dict[str, int | None] = {"forget": None, "drop": None}
         self._own_advisor = advisor is None
         self.advisor = Advisor() if advisor is None else advisor
@@ -122,11 +130,13 @@ class ReadAhead:
         from to `ahead` past the first of them, and lets go of those closed LAG_STEPS and
         2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the
         full queue refused is made again at the next step)."""
-        sampler = self.sampler
-        places = sampler.places(sampler.stream_position(step))
+        key, stream, position = _window_stream(self.sampler, step)
+        places = stream.places(position)
         needed = places.epoch * places.total + places.closed
-        if self._advised is None or not needed <= self._advised <= needed + self.ahead:
-            self._advised = needed  # A first step, a seek or a jump back: start afresh.
+        if self._advised is None or key != self._key or not needed <= self._advised <= needed + self.ahead:
+            # A first step, a seek, a jump back, or another stream (a resharded dealing's
+            # pieces, then the shard's own stream): start afresh.
+            self._advised, self._key, self._stream = needed, key, stream
             self._released = {"forget": None, "drop": None}
         end = needed + self.ahead
         if self._advised < end and self._submit("advise", self._blocks(self._advised, end, places.total)):
@@ -139,7 +149,10 @@ class ReadAhead:
         for stage, lag in (("forget", LAG_STEPS), ("drop", 2 * LAG_STEPS)):
             if step < lag:
                 continue
-            lagged = sampler.places(sampler.stream_position(step - lag))
+            lagged_key, _, lagged_position = _window_stream(self.sampler, step - lag)
+            if lagged_key != key:
+                continue  # Blocks of a stream left behind: the kernel reclaims them as any cached page.
+            lagged = stream.places(lagged_position)
             done = min(needed, lagged.epoch * lagged.total + lagged.closed)
             if self._released[stage] is None:
                 self._released[stage] = done  # Nothing before the first step was read by this reader.
@@ -156,7 +169,7 @@ class ReadAhead:
         while first < end:
             epoch, place = divmod(first, total)
             count = min(end - first, total - place)
-            blocks.extend(int(block) for block in self.sampler.place_blocks(epoch, place, count))
+            blocks.extend(int(block) for block in self._stream.place_blocks(epoch, place, count))
             first += count
         if own_share and self.share_count > 1:
             blocks = [block for offset, block in enumerate(blocks)

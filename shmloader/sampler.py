@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
+from .reshard import Dealing, Transition
 
 MODES = {"sequential": 0, "random": 1, "shuffle": 2}
 # Mirrors sampler.length_max in zig/sampler.zig.
@@ -137,6 +138,7 @@ class Sampler:
         shard_count: int = 1,
         shuffle_window: int | None = None,
         block_rows: int = 1,
+        transition=None,
     ) -> None:
         self.length = check_integer("length", length, 1, LENGTH_MAX)
         self.batch_size = check_integer("batch_size", batch_size, 1, _U32_MAX)
@@ -187,6 +189,14 @@ class Sampler:
         status = lib.shm_sampler_check(self._config)
         if status != Status.OK:
             raise ValueError(f"invalid sampler configuration: {status_name(status)}")
+        # A resumed checkpoint of another shard count: its unread rows dealt first (reshard.py).
+        if transition is not None and not isinstance(transition, Transition):
+            transition = Transition.from_dict(transition)
+        if transition is not None and not window_blocks:
+            raise ValueError("a transition (a resharded checkpoint's dealing) needs a shuffle_window smaller than "
+                             "the data")
+        self.transition = transition
+        self.dealing = None if transition is None else Dealing(self, transition)
 
     @property
     def step_max(self) -> int:
@@ -213,13 +223,14 @@ class Sampler:
         else:
             pointer = ffi.from_buffer("uint64_t[]", out)
             self._last_out, self._last_shape, self._last_pointer = out, out.shape, pointer
-        status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
-        if status != Status.OK:
-            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+        self.fill_unchecked(step, pointer)
         return out
 
     def fill_unchecked(self, step: int, pointer) -> None:
         """fill() into a cffi uint64_t pointer to batch_size entries, for callers that checked it."""
+        if self.dealing is not None:
+            self.dealing.fill(step * self.batch_size, self.batch_size, pointer)
+            return
         status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
         if status != Status.OK:
             raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
@@ -230,6 +241,41 @@ class Sampler:
         if self.shard_blocks:
             return step * self.batch_size
         return global_position(step, self.batch_size, self.shard_index, self.shard_count)
+
+    @property
+    def own_streams(self) -> bool:
+        """Whether each shard reads a stream of its own (positions step * batch_size), not
+        its block of the global one: a window split among shards, or a resharded dealing."""
+        return self.shard_blocks or self.transition is not None
+
+    def with_transition(self, transition: Transition | None) -> Sampler:
+        """This sampler, dealing `transition` first (or not at all: None)."""
+        data = {key: value for key, value in self.to_dict().items() if key != "transition"}
+        return Sampler(**data, transition=transition)
+
+    def of_shard(self, shard_index: int, shard_count: int) -> Sampler:
+        """The stream of shard `shard_index` of `shard_count` over this sampler's data (batch 1)."""
+        return Sampler(self.length, 1, self.mode, self.seed, shard_index, shard_count, self.shuffle_window,
+                       self.block_rows)
+
+    def row_keys(self, step: int, count: int) -> np.ndarray:
+        """Each row's key for a transform's ctx.rng: its global position, or where each shard
+        reads its own stream, its position there interleaved with the other shards'
+        (independent of batch_size, which a resume may change)."""
+        if self.dealing is not None:
+            return self.dealing.keys(step * count, count)
+        if self.shard_blocks:
+            own = np.arange(step * count, (step + 1) * count, dtype=np.uint64)
+            return own * np.uint64(self.shard_count) + np.uint64(self.shard_index)
+        first = global_position(step, count, self.shard_index, self.shard_count)
+        return np.arange(first, first + count, dtype=np.uint64)
+
+    def window_stream(self, step: int) -> tuple:
+        """(key, sampler, position): the stream whose blocks `step` reads, for the read-ahead
+        (its places and place_blocks), and a key that changes when the stream does."""
+        if self.dealing is not None:
+            return self.dealing.stream_at(step * self.batch_size)
+        return None, self, self.stream_position(step)
 
     def places(self, position: int) -> Places:
         """Where stream `position` (see stream_position) stands in its epoch's block-local
@@ -268,6 +314,7 @@ class Sampler:
             "shard_count": self.shard_count,
             "shuffle_window": self.shuffle_window,
             "block_rows": self.block_rows,
+            **({} if self.transition is None else {"transition": self.transition.to_dict()}),
         }
 
     @classmethod

@@ -75,7 +75,13 @@ def interleave(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 class MixtureSampler:
     """Maps a step to (source-local rows, source ids) of that step's batch, as a pure
-    function of (source sizes, weights, fractions, fixed, batch size, seed, shard, step)."""
+    function of (source sizes, weights, fractions, fixed, batch size, seed, shard, step).
+    Its shards always share one global stream (a window is each source's, read by every
+    shard), so a changed shard count continues its position: there is no dealing."""
+
+    transition = None
+    own_streams = False
+    shard_blocks = False
 
     def __init__(self, lengths: list[int], weights: list[int], fractions: list[float], fixed: list[bool],
                  batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,

@@ -1,8 +1,8 @@
 """Elastic resume: a checkpoint taken under one (shard_count, batch_size) continues under
 another from the global position it names. Every row of the interrupted epoch comes once
 across the old and new runs, the next epoch is whole, any shard's checkpoint names the
-same position, a resumed run resumes again, mixtures and finite passes too; a windowed
-loader whose shards read their own blocks refuses another shard count, saying why."""
+same position, a resumed run resumes again, mixtures and finite passes too. A window split
+among shards under another shard count: test_reshard.py."""
 
 from __future__ import annotations
 
@@ -140,17 +140,16 @@ def test_a_finished_pass_checkpoint_resumes_as_finished(rows):
             next(iter(loader))
 
 
-def test_a_windowed_loader_whose_shards_read_their_own_blocks_refuses_another_shard_count(rows):
+def test_a_windowed_loader_whose_shards_read_their_own_blocks_continues_another_batch_size(rows):
+    """Another batch size under the same shards continues each shard's own stream; another
+    shard count deals the rows left (test_reshard.py)."""
     fields, _ = rows
     with ShmDataLoader(fields, batch_size=16, shard_index=0, shard_count=2, shuffle_window=200, readers=0) as loader:
         next(loader)
         state = loader.state_dict()
-    with ShmDataLoader(fields, batch_size=16, shard_index=0, shard_count=3, shuffle_window=200, readers=0) as loader:
-        with pytest.raises(ValueError, match="continuing under another shard count is not supported yet"):
-            loader.load_state_dict(state)
     with ShmDataLoader(fields, batch_size=8, shard_index=0, shard_count=2, shuffle_window=200, readers=0) as loader:
-        loader.load_state_dict(state)  # Another batch size, the same shards: each shard's own stream continues.
-        assert loader.state_dict()["position"] == 16
+        loader.load_state_dict(state)
+        assert loader.state_dict()["position"] == 16 and loader.sampler.transition is None
 
 
 hypothesis = pytest.importorskip("hypothesis")

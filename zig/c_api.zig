@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 12; // 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 13; // 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -55,6 +55,10 @@ export fn shm_sampler_check(config: *const sampler.SamplerConfig) Status {
 
 export fn shm_sampler_fill(config: *const sampler.SamplerConfig, step: u64, out: [*]u64, out_count: u64) Status {
     return sampler.fill(config, step, out[0..out_count]);
+}
+
+export fn shm_sampler_fill_positions(config: *const sampler.SamplerConfig, first: u64, out: [*]u64, out_count: u64) Status {
+    return sampler.fillPositions(config, first, out[0..out_count]);
 }
 
 export fn shm_sampler_places(config: *const sampler.SamplerConfig, position: u64, opened: *u64, closed: *u64,

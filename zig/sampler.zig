@@ -124,22 +124,33 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     const status = check(config);
     if (status != .ok) return status;
     if (out.len < config.batch_size) return .output_size_mismatch;
-    if (shardBlocks(config)) {
-        const local = shardFirstPosition(config, step) orelse return .overflow;
-        fillSliding(config, local, out[0..config.batch_size], true);
-        return .ok;
-    }
-    const first = firstPosition(config, step) orelse return .overflow;
-    const batch = out[0..config.batch_size];
-    switch (@as(Mode, @enumFromInt(config.mode))) {
-        .sequential => fillSequential(config.length, first, batch),
-        .random => fillRandom(config.length, config.seed, first, batch),
-        .shuffle => if (config.window_blocks == 0)
-            fillShuffle(config.length, config.seed, first, batch)
-        else
-            fillSliding(config, first, batch, false),
-    }
+    const first = (if (shardBlocks(config)) shardFirstPosition(config, step) else firstPosition(config, step)) orelse
+        return .overflow;
+    fillStream(config, first, out[0..config.batch_size]);
     return .ok;
+}
+
+/// The rows at positions first .. first + out.len of the stream this config reads: the
+/// shard's own stream (shard_blocks), else the global one. A resharded resume deals the
+/// old shards' unread positions through it (shmloader/reshard.py); fill is its batch case.
+pub fn fillPositions(config: *const SamplerConfig, first: u64, out: []u64) Status {
+    const status = check(config);
+    if (status != .ok) return status;
+    _ = std.math.add(u64, first, out.len) catch return .overflow;
+    if (out.len > 0) fillStream(config, first, out);
+    return .ok;
+}
+
+fn fillStream(config: *const SamplerConfig, first: u64, out: []u64) void {
+    if (shardBlocks(config)) return fillSliding(config, first, out, true);
+    switch (@as(Mode, @enumFromInt(config.mode))) {
+        .sequential => fillSequential(config.length, first, out),
+        .random => fillRandom(config.length, config.seed, first, out),
+        .shuffle => if (config.window_blocks == 0)
+            fillShuffle(config.length, config.seed, first, out)
+        else
+            fillSliding(config, first, out, false),
+    }
 }
 
 /// What a reader reads ahead for the block-local shuffle at global stream `position`
@@ -799,6 +810,27 @@ test "shards reading their own blocks together cover every row once per epoch" {
             for (seen[0..length]) |times| try testing.expectEqual(@as(u8, 1), times);
         }
     }
+}
+
+test "rows from any stream position are the batches' rows, for every mode and a shard's own stream" {
+    var configs = [_]SamplerConfig{ testConfig(97, 8, .sequential), testConfig(97, 8, .random), testConfig(97, 8, .shuffle), windowConfig(1000, 8, 16, 4), windowConfig(1000, 8, 16, 4) };
+    configs[4].shard_count = 3;
+    configs[4].shard_index = 2;
+    configs[4].flags = flag_shard_blocks;
+    for (&configs) |*config| {
+        var batches: [8 * 40]u64 = undefined;
+        var step: u64 = 0;
+        while (step < 40) : (step += 1) try testing.expectEqual(Status.ok, fill(config, step, batches[step * 8 ..][0..8]));
+        // Ranges that start and end off the batch boundaries, across epochs.
+        for ([_][2]u64{ .{ 0, 1 }, .{ 3, 29 }, .{ 7, 313 }, .{ 150, 170 } }) |range| {
+            var out: [320]u64 = undefined;
+            const rows = out[0 .. range[1] - range[0]];
+            try testing.expectEqual(Status.ok, fillPositions(config, range[0], rows));
+            try testing.expectEqualSlices(u64, batches[range[0]..range[1]], rows);
+        }
+    }
+    var out: [2]u64 = undefined;
+    try testing.expectEqual(Status.overflow, fillPositions(&configs[0], std.math.maxInt(u64), &out));
 }
 
 test "sequential wraps around" {

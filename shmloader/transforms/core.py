@@ -75,17 +75,13 @@ class Context:
     __slots__ = ("step", "indices", "positions", "sources", "seed", "shard_index", "shard_count", "name", "_batch_rng")
 
     def __init__(self, step: int, indices: np.ndarray, sources, seed: int, shard_index: int, shard_count: int,
-                 name: str, own_streams: bool = False) -> None:
+                 name: str, positions: np.ndarray | None = None) -> None:
+        """`positions`: the rows' keys where the sampler gives them (Sampler.row_keys: each
+        shard reading its own stream), else their global positions."""
         self.step, self.indices, self.sources, self.seed, self.name = step, indices, sources, seed, name
         self.shard_index, self.shard_count = shard_index, shard_count
-        if own_streams:
-            # Each shard reads its own stream (a shuffle window split among shards): row i's
-            # key is its position there, interleaved with the other shards' so that keys stay
-            # distinct, and independent of batch_size (a resume may change it).
-            own = np.arange(step * len(indices), (step + 1) * len(indices), dtype=np.uint64)
-            self.positions = own * np.uint64(shard_count) + np.uint64(shard_index)
-        else:
-            self.positions = global_positions(step, len(indices), shard_index, shard_count)
+        self.positions = global_positions(step, len(indices), shard_index, shard_count) if positions is None else \
+            positions
         self._batch_rng = None
 
     def rng(self, i: int) -> np.random.Generator:
@@ -272,7 +268,8 @@ class TransformRunner:
         the module docstring still applies)."""
         sampler = self.sampler
         ctx = Context(step, _read_only(indices), None if sources is None else _read_only(sources), sampler.seed,
-                      sampler.shard_index, sampler.shard_count, self.spec.name, getattr(sampler, "shard_blocks", False))
+                      sampler.shard_index, sampler.shard_count, self.spec.name,
+                      sampler.row_keys(step, len(indices)) if getattr(sampler, "own_streams", False) else None)
         reseed_globals(sampler.seed, step, sampler.shard_index, salt)
         given = {name: array.view() for name, array in out.items()}
         passed = dict(given)
