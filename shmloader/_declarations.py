@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import re
 
-# Mirrors zig/c_api.zig; tests/test_native.py checks sizes, the status enum and the ABI
-# version against the library, so a drift fails loudly. The slot protocol's constants and
-# structs come from ring.h itself (ring_header_cdef).
+# The version of zig/c_api.zig's exports these declarations describe: _native.py refuses a
+# library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
+# declarations below are hand-written too, and a number derived from the Zig source would
+# agree with any library and check nothing. Bump both sides together.
+ABI_VERSION = 13
+
+# Mirrors zig/c_api.zig; tests/test_native.py checks the struct sizes against the library,
+# so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
+# the library. The slot protocol's constants and structs come from ring.h itself
+# (ring_header_cdef).
 NATIVE_CDEF = """
 typedef struct {
     uint64_t length;

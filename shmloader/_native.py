@@ -9,31 +9,10 @@ import enum
 import importlib.machinery
 import pathlib
 
-# Checked against the library's shm_abi_version() at load (_declarations.py holds the
-# declarations, and tests/test_native.py checks their sizes and the status enum).
-ABI_VERSION = 13
+from ._declarations import ABI_VERSION  # Checked against the library's shm_abi_version() at load.
+
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
-
-
-class Status(enum.IntEnum):
-    """Mirrors zig/status.zig value for value."""
-
-    OK = 0
-    INVALID_LENGTH = 1
-    INVALID_BATCH_SIZE = 2
-    INVALID_MODE = 3
-    INVALID_SHARD = 4
-    OVERFLOW = 5
-    OUTPUT_SIZE_MISMATCH = 6
-    INDEX_OUT_OF_RANGE = 7
-    DECOMPRESS_FAILED = 8
-    INVALID_LAYOUT = 9
-    CHUNK_SIZE_INVALID = 10
-    ITEM_MISALIGNED = 11
-    ITEM_COUNT_TOO_LARGE = 12
-    DECOMPRESSED_SHORT = 13
-
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 LIBRARY_STEM = "_shmloader_native"
@@ -108,6 +87,19 @@ def _load():
 
 
 ffi, lib = _load()
+
+
+def _status_enum() -> type[enum.IntEnum]:
+    """zig/status.zig's codes, named by the library itself (shm_status_name), so that no
+    Python copy of them can drift: OK, INVALID_LENGTH, ..."""
+    names, value = [], 0
+    while name := ffi.string(lib.shm_status_name(value)).decode():
+        names.append((name.upper(), value))
+        value += 1
+    return enum.IntEnum("Status", names, module=__name__)
+
+
+Status = _status_enum()
 
 
 def load_cursor():

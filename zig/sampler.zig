@@ -12,7 +12,7 @@ pub const Mode = enum(u32) {
     shuffle = 2,
 };
 
-/// Mirrors `shm_sampler_config` in shmloader/_declarations.py; _native.py checks its size at load.
+/// Mirrors `shm_sampler_config` in shmloader/_declarations.py; tests/test_native.py checks its size.
 pub const SamplerConfig = extern struct {
     length: u64,
     batch_size: u64,

@@ -1,7 +1,7 @@
 //! The status codes every exported function returns; stable numbers shared with Python.
 //! They are this library's own: libblosc2's error codes travel apart, in GatherError.code.
 
-/// Append only: Python's shmloader/_native.py mirrors these values and a test compares.
+/// Append only (a value's number is the ABI). Python names them through shm_status_name.
 pub const Status = enum(c_int) {
     ok = 0,
     invalid_length = 1,
