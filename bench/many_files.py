@@ -19,6 +19,7 @@ import numpy as np
 from _common import machine_line, table
 from gather import DATA_DIR
 from shmloader import ShmDataLoader
+from shmloader.options import LoaderOptions
 from shmloader.plan import plan_loader
 
 
@@ -58,7 +59,7 @@ def main() -> None:
             np.load(path, mmap_mode="r")
 
     def plan():
-        plan_loader({"x": pattern}, None, 500, "sequential", 0, 0, 1, None, None, None)
+        plan_loader({"x": pattern}, None, LoaderOptions(batch_size=500, mode="sequential"))
 
     def first_batch():
         with ShmDataLoader({"x": pattern}, batch_size=500, readers=args.readers, mode="sequential") as loader:

@@ -19,13 +19,13 @@ from .errors import RemoteError, ShmLoaderError
 from .fields import FieldReader, InputBuffers, _Output, field_reader
 from .plan import FieldPlan
 from .readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
+from .options import ON_ERROR
 from .sampler import Sampler
 from .slot_layout import SlotLayout
 from .sources import MixtureSampler
 from .transforms.core import TransformRunner, TransformSpec
 
 
-ON_ERROR = ("raise", "skip")
 # A batch with more failing records than this fails for another reason than its records.
 BAD_RECORDS_MAX = 8
 
@@ -135,8 +135,7 @@ class StepFiller:
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
                  verify: bool, read_ahead: bool = True, on_error: str = "raise",
                  share: tuple[int, int] = (0, 1)) -> None:
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
         self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
         self.verify = verify

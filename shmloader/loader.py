@@ -13,17 +13,18 @@ import numpy as np
 from .batch import Batch, CursorConfig, cursor_module, weak_method
 from .checkpoint import Resume, position_of, state_of, step_to_resume
 from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
-from .filler import ON_ERROR, FillerSpec
+from .filler import FillerSpec
 from .lifecycle import Resources, live_loaders
 from .passes import ENDLESS, FinitePass
-from .plan import (TRAINER_SLOTS, LoaderPlan, check_sampler_settings, check_seconds, default_readers, default_slots,
-                   plan_loader, wake_after, warn_poor_layouts, warn_window_memory)
+from .options import LoaderOptions, check_integer
+from .plan import (TRAINER_SLOTS, LoaderPlan, default_readers, default_slots, plan_loader, wake_after,
+                   warn_poor_layouts, warn_window_memory)
 from .pool import ReaderPool
 from .reader import ReaderConfig
 from .remote.cache import COUNTERS
 from .remote.localize import localize
 from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
-from .sampler import STEP_MAX, Sampler, check_integer, global_position
+from .sampler import Sampler, global_position
 from .supervision import Supervisor
 
 # The trainer also checks its readers every this many batches when it never has to wait.
@@ -84,30 +85,26 @@ class ShmDataLoader(cursor_module.Cursor):
         cache_bytes: int | None = None,
         storage_options: dict | None = None,
     ) -> None:
+        options = LoaderOptions(
+            batch_size=batch_size, mode=mode, seed=seed, readers=readers, slots=slots, start_step=start_step,
+            shard_index=shard_index, shard_count=shard_count, max_reader_restarts=max_reader_restarts,
+            hold_timeout=hold_timeout, warn_layout=warn_layout, verify=verify, pin_memory=pin_memory,
+            transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
+            step_timeout=step_timeout, epochs=epochs, drop_last=drop_last, on_error=on_error, remote=remote,
+            cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
+        self.options = options
         self._resources = Resources()
         self._node_cache, self._cache_final = None, {}
         self._finalizer = weakref.finalize(self, self._resources.close)
-        self.batch_size = check_integer("batch_size", batch_size, 1, 1 << 24)
+        self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
-        self.readers = check_integer("readers", default_readers() if readers is None else readers, 0, 256)
-        self.slots = None if slots is None else check_integer("slots", slots, 2, 4096)  # None: plan.default_slots.
-        self.max_reader_restarts = check_integer("max_reader_restarts", max_reader_restarts, 0, 1 << 20)
-        self.hold_timeout = check_seconds("hold_timeout", hold_timeout)
-        self.step_timeout = None if step_timeout is None else check_seconds("step_timeout", step_timeout)
-        self.verify = bool(verify)
-        start_step = check_integer("start_step", start_step, 0, STEP_MAX)
-        # The sampler's own checks, early: no reader is started for settings it would refuse.
-        check_sampler_settings(self.batch_size, mode, seed, shard_index, shard_count, shuffle_window)
-        if epochs is not None:
-            check_integer("epochs", epochs, 1, 1 << 32)
-        self._epochs, self.drop_last = epochs, bool(drop_last)
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        self.on_error = on_error
-        if remote is not None and not all(hasattr(remote, name) for name in ("start", "count", "capacity")):
-            raise TypeError(f"remote must be remote readers such as shmloader.ray.RayReaders(...), got {remote!r}")
+        self.readers = default_readers() if options.readers is None else options.readers
+        self.slots = options.slots  # None: plan.default_slots, once the slot's size is known.
+        self.max_reader_restarts = options.max_reader_restarts
+        self.hold_timeout, self.step_timeout, self.verify = options.hold_timeout, options.step_timeout, options.verify
+        self._epochs, self.drop_last, self.on_error = options.epochs, options.drop_last, options.on_error
         self.remote = remote
-        self._pin_backend = pin_backend(pin_memory)  # Likewise: no CUDA is an error before any reader starts.
+        self._pin_backend = pin_backend(pin_memory)  # No CUDA is an error before any reader starts.
         # Readers start now and wait for their configuration on stdin: their start-up
         # overlaps the validation of the files below instead of following it.
         try:
@@ -119,14 +116,13 @@ class ShmDataLoader(cursor_module.Cursor):
                 self._node_cache = self._resources.node_cache = localizer.cache
                 self._cache_counters = self._node_cache.counters()
             try:
-                plan = plan_loader(fields, label_path, self.batch_size, mode, seed, shard_index, shard_count,
-                                   transform, transform_args, shuffle_window)
+                plan = plan_loader(fields, label_path, options)
             except Exception as error:
                 renamed = error if localizer is None else localizer.renamed(error)
                 if renamed is error:
                     raise
                 raise renamed from None  # Objects named by their URLs, not by their cache paths.
-            self._prepare(plan, warn_layout, start_step)
+            self._prepare(plan, options.warn_layout, options.start_step)
         except BaseException:
             self._finalizer()  # A half-built loader gives back what it took before raising.
             raise

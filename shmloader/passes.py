@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .sampler import Sampler, check_integer, global_position
+from .options import EPOCHS_MAX
+from .sampler import Sampler, global_position
 from .sources import MixtureSampler
 
 ENDLESS = (1 << 64) - 1
@@ -69,7 +70,7 @@ class FinitePass:
 
     @classmethod
     def of(cls, sampler, epochs: int, drop_last: bool) -> FinitePass:
-        epochs = check_integer("epochs", epochs, 1, 1 << 32)
+        assert 1 <= epochs <= EPOCHS_MAX, epochs  # Checked by options.LoaderOptions.
         batch, shards = sampler.batch_size, sampler.shard_count
         shard_blocks = bool(getattr(sampler, "own_streams", False))
         if shard_blocks:  # Each shard reads its own stream: the pass ends where the longest one does.

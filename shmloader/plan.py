@@ -23,7 +23,8 @@ from . import layout as blosc_layout
 from .errors import PerformanceWarning, StorageError, user_stacklevel
 from .ragged import RaggedSpec, describe_ragged, is_ragged, read_all, record_lengths
 from .readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
-from .sampler import STEP_MAX, Sampler, check_integer
+from .options import LoaderOptions
+from .sampler import Sampler
 from .naming import loader_name_problem
 from .slot_layout import RESERVED_NAMES, Region, SlotLayout
 from .sources import MixtureSampler, Source
@@ -532,35 +533,17 @@ def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int, source:
     return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
 
 
-def check_seconds(name: str, value) -> float:
-    """A positive number of seconds, or a ValueError naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
-def check_sampler_settings(batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
-                           shuffle_window: int | None) -> None:
-    """The sampler's own checks, before any file is read (the window's need the rows: here
-    its type and mode)."""
-    Sampler(1, batch_size, mode, seed, shard_index, shard_count)
-    if shuffle_window is not None:
-        check_integer("shuffle_window", shuffle_window, 1, STEP_MAX >> 2)
-        if mode != "shuffle":
-            raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
-
-
-def plan_loader(fields, label_path, batch_size: int, mode: str, seed: int, shard_index: int, shard_count: int,
-                transform=None, transform_args=None, shuffle_window: int | None = None) -> LoaderPlan:
-    """Validates the files and settings and lays out the slot: the loader's plan, also used
-    in one process by shmloader.transforms.compute_batch."""
+def plan_loader(fields, label_path, options: LoaderOptions) -> LoaderPlan:
+    """Validates the files against the settings (`options`, checked already) and lays out
+    the slot: the loader's plan, also used in one process by shmloader.transforms.compute_batch."""
+    batch_size, mode, seed, shuffle_window = options.batch_size, options.mode, options.seed, options.shuffle_window
+    shard_index, shard_count = options.shard_index, options.shard_count
+    transform, transform_args = options.transform, options.transform_args
     sources = _normalise_fields(fields, label_path)
     mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
     if mixture and mode != "shuffle":
         raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
                          f"got {mode!r}")
-    if transform_args is not None and transform is None:
-        raise TypeError("transform_args given without a transform")
     spec = None if transform is None else resolve_transform(transform, transform_args, batch_size)
     plans = _plan_fields(sources, batch_size, ragged_packed=spec is not None)
     row_counts = next(iter(plans.values())).row_counts

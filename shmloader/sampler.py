@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import numbers
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
+from .options import (BATCH_SIZE_MAX, LENGTH_MAX, MODES, SEED_MAX, U64_MAX, check_integer,
+                      check_mode, check_shard, check_window)
 from .reshard import Dealing, Transition
-
-MODES = {"sequential": 0, "random": 1, "shuffle": 2}
-# Mirrors sampler.length_max in zig/sampler.zig.
-LENGTH_MAX = 1 << 62
-_U32_MAX = (1 << 32) - 1
-_U64_MAX = (1 << 64) - 1
-STEP_MAX = _U64_MAX
-
 
 class Places(NamedTuple):
     """A stream position in its epoch's block-local shuffle (zig/sampler.zig, SlidingShuffle):
@@ -74,7 +67,7 @@ def global_position(step: int, batch_size: int, shard_index: int, shard_count: i
 
 def step_max(batch_size: int, shard_index: int, shard_count: int) -> int:
     """The last step whose positions fit the sampler's 64-bit stream."""
-    return (_U64_MAX - batch_size * (shard_index + 1)) // (batch_size * shard_count)
+    return (U64_MAX - batch_size * (shard_index + 1)) // (batch_size * shard_count)
 
 
 def derive_seed(*parts) -> int:
@@ -82,18 +75,6 @@ def derive_seed(*parts) -> int:
     derives (a mixture's per-source seeds, transform names, the global generators'
     reseeding) comes from here."""
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
-
-
-def check_integer(name: str, value, minimum: int, maximum: int) -> int:
-    """Returns `value` as an int, or raises naming the argument, the value and the range."""
-    if type(value) is int and minimum <= value <= maximum:
-        return value  # The common case, without the slower abstract-class check below.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
-    value = int(value)
-    if not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
-    return value
 
 
 class Sampler:
@@ -140,26 +121,17 @@ class Sampler:
         block_rows: int = 1,
         transition=None,
     ) -> None:
+        # The loader's settings came through options.LoaderOptions; these are the same
+        # checks, against the same limits, for a sampler built from a dict in a reader.
         self.length = check_integer("length", length, 1, LENGTH_MAX)
-        self.batch_size = check_integer("batch_size", batch_size, 1, _U32_MAX)
-        if not isinstance(mode, str) or mode not in MODES:
-            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
-        self.mode = mode
-        self.seed = check_integer("seed", seed, 0, _U64_MAX)
-        self.shard_count = check_integer("shard_count", shard_count, 1, _U32_MAX)
-        self.shard_index = check_integer("shard_index", shard_index, 0, _U32_MAX)
-        if self.shard_index >= self.shard_count:
-            raise ValueError(
-                f"shard_index must be in [0, shard_count - 1] = [0, {self.shard_count - 1}], "
-                f"got {self.shard_index}"
-            )
-        self.shuffle_window = shuffle_window
+        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+        self.mode = check_mode(mode)
+        self.seed = check_integer("seed", seed, 0, SEED_MAX)
+        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
+        self.shuffle_window = check_window(shuffle_window, mode)
         self.block_rows = check_integer("block_rows", block_rows, 1, LENGTH_MAX)
         window_blocks = 0
         if shuffle_window is not None:
-            check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
-            if mode != "shuffle":
-                raise ValueError(f"shuffle_window applies to mode='shuffle' only, got mode={mode!r}")
             # A window that covers the data holds all of it at once: the global shuffle is
             # then its order (a block-local one would keep the block order as its only
             # locality, and a batch of sorted data far fewer labels than the global one).
@@ -205,7 +177,7 @@ class Sampler:
 
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
-        step = check_integer("step", step, 0, _U64_MAX)
+        step = check_integer("step", step, 0, U64_MAX)
         if out is None:
             out = np.empty(self.batch_size, dtype=np.uint64)
         if out is self._last_out and out.shape == self._last_shape:
@@ -280,7 +252,7 @@ class Sampler:
     def places(self, position: int) -> Places:
         """Where stream `position` (see stream_position) stands in its epoch's block-local
         shuffle: what a reader reads ahead and lets go of (readahead.py)."""
-        position = check_integer("position", position, 0, _U64_MAX)
+        position = check_integer("position", position, 0, U64_MAX)
         return read_places(position // self.epoch_length, lib.shm_sampler_places, self._config, position)
 
     def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
@@ -297,7 +269,7 @@ class Sampler:
 
     def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
         """Yields the batches of steps start_step, start_step + 1, ... forever (new arrays)."""
-        step = check_integer("start_step", start_step, 0, _U64_MAX)
+        step = check_integer("start_step", start_step, 0, U64_MAX)
         while True:
             yield self.fill(step)
             step += 1

@@ -17,15 +17,13 @@ import numbers
 import numpy as np
 
 from ._native import Status, ffi, lib, status_name
-from .sampler import (LENGTH_MAX, Places, check_integer, derive_seed, global_position, read_place_blocks, read_places,
-                      step_max, window_blocks_of)
+from .options import BATCH_SIZE_MAX, SEED_MAX, U32_MAX, U64_MAX, check_integer, check_shard, check_window
+from .sampler import Places, derive_seed, global_position, read_place_blocks, read_places, step_max, window_blocks_of
 
 # The most sources a mixture may have (zig/mixture.zig keeps a cache per source on its stack).
 SOURCES_MAX = 256
 # A block of sum(weights) positions is laid out once, in memory: bound its size.
 _BLOCK_MAX = 1 << 20
-_U64_MAX = (1 << 64) - 1
-_U32_MAX = (1 << 32) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +42,7 @@ class Source:
     def checked(self, index: int) -> Source:
         if not isinstance(self.fields, dict) or not self.fields:
             raise TypeError(f"source {index}: fields must be a non-empty mapping of field name to path")
-        check_integer(f"source {index} weight", self.weight, 1, _U32_MAX)
+        check_integer(f"source {index} weight", self.weight, 1, U32_MAX)
         if isinstance(self.fraction, bool) or not isinstance(self.fraction, numbers.Real) or not 0 < self.fraction <= 1:
             raise ValueError(f"source {index}: fraction must be a number in (0, 1], got {self.fraction!r}")
         if not isinstance(self.fixed, (bool, np.bool_)):
@@ -90,16 +88,14 @@ class MixtureSampler:
             raise ValueError(f"a mixture has 1 to {SOURCES_MAX} sources, got {len(lengths)}")
         self.lengths, self.weights = [int(x) for x in lengths], [int(x) for x in weights]
         self.fractions, self.fixed = [float(x) for x in fractions], [bool(x) for x in fixed]
-        self.batch_size = check_integer("batch_size", batch_size, 1, _U32_MAX)
-        self.seed = check_integer("seed", seed, 0, _U64_MAX)
-        self.shard_count = check_integer("shard_count", shard_count, 1, _U32_MAX)
-        self.shard_index = check_integer("shard_index", shard_index, 0, self.shard_count - 1)
+        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+        self.seed = check_integer("seed", seed, 0, SEED_MAX)
+        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
         self.mode = "shuffle"
         self.takes = [max(1, math.ceil(fraction * length)) for fraction, length in zip(self.fractions, self.lengths)]
         self.shuffle_window, self.block_rows = shuffle_window, None
         self.window_blocks = [0] * len(lengths)
-        if shuffle_window is not None:
-            check_integer("shuffle_window", shuffle_window, 1, LENGTH_MAX)
+        if check_window(shuffle_window, self.mode) is not None:
             if block_rows is None or len(block_rows) != len(lengths):
                 raise ValueError(f"a mixture with a shuffle_window needs block_rows for each of its {len(lengths)} "
                                  f"sources, got {block_rows!r}")
@@ -144,7 +140,7 @@ class MixtureSampler:
         """(rows, sources) of `step`, as new arrays."""
         rows = np.empty(self.batch_size, dtype=np.uint64)
         sources = np.empty(self.batch_size, dtype=np.uint32)
-        self.fill_unchecked(check_integer("step", step, 0, _U64_MAX), ffi.from_buffer("uint64_t[]", rows),
+        self.fill_unchecked(check_integer("step", step, 0, U64_MAX), ffi.from_buffer("uint64_t[]", rows),
                             ffi.from_buffer("uint32_t[]", sources))
         return rows, sources
 

@@ -230,10 +230,11 @@ def test_a_windowed_mixture_gives_the_rows_it_names_for_any_reader_count_and_res
 def test_a_windowed_mixture_reads_ahead_each_sources_own_files(files):
     from shmloader import Source
     from shmloader.filler import StepFiller
+    from shmloader.options import LoaderOptions
     from shmloader.plan import plan_loader
 
     sources = [Source({"x": _declaration(files, "b2nd")}), Source({"x": _declaration(files, "shards")})]
-    plan = plan_loader(sources, None, 32, "shuffle", 4, 0, 1, shuffle_window=400)
+    plan = plan_loader(sources, None, LoaderOptions(batch_size=32, seed=4, shuffle_window=400))
     import threading
 
     before = {thread for thread in threading.enumerate() if thread.name == "shmloader-readahead"}

@@ -4,6 +4,7 @@ check_determinism, compute_batch and tests (no reader, no ring)."""
 from __future__ import annotations
 
 from ..filler import StepFiller
+from ..options import LoaderOptions
 from ..plan import plan_loader
 from ..slot_layout import INDICES
 
@@ -12,8 +13,10 @@ class LocalTransform:
     def __init__(self, fields, transform, transform_args=None, *, label_path=None, batch_size: int = 256,
                  mode: str = "shuffle", seed: int = 0, shard_index: int = 0, shard_count: int = 1,
                  verify: bool = False, shuffle_window: int | None = None, on_error: str = "raise") -> None:
-        plan = plan_loader(fields, label_path, batch_size, mode, seed, shard_index, shard_count, transform,
-                           transform_args, shuffle_window)
+        options = LoaderOptions(batch_size=batch_size, mode=mode, seed=seed, shard_index=shard_index,
+                                shard_count=shard_count, transform=transform, transform_args=transform_args,
+                                shuffle_window=shuffle_window, on_error=on_error, verify=verify)
+        plan = plan_loader(fields, label_path, options)
         self.spec, self.slot = plan.transform, plan.slot
         self.filler = StepFiller(plan.fields, plan.slot, plan.sampler, plan.transform, verify, read_ahead=False,
                                  on_error=on_error)
