@@ -36,7 +36,8 @@ import ray.exceptions
 
 from .errors import ReaderError
 from .filler import FillerSpec
-from .reader import ErrorReport, skips_report, yield_to_the_trainer
+from .publishing import Publisher
+from .reader import ErrorReport, yield_to_the_trainer
 from .ring import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
 
 # While the bridge could send more steps than it has in flight, it looks for requested
@@ -179,8 +180,8 @@ class RayBridge:
         self._failed: set[int] = set()  # actors that reported an error: sent nothing more
         self.restarts = 0
         self._restarts_by_actor = [0] * self.count
-        self._busy_ns, self._batches = [0] * self.count, [0] * self.count
-        self._skipped: list[list] = [[] for _ in range(self.count)]
+        # Each actor's record: its counters and the protocol's order of writes (publishing.py).
+        self._publishers = [Publisher(ring, first_record + actor, 0) for actor in range(self.count)]
         self._where: list[tuple[int, str]] = [(0, "")] * self.count
         self.failure: BaseException | None = None
         self._stop = threading.Event()
@@ -243,9 +244,11 @@ class RayBridge:
             return
         del ref
         record = self.first + job.actor
+        publisher = self._publishers[job.actor]
+        publisher.pid = pid  # The actor's process of the moment (a replacement has its own).
         if report:
             self._failed.add(job.actor)
-            self.ring.write_reader_stats(record, pid, self._busy_ns[job.actor], self._batches[job.actor])
+            self.ring.write_reader_stats(record, pid, publisher.busy_ns, publisher.batches)
             self.ring.write_reader_error(record, report)
             self.ring.publish(job.slot, SlotState.FAILED, record)
             return
@@ -261,13 +264,7 @@ class RayBridge:
             return
         np.copyto(target, data)
         del data  # The object store's copy goes once nothing refers to it.
-        if skipped:  # Before READY: the trainer may look then.
-            self._skipped[job.actor] += skipped
-            self.ring.write_reader_skips(record, len(self._skipped[job.actor]), skips_report(self._skipped[job.actor]))
-        self._busy_ns[job.actor] += busy_ns
-        self._batches[job.actor] += 1
-        self.ring.write_reader_stats(record, pid, self._busy_ns[job.actor], self._batches[job.actor])
-        self.ring.publish(job.slot, SlotState.READY, record)
+        publisher.publish(job.slot, busy_ns, skipped)
 
     def _replace(self, job: _Job, error: Exception) -> None:
         """A lost actor: replaced at the first news of it (within its restart budget), and

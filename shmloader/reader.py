@@ -22,7 +22,8 @@ import posix_ipc
 
 from .errors import TransformError
 from .filler import FillerSpec
-from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, READER_SKIP_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
+from .publishing import Publisher, fill_and_publish
+from .ring import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, Ring, RingLayout, RingNames, SlotState, sweep_stale, wait
 
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
@@ -175,17 +176,6 @@ class ErrorReport:
             return cls("unknown", f"unreadable error report {raw[:200]!r}", "", None)
 
 
-def skips_report(skipped: list[dict]) -> bytes:
-    """JSON of the first skipped records (as dicts) that fit a reader record's skip area."""
-    report = b"[]"
-    for count in range(1, len(skipped) + 1):
-        encoded = json.dumps(skipped[:count]).encode()
-        if len(encoded) > READER_SKIP_BYTES_MAX:
-            break
-        report = encoded
-    return report
-
-
 def leave_if_forked(reader_pid: int) -> None:
     """Ends a process forked inside a transform that came back into the reader's code.
 
@@ -216,8 +206,7 @@ class Reader:
                         for slot in range(self.layout.slot_count)]
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
-        self.busy_ns = 0
-        self.batches = 0
+        self.publisher = Publisher(ring, self.index, os.getpid())
         self.starved_ns = self.sleeps = self.wakeups = 0
         self._slept = None  # (began, ended) of the last wait for work, until the next claim
 
@@ -227,21 +216,12 @@ class Reader:
         return not self.watch.exited() and self.ring.owner_alive()
 
     def fill(self, slot: int) -> None:
-        started = time.perf_counter_ns()
         self.step = self.ring.step(slot)
         self.fault.maybe_fire(self.step)
-        skipped = len(getattr(self.filler, "skipped", ()))
-        self.filler.fill(self.step, self.outputs[slot])
-        leave_if_forked(self.pid)  # A transform forked a child that came back here.
-        if skipped != len(getattr(self.filler, "skipped", ())):  # Before READY: the trainer may look then.
-            described = [record.to_dict() for record in self.filler.skipped]
-            self.ring.write_reader_skips(self.index, len(described), skips_report(described))
-        # Statistics first: once READY is published the trainer may read them.
-        self.busy_ns += time.perf_counter_ns() - started
-        self.batches += 1
-        self.ring.write_reader_stats(self.index, os.getpid(), self.busy_ns, self.batches)
+        # A transform that forked a child which came back here ends that child before it publishes.
+        fill_and_publish(self.publisher, self.filler, self.step, self.outputs[slot], slot,
+                         after_fill=lambda: leave_if_forked(self.pid))
         self.step = None
-        self.ring.publish(slot, SlotState.READY, self.index)
 
     def run(self) -> int:
         """Fills requested slots until the stop flag; checks its trainer before each batch

@@ -22,6 +22,7 @@ import warnings
 from ._native import load_cursor
 from .errors import ReaderStallWarning, SharedMemoryError, SkippedRecordsWarning, SlotsExhaustedError, StepTimeoutError
 from .errors import user_stacklevel
+from .publishing import Publisher, fill_and_publish
 from .ring import POLL_INTERVAL_SECONDS, SlotState
 
 cursor_module = load_cursor()
@@ -47,7 +48,7 @@ class Supervisor:
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
-        self._filled_here = self._filled_here_ns = 0  # readers=0: steps filled in this process, and their time.
+        self._publisher = None  # readers=0: the record of the steps filled in this process.
 
     def supervise(self, cursor, state: int, owner: int, step: int) -> None:
         """For `step`, in `state` (one of _cursor's STEP_* values) with `owner` the reader
@@ -101,17 +102,13 @@ class Supervisor:
         slot = step % self.slots
         claimed = self.ring.claim(0)
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
-        started = time.perf_counter_ns()
+        if self._publisher is None:  # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
+            self._publisher = Publisher(self.ring, 0, os.getpid())
         try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
-            self.filler.fill(step, self.outputs[slot])
+            fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot)
         except BaseException:
             cursor._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
-        # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
-        self._filled_here_ns += time.perf_counter_ns() - started
-        self._filled_here += 1
-        self.ring.write_reader_stats(0, os.getpid(), self._filled_here_ns, self._filled_here)
-        self.ring.publish(slot, SlotState.READY, 0)
         if self.filler.skipped:
             self.warn_if_skipped()
 
