@@ -28,7 +28,7 @@ _LENGTH = 2048
 
 def write_corpus(directory: str, tokens: int) -> dict[str, str]:
     """The corpus as raw .npy, and converted to LZ4 and ZSTD .b2nd (made once, kept)."""
-    from shmloader.convert import convert
+    from shmloader.tools.convert import convert
 
     raw = os.path.join(directory, "tokens.npy")
     if not os.path.exists(raw) or np.load(raw, mmap_mode="r").shape != (tokens,):

@@ -19,7 +19,7 @@ import tempfile
 import numpy as np
 
 from shmloader import Packed, Padded, ShmDataLoader, Windows
-from shmloader.convert import convert, write_ragged
+from shmloader.tools.convert import convert, write_ragged
 
 
 def documents() -> list[np.ndarray]:

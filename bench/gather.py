@@ -17,10 +17,12 @@ import pathlib
 import sys
 
 import numpy as np
-
 from _common import best_rate, image_rows, machine_line, table, verdict
-from shmloader.convert import convert
-from shmloader.storage import BloscField, describe_field, open_field
+
+from shmloader.storage.blosc import BloscField
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import describe_field
+from shmloader.tools.convert import convert
 
 BATCH = 256
 DATA_DIR = pathlib.Path(os.environ.get("SHMLOADER_BENCH_DATA", "/tmp/shmloader-bench"))

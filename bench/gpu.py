@@ -17,9 +17,9 @@ import sys
 import time
 
 import numpy as np
-
 from _common import machine_line, table, verdict
 from gather import DATA_DIR
+
 from shmloader import ShmDataLoader
 
 COPY_ROWS, COPY_ROW_BYTES, COPY_BATCH = 8192, 150_528, 256

@@ -24,7 +24,6 @@ import sys
 import time
 
 import numpy as np
-
 from _common import machine_line, table, verdict
 from gather import DATA_DIR
 
@@ -81,7 +80,7 @@ def make_images(count: int, workers: int) -> tuple[pathlib.Path, dict]:
         done.write_text(json.dumps({"photographs": _photographs() is not None}))
     converted = DATA_DIR / f"jpegs{count}.converted"
     if not pathlib.Path(f"{converted}.classes.json").exists():
-        from shmloader.imagefolder import convert_images
+        from shmloader.tools.imagefolder import convert_images
 
         convert_images(directory, converted, progress=False)
     fields = {"image": f"{converted}.image", "label": f"{converted}.label"}
@@ -92,7 +91,7 @@ def one_process(fields: dict, decoder: str, images: int) -> float:
     """Images/s of decode + crop + flip alone, in this process, into one output buffer."""
     import blosc2
 
-    from shmloader.ragged import describe_ragged
+    from shmloader.storage.ragged import describe_ragged
     from shmloader.transforms import sample_rng
     from shmloader.transforms.images import ImageWriter, random_resized_crop_box
 

@@ -1,4 +1,4 @@
-"""Import speed: shmloader.formats.from_parquet against pyarrow's own read of the same file,
+"""Import speed: shmloader.tools.formats.from_parquet against pyarrow's own read of the same file,
 litdata's `optimize` and MosaicML streaming's `MDSWriter` writing the same rows, in one run.
 
 Run: python bench/ingest.py [--rows 200000]   (litdata and mosaicml-streaming are optional)
@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from _common import machine_line, table
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -52,7 +51,7 @@ def child(kind: str, source: str, output: str) -> dict:
         table = pq.read_table(source)
         rows = table.num_rows
     elif kind == "shmloader from_parquet":
-        from shmloader.formats import from_parquet
+        from shmloader.tools.formats import from_parquet
 
         paths = from_parquet(source, output, progress=False)
         rows = len(np.load(paths["id"], mmap_mode="r"))

@@ -15,12 +15,12 @@ import os
 import time
 
 import numpy as np
-
 from _common import machine_line, table
 from gather import DATA_DIR
+
 from shmloader import ShmDataLoader
-from shmloader.options import LoaderOptions
-from shmloader.plan import plan_loader
+from shmloader.plan.options import LoaderOptions
+from shmloader.plan.planner import plan_loader
 
 
 def make_files(count: int) -> str:

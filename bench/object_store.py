@@ -61,7 +61,7 @@ def write_data(args) -> None:
         out.flush()
         del out
         os.replace(raw + ".tmp", raw)
-    from shmloader.convert import convert
+    from shmloader.tools.convert import convert
 
     for codec in ("lz4", "zstd"):
         path = os.path.join(args.data, f"x-{codec}.b2nd")

@@ -1,5 +1,5 @@
 """The wake-up and claim protocol alone: the real ring, native next() and reader loop, with
-readers as threads whose fill is a sleep (shmloader.simulation), so R readers act like R
+readers as threads whose fill is a sleep (shmloader.testing.simulation), so R readers act like R
 readers on R free cores even on this 2-core machine. The trainer consumes as fast as it
 can, or takes a step of its own (--consume-ms); ideal batches/s = the lesser of the
 readers' rate while busy and the trainer's rate outside next(). What must go to zero: the
@@ -15,9 +15,9 @@ import sys
 import tempfile
 
 import numpy as np
-
 from _common import machine_line, table
-from shmloader.simulation import simulated_loader
+
+from shmloader.testing.simulation import simulated_loader
 
 
 def fill_time(fill_s: float, slow_every: int, slow_factor: float):

@@ -16,13 +16,13 @@ import sys
 import time
 
 import numpy as np
-
 from _common import machine_line, table, verdict
 from gather import DATA_DIR
+
 from shmloader import Packed, Padded, Sampler, ShmDataLoader
 from shmloader._native import ffi
-from shmloader.convert import write_ragged
-from shmloader.ragged import RaggedField, describe_ragged
+from shmloader.storage.ragged import RaggedField, describe_ragged
+from shmloader.tools.convert import write_ragged
 
 BATCH = 64
 MAX_LENGTH = 2048

@@ -28,7 +28,6 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import numpy as np  # noqa: E402
-
 from _common import image_rows, machine_line, table, verdict  # noqa: E402
 from gather import DATA_DIR  # noqa: E402
 from images import BATCH, SIZE, make_images  # noqa: E402
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     import ray
 
     from shmloader import ShmDataLoader
-    from shmloader.ray import RayReaders
+    from shmloader.readers.ray import RayReaders
 
     ray.init(num_cpus=os.cpu_count(), object_store_memory=1 << 30, include_dashboard=False, log_to_driver=False)
     print(machine_line(), f"ray {ray.__version__}")

@@ -13,11 +13,11 @@ import sys
 import time
 
 import numpy as np
-
 from _common import best_rate, machine_line, table, verdict
+
 from shmloader import Sampler
 from shmloader._native import ffi
-from shmloader.sources import MixtureSampler
+from shmloader.plan.sources import MixtureSampler
 
 LENGTH = 1_281_167  # ImageNet's training set: not a power of two.
 

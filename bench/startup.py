@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import numpy as np
-
 from _common import machine_line, table
 
 _TRAINER = """

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from shmloader import Sampler, ShmDataLoader
-from shmloader.convert import convert
+from shmloader.tools.convert import convert
 
 
 def shm_entries(pid: int) -> list[str]:

@@ -19,18 +19,20 @@ import sys
 import time
 
 import numpy as np
-
 from _common import machine_line, table, verdict
 from gather import make_files
-from shmloader import ShmDataLoader, benchmark
-from shmloader.ring import SlotState
-from shmloader.storage import describe_field, open_field
+
+from shmloader import ShmDataLoader
+from shmloader.ring.segment import SlotState
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import describe_field
+from shmloader.tools import benchmark
 
 ROWS, ROW_BYTES, BATCH = 100_000, 3072, 256
 
 
 def label_files(directory: str) -> dict[str, str]:
-    from shmloader.convert import convert
+    from shmloader.tools.convert import convert
 
     npy = os.path.join(directory, f"labels{ROWS}.npy")
     b2nd = os.path.join(directory, f"labels{ROWS}.lz4.b2nd")
@@ -159,7 +161,7 @@ def run_single_process(fields: dict, batches: int) -> dict:
 
 
 def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
-    """PyTorch's DataLoader, 2 workers, its batched __getitems__ fast path (shmloader.benchmark.TorchRows)."""
+    """PyTorch's DataLoader, 2 workers, its batched __getitems__ fast path (shmloader.tools.benchmark.TorchRows)."""
     try:
         import torch  # noqa: F401
     except ImportError:

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import table  # noqa: E402
 
-from shmloader.sampler import Sampler  # noqa: E402
+from shmloader.plan.sampler import Sampler  # noqa: E402
 
 
 def diversity(sampler: Sampler, classes: int, rows: int, steps: range) -> tuple[float, float]:

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import table  # noqa: E402
 
 from shmloader import ShmDataLoader  # noqa: E402
-from shmloader.demo import IMAGE_SHAPE, SoftmaxRegression, make_dataset  # noqa: E402
+from shmloader.tools.demo import IMAGE_SHAPE, SoftmaxRegression, make_dataset  # noqa: E402
 
 
 def train(fields: dict, steps: int, batch_size: int, window, test: tuple) -> tuple[float, float, float]:

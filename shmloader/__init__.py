@@ -39,11 +39,11 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# Imported on first use (PEP 562): a reader process imports shmloader.reader, and through
+# Imported on first use (PEP 562): a reader process imports shmloader.readers.reader, and through
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
-_LAZY = {"Batch": ".batch", "ShmDataLoader": ".loader", "Sampler": ".sampler", "Padded": ".plan",
-         "Packed": ".plan", "Windows": ".plan", "Source": ".sources"}
+_LAZY = {"Batch": ".ring.batch", "ShmDataLoader": ".loader", "Sampler": ".plan.sampler", "Padded": ".plan.planner",
+         "Packed": ".plan.planner", "Windows": ".plan.planner", "Source": ".plan.sources"}
 
 
 def __getattr__(name: str):

@@ -10,7 +10,6 @@ import functools
 import importlib.util
 import pathlib
 
-
 DPARAMS_FIELDS = ("nthreads", "schunk", "postfilter", "postparams", "typesize")
 
 

@@ -9,7 +9,9 @@ import enum
 import importlib.machinery
 import pathlib
 
-from ._declarations import ABI_VERSION  # Checked against the library's shm_abi_version() at load.
+from ._declarations import (
+    ABI_VERSION,  # Checked against the library's shm_abi_version() at load.
+)
 
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
 RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"

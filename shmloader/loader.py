@@ -10,22 +10,42 @@ import weakref
 
 import numpy as np
 
-from .batch import Batch, CursorConfig, cursor_module, weak_method
-from .checkpoint import Resume, position_of, state_of, step_to_resume
-from .device import DeviceIterator, PinnedRing, TorchCudaBackend, cpu_tensors, pin_backend
-from .filler import FillerSpec
-from .lifecycle import Resources, live_loaders
-from .passes import ENDLESS, FinitePass
-from .options import LoaderOptions, check_integer
-from .plan import (TRAINER_SLOTS, LoaderPlan, default_readers, default_slots, plan_loader, wake_after,
-                   warn_poor_layouts, warn_window_memory)
-from .pool import ReaderPool
-from .reader import ReaderConfig
+from .device import (
+    DeviceIterator,
+    PinnedRing,
+    TorchCudaBackend,
+    cpu_tensors,
+    pin_backend,
+)
+from .fill.filler import FillerSpec
+from .plan.checkpoint import Resume, position_of, state_of, step_to_resume
+from .plan.options import LoaderOptions, check_integer
+from .plan.passes import ENDLESS, FinitePass
+from .plan.planner import (
+    TRAINER_SLOTS,
+    LoaderPlan,
+    default_readers,
+    default_slots,
+    plan_loader,
+    wake_after,
+    warn_poor_layouts,
+    warn_window_memory,
+)
+from .plan.sampler import Sampler, global_position
+from .readers.lifecycle import Resources, live_loaders
+from .readers.pool import ReaderPool
+from .readers.reader import ReaderConfig
+from .readers.supervision import Supervisor
 from .remote.cache import COUNTERS
 from .remote.localize import localize
-from .ring import POLL_INTERVAL_SECONDS, Ring, RingLayout, SlotState, sweep_stale
-from .sampler import Sampler, global_position
-from .supervision import Supervisor
+from .ring.batch import Batch, CursorConfig, cursor_module, weak_method
+from .ring.segment import (
+    POLL_INTERVAL_SECONDS,
+    Ring,
+    RingLayout,
+    SlotState,
+    sweep_stale,
+)
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
@@ -128,7 +148,7 @@ class ShmDataLoader(cursor_module.Cursor):
             raise
 
     def _make_pool(self, count: int, max_restarts: int, remote) -> ReaderPool:
-        return ReaderPool(count, max_restarts, remote)  # Replaced by shmloader.simulation's threads.
+        return ReaderPool(count, max_restarts, remote)  # Replaced by shmloader.testing.simulation's threads.
 
     @property
     def _fillers(self) -> int:

@@ -89,7 +89,7 @@ def _processes() -> tuple[dict[int, list[int]], dict[int, bytes]]:
                 command = handle.read()
         except (OSError, IndexError, ValueError):
             continue
-        if name == "shml-reader" or b"shmloader.reader" in command:
+        if name == "shml-reader" or b"shmloader.readers.reader" in command:
             commands[int(entry)] = command
         children.setdefault(parent, []).append(int(entry))
     return children, commands
@@ -97,7 +97,7 @@ def _processes() -> tuple[dict[int, list[int]], dict[int, bytes]]:
 
 def reader_descendants() -> list[int]:
     """Pids of the reader processes descended from this process (their command line runs
-    shmloader.reader), however deep (a test's child trainer's readers too)."""
+    shmloader.readers.reader), however deep (a test's child trainer's readers too)."""
     children, commands = _processes()
     found, frontier = [], [os.getpid()]
     while frontier:
@@ -158,7 +158,7 @@ def float_rows(tmp_path_factory, name: str, count: int) -> tuple[str, np.ndarray
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory):
     """600 rows of (3, 8, 8) uint8 images and int64 labels, as .npy and as converted .b2nd."""
-    from shmloader.convert import convert
+    from shmloader.tools.convert import convert
 
     directory = tmp_path_factory.mktemp("dataset")
     images = image_like(600, (3, 8, 8), seed=1)
@@ -183,7 +183,7 @@ def dataset(tmp_path_factory):
 def kinds(tmp_path_factory):
     """Small files of every field kind: rows (.npy, .b2nd, two parts), float rows, a token
     stream and ragged documents."""
-    from shmloader.convert import convert, write_ragged
+    from shmloader.tools.convert import convert, write_ragged
 
     directory = tmp_path_factory.mktemp("in_process")
     rng = np.random.default_rng(3)
@@ -234,7 +234,8 @@ def assert_same(expected, found):
 # before a stop. No example database: CI runs on a clean checkout, and a run must not
 # depend on what an earlier one found.
 try:
-    from hypothesis import HealthCheck, settings as _hypothesis_settings
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
 
     _hypothesis_settings.register_profile("default", deadline=None, database=None, print_blob=True,
                                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
-from child_guard import die_with_parent
 import torch.distributed as dist
+from child_guard import die_with_parent
 
 from shmloader import ShmDataLoader
 

@@ -11,8 +11,9 @@ import threading
 import time
 
 from child_guard import die_with_parent
+
 from shmloader import ShmDataLoader
-from shmloader.pool import ReaderPool
+from shmloader.readers.pool import ReaderPool
 
 
 def main() -> None:

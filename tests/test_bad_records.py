@@ -9,11 +9,10 @@ import warnings
 
 import numpy as np
 import pytest
+from conftest import float_rows
 
 from shmloader import ShmDataLoader, SkippedRecordsWarning
 from shmloader.transforms import compute_batch
-
-from conftest import float_rows
 
 CURSED = "transform_fixtures:fails_on_row_seven"
 
@@ -88,7 +87,7 @@ def broken_tree(root, count: int = 24) -> dict:
 
 def test_broken_images_are_listed_by_check_skipped_with_their_paths_and_named_under_raise(tmp_path):
     pytest.importorskip("PIL")
-    from shmloader.imagefolder import check_images, convert_images
+    from shmloader.tools.imagefolder import check_images, convert_images
 
     files = broken_tree(tmp_path / "images")
     bad = check_images(tmp_path / "images", workers=2, progress=False)
@@ -124,7 +123,7 @@ def test_broken_images_are_listed_by_check_skipped_with_their_paths_and_named_un
 def test_a_bad_ragged_record_is_found_even_beside_a_long_one(tmp_path):
     """The search repeats records to fill its probes: a long record repeated must not look
     bad for overflowing a packed region sized for the batch's own records."""
-    from shmloader.convert import write_ragged
+    from shmloader.tools.convert import write_ragged
 
     records = [np.full(3, i, dtype=np.int32) for i in range(32)]
     records[0] = np.ones(5000, dtype=np.int32)  # Long, and sound.

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from shmloader import ReaderError, ShmDataLoader
-from shmloader.cli import main
-from shmloader.convert import convert, verify
-from shmloader.storage import CHECKSUM_META, describe_field, open_field
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import CHECKSUM_META, describe_field
+from shmloader.tools.cli import main
+from shmloader.tools.convert import convert, verify
 
 
 @pytest.fixture

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import re
 import pathlib
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from shmloader.cli import main
+from shmloader.tools.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_demo_learns_from_aligned_data_and_labels(capsys):
-    from shmloader.demo import run
+    from shmloader.tools.demo import run
 
     result = run(rows=6000, steps=150, progress=False)
     assert result["accuracy"] > 0.5  # Chance is 10%: data and labels stayed aligned.
@@ -63,7 +63,7 @@ def test_bench_compare_torch(dataset, capsys):
 
 
 def test_command_line_entry_point_runs(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "shmloader.cli", "--help"], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-m", "shmloader.tools.cli", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0 and "demo" in result.stdout
 
 
@@ -119,7 +119,7 @@ def test_python_dash_m_and_version_work_like_the_command(tmp_path):
 
 
 def test_every_option_has_help_text():
-    from shmloader.cli import build_parser
+    from shmloader.tools.cli import build_parser
 
     parser = build_parser()
     commands = next(action for action in parser._actions if action.dest == "command")
@@ -176,7 +176,7 @@ def test_ctrl_c_in_a_command_exits_130_with_one_line(tmp_path):
 
 @pytest.fixture
 def ragged_dir(tmp_path):
-    from shmloader.convert import write_ragged
+    from shmloader.tools.convert import write_ragged
 
     rng = np.random.default_rng(0)
     write_ragged(tmp_path / "docs.ragged", [rng.integers(0, 100, rng.integers(1, 30)).astype(np.int32)
@@ -226,7 +226,7 @@ def test_convert_images_given_a_file_says_it_wants_a_directory(tmp_path, capsys)
 
 
 def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(dataset, monkeypatch, capsys):
-    from shmloader import benchmark
+    from shmloader.tools import benchmark
 
     def fake_run(fields, batch_size, steps, readers, slots, mode, progress, min_seconds=0.0):
         rate = {1: 10.0, 2: 30.0}.get(readers, 5.0)  # The best point is not the last one swept.
@@ -248,7 +248,7 @@ def test_the_sweep_times_each_setting_long_enough_repeats_it_and_says_how_sure_t
                                                                                           capsys):
     """Its advice was noise: 500 steps (0.1-0.6 s) a point, run once; the best changed
     between runs; the default slots were never tried."""
-    from shmloader import benchmark
+    from shmloader.tools import benchmark
 
     calls = []
 
@@ -278,7 +278,7 @@ def test_the_tokenize_example_writes_documents_that_windows_read(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("\n".join(json.dumps({"text": f"document {i}: " + "some words " * (i % 9)}) for i in range(300)))
     assert example.main([str(corpus), "--out", str(tmp_path / "corpus.tokens")]) > 0
-    from shmloader.ragged import describe_ragged
+    from shmloader.storage.ragged import describe_ragged
 
     assert describe_ragged(tmp_path / "corpus.tokens").record_count == 300
 

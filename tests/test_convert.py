@@ -4,18 +4,19 @@ inspect measures a layout's cost and names the fix; poor layouts are flagged, go
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
-import pathlib
 
 import numpy as np
 import pytest
-
 from conftest import image_like, write_b2nd
+
 from shmloader import StorageError
-from shmloader.convert import convert, inspect
-from shmloader.layout import choose_layout, poor_layout
-from shmloader.storage import describe_field, open_field
+from shmloader.storage.layout import choose_layout, poor_layout
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import describe_field
+from shmloader.tools.convert import convert, inspect
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -81,7 +82,7 @@ def test_refuses_to_overwrite_and_never_leaves_a_partial_file(tmp_path, monkeypa
         convert(tmp_path / "in.npy", tmp_path / "out.b2nd", progress=False)
     assert (tmp_path / "out.b2nd").read_text() == "precious"
 
-    import shmloader.convert as module
+    import shmloader.tools.convert as module
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -143,7 +144,7 @@ def test_converting_a_large_b2nd_stays_within_a_small_memory_budget(tmp_path):
     # VmHWM: the peak resident size of this process image (ru_maxrss would include the
     # parent's, inherited across fork and exec).
     code = (
-        "import re, sys; from shmloader.convert import convert;"
+        "import re, sys; from shmloader.tools.convert import convert;"
         "peak = lambda: int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1));"
         "before = peak(); convert(sys.argv[1], sys.argv[2], progress=False, piece_bytes=16 << 20); print(before, peak())"
     )

@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import our_shm_entries, wait_until
+
 from shmloader import DeviceError, Sampler, ShmDataLoader
 
 
@@ -57,7 +57,7 @@ def test_pin_memory_without_cuda_is_a_clear_error_and_starts_nothing(dataset, mo
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    from shmloader import pool as readers
+    from shmloader.readers import pool as readers
 
     started = []
     monkeypatch.setattr(readers, "spawn_reader", lambda: started.append(1))

@@ -153,9 +153,9 @@ def test_a_windowed_loader_whose_shards_read_their_own_blocks_continues_another_
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
-
 from conftest import examples  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st
 
 
 @examples(30)

@@ -16,12 +16,12 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-
 from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
+
 from shmloader import ReaderError, Sampler, ShmDataLoader
-from shmloader import pool as readers
-from shmloader.reader import FAULT_INJECTION_VARIABLE
-from shmloader.ring import sweep_stale
+from shmloader.readers import pool as readers
+from shmloader.readers.reader import FAULT_INJECTION_VARIABLE
+from shmloader.ring.segment import sweep_stale
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -82,7 +82,8 @@ def test_a_reader_exception_reaches_the_trainer_with_type_file_step_and_tracebac
     # Compressible rows, so that chunks are really compressed and damage is detectable.
     rows = ((np.arange(400)[:, None] + np.arange(256)[None, :] // 8) % 256).astype(np.uint8)
     path = write_b2nd(tmp_path / "broken.b2nd", rows, chunks=(100, 256), blocks=(10, 256))
-    from shmloader.storage import describe_field, open_field
+    from shmloader.storage.opening import open_field
+    from shmloader.storage.spec import describe_field
 
     field = open_field(describe_field(path), 8)
     base = int(field._addresses[0]) - 0
@@ -312,7 +313,7 @@ def test_several_trainer_processes_at_once(dataset):
 @pytest.mark.parametrize("check", ["statvfs", "fallocate"])
 def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, check):
     """A 2 MiB /dev/shm in a private mount namespace: the ring (about 8 MiB) cannot fit."""
-    disable = "import shmloader.ring as r; r.check_free_space = lambda *a, **k: None;" if check == "fallocate" else ""
+    disable = "import shmloader.ring.segment as r; r.check_free_space = lambda *a, **k: None;" if check == "fallocate" else ""
     code = (
         f"{disable}"
         "from shmloader import ShmDataLoader, SharedMemoryError; import os, sys\n"

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import our_shm_entries, process_alive, wait_until
+
 from shmloader import ShmDataLoader
-from shmloader import forkserver
-from shmloader import pool as readers
+from shmloader.readers import forkserver
+from shmloader.readers import pool as readers
 
 pytestmark = pytest.mark.skipif(not forkserver.available(), reason="no pidfds: readers start as fresh interpreters")
 

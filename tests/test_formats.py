@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shmloader import Packed, ShmDataLoader, StorageError
-from shmloader.formats import from_arrow, from_parquet
+from shmloader.tools.formats import from_arrow, from_parquet
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -163,7 +163,7 @@ def write_shards(directory, samples: int = 90, per_shard: int = 40, drop=None):
 
 
 def test_webdataset_shards_import_in_order_and_read_back_like_webdataset_reads_them(tmp_path):
-    from shmloader.formats import from_webdataset
+    from shmloader.tools.formats import from_webdataset
 
     webdataset = pytest.importorskip("webdataset")
     write_shards(tmp_path)
@@ -187,7 +187,7 @@ def test_webdataset_shards_import_in_order_and_read_back_like_webdataset_reads_t
 
 
 def test_a_sample_missing_an_extension_or_a_broken_shard_is_named(tmp_path):
-    from shmloader.formats import from_webdataset
+    from shmloader.tools.formats import from_webdataset
 
     write_shards(tmp_path, drop=57)
     with pytest.raises(StorageError, match=r"shard-001.tar: sample sample00057 has extensions \['cls', 'jpg'\].*missing \['txt'\]"):
@@ -312,7 +312,7 @@ def _tar(path, members: dict) -> None:
 ], ids=["key-extension", "colliding-names", "reserved-name"])
 def test_webdataset_names_that_cannot_be_fields_are_refused_not_hung(tmp_path, members, message):
     """Before: the import hung forever (two writers on one queue)."""
-    from shmloader.formats import from_webdataset
+    from shmloader.tools.formats import from_webdataset
 
     _tar(tmp_path / "shard.tar", members)
     with pytest.raises(StorageError, match=message):
@@ -324,8 +324,8 @@ def test_webdataset_names_that_cannot_be_fields_are_refused_not_hung(tmp_path, m
 def test_a_webdataset_import_whose_last_write_fails_raises_instead_of_hanging(tmp_path, monkeypatch):
     """A write that fails after the writer took the end marker (a full disk at the last
     flush): before, the writer waited for a second end marker forever."""
-    import shmloader.convert as convert_module
-    from shmloader.formats import from_webdataset
+    import shmloader.tools.convert as convert_module
+    from shmloader.tools.formats import from_webdataset
 
     _tar(tmp_path / "shard.tar", {f"s{i}.txt": b"caption %d" % i for i in range(20)})
     real = convert_module.write_ragged
@@ -391,7 +391,7 @@ def test_parquet_with_dictionary_time_fixed_list_and_decimal_columns(tmp_path, c
     import decimal
     import json
 
-    from shmloader.cli import main
+    from shmloader.tools.cli import main
 
     rows = 50
     stamps = [datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=7 * i)
@@ -489,7 +489,7 @@ def test_force_never_replaces_the_sources_or_a_directory_of_other_files(tmp_path
     """Before: from_parquet('d/*.parquet', 'd', force=True) read the files, then replaced the
     directory, sources and an unrelated README included; a source as its own output became
     a directory."""
-    from shmloader.convert import convert
+    from shmloader.tools.convert import convert
 
     data = tmp_path / "d"
     data.mkdir()

@@ -17,13 +17,14 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-
 from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
-from shmloader import ReaderError, SharedMemoryError, ShmDataLoader, StorageError
-from shmloader.reader import FAULT_INJECTION_VARIABLE, ErrorReport
-from shmloader.ring import READER_ERROR_BYTES_MAX, sweep_stale
-from shmloader.storage import describe_field, open_field
 from test_faults import HERE, assert_all_gone, exit_code_and_errors, run_child
+
+from shmloader import ReaderError, SharedMemoryError, ShmDataLoader, StorageError
+from shmloader.readers.reader import FAULT_INJECTION_VARIABLE, ErrorReport
+from shmloader.ring.segment import READER_ERROR_BYTES_MAX, sweep_stale
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import describe_field
 
 # Subprocesses run in the tests' folder: `python -c` puts its working directory first on
 # sys.path, and a source checkout there (without a build in it) must not shadow the
@@ -37,7 +38,7 @@ def test_a_b2nd_that_cannot_be_opened_raises_storage_error_instead_of_crashing(t
     with open(path, "r+b") as handle:
         handle.truncate(os.path.getsize(path) // 2)  # The frame header survives; its chunks do not.
     code = (
-        "import sys; sys.path.insert(0, {tests!r}); from shmloader.storage import FieldSpec, open_field;"
+        "import sys; sys.path.insert(0, {tests!r}); from shmloader.storage.spec import FieldSpec; from shmloader.storage.opening import open_field;"
         "from shmloader import StorageError; import json\n"
         "try:\n    open_field(FieldSpec.from_dict(json.loads(sys.argv[1])))\n"
         "except StorageError as error:\n    print('StorageError', error)\n"
@@ -62,7 +63,7 @@ def test_the_sweep_of_another_pid_namespace_leaves_a_live_ring_alone(dataset):
     """Seen from another PID namespace the owner's pid is dead; its lock is not."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
         entries = our_shm_entries(os.getpid())
-        code = "import sys; from shmloader.ring import sweep_stale; print(sweep_stale())"
+        code = "import sys; from shmloader.ring.segment import sweep_stale; print(sweep_stale())"
         result = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
                                 text=True, timeout=60, cwd=HERE)
         if result.returncode != 0 and "unshare" in result.stderr:
@@ -367,8 +368,8 @@ def test_a_npy_header_with_a_negative_extent_is_refused_naming_the_file(tmp_path
 @pytest.mark.parametrize("writer", ["convert", "write_ragged", "convert_images"])
 def test_an_output_in_a_missing_directory_is_named_before_anything_is_written(tmp_path, writer):
     """convert ended in RuntimeError: Could not build empty array; the others named a hidden .partial path."""
-    from shmloader.convert import convert, write_ragged
-    from shmloader.imagefolder import convert_images
+    from shmloader.tools.convert import convert, write_ragged
+    from shmloader.tools.imagefolder import convert_images
 
     np.save(tmp_path / "x.npy", np.zeros((4, 3), np.float32))
     target = tmp_path / "missing" / "out"
@@ -421,8 +422,8 @@ def test_a_checkpoint_whose_sources_are_not_a_list_is_refused(dataset):
 def test_checksum_metadata_of_an_odd_length_names_the_file(tmp_path):
     import blosc2
 
-    from shmloader.convert import convert
-    from shmloader.storage import CHECKSUM_META
+    from shmloader.storage.spec import CHECKSUM_META
+    from shmloader.tools.convert import convert
 
     np.save(tmp_path / "x.npy", np.arange(4096, dtype=np.int64).reshape(512, 8))
     spec = convert(tmp_path / "x.npy", tmp_path / "x.b2nd", progress=False)
@@ -439,7 +440,7 @@ def test_a_trainer_killed_before_its_readers_are_configured_leaves_nothing(datas
     exited without a name to unlink."""
     code = (
         "import os, sys, json\n"
-        "from shmloader import pool as readers\n"
+        "from shmloader.readers import pool as readers\n"
         "def configure(self, ring, request, config):\n"
         "    print(json.dumps({'readers': self.pids, 'segment': ring.names.segment}), flush=True)\n"
         "    os.kill(os.getpid(), 9)\n"
@@ -459,7 +460,7 @@ def test_ctrl_c_while_readers_start_prints_no_reader_traceback(dataset):
     """Ctrl-C 0.4-0.6 s after start printed two readers' KeyboardInterrupt tracebacks."""
     code = (
         "import sys, time\n"
-        "from shmloader import ShmDataLoader, pool as readers\n"
+        "from shmloader import ShmDataLoader; from shmloader.readers import pool as readers\n"
         "start = readers.ReaderPool.start\n"
         "def started(self):\n"
         "    start(self)\n"

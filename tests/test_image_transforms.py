@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from shmloader import Packed, ReaderError, ShmDataLoader
-from shmloader.convert import write_ragged
-from shmloader.imagefolder import convert_images
+from shmloader.tools.convert import write_ragged
+from shmloader.tools.imagefolder import convert_images
 from shmloader.transforms import sample_rng
 from shmloader.transforms.images import center_crop_box, random_resized_crop_box
 
@@ -213,7 +213,7 @@ def test_convert_images_skip_bad_leaves_out_empty_and_non_image_files_and_lists_
     """--check advised converting and skipping at load time, but the conversion stopped at
     the first empty or non-image file: --skip-bad converts the others and lists those."""
     from shmloader import StorageError
-    from shmloader.cli import main
+    from shmloader.tools.cli import main
 
     rng = np.random.default_rng(8)
     tree = tmp_path / "tree"

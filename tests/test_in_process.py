@@ -8,7 +8,6 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import assert_same, batches, declarations
 
 from shmloader import ShmDataLoader, Source

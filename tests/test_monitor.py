@@ -16,11 +16,11 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import wait_until
+
 from shmloader import ShmDataLoader
-from shmloader import pool as readers
-from shmloader.monitor import Monitor, render_text
+from shmloader.readers import pool as readers
+from shmloader.tools.monitor import Monitor, render_text
 
 
 class _Terminal:
@@ -183,7 +183,7 @@ def test_a_loader_that_fills_in_the_trainer_shows_its_work(tmp_path):
 
 
 def test_top_names_a_ring_it_cannot_find_and_refuses_a_bad_interval(capsys):
-    from shmloader.cli import main
+    from shmloader.tools.cli import main
 
     assert main(["top", "shml_1_000000000000", "--once"]) == 1
     assert "no ring named shml_1_000000000000" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def test_zig_unit_tests_pass_in_a_safe_build_mode(tmp_path):
 def test_no_process_parses_c_declarations_at_run_time():
     """They are parsed at build time (_ffi.py): pycparser's import and parse were about a
     fifth of a reader's start-up."""
-    code = ("import sys, shmloader.reader, shmloader.storage, shmloader._blosc2_capi as capi; capi.load(); "
+    code = ("import sys, shmloader.readers.reader, shmloader.storage, shmloader._blosc2_capi as capi; capi.load(); "
             "print('pycparser' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert result.stdout.strip() == "False", result.stderr
@@ -114,7 +114,7 @@ def test_bounded_draws_are_splitmix64_of_a_keyed_counter():
     numpy, must give the same values (checkpoints made before the Zig version resume alike)."""
     import numpy as np
 
-    from shmloader.fields import _window_starts
+    from shmloader.fill.field_readers import _window_starts
 
     def reference(seed, step, stream, room):
         with np.errstate(over="ignore"):

@@ -18,11 +18,19 @@ moto_server = pytest.importorskip("moto.server")
 pytest.importorskip("obstore")
 boto3 = pytest.importorskip("boto3")
 
-from shmloader import Packed, Padded, RemoteError, ReaderError, ShmDataLoader, Source, Windows  # noqa: E402
-from shmloader.convert import write_ragged  # noqa: E402
-from shmloader.remote.cache import PAGE_BYTES, pages_of  # noqa: E402
-
 from conftest import our_shm_entries  # noqa: E402
+
+from shmloader import (  # noqa: E402
+    Packed,
+    Padded,
+    ReaderError,
+    RemoteError,
+    ShmDataLoader,
+    Source,
+    Windows,
+)
+from shmloader.remote.cache import PAGE_BYTES, pages_of  # noqa: E402
+from shmloader.tools.convert import write_ragged  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("object_store")
 BUCKET = "shmloader-tests"
@@ -347,7 +355,8 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
     import blosc2
 
     from shmloader.remote.localize import CacheSettings, Localizer
-    from shmloader.storage import describe_field, open_field
+    from shmloader.storage.opening import open_field
+    from shmloader.storage.spec import describe_field
 
     rng = np.random.default_rng(hash((codec, clevel)) % 2**32)
     rows = rng.integers(0, 256, size=(3000, 256), dtype=np.uint8)  # Incompressible: blocks span pages.
@@ -391,8 +400,8 @@ def test_commands_write_to_the_store_whole_or_not_at_all(server, tmp_path, capsy
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shmloader.cli import main
     from shmloader.remote.store import Client
+    from shmloader.tools.cli import main
 
     rows = np.random.default_rng(3).standard_normal((5000, 7)).astype(np.float32)
     np.save(tmp_path / "rows.npy", rows)
@@ -577,8 +586,8 @@ def test_a_budget_smaller_than_a_fetch_unit_still_bounds_reads_in_order(big, tmp
 
 
 def test_writing_replaces_only_the_output_named(server, tmp_path, capsys):
-    from shmloader.cli import main
     from shmloader.remote.store import Client
+    from shmloader.tools.cli import main
 
     rows = np.tile(np.arange(64, dtype=np.float32), (4000, 1))  # Compressible: convert's advice reads the file.
     np.save(tmp_path / "rows.npy", rows)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from shmloader import ShmDataLoader
-from shmloader import options as limits
-from shmloader.options import LoaderOptions
-from shmloader.sampler import Sampler
-from shmloader.sources import MixtureSampler
+from shmloader.plan import options as limits
+from shmloader.plan.options import LoaderOptions
+from shmloader.plan.sampler import Sampler
+from shmloader.plan.sources import MixtureSampler
 
 INTEGER_BOUNDS = [
     ("batch_size", 1, limits.BATCH_SIZE_MAX),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shmloader import Packed, Padded, ShmDataLoader, Source, Windows
-from shmloader.convert import write_ragged
+from shmloader.tools.convert import write_ragged
 
 ROWS = 1800
 

@@ -1,4 +1,4 @@
-"""The wake-up and claim protocol, with simulated readers (shmloader.simulation: the real
+"""The wake-up and claim protocol, with simulated readers (shmloader.testing.simulation: the real
 ring, native next() and reader loop; readers are threads whose fill is a sleep): every step
 is published once and delivered in order under reader deaths, no requested slot waits
 while every reader sleeps, and readers stay busy while the trainer waits for them."""
@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from shmloader.plan import default_slots as _default_slots
-from shmloader.ring import POLL_INTERVAL_SECONDS, SlotState
-from shmloader.simulation import ReaderDied, simulated_loader
+from shmloader.plan.planner import default_slots as _default_slots
+from shmloader.ring.segment import POLL_INTERVAL_SECONDS, SlotState
+from shmloader.testing.simulation import ReaderDied, simulated_loader
 
 
 @pytest.fixture(scope="module")

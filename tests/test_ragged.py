@@ -9,11 +9,24 @@ import os
 import numpy as np
 import pytest
 
-from shmloader import Packed, Padded, ReaderError, Sampler, ShmDataLoader, StorageError, Windows
-from shmloader.convert import convert
-from shmloader.convert import write_ragged
-from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME, describe_ragged, record_lengths
-from shmloader.plan import plan_field
+from shmloader import (
+    Packed,
+    Padded,
+    ReaderError,
+    Sampler,
+    ShmDataLoader,
+    StorageError,
+    Windows,
+)
+from shmloader.plan.planner import plan_field
+from shmloader.storage.ragged import (
+    OFFSETS_NAME,
+    SHAPES_NAME,
+    VALUES_NAME,
+    describe_ragged,
+    record_lengths,
+)
+from shmloader.tools.convert import convert, write_ragged
 
 RECORDS = 300
 
@@ -248,7 +261,7 @@ def jpeg_header_bytes(height: int, width: int, payload: int) -> bytes:
 
 
 def test_convert_images_stores_bytes_unchanged_with_labels_and_sizes(tmp_path, capsys):
-    from shmloader.cli import main
+    from shmloader.tools.cli import main
 
     images = tmp_path / "photos"
     expected = []
@@ -339,7 +352,7 @@ def test_windows_over_documents_span_them_with_segments(tmp_path, separator):
 
 
 def test_write_ragged_takes_record_chunks_beside_single_records(tmp_path):
-    from shmloader.convert import RecordChunk
+    from shmloader.tools.convert import RecordChunk
 
     records = [np.arange(n, dtype=np.int32) + n for n in (3, 0, 5, 1, 0, 7)]
     items = [records[0], RecordChunk(np.concatenate(records[1:4]), np.array([0, 5, 1])), RecordChunk(
@@ -378,7 +391,7 @@ def test_packed_without_max_elements_holds_a_batch_that_repeats_its_longest_reco
 
 
 def test_packed_capacity_counts_each_record_as_often_as_a_batch_can_hold_it():
-    from shmloader.plan import packed_capacity
+    from shmloader.plan.planner import packed_capacity
 
     lengths = np.array([3, 500, 2, 4, 1])
     assert packed_capacity(lengths, 4, 1) == 500 + 4 + 3 + 2

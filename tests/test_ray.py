@@ -15,13 +15,12 @@ import pytest
 # Before Ray is imported: its nodes then bind 127.0.0.1 only (the suite talks to loopback).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
 from conftest import assert_same, batches, declarations, wait_until  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
 
 from shmloader import Packed, ShmDataLoader, Source  # noqa: E402
 from shmloader.errors import ReaderError  # noqa: E402
-from shmloader.ray import RayReaders  # noqa: E402
+from shmloader.readers.ray import RayReaders  # noqa: E402
 
 # One Ray cluster per worker process of the suite: the tests share it (xdist's loadgroup
 # keeps them on one worker, README's test command).
@@ -35,7 +34,7 @@ def cluster(tmp_path_factory):
         "_system_config": {"enable_worker_prestart": False}})
     # Ray puts the driver's working directory first on its workers' sys.path: started from a
     # source checkout (CI runs the suite from one, with the package installed), actors would
-    # import the checkout, which has no native library. shmloader.ray refuses that case
+    # import the checkout, which has no native library. shmloader.readers.ray refuses that case
     # (test_a_checkout_where_ray_was_started_is_refused_with_the_reason).
     here = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("ray_driver"))
@@ -272,14 +271,14 @@ def test_an_actor_ray_cannot_place_is_named_when_a_step_times_out(cluster, kinds
 def test_a_checkout_where_ray_was_started_is_refused_with_the_reason(cluster, kinds, tmp_path, monkeypatch):
     (tmp_path / "shmloader").mkdir()
     (tmp_path / "shmloader" / "__init__.py").write_text("")
-    monkeypatch.setattr("shmloader.ray._driver_paths", lambda: [str(tmp_path)])
+    monkeypatch.setattr("shmloader.readers.ray._driver_paths", lambda: [str(tmp_path)])
     with pytest.raises(RuntimeError, match="a source checkout without its native library"):
         ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(),
                       warn_layout=False)
 
 
 class _RayWith:
-    """shmloader.ray's view of Ray with one call replaced (the bridge runs in this process)."""
+    """shmloader.readers.ray's view of Ray with one call replaced (the bridge runs in this process)."""
 
     def __init__(self, **replaced) -> None:
         self._replaced = replaced
@@ -299,7 +298,7 @@ def test_a_remote_result_of_the_wrong_size_or_dtype_fails_its_step_instead_of_fi
         data, *rest = ray.get(ref)
         return (mangle(data) if data is not None else None), *rest
 
-    monkeypatch.setattr("shmloader.ray.ray", _RayWith(get=get))
+    monkeypatch.setattr("shmloader.readers.ray.ray", _RayWith(get=get))
     with ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(actors=1),
                        warn_layout=False) as loader:
         with pytest.raises(ReaderError, match=r"Ray actor 0 \(pid \d+\) returned (an array of shape|a bytes)"):
@@ -311,7 +310,7 @@ def test_close_is_bounded_when_ray_no_longer_answers(cluster, kinds, monkeypatch
     close() gives up after a bound and says so (the blocked kill simulated here)."""
     import threading
 
-    import shmloader.ray as remote
+    import shmloader.readers.ray as remote
 
     released = threading.Event()
     monkeypatch.setattr(remote, "_STOP_SECONDS", 0.5)
@@ -320,7 +319,7 @@ def test_close_is_bounded_when_ray_no_longer_answers(cluster, kinds, monkeypatch
     actors = list(loader.remote_actors)
     try:
         next(loader)
-        monkeypatch.setattr("shmloader.ray.ray", _RayWith(kill=lambda handle: released.wait(60)))
+        monkeypatch.setattr("shmloader.readers.ray.ray", _RayWith(kill=lambda handle: released.wait(60)))
         started = time.monotonic()
         with pytest.warns(RuntimeWarning, match=r"Ray did not answer within 0.5 s"):
             loader.close()

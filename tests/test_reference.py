@@ -21,13 +21,20 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, strategies as st  # noqa: E402
-
 from conftest import examples, write_b2nd  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st
+
 from shmloader import Packed, Padded, Sampler, ShmDataLoader, Windows  # noqa: E402
 from shmloader._native import ffi  # noqa: E402
-from shmloader.ragged import OFFSETS_NAME, VALUES_NAME, RaggedField, describe_ragged  # noqa: E402
-from shmloader.storage import describe_field, open_field  # noqa: E402
+from shmloader.storage.opening import open_field
+from shmloader.storage.ragged import (  # noqa: E402
+    OFFSETS_NAME,
+    VALUES_NAME,
+    RaggedField,
+    describe_ragged,
+)
+from shmloader.storage.spec import describe_field  # noqa: E402
 
 DTYPES = [np.uint8, np.uint16, np.int32, np.float64]
 CODECS = ["LZ4", "ZSTD", "BLOSCLZ", "NONE"]
@@ -286,7 +293,7 @@ def _read_ragged(path: str) -> list:
 @given(table=arrow_tables(), row_group=st.integers(1, 64), nulls_given=st.booleans())
 def test_parquet_imports_equal_pyarrows_read(tmp_path_factory, table, row_group, nulls_given):
     from shmloader import StorageError
-    from shmloader.formats import from_parquet
+    from shmloader.tools.formats import from_parquet
 
     directory = _fresh(tmp_path_factory, "parquet")
     pq.write_table(table, directory / "t.parquet", row_group_size=row_group)
@@ -328,7 +335,7 @@ def _nested_null_count(column) -> int:
                         max_size=30),
        per_shard=st.integers(1, 12))
 def test_webdataset_imports_equal_tarfiles_read(tmp_path_factory, samples, per_shard):
-    from shmloader.formats import from_webdataset
+    from shmloader.tools.formats import from_webdataset
 
     directory = _fresh(tmp_path_factory, "wds")
     for shard, start in enumerate(range(0, len(samples), per_shard)):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from shmloader import ShmDataLoader
-from shmloader.reshard import transition_from
-from shmloader.sampler import Sampler
+from shmloader.plan.reshard import transition_from
+from shmloader.plan.sampler import Sampler
 
 ROWS = 1000
 WINDOW = 200

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from shmloader import _native
-from shmloader.slot_layout import Region, SlotLayout
-from shmloader.ring import (
+from shmloader.ring.segment import (
     HEADER_BYTES,
     OWNER_SHIFT,
     READER_ERROR_OFFSET,
@@ -22,6 +21,7 @@ from shmloader.ring import (
     RingLayout,
     SlotState,
 )
+from shmloader.ring.slot_layout import Region, SlotLayout
 
 ffi, lib = _native.ffi, _native.lib
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shmloader import ShmDataLoader, Source, StorageError
-from shmloader.sources import MixtureSampler, interleave
+from shmloader.plan.sources import MixtureSampler, interleave
 
 WEIGHTS = [7, 2, 1]
 
@@ -157,8 +157,8 @@ def test_files_of_one_field_must_match_and_bad_sources_are_named(tmp_path):
 
 @pytest.mark.parametrize("verify", [False, True], ids=["joined-chunk-table", "file-by-file"])
 def test_a_field_of_b2nd_shards_reads_like_one_file(tmp_path, verify):
-    from shmloader.convert import convert
-    from shmloader.sampler import Sampler
+    from shmloader.plan.sampler import Sampler
+    from shmloader.tools.convert import convert
 
     rows = np.random.default_rng(0).integers(0, 255, size=(700, 96), dtype=np.uint8)
     for shard, start in enumerate(range(0, 700, 30)):  # 24 shards, the last one short.

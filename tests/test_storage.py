@@ -8,12 +8,13 @@ import re
 
 import numpy as np
 import pytest
-
 from conftest import image_like, write_b2nd
-from shmloader import StorageError
-from shmloader import _blosc2_capi
-from shmloader.convert import convert
-from shmloader.storage import BloscField, BloscPythonField, describe_field, open_field, row_contiguous_layout
+
+from shmloader import StorageError, _blosc2_capi
+from shmloader.storage.blosc import BloscField, BloscPythonField
+from shmloader.storage.opening import open_field
+from shmloader.storage.spec import describe_field, row_contiguous_layout
+from shmloader.tools.convert import convert
 
 INDEX_CASES = {
     "random": lambda rows: np.random.default_rng(0).integers(0, rows, 300),
@@ -187,7 +188,7 @@ def test_npy_headers_are_read_as_numpy_reads_them(tmp_path):
     import io
     import struct
 
-    from shmloader.storage import _simple_npy_header
+    from shmloader.storage.spec import _simple_npy_header
 
     arrays = [np.zeros(5, np.int64), np.ones((3, 1), ">f8"), np.zeros((2, 0, 3), np.uint8),
               np.zeros((4, 7, 11, 2), np.bool_), np.zeros((1,), np.complex64), np.zeros((12345678, 0), "<u2"),

@@ -12,8 +12,14 @@ import numpy as np
 import pytest
 
 from shmloader import ReaderError, ShmDataLoader, Source
-from shmloader.convert import write_ragged
-from shmloader.transforms import TransformError, batch_rng, check_determinism, compute_batch, sample_rng
+from shmloader.tools.convert import write_ragged
+from shmloader.transforms import (
+    TransformError,
+    batch_rng,
+    check_determinism,
+    compute_batch,
+    sample_rng,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAME = "transform_fixtures:scaled"

@@ -15,10 +15,15 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import write_b2nd
+
 from shmloader import Packed, Padded, ShmDataLoader, Windows
-from shmloader.ragged import OFFSETS_NAME, VALUES_NAME, RaggedField, describe_ragged
+from shmloader.storage.ragged import (
+    OFFSETS_NAME,
+    VALUES_NAME,
+    RaggedField,
+    describe_ragged,
+)
 
 BLOCK_ELEMENTS = 1024
 CHUNK_ELEMENTS = 8 * BLOCK_ELEMENTS

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import write_b2nd
+
 from shmloader import Packed, Padded, PerformanceWarning, ShmDataLoader, Windows
-from shmloader.convert import write_ragged
-from shmloader.readahead import LAG_STEPS, LOOKAHEAD_BLOCKS, ReadAhead
-from shmloader.sampler import Sampler
-from shmloader.sources import MixtureSampler
-from shmloader.fields import field_reader
-from shmloader.plan import plan_field
+from shmloader.fill.field_readers import field_reader
+from shmloader.plan.planner import plan_field
+from shmloader.plan.sampler import Sampler
+from shmloader.plan.sources import MixtureSampler
+from shmloader.storage.readahead import LAG_STEPS, LOOKAHEAD_BLOCKS, ReadAhead
+from shmloader.tools.convert import write_ragged
 
 
 @pytest.mark.parametrize("length, window, block_rows", [(1000, 64, 16), (1024, 64, 16), (10, 64, 16), (5000, 700, 9)])
@@ -229,9 +229,9 @@ def test_a_windowed_mixture_gives_the_rows_it_names_for_any_reader_count_and_res
 
 def test_a_windowed_mixture_reads_ahead_each_sources_own_files(files):
     from shmloader import Source
-    from shmloader.filler import StepFiller
-    from shmloader.options import LoaderOptions
-    from shmloader.plan import plan_loader
+    from shmloader.fill.filler import StepFiller
+    from shmloader.plan.options import LoaderOptions
+    from shmloader.plan.planner import plan_loader
 
     sources = [Source({"x": _declaration(files, "b2nd")}), Source({"x": _declaration(files, "shards")})]
     plan = plan_loader(sources, None, LoaderOptions(batch_size=32, seed=4, shuffle_window=400))
@@ -434,7 +434,7 @@ def test_a_window_too_large_for_the_memory_is_warned_about_with_one_that_fits(fi
     from shmloader import PerformanceWarning
 
     fields = {"x": _declaration(files, "npy")}  # 3,000 rows of 24 bytes: 72 KB.
-    monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 100_000)
+    monkeypatch.setattr("shmloader.plan.planner.memory_limit_bytes", lambda: 100_000)
     # shuffle_window=2000: 8 blocks of 250 rows and 4 ahead, 72 KB, over half the 100 KB.
     with pytest.warns(PerformanceWarning, match=r"shuffle_window=2,000: the window and the blocks read ahead of it "
                                                 r"take .* at most about 1,083 rows"):
@@ -442,7 +442,7 @@ def test_a_window_too_large_for_the_memory_is_warned_about_with_one_that_fits(fi
     with warnings.catch_warnings():
         warnings.simplefilter("error", PerformanceWarning)
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=1083).close()  # 13 blocks of 135 rows: 42 KB.
-        monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 1_000_000)  # The data stays cached.
+        monkeypatch.setattr("shmloader.plan.planner.memory_limit_bytes", lambda: 1_000_000)  # The data stays cached.
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
 
 
@@ -450,7 +450,7 @@ def test_a_memory_too_small_for_any_window_says_so_instead_of_advising_one_row(f
     """Before: "a shuffle_window of at most about 1 rows" when the blocks read ahead alone
     took more than half of the memory."""
     fields = {"x": _declaration(files, "npy")}
-    monkeypatch.setattr("shmloader.plan.memory_limit_bytes", lambda: 20_000)
+    monkeypatch.setattr("shmloader.plan.planner.memory_limit_bytes", lambda: 20_000)
     with pytest.warns(PerformanceWarning, match=r"read ahead alone take .* no window fits") as caught:
         ShmDataLoader(fields, batch_size=8, readers=0, shuffle_window=2000).close()
     assert not any("at most about" in str(warning.message) for warning in caught)

@@ -12,12 +12,13 @@ import signal
 
 import numpy as np
 import pytest
-
 from conftest import float_rows, process_alive, wait_until, write_b2nd
+
 from shmloader import ReaderError, ShmDataLoader, StorageError
-from shmloader.ragged import OFFSETS_NAME, SHAPES_NAME, describe_ragged
-from shmloader.sampler import Sampler
-from shmloader.storage import describe_field, open_field
+from shmloader.plan.sampler import Sampler
+from shmloader.storage.opening import open_field
+from shmloader.storage.ragged import OFFSETS_NAME, SHAPES_NAME, describe_ragged
+from shmloader.storage.spec import describe_field
 
 CHANGED = "changed since the loader described it"
 

@@ -19,8 +19,15 @@ import shutil
 import struct
 
 from ..errors import StorageError
-from . import is_url
-from .cache import PAGE_BYTES, acquire, create_object, object_directory, read_marker, write_marker
+from ..remote import is_url
+from .cache import (
+    PAGE_BYTES,
+    acquire,
+    create_object,
+    object_directory,
+    read_marker,
+    write_marker,
+)
 from .store import Client
 
 # A ragged directory's members (ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
@@ -63,7 +70,7 @@ def declares_urls(fields, label_path=None) -> bool:
 
 def _paths(value):
     """Every path string a declaration holds."""
-    from ..sources import Source
+    from ..plan.sources import Source
 
     if isinstance(value, str):
         yield value
@@ -105,7 +112,7 @@ class Localizer:
 
     def fields(self, value):
         """`value` (fields, a Source, a declaration, a path, a list) with URLs replaced."""
-        from ..sources import Source
+        from ..plan.sources import Source
 
         if isinstance(value, str):
             return self.path(value) if is_url(value) else value

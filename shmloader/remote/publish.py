@@ -18,7 +18,7 @@ import posixpath
 import shutil
 import tempfile
 
-from . import is_url
+from ..remote import is_url
 from .store import Client, split_url
 
 # Uploaded after everything else: what makes a ragged field (or an import) readable.

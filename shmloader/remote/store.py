@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import pathlib
 import random
-import threading
 import re
+import threading
 import time
 
 from ..errors import RemoteError

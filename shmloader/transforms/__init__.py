@@ -47,7 +47,9 @@ def check_determinism(fields, transform, transform_args=None, *, steps=(0, 1), *
     and `np.random` seeded differently, and raises TransformError naming the first output
     that differs (a transform that uses global randomness, the clock, or state kept between
     calls). Takes the loader's fields and options; starts no reader."""
-    from .local import LocalTransform  # Planning and the fillers are the trainer's, not a reader's.
+    from .local import (
+        LocalTransform,  # Planning and the fillers are the trainer's, not a reader's.
+    )
 
     with LocalTransform(fields, transform, transform_args, **loader_options) as local:
         for step in steps:

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from ..errors import TransformError
-from ..sampler import derive_seed, global_position
-from ..slot_layout import RESERVED_NAMES, Region
+from ..plan.sampler import derive_seed, global_position
+from ..ring.slot_layout import RESERVED_NAMES, Region
 
 _MASK64 = (1 << 64) - 1
 # Philox counters: the highest word holds the sample's position (or the step), the next one

@@ -24,8 +24,8 @@ import math
 
 import numpy as np
 
-from ..imagefolder import check_pixels, image_size
 from ..errors import TransformError
+from ..tools.imagefolder import check_pixels, image_size
 from .core import transform
 
 DECODERS = ("auto", "fast", "pillow")

@@ -3,10 +3,10 @@ check_determinism, compute_batch and tests (no reader, no ring)."""
 
 from __future__ import annotations
 
-from ..filler import StepFiller
-from ..options import LoaderOptions
-from ..plan import plan_loader
-from ..slot_layout import INDICES
+from ..fill.filler import StepFiller
+from ..plan.options import LoaderOptions
+from ..plan.planner import plan_loader
+from ..ring.slot_layout import INDICES
 
 
 class LocalTransform:

@@ -1,0 +1,321 @@
+"""The step filler: the one place a step's slot is filled, whoever fills it.
+
+fill(step, outputs) writes the step's row indices (and a mixture's source ids) from the
+sampler, then every field's regions, or, under a transform, reads the fields into this
+process's buffers and runs the transform into the slot. Reader processes (reader.py), the
+trainer itself with readers=0 (loader.py), and compute_batch / check_determinism
+(transforms/local.py) all call it, so batch k is the same array whoever computes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+
+from .._native import ffi
+from ..errors import RemoteError, ShmLoaderError
+from ..plan.options import ON_ERROR
+from ..plan.planner import FieldPlan
+from ..plan.sampler import Sampler
+from ..plan.sources import MixtureSampler
+from ..ring.slot_layout import SlotLayout
+from ..storage.readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
+from ..transforms.core import TransformRunner, TransformSpec
+from .field_readers import FieldReader, InputBuffers, _Output, field_reader
+
+# A batch with more failing records than this fails for another reason than its records.
+BAD_RECORDS_MAX = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRecord:
+    """A record replaced under on_error="skip": its step, batch position, row, source,
+    where it is stored, and the error it raised."""
+
+    step: int
+    position: int
+    row: int
+    source: int | None
+    where: str
+    error: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _roomy(plan: FieldPlan, batch_size: int) -> FieldPlan:
+    """`plan` with a packed region that holds batch_size of its longest records."""
+    if plan.kind != "packed":
+        return plan
+    capacity = batch_size * max(part.length_max for part in plan.parts)
+    values = dataclasses.replace(plan.regions[0], shape=(capacity,))
+    return dataclasses.replace(plan, regions=(values, *plan.regions[1:]), options={**plan.options, "capacity": capacity})
+
+
+def _naming(error: Exception, text: str) -> Exception:
+    """`error` with `text` added: in the message for the package's own errors (their type
+    and cause kept), as a note on others."""
+    if isinstance(error, ShmLoaderError):
+        named = type(error)(f"{error}; {text}")
+        named.__cause__ = error.__cause__ if error.__cause__ is not None else error
+        return named
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    return error
+
+
+@dataclasses.dataclass(frozen=True)
+class FillerSpec:
+    """What a step filler is built from, as data: a reader process gets it in its
+    ReaderConfig (JSON on stdin), a Ray actor as its constructor's argument, and the
+    trainer builds its own (readers=0) from it, so every filler of a loader is the same."""
+
+    slot: SlotLayout
+    sampler: Sampler | MixtureSampler
+    fields: tuple[FieldPlan, ...]
+    verify: bool = False
+    transform: TransformSpec | None = None
+    sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
+    on_error: str = "raise"
+
+    def build(self, read_ahead: bool = True, share: tuple[int, int] = (0, 1)) -> StepFiller:
+        """The filler; a transform's module is looked for on the trainer's sys.path too.
+        `share`: (reader index, readers on this machine), see ReadAhead."""
+        if self.transform is not None:
+            sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
+        return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
+                          share)
+
+    def to_dict(self) -> dict:
+        return {
+            "slot": self.slot.to_dict(),
+            "sampler": self.sampler.to_dict(),
+            "fields": [plan.to_dict() for plan in self.fields],
+            "verify": self.verify,
+            "transform": None if self.transform is None else self.transform.to_dict(),
+            "sys_path": list(self.sys_path),
+            "on_error": self.on_error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FillerSpec:
+        sampler = data["sampler"]
+        return cls(
+            slot=SlotLayout.from_dict(data["slot"]),
+            sampler=MixtureSampler.from_dict(sampler) if sampler.get("kind") == "mixture" else Sampler.from_dict(sampler),
+            fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
+            verify=bool(data["verify"]),
+            transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
+            sys_path=tuple(data["sys_path"]),
+            on_error=data["on_error"],
+        )
+
+
+class SlotOutputs:
+    """One slot's arrays as the filler writes them, with their native pointers: built once
+    per slot (StepFiller.bind), so that a step costs no cffi call to find its memory."""
+
+    __slots__ = ("indices", "index_pointer", "sources", "source_pointer", "fields", "out")
+
+    def __init__(self, indices: np.ndarray, sources: np.ndarray | None, fields: list, out: dict) -> None:
+        self.indices, self.index_pointer = indices, ffi.from_buffer("uint64_t[]", indices)
+        self.sources = sources
+        self.source_pointer = None if sources is None else ffi.from_buffer("uint32_t[]", sources)
+        self.fields, self.out = fields, out  # Per field its _Outputs (no transform); else the transform's arrays.
+
+
+class StepFiller:
+    """Fills steps of one plan: its fields' readers (or the transform's runner and input
+    buffers), the sampler, and the block-local shuffle's read-ahead where the sampler has
+    windows (read_ahead=False for a one-off computation)."""
+
+    def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
+                 verify: bool, read_ahead: bool = True, on_error: str = "raise",
+                 share: tuple[int, int] = (0, 1)) -> None:
+        assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
+        self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
+        self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
+        self.verify = verify
+        self._probe = self._probe_outputs = None  # a filler with room to spare, for finding bad records
+        self.plans = tuple(fields)
+        batch = slot.batch_size
+        self.mixture = isinstance(sampler, MixtureSampler)
+        if self.mixture != slot.mixture:
+            raise ValueError("a mixture's sampler needs a slot with a source region, and only it")
+        self.fields, self.runner, self.inputs = [], None, None
+        if transform is None:
+            self.fields = [field_reader(plan, batch, verify, sampler) for plan in self.plans]
+            expected = [region for plan in self.plans for region in plan.regions]
+        else:  # The fields fill this process's own buffers; the transform fills the slot.
+            self.runner = TransformRunner(transform, batch, sampler)
+            self.inputs = InputBuffers(self.plans, batch, verify, sampler)
+            expected = list(transform.regions(batch))
+        found = list(slot.regions[:-1] if self.mixture else slot.regions)
+        if found != expected:
+            raise ValueError(f"the slot's regions {[r.name for r in found]} are not the plan's {[r.name for r in expected]}")
+        # The block-local shuffle reads windows ahead: one ReadAhead, or one per source of a
+        # mixture, all through one advisor thread.
+        views = sampler.window_views() if read_ahead else []
+        stored_bytes = sum(plan.stored_bytes for plan in self.plans)
+        self.advisor = Advisor(PENDING_MAX * len(views)) if views else None
+        self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor,
+                                     share) for view in views]
+        # Fields from a store: each fill pins its pages (fetching what is missing), and
+        # without windows to read ahead, the next steps' pages are fetched ahead of them.
+        self.remote = any(reader.remote for reader in self.field_readers)
+        for reader in self.field_readers:  # Whether all the data fits the node cache decides what a fill fetches.
+            reader.stored_total = stored_bytes
+        self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
+
+    @property
+    def field_readers(self) -> list[FieldReader]:
+        return self.fields or self.inputs.readers
+
+    def bind(self, views: tuple[np.ndarray, ...]) -> SlotOutputs:
+        """The outputs over one slot's arrays, in SlotLayout view order (regions, indices)."""
+        regions, indices = views[:-1], views[-1]
+        sources = regions[-1] if self.mixture else None
+        if self.mixture:
+            regions = regions[:-1]
+        if self.runner is not None:
+            return SlotOutputs(indices, sources, [], dict(zip(self.runner.shapes, regions)))
+        per_field, first = [], 0
+        for plan in self.plans:
+            per_field.append([_Output(array) for array in regions[first:first + len(plan.regions)]])
+            first += len(plan.regions)
+        return SlotOutputs(indices, sources, per_field, {})
+
+    def fill(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
+        """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
+        check_determinism's second run). A batch that fails is searched for the records
+        that fail it; on_error="skip" replaces them, "raise" names them in the error."""
+        for ahead in self.read_ahead:
+            ahead.note(step)
+        if self.step_ahead is not None:
+            self.step_ahead.note(step)
+        if self.mixture:
+            self.sampler.fill_unchecked(step, outputs.index_pointer, outputs.source_pointer)
+        else:
+            self.sampler.fill_unchecked(step, outputs.index_pointer)
+        try:
+            self._fill_rows(step, outputs, salt)
+        except RemoteError:
+            raise  # A store that refuses or an object that changed: no record of the batch is at fault.
+        except Exception as error:
+            self._recover(step, outputs, salt, error)
+
+    def _fill_rows(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
+        """Fills the regions from the rows already in outputs.indices (and sources); from a
+        store, with the pages they read pinned in the node cache while they are read."""
+        if not self.remote:
+            self._fill_pinned(step, outputs, salt)
+            return
+        pinned = []
+        try:
+            for reader in self.field_readers:
+                for field, offsets, sizes in reader.extents(outputs.indices, outputs.sources):
+                    pinned.append(field.remote)
+                    field.remote.pin(offsets, sizes, field.unit_pages)
+            self._fill_pinned(step, outputs, salt)
+        finally:
+            for cached in pinned:
+                cached.unpin()
+
+    def _fill_pinned(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
+        indices, sources = outputs.indices, outputs.sources
+        if self.runner is None:
+            for field, field_outputs in zip(self.fields, outputs.fields):
+                field.fill(step, indices, outputs.index_pointer, field_outputs, sources)
+        else:
+            inputs = self.inputs.fill(step, indices, outputs.index_pointer, sources)
+            self.runner.run(step, indices, sources, inputs, outputs.out, salt)
+
+    # Bad records.
+
+    def _fails(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> bool:
+        """Whether a batch made of the records at `positions` alone (repeated to fill it)
+        fails: the probe of the search for bad records, in scratch arrays."""
+        if self._probe is None:
+            # Records repeated to fill a probe can hold more elements than the batch's
+            # packed regions are sized for: the probe's regions hold every row at its longest.
+            plans = tuple(_roomy(plan, self.slot.batch_size) for plan in self.plans)
+            slot = self.slot if self.runner is not None else SlotLayout.of(
+                self.slot.batch_size, [region for plan in plans for region in plan.regions], self.mixture)
+            self._probe = StepFiller(plans, slot, self.sampler, self.transform, self.verify, read_ahead=False)
+            self._probe_outputs = self._probe.bind(slot.allocate())
+        probe, take = self._probe_outputs, np.resize(np.asarray(positions), len(rows))
+        probe.indices[:] = rows[take]
+        if sources is not None:
+            probe.sources[:] = sources[take]
+        try:
+            self._probe._fill_rows(step, probe)
+        except Exception:
+            return True
+        return False
+
+    def _bad_positions(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> list[int] | None:
+        """The positions whose records fail on their own, by halving: about 2 log2(B) probes
+        per bad record, deterministic (it depends only on the batch's records). None when
+        more than BAD_RECORDS_MAX fail: then the failure is not the records' (a file
+        replaced, a transform that fails on every batch) and the search stops early."""
+        if len(positions) == 1:
+            return positions if self._fails(step, rows, sources, positions) else []
+        half = len(positions) // 2
+        found = []
+        for part in (positions[:half], positions[half:]):
+            if self._fails(step, rows, sources, part):
+                more = self._bad_positions(step, rows, sources, part)
+                if more is None or len(found) + len(more) > BAD_RECORDS_MAX:
+                    return None
+                found += more
+        return found
+
+    def _recover(self, step: int, outputs: SlotOutputs, salt: int, error: Exception) -> None:
+        rows = outputs.indices.copy()
+        sources = None if outputs.sources is None else outputs.sources.copy()
+        bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or []
+        if len(bad) == len(rows):  # Not some bad records: whatever the records, the step fails.
+            what = "the transform" if self.runner is not None else "reading its fields"
+            raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of {len(rows)}): "
+                                 f"{what} fails on every record, not on a few bad ones, so on_error='skip' cannot "
+                                 f"replace them")
+        named = [self.describe(int(rows[i]), 0 if sources is None else int(sources[i])) for i in bad]
+        if self.on_error == "raise" or not bad:
+            if named:
+                raise _naming(error, f"the batch fails on record(s) {', '.join(named[:4])}"
+                                     f"{' and more' if len(named) > 4 else ''} (on_error='skip' replaces them)")
+            raise error
+        # Each bad record is replaced by the next good one of its batch (cyclically): the
+        # same whatever the reader count, and on resume.
+        good = [i for i in range(len(rows)) if i not in set(bad)]
+        for i, description in zip(bad, named):
+            j = next((k for k in good if k > i), good[0])
+            self.skipped.append(SkippedRecord(step, i, int(rows[i]), None if sources is None else int(sources[i]),
+                                              description, f"{type(error).__name__}: {error}"[:300]))
+            outputs.indices[i] = rows[j]
+            if sources is not None:
+                outputs.sources[i] = sources[j]
+        self._fill_rows(step, outputs, salt)
+
+    def describe(self, row: int, source: int = 0) -> str:
+        """Where record `row` (of `source`) is stored, with its original file where the
+        converter kept one (readers' error messages name it)."""
+        return self.field_readers[0].describe_row(row, source)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = self._probe_outputs = None
+        self.read_ahead = []
+        if self.step_ahead is not None:
+            self.step_ahead.close()
+            self.step_ahead = None
+        if self.advisor is not None:
+            self.advisor.close()
+            self.advisor = None
+        for field in self.fields:
+            field.close()
+        if self.inputs is not None:
+            self.inputs.close()

@@ -1,0 +1,160 @@
+"""Resharding a shuffle window split among shards: a checkpoint continued under another
+shard count, every row of the interrupted epoch still delivered once (elastic resume).
+
+With a shuffle window and several shards, each shard reads its own stream over its share
+of the blocks (ShardShare in zig/sampler.zig), so a step's rows depend on the shard count
+and a new count cannot simply continue the position. What it continues instead is a
+*dealing* (`Transition`), a pure function of the checkpoint and the new shard count:
+
+- Each old shard h stands at position P_h of its own stream (every shard of a checkpoint
+  stands at the same step). Its unread positions up to the end of epoch E, the last epoch
+  any old shard has begun, are its remainder R_h: the shares of every epoch up to E are
+  then complete, and since the shares of one epoch partition the rows, so is the epoch.
+- The remainders, old shard after old shard, make one sequence T of R = sum R_h rows,
+  cut into new_count contiguous pieces of R // new_count rows (the first R % new_count
+  one more). New shard j reads its piece in the old order, block-local as the old streams
+  were, so a host still reads only about 1/new_count of the remaining bytes.
+- After its piece, new shard j reads its own stream of the new shard count from epoch
+  E + 1, whole.
+
+A new shard's stream positions are its own as before (step * batch_size): the piece
+occupies positions `start` .. `start + len(piece)`, where `start` is the first position of
+the resumed step; positions before `start` are the new shard count's own stream.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+from .._native import Status, lib, status_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """The dealing of an earlier shard count's unread rows (see the module docstring)."""
+
+    shard_count: int  # the shards of the run the checkpoint came from
+    positions: tuple[int, ...]  # each old shard's position in its own stream at the checkpoint
+    through_epoch: int  # the old streams are read to the end of this epoch (-1: none was begun)
+    start: int  # where in each new shard's stream its piece begins
+
+    def to_dict(self) -> dict:
+        return {"shard_count": self.shard_count, "positions": list(self.positions),
+                "through_epoch": self.through_epoch, "start": self.start}
+
+    @classmethod
+    def from_dict(cls, data) -> Transition:
+        """Refuses what a checkpoint could not have written, naming the key."""
+        if not isinstance(data, dict) or set(data) != {"shard_count", "positions", "through_epoch", "start"}:
+            raise ValueError(f"the checkpoint's transition must be a dict with shard_count, positions, "
+                                  f"through_epoch and start (as state_dict() wrote it), got {data!r}")
+        shard_count, positions = data["shard_count"], data["positions"]
+        if not _is_int(shard_count) or shard_count < 1 or not isinstance(positions, list) or \
+                len(positions) != shard_count or not all(_is_int(p) and p >= 0 for p in positions):
+            raise ValueError(f"the checkpoint's transition must hold one non-negative position per old shard "
+                                  f"({shard_count!r} shards), got {positions!r}")
+        if not _is_int(data["through_epoch"]) or data["through_epoch"] < -1 or not _is_int(data["start"]) or \
+                data["start"] < 0:
+            raise ValueError(f"the checkpoint's transition has through_epoch {data['through_epoch']!r} and "
+                                  f"start {data['start']!r}; expected integers >= -1 and >= 0")
+        return cls(shard_count, tuple(positions), data["through_epoch"], data["start"])
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def transition_from(sampler, positions: list[int], start: int, epochs: int | None) -> Transition:
+    """The dealing that continues old shards standing at `positions` (their own streams'),
+    for `sampler`'s data; within a finite pass of `epochs`, no old stream past its end."""
+    lengths = [sampler.of_shard(h, len(positions)).epoch_length for h in range(len(positions))]
+    if epochs is not None:
+        positions = [min(p, epochs * length) for p, length in zip(positions, lengths)]
+    # The last epoch an old shard has begun: one that stands at an epoch's start has begun none of it.
+    through = max((p - 1) // length if p else -1 for p, length in zip(positions, lengths))
+    return Transition(len(positions), tuple(positions), through, start)
+
+
+class Dealing:
+    """One new shard's view of a Transition: which rows its stream positions hold."""
+
+    def __init__(self, sampler, transition: Transition) -> None:
+        self.sampler, self.transition = sampler, transition
+        old_count = transition.shard_count
+        self._old = {}  # old shard -> its Sampler, made for the pieces this shard reads
+        ends = [(transition.through_epoch + 1) * self._old_length(h) for h in range(old_count)]
+        remainders = [max(0, end - p) for end, p in zip(ends, transition.positions)]
+        self._cumulative = np.cumsum([0] + remainders).tolist()  # where each old remainder starts in T
+        total = self._cumulative[-1]
+        each, extra = divmod(total, sampler.shard_count)
+        j = sampler.shard_index
+        self.piece_start = j * each + min(j, extra)  # in T
+        self.piece_rows = each + (j < extra)
+        self.piece_end_position = transition.start + self.piece_rows  # in this shard's stream
+        # The own stream from epoch through_epoch + 1, which follows the piece.
+        self.own_offset = (transition.through_epoch + 1) * sampler.epoch_length - self.piece_end_position
+        self.total_rows = total
+
+    def _old_length(self, h: int) -> int:
+        return self._old_sampler(h).epoch_length
+
+    def _old_sampler(self, h: int):
+        found = self._old.get(h)
+        if found is None:
+            found = self._old[h] = self.sampler.of_shard(h, self.transition.shard_count)
+        return found
+
+    def segments(self, first: int, count: int):
+        """(sampler, stream position, rows, old shard or None) runs covering this shard's
+        positions first .. first + count, in order: its own stream before and after the
+        piece (old shard None), the old streams within it."""
+        position, end = first, first + count
+        start = self.transition.start
+        while position < end:
+            if position < start:
+                rows = min(end, start) - position
+                yield self.sampler, position, rows, None
+            elif position < self.piece_end_position:
+                t = self.piece_start + position - start
+                h = bisect.bisect_right(self._cumulative, t) - 1
+                rows = min(end, self.piece_end_position, start + self._cumulative[h + 1] - self.piece_start) - position
+                yield self._old_sampler(h), self.transition.positions[h] + t - self._cumulative[h], rows, h
+            else:
+                rows = end - position
+                yield self.sampler, position + self.own_offset, rows, None
+            position += rows
+
+    def fill(self, first: int, count: int, pointer) -> None:
+        """Writes the rows of positions first .. first + count to the cffi uint64_t pointer."""
+        offset = 0
+        for sampler, position, rows, _ in self.segments(first, count):
+            status = lib.shm_sampler_fill_positions(sampler._config, position, pointer + offset, rows)
+            if status != Status.OK:
+                raise ValueError(f"cannot fill positions {position} .. {position + rows}: {status_name(status)}")
+            offset += rows
+
+    def keys(self, first: int, count: int) -> np.ndarray:
+        """Each row's transform key (ctx.positions): the one the old run gave it within the
+        piece (its position there interleaved with the old shards'), else this shard's."""
+        keys = np.empty(count, dtype=np.uint64)
+        offset = 0
+        for sampler, position, rows, old in self.segments(first, count):
+            shards, index = (self.sampler.shard_count, self.sampler.shard_index) if old is None else \
+                (self.transition.shard_count, old)
+            keys[offset:offset + rows] = np.arange(position, position + rows, dtype=np.uint64) * np.uint64(shards) + \
+                np.uint64(index)
+            offset += rows
+        return keys
+
+    def stream_at(self, position: int):
+        """(key, sampler, its stream position) of `position`: what the read-ahead follows."""
+        sampler, found, _, old = next(self.segments(position, 1))
+        return ("old", old) if old is not None else ("own", position < self.transition.start), sampler, found
+
+    def own_position(self, position: int) -> int | None:
+        """This shard's own-stream position at `position` once its piece is read, None
+        before the piece ends (the rows left then are the piece's)."""
+        return None if position < self.piece_end_position else position + self.own_offset

@@ -1,0 +1,308 @@
+"""The Python face of the Zig sampler: a step number in, a batch of uint64 row indices out."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import numpy as np
+
+from .._native import Status, ffi, lib, status_name
+from .options import (
+    BATCH_SIZE_MAX,
+    LENGTH_MAX,
+    MODES,
+    SEED_MAX,
+    U64_MAX,
+    check_integer,
+    check_mode,
+    check_shard,
+    check_window,
+)
+from .reshard import Dealing, Transition
+
+
+class Places(NamedTuple):
+    """A stream position in its epoch's block-local shuffle (zig/sampler.zig, SlidingShuffle):
+    the epoch deals from `total` places (blocks, the tail last), `opened` of them by the
+    position, all rows of the first `closed` before it. A reader needs places [closed,
+    opened) now and the following ones next."""
+
+    epoch: int
+    opened: int
+    closed: int
+    total: int
+
+
+def read_places(epoch: int, function, *arguments) -> Places:
+    """Places from the native `function` (shm_sampler_places or shm_mixture_places)."""
+    opened, closed, total = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    status = function(*arguments, opened, closed, total)
+    if status != Status.OK:
+        raise ValueError(f"cannot find the places of position {arguments[-1]}: {status_name(status)}")
+    return Places(epoch, int(opened[0]), int(closed[0]), int(total[0]))
+
+
+def read_place_blocks(function, *arguments) -> np.ndarray:
+    """The blocks at places [first, first + count) of an epoch, from the native `function`
+    (shm_sampler_place_blocks or shm_mixture_place_blocks; arguments end epoch, first, count)."""
+    count = arguments[-1]
+    out = np.empty(count, dtype=np.uint64)
+    status = function(*arguments[:-1], ffi.from_buffer("uint64_t[]", out), count)
+    if status != Status.OK:
+        raise ValueError(f"cannot list places {arguments[-2]} to {arguments[-2] + count} of epoch {arguments[-3]}: "
+                         f"{status_name(status)}")
+    return out
+
+
+def window_blocks_of(shuffle_window: int, block_rows: int, length: int) -> int:
+    """Blocks a phase of the block-local shuffle mixes: ceil(shuffle_window / block_rows),
+    but no more than the data has (a larger window orders rows no differently)."""
+    return max(1, min(-(-shuffle_window // block_rows), length // block_rows + 1))
+
+
+def global_position(step: int, batch_size: int, shard_index: int, shard_count: int) -> int:
+    """Where shard `shard_index`'s part of step `step` starts in the global stream of
+    positions: a step's global batch holds batch_size * shard_count positions, and shard h
+    takes its h-th block of batch_size. Computed by the sampler's own Zig function (one
+    definition for the sampler, mixtures, passes, checkpoints and transforms)."""
+    out = ffi.new("uint64_t *")
+    status = lib.shm_global_position(step, batch_size, shard_index, shard_count, out)
+    if status != Status.OK:
+        raise ValueError(f"step {step} of batch_size {batch_size} and shard {shard_index} of {shard_count} is past "
+                         f"the 64-bit stream of positions")
+    return int(out[0])
+
+
+def step_max(batch_size: int, shard_index: int, shard_count: int) -> int:
+    """The last step whose positions fit the sampler's 64-bit stream."""
+    return (U64_MAX - batch_size * (shard_index + 1)) // (batch_size * shard_count)
+
+
+def derive_seed(*parts) -> int:
+    """A 64-bit value keyed by `parts` (their text joined by "/"): every seed the loader
+    derives (a mixture's per-source seeds, transform names, the global generators'
+    reseeding) comes from here."""
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
+
+
+class Sampler:
+    """Maps a step to the row indices of that step's batch, as a pure function.
+
+    The batch for `step` depends only on (length, batch_size, mode, seed, shard_index,
+    shard_count, step), so any process can compute any step and resuming is exact.
+
+    Modes:
+      - "sequential": position p = step*B + i (global), index p mod length.
+      - "random": independent uniform draws with replacement, unbiased.
+      - "shuffle": without replacement; epoch p // length is a seeded permutation of all
+        rows, so every epoch covers every row once, and batches cross epochs seamlessly.
+
+      - "shuffle" with `shuffle_window` (rows): the block-local shuffle, for data larger
+        than memory. Each epoch permutes blocks of `block_rows` consecutive rows and deals
+        them out as a sliding window: each block's rows are spread over B = ceil(
+        shuffle_window / block_rows) consecutive phases of block_rows positions, so a
+        phase mixes the rows of B blocks, one block opens and one closes per phase, and
+        the rows of a phase are permuted (the rows past the last full block come last).
+        Every epoch still covers every row once; readers read whole blocks ahead, about
+        one window's worth of them at a time, instead of random rows.
+
+    Sharding: the global batch of a step has batch_size * shard_count positions; shard h
+    takes the h-th block of batch_size. Shards of one step are disjoint and together they
+    form the global batch. With a shuffle window, each shard instead reads only its share
+    of the blocks, so that each host reads about 1/shard_count of the bytes: the full
+    blocks whose slot in the epoch's block permutation is h modulo shard_count (and the tail
+    rows for the shard next in that round), shuffled as a dataset of its own, at
+    the shard's own positions step * batch_size. The shards' shares of an epoch partition
+    it (every row once per epoch across shards), but a shard's batches now depend on
+    shard_count, and shards whose shares differ by a block cross epochs a little apart.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        batch_size: int,
+        mode: str = "shuffle",
+        seed: int = 0,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        shuffle_window: int | None = None,
+        block_rows: int = 1,
+        transition=None,
+    ) -> None:
+        # The loader's settings came through options.LoaderOptions; these are the same
+        # checks, against the same limits, for a sampler built from a dict in a reader.
+        self.length = check_integer("length", length, 1, LENGTH_MAX)
+        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+        self.mode = check_mode(mode)
+        self.seed = check_integer("seed", seed, 0, SEED_MAX)
+        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
+        self.shuffle_window = check_window(shuffle_window, mode)
+        self.block_rows = check_integer("block_rows", block_rows, 1, LENGTH_MAX)
+        window_blocks = 0
+        if shuffle_window is not None:
+            # A window that covers the data holds all of it at once: the global shuffle is
+            # then its order (a block-local one would keep the block order as its only
+            # locality, and a batch of sorted data far fewer labels than the global one).
+            if shuffle_window < self.length:
+                window_blocks = window_blocks_of(shuffle_window, self.block_rows, self.length)
+        self.blocks_per_window = window_blocks
+        # Each shard reads only its share of the blocks (see the class docstring).
+        self.shard_blocks = bool(window_blocks) and self.shard_count > 1
+        self._config = ffi.new("shm_sampler_config *")
+        self._config.flags = 1 if self.shard_blocks else 0
+        self._config.block_rows = self.block_rows
+        self._config.window_blocks = window_blocks
+        self._config.length = self.length
+        self._config.batch_size = self.batch_size
+        self._config.seed = self.seed
+        self._config.mode = MODES[mode]
+        self._config.shard_index = self.shard_index
+        self._config.shard_count = self.shard_count
+        # Rows in this shard's share of an epoch (zig/sampler.zig ShardShare), or all of them.
+        self.epoch_length = int(lib.shm_share_length(self._config)) if self.shard_blocks else self.length
+        if self.epoch_length == 0:
+            raise ValueError(f"shard {self.shard_index} of {self.shard_count} gets no rows: {self.length} rows make "
+                             f"{self.length // self.block_rows} blocks of {self.block_rows}; use fewer shards or a "
+                             f"smaller shuffle_window (blocks are at most an eighth of it)")
+        # fill() remembers the last `out` it checked, since callers reuse one buffer.
+        self._last_out = self._last_shape = self._last_pointer = None
+        status = lib.shm_sampler_check(self._config)
+        if status != Status.OK:
+            raise ValueError(f"invalid sampler configuration: {status_name(status)}")
+        # A resumed checkpoint of another shard count: its unread rows dealt first (reshard.py).
+        if transition is not None and not isinstance(transition, Transition):
+            transition = Transition.from_dict(transition)
+        if transition is not None and not window_blocks:
+            raise ValueError("a transition (a resharded checkpoint's dealing) needs a shuffle_window smaller than "
+                             "the data")
+        self.transition = transition
+        self.dealing = None if transition is None else Dealing(self, transition)
+
+    @property
+    def step_max(self) -> int:
+        """The last step whose positions fit the sampler's 64-bit stream."""
+        return step_max(self.batch_size, self.shard_index, self.shard_count)
+
+    def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
+        step = check_integer("step", step, 0, U64_MAX)
+        if out is None:
+            out = np.empty(self.batch_size, dtype=np.uint64)
+        if out is self._last_out and out.shape == self._last_shape:
+            pointer = self._last_pointer  # The same buffer again: skip the checks.
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.uint64
+            or out.shape != (self.batch_size,)
+            or not out.flags.c_contiguous
+            or not out.flags.writeable
+        ):
+            raise ValueError(
+                f"out must be a writable, C-contiguous uint64 array of shape ({self.batch_size},)"
+            )
+        else:
+            pointer = ffi.from_buffer("uint64_t[]", out)
+            self._last_out, self._last_shape, self._last_pointer = out, out.shape, pointer
+        self.fill_unchecked(step, pointer)
+        return out
+
+    def fill_unchecked(self, step: int, pointer) -> None:
+        """fill() into a cffi uint64_t pointer to batch_size entries, for callers that checked it."""
+        if self.dealing is not None:
+            self.dealing.fill(step * self.batch_size, self.batch_size, pointer)
+            return
+        status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
+        if status != Status.OK:
+            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+
+    def stream_position(self, step: int) -> int:
+        """Where `step` starts in the stream this shard reads: the global position of its
+        block of the global batch, or its own position when it reads its share of blocks."""
+        if self.shard_blocks:
+            return step * self.batch_size
+        return global_position(step, self.batch_size, self.shard_index, self.shard_count)
+
+    @property
+    def own_streams(self) -> bool:
+        """Whether each shard reads a stream of its own (positions step * batch_size), not
+        its block of the global one: a window split among shards, or a resharded dealing."""
+        return self.shard_blocks or self.transition is not None
+
+    def with_transition(self, transition: Transition | None) -> Sampler:
+        """This sampler, dealing `transition` first (or not at all: None)."""
+        data = {key: value for key, value in self.to_dict().items() if key != "transition"}
+        return Sampler(**data, transition=transition)
+
+    def of_shard(self, shard_index: int, shard_count: int) -> Sampler:
+        """The stream of shard `shard_index` of `shard_count` over this sampler's data (batch 1)."""
+        return Sampler(self.length, 1, self.mode, self.seed, shard_index, shard_count, self.shuffle_window,
+                       self.block_rows)
+
+    def row_keys(self, step: int, count: int) -> np.ndarray:
+        """Each row's key for a transform's ctx.rng: its global position, or where each shard
+        reads its own stream, its position there interleaved with the other shards'
+        (independent of batch_size, which a resume may change)."""
+        if self.dealing is not None:
+            return self.dealing.keys(step * count, count)
+        if self.shard_blocks:
+            own = np.arange(step * count, (step + 1) * count, dtype=np.uint64)
+            return own * np.uint64(self.shard_count) + np.uint64(self.shard_index)
+        first = global_position(step, count, self.shard_index, self.shard_count)
+        return np.arange(first, first + count, dtype=np.uint64)
+
+    def window_stream(self, step: int) -> tuple:
+        """(key, sampler, position): the stream whose blocks `step` reads, for the read-ahead
+        (its places and place_blocks), and a key that changes when the stream does."""
+        if self.dealing is not None:
+            return self.dealing.stream_at(step * self.batch_size)
+        return None, self, self.stream_position(step)
+
+    def places(self, position: int) -> Places:
+        """Where stream `position` (see stream_position) stands in its epoch's block-local
+        shuffle: what a reader reads ahead and lets go of (readahead.py)."""
+        position = check_integer("position", position, 0, U64_MAX)
+        return read_places(position // self.epoch_length, lib.shm_sampler_places, self._config, position)
+
+    def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
+        """The block ids (row // block_rows) at places first .. first + count of `epoch`."""
+        return read_place_blocks(lib.shm_sampler_place_blocks, self._config, epoch, first, count)
+
+    def window_views(self) -> list[Sampler]:
+        """What reads ahead for this sampler's windows (readahead.py): itself, or nothing
+        without a shuffle window. A mixture gives one per source."""
+        return [self] if self.blocks_per_window else []
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return self.iterate(0)
+
+    def iterate(self, start_step: int = 0) -> Iterator[np.ndarray]:
+        """Yields the batches of steps start_step, start_step + 1, ... forever (new arrays)."""
+        step = check_integer("start_step", start_step, 0, U64_MAX)
+        while True:
+            yield self.fill(step)
+            step += 1
+
+    def to_dict(self) -> dict:
+        """The small description that crosses a process boundary to rebuild this sampler
+        (Sampler.from_dict), and that a checkpoint records."""
+        return {
+            "length": self.length,
+            "batch_size": self.batch_size,
+            "mode": self.mode,
+            "seed": self.seed,
+            "shard_index": self.shard_index,
+            "shard_count": self.shard_count,
+            "shuffle_window": self.shuffle_window,
+            "block_rows": self.block_rows,
+            **({} if self.transition is None else {"transition": self.transition.to_dict()}),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Sampler:
+        return cls(**data)
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{key}={value!r}" for key, value in self.to_dict().items())
+        return f"Sampler({arguments})"

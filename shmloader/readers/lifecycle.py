@@ -1,0 +1,103 @@
+"""A loader's lifecycle outside its iteration: what it must give back (Resources, with the
+teardown order of pool.py's shutdown note), Ctrl-C held back during teardown, and loaders
+forgotten in a forked child."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import weakref
+
+from ..device import PinnedRing
+from ..fill.filler import StepFiller
+from ..ring.segment import Ring
+from .pool import ReaderPool
+
+
+class Resources:
+    """Everything the loader must give back, without a reference to the loader itself, so
+    that weakref.finalize can clean up a loader that was never closed. Teardown follows
+    the shutdown note in pool.py; it is idempotent and never raises."""
+
+    def __init__(self) -> None:
+        self.owner_pid = os.getpid()
+        self.ring: Ring | None = None
+        self.pool: ReaderPool | None = None
+        self.pinned: PinnedRing | None = None
+        self.filler: StepFiller | None = None  # readers=0: the trainer's own filler.
+        self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
+        self.device_iterators: weakref.WeakSet = weakref.WeakSet()
+
+    def close(self) -> None:
+        if os.getpid() != self.owner_pid:
+            return  # A forked child inherited this object: the ring is its parent's.
+        with interrupts_deferred():
+            self._close()
+
+    def _close(self) -> None:
+        pool, ring = self.pool, self.ring
+        try:
+            if ring is not None and not ring.closed:
+                ring.set_stopping()
+                ring.names.unlink_all()
+            if pool is not None:
+                pool.stop()
+        finally:
+            for iterator in list(self.device_iterators):
+                try:
+                    iterator.close()  # Copies in flight read the ring: they finish first.
+                except Exception:
+                    pass  # A failed device must not stop the ring's teardown.
+            if self.pinned is not None:
+                self.pinned.unregister()  # Before the mapping can go.
+            if self.filler is not None:
+                self.filler.close()
+            if ring is not None:
+                ring.close()
+            if self.node_cache is not None:
+                from ..remote.cache import release
+
+                cache, self.node_cache = self.node_cache, None
+                try:
+                    release(cache)
+                except Exception:
+                    pass  # Its files close with the process anyway.
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Holds back Ctrl-C (SIGINT) while the block runs, then delivers it, so that a second
+    Ctrl-C cannot stop a teardown half-way. Only the main thread can do this; elsewhere
+    the block runs as it is (its steps are ordered so that an interruption leaks nothing
+    in /dev/shm, see pool.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            if callable(previous):
+                previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt.
+            elif previous == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+live_loaders: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_loaders_in_child() -> None:
+    """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
+    for loader in list(live_loaders):
+        loader._deactivate()
+        ring = loader._resources.ring
+        if ring is not None and not ring.closed:
+            ring.forget_descriptors_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_loaders_in_child)

@@ -1,0 +1,406 @@
+"""The trainer's reader pool: starts, configures, watches, restarts and stops reader processes.
+
+Shutdown, described once (ShmDataLoader.close, the loader's finalizer and interpreter exit
+all come here, through lifecycle.Resources.close):
+
+1. The trainer sets the ring's stop flag, then unlinks the ring's segment and semaphores
+   at once: from here on nothing is left in /dev/shm, whatever interrupts what follows (a
+   second Ctrl-C). Attached readers keep their mappings; a reader not yet attached fails
+   to attach and exits.
+2. ReaderPool.stop first stops the remote readers' bridge (its thread finishes the copy
+   it is making; their actors are killed). It posts the work semaphore once per reader,
+   so a reader asleep in its bounded wait wakes at once; a reader mid-fill finishes that
+   batch and sees the flag.
+   It sends any reader still waiting for its configuration reader.STOP_MESSAGE instead,
+   and that reader exits at once (bare EOF would make it wait to judge its trainer dead).
+3. It joins every reader for at most join_timeout_seconds in all, then SIGKILLs and reaps
+   whoever is left (a reader stopped by SIGSTOP, or stuck on a stalled file system); an
+   exception in the join (Ctrl-C) kills and reaps the rest before it propagates.
+4. The ring's handles are closed: the owner lock goes, and the mapping is unmapped once
+   no batch array refers to it, which gives tmpfs its pages back.
+
+Readers never unlink anything while their trainer lives; a reader whose trainer died or
+exec'd (a pidfd on the trainer says so, or the ring's owner lock is free) unlinks the ring
+itself, since nobody else will (reader.py). Each step is idempotent and never raises, so a
+half-built loader tears down the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import posix_ipc
+
+from ..errors import ReaderError, SlotsExhaustedError, reader_error_type
+from ..readers import forkserver
+from ..ring.segment import POLL_INTERVAL_SECONDS, Ring, SlotState
+from .reader import (
+    EXIT_REPORTED_ERROR,
+    EXIT_SERVER_GONE,
+    SIGNAL_GRACE_SECONDS,
+    STOP_MESSAGE,
+    ErrorReport,
+    ReaderConfig,
+)
+
+# Run as -c rather than -m: the package is already imported by then, and runpy warns
+# about running a module of an imported package.
+# SIGINT is ignored first: Ctrl-C reaches the whole process group, and a reader still
+# importing (a few hundred ms) would die of it with a KeyboardInterrupt traceback; the
+# trainer handles Ctrl-C and closes its readers.
+_READER_BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import sys; "
+                     "from shmloader.readers.reader import main; sys.exit(main(sys.argv))")
+_PACKAGE_PARENT = str(pathlib.Path(__file__).resolve().parent.parent.parent)  # Where `import shmloader` finds it.
+
+
+def describe_exit(exit_code: int) -> str:
+    if exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"was killed by {name} (exit code {exit_code})"
+    if exit_code == EXIT_SERVER_GONE:
+        return f"exited with code {exit_code} (its fork server died before it was tied to it)"
+    return f"exited with code {exit_code}"
+
+
+def reader_environment() -> dict[str, str]:
+    """The environment a reader gets: the trainer's, with this package importable."""
+    environment = dict(os.environ)
+    # A reader is one thread of work: numpy's BLAS thread pools would only cost memory.
+    for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        environment.setdefault(variable, "1")
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_PARENT, environment.get("PYTHONPATH")]))
+    return environment
+
+
+def spawn_reader():
+    """Starts a reader, which waits for its configuration on stdin: forked by this
+    trainer's fork server where the system allows (forkserver.py), else a fresh
+    interpreter. Either has pid, stdin, poll(), wait(timeout), kill()."""
+    environment = reader_environment()
+    if forkserver.available():
+        return forkserver.start_reader(environment)
+    return spawn_interpreter(environment)
+
+
+def spawn_interpreter(environment: dict[str, str]) -> subprocess.Popen:
+    """A reader in an interpreter of its own."""
+    # A fresh interpreter, not a fork of the trainer (safe with threads) nor
+    # multiprocessing's spawn (which re-imports the trainer's __main__): only this package
+    # is imported.
+    return subprocess.Popen(
+        [sys.executable, "-c", _READER_BOOTSTRAP, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        env=environment,
+        close_fds=True,
+        # `-c` puts the working directory first on sys.path; "/" keeps a source
+        # checkout there from shadowing the package this trainer imported.
+        cwd="/",
+        # Its own session, so its own process group: a terminal's Ctrl-C (or a signal to
+        # the trainer's group) reaches the trainer alone, which closes its readers. A
+        # reader signalled before its bootstrap could ignore SIGINT died in `site` with a
+        # "Fatal Python error" traceback. A dead trainer still ends its readers
+        # (PR_SET_PDEATHSIG and their parent checks).
+        start_new_session=True,
+    )
+
+
+class ReaderPool:
+    """The reader processes of one loader, indexed 0..count-1 like their ring records.
+
+    Readers are started before the ring exists, so that their start-up (a fork request,
+    or an interpreter's imports) overlaps the trainer's validation of the files;
+    `configure` hands each its JSON configuration once the ring is there.
+
+    Its two waits are attributes, so that tests can shorten them: how long stop() joins
+    readers before killing them, and how long a reader outlives a termination signal
+    sent to it alone (then it exits and is restarted).
+    """
+
+    join_timeout_seconds = 2.0
+    signal_grace_seconds = SIGNAL_GRACE_SECONDS
+
+    def __init__(self, count: int, max_restarts: int, remote=None) -> None:
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        # The budget counts per reader: losing every reader at once (an OOM kill of the
+        # group) costs each one restart, not the whole budget.
+        self._restarts_by_reader = [0] * count
+        self.processes: list = []  # subprocess.Popen or forkserver.ForkedReader
+        self.ring: Ring | None = None
+        self._config: ReaderConfig | None = None
+        # Remote readers (shmloader.readers.ray.RayReaders): reader records count..records-1, fed
+        # by their bridge, a thread of this process, once configured.
+        self.remote_spec, self.remote = remote, None
+        self.records = count + (0 if remote is None else remote.count)
+        self._retired_busy_ns = [0] * count
+        self._retired_batches = [0] * count
+        self._retired_sleeps = [(0, 0, 0)] * self.records  # (starved_ns, sleeps, wakeups)
+        self._retired_skips: list[tuple[int, list]] = [(0, [])] * self.records  # (count, first records)
+        self.count = count
+
+    def start(self) -> None:
+        """Starts the readers; they wait for configure(). One that fails to start leaves
+        the others in self.processes, so that stop() reaps them."""
+        while len(self.processes) < self.count:
+            self.processes.append(spawn_reader())
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self.processes]
+
+    def configure(self, ring: Ring, request, config: ReaderConfig) -> None:
+        """Sends every started reader `config` with its own reader_index. `request(slot,
+        step)` is the trainer's request (the cursor's): a dead reader's slot goes back
+        through it."""
+        self.ring, self._request, self._config = ring, request, config
+        self._filler_json = json.dumps(config.filler.to_dict())  # Once for every reader and restart.
+        for reader_index, process in enumerate(self.processes):
+            self._send_config(process, reader_index)
+        if self.remote_spec is not None:
+            for record in range(self.count, self.records):
+                ring.clear_reader_error(record)
+            self.remote = self.remote_spec.start(ring, self.count, config.filler)
+
+    def reconfigure(self, filler) -> None:
+        """Replaces every reader by one configured with `filler` (a resharded resume's new
+        sampler): readers build their sampler once, from their configuration. The trainer
+        has taken back every slot, so the readers are idle and nothing is lost with them;
+        this is no restart (the budget is untouched), but their statistics are kept."""
+        self._config = dataclasses.replace(self._config, filler=filler)
+        self._filler_json = json.dumps(filler.to_dict())
+        ring = self.ring
+        for reader_index, process in enumerate(self.processes):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+            self._keep_stats(reader_index)
+            self.processes[reader_index] = spawn_reader()
+            self._send_config(self.processes[reader_index], reader_index)
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
+            self.remote = self.remote_spec.start(ring, self.count, filler)
+
+    @property
+    def remote_restarts(self) -> int:
+        return 0 if self.remote is None else self.remote.restarts
+
+    def pid(self, reader_index: int) -> int:
+        """The process of reader record `reader_index` (a remote one's as last reported, or 0)."""
+        return self.pids[reader_index] if reader_index < self.count else self.ring.reader_stats(reader_index)[0]
+
+    def describe(self, reader_index: int) -> str:
+        """"reader 2 (pid 123)", or the remote reader that has that record."""
+        if reader_index >= self.count:
+            return self.remote.describe(reader_index)
+        return f"reader {reader_index} (pid {self.pid(reader_index)})"
+
+    def _send_config(self, process, reader_index: int) -> None:
+        self.ring.clear_reader_error(reader_index)
+        try:
+            config = dataclasses.replace(self._config, reader_index=reader_index,
+                                         signal_grace_seconds=self.signal_grace_seconds)
+            process.stdin.write(config.to_json(self._filler_json).encode())
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # It died while starting: check() restarts it like any dead reader.
+
+    # Supervision.
+
+    def check(self) -> None:
+        """Raises for a reader that reported an error or died past the restart budget;
+        restarts any other dead reader. Raises what stopped the remote readers' bridge."""
+        if self.remote is not None:
+            self.remote.check()
+        for reader_index, process in enumerate(self.processes):
+            exit_code = process.poll()
+            if exit_code is None:
+                continue
+            if exit_code == EXIT_REPORTED_ERROR or self.ring.reader_error(reader_index):
+                raise self.reported_error(reader_index, exit_code)
+            if self._restarts_by_reader[reader_index] >= self.max_restarts:
+                raise ReaderError(
+                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}; it was restarted "
+                    f"{self._restarts_by_reader[reader_index]} times already (max_reader_restarts="
+                    f"{self.max_restarts}, counted per reader)",
+                    reader_index=reader_index,
+                    pid=process.pid,
+                    exit_code=exit_code,
+                )
+            self.restart(reader_index)
+
+    def restart(self, reader_index: int) -> None:
+        """Replaces a dead reader and hands the step it was filling to the readers again."""
+        self.retire(reader_index)
+        process = spawn_reader()
+        self.processes[reader_index] = process
+        self._send_config(process, reader_index)
+
+    def retire(self, reader_index: int) -> None:
+        """Counts a dead reader's restart, keeps its statistics and requests again the step
+        it was filling, so that its replacement starts clean."""
+        self.restarts += 1
+        self._restarts_by_reader[reader_index] += 1
+        self._keep_stats(reader_index)
+        for slot in self.ring.slots_filled_by(reader_index):
+            self._request(slot, self.ring.step(slot))
+
+    def _keep_stats(self, reader_index: int) -> None:
+        """Adds a reader's statistics to its record's retired ones and clears them for the next."""
+        ring = self.ring
+        busy_ns, batches = ring.reader_stats(reader_index)[1:]
+        self._retired_busy_ns[reader_index] += busy_ns
+        self._retired_batches[reader_index] += batches
+        self._retired_sleeps[reader_index] = tuple(
+            a + b for a, b in zip(self._retired_sleeps[reader_index], ring.reader_sleeps(reader_index)))
+        count, records = self._reader_skips(reader_index)
+        self._retired_skips[reader_index] = (count, records)
+        ring.write_reader_stats(reader_index, 0, 0, 0)
+        ring.write_reader_sleeps(reader_index, 0, 0, 0)
+        ring.write_reader_skips(reader_index, 0, b"")
+
+    def raise_reported(self, reader_index: int) -> None:
+        """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
+        exit_code = None
+        if reader_index >= self.count:
+            raise self.reported_error(reader_index, None)
+        try:
+            exit_code = self.processes[reader_index].wait(self.join_timeout_seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        raise self.reported_error(reader_index, exit_code)
+
+    def reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
+        remote = reader_index >= self.count
+        report = ErrorReport.decode(self.ring.reader_error(reader_index))
+        if not report.type:
+            report = ErrorReport("unknown", f"it {describe_exit(exit_code)} without an error report", "", None)
+        where = f" at step {report.step}" if report.step is not None else " while starting"
+        message = (
+            f"{self.describe(reader_index)} raised {report.type}{where}: "
+            f"{report.message}\n--- {'actor' if remote else 'reader'} traceback ---\n{report.traceback}"
+        )
+        return reader_error_type(report.module, report.type)(
+            message,
+            reader_index=reader_index,
+            pid=report.pid if remote else self.processes[reader_index].pid,
+            exit_code=exit_code,
+            step=report.step,
+            original_type=report.type,
+            traceback_text=report.traceback,
+        )
+
+    def take_back(self, slot: int, timeout_seconds: float) -> None:
+        """Takes a slot back from the readers (a seek): a requested one at once, one being
+        filled once its reader is done, waiting at most `timeout_seconds`."""
+        ring = self.ring
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            state, owner = ring.state(slot)
+            if state == SlotState.FAILED:
+                self.raise_reported(owner)
+            if state == SlotState.REQUESTED and not ring.withdraw(slot):
+                continue  # A reader took it just now: wait for it to finish.
+            if state != SlotState.FILLING:
+                return
+            if time.monotonic() > deadline:
+                raise SlotsExhaustedError(
+                    f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
+                )
+            if not ring.wait_published(slot, POLL_INTERVAL_SECONDS):
+                self.check()
+
+    def _reader_skips(self, reader_index: int) -> tuple[int, list]:
+        """The records reader `reader_index` skipped, with those of the readers it replaced."""
+        count, raw = self.ring.reader_skips(reader_index)
+        try:
+            records = json.loads(raw.decode()) if raw else []
+        except ValueError:
+            records = []  # Foreign input: the count still stands.
+        retired_count, retired = self._retired_skips[reader_index]
+        return retired_count + count, retired + (records if isinstance(records, list) else [])
+
+    def skipped(self) -> tuple[int, list]:
+        """Records skipped by every reader (on_error="skip"), and the first described."""
+        total, records = 0, []
+        for reader_index in range(self.records):
+            count, described = self._reader_skips(reader_index)
+            total, records = total + count, records + described
+        return total, sorted(records, key=lambda record: (record.get("step", 0), record.get("position", 0)))
+
+    def report(self, elapsed_s: float) -> list[dict]:
+        """Per reader, counting the readers it replaced: pid, batches filled, time busy,
+        time asleep while a slot it then claimed was already requested (a starved
+        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up.
+        Remote readers (remote: True) follow, busy_s their actor's time filling."""
+        readers = []
+        for reader_index in range(self.records):
+            pid, busy_ns, batches = self.ring.reader_stats(reader_index)
+            starved_ns, sleeps, wakeups = (a + b for a, b in zip(self.ring.reader_sleeps(reader_index),
+                                                                  self._retired_sleeps[reader_index]))
+            if reader_index < self.count:
+                batches += self._retired_batches[reader_index]
+                busy_ns += self._retired_busy_ns[reader_index]
+            busy_s = busy_ns / 1e9
+            readers.append({
+                "index": reader_index,
+                "remote": reader_index >= self.count,
+                "pid": pid,
+                "batches": batches,
+                "busy_s": busy_s,
+                "busy_fraction": busy_s / elapsed_s if elapsed_s else 0.0,
+                "starved_s": starved_ns / 1e9,
+                "starved_fraction": starved_ns / 1e9 / elapsed_s if elapsed_s else 0.0,
+                "sleeps": sleeps,
+                "wakeups": wakeups,
+                "batches_per_wakeup": batches / wakeups if wakeups else float(batches),
+            })
+        return readers
+
+    # Shutdown: see the module docstring.
+
+    def stop(self) -> None:
+        """Stops and reaps every reader (steps 2 and 3 of the module's note). Idempotent;
+        raises only what interrupts it (Ctrl-C), after every reader is reaped. The remote
+        readers' bridge stops first, and kills its actors."""
+        ring, processes = self.ring, self.processes
+        if self.remote is not None:
+            try:
+                self.remote.stop()
+            except Exception:
+                pass  # Ray gone already: nothing of ours is left in it.
+        if ring is not None and not ring.closed:
+            for _ in processes:
+                try:
+                    ring.work_semaphore.release()
+                except (posix_ipc.ExistentialError, OSError):
+                    pass
+        for process in processes:
+            if process.stdin is not None and not process.stdin.closed:
+                try:  # A reader still waiting for its configuration is told to leave, and exits at once.
+                    process.stdin.write(STOP_MESSAGE)
+                    process.stdin.close()
+                except OSError:
+                    pass
+        deadline = time.monotonic() + self.join_timeout_seconds
+        try:
+            for process in processes:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()

@@ -1,0 +1,154 @@
+"""What the trainer does about a step next() cannot deliver at once.
+
+The native next() (_cursor.c) delivers a READY step by itself. For any other state it
+calls back, and the Supervisor decides: fill the step here (readers=0), raise (a failed or
+wrong step, a step in flight past step_timeout, a slot a batch holds past hold_timeout, a
+reader dead past its budget), or return for next() to look again, warning once when a
+step stays in flight long enough to look like a hang. It also owns the one warning about
+records replaced under on_error="skip".
+
+The cursor (the loader) is passed to each call rather than kept: the loader owns its
+Supervisor, and a reference back would make a cycle that keeps an unclosed loader, and its
+ring, alive past its last use.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import warnings
+
+from .._native import load_cursor
+from ..errors import (
+    ReaderStallWarning,
+    SharedMemoryError,
+    SkippedRecordsWarning,
+    SlotsExhaustedError,
+    StepTimeoutError,
+    user_stacklevel,
+)
+from ..ring.publishing import Publisher, fill_and_publish
+from ..ring.segment import POLL_INTERVAL_SECONDS, SlotState
+
+cursor_module = load_cursor()
+
+# next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
+# a file on a stalled network mount): silence would look like a hang.
+STALL_WARNING_SECONDS = 10.0
+
+
+class Supervisor:
+    """The trainer's decisions for steps that are not READY, for one loader.
+
+    `filler` and `outputs` are set for readers=0 only: the filler this process runs, bound
+    to each slot's arrays. `step_timeout` None waits (warning after STALL_WARNING_SECONDS).
+    """
+
+    def __init__(self, pool, ring, slots: int, *, step_timeout: float | None, hold_timeout: float, on_error: str,
+                 filler=None, outputs=()) -> None:
+        self.pool, self.ring, self.slots = pool, ring, slots
+        self.step_timeout, self.hold_timeout, self.on_error = step_timeout, hold_timeout, on_error
+        self.filler, self.outputs = filler, list(outputs)
+        self.skips_warned = False
+        self._episode = None  # (step, batches) of the wait being timed, and since when.
+        self._episode_since = 0.0
+        self._stall_warned = False
+        self._publisher = None  # readers=0: the record of the steps filled in this process.
+
+    def supervise(self, cursor, state: int, owner: int, step: int) -> None:
+        """For `step`, in `state` (one of _cursor's STEP_* values) with `owner` the reader
+        record the ring names: after each poll interval in flight, for a held or failed
+        slot, and every few batches. Raises, or returns for next() to look again."""
+        if state == cursor_module.STEP_IN_FLIGHT and self.filler is not None:
+            self._fill_here(cursor, step)
+            return
+        if state == cursor_module.STEP_FAILED:
+            self.pool.raise_reported(owner)
+        if state == cursor_module.STEP_WRONG:
+            slot = step % self.slots
+            found, _ = self.ring.state(slot)
+            raise SharedMemoryError(
+                f"slot {slot} of ring {self.ring.names.segment} is {found.name} with step {self.ring.step(slot)} "
+                f"while step {step} was expected; another process wrote to the ring"
+            )
+        self.pool.check()
+        self.warn_if_skipped()
+        episode = (step, cursor._batches)
+        if episode != self._episode:
+            self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
+            if state == cursor_module.STEP_HELD:
+                gc.collect()  # Views caught in reference cycles: give them one chance to go.
+        waited_s = time.monotonic() - self._episode_since
+        if state == cursor_module.STEP_HELD:
+            self._wait_for_holder(cursor, step, waited_s)
+        elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
+            found, filler = self.ring.state(step % self.slots)
+            filling = found == SlotState.FILLING
+            who = f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
+            raise StepTimeoutError(
+                f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
+                f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
+                f"loader (its readers are killed) and look at that step with shmloader.transforms.compute_batch.",
+                step, filler if filling else None, self.pool.pid(filler) if filling else None)
+        elif state == cursor_module.STEP_IN_FLIGHT and waited_s > STALL_WARNING_SECONDS and not self._stall_warned:
+            self._stall_warned = True
+            found, filler = self.ring.state(step % self.slots)
+            who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
+            warnings.warn(
+                f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
+                f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
+                ReaderStallWarning,
+                stacklevel=user_stacklevel(),
+            )
+
+    def _fill_here(self, cursor, step: int) -> None:
+        """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An
+        exception propagates as raised (the step is requested again for the next try)."""
+        slot = step % self.slots
+        claimed = self.ring.claim(0)
+        assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
+        if self._publisher is None:  # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
+            self._publisher = Publisher(self.ring, 0, os.getpid())
+        try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
+            fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot)
+        except BaseException:
+            cursor._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+            raise
+        if self.filler.skipped:
+            self.warn_if_skipped()
+
+    def _wait_for_holder(self, cursor, step: int, waited_s: float) -> None:
+        """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
+        if cursor._release_unused():
+            return
+        if waited_s > self.hold_timeout:
+            slot = step % self.slots
+            raise SlotsExhaustedError(
+                f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
+                f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
+                f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
+                f"raise slots (now {self.slots}). An iterator around the loader may keep the batch before the "
+                f"current one (tqdm(zip(range(n), loader)) does): iterate the loader itself, or allow one more "
+                f"slot per batch it keeps."
+            )
+        time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
+
+    def skipped(self) -> tuple[int, list]:
+        """(count, records as dicts) of the records replaced under on_error="skip"."""
+        if self.filler is not None:
+            return len(self.filler.skipped), [record.to_dict() for record in self.filler.skipped]
+        return self.pool.skipped()
+
+    def warn_if_skipped(self) -> None:
+        """The one SkippedRecordsWarning of a loader, once a record was skipped."""
+        if self.on_error != "skip" or self.skips_warned:
+            return
+        count, records = self.skipped()
+        if count:
+            self.skips_warned = True
+            first = records[0] if records else {}
+            warnings.warn(f"on_error='skip' has replaced {count} record(s) so far (this warning comes once; "
+                          f"stats()['skipped'] counts every one), the first at step "
+                          f"{first.get('step')}: {first.get('where')} ({first.get('error')}); stats()['skipped'] "
+                          f"lists them", SkippedRecordsWarning, stacklevel=user_stacklevel())

@@ -1,0 +1,87 @@
+"""A batch as the trainer sees it, and what the native cursor is set up with.
+
+Batch's arrays view a shared-memory slot; _cursor.c (BatchBase) keeps the slot reserved
+while any of them is alive.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import weakref
+
+import numpy as np
+
+from .._native import load_cursor
+
+cursor_module = load_cursor()
+
+
+class Batch(cursor_module.BatchBase, collections.abc.Mapping):
+    """One batch: a mapping of field name to a numpy array that views a shared-memory slot.
+
+    `step` is the step it is, `indices` its row indices (uint64). Lifetime: the slot is
+    reserved for this batch while the Batch (until released) or any array of it or view of
+    one (slices, np.asarray, torch.from_numpy tensors) is alive; the loader hands it back to
+    the readers at the first next() after the last of them is gone. `release()` or leaving
+    `with batch:` gives up the Batch's own references. A view kept longer keeps the slot:
+    it is never overwritten under you, but a loader whose every slot is kept this way
+    raises SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
+
+    The arrays are built once per slot and handed out again for later steps in that slot,
+    so a batch costs no allocation; an array changed in place (its shape, dtype, strides or
+    writeable flag) is replaced by a fresh one before its slot is handed out again.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def strings(self, name: str, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
+        """A Packed field of bytes (paths, captions, keys; formats.from_parquet's strings)
+        as Python strings, one per row."""
+        offsets = self[f"{name}.offsets"].tolist()
+        data = self[name][:offsets[-1]].tobytes()
+        return [data[start:end].decode(encoding, errors) for start, end in zip(offsets[:-1], offsets[1:])]
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        if self.released:
+            return f"Batch(step={self.step}, released)"
+        fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self.items())
+        return f"Batch(step={self.step}, {fields})"
+
+
+@dataclasses.dataclass(frozen=True)
+class CursorConfig:
+    """Everything the native cursor is set up with (_cursor.c reads these attributes)."""
+
+    control_table_address: int
+    slot_count: int
+    work_semaphore: str
+    ready_semaphores: tuple[str, ...]
+    field_names: tuple[str, ...]
+    batch_type: type
+    views: tuple[tuple[np.ndarray, ...], ...]
+    next_step: int
+    check_every_batches: int
+    wake_after_slots: int
+    reader_count: int
+    trainer_slots: int
+    poll_interval_ns: int
+    end_step: int  # a finite pass's steps (passes.ENDLESS: none)
+    partial_from: int  # the first step cut to fewer rows
+    supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
+    rebuild_views: collections.abc.Callable  # f(cursor, slot)
+    partial: collections.abc.Callable  # f(cursor, batch) -> the batch cut to its rows
+
+
+def weak_method(owner, function):
+    """function(owner, ...) without a reference to `owner`: the pool the loader owns calls
+    back into it, and a cycle would keep an unclosed loader (and its ring) alive past its
+    last use."""
+    reference = weakref.ref(owner)
+    return lambda *args: function(reference(), *args)

@@ -1,0 +1,563 @@
+"""The shared-memory ring: its byte layout (defined only here and in ring.h), creation, attachment and slot states.
+
+The protocol's values and fixed structs are defined once, in ring.h, which _cursor.c
+includes, the Zig build translates and cffi parses: this module reads them as lib.SHM_...
+and ffi.sizeof(...). Offsets below are computed by RingLayout alone.
+
+Segment layout (all integers little-endian, offsets in bytes):
+
+    offset          size                  what                    meaning
+    --------------  --------------------  ----------------------  ------------------------------------------
+    0               64                    shm_ring_header         magic, version, counts, trainer pid, batch
+                                                                  size, slot stride, slots offset, stop flag
+    64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
+                                                                  error_bytes, skipped), 2048 bytes of JSON on
+                                                                  the records it skipped, its JSON error report
+    table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
+    slots_offset    slot_count * stride   slot data               per slot: its SlotLayout (slot_layout.py):
+                                                                  uint64 indices (8*B), then each region, 64-byte
+                                                                  aligned: a field's rows, a ragged field's
+                                                                  padded or packed values and its lengths or
+                                                                  offsets
+
+table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096.
+The control lines sit together, apart from the data, so that the trainer's next() and
+the readers' scans read one page of them rather than one page per slot: after a training
+step every page touched is a TLB miss, and the data of the slots is megabytes apart.
+
+Slot s only ever holds steps k with k % slot_count == s, so batches come out in step order.
+A slot's state word holds the state in its low byte (SHM_STATE_MASK) and the filling
+reader's index above it (SHM_OWNER_SHIFT). Every change of it, with who makes it, where,
+and the memory ordering (one ordering per transition, the same in every language):
+
+    from -> to                who        where                              ordering
+    ------------------------  ---------  ---------------------------------  ----------------------------------
+    IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor._request  release store, after the step word
+    HELD -> REQUESTED         trainer    request_slot (C): release_unused   the same; HELD is checked first
+    REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
+    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish (or    seq_cst store after the data, then a
+                                         the trainer as r=0: readers=0)     seq_cst load of the waiter flag
+    FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
+    READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
+                                                                            reads HELD, and it publishes nothing
+    FILLING|r -> REQUESTED    trainer    request_slot (C): Cursor._request  release store; r is dead (ReaderPool.
+                                         from ReaderPool.retire, or a       retire) or r=0 is the trainer itself
+                                         failed fill with readers=0
+    REQUESTED -> IDLE         trainer    Ring.withdraw (a seek)             compare-and-swap, acq_rel (a reader
+                                                                            may claim the slot first)
+
+Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
+_cursor.c, the claim's scan); the step word is read after it and written before the
+store that publishes it. Semaphores only wake waiters; the state word is the truth. A
+reader posts a slot's ready semaphore only when the trainer has armed the slot's waiter
+flag (seq_cst store of the flag, then a load of the state: a Dekker pair with publish),
+so a semaphore's count stays within a few posts however long the readers run ahead.
+
+Liveness of a ring's owner: the creating trainer holds an exclusive flock on the segment
+for the ring's lifetime (the kernel drops it when the process dies or execs, whatever
+PID namespace looks at it). Readers test it to learn that their trainer is gone; the
+stale sweep of a new loader removes only segments whose lock it can take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import fcntl
+import functools
+import mmap
+import os
+import re
+import secrets
+import time
+
+import posix_ipc
+
+from .._native import ffi, lib
+from ..errors import SharedMemoryError
+
+RING_MAGIC = lib.SHM_RING_MAGIC
+RING_VERSION = lib.SHM_RING_VERSION
+HEADER_BYTES = ffi.sizeof("shm_ring_header")
+SLOT_CONTROL_BYTES = ffi.sizeof("shm_control_line")
+STATE_MASK = lib.SHM_STATE_MASK
+OWNER_SHIFT = lib.SHM_OWNER_SHIFT
+# A reader's record: the fixed struct, then room for its error report.
+READER_RECORD_BYTES = 16384
+READER_SKIP_OFFSET = ffi.sizeof("shm_reader_record")
+READER_SKIP_BYTES_MAX = lib.SHM_READER_SKIP_BYTES
+READER_ERROR_OFFSET = READER_SKIP_OFFSET + READER_SKIP_BYTES_MAX
+READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
+PAGE_BYTES = 4096
+# How long one wait of the trainer lasts before it checks that its readers live (a dead
+# reader is noticed within about this long); the native next() waits in units of it.
+POLL_INTERVAL_SECONDS = 0.05
+
+NAME_PREFIX = "shml_"
+_SEGMENT_PATTERN = re.compile(r"^shml_\d{1,10}_[0-9a-f]{12}$")
+_SEMAPHORE_PATTERN = re.compile(r"^sem\.(shml_\d{1,10}_[0-9a-f]{12})_(?:w|r\d{1,5})$")
+# How old an empty ring segment must be before the sweep takes it for abandoned.
+_CREATION_GRACE_SECONDS = 60.0
+SHM_DIRECTORY = "/dev/shm"
+# Room left free in /dev/shm beyond the ring, so that other users of it do not fail.
+_SHM_HEADROOM_BYTES = 64 << 20
+
+
+class SlotState(enum.IntEnum):
+    """The low byte of a slot's state word (values from ring.h)."""
+
+    IDLE = lib.SHM_SLOT_IDLE
+    REQUESTED = lib.SHM_SLOT_REQUESTED
+    FILLING = lib.SHM_SLOT_FILLING
+    READY = lib.SHM_SLOT_READY
+    HELD = lib.SHM_SLOT_HELD
+    FAILED = lib.SHM_SLOT_FAILED
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    """Byte offsets of everything in the segment, computed from the sizes alone (a slot's
+    own layout is slot_layout.SlotLayout's: here only its size and array count)."""
+
+    slot_count: int
+    reader_count: int  # reader records; at least one (with readers=0 the trainer fills as reader 0)
+    batch_size: int
+    slot_bytes: int  # SlotLayout.nbytes
+    field_count: int  # regions of a slot, indices excluded (checked by readers against the header)
+
+    @functools.cached_property
+    def slot_stride(self) -> int:
+        return _align(self.slot_bytes, PAGE_BYTES)
+
+    @functools.cached_property
+    def table_offset(self) -> int:
+        return HEADER_BYTES + self.reader_count * READER_RECORD_BYTES
+
+    @functools.cached_property
+    def slots_offset(self) -> int:
+        return _align(self.table_offset + self.slot_count * SLOT_CONTROL_BYTES, PAGE_BYTES)
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        return self.slots_offset + self.slot_count * self.slot_stride
+
+    def slot_offset(self, slot: int) -> int:
+        return self.slots_offset + slot * self.slot_stride
+
+    def reader_offset(self, reader: int) -> int:
+        return HEADER_BYTES + reader * READER_RECORD_BYTES
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RingLayout:
+        return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingNames:
+    """The POSIX names of one ring's segment and semaphores (pid and a random token)."""
+
+    segment: str
+    work: str
+    ready: tuple[str, ...]
+
+    @classmethod
+    def new(cls, slot_count: int) -> RingNames:
+        base = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+        return cls(base, f"{base}_w", tuple(f"{base}_r{slot}" for slot in range(slot_count)))
+
+    def to_dict(self) -> dict:
+        return {"segment": self.segment, "work": self.work, "ready": list(self.ready)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RingNames:
+        return cls(data["segment"], data["work"], tuple(data["ready"]))
+
+    def unlink_all(self) -> None:
+        """Removes every name; missing ones are fine. Never raises."""
+        for name in (self.work, *self.ready):
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except (posix_ipc.ExistentialError, OSError):
+                pass
+        try:
+            posix_ipc.unlink_shared_memory(self.segment)
+        except (posix_ipc.ExistentialError, OSError):
+            pass
+
+
+def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
+    """Waits at most `timeout_seconds` for a post; False on time-out or on an interrupting
+    signal (SIGCHLD when a reader dies), which callers treat alike: re-check and wait again.
+    A signal whose Python handler raises (Ctrl-C) still raises here."""
+    try:
+        semaphore.acquire(timeout_seconds)
+        return True
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
+        return False
+
+
+def _lock_free(fd: int, shared: bool) -> bool:
+    """Whether no process holds an exclusive flock on the file (a ring's owner lock). The
+    probe's own lock, when it gets one, is released again unless `shared` is False (then
+    the caller keeps it while it removes the ring)."""
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+    if shared:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def sweep_stale(directory: str = SHM_DIRECTORY, owner_pid: int | None = None) -> list[str]:
+    """Unlinks the segments and semaphores of rings whose owner is gone: a segment whose
+    owner lock this process can take, and semaphores whose segment no longer exists.
+    Entries it cannot judge (not ours to open, mid-creation, unknown names) are left alone.
+    With `owner_pid`, only the rings named after that trainer (a fork server cleaning up
+    after its trainer). Returns what it removed."""
+    removed = []
+    try:
+        entries = set(os.listdir(directory))
+    except OSError:
+        return removed
+    if owner_pid is not None:
+        mine = f"{NAME_PREFIX}{owner_pid}_"
+        entries = {entry for entry in entries if entry.startswith((mine, f"sem.{mine}"))}
+    for entry in sorted(entries):
+        if not _SEGMENT_PATTERN.match(entry) or not _segment_abandoned(os.path.join(directory, entry),
+                                                                       owner_gone=owner_pid is not None):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory("/" + entry)
+            removed.append(entry)
+        except (posix_ipc.ExistentialError, OSError):
+            pass
+    # Semaphores are created after their segment and unlinked before it, so one whose
+    # segment is gone belongs to a ring whose owner is gone.
+    remaining = (set(os.listdir(directory)) & entries) if removed else entries
+    for entry in sorted(remaining):
+        match = _SEMAPHORE_PATTERN.match(entry)
+        if not match or match.group(1) in remaining:
+            continue
+        try:
+            posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
+            removed.append(entry)
+        except (posix_ipc.ExistentialError, OSError):
+            pass
+    return removed
+
+
+def _segment_abandoned(path: str, owner_gone: bool = False) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False  # Another user's, or gone already: not ours to judge.
+    try:
+        if not _lock_free(fd, shared=False):
+            return False  # Its owner lives (in this PID namespace or another).
+        stats = os.fstat(fd)
+        # An empty segment may be one being created (the lock comes a moment after the
+        # name): leave it unless it is old, or its owner is known to be gone.
+        return owner_gone or stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
+    finally:
+        os.close(fd)
+
+
+def check_free_space(total_bytes: int, directory: str = SHM_DIRECTORY) -> None:
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return  # No /dev/shm to measure (not Linux); posix_fallocate still guards creation.
+    free_bytes = stats.f_bavail * stats.f_frsize
+    if free_bytes < total_bytes + _SHM_HEADROOM_BYTES:
+        raise SharedMemoryError(
+            f"not enough room in {directory} for the ring: it needs {total_bytes / 2**20:.1f} MiB "
+            f"(+{_SHM_HEADROOM_BYTES >> 20} MiB headroom), {free_bytes / 2**20:.1f} MiB are free. "
+            f"Use fewer slots or a smaller batch_size, free space in {directory}, or enlarge it "
+            f"(mount -o remount,size=... {directory}; in Docker, --shm-size)."
+        )
+
+
+def _map(fd: int, total_bytes: int) -> mmap.mmap:
+    return mmap.mmap(fd, total_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+class Ring:
+    """A mapped ring segment with its semaphores. The trainer creates; readers attach.
+
+    Only the trainer's process creates and unlinks the names (RingNames.unlink_all);
+    readers attach and close. close() releases this process's semaphore handles; the
+    mapping goes with the last reference to the Ring (batch views keep it)."""
+
+    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, segment_fd: int) -> None:
+        self.names = names
+        # The creator holds its owner lock on this descriptor; a reader probes the lock.
+        self.segment_fd = segment_fd
+        self.layout = layout
+        self.memory = memory
+        self.work_semaphore = semaphores[0]
+        self.ready_semaphores = semaphores[1:]
+        self.closed = False
+        self._pointer = ffi.from_buffer("uint8_t[]", memory)
+        self.base_address = int(ffi.cast("uintptr_t", self._pointer))
+        self.header = ffi.cast("shm_ring_header *", self.base_address)
+        self.control_table_address = self.base_address + layout.table_offset
+        self._lines = ffi.cast("shm_control_line *", self.control_table_address)
+        self._state_pointers = [ffi.addressof(self._lines[slot], "state") for slot in range(layout.slot_count)]
+        self._records = [
+            ffi.cast("shm_reader_record *", self.base_address + layout.reader_offset(reader))
+            for reader in range(layout.reader_count)
+        ]
+
+    @classmethod
+    def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
+        """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later)."""
+        check_free_space(layout.total_bytes)
+        names = RingNames.new(layout.slot_count)
+        semaphores, memory, segment_fd = [], None, None
+        try:
+            segment = posix_ipc.SharedMemory(names.segment, posix_ipc.O_CREX, mode=0o600, size=0)
+            segment_fd = os.dup(segment.fd)  # O_CLOEXEC is not inherited by dup: set it back.
+            segment.close_fd()
+            os.set_inheritable(segment_fd, False)
+            fcntl.flock(segment_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # The owner lock, for the ring's lifetime.
+            try:
+                # tmpfs allocates pages lazily; posix_fallocate reserves them now, so a
+                # full /dev/shm is an error here instead of a SIGBUS on first touch.
+                os.posix_fallocate(segment_fd, 0, layout.total_bytes)
+                memory = _map(segment_fd, layout.total_bytes)
+            except OSError as error:
+                raise SharedMemoryError(
+                    f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIRECTORY} for the ring "
+                    f"({error.strerror}); use fewer slots or a smaller batch_size, or free space there"
+                ) from None
+            header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
+            header.magic, header.version = RING_MAGIC, RING_VERSION
+            header.slot_count, header.reader_count = layout.slot_count, layout.reader_count
+            header.field_count, header.trainer_pid = layout.field_count, trainer_pid
+            header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
+            header.slots_offset, header.stop = layout.slots_offset, 0
+            del header
+            try:
+                for name in (names.work, *names.ready):
+                    semaphores.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
+            except OSError as error:
+                raise SharedMemoryError(
+                    f"the ring's {layout.total_bytes / 2**20:.1f} MiB fit in {SHM_DIRECTORY}, but its "
+                    f"{1 + layout.slot_count} semaphores (a page each) did not ({error.strerror}); free space "
+                    f"there or use fewer slots"
+                ) from None
+            return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
+        except BaseException:
+            for semaphore in semaphores:
+                semaphore.close()
+            if memory is not None:
+                memory.close()
+            names.unlink_all()
+            if segment_fd is not None:
+                os.close(segment_fd)
+            raise
+
+    @classmethod
+    def attach(cls, names: RingNames, layout: RingLayout, trainer_pid: int) -> Ring:
+        """Maps an existing ring and checks its header against the layout and the trainer
+        (its creator) expected."""
+        segment = posix_ipc.SharedMemory(names.segment)
+        segment_fd = os.dup(segment.fd)
+        segment.close_fd()
+        os.set_inheritable(segment_fd, False)
+        try:
+            if os.fstat(segment_fd).st_size != layout.total_bytes:
+                raise SharedMemoryError(
+                    f"ring {names.segment} is {os.fstat(segment_fd).st_size} bytes, expected {layout.total_bytes}"
+                )
+            memory = _map(segment_fd, layout.total_bytes)
+        except BaseException:
+            os.close(segment_fd)
+            raise
+        header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
+        found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
+                 header.batch_size, header.slot_stride, header.slots_offset, header.trainer_pid)
+        del header
+        expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, layout.field_count,
+                    layout.batch_size, layout.slot_stride, layout.slots_offset, trainer_pid)
+        if found != expected:
+            memory.close()
+            os.close(segment_fd)
+            raise SharedMemoryError(
+                f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
+                f"stride, slots offset, trainer pid) = {found}, expected {expected}"
+            )
+        semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
+        return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
+
+    def forget_descriptors_in_child(self) -> None:
+        """In a process forked from this ring's owner: points every descriptor of the ring's
+        segment (the owner-lock one and the mapping's own) at /dev/null, so that the child
+        neither holds the owner lock (a dead trainer's ring would look alive) nor keeps the
+        unlinked segment's file open. dup2 rather than close: the objects that own those
+        numbers close them later, which must not close another file that took the number.
+        The mapping itself stays until the child exits or execs (a batch view there may
+        still point into it)."""
+        segment = SHM_DIRECTORY + self.names.segment
+        try:
+            entries = os.listdir("/proc/self/fd")
+            devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for entry in entries:
+                try:
+                    link = os.readlink(f"/proc/self/fd/{entry}")
+                except OSError:
+                    continue
+                if link in (segment, segment + " (deleted)"):
+                    os.dup2(devnull, int(entry), inheritable=False)
+        finally:
+            os.close(devnull)
+
+    def owner_alive(self) -> bool:
+        """Whether the ring's creator still holds its owner lock (a reader's question)."""
+        return not _lock_free(self.segment_fd, shared=True)
+
+    # Slot state: the orderings are the table's in the module docstring.
+
+    def state(self, slot: int) -> tuple[SlotState, int]:
+        """(state, owner reader index), by an acquire load; raises SharedMemoryError on a
+        value no process writes (foreign input: another process wrote it)."""
+        word = lib.shm_state_load(self._state_pointers[slot])
+        try:
+            return SlotState(word & STATE_MASK), word >> OWNER_SHIFT
+        except ValueError:
+            raise SharedMemoryError(f"slot {slot} of ring {self.names.segment} has invalid state word {word:#x}") from None
+
+    def publish(self, slot: int, state: SlotState, owner: int) -> None:
+        """A reader publishes READY or FAILED (sequentially consistent: what it wrote before
+        is visible to whoever acquires the word), and posts the slot's ready semaphore if
+        the trainer waits on it."""
+        if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
+            self.ready_semaphores[slot].release()
+
+    def wait_published(self, slot: int, timeout_seconds: float) -> bool:
+        """The trainer waits at most `timeout_seconds` for a reader to publish `slot`;
+        True once its state is no longer FILLING or REQUESTED."""
+        line = self._lines + slot
+        try:
+            word = lib.shm_arm_waiter(line)
+            if word & STATE_MASK not in (SlotState.REQUESTED, SlotState.FILLING):
+                return True
+            return wait(self.ready_semaphores[slot], timeout_seconds)
+        finally:
+            line.waiter = 0
+
+    def withdraw(self, slot: int) -> bool:
+        """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
+        requested = int(SlotState.REQUESTED)
+        return lib.shm_state_compare_swap(self._state_pointers[slot], requested, int(SlotState.IDLE)) == requested
+
+    def requested_ns(self, slot: int) -> int:
+        """When the trainer requested the slot (CLOCK_MONOTONIC); read after claiming it."""
+        return self._lines[slot].requested_ns
+
+    def step(self, slot: int) -> int:
+        """The slot's step; read it after the state word that published it."""
+        return self._lines[slot].step
+
+    def slots_filled_by(self, reader: int) -> list[int]:
+        """The slots in FILLING by `reader` (a dead or failing reader's: restarted or failed)."""
+        return [slot for slot in range(self.layout.slot_count) if self.state(slot) == (SlotState.FILLING, reader)]
+
+    def claim(self, reader: int) -> int | None:
+        """A reader takes the requested slot with the lowest step (natively: one scan of
+        the control table and a compare-and-swap). None if none is requested."""
+        slot = lib.shm_claim_lowest(self._lines, self.layout.slot_count, reader)
+        return None if slot < 0 else slot
+
+    @property
+    def stopping(self) -> bool:
+        return self.header.stop != 0  # A plain read: readers poll it.
+
+    def set_stopping(self) -> None:
+        lib.shm_state_store(ffi.addressof(self.header[0], "stop"), 1)
+
+    # Reader records: written only by their reader (and cleared by the trainer before
+    # that reader starts), read by the trainer.
+
+    def write_reader_stats(self, reader: int, pid: int, busy_ns: int, batches: int) -> None:
+        record = self._records[reader]
+        record.pid, record.busy_ns, record.batches = pid, busy_ns, batches
+
+    def reader_stats(self, reader: int) -> tuple[int, int, int]:
+        record = self._records[reader]
+        return record.pid, record.busy_ns, record.batches
+
+    def write_reader_sleeps(self, reader: int, starved_ns: int, sleeps: int, wakeups: int) -> None:
+        record = self._records[reader]
+        record.starved_ns, record.sleeps, record.wakeups = starved_ns, sleeps, wakeups
+
+    def reader_sleeps(self, reader: int) -> tuple[int, int, int]:
+        """(starved_ns, sleeps, wakeups) of a reader (see ring.h)."""
+        record = self._records[reader]
+        return record.starved_ns, record.sleeps, record.wakeups
+
+    def write_reader_error(self, reader: int, report: bytes) -> None:
+        if len(report) > READER_ERROR_BYTES_MAX:
+            raise ValueError(f"an error report holds at most {READER_ERROR_BYTES_MAX} bytes, got {len(report)}")
+        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
+        self.memory[offset: offset + len(report)] = report
+        self._records[reader].error_bytes = len(report)
+
+    def write_reader_skips(self, reader: int, count: int, report: bytes) -> None:
+        """How many records the reader skipped, and JSON describing the first of them."""
+        report = report[:READER_SKIP_BYTES_MAX]
+        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
+        self.memory[offset: offset + len(report)] = report
+        record = self._records[reader]
+        record.skip_bytes, record.skipped = len(report), count
+
+    def reader_skips(self, reader: int) -> tuple[int, bytes]:
+        record = self._records[reader]
+        length = min(record.skip_bytes, READER_SKIP_BYTES_MAX)  # Foreign input.
+        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
+        return record.skipped, bytes(self.memory[offset: offset + length])
+
+    def clear_reader_error(self, reader: int) -> None:
+        self._records[reader].error_bytes = 0
+
+    def reader_error(self, reader: int) -> bytes:
+        length = min(self._records[reader].error_bytes, READER_ERROR_BYTES_MAX)  # Foreign input.
+        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
+        return bytes(self.memory[offset: offset + length])
+
+    def close(self) -> None:
+        """Closes this process's semaphore handles. Idempotent.
+
+        The mapping is not unmapped here: zero-copy batch views may still point into it.
+        It goes when the last reference to this Ring (held by every live batch) goes.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        for semaphore in (self.work_semaphore, *self.ready_semaphores):
+            try:
+                semaphore.close()
+            except (posix_ipc.ExistentialError, OSError):
+                pass
+        os.close(self.segment_fd)  # The creator's owner lock goes with it.
+        # Drop this object's references to the mapping: it is unmapped (and tmpfs frees
+        # the pages of the unlinked segment) once no batch array refers to it either.
+        self.header = self._lines = self._state_pointers = self._records = self._pointer = None
+        self.memory = None
+
+
+

@@ -1,0 +1,349 @@
+"""Reading ahead for the block-local shuffle: as a reader moves through an epoch it asks the
+kernel for the blocks that open next and lets go of those whose rows are all dealt, so the
+disk streams whole blocks while the rows being served come from the page cache.
+
+Where a step reads is a pure function of the step (sampler.py, SlidingShuffle in
+zig/sampler.zig): at each step a reader learns its position's places, `closed` <= the
+places being dealt from < `opened`, and keeps the kernel asked for the places up to
+`closed + blocks_per_window + LOOKAHEAD_BLOCKS` (crossing into the next epoch where this
+one ends, so the next epoch's first blocks stream in while this one's last drain). Blocks
+whose rows are all dealt are let go of in two stages: LAG_STEPS steps after they closed
+a reader drops its own mappings of them (MADV_DONTNEED), and LAG_STEPS steps later, when
+every reader has done the same, one reader advises the kernel that they are not needed
+(POSIX_FADV_DONTNEED): the reader of index place % readers (the page cache is the
+machine's, so one call per block is enough). A page still mapped by another reader cannot
+be dropped, and the kernel answers such a failure by draining every CPU's page lists and
+waiting for them (in one stage, perf showed the readers' threads waiting there); every
+reader dropping every block stalled both readers on each other that way, and cold in a
+2 GiB group the window served a third fewer rows than with one call per block (RESULTS).
+Pages a failed call leaves are reclaimed by the kernel like any cached page.
+Without letting go, the pages read ahead were the first the kernel reclaimed under memory
+pressure (new pages, never referenced) while finished blocks, mapped and referenced,
+stayed: the disk read each block several times. The calls run on a thread of the reader
+(posix_fadvise releases the GIL and may block while the kernel queues reads), so a fill
+never waits for the disk it reads ahead of. Advice that fails costs speed only.
+
+Memory: about blocks_per_window + LOOKAHEAD_BLOCKS blocks of all fields' stored bytes,
+plus the blocks closed in the last 2 * LAG_STEPS steps (one window, where the former
+window-by-window order held two). Blocks are let go only when the fields are larger than
+half the memory the loader may use (the machine's, or its memory cgroup's limit): data
+that fits stays cached for the next epochs.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import threading
+
+import numpy as np
+
+from ..remote.cache import PAGE_BYTES
+
+# posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
+# read-ahead works in pieces of 2 MiB too.
+_ADVICE_PIECE_BYTES = 2 << 20
+# Blocks asked for beyond the window being dealt from (blocks are about 32 MiB of rows,
+# plan.shuffle_block_rows): the disk's queue while the next block is being waited for.
+LOOKAHEAD_BLOCKS = 4
+# A reader drops its mappings of a block this many steps after the block's last rows were
+# dealt, and the block's pages this many steps later again: readers fill steps a little
+# apart (by up to the ring's slots), and a reader still filling an earlier step would
+# otherwise read dropped pages again, one row at a time.
+LAG_STEPS = 8
+# Requests waiting for the thread: a full queue means the disk is behind and another
+# request would only add to its backlog (the caller asks again at its next step).
+PENDING_MAX = 8
+# What a reader of fields from a store without windows keeps asked for ahead (StepAhead):
+# the pages of the next steps up to AHEAD_BYTES (a link's worth of a fraction of a second),
+# at least STEPS_AHEAD steps per reader, at most STEPS_AHEAD_MAX.
+AHEAD_BYTES = 64 << 20
+STEPS_AHEAD = 2
+STEPS_AHEAD_MAX = 256
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use for the page cache: the machine's, or its memory
+    cgroup's limit (v1 or v2) where that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                with open(candidate) as handle:
+                    text = handle.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+    return limit
+
+
+def _window_stream(sampler, step: int) -> tuple:
+    """(key, stream, position) of the stream `step` reads (Sampler.window_stream); a
+    mixture's source has one stream."""
+    of = getattr(sampler, "window_stream", None)
+    return (None, sampler, sampler.stream_position(step)) if of is None else of(step)
+
+
+class ReadAhead:
+    """Advises the kernel of the blocks each step will read (one per reader and source)."""
+
+    def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None,
+                 share: tuple[int, int] = (0, 1)) -> None:
+        """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
+        whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Blocks are let
+        go only when they cannot all stay cached (more than half the memory limit): data
+        that fits keeps its pages, and later epochs read from memory. `advisor`: the thread
+        that makes the calls, shared by a mixture's sources (one of its own if None).
+        `share`: (this reader's index, the readers on this machine): the pages of the
+        blocks at places p with p % readers == index are this reader's to drop."""
+        self.sampler, self.source = sampler, source
+        self.share_index, self.share_count = share
+        self.plan_readers = list(plan_readers)
+        self.release_blocks = stored_bytes > memory_limit_bytes() // 2
+        self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
+        # Places counted across epochs (epoch * places per epoch + place): the next to
+        # advise, and the next to let go of at each stage; None before the first step and
+        # after a jump.
+        self._advised: int | None = None
+        self._key, self._stream = None, sampler  # the stream being read ahead (see _window_stream)
+        self._released: dict[str, int | None] = {"forget": None, "drop": None}
+        self._own_advisor = advisor is None
+        self.advisor = Advisor() if advisor is None else advisor
+        self.blocks_advised = self.blocks_released = 0
+
+    def note(self, step: int) -> None:
+        """Called as a reader starts `step`: asks for the places from the ones being dealt
+        from to `ahead` past the first of them, and lets go of those closed LAG_STEPS and
+        2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the
+        full queue refused is made again at the next step)."""
+        key, stream, position = _window_stream(self.sampler, step)
+        places = stream.places(position)
+        needed = places.epoch * places.total + places.closed
+        if self._advised is None or key != self._key or not needed <= self._advised <= needed + self.ahead:
+            # A first step, a seek, a jump back, or another stream (a resharded dealing's
+            # pieces, then the shard's own stream): start afresh.
+            self._advised, self._key, self._stream = needed, key, stream
+            self._released = {"forget": None, "drop": None}
+        end = needed + self.ahead
+        if self._advised < end and self._submit("advise", self._blocks(self._advised, end, places.total)):
+            self.blocks_advised += end - self._advised
+            self._advised = end
+        if not self.release_blocks or step < LAG_STEPS:
+            return
+        # Its own mappings of the blocks closed LAG_STEPS steps ago, then the pages of those
+        # closed twice as long ago (every reader has let go of its mappings by then).
+        for stage, lag in (("forget", LAG_STEPS), ("drop", 2 * LAG_STEPS)):
+            if step < lag:
+                continue
+            lagged_key, _, lagged_position = _window_stream(self.sampler, step - lag)
+            if lagged_key != key:
+                continue  # Blocks of a stream left behind: the kernel reclaims them as any cached page.
+            lagged = stream.places(lagged_position)
+            done = min(needed, lagged.epoch * lagged.total + lagged.closed)
+            if self._released[stage] is None:
+                self._released[stage] = done  # Nothing before the first step was read by this reader.
+            if self._released[stage] < done and self._submit(stage, self._blocks(self._released[stage], done,
+                                                                                   places.total, stage == "drop")):
+                if stage == "drop":
+                    self.blocks_released += done - self._released[stage]
+                self._released[stage] = done
+
+    def _blocks(self, first: int, end: int, total: int, own_share: bool = False) -> list[int]:
+        """The block ids of places [first, end), counted across epochs of `total` places
+        (with `own_share`, only those of the places that are this reader's share)."""
+        blocks, start = [], first
+        while first < end:
+            epoch, place = divmod(first, total)
+            count = min(end - first, total - place)
+            blocks.extend(int(block) for block in self._stream.place_blocks(epoch, place, count))
+            first += count
+        if own_share and self.share_count > 1:
+            blocks = [block for offset, block in enumerate(blocks)
+                      if (start + offset) % self.share_count == self.share_index]
+        return blocks
+
+    def _submit(self, what: str, blocks) -> bool:
+        return self.advisor.submit(what, self._ranges(blocks))
+
+    def _ranges(self, blocks) -> list[tuple]:
+        """(opened file, offset, bytes) of every field's share of `blocks`, in their order
+        (the kernel queues reads in the order it is asked: the block needed first, first)."""
+        block_rows, length = self.sampler.block_rows, self.sampler.length
+        ranges = []
+        for block in dict.fromkeys(blocks):
+            first = block * block_rows
+            count = min(block_rows, length - first)
+            for reader in self.plan_readers:
+                ranges.extend(reader.byte_ranges(first, count, self.source))
+        return ranges
+
+    def close(self) -> None:
+        """Stops its advisor if it is its own (a shared one is its owner's to close)."""
+        if self._own_advisor:
+            self.advisor.close()
+
+
+class Advisor:
+    """The thread that makes the read-ahead's calls (posix_fadvise releases the GIL and may
+    block while the kernel queues reads, so a fill never waits for the disk it reads ahead
+    of). One per filler: a mixture's sources share it."""
+
+    def __init__(self, pending_max: int = PENDING_MAX) -> None:
+        self._pending: queue.Queue = queue.Queue(maxsize=pending_max)
+        self._thread = threading.Thread(target=self._loop, name="shmloader-readahead", daemon=True)
+        self._thread.start()
+
+    def submit(self, what: str, ranges: list[tuple]) -> bool:
+        """Queues "advise" (read ahead), "forget" (drop this process's mappings) or "drop"
+        (drop the pages) of `ranges`; False if the queue is full (the disk is behind: the
+        caller asks again later)."""
+        try:
+            self._pending.put_nowait((what, ranges))
+            return True
+        except queue.Full:
+            return False
+
+    def _loop(self) -> None:
+        while True:
+            request = self._pending.get()
+            if request is None:
+                return
+            what, ranges = request
+            if what in ("advise", "fetch"):
+                ranges = _fetch_remote(ranges)
+            if what == "fetch":
+                continue
+            if what == "forget":
+                for field, offset, size in ranges:
+                    field.forget(offset, size)
+            elif what == "drop":
+                _fadvise(ranges, os.POSIX_FADV_DONTNEED)
+            else:
+                _fadvise(ranges, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        """Stops the thread after what it has queued (the fields stay open until it is done)."""
+        while True:
+            try:
+                self._pending.put(None, timeout=0.1)
+                break
+            except queue.Full:
+                if not self._thread.is_alive():
+                    return
+        self._thread.join(timeout=5.0)
+
+
+def _fetch_remote(ranges: list[tuple]) -> list[tuple]:
+    """Fetches the ranges of fields from a store into the node cache (all of a field's at
+    once, so that their requests are in flight together); returns the other ranges.
+    A failure is left to the fill that needs the pages: it raises it, naming the URL."""
+    local, remote = [], {}
+    for field, offsets, sizes in ranges:
+        if getattr(field, "remote", None) is None:
+            local.append((field, offsets, sizes))
+        else:
+            remote.setdefault(id(field), (field, [], []))
+            remote[id(field)][1].append(np.atleast_1d(offsets))
+            remote[id(field)][2].append(np.atleast_1d(sizes))
+    for field, offsets, sizes in remote.values():
+        try:
+            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes), field.unit_pages)
+        except Exception:  # noqa: BLE001 - the pin of the fill reports it.
+            pass
+    return local
+
+
+class StepAhead:
+    """Fetches the pages of the next steps' rows into the node cache before a reader needs
+    them, for fields from a store read without windows (whose blocks ReadAhead fetches):
+    rows at random are many small ranges, and only many requests in flight fill a link.
+    A reader keeps the steps after its own asked for up to AHEAD_BYTES of pages (at least
+    STEPS_AHEAD per reader of the machine, at most STEPS_AHEAD_MAX): readers fill steps in
+    turn, so each one's next steps are mostly the others', and the cache's fetch locks make
+    sure that a page is downloaded once."""
+
+    def __init__(self, filler, readers: int) -> None:
+        self.filler, self.sampler = filler, filler.sampler
+        self.least = STEPS_AHEAD * max(1, readers)
+        self._next: int | None = None
+        self._asked: collections.deque = collections.deque()  # (step, bytes of its pages) asked for
+        self._asked_bytes = 0
+        batch = filler.slot.batch_size
+        self._indices = np.zeros(batch, dtype=np.uint64)
+        self._sources = np.zeros(batch, dtype=np.uint32) if filler.mixture else None
+        from .._native import ffi
+
+        self._index_pointer = ffi.from_buffer("uint64_t[]", self._indices)
+        self._source_pointer = None if self._sources is None else ffi.from_buffer("uint32_t[]", self._sources)
+        self.advisor = Advisor(STEPS_AHEAD_MAX)
+
+    def note(self, step: int) -> None:
+        if self._next is None or not step < self._next <= step + STEPS_AHEAD_MAX + 1:
+            self._next = step + 1  # A first step, a seek or a jump.
+            self._asked.clear()
+            self._asked_bytes = 0
+        while self._asked and self._asked[0][0] <= step:
+            self._asked_bytes -= self._asked.popleft()[1]
+        end = min(step + 1 + STEPS_AHEAD_MAX, self.sampler.step_max)
+        while self._next < end and (self._next <= step + self.least or self._asked_bytes < AHEAD_BYTES):
+            if self._sources is None:
+                self.sampler.fill_unchecked(self._next, self._index_pointer)
+            else:
+                self.sampler.fill_unchecked(self._next, self._index_pointer, self._source_pointer)
+            ranges = [extent for reader in self.filler.field_readers for extent in
+                      reader.extents(self._indices, self._sources, wait=False)]
+            if not self.advisor.submit("fetch", ranges):
+                break  # The fetches are behind: asked again at the next step.
+            size = sum(_page_bytes(offsets, sizes) for _, offsets, sizes in ranges)
+            self._asked.append((self._next, size))
+            self._asked_bytes += size
+            self._next += 1
+
+    def close(self) -> None:
+        self.advisor.close()
+
+
+def _page_bytes(offsets: np.ndarray, sizes: np.ndarray) -> int:
+    """The bytes of the cache pages under byte ranges (what fetching them costs, at most)."""
+    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+    used = sizes > 0
+    pages = (offsets[used] + sizes[used] - 1) // PAGE_BYTES - offsets[used] // PAGE_BYTES + 1
+    return int(pages.sum()) * PAGE_BYTES
+
+
+def _fadvise(ranges: list[tuple], advice: int) -> None:
+    """posix_fadvise over each range, one descriptor per file for the call."""
+    descriptors: dict[str, int] = {}
+    try:
+        for field, offset, size in ranges:
+            path = field.spec.path
+            descriptor = descriptors.get(path)
+            if descriptor is None:
+                try:
+                    descriptor = descriptors[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+            # One call per piece: the kernel reads at most its read-ahead size (read_ahead_kb,
+            # or the device's largest request) per WILLNEED call and drops the rest.
+            for piece in range(offset, offset + size, _ADVICE_PIECE_BYTES):
+                try:
+                    os.posix_fadvise(descriptor, piece, min(_ADVICE_PIECE_BYTES, offset + size - piece), advice)
+                except OSError:
+                    break
+    finally:
+        for descriptor in descriptors.values():
+            os.close(descriptor)

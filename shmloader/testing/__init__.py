@@ -1,0 +1,1 @@
+"""Helpers for tests: a loader whose readers are simulated threads."""

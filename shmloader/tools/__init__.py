@@ -1,0 +1,2 @@
+"""The command line and what it runs: converters and importers, the demo, the benchmark
+and the live view of a ring."""

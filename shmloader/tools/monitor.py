@@ -1,0 +1,245 @@
+"""`shmloader top`: a live, read-only view of every loader on this machine, from their rings.
+
+Each ring in /dev/shm is mapped read-only (nothing is written, no lock is taken but the
+shared probe of its owner lock) and sampled: its header, every slot's state, every reader
+record (pid, busy and starved time, batches, skipped records). Rates come from two samples:
+rows/s is batches filled times the batch size per second; a reader's busy and starved
+shares are its busy_ns and starved_ns per elapsed ns. A reader record whose pid changed
+between samples is a restart. What only the trainer knows (its wait share) is not in the
+ring: `loader.stats()` has it.
+
+The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
+else as plain text; `--once` prints one sample and exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+import time
+
+from .._native import ffi
+from ..ring.segment import (
+    HEADER_BYTES,
+    OWNER_SHIFT,
+    READER_RECORD_BYTES,
+    RING_MAGIC,
+    SHM_DIRECTORY,
+    SLOT_CONTROL_BYTES,
+    STATE_MASK,
+    SlotState,
+    _lock_free,
+)
+
+_SEGMENT = re.compile(r"^shml_(\d{1,10})_[0-9a-f]{12}$")
+# One letter per slot state on the screen.
+STATE_LETTERS = {SlotState.IDLE: ".", SlotState.REQUESTED: "r", SlotState.FILLING: "F", SlotState.READY: "R",
+                 SlotState.HELD: "H", SlotState.FAILED: "X"}
+# Samples of rows/s kept for a ring's sparkline.
+HISTORY_SAMPLES = 40
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+@dataclasses.dataclass
+class ReaderSample:
+    pid: int
+    busy_ns: int
+    batches: int
+    starved_ns: int
+    skipped: int
+
+
+@dataclasses.dataclass
+class RingSample:
+    """One reading of a ring: taken at `at_ns` (CLOCK_MONOTONIC)."""
+
+    name: str
+    trainer_pid: int
+    trainer_alive: bool
+    batch_size: int
+    states: list[tuple[SlotState | None, int, int]]  # (state, owner, step) per slot
+    readers: list[ReaderSample]
+    at_ns: int
+
+
+def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
+    """The ring segments in `directory`, oldest trainer first."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted((entry for entry in entries if _SEGMENT.match(entry)), key=lambda entry: int(entry.split("_")[1]))
+
+
+def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
+    """A reading of ring `name`, or None when it is gone, not ours to read, or not (yet) a
+    whole ring: its bytes are another process's, so every count is checked before use."""
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
+            return None
+        alive = not _lock_free(fd, shared=True)
+        memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
+    try:
+        return _read(name, memory, size, alive)
+    finally:
+        memory.close()
+        os.close(fd)
+
+
+def _read(name: str, memory: mmap.mmap, size: int, alive: bool) -> RingSample | None:
+    base = ffi.from_buffer("uint8_t[]", memory)
+    header = ffi.cast("shm_ring_header *", base)
+    if header.magic != RING_MAGIC:
+        return None
+    slot_count, reader_count = int(header.slot_count), int(header.reader_count)
+    table_offset = HEADER_BYTES + reader_count * READER_RECORD_BYTES
+    if table_offset + slot_count * SLOT_CONTROL_BYTES > size or slot_count > 1 << 16:
+        return None
+    lines = ffi.cast("shm_control_line *", ffi.addressof(base, table_offset))
+    states = []
+    for slot in range(slot_count):
+        word = int(lines[slot].state)
+        try:
+            state = SlotState(word & STATE_MASK)
+        except ValueError:
+            state = None
+        states.append((state, word >> OWNER_SHIFT, int(lines[slot].step)))
+    readers = []
+    for reader in range(reader_count):
+        record = ffi.cast("shm_reader_record *", ffi.addressof(base, HEADER_BYTES + reader * READER_RECORD_BYTES))
+        readers.append(ReaderSample(int(record.pid), int(record.busy_ns), int(record.batches),
+                                    int(record.starved_ns), int(record.skipped)))
+    sampled = RingSample(name, int(header.trainer_pid), alive, int(header.batch_size), states, readers,
+                         time.monotonic_ns())
+    del header, lines, base
+    return sampled
+
+
+@dataclasses.dataclass
+class RingView:
+    """What the screen shows of one ring: the last sample, rates since the one before, the
+    restarts seen and the rows/s history."""
+
+    last: RingSample
+    rows_per_s: float = 0.0
+    busy: list[float] = dataclasses.field(default_factory=list)
+    starved: list[float] = dataclasses.field(default_factory=list)
+    restarts: int = 0
+    history: list[float] = dataclasses.field(default_factory=list)
+
+    def update(self, new: RingSample) -> None:
+        elapsed = max(1, new.at_ns - self.last.at_ns)
+        batches = 0
+        self.busy, self.starved = [], []
+        for index, reader in enumerate(new.readers):
+            before = self.last.readers[index] if index < len(self.last.readers) else None
+            if before is not None and before.pid and reader.pid != before.pid:
+                self.restarts += 1
+            same = before is not None and before.pid == reader.pid
+            batches += reader.batches - before.batches if same else reader.batches
+            self.busy.append((reader.busy_ns - before.busy_ns) / elapsed if same else 0.0)
+            self.starved.append((reader.starved_ns - before.starved_ns) / elapsed if same else 0.0)
+        self.rows_per_s = max(0, batches) * new.batch_size / (elapsed / 1e9)
+        self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
+        self.last = new
+
+
+class Monitor:
+    """Samples the rings (all of them, or those named) and keeps a view of each."""
+
+    def __init__(self, names: list[str] | None = None, directory: str = SHM_DIRECTORY) -> None:
+        self.names, self.directory = names, directory
+        self.views: dict[str, RingView] = {}
+
+    def refresh(self) -> None:
+        names = self.names if self.names else ring_names(self.directory)
+        seen = {}
+        for name in names:
+            reading = sample(name.lstrip("/"), self.directory)
+            if reading is None:
+                continue
+            view = self.views.get(reading.name)
+            if view is None:
+                view = RingView(reading)
+            else:
+                view.update(reading)
+            seen[reading.name] = view
+        self.views = seen
+
+
+def sparkline(values: list[float]) -> str:
+    top = max(values, default=0.0)
+    if top <= 0:
+        return _SPARKS[0] * len(values)
+    return "".join(_SPARKS[min(len(_SPARKS) - 1, int(value / top * (len(_SPARKS) - 1)))] for value in values)
+
+
+def render_text(monitor: Monitor) -> str:
+    """The screen as plain text (also what rich draws, line by line)."""
+    if not monitor.views:
+        return "no shmloader ring in /dev/shm"
+    lines = []
+    for name, view in monitor.views.items():
+        last = view.last
+        states = "".join(STATE_LETTERS.get(state, "?") for state, _, _ in last.states)
+        lines.append(f"{name}  trainer {last.trainer_pid} ({'alive' if last.trainer_alive else 'gone'})  batch "
+                     f"{last.batch_size}  {view.rows_per_s:,.0f} rows/s  restarts {view.restarts}")
+        lines.append(f"  slots [{states}]   rows/s {sparkline(view.history)}")
+        for index, reader in enumerate(last.readers):
+            busy = view.busy[index] if index < len(view.busy) else 0.0
+            starved = view.starved[index] if index < len(view.starved) else 0.0
+            lines.append(f"  reader {index}: pid {reader.pid:>7}  busy {busy:4.0%}  starved {starved:4.0%}  "
+                         f"batches {reader.batches:>9,}  skipped {reader.skipped:,}")
+    lines.append("slots: . idle  r requested  F filling  R ready  H held  X failed")
+    return "\n".join(lines)
+
+
+def run(names: list[str] | None = None, interval_s: float = 1.0, once: bool = False, samples: int | None = None) -> int:
+    """Draws the view every `interval_s` until Ctrl-C (or `samples` times)."""
+    monitor = Monitor(names)
+    monitor.refresh()
+    missing = [name for name in names or () if name.lstrip("/") not in monitor.views]
+    if missing:
+        import sys
+
+        print(f"shmloader top: no ring named {', '.join(missing)} in {SHM_DIRECTORY} (rings there: "
+              f"{', '.join(ring_names()) or 'none'}; a loader's is loader.ring_name)", file=sys.stderr)
+        return 1
+    if once:
+        time.sleep(min(interval_s, 0.5))  # Two samples make the rates.
+        monitor.refresh()
+        print(render_text(monitor))
+        return 0
+    try:
+        from rich.live import Live
+        from rich.text import Text
+    except ImportError:
+        Live = None
+    count = 0
+    try:
+        if Live is None:
+            while samples is None or count < samples:
+                time.sleep(interval_s)
+                monitor.refresh()
+                print("\x1b[H\x1b[2J" + render_text(monitor), flush=True)
+                count += 1
+            return 0
+        with Live(Text(render_text(monitor)), refresh_per_second=4, screen=False) as live:
+            while samples is None or count < samples:
+                time.sleep(interval_s)
+                monitor.refresh()
+                live.update(Text(render_text(monitor)))
+                count += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
