@@ -18,7 +18,7 @@ from .device import (
     pin_backend,
 )
 from .fill.filler import FillerSpec
-from .plan.checkpoint import Resume, position_of, state_of, step_to_resume
+from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_resume
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import (
@@ -362,8 +362,17 @@ class ShmDataLoader(cursor_module.Cursor):
         checkpoint's position in the new numbering) is cut to the rows from it: on the shard
         that holds the position a shorter batch, on those before it an empty one."""
         resume, transition = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
-        if transition != self.sampler.transition:
-            self._use_sampler(self.sampler.with_transition(transition))
+        sampler, finite = self.sampler, self.finite
+        if transition != self.sampler.transition:  # Checked whole before anything changes.
+            sampler = self.sampler.with_transition(transition)
+            finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
+        end = ENDLESS if finite is None else finite.steps
+        if resume is PASS_ENDED:
+            resume = end  # The checkpoint's pass had ended: so has this one.
+        step = resume.step if isinstance(resume, Resume) else resume
+        check_integer("the checkpoint's step", step, 0, min(sampler.step_max - self.slots, end))
+        if sampler is not self.sampler:
+            self._use_sampler(sampler, finite)
         if not isinstance(resume, Resume):
             self.seek(resume)
             return
@@ -419,15 +428,15 @@ class ShmDataLoader(cursor_module.Cursor):
                         self._request(slot, old)
             raise
 
-    def _use_sampler(self, sampler: Sampler) -> None:
-        """Fills with `sampler` from now on: a resharded checkpoint's dealing (reshard.py),
-        or none again. Readers build their sampler from their configuration, so they are
-        replaced once every slot is taken back (the caller seeks next)."""
+    def _use_sampler(self, sampler: Sampler, finite: FinitePass | None) -> None:
+        """Fills with `sampler` (and its pass, `finite`) from now on: a resharded checkpoint's
+        dealing (reshard.py), or none again. Readers build their sampler from their
+        configuration, so they are replaced once every slot is taken back (the caller seeks
+        next). Raises, changing nothing, while a batch is held."""
         self._raise_if_closed()
         self._take_back_all()
-        self.sampler, self.plan = sampler, dataclasses.replace(self.plan, sampler=sampler)
-        self.finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
-        self._end_step = ENDLESS if self.finite is None else self.finite.steps
+        self.sampler, self.plan, self.finite = sampler, dataclasses.replace(self.plan, sampler=sampler), finite
+        self._end_step = ENDLESS if finite is None else finite.steps
         spec = self._filler_spec()
         if self._fillers == 0:  # readers=0: this process's filler, bound to the slots anew.
             old, filler = self._resources.filler, spec.build()

@@ -200,3 +200,68 @@ def test_the_sampler_deals_every_drawn_shape_exactly(fields):
         assert (not counts and epochs == 0) or (len(counts) == length and set(counts.values()) == {epochs})
         assert len(later) == length and set(later.values()) == {1}
         cases += 1
+
+
+def test_a_windowed_mixture_continues_its_position_under_another_shard_count(fields, tmp_path):
+    """A mixture's shards share one global stream: no dealing (an outside attack found it
+    sent to the dealing, which mixtures do not have)."""
+    from shmloader import Source
+
+    np.save(tmp_path / "small.npy", np.arange(ROWS, ROWS + 300, dtype=np.int64))
+    sources = [Source(fields, weight=3), Source({"x": str(tmp_path / "small.npy")}, weight=1)]
+    with loader(sources, 0, 2, 16) as before:
+        for _ in range(5):
+            next(before)
+        state = before.state_dict()
+    with loader(sources, 0, 3, 16) as after:
+        after.load_state_dict(state)
+        assert after.sampler.transition is None and after.state_dict()["position"] == state["position"]
+
+
+def test_a_refused_checkpoint_changes_nothing(fields):
+    """The new sampler, its pass and the step are all checked before readers are replaced:
+    a load that raises leaves the loader as it was (it was left with the dealing's sampler
+    and no slot requested)."""
+    _, states = old_run(fields, 2, 16, steps=3)
+    state = dict(states[0], step=1 << 59, position=(1 << 59) * 16)  # Past the last step 3 shards can compute.
+    for readers in (0, 1):
+        with loader(fields, 0, 3, 16, readers) as each, loader(fields, 0, 3, 16, readers) as fresh:
+            with pytest.raises(ValueError, match="step"):
+                each.load_state_dict(state)
+            assert each.sampler.transition is None and each.state_dict() == fresh.state_dict()
+            assert next(each)["x"].tolist() == next(fresh)["x"].tolist()
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_finished_pass_stays_finished_under_another_shard_count(fields, drop_last):
+    """The last checkpoint of a pass, resharded or not, under other shapes: no step left
+    (before, a larger batch was refused as 'drop_last drops it', a pass that ended during
+    its dealing was refused as 'still dealing', and a drop_last pass dealt its dropped rows)."""
+    options = {"epochs": 1, "drop_last": drop_last}
+    _, states = old_run(fields, 2, 16, steps=10, **options)
+    ended = []
+    for shard in range(3):  # Resharded, then run to the end of the pass.
+        with loader(fields, shard, 3, 16, **options) as each:
+            each.load_state_dict(states[shard % 2])
+            assert sum(1 for _ in each) or drop_last
+            ended.append(each.state_dict())
+    with loader(fields, 0, 2, 16, **options) as before:
+        assert sum(1 for _ in before)
+        ended.append(before.state_dict())
+    for state in ended:
+        for shards, batch in ((2, 16), (4, 16), (1, 300), (2, 300)):
+            with loader(fields, 0, shards, batch, **options) as after:
+                after.load_state_dict(state)
+                with pytest.raises(RuntimeError, match="has ended"):
+                    iter(after)
+
+
+def test_the_end_of_a_pass_under_a_batch_larger_than_its_position(fields):
+    """4 shards of 64 to the end of one epoch (position 256), then 2 shards of 300: the pass
+    has ended (it was refused as 'the pass holds 0 positions ... drop_last=True drops it',
+    without drop_last)."""
+    _, states = old_run(fields, 4, 64, steps=4, epochs=1)
+    with loader(fields, 1, 2, 300, epochs=1) as after:
+        after.load_state_dict(states[3])
+        with pytest.raises(RuntimeError, match="has ended"):
+            iter(after)

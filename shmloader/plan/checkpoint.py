@@ -7,7 +7,8 @@ import collections.abc
 import dataclasses
 
 from .reshard import Transition, transition_from
-from .sampler import global_position
+from .passes import FinitePass
+from .sampler import Sampler, global_position
 
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
 # order that dealt whole windows one after another (checkpoints without this key) was
@@ -21,6 +22,10 @@ GLOBAL_ORDER = "global"
 # a block of each step ("global"), or of each shard's own stream (a shuffle window split
 # among shards: "shard").
 GLOBAL, SHARD = "global", "shard"
+# step_to_resume's answer for a checkpoint whose finite pass had ended (under another
+# shard count with a window, where no dealing is made for it).
+PASS_ENDED = "pass ended"
+
 # Settings a checkpoint may be loaded under with other values: the position it names is
 # continued (elastic resume).
 ELASTIC_SETTINGS = ("batch_size", "shard_count", "shard_index")
@@ -117,7 +122,7 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     # A dealing the checkpoint's run was making (a resharded resume of its own): it goes on
     # as it was under the same shard count.
     dealt = None if state.get("transition") is None else Transition.from_dict(state["transition"])
-    if "shard_count" in elastic and getattr(sampler, "blocks_per_window", 0):
+    if "shard_count" in elastic and sampler.deals_on_reshard:
         return _resharded(state, sampler, dealt, finite)
     if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
         step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
@@ -155,9 +160,15 @@ def _resharded(state, sampler, dealt: Transition | None, finite) -> tuple[int, T
     continued under another shard count: the dealing of its unread rows (reshard.py), from
     the step of this loader's numbering that holds its position."""
     position, _ = _checked_position(state, sampler)
-    old_count = state["shard_count"]
-    if not isinstance(old_count, int) or isinstance(old_count, bool) or old_count < 1:
-        raise ValueError(f"the checkpoint's shard_count must be a positive integer, got {old_count!r}")
+    old_count, old_batch = state["shard_count"], state["batch_size"]
+    for name, value in (("shard_count", old_count), ("batch_size", old_batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"the checkpoint's {name} must be a positive integer, got {value!r}")
+    if finite is not None:  # A finished pass stays finished: its dropped rows are not dealt again.
+        recorded = Sampler(sampler.length, old_batch, sampler.mode, sampler.seed, 0, old_count, sampler.shuffle_window,
+                           sampler.block_rows, dealt)
+        if state["step"] >= FinitePass.of(recorded, finite.epochs, finite.drop_last).steps:
+            return PASS_ENDED, None
     if dealt is None:  # Every old shard stands at the same position of its own stream.
         positions = [position] * old_count
     elif position <= dealt.start:  # Its run had not begun its own dealing: deal the same rows anew.

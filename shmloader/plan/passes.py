@@ -80,7 +80,7 @@ class FinitePass:
         else:
             positions = epochs * epoch_positions(sampler)
             steps = positions // (batch * shards) if drop_last else -(-positions // (batch * shards))
-        if steps < 1:
+        if steps < 1 and getattr(sampler, "transition", None) is None:  # A resumed dealing may have none left.
             raise ValueError(f"the pass of {epochs} epoch(s) holds {positions} positions, fewer than one batch of "
                              f"{batch * shards} rows across shards, and drop_last=True drops it: nothing to deliver")
         return cls(epochs, bool(drop_last), batch, steps, positions, shard_blocks, sampler.shard_index, shards)

@@ -225,6 +225,13 @@ class Sampler:
         return global_position(step, self.batch_size, self.shard_index, self.shard_count)
 
     @property
+    def deals_on_reshard(self) -> bool:
+        """Whether another shard count deals this stream's unread rows (reshard.py): with a
+        window smaller than the data, whose shards (where there are several) read their own
+        blocks. Otherwise a changed shard count continues the global position."""
+        return bool(self.blocks_per_window)
+
+    @property
     def own_streams(self) -> bool:
         """Whether each shard reads a stream of its own (positions step * batch_size), not
         its block of the global one: a window split among shards, or a resharded dealing."""

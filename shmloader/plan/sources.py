@@ -96,6 +96,7 @@ class MixtureSampler:
     transition = None
     own_streams = False
     shard_blocks = False
+    deals_on_reshard = False
 
     def __init__(self, lengths: list[int], weights: list[int], fractions: list[float], fixed: list[bool],
                  batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,
