@@ -61,3 +61,33 @@ def table(rows: list[list], header: list[str]) -> str:
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
+
+
+RESULTS_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def record(benchmark: str, command: str, header: list[str], rows: list[list], headline: list[list] = (),
+           notes: list[str] = ()) -> str:
+    """Writes bench/results/<benchmark>.json: the run's table, where and when it ran, and
+    `headline`, its rows for the README's table ([what, rate, / single process, / PyTorch]).
+    `python bench/report.py` turns these files into RESULTS.md's current table and the
+    README's. Returns the path."""
+    import datetime
+    import json
+    import subprocess
+
+    root = os.path.dirname(RESULTS_DIRECTORY)
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    data = {"benchmark": benchmark, "command": command, "date": datetime.date.today().isoformat(), "commit": commit,
+            "machine": machine_line(), "header": list(header), "rows": [[str(cell) for cell in row] for row in rows],
+            "headline": [[str(cell) for cell in row] for row in headline], "notes": list(notes)}
+    os.makedirs(RESULTS_DIRECTORY, exist_ok=True)
+    path = os.path.join(RESULTS_DIRECTORY, f"{benchmark}.json")
+    with open(path, "w") as handle:
+        json.dump(data, handle, indent=1)
+        handle.write("\n")
+    return path

@@ -24,7 +24,7 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, table, verdict
+from _common import machine_line, record, table, verdict
 from gather import DATA_DIR
 
 BATCH = 256
@@ -192,6 +192,12 @@ def main(argv=None) -> int:
         print("PyTorch rows skipped: torchvision is not installed")
     share = shm_fast / (args.workers * limit_fast)
     print(f"shmloader fast / ({args.workers} x one-process limit): {share:.0%} (target 90%) {verdict(share >= 0.9)}")
+    headline = [["JPEGs, decode + crop 224 + flip, fast path", f"{shm_fast:,.0f} images/s",
+                 f"{shm_fast / limit_fast:.2f}x ({share:.0%} of {args.workers})",
+                 f"{shm_fast / torch_rate:.2f}x" if torch_rate else "n/a"]]
+    record("images", "python bench/images.py", ["loader", "images/s", "per process", "trainer CPU per next(), us"],
+           rows, headline, [f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'synthetic'}), batch "
+                            f"{BATCH}, {args.workers} processes, {args.batches} batches a run"])
     return 0
 
 

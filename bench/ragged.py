@@ -16,7 +16,7 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, table, verdict
+from _common import machine_line, record, table, verdict
 from gather import DATA_DIR
 
 from shmloader import Packed, Padded, Sampler, ShmDataLoader
@@ -197,6 +197,10 @@ def main() -> int:
     print(f"loaderx: {run_loaderx()}")
     ratio = ours / single["tokens_per_s"]
     print(f"padded (lz4) / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
+    headline = [["token documents, `Padded` (LZ4)", f"{ours / 1e6:.0f} M tokens/s", f"{ratio:.2f}x",
+                 f"{ours / torch_result['tokens_per_s']:.1f}x" if torch_result else "n/a"]]
+    record("ragged", "python bench/ragged.py", ["loader", "codec", "M tokens/s", "notes"], rows, headline,
+           [f"{spec.record_count:,} documents, batch {BATCH}, max_length {MAX_LENGTH}, {arguments.batches} batches a run"])
     return 0
 
 

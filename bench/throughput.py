@@ -19,7 +19,7 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, table, verdict
+from _common import record, machine_line, table, verdict
 from gather import make_files
 
 from shmloader import ShmDataLoader
@@ -296,6 +296,18 @@ def main() -> int:
     for label, cost in costs.items():
         print(f"next() with {label} batches, after a training step: median {cost['median']:.1f} us (target <= 20 us) "
               f"-> {verdict(cost['median'] <= 20)}; the floor of any next() there: {cost['floor']:.1f} us")
+    headline = []
+    for kind, what in (("npy", "`.npy` rows"), ("b2nd", "`.b2nd` rows (converted)")):
+        ours, single, torch_result = rates[kind]
+        headline.append([what, f"{ours['rows_per_s'] / 1e6:.2f} M/s", f"{ours['rows_per_s'] / single['rows_per_s']:.2f}x",
+                         f"{ours['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a"])
+    notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm",
+             f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
+             f"of one file's rate",
+             *(f"next() with {label} batches after a training step: median {cost['median']:.1f} us" for label, cost
+               in costs.items())]
+    record("throughput", "python bench/throughput.py" + (" --quick" if arguments.quick else ""),
+           ["file", "loader", "rows/s", "GB/s", "notes"], lines, headline, notes)
     return 0
 
 
