@@ -25,6 +25,7 @@
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/ndarraytypes.h>
 
+#include <assert.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <semaphore.h>
@@ -189,6 +190,7 @@ static int wake_readers(Cursor *self) {
  * step word and the request time are published by the release store of the state after
  * them (ring.py's table). */
 static inline void request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
+    assert(control != NULL);
     control->step = step;
     control->requested_ns = now_ns;
     __atomic_store_n(&control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
@@ -217,6 +219,7 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
                          "another process wrote to the ring", s, (unsigned long long)word);
             return -1;
         }
+        assert(slot->views != NULL);
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
@@ -239,6 +242,7 @@ static Py_ssize_t release_unused(Cursor *self, int flush) {
 /* ---- Deciding and taking the next step ---------------------------------------------- */
 
 static inline Slot *slot_of(const Cursor *self, unsigned long long step) {
+    assert(self->slots != NULL && self->slot_count > 0); /* Set up, and not cleared. */
     return &self->slots[step % (unsigned long long)self->slot_count];
 }
 

@@ -38,6 +38,7 @@ from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
 from .remote.cache import COUNTERS
 from .remote.localize import localize
+from .transforms.core import resolve as resolve_transform
 from .ring.batch import Batch, CursorConfig, cursor_module, weak_method
 from .ring.segment import (
     POLL_INTERVAL_SECONDS,
@@ -136,7 +137,8 @@ class ShmDataLoader(cursor_module.Cursor):
                 self._node_cache = self._resources.node_cache = localizer.cache
                 self._cache_counters = self._node_cache.counters()
             try:
-                plan = plan_loader(fields, label_path, options)
+                spec = None if transform is None else resolve_transform(transform, transform_args, self.batch_size)
+                plan = plan_loader(fields, label_path, options, spec)
             except Exception as error:
                 renamed = error if localizer is None else localizer.renamed(error)
                 if renamed is error:

@@ -81,6 +81,8 @@ def test_ring_writes_land_at_the_offsets_the_layout_computes(ring):
     line = layout.table_offset + 2 * SLOT_CONTROL_BYTES
     state, step = struct.unpack_from("<QQ", ring.memory, line)
     assert (state, step) == (SlotState.REQUESTED, 77)
+    request(ring, 1, 5)
+    assert ring.claim(reader=1) == 1  # A reader publishes only the slot it claimed (asserted).
     ring.publish(1, SlotState.FAILED, owner=1)
     (word,) = struct.unpack_from("<Q", ring.memory, layout.table_offset + SLOT_CONTROL_BYTES)
     assert word == SlotState.FAILED | 1 << OWNER_SHIFT and ring.state(1) == (SlotState.FAILED, 1)

@@ -246,6 +246,7 @@ comptime {
 }
 
 test {
+    _ = @import("permutation.zig");
     _ = sampler;
     _ = gather;
     _ = mixture;

@@ -150,7 +150,7 @@ pub fn check(config: *const MixtureConfig) Status {
             if (source.block_rows == 0 or source.block_rows > source.length) return .invalid_length;
             if (source.fixed != 0 and source.take != source.length) return .invalid_mode;
             _ = std.math.mul(u64, source.block_rows, source.window_blocks) catch return .overflow;
-            if (source.window_blocks >= 1 << 32) return .invalid_length; // See sampler.floorSum.
+            if (source.window_blocks >= 1 << 32) return .invalid_length; // See permutation.floorSum.
         }
         weights = std.math.add(u64, weights, source.weight) catch return .overflow;
     }

@@ -191,6 +191,8 @@ class StepFiller:
         """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
         check_determinism's second run). A batch that fails is searched for the records
         that fail it; on_error="skip" replaces them, "raise" names them in the error."""
+        assert 0 <= step <= self.sampler.step_max, step
+        assert outputs.index_pointer is not None and (outputs.source_pointer is not None) == self.mixture, outputs
         for ahead in self.read_ahead:
             ahead.note(step)
         if self.step_ahead is not None:

@@ -31,8 +31,6 @@ from ..storage.ragged import (
 )
 from ..storage.readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
 from ..storage.spec import FieldSpec, describe_field
-from ..transforms.core import TransformSpec
-from ..transforms.core import resolve as resolve_transform
 from .naming import loader_name_problem
 from .options import LoaderOptions
 from .sampler import Sampler
@@ -500,7 +498,7 @@ class LoaderPlan:
     plans: dict[str, FieldPlan]
     slot: SlotLayout
     sampler: Sampler | MixtureSampler
-    transform: TransformSpec | None
+    transform: object  # transforms.core.TransformSpec, or None
     sources: list[dict]
 
     @property
@@ -540,18 +538,18 @@ def shuffle_block_rows(plans: dict[str, FieldPlan], shuffle_window: int, source:
     return min(row_count, -(-block_rows // chunk_rows) * chunk_rows)
 
 
-def plan_loader(fields, label_path, options: LoaderOptions) -> LoaderPlan:
+def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> LoaderPlan:
     """Validates the files against the settings (`options`, checked already) and lays out
-    the slot: the loader's plan, also used in one process by shmloader.transforms.compute_batch."""
+    the slot: the loader's plan, also used in one process by shmloader.transforms.compute_batch.
+    `spec`: options.transform resolved (transforms.core.resolve) by the caller, the plan's
+    only view of the transform being what it declares (its regions, and that one is given)."""
     batch_size, mode, seed, shuffle_window = options.batch_size, options.mode, options.seed, options.shuffle_window
     shard_index, shard_count = options.shard_index, options.shard_count
-    transform, transform_args = options.transform, options.transform_args
     sources = _normalise_fields(fields, label_path)
     mixture = len(sources) > 1 or isinstance(fields, (list, tuple))
     if mixture and mode != "shuffle":
         raise ValueError(f"a mixture of Sources runs each source's own shuffle epochs: mode must be 'shuffle', "
                          f"got {mode!r}")
-    spec = None if transform is None else resolve_transform(transform, transform_args, batch_size)
     plans = _plan_fields(sources, batch_size, ragged_packed=spec is not None)
     row_counts = next(iter(plans.values())).row_counts
     if mixture:

@@ -97,6 +97,7 @@ class Dealing:
         # The own stream from epoch through_epoch + 1, which follows the piece.
         self.own_offset = (transition.through_epoch + 1) * sampler.epoch_length - self.piece_end_position
         self.total_rows = total
+        assert 0 <= self.piece_start and self.piece_start + self.piece_rows <= total, (self.piece_start, total)
 
     def _old_length(self, h: int) -> int:
         return self._old_sampler(h).epoch_length
@@ -131,10 +132,12 @@ class Dealing:
         """Writes the rows of positions first .. first + count to the cffi uint64_t pointer."""
         offset = 0
         for sampler, position, rows, _ in self.segments(first, count):
+            assert rows > 0, (first, count, position)
             status = lib.shm_sampler_fill_positions(sampler._config, position, pointer + offset, rows)
             if status != Status.OK:
                 raise ValueError(f"cannot fill positions {position} .. {position + rows}: {status_name(status)}")
             offset += rows
+        assert offset == count, (first, count, offset)  # The runs cover the positions exactly.
 
     def keys(self, first: int, count: int) -> np.ndarray:
         """Each row's transform key (ctx.positions): the one the old run gave it within the

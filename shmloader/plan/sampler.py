@@ -210,6 +210,7 @@ class Sampler:
 
     def fill_unchecked(self, step: int, pointer) -> None:
         """fill() into a cffi uint64_t pointer to batch_size entries, for callers that checked it."""
+        assert 0 <= step <= U64_MAX, step
         if self.dealing is not None:
             self.dealing.fill(step * self.batch_size, self.batch_size, pointer)
             return

@@ -445,6 +445,12 @@ class Ring:
         """A reader publishes READY or FAILED (sequentially consistent: what it wrote before
         is visible to whoever acquires the word), and posts the slot's ready semaphore if
         the trainer waits on it."""
+        layout = self.layout
+        assert 0 <= slot < layout.slot_count and 0 <= owner < layout.reader_count, (slot, owner)
+        assert state in (SlotState.READY, SlotState.FAILED), state
+        # Only the reader that claimed the slot publishes it, once: FILLING by `owner` now.
+        word = lib.shm_state_load(ffi.addressof(self._lines[slot], "state"))
+        assert word & STATE_MASK == SlotState.FILLING and word >> OWNER_SHIFT == owner, (slot, word, owner)
         if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
             self.ready_semaphores[slot].release()
 
@@ -480,6 +486,7 @@ class Ring:
     def claim(self, reader: int) -> int | None:
         """A reader takes the requested slot with the lowest step (natively: one scan of
         the control table and a compare-and-swap). None if none is requested."""
+        assert 0 <= reader < self.layout.reader_count, reader
         slot = lib.shm_claim_lowest(self._lines, self.layout.slot_count, reader)
         return None if slot < 0 else slot
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..fill.filler import StepFiller
 from ..plan.options import LoaderOptions
 from ..plan.planner import plan_loader
+from .core import resolve
 from ..ring.slot_layout import INDICES
 
 
@@ -16,7 +17,8 @@ class LocalTransform:
         options = LoaderOptions(batch_size=batch_size, mode=mode, seed=seed, shard_index=shard_index,
                                 shard_count=shard_count, transform=transform, transform_args=transform_args,
                                 shuffle_window=shuffle_window, on_error=on_error, verify=verify)
-        plan = plan_loader(fields, label_path, options)
+        spec = None if transform is None else resolve(transform, transform_args, batch_size)
+        plan = plan_loader(fields, label_path, options, spec)
         self.spec, self.slot = plan.transform, plan.slot
         self.filler = StepFiller(plan.fields, plan.slot, plan.sampler, plan.transform, verify, read_ahead=False,
                                  on_error=on_error)
