@@ -19,11 +19,11 @@ import sys
 import time
 
 import numpy as np
-from _common import record, machine_line, table, verdict
+from _common import machine_line, record, table, verdict
 from gather import make_files
 
 from shmloader import ShmDataLoader
-from shmloader.ring.segment import SlotState
+from shmloader.ring.layout import SlotState
 from shmloader.storage.opening import open_field
 from shmloader.storage.spec import describe_field
 from shmloader.tools import benchmark

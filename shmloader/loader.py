@@ -19,34 +19,22 @@ from .device import (
 )
 from .fill.filler import FillerSpec
 from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_resume
+from .plan.defaults import TRAINER_SLOTS, default_readers, default_slots, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
-from .plan.planner import (
-    TRAINER_SLOTS,
-    LoaderPlan,
-    default_readers,
-    default_slots,
-    plan_loader,
-    wake_after,
-    warn_poor_layouts,
-    warn_window_memory,
-)
+from .plan.planner import LoaderPlan, plan_loader, warn_poor_layouts, warn_window_memory
 from .plan.sampler import Sampler, global_position
 from .readers.lifecycle import Resources, live_loaders
 from .readers.pool import ReaderPool
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
-from .remote.cache import COUNTERS
 from .remote.localize import localize
-from .transforms.core import resolve as resolve_transform
+from .remote.pages import COUNTERS
 from .ring.batch import Batch, CursorConfig, cursor_module, weak_method
-from .ring.segment import (
-    POLL_INTERVAL_SECONDS,
-    Ring,
-    RingLayout,
-    SlotState,
-    sweep_stale,
-)
+from .ring.layout import POLL_INTERVAL_SECONDS, RingLayout, SlotState
+from .ring.segment import Ring
+from .ring.stale import sweep_stale
+from .transforms.core import resolve as resolve_transform
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64

@@ -21,7 +21,7 @@ from conftest import our_shm_entries, process_alive, wait_until, write_b2nd
 from shmloader import ReaderError, Sampler, ShmDataLoader
 from shmloader.readers import pool as readers
 from shmloader.readers.reader import FAULT_INJECTION_VARIABLE
-from shmloader.ring.segment import sweep_stale
+from shmloader.ring.stale import sweep_stale
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -163,7 +163,7 @@ def write_shards(directory, samples: int = 90, per_shard: int = 40, drop=None):
 
 
 def test_webdataset_shards_import_in_order_and_read_back_like_webdataset_reads_them(tmp_path):
-    from shmloader.tools.formats import from_webdataset
+    from shmloader.tools.webdataset import from_webdataset
 
     webdataset = pytest.importorskip("webdataset")
     write_shards(tmp_path)
@@ -187,7 +187,7 @@ def test_webdataset_shards_import_in_order_and_read_back_like_webdataset_reads_t
 
 
 def test_a_sample_missing_an_extension_or_a_broken_shard_is_named(tmp_path):
-    from shmloader.tools.formats import from_webdataset
+    from shmloader.tools.webdataset import from_webdataset
 
     write_shards(tmp_path, drop=57)
     with pytest.raises(StorageError, match=r"shard-001.tar: sample sample00057 has extensions \['cls', 'jpg'\].*missing \['txt'\]"):
@@ -312,7 +312,7 @@ def _tar(path, members: dict) -> None:
 ], ids=["key-extension", "colliding-names", "reserved-name"])
 def test_webdataset_names_that_cannot_be_fields_are_refused_not_hung(tmp_path, members, message):
     """Before: the import hung forever (two writers on one queue)."""
-    from shmloader.tools.formats import from_webdataset
+    from shmloader.tools.webdataset import from_webdataset
 
     _tar(tmp_path / "shard.tar", members)
     with pytest.raises(StorageError, match=message):
@@ -325,7 +325,7 @@ def test_a_webdataset_import_whose_last_write_fails_raises_instead_of_hanging(tm
     """A write that fails after the writer took the end marker (a full disk at the last
     flush): before, the writer waited for a second end marker forever."""
     import shmloader.tools.convert as convert_module
-    from shmloader.tools.formats import from_webdataset
+    from shmloader.tools.webdataset import from_webdataset
 
     _tar(tmp_path / "shard.tar", {f"s{i}.txt": b"caption %d" % i for i in range(20)})
     real = convert_module.write_ragged

@@ -22,7 +22,8 @@ from test_faults import HERE, assert_all_gone, exit_code_and_errors, run_child
 
 from shmloader import ReaderError, SharedMemoryError, ShmDataLoader, StorageError
 from shmloader.readers.reader import FAULT_INJECTION_VARIABLE, ErrorReport
-from shmloader.ring.segment import READER_ERROR_BYTES_MAX, sweep_stale
+from shmloader.ring.layout import READER_ERROR_BYTES_MAX
+from shmloader.ring.stale import sweep_stale
 from shmloader.storage.opening import open_field
 from shmloader.storage.spec import describe_field
 
@@ -63,7 +64,7 @@ def test_the_sweep_of_another_pid_namespace_leaves_a_live_ring_alone(dataset):
     """Seen from another PID namespace the owner's pid is dead; its lock is not."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
         entries = our_shm_entries(os.getpid())
-        code = "import sys; from shmloader.ring.segment import sweep_stale; print(sweep_stale())"
+        code = "import sys; from shmloader.ring.stale import sweep_stale; print(sweep_stale())"
         result = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
                                 text=True, timeout=60, cwd=HERE)
         if result.returncode != 0 and "unshare" in result.stderr:

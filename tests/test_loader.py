@@ -203,7 +203,7 @@ def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(datas
 def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
     """Handing a slot back requests its next step at once, but wakes the readers only once
     half the ring waits for them, or at once when they are not ahead."""
-    from shmloader.ring.segment import SlotState
+    from shmloader.ring.layout import SlotState
 
     data = {"label": dataset["labels"]}
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=8) as loader:
@@ -414,7 +414,7 @@ def test_bad_files_are_refused_naming_field_and_file(dataset, tmp_path):
 
 
 def test_not_enough_shared_memory_is_an_error_naming_sizes(dataset, monkeypatch):
-    from shmloader.ring import segment as ring
+    from shmloader.ring import stale as ring
 
     class TinyStatvfs:
         f_bavail, f_frsize = 10, 4096
@@ -440,7 +440,7 @@ def test_stats_show_readers_starved_by_deferred_wake_ups(dataset):
 
 
 def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(monkeypatch):
-    from shmloader.plan import planner as plan
+    from shmloader.plan import defaults as plan
 
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(plan.os, "cpu_count", lambda: 16)

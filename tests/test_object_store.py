@@ -29,7 +29,8 @@ from shmloader import (  # noqa: E402
     Source,
     Windows,
 )
-from shmloader.remote.cache import PAGE_BYTES, pages_of  # noqa: E402
+from shmloader.remote.cache import pages_of
+from shmloader.remote.pages import PAGE_BYTES  # noqa: E402
 from shmloader.tools.convert import write_ragged  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("object_store")
@@ -554,7 +555,7 @@ def test_storage_options_stand_in_for_the_environment(server, data, tmp_path, mo
 
 
 def test_reservations_of_a_dead_process_are_given_back(tmp_path):
-    from shmloader.remote.cache import NodeCache
+    from shmloader.remote.node import NodeCache
 
     root = str(tmp_path / "cache")
     cache = NodeCache(root)

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from shmloader.plan.planner import default_slots as _default_slots
-from shmloader.ring.segment import POLL_INTERVAL_SECONDS, SlotState
+from shmloader.plan.defaults import default_slots as _default_slots
+from shmloader.ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from shmloader.testing.simulation import ReaderDied, simulated_loader
 
 

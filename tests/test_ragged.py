@@ -18,7 +18,7 @@ from shmloader import (
     StorageError,
     Windows,
 )
-from shmloader.plan.planner import plan_field
+from shmloader.plan.fields import plan_field
 from shmloader.storage.ragged import (
     OFFSETS_NAME,
     SHAPES_NAME,
@@ -391,7 +391,7 @@ def test_packed_without_max_elements_holds_a_batch_that_repeats_its_longest_reco
 
 
 def test_packed_capacity_counts_each_record_as_often_as_a_batch_can_hold_it():
-    from shmloader.plan.planner import packed_capacity
+    from shmloader.plan.fields import packed_capacity
 
     lengths = np.array([3, 500, 2, 4, 1])
     assert packed_capacity(lengths, 4, 1) == 500 + 4 + 3 + 2

@@ -335,7 +335,7 @@ def _nested_null_count(column) -> int:
                         max_size=30),
        per_shard=st.integers(1, 12))
 def test_webdataset_imports_equal_tarfiles_read(tmp_path_factory, samples, per_shard):
-    from shmloader.tools.formats import from_webdataset
+    from shmloader.tools.webdataset import from_webdataset
 
     directory = _fresh(tmp_path_factory, "wds")
     for shard, start in enumerate(range(0, len(samples), per_shard)):

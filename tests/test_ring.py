@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from shmloader import _native
-from shmloader.ring.segment import (
+from shmloader.ring.layout import (
     HEADER_BYTES,
     OWNER_SHIFT,
     READER_ERROR_OFFSET,
     SLOT_CONTROL_BYTES,
     STATE_MASK,
-    Ring,
     RingLayout,
     SlotState,
 )
+from shmloader.ring.segment import Ring
 from shmloader.ring.slot_layout import Region, SlotLayout
 
 ffi, lib = _native.ffi, _native.lib

@@ -12,7 +12,7 @@ from conftest import write_b2nd
 
 from shmloader import Packed, Padded, PerformanceWarning, ShmDataLoader, Windows
 from shmloader.fill.field_readers import field_reader
-from shmloader.plan.planner import plan_field
+from shmloader.plan.fields import plan_field
 from shmloader.plan.sampler import Sampler
 from shmloader.plan.sources import MixtureSampler
 from shmloader.storage.readahead import LAG_STEPS, LOOKAHEAD_BLOCKS, ReadAhead

@@ -12,7 +12,7 @@ import numpy as np
 
 from .._native import ffi, lib
 from ..errors import StorageError
-from ..plan.planner import FieldPlan, part_name
+from ..plan.fields import FieldPlan, part_name
 from ..remote.cache import set_fetch_unit
 from ..storage.blosc import CombinedBlosc
 from ..storage.opening import open_field

@@ -16,8 +16,8 @@ import numpy as np
 
 from .._native import ffi
 from ..errors import RemoteError, ShmLoaderError
+from ..plan.fields import FieldPlan
 from ..plan.options import ON_ERROR
-from ..plan.planner import FieldPlan
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
 from ..ring.slot_layout import SlotLayout

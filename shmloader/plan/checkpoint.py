@@ -6,8 +6,8 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 
-from .reshard import Transition, transition_from
 from .passes import FinitePass
+from .reshard import Transition, transition_from
 from .sampler import Sampler, global_position
 
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the

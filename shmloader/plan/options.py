@@ -13,7 +13,7 @@ import numbers
 import os
 
 from .._native import lib
-from ..remote.cache import PAGE_BYTES
+from ..remote.pages import PAGE_BYTES
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1

@@ -521,7 +521,7 @@ def _trainer_gone(trainer_pid: int, code: int) -> int:
     """Removes the rings of a trainer that died (their owner locks free): a trainer killed
     before its readers were forked left nobody else to (its readers unlink their own ring,
     reader.py). Returns `code`."""
-    from ..ring.segment import sweep_stale
+    from ..ring.stale import sweep_stale
 
     sweep_stale(owner_pid=trainer_pid)
     return code

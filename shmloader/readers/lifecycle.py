@@ -57,7 +57,7 @@ class Resources:
             if ring is not None:
                 ring.close()
             if self.node_cache is not None:
-                from ..remote.cache import release
+                from ..remote.node import release
 
                 cache, self.node_cache = self.node_cache, None
                 try:

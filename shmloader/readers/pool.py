@@ -40,7 +40,8 @@ import posix_ipc
 
 from ..errors import ReaderError, SlotsExhaustedError, reader_error_type
 from ..readers import forkserver
-from ..ring.segment import POLL_INTERVAL_SECONDS, Ring, SlotState
+from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
+from ..ring.segment import Ring
 from .reader import (
     EXIT_REPORTED_ERROR,
     EXIT_SERVER_GONE,

@@ -36,8 +36,9 @@ import ray.exceptions
 
 from ..errors import ReaderError
 from ..fill.filler import FillerSpec
+from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from ..ring.publishing import Publisher
-from ..ring.segment import POLL_INTERVAL_SECONDS, Ring, SlotState, wait
+from ..ring.segment import Ring, wait
 from .reader import ErrorReport, yield_to_the_trainer
 
 # While the bridge could send more steps than it has in flight, it looks for requested

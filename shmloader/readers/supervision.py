@@ -28,8 +28,8 @@ from ..errors import (
     StepTimeoutError,
     user_stacklevel,
 )
+from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from ..ring.publishing import Publisher, fill_and_publish
-from ..ring.segment import POLL_INTERVAL_SECONDS, SlotState
 
 cursor_module = load_cursor()
 

@@ -20,14 +20,9 @@ import struct
 
 from ..errors import StorageError
 from ..remote import is_url
-from .cache import (
-    PAGE_BYTES,
-    acquire,
-    create_object,
-    object_directory,
-    read_marker,
-    write_marker,
-)
+from .cache import create_object, object_directory, open_object, read_marker, write_marker
+from .node import acquire
+from .pages import PAGE_BYTES
 from .store import Client
 
 # A ragged directory's members (ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
@@ -49,7 +44,7 @@ class CacheSettings:
 
     @classmethod
     def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
-        from .cache import default_root
+        from .pages import default_root
 
         root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
         os.makedirs(root, exist_ok=True)
@@ -189,7 +184,7 @@ class Localizer:
         if marker.get("options") != self.settings.options:
             marker["options"] = self.settings.options  # This loader's credentials from now on.
             write_marker(path, marker)
-        cached = self.cache.object(path, url)
+        cached = open_object(self.cache, path, url)
         cached.client = Client(self.settings.options, self.cache.count)
         if not marker["meta"]:
             marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import time
 
-from .segment import READER_SKIP_BYTES_MAX, Ring, SlotState
+from .layout import READER_SKIP_BYTES_MAX, SlotState
+from .segment import Ring
 
 
 def skips_report(skipped: list[dict]) -> bytes:

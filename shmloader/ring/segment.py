@@ -61,136 +61,29 @@ stale sweep of a new loader removes only segments whose lock it can take.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import errno
 import fcntl
-import functools
 import mmap
 import os
-import re
-import secrets
-import time
 
 import posix_ipc
 
 from .._native import ffi, lib
 from ..errors import SharedMemoryError
-
-RING_MAGIC = lib.SHM_RING_MAGIC
-RING_VERSION = lib.SHM_RING_VERSION
-HEADER_BYTES = ffi.sizeof("shm_ring_header")
-SLOT_CONTROL_BYTES = ffi.sizeof("shm_control_line")
-STATE_MASK = lib.SHM_STATE_MASK
-OWNER_SHIFT = lib.SHM_OWNER_SHIFT
-# A reader's record: the fixed struct, then room for its error report.
-READER_RECORD_BYTES = 16384
-READER_SKIP_OFFSET = ffi.sizeof("shm_reader_record")
-READER_SKIP_BYTES_MAX = lib.SHM_READER_SKIP_BYTES
-READER_ERROR_OFFSET = READER_SKIP_OFFSET + READER_SKIP_BYTES_MAX
-READER_ERROR_BYTES_MAX = READER_RECORD_BYTES - READER_ERROR_OFFSET
-PAGE_BYTES = 4096
-# How long one wait of the trainer lasts before it checks that its readers live (a dead
-# reader is noticed within about this long); the native next() waits in units of it.
-POLL_INTERVAL_SECONDS = 0.05
-
-NAME_PREFIX = "shml_"
-_SEGMENT_PATTERN = re.compile(r"^shml_\d{1,10}_[0-9a-f]{12}$")
-_SEMAPHORE_PATTERN = re.compile(r"^sem\.(shml_\d{1,10}_[0-9a-f]{12})_(?:w|r\d{1,5})$")
-# How old an empty ring segment must be before the sweep takes it for abandoned.
-_CREATION_GRACE_SECONDS = 60.0
-SHM_DIRECTORY = "/dev/shm"
-# Room left free in /dev/shm beyond the ring, so that other users of it do not fail.
-_SHM_HEADROOM_BYTES = 64 << 20
-
-
-class SlotState(enum.IntEnum):
-    """The low byte of a slot's state word (values from ring.h)."""
-
-    IDLE = lib.SHM_SLOT_IDLE
-    REQUESTED = lib.SHM_SLOT_REQUESTED
-    FILLING = lib.SHM_SLOT_FILLING
-    READY = lib.SHM_SLOT_READY
-    HELD = lib.SHM_SLOT_HELD
-    FAILED = lib.SHM_SLOT_FAILED
-
-
-def _align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
-
-
-@dataclasses.dataclass(frozen=True)
-class RingLayout:
-    """Byte offsets of everything in the segment, computed from the sizes alone (a slot's
-    own layout is slot_layout.SlotLayout's: here only its size and array count)."""
-
-    slot_count: int
-    reader_count: int  # reader records; at least one (with readers=0 the trainer fills as reader 0)
-    batch_size: int
-    slot_bytes: int  # SlotLayout.nbytes
-    field_count: int  # regions of a slot, indices excluded (checked by readers against the header)
-
-    @functools.cached_property
-    def slot_stride(self) -> int:
-        return _align(self.slot_bytes, PAGE_BYTES)
-
-    @functools.cached_property
-    def table_offset(self) -> int:
-        return HEADER_BYTES + self.reader_count * READER_RECORD_BYTES
-
-    @functools.cached_property
-    def slots_offset(self) -> int:
-        return _align(self.table_offset + self.slot_count * SLOT_CONTROL_BYTES, PAGE_BYTES)
-
-    @functools.cached_property
-    def total_bytes(self) -> int:
-        return self.slots_offset + self.slot_count * self.slot_stride
-
-    def slot_offset(self, slot: int) -> int:
-        return self.slots_offset + slot * self.slot_stride
-
-    def reader_offset(self, reader: int) -> int:
-        return HEADER_BYTES + reader * READER_RECORD_BYTES
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RingLayout:
-        return cls(**data)
-
-
-@dataclasses.dataclass(frozen=True)
-class RingNames:
-    """The POSIX names of one ring's segment and semaphores (pid and a random token)."""
-
-    segment: str
-    work: str
-    ready: tuple[str, ...]
-
-    @classmethod
-    def new(cls, slot_count: int) -> RingNames:
-        base = f"/{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
-        return cls(base, f"{base}_w", tuple(f"{base}_r{slot}" for slot in range(slot_count)))
-
-    def to_dict(self) -> dict:
-        return {"segment": self.segment, "work": self.work, "ready": list(self.ready)}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RingNames:
-        return cls(data["segment"], data["work"], tuple(data["ready"]))
-
-    def unlink_all(self) -> None:
-        """Removes every name; missing ones are fine. Never raises."""
-        for name in (self.work, *self.ready):
-            try:
-                posix_ipc.unlink_semaphore(name)
-            except (posix_ipc.ExistentialError, OSError):
-                pass
-        try:
-            posix_ipc.unlink_shared_memory(self.segment)
-        except (posix_ipc.ExistentialError, OSError):
-            pass
+from .layout import (
+    OWNER_SHIFT,
+    READER_ERROR_BYTES_MAX,
+    READER_ERROR_OFFSET,
+    READER_SKIP_BYTES_MAX,
+    READER_SKIP_OFFSET,
+    RING_MAGIC,
+    RING_VERSION,
+    SHM_DIRECTORY,
+    STATE_MASK,
+    RingLayout,
+    RingNames,
+    SlotState,
+)
+from .stale import check_free_space, lock_free
 
 
 def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
@@ -202,90 +95,6 @@ def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
         return True
     except (posix_ipc.BusyError, posix_ipc.SignalError):
         return False
-
-
-def _lock_free(fd: int, shared: bool) -> bool:
-    """Whether no process holds an exclusive flock on the file (a ring's owner lock). The
-    probe's own lock, when it gets one, is released again unless `shared` is False (then
-    the caller keeps it while it removes the ring)."""
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except OSError as error:
-        if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        raise
-    if shared:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
-
-
-def sweep_stale(directory: str = SHM_DIRECTORY, owner_pid: int | None = None) -> list[str]:
-    """Unlinks the segments and semaphores of rings whose owner is gone: a segment whose
-    owner lock this process can take, and semaphores whose segment no longer exists.
-    Entries it cannot judge (not ours to open, mid-creation, unknown names) are left alone.
-    With `owner_pid`, only the rings named after that trainer (a fork server cleaning up
-    after its trainer). Returns what it removed."""
-    removed = []
-    try:
-        entries = set(os.listdir(directory))
-    except OSError:
-        return removed
-    if owner_pid is not None:
-        mine = f"{NAME_PREFIX}{owner_pid}_"
-        entries = {entry for entry in entries if entry.startswith((mine, f"sem.{mine}"))}
-    for entry in sorted(entries):
-        if not _SEGMENT_PATTERN.match(entry) or not _segment_abandoned(os.path.join(directory, entry),
-                                                                       owner_gone=owner_pid is not None):
-            continue
-        try:
-            posix_ipc.unlink_shared_memory("/" + entry)
-            removed.append(entry)
-        except (posix_ipc.ExistentialError, OSError):
-            pass
-    # Semaphores are created after their segment and unlinked before it, so one whose
-    # segment is gone belongs to a ring whose owner is gone.
-    remaining = (set(os.listdir(directory)) & entries) if removed else entries
-    for entry in sorted(remaining):
-        match = _SEMAPHORE_PATTERN.match(entry)
-        if not match or match.group(1) in remaining:
-            continue
-        try:
-            posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
-            removed.append(entry)
-        except (posix_ipc.ExistentialError, OSError):
-            pass
-    return removed
-
-
-def _segment_abandoned(path: str, owner_gone: bool = False) -> bool:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False  # Another user's, or gone already: not ours to judge.
-    try:
-        if not _lock_free(fd, shared=False):
-            return False  # Its owner lives (in this PID namespace or another).
-        stats = os.fstat(fd)
-        # An empty segment may be one being created (the lock comes a moment after the
-        # name): leave it unless it is old, or its owner is known to be gone.
-        return owner_gone or stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
-    finally:
-        os.close(fd)
-
-
-def check_free_space(total_bytes: int, directory: str = SHM_DIRECTORY) -> None:
-    try:
-        stats = os.statvfs(directory)
-    except OSError:
-        return  # No /dev/shm to measure (not Linux); posix_fallocate still guards creation.
-    free_bytes = stats.f_bavail * stats.f_frsize
-    if free_bytes < total_bytes + _SHM_HEADROOM_BYTES:
-        raise SharedMemoryError(
-            f"not enough room in {directory} for the ring: it needs {total_bytes / 2**20:.1f} MiB "
-            f"(+{_SHM_HEADROOM_BYTES >> 20} MiB headroom), {free_bytes / 2**20:.1f} MiB are free. "
-            f"Use fewer slots or a smaller batch_size, free space in {directory}, or enlarge it "
-            f"(mount -o remount,size=... {directory}; in Docker, --shm-size)."
-        )
 
 
 def _map(fd: int, total_bytes: int) -> mmap.mmap:
@@ -428,7 +237,7 @@ class Ring:
 
     def owner_alive(self) -> bool:
         """Whether the ring's creator still holds its owner lock (a reader's question)."""
-        return not _lock_free(self.segment_fd, shared=True)
+        return not lock_free(self.segment_fd, shared=True)
 
     # Slot state: the orderings are the table's in the module docstring.
 
@@ -565,6 +374,5 @@ class Ring:
         # the pages of the unlinked segment) once no batch array refers to it either.
         self.header = self._lines = self._state_pointers = self._records = self._pointer = None
         self.memory = None
-
 
 

@@ -39,7 +39,7 @@ import threading
 
 import numpy as np
 
-from ..remote.cache import PAGE_BYTES
+from ..remote.pages import PAGE_BYTES
 
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 
 from ..errors import StorageError
-from ..remote.cache import MARKER_SUFFIX
+from ..remote.pages import MARKER_SUFFIX
 
 NPY_MAGIC = b"\x93NUMPY"
 # A contiguous Blosc2 frame starts with a msgpack fixarray marker, then the fixstr

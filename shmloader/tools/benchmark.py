@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from ..loader import ShmDataLoader
-from ..plan.planner import Packed
+from ..plan.fields import Packed
 from ..storage.ragged import describe_ragged, is_ragged
 from ..storage.spec import describe_field
 

@@ -115,12 +115,13 @@ def _import(arguments) -> int:
 
 
 def _import_into(arguments, output: str, options: dict) -> dict:
-    from ..tools import formats
+    from . import formats
+    from .webdataset import from_webdataset
 
     if arguments.format == "parquet":
         return formats.from_parquet(arguments.source, output, **options)
     if arguments.format == "webdataset":
-        return formats.from_webdataset(arguments.source, output, force=arguments.force, progress=not arguments.quiet)
+        return from_webdataset(arguments.source, output, force=arguments.force, progress=not arguments.quiet)
     import pyarrow as pa
 
     with pa.memory_map(arguments.source, "r") as source:

@@ -21,7 +21,7 @@ import re
 import time
 
 from .._native import ffi
-from ..ring.segment import (
+from ..ring.layout import (
     HEADER_BYTES,
     OWNER_SHIFT,
     READER_RECORD_BYTES,
@@ -30,8 +30,8 @@ from ..ring.segment import (
     SLOT_CONTROL_BYTES,
     STATE_MASK,
     SlotState,
-    _lock_free,
 )
+from ..ring.stale import lock_free
 
 _SEGMENT = re.compile(r"^shml_(\d{1,10})_[0-9a-f]{12}$")
 # One letter per slot state on the screen.
@@ -84,7 +84,7 @@ def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
         size = os.fstat(fd).st_size
         if size < HEADER_BYTES:
             return None
-        alive = not _lock_free(fd, shared=True)
+        alive = not lock_free(fd, shared=True)
         memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except (OSError, ValueError):
         os.close(fd)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from ..fill.filler import StepFiller
 from ..plan.options import LoaderOptions
 from ..plan.planner import plan_loader
-from .core import resolve
 from ..ring.slot_layout import INDICES
+from .core import resolve
 
 
 class LocalTransform:

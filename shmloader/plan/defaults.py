@@ -1,0 +1,67 @@
+"""The ring's default size: how many readers and slots a loader gets when it is not told,
+from the node's cores and trainers."""
+
+from __future__ import annotations
+
+import os
+
+# ---- Sizing the ring ----------------------------------------------------------------------
+
+
+# Environment variables that say how many trainer processes share this node, in order:
+# torchrun's, then Slurm's (a launcher that sets neither can set LOCAL_WORLD_SIZE itself).
+LOCAL_TRAINERS_VARIABLES = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_trainers(environment=os.environ) -> int:
+    """How many trainers share this node (1 when no launcher says)."""
+    for variable in LOCAL_TRAINERS_VARIABLES:
+        value = environment.get(variable, "")
+        if not value.strip():
+            continue
+        text = value.split("(")[0].strip()  # Slurm may write "4(x2)".
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{variable}={value!r}: expected a positive integer (the trainers on this node, as a "
+                             f"launcher sets it); fix or unset it, or give readers= explicitly")
+        return int(text)
+    return 1
+
+
+def default_readers(environment=os.environ) -> int:
+    """The cores this process may use, divided among the node's trainers (each one starts
+    its own loader: eight ranks with a reader per core each would run 8x the cores), at
+    least one and at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    # A rank pinned to its own cores (affinity already divided) keeps them all.
+    share = cores if cores < (os.cpu_count() or cores) else cores // local_trainers(environment)
+    return max(1, min(share, 8))
+
+
+# Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
+# loop's variable still holds while next() runs (_cursor.c's readers_ahead counts them too).
+TRAINER_SLOTS = 2
+# The default ring stays under this many bytes where the readers' share allows (see default_slots).
+_DEFAULT_RING_BYTES = 1 << 30
+
+
+def default_slots(readers: int, slot_bytes: int) -> int:
+    """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
+    loop's variable still holds while next() runs). A step filled slowly holds the
+    trainer while the other readers run ahead: with two per reader they ran out of
+    requested slots and slept, with four they stayed busy (bench/protocol.py --slots).
+    Fewer where that passes _DEFAULT_RING_BYTES, but never under two per reader. With
+    readers=0, one slot beyond the trainer's: the step it fills next."""
+    affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
+    if readers == 0:
+        return TRAINER_SLOTS + 1
+    return max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
+
+
+def wake_after(slots: int) -> int:
+    """How many slots the trainer hands back before it wakes the readers while they are
+    ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
+    the batch after the one being delivered is not ready, so deferring costs no waiting."""
+    return max(1, slots // 2)

@@ -1,0 +1,314 @@
+"""The node cache as a whole (see cache.py for the design): its ledger (budget, bytes held,
+counters, each process's reservations), eviction by last use, and one view per process
+and root, shared by the loaders of the process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import fcntl
+import os
+import threading
+
+import numpy as np
+
+from ..errors import StorageError
+from .pages import (
+    COUNTERS,
+    EVICT_SHARE,
+    IN_FLIGHT,
+    PAGE_BYTES,
+    PAGES_SUFFIX,
+    evict_page,
+    lock,
+    map_shared,
+    process_alive,
+)
+
+_LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
+_LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6}
+_LEDGER_BYTES = 4096
+# After the counters: (pid, bytes reserved in flight) per process using the cache.
+_SLOTS_OFFSET, _SLOT_COUNT = 256, 240
+
+
+class NodeCache:
+    """One cache directory as this process sees it: the ledger, and the objects it opened."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(os.path.join(self.root, "objects"), exist_ok=True)
+        path = os.path.join(self.root, "ledger")
+        self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if os.fstat(self._ledger_fd).st_size < _LEDGER_BYTES:
+            os.ftruncate(self._ledger_fd, _LEDGER_BYTES)  # Zeros: a fresh ledger (held 0, no budget yet).
+        self._ledger_inode = os.fstat(self._ledger_fd).st_ino
+        self._ledger_map = map_shared(self._ledger_fd, _LEDGER_BYTES)
+        self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
+        self._slots = np.frombuffer(self._ledger_map, dtype=np.int64, count=2 * _SLOT_COUNT,
+                                    offset=_SLOTS_OFFSET).reshape(_SLOT_COUNT, 2)
+        self._thread_lock = threading.Lock()  # OFD locks do not exclude this process's own threads.
+        with self.locked():
+            if self._ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
+                self._ledger[:] = 0
+                self._slots[:] = 0
+                self._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC
+        self._recount()
+        lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
+        self.objects: dict = {}  # path -> its cache.CachedObject, opened by cache.open_object
+        self.objects_lock = threading.Lock()
+        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._pool_lock = threading.Lock()
+
+    # The ledger.
+
+    @contextlib.contextmanager
+    def locked(self):
+        with self._thread_lock:
+            lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
+            try:
+                yield
+            finally:
+                lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
+
+    def count(self, requests: int = 0, size: int = 0, retries: int = 0, evicted: int = 0) -> None:
+        with self.locked():
+            for name, value in (("requests", requests), ("bytes", size), ("retries", retries), ("evicted", evicted)):
+                if value:
+                    self._ledger[_LEDGER[name]] += value
+
+    def counters(self) -> dict:
+        values = self._ledger.copy()
+        return {"bytes_held": int(values[_LEDGER["held"]]), "bytes_budget": int(values[_LEDGER["budget"]]),
+                **{name: int(values[_LEDGER[name]]) for name in COUNTERS}}
+
+    def set_budget(self, budget: int) -> None:
+        """The node's budget: the one of the loader that started last."""
+        with self.locked():
+            self._ledger[_LEDGER["budget"]] = budget
+
+    def _recount(self) -> None:
+        """The bytes held, counted anew from the pages present, where no other process uses
+        the cache (each user holds the ledger's byte 1 shared): it forgets the reservations
+        of processes killed mid-download."""
+        with self.locked():
+            users = os.open(os.path.join(self.root, "ledger"), os.O_RDWR | os.O_CLOEXEC)
+            try:
+                if lock(users, fcntl.F_WRLCK, 1, 1, False):
+                    self._ledger[_LEDGER["held"]] = sum(held for _, _, held in self._pages_files())
+            finally:
+                os.close(users)  # Closing the description drops its lock.
+
+    def _pages_files(self):
+        """(pages path, data path, bytes present) of every object in the cache."""
+        for directory, _, names in os.walk(os.path.join(self.root, "objects")):
+            for name in names:
+                if name.endswith(PAGES_SUFFIX):
+                    pages = os.path.join(directory, name)
+                    data = pages[:-len(PAGES_SUFFIX)]
+                    try:
+                        stamps = np.fromfile(pages, dtype=np.uint32)
+                        size = os.path.getsize(data)
+                    except OSError:
+                        continue
+                    present = np.flatnonzero(stamps)
+                    held = len(present) * PAGE_BYTES
+                    if len(present) and present[-1] == len(stamps) - 1:
+                        held -= len(stamps) * PAGE_BYTES - size  # The last page is shorter.
+                    yield pages, data, max(0, held)
+
+    def reserve(self, size: int, optional: bool = False) -> bool:
+        """Counts `size` bytes about to be downloaded, evicting first what would pass the
+        budget; an `optional` reservation (the read-ahead's) that would still pass it is
+        refused (False). Each process's reservations in flight are kept in its slot of the
+        ledger, so that those of a process that died mid-download are given back."""
+        with self.locked():
+            budget = int(self._ledger[_LEDGER["budget"]])
+            held = int(self._ledger[_LEDGER["held"]])
+            if budget and held + size > budget:
+                held -= self._reclaim_dead()
+                if held + size > budget:
+                    freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
+                    held -= freed
+                    self._ledger[_LEDGER["evicted"]] += freed // PAGE_BYTES
+                self._ledger[_LEDGER["held"]] = held
+                if optional and held + size > budget:
+                    return False
+            self._ledger[_LEDGER["held"]] += size
+            self._slot()[1] += size
+            return True
+
+    def settle(self, size: int, downloaded: bool) -> None:
+        """A reservation's download ended: its bytes stay counted as held if it succeeded
+        (nothing once this view is closed: close() gave its reservations back)."""
+        if self._ledger_fd is None:
+            return
+        with self.locked():
+            self._slot()[1] -= size
+            if not downloaded:
+                self._ledger[_LEDGER["held"]] -= size
+
+    def _slot(self) -> np.ndarray:
+        """This process's (pid, bytes reserved) in the ledger's table (under the lock)."""
+        pid = os.getpid()
+        own = np.flatnonzero(self._slots[:, 0] == pid)
+        if len(own):
+            return self._slots[own[0]]
+        free = np.flatnonzero(self._slots[:, 0] == 0)
+        if not len(free):
+            self._reclaim_dead()
+            free = np.flatnonzero(self._slots[:, 0] == 0)
+        slot = self._slots[free[0] if len(free) else 0]  # Full of live processes: shares the first.
+        if slot[0] != pid and slot[0] == 0:
+            slot[:] = (pid, 0)
+        return slot
+
+    def _reclaim_dead(self) -> int:
+        """Gives back the reservations of processes that are gone (under the lock); returns
+        the bytes given back."""
+        alive = np.array([process_alive(int(pid)) for pid in self._slots[:, 0]], dtype=bool)
+        dead = (self._slots[:, 0] != 0) & ~alive
+        reclaimed = int(self._slots[dead, 1].sum())
+        self._slots[dead] = 0
+        return reclaimed
+
+    def _evict(self, wanted: int) -> int:
+        """Frees at least `wanted` bytes if it can: present pages by last use, oldest first,
+        skipping any page that is pinned or being fetched. Runs under the ledger lock.
+        Stamps are read and written with pread/pwrite (the same page cache as every
+        process's mapping of them)."""
+        candidates = []  # (stamps, pages path, data path) of objects holding pages
+        for pages, data, held in self._pages_files():
+            if held:
+                candidates.append((np.fromfile(pages, dtype=np.uint32), pages, data))
+        if not candidates:
+            return 0
+        stamps = np.concatenate([found for found, _, _ in candidates]).astype(np.int64)
+        owners = np.repeat(np.arange(len(candidates)), [len(found) for found, _, _ in candidates])
+        numbers = np.concatenate([np.arange(len(found)) for found, _, _ in candidates])
+        present = np.flatnonzero(stamps)
+        order = present[np.argsort(stamps[present], kind="stable")]
+        freed, descriptors = 0, {}
+        try:
+            for k in order.tolist():
+                if freed >= wanted:
+                    break
+                owner, page = int(owners[k]), int(numbers[k])
+                if owner not in descriptors:
+                    _, pages, data = candidates[owner]
+                    try:
+                        descriptors[owner] = (os.open(pages, os.O_RDWR | os.O_CLOEXEC),
+                                              os.open(data, os.O_RDWR | os.O_CLOEXEC), os.path.getsize(data))
+                    except OSError:
+                        descriptors[owner] = None
+                if descriptors[owner] is None:
+                    continue
+                pages_fd, data_fd, data_size = descriptors[owner]
+                freed += evict_page(pages_fd, data_fd, data_size, page)
+        finally:
+            for found in descriptors.values():
+                if found is not None:
+                    os.close(found[0])
+                    os.close(found[1])
+        return freed
+
+    # Objects and fetching.
+
+    def current(self) -> bool:
+        """Whether the ledger this view opened is still the directory's."""
+        try:
+            return os.stat(os.path.join(self.root, "ledger")).st_ino == self._ledger_inode
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        """Closes every object, the fetch threads and the ledger (a loader's close, when no
+        other loader of this process uses the directory)."""
+        with self.objects_lock:
+            for found in self.objects.values():
+                found.close()
+            self.objects.clear()
+        with self._pool_lock:
+            for pool in self._pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
+            self._pools.clear()
+        if self._ledger_fd is not None:
+            with self.locked():  # Downloads given up on: their reservations go back now.
+                slot = self._slot()
+                self._ledger[_LEDGER["held"]] -= slot[1]
+                slot[:] = 0
+                del slot  # A view of the mapping: it must go before the mapping can close.
+            self._ledger = self._slots = None
+            with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
+                self._ledger_map.close()
+            os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
+            self._ledger_fd = None
+
+    def pool(self, kind: str = "demand") -> concurrent.futures.ThreadPoolExecutor:
+        """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
+        read-ahead's (apart, so that a fill never queues behind the read-ahead's requests)."""
+        with self._pool_lock:
+            pool = self._pools.get(kind)
+            if pool is None:
+                pool = self._pools[kind] = concurrent.futures.ThreadPoolExecutor(
+                    IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
+            return pool
+
+_caches: dict[tuple[int, str], NodeCache] = {}
+_users: dict[tuple[int, str], int] = {}  # Loaders of this process holding each view (acquire/release).
+_caches_lock = threading.Lock()
+
+
+def _view(root: str) -> NodeCache:
+    """node_cache() under _caches_lock, held by the caller."""
+    key = (os.getpid(), os.path.abspath(root))
+    cache = _caches.get(key)
+    if cache is not None and not cache.current():
+        cache.close()
+        cache = None
+    if cache is None:
+        cache = _caches[key] = NodeCache(root)
+    return cache
+
+
+def node_cache(root: str) -> NodeCache:
+    """This process's view of the cache at `root` (one per process and directory; a new one
+    where the directory was removed and made again)."""
+    with _caches_lock:
+        return _view(root)
+
+
+def acquire(root: str) -> NodeCache:
+    """node_cache() for a loader, which release()s it when it closes (one lock for both, so
+    that a release between them cannot close the view being handed out)."""
+    with _caches_lock:
+        cache = _view(root)
+        key = (os.getpid(), cache.root)
+        _users[key] = _users.get(key, 0) + 1
+        return cache
+
+
+def release(cache: NodeCache) -> None:
+    """A loader is done with the view: the last one of this process closes it (its files,
+    threads and locks)."""
+    key = (os.getpid(), cache.root)
+    with _caches_lock:
+        _users[key] = _users.get(key, 1) - 1
+        if _users[key] > 0:
+            return
+        del _users[key]
+        if _caches.get(key) is cache:
+            del _caches[key]
+    cache.close()
+
+
+def cache_root(path: str) -> str:
+    """The cache directory that holds the copy at `path` (ROOT/objects/URL KEY/VERSION/NAME):
+    found from where the copy is, so a cache directory moved or renamed still works."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while os.path.basename(directory) != "objects":
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            raise StorageError(f"{path}: not in a shmloader cache directory (no objects/ above it)")
+        directory = parent
+    return os.path.dirname(directory)
