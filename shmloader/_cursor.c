@@ -16,7 +16,7 @@
  * any of its arrays has a reference beyond the loader's own, or while a Batch that was not
  * released is alive; the release pass at each next() hands such slots back once nothing
  * refers to them. The protocol's values and the control line's layout come from ring.h,
- * shared with ring.py and the Zig library; its orderings are tabled in ring.py.
+ * shared with ring/segment.py and the Zig library; its orderings are tabled in ring/segment.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -188,7 +188,7 @@ static int wake_readers(Cursor *self) {
 /* -> REQUESTED with `step`: the one place the trainer requests a slot (release_unused
  * below, and _request for the first ring of steps, a seek and a dead reader's slot). The
  * step word and the request time are published by the release store of the state after
- * them (ring.py's table). */
+ * them (ring/segment.py's table). */
 static inline void request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
     assert(control != NULL);
     control->step = step;

@@ -280,7 +280,7 @@ class ShmDataLoader(cursor_module.Cursor):
             raise RuntimeError("the loader is closed")
 
     def _supervise(self, state: int, owner: int, step: int) -> None:
-        """Called by the native next() for a step it cannot deliver at once (supervision.py)."""
+        """Called by the native next() for a step it cannot deliver at once (readers/supervision.py)."""
         self._raise_if_closed()
         self._supervisor.supervise(self, state, owner, step)
 
@@ -420,7 +420,7 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def _use_sampler(self, sampler: Sampler, finite: FinitePass | None) -> None:
         """Fills with `sampler` (and its pass, `finite`) from now on: a resharded checkpoint's
-        dealing (reshard.py), or none again. Readers build their sampler from their
+        dealing (plan/reshard.py), or none again. Readers build their sampler from their
         configuration, so they are replaced once every slot is taken back (the caller seeks
         next). Raises, changing nothing, while a batch is held."""
         self._raise_if_closed()
@@ -474,7 +474,7 @@ class ShmDataLoader(cursor_module.Cursor):
 
     def close(self) -> None:
         """Stops and joins the readers (killing stragglers) and unlinks the ring, as the
-        shutdown note in pool.py describes. Idempotent.
+        shutdown note in readers/pool.py describes. Idempotent.
 
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.

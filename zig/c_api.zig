@@ -176,7 +176,7 @@ export fn shm_gather_ranges_blosc(
 }
 
 // The slot protocol's atomics (Python has none). The orderings are the ones tabled in
-// shmloader/ring.py: a store that publishes a state releases what was written before it
+// shmloader/ring/segment.py: a store that publishes a state releases what was written before it
 // (the step, the slot's data), a load that acts on a state acquires it, and a claim or a
 // withdrawal is a compare-and-swap, so that two processes never both win a slot.
 

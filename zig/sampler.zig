@@ -116,7 +116,7 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
 
 /// The rows at positions first .. first + out.len of the stream this config reads: the
 /// shard's own stream (shard_blocks), else the global one. A resharded resume deals the
-/// old shards' unread positions through it (shmloader/reshard.py); fill is its batch case.
+/// old shards' unread positions through it (shmloader/plan/reshard.py); fill is its batch case.
 pub fn fillPositions(config: *const SamplerConfig, first: u64, out: []u64) Status {
     const status = check(config);
     if (status != .ok) return status;

@@ -104,7 +104,7 @@ class FieldReader:
 
     def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
         """(opened file, file offset, bytes) of what rows [first_row, first_row + row_count) of
-        `source` are stored in: what the block-local shuffle reads ahead (readahead.py).
+        `source` are stored in: what the block-local shuffle reads ahead (storage/readahead.py).
         Opens the parts it touches; a layout that cannot say (Blosc2 read through the
         Python API) gives nothing."""
         first_part, starts = self._source_parts[source]

@@ -17,7 +17,7 @@ from ..remote.pages import PAGE_BYTES
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
-# Rows a sampler may index: zig/sampler.zig's length_max (its Feistel domain, one bit above
+# Rows a sampler may index: zig/permutation.zig's length_max (its Feistel domain, one bit above
 # the row count, must fit the 64-bit round function), read from the library itself.
 LENGTH_MAX = int(lib.shm_length_max())
 # Steps are 64-bit everywhere (the ring's control words, the samplers' positions).

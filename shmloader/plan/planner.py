@@ -205,7 +205,7 @@ def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> Loader
 
 def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | None = None) -> None:
     """A PerformanceWarning when the block-local shuffle's blocks in memory (a window and the
-    blocks read ahead of it, readahead.py) take more than half the memory this process may
+    blocks read ahead of it, storage/readahead.py) take more than half the memory this process may
     use for the page cache, while the data does not fit in it: the kernel then reclaims
     pages read ahead before they are used, and the disk is read again row by row."""
     views = sampler.window_views()

@@ -24,7 +24,7 @@ from .reshard import Dealing, Transition
 
 
 class Places(NamedTuple):
-    """A stream position in its epoch's block-local shuffle (zig/sampler.zig, SlidingShuffle):
+    """A stream position in its epoch's block-local shuffle (zig/permutation.zig, SlidingShuffle):
     the epoch deals from `total` places (blocks, the tail last), `opened` of them by the
     position, all rows of the first `closed` before it. A reader needs places [closed,
     opened) now and the following ones next."""
@@ -269,7 +269,7 @@ class Sampler:
 
     def places(self, position: int) -> Places:
         """Where stream `position` (see stream_position) stands in its epoch's block-local
-        shuffle: what a reader reads ahead and lets go of (readahead.py)."""
+        shuffle: what a reader reads ahead and lets go of (storage/readahead.py)."""
         position = check_integer("position", position, 0, U64_MAX)
         return read_places(position // self.epoch_length, lib.shm_sampler_places, self._config, position)
 
@@ -278,7 +278,7 @@ class Sampler:
         return read_place_blocks(lib.shm_sampler_place_blocks, self._config, epoch, first, count)
 
     def window_views(self) -> list[Sampler]:
-        """What reads ahead for this sampler's windows (readahead.py): itself, or nothing
+        """What reads ahead for this sampler's windows (storage/readahead.py): itself, or nothing
         without a shuffle window. A mixture gives one per source."""
         return [self] if self.blocks_per_window else []
 

@@ -181,7 +181,7 @@ class RayBridge:
         self._failed: set[int] = set()  # actors that reported an error: sent nothing more
         self.restarts = 0
         self._restarts_by_actor = [0] * self.count
-        # Each actor's record: its counters and the protocol's order of writes (publishing.py).
+        # Each actor's record: its counters and the protocol's order of writes (ring/publishing.py).
         self._publishers = [Publisher(ring, first_record + actor, 0) for actor in range(self.count)]
         self._where: list[tuple[int, str]] = [(0, "")] * self.count
         self.failure: BaseException | None = None

@@ -25,7 +25,7 @@ from .node import acquire
 from .pages import PAGE_BYTES
 from .store import Client
 
-# A ragged directory's members (ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
+# A ragged directory's members (storage/ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
 # offsets and shapes are the index: fetched whole by the trainer.
 _RAGGED_VALUES, _RAGGED_INDEX = "values.b2nd", ("offsets.b2nd", "shapes.b2nd")
 # Where a Blosc2 frame's header keeps its length (int32) and its chunks' bytes (int64),

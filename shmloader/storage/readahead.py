@@ -2,8 +2,8 @@
 kernel for the blocks that open next and lets go of those whose rows are all dealt, so the
 disk streams whole blocks while the rows being served come from the page cache.
 
-Where a step reads is a pure function of the step (sampler.py, SlidingShuffle in
-zig/sampler.zig): at each step a reader learns its position's places, `closed` <= the
+Where a step reads is a pure function of the step (plan/sampler.py, SlidingShuffle in
+zig/permutation.zig): at each step a reader learns its position's places, `closed` <= the
 places being dealt from < `opened`, and keeps the kernel asked for the places up to
 `closed + blocks_per_window + LOOKAHEAD_BLOCKS` (crossing into the next epoch where this
 one ends, so the next epoch's first blocks stream in while this one's last drain). Blocks

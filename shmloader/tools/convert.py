@@ -330,7 +330,7 @@ def inspect(path: str | os.PathLike, sample: int = 64) -> dict:
     return report
 
 
-# ---- Ragged fields (the reading side is ragged.py) ---------------------------------------
+# ---- Ragged fields (the reading side is storage/ragged.py) ---------------------------------------
 
 # Blocks of about half a typical record: a record then spans two or three blocks, so
 # reading it decodes little beyond its own bytes, while per-block overhead stays small

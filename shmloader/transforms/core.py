@@ -61,7 +61,7 @@ def batch_rng(seed: int, step: int, name: str) -> np.random.Generator:
 
 def global_positions(step: int, batch_size: int, shard_index: int, shard_count: int) -> np.ndarray:
     """Each row's position in the global stream: a step's global batch holds batch_size *
-    shard_count positions and shard h takes the h-th block of batch_size (sampler.py)."""
+    shard_count positions and shard h takes the h-th block of batch_size (plan/sampler.py)."""
     first = global_position(step, batch_size, shard_index, shard_count)
     return np.arange(first, first + batch_size, dtype=np.uint64)
 
