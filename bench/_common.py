@@ -77,9 +77,13 @@ def record(benchmark: str, command: str, header: list[str], rows: list[list], he
     import subprocess
 
     root = os.path.dirname(RESULTS_DIRECTORY)
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
+    try:  # The commit measured; "-dirty" where a file other than the results differs from it.
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":(exclude)bench/results"], cwd=root, capture_output=True, text=True,
+                                 check=True).stdout.strip()
+        commit += "-dirty" if changed else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     data = {"benchmark": benchmark, "command": command, "date": datetime.date.today().isoformat(), "commit": commit,
