@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from shmloader import ShmDataLoader
-from shmloader.tools.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
 from shmloader.torch import TorchLoader
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from shmloader import ShmDataLoader
-from shmloader.tools.imagefolder import convert_images
+from shmloader.imagefolder import convert_images
 
 SIZE = 48
 TINTS = [(200, 60, 60), (60, 180, 60), (60, 80, 200), (150, 150, 150)]

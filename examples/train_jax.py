@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from shmloader import ShmDataLoader
-from shmloader.tools.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
 
 
 def init(key):

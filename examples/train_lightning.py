@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from shmloader import ShmDataLoader
-from shmloader.tools.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
+from shmloader.demo import CLASSES, IMAGE_SHAPE, make_dataset, write_dataset
 from shmloader.torch import TorchLoader
 
 

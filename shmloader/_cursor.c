@@ -16,7 +16,7 @@
  * any of its arrays has a reference beyond the loader's own, or while a Batch that was not
  * released is alive; the release pass at each next() hands such slots back once nothing
  * refers to them. The protocol's values and the control line's layout come from ring.h,
- * shared with ring/segment.py and the Zig library; its orderings are tabled in ring/segment.py.
+ * shared with ring/layout.py and the Zig library; its orderings are tabled in ring/segment.py.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -82,7 +82,7 @@ typedef struct {
     uint64_t wake_after;        /* wake readers once this many slots were handed back */
     uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
     uint64_t reader_count;      /* at most this many posts per wake-up; 0: the trainer fills (readers=0) */
-    uint64_t trainer_slots;     /* slots the trainer's own references may hold (loader.TRAINER_SLOTS) */
+    uint64_t trainer_slots;     /* slots the trainer's own references may hold (plan/defaults.TRAINER_SLOTS) */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;

@@ -16,7 +16,7 @@ import re
 # agree with any library and check nothing. Bump both sides together.
 ABI_VERSION = 14
 
-# Mirrors zig/c_api.zig; tests/test_native.py checks the struct sizes against the library,
+# Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
 # the library. The slot protocol's constants and structs come from ring.h itself
 # (ring_header_cdef).

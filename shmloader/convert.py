@@ -1,5 +1,5 @@
-"""The converters' public path: `from shmloader.convert import write_ragged` (tools/convert.py)."""
+"""The converters by their public path, `from shmloader.convert import write_ragged`
+(tools/convert.py)."""
 
-from .tools.convert import convert, write_ragged
-
-__all__ = ["convert", "write_ragged"]
+from .tools.convert import *  # noqa: F403
+from .tools.convert import __all__  # noqa: F401

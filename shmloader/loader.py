@@ -55,7 +55,7 @@ class ShmDataLoader(cursor_module.Cursor):
     long a batch's zero-copy arrays stay valid); close it, or use `with`.
 
     readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
-    step itself when next() needs it). slots: steps the ring holds (plan.default_slots).
+    step itself when next() needs it). slots: steps the ring holds (plan/defaults.default_slots).
     verify: readers check each Blosc2 chunk's CRC-32 the first time they read it (files
     from `shmloader convert` carry them). pin_memory: page-lock the ring with CUDA once, for
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
@@ -108,7 +108,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
         self.readers = default_readers() if options.readers is None else options.readers
-        self.slots = options.slots  # None: plan.default_slots, once the slot's size is known.
+        self.slots = options.slots  # None: plan/defaults.default_slots, once the slot's size is known.
         self.max_reader_restarts = options.max_reader_restarts
         self.hold_timeout, self.step_timeout, self.verify = options.hold_timeout, options.step_timeout, options.verify
         self._epochs, self.drop_last, self.on_error = options.epochs, options.drop_last, options.on_error

@@ -2,8 +2,9 @@
  * The slot protocol of the shared-memory ring, defined once for all three languages:
  * _cursor.c includes this file, the Zig build translates it (zig translate-c, the
  * successor of @cImport) into zig/ring_h.zig, and the build hands it to cffi (setup.py
- * writes shmloader/_ffi.py from _declarations.py), so ring/segment.py reads every value below as lib.SHM_... . tests/test_ring.py checks that
- * ring/segment.py's layout agrees with the structs here. Who writes which state, and with which
+ * writes shmloader/_ffi.py from _declarations.py), so ring/layout.py reads every value
+ * below as lib.SHM_... . tests/test_ring.py checks that ring/layout.py's layout agrees
+ * with the structs here. Who writes which state, and with which
  * memory ordering, is tabled in ring/segment.py's docstring.
  *
  * Only what cffi's parser accepts may appear between the guard lines: integer #defines

@@ -32,3 +32,25 @@ def test_every_import_the_readme_shows_still_works():
             importlib.import_module(dotted)
         except ModuleNotFoundError:
             assert hasattr(importlib.import_module(module), attribute), dotted
+
+
+def test_the_console_script_and_the_public_module_paths_load():
+    """The installed `shmloader` command's target, and the paths users and the examples
+    import (the modules moved into folders; these stay as public paths)."""
+    from importlib.metadata import entry_points
+
+    (script,) = [point for point in entry_points(group="console_scripts") if point.name == "shmloader"]
+    assert callable(script.load()), script.value
+    public = {"shmloader.convert": ["convert", "write_ragged", "verify", "inspect", "CODECS"],
+              "shmloader.formats": ["from_parquet", "from_arrow", "from_webdataset"],
+              "shmloader.imagefolder": ["convert_images", "check_images"],
+              "shmloader.demo": ["make_dataset", "write_dataset", "CLASSES", "IMAGE_SHAPE"],
+              "shmloader.ray": ["RayReaders"], "shmloader.torch": ["TorchLoader"],
+              "shmloader.transforms": ["transform", "compute_batch", "check_determinism"]}
+    for module, names in public.items():
+        if module == "shmloader.ray":
+            import pytest
+
+            pytest.importorskip("ray")
+        imported = importlib.import_module(module)
+        assert all(hasattr(imported, name) for name in names), module

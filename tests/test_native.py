@@ -114,7 +114,7 @@ def test_bounded_draws_are_splitmix64_of_a_keyed_counter():
     numpy, must give the same values (checkpoints made before the Zig version resume alike)."""
     import numpy as np
 
-    from shmloader.fill.field_readers import _window_starts
+    from shmloader.fill.record_readers import _window_starts
 
     def reference(seed, step, stream, room):
         with np.errstate(over="ignore"):

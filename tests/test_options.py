@@ -70,7 +70,7 @@ def test_the_loader_refuses_a_setting_before_reading_any_file(tmp_path):
 
 
 def test_the_samplers_share_the_loaders_limits():
-    assert limits.LENGTH_MAX == 1 << 62  # zig/sampler.zig's length_max, read from the library.
+    assert limits.LENGTH_MAX == 1 << 62  # zig/permutation.zig's length_max, read from the library.
     Sampler(limits.LENGTH_MAX, limits.BATCH_SIZE_MAX, "shuffle", limits.SEED_MAX)
     for settings in (dict(length=limits.LENGTH_MAX + 1), dict(batch_size=limits.BATCH_SIZE_MAX + 1),
                      dict(seed=limits.SEED_MAX + 1), dict(shard_count=limits.SHARD_COUNT_MAX + 1)):

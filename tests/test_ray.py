@@ -357,3 +357,28 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert pids, result.stderr
     assert wait_until(lambda: not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
                                    open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"], timeout=20), pids
+
+
+def test_a_resharded_checkpoint_replaces_the_actors_with_the_dealings_sampler(cluster, kinds):
+    """load_state_dict under another shard count with a window split among shards: the
+    actors are started anew with the dealing's sampler, and their batches are the local
+    filler's."""
+    fields = {"x": str(kinds / "rows.npy")}
+    options = dict(batch_size=16, seed=7, shuffle_window=200, warn_layout=False)
+    with ShmDataLoader(fields, readers=0, shard_index=0, shard_count=2, **options) as before:
+        for _ in range(3):
+            next(before)
+        state = before.state_dict()
+
+    def resumed(**more):
+        with ShmDataLoader(fields, shard_index=1, shard_count=3, **options, **more) as loader:
+            loader.load_state_dict(state)
+            assert loader.sampler.transition is not None
+            return [(b.step, b.indices.copy(), np.array(b["x"])) for _, b in zip(range(8), loader)]
+
+    local = resumed(readers=0)
+    remote = resumed(readers=0, remote=RayReaders(actors=1))
+    assert [step for step, _, _ in remote] == [step for step, _, _ in local]
+    for (_, indices, x), (_, expected_indices, expected_x) in zip(remote, local):
+        np.testing.assert_array_equal(indices, expected_indices)
+        np.testing.assert_array_equal(x, expected_x)

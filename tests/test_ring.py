@@ -1,4 +1,4 @@
-"""ring.py's layout and protocol agree with ring.h, the one definition that _cursor.c and
+"""The ring's layout (ring/layout.py) and protocol (ring/segment.py) agree with ring.h, the one definition that _cursor.c and
 the Zig library also compile against: a drift in a value or an offset fails here."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from conftest import write_b2nd
 
 from shmloader import Packed, Padded, PerformanceWarning, ShmDataLoader, Windows
-from shmloader.fill.field_readers import field_reader
+from shmloader.fill.inputs import field_reader
 from shmloader.plan.fields import plan_field
 from shmloader.plan.sampler import Sampler
 from shmloader.plan.sources import MixtureSampler

@@ -9,13 +9,14 @@
 //! each source runs its own shuffle epochs of `take` rows (a fraction of its rows), so a
 //! small source repeats while a large one is still in its first pass.
 //!
-//! A source with window_blocks > 0 runs the block-local shuffle (sampler.SlidingShuffle)
+//! A source with window_blocks > 0 runs the block-local shuffle (permutation.zig, SlidingShuffle)
 //! instead of the global one: a fresh subset is then the first `take` offsets of its
 //! epoch's sliding order (a fixed subset with a window is refused: its own order would
 //! read the subset's blocks at random).
 
 const std = @import("std");
 const sampler = @import("sampler.zig");
+const permutations = @import("permutation.zig");
 const Status = @import("status.zig").Status;
 
 /// Mirrors `shm_mixture_source` in shmloader/_declarations.py.
@@ -57,12 +58,12 @@ const SourceCursor = struct {
     started: bool = false,
     epoch: u64 = 0,
     offset: u64 = 0,
-    subset: sampler.EpochPermutation = undefined,
-    order: sampler.EpochPermutation = undefined,
+    subset: permutations.EpochPermutation = undefined,
+    order: permutations.EpochPermutation = undefined,
     /// A windowed source: its epoch's shuffle, and the phase last used (an empty range
     /// until the first row of the epoch).
-    sliding: sampler.SlidingShuffle = undefined,
-    phase: sampler.SlidingShuffle.Phase = undefined,
+    sliding: permutations.SlidingShuffle = undefined,
+    phase: permutations.SlidingShuffle.Phase = undefined,
 
     fn begin(self: *SourceCursor, source: *const MixtureSource, q: u64) void {
         self.started = true;
@@ -84,13 +85,13 @@ const SourceCursor = struct {
     /// A fixed one: the first `take` offsets of epoch 0's, visited in an order of its own.
     fn buildEpoch(self: *SourceCursor, source: *const MixtureSource) void {
         if (source.window_blocks != 0) {
-            self.sliding = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, self.epoch);
+            self.sliding = permutations.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, self.epoch);
             self.phase.start = 0;
             self.phase.end = 0;
             return;
         }
-        self.subset = sampler.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else self.epoch);
-        if (source.fixed != 0) self.order = sampler.EpochPermutation.init(source.take, source.seed ^ 0x6f72646572, self.epoch); // "order"
+        self.subset = permutations.EpochPermutation.init(source.length, source.seed, if (source.fixed != 0) 0 else self.epoch);
+        if (source.fixed != 0) self.order = permutations.EpochPermutation.init(source.take, source.seed ^ 0x6f72646572, self.epoch); // "order"
     }
 
     /// The row at the cursor's position, one at a time (the windowed fill).
@@ -117,7 +118,7 @@ const SourceCursor = struct {
 const lanes_max = 8;
 
 const Lanes = struct {
-    permutations: [lanes_max]*const sampler.EpochPermutation = undefined,
+    permutations: [lanes_max]*const permutations.EpochPermutation = undefined,
     values: [lanes_max]u64 = undefined,
     outputs: [lanes_max]usize = undefined,
     count: usize = 0,
@@ -244,7 +245,7 @@ fn fillSource(config: *const MixtureConfig, source_index: u32, q_first: u64, sou
     permuteLanes(cursor.subset, values[0..count], outputs[0..count], rows);
 }
 
-fn permuteLanes(permutation: sampler.EpochPermutation, values: []const u64, outputs: []const usize, rows: []u64) void {
+fn permuteLanes(permutation: permutations.EpochPermutation, values: []const u64, outputs: []const usize, rows: []u64) void {
     if (values.len == lanes_max) {
         var permuted: [lanes_max]u64 = undefined;
         inline for (&permuted, 0..) |*value, lane| value.* = permutation.permuteDomain(values[lane]);
@@ -302,7 +303,7 @@ pub fn places(config: *const MixtureConfig, source_index: u64, q: u64, opened: *
         .source => |source| source,
         .status => |status| return status,
     };
-    const shuffle = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
+    const shuffle = permutations.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
     opened.* = shuffle.opened(q % source.take);
     closed.* = shuffle.closed(q % source.take);
     total.* = shuffle.opened(source.take - 1);
@@ -315,7 +316,7 @@ pub fn placeBlocks(config: *const MixtureConfig, source_index: u64, epoch: u64, 
         .source => |source| source,
         .status => |status| return status,
     };
-    const shuffle = sampler.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, epoch);
+    const shuffle = permutations.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, epoch);
     const total = shuffle.opened(source.take - 1);
     if (first > total or out.len > total - first) return .output_size_mismatch;
     for (out, first..) |*block, place| block.* = shuffle.placeBlock(place);

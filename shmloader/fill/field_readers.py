@@ -1,17 +1,16 @@
-"""The readers' side of the field plans: opens a FieldPlan's files and fills its regions of
-a slot for one step's rows (or a transform's input buffers, InputBuffers). Files open on
-first touch, in the process that fills (a reader, or the trainer with readers=0).
+"""The readers' side of the field plans: a FieldReader opens a FieldPlan's files and fills
+its regions of a slot for one step's rows (the records' readers: record_readers.py; the
+reader of each kind, and a transform's input buffers: inputs.py). Files open on first
+touch, in the process that fills (a reader, or the trainer with readers=0).
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
 from .._native import ffi, lib
-from ..errors import StorageError
 from ..plan.fields import FieldPlan, part_name
 from ..remote.cache import set_fetch_unit
 from ..storage.blosc import CombinedBlosc
@@ -20,16 +19,6 @@ from ..storage.ragged import RaggedField, describe_ragged, is_ragged
 from ..storage.rows import check_gather
 from ..storage.rows import u64 as _u64
 from ..storage.spec import FieldSpec
-from ..transforms.core import Records
-
-
-def _window_starts(seed: int, step: int, stream: int, count: int, room: np.ndarray) -> np.ndarray:
-    """A start in [0, room[i]] for each of `count` rows, a pure function of (seed, step,
-    stream, row) computed in Zig (sampler.boundedDraws), the same in every reader."""
-    bounds = np.ascontiguousarray(room[:count], dtype=np.uint64)
-    out = np.empty(count, dtype=np.uint64)
-    lib.shm_bounded_draws(seed, step, stream, _u64(bounds), _u64(out), count)
-    return out
 
 
 def original_file(path: str, record: int) -> str | None:
@@ -53,7 +42,7 @@ def original_file(path: str, record: int) -> str | None:
         return None
 
 
-class _Output:
+class SlotOutput:
     """A region of one slot as the reader sees it: an array over the ring and its pointer."""
 
     def __init__(self, array: np.ndarray) -> None:
@@ -70,7 +59,7 @@ class FieldReader:
 
     def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
         self.plan, self.batch_size, self.sampler, self.verify = plan, batch_size, sampler, verify
-        # Rows in shuffled or random order: no read-around on page faults (storage.open_field).
+        # Rows in shuffled or random order: no read-around on page faults (storage/opening.open_field).
         # The block-local shuffle keeps it: a fault ahead of its read-ahead then reads the
         # block around the row in one go instead of page by page.
         self.random_access = getattr(sampler, "mode", "shuffle") != "sequential" and \
@@ -87,7 +76,7 @@ class FieldReader:
             members = [k for k, owner in enumerate(plan.part_sources) if owner == source]
             self._source_parts[source] = (members[0], np.asarray([plan.part_starts[k] for k in members], np.uint64))
 
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[SlotOutput], sources=None) -> None:
         """Fills the field's regions (`outputs`, in the plan's region order) with the rows
         `indices` of step `step` (`sources`: a mixture's source of each row, else None)."""
         raise NotImplementedError
@@ -193,7 +182,7 @@ class FieldReader:
                 shapes[where] = field.shapes[local]
         return starts, lengths, (shapes if shapes is not None else lengths[:, None]), parts
 
-    def _gather_by_part(self, range_parts, starts, counts, destinations, output: _Output) -> None:
+    def _gather_by_part(self, range_parts, starts, counts, destinations, output: SlotOutput) -> None:
         for part in np.unique(range_parts).tolist():
             mask = range_parts == part
             self.part(part).values.gather_ranges(np.ascontiguousarray(starts[mask]), np.ascontiguousarray(counts[mask]),
@@ -225,7 +214,7 @@ class RowsReader(FieldReader):
         self._combined: dict[int, CombinedBlosc] = {}
         self._fill = self._fill_raw_parts if all_raw else self._fill_blosc_parts if all_blosc else self._fill_groups
 
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
+    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[SlotOutput], sources=None) -> None:
         self._fill(indices, index_pointer, sources, outputs[0])
 
     def _raw_table(self, source: int) -> tuple:
@@ -238,7 +227,7 @@ class RowsReader(FieldReader):
             table = self._raw_tables[source] = (_u64(addresses), _u64(starts), len(starts), self.plan.row_counts[source])
         return table
 
-    def _fill_raw_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+    def _fill_raw_parts(self, indices: np.ndarray, index_pointer, sources, output: SlotOutput) -> None:
         row_bytes = output.nbytes // self.batch_size
         if sources is None:  # The slot's own indices, in batch order: nothing to convert.
             batches = [(0, indices, index_pointer, ffi.NULL)]
@@ -257,7 +246,7 @@ class RowsReader(FieldReader):
             check_gather(status, self._failure, f"field {self.plan.name!r}",
                          lambda k: f"row {int(wanted[k])} of source {source} ({rows} rows)", None)
 
-    def _fill_blosc_parts(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+    def _fill_blosc_parts(self, indices: np.ndarray, index_pointer, sources, output: SlotOutput) -> None:
         present = [0] if sources is None else np.unique(sources).tolist()
         for source in present:
             first, starts = self._source_parts[source]
@@ -277,7 +266,7 @@ class RowsReader(FieldReader):
                                           staged.nbytes)
                 output.array[positions] = staged
 
-    def _fill_groups(self, indices: np.ndarray, index_pointer, sources, output: _Output) -> None:
+    def _fill_groups(self, indices: np.ndarray, index_pointer, sources, output: SlotOutput) -> None:
         groups = self.groups(indices, sources)
         if len(groups) == 1 and groups[0][1] is None:  # One file, rows in batch order.
             self.part(0).gather_into(indices, index_pointer, output.pointer, output.nbytes)
@@ -289,248 +278,3 @@ class RowsReader(FieldReader):
                                           output.nbytes)
 
 
-class WindowsReader(FieldReader):
-    """Rows of length + 1 consecutive elements of a 1-D stream: one range per row."""
-
-    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
-        super().__init__(plan, batch_size, verify, sampler)
-        self.length = plan.options["length"]
-        self._counts = np.full(batch_size, self.length + 1, dtype=np.uint64)
-        self._destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64((self.length + 1) * self.itemsize)
-
-    def _element_ranges(self, field, local: np.ndarray) -> tuple:
-        return field, local * np.uint64(self.length), self._counts[:len(local)]
-
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
-        output, length = outputs[0], np.uint64(self.length)
-        groups = self.groups(indices, sources)
-        if len(groups) == 1 and groups[0][1] is None:
-            self.part(0).gather_ranges(indices * length, self._counts, self._destinations, output.pointer, output.nbytes)
-            return
-        row_bytes = np.uint64(output.nbytes // self.batch_size)
-        for part, positions, local in groups:
-            self.part(part).gather_ranges(local * length, self._counts[:len(local)], positions * row_bytes,
-                                          output.pointer, output.nbytes)
-
-
-class DocumentWindowsReader(FieldReader):
-    """Windows over ragged documents back to back (a separator after each where one is
-    given): each row's pieces of documents are gathered in one native call per batch, the
-    separators and the segment ids written by numpy."""
-
-    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
-        super().__init__(plan, batch_size, verify, sampler)
-        self.length, self.separator = plan.options["length"], plan.options["separator"]
-        self._stream_starts = None  # each document's first stream position, once its offsets are read
-
-    def _starts(self) -> np.ndarray:
-        if self._stream_starts is None:
-            offsets = self.part(0).offsets.astype(np.int64)
-            gap = np.arange(len(offsets), dtype=np.int64) if self.separator is not None else 0
-            self._stream_starts = offsets + gap  # entry d: where document d starts; the last: the end
-        return self._stream_starts
-
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
-        starts_of, offsets = self._starts(), self.part(0).offsets.astype(np.int64)
-        width, itemsize = self.length + 1, self.itemsize
-        tokens, segments = outputs[0].array, outputs[1].array
-        pieces_start, pieces_count, pieces_destination = [], [], []
-        separators = []  # (row, column) of each separator
-        for row, index in enumerate(indices.tolist()):
-            first, end = index * self.length, index * self.length + width
-            document = int(np.searchsorted(starts_of, first, side="right")) - 1
-            segment_row = segments[row]
-            segment_row[:] = 0
-            position, segment = first, 0
-            while position < end:
-                doc_start, doc_values = int(starts_of[document]), int(offsets[document])
-                doc_length = int(offsets[document + 1]) - doc_values
-                if position >= doc_start + doc_length + (self.separator is not None):
-                    document += 1
-                    continue
-                if position > first and position == doc_start:  # A document begins inside the row.
-                    segment += 1
-                    segment_row[position - first:] = segment
-                inside = position - doc_start
-                if inside < doc_length:
-                    count = min(doc_length - inside, end - position)
-                    pieces_start.append(doc_values + inside)
-                    pieces_count.append(count)
-                    pieces_destination.append((row * width + position - first) * itemsize)
-                    position += count
-                else:  # The separator after the document.
-                    separators.append((row, position - first))
-                    position += 1
-        if pieces_start:
-            self.part(0).values.gather_ranges(np.asarray(pieces_start, np.uint64), np.asarray(pieces_count, np.uint64),
-                                              np.asarray(pieces_destination, np.uint64), outputs[0].pointer,
-                                              outputs[0].nbytes)
-        if separators:
-            rows, columns = np.asarray(separators).T
-            tokens[rows, columns] = self.separator
-
-    def _element_ranges(self, field, local: np.ndarray) -> tuple:
-        """Each row's documents' values, from the first document it starts in to the last it reaches."""
-        starts_of, offsets = self._starts(), field.offsets.astype(np.int64)
-        first = local.astype(np.int64) * self.length
-        documents = np.searchsorted(starts_of, np.stack([first, first + self.length]), side="right") - 1
-        documents = np.minimum(documents, len(offsets) - 2)
-        low, high = offsets[documents[0]], offsets[documents[1] + 1]
-        return field.values, low, high - low
-
-    def byte_ranges(self, first_row: int, row_count: int, source: int = 0) -> list[tuple]:
-        """The stored values under rows [first_row, first_row + row_count) (their documents'
-        values, separators aside): what the block-local shuffle reads ahead."""
-        field, starts_of = self.part(0), self._starts()
-        first = first_row * self.length
-        end = (first_row + row_count) * self.length + 1
-        documents = np.searchsorted(starts_of, [first, end], side="right") - 1
-        offsets = field.offsets
-        low = int(offsets[min(int(documents[0]), len(offsets) - 1)])
-        high = int(offsets[min(int(documents[1]) + 1, len(offsets) - 1)])
-        ranges = field.values.byte_ranges(low, high - low) if hasattr(field.values, "byte_ranges") else []
-        return [(field.values, offset, size) for offset, size in ranges if size > 0]
-
-
-class PaddedReader(FieldReader):
-    """Ragged records padded to the maximum shape, with their lengths (or shapes)."""
-
-    def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
-        super().__init__(plan, batch_size, verify, sampler)
-        # One file of 1-D records, cut at their start or refused: the least work per batch.
-        self._simple = self.single and plan.parts[0].record_ndim == 0 and plan.options["overflow"] != "random"
-        if self._simple:
-            row_bytes = plan.options["max_shape"][0] * self.itemsize
-            self._row_destinations = np.arange(batch_size, dtype=np.uint64) * np.uint64(row_bytes)
-
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
-        if self._simple:
-            self._fill_padded_simple(step, indices, outputs)
-        else:
-            self._fill_padded(step, indices, self.groups(indices, sources), outputs)
-
-    def _too_long(self, step: int, indices: np.ndarray, row: int, part: int, found, limit) -> StorageError:
-        return StorageError(
-            f"field {self.plan.name!r} ({self.plan.parts[part].path}): record {int(indices[row])} (step {step}, "
-            f"batch row {row}) has {found}, more than {limit}; raise it, or choose overflow='truncate' or 'random' "
-            f"(Padded)"
-        )
-
-    def _fill_padded_simple(self, step: int, indices: np.ndarray, outputs: list[_Output]) -> None:
-        """One file of 1-D records, cut at their start or refused: each record is one range
-        to its row, the least work per batch (the general path below costs more in numpy
-        than the gather itself on short records)."""
-        field, limit = self.part(0), self.plan.options["max_shape"][0]
-        starts, lengths = field.starts_and_lengths(indices)
-        if self.plan.options["overflow"] == "error" and int(lengths.max()) > limit:
-            row = int(np.argmax(lengths > limit))
-            raise self._too_long(step, indices, row, 0, f"{int(lengths[row])} elements", f"max_length={limit}")
-        kept = np.minimum(lengths, np.uint64(limit))
-        outputs[0].array[...] = self.plan.options["pad"]
-        outputs[1].array[...] = kept
-        field.values.gather_ranges(starts, kept, self._row_destinations, outputs[0].pointer, outputs[0].nbytes)
-
-    def _fill_padded(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
-        starts, lengths, shapes, parts = self._records(groups, len(indices))
-        max_shape = np.array(self.plan.options["max_shape"], dtype=np.uint64)
-        overflow = self.plan.options["overflow"]
-        n_dimensional = self.plan.parts[0].record_ndim > 0
-        over = shapes > max_shape
-        if overflow == "error" and over.any():
-            row = int(np.flatnonzero(over.any(axis=1))[0])
-            found = f"shape {tuple(int(x) for x in shapes[row])}" if n_dimensional else f"{int(lengths[row])} elements"
-            limit = f"max_length={tuple(int(x) for x in max_shape) if len(max_shape) > 1 else int(max_shape[0])}"
-            raise self._too_long(step, indices, row, int(parts[row]), found, limit)
-        kept = np.minimum(shapes, max_shape)
-        crop = np.zeros_like(shapes)
-        if overflow == "random" and over.any():
-            for axis in range(shapes.shape[1]):
-                room = shapes[:, axis] - kept[:, axis]
-                crop[:, axis] = _window_starts(self.sampler.seed, step, self.sampler.shard_index * shapes.shape[1]
-                                               + axis, len(indices), room)
-        outputs[0].array[...] = self.plan.options["pad"]
-        outputs[1].array[...] = kept if n_dimensional else kept[:, 0]
-        sources, counts, destinations, rows = self._padded_ranges(starts, shapes, kept, crop, max_shape)
-        self._gather_by_part(parts[rows], sources, counts, destinations, outputs[0])
-
-    def _padded_ranges(self, starts, shapes, kept, crop, max_shape):
-        """Element ranges of each record's kept part, their byte offsets in the padded
-        region and their batch rows: one range per 1-D record, one per line of the last
-        axis of an N-D record."""
-        itemsize = np.uint64(self.itemsize)
-        slot_elements = np.uint64(math.prod(int(x) for x in max_shape))
-        rows = np.arange(len(starts), dtype=np.uint64)
-        if shapes.shape[1] == 1:
-            return starts + crop[:, 0], kept[:, 0], rows * slot_elements * itemsize, rows.astype(np.int64)
-        sources, counts, destinations, owners = [], [], [], []
-        for row in range(len(starts)):
-            shape, keep, offset = shapes[row].astype(np.int64), kept[row].astype(np.int64), crop[row].astype(np.int64)
-            lines = np.indices(keep[:-1]).reshape(len(keep) - 1, -1).T  # Every index of the leading axes.
-            source_strides = np.cumprod(np.r_[shape[1:], 1][::-1])[::-1]
-            target_strides = np.cumprod(np.r_[max_shape[1:].astype(np.int64), 1][::-1])[::-1]
-            sources.append(int(starts[row]) + (lines + offset[:-1]) @ source_strides[:-1] + offset[-1])
-            destinations.append((row * int(slot_elements) + lines @ target_strides[:-1]) * int(itemsize))
-            counts.append(np.full(len(lines), keep[-1]))
-            owners.append(np.full(len(lines), row))
-        return (np.concatenate(sources).astype(np.uint64), np.concatenate(counts).astype(np.uint64),
-                np.concatenate(destinations).astype(np.uint64), np.concatenate(owners).astype(np.int64))
-
-
-class PackedReader(FieldReader):
-    """Ragged records back to back, with their offsets (and shapes)."""
-
-    def fill(self, step: int, indices: np.ndarray, index_pointer, outputs: list[_Output], sources=None) -> None:
-        self._fill_packed(step, indices, self.groups(indices, sources), outputs)
-
-    def _fill_packed(self, step: int, indices: np.ndarray, groups, outputs: list[_Output]) -> None:
-        starts, lengths, shapes, parts = self._records(groups, len(indices))
-        ends = np.cumsum(lengths)  # uint64: checked before it is written as the offsets' dtype.
-        capacity = self.plan.options["capacity"]
-        if len(ends) and int(ends[-1]) > capacity:
-            raise StorageError(
-                f"field {self.plan.name!r} ({self.plan.parts[0].path}): step {step}'s {len(indices)} records hold "
-                f"{int(ends[-1])} elements, more than the packed region's {capacity} (max_elements); raise "
-                f"max_elements or leave it unset (sized for the longest records)"
-            )
-        offsets = outputs[1].array
-        offsets[0] = 0
-        offsets[1:] = ends
-        if self.plan.parts[0].record_ndim:
-            outputs[2].array[...] = shapes
-        starts_in_output = np.concatenate([[0], ends[:-1]]).astype(np.uint64) * np.uint64(self.itemsize)
-        self._gather_by_part(parts, starts, lengths, starts_in_output, outputs[0])
-
-
-_READERS = {"rows": RowsReader, "windows": WindowsReader, "documents": DocumentWindowsReader,
-            "padded": PaddedReader, "packed": PackedReader}
-
-
-def field_reader(plan: FieldPlan, batch_size: int, verify: bool, sampler) -> FieldReader:
-    """The reader of the plan's kind."""
-    return _READERS[plan.kind](plan, batch_size, verify, sampler)
-
-
-class InputBuffers:
-    """A transform's input fields, filled into this process's own memory (they never enter
-    the ring): `views` maps each field to what the transform gets (see transforms)."""
-
-    def __init__(self, plans: tuple[FieldPlan, ...], batch_size: int, verify: bool, sampler) -> None:
-        self.readers = [field_reader(plan, batch_size, verify, sampler) for plan in plans]
-        self.outputs, self.views = [], {}
-        for plan in plans:
-            outputs = [_Output(np.zeros(region.shape, np.dtype(region.dtype))) for region in plan.regions]
-            self.outputs.append(outputs)
-            arrays = {region.name: output.array for region, output in zip(plan.regions, outputs)}
-            if plan.kind == "packed":
-                shapes = arrays.get(f"{plan.name}.shapes")
-                arrays[plan.name] = Records(arrays[plan.name], arrays[f"{plan.name}.offsets"], shapes)
-            self.views.update(arrays)
-
-    def fill(self, step: int, indices: np.ndarray, index_pointer, sources) -> dict:
-        for reader, outputs in zip(self.readers, self.outputs):
-            reader.fill(step, indices, index_pointer, outputs, sources)
-        return self.views
-
-    def close(self) -> None:
-        for reader in self.readers:
-            reader.close()

@@ -23,7 +23,8 @@ from ..plan.sources import MixtureSampler
 from ..ring.slot_layout import SlotLayout
 from ..storage.readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
 from ..transforms.core import TransformRunner, TransformSpec
-from .field_readers import FieldReader, InputBuffers, _Output, field_reader
+from .field_readers import FieldReader, SlotOutput
+from .inputs import InputBuffers, field_reader
 
 # A batch with more failing records than this fails for another reason than its records.
 BAD_RECORDS_MAX = 8
@@ -123,7 +124,7 @@ class SlotOutputs:
         self.indices, self.index_pointer = indices, ffi.from_buffer("uint64_t[]", indices)
         self.sources = sources
         self.source_pointer = None if sources is None else ffi.from_buffer("uint32_t[]", sources)
-        self.fields, self.out = fields, out  # Per field its _Outputs (no transform); else the transform's arrays.
+        self.fields, self.out = fields, out  # Per field its SlotOutputs (no transform); else the transform's arrays.
 
 
 class StepFiller:
@@ -183,7 +184,7 @@ class StepFiller:
             return SlotOutputs(indices, sources, [], dict(zip(self.runner.shapes, regions)))
         per_field, first = [], 0
         for plan in self.plans:
-            per_field.append([_Output(array) for array in regions[first:first + len(plan.regions)]])
+            per_field.append([SlotOutput(array) for array in regions[first:first + len(plan.regions)]])
             first += len(plan.regions)
         return SlotOutputs(indices, sources, per_field, {})
 

@@ -1,2 +1,4 @@
-"""What a loader's batches are: its settings checked once (options), the files' plan
-(planner), the samplers (sampler, sources), finite passes, checkpoints and resharding."""
+"""What a loader's batches are: its settings checked once (options), the fields'
+declarations and plans (fields), the loader's plan (planner), the ring's default size
+(defaults), the samplers (sampler, sources), finite passes (passes), checkpoints
+(checkpoint), resharding (reshard) and field names (naming)."""

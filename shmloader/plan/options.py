@@ -94,8 +94,8 @@ class LoaderOptions:
     batch_size: int = 256
     mode: str = "shuffle"
     seed: int = 0
-    readers: int | None = None  # None: plan.default_readers()
-    slots: int | None = None  # None: plan.default_slots()
+    readers: int | None = None  # None: plan/defaults.default_readers()
+    slots: int | None = None  # None: plan/defaults.default_slots()
     start_step: int = 0
     shard_index: int = 0
     shard_count: int = 1

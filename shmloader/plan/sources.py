@@ -192,7 +192,7 @@ class MixtureSampler:
 
 
 class SourceWindows:
-    """One source of a windowed mixture, seen as readahead.ReadAhead sees a sampler: its
+    """One source of a windowed mixture, seen as storage/readahead.ReadAhead sees a sampler: its
     stream position at a step, and the places and blocks of its block-local shuffle."""
 
     def __init__(self, mixture: MixtureSampler, source: int) -> None:

@@ -82,7 +82,7 @@ class ReaderConfig:
     filler: FillerSpec
     signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
     # The loader's local readers: they share this machine's page cache, and the read-ahead's
-    # dropping of finished blocks among them (readahead.ReadAhead's `share`).
+    # dropping of finished blocks among them (storage/readahead.ReadAhead's `share`).
     local_readers: int = 1
 
     def to_json(self, filler_json: str | None = None) -> str:

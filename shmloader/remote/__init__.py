@@ -2,9 +2,10 @@
 that turns a field's URLs into local cache files before the plan describes them.
 
 The trainer reads each object's header and index once (`localize`); every process of the
-node then maps the same sparse local copy of it (cache.py), whose pages are fetched by
-byte range the first time a gather or the read-ahead needs them. Nothing here is imported
-unless a field names a URL: the core needs no object-store client.
+node then maps the same sparse local copy of it (cache.py; its ledger: node.py; its
+units and locks: pages.py), whose pages are fetched by byte range the first time a gather
+or the read-ahead needs them. Commands write to a store through publish.py. obstore is
+imported only when a field names a URL: the core needs no object-store client.
 """
 
 from __future__ import annotations

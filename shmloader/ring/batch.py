@@ -39,7 +39,7 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
         return self
 
     def strings(self, name: str, encoding: str = "utf-8", errors: str = "strict") -> list[str]:
-        """A Packed field of bytes (paths, captions, keys; formats.from_parquet's strings)
+        """A Packed field of bytes (paths, captions, keys; shmloader.formats.from_parquet's strings)
         as Python strings, one per row."""
         offsets = self[f"{name}.offsets"].tolist()
         data = self[name][:offsets[-1]].tobytes()
@@ -72,7 +72,7 @@ class CursorConfig:
     reader_count: int
     trainer_slots: int
     poll_interval_ns: int
-    end_step: int  # a finite pass's steps (passes.ENDLESS: none)
+    end_step: int  # a finite pass's steps (plan/passes.ENDLESS: none)
     partial_from: int  # the first step cut to fewer rows
     supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
     rebuild_views: collections.abc.Callable  # f(cursor, slot)

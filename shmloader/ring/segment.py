@@ -1,8 +1,8 @@
-"""The shared-memory ring: its byte layout (defined only here and in ring.h), creation, attachment and slot states.
+"""The shared-memory ring: creating and attaching its segment, its semaphores and the slot states.
 
 The protocol's values and fixed structs are defined once, in ring.h, which _cursor.c
-includes, the Zig build translates and cffi parses: this module reads them as lib.SHM_...
-and ffi.sizeof(...). Offsets below are computed by RingLayout alone.
+includes, the Zig build translates and cffi parses: layout.py reads them as lib.SHM_...
+and ffi.sizeof(...), and the offsets below are computed by its RingLayout alone.
 
 Segment layout (all integers little-endian, offsets in bytes):
 
@@ -35,8 +35,9 @@ and the memory ordering (one ordering per transition, the same in every language
     IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor._request  release store, after the step word
     HELD -> REQUESTED         trainer    request_slot (C): release_unused   the same; HELD is checked first
     REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
-    FILLING|r -> READY|r      reader r   Reader.fill -> Ring.publish (or    seq_cst store after the data, then a
-                                         the trainer as r=0: readers=0)     seq_cst load of the waiter flag
+    FILLING|r -> READY|r      reader r   fill_and_publish -> Ring.publish   seq_cst store after the data, then a
+                                         (ring/publishing.py; also the      seq_cst load of the waiter flag
+                                         trainer as r=0, and the Ray bridge)
     FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
     READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
                                                                             reads HELD, and it publishes nothing

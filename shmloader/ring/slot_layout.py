@@ -1,6 +1,6 @@
 """What one slot of the ring holds: every array, its name, dtype, shape and byte offset.
 
-SlotLayout is the one owner of a slot's layout. The plan builds it once (plan.plan_loader);
+SlotLayout is the one owner of a slot's layout. The plan builds it once (plan/planner.plan_loader);
 it crosses to readers as data (to_dict); the trainer's batch arrays and the readers'
 outputs are both its views(). In a batch (view order) the regions come first (each
 field's arrays, or a transform's outputs; then "source" for a mixture) and the step's row

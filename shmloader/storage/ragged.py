@@ -6,7 +6,7 @@ directory of plain Blosc2 arrays that Blosc2's own API reads without shmloader.
     NAME.ragged/shapes.b2nd    optional, (N, k) uint64: record r's shape, for N-D records
 
 Reading a record decompresses only the blocks of values.b2nd that hold it, straight into
-a slot (storage.BloscField.gather_ranges); readers keep the offsets in memory (8 bytes a
+a slot (storage/blosc.BloscField.gather_ranges); readers keep the offsets in memory (8 bytes a
 record), the values stay in the mapped file.
 """
 

@@ -45,7 +45,7 @@ from ..remote.pages import PAGE_BYTES
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
 # Blocks asked for beyond the window being dealt from (blocks are about 32 MiB of rows,
-# plan.shuffle_block_rows): the disk's queue while the next block is being waited for.
+# plan/planner.shuffle_block_rows): the disk's queue while the next block is being waited for.
 LOOKAHEAD_BLOCKS = 4
 # A reader drops its mappings of a block this many steps after the block's last rows were
 # dealt, and the block's pages this many steps later again: readers fill steps a little
@@ -103,7 +103,7 @@ class ReadAhead:
 
     def __init__(self, sampler, plan_readers, stored_bytes: int, source: int = 0, advisor: Advisor | None = None,
                  share: tuple[int, int] = (0, 1)) -> None:
-        """`sampler`: a windowed Sampler, or one source of a mixture (sources.SourceWindows),
+        """`sampler`: a windowed Sampler, or one source of a mixture (plan/sources.SourceWindows),
         whose rows are `source`'s. `stored_bytes`: the fields' bytes on disk. Blocks are let
         go only when they cannot all stay cached (more than half the memory limit): data
         that fits keeps its pages, and later epochs read from memory. `advisor`: the thread

@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 from ..loader import ShmDataLoader
+from ..plan.defaults import TRAINER_SLOTS
 from ..plan.fields import Packed
 from ..storage.ragged import describe_ragged, is_ragged
 from ..storage.spec import describe_field
@@ -18,7 +19,6 @@ from ..storage.spec import describe_field
 # --sweep tries these many slots per reader for each reader count, plus the trainer's two
 # (the loader's default is 4 per reader + 2; with fewer than 2 per reader readers ran dry).
 _SLOTS_PER_READER = (2, 4)
-_TRAINER_SLOTS = 2
 
 
 def field_names(paths: list[str]) -> dict[str, str]:
@@ -184,9 +184,9 @@ def _plot(results: list[dict], path: str) -> None:
     figure, axis = plt.subplots(figsize=(6, 4))
     for per_reader in _SLOTS_PER_READER:
         points = sorted((r["readers"], r["rows_per_s"]) for r in results
-                        if r["slots"] == per_reader * r["readers"] + _TRAINER_SLOTS)
+                        if r["slots"] == per_reader * r["readers"] + TRAINER_SLOTS)
         axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                  label=f"slots = {per_reader} x readers + {_TRAINER_SLOTS}")
+                  label=f"slots = {per_reader} x readers + {TRAINER_SLOTS}")
     axis.set_xticks(sorted({result["readers"] for result in results}))
     axis.set_xlabel("reader processes")
     axis.set_ylabel("rows / s")
@@ -263,7 +263,7 @@ def run_cli(arguments) -> int:
     if arguments.sweep:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
-        points = [(readers, per_reader * readers + _TRAINER_SLOTS) for readers in reader_counts
+        points = [(readers, per_reader * readers + TRAINER_SLOTS) for readers in reader_counts
                   for per_reader in _SLOTS_PER_READER]
         results = _sweep(fields, arguments, points, progress)
         print(_pick(results))

@@ -169,7 +169,7 @@ def chunk_checksums(schunk) -> np.ndarray:
 
 
 def write_checksums(schunk) -> None:
-    """Stores every chunk's CRC-32 in the frame's own metadata (storage.CHECKSUM_META)."""
+    """Stores every chunk's CRC-32 in the frame's own metadata (storage/spec.CHECKSUM_META)."""
     schunk.vlmeta[CHECKSUM_META] = chunk_checksums(schunk).tobytes()
 
 

@@ -1,6 +1,6 @@
 """The formats users have, in: Parquet files and Arrow tables (a Hugging Face `datasets.Dataset`
-is one, read through its indices mapping), column by column, and WebDataset tar shards
-(from_webdataset, one field per extension), into the fields ShmDataLoader reads.
+is one, read through its indices mapping), column by column (columns.py), into the fields
+ShmDataLoader reads. WebDataset tar shards: webdataset.py.
 
 Each column becomes a field in the output directory OUT:
 
