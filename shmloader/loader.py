@@ -357,17 +357,15 @@ class ShmDataLoader(cursor_module.Cursor):
             sampler = self.sampler.with_transition(transition)
             finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
         end = ENDLESS if finite is None else finite.steps
-        if resume is PASS_ENDED:
-            resume = end  # The checkpoint's pass had ended: so has this one.
+        if resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
+                                    resume.position >= finite.positions):
+            resume = end  # The checkpoint's pass had ended (its last global batch ran past it): so has this one.
         step = resume.step if isinstance(resume, Resume) else resume
         check_integer("the checkpoint's step", step, 0, min(sampler.step_max - self.slots, end))
         if sampler is not self.sampler:
             self._use_sampler(sampler, finite)
         if not isinstance(resume, Resume):
             self.seek(resume)
-            return
-        if self.finite is not None and resume.position >= self.finite.positions:
-            self.seek(self.finite.steps)  # The pass had ended (its last global batch ran past its end).
             return
         self.seek(resume.step)
         if resume.position > position_of(self.sampler, resume.step)[0]:

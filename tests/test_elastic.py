@@ -221,3 +221,16 @@ def test_a_windowed_shards_rows_keep_their_transform_draws_under_another_batch_s
     first, state = run_rows(8, 2)
     rest, _ = run_rows(4, 4, state)
     assert first + rest == reference
+
+
+def test_a_checkpoint_past_the_end_of_its_pass_ends_the_pass_under_another_shape(rows):
+    """5 shards of 21 for 20 steps run past a 2-epoch pass (2,100 of 2,000 positions): under
+    1 shard of 1 the pass has ended (the load's step check refused it as step 2100 > 2000)."""
+    fields, _ = rows
+    with ShmDataLoader(fields, batch_size=21, shard_index=0, shard_count=5, readers=0, seed=0, epochs=2) as before:
+        before.seek(20)
+        state = before.state_dict()
+    with ShmDataLoader(fields, batch_size=1, shard_index=0, shard_count=1, readers=0, seed=0, epochs=2) as after:
+        after.load_state_dict(state)
+        with pytest.raises(RuntimeError, match="has ended"):
+            iter(after)
