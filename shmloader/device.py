@@ -160,7 +160,7 @@ class DeviceIterator:
 
 class PinnedRing:
     """The ring's registration with a backend: registered once, unregistered once, before
-    the mapping can go (readers/lifecycle.Resources calls unregister first when it closes)."""
+    the mapping can go (lifecycle.Resources calls unregister first when it closes)."""
 
     def __init__(self, backend, address: int, nbytes: int) -> None:
         backend.register(address, nbytes)

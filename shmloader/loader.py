@@ -18,13 +18,13 @@ from .device import (
     pin_backend,
 )
 from .fill.filler import FillerSpec
+from .lifecycle import Resources, live_loaders
 from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_resume
 from .plan.defaults import TRAINER_SLOTS, default_readers, default_slots, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import LoaderPlan, plan_loader, warn_poor_layouts, warn_window_memory
 from .plan.sampler import Sampler, global_position
-from .readers.lifecycle import Resources, live_loaders
 from .readers.pool import ReaderPool
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor

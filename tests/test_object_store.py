@@ -30,7 +30,7 @@ from shmloader import (  # noqa: E402
     Windows,
 )
 from shmloader.remote.cache import pages_of
-from shmloader.remote.pages import PAGE_BYTES  # noqa: E402
+from shmloader.remote.pages import CACHE_PAGE_BYTES  # noqa: E402
 from shmloader.tools.convert import write_ragged  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("object_store")
@@ -240,7 +240,7 @@ def test_the_budget_bounds_the_cache_and_evicted_pages_come_back_right(big, tmp_
     assert stats["cache"]["evicted"] > 0
     # The budget, plus what the fills may hold pinned beyond it: each reader's batch (a row
     # may straddle two pages).
-    bound = budget + readers * batch * 2 * PAGE_BYTES
+    bound = budget + readers * batch * 2 * CACHE_PAGE_BYTES
     assert _cache_disk_bytes(cache) <= bound
     assert stats["cache"]["bytes_held"] <= bound
 
@@ -386,8 +386,8 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
             stamps = field.remote.stamps
             with open(spec.path, "r+b") as handle:
                 for page in np.flatnonzero(stamps).tolist():
-                    handle.seek(page * PAGE_BYTES)
-                    handle.write(bytes(min(PAGE_BYTES, spec_size(spec) - page * PAGE_BYTES)))
+                    handle.seek(page * CACHE_PAGE_BYTES)
+                    handle.write(bytes(min(CACHE_PAGE_BYTES, spec_size(spec) - page * CACHE_PAGE_BYTES)))
             stamps[:] = 0
     finally:
         field.close()
@@ -502,7 +502,7 @@ def test_checkpoints_and_budgets_follow_the_data_not_the_cache_directory(data, b
         for _, _ in zip(range(60), loader):
             pass
     assert not (tmp_path / "moved").exists()
-    assert _cache_disk_bytes(tmp_path / "here") <= (2 << 20) + 2 * 16 * 2 * PAGE_BYTES
+    assert _cache_disk_bytes(tmp_path / "here") <= (2 << 20) + 2 * 16 * 2 * CACHE_PAGE_BYTES
 
 
 def test_a_closed_loader_gives_back_the_cache_and_a_removed_cache_is_made_anew(data, tmp_path):
@@ -583,7 +583,7 @@ def test_a_budget_smaller_than_a_fetch_unit_still_bounds_reads_in_order(big, tmp
         for step, _ in zip(range(120), loader):
             if step % 10 == 0:
                 peak = max(peak, _cache_disk_bytes(tmp_path))
-    assert peak <= budget + 2 * 64 * 2 * PAGE_BYTES + (budget // 32) * 16
+    assert peak <= budget + 2 * 64 * 2 * CACHE_PAGE_BYTES + (budget // 32) * 16
 
 
 def test_writing_replaces_only_the_output_named(server, tmp_path, capsys):

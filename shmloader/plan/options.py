@@ -13,7 +13,7 @@ import numbers
 import os
 
 from .._native import lib
-from ..remote.pages import PAGE_BYTES
+from ..remote.pages import CACHE_PAGE_BYTES
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -35,7 +35,7 @@ SLOTS_MIN, SLOTS_MAX = 2, 4096
 RESTARTS_MAX = 1 << 20
 EPOCHS_MAX = 1 << 32
 # The node cache needs a few fetch units of pages to make progress.
-CACHE_BYTES_MIN = 16 * PAGE_BYTES
+CACHE_BYTES_MIN = 16 * CACHE_PAGE_BYTES
 
 MODES = {"sequential": 0, "random": 1, "shuffle": 2}
 ON_ERROR = ("raise", "skip")

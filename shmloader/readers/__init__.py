@@ -1,2 +1,3 @@
-"""The processes that fill steps: their pool and supervision, the reader loop, the fork
-server, the loader's teardown, and Ray actors as remote readers."""
+"""The processes that fill steps: their pool (pool) and supervision (supervision), the
+reader loop (reader), the fork server (forkserver, forkserver_process), and Ray actors as
+remote readers (ray)."""

@@ -3,7 +3,7 @@ every process of every loader that names the same directory.
 
 An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
 its bytes at their own offsets (a sparse file the size of the object, so readers map and
-gather it exactly as a local file), `NAME.pages` (one uint32 per PAGE_BYTES page: 0 while
+gather it exactly as a local file), `NAME.pages` (one uint32 per CACHE_PAGE_BYTES page: 0 while
 absent, else when it was last used, in seconds; its byte ranges are also the page locks),
 and `NAME.remote.json` (URL, ETag, size, the header ranges the trainer read). The budget,
 the bytes held and the node's counters are `<root>/ledger`.
@@ -43,11 +43,11 @@ from ..errors import StorageError
 from .node import NodeCache, cache_root, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
+    CACHE_PAGE_BYTES,
     FETCH_BASE,
     FIT_UNIT_BYTES,
     IN_FLIGHT,
     MARKER_SUFFIX,
-    PAGE_BYTES,
     PAGES_SUFFIX,
     PIN_UNIT_BYTES,
     REQUEST_BYTES,
@@ -87,7 +87,7 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict) -> N
     """The sparse data file, its page stamps and its marker, if they are not there yet
     (several trainers may create the same object at once: every step is idempotent)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    pages = -(-size // PAGE_BYTES)
+    pages = -(-size // CACHE_PAGE_BYTES)
     for name, length in ((path, size), (path + PAGES_SUFFIX, 4 * pages)):
         descriptor = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -115,8 +115,8 @@ def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> n
         offsets, sizes = offsets[keep], sizes[keep]
     if not len(offsets):
         return np.empty(0, dtype=np.int64)
-    first = offsets.astype(np.int64) // PAGE_BYTES
-    last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // PAGE_BYTES
+    first = offsets.astype(np.int64) // CACHE_PAGE_BYTES
+    last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // CACHE_PAGE_BYTES
     spans = last - first + 1
     if int(spans.max()) == 1:
         pages = first
@@ -171,7 +171,7 @@ class CachedObject:
         self.url, self.etag, self.size = marker["url"], marker["etag"], int(marker["size"])
         self.meta = [tuple(extent) for extent in marker.get("meta", [])]
         self.client = Client(marker.get("options") or {}, cache.count)
-        self.page_count = -(-self.size // PAGE_BYTES)
+        self.page_count = -(-self.size // CACHE_PAGE_BYTES)
         self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         self.inode = os.fstat(self._data_fd).st_ino
         self._map_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
@@ -225,7 +225,7 @@ class CachedObject:
         self._local.pinned = True
         # Pinned in lock units of pages (an eviction waits for the whole unit's pins): a
         # batch of rows at random costs a lock call per unit, not per page.
-        unit = max(1, min(unit_pages, PIN_UNIT_BYTES // PAGE_BYTES))
+        unit = max(1, min(unit_pages, PIN_UNIT_BYTES // CACHE_PAGE_BYTES))
         for first, end in runs_of(np.unique(pages // unit), 1 << 30):
             lock(descriptor, fcntl.F_RDLCK, first * unit, (end - first) * unit, True)
         stamps = self.stamps[pages]
@@ -240,7 +240,7 @@ class CachedObject:
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
         offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
-        first, last = offsets // PAGE_BYTES, (offsets + np.maximum(sizes, 1) - 1) // PAGE_BYTES
+        first, last = offsets // CACHE_PAGE_BYTES, (offsets + np.maximum(sizes, 1) - 1) // CACHE_PAGE_BYTES
         single = first == last
         found = self.stamps[first] != 0
         for k in np.flatnonzero(~single).tolist():
@@ -276,7 +276,7 @@ class CachedObject:
         missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
         descriptor = self._fd("ahead")
         try:
-            for run_first, run_end in runs_of(missing, REQUEST_BYTES // PAGE_BYTES):
+            for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
                 while len(pending) >= IN_FLIGHT:
                     self._finish(pending.popleft(), descriptor)
                 if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
@@ -316,7 +316,7 @@ class CachedObject:
         needed = missing
         while len(needed):
             claimed, others = [], []
-            for first, end in runs_of(self._with_units(needed, unit_pages), REQUEST_BYTES // PAGE_BYTES):
+            for first, end in runs_of(self._with_units(needed, unit_pages), REQUEST_BYTES // CACHE_PAGE_BYTES):
                 if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
                 else:  # Someone fetches some of these: claim page by page.
@@ -354,9 +354,9 @@ class CachedObject:
         """The bytes of the pages of [first, end) that are absent: what fetching the run adds
         to the cache (its present pages are written again, with the same bytes)."""
         missing = np.flatnonzero(self.stamps[first:end] == 0) + first
-        size = len(missing) * PAGE_BYTES
+        size = len(missing) * CACHE_PAGE_BYTES
         if len(missing) and missing[-1] == self.page_count - 1:
-            size -= self.page_count * PAGE_BYTES - self.size  # The last page is shorter.
+            size -= self.page_count * CACHE_PAGE_BYTES - self.size  # The last page is shorter.
         return size
 
     def _fetch_run(self, first: int, end: int, reserved: int) -> None:
@@ -369,7 +369,7 @@ class CachedObject:
 
     def _download_run(self, first: int, end: int) -> bool:
         """Whether the pages were written (not when the object was closed meanwhile)."""
-        start, stop = first * PAGE_BYTES, min(end * PAGE_BYTES, self.size)
+        start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
         data = self.client.get(self.url, self.etag, start, stop)
         # Under the lock close() takes: a request that outlives its loader (a read-ahead
         # thread given up on) must not write through a descriptor number reused since.
@@ -404,7 +404,7 @@ def set_fetch_unit(field, random_rows: bool, stored_bytes: int) -> None:
     evicted unread)."""
     budget = field.remote.cache.counters()["bytes_budget"]
     fits = budget == 0 or stored_bytes <= budget
-    unit = REQUEST_BYTES if not random_rows else (FIT_UNIT_BYTES if fits else PAGE_BYTES)
+    unit = REQUEST_BYTES if not random_rows else (FIT_UNIT_BYTES if fits else CACHE_PAGE_BYTES)
     if budget:  # A small budget holds many units, not a few: evicting one unit would drop most of it.
-        unit = min(unit, max(PAGE_BYTES, budget // BUDGET_UNITS_MIN))
-    field.unit_pages = max(1, unit // PAGE_BYTES)
+        unit = min(unit, max(CACHE_PAGE_BYTES, budget // BUDGET_UNITS_MIN))
+    field.unit_pages = max(1, unit // CACHE_PAGE_BYTES)

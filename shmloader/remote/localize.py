@@ -22,7 +22,7 @@ from ..errors import StorageError
 from ..remote import is_url
 from .cache import create_object, object_directory, open_object, read_marker, write_marker
 from .node import acquire
-from .pages import PAGE_BYTES
+from .pages import CACHE_PAGE_BYTES
 from .store import Client
 
 # A ragged directory's members (storage/ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
@@ -48,14 +48,10 @@ class CacheSettings:
 
         root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
         os.makedirs(root, exist_ok=True)
+        # The values' types and bounds are plan/options.LoaderOptions'; here what they mean.
         if cache_bytes is None:
             cache_bytes = shutil.disk_usage(root).free // 2  # Half of what is free where it lives.
-        elif isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 16 * PAGE_BYTES:
-            raise ValueError(f"cache_bytes must be an integer of at least {16 * PAGE_BYTES} bytes (the node cache's "
-                             f"budget), got {cache_bytes!r}")
-        if storage_options is not None and not isinstance(storage_options, collections.abc.Mapping):
-            raise TypeError(f"storage_options must be a mapping of obstore S3 settings (endpoint, access_key_id, "
-                            f"secret_access_key, region, ...), got {type(storage_options).__name__}")
+        assert storage_options is None or isinstance(storage_options, collections.abc.Mapping), storage_options
         return cls(root, int(cache_bytes), {str(k): str(v) for k, v in (storage_options or {}).items()})
 
 
@@ -197,7 +193,7 @@ class Localizer:
     def _header_extents(cached, size: int) -> list[list[int]]:
         """The byte ranges that describing and opening the object read: a .npy header; a
         Blosc2 frame's header, first chunk header, offsets and trailer."""
-        first = min(size, PAGE_BYTES)
+        first = min(size, CACHE_PAGE_BYTES)
         with cached.pinned([(0, first)]):
             with open(cached.path, "rb") as handle:
                 head = handle.read(first)

@@ -14,10 +14,10 @@ import numpy as np
 
 from ..errors import StorageError
 from .pages import (
+    CACHE_PAGE_BYTES,
     COUNTERS,
     EVICT_SHARE,
     IN_FLIGHT,
-    PAGE_BYTES,
     PAGES_SUFFIX,
     evict_page,
     lock,
@@ -112,9 +112,9 @@ class NodeCache:
                     except OSError:
                         continue
                     present = np.flatnonzero(stamps)
-                    held = len(present) * PAGE_BYTES
+                    held = len(present) * CACHE_PAGE_BYTES
                     if len(present) and present[-1] == len(stamps) - 1:
-                        held -= len(stamps) * PAGE_BYTES - size  # The last page is shorter.
+                        held -= len(stamps) * CACHE_PAGE_BYTES - size  # The last page is shorter.
                     yield pages, data, max(0, held)
 
     def reserve(self, size: int, optional: bool = False) -> bool:
@@ -130,7 +130,7 @@ class NodeCache:
                 if held + size > budget:
                     freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
                     held -= freed
-                    self._ledger[_LEDGER["evicted"]] += freed // PAGE_BYTES
+                    self._ledger[_LEDGER["evicted"]] += freed // CACHE_PAGE_BYTES
                 self._ledger[_LEDGER["held"]] = held
                 if optional and held + size > budget:
                     return False

@@ -12,7 +12,7 @@ import time
 # Pages are the unit of presence and of requests: small enough that a row read at random
 # costs little more than itself, large enough that a block read ahead is a few thousand
 # stamps. A request covers up to REQUEST_BYTES of consecutive missing pages.
-PAGE_BYTES = 1 << 14
+CACHE_PAGE_BYTES = 1 << 14
 REQUEST_BYTES = 8 << 20
 # The fetch unit of rows read at random from data that fits the budget: a first pass costs
 # its data once, in requests of this size, instead of a request per row.
@@ -75,8 +75,8 @@ def evict_page(pages_fd: int, data_fd: int, data_size: int, page: int) -> int:
             if os.pread(pages_fd, 4, 4 * page) == bytes(4):
                 return 0
             os.pwrite(pages_fd, bytes(4), 4 * page)  # Absent first: nobody reads it from here on.
-            offset = page * PAGE_BYTES
-            size = min(PAGE_BYTES, data_size - offset)
+            offset = page * CACHE_PAGE_BYTES
+            size = min(CACHE_PAGE_BYTES, data_size - offset)
             punch_hole(data_fd, offset, size)
             return size
         finally:

@@ -13,6 +13,7 @@ import secrets
 import posix_ipc
 
 from .._native import ffi, lib
+from .slot_layout import align
 
 RING_MAGIC = lib.SHM_RING_MAGIC
 RING_VERSION = lib.SHM_RING_VERSION
@@ -44,10 +45,6 @@ class SlotState(enum.IntEnum):
     READY = lib.SHM_SLOT_READY
     HELD = lib.SHM_SLOT_HELD
     FAILED = lib.SHM_SLOT_FAILED
-
-
-def align(value: int, alignment: int) -> int:
-    return (value + alignment - 1) // alignment * alignment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ RESERVED_NAMES = (INDICES, SOURCE)
 
 
 def align(value: int, alignment: int) -> int:
+    """`value` rounded up to a multiple of `alignment` (the ring's offsets use it too)."""
     return (value + alignment - 1) // alignment * alignment
 
 

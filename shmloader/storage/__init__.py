@@ -1,3 +1,3 @@
 """Field files on disk: describing them (spec), gathering their rows (rows, blosc, opening),
-writing outputs safely (output), ragged fields (ragged), layouts (layout) and the kernel's
-read-ahead (readahead)."""
+ragged fields (ragged), the cost of a file's chunk layout (layout) and the kernel's
+read-ahead (readahead). Writing outputs is the converters' (tools/output.py)."""

@@ -39,7 +39,7 @@ import threading
 
 import numpy as np
 
-from ..remote.pages import PAGE_BYTES
+from ..remote.pages import CACHE_PAGE_BYTES
 
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
@@ -321,8 +321,8 @@ def _page_bytes(offsets: np.ndarray, sizes: np.ndarray) -> int:
     """The bytes of the cache pages under byte ranges (what fetching them costs, at most)."""
     offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
     used = sizes > 0
-    pages = (offsets[used] + sizes[used] - 1) // PAGE_BYTES - offsets[used] // PAGE_BYTES + 1
-    return int(pages.sum()) * PAGE_BYTES
+    pages = (offsets[used] + sizes[used] - 1) // CACHE_PAGE_BYTES - offsets[used] // CACHE_PAGE_BYTES + 1
+    return int(pages.sum()) * CACHE_PAGE_BYTES
 
 
 def _fadvise(ranges: list[tuple], advice: int) -> None:

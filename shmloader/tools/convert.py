@@ -17,7 +17,6 @@ from .._native import ffi
 from ..errors import StorageError
 from ..storage.layout import choose_layout, convert_command, poor_layout
 from ..storage.opening import open_field
-from ..storage.output import check_output, publishing
 from ..storage.ragged import (
     OFFSETS_NAME,
     SHAPES_NAME,
@@ -32,6 +31,7 @@ from ..storage.spec import (
     check_rows,
     describe_field,
 )
+from .output import check_output, publishing
 
 __all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "inspect", "measure_row_cost_us", "verify",
            "write_checksums", "write_ragged"]

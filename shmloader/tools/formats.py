@@ -40,8 +40,8 @@ import numpy as np
 
 from ..errors import StorageError
 from ..plan.naming import file_name_problem
-from ..storage.output import check_output, publishing
 from .columns import check_columns, column_form, with_options, write_column
+from .output import check_output, publishing
 
 
 def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,

@@ -11,7 +11,7 @@ import struct
 import numpy as np
 
 from ..errors import StorageError
-from ..storage.output import check_output_directory
+from .output import check_output_directory
 
 # The extensions torchvision's ImageFolder takes, compared case-insensitively.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")

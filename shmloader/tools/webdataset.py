@@ -9,8 +9,8 @@ import numpy as np
 
 from ..errors import StorageError
 from ..plan.naming import field_file, file_name_problem
-from ..storage.output import check_output, publishing
 from .formats import COLUMNS_FILE, expand_sources, one_line
+from .output import check_output, publishing
 
 # ---- WebDataset ------------------------------------------------------------------------
 

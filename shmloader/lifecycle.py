@@ -10,10 +10,10 @@ import signal
 import threading
 import weakref
 
-from ..device import PinnedRing
-from ..fill.filler import StepFiller
-from ..ring.segment import Ring
-from .pool import ReaderPool
+from .device import PinnedRing
+from .fill.filler import StepFiller
+from .readers.pool import ReaderPool
+from .ring.segment import Ring
 
 
 class Resources:
@@ -57,7 +57,7 @@ class Resources:
             if ring is not None:
                 ring.close()
             if self.node_cache is not None:
-                from ..remote.node import release
+                from .remote.node import release
 
                 cache, self.node_cache = self.node_cache, None
                 try:
