@@ -25,7 +25,7 @@ import math
 import numpy as np
 
 from ..errors import TransformError
-from ..tools.imagefolder import check_pixels, image_size
+from ..storage.image_headers import check_pixels, image_size
 from .core import transform
 
 DECODERS = ("auto", "fast", "pillow")
