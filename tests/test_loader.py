@@ -356,7 +356,7 @@ def test_readers_run_as_batch_work_so_their_wake_ups_do_not_preempt_the_trainer(
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=4) as loader:
         next(loader)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(loader._ring.reader_stats(r)[0] for r in range(2)):
+        while time.monotonic() < deadline and not all(loader._ring.records.stats(r)[0] for r in range(2)):
             time.sleep(0.01)  # A reader records its pid once running, after choosing its policy.
         assert [os.sched_getscheduler(pid) for pid in loader.reader_pids] == [os.SCHED_BATCH] * 2
     assert os.sched_getscheduler(0) != os.SCHED_BATCH  # The trainer keeps its own policy.

@@ -169,7 +169,7 @@ class ReaderPool:
             self._send_config(process, reader_index)
         if self.remote_spec is not None:
             for record in range(self.count, self.records):
-                ring.clear_reader_error(record)
+                ring.records.clear_error(record)
             self.remote = self.remote_spec.start(ring, self.count, config.filler)
 
     def reconfigure(self, filler) -> None:
@@ -198,7 +198,7 @@ class ReaderPool:
 
     def pid(self, reader_index: int) -> int:
         """The process of reader record `reader_index` (a remote one's as last reported, or 0)."""
-        return self.pids[reader_index] if reader_index < self.count else self.ring.reader_stats(reader_index)[0]
+        return self.pids[reader_index] if reader_index < self.count else self.ring.records.stats(reader_index)[0]
 
     def describe(self, reader_index: int) -> str:
         """"reader 2 (pid 123)", or the remote reader that has that record."""
@@ -207,7 +207,7 @@ class ReaderPool:
         return f"reader {reader_index} (pid {self.pid(reader_index)})"
 
     def _send_config(self, process, reader_index: int) -> None:
-        self.ring.clear_reader_error(reader_index)
+        self.ring.records.clear_error(reader_index)
         try:
             config = dataclasses.replace(self._config, reader_index=reader_index,
                                          signal_grace_seconds=self.signal_grace_seconds)
@@ -227,7 +227,7 @@ class ReaderPool:
             exit_code = process.poll()
             if exit_code is None:
                 continue
-            if exit_code == EXIT_REPORTED_ERROR or self.ring.reader_error(reader_index):
+            if exit_code == EXIT_REPORTED_ERROR or self.ring.records.error(reader_index):
                 raise self.reported_error(reader_index, exit_code)
             if self._restarts_by_reader[reader_index] >= self.max_restarts:
                 raise ReaderError(
@@ -259,16 +259,16 @@ class ReaderPool:
     def _keep_stats(self, reader_index: int) -> None:
         """Adds a reader's statistics to its record's retired ones and clears them for the next."""
         ring = self.ring
-        busy_ns, batches = ring.reader_stats(reader_index)[1:]
+        busy_ns, batches = ring.records.stats(reader_index)[1:]
         self._retired_busy_ns[reader_index] += busy_ns
         self._retired_batches[reader_index] += batches
         self._retired_sleeps[reader_index] = tuple(
-            a + b for a, b in zip(self._retired_sleeps[reader_index], ring.reader_sleeps(reader_index)))
+            a + b for a, b in zip(self._retired_sleeps[reader_index], ring.records.sleeps(reader_index)))
         count, records = self._reader_skips(reader_index)
         self._retired_skips[reader_index] = (count, records)
-        ring.write_reader_stats(reader_index, 0, 0, 0)
-        ring.write_reader_sleeps(reader_index, 0, 0, 0)
-        ring.write_reader_skips(reader_index, 0, b"")
+        ring.records.write_stats(reader_index, 0, 0, 0)
+        ring.records.write_sleeps(reader_index, 0, 0, 0)
+        ring.records.write_skips(reader_index, 0, b"")
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
@@ -283,7 +283,7 @@ class ReaderPool:
 
     def reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
         remote = reader_index >= self.count
-        report = ErrorReport.decode(self.ring.reader_error(reader_index))
+        report = ErrorReport.decode(self.ring.records.error(reader_index))
         if not report.type:
             report = ErrorReport("unknown", f"it {describe_exit(exit_code)} without an error report", "", None)
         where = f" at step {report.step}" if report.step is not None else " while starting"
@@ -323,7 +323,7 @@ class ReaderPool:
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""
-        count, raw = self.ring.reader_skips(reader_index)
+        count, raw = self.ring.records.skips(reader_index)
         try:
             records = json.loads(raw.decode()) if raw else []
         except ValueError:
@@ -346,8 +346,8 @@ class ReaderPool:
         Remote readers (remote: True) follow, busy_s their actor's time filling."""
         readers = []
         for reader_index in range(self.records):
-            pid, busy_ns, batches = self.ring.reader_stats(reader_index)
-            starved_ns, sleeps, wakeups = (a + b for a, b in zip(self.ring.reader_sleeps(reader_index),
+            pid, busy_ns, batches = self.ring.records.stats(reader_index)
+            starved_ns, sleeps, wakeups = (a + b for a, b in zip(self.ring.records.sleeps(reader_index),
                                                                   self._retired_sleeps[reader_index]))
             if reader_index < self.count:
                 batches += self._retired_batches[reader_index]

@@ -249,8 +249,8 @@ class RayBridge:
         publisher.pid = pid  # The actor's process of the moment (a replacement has its own).
         if report:
             self._failed.add(job.actor)
-            self.ring.write_reader_stats(record, pid, publisher.busy_ns, publisher.batches)
-            self.ring.write_reader_error(record, report)
+            self.ring.records.write_stats(record, pid, publisher.busy_ns, publisher.batches)
+            self.ring.records.write_error(record, report)
             self.ring.publish(job.slot, SlotState.FAILED, record)
             return
         target = self._slots[job.slot]
@@ -260,7 +260,7 @@ class RayBridge:
             error = ReaderError(f"Ray actor {job.actor} (pid {pid}) returned {problem} for step {job.step}, where "
                                 f"a slot of {target.nbytes} uint8 bytes was expected: is every node running the same "
                                 f"shmloader?", reader_index=record, step=job.step)
-            self.ring.write_reader_error(record, ErrorReport.of(error, job.step).encode())
+            self.ring.records.write_error(record, ErrorReport.of(error, job.step).encode())
             self.ring.publish(job.slot, SlotState.FAILED, record)
             return
         np.copyto(target, data)
@@ -299,7 +299,7 @@ class RayBridge:
     def describe(self, record: int) -> str:
         """How the trainer's messages name an actor; one that never delivered a step may not
         have been placed (Ray waits for the resources it asks for)."""
-        pid = self.ring.reader_stats(record)[0]
+        pid = self.ring.records.stats(record)[0]
         state = f"pid {pid}" if pid else ("no step delivered yet: Ray may lack the resources it asks for "
                                           f"(num_cpus={self.spec.num_cpus}, options={self.spec.options})")
         return f"Ray actor {record - self.first} (reader record {record}, {state})"

@@ -229,7 +229,7 @@ class Reader:
         """Fills requested slots until the stop flag; checks its trainer before each batch
         and at least every poll interval while idle (a loop bounded by those checks): that
         bounds how long a reader outlives a dead trainer."""
-        self.ring.write_reader_stats(self.index, os.getpid(), 0, 0)
+        self.ring.records.write_stats(self.index, os.getpid(), 0, 0)
         while not self.ring.stopping:
             if not self.trainer_alive():
                 # Nobody else will clean up after a trainer that was killed.
@@ -260,7 +260,7 @@ class Reader:
         began, ended = self._slept
         self._slept = None
         self.starved_ns += max(0, ended - max(began, self.ring.requested_ns(slot)))
-        self.ring.write_reader_sleeps(self.index, self.starved_ns, self.sleeps, self.wakeups)
+        self.ring.records.write_sleeps(self.index, self.starved_ns, self.sleeps, self.wakeups)
 
     def close(self) -> None:
         self.filler.close()
@@ -422,7 +422,7 @@ def main(argv: list[str]) -> int:
     except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
         leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.
         step = reader.step if reader is not None else None
-        ring.write_reader_error(config.reader_index, ErrorReport.of(error, step).encode())
+        ring.records.write_error(config.reader_index, ErrorReport.of(error, step).encode())
         if reader is not None and step is not None:
             for slot in ring.slots_filled_by(config.reader_index):
                 ring.publish(slot, SlotState.FAILED, config.reader_index)

@@ -40,10 +40,10 @@ class Publisher:
         assert busy_ns >= 0, busy_ns
         if skipped:
             self.skipped += skipped
-            self.ring.write_reader_skips(self.record, len(self.skipped), skips_report(self.skipped))
+            self.ring.records.write_skips(self.record, len(self.skipped), skips_report(self.skipped))
         self.busy_ns += busy_ns
         self.batches += 1
-        self.ring.write_reader_stats(self.record, self.pid, self.busy_ns, self.batches)
+        self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
         self.ring.publish(slot, SlotState.READY, self.record)
 
 

@@ -72,10 +72,6 @@ from .._native import ffi, lib
 from ..errors import SharedMemoryError
 from .layout import (
     OWNER_SHIFT,
-    READER_ERROR_BYTES_MAX,
-    READER_ERROR_OFFSET,
-    READER_SKIP_BYTES_MAX,
-    READER_SKIP_OFFSET,
     RING_MAGIC,
     RING_VERSION,
     SHM_DIRECTORY,
@@ -84,6 +80,7 @@ from .layout import (
     RingNames,
     SlotState,
 )
+from .records import ReaderRecords
 from .stale import check_free_space, lock_free
 
 
@@ -124,10 +121,7 @@ class Ring:
         self.control_table_address = self.base_address + layout.table_offset
         self._lines = ffi.cast("shm_control_line *", self.control_table_address)
         self._state_pointers = [ffi.addressof(self._lines[slot], "state") for slot in range(layout.slot_count)]
-        self._records = [
-            ffi.cast("shm_reader_record *", self.base_address + layout.reader_offset(reader))
-            for reader in range(layout.reader_count)
-        ]
+        self.records = ReaderRecords(memory, layout, self.base_address)
 
     @classmethod
     def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
@@ -309,52 +303,6 @@ class Ring:
 
     # Reader records: written only by their reader (and cleared by the trainer before
     # that reader starts), read by the trainer.
-
-    def write_reader_stats(self, reader: int, pid: int, busy_ns: int, batches: int) -> None:
-        record = self._records[reader]
-        record.pid, record.busy_ns, record.batches = pid, busy_ns, batches
-
-    def reader_stats(self, reader: int) -> tuple[int, int, int]:
-        record = self._records[reader]
-        return record.pid, record.busy_ns, record.batches
-
-    def write_reader_sleeps(self, reader: int, starved_ns: int, sleeps: int, wakeups: int) -> None:
-        record = self._records[reader]
-        record.starved_ns, record.sleeps, record.wakeups = starved_ns, sleeps, wakeups
-
-    def reader_sleeps(self, reader: int) -> tuple[int, int, int]:
-        """(starved_ns, sleeps, wakeups) of a reader (see ring.h)."""
-        record = self._records[reader]
-        return record.starved_ns, record.sleeps, record.wakeups
-
-    def write_reader_error(self, reader: int, report: bytes) -> None:
-        if len(report) > READER_ERROR_BYTES_MAX:
-            raise ValueError(f"an error report holds at most {READER_ERROR_BYTES_MAX} bytes, got {len(report)}")
-        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
-        self.memory[offset: offset + len(report)] = report
-        self._records[reader].error_bytes = len(report)
-
-    def write_reader_skips(self, reader: int, count: int, report: bytes) -> None:
-        """How many records the reader skipped, and JSON describing the first of them."""
-        report = report[:READER_SKIP_BYTES_MAX]
-        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
-        self.memory[offset: offset + len(report)] = report
-        record = self._records[reader]
-        record.skip_bytes, record.skipped = len(report), count
-
-    def reader_skips(self, reader: int) -> tuple[int, bytes]:
-        record = self._records[reader]
-        length = min(record.skip_bytes, READER_SKIP_BYTES_MAX)  # Foreign input.
-        offset = self.layout.reader_offset(reader) + READER_SKIP_OFFSET
-        return record.skipped, bytes(self.memory[offset: offset + length])
-
-    def clear_reader_error(self, reader: int) -> None:
-        self._records[reader].error_bytes = 0
-
-    def reader_error(self, reader: int) -> bytes:
-        length = min(self._records[reader].error_bytes, READER_ERROR_BYTES_MAX)  # Foreign input.
-        offset = self.layout.reader_offset(reader) + READER_ERROR_OFFSET
-        return bytes(self.memory[offset: offset + length])
 
     def close(self) -> None:
         """Closes this process's semaphore handles. Idempotent.
