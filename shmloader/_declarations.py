@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -94,6 +94,7 @@ int shm_global_position(uint64_t step, uint64_t batch_size, uint64_t shard_index
                         uint64_t *out);
 uint64_t shm_share_length(const shm_sampler_config *config);
 uint64_t shm_length_max(void);
+uint64_t shm_sources_max(void);
 int shm_sampler_check(const shm_sampler_config *config);
 int shm_sampler_fill(const shm_sampler_config *config, uint64_t step, uint64_t *out, uint64_t out_count);
 int shm_sampler_fill_positions(const shm_sampler_config *config, uint64_t first, uint64_t *out, uint64_t out_count);

@@ -79,3 +79,14 @@ def test_the_samplers_share_the_loaders_limits():
             Sampler(**arguments)
     with pytest.raises(ValueError, match="batch_size"):
         MixtureSampler([10, 10], [1, 1], [1.0, 1.0], [False, False], limits.BATCH_SIZE_MAX + 1)
+
+
+def test_a_mixture_takes_as_many_sources_as_the_native_fill_holds():
+    assert limits.SOURCES_MAX == 256  # zig/mixture.zig's sources_max, read from the library.
+    for count, fits in ((limits.SOURCES_MAX, True), (limits.SOURCES_MAX + 1, False)):
+        arguments = ([10] * count, [1] * count, [1.0] * count, [False] * count, 8)
+        if fits:
+            MixtureSampler(*arguments).fill(0)
+        else:
+            with pytest.raises(ValueError, match="a mixture has 1 to 256 sources"):
+                MixtureSampler(*arguments)

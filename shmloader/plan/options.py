@@ -25,6 +25,9 @@ STEP_MAX = U64_MAX
 # A batch's rows: the slot's index array and a row count per region are sized by it, and a
 # ring of a few slots must fit /dev/shm; 16 M rows is far past any batch that does.
 BATCH_SIZE_MAX = 1 << 24
+# The most sources a mixture may have: zig/mixture.zig keeps a cache per source on its
+# stack; read from the library.
+SOURCES_MAX = int(lib.shm_sources_max())
 # Shards are u32 in the sampler's configuration (zig/sampler.zig SamplerConfig).
 SHARD_COUNT_MAX = U32_MAX
 SEED_MAX = U64_MAX

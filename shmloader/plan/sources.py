@@ -20,6 +20,7 @@ from .._native import Status, ffi, lib, status_name
 from .options import (
     BATCH_SIZE_MAX,
     SEED_MAX,
+    SOURCES_MAX,
     U32_MAX,
     U64_MAX,
     check_integer,
@@ -36,8 +37,6 @@ from .sampler import (
     window_blocks_of,
 )
 
-# The most sources a mixture may have (zig/mixture.zig keeps a cache per source on its stack).
-SOURCES_MAX = 256
 # A block of sum(weights) positions is laid out once, in memory: bound its size.
 _BLOCK_MAX = 1 << 20
 
