@@ -21,6 +21,7 @@ from .fill.filler import FillerSpec
 from .lifecycle import Resources, live_loaders
 from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_resume
 from .plan.defaults import TRAINER_SLOTS, default_readers, default_slots, wake_after
+from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import LoaderPlan, plan_loader, warn_poor_layouts, warn_window_memory
@@ -28,7 +29,6 @@ from .plan.sampler import Sampler, global_position
 from .readers.pool import ReaderPool
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
-from .remote.localize import localize
 from .remote.pages import COUNTERS
 from .ring.batch import Batch, CursorConfig, cursor_module, weak_method
 from .ring.layout import POLL_INTERVAL_SECONDS, RingLayout, SlotState

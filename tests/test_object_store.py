@@ -355,7 +355,7 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
     block range that misses the row's block would read zeros (pages never fetched)."""
     import blosc2
 
-    from shmloader.remote.localize import CacheSettings, Localizer
+    from shmloader.plan.localize import CacheSettings, Localizer
     from shmloader.storage.opening import open_field
     from shmloader.storage.spec import describe_field
 

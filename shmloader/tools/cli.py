@@ -25,8 +25,8 @@ def _demo(arguments) -> int:
 
 
 def _convert(arguments) -> int:
-    from ..remote.publish import named, staged_output
     from .convert import convert, io_advice
+    from .upload import named, staged_output
 
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
         spec = convert(
@@ -77,7 +77,7 @@ def _convert_images(arguments) -> int:
             print(f"{len(bad)} image(s) do not decode: nothing written. Remove or replace them, or add --skip-bad "
                   f"to convert the others", file=sys.stderr)
             return 1
-    from ..remote.publish import named, staged_output
+    from .upload import named, staged_output
 
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
         paths = convert_images(arguments.directory, output, force=arguments.force, progress=not arguments.quiet,
@@ -95,7 +95,7 @@ def _convert_images(arguments) -> int:
 
 
 def _import(arguments) -> int:
-    from ..remote.publish import named, staged_output
+    from .upload import named, staged_output
 
     columns = arguments.columns.split(",") if arguments.columns else None
     if arguments.format == "webdataset" and (columns is not None or arguments.nulls or arguments.fixed or

@@ -19,15 +19,13 @@ import shutil
 import tempfile
 
 from ..remote import is_url
-from .store import Client, split_url
-
-# Uploaded after everything else: what makes a ragged field (or an import) readable.
-_LAST = ("offsets.b2nd", ".json")
-
+from ..remote.store import Client, split_url
+from ..storage.ragged import OFFSETS_NAME
 
 def _upload_order(relative: str) -> tuple[int, str]:
+    """Uploaded last: what makes a ragged field (its offsets) or an import (its .json) readable."""
     name = posixpath.basename(relative)
-    return (2 if name.endswith(".json") else 1 if name == "offsets.b2nd" else 0), relative
+    return (2 if name.endswith(".json") else 1 if name == OFFSETS_NAME else 0), relative
 
 
 @contextlib.contextmanager

@@ -20,18 +20,20 @@ import struct
 
 from ..errors import StorageError
 from ..remote import is_url
-from .cache import create_object, object_directory, open_object, read_marker, write_marker
-from .node import acquire
-from .pages import CACHE_PAGE_BYTES
-from .store import Client
+from ..remote.cache import create_object, object_directory, open_object, read_marker, write_marker
+from ..remote.node import acquire
+from ..remote.pages import CACHE_PAGE_BYTES
+from ..remote.store import Client
+from ..storage.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME
+from ..storage.spec import B2FRAME_HEADER_LENGTH_OFFSET, CHUNK_HEADER_BYTES
+from .sources import Source
 
-# A ragged directory's members (storage/ragged.py's VALUES_NAME, OFFSETS_NAME, SHAPES_NAME); its
-# offsets and shapes are the index: fetched whole by the trainer.
-_RAGGED_VALUES, _RAGGED_INDEX = "values.b2nd", ("offsets.b2nd", "shapes.b2nd")
+# A ragged directory's members: its offsets and shapes are the index, fetched whole by the trainer.
+_RAGGED_VALUES, _RAGGED_INDEX = VALUES_NAME, (OFFSETS_NAME, SHAPES_NAME)
 # Where a Blosc2 frame's header keeps its length (int32) and its chunks' bytes (int64),
 # big-endian (c-blosc2's frame.h: FRAME_HEADER_LEN, FRAME_CBYTES), and the bytes of the
 # first chunk's header that opening a frame reads.
-_B2_HEADER_LENGTH, _B2_CBYTES, _B2_CHUNK_HEADER = 11, 39, 32
+_B2_HEADER_LENGTH, _B2_CBYTES, _B2_CHUNK_HEADER = B2FRAME_HEADER_LENGTH_OFFSET, 39, CHUNK_HEADER_BYTES
 
 
 @dataclasses.dataclass
@@ -44,7 +46,7 @@ class CacheSettings:
 
     @classmethod
     def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
-        from .pages import default_root
+        from ..remote.pages import default_root
 
         root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
         os.makedirs(root, exist_ok=True)
@@ -61,8 +63,6 @@ def declares_urls(fields, label_path=None) -> bool:
 
 def _paths(value):
     """Every path string a declaration holds."""
-    from ..plan.sources import Source
-
     if isinstance(value, str):
         yield value
     elif isinstance(value, collections.abc.Mapping):
@@ -103,8 +103,6 @@ class Localizer:
 
     def fields(self, value):
         """`value` (fields, a Source, a declaration, a path, a list) with URLs replaced."""
-        from ..plan.sources import Source
-
         if isinstance(value, str):
             return self.path(value) if is_url(value) else value
         if isinstance(value, collections.abc.Mapping):
