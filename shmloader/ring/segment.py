@@ -321,7 +321,7 @@ class Ring:
         os.close(self.segment_fd)  # The creator's owner lock goes with it.
         # Drop this object's references to the mapping: it is unmapped (and tmpfs frees
         # the pages of the unlinked segment) once no batch array refers to it either.
-        self.header = self._lines = self._state_pointers = self._records = self._pointer = None
-        self.memory = None
+        self.header = self._lines = self._state_pointers = self._pointer = None
+        self.memory = self.records = None
 
 
