@@ -243,7 +243,7 @@ class ShmDataLoader(cursor_module.Cursor):
         self._short_rows += self.batch_size - max(0, rows - first)
         if first == 0 and rows == self.batch_size:
             return batch
-        views = tuple(batch[name] for name in self.field_names) + (batch.indices,)
+        views = self.slot.views_of(batch)
         return self._batch_of(self.slot.cut(views, rows, first), batch.step)
 
     def __len__(self) -> int:

@@ -176,7 +176,7 @@ class StepFiller:
 
     def bind(self, views: tuple[np.ndarray, ...]) -> SlotOutputs:
         """The outputs over one slot's arrays, in SlotLayout view order (regions, indices)."""
-        regions, indices = views[:-1], views[-1]
+        regions, indices = SlotLayout.split_views(views)
         sources = regions[-1] if self.mixture else None
         if self.mixture:
             regions = regions[:-1]

@@ -112,6 +112,23 @@ class SlotLayout:
         arrays.append(np.ndarray((self.batch_size,), np.uint64, memory, base))
         return tuple(arrays)
 
+    # The view order, known here alone (the C cursor's views tuple and its Batch take it too):
+    # each region, then the indices.
+
+    @property
+    def view_names(self) -> tuple[str, ...]:
+        """The names of the views, in view order."""
+        return (*self.names, INDICES)
+
+    @staticmethod
+    def split_views(views: tuple) -> tuple[tuple, np.ndarray]:
+        """(the regions' arrays, the indices) of views in view order."""
+        return tuple(views[:-1]), views[-1]
+
+    def views_of(self, batch) -> tuple:
+        """A batch's arrays in view order."""
+        return tuple(batch[name] for name in self.names) + (batch.indices,)
+
     def cut(self, views: tuple[np.ndarray, ...], rows: int, first: int = 0) -> tuple[np.ndarray, ...]:
         """`views` (view order) cut to rows [first, rows): a partial batch's arrays, views of
         the slot's (they keep it, as any view does), but for offsets that must start at 0

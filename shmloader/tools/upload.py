@@ -22,6 +22,7 @@ from ..remote import is_url
 from ..remote.store import Client, split_url
 from ..storage.ragged import OFFSETS_NAME
 
+
 def _upload_order(relative: str) -> tuple[int, str]:
     """Uploaded last: what makes a ragged field (its offsets) or an import (its .json) readable."""
     name = posixpath.basename(relative)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from ..fill.filler import StepFiller
 from ..plan.options import LoaderOptions
 from ..plan.planner import plan_loader
-from ..ring.slot_layout import INDICES
 from .core import resolve
 
 
@@ -28,7 +27,7 @@ class LocalTransform:
         and "indices"."""
         views = self.slot.allocate()
         self.filler.fill(step, self.filler.bind(views), salt)
-        return dict(zip((*self.slot.names, INDICES), views))
+        return dict(zip(self.slot.view_names, views))
 
     def close(self) -> None:
         self.filler.close()
