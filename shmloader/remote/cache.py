@@ -264,6 +264,17 @@ class CachedObject:
         finally:
             self.unpin()
 
+    @contextlib.contextmanager
+    def reading_header(self):
+        """Its header ranges pinned while a block opens or describes the copy, and a
+        StorageError raised there named by the object's URL: the cache's path means nothing
+        to the user."""
+        try:
+            with self.pinned():
+                yield self
+        except StorageError as error:
+            raise type(error)(str(error).replace(self.path, self.url)) from None
+
     # Fetching.
 
     def prefetch(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:

@@ -68,11 +68,8 @@ def open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, random_acces
         raise StorageError(f"{spec.remote}: layout {spec.chunks}/{spec.blocks} is not row-contiguous, which a cached "
                            f"object needs; re-save it with `shmloader convert` before uploading it")
     cached = cached_object(spec.path, spec.remote)
-    try:
-        with cached.pinned():
-            field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
-    except StorageError as error:  # Named by its URL: the cache's path means nothing to the user.
-        raise type(error)(str(error).replace(spec.path, spec.remote)) from None
+    with cached.reading_header():
+        field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
     field.remote = cached
     if random_access:
         field._mapping.advise(mmap.MADV_RANDOM)

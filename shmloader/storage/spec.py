@@ -169,11 +169,8 @@ def describe_cached(path: str, allow_empty: bool) -> FieldSpec:
     from ..remote.cache import cached_object
 
     cached = cached_object(path)
-    try:
-        with cached.pinned():
-            spec = _describe_file(path, allow_empty)
-    except StorageError as error:  # Named by its URL: the cache's path means nothing to the user.
-        raise type(error)(str(error).replace(path, cached.url)) from None
+    with cached.reading_header():
+        spec = _describe_file(path, allow_empty)
     return dataclasses.replace(spec, remote=cached.url, identity=())
 
 
