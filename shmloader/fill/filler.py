@@ -137,6 +137,7 @@ class StepFiller:
                  share: tuple[int, int] = (0, 1)) -> None:
         assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
+        self._step_max = sampler.step_max  # The last step the sampler computes (asserted per fill).
         self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
         self.verify = verify
         self._probe = self._probe_outputs = None  # a filler with room to spare, for finding bad records
@@ -192,7 +193,7 @@ class StepFiller:
         """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
         check_determinism's second run). A batch that fails is searched for the records
         that fail it; on_error="skip" replaces them, "raise" names them in the error."""
-        assert 0 <= step <= self.sampler.step_max, step
+        assert 0 <= step <= self._step_max, step
         assert outputs.index_pointer is not None and (outputs.source_pointer is not None) == self.mixture, outputs
         for ahead in self.read_ahead:
             ahead.note(step)

@@ -253,7 +253,7 @@ class Ring:
         assert 0 <= slot < layout.slot_count and 0 <= owner < layout.reader_count, (slot, owner)
         assert state in (SlotState.READY, SlotState.FAILED), state
         # Only the reader that claimed the slot publishes it, once: FILLING by `owner` now.
-        word = lib.shm_state_load(ffi.addressof(self._lines[slot], "state"))
+        word = lib.shm_state_load(self._state_pointers[slot])
         assert word & STATE_MASK == SlotState.FILLING and word >> OWNER_SHIFT == owner, (slot, word, owner)
         if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
             self.ready_semaphores[slot].release()
