@@ -197,20 +197,20 @@ def next_cost_us(fields: dict, batch_bytes: int, samples: int, step_seconds: flo
     timed_floor = np.random.default_rng(1).random(2 * samples) < 0.5
     ours, floor = [], []
     with ShmDataLoader(fields, batch_size=batch_size, readers=2, slots=slots, seed=2, warn_layout=False) as loader:
-        ring = loader._ring
+        ring = loader._session.ring
         batch = next(loader)
         for sample in range(2 * samples):
             del batch  # The step is done with the previous batch.
             if step_seconds is None:
                 deadline = time.monotonic() + 10
                 while time.monotonic() < deadline and (
-                    ring.state(loader._next_step % slots)[0] != SlotState.READY
+                    ring.state(loader._session.cursor.next_step % slots)[0] != SlotState.READY
                     or any(ring.state(slot)[0] == SlotState.FILLING for slot in range(slots))
                 ):
                     pass
             else:
                 simulated_training_step(step_seconds, work)
-            ready = ring.state(loader._next_step % slots)[0] == SlotState.READY
+            ready = ring.state(loader._session.cursor.next_step % slots)[0] == SlotState.READY
             if timed_floor[sample]:
                 started = time.perf_counter_ns()
                 next(floor_iterator)

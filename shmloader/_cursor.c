@@ -7,11 +7,16 @@
  * what the next step's slot holds: ready, in flight (requested or being filled), held by a
  * user's views, failed by its reader, or wrong. It takes a ready slot, waits for one in
  * flight (one poll interval at a time, without the GIL), and counts the time it waited in
- * one place (take). Python is called, through ShmDataLoader._supervise, only to supervise
- * readers and to raise errors.
+ * one place (take). Python is called, through the `supervise` callable it was built with
+ * (readers/supervision.py), only to supervise readers and to raise errors.
+ *
+ * The Cursor is the loader's iterator, not the loader: shmloader/session.py builds it with
+ * plain callables and settings, keeps it, and hands it to `for` loops, so that a loop over
+ * a temporary loader keeps the cursor (and, through the session's finalizer, the ring)
+ * alive without any reference back to the loader.
  *
  * Nothing is allocated per batch except one small Batch object: each slot's arrays are
- * built once (by loader.py, as views of the mapped ring whose base is the mapping, so
+ * built once (by the session, as views of the mapped ring whose base is the mapping, so
  * every view of them, torch.from_numpy included, references them). A slot is held while
  * any of its arrays has a reference beyond the loader's own, or while a Batch that was not
  * released is alive; the release pass at each next() hands such slots back once nothing
@@ -35,7 +40,7 @@
 
 #include "ring.h"
 
-/* What the next step's slot holds, as cursor_iternext decides it and _supervise receives
+/* What the next step's slot holds, as cursor_iternext decides it and supervise receives
  * it (exported to Python as STEP_* constants). */
 typedef enum {
     STEP_READY = 0,     /* published by a reader with the right step */
@@ -64,10 +69,11 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
+    PyObject *weakreflist;      /* the session's finalizer watches the cursor */
     int active;                 /* set up and not closed: the loader's one closed flag */
     int iterating;              /* a thread is inside next(): a second one is refused */
     int waiting;                /* threads inside a native wait (GIL released) */
-    int clear_deferred;         /* _deactivate came while one waited: the last waiter clears */
+    int clear_deferred;         /* deactivate() came while one waited: the last waiter clears */
     Py_ssize_t slot_count;
     Py_ssize_t view_count;
     Slot *slots;
@@ -92,11 +98,11 @@ typedef struct {
      * Both are UINT64_MAX for the endless loader. */
     unsigned long long end_step;
     unsigned long long partial_from;
-    /* Python functions called as f(cursor, ...): supervise(state, owner, step),
-     * rebuild_views(slot) and partial(batch), given by the config (composition, not
-     * methods found by name). */
+    /* Plain callables given to the constructor: supervise(cursor, state, owner, step),
+     * views_of(slot) -> the slot's arrays built afresh, and partial(cursor, batch) -> the
+     * batch cut to its rows. None of them refers to the cursor (no cycle). */
     PyObject *supervise;
-    PyObject *rebuild_views;
+    PyObject *views_of;
     PyObject *partial;
 } Cursor;
 
@@ -186,7 +192,7 @@ static int wake_readers(Cursor *self) {
 }
 
 /* -> REQUESTED with `step`: the one place the trainer requests a slot (release_unused
- * below, and _request for the first ring of steps, a seek and a dead reader's slot). The
+ * below, and request() for the first ring of steps, a seek and a dead reader's slot). The
  * step word and the request time are published by the release store of the state after
  * them (ring/segment.py's table). */
 static inline void request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
@@ -284,6 +290,9 @@ static int readers_ahead(const Cursor *self) {
     return step_state(self, self->next_step + lookahead, &owner) == STEP_READY;
 }
 
+static void cursor_clear(Cursor *self);
+static int set_views(Cursor *self, Py_ssize_t index, PyObject *views);
+
 /* Hands out the slot of next_step, which the caller found ready. The only place where
  * time spent waiting for data is counted: from `started_ns` (0: next() did not wait). */
 static PyObject *take(Cursor *self, unsigned long long started_ns) {
@@ -291,15 +300,15 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     Slot *slot = &self->slots[index];
     if (slot->damaged) {
         /* A user changed one of its arrays in place (shape, dtype, ...) and has let go of
-         * it since: the loader builds fresh arrays for the slot. Rare; Python does it. */
+         * it since: the slot gets fresh arrays. Rare; Python builds them. */
         PyObject *number = PyLong_FromSsize_t(index);
-        PyObject *result = number == NULL ? NULL
-                                          : PyObject_CallFunctionObjArgs(self->rebuild_views, (PyObject *)self, number, NULL);
+        PyObject *views = number == NULL ? NULL : PyObject_CallOneArg(self->views_of, number);
         Py_XDECREF(number);
-        if (result == NULL) {
+        int failed = views == NULL || set_views(self, index, views) < 0;
+        Py_XDECREF(views);
+        if (failed) {
             return NULL;
         }
-        Py_DECREF(result);
     }
     BatchBase *batch = (BatchBase *)self->batch_type->tp_alloc(self->batch_type, 0);
     if (batch == NULL) {
@@ -329,8 +338,6 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     }
     return (PyObject *)batch;
 }
-
-static void cursor_clear(Cursor *self);
 
 typedef enum { WAIT_CHANGED, WAIT_TIMED_OUT, WAIT_CLOSED, WAIT_ERROR } WaitResult;
 
@@ -404,7 +411,7 @@ static WaitResult wait_in_flight(Cursor *self) {
     return outcome;
 }
 
-/* Calls the config's supervise(cursor, state, owner, step): reader checks and errors. */
+/* Calls supervise(cursor, state, owner, step): reader checks and errors. */
 static int supervise(Cursor *self, StepState state, uint64_t owner) {
     if (self->supervise == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the loader was never set up");
@@ -431,7 +438,7 @@ static int supervise(Cursor *self, StepState state, uint64_t owner) {
 static PyObject *next_batch(Cursor *self) {
     if (!self->active) {
         supervise(self, STEP_CLOSED, 0);
-        return NULL; /* _supervise raises for a closed loader; if it did not, end iteration. */
+        return NULL; /* supervise raises for a closed loader; if it did not, end iteration. */
     }
     if (release_unused(self, 0) < 0) {
         return NULL;
@@ -441,7 +448,7 @@ static PyObject *next_batch(Cursor *self) {
     }
     int due = (self->batches + 1) % self->check_every == 0;
     unsigned long long started_ns = 0;
-    /* Each turn takes the batch, waits at most one poll interval, or lets _supervise check
+    /* Each turn takes the batch, waits at most one poll interval, or lets supervise check
      * the readers, which raises once a bound is passed (restarts, hold_timeout). */
     for (;;) {
         uint64_t owner = 0;
@@ -462,7 +469,7 @@ static PyObject *next_batch(Cursor *self) {
         if (started_ns == 0) {
             started_ns = monotonic_ns(); /* Not ready at once: from here on, next() waits. */
         }
-        /* With no reader processes (readers=0) nobody else fills it: _supervise fills the
+        /* With no reader processes (readers=0) nobody else fills it: supervise fills the
          * step in this thread, and the next turn takes it. */
         if (state == STEP_IN_FLIGHT && self->reader_count > 0) {
             WaitResult waited = wait_in_flight(self);
@@ -480,7 +487,7 @@ static PyObject *next_batch(Cursor *self) {
             return NULL;
         }
         if (state == STEP_CLOSED) {
-            return NULL; /* _supervise returned for a closed loader: end the iteration. */
+            return NULL; /* supervise returned for a closed loader: end the iteration. */
         }
     }
 }
@@ -499,7 +506,7 @@ static PyObject *cursor_iternext(Cursor *self) {
     return batch;
 }
 
-/* ---- Cursor methods (the private API loader.py uses) -------------------------------- */
+/* ---- Cursor methods (the API session.py uses) --------------------------------------- */
 
 static void cursor_clear(Cursor *self) {
     self->active = 0;
@@ -566,18 +573,17 @@ static int set_views(Cursor *self, Py_ssize_t index, PyObject *views) {
 
 static PyTypeObject BatchBaseType;
 
-/* Reads attribute `name` of the setup config as an unsigned 64-bit integer. */
-static int config_u64(PyObject *config, const char *name, unsigned long long *out) {
-    PyObject *value = PyObject_GetAttrString(config, name);
-    if (value == NULL) {
-        return -1;
+/* An O& converter: a Python int in [0, 2**64) (negative values raise, not wrap). */
+static int u64_of(PyObject *value, void *out) {
+    unsigned long long number = PyLong_AsUnsignedLongLong(value);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) {
+        return 0;
     }
-    *out = PyLong_AsUnsignedLongLong(value);
-    Py_DECREF(value);
-    return PyErr_Occurred() ? -1 : 0;
+    *(unsigned long long *)out = number;
+    return 1;
 }
 
-/* Opens every semaphore named in the config (the work semaphore and one ready per slot). */
+/* Opens the named semaphores (the work semaphore and one ready per slot). */
 static int open_semaphores(Cursor *self, PyObject *work_name, PyObject *ready_names) {
     const char *name = PyUnicode_AsUTF8(work_name);
     if (name == NULL) {
@@ -643,68 +649,57 @@ static int set_up_slots(Cursor *self, unsigned long long control_table, PyObject
     return 0;
 }
 
-/* _cursor_setup(config): one object (batch.CursorConfig) whose attributes name every
- * setting; the protocol's own values come from ring.h. */
-static PyObject *cursor_setup(Cursor *self, PyObject *config) {
-    if (self->slots != NULL) {
+/* Cursor(control_table_address=..., ...): every setting as an argument of one fixed
+ * signature (a missing, unknown or negative one raises here); the protocol's own values come
+ * from ring.h. The cursor is active once built. */
+static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
+    static char *keywords[] = {"control_table_address", "slot_count", "work_semaphore", "ready_semaphores",
+                               "field_names", "batch_type", "views", "next_step", "check_every_batches",
+                               "wake_after_slots", "reader_count", "trainer_slots", "poll_interval_ns",
+                               "end_step", "partial_from", "supervise", "views_of", "partial", NULL};
+    if (self->slots != NULL || self->supervise != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
-        return NULL;
+        return -1;
     }
-    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, poll_ns,
-        trainer_slots, end_step, partial_from;
-    if (config_u64(config, "control_table_address", &control_table) < 0 ||
-        config_u64(config, "slot_count", &slot_count) < 0 || config_u64(config, "next_step", &next_step) < 0 ||
-        config_u64(config, "check_every_batches", &check_every) < 0 ||
-        config_u64(config, "wake_after_slots", &wake_after) < 0 ||
-        config_u64(config, "reader_count", &reader_count) < 0 ||
-        config_u64(config, "poll_interval_ns", &poll_ns) < 0 || config_u64(config, "trainer_slots", &trainer_slots) < 0 ||
-        config_u64(config, "end_step", &end_step) < 0 || config_u64(config, "partial_from", &partial_from) < 0) {
-        return NULL;
+    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, trainer_slots,
+        poll_ns, end_step, partial_from;
+    PyObject *work, *ready, *names, *batch_type, *views, *supervise, *views_of, *partial;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&O&UO!O!OO!O&O&O&O&O&O&O&O&OOO:Cursor", keywords, u64_of,
+                                     &control_table, u64_of, &slot_count, &work, &PyTuple_Type, &ready,
+                                     &PyTuple_Type, &names, &batch_type, &PyTuple_Type, &views, u64_of, &next_step,
+                                     u64_of, &check_every, u64_of, &wake_after, u64_of, &reader_count, u64_of,
+                                     &trainer_slots, u64_of, &poll_ns, u64_of, &end_step, u64_of, &partial_from,
+                                     &supervise, &views_of, &partial)) {
+        return -1;
     }
-    PyObject *work = PyObject_GetAttrString(config, "work_semaphore");
-    PyObject *ready = PyObject_GetAttrString(config, "ready_semaphores");
-    PyObject *names = PyObject_GetAttrString(config, "field_names");
-    PyObject *batch_type = PyObject_GetAttrString(config, "batch_type");
-    PyObject *views = PyObject_GetAttrString(config, "views");
-    PyObject *supervise = PyObject_GetAttrString(config, "supervise");
-    PyObject *rebuild_views = PyObject_GetAttrString(config, "rebuild_views");
-    PyObject *partial = PyObject_GetAttrString(config, "partial");
-    PyObject *result = NULL;
-    if (work == NULL || ready == NULL || names == NULL || batch_type == NULL || views == NULL || supervise == NULL ||
-        rebuild_views == NULL || partial == NULL) {
-        goto done;
+    if (!PyCallable_Check(supervise) || !PyCallable_Check(views_of) || !PyCallable_Check(partial)) {
+        PyErr_SetString(PyExc_TypeError, "supervise, views_of and partial must be callables");
+        return -1;
     }
-    if (!PyCallable_Check(supervise) || !PyCallable_Check(rebuild_views) || !PyCallable_Check(partial)) {
-        PyErr_SetString(PyExc_TypeError, "supervise, rebuild_views and partial must be callables");
-        goto done;
-    }
-    if (slot_count < 1 || control_table == 0 || !PyUnicode_Check(work) || !PyTuple_Check(ready) ||
-        !PyTuple_Check(names) || !PyTuple_Check(views) || PyTuple_GET_SIZE(ready) != (Py_ssize_t)slot_count ||
+    if (slot_count < 1 || control_table == 0 || PyTuple_GET_SIZE(ready) != (Py_ssize_t)slot_count ||
         PyTuple_GET_SIZE(views) != (Py_ssize_t)slot_count) {
         PyErr_SetString(PyExc_ValueError,
-                        "setup needs a control table, and one ready semaphore and one views tuple per slot");
-        goto done;
+                        "a cursor needs a control table, and one ready semaphore and one views tuple per slot");
+        return -1;
     }
     if (check_every < 1 || wake_after < 1 || poll_ns < 1) {
         PyErr_SetString(PyExc_ValueError,
                         "check_every_batches, wake_after_slots and poll_interval_ns must be at least 1");
-        goto done;
+        return -1;
     }
     if (!PyType_Check(batch_type) || !PyType_IsSubtype((PyTypeObject *)batch_type, &BatchBaseType)) {
         PyErr_SetString(PyExc_TypeError, "batch_type must subclass BatchBase");
-        goto done;
+        return -1;
     }
     self->slot_count = (Py_ssize_t)slot_count;
     self->supervise = Py_NewRef(supervise);
-    self->rebuild_views = Py_NewRef(rebuild_views);
+    self->views_of = Py_NewRef(views_of);
     self->partial = Py_NewRef(partial);
-    Py_INCREF(names);
-    self->names = names;
-    Py_INCREF(batch_type);
-    self->batch_type = (PyTypeObject *)batch_type;
+    self->names = Py_NewRef(names);
+    self->batch_type = (PyTypeObject *)Py_NewRef(batch_type);
     if (set_up_slots(self, control_table, views) < 0 || open_semaphores(self, work, ready) < 0) {
         cursor_clear(self);
-        goto done;
+        return -1;
     }
     self->next_step = next_step;
     self->check_every = check_every;
@@ -716,37 +711,7 @@ static PyObject *cursor_setup(Cursor *self, PyObject *config) {
     self->poll_interval_ns = poll_ns;
     self->pending_posts = 0;
     self->active = 1;
-    result = Py_NewRef(Py_None);
-done:
-    Py_XDECREF(work);
-    Py_XDECREF(ready);
-    Py_XDECREF(names);
-    Py_XDECREF(batch_type);
-    Py_XDECREF(views);
-    Py_XDECREF(supervise);
-    Py_XDECREF(rebuild_views);
-    Py_XDECREF(partial);
-    return result;
-}
-
-static PyObject *cursor_set_views(Cursor *self, PyObject *args) {
-    Py_ssize_t index;
-    PyObject *views;
-    if (!PyArg_ParseTuple(args, "nO", &index, &views)) {
-        return NULL;
-    }
-    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
-        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
-        return NULL;
-    }
-    if (self->slots[index].held) {
-        PyErr_Format(PyExc_RuntimeError, "slot %zd is held; its arrays cannot be replaced", index);
-        return NULL;
-    }
-    if (set_views(self, index, views) < 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return 0;
 }
 
 static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored)) {
@@ -757,7 +722,7 @@ static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored
     return released < 0 ? NULL : PyLong_FromSsize_t(released);
 }
 
-/* _request(slot, step): IDLE, READY (a seek discards it) or FILLING (its filler is dead or
+/* request(slot, step): IDLE, READY (a seek discards it) or FILLING (its filler is dead or
  * gave up: the caller knows) -> REQUESTED, then wakes a reader. HELD is release_unused's
  * to hand back, REQUESTED is a request already, FAILED must be raised first. */
 static PyObject *cursor_request(Cursor *self, PyObject *args) {
@@ -794,7 +759,7 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* _batch_of(views, step): a Batch of this loader's type over `views` (a partial batch's
+/* batch_of(views, step): a Batch of the cursor's batch type over `views` (a partial batch's
  * cut arrays), with the loader's names. */
 static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
     PyObject *views;
@@ -804,7 +769,7 @@ static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
     }
     if (self->batch_type == NULL || self->names == NULL ||
         PyTuple_GET_SIZE(views) != PyTuple_GET_SIZE(self->names) + 1) {
-        PyErr_SetString(PyExc_ValueError, "_batch_of needs a set-up cursor and one array per name, then the indices");
+        PyErr_SetString(PyExc_ValueError, "batch_of needs a set-up cursor and one array per name, then the indices");
         return NULL;
     }
     BatchBase *batch = (BatchBase *)self->batch_type->tp_alloc(self->batch_type, 0);
@@ -852,43 +817,65 @@ static PyObject *cursor_iter(PyObject *self) {
     return self;
 }
 
-static void cursor_dealloc(Cursor *self) {
+/* The callables may refer (through a session's objects) to what refers to the cursor: the
+ * collector sees them, and the slots' arrays. */
+static int cursor_traverse(Cursor *self, visitproc visit, void *arg) {
+    Py_VISIT(self->supervise);
+    Py_VISIT(self->views_of);
+    Py_VISIT(self->partial);
+    Py_VISIT(self->names);
+    Py_VISIT(self->batch_type);
+    if (self->slots != NULL) {
+        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
+            Py_VISIT(self->slots[s].views);
+        }
+    }
+    return 0;
+}
+
+static int cursor_tp_clear(Cursor *self) {
     cursor_clear(self);
     Py_CLEAR(self->supervise); /* Kept past cursor_clear: a closed loader's next() still asks supervise. */
-    Py_CLEAR(self->rebuild_views);
+    Py_CLEAR(self->views_of);
     Py_CLEAR(self->partial);
+    return 0;
+}
+
+static void cursor_dealloc(Cursor *self) {
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)self); /* The session's finalizer runs here. */
+    }
+    cursor_tp_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyMethodDef cursor_methods[] = {
-    {"_cursor_setup", (PyCFunction)cursor_setup, METH_O,
-     "Points the cursor at the ring's control table and each slot's arrays (one config object); activates it."},
-    {"_set_views", (PyCFunction)cursor_set_views, METH_VARARGS, "Replaces a free slot's arrays."},
-    {"_request", (PyCFunction)cursor_request, METH_VARARGS,
+    {"request", (PyCFunction)cursor_request, METH_VARARGS,
      "Requests `step` in its slot (from IDLE, READY or a FILLING whose filler is gone) and wakes a reader."},
-    {"_release_unused", (PyCFunction)cursor_release_unused, METH_NOARGS,
+    {"release_unused", (PyCFunction)cursor_release_unused, METH_NOARGS,
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
-    {"_held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
-    {"_batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
-    {"_deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
-     "Closes the cursor: drops every slot's arrays and semaphores; next() raises through _supervise."},
-    {"_now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},
+    {"held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
+    {"batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
+    {"deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
+     "Closes the cursor: drops every slot's arrays and semaphores; next() raises through supervise."},
+    {"now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},
     {NULL},
 };
 
 static PyMemberDef cursor_members[] = {
-    {"_next_step", T_ULONGLONG, offsetof(Cursor, next_step), 0, "the step next() delivers next"},
-    {"_partial_from", T_ULONGLONG, offsetof(Cursor, partial_from), 0,
+    {"next_step", T_ULONGLONG, offsetof(Cursor, next_step), 0, "the step next() delivers next"},
+    {"partial_from", T_ULONGLONG, offsetof(Cursor, partial_from), 0,
      "the first step handed to partial() (the end of a finite pass, or a resumed first step)"},
-    {"_end_step", T_ULONGLONG, offsetof(Cursor, end_step), 0,
+    {"end_step", T_ULONGLONG, offsetof(Cursor, end_step), 0,
      "a finite pass's end (set anew only while every slot is taken back: a resharded resume)"},
-    {"_batches", T_ULONGLONG, offsetof(Cursor, batches), READONLY, "batches delivered"},
-    {"_wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent waiting for data, ns"},
-    {"_first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,
+    {"batches", T_ULONGLONG, offsetof(Cursor, batches), READONLY, "batches delivered"},
+    {"wait_ns", T_ULONGLONG, offsetof(Cursor, wait_ns), READONLY, "time next() spent waiting for data, ns"},
+    {"first_next_ns", T_ULONGLONG, offsetof(Cursor, first_next_ns), READONLY,
      "the clock when next() first delivered or began waiting for the first batch, 0 before"},
-    {"_active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
-    {"_pending_posts", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
+    {"active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
+    {"pending_posts", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
      "slots handed back whose readers were not woken yet"},
     {NULL},
 };
@@ -896,11 +883,16 @@ static PyMemberDef cursor_members[] = {
 static PyTypeObject CursorType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmloader._cursor.Cursor",
-    .tp_doc = "The native part of ShmDataLoader: next() on the ring (see _cursor.c).",
+    .tp_doc = "The trainer's iterator over the ring: next() natively (see _cursor.c). Built by "
+              "shmloader/session.py.",
     .tp_basicsize = sizeof(Cursor),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)cursor_init,
     .tp_dealloc = (destructor)cursor_dealloc,
+    .tp_traverse = (traverseproc)cursor_traverse,
+    .tp_clear = (inquiry)cursor_tp_clear,
+    .tp_weaklistoffset = offsetof(Cursor, weakreflist),
     .tp_iter = cursor_iter,
     .tp_iternext = (iternextfunc)cursor_iternext,
     .tp_methods = cursor_methods,

@@ -1,6 +1,6 @@
 """A loader's lifecycle outside its iteration: what it must give back (Resources, with the
-teardown order of pool.py's shutdown note), Ctrl-C held back during teardown, and loaders
-forgotten in a forked child."""
+teardown order of pool.py's shutdown note), Ctrl-C held back during teardown, and rings
+forgotten in a forked child. session.py ties Resources to the cursor's lifetime."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from .ring.segment import Ring
 
 
 class Resources:
-    """Everything the loader must give back, without a reference to the loader itself, so
-    that weakref.finalize can clean up a loader that was never closed. Teardown follows
-    the shutdown note in pool.py; it is idempotent and never raises."""
+    """Everything the loader must give back, without a reference to the loader, its session
+    or its cursor, so that weakref.finalize can clean up a loader that was never closed.
+    Teardown follows the shutdown note in pool.py; it is idempotent and never raises."""
 
     def __init__(self) -> None:
         self.owner_pid = os.getpid()
+        self.cursor = None  # A weak reference to the cursor over the ring, once there is one.
         self.ring: Ring | None = None
         self.pool: ReaderPool | None = None
         self.pinned: PinnedRing | None = None
@@ -33,6 +34,7 @@ class Resources:
     def close(self) -> None:
         if os.getpid() != self.owner_pid:
             return  # A forked child inherited this object: the ring is its parent's.
+        live_resources.discard(self)
         with interrupts_deferred():
             self._close()
 
@@ -88,16 +90,19 @@ def interrupts_deferred():
                 os.kill(os.getpid(), signal.SIGINT)
 
 
-live_loaders: weakref.WeakSet = weakref.WeakSet()
+# The Resources of every ring this process created and has not closed yet.
+live_resources: weakref.WeakSet = weakref.WeakSet()
 
 
-def _forget_loaders_in_child() -> None:
-    """A forked child inherits its parent's loaders, whose rings and readers it must not touch."""
-    for loader in list(live_loaders):
-        loader._deactivate()
-        ring = loader._resources.ring
+def _forget_rings_in_child() -> None:
+    """A forked child inherits its parent's rings and cursors, which it must not touch."""
+    for resources in list(live_resources):
+        cursor = None if resources.cursor is None else resources.cursor()
+        if cursor is not None:
+            cursor.deactivate()
+        ring = resources.ring
         if ring is not None and not ring.closed:
             ring.forget_descriptors_in_child()
 
 
-os.register_at_fork(after_in_child=_forget_loaders_in_child)
+os.register_at_fork(after_in_child=_forget_rings_in_child)

@@ -74,8 +74,8 @@ def test_the_ring_is_registered_once_and_unregistered_before_it_goes(dataset):
     backend = FakeBackend()
     loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=4,
                            pin_memory=backend)
-    assert backend.calls == [("register", loader._ring.base_address, loader.shared_memory_bytes)]
-    address = loader._ring.base_address
+    assert backend.calls == [("register", loader._session.ring.base_address, loader.shared_memory_bytes)]
+    address = loader._session.ring.base_address
     next(loader)
     loader.close()
     loader.close()
@@ -104,7 +104,7 @@ def test_a_slot_stays_held_until_the_copy_that_reads_it_completes(dataset):
         backend.complete_all()
         third = next(device)
         assert third["step"] == 2 and np.array_equal(third["label"], labels[sampler.fill(2)])
-        loader._release_unused()
+        loader._session.cursor.release_unused()
         assert sorted(loader.held_steps().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
 
 
@@ -127,7 +127,7 @@ def test_close_and_errors_with_copies_in_flight_free_every_slot(dataset):
             next(device)
             raise ZeroDivisionError("the training step failed")
     assert device.held == 0 and all(event.complete for event in backend.events)
-    loader._release_unused()
+    loader._session.cursor.release_unused()
     assert loader.held_steps() == {}
     second = loader.to_device(prefetch=1, backend=backend)
     next(second)

@@ -56,7 +56,7 @@ def test_ready_semaphores_stay_bounded_while_readers_run_ahead(dataset):
         for _ in range(1000):
             next(loader)
             time.sleep(0.0005)  # A trainer slower than its readers: they are always ahead.
-        values = [posix_ipc.Semaphore(name).value for name in loader._ring.names.ready]
+        values = [posix_ipc.Semaphore(name).value for name in loader._session.ring.names.ready]
     assert max(values) <= 3, values  # Before the fix: about 1000 / 4 posts per slot.
 
 
@@ -442,7 +442,7 @@ def test_a_trainer_killed_before_its_readers_are_configured_leaves_nothing(datas
     code = (
         "import os, sys, json\n"
         "from shmloader.readers import pool as readers\n"
-        "def configure(self, ring, request, config):\n"
+        "def configure(self, ring, config):\n"
         "    print(json.dumps({'readers': self.pids, 'segment': ring.names.segment}), flush=True)\n"
         "    os.kill(os.getpid(), 9)\n"
         "readers.ReaderPool.configure = configure\n"

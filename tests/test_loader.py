@@ -75,7 +75,7 @@ def test_batches_are_zero_copy_views_of_the_ring(dataset):
         array = batch["label"]
         assert not array.flags.owndata
         address = array.__array_interface__["data"][0]
-        ring = loader._ring
+        ring = loader._session.ring
         assert ring.base_address <= address < ring.base_address + loader.shared_memory_bytes
 
 
@@ -196,7 +196,7 @@ def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(datas
         del released
         assert next(loader).step == 12 and sorted(loader.held_steps().values()) == [11, 12]
         del kept
-        loader._release_unused()
+        loader._session.cursor.release_unused()
         assert loader.held_steps() == {}
 
 
@@ -207,17 +207,17 @@ def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
 
     data = {"label": dataset["labels"]}
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=8) as loader:
-        ring = loader._ring
+        ring = loader._session.ring
         check_batches(loader, data, steps=1)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(ring.state(slot)[0] != SlotState.READY for slot in range(1, 8)):
             time.sleep(0.01)  # The readers fill the ring (steps 1-7) and go to sleep.
         for step in range(1, 4):
             batch = next(loader)  # Hands back the previous step's slot: requested, not yet woken.
-            assert batch.step == step and loader._pending_posts == step
+            assert batch.step == step and loader._session.cursor.pending_posts == step
             assert ring.state((step - 1) % 8)[0] in (SlotState.REQUESTED, SlotState.FILLING, SlotState.READY)
             del batch
-        assert next(loader).step == 4 and loader._pending_posts == 0  # Half the ring (4): woken.
+        assert next(loader).step == 4 and loader._session.cursor.pending_posts == 0  # Half the ring (4): woken.
         check_batches(loader, data, steps=40, start=5)  # And nothing is lost on the way.
 
 
@@ -356,7 +356,7 @@ def test_readers_run_as_batch_work_so_their_wake_ups_do_not_preempt_the_trainer(
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=4) as loader:
         next(loader)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not all(loader._ring.records.stats(r)[0] for r in range(2)):
+        while time.monotonic() < deadline and not all(loader._session.ring.records.stats(r)[0] for r in range(2)):
             time.sleep(0.01)  # A reader records its pid once running, after choosing its policy.
         assert [os.sched_getscheduler(pid) for pid in loader.reader_pids] == [os.SCHED_BATCH] * 2
     assert os.sched_getscheduler(0) != os.SCHED_BATCH  # The trainer keeps its own policy.
@@ -459,11 +459,11 @@ def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(mon
 def test_a_seek_that_fails_while_a_reader_fills_leaves_the_loader_as_it_was(tmp_path, monkeypatch):
     """Before: seek() took some slots back, raised, and never requested them again: the next
     batches were old steps, then a SharedMemoryError blamed another process."""
-    import shmloader.loader as loader_module
+    import shmloader.session as session_module
     from shmloader import SlotsExhaustedError
 
     np.save(tmp_path / "x.npy", np.arange(60, dtype=np.int64))
-    monkeypatch.setattr(loader_module, "_SEEK_FILL_SECONDS", 0.5)
+    monkeypatch.setattr(session_module, "_SEEK_FILL_SECONDS", 0.5)
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=6,
                        transform="transform_fixtures:slow_on_row_nine", hold_timeout=0.2) as loader:
         assert next(loader).step == 0

@@ -36,7 +36,7 @@ class Watchdog(threading.Thread):
         self.loader, self.longest, self.done = loader, 0.0, threading.Event()
 
     def run(self) -> None:
-        ring, pool, since = self.loader._ring, self.loader._pool, None
+        ring, pool, since = self.loader._session.ring, self.loader._session.pool, None
         while not self.done.wait(0.0005):
             requested = any(ring.state(slot)[0] == SlotState.REQUESTED for slot in range(self.loader.slots))
             if requested and pool.all_asleep():
@@ -72,7 +72,7 @@ def test_every_step_is_published_once_and_delivered_in_order_under_reader_deaths
         deliver(loader, 400)
         watchdog.done.set()
         watchdog.join()
-        published = list(loader._pool.published)
+        published = list(loader._session.pool.published)
         assert loader.stats()["reader_restarts"] >= len([s for s in died if s < 400 - loader.slots])
     assert len(published) == len(set(published)), "a step was published twice"
     assert set(range(400)) <= set(published)

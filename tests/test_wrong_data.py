@@ -153,7 +153,7 @@ def test_a_transform_that_forks_delivers_every_step_once_and_right(rows):
             np.testing.assert_array_equal(batch["x"], data[batch.indices])
             del batch
         assert all(os.path.exists(f"/dev/shm/{name}") for name in
-                   [loader.ring_name.lstrip("/"), "sem." + loader._ring.names.work.lstrip("/")])
+                   [loader.ring_name.lstrip("/"), "sem." + loader._session.ring.names.work.lstrip("/")])
 
 
 def test_a_transform_cannot_change_the_indices_the_trainer_receives(rows):

@@ -159,11 +159,9 @@ class ReaderPool:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
-    def configure(self, ring: Ring, request, config: ReaderConfig) -> None:
-        """Sends every started reader `config` with its own reader_index. `request(slot,
-        step)` is the trainer's request (the cursor's): a dead reader's slot goes back
-        through it."""
-        self.ring, self._request, self._config = ring, request, config
+    def configure(self, ring: Ring, config: ReaderConfig) -> None:
+        """Sends every started reader `config` with its own reader_index."""
+        self.ring, self._config = ring, config
         self._filler_json = json.dumps(config.filler.to_dict())  # Once for every reader and restart.
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
@@ -218,9 +216,12 @@ class ReaderPool:
 
     # Supervision.
 
-    def check(self) -> None:
+    def check(self, request) -> None:
         """Raises for a reader that reported an error or died past the restart budget;
-        restarts any other dead reader. Raises what stopped the remote readers' bridge."""
+        restarts any other dead reader. Raises what stopped the remote readers' bridge.
+        `request(slot, step)` is the trainer's request (the cursor's): a dead reader's slot
+        goes back through it. It is an argument, not kept, so that the pool (which the
+        session's finalizer keeps) refers to no cursor."""
         if self.remote is not None:
             self.remote.check()
         for reader_index, process in enumerate(self.processes):
@@ -238,23 +239,23 @@ class ReaderPool:
                     pid=process.pid,
                     exit_code=exit_code,
                 )
-            self.restart(reader_index)
+            self.restart(reader_index, request)
 
-    def restart(self, reader_index: int) -> None:
+    def restart(self, reader_index: int, request) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
-        self.retire(reader_index)
+        self.retire(reader_index, request)
         process = spawn_reader()
         self.processes[reader_index] = process
         self._send_config(process, reader_index)
 
-    def retire(self, reader_index: int) -> None:
+    def retire(self, reader_index: int, request) -> None:
         """Counts a dead reader's restart, keeps its statistics and requests again the step
         it was filling, so that its replacement starts clean."""
         self.restarts += 1
         self._restarts_by_reader[reader_index] += 1
         self._keep_stats(reader_index)
         for slot in self.ring.slots_filled_by(reader_index):
-            self._request(slot, self.ring.step(slot))
+            request(slot, self.ring.step(slot))
 
     def _keep_stats(self, reader_index: int) -> None:
         """Adds a reader's statistics to its record's retired ones and clears them for the next."""
@@ -301,9 +302,10 @@ class ReaderPool:
             traceback_text=report.traceback,
         )
 
-    def take_back(self, slot: int, timeout_seconds: float) -> None:
+    def take_back(self, slot: int, timeout_seconds: float, request) -> None:
         """Takes a slot back from the readers (a seek): a requested one at once, one being
-        filled once its reader is done, waiting at most `timeout_seconds`."""
+        filled once its reader is done, waiting at most `timeout_seconds`. `request`: as for
+        check()."""
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -319,7 +321,7 @@ class ReaderPool:
                     f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
                 )
             if not ring.wait_published(slot, POLL_INTERVAL_SECONDS):
-                self.check()
+                self.check(request)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""

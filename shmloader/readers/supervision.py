@@ -7,9 +7,9 @@ reader dead past its budget), or return for next() to look again, warning once w
 step stays in flight long enough to look like a hang. It also owns the one warning about
 records replaced under on_error="skip".
 
-The cursor (the loader) is passed to each call rather than kept: the loader owns its
-Supervisor, and a reference back would make a cycle that keeps an unclosed loader, and its
-ring, alive past its last use.
+The cursor is passed to each call rather than kept: the cursor holds supervise, and the
+session's finalizer (session.py) waits for the cursor to go, so a reference back would keep
+an unclosed loader's ring alive past its last use.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class Supervisor:
     """
 
     def __init__(self, pool, ring, slots: int, *, step_timeout: float | None, hold_timeout: float, on_error: str,
-                 filler=None, outputs=()) -> None:
-        self.pool, self.ring, self.slots = pool, ring, slots
+                 owner_pid: int, filler=None, outputs=()) -> None:
+        self.pool, self.ring, self.slots, self.owner_pid = pool, ring, slots, owner_pid
         self.step_timeout, self.hold_timeout, self.on_error = step_timeout, hold_timeout, on_error
         self.filler, self.outputs = filler, list(outputs)
         self.skips_warned = False
@@ -60,6 +60,7 @@ class Supervisor:
         """For `step`, in `state` (one of _cursor's STEP_* values) with `owner` the reader
         record the ring names: after each poll interval in flight, for a held or failed
         slot, and every few batches. Raises, or returns for next() to look again."""
+        self.raise_if_closed(cursor)
         if state == cursor_module.STEP_IN_FLIGHT and self.filler is not None:
             self._fill_here(cursor, step)
             return
@@ -72,9 +73,9 @@ class Supervisor:
                 f"slot {slot} of ring {self.ring.names.segment} is {found.name} with step {self.ring.step(slot)} "
                 f"while step {step} was expected; another process wrote to the ring"
             )
-        self.pool.check()
+        self.pool.check(cursor.request)
         self.warn_if_skipped()
-        episode = (step, cursor._batches)
+        episode = (step, cursor.batches)
         if episode != self._episode:
             self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
             if state == cursor_module.STEP_HELD:
@@ -113,14 +114,14 @@ class Supervisor:
         try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
             fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot)
         except BaseException:
-            cursor._request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+            cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             raise
         if self.filler.skipped:
             self.warn_if_skipped()
 
     def _wait_for_holder(self, cursor, step: int, waited_s: float) -> None:
         """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
-        if cursor._release_unused():
+        if cursor.release_unused():
             return
         if waited_s > self.hold_timeout:
             slot = step % self.slots
@@ -133,6 +134,13 @@ class Supervisor:
                 f"slot per batch it keeps."
             )
         time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
+
+    def raise_if_closed(self, cursor) -> None:
+        """Raises for a closed loader, or for one a forked child inherited."""
+        if self.owner_pid != os.getpid():
+            raise RuntimeError(f"this loader belongs to process {self.owner_pid}; a forked child cannot use it")
+        if not cursor.active:
+            raise RuntimeError("the loader is closed")
 
     def skipped(self) -> tuple[int, list]:
         """(count, records as dicts) of the records replaced under on_error="skip"."""

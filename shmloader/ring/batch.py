@@ -1,4 +1,4 @@
-"""A batch as the trainer sees it, and what the native cursor is set up with.
+"""A batch as the trainer sees it.
 
 Batch's arrays view a shared-memory slot; _cursor.c (BatchBase) keeps the slot reserved
 while any of them is alive.
@@ -7,10 +7,6 @@ while any of them is alive.
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
-import weakref
-
-import numpy as np
 
 from .._native import load_cursor
 
@@ -53,35 +49,3 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
             return f"Batch(step={self.step}, released)"
         fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self.items())
         return f"Batch(step={self.step}, {fields})"
-
-
-@dataclasses.dataclass(frozen=True)
-class CursorConfig:
-    """Everything the native cursor is set up with (_cursor.c reads these attributes)."""
-
-    control_table_address: int
-    slot_count: int
-    work_semaphore: str
-    ready_semaphores: tuple[str, ...]
-    field_names: tuple[str, ...]
-    batch_type: type
-    views: tuple[tuple[np.ndarray, ...], ...]
-    next_step: int
-    check_every_batches: int
-    wake_after_slots: int
-    reader_count: int
-    trainer_slots: int
-    poll_interval_ns: int
-    end_step: int  # a finite pass's steps (plan/passes.ENDLESS: none)
-    partial_from: int  # the first step cut to fewer rows
-    supervise: collections.abc.Callable  # f(cursor, state, owner, step): see ShmDataLoader._supervise
-    rebuild_views: collections.abc.Callable  # f(cursor, slot)
-    partial: collections.abc.Callable  # f(cursor, batch) -> the batch cut to its rows
-
-
-def weak_method(owner, function):
-    """function(owner, ...) without a reference to `owner`: the pool the loader owns calls
-    back into it, and a cycle would keep an unclosed loader (and its ring) alive past its
-    last use."""
-    reference = weakref.ref(owner)
-    return lambda *args: function(reference(), *args)

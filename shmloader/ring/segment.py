@@ -32,7 +32,7 @@ and the memory ordering (one ordering per transition, the same in every language
 
     from -> to                who        where                              ordering
     ------------------------  ---------  ---------------------------------  ----------------------------------
-    IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor._request  release store, after the step word
+    IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor.request   release store, after the step word
     HELD -> REQUESTED         trainer    request_slot (C): release_unused   the same; HELD is checked first
     REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
     FILLING|r -> READY|r      reader r   fill_and_publish -> Ring.publish   seq_cst store after the data, then a
@@ -41,7 +41,7 @@ and the memory ordering (one ordering per transition, the same in every language
     FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
     READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
                                                                             reads HELD, and it publishes nothing
-    FILLING|r -> REQUESTED    trainer    request_slot (C): Cursor._request  release store; r is dead (ReaderPool.
+    FILLING|r -> REQUESTED    trainer    request_slot (C): Cursor.request   release store; r is dead (ReaderPool.
                                          from ReaderPool.retire, or a       retire) or r=0 is the trainer itself
                                          failed fill with readers=0
     REQUESTED -> IDLE         trainer    Ring.withdraw (a seek)             compare-and-swap, acq_rel (a reader

@@ -101,16 +101,16 @@ class SimulatedPool(ReaderPool):
     def skipped(self) -> tuple[int, list]:
         return 0, []
 
-    def configure(self, ring, request, config) -> None:
-        self.ring, self._request, self._config = ring, request, config
+    def configure(self, ring, config) -> None:
+        self.ring, self._config = ring, config
         for index in range(self.count):
             self._start_thread(index)
 
-    def check(self) -> None:
+    def check(self, request) -> None:
         """Restarts a reader thread that died, as ReaderPool restarts a dead process."""
         for index, thread in enumerate(self.threads):
             if not thread.is_alive() and not self.ring.stopping:
-                self.retire(index)
+                self.retire(index, request)
                 self._start_thread(index)
 
     def stop(self) -> None:
