@@ -23,7 +23,7 @@ from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import plan_loader, warn_poor_layouts, warn_window_memory
 from .readers.pool import ReaderPool
-from .remote.pages import COUNTERS
+from .remote.node import CacheUse
 from .ring.stale import sweep_stale
 from .session import Session, StepCuts
 from .transforms.core import resolve as resolve_transform
@@ -88,7 +88,7 @@ class ShmDataLoader:
             cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
         self.options = options
         resources = self._resources = Resources()
-        self._node_cache, self._cache_final = None, {}
+        self._cache_use = None  # Fields in a store: this loader's use of the node cache.
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
         self.readers = default_readers() if options.readers is None else options.readers
@@ -106,8 +106,8 @@ class ShmDataLoader:
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
             if localizer is not None:
-                self._node_cache = resources.node_cache = localizer.cache
-                self._cache_counters = self._node_cache.counters()
+                resources.node_cache = localizer.cache
+                self._cache_use = CacheUse(localizer.cache)
             try:
                 spec = None if transform is None else resolve_transform(transform, transform_args, self.batch_size)
                 plan = plan_loader(fields, label_path, options, spec)
@@ -314,17 +314,8 @@ class ShmDataLoader:
             "skipped": dict(zip(("count", "records"), session.supervisor.skipped())) if active else {"count": 0, "records": []},
             "shared_memory_bytes": self.shared_memory_bytes,
             "readers": session.pool.report(elapsed_s) if active else [],
-            **({} if self._node_cache is None else {"cache": self._cache_stats()}),
+            **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }
-
-    def _cache_stats(self) -> dict:
-        """The node cache's budget and bytes held now, and its requests, bytes fetched,
-        retries and pages evicted since this loader started (by every process of the node
-        that uses the cache); the last figures once the loader is closed."""
-        if self._resources.node_cache is None:
-            return self._cache_final
-        now = self._node_cache.counters()
-        return {**now, **{name: now[name] - self._cache_counters[name] for name in COUNTERS}}
 
     # Lifecycle.
 
@@ -335,8 +326,8 @@ class ShmDataLoader:
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.
         """
-        if self._resources.node_cache is not None:
-            self._cache_final = self._cache_stats()  # stats() after close still says what the run cost.
+        if self._cache_use is not None:
+            self._cache_use.freeze()
         self._session.close()
 
     @property

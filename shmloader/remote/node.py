@@ -254,6 +254,26 @@ class NodeCache:
                     IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
             return pool
 
+class CacheUse:
+    """One loader's use of the node cache, for its stats(): the cache's budget and bytes held
+    now, and its requests, bytes fetched, retries and pages evicted since the loader started
+    (by every process of the node that uses the cache). Frozen when the loader closes, so
+    that stats() after close still says what the run cost."""
+
+    def __init__(self, cache: NodeCache) -> None:
+        self.cache, self._started, self._final = cache, cache.counters(), None
+
+    def stats(self) -> dict:
+        if self._final is not None:
+            return self._final
+        now = self.cache.counters()
+        return {**now, **{name: now[name] - self._started[name] for name in COUNTERS}}
+
+    def freeze(self) -> None:
+        if self._final is None:
+            self._final = self.stats()
+
+
 _caches: dict[tuple[int, str], NodeCache] = {}
 _users: dict[tuple[int, str], int] = {}  # Loaders of this process holding each view (acquire/release).
 _caches_lock = threading.Lock()
