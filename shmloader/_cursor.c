@@ -341,42 +341,42 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
 
 typedef enum { WAIT_CHANGED, WAIT_TIMED_OUT, WAIT_CLOSED, WAIT_ERROR } WaitResult;
 
-/* Waits, without the GIL, at most one poll interval for next_step's slot (or the next
- * one's, see below) to leave the in-flight states: the common wait of a trainer that
- * outruns its readers. The slot's
- * waiter flag is armed for the wait, so that readers post its semaphore only while someone
- * waits (ring.h): the semaphore's count stays bounded, and a stale post left by an earlier
- * wait is consumed here and looked past. */
-static WaitResult wait_in_flight(Cursor *self) {
-    unsigned long long step = self->next_step;
-    /* When the step after this one is in flight too, sleep until that one is published:
-     * readers claim the lowest step first, so this one is normally ready by then, and the
-     * trainer pays one sleep and wake-up (a futex round trip, a fifth of a core on a small
-     * machine) per two batches. Readers lose nothing: the requests ahead keep them busy.
-     * The caller looks at next_step again after any wake-up, so a failed or stuck step is
-     * still seen within a poll interval. */
-    uint64_t ahead_owner;
-    if (self->slot_count > 3 && step_state(self, step + 1, &ahead_owner) == STEP_IN_FLIGHT) {
-        step += 1;
+/* Any step in wait_slot: wait while the slot is REQUESTED or FILLING, whatever its step. */
+#define ANY_STEP UINT64_MAX
+
+/* Whether slot `index` is still in flight: with `step` (its step word must match, so any
+ * other state or step ends the wait), or with any step. */
+static int still_in_flight(const Cursor *self, Py_ssize_t index, uint64_t step) {
+    uint64_t owner;
+    if (step != ANY_STEP) {
+        return step_state(self, step, &owner) == STEP_IN_FLIGHT;
     }
-    Slot *slot = slot_of(self, step);
-    sem_t *semaphore = self->ready_semaphores[step % (unsigned long long)self->slot_count];
-    if (wake_readers(self) < 0) {
-        return WAIT_ERROR; /* Readers asleep with pending requests would cost a whole poll. */
-    }
-    unsigned long long deadline_ns = monotonic_ns() + self->poll_interval_ns;
+    uint64_t state = __atomic_load_n(&self->slots[index].control->state, __ATOMIC_ACQUIRE) & SHM_STATE_MASK;
+    return state == SHM_SLOT_REQUESTED || state == SHM_SLOT_FILLING;
+}
+
+/* Waits, without the GIL, at most `timeout_ns` for slot `index` to leave the in-flight
+ * states (see still_in_flight). The slot's waiter flag is armed for the wait, so that
+ * readers post its semaphore only while someone waits (ring.h): the semaphore's count
+ * stays bounded, and a stale post left by an earlier wait is consumed here and looked
+ * past. The one wait of the protocol on the trainer's side: next()'s and a seek's. */
+static WaitResult wait_slot(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t timeout_ns) {
+    assert(self->slots != NULL && index >= 0 && index < self->slot_count);
+    assert(step == ANY_STEP || step % (uint64_t)self->slot_count == (uint64_t)index);
+    Slot *slot = &self->slots[index];
+    sem_t *semaphore = self->ready_semaphores[index];
+    unsigned long long deadline_ns = monotonic_ns() + timeout_ns;
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_nsec += (long)(self->poll_interval_ns % 1000000000ull);
-    deadline.tv_sec += (time_t)(self->poll_interval_ns / 1000000000ull) + deadline.tv_nsec / 1000000000L;
+    deadline.tv_nsec += (long)(timeout_ns % 1000000000ull);
+    deadline.tv_sec += (time_t)(timeout_ns / 1000000000ull) + deadline.tv_nsec / 1000000000L;
     deadline.tv_nsec %= 1000000000L;
     __atomic_store_n(&slot->control->waiter, 1, __ATOMIC_SEQ_CST);
     WaitResult outcome = WAIT_TIMED_OUT;
     /* Bounded by the deadline, checked on every turn whatever the semaphore holds. */
     for (;;) {
-        uint64_t owner;
         __atomic_thread_fence(__ATOMIC_SEQ_CST); /* The waiter store is visible before the state is read. */
-        if (step_state(self, step, &owner) != STEP_IN_FLIGHT) {
+        if (!still_in_flight(self, index, step)) {
             outcome = WAIT_CHANGED;
             break;
         }
@@ -409,6 +409,27 @@ static WaitResult wait_in_flight(Cursor *self) {
     }
     __atomic_store_n(&slot->control->waiter, 0, __ATOMIC_RELAXED);
     return outcome;
+}
+
+/* next()'s wait: at most one poll interval for next_step's slot (or the next one's, see
+ * below) to leave the in-flight states, the common wait of a trainer that outruns its
+ * readers. */
+static WaitResult wait_in_flight(Cursor *self) {
+    unsigned long long step = self->next_step;
+    /* When the step after this one is in flight too, sleep until that one is published:
+     * readers claim the lowest step first, so this one is normally ready by then, and the
+     * trainer pays one sleep and wake-up (a futex round trip, a fifth of a core on a small
+     * machine) per two batches. Readers lose nothing: the requests ahead keep them busy.
+     * The caller looks at next_step again after any wake-up, so a failed or stuck step is
+     * still seen within a poll interval. */
+    uint64_t ahead_owner;
+    if (self->slot_count > 3 && step_state(self, step + 1, &ahead_owner) == STEP_IN_FLIGHT) {
+        step += 1;
+    }
+    if (wake_readers(self) < 0) {
+        return WAIT_ERROR; /* Readers asleep with pending requests would cost a whole poll. */
+    }
+    return wait_slot(self, (Py_ssize_t)(step % (unsigned long long)self->slot_count), step, self->poll_interval_ns);
 }
 
 /* Calls supervise(cursor, state, owner, step): reader checks and errors. */
@@ -759,6 +780,30 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* wait_filled(slot, timeout_seconds): a seek's wait for a reader to finish the slot it
+ * fills; True once the slot is neither REQUESTED nor FILLING (or the cursor closed), False
+ * after the time-out. A signal whose handler raises (Ctrl-C) raises here. */
+static PyObject *cursor_wait_filled(Cursor *self, PyObject *args) {
+    Py_ssize_t index;
+    double timeout_seconds;
+    if (!PyArg_ParseTuple(args, "nd", &index, &timeout_seconds)) {
+        return NULL;
+    }
+    if (!self->active || index < 0 || index >= self->slot_count) {
+        PyErr_Format(PyExc_IndexError, "no slot %zd in an active cursor", index);
+        return NULL;
+    }
+    if (!(timeout_seconds >= 0.0 && timeout_seconds < 1e9)) {
+        PyErr_Format(PyExc_ValueError, "timeout_seconds must be in [0, 1e9), got %g", timeout_seconds);
+        return NULL;
+    }
+    WaitResult waited = wait_slot(self, index, ANY_STEP, (uint64_t)(timeout_seconds * 1e9));
+    if (waited == WAIT_ERROR) {
+        return NULL;
+    }
+    return PyBool_FromLong(waited != WAIT_TIMED_OUT);
+}
+
 /* batch_of(views, step): a Batch of the cursor's batch type over `views` (a partial batch's
  * cut arrays), with the loader's names. */
 static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
@@ -857,6 +902,8 @@ static PyMethodDef cursor_methods[] = {
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
     {"held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
+    {"wait_filled", (PyCFunction)cursor_wait_filled, METH_VARARGS,
+     "Waits at most timeout_seconds for a slot to leave REQUESTED and FILLING; False on time-out."},
     {"batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
     {"deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
      "Closes the cursor: drops every slot's arrays and semaphores; next() raises through supervise."},

@@ -187,7 +187,7 @@ class Session:
         taken = []
         try:
             for slot in range(self.slots):
-                self.pool.take_back(slot, fill_timeout, cursor.request)
+                self.pool.take_back(slot, fill_timeout, cursor)
                 taken.append(slot)
         except BaseException:
             # Nothing changed, as far as the caller can tell: the slots taken back so far

@@ -95,3 +95,30 @@ def test_the_cursor_takes_one_fixed_signature_and_refuses_what_is_outside_it(dat
             cursor_module.Cursor(**missing)
         with pytest.raises(error):
             cursor_module.Cursor(**{**settings, **change})
+
+
+def test_a_seek_waits_natively_for_the_slot_a_reader_fills(dataset):
+    """The trainer's one wait (_cursor.c's wait_slot) serves a seek too: armed, woken by the
+    reader's publish, disarmed after."""
+    import threading
+    import time
+
+    from shmloader.ring.layout import SlotState
+
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=0, slots=3) as loader:
+        ring, cursor = loader._session.ring, loader._session.cursor
+        slot = ring.claim(0)  # As a reader would: step 0's slot, FILLING by record 0.
+        began = time.monotonic()
+        assert not cursor.wait_filled(slot, 0.1)
+        assert time.monotonic() - began >= 0.1
+        publisher = threading.Timer(0.2, ring.publish, (slot, SlotState.READY, 0))
+        publisher.start()
+        assert cursor.wait_filled(slot, 30.0)
+        assert time.monotonic() - began < 10.0  # Woken by the post, not by the time-out.
+        publisher.join()
+        assert ring._lines[slot].waiter == 0
+        assert cursor.wait_filled(slot, 30.0)  # Not in flight: at once.
+        with pytest.raises(IndexError):
+            cursor.wait_filled(3, 0.1)
+        with pytest.raises(ValueError):
+            cursor.wait_filled(slot, -1.0)

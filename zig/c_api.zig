@@ -12,7 +12,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 15; // 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 16; // 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -200,17 +200,10 @@ export fn shm_state_compare_swap(address: *u64, expected: u64, desired: u64) u64
 
 /// A reader publishes a slot's new state word (READY or FAILED) and learns whether the
 /// trainer waits on the slot's semaphore: sequentially consistent, so that with the
-/// trainer's shm_arm_waiter at least one side sees the other (ring.h). Returns the flag.
+/// trainer's arming of the flag (wait_slot in _cursor.c) at least one side sees the other (ring.h). Returns the flag.
 export fn shm_publish(line: *ring.shm_control_line, word: u64) u64 {
     @atomicStore(u64, &line.state, word, .seq_cst);
     return @atomicLoad(u64, &line.waiter, .seq_cst);
-}
-
-/// The trainer announces that it is about to wait on a slot's semaphore, then reads the
-/// state word: if that is still in flight, a reader's publish will see the flag and post.
-export fn shm_arm_waiter(line: *ring.shm_control_line) u64 {
-    @atomicStore(u64, &line.waiter, 1, .seq_cst);
-    return @atomicLoad(u64, &line.state, .seq_cst);
 }
 
 /// Reader `reader_index` takes, among the `slot_count` control lines of `table`, the
@@ -269,7 +262,7 @@ test "publish reports the waiter flag the trainer armed" {
     var line = std.mem.zeroes(ring.shm_control_line);
     line.state = ring.SHM_SLOT_FILLING;
     try std.testing.expectEqual(@as(u64, 0), shm_publish(&line, ring.SHM_SLOT_READY));
-    try std.testing.expectEqual(@as(u64, ring.SHM_SLOT_READY), shm_arm_waiter(&line));
+    line.waiter = 1; // The trainer's side (wait_slot in _cursor.c): a seq_cst store, then a load of the state.
     try std.testing.expectEqual(@as(u64, 1), shm_publish(&line, ring.SHM_SLOT_FAILED));
 }
 

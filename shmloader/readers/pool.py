@@ -302,10 +302,10 @@ class ReaderPool:
             traceback_text=report.traceback,
         )
 
-    def take_back(self, slot: int, timeout_seconds: float, request) -> None:
+    def take_back(self, slot: int, timeout_seconds: float, cursor) -> None:
         """Takes a slot back from the readers (a seek): a requested one at once, one being
-        filled once its reader is done, waiting at most `timeout_seconds`. `request`: as for
-        check()."""
+        filled once its reader is done, waiting at most `timeout_seconds` (the cursor's
+        wait: the protocol's waits are _cursor.c's alone). `cursor.request` is check()'s."""
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -320,8 +320,8 @@ class ReaderPool:
                 raise SlotsExhaustedError(
                     f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
                 )
-            if not ring.wait_published(slot, POLL_INTERVAL_SECONDS):
-                self.check(request)
+            if not cursor.wait_filled(slot, POLL_INTERVAL_SECONDS):
+                self.check(cursor.request)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""

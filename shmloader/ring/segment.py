@@ -258,18 +258,6 @@ class Ring:
         if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
             self.ready_semaphores[slot].release()
 
-    def wait_published(self, slot: int, timeout_seconds: float) -> bool:
-        """The trainer waits at most `timeout_seconds` for a reader to publish `slot`;
-        True once its state is no longer FILLING or REQUESTED."""
-        line = self._lines + slot
-        try:
-            word = lib.shm_arm_waiter(line)
-            if word & STATE_MASK not in (SlotState.REQUESTED, SlotState.FILLING):
-                return True
-            return wait(self.ready_semaphores[slot], timeout_seconds)
-        finally:
-            line.waiter = 0
-
     def withdraw(self, slot: int) -> bool:
         """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
         requested = int(SlotState.REQUESTED)
