@@ -245,9 +245,9 @@ comptime {
 
 test {
     _ = @import("permutation.zig");
-    _ = sampler;
-    _ = gather;
-    _ = mixture;
+    _ = @import("sampler_test.zig");
+    _ = @import("gather_test.zig");
+    _ = @import("mixture_test.zig");
 }
 
 test "state atomics" {
