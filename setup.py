@@ -13,7 +13,8 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = pathlib.Path(__file__).parent
 ZIG_ROOT_SOURCE = "zig/c_api.zig"
-CURSOR_SOURCE = "shmloader/_cursor.c"
+# The trainer's next(): shmloader/_cursor*.c, with _cursor.h (see its first lines).
+CURSOR_SOURCES = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("shmloader/_cursor*.c"))
 # The slot protocol's one definition; the Zig sources import its translation.
 RING_HEADER = "shmloader/ring.h"
 GENERATED_ZIG_HEADER = "zig/ring_h.zig"
@@ -66,11 +67,13 @@ class ZigBuildExt(build_ext):
                 "-mcpu=baseline",
                 "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-Wno-missing-field-initializers",
                 "-Wno-cast-function-type",
+                # Only PyInit__cursor leaves the module; the files share the rest (_cursor.h).
+                "-fvisibility=hidden",
                 f"-I{sysconfig.get_paths()['include']}",
                 f"-I{sysconfig.get_paths()['platinclude']}",
                 f"-I{numpy.get_include()}",
                 "-o", str(target),
-                str(ROOT / CURSOR_SOURCE),
+                *(str(ROOT / source) for source in CURSOR_SOURCES),
             ]
         else:
             translate_ring_header(zig, ROOT / GENERATED_ZIG_HEADER)
@@ -91,7 +94,7 @@ class ZigBuildExt(build_ext):
 setup(
     ext_modules=[
         Extension("shmloader._shmloader_native", sources=[ZIG_ROOT_SOURCE]),
-        Extension("shmloader._cursor", sources=[CURSOR_SOURCE]),
+        Extension("shmloader._cursor", sources=CURSOR_SOURCES, depends=["shmloader/_cursor.h", RING_HEADER]),
     ],
     cmdclass={"build_ext": ZigBuildExt},
 )

@@ -105,7 +105,7 @@ Status = _status_enum()
 
 
 def load_cursor():
-    """The CPython extension compiled from _cursor.c (the trainer's next(); readers skip it)."""
+    """The CPython extension compiled from _cursor*.c (the trainer's next(); readers skip it)."""
     try:
         from . import _cursor
     except ImportError as error:
@@ -113,7 +113,7 @@ def load_cursor():
     # Only a source checkout (zig/ beside the package) has sources to compare with: an
     # installed package may carry _cursor.c and ring.h as data, copied after the build.
     in_checkout = (PACKAGE_DIR.parent / "zig").is_dir()
-    _check_fresh(pathlib.Path(_cursor.__file__), [PACKAGE_DIR / "_cursor.c", RING_HEADER] if in_checkout else [])
+    _check_fresh(pathlib.Path(_cursor.__file__), [*PACKAGE_DIR.glob("_cursor*.[ch]"), RING_HEADER] if in_checkout else [])
     return _cursor
 
 

@@ -1,6 +1,6 @@
 /*
  * The slot protocol of the shared-memory ring, defined once for all three languages:
- * _cursor.c includes this file, the Zig build translates it (zig translate-c, the
+ * _cursor.h includes this file, the Zig build translates it (zig translate-c, the
  * successor of @cImport) into zig/ring_h.zig, and the build hands it to cffi (setup.py
  * writes shmloader/_ffi.py from _declarations.py), so ring/layout.py reads every value
  * below as lib.SHM_... . tests/test_ring.py checks that ring/layout.py's layout agrees

@@ -62,6 +62,6 @@ def default_slots(readers: int, slot_bytes: int) -> int:
 
 def wake_after(slots: int) -> int:
     """How many slots the trainer hands back before it wakes the readers while they are
-    ahead (see release_unused in _cursor.c). Half the ring: they are woken at once whenever
+    ahead (see cursor_release in _cursor.c). Half the ring: they are woken at once whenever
     the batch after the one being delivered is not ready, so deferring costs no waiting."""
     return max(1, slots // 2)

@@ -33,7 +33,7 @@ and the memory ordering (one ordering per transition, the same in every language
     from -> to                who        where                              ordering
     ------------------------  ---------  ---------------------------------  ----------------------------------
     IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor.request   release store, after the step word
-    HELD -> REQUESTED         trainer    request_slot (C): release_unused   the same; HELD is checked first
+    HELD -> REQUESTED         trainer    request_slot (C): cursor_release   the same; HELD is checked first
     REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
     FILLING|r -> READY|r      reader r   fill_and_publish -> Ring.publish   seq_cst store after the data, then a
                                          (ring/publishing.py; also the      seq_cst load of the waiter flag
