@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -90,6 +90,7 @@ uint64_t shm_sizeof_blosc_layout(void);
 uint64_t shm_sizeof_gather_error(void);
 const char *shm_status_name(int value);
 
+uint64_t shm_step_max(uint64_t batch_size, uint64_t shard_index, uint64_t shard_count);
 int shm_global_position(uint64_t step, uint64_t batch_size, uint64_t shard_index, uint64_t shard_count,
                         uint64_t *out);
 uint64_t shm_share_length(const shm_sampler_config *config);

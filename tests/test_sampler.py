@@ -154,3 +154,31 @@ def test_shuffle_order_shows_no_structure(length):
     assert abs(np.corrcoef(np.arange(len(batch)), batch)[0, 1]) < 0.1
     next_epoch = Sampler(length, 2000, "shuffle", seed=8).fill(-(-length // 2000) * 1)  # Starts in epoch 1.
     assert abs(np.corrcoef(batch, next_epoch)[0, 1]) < 0.1
+
+
+def test_step_max_is_the_last_step_the_stream_holds_for_samplers_and_mixtures():
+    """step_max comes from the Zig sampler (stepMax), beside the position it bounds: the
+    last step has a position and fills, the next one is refused, for drawn shapes."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from shmloader.plan.options import BATCH_SIZE_MAX
+    from shmloader.plan.sampler import global_position
+    from shmloader.plan.sources import MixtureSampler
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, BATCH_SIZE_MAX), st.integers(1, 1 << 16), st.data())
+    def check(batch_size, shard_count, data):
+        shard_index = data.draw(st.integers(0, shard_count - 1))
+        for sampler in (Sampler(1000, batch_size, "sequential", shard_index=shard_index, shard_count=shard_count),
+                        MixtureSampler([700, 300], [2, 1], [1.0, 1.0], [False, False], batch_size,
+                                       shard_index=shard_index, shard_count=shard_count)):
+            last = sampler.step_max
+            first = global_position(last, batch_size, shard_index, shard_count)
+            assert first + batch_size <= 2**64 - 1
+            with pytest.raises(ValueError, match="past the 64-bit stream"):
+                global_position(last + 1, batch_size, shard_index, shard_count)
+        if batch_size <= 4096:  # One fill at the edge (a large batch is only memory).
+            assert len(Sampler(1000, batch_size, shard_index=shard_index, shard_count=shard_count).fill(last)) == batch_size
+
+    check()

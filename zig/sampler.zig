@@ -87,6 +87,15 @@ pub fn globalPosition(step: u64, batch_size: u64, shard_index: u64, shard_count:
     return first;
 }
 
+/// The last step for which globalPosition has a position: past it, a shard's part of the
+/// stream would overflow 64 bits. 0 when even step 0 has none (a shape the limits refuse).
+pub fn stepMax(batch_size: u64, shard_index: u64, shard_count: u64) u64 {
+    const global_batch = std.math.mul(u64, batch_size, shard_count) catch return 0;
+    const part_end = std.math.mul(u64, batch_size, shard_index + 1) catch return 0;
+    if (global_batch == 0) return 0;
+    return (std.math.maxInt(u64) - part_end) / global_batch;
+}
+
 /// The global position of the first row this shard takes at `step`, or null on overflow.
 fn firstPosition(config: *const SamplerConfig, step: u64) ?u64 {
     return globalPosition(step, config.batch_size, config.shard_index, config.shard_count);

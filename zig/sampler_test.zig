@@ -15,6 +15,8 @@ const fillPositions = sampler.fillPositions;
 const places = sampler.places;
 const placeBlocks = sampler.placeBlocks;
 const ShardShare = sampler.ShardShare;
+const stepMax = sampler.stepMax;
+const globalPosition = sampler.globalPosition;
 
 const testing = std.testing;
 
@@ -225,4 +227,23 @@ test "invalid configs are rejected" {
     try testing.expectEqual(Status.output_size_mismatch, fill(&config, 0, &out));
     config = testConfig(10, 4, .shuffle);
     try testing.expectEqual(Status.overflow, fill(&config, std.math.maxInt(u64) / 2, &out));
+}
+
+test "stepMax is the last step with a position, for any shape" {
+    var prng = std.Random.DefaultPrng.init(11);
+    const random = prng.random();
+    for (0..2000) |turn| {
+        const batch_size = if (turn % 3 == 0) random.int(u64) >> random.uintLessThan(u6, 63) | 1 else random.intRangeAtMost(u64, 1, 1 << 24);
+        const shard_count = random.intRangeAtMost(u64, 1, if (turn % 5 == 0) 1 << 20 else 64);
+        const shard_index = random.uintLessThan(u64, shard_count);
+        const last = stepMax(batch_size, shard_index, shard_count);
+        if (globalPosition(0, batch_size, shard_index, shard_count) == null) {
+            try testing.expectEqual(@as(u64, 0), last);
+            continue;
+        }
+        try testing.expect(globalPosition(last, batch_size, shard_index, shard_count) != null);
+        if (last < std.math.maxInt(u64)) {
+            try testing.expect(globalPosition(last + 1, batch_size, shard_index, shard_count) == null);
+        }
+    }
 }

@@ -75,9 +75,21 @@ def global_position(step: int, batch_size: int, shard_index: int, shard_count: i
     return int(out[0])
 
 
-def step_max(batch_size: int, shard_index: int, shard_count: int) -> int:
-    """The last step whose positions fit the sampler's 64-bit stream."""
-    return (U64_MAX - batch_size * (shard_index + 1)) // (batch_size * shard_count)
+class StreamShape:
+    """What a Sampler and a MixtureSampler share: each step is a batch of batch_size
+    positions of a seeded stream, shard shard_index of shard_count's part of the step's
+    global batch. Checked where a sampler is built (a reader builds its own from a dict)
+    against the limits LoaderOptions checked the loader's settings with."""
+
+    def _check_shape(self, batch_size: int, seed: int, shard_index: int, shard_count: int) -> None:
+        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+        self.seed = check_integer("seed", seed, 0, SEED_MAX)
+        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
+
+    @property
+    def step_max(self) -> int:
+        """The last step whose positions fit the 64-bit stream (zig/sampler.zig stepMax)."""
+        return int(lib.shm_step_max(self.batch_size, self.shard_index, self.shard_count))
 
 
 def derive_seed(*parts) -> int:
@@ -87,7 +99,7 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
 
 
-class Sampler:
+class Sampler(StreamShape):
     """Maps a step to the row indices of that step's batch, as a pure function.
 
     The batch for `step` depends only on (length, batch_size, mode, seed, shard_index,
@@ -134,10 +146,8 @@ class Sampler:
         # The loader's settings came through options.LoaderOptions; these are the same
         # checks, against the same limits, for a sampler built from a dict in a reader.
         self.length = check_integer("length", length, 1, LENGTH_MAX)
-        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
+        self._check_shape(batch_size, seed, shard_index, shard_count)
         self.mode = check_mode(mode)
-        self.seed = check_integer("seed", seed, 0, SEED_MAX)
-        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
         self.shuffle_window = check_window(shuffle_window, mode)
         self.block_rows = check_integer("block_rows", block_rows, 1, LENGTH_MAX)
         window_blocks = 0
@@ -179,11 +189,6 @@ class Sampler:
                              "the data")
         self.transition = transition
         self.dealing = None if transition is None else Dealing(self, transition)
-
-    @property
-    def step_max(self) -> int:
-        """The last step whose positions fit the sampler's 64-bit stream."""
-        return step_max(self.batch_size, self.shard_index, self.shard_count)
 
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""

@@ -18,22 +18,19 @@ import numpy as np
 
 from .._native import Status, ffi, lib, status_name
 from .options import (
-    BATCH_SIZE_MAX,
-    SEED_MAX,
     SOURCES_MAX,
     U32_MAX,
     U64_MAX,
     check_integer,
-    check_shard,
     check_window,
 )
 from .sampler import (
     Places,
+    StreamShape,
     derive_seed,
     global_position,
     read_place_blocks,
     read_places,
-    step_max,
     window_blocks_of,
 )
 
@@ -86,7 +83,7 @@ def interleave(weights: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return sources, ranks
 
 
-class MixtureSampler:
+class MixtureSampler(StreamShape):
     """Maps a step to (source-local rows, source ids) of that step's batch, as a pure
     function of (source sizes, weights, fractions, fixed, batch size, seed, shard, step).
     Its shards always share one global stream (a window is each source's, read by every
@@ -104,9 +101,7 @@ class MixtureSampler:
             raise ValueError(f"a mixture has 1 to {SOURCES_MAX} sources, got {len(lengths)}")
         self.lengths, self.weights = [int(x) for x in lengths], [int(x) for x in weights]
         self.fractions, self.fixed = [float(x) for x in fractions], [bool(x) for x in fixed]
-        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
-        self.seed = check_integer("seed", seed, 0, SEED_MAX)
-        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
+        self._check_shape(batch_size, seed, shard_index, shard_count)
         self.mode = "shuffle"
         self.takes = [max(1, math.ceil(fraction * length)) for fraction, length in zip(self.fractions, self.lengths)]
         self.shuffle_window, self.block_rows = shuffle_window, None
@@ -147,10 +142,6 @@ class MixtureSampler:
         status = lib.shm_mixture_check(self._config)
         if status != Status.OK:
             raise ValueError(f"invalid mixture: {status_name(status)}")
-
-    @property
-    def step_max(self) -> int:
-        return step_max(self.batch_size, self.shard_index, self.shard_count)
 
     def fill(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, sources) of `step`, as new arrays."""
