@@ -16,7 +16,8 @@ from shmloader import StorageError
 from shmloader.storage.layout import choose_layout, poor_layout
 from shmloader.storage.opening import open_field
 from shmloader.storage.spec import describe_field
-from shmloader.tools.convert import convert, inspect
+from shmloader.tools.convert import convert
+from shmloader.tools.inspection import inspect
 
 HERE = pathlib.Path(__file__).resolve().parent
 

@@ -11,7 +11,8 @@ import pytest
 from conftest import image_like, write_b2nd
 
 from shmloader import StorageError, _blosc2_capi
-from shmloader.storage.blosc import BloscField, BloscPythonField
+from shmloader.storage.blosc import BloscField
+from shmloader.storage.blosc_python import BloscPythonField
 from shmloader.storage.opening import open_field
 from shmloader.storage.spec import describe_field, row_contiguous_layout
 from shmloader.tools.convert import convert

@@ -9,7 +9,8 @@ import typing
 import numpy as np
 
 from ..errors import StorageError
-from .blosc import BloscField, BloscPythonField
+from .blosc import BloscField
+from .blosc_python import BloscPythonField
 from .rows import EmptyRowsField, NpyField
 from .spec import FieldSpec
 

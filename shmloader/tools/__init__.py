@@ -1,4 +1,4 @@
 """The command line and what it runs: converters and importers (writing their outputs
-safely: output), the demo, the benchmark and the live view of a ring. Their library
+safely: output), what a file's layout costs (inspection), the demo, the benchmark and the live view of a ring. Their library
 functions are public through shmloader.convert, shmloader.formats, shmloader.imagefolder
 and shmloader.demo."""

@@ -25,7 +25,8 @@ def _demo(arguments) -> int:
 
 
 def _convert(arguments) -> int:
-    from .convert import convert, io_advice
+    from .convert import convert
+    from .inspection import io_advice
     from .upload import named, staged_output
 
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
@@ -44,7 +45,7 @@ def _convert(arguments) -> int:
 
 def _inspect(arguments) -> int:
     from ..storage.ragged import describe_ragged, is_ragged, record_lengths
-    from .convert import inspect
+    from .inspection import inspect
 
     if is_ragged(arguments.file):  # A ragged field: its records, then its values file.
         spec = describe_ragged(arguments.file)
