@@ -35,10 +35,8 @@ reader starts as a fresh interpreter (pool.spawn_interpreter).
 
 from __future__ import annotations
 
-import array
 import atexit
 import collections
-import fcntl
 import json
 import os
 import resource
@@ -50,12 +48,12 @@ import sys
 import threading
 import time
 
+from .forkserver_channel import above_standard, receive, standard_stream
+
 ENVIRONMENT_VARIABLE = "SHMLOADER_FORKSERVER"
-SERVER_NAME = b"shml-forkserver"  # Its /proc/PID/comm; a reader's is reader.PROCESS_NAME.
 # How long the trainer waits for a server to answer a fork request before it gives up on
 # the server (an interpreter start and the reader's imports take well under a second).
 _ANSWER_TIMEOUT_SECONDS = 60.0
-_MESSAGE_BYTES_MAX = 1 << 20  # A request carries the environment.
 # A server reports a reader's exit as soon as it reaps it (a SIGCHLD wakes it); one that
 # has not, this long after the reader's pidfd said it exited, or that has been stopped
 # (SIGSTOP) this long while a request waits, is given up on: its readers are restarted
@@ -163,7 +161,7 @@ class ForkServer:
     statuses. Thread-safe: loaders in several threads may share it."""
 
     def __init__(self, environment: dict[str, str]) -> None:
-        parent_end, child_end = (_above_standard(end) for end in socket.socketpair(socket.AF_UNIX,
+        parent_end, child_end = (above_standard(end) for end in socket.socketpair(socket.AF_UNIX,
                                                                                    socket.SOCK_SEQPACKET))
         try:
             # Like a reader started alone (pool.spawn_interpreter): a fresh interpreter,
@@ -174,7 +172,7 @@ class ForkServer:
             self.process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_end.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=None if _standard_stream(2) else subprocess.DEVNULL,
+                stderr=None if standard_stream(2) else subprocess.DEVNULL,
                 env=environment, cwd="/", pass_fds=[child_end.fileno()], start_new_session=True,
             )
         except BaseException:
@@ -199,7 +197,7 @@ class ForkServer:
         try:
             streams = []
             for descriptor in (1, 2):
-                if not _standard_stream(descriptor):  # None in this trainer: the reader writes to /dev/null.
+                if not standard_stream(descriptor):  # None in this trainer: the reader writes to /dev/null.
                     opened.append(os.open(os.devnull, os.O_WRONLY))
                     descriptor = opened[-1]
                 streams.append(descriptor)
@@ -337,26 +335,6 @@ class ForkServer:
         self.process.returncode = 0  # Not this process's child: never wait for it here.
 
 
-def _above_standard(end: socket.socket) -> socket.socket:
-    """`end` on a descriptor above 2. A trainer started with its standard output or error
-    closed hands those numbers to the next descriptors it opens: a socket there would be
-    taken for the trainer's output (by the server's Popen, by a reader's request), and a
-    reader's print would write into the server's channel."""
-    if end.fileno() > 2:
-        return end
-    moved = socket.socket(fileno=fcntl.fcntl(end.fileno(), fcntl.F_DUPFD_CLOEXEC, 3))
-    end.close()
-    return moved
-
-
-def _standard_stream(descriptor: int) -> bool:
-    """Whether descriptor 1 or 2 is the trainer's standard output or error: open, and the
-    interpreter started with it (a trainer started with it closed has no sys.__stdout__,
-    and whatever it opens later may take the number)."""
-    stream = sys.__stdout__ if descriptor == 1 else sys.__stderr__
-    return stream is not None and _is_open(descriptor)
-
-
 def _stopped(pid: int) -> bool:
     """Whether process `pid` is stopped (by a signal or a tracer): state T or t."""
     try:
@@ -364,25 +342,6 @@ def _stopped(pid: int) -> bool:
             return handle.read().rsplit(b") ", 1)[1][:1] in (b"T", b"t")
     except (OSError, IndexError):
         return False
-
-
-def _is_open(descriptor: int) -> bool:
-    try:
-        os.fstat(descriptor)
-        return True
-    except OSError:
-        return False
-
-
-def receive(channel: socket.socket, descriptors_max: int, flags: int = 0) -> tuple[bytes, list[int]]:
-    """One message and the descriptors that came with it (socket.recv_fds ignores its
-    flags before Python 3.12)."""
-    descriptors = array.array("i")
-    data, ancillary, _, _ = channel.recvmsg(_MESSAGE_BYTES_MAX, socket.CMSG_LEN(descriptors_max * descriptors.itemsize), flags)
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            descriptors.frombytes(payload[:len(payload) - len(payload) % descriptors.itemsize])
-    return data, list(descriptors)
 
 
 # Resource limits a reader inherits from its server (a trainer may lower RLIMIT_NOFILE or

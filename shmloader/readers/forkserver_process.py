@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 
-from .forkserver import SERVER_NAME, receive
+from .forkserver_channel import SERVER_NAME, receive
 
 # The server's side: a process of its own, started by ForkServer.
 
