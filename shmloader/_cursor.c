@@ -190,6 +190,8 @@ static int readers_ahead(const Cursor *self) {
 
 /* Hands out the slot of next_step, which the caller found ready. The only place where
  * time spent waiting for data is counted: from `started_ns` (0: next() did not wait). */
+static int supervise(Cursor *self, StepState state, uint64_t owner);
+
 static PyObject *take(Cursor *self, unsigned long long started_ns) {
     Py_ssize_t index = (Py_ssize_t)(self->next_step % (unsigned long long)self->slot_count);
     Slot *slot = &self->slots[index];
@@ -207,6 +209,13 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     }
     BatchBase *batch = (BatchBase *)self->batch_type->tp_alloc(self->batch_type, 0);
     if (batch == NULL) {
+        return NULL;
+    }
+    if (!self->active) {
+        /* Closed by the code that ran meanwhile (views_of, or finalizers the allocation
+         * collected): the slot table stays until next() leaves, but nothing is delivered. */
+        Py_DECREF(batch);
+        supervise(self, STEP_CLOSED, 0); /* Raises that the loader is closed; else iteration ends. */
         return NULL;
     }
     Py_INCREF(slot->views);
@@ -283,8 +292,8 @@ WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t t
         /* Without the GIL, another thread may have closed the loader: its slots and
          * semaphores are freed only once no thread waits on them. */
         if (!self->active) {
-            if (self->clear_deferred && self->waiting == 0) {
-                cursor_clear(self);
+            if (self->clear_deferred && self->waiting == 0 && !self->iterating) {
+                cursor_clear(self); /* A seek's wait (next()'s clears when it leaves next()). */
             }
             return WAIT_CLOSED;
         }
@@ -414,6 +423,9 @@ PyObject *cursor_next(Cursor *self) {
     self->iterating = 1;
     PyObject *batch = next_batch(self);
     self->iterating = 0;
+    if (self->clear_deferred && self->waiting == 0) {
+        cursor_clear(self); /* Closed while this thread was inside: cleared now that it left. */
+    }
     return batch;
 }
 
@@ -452,7 +464,23 @@ static struct PyModuleDef cursor_module = {
     .m_size = -1,
 };
 
+PyTypeObject *cursor_ndarray_type = NULL;
+
 PyMODINIT_FUNC PyInit__cursor(void) {
+    if (cursor_ndarray_type == NULL) { /* The one type a slot's arrays may have (is_ndarray). */
+        PyObject *numpy = PyImport_ImportModule("numpy");
+        PyObject *ndarray = numpy == NULL ? NULL : PyObject_GetAttrString(numpy, "ndarray");
+        Py_XDECREF(numpy);
+        if (ndarray == NULL) {
+            return NULL;
+        }
+        if (!PyType_Check(ndarray)) {
+            Py_DECREF(ndarray);
+            PyErr_SetString(PyExc_ImportError, "numpy.ndarray is not a type");
+            return NULL;
+        }
+        cursor_ndarray_type = (PyTypeObject *)ndarray; /* Kept for the process's lifetime. */
+    }
     if (PyType_Ready(&CursorType) < 0 ||
         PyType_Ready(&BatchBaseType) < 0) {
         return NULL;

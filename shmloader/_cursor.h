@@ -122,8 +122,12 @@ static inline void request_slot(shm_control_line *control, uint64_t step, unsign
     __atomic_store_n(&control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
 }
 
+/* numpy.ndarray itself (set when the module loads): a slot's arrays are read as
+ * PyArrayObject, so nothing else, however it is named, may pass for one. */
+extern PyTypeObject *cursor_ndarray_type;
+
 static inline int is_ndarray(PyObject *object) {
-    return strcmp(Py_TYPE(object)->tp_name, "numpy.ndarray") == 0;
+    return Py_TYPE(object) == cursor_ndarray_type;
 }
 
 /* _cursor.c */

@@ -9,8 +9,11 @@
 
 void cursor_clear(Cursor *self) {
     self->active = 0;
-    if (self->waiting > 0) {
-        self->clear_deferred = 1; /* A thread waits on a semaphore of ours: it clears after. */
+    if (self->waiting > 0 || self->iterating) {
+        /* A thread is inside next() (its callbacks and allocations can run any Python code,
+         * a close from another thread included) or waits on a semaphore of ours: the slot
+         * table and the semaphores stay until it leaves, and it clears them then. */
+        self->clear_deferred = 1;
         return;
     }
     self->clear_deferred = 0;
@@ -195,7 +198,11 @@ static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored
 static PyObject *cursor_request(Cursor *self, PyObject *args) {
     Py_ssize_t index;
     unsigned long long step;
-    if (!PyArg_ParseTuple(args, "nK", &index, &step)) {
+    if (!PyArg_ParseTuple(args, "nO&", &index, u64_of, &step)) {
+        return NULL;
+    }
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "the loader is closed");
         return NULL;
     }
     if (self->slots == NULL || index < 0 || index >= self->slot_count) {
@@ -240,7 +247,11 @@ static PyObject *cursor_wait_filled(Cursor *self, PyObject *args) {
         return NULL;
     }
     if (!(timeout_seconds >= 0.0 && timeout_seconds < 1e9)) {
-        PyErr_Format(PyExc_ValueError, "timeout_seconds must be in [0, 1e9), got %g", timeout_seconds);
+        PyObject *given = PyFloat_FromDouble(timeout_seconds);
+        if (given != NULL) {
+            PyErr_Format(PyExc_ValueError, "timeout_seconds must be in [0, 1e9), got %R", given);
+            Py_DECREF(given);
+        }
         return NULL;
     }
     WaitResult waited = cursor_wait(self, index, ANY_STEP, (uint64_t)(timeout_seconds * 1e9));
@@ -255,7 +266,7 @@ static PyObject *cursor_wait_filled(Cursor *self, PyObject *args) {
 static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
     PyObject *views;
     unsigned long long step;
-    if (!PyArg_ParseTuple(args, "O!K", &PyTuple_Type, &views, &step)) {
+    if (!PyArg_ParseTuple(args, "O!O&", &PyTuple_Type, &views, u64_of, &step)) {
         return NULL;
     }
     if (self->batch_type == NULL || self->names == NULL ||
@@ -263,12 +274,18 @@ static PyObject *cursor_batch_of(Cursor *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "batch_of needs a set-up cursor and one array per name, then the indices");
         return NULL;
     }
-    BatchBase *batch = (BatchBase *)self->batch_type->tp_alloc(self->batch_type, 0);
+    /* Our own references first: the allocation may collect garbage, whose finalizers may
+     * close the cursor and clear its names. */
+    PyObject *names = Py_NewRef(self->names);
+    PyTypeObject *batch_type = (PyTypeObject *)Py_NewRef((PyObject *)self->batch_type);
+    BatchBase *batch = (BatchBase *)batch_type->tp_alloc(batch_type, 0);
+    Py_DECREF(batch_type);
     if (batch == NULL) {
+        Py_DECREF(names);
         return NULL;
     }
     batch->views = Py_NewRef(views);
-    batch->names = Py_NewRef(self->names);
+    batch->names = names;
     batch->step = step;
     return (PyObject *)batch;
 }
@@ -295,6 +312,15 @@ static PyObject *cursor_held(Cursor *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 static PyObject *cursor_deactivate(Cursor *self, PyObject *Py_UNUSED(ignored)) {
+    cursor_clear(self);
+    Py_RETURN_NONE;
+}
+
+/* forget_in_child(): a forked child's copy. No thread of the parent came along, so none
+ * is inside next() or a wait here, whatever the copied flags say: clear at once. */
+static PyObject *cursor_forget_in_child(Cursor *self, PyObject *Py_UNUSED(ignored)) {
+    self->iterating = 0;
+    self->waiting = 0;
     cursor_clear(self);
     Py_RETURN_NONE;
 }
@@ -353,6 +379,8 @@ static PyMethodDef cursor_methods[] = {
     {"batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
     {"deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
      "Closes the cursor: drops every slot's arrays and semaphores; next() raises through supervise."},
+    {"forget_in_child", (PyCFunction)cursor_forget_in_child, METH_NOARGS,
+     "Closes a forked child's copy of the cursor (no thread of the parent is inside it here)."},
     {"now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},
     {NULL},
 };

@@ -99,7 +99,7 @@ def _forget_rings_in_child() -> None:
     for resources in list(live_resources):
         cursor = None if resources.cursor is None else resources.cursor()
         if cursor is not None:
-            cursor.deactivate()
+            cursor.forget_in_child()
         ring = resources.ring
         if ring is not None and not ring.closed:
             ring.forget_descriptors_in_child()

@@ -190,6 +190,8 @@ class Session:
                 self.pool.take_back(slot, fill_timeout, cursor)
                 taken.append(slot)
         except BaseException:
+            if not cursor.active:
+                raise  # Closed meanwhile: nothing to go on with.
             # Nothing changed, as far as the caller can tell: the slots taken back so far
             # are requested again for the steps they held, and the loader goes on as before.
             for slot in taken:
@@ -217,6 +219,7 @@ class Session:
 
     def slot_states(self) -> list[tuple[str, int]]:
         """(state, step) of every slot, as the ring's control table says now (diagnostics)."""
+        self.check_open()
         return [(self.ring.state(slot)[0].name, self.ring.step(slot)) for slot in range(self.slots)]
 
     def close(self) -> None:

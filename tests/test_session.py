@@ -122,3 +122,118 @@ def test_a_seek_waits_natively_for_the_slot_a_reader_fills(dataset):
             cursor.wait_filled(3, 0.1)
         with pytest.raises(ValueError):
             cursor.wait_filled(slot, -1.0)
+
+
+def _run_child(code: str, *args: str) -> str:
+    """Runs `code` in its own interpreter (a segfault fails the test instead of the worker)."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
+    return child.stdout
+
+
+_CLOSE_INSIDE_NEXT = '''
+import gc, sys, threading, time
+import numpy as np
+import shmloader.session as session
+from shmloader import ShmDataLoader
+how = sys.argv[2]
+if how == "views_of":  # Another thread closes while next() rebuilds a damaged slot in Python.
+    original = session._views_function
+    def slow(slot, ring, layout):
+        views_of = original(slot, ring, layout)
+        def rebuild(index):
+            time.sleep(0.3)
+            return views_of(index)
+        return rebuild
+    session._views_function = slow
+loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=10, readers=1, slots=3, epochs=1 if how == "cut" else None)
+batch = next(loader)
+if how == "views_of":
+    batch["label"].shape = (2, 5)  # Changed in place: slot 0 is rebuilt before it is handed out again.
+    del batch
+    for _ in range(2):
+        next(loader)
+    threading.Thread(target=lambda: (time.sleep(0.1), loader.close())).start()
+else:  # A collection inside next()'s allocation of the Batch runs a finalizer that closes the loader.
+    del batch
+    time.sleep(0.3)
+    if how == "cut":  # The allocation of the cut last batch of a finite pass (Cursor.batch_of).
+        loader.seek(len(loader) - 1)
+    class Closer:
+        def __del__(self):
+            loader.close()
+    closer = Closer()
+    closer.cycle = closer
+    del closer
+    gc.set_threshold(1)
+try:
+    got = next(loader)
+    print("delivered", got.step)
+except RuntimeError as error:
+    print("raised", error)
+'''
+
+
+@pytest.mark.parametrize("how", ["views_of", "collection", "cut"])
+def test_a_close_from_code_that_runs_inside_next_raises_and_never_frees_what_next_uses(tmp_path, how):
+    """Before: next() called Python (views_of, a Batch allocation that collects garbage) and
+    then used the slot table that a close() meanwhile had freed: a segfault."""
+    np.save(tmp_path / "x.npy", np.arange(95, dtype=np.int64))
+    out = _run_child(_CLOSE_INSIDE_NEXT, str(tmp_path / "x.npy"), how)
+    assert "raised the loader is closed" in out or (how == "cut" and "delivered" in out), out
+
+
+def test_only_numpy_arrays_pass_for_a_slots_arrays(dataset):
+    """Before: a type merely named numpy.ndarray passed, and its memory was read as an array's (a segfault)."""
+    out = _run_child('''
+import sys
+from shmloader import ShmDataLoader
+from shmloader.ring.batch import Batch, cursor_module
+loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=10, readers=0, slots=3)
+ring = loader._session.ring
+spoof = type("numpy.ndarray", (int,), {})(1 + (0x1000 << 30) + (1 << 60) + (1 << 90))
+try:
+    cursor_module.Cursor(control_table_address=ring.control_table_address, slot_count=3,
+        work_semaphore=ring.names.work, ready_semaphores=tuple(ring.names.ready), field_names=("label",),
+        batch_type=Batch, views=((spoof, spoof),) * 3, next_step=0, check_every_batches=64, wake_after_slots=1,
+        reader_count=0, trainer_slots=2, poll_interval_ns=10**8, end_step=2**64 - 1, partial_from=2**64 - 1,
+        supervise=print, views_of=print, partial=print)
+except TypeError as error:
+    print("refused:", error)
+''', dataset["paths"]["labels_npy"])
+    assert "refused: slot 0: expected numpy arrays" in out
+
+
+def test_steps_given_to_the_cursor_do_not_wrap(dataset):
+    """Before: request(0, 2**64 + 3) requested step 3, and batch_of(views, -1) made step 2**64 - 1."""
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=0, slots=3) as loader:
+        cursor, views = loader._session.cursor, loader._session.views(0)
+        with pytest.raises(OverflowError):
+            cursor.request(0, 2**64 + 3)
+        with pytest.raises(OverflowError):
+            cursor.request(2, -2)
+        with pytest.raises(OverflowError):
+            cursor.batch_of(views, -1)
+        with pytest.raises(ValueError, match=r"got -1\.0"):
+            cursor.wait_filled(0, -1.0)
+
+
+def test_a_seek_that_a_close_interrupts_says_the_loader_is_closed(tmp_path):
+    """Before: a seek waiting for a reader's step, closed from another thread, raised IndexError
+    (and a failed fill under readers=0 hid the close behind an IndexError too)."""
+    import threading
+
+    np.save(tmp_path / "x.npy", np.arange(200, dtype=np.int64))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=1, slots=3, mode="sequential",
+                       transform="transform_fixtures:slow_on_row_nine") as loader:  # Step 0 takes 2.5 s.
+        closer = threading.Timer(0.3, loader.close)
+        closer.start()
+        with pytest.raises(RuntimeError, match="closed"):
+            loader.seek(5)
+        closer.join()
+        with pytest.raises(RuntimeError, match="closed"):
+            loader.slot_states()
+    assert not our_shm_entries(os.getpid())

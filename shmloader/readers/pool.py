@@ -309,6 +309,8 @@ class ReaderPool:
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:
+            if not cursor.active:  # Closed by another thread meanwhile: the ring is gone.
+                raise RuntimeError("the loader is closed")
             state, owner = ring.state(slot)
             if state == SlotState.FAILED:
                 self.raise_reported(owner)

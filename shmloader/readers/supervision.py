@@ -113,8 +113,11 @@ class Supervisor:
             self._publisher = Publisher(self.ring, 0, os.getpid())
         try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
             fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot)
-        except BaseException:
-            cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+        except BaseException as error:
+            if cursor.active:
+                cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
+            elif isinstance(error, Exception):  # Closed by another thread while this one filled.
+                raise RuntimeError("the loader is closed") from error
             raise
         if self.filler.skipped:
             self.warn_if_skipped()
