@@ -481,7 +481,7 @@ PyMODINIT_FUNC PyInit__cursor(void) {
         }
         cursor_ndarray_type = (PyTypeObject *)ndarray; /* Kept for the process's lifetime. */
     }
-    if (PyType_Ready(&CursorType) < 0 ||
+    if (PyType_Ready(&CursorType) < 0 || PyType_Ready(&LoaderBaseType) < 0 ||
         PyType_Ready(&BatchBaseType) < 0) {
         return NULL;
     }
@@ -490,6 +490,7 @@ PyMODINIT_FUNC PyInit__cursor(void) {
         return NULL;
     }
     if (PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0 ||
+        PyModule_AddObjectRef(module, "LoaderBase", (PyObject *)&LoaderBaseType) < 0 ||
         PyModule_AddObjectRef(module, "BatchBase", (PyObject *)&BatchBaseType) < 0 ||
         PyModule_AddIntConstant(module, "STEP_READY", STEP_READY) < 0 ||
         PyModule_AddIntConstant(module, "STEP_IN_FLIGHT", STEP_IN_FLIGHT) < 0 ||

@@ -140,6 +140,7 @@ Py_ssize_t cursor_snapshot_words(PyObject *views);
 
 /* _cursor_type.c */
 extern PyTypeObject CursorType;
+extern PyTypeObject LoaderBaseType;
 void cursor_clear(Cursor *self);
 
 /* _cursor_batch.c */

@@ -419,3 +419,61 @@ PyTypeObject CursorType = {
     .tp_methods = cursor_methods,
     .tp_members = cursor_members,
 };
+
+/* ---- LoaderBase --------------------------------------------------------------------- */
+
+/* The base of ShmDataLoader, for one thing: next(loader) in C. A step-based trainer calls
+ * next(loader) once per step, with its caches cold; a Python __next__ forwarding to the
+ * cursor would add an interpreter frame to every one. The loader is not the cursor: it
+ * holds one (the session's), and this forwards to it. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *cursor; /* the session's Cursor; NULL until the loader is built */
+} LoaderBase;
+
+static PyObject *loader_next(LoaderBase *self) {
+    PyObject *cursor = self->cursor;
+    if (cursor == NULL || Py_TYPE(cursor) != &CursorType) {
+        PyErr_SetString(PyExc_RuntimeError, "the loader was never set up");
+        return NULL;
+    }
+    Py_INCREF(cursor); /* Held across next(): code it runs may replace the attribute. */
+    PyObject *batch = cursor_next((Cursor *)cursor);
+    Py_DECREF(cursor);
+    return batch;
+}
+
+static int loader_traverse(LoaderBase *self, visitproc visit, void *arg) {
+    Py_VISIT(self->cursor);
+    return 0;
+}
+
+static int loader_clear(LoaderBase *self) {
+    Py_CLEAR(self->cursor);
+    return 0;
+}
+
+static void loader_dealloc(LoaderBase *self) {
+    PyObject_GC_UnTrack(self);
+    loader_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef loader_members[] = {
+    {"_cursor", T_OBJECT, offsetof(LoaderBase, cursor), 0, "the cursor next(loader) forwards to"},
+    {NULL},
+};
+
+PyTypeObject LoaderBaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmloader._cursor.LoaderBase",
+    .tp_doc = "The base of ShmDataLoader: next(loader) forwarded to its cursor in C.",
+    .tp_basicsize = sizeof(LoaderBase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)loader_dealloc,
+    .tp_traverse = (traverseproc)loader_traverse,
+    .tp_clear = (inquiry)loader_clear,
+    .tp_iternext = (iternextfunc)loader_next,
+    .tp_members = loader_members,
+};

@@ -24,12 +24,13 @@ from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import plan_loader, warn_poor_layouts, warn_window_memory
 from .readers.pool import ReaderPool
 from .remote.node import CacheUse
+from .ring.batch import cursor_module
 from .ring.stale import sweep_stale
 from .session import Session, StepCuts
 from .transforms.core import resolve as resolve_transform
 
 
-class ShmDataLoader:
+class ShmDataLoader(cursor_module.LoaderBase):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
     `fields` maps field names to .b2nd/.npy files (or lists, globs, Padded/Packed/Windows of
@@ -117,6 +118,7 @@ class ShmDataLoader:
                     raise
                 raise renamed from None  # Objects named by their URLs, not by their cache paths.
             self._session = self._start(plan, options.start_step)
+            self._cursor = self._session.cursor  # What next(loader) forwards to, in C (_cursor_type.c).
         except BaseException:
             resources.close()  # A half-built loader gives back what it took before raising.
             raise
@@ -170,6 +172,7 @@ class ShmDataLoader:
 
     # Iteration: the session's native cursor (_cursor.c) decides what the step's slot holds,
     # takes it or waits for it, and calls its supervisor only to check readers and raise.
+    # next(loader) reaches it through LoaderBase, in C; a loop iterates the cursor itself.
 
     def __iter__(self):
         """The native cursor over the ring (it keeps the ring alive as long as a loop runs).
@@ -183,9 +186,6 @@ class ShmDataLoader:
                 f"its own order), or an endless loader (epochs=None) with your own step count; seek(0) replays "
                 f"this pass knowingly")
         return cursor
-
-    def __next__(self):
-        return next(self._session.cursor)
 
     # The GPU hop.
 

@@ -63,6 +63,8 @@ def test_the_iterator_is_the_native_cursor_and_a_closed_loader_stops_it(dataset)
     iterator = iter(loader)
     assert type(iterator) is cursor_module.Cursor and iter(iterator) is iterator
     assert next(iterator).step == 0 and next(loader).step == 1  # One stream, whichever is called.
+    # next(loader) is C forwarding to the cursor (no interpreter frame per step), not a Python method.
+    assert type(loader).__next__ is cursor_module.LoaderBase.__next__ and loader._cursor is iterator
     assert loader.state_dict()["step"] == 2
     loader.close()
     with pytest.raises(RuntimeError, match="closed"):
