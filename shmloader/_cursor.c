@@ -24,8 +24,9 @@
  * shared with ring/layout.py and the Zig library; its orderings are tabled in ring/segment.py.
  *
  * This file is next() and everything it touches, one translation unit so that the hot path
- * inlines; building the cursor and its other methods are _cursor_type.c's, the Batch base
- * type _cursor_batch.c's, their shared structs _cursor.h's.
+ * inlines; building the cursor and its other methods are _cursor_type.c's, the module and
+ * the base types of Batch and ShmDataLoader _cursor_module.c's, their shared structs
+ * _cursor.h's.
  */
 #include "_cursor.h"
 
@@ -453,53 +454,4 @@ int cursor_store_views(Cursor *self, Py_ssize_t index, PyObject *views) {
     Py_XSETREF(slot->views, views);
     slot->damaged = 0;
     return 0;
-}
-
-/* ---- Module ------------------------------------------------------------------------- */
-
-static struct PyModuleDef cursor_module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "shmloader._cursor",
-    .m_doc = "The trainer's native next() (see the comment at the top of _cursor.c).",
-    .m_size = -1,
-};
-
-PyTypeObject *cursor_ndarray_type = NULL;
-
-PyMODINIT_FUNC PyInit__cursor(void) {
-    if (cursor_ndarray_type == NULL) { /* The one type a slot's arrays may have (is_ndarray). */
-        PyObject *numpy = PyImport_ImportModule("numpy");
-        PyObject *ndarray = numpy == NULL ? NULL : PyObject_GetAttrString(numpy, "ndarray");
-        Py_XDECREF(numpy);
-        if (ndarray == NULL) {
-            return NULL;
-        }
-        if (!PyType_Check(ndarray)) {
-            Py_DECREF(ndarray);
-            PyErr_SetString(PyExc_ImportError, "numpy.ndarray is not a type");
-            return NULL;
-        }
-        cursor_ndarray_type = (PyTypeObject *)ndarray; /* Kept for the process's lifetime. */
-    }
-    if (PyType_Ready(&CursorType) < 0 || PyType_Ready(&LoaderBaseType) < 0 ||
-        PyType_Ready(&BatchBaseType) < 0) {
-        return NULL;
-    }
-    PyObject *module = PyModule_Create(&cursor_module);
-    if (module == NULL) {
-        return NULL;
-    }
-    if (PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0 ||
-        PyModule_AddObjectRef(module, "LoaderBase", (PyObject *)&LoaderBaseType) < 0 ||
-        PyModule_AddObjectRef(module, "BatchBase", (PyObject *)&BatchBaseType) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_READY", STEP_READY) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_IN_FLIGHT", STEP_IN_FLIGHT) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_HELD", STEP_HELD) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_FAILED", STEP_FAILED) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_WRONG", STEP_WRONG) < 0 ||
-        PyModule_AddIntConstant(module, "STEP_CLOSED", STEP_CLOSED) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
 }

@@ -3,7 +3,8 @@
  * batch, and the functions one file of the extension calls in another. The extension is
  * three files: _cursor.c (next() and what it touches, one translation unit so that the hot
  * path inlines), _cursor_type.c (building the cursor, its methods, its type) and
- * _cursor_batch.c (the Batch base type). See _cursor.c for the design.
+ * _cursor_module.c (the module, and the base types of Batch and ShmDataLoader). See
+ * _cursor.c for the design.
  */
 #ifndef SHMLOADER_CURSOR_H
 #define SHMLOADER_CURSOR_H
@@ -140,10 +141,10 @@ Py_ssize_t cursor_snapshot_words(PyObject *views);
 
 /* _cursor_type.c */
 extern PyTypeObject CursorType;
-extern PyTypeObject LoaderBaseType;
 void cursor_clear(Cursor *self);
 
-/* _cursor_batch.c */
+/* _cursor_module.c */
 extern PyTypeObject BatchBaseType;
+extern PyTypeObject LoaderBaseType;
 
 #endif

@@ -1,7 +1,7 @@
 """A batch as the trainer sees it.
 
-Batch's arrays view a shared-memory slot; _cursor_batch.c (BatchBase) and _cursor.c keep the slot reserved
-while any of them is alive.
+Batch's arrays view a shared-memory slot; _cursor_module.c (BatchBase) and _cursor.c keep the slot
+reserved while any of them is alive.
 """
 
 from __future__ import annotations
