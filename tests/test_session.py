@@ -131,7 +131,10 @@ def _run_child(code: str, *args: str) -> str:
     import subprocess
     import sys
 
-    child = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    # From the tests' folder: from the repository's root, `-c` would import the source tree
+    # (unbuilt where the package is installed) instead of the installed package.
+    child = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr}"
     return child.stdout
 
