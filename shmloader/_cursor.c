@@ -202,6 +202,13 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
         PyObject *number = PyLong_FromSsize_t(index);
         PyObject *views = number == NULL ? NULL : PyObject_CallOneArg(self->views_of, number);
         Py_XDECREF(number);
+        if (views != NULL && !self->active) {
+            /* Closed meanwhile (another thread, or a fork in that code: the child's copy is
+             * cleared at once), so the slot table may be gone: deliver nothing. */
+            Py_DECREF(views);
+            supervise(self, STEP_CLOSED, 0);
+            return NULL;
+        }
         int failed = views == NULL || cursor_store_views(self, index, views) < 0;
         Py_XDECREF(views);
         if (failed) {
@@ -415,10 +422,7 @@ static PyObject *next_batch(Cursor *self) {
 
 /* tp_iternext: one thread at a time (the slot states are not the other's to change). */
 PyObject *cursor_next(Cursor *self) {
-    if (self->iterating) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "another thread is inside next() of this loader; one thread iterates a loader "
-                        "(batches may be used and dropped from any thread)");
+    if (cursor_refuse_if_busy(self) < 0) {
         return NULL;
     }
     self->iterating = 1;

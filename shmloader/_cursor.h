@@ -131,6 +131,20 @@ static inline int is_ndarray(PyObject *object) {
     return Py_TYPE(object) == cursor_ndarray_type;
 }
 
+/* One thread at a time steps the cursor: next(), and a seek (enter() .. leave()). Raises,
+ * returning -1, when one is inside already: another thread, or code it runs (a transform
+ * with readers=0, a finalizer, a gc callback), which would move the step under it. */
+static inline int cursor_refuse_if_busy(Cursor *self) {
+    if (!self->iterating) {
+        return 0;
+    }
+    PyErr_SetString(PyExc_RuntimeError,
+                    "next() or seek() of this loader is already running, in another thread or in code it runs "
+                    "(a transform with readers=0, a finalizer, a gc callback); one thread iterates and seeks a "
+                    "loader (batches may be used and dropped from any thread)");
+    return -1;
+}
+
 /* _cursor.c */
 PyObject *cursor_next(Cursor *self);
 Py_ssize_t cursor_release(Cursor *self, int flush);

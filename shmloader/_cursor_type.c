@@ -316,6 +316,24 @@ static PyObject *cursor_deactivate(Cursor *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+/* enter(), leave(): a seek holds the cursor as next() does, so that neither runs inside
+ * the other; a close meanwhile is deferred to leave(), as to the end of next(). */
+static PyObject *cursor_enter(Cursor *self, PyObject *Py_UNUSED(ignored)) {
+    if (cursor_refuse_if_busy(self) < 0) {
+        return NULL;
+    }
+    self->iterating = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cursor_leave(Cursor *self, PyObject *Py_UNUSED(ignored)) {
+    self->iterating = 0;
+    if (self->clear_deferred && self->waiting == 0) {
+        cursor_clear(self);
+    }
+    Py_RETURN_NONE;
+}
+
 /* forget_in_child(): a forked child's copy. No thread of the parent came along, so none
  * is inside next() or a wait here, whatever the copied flags say: clear at once. */
 static PyObject *cursor_forget_in_child(Cursor *self, PyObject *Py_UNUSED(ignored)) {
@@ -379,6 +397,9 @@ static PyMethodDef cursor_methods[] = {
     {"batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},
     {"deactivate", (PyCFunction)cursor_deactivate, METH_NOARGS,
      "Closes the cursor: drops every slot's arrays and semaphores; next() raises through supervise."},
+    {"enter", (PyCFunction)cursor_enter, METH_NOARGS,
+     "Holds the cursor for a seek (refused while next() or another seek runs); leave() ends it."},
+    {"leave", (PyCFunction)cursor_leave, METH_NOARGS, "Ends enter(); clears a cursor closed meanwhile."},
     {"forget_in_child", (PyCFunction)cursor_forget_in_child, METH_NOARGS,
      "Closes a forked child's copy of the cursor (no thread of the parent is inside it here)."},
     {"now_ns", (PyCFunction)cursor_now_ns, METH_NOARGS | METH_STATIC, "The clock next() timing uses (CLOCK_MONOTONIC)."},

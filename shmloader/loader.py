@@ -326,6 +326,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         Arrays of batches still alive keep pointing at valid memory (the mapping lives
         until they are gone) but are no longer refilled.
         """
+        if "_session" not in self.__dict__:
+            return  # Never built (ShmDataLoader.__new__ alone): nothing to give back.
         if self._cache_use is not None:
             self._cache_use.freeze()
         self._session.close()
@@ -341,6 +343,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self.close()
 
     def __repr__(self) -> str:
+        if "_session" not in self.__dict__:
+            return "ShmDataLoader(not set up)"
         state = "closed" if self.closed else f"next step {self._session.cursor.next_step}"
         return (
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "

@@ -160,11 +160,15 @@ class Session:
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch (the loader checked it): every slot taken back first."""
-        self.take_back_all()
-        self.cursor.next_step = step
-        self.cuts.resume = None  # A seek names its step knowingly: no resumed position to cut at.
-        self.cursor.partial_from = self.cuts.partial_from
-        self.request_from(step)
+        self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
+        try:
+            self.take_back_all()
+            self.cursor.next_step = step
+            self.cuts.resume = None  # A seek names its step knowingly: no resumed position to cut at.
+            self.cursor.partial_from = self.cuts.partial_from
+            self.request_from(step)
+        finally:
+            self.cursor.leave()
 
     def resume_at(self, resume) -> None:
         """The next step (a resumed checkpoint's) keeps only the rows from resume.position."""
@@ -207,15 +211,19 @@ class Session:
         configuration, so they are replaced once every slot is taken back (the caller seeks
         next). Raises, changing nothing, while a batch is held."""
         self.check_open()
-        self.take_back_all()
-        self.cuts.sampler, self.cuts.finite = sampler, finite
-        self.cursor.end_step = self.cuts.end_step
-        if self.fillers == 0:  # readers=0: this process's filler, bound to the slots anew.
-            old, local = self.resources.filler, filler.build()
-            self.resources.filler = self.supervisor.filler = local
-            self.supervisor.outputs = [local.bind(self.views(slot)) for slot in range(self.slots)]
-            old.close()
-        self.pool.reconfigure(filler)
+        self.cursor.enter()
+        try:
+            self.take_back_all()
+            self.cuts.sampler, self.cuts.finite = sampler, finite
+            self.cursor.end_step = self.cuts.end_step
+            if self.fillers == 0:  # readers=0: this process's filler, bound to the slots anew.
+                old, local = self.resources.filler, filler.build()
+                self.resources.filler = self.supervisor.filler = local
+                self.supervisor.outputs = [local.bind(self.views(slot)) for slot in range(self.slots)]
+                old.close()
+            self.pool.reconfigure(filler)
+        finally:
+            self.cursor.leave()
 
     def slot_states(self) -> list[tuple[str, int]]:
         """(state, step) of every slot, as the ring's control table says now (diagnostics)."""

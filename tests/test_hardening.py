@@ -252,7 +252,7 @@ def test_next_from_a_second_thread_says_one_thread_iterates(dataset):
             blocked = threading.Thread(target=iterate, daemon=True)
             blocked.start()
             time.sleep(0.5)  # The ring's ready batches are gone; it waits in next().
-            with pytest.raises(RuntimeError, match="one thread iterates a loader"):
+            with pytest.raises(RuntimeError, match="one thread iterates and seeks a loader"):
                 next(loader)
         finally:
             os.kill(loader.reader_pids[0], signal.SIGCONT)

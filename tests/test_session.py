@@ -242,3 +242,107 @@ def test_a_seek_that_a_close_interrupts_says_the_loader_is_closed(tmp_path):
         with pytest.raises(RuntimeError, match="closed"):
             loader.slot_states()
     assert not our_shm_entries(os.getpid())
+
+
+def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_right(dataset):
+    """Before: a gc callback (or finalizer) that seeks during next()'s Batch allocation moved
+    the step under it: a wrong batch, then 'another process wrote to the ring' forever."""
+    labels = dataset["labels"]
+    sampler = Sampler(len(labels), 10, seed=1)
+    refused = []
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3, seed=1) as loader:
+        next(loader), next(loader)
+        import time
+
+        time.sleep(0.3)  # Step 2 ready: next() goes straight to its allocation.
+        armed = [True]
+
+        def seek_inside(phase, info):
+            if phase == "start" and armed[0]:
+                armed[0] = False
+                try:
+                    loader.seek(0)
+                except RuntimeError as error:
+                    refused.append(str(error))
+
+        threshold = gc.get_threshold()
+        gc.callbacks.append(seek_inside)
+        gc.set_threshold(1)
+        try:
+            batch = next(loader)
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(seek_inside)
+        assert refused and "already running" in refused[0]
+        got = [(batch.step, batch["label"].tolist())]
+        del batch
+        got += [(b.step, b["label"].tolist()) for b in (next(loader) for _ in range(4))]
+    assert got == [(step, labels[sampler.fill(step)].tolist()) for step in range(2, 7)]
+
+
+def test_a_close_during_an_in_process_fill_waits_for_the_gather(tmp_path):
+    """Before: with readers=0, close() from another thread released the fields' mappings
+    while the trainer's thread was inside the native gather: a segfault."""
+    for part in range(4):
+        rows = np.empty((600, 2048), dtype=np.int64)
+        rows[:] = (np.arange(600) + 600 * part)[:, None]
+        np.save(tmp_path / f"m{part}.npy", rows)
+    out = _run_child('''
+import random, sys, threading, time
+from shmloader import ShmDataLoader
+files, outcomes = sys.argv[1:], []
+random.seed(1)
+for _ in range(6):
+    loader = ShmDataLoader({"x": files}, batch_size=512, readers=0, slots=3, seed=1)
+    def iterate():
+        try:
+            while True:
+                batch = next(loader)
+                assert (batch["x"][:, 0] == batch["x"][:, -1]).all()
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    worker = threading.Thread(target=iterate)
+    worker.start()
+    time.sleep(random.random() * 0.05)
+    loader.close()
+    worker.join(30)
+print(outcomes)
+''', *(str(tmp_path / f"m{part}.npy") for part in range(4)))
+    assert out.count("the loader is closed") == 6, out
+
+
+def test_a_fork_inside_next_leaves_the_child_an_error_not_a_crash(dataset):
+    """Before: a fork from code next() runs (here a gc callback while a damaged slot is
+    rebuilt) left the child inside next() with its slot table freed: a segfault."""
+    out = _run_child('''
+import gc, os, sys, time
+from shmloader import ShmDataLoader
+loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=10, readers=2, slots=3, seed=1)
+batch = next(loader)
+batch["label"].shape = (2, 5)  # Slot 0 is rebuilt before step 3.
+del batch
+next(loader), next(loader)
+slot, child = loader._session.slot, []
+views = slot.views
+def forking_views(*args):
+    gc.set_threshold(1)
+    try:
+        [[] for _ in range(10)]
+        return views(*args)
+    finally:
+        gc.set_threshold(700)
+object.__setattr__(slot, "views", forking_views)
+gc.callbacks.append(lambda phase, info: child.append(os.fork()) if phase == "start" and not child else None)
+try:
+    got = ("batch", next(loader).step)
+except RuntimeError as error:
+    got = ("error", str(error))
+if child and child[0] == 0:
+    print("child", got, flush=True)
+    os._exit(0)
+gc.callbacks.clear()
+_, status = os.waitpid(child[0], 0)
+print("parent", got, "child status", status)
+loader.close()
+''', dataset["paths"]["labels_npy"])
+    assert "child ('error', 'this loader belongs to process" in out and "child status 0" in out, out

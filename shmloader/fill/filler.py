@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 
 import numpy as np
 
@@ -140,6 +141,11 @@ class StepFiller:
         self._step_max = sampler.step_max  # The last step the sampler computes (asserted per fill).
         self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
         self.verify = verify
+        # close() from another thread during a fill (readers=0: the trainer fills while a
+        # thread closes the loader) waits for the fill to end: the native gathers read the
+        # fields' mappings without the GIL. The filling thread releases them then.
+        self._filling = self._close_requested = self._released = False
+        self._release_lock = threading.Lock()
         self._probe = self._probe_outputs = None  # a filler with room to spare, for finding bad records
         self.plans = tuple(fields)
         batch = slot.batch_size
@@ -193,6 +199,17 @@ class StepFiller:
         """Fills `outputs` with step `step` (`salt` reseeds the global generators differently:
         check_determinism's second run). A batch that fails is searched for the records
         that fail it; on_error="skip" replaces them, "raise" names them in the error."""
+        self._filling = True  # Before the close flag is read (close() writes it, then reads this).
+        try:
+            if self._close_requested:
+                raise RuntimeError("the loader is closed")
+            self._fill(step, outputs, salt)
+        finally:
+            self._filling = False
+            if self._close_requested:
+                self._release()
+
+    def _fill(self, step: int, outputs: SlotOutputs, salt: int) -> None:
         assert 0 <= step <= self._step_max, step
         assert outputs.index_pointer is not None and (outputs.source_pointer is not None) == self.mixture, outputs
         for ahead in self.read_ahead:
@@ -309,6 +326,16 @@ class StepFiller:
         return self.field_readers[0].describe_row(row, source)
 
     def close(self) -> None:
+        """Releases the fields, at once or, while a fill runs in another thread, when it ends."""
+        self._close_requested = True
+        if not self._filling:
+            self._release()
+
+    def _release(self) -> None:
+        with self._release_lock:  # Both threads may come here; one releases.
+            if self._released:
+                return
+            self._released = True
         if self._probe is not None:
             self._probe.close()
             self._probe = self._probe_outputs = None

@@ -107,17 +107,27 @@ class Supervisor:
         """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An
         exception propagates as raised (the step is requested again for the next try)."""
         slot = step % self.slots
-        claimed = self.ring.claim(0)
+        try:
+            claimed = self.ring.claim(0)
+        except Exception:
+            self.raise_if_closed(cursor)  # Closed by another thread just now: say so.
+            raise
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
         if self._publisher is None:  # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
             self._publisher = Publisher(self.ring, 0, os.getpid())
         try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
-            fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot)
+            # A child forked by the transform returns here too: it must not publish into
+            # its parent's ring (raise_if_closed names the owner).
+            fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot,
+                             after_fill=lambda: self.raise_if_closed(cursor))
         except BaseException as error:
-            if cursor.active:
+            if cursor.active and os.getpid() == self.owner_pid:
                 cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
-            elif isinstance(error, Exception):  # Closed by another thread while this one filled.
-                raise RuntimeError("the loader is closed") from error
+            elif isinstance(error, Exception):  # Closed by another thread, or a forked child: say which.
+                try:
+                    self.raise_if_closed(cursor)
+                except RuntimeError as closed:
+                    raise closed from error
             raise
         if self.filler.skipped:
             self.warn_if_skipped()
