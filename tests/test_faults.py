@@ -312,8 +312,11 @@ def test_several_trainer_processes_at_once(dataset):
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a private tmpfs mount")
 @pytest.mark.parametrize("check", ["statvfs", "fallocate"])
 def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, check):
-    """A 2 MiB /dev/shm in a private mount namespace: the ring (about 8 MiB) cannot fit."""
-    disable = "import shmloader.ring.segment as r; r.check_free_space = lambda *a, **k: None;" if check == "fallocate" else ""
+    """A 2 MiB /dev/shm in a private mount namespace, with anonymous memory forbidden
+    (SHMLOADER_RING_MEMORY=dev-shm): the ring (about 8 MiB) cannot fit. With "fallocate"
+    the placement's free-space check is bypassed, so posix_fallocate must refuse it."""
+    disable = ("import shmloader.ring.backing as b; b.place = lambda *a, **k: 'dev-shm';"
+               if check == "fallocate" else "")
     code = (
         f"{disable}"
         "from shmloader import ShmDataLoader, SharedMemoryError; import os, sys\n"
@@ -325,7 +328,7 @@ def test_a_full_dev_shm_is_an_error_at_construction_never_a_sigbus(dataset, chec
     )
     result = subprocess.run(
         ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=2m tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", code],
-        capture_output=True, text=True, timeout=60, cwd=HERE,
+        capture_output=True, text=True, timeout=60, cwd=HERE, env={**os.environ, "SHMLOADER_RING_MEMORY": "dev-shm"},
     )
     if "mount:" in result.stderr or "unshare:" in result.stderr:
         pytest.skip(f"no private mount here: {result.stderr.strip()}")

@@ -268,7 +268,7 @@ def test_no_room_for_the_semaphores_is_a_shared_memory_error_with_sizes(dataset,
         return real(name, flags, *args, **kwargs)
 
     monkeypatch.setattr(posix_ipc, "Semaphore", semaphore)
-    with pytest.raises(SharedMemoryError, match=r"MiB fit in /dev/shm, but its \d+ semaphores.*No space left"):
+    with pytest.raises(SharedMemoryError, match=r"MiB were reserved, but its \d+ semaphores \(a page each of /dev/shm\).*No space left"):
         ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=3)
     assert not our_shm_entries(os.getpid())
 

@@ -81,7 +81,8 @@ from .layout import (
     SlotState,
 )
 from .records import ReaderRecords
-from .stale import check_free_space, lock_free
+from . import backing
+from .stale import lock_free
 
 
 def wait(semaphore: posix_ipc.Semaphore, timeout_seconds: float) -> bool:
@@ -106,10 +107,14 @@ class Ring:
     readers attach and close. close() releases this process's semaphore handles; the
     mapping goes with the last reference to the Ring (batch views keep it)."""
 
-    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, segment_fd: int) -> None:
+    def __init__(self, names: RingNames, layout: RingLayout, memory: mmap.mmap, semaphores, segment_fd: int,
+                 data_fd: int | None = None) -> None:
         self.names = names
         # The creator holds its owner lock on this descriptor; a reader probes the lock.
         self.segment_fd = segment_fd
+        # The anonymous memory the ring lives in where /dev/shm could not hold it (backing.py),
+        # else None: the segment's file is the memory.
+        self.data_fd = data_fd
         self.layout = layout
         self.memory = memory
         self.work_semaphore = semaphores[0]
@@ -125,10 +130,12 @@ class Ring:
 
     @classmethod
     def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
-        """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later)."""
-        check_free_space(layout.total_bytes)
+        """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later), in
+        /dev/shm where it has room, else in anonymous memory that a stub there names
+        (backing.py)."""
+        where = backing.place(layout.total_bytes, SHM_DIRECTORY)
         names = RingNames.new(layout.slot_count)
-        semaphores, memory, segment_fd = [], None, None
+        semaphores, memory, segment_fd, data_fd = [], None, None, None
         try:
             segment = posix_ipc.SharedMemory(names.segment, posix_ipc.O_CREX, mode=0o600, size=0)
             segment_fd = os.dup(segment.fd)  # O_CLOEXEC is not inherited by dup: set it back.
@@ -136,14 +143,19 @@ class Ring:
             os.set_inheritable(segment_fd, False)
             fcntl.flock(segment_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # The owner lock, for the ring's lifetime.
             try:
-                # tmpfs allocates pages lazily; posix_fallocate reserves them now, so a
-                # full /dev/shm is an error here instead of a SIGBUS on first touch.
-                os.posix_fallocate(segment_fd, 0, layout.total_bytes)
-                memory = _map(segment_fd, layout.total_bytes)
+                if where == "anonymous":
+                    data_fd = backing.create_anonymous(names.segment, segment_fd, layout.total_bytes)
+                else:
+                    # tmpfs allocates pages lazily; posix_fallocate reserves them now, so a
+                    # full /dev/shm is an error here instead of a SIGBUS on first touch.
+                    os.posix_fallocate(segment_fd, 0, layout.total_bytes)
+                memory = _map(segment_fd if data_fd is None else data_fd, layout.total_bytes)
             except OSError as error:
+                place = SHM_DIRECTORY if where == "dev-shm" else "anonymous shared memory"
                 raise SharedMemoryError(
-                    f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {SHM_DIRECTORY} for the ring "
-                    f"({error.strerror}); use fewer slots or a smaller batch_size, or free space there"
+                    f"cannot reserve {layout.total_bytes / 2**20:.1f} MiB in {place} for the ring "
+                    f"({error.strerror}); use fewer slots or a smaller batch_size, or free memory or space there "
+                    f"(a container: --shm-size in Docker, an emptyDir with medium: Memory in Kubernetes)"
                 ) from None
             header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
             header.magic, header.version = RING_MAGIC, RING_VERSION
@@ -157,19 +169,20 @@ class Ring:
                     semaphores.append(posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=0))
             except OSError as error:
                 raise SharedMemoryError(
-                    f"the ring's {layout.total_bytes / 2**20:.1f} MiB fit in {SHM_DIRECTORY}, but its "
-                    f"{1 + layout.slot_count} semaphores (a page each) did not ({error.strerror}); free space "
-                    f"there or use fewer slots"
+                    f"the ring's {layout.total_bytes / 2**20:.1f} MiB were reserved, but its "
+                    f"{1 + layout.slot_count} semaphores (a page each of {SHM_DIRECTORY}) did not fit "
+                    f"({error.strerror}); free space there or use fewer slots"
                 ) from None
-            return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
+            return cls(names, layout, memory, semaphores, segment_fd=segment_fd, data_fd=data_fd)
         except BaseException:
             for semaphore in semaphores:
                 semaphore.close()
             if memory is not None:
                 memory.close()
             names.unlink_all()
-            if segment_fd is not None:
-                os.close(segment_fd)
+            for fd in (segment_fd, data_fd):
+                if fd is not None:
+                    os.close(fd)
             raise
 
     @classmethod
@@ -180,14 +193,19 @@ class Ring:
         segment_fd = os.dup(segment.fd)
         segment.close_fd()
         os.set_inheritable(segment_fd, False)
+        data_fd = None
         try:
-            if os.fstat(segment_fd).st_size != layout.total_bytes:
-                raise SharedMemoryError(
-                    f"ring {names.segment} is {os.fstat(segment_fd).st_size} bytes, expected {layout.total_bytes}"
-                )
-            memory = _map(segment_fd, layout.total_bytes)
+            stub = backing.read_stub(segment_fd)
+            if stub is not None:
+                data_fd = backing.open_anonymous(names.segment, trainer_pid, stub[0], writable=True)
+            size = os.fstat(segment_fd if data_fd is None else data_fd).st_size
+            if size != layout.total_bytes:
+                raise SharedMemoryError(f"ring {names.segment} is {size} bytes, expected {layout.total_bytes}")
+            memory = _map(segment_fd if data_fd is None else data_fd, layout.total_bytes)
         except BaseException:
-            os.close(segment_fd)
+            for fd in (segment_fd, data_fd):
+                if fd is not None:
+                    os.close(fd)
             raise
         header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
@@ -197,23 +215,26 @@ class Ring:
                     layout.batch_size, layout.slot_stride, layout.slots_offset, trainer_pid)
         if found != expected:
             memory.close()
-            os.close(segment_fd)
+            for fd in (segment_fd, data_fd):
+                if fd is not None:
+                    os.close(fd)
             raise SharedMemoryError(
                 f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
                 f"stride, slots offset, trainer pid) = {found}, expected {expected}"
             )
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
-        return cls(names, layout, memory, semaphores, segment_fd=segment_fd)
+        return cls(names, layout, memory, semaphores, segment_fd=segment_fd, data_fd=data_fd)
 
     def forget_descriptors_in_child(self) -> None:
         """In a process forked from this ring's owner: points every descriptor of the ring's
         segment (the owner-lock one and the mapping's own) at /dev/null, so that the child
         neither holds the owner lock (a dead trainer's ring would look alive) nor keeps the
-        unlinked segment's file open. dup2 rather than close: the objects that own those
+        unlinked segment's file (or the anonymous memory) open. dup2 rather than close: the objects that own those
         numbers close them later, which must not close another file that took the number.
         The mapping itself stays until the child exits or execs (a batch view there may
         still point into it)."""
         segment = SHM_DIRECTORY + self.names.segment
+        anonymous = f"/memfd:{self.names.segment.lstrip('/')} (deleted)"
         try:
             entries = os.listdir("/proc/self/fd")
             devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -225,7 +246,7 @@ class Ring:
                     link = os.readlink(f"/proc/self/fd/{entry}")
                 except OSError:
                     continue
-                if link in (segment, segment + " (deleted)"):
+                if link in (segment, segment + " (deleted)", anonymous):
                     os.dup2(devnull, int(entry), inheritable=False)
         finally:
             os.close(devnull)
@@ -307,6 +328,8 @@ class Ring:
             except (posix_ipc.ExistentialError, OSError):
                 pass
         os.close(self.segment_fd)  # The creator's owner lock goes with it.
+        if self.data_fd is not None:
+            os.close(self.data_fd)  # The memory stays while a batch view maps it.
         # Drop this object's references to the mapping: it is unmapped (and tmpfs frees
         # the pages of the unlinked segment) once no batch array refers to it either.
         self.header = self._lines = self._state_pointers = self._pointer = None

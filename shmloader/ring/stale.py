@@ -1,5 +1,5 @@
 """Rings left behind: finding the segments and semaphores of trainers that are gone (their
-owner locks free) and removing them, and checking /dev/shm has room for a new ring."""
+owner locks free) and removing them."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ import time
 
 import posix_ipc
 
-from ..errors import SharedMemoryError
 from .layout import NAME_PREFIX, SHM_DIRECTORY
 
 _SEGMENT_PATTERN = re.compile(r"^shml_\d{1,10}_[0-9a-f]{12}$")
 _SEMAPHORE_PATTERN = re.compile(r"^sem\.(shml_\d{1,10}_[0-9a-f]{12})_(?:w|r\d{1,5})$")
 # How old an empty ring segment must be before the sweep takes it for abandoned.
 _CREATION_GRACE_SECONDS = 60.0
-# Room left free in /dev/shm beyond the ring, so that other users of it do not fail.
-_SHM_HEADROOM_BYTES = 64 << 20
 
 
 def lock_free(fd: int, shared: bool) -> bool:
@@ -89,18 +86,3 @@ def _segment_abandoned(path: str, owner_gone: bool = False) -> bool:
         return owner_gone or stats.st_size > 0 or time.time() - stats.st_mtime > _CREATION_GRACE_SECONDS
     finally:
         os.close(fd)
-
-
-def check_free_space(total_bytes: int, directory: str = SHM_DIRECTORY) -> None:
-    try:
-        stats = os.statvfs(directory)
-    except OSError:
-        return  # No /dev/shm to measure (not Linux); posix_fallocate still guards creation.
-    free_bytes = stats.f_bavail * stats.f_frsize
-    if free_bytes < total_bytes + _SHM_HEADROOM_BYTES:
-        raise SharedMemoryError(
-            f"not enough room in {directory} for the ring: it needs {total_bytes / 2**20:.1f} MiB "
-            f"(+{_SHM_HEADROOM_BYTES >> 20} MiB headroom), {free_bytes / 2**20:.1f} MiB are free. "
-            f"Use fewer slots or a smaller batch_size, free space in {directory}, or enlarge it "
-            f"(mount -o remount,size=... {directory}; in Docker, --shm-size)."
-        )

@@ -18,9 +18,12 @@ import dataclasses
 import mmap
 import os
 import re
+import stat
 import time
 
 from .._native import ffi
+from ..errors import SharedMemoryError
+from ..ring import backing
 from ..ring.layout import (
     HEADER_BYTES,
     OWNER_SHIFT,
@@ -75,25 +78,41 @@ def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
 
 def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
     """A reading of ring `name`, or None when it is gone, not ours to read, or not (yet) a
-    whole ring: its bytes are another process's, so every count is checked before use."""
+    whole ring: its bytes are another process's, so every count is checked before use.
+    Any local user can make an entry named like a ring: it is opened without following a
+    link or blocking (a FIFO), and read only if it is a regular file. A ring in anonymous
+    memory (ring/backing.py) is read through its trainer's /proc entry."""
     try:
-        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    data_fd = None
     try:
-        size = os.fstat(fd).st_size
-        if size < HEADER_BYTES:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
             return None
         alive = not lock_free(fd, shared=True)
-        memory = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        os.close(fd)
+        stub = backing.read_stub(fd)
+        if stub is not None:
+            match = _SEGMENT.match(name)
+            if not alive or match is None:
+                return None  # A dead trainer's anonymous ring is gone with it.
+            data_fd = backing.open_anonymous(name, int(match.group(1)), stub[0], writable=False)
+            status = os.fstat(data_fd)
+        size = status.st_size
+        if size < HEADER_BYTES:
+            return None
+        memory = mmap.mmap(fd if data_fd is None else data_fd, size, prot=mmap.PROT_READ)
+    except (OSError, ValueError, SharedMemoryError):
         return None
+    finally:
+        for descriptor in (fd, data_fd):
+            if descriptor is not None:
+                os.close(descriptor)
     try:
         return _read(name, memory, size, alive)
     finally:
         memory.close()
-        os.close(fd)
 
 
 def _read(name: str, memory: mmap.mmap, size: int, alive: bool) -> RingSample | None:
