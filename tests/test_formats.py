@@ -450,7 +450,7 @@ def test_images_stored_by_path_or_without_one_import_their_bytes(tmp_path):
         files.append(str(tmp_path / f"{index}.png"))
         Image.new("RGB", (2 + index, 3), color=(index, 0, 0)).save(files[-1])
     by_path = datasets.Dataset.from_dict({"image": files}).cast_column("image", datasets.Image())
-    paths = from_arrow(by_path, tmp_path / "a", progress=False)
+    paths = from_arrow(by_path, tmp_path / "a", progress=False, image_root=tmp_path)  # Read only under a root.
     assert _ragged_records(paths["image"]) == [open(name, "rb").read() for name in files]
     assert [path.decode() for path in _ragged_records(paths["image_path"])] == files
     made = datasets.Dataset.from_dict({"img": [Image.new("RGB", (2, 2))]}, features=datasets.Features(

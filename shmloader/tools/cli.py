@@ -100,13 +100,13 @@ def _import(arguments) -> int:
 
     columns = arguments.columns.split(",") if arguments.columns else None
     if arguments.format == "webdataset" and (columns is not None or arguments.nulls or arguments.fixed or
-                                             arguments.skip_columns):
-        print("--columns, --nulls, --fixed and --skip-columns apply to parquet and arrow; a WebDataset import "
-              "takes every extension", file=sys.stderr)
+                                             arguments.skip_columns or arguments.image_root is not None):
+        print("--columns, --nulls, --fixed, --skip-columns and --image-root apply to parquet and arrow; a WebDataset "
+              "import takes every extension, from the shards alone", file=sys.stderr)
         return 2
     options = dict(columns=columns, nulls=_nulls(arguments.nulls), force=arguments.force, progress=not arguments.quiet,
                    fixed=arguments.fixed.split(",") if arguments.fixed else None,
-                   skip_unsupported=arguments.skip_columns)
+                   skip_unsupported=arguments.skip_columns, image_root=arguments.image_root)
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
         paths = _import_into(arguments, output, options)
         for name, path in paths.items():
@@ -310,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
     imports.add_argument("--nulls", action="append", metavar="COLUMN=VALUE",
                          help="what a null of COLUMN becomes: a number, or 'empty' for lists, strings and binaries "
                               "(repeat for more columns; default: nulls are refused)")
+    imports.add_argument("--image-root", metavar="DIR",
+                         help="the directory under which images stored by path alone (an Image() row without bytes) "
+                              "are read; a relative path is taken relative to it, and no path resolving outside it is "
+                              "read (default: such rows are refused)")
     imports.add_argument("--force", action="store_true", help="overwrite an existing output")
     imports.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -21,6 +21,14 @@ and "one_length" for a list column whose lists all have one length: fixed= would
 as an (N, length) array) and the columns skipped. Decimals and other types with no exact
 field form are refused naming the column, or skipped with skip_unsupported=True.
 
+An Image() (or any struct<bytes, path>) row with no bytes but a path is read from that
+file only under the directory the caller names, image_root= (--image-root; a relative
+path is taken relative to it): the path, resolved, must stay under it (no `..`, no
+symlink out of it), name a regular file (never a FIFO, a device or a directory) and hold
+at most IMAGE_FILE_BYTES_MAX bytes; anything else is refused naming the row and the path.
+So an import reads only what it was given, never a local file a dataset merely names.
+Class labels (ClassLabel, and lists of them) must lie in -1 .. names - 1, as in datasets.
+
 A null is refused naming the column and the row, unless `nulls` maps the column to a
 value (for scalars and list items) or to "empty" (for lists, strings and binaries). The
 import streams: one column of one record batch (a Parquet row group, an Arrow chunk) is
@@ -35,6 +43,8 @@ import concurrent.futures
 import glob as globbing
 import os
 import pathlib
+import stat
+import threading
 
 import numpy as np
 
@@ -44,10 +54,20 @@ from .columns import check_columns, column_form, with_options, write_column
 from .output import check_output, publishing
 
 
+# An image an Image() row names by path alone is read only if it holds at most this many
+# bytes, so that a path to a huge or endless file cannot fill memory; the largest images
+# of public datasets hold tens of MiB. Set shmloader.tools.formats.IMAGE_FILE_BYTES_MAX
+# for larger ones.
+IMAGE_FILE_BYTES_MAX = 256 << 20
+
+
 def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
-                 force: bool = False, progress: bool = True, threads: int | None = None) -> dict[str, str]:
+                 force: bool = False, progress: bool = True, threads: int | None = None,
+                 image_root=None) -> dict[str, str]:
     """Imports Parquet file(s) (a path, a list or a glob; rows in that order) into OUT;
-    returns {column: path} for ShmDataLoader (wrap list columns in Packed or Padded)."""
+    returns {column: path} for ShmDataLoader (wrap list columns in Packed or Padded).
+    image_root: the directory under which images stored by path alone are read (none
+    are read without it)."""
     import pyarrow.parquet as pq
 
     files = expand_sources(paths)
@@ -87,15 +107,17 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
 
     rows = sum(parquet.metadata.num_rows for parquet in opened)
     return _import(schema, batches, rows, out, columns, nulls, force, progress, threads, fixed, skip_unsupported,
-                   files)
+                   files, image_root)
 
 
 def from_arrow(table, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
-               force: bool = False, progress: bool = True, threads: int | None = None) -> dict[str, str]:
+               force: bool = False, progress: bool = True, threads: int | None = None,
+               image_root=None) -> dict[str, str]:
     """Imports an Arrow table (or a RecordBatchReader, or a Hugging Face `datasets.Dataset`)
     into OUT; returns {column: path}. A Dataset is read through its indices mapping, so
     that `select`, `shuffle`, `filter` and `train_test_split` give their own rows in their
-    own order (not the table they share underneath)."""
+    own order (not the table they share underneath). image_root: the directory under
+    which images stored by path alone are read (none are read without it)."""
     import pyarrow as pa
 
     if _is_hugging_face_dict(table):
@@ -103,14 +125,14 @@ def from_arrow(table, out, *, columns=None, nulls=None, fixed=None, skip_unsuppo
                         f"e.g. dataset[{sorted(table)[0]!r}]")
     if _is_hugging_face_dataset(table):
         return _import(table.data.schema, _hugging_face_batches(table), table.num_rows, out, columns, nulls, force,
-                       progress, threads, fixed, skip_unsupported)
+                       progress, threads, fixed, skip_unsupported, image_root=image_root)
     if isinstance(table, pa.RecordBatchReader):
         table = table.read_all()  # A stream is read once: its batches must be held to go column by column.
     if not isinstance(table, pa.Table):
         raise TypeError(f"from_arrow takes a pyarrow Table, RecordBatchReader or datasets.Dataset, got "
                         f"{type(table).__name__}")
     return _import(table.schema, lambda column: iter(table.column(column).chunks), table.num_rows, out, columns,
-                   nulls, force, progress, threads, fixed, skip_unsupported)
+                   nulls, force, progress, threads, fixed, skip_unsupported, image_root=image_root)
 
 
 # A Hugging Face dataset with an indices mapping is read this many rows at a time (each
@@ -161,8 +183,9 @@ def expand_sources(paths) -> list[str]:
 
 
 def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progress: bool, threads,
-            fixed=None, skip_unsupported: bool = False, sources=()) -> dict[str, str]:
+            fixed=None, skip_unsupported: bool = False, sources=(), image_root=None) -> dict[str, str]:
     out = check_output(out, sources, force, COLUMNS_FILE)
+    image_root = _check_image_root(image_root)
     names = check_columns(schema, columns)
     fixed = set(fixed or ())
     unknown = sorted(fixed - set(names))
@@ -173,7 +196,7 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     outputs, skipped, plans = [], {}, {}
     for name in names:
         try:  # What a column's type allows: a column without a field form may be skipped.
-            found = _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed)
+            found = _outputs_of(name, schema.field(name).type, features.get(name, {}), name in fixed, image_root)
             forms = [column_form(output.field, output.arrow_type, nulls.get(output.field)) for output in found]
         except StorageError as error:
             if not skip_unsupported:
@@ -207,15 +230,37 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
     with publishing(out) as temporary:
         bar = tqdm(total=rows * len(outputs), desc=f"import {out.name}", unit="value", disable=not progress,
                    leave=False)
-        workers = threads or min(len(outputs), max(1, len(os.sched_getaffinity(0))))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {output.field: pool.submit(write_column, temporary, output.field, plans[output.field],
-                                                 map(output.extract, batches(output.column)), rows, bar)
-                       for output in outputs}
-            written = {field: future.result() for field, future in futures.items()}
+        try:
+            shared = _SharedProgress(bar)
+            workers = threads or min(len(outputs), max(1, len(os.sched_getaffinity(0))))
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {output.field: pool.submit(write_column, temporary, output.field, plans[output.field],
+                                                     map(output.extract, batches(output.column)), rows, shared)
+                           for output in outputs}
+                written = {field: future.result() for field, future in futures.items()}
+            _write_description(temporary, outputs, written, skipped)
+        except BaseException:
+            bar.close()  # Cleared where it stood: an import that failed shows no finished bar.
+            raise
+        # Finished: the bar shown, and left, at 100% (a bar cleared where its last refresh
+        # left it read as an import stuck at 5%). Where a file's metadata miscounted its
+        # rows, the values written are the total.
+        bar.total = max(bar.n, 1)
+        bar.leave = True
         bar.close()
-        _write_description(temporary, outputs, written, skipped)
     return {field: str(out / written[field][0]) for field in fields}
+
+
+class _SharedProgress:
+    """The import's bar, advanced by every column's thread: tqdm's update is no atomic
+    step (it adds, then maybe refreshes), so without the lock a count could be lost."""
+
+    def __init__(self, bar) -> None:
+        self._bar, self._lock = bar, threading.Lock()
+
+    def update(self, count: int) -> None:
+        with self._lock:
+            self._bar.update(count)
 
 
 # What an import writes beside its fields: every field's column, Arrow type, file and
@@ -268,7 +313,58 @@ def _identity(chunk):
     return chunk
 
 
-def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Output]:
+def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool, image_root: str | None) -> list[_Output]:
+    """The fields a column becomes (_outputs_of_column), class labels checked against
+    their names as they are read."""
+    outputs = _outputs_of_column(name, arrow_type, feature, fixed, image_root)
+    for output in outputs:
+        if "classes" in output.notes:
+            output.extract = _RowCounted(lambda chunk, first_row, extract=output.extract, count=len(
+                output.notes["classes"]): _check_class_labels(name, extract(chunk), first_row, count))
+    return outputs
+
+
+class _RowCounted:
+    """A column's extract that is told the first row of each chunk: a column's chunks come
+    in order, read by one thread, so a count of the rows passed is that row."""
+
+    def __init__(self, extract) -> None:
+        self._extract, self._first_row = extract, 0
+
+    def __call__(self, chunk):
+        result = self._extract(chunk, self._first_row)
+        self._first_row += len(chunk)
+        return result
+
+
+def _check_class_labels(name: str, chunk, first_row: int, count: int):
+    """A chunk of class labels (or lists of them), refused naming the row of the first
+    label outside -1 .. count - 1 (datasets' ClassLabel range; -1 is its "no label")."""
+    import pyarrow.compute as pc
+    import pyarrow.types as types
+
+    values, parents = chunk, None  # parents: each value's row in the chunk, through every list level.
+    while types.is_list(values.type) or types.is_large_list(values.type) or types.is_fixed_size_list(values.type):
+        level = pc.list_parent_indices(values)
+        values = pc.list_flatten(values)
+        parents = level if parents is None else pc.take(parents, level)
+    if not types.is_integer(values.type) or len(values) == 0:
+        return chunk
+    labels = np.asarray(pc.fill_null(values, 0).to_numpy(zero_copy_only=False))
+    outside = labels >= count
+    if labels.dtype.kind == "i":
+        outside |= labels < -1
+    bad = np.flatnonzero(outside)
+    if bad.size:
+        index = int(bad[0])
+        row = first_row + (index if parents is None else int(parents[index].as_py()))
+        raise StorageError(f"column {name!r}: row {row} holds the class label {int(labels[index]):,}, outside its "
+                           f"{count} names (a ClassLabel takes 0 .. {count - 1}, or -1 for no label); correct the "
+                           f"labels, or the names in the dataset's features")
+    return chunk
+
+
+def _outputs_of_column(name: str, arrow_type, feature: dict, fixed: bool, image_root: str | None) -> list[_Output]:
     """The fields a column becomes: itself, or (a Hugging Face Image) its bytes and path;
     extension, dictionary and time types as their storage, decoded values or integers."""
     import pyarrow as pa
@@ -288,13 +384,13 @@ def _outputs_of(name: str, arrow_type, feature: dict, fixed: bool) -> list[_Outp
             return [_Output(name, name, target, lambda chunk, target=target: _cast_shape(name, chunk.storage, target),
                             source_type, notes)]
         return _outputs_of_storage(name, arrow_type.storage_type, lambda chunk: chunk.storage, source_type, notes,
-                                   feature, fixed)
+                                   feature, fixed, image_root)
     if str(feature.get("_type", "")).startswith("Array") and "shape" in feature and "dtype" in feature:
         # The same, from a file's metadata where datasets has not registered its extension type.
         target = _array_type(name, feature["shape"], feature["dtype"])
         return [_Output(name, name, target, lambda chunk, target=target: _cast_shape(name, chunk, target),
                         source_type, notes)]
-    return _outputs_of_storage(name, arrow_type, _identity, source_type, notes, feature, fixed)
+    return _outputs_of_storage(name, arrow_type, _identity, source_type, notes, feature, fixed, image_root)
 
 
 def _array_type(name: str, shape, value_type):
@@ -314,13 +410,13 @@ def _array_type(name: str, shape, value_type):
     return target
 
 
-def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fixed) -> list[_Output]:
+def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fixed, image_root) -> list[_Output]:
     import pyarrow as pa
     import pyarrow.types as types
 
     if types.is_dictionary(arrow_type):  # pandas' category: the values, decoded.
         return _outputs_of_storage(name, arrow_type.value_type, lambda chunk: first(chunk).dictionary_decode(),
-                                   source_type, notes, feature, fixed)
+                                   source_type, notes, feature, fixed, image_root)
     if types.is_timestamp(arrow_type) or types.is_date(arrow_type) or types.is_time(arrow_type) \
             or types.is_duration(arrow_type):
         width = arrow_type.bit_width
@@ -331,8 +427,8 @@ def _outputs_of_storage(name, arrow_type, first, source_type, notes, feature, fi
         raise StorageError(f"column {name!r}: {arrow_type} has no exact field form; cast it first (to float64, or to "
                            f"int64 in units of 10**-{arrow_type.scale})")
     if types.is_struct(arrow_type) and _image_struct(arrow_type, feature):
-        return [_Output(name, name, arrow_type.field("bytes").type,
-                        lambda chunk: _image_bytes(name, first(chunk)), source_type, {**notes, "image": True}),
+        read = _RowCounted(lambda chunk, first_row: _image_bytes(name, first(chunk), first_row, image_root))
+        return [_Output(name, name, arrow_type.field("bytes").type, read, source_type, {**notes, "image": True}),
                 _Output(f"{name}_path", name, arrow_type.field("path").type,
                         lambda chunk: _struct_child(first(chunk), "path").fill_null(""), source_type,
                         {"path_of": name})]
@@ -345,10 +441,11 @@ def _image_struct(arrow_type, feature: dict) -> bool:
     return names == ["bytes", "path"] and (feature.get("_type") == "Image" or not feature)
 
 
-def _image_bytes(name: str, chunk):
+def _image_bytes(name: str, chunk, first_row: int, image_root: str | None):
     """A Hugging Face Image chunk's encoded bytes: those stored, or where only the path is
-    (an image folder loaded without embedding its files), the file's bytes read from it.
-    A row with neither stays null (refused unless nulls says "empty")."""
+    (an image folder loaded without embedding its files), the file's bytes, read only
+    under image_root (_read_image_file). A row with neither stays null (refused unless
+    nulls says "empty")."""
     import pyarrow as pa
 
     data = _struct_child(chunk, "bytes")
@@ -356,16 +453,83 @@ def _image_bytes(name: str, chunk):
         return data
     paths = _struct_child(chunk, "path").to_pylist()
     filled = data.to_pylist()
-    for row, (value, path) in enumerate(zip(filled, paths)):
+    for index, (value, path) in enumerate(zip(filled, paths)):
         if value is None and path:
-            try:
-                with open(path, "rb") as handle:
-                    filled[row] = handle.read()
-            except OSError as error:
-                raise StorageError(f"column {name!r}: an image stored by path only, {path!r}, cannot be read "
-                                   f"({error.strerror or error}); import where the files are, or embed them first "
-                                   f"(datasets: cast_column with Image(), then save)") from None
+            filled[index] = _read_image_file(name, first_row + index, path, image_root)
     return pa.array(filled, type=data.type)
+
+
+def _check_image_root(image_root) -> str | None:
+    """image_root as the real path of a directory (the one every image path must resolve
+    under), or None where none was given."""
+    if image_root is None:
+        return None
+    root = os.path.realpath(os.fspath(image_root))
+    if not os.path.isdir(root):
+        raise StorageError(f"image_root={os.fspath(image_root)!r} (--image-root) is not a directory; give the "
+                           f"directory that holds the images the dataset names by path")
+    return root
+
+
+def _read_image_file(name: str, row: int, path, image_root: str | None) -> bytes:
+    """The bytes of the file an Image row names by path alone: only under image_root,
+    only a regular file, at most IMAGE_FILE_BYTES_MAX bytes; else a StorageError naming
+    the column, the row, the path and the fix."""
+    path = os.fsdecode(path) if isinstance(path, bytes) else str(path)
+    where = f"column {name!r}: row {row} holds no image bytes, only the path {path!r}"
+    if image_root is None:
+        raise StorageError(f"{where}; an import reads such files only under a directory you name: give "
+                           f"image_root='DIR' (--image-root DIR) where the images are, or embed the images in the "
+                           f"dataset first (datasets: cast_column with Image(), then save)")
+    resolved = os.path.realpath(os.path.join(image_root, path))  # A relative path: relative to the root.
+    if not _is_under(resolved, image_root):
+        raise StorageError(f"{where}, which resolves to {resolved}, outside image_root {image_root} (through `..` or "
+                           f"a symbolic link); only files under image_root are read: give the directory that holds "
+                           f"them, or fix the path")
+    try:
+        # No link followed, and a FIFO or a device opened without blocking, to be refused.
+        descriptor = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise StorageError(f"{where}, which cannot be opened under image_root {image_root} "
+                           f"({error.strerror or error}); import where the files are, or fix the path") from None
+    try:
+        return _read_regular_file(descriptor, where, image_root)
+    finally:
+        os.close(descriptor)
+
+
+def _read_regular_file(descriptor: int, where: str, image_root: str) -> bytes:
+    """An open image file's bytes, once it is known to be a regular file under image_root
+    (what was opened, seen through /proc: a directory swapped for a link after the path
+    was resolved is caught too) of at most IMAGE_FILE_BYTES_MAX bytes."""
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
+        raise StorageError(f"{where}, which is not a regular file (a FIFO, a device, a directory or a socket); only "
+                           f"image files are read: fix the path")
+    try:
+        opened = os.readlink(f"/proc/self/fd/{descriptor}")
+    except OSError:
+        opened = None  # No /proc: the path was resolved under the root just before, without links.
+    if opened is not None and not _is_under(opened, image_root):
+        raise StorageError(f"{where}, which was opened as {opened}, outside image_root {image_root} (a link changed "
+                           f"while it was opened); only files under image_root are read")
+    limit = IMAGE_FILE_BYTES_MAX
+    if status.st_size > limit:
+        raise StorageError(f"{where}, which holds {status.st_size:,} bytes, more than IMAGE_FILE_BYTES_MAX "
+                           f"({limit:,}); set shmloader.tools.formats.IMAGE_FILE_BYTES_MAX higher to import it")
+    pieces, total = [], 0
+    while total <= limit:  # Bounded even if the file grows while it is read.
+        piece = os.read(descriptor, min(limit + 1 - total, 16 << 20))
+        if not piece:
+            return b"".join(pieces)
+        pieces.append(piece)
+        total += len(piece)
+    raise StorageError(f"{where}, which grew past IMAGE_FILE_BYTES_MAX ({limit:,} bytes) while it was read; set "
+                       f"shmloader.tools.formats.IMAGE_FILE_BYTES_MAX higher to import it")
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _struct_child(chunk, child: str):
