@@ -42,7 +42,8 @@ def cluster(tmp_path_factory):
         ray.init(address=cluster.address, log_to_driver=False)
     finally:
         os.chdir(here)
-    reaper = _reaper_of(_descendants(os.getpid()))
+    session = ray._private.worker._global_node.get_session_dir_path()
+    reaper = _reaper_of(_descendants(os.getpid()), cluster.address, session)
     try:
         yield cluster
     finally:
@@ -50,6 +51,20 @@ def cluster(tmp_path_factory):
         cluster.shutdown()
         reaper.kill()
         reaper.wait()
+        _remove_session(session)
+
+
+def _remove_session(session: str) -> None:
+    """The cluster's logs and sockets in /tmp/ray (Ray keeps every session's there)."""
+    import shutil
+
+    shutil.rmtree(session, ignore_errors=True)
+    latest = os.path.join(os.path.dirname(session), "session_latest")
+    if os.path.realpath(latest) == os.path.realpath(session):
+        try:
+            os.unlink(latest)
+        except OSError:
+            pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -58,21 +73,36 @@ def _descendants(pid: int) -> list[int]:
     return [child.pid for child in psutil.Process(pid).children(recursive=True)]
 
 
-def _reaper_of(pids: list[int]):
+def _reaper_of(pids: list[int], address: str = "", session: str = ""):
     """A process that SIGKILLs the cluster's processes if this test worker dies without
     shutting it down (ended by pytest-timeout): Ray's raylets, GCS and agents were left as
-    orphans. It learns of the worker's death by its own death signal (PR_SET_PDEATHSIG)."""
+    orphans, and /tmp/ray/ray_current_cluster still named the dead cluster (a later
+    ray.init() would try to join it). It learns of the worker's death by its own death
+    signal (PR_SET_PDEATHSIG), then removes that file if it names this cluster, and the
+    session's directory."""
     import subprocess
     import sys
 
-    code = ("import os, signal, sys, time;"
-            "pids = [int(p) for p in sys.argv[1:]];"
-            "signal.signal(signal.SIGTERM, lambda *a: ([os.kill(p, 9) for p in pids if os.path.exists(f'/proc/{p}')],"
-            " os._exit(0)));"
-            "import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0);"
-            f"os.getppid() == {os.getpid()} or os.kill(os.getpid(), signal.SIGTERM);"
-            "time.sleep(24 * 3600)")
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, pids)])
+    code = ("import os, shutil, signal, sys, time\n"
+            "address, session, pids = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3:]]\n"
+            "def reap(*_):\n"
+            "    for pid in pids:\n"
+            "        os.path.exists(f'/proc/{pid}') and os.kill(pid, 9)\n"
+            "    current = '/tmp/ray/ray_current_cluster'\n"
+            "    try:\n"
+            "        if address and open(current).read().strip() == address:\n"
+            "            os.unlink(current)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "    if session:\n"
+            "        time.sleep(0.5)\n"  # The killed processes' last writes.
+            "        shutil.rmtree(session, ignore_errors=True)\n"
+            "    os._exit(0)\n"
+            "signal.signal(signal.SIGTERM, reap)\n"
+            "import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+            f"os.getppid() == {os.getpid()} or os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(24 * 3600)\n")
+    return subprocess.Popen([sys.executable, "-c", code, address, session, *map(str, pids)])
 
 
 def alive_actors() -> list[dict]:
@@ -263,9 +293,19 @@ def test_an_actor_ray_cannot_place_is_named_when_a_step_times_out(cluster, kinds
     remote = RayReaders(actors=1, options={"resources": {"no_such_node": 1}})
     with ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=remote, step_timeout=1.0,
                        warn_layout=False) as loader:
-        with pytest.raises(StepTimeoutError, match=r"Ray actor 0 .*Ray may lack the resources .*no_such_node"):
+        with pytest.raises(StepTimeoutError, match=r"not placed actor\(s\) 0 .*no_such_node.*dealt no step"):
             next(loader)
     assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+
+
+def test_actors_ray_cannot_place_are_dealt_no_step_so_the_others_fill_every_one(cluster, kinds):
+    """Three actors on a two-CPU cluster: the third is never placed. Its share of the steps
+    went to it and the trainer waited for ever; now the two placed actors fill every step,
+    right, within the step time-out. No local reader: it would fill most steps first."""
+    fields = {"x": str(kinds / "rows.npy")}
+    expected = batches(fields, 1, 40)
+    found = batches(fields, 0, 40, remote=RayReaders(actors=3, num_cpus=1), step_timeout=60.0)
+    assert_same(expected, found)
 
 
 def test_a_checkout_where_ray_was_started_is_refused_with_the_reason(cluster, kinds, tmp_path, monkeypatch):
@@ -295,7 +335,10 @@ def test_a_remote_result_of_the_wrong_size_or_dtype_fails_its_step_instead_of_fi
     """Before: np.copyto broadcast a one-byte result over the whole slot (or cast another
     dtype) and the batch was delivered."""
     def get(ref):
-        data, *rest = ray.get(ref)
+        result = ray.get(ref)
+        if len(result) == 2:  # An actor's where() (pid, node), not a filled step.
+            return result
+        data, *rest = result
         return (mangle(data) if data is not None else None), *rest
 
     monkeypatch.setattr("shmloader.readers.ray.ray", _RayWith(get=get))
@@ -347,16 +390,31 @@ from ray.cluster_utils import Cluster
 cluster = Cluster(initialize_head=True, head_node_args={{"num_cpus": 1, "object_store_memory": 96 << 20,
                                                         "include_dashboard": False}})
 ray.init(address=cluster.address, log_to_driver=False)
-reaper = test_ray._reaper_of(test_ray._descendants(os.getpid()))
+session = ray._private.worker._global_node.get_session_dir_path()
+reaper = test_ray._reaper_of(test_ray._descendants(os.getpid()), cluster.address, session)
+print(cluster.address, session, flush=True)
 print(" ".join(map(str, test_ray._descendants(os.getpid()))), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             cwd=str(tmp_path))
-    pids = [int(pid) for pid in result.stdout.split()]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr
+    address, session = lines[0].split()
+    pids = [int(pid) for pid in lines[1].split()]
     assert pids, result.stderr
     assert wait_until(lambda: not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
                                    open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"], timeout=20), pids
+    assert wait_until(lambda: not os.path.exists(session), timeout=10), session
+
+    def names_this_cluster() -> bool:
+        try:
+            with open("/tmp/ray/ray_current_cluster") as current:
+                return current.read().strip() == address
+        except OSError:
+            return False
+
+    assert not names_this_cluster()
 
 
 def test_a_resharded_checkpoint_replaces_the_actors_with_the_dealings_sampler(cluster, kinds):

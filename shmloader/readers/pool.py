@@ -204,6 +204,10 @@ class ReaderPool:
             return self.remote.describe(reader_index)
         return f"reader {reader_index} (pid {self.pid(reader_index)})"
 
+    def waiting_note(self) -> str:
+        """What a stall warning or step time-out adds about remote readers not yet placed."""
+        return "" if self.remote is None else self.remote.waiting_note()
+
     def _send_config(self, process, reader_index: int) -> None:
         self.ring.records.clear_error(reader_index)
         try:
@@ -228,18 +232,30 @@ class ReaderPool:
             exit_code = process.poll()
             if exit_code is None:
                 continue
-            if exit_code == EXIT_REPORTED_ERROR or self.ring.records.error(reader_index):
+            # A reader returns EXIT_REPORTED_ERROR once its report is written; the same code
+            # without one is a death like any other (a transform's os._exit(3)).
+            if self.ring.records.error(reader_index):
                 raise self.reported_error(reader_index, exit_code)
             if self._restarts_by_reader[reader_index] >= self.max_restarts:
+                step = self._filling_step(reader_index)
+                where = "" if step is None else f" while filling step {step}"
+                unreported = " without an error report (os._exit() in the transform or in a library it calls " \
+                             "would do this)" if exit_code == EXIT_REPORTED_ERROR and step is not None else ""
                 raise ReaderError(
-                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}; it was restarted "
-                    f"{self._restarts_by_reader[reader_index]} times already (max_reader_restarts="
+                    f"reader {reader_index} (pid {process.pid}) {describe_exit(exit_code)}{where}{unreported}; it was "
+                    f"restarted {self._restarts_by_reader[reader_index]} times already (max_reader_restarts="
                     f"{self.max_restarts}, counted per reader)",
                     reader_index=reader_index,
                     pid=process.pid,
                     exit_code=exit_code,
+                    step=step,
                 )
             self.restart(reader_index, request)
+
+    def _filling_step(self, reader_index: int) -> int | None:
+        """The step a dead reader was filling (its slot still FILLING), or None."""
+        slots = self.ring.slots_filled_by(reader_index)
+        return self.ring.step(slots[0]) if slots else None
 
     def restart(self, reader_index: int, request) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
@@ -285,8 +301,12 @@ class ReaderPool:
     def reported_error(self, reader_index: int, exit_code: int | None) -> ReaderError:
         remote = reader_index >= self.count
         report = ErrorReport.decode(self.ring.records.error(reader_index))
-        if not report.type:
-            report = ErrorReport("unknown", f"it {describe_exit(exit_code)} without an error report", "", None)
+        if not report.type:  # A FAILED slot without a report (foreign input): say what is known.
+            step = None if remote else self._filling_step(reader_index)
+            exited = "failed" if exit_code is None else describe_exit(exit_code)
+            return ReaderError(f"{self.describe(reader_index)} {exited}"
+                               f"{'' if step is None else f' while filling step {step}'} without an error report",
+                               reader_index=reader_index, pid=self.pid(reader_index), exit_code=exit_code, step=step)
         where = f" at step {report.step}" if report.step is not None else " while starting"
         message = (
             f"{self.describe(reader_index)} raised {report.type}{where}: "

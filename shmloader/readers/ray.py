@@ -13,8 +13,13 @@ local readers'), keeps at most `in_flight` steps queued per actor, copies each r
 into its slot (one copy, from the object store's shared memory: Ray hands numpy arrays
 over out of band, never pickled) and publishes it. Batch k is the same whoever fills it.
 
-A lost actor (its process killed, its node gone) is replaced and its steps are sent
-again: it costs time, never a batch. An exception in an actor is reported in its reader
+Steps go only to actors that Ray has placed (their first call answered): an actor that
+cannot be scheduled (a cluster without the CPUs or resources it asks for) is never dealt a
+step, so the other actors and the local readers fill everything meanwhile, and the
+trainer's stall warning and step time-out name it with what it asked for. A lost actor
+(its process killed, its node gone) is replaced, and the steps it held are handed back to
+the ring as requested, for whichever reader or placed actor claims them first: it costs
+time, never a batch. An exception in an actor is reported in its reader
 record and its slot marked FAILED, so that the trainer raises it at that step as it
 would a reader's. Closing the loader stops the bridge and kills its actors.
 
@@ -186,18 +191,33 @@ class RayBridge:
         self._where: list[tuple[int, str]] = [(0, "")] * self.count
         self.failure: BaseException | None = None
         self._stop = threading.Event()
-        self.actors: list = []
+        # Placement: an actor is dealt steps once its where() has answered.
+        self._placing: dict = {}  # ObjectRef of where() -> (actor index, handle)
+        self._placed = [False] * self.count
+        self._asked_at = [time.monotonic()] * self.count
+        self.actors: list = [None] * self.count
         try:
-            self.actors = [self._new_actor() for _ in range(self.count)]
+            for actor in range(self.count):
+                self._start_actor(actor)
         except BaseException:
             self.stop()
             raise
         self._thread = threading.Thread(target=self._run, name="shmloader-ray-bridge", daemon=True)
         self._thread.start()
 
-    def _new_actor(self):
+    def _start_actor(self, actor: int) -> None:
+        """Asks Ray for actor `actor` (a first one or a replacement); it is dealt no step
+        until Ray has placed it and its where() answered."""
         options = {"num_cpus": self.spec.num_cpus, **self.spec.options}
-        return self._class.options(**options).remote(self._filler)
+        handle = self._class.options(**options).remote(self._filler)
+        self.actors[actor] = handle
+        self._placed[actor], self._asked_at[actor] = False, time.monotonic()
+        self._placing[handle.where.remote()] = (actor, handle)
+
+    def unplaced(self) -> list[tuple[int, float]]:
+        """(actor index, seconds since it was asked for) of the actors Ray has not placed yet."""
+        now = time.monotonic()
+        return [(actor, now - self._asked_at[actor]) for actor in range(self.count) if not self._placed[actor]]
 
     # The thread.
 
@@ -205,23 +225,42 @@ class RayBridge:
         try:
             while not self._stop.is_set() and not self.ring.stopping:
                 self._send_claimed()
-                if not self._pending:
+                refs = [*self._pending, *self._placing]
+                if not refs:
                     wait(self.ring.work_semaphore, POLL_INTERVAL_SECONDS)
                     continue
-                refs = list(self._pending)
-                room = any(self._queued[a] < self.spec.in_flight for a in range(self.count) if a not in self._failed)
+                room = bool(self._open_actors())
                 done, _ = ray.wait(refs, num_returns=1, timeout=_CLAIM_INTERVAL_SECONDS if room else POLL_INTERVAL_SECONDS)
                 if done:
                     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
                 for ref in done:
-                    self._finish(ref)
+                    if ref in self._placing:
+                        self._placed_now(ref)
+                    else:
+                        self._finish(ref)
         except BaseException as error:  # The trainer raises it at its next check (check()).
             self.failure = error
 
+    def _open_actors(self) -> list[int]:
+        """Placed actors that have not failed and have room for another step."""
+        return [actor for actor in range(self.count) if self._placed[actor] and actor not in self._failed
+                and self._queued[actor] < self.spec.in_flight]
+
+    def _placed_now(self, ref) -> None:
+        actor, handle = self._placing.pop(ref)
+        try:
+            where = ray.get(ref)
+        except _LOST as error:  # Died while starting: replaced within its budget.
+            if handle is self.actors[actor]:
+                self._replace_actor(actor, handle, error, step=None)
+            return
+        if handle is self.actors[actor]:  # Not an actor replaced meanwhile.
+            self._where[actor], self._placed[actor] = where, True
+
     def _send_claimed(self) -> None:
-        """Claims requested slots while an actor has room, the least busy actor first."""
+        """Claims requested slots while a placed actor has room, the least busy actor first."""
         while not self._stop.is_set():
-            open_actors = [a for a in range(self.count) if a not in self._failed and self._queued[a] < self.spec.in_flight]
+            open_actors = self._open_actors()
             if not open_actors:
                 return
             actor = min(open_actors, key=lambda a: self._queued[a])
@@ -269,23 +308,37 @@ class RayBridge:
 
     def _replace(self, job: _Job, error: Exception) -> None:
         """A lost actor: replaced at the first news of it (within its restart budget), and
-        each of its steps sent again to its replacement."""
-        actor = job.actor
-        if job.handle is self.actors[actor]:
-            if self._restarts_by_actor[actor] >= self.spec.max_restarts:
-                raise ReaderError(
-                    f"Ray actor {actor} (reader record {self.first + actor}) was lost at step {job.step} and had been "
-                    f"replaced {self._restarts_by_actor[actor]} times already (RayReaders.max_restarts="
-                    f"{self.spec.max_restarts}): {type(error).__name__}: {error}",
-                    reader_index=self.first + actor, step=job.step)
-            self._restarts_by_actor[actor] += 1
-            self.restarts += 1
-            try:
-                ray.kill(job.handle)
-            except Exception:
-                pass  # Already gone.
-            self.actors[actor] = self._new_actor()
-        self._send(actor, job.slot, job.step)
+        each of its steps handed back to the ring for any reader or placed actor (its
+        replacement may wait long for Ray to place it)."""
+        if job.handle is self.actors[job.actor]:
+            self._replace_actor(job.actor, job.handle, error, step=job.step)
+        self._give_back(job)
+
+    def _replace_actor(self, actor: int, handle, error: Exception, step: int | None) -> None:
+        if self._restarts_by_actor[actor] >= self.spec.max_restarts:
+            at = f" at step {step}" if step is not None else " while starting"
+            raise ReaderError(
+                f"Ray actor {actor} (reader record {self.first + actor}) was lost{at} and had been "
+                f"replaced {self._restarts_by_actor[actor]} times already (RayReaders.max_restarts="
+                f"{self.spec.max_restarts}): {type(error).__name__}: {error}",
+                reader_index=self.first + actor, step=step)
+        self._restarts_by_actor[actor] += 1
+        self.restarts += 1
+        try:
+            ray.kill(handle)
+        except Exception:
+            pass  # Already gone.
+        self._start_actor(actor)
+
+    def _give_back(self, job: _Job) -> None:
+        """FILLING by this actor's record -> REQUESTED, the step word unchanged, and the
+        readers woken: only the claimer writes a FILLING slot's state, so the swap cannot
+        race another writer (the ring's transition table, ring/segment.py)."""
+        record = self.first + job.actor
+        if not self.ring.give_back(job.slot, record):
+            raise ReaderError(f"slot {job.slot} (step {job.step}) was not filling by Ray actor {job.actor} when the "
+                              f"bridge handed it back: another process wrote to the ring", reader_index=record,
+                              step=job.step)
 
     # The trainer's side.
 
@@ -299,10 +352,23 @@ class RayBridge:
     def describe(self, record: int) -> str:
         """How the trainer's messages name an actor; one that never delivered a step may not
         have been placed (Ray waits for the resources it asks for)."""
+        actor = record - self.first
         pid = self.ring.records.stats(record)[0]
-        state = f"pid {pid}" if pid else ("no step delivered yet: Ray may lack the resources it asks for "
-                                          f"(num_cpus={self.spec.num_cpus}, options={self.spec.options})")
-        return f"Ray actor {record - self.first} (reader record {record}, {state})"
+        if not self._placed[actor]:
+            state = (f"not placed by Ray after {time.monotonic() - self._asked_at[actor]:.0f} s: Ray may lack the "
+                     f"resources it asks for (num_cpus={self.spec.num_cpus}, options={self.spec.options})")
+        else:
+            state = f"pid {pid}" if pid else "placed, no step delivered yet"
+        return f"Ray actor {actor} (reader record {record}, {state})"
+
+    def waiting_note(self) -> str:
+        """What the trainer's stall warning and time-out add while actors are unplaced."""
+        unplaced = self.unplaced()
+        if not unplaced:
+            return ""
+        names = ", ".join(f"{actor} ({waited_s:.0f} s)" for actor, waited_s in unplaced)
+        return (f"; Ray has not placed actor(s) {names}: they ask for num_cpus={self.spec.num_cpus}, "
+                f"options={self.spec.options}, and are dealt no step until placed (Ray may lack the resources)")
 
     def stop(self) -> None:
         """Stops the thread (it finishes the result it is copying) and kills the actors;
@@ -315,7 +381,8 @@ class RayBridge:
         if thread is not None and thread is not threading.current_thread():
             thread.join(_STOP_SECONDS)  # ray.wait returns within a poll interval; ray.get may not.
         self._pending.clear()
-        handles, self.actors = self.actors, []
+        self._placing.clear()
+        handles, self.actors = [handle for handle in self.actors if handle is not None], []
         if not handles:
             return
         killer = threading.Thread(target=_kill_all, args=(handles,), name="shmloader-ray-kill", daemon=True)

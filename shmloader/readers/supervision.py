@@ -86,7 +86,8 @@ class Supervisor:
         elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
             filling = found == SlotState.FILLING
-            who = f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
+            who = (f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
+                   ) + self.pool.waiting_note()
             raise StepTimeoutError(
                 f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
                 f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
@@ -97,7 +98,8 @@ class Supervisor:
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
             warnings.warn(
-                f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it); the loader keeps "
+                f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it)"
+                f"{self.pool.waiting_note()}; the loader keeps "
                 f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),

@@ -46,6 +46,8 @@ and the memory ordering (one ordering per transition, the same in every language
                                          failed fill with readers=0
     REQUESTED -> IDLE         trainer    Ring.withdraw (a seek)             compare-and-swap, acq_rel (a reader
                                                                             may claim the slot first)
+    FILLING|r -> REQUESTED    reader r   Ring.give_back: the Ray bridge     compare-and-swap, acq_rel, then a
+                              (bridge)   for a lost actor's steps           post of the work semaphore
 
 Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
 _cursor.c, the claim's scan); the step word is read after it and written before the
@@ -283,6 +285,18 @@ class Ring:
         """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
         requested = int(SlotState.REQUESTED)
         return lib.shm_state_compare_swap(self._state_pointers[slot], requested, int(SlotState.IDLE)) == requested
+
+    def give_back(self, slot: int, owner: int) -> bool:
+        """FILLING by `owner` -> REQUESTED, the step word unchanged, and the readers woken:
+        the claimer hands a step it cannot fill back to the others (the Ray bridge, for a
+        lost actor). False if the slot was not FILLING by `owner`."""
+        assert 0 <= slot < self.layout.slot_count and 0 <= owner < self.layout.reader_count, (slot, owner)
+        filling = int(SlotState.FILLING) | owner << OWNER_SHIFT
+        requested = int(SlotState.REQUESTED)
+        if lib.shm_state_compare_swap(self._state_pointers[slot], filling, requested) != filling:
+            return False
+        self.work_semaphore.release()
+        return True
 
     def requested_ns(self, slot: int) -> int:
         """When the trainer requested the slot (CLOCK_MONOTONIC); read after claiming it."""
