@@ -102,7 +102,7 @@ class Session:
         self.resources, self.pool, self.slot, self.slots, self.cuts = resources, pool, slot, slots, cuts
         self.fillers, self.step_timeout, self.hold_timeout = fillers, options.step_timeout, options.hold_timeout
         self.layout = RingLayout(slots, max(1, pool.records), options.batch_size, slot.nbytes, len(slot.regions))
-        ring = self.ring = resources.ring = Ring.create(self.layout, os.getpid())
+        ring = self.ring = resources.ring = Ring.create(self.layout, os.getpid(), watched=pool.count > 0)
         live_resources.add(resources)
         if pin_backend is not None:
             resources.pinned = PinnedRing(pin_backend, ring.base_address, self.layout.total_bytes)

@@ -83,7 +83,7 @@ from .layout import (
     SlotState,
 )
 from .records import ReaderRecords
-from . import backing
+from . import backing, janitor
 from .stale import lock_free
 
 
@@ -129,12 +129,14 @@ class Ring:
         self._lines = ffi.cast("shm_control_line *", self.control_table_address)
         self._state_pointers = [ffi.addressof(self._lines[slot], "state") for slot in range(layout.slot_count)]
         self.records = ReaderRecords(memory, layout, self.base_address)
+        self.janitor: janitor.Janitor | None = None
 
     @classmethod
-    def create(cls, layout: RingLayout, trainer_pid: int) -> Ring:
+    def create(cls, layout: RingLayout, trainer_pid: int, watched: bool = True) -> Ring:
         """Creates the segment (space reserved up front: ENOSPC here, never SIGBUS later), in
         /dev/shm where it has room, else in anonymous memory that a stub there names
-        (backing.py)."""
+        (backing.py). A ring no fork server watches (`watched` False: readers=0) gets a
+        janitor that removes its names if this process dies (janitor.py)."""
         where = backing.place(layout.total_bytes, SHM_DIRECTORY)
         names = RingNames.new(layout.slot_count)
         semaphores, memory, segment_fd, data_fd = [], None, None, None
@@ -175,7 +177,10 @@ class Ring:
                     f"{1 + layout.slot_count} semaphores (a page each of {SHM_DIRECTORY}) did not fit "
                     f"({error.strerror}); free space there or use fewer slots"
                 ) from None
-            return cls(names, layout, memory, semaphores, segment_fd=segment_fd, data_fd=data_fd)
+            ring = cls(names, layout, memory, semaphores, segment_fd=segment_fd, data_fd=data_fd)
+            if not watched:
+                ring.janitor = janitor.start(names)
+            return ring
         except BaseException:
             for semaphore in semaphores:
                 semaphore.close()
@@ -344,6 +349,8 @@ class Ring:
         os.close(self.segment_fd)  # The creator's owner lock goes with it.
         if self.data_fd is not None:
             os.close(self.data_fd)  # The memory stays while a batch view maps it.
+        if self.janitor is not None:
+            self.janitor.stop()
         # Drop this object's references to the mapping: it is unmapped (and tmpfs frees
         # the pages of the unlinked segment) once no batch array refers to it either.
         self.header = self._lines = self._state_pointers = self._pointer = None

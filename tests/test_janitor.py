@@ -1,0 +1,64 @@
+"""A readers=0 trainer has no fork server to clean after it: its ring's janitor removes the
+ring's names from /dev/shm within seconds of the trainer's death (SIGKILL, os._exit in a
+transform), without waiting for another loader's sweep, and a normal close leaves no
+janitor behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import our_shm_entries, process_alive, wait_until
+from shmloader import ShmDataLoader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.parametrize("death", ["sigkill", "exit_in_transform"])
+def test_a_dead_readers_0_trainer_leaves_nothing_in_dev_shm(tmp_path, death):
+    np.save(tmp_path / "x.npy", np.arange(4000, dtype=np.float32).reshape(1000, 4))
+    transform = ("transform='skip_fixtures:exits_at_step', transform_args={'step': 3, 'code': 3}, "
+                 if death == "exit_in_transform" else "")
+    code = (
+        "import os, sys, time; from shmloader import ShmDataLoader\n"
+        f"loader = ShmDataLoader({{'data': {str(tmp_path / 'x.npy')!r}}}, batch_size=8, readers=0, {transform})\n"
+        "print(loader._session.ring.janitor.process.pid, flush=True)\n"
+        "for _ in range(10): next(loader)\n"
+        "time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=HERE)
+    try:
+        janitor = int(child.stdout.readline())
+        assert wait_until(lambda: bool(our_shm_entries(child.pid)) or child.poll() is not None, 10)
+        if death == "sigkill":
+            wait_until(lambda: False, 0.3)
+            os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(30) in (-signal.SIGKILL, 3)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert wait_until(lambda: not our_shm_entries(child.pid), 5), our_shm_entries(child.pid)
+    assert wait_until(lambda: not process_alive(janitor), 5)
+
+
+def test_a_closed_readers_0_loader_reaps_its_janitor(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((100, 3), np.float32))
+    loader = ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, readers=0)
+    janitor = loader._session.ring.janitor
+    assert janitor is not None and janitor.watching
+    next(loader)
+    loader.close()
+    assert janitor.process.returncode is not None  # Ended and reaped by close(): no zombie left.
+    assert not our_shm_entries(os.getpid())
+
+
+def test_loaders_with_readers_have_no_janitor(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((100, 3), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, readers=1) as loader:
+        assert loader._session.ring.janitor is None  # The fork server cleans after its trainer.
