@@ -159,7 +159,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     def _filler_spec(self, sampler) -> FillerSpec:
         return FillerSpec(self.slot, sampler, self.plan.fields, self.verify, self.transform,
-                          tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (), self.on_error)
+                          tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (), self.on_error,
+                          self._epochs, self.drop_last)
 
     def __len__(self) -> int:
         """The steps of a finite pass (epochs=...); an endless loader has no length."""
@@ -292,7 +293,18 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and per reader its
         busy time, the time it slept while a slot was waiting for it (starved_s; what must
-        go to zero while the trainer waits), its wake-ups and batches per wake-up."""
+        go to zero while the trainer waits), its wake-ups and batches per wake-up.
+
+        "skipped" (on_error="skip"): "count", the records replaced in the rows of the steps
+        filled so far, each once; "records", each one's step, position, row, source, where
+        it is stored and its own error, by step. The rows a finite pass's last step
+        computes past its cut are not counted. Counted although not delivered: the steps
+        readers fill ahead of next() (up to `slots`) or filled before a seek() or
+        load_state_dict(), and an elastic resume's first step's rows before the checkpoint's
+        position (readers=0 fills only the steps next() asks for). The list is cut where a
+        reader's records outgrow its 2 KiB report in the ring (a dozen or so per reader;
+        readers=0 lists all): count is then larger than len(records), which holds the
+        first ones each reader skipped."""
         session, cursor = self._session, self._session.cursor
         active = cursor.active
         if active:

@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import float_rows
+from conftest import examples, float_rows
 
 from shmloader import ShmDataLoader, SkippedRecordsWarning
 from shmloader.transforms import compute_batch
@@ -152,3 +152,107 @@ def test_a_transform_that_fails_on_every_record_is_reported_as_such(rows, on_err
                       mode="sequential", on_error=on_error)
     assert "fails on every record, not on a few bad ones" in str(raised.value) + "".join(
         getattr(raised.value, "__notes__", []))
+
+
+# What on_error="skip" reports is what was delivered: the truth below is computed from the
+# batches' own indices and sequential order (position p of the stream is row p % rows),
+# never from the loader's counters.
+REFUSES = "skip_fixtures:refuses_rows"
+
+
+def delivered_skips(batches: list, row_count: int, batch_size: int, bad: set) -> list:
+    """(step, position, row) of each bad record among the rows delivered, from the batches
+    alone; asserts each bad one was replaced by a good row and the others left as read."""
+    expected = []
+    for step, indices in batches:
+        for position, delivered in enumerate(indices):
+            row = (step * batch_size + position) % row_count
+            if row in bad:
+                expected.append((step, position, row))
+                assert delivered not in bad, (step, position, delivered)
+            else:
+                assert delivered == row, (step, position, delivered)
+    return expected
+
+
+def run_skipping(path: str, bad, batch_size: int, readers: int, epochs: int = 1) -> tuple[list, dict]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SkippedRecordsWarning)
+        with ShmDataLoader({"data": path}, transform=REFUSES, transform_args={"bad": sorted(bad)},
+                           batch_size=batch_size, mode="sequential", readers=readers, on_error="skip",
+                           epochs=epochs) as loader:
+            batches = [(batch.step, np.array(batch.indices).tolist()) for batch in loader]
+            return batches, loader.stats()["skipped"]
+
+
+def check_skipped(skipped: dict, expected: list) -> None:
+    """`skipped` lists exactly the `expected` records, once each, each with its own error."""
+    records = skipped["records"]
+    assert [(record["step"], record["position"], record["row"]) for record in records] == expected
+    assert skipped["count"] == len(records)
+    for record in records:
+        assert f"row {record['row']} is refused" in record["error"], record
+        assert f"data.npy record {record['row']}" in record["where"], record
+
+
+@pytest.fixture(scope="module")
+def ten_rows(tmp_path_factory):
+    return float_rows(tmp_path_factory, "ten_rows", 10)
+
+
+@pytest.mark.parametrize("readers", [0, 1, 2])
+def test_skipped_lists_the_delivered_bad_records_once_each_with_its_own_error(ten_rows, readers):
+    """10 rows in batches of 4: step 0 holds the bad rows 1 and 2 (two in one batch, each
+    refused with its own message); the last step keeps rows 8 and 9 and is computed with
+    the next epoch's rows 0 and 1 after them, which are never delivered. Before: a phantom
+    record at step 2, and row 2's record carried row 1's message."""
+    path, _ = ten_rows
+    batches, skipped = run_skipping(path, {1, 2}, 4, readers)
+    assert [len(indices) for _, indices in batches] == [4, 4, 2]
+    expected = delivered_skips(batches, 10, 4, {1, 2})
+    assert expected == [(0, 1, 1), (0, 2, 2)]
+    check_skipped(skipped, expected)
+
+
+def test_a_bad_record_delivered_last_is_replaced_by_a_delivered_row(ten_rows):
+    """Row 9 is the last row of the pass; the computed batch goes on with the next epoch's
+    rows 0 and 1, which are not delivered: the replacement comes from the delivered rows."""
+    path, _ = ten_rows
+    batches, skipped = run_skipping(path, {9}, 4, 0)
+    assert batches[-1] == (2, [8, 8])
+    check_skipped(skipped, [(2, 1, 9)])
+
+
+if examples is not None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @st.composite
+    def skipping_cases(draw):
+        row_count = draw(st.integers(2, 13))
+        batch_size = draw(st.integers(2, row_count))
+        # Fewer bad rows than a batch: every computed batch keeps a good record.
+        bad = draw(st.sets(st.integers(0, row_count - 1), max_size=min(3, batch_size - 1)))
+        return row_count, batch_size, bad, draw(st.integers(1, 2)), draw(st.sampled_from([0, 1, 2]))
+
+    @examples(15)
+    @given(case=skipping_cases())
+    def test_skipped_is_what_was_delivered_for_any_rows_batch_bad_records_and_readers(tmp_path_factory, case):
+        """Rows, batch size, bad rows, epochs and readers drawn: the skipped records are the
+        bad ones among the rows delivered, no more (a cut last step's tail), no fewer."""
+        row_count, batch_size, bad, epochs, readers = case
+        path, _ = float_rows(tmp_path_factory, "property_rows", row_count)
+        batches, skipped = run_skipping(path, bad, batch_size, readers, epochs)
+        assert sum(len(indices) for _, indices in batches) == row_count * epochs
+        check_skipped(skipped, delivered_skips(batches, row_count, batch_size, bad))
+
+
+def test_the_count_stays_true_where_a_readers_list_is_cut(ten_rows):
+    """Twenty bad records for one reader: more than its 2 KiB report describes. The count
+    is still every one delivered, and the list the first of them, in order."""
+    path, _ = ten_rows
+    batches, skipped = run_skipping(path, {1, 5}, 4, 1, epochs=10)
+    expected = delivered_skips(batches, 10, 4, {1, 5})
+    assert skipped["count"] == len(expected) == 20
+    listed = [(record["step"], record["position"], record["row"]) for record in skipped["records"]]
+    assert 0 < len(listed) < len(expected) and listed == expected[:len(listed)]

@@ -369,3 +369,25 @@ def test_readers_started_for_a_loader_whose_files_are_bad_exit(tmp_path, monkeyp
         ShmDataLoader({"label": str(tmp_path / "missing.npy")}, batch_size=8, readers=2, slots=3)
     assert len(started) == 2
     assert wait_until(lambda: not any(process_alive(pid) for pid in started), 3)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_reader_ended_by_os_exit_3_in_a_transform_is_named_with_its_exit_code_and_step(tmp_path, restarts):
+    """Code 3 is also what a reader returns after writing an error report: before, a
+    transform's os._exit(3) was reported as "raised unknown while starting"."""
+    path = tmp_path / "data.npy"
+    np.save(path, np.arange(64 * 4, dtype=np.float32).reshape(64, 4))
+    with ShmDataLoader({"data": str(path)}, transform="skip_fixtures:exits_at_step",
+                       transform_args={"step": 2, "code": 3}, batch_size=4, readers=2, slots=4, mode="sequential",
+                       max_reader_restarts=restarts) as loader:
+        started = list(loader.reader_pids)
+        with pytest.raises(ReaderError) as raised:
+            for batch in loader:
+                assert batch.step < 2
+        pids = list(loader.reader_pids)
+    error, message = raised.value, str(raised.value)
+    assert error.exit_code == 3 and error.step == 2 and error.reader_index in (0, 1)
+    assert error.pid == pids[error.reader_index] and (restarts or error.pid == started[error.reader_index])
+    assert f"reader {error.reader_index} (pid {error.pid}) exited with code 3 while filling step 2" in message
+    assert f"restarted {restarts} times already" in message
+    assert "unknown" not in message and "while starting" not in message

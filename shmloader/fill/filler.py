@@ -16,9 +16,10 @@ import threading
 import numpy as np
 
 from .._native import ffi
-from ..errors import RemoteError, ShmLoaderError
+from ..errors import RemoteError, ShmLoaderError, TransformError
 from ..plan.fields import FieldPlan
 from ..plan.options import ON_ERROR
+from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
 from ..ring.slot_layout import SlotLayout
@@ -29,6 +30,9 @@ from .inputs import InputBuffers, field_reader
 
 # A batch with more failing records than this fails for another reason than its records.
 BAD_RECORDS_MAX = 8
+# A skipped record's error text is cut to this many characters: a reader's skip report
+# (2 KiB, ring.h) then describes several records, not one long message.
+SKIPPED_ERROR_CHARACTERS_MAX = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,14 @@ def _naming(error: Exception, text: str) -> Exception:
     return error
 
 
+def _error_text(error: Exception) -> str:
+    """A skipped record's error: the user's own exception where a transform raised it (the
+    record, step and rows are the SkippedRecord's other fields), cut to a bound."""
+    if isinstance(error, TransformError) and error.__cause__ is not None:
+        error = error.__cause__
+    return f"{type(error).__name__}: {error}"[:SKIPPED_ERROR_CHARACTERS_MAX]
+
+
 @dataclasses.dataclass(frozen=True)
 class FillerSpec:
     """What a step filler is built from, as data: a reader process gets it in its
@@ -81,14 +93,19 @@ class FillerSpec:
     transform: TransformSpec | None = None
     sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
     on_error: str = "raise"
+    # The loader's finite pass (None: endless): its last step is computed whole but
+    # delivered cut, and a record past the cut is no record of the pass (see _recover).
+    epochs: int | None = None
+    drop_last: bool = False
 
     def build(self, read_ahead: bool = True, share: tuple[int, int] = (0, 1)) -> StepFiller:
         """The filler; a transform's module is looked for on the trainer's sys.path too.
         `share`: (reader index, readers on this machine), see ReadAhead."""
         if self.transform is not None:
             sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
+        finite = None if self.epochs is None else FinitePass.of(self.sampler, self.epochs, self.drop_last)
         return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
-                          share)
+                          share, finite)
 
     def to_dict(self) -> dict:
         return {
@@ -99,6 +116,8 @@ class FillerSpec:
             "transform": None if self.transform is None else self.transform.to_dict(),
             "sys_path": list(self.sys_path),
             "on_error": self.on_error,
+            "epochs": self.epochs,
+            "drop_last": self.drop_last,
         }
 
     @classmethod
@@ -112,6 +131,8 @@ class FillerSpec:
             transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
             sys_path=tuple(data["sys_path"]),
             on_error=data["on_error"],
+            epochs=data["epochs"],
+            drop_last=bool(data["drop_last"]),
         )
 
 
@@ -131,15 +152,18 @@ class SlotOutputs:
 class StepFiller:
     """Fills steps of one plan: its fields' readers (or the transform's runner and input
     buffers), the sampler, and the block-local shuffle's read-ahead where the sampler has
-    windows (read_ahead=False for a one-off computation)."""
+    windows (read_ahead=False for a one-off computation). `finite`: the loader's finite
+    pass, whose cut steps deliver only their first rows (None: every step delivers all)."""
 
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
                  verify: bool, read_ahead: bool = True, on_error: str = "raise",
-                 share: tuple[int, int] = (0, 1)) -> None:
+                 share: tuple[int, int] = (0, 1), finite: FinitePass | None = None) -> None:
         assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
+        self.finite = finite
         self._step_max = sampler.step_max  # The last step the sampler computes (asserted per fill).
-        self.skipped: list[SkippedRecord] = []  # every record replaced so far, in order
+        # Every record of a delivered row replaced so far, once each, in the order filled.
+        self.skipped: list[SkippedRecord] = []
         self.verify = verify
         # close() from another thread during a fill (readers=0: the trainer fills while a
         # thread closes the loader) waits for the fill to end: the native gathers read the
@@ -255,9 +279,9 @@ class StepFiller:
 
     # Bad records.
 
-    def _fails(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> bool:
-        """Whether a batch made of the records at `positions` alone (repeated to fill it)
-        fails: the probe of the search for bad records, in scratch arrays."""
+    def _fails(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> Exception | None:
+        """What a batch made of the records at `positions` alone (repeated to fill it)
+        raises, or None: the probe of the search for bad records, in scratch arrays."""
         if self._probe is None:
             # Records repeated to fill a probe can hold more elements than the batch's
             # packed regions are sized for: the probe's regions hold every row at its longest.
@@ -272,53 +296,70 @@ class StepFiller:
             probe.sources[:] = sources[take]
         try:
             self._probe._fill_rows(step, probe)
-        except Exception:
-            return True
-        return False
+        except Exception as error:
+            return error
+        return None
 
-    def _bad_positions(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> list[int] | None:
-        """The positions whose records fail on their own, by halving: about 2 log2(B) probes
-        per bad record, deterministic (it depends only on the batch's records). None when
-        more than BAD_RECORDS_MAX fail: then the failure is not the records' (a file
-        replaced, a transform that fails on every batch) and the search stops early."""
+    def _bad_positions(self, step: int, rows: np.ndarray, sources, positions: list[int]) -> dict[int, Exception] | None:
+        """The positions whose records fail on their own, each with the error it raises
+        alone, by halving: about 2 log2(B) probes per bad record, deterministic (it depends
+        only on the batch's records). None when more than BAD_RECORDS_MAX fail: then the
+        failure is not the records' (a file replaced, a transform that fails on every
+        batch) and the search stops early."""
         if len(positions) == 1:
-            return positions if self._fails(step, rows, sources, positions) else []
+            error = self._fails(step, rows, sources, positions)
+            return {} if error is None else {positions[0]: error}
         half = len(positions) // 2
-        found = []
+        found = {}
         for part in (positions[:half], positions[half:]):
-            if self._fails(step, rows, sources, part):
+            if self._fails(step, rows, sources, part) is not None:
                 more = self._bad_positions(step, rows, sources, part)
                 if more is None or len(found) + len(more) > BAD_RECORDS_MAX:
                     return None
-                found += more
+                found.update(more)
         return found
+
+    def delivered_rows(self, step: int) -> int:
+        """How many of step `step`'s rows reach the trainer: all, but for a finite pass's
+        cut steps, whose rows past these are computed (the batch has a fixed size) and
+        never delivered."""
+        return self.slot.batch_size if self.finite is None else self.finite.rows(step)
 
     def _recover(self, step: int, outputs: SlotOutputs, salt: int, error: Exception) -> None:
         rows = outputs.indices.copy()
         sources = None if outputs.sources is None else outputs.sources.copy()
-        bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or []
+        bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or {}
         if len(bad) == len(rows):  # Not some bad records: whatever the records, the step fails.
             what = "the transform" if self.runner is not None else "reading its fields"
             raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of {len(rows)}): "
                                  f"{what} fails on every record, not on a few bad ones, so on_error='skip' cannot "
                                  f"replace them")
-        named = [self.describe(int(rows[i]), 0 if sources is None else int(sources[i])) for i in bad]
-        if self.on_error == "raise" or not bad:
-            if named:
-                raise _naming(error, f"the batch fails on record(s) {', '.join(named[:4])}"
-                                     f"{' and more' if len(named) > 4 else ''} (on_error='skip' replaces them)")
+        if not bad:
             raise error
-        # Each bad record is replaced by the next good one of its batch (cyclically): the
-        # same whatever the reader count, and on resume.
-        good = [i for i in range(len(rows)) if i not in set(bad)]
-        for i, description in zip(bad, named):
-            j = next((k for k in good if k > i), good[0])
-            self.skipped.append(SkippedRecord(step, i, int(rows[i]), None if sources is None else int(sources[i]),
-                                              description, f"{type(error).__name__}: {error}"[:300]))
+        # A bad record past the delivered rows is no record of the pass: it is replaced
+        # (so that the delivered rows can be computed), never reported nor counted.
+        delivered = self.delivered_rows(step)
+        skipped = [SkippedRecord(step, i, int(rows[i]), None if sources is None else int(sources[i]),
+                                 self.describe(int(rows[i]), 0 if sources is None else int(sources[i])),
+                                 _error_text(bad[i])) for i in sorted(bad) if i < delivered]
+        if self.on_error == "raise" and skipped:
+            named = [record.where for record in skipped]
+            raise _naming(error, f"the batch fails on record(s) {', '.join(named[:4])}"
+                                 f"{' and more' if len(named) > 4 else ''} (on_error='skip' replaces them)")
+        # Each bad record is replaced by the next good one of its delivered rows
+        # (cyclically; of the whole batch where every delivered row is bad): the same
+        # whatever the reader count, and on resume.
+        good = [i for i in range(len(rows)) if i not in bad]
+        candidates = [i for i in good if i < delivered] or good
+        for i in sorted(bad):
+            j = next((k for k in candidates if k > i), candidates[0])
             outputs.indices[i] = rows[j]
             if sources is not None:
                 outputs.sources[i] = sources[j]
         self._fill_rows(step, outputs, salt)
+        # Counted once the step is filled: a fill that fails after all (and is tried again,
+        # as readers=0 does on the next next()) counts its records once.
+        self.skipped += skipped
 
     def describe(self, row: int, source: int = 0) -> str:
         """Where record `row` (of `source`) is stored, with its original file where the

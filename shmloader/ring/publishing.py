@@ -19,7 +19,7 @@ def skips_report(skipped: list[dict]) -> bytes:
     """JSON of the first skipped records (as dicts) that fit a reader record's skip area."""
     report = b"[]"
     for count in range(1, len(skipped) + 1):
-        encoded = json.dumps(skipped[:count]).encode()
+        encoded = json.dumps(skipped[:count], separators=(",", ":")).encode()  # Compact: more records fit.
         if len(encoded) > READER_SKIP_BYTES_MAX:
             break
         report = encoded
