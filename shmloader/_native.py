@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import enum
 import importlib.machinery
+import os
 import pathlib
+import sys
 
 from ._declarations import (
     ABI_VERSION,  # Checked against the library's shm_abi_version() at load.
@@ -30,13 +32,60 @@ class NativeLibraryError(ImportError):
     """A native part is missing, stale, or built from other sources."""
 
 
+def _installed_elsewhere() -> pathlib.Path | None:
+    """Another `shmloader` that Python would import but for this one (an installed package
+    that this checkout shadows), or None. Only looked for while an error is being raised."""
+    checkout = PACKAGE_DIR.parent
+    paths = []
+    for entry in sys.path:
+        try:
+            if pathlib.Path(entry or ".").resolve() != checkout:
+                paths.append(entry)
+        except (OSError, RuntimeError):
+            paths.append(entry)  # Unresolvable: cannot be this checkout's directory.
+    for finder in sys.meta_path:
+        find_spec = getattr(finder, "find_spec", None)
+        if find_spec is None:
+            continue
+        try:
+            spec = find_spec("shmloader", paths if finder is importlib.machinery.PathFinder else None)
+        except Exception:
+            continue  # Another library's import hook failing says nothing about shmloader.
+        origin = None if spec is None else spec.origin
+        if origin and pathlib.Path(origin).resolve().parent != PACKAGE_DIR:
+            return pathlib.Path(origin).parent
+    return None
+
+
+def _fix_hint() -> str:
+    """How to fix a missing or stale build. From a source checkout's root, after
+    `pip install .`, the checkout (the current directory comes first on sys.path), not the
+    installed package, is what `import shmloader` finds: rebuilding is not what is wrong."""
+    if not (PACKAGE_DIR.parent / "zig").is_dir():
+        return REBUILD_HINT
+    installed = _installed_elsewhere()
+    if installed is None:
+        return REBUILD_HINT
+    checkout = PACKAGE_DIR.parent
+    try:
+        from_cwd = checkout == pathlib.Path(os.getcwd()).resolve()
+    except OSError:
+        from_cwd = False
+    why = ("from the current directory, which Python searches first" if from_cwd
+           else "which comes before it on sys.path")
+    return (f"The `shmloader` imported is the source checkout {PACKAGE_DIR} ({why}), not the installed "
+            f"package {installed}; it is the checkout's own build that is missing or stale. Run Python from another "
+            f"directory to use the installed package, or build the checkout in place with `pip install -e .` "
+            f"in {checkout}.")
+
+
 def library_path() -> pathlib.Path:
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         candidate = PACKAGE_DIR / f"{LIBRARY_STEM}{suffix}"
         if candidate.exists():
             return candidate
     raise NativeLibraryError(
-        f"shmloader's native library {LIBRARY_STEM}*.so is not in {PACKAGE_DIR}. {REBUILD_HINT}"
+        f"shmloader's native library {LIBRARY_STEM}*.so is not in {PACKAGE_DIR}. {_fix_hint()}"
     )
 
 
@@ -49,7 +98,7 @@ def _check_fresh(path: pathlib.Path, sources: list[pathlib.Path]) -> None:
     if newer:
         raise NativeLibraryError(
             f"{path.name} is stale: {', '.join(newer)} in {sources[0].parent} changed after "
-            f"it was built. {REBUILD_HINT}"
+            f"it was built. {_fix_hint()}"
         )
 
 
@@ -66,7 +115,7 @@ def _generated_ffi():
         from . import _ffi
     except ImportError as error:
         raise NativeLibraryError(
-            f"shmloader._ffi, generated at build time, is missing ({error}). {REBUILD_HINT}") from None
+            f"shmloader._ffi, generated at build time, is missing ({error}). {_fix_hint()}") from None
     in_checkout = (PACKAGE_DIR.parent / "zig").is_dir()
     _check_fresh(pathlib.Path(_ffi.__file__), [PACKAGE_DIR / "_declarations.py", RING_HEADER] if in_checkout else [])
     return _ffi.ffi
@@ -79,11 +128,11 @@ def _load():
     try:
         lib = ffi.dlopen(str(path))
     except OSError as error:
-        raise NativeLibraryError(f"cannot load {path}: {error}. {REBUILD_HINT}") from None
+        raise NativeLibraryError(f"cannot load {path}: {error}. {_fix_hint()}") from None
     if lib.shm_abi_version() != ABI_VERSION:
         raise NativeLibraryError(
             f"{path.name} has ABI version {lib.shm_abi_version()}, this Python code expects "
-            f"{ABI_VERSION}. {REBUILD_HINT}"
+            f"{ABI_VERSION}. {_fix_hint()}"
         )
     return ffi, lib
 
@@ -109,7 +158,7 @@ def load_cursor():
     try:
         from . import _cursor
     except ImportError as error:
-        raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {REBUILD_HINT}") from None
+        raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {_fix_hint()}") from None
     # Only a source checkout (zig/ beside the package) has sources to compare with: an
     # installed package may carry _cursor.c and ring.h as data, copied after the build.
     in_checkout = (PACKAGE_DIR.parent / "zig").is_dir()

@@ -1,6 +1,7 @@
 """`shmloader top`: run under a real pseudo-terminal against a live loader, the screen shows
 the loader's ring, each reader's pid, rows/s, the slot states, and a reader restart; it
-reads the rings only; Ctrl-C ends it."""
+reads the rings only; Ctrl-C ends it. What it shows agrees with loader.stats() after a
+SIGKILL, or says what the ring does not hold; busy shares stay within 0-100%."""
 
 from __future__ import annotations
 
@@ -96,8 +97,8 @@ def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
         os.kill(pids[0], signal.SIGKILL)
         assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
         # \s+: rich may wrap the header line just before the count (a narrower console).
-        screen = terminal.until(r"restarts\s+[1-9]", 30)
-        assert re.search(r"restarts\s+[1-9]", screen), screen[-2000:]
+        screen = terminal.until(r"restarts\s+seen\s+[1-9]", 30)
+        assert re.search(r"restarts\s+seen\s+[1-9]", screen), screen[-2000:]
         os.write(master, b"\x03")  # Ctrl-C, as a user would type it.
         assert process.wait(10) == 0
     finally:
@@ -117,6 +118,71 @@ def test_the_view_reads_states_and_a_gone_trainers_ring(live_loader, tmp_path):
     assert len(view.last.states) == live_loader.slots and view.rows_per_s > 0
     assert "trainer" in render_text(monitor) and "(alive)" in render_text(monitor)
     assert Monitor(["shml_1_000000000000"]).views == {}  # A name that is not there shows nothing.
+
+
+def test_a_reader_killed_while_top_watches_agrees_with_stats(live_loader):
+    """A SIGKILLed reader: the restarts top saw equal loader.stats()'s, and the reader's row
+    shows the new process, its batches marked as that process's own (before: the count fell
+    back to 0 under the same heading, looking like a reset)."""
+    monitor = Monitor([live_loader.ring_name])
+    pids = live_loader.reader_pids
+
+    def shows(pid: int) -> bool:
+        monitor.refresh()
+        return any(view.last.readers[0].pid == pid for view in monitor.views.values())
+
+    assert wait_until(lambda: shows(pids[0]), 20)  # Top saw the first process (it writes its pid as it starts).
+    os.kill(pids[0], signal.SIGKILL)
+    assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
+    new_pid = live_loader.reader_pids[0]
+    assert wait_until(lambda: shows(new_pid), 20)
+    (view,) = monitor.views.values()
+    assert view.restarts == live_loader.stats()["reader_restarts"] == 1
+    screen = render_text(monitor)
+    line = next(line for line in screen.splitlines() if line.strip().startswith("reader 0:"))
+    assert re.search(rf"pid\s+{new_pid}\b.*batches by this pid\s+[\d,]+", line), screen
+    stats = live_loader.stats()["readers"][0]
+    assert stats["pid"] == new_pid and view.last.readers[0].batches <= stats["batches"]
+    assert "restarts seen 1 in" in screen and "loader.stats()" in screen
+
+
+def test_top_once_after_a_restart_does_not_claim_there_was_none(live_loader, capsys):
+    """The restart happened before top began: the ring does not hold the count, so --once
+    says how long it watched and where the total is (before: "restarts 0" where
+    loader.stats() said 1)."""
+    from shmloader.tools.monitor import run
+
+    pid = live_loader.reader_pids[0]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: live_loader.stats()["reader_restarts"] == 1, 20)
+    assert run([live_loader.ring_name], interval_s=0.2, once=True) == 0
+    screen = capsys.readouterr().out
+    assert not re.search(r"restarts\s+0\b", screen), screen
+    assert re.search(r"restarts seen 0 in 0\.\d s", screen) and 'loader.stats()["reader_restarts"]' in screen, screen
+
+
+def test_busy_shares_never_pass_100_percent(tmp_path):
+    """busy_ns grows when a batch is published, by the whole fill: a 2.5 s fill published
+    between two samples 0.1 s apart read as 2,500% busy. Shown shares stay within 0-100%."""
+    np.save(tmp_path / "x.npy", np.arange(16, dtype=np.int64))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=4,
+                       transform="transform_fixtures:slow_on_row_nine") as loader:
+        monitor = Monitor([loader.ring_name])
+        busy, starved = [], []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            monitor.refresh()
+            views = list(monitor.views.values())
+            if views:
+                busy += views[0].busy
+                starved += views[0].starved
+                if views[0].last.readers[0].batches >= 3:
+                    break
+            time.sleep(0.1)
+        assert views and views[0].last.readers[0].batches >= 3, "the slow step was never published"
+        assert busy and 0.0 <= min(busy) and max(busy) <= 1.0, busy
+        assert starved and 0.0 <= min(starved) and max(starved) <= 1.0, starved
+        assert max(busy) == 1.0  # The window that held the publication: the reader was busy throughout.
 
 
 def test_stats_scrape_as_prometheus_metrics(tmp_path):

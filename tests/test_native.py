@@ -133,3 +133,31 @@ def test_bounded_draws_are_splitmix64_of_a_keyed_counter():
         room = rng.integers(0, 1 << 40, 64).astype(np.uint64)
         draws = _window_starts(seed, step, stream, 64, room)
         assert np.array_equal(draws, reference(seed, step, stream, room)) and (draws <= room).all()
+
+
+def test_a_checkout_imported_instead_of_the_installed_package_says_so(tmp_path):
+    """`pip install .` then Python from the clone's root: the unbuilt source tree in the
+    current directory shadows the installed package. The error names the checkout, the
+    installed copy and the way out (before: only "rebuild it", which the user had done)."""
+    clone, installed = tmp_path / "clone", tmp_path / "site-packages"
+    shutil.copytree(_native.PACKAGE_DIR, clone / "shmloader",
+                    ignore=shutil.ignore_patterns("*.so", "_ffi.py", "__pycache__"))
+    (clone / "zig").mkdir()
+    (clone / "zig" / "sampler.zig").write_text("// a source checkout's Zig sources")
+    (installed / "shmloader").mkdir(parents=True)
+    (installed / "shmloader" / "__init__.py").write_text("")  # Found, never imported.
+    # -S: without site's .pth files, so that a development install's import hook (an editable
+    # install maps shmloader's modules to its own checkout) stays out; the libraries come
+    # from PYTHONPATH instead, after the installed copy, as a plain install orders them.
+    import os
+    import sysconfig
+
+    libraries = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    result = subprocess.run([sys.executable, "-S", "-c", "from shmloader import ShmDataLoader"], cwd=clone,
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(installed), *libraries])})
+    assert result.returncode != 0
+    error = result.stderr.strip().splitlines()[-1]
+    assert "NativeLibraryError" in error, result.stderr
+    assert f"source checkout {clone / 'shmloader'}" in error and str(installed / "shmloader") in error, error
+    assert "current directory" in error and "another directory" in error and "pip install -e ." in error, error

@@ -4,9 +4,22 @@ Each ring in /dev/shm is mapped read-only (nothing is written, no lock is taken 
 shared probe of its owner lock) and sampled: its header, every slot's state, every reader
 record (pid, busy and starved time, batches, skipped records). Rates come from two samples:
 rows/s is batches filled times the batch size per second; a reader's busy and starved
-shares are its busy_ns and starved_ns per elapsed ns. A reader record whose pid changed
-between samples is a restart. What only the trainer knows (its wait share) is not in the
-ring: `loader.stats()` has it.
+shares are its busy_ns and starved_ns per elapsed ns, held within 0-100%: a reader adds a
+fill's whole time to busy_ns when it publishes the batch, so a fill begun before the
+earlier sample lands wholly in the later one (a 2.5 s fill read over 0.1 s would be 2,500%).
+
+What top cannot know, because the ring does not hold it (loader.stats() does, in the
+trainer's memory):
+- Restarts before top began. A reader record whose pid changed between two samples is a
+  restart, so top counts the restarts it saw, and says for how long it watched ("restarts
+  seen 0 in 0.5 s" after --once); loader.stats()["reader_restarts"] counts them all.
+- A replaced reader's work. When the trainer replaces a reader (readers/pool.py's
+  _keep_stats) it moves the record's counters into its own memory and zeroes them, so the
+  record, and top, shows the new process's batches and skipped records alone ("batches by
+  this pid"); loader.stats()["readers"] adds the replaced processes' to them.
+The ring would need a field for each (a restart count beside the trainer pid in
+shm_ring_header, the replaced readers' batches in shm_reader_record) for top to show
+them. What only the trainer knows (its wait share) is not in the ring either.
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
@@ -144,10 +157,16 @@ def _read(name: str, memory: mmap.mmap, size: int, alive: bool) -> RingSample | 
     return sampled
 
 
+def _share(part_ns: int, elapsed_ns: int) -> float:
+    """`part_ns` of `elapsed_ns`, within 0-1: the counters grow a whole fill (or sleep) at a
+    time, when it ends (see the module's note)."""
+    return min(1.0, max(0.0, part_ns / elapsed_ns))
+
+
 @dataclasses.dataclass
 class RingView:
     """What the screen shows of one ring: the last sample, rates since the one before, the
-    restarts seen and the rows/s history."""
+    restarts seen since `first_at_ns` (the first sample) and the rows/s history."""
 
     last: RingSample
     rows_per_s: float = 0.0
@@ -155,6 +174,15 @@ class RingView:
     starved: list[float] = dataclasses.field(default_factory=list)
     restarts: int = 0
     history: list[float] = dataclasses.field(default_factory=list)
+    first_at_ns: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.first_at_ns = self.last.at_ns
+
+    @property
+    def watched_s(self) -> float:
+        """How long top has sampled this ring: the span its restart count covers."""
+        return (self.last.at_ns - self.first_at_ns) / 1e9
 
     def update(self, new: RingSample) -> None:
         elapsed = max(1, new.at_ns - self.last.at_ns)
@@ -162,12 +190,13 @@ class RingView:
         self.busy, self.starved = [], []
         for index, reader in enumerate(new.readers):
             before = self.last.readers[index] if index < len(self.last.readers) else None
+            # A record zeroed by the trainer (pid 0) then taken by the new reader counts once.
             if before is not None and before.pid and reader.pid != before.pid:
                 self.restarts += 1
             same = before is not None and before.pid == reader.pid
             batches += reader.batches - before.batches if same else reader.batches
-            self.busy.append((reader.busy_ns - before.busy_ns) / elapsed if same else 0.0)
-            self.starved.append((reader.starved_ns - before.starved_ns) / elapsed if same else 0.0)
+            self.busy.append(_share(reader.busy_ns - before.busy_ns, elapsed) if same else 0.0)
+            self.starved.append(_share(reader.starved_ns - before.starved_ns, elapsed) if same else 0.0)
         self.rows_per_s = max(0, batches) * new.batch_size / (elapsed / 1e9)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
@@ -203,6 +232,22 @@ def sparkline(values: list[float]) -> str:
     return "".join(_SPARKS[min(len(_SPARKS) - 1, int(value / top * (len(_SPARKS) - 1)))] for value in values)
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# What the counts on the screen cover (the module's note says why the ring holds no more).
+LEGEND = (
+    "slots: . idle  r requested  F filling  R ready  H held  X failed\n"
+    "restarts seen: readers top saw replaced while it watched; loader.stats()[\"reader_restarts\"] counts them all.\n"
+    "batches, skipped: the reader process's own; loader.stats()[\"readers\"] adds those of the readers it replaced."
+)
+
+
 def render_text(monitor: Monitor) -> str:
     """The screen as plain text (also what rich draws, line by line)."""
     if not monitor.views:
@@ -212,14 +257,15 @@ def render_text(monitor: Monitor) -> str:
         last = view.last
         states = "".join(STATE_LETTERS.get(state, "?") for state, _, _ in last.states)
         lines.append(f"{name}  trainer {last.trainer_pid} ({'alive' if last.trainer_alive else 'gone'})  batch "
-                     f"{last.batch_size}  {view.rows_per_s:,.0f} rows/s  restarts {view.restarts}")
+                     f"{last.batch_size}  {view.rows_per_s:,.0f} rows/s  restarts seen {view.restarts} in "
+                     f"{_duration(view.watched_s)}")
         lines.append(f"  slots [{states}]   rows/s {sparkline(view.history)}")
         for index, reader in enumerate(last.readers):
             busy = view.busy[index] if index < len(view.busy) else 0.0
             starved = view.starved[index] if index < len(view.starved) else 0.0
             lines.append(f"  reader {index}: pid {reader.pid:>7}  busy {busy:4.0%}  starved {starved:4.0%}  "
-                         f"batches {reader.batches:>9,}  skipped {reader.skipped:,}")
-    lines.append("slots: . idle  r requested  F filling  R ready  H held  X failed")
+                         f"batches by this pid {reader.batches:>9,}  skipped {reader.skipped:,}")
+    lines.append(LEGEND)
     return "\n".join(lines)
 
 
