@@ -5,7 +5,13 @@ Run: python examples/train_hf_trainer.py   (needs `pip install torch transformer
 Trainer builds its own torch DataLoader from a dataset; here get_train_dataloader is
 overridden to return shmloader.torch.TorchLoader over an endless loader (epochs=None),
 and max_steps bounds training. Each batch is a dict of tensors over a slot, passed to the
-model as keyword arguments (image=..., label=...).
+model as keyword arguments (image=..., label=..., indices=...: the rows' indices; give
+TorchLoader indices=False for a model that does not take them).
+
+Under torchrun each rank reads its own shard (args.process_index of args.world_size), with
+batch_size rows per rank. resume_from_checkpoint is exact: the Trainer skips the steps
+already trained by reading them again; TrainingArguments(ignore_data_skip=True) and
+ShmDataLoader(..., start_step=trainer.state.global_step) skip without reading.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ class Classifier(torch.nn.Module):
         self.layers = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(IMAGE_SHAPE)), 64),
                                           torch.nn.ReLU(), torch.nn.Linear(64, CLASSES))
 
-    def forward(self, image, label=None):
+    def forward(self, image, label=None, indices=None):
         logits = self.layers(image.float().sub(128).div(64))  # A new tensor: the slot is only read.
         loss = None if label is None else torch.nn.functional.cross_entropy(logits, label)
         return {"loss": loss, "logits": logits}
@@ -40,7 +46,8 @@ class ShmTrainer(transformers.Trainer):
         self.fields, self.shm_batch_size = fields, batch_size
 
     def get_train_dataloader(self) -> TorchLoader:
-        return TorchLoader(ShmDataLoader(self.fields, batch_size=self.shm_batch_size, readers=2, seed=self.args.seed))
+        return TorchLoader(ShmDataLoader(self.fields, batch_size=self.shm_batch_size, readers=2, seed=self.args.seed,
+                                         shard_index=self.args.process_index, shard_count=self.args.world_size))
 
 
 def main(steps: int = 200, batch_size: int = 256) -> float:

@@ -7,6 +7,10 @@ iterable of dicts of tensors over the ring's slots, with len() for a finite pass
 (epochs=1) and the loader's state_dict. The loader batches already, in its own reader
 processes: no torch DataLoader workers. Tensors view the slots; Lightning keeps a batch
 (and one prefetched) alive for a step, which the default slot count allows.
+
+Under DDP (devices=N, or torchrun) each rank reads its own shard: shard_index is
+trainer.global_rank, shard_count trainer.world_size, batch_size per rank. Lightning puts
+no DistributedSampler under an iterable, so use_distributed_sampler changes nothing here.
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ class Data(lightning.LightningDataModule):
         # Called every epoch (reload_dataloaders_every_n_epochs=1): one pass of the loader,
         # in an order of its own (a seed per epoch, as DistributedSampler.set_epoch gives).
         # A loader whose pass ended raises if iterated again rather than give no batch.
-        epoch = self.trainer.current_epoch if self.trainer is not None else 0
-        return TorchLoader(ShmDataLoader(self.fields, batch_size=self.batch_size, readers=2, seed=epoch, epochs=1))
+        epoch, rank, world = 0, 0, 1
+        if self.trainer is not None:
+            epoch, rank, world = self.trainer.current_epoch, self.trainer.global_rank, self.trainer.world_size
+        return TorchLoader(ShmDataLoader(self.fields, batch_size=self.batch_size, readers=2, seed=epoch, epochs=1,
+                                         shard_index=rank, shard_count=world))
 
 
 class Classifier(lightning.LightningModule):
