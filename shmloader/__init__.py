@@ -1,6 +1,7 @@
 """shmloader: a zero-copy shared-memory data loader for training on one machine."""
 
 from .errors import (
+    CacheError,
     DeviceError,
     PerformanceWarning,
     ReaderError,
@@ -17,9 +18,11 @@ from .errors import (
 
 __all__ = [
     "Batch",
+    "CacheError",
     "DeviceError",
     "Packed",
     "Padded",
+    "Ragged",
     "PerformanceWarning",
     "ReaderError",
     "ReaderStallWarning",
@@ -35,6 +38,7 @@ __all__ = [
     "StorageError",
     "TransformError",
     "Windows",
+    "rebuild_batch",
     "transform",
 ]
 __version__ = "0.1.0"
@@ -43,7 +47,8 @@ __version__ = "0.1.0"
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
 _LAZY = {"Batch": ".ring.batch", "ShmDataLoader": ".loader", "Sampler": ".plan.sampler", "Padded": ".plan.fields",
-         "Packed": ".plan.fields", "Windows": ".plan.fields", "Source": ".plan.sources"}
+         "Packed": ".plan.fields", "Windows": ".plan.fields", "Source": ".plan.sources",
+         "Ragged": ".plan.dataset", "rebuild_batch": ".plan.dataset"}
 
 
 def __getattr__(name: str):

@@ -24,6 +24,12 @@ class RemoteError(StorageError):
     replace it."""
 
 
+class CacheError(RemoteError):
+    """The node cache cannot hold or vouch for an object: its directory is not its user's
+    own (another owner, writable by others, a link planted in it), or its file system is
+    full. A RemoteError, so on_error="skip" never takes it for a bad record."""
+
+
 class ReaderError(ShmLoaderError, RuntimeError):
     """A reader process failed: it raised (original type, message and traceback are kept) or died.
 

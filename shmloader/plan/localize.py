@@ -20,7 +20,7 @@ import struct
 
 from ..errors import StorageError
 from ..remote import is_url
-from ..remote.cache import create_object, object_directory, open_object, read_marker, write_marker
+from ..remote.cache import cached_name, create_object, object_directory, open_object, read_marker, write_marker
 from ..remote.node import acquire
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..remote.store import Client
@@ -171,7 +171,7 @@ class Localizer:
     def _object(self, url: str, size: int, etag: str, path: str | None = None, whole: bool = False) -> str:
         if size == 0:
             raise StorageError(f"{url}: an empty object; expected a .npy or .b2nd file, or a ragged directory")
-        name = posixpath.basename(url) or "object"
+        name = cached_name(url)  # Bounded: an S3 key segment may be longer than a file name.
         path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
         create_object(path, url, etag, size, self.settings.options)
         marker = read_marker(path)

@@ -4,9 +4,18 @@ every process of every loader that names the same directory.
 An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
 its bytes at their own offsets (a sparse file the size of the object, so readers map and
 gather it exactly as a local file), `NAME.pages` (one uint32 per CACHE_PAGE_BYTES page: 0 while
-absent, else when it was last used, in seconds; its byte ranges are also the page locks),
-and `NAME.remote.json` (URL, ETag, size, the header ranges the trainer read). The budget,
-the bytes held and the node's counters are `<root>/ledger`.
+absent, else when it was last used, in seconds; then one CRC-32 per page of the bytes its
+download wrote; its byte ranges are also the page locks), and `NAME.remote.json` (URL,
+ETag, size, the storage_options but credentials, the header ranges the trainer read). The
+budget, the bytes held (pages and the cache's own files) and the node's counters are
+`<root>/ledger`.
+
+Trust: the cache is its user's own (directories 0700, files 0600, every open O_NOFOLLOW of
+a regular file of this user: pages.open_private, private_directory, private_root). A page
+a download wrote is served once its stamp says present; a page written by another process
+or run is checked against its CRC-32 first, once per process (CachedObject._verify); a
+copy whose files are not the object's size is every page absent. Credentials stay in the
+memory of the process that read them (_hold_credentials).
 
 Locks are open-file-description locks (fcntl F_OFD_SETLK): a process that dies, however
 it dies, holds none, so there is nothing to clean by hand after a SIGKILL. For page i:
@@ -33,17 +42,22 @@ import collections
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import json
 import os
+import posixpath
+import re
+import secrets
 import threading
 
 import numpy as np
 
-from ..errors import StorageError
+from ..errors import RemoteError, StorageError
 from .node import NodeCache, cache_root, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
     CACHE_PAGE_BYTES,
+    DISK_SECTOR_BYTES,
     FETCH_BASE,
     FIT_UNIT_BYTES,
     IN_FLIGHT,
@@ -51,9 +65,19 @@ from .pages import (
     PAGES_SUFFIX,
     PIN_UNIT_BYTES,
     REQUEST_BYTES,
+    STAMP_BYTES,
+    VERIFY_READ_PAGES,
     lock,
     map_shared,
+    no_space,
     now_stamp,
+    open_private,
+    page_checksum,
+    page_disk_bytes,
+    pages_file_bytes,
+    private_directory,
+    punch_hole,
+    reserve_file,
 )
 from .store import Client
 
@@ -70,10 +94,11 @@ def cached_object(path: str, url: str = "") -> CachedObject:
 
 def read_marker(path: str) -> dict | None:
     try:
-        with open(path + MARKER_SUFFIX) as handle:
-            return json.load(handle)
+        descriptor = open_private(path + MARKER_SUFFIX, os.O_RDONLY)
     except FileNotFoundError:
         return None
+    with os.fdopen(descriptor) as handle:
+        return json.load(handle)
 
 
 def object_directory(root: str, url: str, version: str) -> str:
@@ -83,28 +108,153 @@ def object_directory(root: str, url: str, version: str) -> str:
     return os.path.join(os.path.abspath(root), "objects", url_key, version_key)
 
 
+# A copy's file name, from its key's last segment, is at most this long: with the longest
+# suffix the cache adds (a marker's temporary, ".remote.json.PID.THREAD", under 50 bytes)
+# it stays far below a file system's 255. A longer one keeps its start and its extension
+# around a hash of the whole.
+_NAME_BYTES_MAX = 160
+_NAME_KEPT_BYTES, _EXTENSION_BYTES_MAX = 64, 16
+
+
+def cached_name(url: str) -> str:
+    """The file name of `url`'s copy in its directory: the key's last segment where it is
+    short enough, else a bounded name that keeps its start and extension (S3 allows a
+    segment of up to 1,024 bytes; a file name is 255 at most)."""
+    name = posixpath.basename(url) or "object"
+    if len(name.encode()) <= _NAME_BYTES_MAX:
+        return name
+    stem, dot, extension = name.rpartition(".")
+    extension = f".{extension}" if dot and stem and len(extension.encode()) <= _EXTENSION_BYTES_MAX else ""
+    start = name.encode()[:_NAME_KEPT_BYTES].decode(errors="ignore")  # Cut at a character boundary.
+    return f"{start}-{hashlib.sha256(name.encode()).hexdigest()[:32]}{extension}"
+
+
 def create_object(path: str, url: str, etag: str, size: int, options: dict) -> None:
-    """The sparse data file, its page stamps and its marker, if they are not there yet
-    (several trainers may create the same object at once: every step is idempotent)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    pages = -(-size // CACHE_PAGE_BYTES)
-    for name, length in ((path, size), (path + PAGES_SUFFIX, 4 * pages)):
-        descriptor = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    """The sparse data file, its pages file and its marker, if they are not there yet
+    (several trainers may create the same object at once: every step is idempotent). A
+    copy whose files do not have the object's sizes (truncated between runs, or of an
+    older layout) is not trusted: every page absent, to be fetched again."""
+    root = cache_root(path)
+    cache = node_cache(root)
+    try:
+        private_directory(os.path.dirname(path), root)
+        fresh = _create_files(path, url, size, root, cache.budget())
+        marker = read_marker(path)
+        if marker is None:
+            write_marker(path, {"url": url, "etag": etag, "size": size, "options": options, "meta": []})
+        elif (marker.get("options"), marker.get("credentials")) != _stored_options(options):
+            write_marker(path, {**marker, "options": options})  # This loader's options and credentials from now on.
+    except OSError as error:
+        raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
+    if fresh:  # The budget covers the cache's own files too.
+        cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
+                                                                               path + MARKER_SUFFIX)))
+
+
+def _create_files(path: str, url: str, size: int, root: str, budget: int) -> bool:
+    """The data and pages files of create_object; whether they were made (or made anew)."""
+    pages_length = pages_file_bytes(-(-size // CACHE_PAGE_BYTES))
+    pages_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR | os.O_CREAT)
+    try:
+        data_fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
-            if os.fstat(descriptor).st_size != length:
-                os.ftruncate(descriptor, length)
+            data_size = os.fstat(data_fd).st_size
+            fresh = os.fstat(pages_fd).st_size != pages_length or data_size != size
+            if fresh:
+                os.ftruncate(pages_fd, 0)  # Every stamp 0 first: absent before the bytes go.
+                os.ftruncate(pages_fd, pages_length)
+                os.ftruncate(data_fd, size)
+                if data_size and size:  # Bytes no stamp vouches for: their space back, to the last whole block.
+                    punch_hole(data_fd, 0, -(-size // CACHE_PAGE_BYTES) * CACHE_PAGE_BYTES)
+            # Mapped by every process: allocated now, so that a full disk is an error, not a SIGBUS.
+            reserve_file(pages_fd, pages_length, root, budget, f"the pages file of {url}")
+            return fresh
+        finally:
+            os.close(data_fd)
+    finally:
+        os.close(pages_fd)
+
+
+# storage_options whose names say they are credentials: they never go into the cache's files.
+_CREDENTIAL_NAME = re.compile(r"secret|token|passw|credential|key|auth", re.IGNORECASE)
+_credentials: dict[tuple, dict] = {}  # (pid, the credentials' items) -> where the marker says they are
+_credentials_lock = threading.Lock()
+
+
+def _hold_credentials(credentials: dict) -> dict:
+    """Where this process keeps `credentials` for the other processes of its loaders: a
+    memfd (memory, never a file system) that this process holds open for its lifetime,
+    read by them as /proc/PID/fd/FD (the same user only), with a random nonce that tells it
+    from whatever a reused pid or descriptor number names later."""
+    key = (os.getpid(), tuple(sorted(credentials.items())))
+    with _credentials_lock:
+        found = _credentials.get(key)
+        if found is None:
+            nonce = secrets.token_hex(16)
+            descriptor = os.memfd_create("shmloader-credentials", os.MFD_CLOEXEC)
+            os.write(descriptor, json.dumps({"nonce": nonce, "options": credentials}).encode())
+            found = _credentials[key] = {"pid": os.getpid(), "fd": descriptor, "nonce": nonce}
+        return found
+
+
+def _read_credentials(reference: dict, url: str) -> dict:
+    """The credentials a marker's reference names (see _hold_credentials)."""
+    if reference["pid"] == os.getpid():
+        with _credentials_lock:
+            for (pid, items), found in _credentials.items():
+                if pid == reference["pid"] and found["nonce"] == reference["nonce"]:
+                    return dict(items)
+    try:
+        descriptor = os.open(f"/proc/{int(reference['pid'])}/fd/{int(reference['fd'])}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(descriptor).st_uid != os.geteuid():
+                raise PermissionError("not this user's")
+            held = json.loads(os.pread(descriptor, 1 << 20, 0))
         finally:
             os.close(descriptor)
-    if read_marker(path) is None:
-        write_marker(path, {"url": url, "etag": etag, "size": size, "options": options, "meta": []})
+        if not hmac.compare_digest(str(held.get("nonce")), str(reference["nonce"])):
+            raise PermissionError("another process's")
+        return dict(held["options"])
+    except (OSError, ValueError, KeyError, AttributeError) as error:
+        raise RemoteError(f"{url}: the credentials in the storage_options of the loader that described it are held "
+                          f"by its trainer (pid {reference['pid']}), which cannot give them ({error}); the cache keeps "
+                          f"no credential on disk: open this loader in that trainer's lifetime, or give credentials "
+                          f"in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from None
+
+
+def _stored_options(options: dict) -> tuple[dict, dict | None]:
+    """(the options but credentials, where this process holds the credentials or None):
+    what a marker keeps of a loader's storage_options."""
+    credentials = {name: value for name, value in options.items() if _CREDENTIAL_NAME.search(name)}
+    public = {name: value for name, value in options.items() if name not in credentials}
+    return public, (_hold_credentials(credentials) if credentials else None)
+
+
+def marker_options(marker: dict, url: str) -> dict:
+    """The storage_options an object's marker stands for, credentials included."""
+    options = dict(marker.get("options") or {})
+    if marker.get("credentials"):
+        options.update(_read_credentials(marker["credentials"], url))
+    return options
 
 
 def write_marker(path: str, marker: dict) -> None:
+    """Writes an object's marker; credentials in its options are replaced by where this
+    process holds them (_hold_credentials)."""
+    public, credentials = _stored_options(marker.get("options") or {})
+    marker = {**marker, "options": public, "credentials": credentials}
     temporary = f"{path}{MARKER_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # It may hold credentials.
-    with os.fdopen(descriptor, "w") as handle:
-        json.dump(marker, handle)
-    os.replace(temporary, path + MARKER_SUFFIX)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)  # Left by a process of this pid that died: O_EXCL below must not meet it.
+    descriptor = open_private(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(marker, handle)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise no_space(error, cache_root(path), 0, f"writing {path}{MARKER_SUFFIX}") from None
+    os.replace(temporary, path + MARKER_SUFFIX)  # A rename replaces a link, never follows it.
 
 
 def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> np.ndarray:
@@ -170,16 +320,28 @@ class CachedObject:
         self.cache, self.path = cache, path
         self.url, self.etag, self.size = marker["url"], marker["etag"], int(marker["size"])
         self.meta = [tuple(extent) for extent in marker.get("meta", [])]
-        self.client = Client(marker.get("options") or {}, cache.count)
+        self.client = Client(marker_options(marker, self.url), cache.count)
         self.page_count = -(-self.size // CACHE_PAGE_BYTES)
-        self._data_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        self._data_fd = open_private(path, os.O_RDWR)
         self.inode = os.fstat(self._data_fd).st_ino
-        self._map_fd = os.open(path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
-        if os.fstat(self._map_fd).st_size != 4 * self.page_count or os.fstat(self._data_fd).st_size != self.size:
+        try:
+            self._map_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR)
+        except BaseException:
+            os.close(self._data_fd)
+            raise
+        length = pages_file_bytes(self.page_count)
+        if os.fstat(self._map_fd).st_size != length or os.fstat(self._data_fd).st_size != self.size:
+            os.close(self._data_fd)
+            os.close(self._map_fd)
             raise StorageError(f"{self.url}: its copy in the node cache ({path}) does not have the object's size "
-                               f"({self.size} bytes)")
-        self._map = map_shared(self._map_fd, max(4, 4 * self.page_count))
+                               f"({self.size} bytes): it was cut short or replaced while the loader ran; restart "
+                               f"the loader (a new one fetches the object again)")
+        self._map = map_shared(self._map_fd, max(1, length))
         self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
+        self.checksums = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count,
+                                       offset=STAMP_BYTES * self.page_count)
+        # Pages this process wrote or checked: see _verify for why and what it costs.
+        self.verified = np.zeros(self.page_count, dtype=bool)
         self._local = threading.local()
         self._descriptors: list[int] = []
         self._descriptors_lock = threading.Lock()
@@ -194,7 +356,7 @@ class CachedObject:
         """This thread's description of the pages file for `purpose` ("pin", "ahead")."""
         descriptor = getattr(self._local, purpose, None)
         if descriptor is None:
-            descriptor = os.open(self.path + PAGES_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+            descriptor = open_private(self.path + PAGES_SUFFIX, os.O_RDWR)
             with self._descriptors_lock:
                 self._descriptors.append(descriptor)
             setattr(self._local, purpose, descriptor)
@@ -229,6 +391,9 @@ class CachedObject:
         for first, end in runs_of(np.unique(pages // unit), 1 << 30):
             lock(descriptor, fcntl.F_RDLCK, first * unit, (end - first) * unit, True)
         stamps = self.stamps[pages]
+        unchecked = pages[(stamps != 0) & ~self.verified[pages]]
+        if len(unchecked):
+            stamps = self._verify(unchecked, descriptor, pages, stamps)
         missing = pages[stamps == 0]
         stamp = now_stamp()
         stale = pages[(stamps != 0) & (stamps + 1 < stamp)]
@@ -237,14 +402,57 @@ class CachedObject:
         if len(missing):
             self._fetch_missing(missing, descriptor, unit_pages)
 
+    def _verify(self, pages: np.ndarray, descriptor: int, pinned: np.ndarray, stamps: np.ndarray) -> np.ndarray:
+        """Checks present `pages` (pinned through `descriptor`) against the CRC-32 their
+        download stored, the first time this process serves them: a page written by another
+        run or process may have been altered on disk since (a flipped bit, a hand edit).
+        What it costs: the stored checksum, 4 bytes a page in the pages file; one CRC-32 per
+        page downloaded; and, once per page and process, a read of the page and its CRC-32
+        (pages this process downloads count as checked). One that fails is marked absent
+        and fetched again. Returns the stamps of `pinned` as they are now."""
+        bad = []
+        for first, end in runs_of(pages, VERIFY_READ_PAGES):
+            for page in self._failing(first, end, pages):
+                bad.append(page)
+        for page in bad:
+            # Under the page's FETCH lock, looked at again: another process may have found
+            # it bad first and fetched it again since.
+            lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, True)
+            try:
+                if self.stamps[page] != 0 and page in self._failing(page, page + 1, np.array([page])):
+                    self.stamps[page] = 0  # Absent from here on: nobody serves it again.
+                    self.cache.forget(page_disk_bytes(page, self.size))
+            finally:
+                lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
+        return self.stamps[pinned]
+
+    def _failing(self, first: int, end: int, wanted: np.ndarray) -> list[int]:
+        """The pages of [first, end) among `wanted` whose bytes on disk fail their checksum;
+        the others are marked checked."""
+        start = first * CACHE_PAGE_BYTES
+        data = os.pread(self._data_fd, min(end * CACHE_PAGE_BYTES, self.size) - start, start)
+        failing = []
+        for page in wanted[(wanted >= first) & (wanted < end)].tolist():
+            offset = (page - first) * CACHE_PAGE_BYTES
+            piece = data[offset:offset + self._page_bytes(page)]
+            if len(piece) != self._page_bytes(page) or page_checksum(piece) != int(self.checksums[page]):
+                failing.append(page)
+            else:
+                self.verified[page] = True
+        return failing
+
+    def _page_bytes(self, page: int) -> int:
+        return min(CACHE_PAGE_BYTES, self.size - page * CACHE_PAGE_BYTES)
+
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
         offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
         first, last = offsets // CACHE_PAGE_BYTES, (offsets + np.maximum(sizes, 1) - 1) // CACHE_PAGE_BYTES
         single = first == last
-        found = self.stamps[first] != 0
+        # Checked pages only: a page is read here unpinned (a block table for the read-ahead).
+        found = (self.stamps[first] != 0) & self.verified[first]
         for k in np.flatnonzero(~single).tolist():
-            found[k] = bool((self.stamps[first[k]:last[k] + 1] != 0).all())
+            found[k] = bool(((self.stamps[first[k]:last[k] + 1] != 0) & self.verified[first[k]:last[k] + 1]).all())
         return found
 
     def unpin(self) -> None:
@@ -366,8 +574,8 @@ class CachedObject:
         to the cache (its present pages are written again, with the same bytes)."""
         missing = np.flatnonzero(self.stamps[first:end] == 0) + first
         size = len(missing) * CACHE_PAGE_BYTES
-        if len(missing) and missing[-1] == self.page_count - 1:
-            size -= self.page_count * CACHE_PAGE_BYTES - self.size  # The last page is shorter.
+        if len(missing) and missing[-1] == self.page_count - 1:  # The last page may be shorter.
+            size -= CACHE_PAGE_BYTES - page_disk_bytes(self.page_count - 1, self.size)
         return size
 
     def _fetch_run(self, first: int, end: int, reserved: int) -> None:
@@ -381,16 +589,26 @@ class CachedObject:
     def _download_run(self, first: int, end: int) -> bool:
         """Whether the pages were written (not when the object was closed meanwhile)."""
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
-        data = self.client.get(self.url, self.etag, start, stop)
+        data = self.client.get(self.url, self.etag, start, stop, self.size)
+        checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
+                     for offset in range(0, len(data), CACHE_PAGE_BYTES)]
         # Under the lock close() takes: a request that outlives its loader (a read-ahead
         # thread given up on) must not write through a descriptor number reused since.
         with self._descriptors_lock:
             if self.stamps is None:
                 return False
             written = 0
-            while written < len(data):
-                written += os.pwrite(self._data_fd, data[written:], start + written)
+            try:
+                while written < len(data):
+                    written += os.pwrite(self._data_fd, data[written:], start + written)
+            except OSError as error:
+                for page in (np.flatnonzero(self.stamps[first:end] == 0) + first).tolist():
+                    with contextlib.suppress(OSError):  # No stamp will vouch for it: its space back.
+                        punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
+                raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
+            self.checksums[first:end] = checksums  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
+            self.verified[first:end] = True
             return True
 
     def close(self) -> None:
@@ -401,7 +619,7 @@ class CachedObject:
             for descriptor in (*descriptors, self._data_fd, self._map_fd):
                 with contextlib.suppress(OSError):
                     os.close(descriptor)
-            self.stamps = None
+            self.stamps = self.checksums = None
             with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
                 self._map.close()
 

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import os
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,13 +17,23 @@ from ..errors import StorageError
 from .pages import (
     CACHE_PAGE_BYTES,
     COUNTERS,
+    DISK_SECTOR_BYTES,
     EVICT_SHARE,
     IN_FLIGHT,
+    MARKER_SUFFIX,
     PAGES_SUFFIX,
+    STAMP_BYTES,
     evict_page,
     lock,
     map_shared,
+    open_private,
+    page_disk_bytes,
+    pages_file_bytes,
+    private_directory,
+    private_root,
     process_alive,
+    punch_hole,
+    reserve_file,
 )
 
 _LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
@@ -37,11 +48,16 @@ class NodeCache:
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
-        os.makedirs(os.path.join(self.root, "objects"), exist_ok=True)
-        path = os.path.join(self.root, "ledger")
-        self._ledger_fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        if os.fstat(self._ledger_fd).st_size < _LEDGER_BYTES:
-            os.ftruncate(self._ledger_fd, _LEDGER_BYTES)  # Zeros: a fresh ledger (held 0, no budget yet).
+        private_root(self.root)
+        private_directory(os.path.join(self.root, "objects"), self.root)
+        self._ledger_fd = open_private(os.path.join(self.root, "ledger"), os.O_RDWR | os.O_CREAT)
+        try:
+            # Zeros where new: a fresh ledger (held 0, no budget yet). Allocated before it is
+            # mapped: a full file system is an error here, not a SIGBUS at the first write.
+            reserve_file(self._ledger_fd, _LEDGER_BYTES, self.root, 0, "its ledger")
+        except BaseException:
+            os.close(self._ledger_fd)
+            raise
         self._ledger_inode = os.fstat(self._ledger_fd).st_ino
         self._ledger_map = map_shared(self._ledger_fd, _LEDGER_BYTES)
         self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
@@ -88,34 +104,41 @@ class NodeCache:
             self._ledger[_LEDGER["budget"]] = budget
 
     def _recount(self) -> None:
-        """The bytes held, counted anew from the pages present, where no other process uses
-        the cache (each user holds the ledger's byte 1 shared): it forgets the reservations
-        of processes killed mid-download."""
+        """The bytes held, counted anew where no other process uses the cache (each user
+        holds the ledger's byte 1 shared): the pages present, and the cache's own files
+        (ledger, pages files, markers), which the budget covers too. It forgets the
+        reservations of processes killed mid-download, and gives back the space of the
+        bytes they wrote that no stamp vouches for."""
         with self.locked():
-            users = os.open(os.path.join(self.root, "ledger"), os.O_RDWR | os.O_CLOEXEC)
+            users = open_private(os.path.join(self.root, "ledger"), os.O_RDWR)
             try:
                 if lock(users, fcntl.F_WRLCK, 1, 1, False):
-                    self._ledger[_LEDGER["held"]] = sum(held for _, _, held in self._pages_files())
+                    held = os.fstat(self._ledger_fd).st_blocks * DISK_SECTOR_BYTES
+                    for found in self._pages_files():
+                        held += found.held + found.own_bytes
+                        if found.data_disk_bytes > found.held:
+                            _give_back_unstamped(found)
+                    self._ledger[_LEDGER["held"]] = held
             finally:
                 os.close(users)  # Closing the description drops its lock.
 
     def _pages_files(self):
-        """(pages path, data path, bytes present) of every object in the cache."""
+        """Every object in the cache, as a CachedFiles."""
         for directory, _, names in os.walk(os.path.join(self.root, "objects")):
             for name in names:
                 if name.endswith(PAGES_SUFFIX):
                     pages = os.path.join(directory, name)
-                    data = pages[:-len(PAGES_SUFFIX)]
                     try:
-                        stamps = np.fromfile(pages, dtype=np.uint32)
-                        size = os.path.getsize(data)
-                    except OSError:
+                        yield read_stamps(pages, pages[:-len(PAGES_SUFFIX)])
+                    except (OSError, StorageError):  # Gone meanwhile, or not this user's: not counted.
                         continue
-                    present = np.flatnonzero(stamps)
-                    held = len(present) * CACHE_PAGE_BYTES
-                    if len(present) and present[-1] == len(stamps) - 1:
-                        held -= len(stamps) * CACHE_PAGE_BYTES - size  # The last page is shorter.
-                    yield pages, data, max(0, held)
+
+    def hold(self, size: int) -> None:
+        """Counts `size` bytes of the cache's own files (a new object's pages file and
+        marker) as held for good, evicting pages first where they would pass the budget."""
+        with self.locked():
+            self._make_room(size)
+            self._ledger[_LEDGER["held"]] += size
 
     def reserve(self, size: int, optional: bool = False) -> bool:
         """Counts `size` bytes about to be downloaded, evicting first what would pass the
@@ -123,20 +146,34 @@ class NodeCache:
         refused (False). Each process's reservations in flight are kept in its slot of the
         ledger, so that those of a process that died mid-download are given back."""
         with self.locked():
-            budget = int(self._ledger[_LEDGER["budget"]])
-            held = int(self._ledger[_LEDGER["held"]])
-            if budget and held + size > budget:
-                held -= self._reclaim_dead()
-                if held + size > budget:
-                    freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
-                    held -= freed
-                    self._ledger[_LEDGER["evicted"]] += freed // CACHE_PAGE_BYTES
-                self._ledger[_LEDGER["held"]] = held
-                if optional and held + size > budget:
-                    return False
+            if not self._make_room(size) and optional:
+                return False
             self._ledger[_LEDGER["held"]] += size
             self._slot()[1] += size
             return True
+
+    def _make_room(self, size: int) -> bool:
+        """Evicts what `size` more bytes would pass the budget by (under the lock); whether
+        they fit now."""
+        budget = int(self._ledger[_LEDGER["budget"]])
+        held = int(self._ledger[_LEDGER["held"]])
+        if not budget or held + size <= budget:
+            return True
+        held -= self._reclaim_dead()
+        if held + size > budget:
+            freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
+            held -= freed
+            self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
+        self._ledger[_LEDGER["held"]] = held
+        return held + size <= budget
+
+    def forget(self, size: int) -> None:
+        """Pages whose bytes failed their checksum were marked absent: no longer held."""
+        with self.locked():
+            self._ledger[_LEDGER["held"]] -= size
+
+    def budget(self) -> int:
+        return 0 if self._ledger is None else int(self._ledger[_LEDGER["budget"]])
 
     def settle(self, size: int, downloaded: bool) -> None:
         """A reservation's download ended: its bytes stay counted as held if it succeeded
@@ -178,9 +215,9 @@ class NodeCache:
         Stamps are read and written with pread/pwrite (the same page cache as every
         process's mapping of them)."""
         candidates = []  # (stamps, pages path, data path) of objects holding pages
-        for pages, data, held in self._pages_files():
-            if held:
-                candidates.append((np.fromfile(pages, dtype=np.uint32), pages, data))
+        for found in self._pages_files():
+            if found.held:
+                candidates.append((found.stamps, found.pages, found.data))
         if not candidates:
             return 0
         stamps = np.concatenate([found for found, _, _ in candidates]).astype(np.int64)
@@ -196,11 +233,7 @@ class NodeCache:
                 owner, page = int(owners[k]), int(numbers[k])
                 if owner not in descriptors:
                     _, pages, data = candidates[owner]
-                    try:
-                        descriptors[owner] = (os.open(pages, os.O_RDWR | os.O_CLOEXEC),
-                                              os.open(data, os.O_RDWR | os.O_CLOEXEC), os.path.getsize(data))
-                    except OSError:
-                        descriptors[owner] = None
+                    descriptors[owner] = _open_pair(pages, data)
                 if descriptors[owner] is None:
                     continue
                 pages_fd, data_fd, data_size = descriptors[owner]
@@ -253,6 +286,80 @@ class NodeCache:
                 pool = self._pools[kind] = concurrent.futures.ThreadPoolExecutor(
                     IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
             return pool
+
+
+class CachedFiles(NamedTuple):
+    """An object's files as its pages file says: what the budget counts of them."""
+
+    pages: str
+    data: str
+    stamps: np.ndarray
+    size: int  # The object's (its data file's) size.
+    held: int  # The disk its present pages take.
+    data_disk_bytes: int  # The disk its data file takes: more than `held` where unstamped bytes are left.
+    own_bytes: int  # The disk its pages file and marker take.
+
+
+def read_stamps(pages: str, data: str) -> CachedFiles:
+    """An object's stamps and sizes (files of this user, links not followed)."""
+    descriptor = open_private(pages, os.O_RDONLY)
+    try:
+        info = os.fstat(descriptor)
+        count = info.st_size // pages_file_bytes(1)
+        stamps = np.frombuffer(os.pread(descriptor, STAMP_BYTES * count, 0), dtype=np.uint32).copy()
+        own_bytes = info.st_blocks * DISK_SECTOR_BYTES
+    finally:
+        os.close(descriptor)
+    descriptor = open_private(data, os.O_RDONLY)
+    try:
+        info = os.fstat(descriptor)
+    finally:
+        os.close(descriptor)
+    with contextlib.suppress(OSError):
+        own_bytes += os.lstat(data + MARKER_SUFFIX).st_blocks * DISK_SECTOR_BYTES
+    present = np.flatnonzero(stamps)
+    held = len(present) * CACHE_PAGE_BYTES
+    if len(present) and present[-1] == len(stamps) - 1:
+        held -= CACHE_PAGE_BYTES - page_disk_bytes(len(stamps) - 1, info.st_size)  # The last page is shorter.
+    return CachedFiles(pages, data, stamps, info.st_size, max(0, held), info.st_blocks * DISK_SECTOR_BYTES, own_bytes)
+
+
+def _give_back_unstamped(found: CachedFiles) -> None:
+    """Frees the space of an object's absent pages (bytes a process killed mid-download
+    wrote before it could stamp them); only while no other process uses the cache."""
+    try:
+        descriptor = open_private(found.data, os.O_RDWR)
+    except (OSError, StorageError):
+        return
+    try:
+        absent = np.flatnonzero(found.stamps == 0)
+        if not len(absent):
+            return
+        breaks = np.flatnonzero(np.diff(absent) != 1) + 1
+        for run in np.split(absent, breaks):
+            start = int(run[0]) * CACHE_PAGE_BYTES
+            # To the end of the run's last page, past the file's end: a punch frees whole blocks only.
+            punch_hole(descriptor, start, (int(run[-1]) + 1) * CACHE_PAGE_BYTES - start)
+    except OSError:
+        pass  # A file system without hole punching: the space stays, as before.
+    finally:
+        os.close(descriptor)
+
+
+def _open_pair(pages: str, data: str) -> tuple[int, int, int] | None:
+    """(pages descriptor, data descriptor, data size) for an eviction, or None where either
+    is gone or not this user's."""
+    try:
+        pages_fd = open_private(pages, os.O_RDWR)
+    except (OSError, StorageError):
+        return None
+    try:
+        data_fd = open_private(data, os.O_RDWR)
+    except (OSError, StorageError):
+        os.close(pages_fd)
+        return None
+    return pages_fd, data_fd, os.fstat(data_fd).st_size
+
 
 class CacheUse:
     """One loader's use of the node cache, for its stats(): the cache's budget and bytes held

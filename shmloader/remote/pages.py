@@ -1,13 +1,19 @@
-"""The node cache's units and primitives: page and request sizes, the OFD locks, page stamps,
-hole punching, and where a cache lives by default (see cache.py for the whole design)."""
+"""The node cache's units and primitives: page and request sizes, the OFD locks, page stamps
+and checksums, hole punching, private files and directories, and where a cache lives by
+default (see cache.py for the whole design)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import time
+import zlib
+
+from ..errors import CacheError
 
 # Pages are the unit of presence and of requests: small enough that a row read at random
 # costs little more than itself, large enough that a block read ahead is a few thousand
@@ -36,6 +42,34 @@ _EPOCH = 1_700_000_000  # Stamps count seconds from here: uint32 lasts past 2150
 
 MARKER_SUFFIX = ".remote.json"
 PAGES_SUFFIX = ".pages"
+# The pages file: a uint32 stamp per page (0: absent, else its last use), then a uint32
+# CRC-32 per page of the bytes its download wrote.
+STAMP_BYTES = CHECKSUM_BYTES = 4
+# Reading a copy a page at a time costs a system call per page: verified in reads of this many pages.
+VERIFY_READ_PAGES = 64
+# The budget counts disk as file systems give it: in blocks (ext4, xfs and tmpfs: 4 KiB).
+DISK_BLOCK_BYTES = 4096
+DISK_SECTOR_BYTES = 512  # The unit of st_blocks.
+_PRIVATE_DIRECTORY_MODE, _PRIVATE_FILE_MODE = 0o700, 0o600
+_NOT_OURS = 0o022  # Write permission for group or others: they could plant or swap entries.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def page_disk_bytes(page: int, object_size: int) -> int:
+    """The disk a present page takes: whole file system blocks (an object's last page may
+    be shorter than the others, never than a block)."""
+    size = min(CACHE_PAGE_BYTES, object_size - page * CACHE_PAGE_BYTES)
+    return -(-size // DISK_BLOCK_BYTES) * DISK_BLOCK_BYTES
+
+
+def pages_file_bytes(page_count: int) -> int:
+    return (STAMP_BYTES + CHECKSUM_BYTES) * page_count
+
+
+def page_checksum(data) -> int:
+    """CRC-32 of a page's bytes: it catches a page altered or cut short on disk (corruption,
+    a hand edit); a forger is kept out by the directory's owner and mode, not by it."""
+    return zlib.crc32(data)
 
 
 def lock(descriptor: int, kind: int, start: int, length: int, wait: bool) -> bool:
@@ -76,9 +110,9 @@ def evict_page(pages_fd: int, data_fd: int, data_size: int, page: int) -> int:
                 return 0
             os.pwrite(pages_fd, bytes(4), 4 * page)  # Absent first: nobody reads it from here on.
             offset = page * CACHE_PAGE_BYTES
-            size = min(CACHE_PAGE_BYTES, data_size - offset)
-            punch_hole(data_fd, offset, size)
-            return size
+            # To the end of its last block: a punch frees only whole blocks.
+            punch_hole(data_fd, offset, page_disk_bytes(page, data_size))
+            return page_disk_bytes(page, data_size)
         finally:
             lock(pages_fd, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
     finally:
@@ -110,6 +144,117 @@ def punch_hole(descriptor: int, offset: int, size: int) -> None:
         number = ffi.errno
         raise OSError(number, f"cannot free cached pages ({os.strerror(number)}): the cache directory's file system "
                               f"must support hole punching (ext4, xfs, btrfs and tmpfs do)")
+
+
+def reserve_file(descriptor: int, size: int, root: str, budget: int, what: str) -> None:
+    """Allocates the disk blocks of a file's first `size` bytes before they are mapped: a
+    write through a mapping of a sparse file on a full file system is a SIGBUS, where
+    fallocate is an ENOSPC that no_space() names."""
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError as error:
+        raise no_space(error, root, budget, what) from None
+
+
+def no_space(error: OSError, root: str, budget: int, what: str) -> OSError:
+    """`error`, or where it is ENOSPC/EDQUOT a CacheError naming cache_dir and cache_bytes."""
+    if error.errno not in _NO_SPACE:
+        return error
+    setting = f"cache_bytes={budget}" if budget else "cache_bytes (by default half the space free there)"
+    return CacheError(f"cache_dir {root}: its file system is full ({what}: {os.strerror(error.errno)}); free space "
+                      f"there, point cache_dir at a file system with room, or lower {setting} to leave room for "
+                      f"the cache's own files")
+
+
+def open_private(path: str, flags: int) -> int:
+    """A descriptor of the cache's file at `path`, opened without following a link and
+    only where it is a regular file of this user: a link or a file planted by another
+    user is refused, never followed or trusted."""
+    try:
+        descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, _PRIVATE_FILE_MODE)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CacheError(f"{path} is a symbolic link: the node cache never follows one (it may have been "
+                             f"planted by another user); remove it, or use another cache_dir") from None
+        raise
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(descriptor)
+        raise CacheError(f"{path} is not a regular file of this user (uid {info.st_uid}, mode "
+                         f"{stat.filemode(info.st_mode)}): the node cache reads only files it made; remove it, or "
+                         f"use another cache_dir")
+    return descriptor
+
+
+def private_directory(path: str, root: str) -> None:
+    """Makes `path` (a directory at or under the cache's `root`) and those between, each
+    0700 whatever the umask, and checks each is a directory of this user, not a link."""
+    relative = os.path.relpath(path, root)
+    assert not relative.startswith(".."), (path, root)
+    current = root
+    for name in [] if relative == "." else relative.split(os.sep):
+        current = os.path.join(current, name)
+        try:
+            os.mkdir(current, _PRIVATE_DIRECTORY_MODE)
+            _make_private(current)  # The umask may have cut the mode.
+        except FileExistsError:
+            pass
+        except OSError as error:
+            raise no_space(error, root, 0, f"making {current}") from None
+        info = os.lstat(current)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise CacheError(f"{current} is not a directory of this user (uid {info.st_uid}, mode "
+                             f"{stat.filemode(info.st_mode)}): the node cache never follows a link or trusts what "
+                             f"another user may have planted; remove it, or use another cache_dir")
+        if info.st_mode & 0o077:
+            # One of this user's, made by an older version under its umask: made private.
+            # What others could have put in it meanwhile is refused entry by entry (owner, links).
+            _make_private(current)
+
+
+def _make_private(directory: str) -> None:
+    """chmod 0700 without following a link where the system can (glibc emulates it for
+    what is not a link); else plainly: its parent is private already."""
+    try:
+        os.chmod(directory, _PRIVATE_DIRECTORY_MODE, follow_symlinks=False)
+    except (NotImplementedError, OSError):
+        os.chmod(directory, _PRIVATE_DIRECTORY_MODE)
+
+
+def private_root(root: str) -> None:
+    """Makes the cache directory `root` (0700 whatever the umask) or checks the one there:
+    refused, naming it, where another user owns it or may write in it, or where a link on
+    its path belongs to another user. One of this user's that is empty (just made by a
+    permissive umask) is made 0700 instead."""
+    current = os.sep
+    for name in root.strip(os.sep).split(os.sep):
+        current = os.path.join(current, name)
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, os.geteuid()):
+            raise CacheError(f"cache_dir {root}: {current} on its path is a link of another user (uid "
+                             f"{info.st_uid}), who could point it anywhere; use a cache_dir on a path of your own")
+    try:
+        os.makedirs(root, _PRIVATE_DIRECTORY_MODE)
+        os.chmod(root, _PRIVATE_DIRECTORY_MODE)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise no_space(error, root, 0, "making it") from None
+    info = os.stat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"cache_dir {root} is not a directory")
+    if info.st_uid != os.geteuid():
+        raise CacheError(f"cache_dir {root} belongs to another user (uid {info.st_uid}, this process runs as "
+                         f"{os.geteuid()}): the node cache is its user's own; choose a cache_dir of your own")
+    if info.st_mode & _NOT_OURS:
+        if os.listdir(root):
+            raise CacheError(f"cache_dir {root} may be written by others (mode {stat.filemode(info.st_mode)}), who "
+                             f"could plant files or links in it: run `chmod go-w {root}` after checking what it "
+                             f"holds, or choose another cache_dir")
+        os.chmod(root, _PRIVATE_DIRECTORY_MODE)
 
 
 def map_shared(descriptor: int, size: int) -> mmap.mmap:

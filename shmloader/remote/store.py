@@ -62,14 +62,15 @@ def _store(bucket: str, options: dict):
     """One client per bucket and options in this process (its connection pool is shared
     by the process's threads). Made on first use: a reader forked from a process that
     never made one has no runtime to inherit."""
-    key = (os.getpid(), bucket, tuple(sorted(options.items())))
+    endpoint = options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    # The endpoint as resolved now: a process whose environment names another one since
+    # (another server, a test's) gets a client for it, not the first one's.
+    key = (os.getpid(), bucket, endpoint, tuple(sorted(options.items())))
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
             _, S3Store = _import_obstore()
             config = dict(options)
-            endpoint = config.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-                os.environ.get("AWS_ENDPOINT_URL")
             if endpoint:
                 config["endpoint"] = endpoint
             if not (config.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
@@ -95,7 +96,8 @@ class Client:
         from obstore import exceptions
 
         bucket, key = split_url(url)
-        deadline = time.monotonic() + RETRY_SECONDS
+        started = time.monotonic()
+        deadline = started + RETRY_SECONDS
         wait, retries = BACKOFF_FIRST_SECONDS, 0
         while True:
             try:
@@ -130,8 +132,11 @@ class Client:
                 now = time.monotonic()
                 if now >= deadline:
                     self._count(1, 0, retries)
-                    raise RemoteError(f"{url}: {what} failed after {retries} retries over {RETRY_SECONDS:g} s "
-                                      f"(SHMLOADER_REMOTE_RETRY_SECONDS): {_first_line(error)}") from None
+                    # The time it really took: one request may outlast the retry window alone (its timeout).
+                    raise RemoteError(f"{url}: {what} failed after {retries} retries over {now - started:.1f} s "
+                                      f"(retries stop {RETRY_SECONDS:g} s after the first request: "
+                                      f"SHMLOADER_REMOTE_RETRY_SECONDS; each request times out after "
+                                      f"{_CLIENT_OPTIONS['timeout']}): {_first_line(error)}") from None
                 retries += 1
                 time.sleep(min(random.uniform(0, wait), deadline - now))
                 wait = min(2 * wait, BACKOFF_MAX_SECONDS)
@@ -151,20 +156,35 @@ class Client:
         return size, etag
 
     def list(self, url: str) -> list[tuple[str, int, str]]:
-        """(URL, size, ETag) of every object whose key starts with the URL's key, sorted."""
+        """(URL, size, ETag) of every object whose key starts with the URL's key, sorted.
+        A key obstore cannot parse (a "." or ".." segment, an empty one: valid in S3) fails
+        the whole listing page it is in, so it cannot be skipped: it is named instead."""
         bucket, prefix = split_url(url)
 
         def function(obstore, store, key):
-            found = [(f"s3://{bucket}/{item['path']}", int(item["size"]), str(item.get("e_tag") or ""))
-                     for batch in obstore.list(store, prefix=key or None) for item in batch]
+            from obstore.exceptions import InvalidPathError
+
+            try:
+                found = [(f"s3://{bucket}/{item['path']}", int(item["size"]), str(item.get("e_tag") or ""))
+                         for batch in obstore.list(store, prefix=key or None) for item in batch]
+            except InvalidPathError as error:
+                match = _UNPARSABLE.search(str(error))
+                named = f"s3://{bucket}/{match.group(1)}" if match else _first_line(error)
+                raise RemoteError(f"{url}: listing it met the key {named}, which the object-store client (obstore) "
+                                  f"cannot read (a '.', '..' or empty path segment), and which hides every object "
+                                  f"listed with it; rename or delete that key, or name objects by their URLs "
+                                  f"instead of a glob or a ragged directory") from None
             return sorted(found), 0
         return self._call(url, "LIST", function)
 
-    def get(self, url: str, etag: str, start: int, end: int) -> memoryview:
-        """Bytes [start, end) of the object as it was when its ETag was `etag`."""
+    def get(self, url: str, etag: str, start: int, end: int, size: int | None = None) -> memoryview:
+        """Bytes [start, end) of the object as it was when its ETag was `etag` (and its
+        size `size`). The answer's own ETag, size and range are checked too: a store or a
+        proxy that ignores If-Match would otherwise serve another object's bytes."""
         def function(obstore, store, key):
-            data = obstore.get(store, key, options={"range": (start, end), "if_match": etag}).bytes()
-            view = memoryview(data)
+            result = obstore.get(store, key, options={"range": (start, end), "if_match": etag})
+            _check_answer(url, etag, size, (start, end), result.meta, result.range)
+            view = memoryview(result.bytes())
             if view.nbytes != end - start:
                 raise OSError(f"the server sent {view.nbytes} bytes of the {end - start} asked for")
             return view, view.nbytes
@@ -184,6 +204,24 @@ class Client:
             obstore.delete(store, key)
             return None, 0
         self._call(url, "DELETE", function)
+
+
+def _check_answer(url: str, etag: str, size: int | None, wanted: tuple[int, int], meta, answered) -> None:
+    """Refuses a GET's answer that is not of the object the run described: another ETag,
+    another size, or another byte range than the one asked for (its Content-Range)."""
+    found_etag, found_size = str(meta.get("e_tag") or ""), int(meta["size"])
+    if found_etag != etag or (size is not None and found_size != size):
+        raise RemoteError(f"{url} changed since the loader described it: the store answered with ETag {found_etag} "
+                          f"and {found_size} bytes, not ETag {etag} and {size} bytes (a store or proxy that ignores "
+                          f"If-Match served the new object). Restart the loader to read the new object, or write "
+                          f"new data under new keys")
+    if tuple(answered) != tuple(wanted):
+        raise RemoteError(f"{url}: asked for bytes {wanted[0]}-{wanted[1]}, the store answered with bytes "
+                          f"{answered[0]}-{answered[1]} (its Content-Range); refusing them rather than serving "
+                          f"other bytes")
+
+
+_UNPARSABLE = re.compile(r'Error parsing Path "((?:[^"\\]|\\.)*)"')
 
 
 _STATUS = re.compile(r"status code: (\d{3})")
