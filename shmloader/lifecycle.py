@@ -29,6 +29,7 @@ class Resources:
         self.pinned: PinnedRing | None = None
         self.filler: StepFiller | None = None  # readers=0: the trainer's own filler.
         self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
+        self.dataset = None  # from_dataset: the trainer's DatasetHandle (its pickle's memory file).
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
 
     def close(self) -> None:
@@ -58,6 +59,8 @@ class Resources:
                 self.filler.close()
             if ring is not None:
                 ring.close()
+            if self.dataset is not None:
+                self.dataset.close()
             if self.node_cache is not None:
                 from .remote.node import release
 

@@ -21,7 +21,8 @@ from .plan.defaults import default_readers, default_slots
 from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
-from .plan.planner import plan_loader, warn_poor_layouts, warn_window_memory
+from .plan.dataset import plan_dataset
+from .plan.planner import plan_dataset_loader, plan_loader, warn_poor_layouts, warn_window_memory
 from .readers.pool import ReaderPool
 from .remote.node import CacheUse
 from .ring.batch import cursor_module
@@ -90,6 +91,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self.options = options
         resources = self._resources = Resources()
         self._cache_use = None  # Fields in a store: this loader's use of the node cache.
+        self._dataset = None  # from_dataset: the trainer's handle on the dataset (plan/dataset.py).
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
         self.readers = default_readers() if options.readers is None else options.readers
@@ -104,6 +106,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
         try:
             pool = resources.pool = self._make_pool(self.readers, self.max_reader_restarts, remote)
             pool.start()
+            if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
+                self._dataset = resources.dataset = fields.plan(self.readers, remote)
+                self._session = self._start(plan_dataset_loader(self._dataset.spec, options), options.start_step)
+                self._cursor = self._session.cursor
+                return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
             if localizer is not None:
@@ -122,6 +129,23 @@ class ShmDataLoader(cursor_module.LoaderBase):
         except BaseException:
             resources.close()  # A half-built loader gives back what it took before raising.
             raise
+
+    @classmethod
+    def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, **settings) -> ShmDataLoader:
+        """A loader whose rows are a map-style dataset's samples: any object with __len__
+        and __getitem__ (a torch.utils.data.Dataset as it is), or "module:function" that
+        builds one in each reader from `dataset_args` (for a dataset that cannot be pickled).
+
+        Readers call dataset[index] for the sampler's indices, with Python's, numpy's and
+        torch's global generators seeded from (seed, stream position), and write each
+        sample's leaves straight into the slot: batch["image"], batch["label"] for dict
+        samples, batch["0"], batch["1"] for tuples, batch["data"] for a bare array
+        (plan/dataset.py; rebuild_batch gives the samples' structure back). `outputs`
+        declares a leaf's (shape, dtype), or Ragged(max_length) for a varying first
+        dimension; the others come from dataset[0]. `settings` are the loader's (batch_size,
+        mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
+        transform and remote readers do not apply."""
+        return cls(_DatasetSource(dataset, outputs, dataset_args), **settings)
 
     def _make_pool(self, count: int, max_restarts: int, remote) -> ReaderPool:
         return ReaderPool(count, max_restarts, remote)  # Replaced by shmloader.testing.simulation's threads.
@@ -160,7 +184,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def _filler_spec(self, sampler) -> FillerSpec:
         return FillerSpec(self.slot, sampler, self.plan.fields, self.verify, self.transform,
                           tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (), self.on_error,
-                          self._epochs, self.drop_last)
+                          self._epochs, self.drop_last, None if self._dataset is None else self._dataset.spec)
 
     def __len__(self) -> int:
         """The steps of a finite pass (epochs=...); an endless loader has no length."""
@@ -278,6 +302,21 @@ class ShmDataLoader(cursor_module.LoaderBase):
         if resume.position > position_of(self.sampler, resume.step)[0]:
             self._session.resume_at(resume)
 
+    def _new_pass(self, seed: int) -> None:
+        """Starts this finite pass again under `seed`, at step 0, with the same readers (they
+        are given the new sampler as a resharded resume's dealing is): the next epoch of an
+        adapter that runs one pass per epoch (shmloader.torch.DataLoader). Every batch must
+        have been let go (as for seek)."""
+        if self.finite is None:
+            raise RuntimeError("a new pass needs a finite loader (epochs=N)")
+        data = {key: value for key, value in self.plan.sampler.to_dict().items() if key not in ("transition", "start_position")}
+        sampler = type(self.plan.sampler).from_dict({**data, "seed": seed})
+        finite = FinitePass.of(sampler, self._epochs, self.drop_last)
+        self.options = dataclasses.replace(self.options, seed=seed)
+        self._session.use(sampler, finite, self._filler_spec(sampler))
+        self.plan = dataclasses.replace(self.plan, sampler=sampler)
+        self.seek(0)
+
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.
 
@@ -362,3 +401,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
             f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
         )
+
+class _DatasetSource:
+    """What from_dataset hands the constructor in place of fields."""
+
+    def __init__(self, dataset, outputs, dataset_args) -> None:
+        self.dataset, self.outputs, self.dataset_args = dataset, outputs, dataset_args
+
+    def plan(self, readers: int, remote):
+        if remote is not None:
+            raise ValueError("remote readers take files every node can read; a dataset source runs in local readers "
+                             "only: give remote=None")
+        return plan_dataset(self.dataset, self.outputs, self.dataset_args, readers=readers)

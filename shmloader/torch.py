@@ -1,5 +1,7 @@
 """PyTorch's shapes for a loader: an IterableDataset and a DataLoader-like object whose
-batches are dicts of CPU tensors over the ring's slots (torch.from_numpy: no copy).
+batches are dicts of CPU tensors over the ring's slots (torch.from_numpy: no copy); and
+DataLoader, the drop-in for torch.utils.data.DataLoader over your own map-style Dataset
+(shmloader/torch_dataset.py).
 
     from shmloader.torch import TorchLoader
     train = TorchLoader(ShmDataLoader(fields, batch_size=256, epochs=1))
@@ -50,6 +52,7 @@ import torch
 import torch.utils.data
 
 from .loader import ShmDataLoader
+from .torch_dataset import DataLoader  # noqa: F401 (the drop-in over a map-style Dataset: torch_dataset.py)
 
 _PICKLE_REFUSAL = (
     "a {kind} cannot be sent to another process: its loader's ring and readers belong to this one. A torch "

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._native import ffi
 from ..errors import RemoteError, ShmLoaderError, TransformError
+from ..plan.dataset import DatasetSpec
 from ..plan.fields import FieldPlan
 from ..plan.options import ON_ERROR
 from ..plan.passes import FinitePass
@@ -26,6 +27,7 @@ from ..ring.slot_layout import SlotLayout
 from ..storage.readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
 from ..transforms.core import TransformRunner, TransformSpec
 from .field_readers import FieldReader, SlotOutput
+from .dataset_runner import DatasetRunner
 from .inputs import InputBuffers, field_reader
 
 # A batch with more failing records than this fails for another reason than its records.
@@ -97,6 +99,7 @@ class FillerSpec:
     # delivered cut, and a record past the cut is no record of the pass (see _recover).
     epochs: int | None = None
     drop_last: bool = False
+    dataset: DatasetSpec | None = None  # A map-style dataset as the source, instead of fields.
 
     def build(self, read_ahead: bool = True, share: tuple[int, int] = (0, 1)) -> StepFiller:
         """The filler; a transform's module is looked for on the trainer's sys.path too.
@@ -104,8 +107,9 @@ class FillerSpec:
         if self.transform is not None:
             sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
         finite = None if self.epochs is None else FinitePass.of(self.sampler, self.epochs, self.drop_last)
+        dataset = None if self.dataset is None else DatasetRunner(self.dataset, self.slot.batch_size, self.sampler)
         return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
-                          share, finite)
+                          share, finite, dataset)
 
     def to_dict(self) -> dict:
         return {
@@ -118,6 +122,7 @@ class FillerSpec:
             "on_error": self.on_error,
             "epochs": self.epochs,
             "drop_last": self.drop_last,
+            "dataset": None if self.dataset is None else self.dataset.to_dict(),
         }
 
     @classmethod
@@ -133,7 +138,20 @@ class FillerSpec:
             on_error=data["on_error"],
             epochs=data["epochs"],
             drop_last=bool(data["drop_last"]),
+            dataset=None if data.get("dataset") is None else DatasetSpec.from_dict(data["dataset"]),
         )
+
+
+class _NoInputs:
+    """A dataset's filler reads no fields: its runner gets no inputs."""
+
+    readers: list = []
+
+    def fill(self, step: int, indices, index_pointer, sources) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
 
 class SlotOutputs:
@@ -157,7 +175,7 @@ class StepFiller:
 
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
                  verify: bool, read_ahead: bool = True, on_error: str = "raise",
-                 share: tuple[int, int] = (0, 1), finite: FinitePass | None = None) -> None:
+                 share: tuple[int, int] = (0, 1), finite: FinitePass | None = None, dataset=None) -> None:
         assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
         self.finite = finite
@@ -176,8 +194,11 @@ class StepFiller:
         self.mixture = isinstance(sampler, MixtureSampler)
         if self.mixture != slot.mixture:
             raise ValueError("a mixture's sampler needs a slot with a source region, and only it")
-        self.fields, self.runner, self.inputs = [], None, None
-        if transform is None:
+        self.fields, self.runner, self.inputs, self.dataset = [], None, None, dataset
+        if dataset is not None:  # dataset[index] for each row, straight into the slot (fill/dataset_runner.py).
+            self.runner, self.inputs = dataset, _NoInputs()
+            expected = list(dataset.spec.regions(batch))
+        elif transform is None:
             self.fields = [field_reader(plan, batch, verify, sampler) for plan in self.plans]
             expected = [region for plan in self.plans for region in plan.regions]
         else:  # The fields fill this process's own buffers; the transform fills the slot.
@@ -288,7 +309,8 @@ class StepFiller:
             plans = tuple(_roomy(plan, self.slot.batch_size) for plan in self.plans)
             slot = self.slot if self.runner is not None else SlotLayout.of(
                 self.slot.batch_size, [region for plan in plans for region in plan.regions], self.mixture)
-            self._probe = StepFiller(plans, slot, self.sampler, self.transform, self.verify, read_ahead=False)
+            self._probe = StepFiller(plans, slot, self.sampler, self.transform, self.verify, read_ahead=False,
+                                     dataset=self.dataset)
             self._probe_outputs = self._probe.bind(slot.allocate())
         probe, take = self._probe_outputs, np.resize(np.asarray(positions), len(rows))
         probe.indices[:] = rows[take]
@@ -330,7 +352,8 @@ class StepFiller:
         sources = None if outputs.sources is None else outputs.sources.copy()
         bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or {}
         if len(bad) == len(rows):  # Not some bad records: whatever the records, the step fails.
-            what = "the transform" if self.runner is not None else "reading its fields"
+            what = "the dataset" if self.dataset is not None else \
+                "the transform" if self.runner is not None else "reading its fields"
             raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of {len(rows)}): "
                                  f"{what} fails on every record, not on a few bad ones, so on_error='skip' cannot "
                                  f"replace them")
@@ -364,6 +387,8 @@ class StepFiller:
     def describe(self, row: int, source: int = 0) -> str:
         """Where record `row` (of `source`) is stored, with its original file where the
         converter kept one (readers' error messages name it)."""
+        if self.dataset is not None:
+            return f"dataset[{row}]"
         return self.field_readers[0].describe_row(row, source)
 
     def close(self) -> None:

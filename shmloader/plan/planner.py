@@ -203,6 +203,23 @@ def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> Loader
                       _sources_description(sources, plans))
 
 
+def plan_dataset_loader(spec, options: LoaderOptions) -> LoaderPlan:
+    """The plan of a loader whose source is a map-style dataset (plan/dataset.py): no
+    fields, the slot from the samples' outputs, the sampler over len(dataset)."""
+    if options.shuffle_window is not None:
+        raise ValueError("shuffle_window reads a file's rows in blocks; a dataset's rows come from __getitem__, "
+                         "so the global shuffle (no shuffle_window) costs it nothing more: drop shuffle_window")
+    if options.transform is not None:
+        raise ValueError("a dataset source does its own work in __getitem__: give no transform")
+    sampler = Sampler(spec.length, options.batch_size, options.mode, options.seed, options.shard_index,
+                      options.shard_count, None, 1)
+    digest = hashlib.blake2b(json.dumps([spec.name, spec.structure]).encode(), digest_size=8).hexdigest()
+    sources = [{"files": 0, "files_digest": digest, "rows": spec.length, "weight": 1, "fraction": 1.0,
+                "fixed": False}]
+    return LoaderPlan({}, SlotLayout.of(options.batch_size, spec.regions(options.batch_size), False), sampler, None,
+                      sources)
+
+
 def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | None = None) -> None:
     """A PerformanceWarning when the block-local shuffle's blocks in memory (a window and the
     blocks read ahead of it, storage/readahead.py) take more than half the memory this process may

@@ -1,0 +1,162 @@
+"""The user's own Dataset: the same map-style Dataset classes through PyTorch's DataLoader and
+through shmloader.torch.DataLoader (its __getitem__ run in shmloader's readers, samples
+written into the ring), same worker count, in one run. Contenders alternate and repeat;
+medians and spreads are printed.
+
+    python bench/dataset.py [--workers 2] [--rounds 3] [--seconds 4]
+
+Cases: (a) small samples, a 3 KB uint8 array and a label; (b) large samples, a 4 MiB
+float32 volume; (c) JPEG decode, random resized crop and flip with PIL in __getitem__;
+(d) a Python-heavy sample, a dict of 20 small arrays. Reported: samples/s, and the
+trainer's CPU per batch (its process time, every thread, per batch delivered: unpickling
+and collating are the trainer's work in PyTorch's loader, and nothing in shmloader's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import machine_line, record, table  # noqa: E402
+
+
+class Small:
+    def __len__(self):
+        return 200_000
+
+    def __getitem__(self, index):
+        return np.full(3072, index % 251, np.uint8), index % 10
+
+
+class Large:
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, index):
+        return np.full((64, 128, 128), index, np.float32), index % 10
+
+
+class Jpeg:
+    """Decodes one of 64 stored JPEGs (384x384), random-resized-crops it to 224 and flips it."""
+
+    def __init__(self):
+        from PIL import Image
+
+        rng = np.random.default_rng(0)
+        self.images = []
+        for _ in range(64):
+            base = np.linspace(0, 255, 384 * 384 * 3).reshape(384, 384, 3) + rng.normal(0, 12, (384, 384, 3))
+            buffer = io.BytesIO()
+            Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+            self.images.append(buffer.getvalue())
+
+    def __len__(self):
+        return 100_000
+
+    def __getitem__(self, index):
+        import random
+
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(self.images[index % len(self.images)])).convert("RGB")
+        scale, ratio = random.uniform(0.08, 1.0), random.uniform(3 / 4, 4 / 3)
+        width = min(image.width, int(round((image.width * image.height * scale * ratio) ** 0.5)))
+        height = min(image.height, int(round((image.width * image.height * scale / ratio) ** 0.5)))
+        left, top = random.randint(0, image.width - width), random.randint(0, image.height - height)
+        image = image.resize((224, 224), Image.BILINEAR, box=(left, top, left + width, top + height))
+        if random.random() < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        return np.asarray(image), index % 1000
+
+
+class ManyArrays:
+    def __len__(self):
+        return 200_000
+
+    def __getitem__(self, index):
+        return {f"feature_{k}": np.full(8, index + k, np.float32) for k in range(20)}
+
+
+CASES = {"a: 3 KB array + label": (Small, 256), "b: 4 MiB volume": (Large, 8),
+         "c: JPEG decode + crop + flip": (Jpeg, 64), "d: dict of 20 small arrays": (ManyArrays, 256)}
+
+
+def _measure(loader, batch_size: int, seconds: float) -> tuple[float, float]:
+    """(samples/s, trainer CPU ms per batch) over `seconds` after a warm-up of 3 batches."""
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    batches, started, cpu_started = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - started < seconds:
+        batch = next(iterator)
+        del batch
+        batches += 1
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    del iterator
+    return batches * batch_size / elapsed, 1000 * cpu / batches
+
+
+def run_case(name: str, workers: int, rounds: int, seconds: float) -> dict:
+    import torch.utils.data
+
+    import shmloader.torch_dataset
+
+    make, batch_size = CASES[name]
+    dataset = make()
+    results = {"torch": [], "shmloader": []}
+    for round_index in range(rounds):  # Alternate, so the host's caches and noise hit both.
+        order = ["torch", "shmloader"] if round_index % 2 == 0 else ["shmloader", "torch"]
+        for contender in order:
+            if contender == "torch":
+                loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                                     persistent_workers=False)
+                results[contender].append(_measure(loader, batch_size, seconds))
+                del loader
+            else:
+                loader = shmloader.torch_dataset.DataLoader(dataset, batch_size=batch_size, shuffle=True,
+                                                            num_workers=workers)
+                results[contender].append(_measure(loader, batch_size, seconds))
+                loader.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--cases", default="abcd", help="which cases, by letter")
+    arguments = parser.parse_args()
+    rows, headline = [], []
+    for name in CASES:
+        if name[0] not in arguments.cases:
+            continue
+        results = run_case(name, arguments.workers, arguments.rounds, arguments.seconds)
+        rate = {key: statistics.median(rate for rate, _ in value) for key, value in results.items()}
+        spread = {key: (min(rate for rate, _ in value), max(rate for rate, _ in value)) for key, value in results.items()}
+        cpu = {key: statistics.median(cpu for _, cpu in value) for key, value in results.items()}
+        ratio = rate["shmloader"] / rate["torch"]
+        rows.append([name, f"{rate['torch']:,.0f} ({spread['torch'][0]:,.0f}-{spread['torch'][1]:,.0f})",
+                     f"{rate['shmloader']:,.0f} ({spread['shmloader'][0]:,.0f}-{spread['shmloader'][1]:,.0f})",
+                     f"{ratio:.2f}x", f"{cpu['torch']:.2f}", f"{cpu['shmloader']:.2f}"])
+        headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "", f"{ratio:.2f}x"])
+        print(rows[-1], flush=True)
+    header = ["case", "torch DataLoader samples/s (min-max)", "shmloader.torch samples/s (min-max)",
+              "ratio", "torch trainer CPU ms/batch", "shmloader trainer CPU ms/batch"]
+    print(f"\n{machine_line()}; {arguments.workers} workers each, {arguments.rounds} alternating rounds of "
+          f"{arguments.seconds:g} s, medians\n")
+    print(table(rows, header))
+    record("dataset", " ".join(["python bench/dataset.py", *sys.argv[1:]]), header, rows, headline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""A map-style dataset (any object with __len__ and __getitem__) as the loader's source,
+planned in the trainer: the slot's regions from its samples' structure, and how readers
+get the dataset (DatasetSpec, which crosses to them as data).
+
+A sample is a numpy array, a Python scalar (int, float, bool), bytes, a torch tensor, or a
+dict, tuple or list of those, nested. Its leaves become the slot's regions, named by their
+path ("image", "label"; a tuple's items "0", "1"; nested "meta/id"; a bare array "data"),
+each (batch_size, *shape) of its dtype, from the first sample or from `outputs=` (leaf
+name -> (shape, dtype), or Ragged(max_length) for a leaf whose first dimension varies:
+padded to max_length with NAME.lengths beside it). `structure` keeps the nesting so that
+the trainer can rebuild each batch as the samples' structure (rebuild_batch).
+
+How readers get the dataset, once each (never per sample):
+- pickled, with the standard library's pickle at the highest protocol (no extra
+  dependency; protocol 5 keeps large numpy buffers in one piece). The bytes live in an
+  anonymous memory file of the trainer that readers reopen through /proc (as the ring
+  may: ring/backing.py), so nothing is left on disk if the trainer dies. A dataset class
+  defined in the trainer's script (__main__) is found in readers by running that script
+  as __mp_main__, as multiprocessing's spawn does: its top level must be guarded by
+  `if __name__ == "__main__":`.
+- by import path ("mypkg.data:make_dataset", called with `dataset_args`), for a dataset
+  that cannot be pickled (open handles, lambdas, a database connection): each reader
+  builds its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import pickle
+import secrets
+import sys
+
+import numpy as np
+
+from ..errors import TransformError
+from ..ring.slot_layout import Region
+from .naming import loader_name_problem
+
+# A dataset's pickle larger than this is refused with the import-path advice: every reader
+# holds its own copy of the unpickled dataset.
+PICKLE_BYTES_MAX = 1 << 30
+_SEPARATOR = "/"
+# The trainer's own dataset objects, by their spec's token: its fillers (readers=0,
+# compute_batch) use them as they are; DatasetHandle.close removes them.
+LOCAL_DATASETS: dict[str, object] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Ragged:
+    """A dataset output whose first dimension varies between samples: padded with `pad` to
+    `max_length`, its length per sample in NAME.lengths (uint32). A longer sample raises."""
+
+    max_length: int
+    pad: int | float = 0
+
+
+class DatasetError(TransformError):
+    """A dataset's samples do not fit the slot, or the dataset cannot reach the readers."""
+
+
+def _leaf_array(value, where: str) -> np.ndarray:
+    """A sample's leaf as an array (a tensor's own memory where it is on the CPU)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, (bool, int, float, np.generic)):
+        return np.asarray(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(value, np.uint8)
+    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, str):
+        raise DatasetError(f"{where} is a str; give bytes (text.encode()) with a Ragged(max_length) output, or "
+                           f"token ids as an array")
+    raise DatasetError(f"{where} is a {type(value).__name__}; a sample's leaves must be numpy arrays, Python "
+                       f"scalars, bytes or torch tensors (in dicts, tuples or lists)")
+
+
+def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, object]]]:
+    """(structure, [(leaf name, leaf value)]) of a sample, leaves in a fixed order."""
+    leaves: list[tuple[str, object]] = []
+
+    def walk(value, path: tuple[str, ...]):
+        if isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                if not isinstance(key, str) or not key or "." in key or _SEPARATOR in key:
+                    raise DatasetError(f"{where}: key {key!r} must be a non-empty string without '.' or '/'")
+                items.append([key, walk(item, (*path, key))])
+            return {"dict": items}
+        if isinstance(value, (tuple, list)):
+            kind = "tuple" if isinstance(value, tuple) else "list"
+            return {kind: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
+        name = _SEPARATOR.join(path) if path else "data"
+        leaves.append((name, value))
+        return {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
+                and not hasattr(value, "shape")}
+
+    structure = walk(sample, ())
+    return structure, leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetOutput:
+    """One leaf's region(s): (batch, *shape) of dtype; with max_length, padded to it."""
+
+    name: str
+    shape: tuple[int, ...]  # per sample; for a ragged leaf, its shape past the first dimension
+    dtype: str
+    max_length: int | None = None
+    pad: float = 0
+
+    def regions(self, batch_size: int) -> tuple[Region, ...]:
+        if self.max_length is None:
+            return (Region(self.name, (batch_size, *self.shape), self.dtype),)
+        return (Region(self.name, (batch_size, self.max_length, *self.shape), self.dtype),
+                Region(f"{self.name}.lengths", (batch_size,), "<u4"))
+
+
+def _output_of(name: str, leaf: np.ndarray, declared) -> DatasetOutput:
+    if isinstance(declared, Ragged):
+        if isinstance(declared.max_length, bool) or not isinstance(declared.max_length, int) or declared.max_length < 1:
+            raise DatasetError(f"outputs[{name!r}]: Ragged max_length must be a positive integer, got "
+                               f"{declared.max_length!r}")
+        if leaf.ndim < 1:
+            raise DatasetError(f"outputs[{name!r}] is Ragged, but the first sample's {name!r} is a scalar")
+        return DatasetOutput(name, tuple(leaf.shape[1:]), leaf.dtype.str, declared.max_length, declared.pad)
+    if declared is None:
+        shape, dtype = leaf.shape, leaf.dtype
+    else:
+        try:
+            shape, dtype = declared
+            shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
+            dtype = np.dtype(dtype)
+        except (TypeError, ValueError):
+            raise DatasetError(f"outputs[{name!r}] must be (shape per sample, dtype) or Ragged(max_length), got "
+                               f"{declared!r}") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.itemsize == 0:
+        raise DatasetError(f"sample leaf {name!r} has dtype {dtype}; the slot takes plain numeric or bool arrays")
+    return DatasetOutput(name, tuple(shape), dtype.str)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """A dataset as it crosses to readers: where to get it, its length, its outputs and the
+    samples' structure. `pickle_fd`/`trainer_pid`: the trainer's memory file of the pickle;
+    `factory`/`args`: an import path instead. `main_path`: the trainer's script, run as
+    __mp_main__ where the pickle refers to __main__."""
+
+    length: int
+    outputs: tuple[DatasetOutput, ...]
+    structure: dict
+    name: str
+    token: str  # This loader's dataset, apart from any other in the same processes.
+    pickle_fd: int | None = None
+    trainer_pid: int | None = None
+    pickle_bytes: int = 0
+    factory: str | None = None
+    args: dict = dataclasses.field(default_factory=dict)
+    main_path: str | None = None
+    sys_path: tuple[str, ...] = ()
+    # Whether the trainer imported torch: readers then import it before the first sample,
+    # so that torch's generator is seeded for it too (a dataset may import torch lazily).
+    torch: bool = False
+
+    def regions(self, batch_size: int) -> tuple[Region, ...]:
+        return tuple(region for output in self.outputs for region in output.regions(batch_size))
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["outputs"] = [dataclasses.asdict(output) for output in self.outputs]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DatasetSpec:
+        outputs = tuple(DatasetOutput(o["name"], tuple(o["shape"]), o["dtype"], o["max_length"], o["pad"])
+                        for o in data["outputs"])
+        return cls(**{**data, "outputs": outputs, "sys_path": tuple(data["sys_path"])})
+
+
+def import_factory(path: str, args: dict):
+    """The dataset that "module:function" builds with `args` (each reader calls it)."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise DatasetError(f"dataset import path must be 'module:function', got {path!r}")
+    try:
+        target = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as error:
+        raise DatasetError(f"dataset {path!r} cannot be imported ({error}); it must be importable by that name from "
+                           f"the trainer's sys.path, which readers share") from error
+    return target(**args)
+
+
+def _unpicklable_attribute(dataset) -> str:
+    """The first attribute of `dataset` that does not pickle, for the error message."""
+    for name, value in sorted(getattr(dataset, "__dict__", {}).items()):
+        try:
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:  # noqa: BLE001 (any pickling failure names the attribute)
+            return f"attribute {name!r} ({type(value).__name__}: {error})"
+    return "an attribute or the class itself"
+
+
+def _pickled(dataset) -> bytes:
+    try:
+        data = pickle.dumps(dataset, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:  # noqa: BLE001 (pickle raises many types)
+        raise DatasetError(
+            f"the dataset ({type(dataset).__name__}) cannot be pickled for the readers: {_unpicklable_attribute(dataset)} "
+            f"does not pickle ({type(error).__name__}: {error}). Open such resources lazily in __getitem__, or give "
+            f"the dataset by import path: from_dataset('mypkg.data:make_dataset', dataset_args={{...}}) builds it in "
+            f"each reader") from None
+    if len(data) > PICKLE_BYTES_MAX:
+        raise DatasetError(f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} "
+                           f"MiB), which every reader would hold again: keep its data in files it opens lazily, or give "
+                           f"it by import path")
+    return data
+
+
+def _main_path(data: bytes, dataset) -> str | None:
+    if b"__main__" not in data:
+        return None
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None:
+        raise DatasetError(f"the dataset's class {type(dataset).__qualname__} is defined in an interactive session "
+                           f"(__main__ without a file), which readers cannot import: define it in a module, or give the "
+                           f"dataset by import path")
+    return os.path.abspath(path)
+
+
+def _write_memory_file(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        view, written = memoryview(data), 0
+        while written < len(data):
+            written += os.write(fd, view[written:])
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_length(dataset, where: str) -> int:
+    try:
+        length = len(dataset)
+    except TypeError:
+        raise DatasetError(f"{where} has no len(): a map-style dataset needs __len__ and __getitem__ (an iterable "
+                           f"dataset cannot be sampled by step; convert it to files with shmloader import)") from None
+    if not isinstance(length, int) or length < 1:
+        raise DatasetError(f"{where} has len() = {length!r}; expected a positive integer")
+    return length
+
+
+class DatasetHandle:
+    """What the trainer holds for a loader's dataset until close: its object in
+    LOCAL_DATASETS and the memory file of its pickle. close() is idempotent."""
+
+    def __init__(self, spec: DatasetSpec, instance) -> None:
+        self.spec = spec
+        LOCAL_DATASETS[spec.token] = instance
+
+    def close(self) -> None:
+        LOCAL_DATASETS.pop(self.spec.token, None)
+        fd, self.spec = (None if self.spec is None else self.spec.pickle_fd), None
+        if fd is not None:
+            os.close(fd)
+
+
+def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) -> DatasetHandle:
+    """The trainer's handle on the dataset, whose spec readers get. `dataset`: the object,
+    or "module:function" called with `dataset_args`. The structure and shapes come from
+    sample 0, or from `outputs` for the leaves it names. With readers == 0 nothing is
+    pickled (the trainer uses its own object)."""
+    if isinstance(dataset, str):
+        factory, args = dataset, dict(dataset_args or {})
+        instance = import_factory(factory, args)
+    else:
+        if dataset_args is not None:
+            raise DatasetError("dataset_args goes with a dataset given by import path ('module:function')")
+        factory, args, instance = None, {}, dataset
+    if not hasattr(instance, "__getitem__"):
+        raise DatasetError(f"the dataset ({type(instance).__name__}) has no __getitem__: a map-style dataset is "
+                           f"needed (an IterableDataset cannot be sampled by step)")
+    length = check_length(instance, f"the dataset ({type(instance).__name__})")
+    declared = dict(outputs or {})
+    try:
+        first = instance[0]
+    except Exception as error:
+        raise type(error)(f"dataset[0] raised {type(error).__name__}: {error}") from error
+    structure, leaves = flatten(first, "dataset[0]")
+    names = [name for name, _ in leaves]
+    unknown = sorted(set(declared) - set(names))
+    if unknown:
+        raise DatasetError(f"outputs names {unknown}, which dataset[0] does not have (its leaves: {names})")
+    built = []
+    for name, value in leaves:
+        problem = loader_name_problem(name.replace(_SEPARATOR, "_"))
+        if problem is not None:
+            raise DatasetError(f"dataset[0]'s leaf {name!r} {problem}")
+        built.append(_output_of(name, _leaf_array(value, f"dataset[0][{name!r}]"), declared.get(name)))
+    name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
+    spec = DatasetSpec(length, tuple(built), structure, name, secrets.token_hex(8), trainer_pid=os.getpid(),
+                       factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
+                       torch="torch" in sys.modules)
+    if factory is None and readers > 0:
+        data = _pickled(instance)
+        main_path = _main_path(data, instance)
+        fd = _write_memory_file("shmloader-dataset", data)
+        spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
+    return DatasetHandle(spec, instance)
+
+
+def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
+    """A batch's arrays (by leaf name) in the samples' structure: what default_collate
+    makes of a list of samples (dicts of batches, tuples and lists of batches)."""
+    if "dict" in structure:
+        return {key: rebuild_batch(item, arrays, convert) for key, item in structure["dict"]}
+    if "tuple" in structure:
+        return tuple(rebuild_batch(item, arrays, convert) for item in structure["tuple"])
+    if "list" in structure:
+        return [rebuild_batch(item, arrays, convert) for item in structure["list"]]
+    return convert(arrays[structure["leaf"]])

@@ -1,0 +1,169 @@
+"""shmloader.torch.DataLoader: a drop-in for torch.utils.data.DataLoader over a map-style dataset,
+whose __getitem__ runs in shmloader's readers and writes each sample straight into the ring.
+
+    from shmloader.torch import DataLoader      # instead of torch.utils.data.DataLoader
+    loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=4, drop_last=False)
+    for epoch in range(3):
+        for batch in loader:                      # what default_collate gives, over the slot
+            ...
+    state = loader.state_dict()                   # StatefulDataLoader's convention
+    loader.load_state_dict(state)                 # exact, under another num_workers too
+
+Each `for` loop over the loader is one epoch: one finite pass of the dataset (every index
+once, per shard), in an order drawn from (seed, epoch), with the readers kept between
+epochs. Arguments map to the loader's settings: num_workers -> readers, prefetch_factor ->
+slots per worker, shuffle -> mode, generator -> seed (its initial_seed()), timeout ->
+step_timeout, drop_last as it is; shard_index and shard_count default to RANK and
+WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
+naming the argument: a custom sampler or batch_sampler (the order is the loader's, so that
+it resumes exactly), an IterableDataset, a collate_fn other than default_collate (the batch
+is laid out in the ring before it reaches the trainer), worker_init_fn (readers seed
+Python's, numpy's and torch's generators per sample; open resources lazily in
+__getitem__).
+
+A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
+and the slot is reused only after that. Copy what you keep across steps.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .loader import ShmDataLoader
+from .plan.dataset import rebuild_batch
+from .plan.defaults import TRAINER_SLOTS
+from .plan.sampler import derive_seed
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
+    if shard_index is None and shard_count is None:
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        if rank is not None and world is not None and rank.isdigit() and world.isdigit():
+            return int(rank), int(world)
+        return 0, 1
+    return (shard_index or 0), (shard_count or 1)
+
+
+def _refuse(name: str, value, why: str) -> None:
+    if value is not None:
+        raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
+
+
+def _as_collated(structure: dict) -> dict:
+    """The samples' structure as default_collate gives it back: a tuple becomes a list."""
+    if "dict" in structure:
+        return {"dict": [[key, _as_collated(item)] for key, item in structure["dict"]]}
+    for kind in ("tuple", "list"):
+        if kind in structure:
+            return {"list": [_as_collated(item) for item in structure[kind]]}
+    return structure
+
+
+class DataLoader:
+    """A drop-in for torch.utils.data.DataLoader over a map-style dataset (see the module)."""
+
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
+                 batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, seed: int | None = None, outputs=None,
+                 dataset_args=None, shard_index: int | None = None, shard_count: int | None = None,
+                 on_error: str = "raise") -> None:
+        import torch.utils.data
+
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
+                            "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
+                            "records to files (shmloader import) and use ShmDataLoader")
+        _refuse("sampler", sampler, "the order is the loader's (shuffle=, seed=), so that it resumes exactly; "
+                "drop sampler= (a DistributedSampler's rank and world size go to shard_index/shard_count)")
+        _refuse("batch_sampler", batch_sampler, "batches are the loader's steps; give batch_size and drop_last")
+        if collate_fn is not None and collate_fn is not torch.utils.data.default_collate:
+            raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
+                             "the ring as default_collate would stack them; collate in your training step from the "
+                             "batch, or move the work into __getitem__ (declare shapes with outputs=)")
+        _refuse("worker_init_fn", worker_init_fn, "readers seed Python's, numpy's and torch's generators from "
+                "(seed, sample position) before each __getitem__; open files or connections lazily in __getitem__")
+        if batch_size is None:
+            raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
+                             "loader delivers batches; give batch_size")
+        if not in_order:
+            raise ValueError("shmloader.torch.DataLoader: in_order=False cannot be honoured: batches always come "
+                             "in step order (that is what makes resume exact)")
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
+                          stacklevel=2)
+            pin_memory = False
+        if generator is not None and seed is None:
+            seed = int(generator.initial_seed())
+        self.dataset, self.batch_size, self.drop_last = dataset, int(batch_size), bool(drop_last)
+        self.num_workers, self.seed = int(num_workers), 0 if seed is None else int(seed)
+        self.shard_index, self.shard_count = _shard_from_environment(shard_index, shard_count)
+        slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
+        self._epoch, self._resumed = 0, False
+        self._loader = ShmDataLoader.from_dataset(
+            dataset, outputs=outputs, dataset_args=dataset_args, batch_size=self.batch_size,
+            mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
+            slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
+            shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
+            pin_memory=bool(pin_memory))
+        self._structure = _as_collated(self._loader._dataset.spec.structure)
+        self._started = False  # Whether the current epoch's pass has been iterated.
+
+    def _epoch_seed(self, epoch: int) -> int:
+        return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
+
+    def __len__(self) -> int:
+        """Batches in an epoch on this rank (the steps left in it right after load_state_dict)."""
+        finite = self._loader.finite
+        if self._resumed:
+            return finite.steps - self._loader._session.cursor.next_step
+        return finite.steps
+
+    def __iter__(self):
+        import torch
+
+        if self._resumed:
+            self._resumed = False
+        elif self._started:
+            self._epoch += 1
+            self._loader._new_pass(self._epoch_seed(self._epoch))
+        self._started = True
+        structure = self._structure
+        for batch in self._loader:
+            yield rebuild_batch(structure, batch, torch.from_numpy)
+            del batch
+
+    def state_dict(self) -> dict:
+        """The epoch and the position in it: load_state_dict continues with the next batch."""
+        return {"epoch": self._epoch, "seed": self.seed, "loader": self._loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues from `state` (another num_workers is fine; another batch_size or rank
+        count resumes elastically, as ShmDataLoader does). The next `for` loop continues
+        the saved epoch."""
+        if not isinstance(state, dict) or not {"epoch", "seed", "loader"} <= set(state):
+            raise ValueError(f"expected a state_dict() of shmloader.torch.DataLoader (keys epoch, seed, loader), got "
+                             f"{state!r:.200}")
+        epoch = state["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"the checkpoint's epoch must be a non-negative integer, got {epoch!r}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"the checkpoint was made with seed {state['seed']!r}, this loader has {self.seed}")
+        if epoch != self._epoch or self._started:
+            self._loader._new_pass(self._epoch_seed(epoch))
+        self._epoch, self._started = epoch, True
+        self._loader.load_state_dict(state["loader"])
+        self._resumed = True
+
+    def close(self) -> None:
+        self._loader.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,114 @@
+"""Map-style datasets for the dataset-source tests, importable by name (as a user's module
+would be): readers unpickle them, or build them from an import path."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+
+
+class Drawn:
+    """Samples of a drawn structure: `leaves` maps a path (tuple of keys; ints index a
+    tuple) to (shape, dtype); each value is a function of the index alone."""
+
+    def __init__(self, length: int, leaves: dict, container: str = "dict") -> None:
+        self.length, self.leaves, self.container = length, leaves, container
+
+    def __len__(self) -> int:
+        return self.length
+
+    def value(self, index: int, name: str, shape, dtype):
+        rng = np.random.default_rng([index, sum(map(ord, name))])
+        if np.dtype(dtype) == np.bool_:
+            return rng.integers(0, 2, size=shape).astype(bool)
+        return (rng.random(size=shape) * 100).astype(dtype)
+
+    def __getitem__(self, index: int):
+        values = {name: self.value(index, name, shape, dtype) for name, (shape, dtype) in self.leaves.items()}
+        if self.container == "tuple":
+            return tuple(values[name] for name in sorted(values))
+        if self.container == "nested":
+            names = sorted(values)
+            return {"a": values[names[0]], "b": {"c": tuple(values[name] for name in names[1:])}}
+        return values
+
+
+class Augmented:
+    """Each sample drawn from Python's, numpy's global generators (and torch's where it is
+    imported): a resumed or re-sharded run must give the same draws."""
+
+    def __init__(self, length: int = 40) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        drawn = [random.random(), float(np.random.random())]
+        try:
+            import torch
+
+            drawn.append(float(torch.rand(1)))
+        except ImportError:
+            drawn.append(0.0)
+        return {"index": index, "drawn": np.asarray(drawn)}
+
+
+class Failing:
+    """Index `bad` raises a KeyError of its own."""
+
+    def __init__(self, length: int = 30, bad=(7,)) -> None:
+        self.length, self.bad = length, set(bad)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if index in self.bad:
+            raise KeyError(f"no record {index}")
+        return {"x": np.full(2, index, np.int64)}
+
+
+class Varying:
+    """Token-like samples whose length varies with the index."""
+
+    def __len__(self) -> int:
+        return 25
+
+    def __getitem__(self, index: int):
+        return {"tokens": np.arange(index % 6 + 1, dtype=np.int32), "label": index}
+
+
+class Slow:
+    """Takes `delay` seconds per sample (a reader killed mid-batch is likely mid-sample)."""
+
+    def __init__(self, delay: float = 0.01) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        time.sleep(self.delay)
+        return np.full(3, index, np.int64)
+
+
+class HoldsALock:
+    """Not picklable: a lock among its attributes."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        return np.zeros(2)
+
+
+def make_squares(length: int = 20, scale: int = 1):
+    """A factory by import path: each reader builds its own."""
+    return [np.asarray([index * index * scale], np.int64) for index in range(length)]

@@ -1,0 +1,216 @@
+"""A map-style dataset as the loader's source (ShmDataLoader.from_dataset): batches equal the
+samples stacked by numpy over drawn structures, shapes and dtypes, for readers 0 and 2; each
+index once per epoch across shards; augmentations from the global generators identical
+for any reader count and on resume; errors name the index; a killed reader costs no batch."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dataset_fixtures as fixtures
+from conftest import our_shm_entries
+from shmloader import Ragged, ShmDataLoader, rebuild_batch
+from shmloader.plan.dataset import DatasetError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_DTYPES = ["uint8", "int16", "int32", "int64", "float32", "float64", "bool"]
+_leaf = st.tuples(st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple), st.sampled_from(_DTYPES))
+_leaves = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4), _leaf, min_size=2, max_size=4)
+
+
+def _reference(dataset, indices, names) -> dict:
+    """What the batch should hold: each leaf of dataset[index], stacked by numpy."""
+    samples = [rebuild_batch_leaves(dataset[int(index)]) for index in indices]
+    return {name: np.stack([sample[name] for sample in samples]) for name in names}
+
+
+def rebuild_batch_leaves(sample) -> dict:
+    from shmloader.plan.dataset import flatten
+
+    return {name: np.asarray(value) for name, value in flatten(sample)[1]}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(leaves=_leaves, container=st.sampled_from(["dict", "tuple", "nested"]), length=st.integers(3, 40),
+       batch_size=st.integers(1, 7), readers=st.sampled_from([0, 2]), mode=st.sampled_from(["shuffle", "sequential"]))
+def test_batches_are_the_samples_stacked_for_drawn_structures(leaves, container, length, batch_size, readers, mode):
+    dataset = fixtures.Drawn(length, leaves, container)
+    with ShmDataLoader.from_dataset(dataset, batch_size=batch_size, readers=readers, mode=mode, seed=length,
+                                    epochs=1) as loader:
+        names = [name for name in loader.field_names if name != "indices"]
+        seen = []
+        for batch in loader:
+            kept = len(batch[names[0]])
+            indices = batch.indices[:kept]
+            expected = _reference(dataset, indices, names)
+            for name in names:
+                np.testing.assert_array_equal(batch[name], expected[name], err_msg=name)
+                assert batch[name].dtype == expected[name].dtype, name
+            seen += indices.tolist()
+    assert sorted(seen) == list(range(length))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_each_index_once_per_epoch_across_two_shards(drop_last):
+    dataset = fixtures.Drawn(23, {"x": ((2,), "int64")})
+    rows = []
+    for shard in range(2):
+        with ShmDataLoader.from_dataset(dataset, batch_size=4, readers=1, seed=5, epochs=1, drop_last=drop_last,
+                                        shard_index=shard, shard_count=2) as loader:
+            for batch in loader:
+                rows += batch.indices[:len(batch["x"])].tolist()
+    if drop_last:
+        assert len(rows) == len(set(rows)) == 16  # Two full global batches of 8.
+    else:
+        assert sorted(rows) == list(range(23))
+
+
+def _draws(readers: int, start_state=None, steps: int = 10) -> list:
+    with ShmDataLoader.from_dataset(fixtures.Augmented(), batch_size=4, readers=readers, seed=9) as loader:
+        if start_state is not None:
+            loader.load_state_dict(start_state)
+        return [(batch.indices.copy(), batch["drawn"].copy()) for _, batch in zip(range(steps), loader)]
+
+
+def test_global_generators_give_the_same_samples_for_any_reader_count_and_on_resume():
+    pytest.importorskip("torch")
+    alone = _draws(0)
+    assert all(np.array_equal(a[1], b[1]) for a, b in zip(alone, _draws(2)))
+    with ShmDataLoader.from_dataset(fixtures.Augmented(), batch_size=4, readers=2, seed=9) as loader:
+        for _, batch in zip(range(4), loader):
+            pass
+        del batch
+        state = loader.state_dict()
+    resumed = _draws(1, state, 6)
+    for (indices, drawn), (resumed_indices, resumed_drawn) in zip(alone[4:], resumed):
+        assert np.array_equal(indices, resumed_indices) and np.array_equal(drawn, resumed_drawn)
+    # Different samples draw differently (the generators are seeded per sample).
+    assert len({tuple(row) for _, drawn in alone for row in drawn}) == 40
+
+
+@pytest.mark.parametrize("readers", [0, 2])
+def test_an_exception_in_getitem_keeps_its_type_and_names_the_index(readers):
+    with ShmDataLoader.from_dataset(fixtures.Failing(), batch_size=30, readers=readers, mode="sequential") as loader:
+        with pytest.raises(KeyError) as raised:
+            next(loader)
+    text = " ".join([str(raised.value), *getattr(raised.value, "__notes__", [])])  # readers=0: the error itself.
+    assert "no record 7" in text and "dataset[7]" in text, text
+
+
+@pytest.mark.filterwarnings("ignore::shmloader.SkippedRecordsWarning")
+def test_a_failing_index_is_skipped_under_on_error_skip():
+    with ShmDataLoader.from_dataset(fixtures.Failing(bad=(3, 11)), batch_size=5, readers=1, mode="sequential",
+                                    epochs=1, on_error="skip") as loader:
+        rows = [row for batch in loader for row in batch["x"][:, 0].tolist()]
+        skipped = loader.stats()["skipped"]
+    assert 3 not in rows and 11 not in rows and len(rows) == 30
+    assert sorted(record["row"] for record in skipped["records"]) == [3, 11]
+    assert all("dataset[" in record["where"] and "no record" in record["error"] for record in skipped["records"])
+
+
+def test_a_sample_of_another_shape_names_the_index_the_key_and_both_shapes():
+    with ShmDataLoader.from_dataset(fixtures.Varying(), batch_size=5, readers=0, mode="sequential") as loader:
+        with pytest.raises(DatasetError, match=r"dataset\[1\]\['tokens'\] has shape \(2,\).*\(1,\).*Ragged"):
+            next(loader)
+
+
+def test_ragged_outputs_are_padded_with_their_lengths():
+    with ShmDataLoader.from_dataset(fixtures.Varying(), outputs={"tokens": Ragged(8, pad=-1)}, batch_size=5,
+                                    readers=1, mode="sequential") as loader:
+        batch = next(loader)
+        assert batch["tokens"].shape == (5, 8)
+        for row, index in enumerate(batch.indices.tolist()):
+            length = index % 6 + 1
+            assert batch["tokens.lengths"][row] == length
+            np.testing.assert_array_equal(batch["tokens"][row, :length], np.arange(length))
+            assert (batch["tokens"][row, length:] == -1).all()
+
+
+def test_declared_outputs_set_dtype_and_unknown_names_are_refused():
+    dataset = fixtures.Drawn(10, {"x": ((3,), "float64")})
+    with ShmDataLoader.from_dataset(dataset, outputs={"x": ((3,), "float32")}, batch_size=2, readers=0) as loader:
+        assert next(loader)["x"].dtype == np.float32
+    with pytest.raises(DatasetError, match=r"outputs names \['y'\].*leaves: \['x'\]"):
+        ShmDataLoader.from_dataset(dataset, outputs={"y": ((3,), "float32")}, batch_size=2, readers=0)
+
+
+def test_an_unpicklable_dataset_names_the_attribute_and_the_import_path_way():
+    with pytest.raises(DatasetError, match=r"attribute 'guard'.*import path.*module:function|attribute 'guard'"):
+        ShmDataLoader.from_dataset(fixtures.HoldsALock(), batch_size=2, readers=1)
+    assert not our_shm_entries(os.getpid())
+
+
+def test_a_dataset_by_import_path_is_built_in_each_reader():
+    with ShmDataLoader.from_dataset("dataset_fixtures:make_squares", dataset_args={"length": 12, "scale": 3},
+                                    batch_size=4, readers=2, mode="sequential", epochs=1) as loader:
+        values = [value for batch in loader for value in batch["data"][:, 0].tolist()]
+    assert values == [index * index * 3 for index in range(12)]
+
+
+def test_iterable_and_str_samples_are_refused_by_name():
+    with pytest.raises(DatasetError, match="no __getitem__"):
+        ShmDataLoader.from_dataset(iter(range(3)), batch_size=1, readers=0)
+    with pytest.raises(DatasetError, match=r"dataset\[0\]\['name'\] is a str"):
+        ShmDataLoader.from_dataset([{"name": "a"}], batch_size=1, readers=0)
+    with pytest.raises(ValueError, match="shuffle_window"):
+        ShmDataLoader.from_dataset(fixtures.Drawn(10, {"x": ((1,), "int64")}), batch_size=2, readers=0,
+                                   shuffle_window=4)
+
+
+def test_a_reader_killed_mid_batch_costs_no_batch():
+    dataset = fixtures.Slow(0.01)
+    with ShmDataLoader.from_dataset(dataset, batch_size=8, readers=2, seed=1, slots=4) as loader:
+        found = []
+        for count, batch in zip(range(24), loader):
+            if count == 3:
+                os.kill(loader.reader_pids[0], signal.SIGKILL)
+            found.append((batch.indices.copy(), batch["data"][:, 0].copy()))
+    for indices, values in found:
+        np.testing.assert_array_equal(values, indices.astype(np.int64))
+
+
+def test_a_dataset_class_defined_in_the_trainers_script_reaches_the_readers(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from shmloader import ShmDataLoader\n"
+        "class Mine:\n"
+        "    def __len__(self): return 9\n"
+        "    def __getitem__(self, i): return {'x': np.asarray([i * 2])}\n"
+        "if __name__ == '__main__':\n"
+        "    with ShmDataLoader.from_dataset(Mine(), batch_size=3, readers=2, mode='sequential', epochs=1) as loader:\n"
+        "        print(sorted(v for b in loader for v in b['x'][:, 0].tolist()))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str([index * 2 for index in range(9)])
+
+
+def test_the_pickle_lives_in_memory_only_and_goes_with_close():
+    loader = ShmDataLoader.from_dataset(fixtures.Drawn(10, {"x": ((1,), "int64")}), batch_size=2, readers=1)
+    spec = loader._dataset.spec
+    link = os.readlink(f"/proc/self/fd/{spec.pickle_fd}")
+    assert link.startswith("/memfd:shmloader-dataset")
+    assert pickle.loads(open(f"/proc/self/fd/{spec.pickle_fd}", "rb").read()).length == 10
+    loader.close()
+    assert not os.path.exists(f"/proc/self/fd/{spec.pickle_fd}") or \
+        not os.readlink(f"/proc/self/fd/{spec.pickle_fd}").startswith("/memfd:shmloader-dataset")
+
+
+def test_rebuild_batch_gives_the_samples_structure_back():
+    dataset = fixtures.Drawn(6, {"p": ((2,), "int32"), "q": ((), "float64"), "r": ((1,), "uint8")}, "nested")
+    with ShmDataLoader.from_dataset(dataset, batch_size=3, readers=0, mode="sequential") as loader:
+        batch = next(loader)
+        rebuilt = rebuild_batch(loader._dataset.spec.structure, batch)
+        assert set(rebuilt) == {"a", "b"} and isinstance(rebuilt["b"]["c"], tuple) and len(rebuilt["b"]["c"]) == 2
+        np.testing.assert_array_equal(rebuilt["a"], np.stack([dataset[i]["a"] for i in range(3)]))

@@ -1,0 +1,130 @@
+"""shmloader.torch.DataLoader as a drop-in for torch.utils.data.DataLoader over a map-style
+Dataset: batches equal PyTorch's own loader's (types, shapes, nesting) with shuffle=False;
+each index once per epoch, per shard and across two; a new order each epoch; exact resume
+under another num_workers; what it cannot honour is refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset  # noqa: E402
+
+from shmloader.torch import DataLoader  # noqa: E402
+
+
+class Samples(Dataset):
+    """Dicts with an array, a tuple of Python scalars, a numpy scalar and an augmentation."""
+
+    def __init__(self, length: int = 37) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        return {"image": np.full((2, 3), index, np.float32), "pair": (index, index / 2),
+                "weight": np.float32(index) * 2, "noise": torch.rand(2)}
+
+
+def _assert_same_structure(expected, found, where="batch"):
+    assert type(expected) is type(found), (where, type(expected), type(found))
+    if isinstance(expected, dict):
+        assert expected.keys() == found.keys(), where
+        for key in expected:
+            _assert_same_structure(expected[key], found[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(found), where
+        for index, (one, other) in enumerate(zip(expected, found)):
+            _assert_same_structure(one, other, f"{where}[{index}]")
+    else:
+        assert expected.dtype == found.dtype and expected.shape == found.shape, (where, expected, found)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batches_equal_torchs_own_loader_with_shuffle_off(num_workers, drop_last):
+    dataset = Samples()
+    expected = list(TorchDataLoader(dataset, batch_size=8, shuffle=False, drop_last=drop_last))
+    loader = DataLoader(dataset, batch_size=8, shuffle=False, num_workers=num_workers, drop_last=drop_last)
+    with loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected) == len(loader)
+    for one, other in zip(expected, found):
+        _assert_same_structure(one, other)
+        for key in ("image", "weight"):
+            assert torch.equal(one[key], other[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(one["pair"], other["pair"]))
+
+
+def _epoch_indices(loader) -> list[int]:
+    return [int(value) for batch in loader for value in batch["pair"][0]]
+
+
+def test_each_epoch_holds_each_index_once_in_a_new_order():
+    with DataLoader(Samples(), batch_size=5, shuffle=True, num_workers=1, seed=4) as loader:
+        first, second = _epoch_indices(loader), _epoch_indices(loader)
+    assert sorted(first) == sorted(second) == list(range(37)) and first != second
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_two_ranks_see_each_index_once_between_them(drop_last):
+    rows = []
+    for rank in range(2):
+        with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=1, drop_last=drop_last, shard_index=rank,
+                        shard_count=2) as loader:
+            rows += _epoch_indices(loader)
+    assert len(rows) == len(set(rows))
+    assert len(rows) == (32 if drop_last else 37)
+
+
+def test_the_generator_is_the_seed_and_the_environment_gives_the_rank(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    generator = torch.Generator().manual_seed(1234)
+    with DataLoader(Samples(), batch_size=4, shuffle=True, generator=generator) as loader:
+        assert (loader.seed, loader.shard_index, loader.shard_count) == (1234, 1, 2)
+
+
+def test_a_resumed_epoch_equals_the_uninterrupted_one_under_another_num_workers():
+    with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, seed=8) as loader:
+        _epoch_indices(loader)  # Epoch 0 whole, then epoch 1 interrupted after 3 batches.
+        iterator = iter(loader)
+        for _ in range(3):
+            next(iterator)
+        state = loader.state_dict()
+        rest = [(batch["pair"][0].clone(), batch["noise"].clone()) for batch in iterator]
+    with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=0, seed=8) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(rest)
+        found = [(batch["pair"][0].clone(), batch["noise"].clone()) for batch in resumed]
+        assert len(resumed) == 10  # The next epoch is whole again.
+    assert len(found) == len(rest)
+    for (indices, noise), (found_indices, found_noise) in zip(rest, found):
+        assert torch.equal(indices, found_indices) and torch.equal(noise, found_noise)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize("argument, value, message", [
+    ("sampler", [0, 1], "sampler=.*cannot be honoured"),
+    ("batch_sampler", [[0, 1]], "batch_sampler=.*cannot be honoured"),
+    ("collate_fn", lambda samples: samples, "collate_fn cannot be honoured"),
+    ("worker_init_fn", lambda worker: None, "worker_init_fn=.*cannot be honoured"),
+    ("batch_size", None, "batch_size=None"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):
+    with pytest.raises(ValueError, match=message):
+        DataLoader(Samples(), **{"batch_size": 4, argument: value})
+
+
+def test_an_iterable_dataset_is_refused():
+    with pytest.raises(TypeError, match="IterableDataset"):
+        DataLoader(Stream(), batch_size=2)
