@@ -31,6 +31,14 @@ from .session import Session, StepCuts
 from .transforms.core import resolve as resolve_transform
 
 
+def _start_of(resume, sampler) -> int:
+    """Where a resumed stream starts (Sampler.start_position, plan/checkpoint.py Resume): 0
+    for a resume by step, or where the resumed step is cut instead (a mixture)."""
+    if isinstance(resume, Resume) and resume.start is not None and hasattr(sampler, "with_start"):
+        return resume.start
+    return 0
+
+
 class ShmDataLoader(cursor_module.LoaderBase):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
@@ -153,6 +161,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def _start(self, plan, start_step: int) -> Session:
         """Takes the validated plan, then creates the ring, its cursor and the readers'
         configuration (or, with readers=0, this process's filler): the session."""
+        if self._epochs is not None and hasattr(plan.sampler, "with_pass"):  # It deals its pass's tail (passes.py).
+            plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(self._epochs, self.drop_last))
         self.plan = plan
         self.plans, self.slot, self.transform = plan.plans, plan.slot, plan.transform
         self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
@@ -277,17 +287,26 @@ class ShmDataLoader(cursor_module.LoaderBase):
         Taken under another batch_size or shard_count (elastic resume), it continues the
         stream from the position it names: every row the interrupted run had not delivered
         comes once across the new shards, and later epochs are whole. Where the position is
-        not the start of a new global batch, the first step (`state_dict()["step"]` of the
-        checkpoint's position in the new numbering) is cut to the rows from it: on the shard
-        that holds the position a shorter batch, on those before it an empty one."""
+        not the start of a new global batch, the stream is shifted (Sampler.start_position)
+        so that the resumed step (`state_dict()["step"]` of the position in the new
+        numbering) starts at it: every shard's batch is whole, none empty. A mixture's steps
+        cannot be shifted: its resumed step is cut, on the shard that holds the position to
+        the rows from it, on those before it to none. A finite pass's last steps are dealt
+        evenly among the shards (plan/passes.py): the same number of steps on every shard,
+        none empty."""
         resume, transition = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
         sampler, finite = self.sampler, self.finite
-        if transition != self.sampler.transition:  # Checked whole before anything changes.
-            sampler = self.sampler.with_transition(transition)
+        start = _start_of(resume, sampler)
+        if transition != self.sampler.transition or start != getattr(sampler, "start_position", 0):  # Checked whole.
+            if start != getattr(sampler, "start_position", 0):  # Set without the dealing, which it shifts.
+                sampler = sampler.with_transition(None).with_start(start)
+            sampler = sampler.with_transition(transition)
             finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
         end = ENDLESS if finite is None else finite.steps
-        if resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
-                                    resume.position >= finite.positions):
+        if start:  # The shifted stream's step starts at the position: nothing to cut (its pass ends there at the
+            resume = resume.step  # latest, on every shard alike).
+        elif resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
+                                      resume.position >= finite.positions):
             resume = end  # The checkpoint's pass had ended (its last global batch ran past it): so has this one.
         step = resume.step if isinstance(resume, Resume) else resume
         check_integer("the checkpoint's step", step, 0, min(sampler.step_max - self.slots, end))
@@ -309,7 +328,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         have been let go (as for seek)."""
         if self.finite is None:
             raise RuntimeError("a new pass needs a finite loader (epochs=N)")
-        data = {key: value for key, value in self.plan.sampler.to_dict().items() if key not in ("transition", "start_position")}
+        data = {key: value for key, value in self.plan.sampler.to_dict().items()
+                if key not in ("transition", "start_position")}
         sampler = type(self.plan.sampler).from_dict({**data, "seed": seed})
         finite = FinitePass.of(sampler, self._epochs, self.drop_last)
         self.options = dataclasses.replace(self.options, seed=seed)
@@ -401,6 +421,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
             f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
         )
+
 
 class _DatasetSource:
     """What from_dataset hands the constructor in place of fields."""

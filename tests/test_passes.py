@@ -160,3 +160,43 @@ def test_a_finite_pass_ends_to_device_and_has_no_length_when_endless(data):
         with pytest.raises(TypeError, match="no length"):
             len(loader)
         assert loader  # An endless loader is still true.
+
+
+@pytest.mark.parametrize("rows,shards,batch,window", [
+    (256, 4, 16, 50), (256, 4, 16, None), (1000, 3, 16, 200), (1000, 3, 16, None), (1800, 2, 100, 600),
+    (333, 5, 7, 60), (333, 5, 7, None), (97, 2, 48, 30), (500, 1, 64, 100)],
+    ids=lambda value: str(value))
+def test_drop_last_drops_only_what_does_not_divide_among_shards(tmp_path, rows, shards, batch, window):
+    """rows // (shards * batch) full global batches, with or without a shuffle window split
+    among shards (before: 256 rows, 4 shards of 16 and a window of 50 dropped a whole global
+    batch, 64 rows, since the shards' shares differ by a block)."""
+    np.save(tmp_path / "x.npy", np.arange(rows, dtype=np.int64))
+    counts, lengths = collections.Counter(), set()
+    for shard in range(shards):
+        with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=batch, epochs=1, drop_last=True, readers=0,
+                           shuffle_window=window, shard_index=shard, shard_count=shards, seed=2) as loader:
+            sizes = [len(got["x"]) for got in loader if counts.update(got["x"].tolist()) or True]
+            assert set(sizes) == {batch} and len(sizes) == len(loader)
+            lengths.add(len(loader))
+    assert len(lengths) == 1
+    assert sum(counts.values()) == rows // (shards * batch) * shards * batch and set(counts.values()) == {1}
+
+
+@pytest.mark.parametrize("rows,shards,batch,window", [
+    (1000, 3, 128, None), (1000, 3, 16, 200), (17, 4, 8, None), (250, 4, 1, None), (256, 4, 16, 50)],
+    ids=lambda value: str(value))
+def test_no_shard_gets_an_empty_batch_at_the_end_of_a_pass(tmp_path, rows, shards, batch, window):
+    """The rows after the last step that is whole on every shard are dealt evenly (before: 1000
+    rows on 3 shards of 128 gave shard 2 an empty last batch, a NaN loss in DDP). Every row
+    once, except where fewer rows than shards are left (batch_size 1: 250 rows on 4 shards
+    leave 2 out)."""
+    np.save(tmp_path / "x.npy", np.arange(rows, dtype=np.int64))
+    counts, lengths = collections.Counter(), set()
+    for shard in range(shards):
+        with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=batch, epochs=1, readers=1, seed=2,
+                           shuffle_window=window, shard_index=shard, shard_count=shards) as loader:
+            sizes = [len(got["x"]) for got in loader if counts.update(got["x"].tolist()) or True]
+            assert min(sizes) >= 1 and len(sizes) == len(loader)
+            lengths.add(len(loader))
+    assert len(lengths) == 1 and set(counts.values()) == {1}
+    assert rows - shards < len(counts) <= rows and (len(counts) == rows or batch == 1)

@@ -265,3 +265,59 @@ def test_the_end_of_a_pass_under_a_batch_larger_than_its_position(fields):
         after.load_state_dict(states[3])
         with pytest.raises(RuntimeError, match="has ended"):
             iter(after)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from conftest import examples  # noqa: E402
+from hypothesis import assume, given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@examples(15)
+@given(rows=st.integers(8, 300), window=st.one_of(st.none(), st.integers(1, 299)), batch=st.integers(1, 24),
+       old=st.integers(1, 4), new=st.integers(1, 4), new_batch=st.integers(1, 24), resume=st.floats(0, 1),
+       epochs=st.integers(1, 2))
+def test_a_resharded_resume_gives_no_rank_an_empty_batch(tmp_path_factory, rows, window, batch, old, new, new_batch,
+                                                         resume, epochs):
+    """Drawn data, window (or none), shapes before and after, a checkpoint anywhere in a
+    finite pass: after the resume every rank gets the same number of steps and rows in each
+    (before: ranks whose part of the resumed step lay before the position, or whose stream
+    ended first, got empty batches: a NaN loss in DDP); every row of the pass comes its
+    epochs' times across both runs, but for fewer rows than ranks where they cannot be dealt."""
+    directory = tmp_path_factory.mktemp("empty")
+    np.save(directory / "x.npy", np.arange(rows, dtype=np.int64))
+    fields = {"x": str(directory / "x.npy")}
+    options = dict(readers=0, seed=rows, epochs=epochs, shuffle_window=window if window and window < rows else None)
+
+    def shard_loader(shard, shards, size):
+        return ShmDataLoader(fields, batch_size=size, shard_index=shard, shard_count=shards, **options)
+
+    counts = collections.Counter()
+    try:
+        with shard_loader(0, max(old, new), 1):
+            pass  # Every shard of either count has rows.
+        runs = []
+        for shard in range(old):
+            with shard_loader(shard, old, batch) as each:
+                steps = int(resume * len(each))
+                runs.append([row for _, got in zip(range(steps), each) for row in got["x"].tolist()])
+                state = each.state_dict()
+    except ValueError as error:
+        assume("gets no rows" not in str(error) and "nothing to deliver" not in str(error))
+        raise
+    for rows_of_shard in runs:
+        counts.update(rows_of_shard)
+    lengths = set()
+    for shard in range(new):
+        with shard_loader(shard, new, new_batch) as each:
+            try:
+                each.load_state_dict(state)
+            except ValueError as error:  # Within its pass's dealt tail: it continues only in its own shape.
+                assert "within the last" in str(error) and (old, batch) != (new, new_batch)
+                return
+            ended = each.state_dict()["step"] >= len(each)  # The checkpoint's pass had ended: so has this one.
+            sizes = [] if ended else [len(got["x"]) for got in each if counts.update(got["x"].tolist()) or True]
+            assert all(sizes), ("an empty batch", shard, sizes)
+            lengths.add(len(sizes))
+    assert len(lengths) <= 1, lengths  # The same number of steps on every rank.
+    assert max(counts.values()) <= epochs and sum(counts.values()) > epochs * rows - max(old, new), counts

@@ -92,7 +92,7 @@ class DatasetRunner:
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
-        if getattr(sampler, "own_streams", False):
+        if hasattr(sampler, "row_keys"):  # Each row's own stream position (a dealt tail, a shifted resume).
             positions = sampler.row_keys(step, len(indices))
         else:
             positions = global_positions(step, len(indices), sampler.shard_index, sampler.shard_count)

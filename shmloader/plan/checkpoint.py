@@ -7,7 +7,7 @@ import collections.abc
 import dataclasses
 
 from .passes import FinitePass
-from .reshard import Transition, transition_from
+from .reshard import _TRANSITION_KEYS, Origin, Transition, transition_of
 from .sampler import Sampler, global_position
 
 # The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
@@ -29,28 +29,33 @@ PASS_ENDED = "pass ended"
 # Settings a checkpoint may be loaded under with other values: the position it names is
 # continued (elastic resume).
 ELASTIC_SETTINGS = ("batch_size", "shard_count", "shard_index")
-# The sampler's dealing of a resharded checkpoint: compared on its own (step_to_resume).
-_NOT_COMPARED = ("transition",)
+# The sampler's dealing of a resharded checkpoint: compared on its own (step_to_resume);
+# where an elastic resume started its run: a loader starts its own from the position.
+_NOT_COMPARED = ("transition", "start_position")
 
 
 def position_of(sampler, next_step: int) -> tuple[int, str]:
     """(position, kind): where the stream stands before `next_step`, the same on every
     shard (each shard's next step is the same): the start of its global batch, or of the
     shard's own batch where each shard reads its own stream."""
+    offset = getattr(sampler, "offset", 0)  # A resumed stream's shift (Sampler.start_position).
     if getattr(sampler, "shard_blocks", False):
-        return next_step * sampler.batch_size, SHARD
-    return global_position(next_step, sampler.batch_size, 0, sampler.shard_count), GLOBAL
+        return next_step * sampler.batch_size + offset, SHARD
+    return global_position(next_step, sampler.batch_size, 0, sampler.shard_count) + offset, GLOBAL
 
 
 @dataclasses.dataclass(frozen=True)
 class Resume:
     """A checkpoint continued under another batch size or shard count: the stream goes on
-    from `position`; `step` is the new numbering's step holding it, of which the rows before
-    `position` are cut (a first, shorter step)."""
+    from `position`; `step` is the new numbering's step holding it. With `start` the
+    sampler's stream starts there (Sampler.start_position: the step starts at `position`,
+    whole); without (a mixture, or a checkpoint from before start positions were recorded)
+    the rows of `step` before `position` are cut (a first, shorter step)."""
 
     position: int
     kind: str
     step: int
+    start: int | None = None
 
 
 def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None, position: int | None = None) -> dict:
@@ -66,6 +71,8 @@ def state_of(next_step: int, sampler, sources: list[dict], transform, finite=Non
         state["transform"] = {"name": transform.name, "args": transform.args}
     if sampler.shuffle_window is not None:
         state["shuffle_order"] = shuffle_order(sampler)
+    if sampler.deals_on_reshard:  # Recorded when None too: a checkpoint that lacks the key was edited (or is older).
+        state.setdefault("transition", None)
     return state
 
 
@@ -86,9 +93,10 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
     """The step `state` continues from, once it is this loader's checkpoint."""
     if not isinstance(state, collections.abc.Mapping):
         raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
+    _check_scalars(state)
     # Settings added after a checkpoint format was first written are optional at their defaults.
-    missing = sorted({"step", "sources", *sampler.to_dict()} - {"shuffle_window", "block_rows", *_NOT_COMPARED} -
-                     set(state))
+    missing = sorted({"step", "sources", *sampler.to_dict()} -
+                     {"shuffle_window", "block_rows", "epochs", "drop_last", *_NOT_COMPARED} - set(state))
     if missing:
         raise ValueError(f"the checkpoint lacks {missing}: without them nothing checks that its batches are this "
                          f"loader's. Pass the whole state_dict(), or call seek(step) to jump without checks")
@@ -121,17 +129,135 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
         raise ValueError(f"the checkpoint was made with other settings ({details}); its batches would differ")
     # A dealing the checkpoint's run was making (a resharded resume of its own): it goes on
     # as it was under the same shard count.
-    dealt = None if state.get("transition") is None else Transition.from_dict(state["transition"])
+    dealt = _checked_transition(state, sampler, finite)
+    if elastic - {"shard_index"}:
+        _refuse_in_tail(state, sampler, dealt, finite)
     if "shard_count" in elastic and sampler.deals_on_reshard:
         return _resharded(state, sampler, dealt, finite)
     if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
         step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
         global_batch = sampler.batch_size * (1 if getattr(sampler, "shard_blocks", False) else sampler.shard_count)
-        position = state.get("position")
+        position, kind = state.get("position"), state.get("position_kind", GLOBAL)
+        start = _checked_start(state, global_batch)
+        if start:  # The run's own resumed stream, continued as it was.
+            return Resume(position, kind, step, start), dealt
         if isinstance(step, int) and isinstance(position, int) and 0 < position - step * global_batch < global_batch:
-            return Resume(position, state.get("position_kind", GLOBAL), step), dealt
+            return Resume(position, kind, step), dealt
         return step, dealt
     return _elastic(state, sampler, elastic), dealt
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# The scalar keys a checkpoint may hold: what each must be, checked before any is compared
+# or computed with (a '7' or 7.0 for a step, or a bool for a count, would otherwise reach
+# arithmetic and comparisons: a raw TypeError, or a float taken as a step).
+_SCALARS = {
+    "step": ("a non-negative integer", lambda value: _is_int(value) and value >= 0),
+    "position": ("a non-negative integer", lambda value: _is_int(value) and value >= 0),
+    "position_kind": (f"{GLOBAL!r} or {SHARD!r}", lambda value: value in (GLOBAL, SHARD)),
+    "length": ("a positive integer", lambda value: _is_int(value) and value >= 1),
+    "batch_size": ("a positive integer", lambda value: _is_int(value) and value >= 1),
+    "shard_count": ("a positive integer", lambda value: _is_int(value) and value >= 1),
+    "shard_index": ("a non-negative integer", lambda value: _is_int(value) and value >= 0),
+    "seed": ("a non-negative integer", lambda value: _is_int(value) and value >= 0),
+    "mode": ("a string", lambda value: isinstance(value, str)),
+    "shuffle_window": ("None or a positive integer", lambda value: value is None or _is_int(value) and value >= 1),
+    # A mixture's: one per source, or None without a window.
+    "block_rows": ("a positive integer (a mixture's: None or a list of them)",
+                   lambda value: value is None or _is_int(value) and value >= 1 or
+                   isinstance(value, list) and all(_is_int(rows) and rows >= 1 for rows in value)),
+    "epochs": ("None or a positive integer", lambda value: value is None or _is_int(value) and value >= 1),
+    "drop_last": ("None or a bool", lambda value: value is None or isinstance(value, bool)),
+    "shuffle_order": ("a string", lambda value: isinstance(value, str)),
+    "start_position": ("a non-negative integer", lambda value: _is_int(value) and value >= 0),
+}
+
+
+def _check_scalars(state) -> None:
+    """Refuses a scalar key of the wrong type or range, naming it and what was expected."""
+    for key, (expected, valid) in _SCALARS.items():
+        if key in state and not valid(state[key]):
+            raise ValueError(f"the checkpoint's {key} must be {expected}, got {state[key]!r}; pass the state_dict() "
+                             f"as it was")
+    index, count = state.get("shard_index"), state.get("shard_count")
+    if _is_int(index) and _is_int(count) and index >= count:
+        raise ValueError(f"the checkpoint's shard_index must be below its shard_count ({count}), got {index}; pass the "
+                         f"state_dict() as it was")
+
+
+def _checked_transition(state, sampler, finite) -> Transition | None:
+    """The checkpoint's transition (a resharded resume's dealing), or None: dealt again
+    from the origin it records and compared key by key, its start not after the
+    checkpoint's own position. A windowed checkpoint records the key even where it is None,
+    so that one whose dealing was removed is refused rather than read as undealt."""
+    if "transition" not in state:
+        if sampler.deals_on_reshard:
+            raise ValueError("the checkpoint records no transition (a checkpoint of a shuffle window smaller than the "
+                             "data records one, None where its run was not resharded): it was edited, or written by a "
+                             "shmloader from before resharded dealings. If its run never changed its shard count, add "
+                             "\"transition\": None to it; otherwise resume the checkpoint it was resumed from")
+        return None
+    if state["transition"] is None:
+        return None
+    if not sampler.deals_on_reshard:
+        raise ValueError(f"the checkpoint has a transition (a resharded dealing), which only a shuffle window smaller "
+                         f"than the data and no mixture makes; this loader's stream has none. Got "
+                         f"{state['transition']!r}; pass the state_dict() as it was")
+    dealt = Transition.from_dict(state["transition"])
+    origin = dealt.origin
+    if origin is None:
+        raise ValueError("the checkpoint's transition has no origin (the checkpoint it was dealt from), so nothing "
+                         "checks its positions and start: it was edited, or written by a shmloader from before "
+                         "transitions recorded it. Resume the checkpoint it was resumed from")
+    try:  # The new run's stream as it resumed: its shard count, the origin's batch size.
+        resumed = Sampler(sampler.length, origin.batch_size, sampler.mode, sampler.seed, 0, state["shard_count"],
+                          sampler.shuffle_window, sampler.block_rows)
+        expected = transition_of(resumed, origin, None if finite is None else finite.epochs)
+    except ValueError as error:
+        raise ValueError(f"the checkpoint's transition.origin deals no transition: {error}") from None
+    differ = [f"transition.{key} is {getattr(dealt, key)!r}, its origin deals {getattr(expected, key)!r}"
+              for key in _TRANSITION_KEYS if getattr(dealt, key) != getattr(expected, key)]
+    if differ:
+        raise ValueError(f"the checkpoint's transition disagrees with the origin it records (position "
+                         f"{origin.position} of {origin.shard_count} shards, resumed at batch_size "
+                         f"{origin.batch_size}): {'; '.join(differ)}. Pass the state_dict() as it was")
+    position, _ = _checked_position(state, sampler)
+    if position < dealt.start:
+        raise ValueError(f"the checkpoint's position {position} is before its transition.start {dealt.start} (the "
+                         f"first position of the step its run resumed at): no run that dealt it stood there. Resume "
+                         f"the checkpoint it was resumed from and seek() from there")
+    return dealt
+
+
+def _recorded_sampler(state, sampler, dealt: Transition | None) -> Sampler:
+    """The sampler of the run that wrote `state` (its shape, dealing and start), over this
+    loader's data: what its pass was."""
+    start = state.get("start_position", 0)
+    if _is_int(state.get("position")) and start > state["position"]:
+        raise ValueError(f"the checkpoint's start_position {start} is after its position {state['position']}: its "
+                         f"run cannot have started past where it stands. Pass the state_dict() as it was")
+    return Sampler(sampler.length, state["batch_size"], sampler.mode, sampler.seed, 0, state["shard_count"],
+                   sampler.shuffle_window, sampler.block_rows, dealt, start_position=start)
+
+
+def _refuse_in_tail(state, sampler, dealt: Transition | None, finite) -> None:
+    """Refuses, under another batch size or shard count, a checkpoint taken within the
+    dealt tail of its pass (passes.py): part of the tail was delivered, its rows from every
+    shard's stream, so no single position says which rows are left. (A mixture's pass has
+    no tail.)"""
+    if finite is None or not isinstance(sampler, Sampler) or not _is_int(state.get("step")):
+        return
+    recorded_pass = FinitePass.of(_recorded_sampler(state, sampler, dealt), finite.epochs, finite.drop_last)
+    if recorded_pass.in_tail(state["step"]):
+        tail = recorded_pass.tail
+        shards, batch = state["shard_count"], state["batch_size"]
+        raise ValueError(f"the checkpoint was taken at step {state['step']}, within the last {tail.steps} steps of its "
+                         f"pass (from step {tail.first_step}), whose rows are dealt evenly among its {shards} shards; "
+                         f"it continues only with shard_count={shards} and batch_size={batch}. Change them at a "
+                         f"checkpoint before step {tail.first_step + 1}, or resume it as it was")
 
 
 def _checked_position(state, sampler) -> tuple[int, str]:
@@ -165,27 +291,12 @@ def _resharded(state, sampler, dealt: Transition | None, finite) -> tuple[int, T
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"the checkpoint's {name} must be a positive integer, got {value!r}")
     if finite is not None:  # A finished pass stays finished: its dropped rows are not dealt again.
-        recorded = Sampler(sampler.length, old_batch, sampler.mode, sampler.seed, 0, old_count, sampler.shuffle_window,
-                           sampler.block_rows, dealt)
+        recorded = _recorded_sampler(state, sampler, dealt)
         if state["step"] >= FinitePass.of(recorded, finite.epochs, finite.drop_last).steps:
             return PASS_ENDED, None
-    if dealt is None:  # Every old shard stands at the same position of its own stream.
-        positions = [position] * old_count
-    elif position <= dealt.start:  # Its run had not begun its own dealing: deal the same rows anew.
-        positions = list(dealt.positions)
-    else:
-        dealings = [sampler.of_shard(index, old_count).with_transition(dealt).dealing for index in range(old_count)]
-        positions = [dealing.own_position(position) for dealing in dealings]
-        if None in positions:
-            end = max(dealing.piece_end_position for dealing in dealings)
-            raise ValueError(
-                f"the checkpoint was taken at position {position}, while its run (shard_count={old_count}) was still "
-                f"dealing the rows an earlier shard count ({dealt.shard_count}) had left (until position {end}); a "
-                f"dealing is not dealt again. Resume it with shard_count={old_count}, or change the shard count at a "
-                f"checkpoint from step {-(-end // state['batch_size'])} on")
     step = position // sampler.batch_size
-    epochs = None if finite is None else finite.epochs
-    return step, transition_from(sampler, positions, step * sampler.batch_size, epochs)
+    origin = Origin(position, old_count, sampler.batch_size, None if dealt is None else dealt.without_origin())
+    return step, transition_of(sampler, origin, None if finite is None else finite.epochs)
 
 
 def _elastic(state, sampler, changed: set) -> Resume:
@@ -196,7 +307,21 @@ def _elastic(state, sampler, changed: set) -> Resume:
         raise ValueError(f"the checkpoint's position counts {kind!r} stream positions and this loader's count "
                          f"{mine!r} ones, with the same settings otherwise; pass the state_dict() as it was")
     global_batch = sampler.batch_size * (1 if kind == SHARD else sampler.shard_count)
-    return Resume(position, kind, position // global_batch)
+    return Resume(position, kind, position // global_batch, position if isinstance(sampler, Sampler) else None)
+
+
+def _checked_start(state, global_batch: int) -> int:
+    """The checkpoint's start_position (0 where none), checked against its step and
+    position: a resumed stream is shifted by its start's distance from a step's start, and
+    the checkpoint stands at a step of that stream at or after it."""
+    start = state.get("start_position", 0)
+    step, position = state.get("step"), state.get("position")
+    if start and (not _is_int(step) or not _is_int(position) or start > position or
+                  position - step * global_batch != start % global_batch):
+        raise ValueError(f"the checkpoint's start_position {start} disagrees with its step {step!r} and position "
+                         f"{position!r} (a stream resumed there holds position {start % global_batch} + "
+                         f"step * {global_batch} at each step, from that one on); pass the state_dict() as it was")
+    return start
 
 
 # Settings added after checkpoints were first written, and the value a checkpoint without

@@ -20,6 +20,10 @@ and a new count cannot simply continue the position. What it continues instead i
 A new shard's stream positions are its own as before (step * batch_size): the piece
 occupies positions `start` .. `start + len(piece)`, where `start` is the first position of
 the resumed step; positions before `start` are the new shard count's own stream.
+
+A checkpoint records the Transition with its `Origin` (the checkpoint it was dealt from:
+position, shard count, its own dealing, the resumed batch size), so that loading it deals
+the transition again from the origin and refuses one whose keys differ (checkpoint.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,44 @@ import numpy as np
 from .._native import Status, lib, status_name
 
 
+_TRANSITION_KEYS = ("shard_count", "positions", "through_epoch", "start")
+_ORIGIN_KEYS = ("position", "shard_count", "batch_size", "transition")
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """The checkpoint a dealing continues, recorded so that a checkpoint's transition can
+    be dealt again from it and compared (checkpoint.py): its position in its run's own
+    streams, its run's shard count and dealing (without that dealing's origin: one level
+    is enough to derive the positions, and keeps a checkpoint's size bounded however
+    often the shard count changes), and the batch size the new run resumed with."""
+
+    position: int
+    shard_count: int
+    batch_size: int
+    transition: Transition | None
+
+    def to_dict(self) -> dict:
+        return {"position": self.position, "shard_count": self.shard_count, "batch_size": self.batch_size,
+                "transition": None if self.transition is None else self.transition.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data) -> Origin:
+        if not isinstance(data, dict) or set(data) != set(_ORIGIN_KEYS):
+            raise ValueError(f"the checkpoint's transition.origin must be a dict with {', '.join(_ORIGIN_KEYS)} (as "
+                             f"state_dict() wrote it), got {data!r}")
+        for key in ("position", "shard_count", "batch_size"):
+            if not _is_int(data[key]) or data[key] < (0 if key == "position" else 1):
+                raise ValueError(f"the checkpoint's transition.origin.{key} must be an integer >= "
+                                 f"{0 if key == 'position' else 1}, got {data[key]!r}")
+        earlier = data["transition"]
+        if earlier is not None and (not isinstance(earlier, dict) or "origin" in earlier):
+            raise ValueError(f"the checkpoint's transition.origin.transition must be None or a transition without an "
+                             f"origin, got {earlier!r}")
+        earlier = None if earlier is None else Transition.from_dict(earlier)
+        return cls(data["position"], data["shard_count"], data["batch_size"], earlier)
+
+
 @dataclasses.dataclass(frozen=True)
 class Transition:
     """The dealing of an earlier shard count's unread rows (see the module docstring)."""
@@ -40,27 +82,39 @@ class Transition:
     positions: tuple[int, ...]  # each old shard's position in its own stream at the checkpoint
     through_epoch: int  # the old streams are read to the end of this epoch (-1: none was begun)
     start: int  # where in each new shard's stream its piece begins
+    origin: Origin | None = None  # what it was dealt from (transition_of), None where made by hand
 
     def to_dict(self) -> dict:
         return {"shard_count": self.shard_count, "positions": list(self.positions),
-                "through_epoch": self.through_epoch, "start": self.start}
+                "through_epoch": self.through_epoch, "start": self.start,
+                **({} if self.origin is None else {"origin": self.origin.to_dict()})}
+
+    def without_origin(self) -> Transition:
+        return dataclasses.replace(self, origin=None)
 
     @classmethod
     def from_dict(cls, data) -> Transition:
-        """Refuses what a checkpoint could not have written, naming the key."""
-        if not isinstance(data, dict) or set(data) != {"shard_count", "positions", "through_epoch", "start"}:
-            raise ValueError(f"the checkpoint's transition must be a dict with shard_count, positions, "
-                                  f"through_epoch and start (as state_dict() wrote it), got {data!r}")
+        """Refuses what a checkpoint could not have written, naming the key; whether the
+        values agree with one another and with the checkpoint is checkpoint.py's."""
+        keys = set(_TRANSITION_KEYS)
+        if not isinstance(data, dict) or not keys <= set(data) or not set(data) <= keys | {"origin"}:
+            raise ValueError(f"the checkpoint's transition must be a dict with {', '.join(_TRANSITION_KEYS)} and "
+                             f"origin (as state_dict() wrote it), got {data!r}")
         shard_count, positions = data["shard_count"], data["positions"]
         if not _is_int(shard_count) or shard_count < 1 or not isinstance(positions, list) or \
                 len(positions) != shard_count or not all(_is_int(p) and p >= 0 for p in positions):
-            raise ValueError(f"the checkpoint's transition must hold one non-negative position per old shard "
-                                  f"({shard_count!r} shards), got {positions!r}")
+            raise ValueError(f"the checkpoint's transition.positions must hold one non-negative integer position per "
+                             f"old shard (transition.shard_count={shard_count!r}), got {positions!r}")
         if not _is_int(data["through_epoch"]) or data["through_epoch"] < -1 or not _is_int(data["start"]) or \
                 data["start"] < 0:
             raise ValueError(f"the checkpoint's transition has through_epoch {data['through_epoch']!r} and "
-                                  f"start {data['start']!r}; expected integers >= -1 and >= 0")
-        return cls(shard_count, tuple(positions), data["through_epoch"], data["start"])
+                             f"start {data['start']!r}; expected integers >= -1 and >= 0")
+        origin = data.get("origin")
+        if "origin" in data and origin is None:
+            raise ValueError("the checkpoint's transition.origin is None; a transition state_dict() writes records "
+                             "the checkpoint it was dealt from")
+        return cls(shard_count, tuple(positions), data["through_epoch"], data["start"],
+                   None if origin is None else Origin.from_dict(origin))
 
 
 def _is_int(value) -> bool:
@@ -76,6 +130,31 @@ def transition_from(sampler, positions: list[int], start: int, epochs: int | Non
     # The last epoch an old shard has begun: one that stands at an epoch's start has begun none of it.
     through = max((p - 1) // length if p else -1 for p, length in zip(positions, lengths))
     return Transition(len(positions), tuple(positions), through, start)
+
+
+def transition_of(sampler, origin: Origin, epochs: int | None) -> Transition:
+    """The dealing of `origin`'s unread rows among `sampler`'s shards (batch_size the
+    origin's): a pure function of the two, which a checkpoint's transition is compared
+    with. Raises ValueError where the origin's run was still dealing an earlier one."""
+    assert sampler.batch_size == origin.batch_size, (sampler.batch_size, origin.batch_size)
+    dealt, position = origin.transition, origin.position
+    if dealt is None:  # Every old shard stands at the same position of its own stream.
+        positions = [position] * origin.shard_count
+    elif position <= dealt.start:  # Its run had not begun its own dealing: deal the same rows anew.
+        positions = list(dealt.positions)
+    else:
+        dealings = [sampler.of_shard(index, origin.shard_count).with_transition(dealt).dealing
+                    for index in range(origin.shard_count)]
+        positions = [dealing.own_position(position) for dealing in dealings]
+        if None in positions:
+            end = max(dealing.piece_end_position for dealing in dealings)
+            raise ValueError(
+                f"the checkpoint was taken at position {position}, while its run (shard_count={origin.shard_count}) "
+                f"was still dealing the rows an earlier shard count ({dealt.shard_count}) had left (until position "
+                f"{end}); a dealing is not dealt again. Resume it with shard_count={origin.shard_count}, or change "
+                f"the shard count at a checkpoint from position {end} on")
+    start = position // origin.batch_size * origin.batch_size  # The first position of the resumed step.
+    return dataclasses.replace(transition_from(sampler, positions, start, epochs), origin=origin)
 
 
 class Dealing:

@@ -11,6 +11,7 @@ import numpy as np
 from .._native import Status, ffi, lib, status_name
 from .options import (
     BATCH_SIZE_MAX,
+    EPOCHS_MAX,
     LENGTH_MAX,
     MODES,
     SEED_MAX,
@@ -142,6 +143,9 @@ class Sampler(StreamShape):
         shuffle_window: int | None = None,
         block_rows: int = 1,
         transition=None,
+        epochs: int | None = None,
+        drop_last: bool = False,
+        start_position: int = 0,
     ) -> None:
         # The loader's settings came through options.LoaderOptions; these are the same
         # checks, against the same limits, for a sampler built from a dict in a reader.
@@ -189,6 +193,18 @@ class Sampler(StreamShape):
                              "the data")
         self.transition = transition
         self.dealing = None if transition is None else Dealing(self, transition)
+        # The loader's finite pass, whose last steps deal their rows evenly among the shards
+        # (passes.py Tail): every filler computes the same tail from these.
+        self.epochs = None if epochs is None else check_integer("epochs", epochs, 1, EPOCHS_MAX)
+        self.drop_last = bool(drop_last)
+        self._tail, self._tail_known, self._tail_streams = None, epochs is None, {}
+        # An elastic resume's position: the stream is shifted by `offset` (its distance from
+        # the start of the step that holds it), so that that step, start_step, starts at the
+        # position and is whole on every shard (no shard's part of it lies before the
+        # position: no empty batch, nothing to cut). A pass's tail never reaches before it.
+        self.start_position = check_integer("start_position", start_position, 0, U64_MAX)
+        unit = self.batch_size if self.own_streams else self.batch_size * self.shard_count
+        self.start_step, self.offset = divmod(self.start_position, unit)
 
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
@@ -213,11 +229,62 @@ class Sampler(StreamShape):
         self.fill_unchecked(step, pointer)
         return out
 
+    @property
+    def tail(self):
+        """The dealt tail of the loader's finite pass (passes.Tail), None for an endless
+        loader or a pass without one."""
+        if not self._tail_known:
+            from .passes import FinitePass  # passes.py builds on this module.
+
+            self._tail, self._tail_known = FinitePass.of(self, self.epochs, self.drop_last).tail, True
+        return self._tail
+
+    def _in_tail(self, step: int):
+        tail = self.tail
+        return tail if tail is not None and tail.first_step <= step < tail.end_step else None
+
+    def _tail_stream(self, shard: int | None) -> Sampler:
+        """The sampler whose positions a tail's segment names: this one (the global stream),
+        or shard `shard`'s own stream (its dealing included)."""
+        if shard is None:
+            return self
+        found = self._tail_streams.get(shard)
+        if found is None:
+            found = self._tail_streams[shard] = self.of_shard(shard, self.shard_count).with_transition(self.transition)
+        return found
+
+    def _fill_tail(self, tail, step: int, pointer) -> None:
+        """A tail step's chunk (passes.Tail), then copies of its first row up to batch_size:
+        those are computed (a batch has a fixed size) and cut, never delivered."""
+        offset = 0
+        for shard, position, rows in tail.segments(step, self.shard_index):
+            stream = self._tail_stream(shard)
+            if stream.dealing is not None:
+                stream.dealing.fill(position, rows, pointer + offset)
+            else:
+                status = lib.shm_sampler_fill_positions(stream._config, position, pointer + offset, rows)
+                if status != Status.OK:
+                    raise ValueError(f"cannot fill positions {position} .. {position + rows}: {status_name(status)}")
+            offset += rows
+        assert 0 < offset <= self.batch_size, (step, offset)  # A chunk is never empty, never more than a batch.
+        batch = np.frombuffer(ffi.buffer(pointer, self.batch_size * 8), dtype=np.uint64)
+        batch[offset:] = batch[0]
+
     def fill_unchecked(self, step: int, pointer) -> None:
         """fill() into a cffi uint64_t pointer to batch_size entries, for callers that checked it."""
         assert 0 <= step <= U64_MAX, step
+        tail = self._in_tail(step)
+        if tail is not None:
+            self._fill_tail(tail, step, pointer)
+            return
         if self.dealing is not None:
-            self.dealing.fill(step * self.batch_size, self.batch_size, pointer)
+            self.dealing.fill(step * self.batch_size + self.offset, self.batch_size, pointer)
+            return
+        if self.offset:  # The shifted stream: this shard's batch_size positions from there.
+            position = self.stream_position(step)
+            status = lib.shm_sampler_fill_positions(self._config, position, pointer, self.batch_size)
+            if status != Status.OK:
+                raise ValueError(f"cannot fill step {step} (positions from {position}): {status_name(status)}")
             return
         status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
         if status != Status.OK:
@@ -227,8 +294,8 @@ class Sampler(StreamShape):
         """Where `step` starts in the stream this shard reads: the global position of its
         block of the global batch, or its own position when it reads its share of blocks."""
         if self.shard_blocks:
-            return step * self.batch_size
-        return global_position(step, self.batch_size, self.shard_index, self.shard_count)
+            return step * self.batch_size + self.offset
+        return global_position(step, self.batch_size, self.shard_index, self.shard_count) + self.offset
 
     @property
     def deals_on_reshard(self) -> bool:
@@ -248,6 +315,15 @@ class Sampler(StreamShape):
         data = {key: value for key, value in self.to_dict().items() if key != "transition"}
         return Sampler(**data, transition=transition)
 
+    def with_start(self, start_position: int) -> Sampler:
+        """This sampler resumed at stream position `start_position` (see __init__)."""
+        return Sampler(**{**self.to_dict(), "start_position": start_position})
+
+    def with_pass(self, epochs: int | None, drop_last: bool) -> Sampler:
+        """This sampler within a finite pass of `epochs` (None: endless), whose tail it deals."""
+        data = {key: value for key, value in self.to_dict().items() if key not in ("epochs", "drop_last")}
+        return Sampler(**data, **({} if epochs is None else {"epochs": epochs, "drop_last": drop_last}))
+
     def of_shard(self, shard_index: int, shard_count: int) -> Sampler:
         """The stream of shard `shard_index` of `shard_count` over this sampler's data (batch 1)."""
         return Sampler(self.length, 1, self.mode, self.seed, shard_index, shard_count, self.shuffle_window,
@@ -257,19 +333,49 @@ class Sampler(StreamShape):
         """Each row's key for a transform's ctx.rng: its global position, or where each shard
         reads its own stream, its position there interleaved with the other shards'
         (independent of batch_size, which a resume may change)."""
+        tail = self._in_tail(step)
+        if tail is not None:
+            return self._tail_keys(tail, step, count)
         if self.dealing is not None:
-            return self.dealing.keys(step * count, count)
+            return self.dealing.keys(step * count + self.offset, count)
         if self.shard_blocks:
-            own = np.arange(step * count, (step + 1) * count, dtype=np.uint64)
+            own = np.arange(step * count + self.offset, (step + 1) * count + self.offset, dtype=np.uint64)
             return own * np.uint64(self.shard_count) + np.uint64(self.shard_index)
-        first = global_position(step, count, self.shard_index, self.shard_count)
+        first = global_position(step, count, self.shard_index, self.shard_count) + self.offset
         return np.arange(first, first + count, dtype=np.uint64)
+
+    def _tail_keys(self, tail, step: int, count: int) -> np.ndarray:
+        """row_keys of a tail step: each row keyed as its own stream keys it."""
+        keys = np.empty(count, dtype=np.uint64)
+        offset = 0
+        for shard, position, rows in tail.segments(step, self.shard_index):
+            stream = self._tail_stream(shard)
+            if shard is None:
+                keys[offset:offset + rows] = np.arange(position, position + rows, dtype=np.uint64)
+            elif stream.dealing is not None:
+                keys[offset:offset + rows] = stream.dealing.keys(position, rows)
+            else:
+                keys[offset:offset + rows] = np.arange(position, position + rows, dtype=np.uint64) * \
+                    np.uint64(self.shard_count) + np.uint64(shard)
+            offset += rows
+        keys[offset:] = keys[0]
+        return keys
 
     def window_stream(self, step: int) -> tuple:
         """(key, sampler, position): the stream whose blocks `step` reads, for the read-ahead
         (its places and place_blocks), and a key that changes when the stream does."""
+        tail = self._in_tail(step)
+        if tail is not None:
+            shard, position, _ = next(tail.segments(step, self.shard_index))
+            stream = self._tail_stream(shard)
+            if shard is None:
+                return None, self, position
+            if stream.dealing is not None:
+                key, sampler, found = stream.dealing.stream_at(position)
+                return ("tail", shard, key), sampler, found
+            return ("tail", shard), stream, position
         if self.dealing is not None:
-            return self.dealing.stream_at(step * self.batch_size)
+            return self.dealing.stream_at(step * self.batch_size + self.offset)
         return None, self, self.stream_position(step)
 
     def places(self, position: int) -> Places:
@@ -310,6 +416,8 @@ class Sampler(StreamShape):
             "shuffle_window": self.shuffle_window,
             "block_rows": self.block_rows,
             **({} if self.transition is None else {"transition": self.transition.to_dict()}),
+            **({} if self.epochs is None else {"epochs": self.epochs, "drop_last": self.drop_last}),
+            **({"start_position": self.start_position} if self.start_position else {}),
         }
 
     @classmethod
