@@ -18,6 +18,18 @@ mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
     python3 -m venv /tmp/objstore/venv && /tmp/objstore/venv/bin/pip install torch==2.14.1 torchvision==0.29.1 litdata mosaicml-streaming s3fs obstore
     python bench/object_store.py --s3rver /tmp/objstore/node_modules/.bin/s3rver --peer-python /tmp/objstore/venv/bin/python
     python bench/object_store.py ... --rate 1gbit --rows 524288 --seconds 30 --skip litdata
+
+--small-cache runs one case alone: the global shuffle of raw rows through a cache of
+--cache-mib (8 MiB) over data several times larger (--rows 17408 of 3072 B: 53 MB), against
+the store's own rate of random ranged GETs of one cache page each at the loader's
+concurrency (its readers' fetch threads), measured in the same run: the loader's rows/s
+over the store's GETs/s is the share of the store's request rate it reaches (a row is a
+request where the cache cannot hold the data; the target is at least 0.5). --server moto
+runs it against moto in this process's network, without a namespace or a cap, to check
+that the case works (moto serves a few dozen ranged GETs a second):
+
+    python bench/object_store.py --small-cache --rows 17408 --cache-mib 8
+    python bench/object_store.py --small-cache --rows 2048 --cache-mib 2 --server moto --seconds 10
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ PIECE = 8 << 20  # The link measurement's request size.
 
 # The data, written once under --data.
 
-def write_data(args) -> None:
+def write_data(args, codecs=("lz4", "zstd")) -> None:
     os.makedirs(args.data, exist_ok=True)
     raw = os.path.join(args.data, "x.npy")
     if not (os.path.exists(raw) and np.load(raw, mmap_mode="r").shape == (args.rows, args.row_bytes)):
@@ -63,7 +75,7 @@ def write_data(args) -> None:
         os.replace(raw + ".tmp", raw)
     from shmloader.tools.convert import convert
 
-    for codec in ("lz4", "zstd"):
+    for codec in codecs:
         path = os.path.join(args.data, f"x-{codec}.b2nd")
         if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(raw):
             print(f"converting to {codec} ...", flush=True)
@@ -119,6 +131,37 @@ def child_link(args) -> dict:
     return {"rows": total[0] / args.row_bytes, "seconds": seconds, "wrong": 0, "bytes": total[0]}
 
 
+def child_random_get(args) -> dict:
+    """Random ranged GETs of one cache page each, --concurrency at once, for --seconds:
+    the store's request rate at the loader's concurrency."""
+    import obstore
+    from obstore.store import S3Store
+
+    from shmloader.remote.pages import CACHE_PAGE_BYTES
+
+    store = S3Store(BUCKET, endpoint=ENDPOINT, access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                    secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
+                    client_options={"allow_http": True})
+    pages = os.path.getsize(os.path.join(args.data, "x.npy")) // CACHE_PAGE_BYTES
+    lock, counts = threading.Lock(), [0, 0]  # requests, bytes
+    deadline = time.perf_counter() + args.seconds
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while time.perf_counter() < deadline:
+            start = int(rng.integers(0, pages)) * CACHE_PAGE_BYTES
+            got = len(memoryview(obstore.get_range(store, "x.npy", start=start, end=start + CACHE_PAGE_BYTES)))
+            with lock:
+                counts[0] += 1
+                counts[1] += got
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+        for future in [pool.submit(worker, seed) for seed in range(args.concurrency)]:
+            future.result()
+    return {"requests": counts[0], "bytes": counts[1], "seconds": time.perf_counter() - started}
+
+
 def child_shmloader(args) -> dict:
     from shmloader import ShmDataLoader
 
@@ -128,7 +171,8 @@ def child_shmloader(args) -> dict:
     options = {"window": {"shuffle_window": args.window}, "global": {}, "sequential": {"mode": "sequential"}}[args.mode]
     started = time.perf_counter()
     with ShmDataLoader({"x": f"s3://{BUCKET}/{name}"}, batch_size=args.batch_size, readers=args.readers, epochs=1,
-                       cache_dir=cache, cache_bytes=args.cache_gib << 30, **options) as loader:
+                       cache_dir=cache, cache_bytes=(args.cache_mib << 20) or (args.cache_gib << 30),
+                       **options) as loader:
         rows = wrong = 0
         for batch in loader:
             wrong += _check(np.asarray(batch.indices), np.asarray(batch["x"]))
@@ -228,7 +272,7 @@ def child_upload(args) -> dict:
 
     store = S3Store(BUCKET, endpoint=ENDPOINT, access_key_id="S3RVER", secret_access_key="S3RVER",
                     region="us-east-1", client_options={"allow_http": True, "timeout": "600s"})
-    files = [name for name in ("x.npy", "x-lz4.b2nd", "x-zstd.b2nd")]
+    files = [name for name in ("x.npy", "x-lz4.b2nd", "x-zstd.b2nd") if os.path.exists(os.path.join(args.data, name))]
     for directory in ("litdata", "mds"):
         if os.path.isdir(os.path.join(args.data, directory)):
             files += [f"{directory}/{name}" for name in sorted(os.listdir(os.path.join(args.data, directory)))]
@@ -243,7 +287,8 @@ def child_upload(args) -> dict:
     return {"objects": len(files)}
 
 
-CHILDREN = {"link": child_link, "link-s3fs": child_link, "window": child_shmloader, "global": child_shmloader,
+CHILDREN = {"random-get": child_random_get, "link": child_link, "link-s3fs": child_link, "window": child_shmloader,
+            "global": child_shmloader,
             "sequential": child_shmloader, "litdata": child_litdata, "mosaic": child_mosaic,
             "make-peers": child_make_peers, "upload": child_upload}
 
@@ -257,8 +302,13 @@ class Namespace:
         self.run(["ip", "link", "set", "lo", "up"])
         self.server = None
 
+    @property
+    def prefix(self) -> list[str]:
+        """What runs a command inside the namespace."""
+        return ["ip", "netns", "exec", self.name]
+
     def run(self, command, **kwargs):
-        return subprocess.run(["ip", "netns", "exec", self.name, *command], check=True, **kwargs)
+        return subprocess.run([*self.prefix, *command], check=True, **kwargs)
 
     def cap(self) -> None:
         # A burst of at least the loopback MTU (64 KiB): tbf drops any packet larger than it.
@@ -287,18 +337,45 @@ class Namespace:
         subprocess.run(["ip", "netns", "del", self.name], check=False)
 
 
+class MotoServer:
+    """moto's S3 server on 127.0.0.1:PORT, in this network (no namespace, no cap): --server
+    moto, to check the --small-cache case where s3rver or root is not at hand."""
+
+    prefix: list[str] = []
+
+    def __init__(self, rate: str) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=PORT, verbose=False)
+
+    def cap(self) -> None:
+        pass  # moto serves far less than any cap.
+
+    def start_server(self, s3rver: str, directory: str) -> None:
+        import boto3
+
+        self.server.start()
+        boto3.client("s3", endpoint_url=ENDPOINT, region_name="us-east-1",
+                     aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=BUCKET)
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict:
     command = [python, os.path.abspath(__file__), "--child", mode, "--data", args.data, "--rows", str(args.rows),
                "--row-bytes", str(args.row_bytes), "--seconds", str(args.seconds), "--batch-size",
                str(args.batch_size), "--readers", str(args.readers), "--window", str(args.window),
-               "--cache-gib", str(args.cache_gib)]
+               "--cache-gib", str(args.cache_gib), "--cache-mib", str(args.cache_mib),
+               "--concurrency", str(args.concurrency)]
     for key, value in extra.items():
         if f"--{key}" in command:
             del command[command.index(f"--{key}"):command.index(f"--{key}") + 2]
         command += [f"--{key}", str(value)]
     environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
                    "AWS_ALLOW_HTTP": "true"}
-    done = subprocess.run(["ip", "netns", "exec", namespace.name, *command], capture_output=True, text=True,
+    done = subprocess.run([*namespace.prefix, *command], capture_output=True, text=True,
                           env=environment, cwd=args.data, timeout=args.seconds * 4 + 300)
     if done.returncode != 0:
         raise RuntimeError(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -318,6 +395,11 @@ def main() -> None:
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--window", type=int, default=262_144)
     parser.add_argument("--cache-gib", type=int, default=8)
+    parser.add_argument("--cache-mib", type=int, default=0, help="the cache's budget in MiB (in place of --cache-gib)")
+    parser.add_argument("--small-cache", action="store_true",
+                        help="only the case of a cache smaller than the data (see above; --cache-mib 8 by default)")
+    parser.add_argument("--server", choices=("s3rver", "moto"), default="s3rver")
+    parser.add_argument("--concurrency", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--s3rver", default="/tmp/objstore/node_modules/.bin/s3rver")
     parser.add_argument("--peer-python", default=None, help="a Python with litdata, mosaicml-streaming and s3fs")
     parser.add_argument("--skip", default="", help="runs left out: any of litdata,mosaic,s3fs,global,sequential")
@@ -325,6 +407,9 @@ def main() -> None:
     args.data = os.path.abspath(args.data)
     if args.child:
         print(json.dumps(CHILDREN[args.child](argparse.Namespace(**{**vars(args), "mode": args.child}))))
+        return
+    if args.small_cache:
+        small_cache(args)
         return
     skip = set(filter(None, args.skip.split(",")))
     peers = args.peer_python if args.peer_python and os.path.exists(args.peer_python) else None
@@ -381,6 +466,36 @@ def main() -> None:
     print(table([[label, f"{result['rows_per_s']:,.0f}" if "failed" not in result else f"failed: {result['failed']}",
                   f"{result['rows_per_s'] / link:.2f}", result["wrong"]]
                  for label, result in results], ["run", "rows/s", "x link (raw rows)", "wrong rows"]))
+
+
+def small_cache(args) -> None:
+    """The --small-cache case: the loader's rows/s and the store's random GETs/s at the
+    same concurrency (the readers' fetch threads for the pages the fills wait for)."""
+    from shmloader.remote.pages import IN_FLIGHT
+
+    args.cache_mib = args.cache_mib or 8
+    args.concurrency = args.readers * IN_FLIGHT
+    write_data(args, codecs=())
+    namespace = (MotoServer if args.server == "moto" else Namespace)(args.rate)
+    try:
+        namespace.start_server(args.s3rver, os.path.join(args.data, "s3rver"))
+        measure(namespace, sys.executable, args, "upload")
+        namespace.cap()
+        store = measure(namespace, sys.executable, args, "random-get")
+        loader = measure(namespace, sys.executable, args, "global", codec="raw")
+    finally:
+        namespace.close()
+    gets_per_s, rows_per_s = store["requests"] / store["seconds"], loader["rows"] / loader["seconds"]
+    data_mb = args.rows * args.row_bytes / 1e6
+    print(f"\n{machine_line()}; {args.server} on 127.0.0.1; {args.rows:,} rows of {args.row_bytes} B "
+          f"({data_mb:.0f} MB), cache_bytes {args.cache_mib} MiB, global shuffle, batch {args.batch_size}, "
+          f"{args.readers} readers, cold, at most {args.seconds:g} s each\n")
+    print(table([[f"store: random GETs of one page, {args.concurrency} at once", f"{gets_per_s:,.1f} GETs/s", "", "-"],
+                 [f"shmloader, cache {args.cache_mib} MiB < data", f"{rows_per_s:,.1f} rows/s",
+                  f"{rows_per_s / gets_per_s:.2f}", loader["wrong"]]],
+                ["run", "rate", "rows/s / GETs/s", "wrong rows"]))
+    print(f"loader: {loader['requests']:,} requests for {loader['rows']:,} rows "
+          f"({loader['requests'] / max(1, loader['rows']):.2f} a row), {loader['bytes'] / 1e6:.1f} MB fetched")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 import warnings
 
@@ -36,6 +37,14 @@ cursor_module = load_cursor()
 # next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
 # a file on a stalled network mount): silence would look like a hang.
 STALL_WARNING_SECONDS = 10.0
+
+
+def _cache_note() -> str:
+    """The node cache's part in a slow step (remote.node.stall_note), capitalised for the
+    warning; "" where this process uses no cache (the module is then not even imported)."""
+    node = sys.modules.get("shmloader.remote.node")
+    note = node.stall_note() if node is not None else ""
+    return note[:1].upper() + note[1:]
 
 
 class Supervisor:
@@ -97,10 +106,10 @@ class Supervisor:
             self._stall_warned = True
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
+            cause = _cache_note() or "A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this"
             warnings.warn(
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it)"
-                f"{self.pool.waiting_note()}; the loader keeps "
-                f"waiting. A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this.",
+                f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.",
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),
             )

@@ -30,8 +30,12 @@ never read as data. Blocking waits only ever wait for a holder that waits for no
 
 Budget: bytes are reserved in the ledger before they are downloaded, evicting first when
 the reservation would pass the budget: the present pages used longest ago go first, never
-a pinned one (those are the "one block per reader" beyond the budget), and pages fetched
-for the next steps are the newest. The count is taken anew from the stamps when a loader
+a pinned one, and pages fetched for the next steps are the newest. What passes the budget
+is bounded (pinned_bytes_max): only the pages under the rows of the batches being filled,
+pinned or being fetched for a pin; fetch units around them, the read-ahead (a share of the
+budget, storage/readahead.StepAhead) and the cache's own files are fetched or kept only
+where the budget has room. Closing a view trims the cache back to its budget, so what a
+run leaves on disk is within it. The count is taken anew from the stamps when a loader
 starts on a cache no other process uses (a process killed mid-download leaves its
 reservation counted until then).
 """
@@ -63,7 +67,6 @@ from .pages import (
     IN_FLIGHT,
     MARKER_SUFFIX,
     PAGES_SUFFIX,
-    PIN_UNIT_BYTES,
     REQUEST_BYTES,
     STAMP_BYTES,
     VERIFY_READ_PAGES,
@@ -80,6 +83,10 @@ from .pages import (
     reserve_file,
 )
 from .store import Client
+
+
+# See CachedObject._download_run.
+AHEAD_STAMP_SECONDS = 2
 
 
 def cached_object(path: str, url: str = "") -> CachedObject:
@@ -385,20 +392,22 @@ class CachedObject:
             return
         descriptor = self._fd("pin")
         self._local.pinned = True
-        # Pinned in lock units of pages (an eviction waits for the whole unit's pins): a
-        # batch of rows at random costs a lock call per unit, not per page.
-        unit = max(1, min(unit_pages, PIN_UNIT_BYTES // CACHE_PAGE_BYTES))
-        for first, end in runs_of(np.unique(pages // unit), 1 << 30):
-            lock(descriptor, fcntl.F_RDLCK, first * unit, (end - first) * unit, True)
+        # The pages the ranges touch, and no others (a lock call per run of consecutive
+        # pages): what a fill holds beyond the budget is its rows' pages (pinned_bytes_max),
+        # not the fetch units around them, which an eviction may take once fetched.
+        for first, end in runs_of(pages, 1 << 30):
+            lock(descriptor, fcntl.F_RDLCK, first, end - first, True)
         stamps = self.stamps[pages]
         unchecked = pages[(stamps != 0) & ~self.verified[pages]]
         if len(unchecked):
             stamps = self._verify(unchecked, descriptor, pages, stamps)
         missing = pages[stamps == 0]
         stamp = now_stamp()
-        stale = pages[(stamps != 0) & (stamps + 1 < stamp)]
+        # Used now: the last to be evicted (a page fetched ahead, stamped in the future, is
+        # from here on a page like any other, which the read-ahead may evict).
+        stale = pages[(stamps != 0) & ((stamps + 1 < stamp) | (stamps > stamp))]
         if len(stale):
-            self.stamps[stale] = stamp  # Used now: the last to be evicted.
+            self.stamps[stale] = stamp
         if len(missing):
             self._fetch_missing(missing, descriptor, unit_pages)
 
@@ -512,7 +521,7 @@ class CachedObject:
                 if not room:  # The budget is full of pages in use: reading further ahead would evict them.
                     lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
                     break
-                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end, size)
+                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end, size, True)
                 pending.append((future, run_first, run_end))
         finally:
             while pending:
@@ -535,7 +544,7 @@ class CachedObject:
         needed = missing
         while len(needed):
             claimed, others = [], []
-            for first, end in runs_of(self._with_units(needed, unit_pages), REQUEST_BYTES // CACHE_PAGE_BYTES):
+            for first, end in runs_of(self._demand_pages(needed, unit_pages), REQUEST_BYTES // CACHE_PAGE_BYTES):
                 if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
                 else:  # Someone fetches some of these: claim page by page.
@@ -552,6 +561,24 @@ class CachedObject:
                 lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
             needed = others[self.stamps[others] == 0]  # Their download failed: this process tries.
+
+    def _demand_pages(self, needed: np.ndarray, unit_pages: int) -> np.ndarray:
+        """The pages a fill fetches for its `needed` ones: with the rest of their fetch units
+        where the budget has room for those (evicting pages used longest ago), else the
+        needed pages alone. Only the needed ones may pass the budget (they are pinned next):
+        a unit around each row of a batch at random would be many times what it reads."""
+        if unit_pages <= 1:
+            return needed
+        wanted = self._with_units(needed, unit_pages)
+        extra = self._bytes_of(np.setdiff1d(wanted, needed, assume_unique=True))
+        return wanted if not extra or self.cache.fits(extra + self._bytes_of(needed)) else needed
+
+    def _bytes_of(self, pages: np.ndarray) -> int:
+        """The disk `pages` (distinct) take once present."""
+        size = len(pages) * CACHE_PAGE_BYTES
+        if len(pages) and int(pages.max()) == self.page_count - 1:  # The last page may be shorter.
+            size -= CACHE_PAGE_BYTES - page_disk_bytes(self.page_count - 1, self.size)
+        return size
 
     def _download(self, claimed: list[tuple[int, int]], descriptor: int) -> None:
         """Downloads claimed runs (FETCH-locked by `descriptor`), then releases them."""
@@ -572,22 +599,21 @@ class CachedObject:
     def _missing_bytes(self, first: int, end: int) -> int:
         """The bytes of the pages of [first, end) that are absent: what fetching the run adds
         to the cache (its present pages are written again, with the same bytes)."""
-        missing = np.flatnonzero(self.stamps[first:end] == 0) + first
-        size = len(missing) * CACHE_PAGE_BYTES
-        if len(missing) and missing[-1] == self.page_count - 1:  # The last page may be shorter.
-            size -= CACHE_PAGE_BYTES - page_disk_bytes(self.page_count - 1, self.size)
-        return size
+        return self._bytes_of(np.flatnonzero(self.stamps[first:end] == 0) + first)
 
-    def _fetch_run(self, first: int, end: int, reserved: int) -> None:
+    def _fetch_run(self, first: int, end: int, reserved: int, ahead: bool = False) -> None:
         """Downloads pages [first, end) (claimed), then settles the `reserved` bytes."""
         downloaded = False
         try:
-            downloaded = self._download_run(first, end)
+            downloaded = self._download_run(first, end, ahead)
         finally:
             self.cache.settle(reserved, downloaded)
 
-    def _download_run(self, first: int, end: int) -> bool:
-        """Whether the pages were written (not when the object was closed meanwhile)."""
+    def _download_run(self, first: int, end: int, ahead: bool = False) -> bool:
+        """Whether the pages were written (not when the object was closed meanwhile). Pages
+        fetched `ahead` of their step are stamped AHEAD_STAMP_SECONDS in the future: the
+        newest of the cache, evicted after the pages the fills just read (stamps count whole
+        seconds, and a small cache turns over within one)."""
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
         data = self.client.get(self.url, self.etag, start, stop, self.size)
         checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
@@ -607,7 +633,7 @@ class CachedObject:
                         punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
                 raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
             self.checksums[first:end] = checksums  # With the bytes, before the stamps.
-            self.stamps[first:end] = now_stamp()  # After the bytes: present means written.
+            self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.
             self.verified[first:end] = True
             return True
 
@@ -622,6 +648,18 @@ class CachedObject:
             self.stamps = self.checksums = None
             with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
                 self._map.close()
+
+
+def pinned_bytes_max(fillers: int, batch_size: int, row_bytes: int) -> int:
+    """How far past its budget the node cache may hold bytes while loaders fill steps: the
+    pages under the rows of the batch each filling process has pinned or is fetching
+    (`fillers`: the readers of every loader on the node, or 1 for a trainer with
+    readers=0; `row_bytes`: the stored bytes of one row, all fields together). A row
+    touches ceil(row_bytes / CACHE_PAGE_BYTES) + 1 pages at most. Fetch units, the
+    read-ahead and the cache's own files stay within the budget; once no fill pins them,
+    the pages past it are evicted (NodeCache.close trims the cache back to its budget)."""
+    pages_per_row = (row_bytes + CACHE_PAGE_BYTES - 2) // CACHE_PAGE_BYTES + 1
+    return fillers * batch_size * pages_per_row * CACHE_PAGE_BYTES
 
 
 def set_fetch_unit(field, random_rows: bool, stored_bytes: int) -> None:

@@ -26,6 +26,7 @@ from .pages import (
     evict_page,
     lock,
     map_shared,
+    now_stamp,
     open_private,
     page_disk_bytes,
     pages_file_bytes,
@@ -143,29 +144,39 @@ class NodeCache:
     def reserve(self, size: int, optional: bool = False) -> bool:
         """Counts `size` bytes about to be downloaded, evicting first what would pass the
         budget; an `optional` reservation (the read-ahead's) that would still pass it is
-        refused (False). Each process's reservations in flight are kept in its slot of the
-        ledger, so that those of a process that died mid-download are given back."""
+        refused (False); it never evicts a page fetched ahead that no fill has read yet
+        (stamped in the future: cache.AHEAD_STAMP_SECONDS), so that reading ahead past what
+        the budget holds stops instead of evicting its own pages before they are read. Each
+        process's reservations in flight are kept in its slot of the ledger, so that those
+        of a process that died mid-download are given back."""
         with self.locked():
-            if not self._make_room(size) and optional:
+            if not self._make_room(size, now_stamp() if optional else None) and optional:
                 return False
             self._ledger[_LEDGER["held"]] += size
             self._slot()[1] += size
             return True
 
-    def _make_room(self, size: int) -> bool:
-        """Evicts what `size` more bytes would pass the budget by (under the lock); whether
-        they fit now."""
+    def _make_room(self, size: int, newest: int | None = None) -> bool:
+        """Evicts what `size` more bytes would pass the budget by (under the lock), pages
+        stamped `newest` or before only where given; whether they fit now."""
         budget = int(self._ledger[_LEDGER["budget"]])
         held = int(self._ledger[_LEDGER["held"]])
         if not budget or held + size <= budget:
             return True
         held -= self._reclaim_dead()
         if held + size > budget:
-            freed = self._evict(held + size - budget + int(budget * EVICT_SHARE))
+            freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
             held -= freed
             self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
         self._ledger[_LEDGER["held"]] = held
         return held + size <= budget
+
+    def fits(self, size: int) -> bool:
+        """Whether `size` more bytes fit the budget, evicting what they would pass it by (as
+        an optional reservation does: never a page fetched ahead and not read yet): a fill
+        asks before it fetches more than the pages it needs (cache.CachedObject._demand_pages)."""
+        with self.locked():
+            return self._make_room(size, now_stamp())
 
     def forget(self, size: int) -> None:
         """Pages whose bytes failed their checksum were marked absent: no longer held."""
@@ -209,9 +220,10 @@ class NodeCache:
         self._slots[dead] = 0
         return reclaimed
 
-    def _evict(self, wanted: int) -> int:
-        """Frees at least `wanted` bytes if it can: present pages by last use, oldest first,
-        skipping any page that is pinned or being fetched. Runs under the ledger lock.
+    def _evict(self, wanted: int, newest: int | None = None) -> int:
+        """Frees at least `wanted` bytes if it can: present pages by last use, oldest first
+        (and stamped `newest` or before, where given), skipping any page that is pinned or
+        being fetched. Runs under the ledger lock.
         Stamps are read and written with pread/pwrite (the same page cache as every
         process's mapping of them)."""
         candidates = []  # (stamps, pages path, data path) of objects holding pages
@@ -223,7 +235,7 @@ class NodeCache:
         stamps = np.concatenate([found for found, _, _ in candidates]).astype(np.int64)
         owners = np.repeat(np.arange(len(candidates)), [len(found) for found, _, _ in candidates])
         numbers = np.concatenate([np.arange(len(found)) for found, _, _ in candidates])
-        present = np.flatnonzero(stamps)
+        present = np.flatnonzero(stamps if newest is None else (stamps != 0) & (stamps <= newest))
         order = present[np.argsort(stamps[present], kind="stable")]
         freed, descriptors = 0, {}
         try:
@@ -271,6 +283,9 @@ class NodeCache:
                 self._ledger[_LEDGER["held"]] -= slot[1]
                 slot[:] = 0
                 del slot  # A view of the mapping: it must go before the mapping can close.
+                # Back within the budget: what the fills held pinned beyond it is free now
+                # (pages pinned by loaders of other processes stay, and are theirs to give back).
+                self._make_room(0)
             self._ledger = self._slots = None
             with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
                 self._ledger_map.close()
@@ -427,6 +442,41 @@ def release(cache: NodeCache) -> None:
         if _caches.get(key) is cache:
             del _caches[key]
     cache.close()
+
+
+# A stalled step blames the cache (stall_note) where it holds at least this share of its
+# budget and has evicted: rows it lost are fetched again, a request per page.
+_FULL_SHARE = 1 / 2
+_MIB = 1 << 20
+
+
+def stall_note() -> str:
+    """Why a step may be slow when this process's node caches are the reason: a cache full
+    and evicting, with the cache_bytes that would hold the data its loaders read (the
+    objects this process opened, and the cache's own files); "" where no cache is full."""
+    with _caches_lock:
+        views = [cache for (pid, _), cache in _caches.items() if pid == os.getpid()]
+    notes = []
+    for cache in views:
+        try:
+            counters = cache.counters()
+        except AttributeError:  # Closed by another thread meanwhile: its ledger is unmapped.
+            continue
+        budget, held = counters["bytes_budget"], counters["bytes_held"]
+        if not budget or not counters["evicted"] or held < budget * _FULL_SHARE:
+            continue
+        with cache.objects_lock:
+            data_bytes = sum(found.size for found in cache.objects.values())
+        # The cache's own files: a pages file of 8 bytes per page, a marker, the ledger.
+        fits = -(-int(data_bytes * (1 + 2 * STAMP_BYTES / CACHE_PAGE_BYTES)) // _MIB) * _MIB + _MIB
+        fit = (f"cache_bytes={fits} ({fits / _MIB:.0f} MiB: the data read through it, {data_bytes / _MIB:.1f} "
+               f"MiB, and the cache's own files) would keep every row after its first read; with shuffle_window, "
+               f"the blocks of one window and the next are enough") if data_bytes > budget else \
+            "more cache_bytes would keep more of the rows"
+        notes.append(f"the node cache at {cache.root} is full (cache_bytes={budget}, {held / _MIB:.1f} MiB held) "
+                     f"and has evicted {counters['evicted']} pages: rows it no longer holds are fetched from the "
+                     f"store again, a request per page, at the store's request rate; {fit}")
+    return "; ".join(notes)
 
 
 def cache_root(path: str) -> str:

@@ -25,9 +25,6 @@ REQUEST_BYTES = 8 << 20
 FIT_UNIT_BYTES = 1 << 20
 # A fetch unit is at most this share of the budget.
 BUDGET_UNITS_MIN = 32
-# Pins lock the pages of a fill in units of at most this many bytes (never more than the
-# fetch unit: rows at random from data larger than the budget pin their pages alone).
-PIN_UNIT_BYTES = 1 << 20
 # Requests one process has in flight (its fetch threads).
 IN_FLIGHT = 16
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.

@@ -61,6 +61,10 @@ PENDING_MAX = 8
 AHEAD_BYTES = 64 << 20
 STEPS_AHEAD = 2
 STEPS_AHEAD_MAX = 256
+# ...and never more than this share of the node cache's budget, split among the readers:
+# pages fetched ahead past what the budget holds would evict each other (and the pages of
+# the steps being filled) before they are read, and be fetched again.
+AHEAD_BUDGET_SHARE = 1 / 4
 
 
 def memory_limit_bytes() -> int:
@@ -272,13 +276,16 @@ class StepAhead:
     them, for fields from a store read without windows (whose blocks ReadAhead fetches):
     rows at random are many small ranges, and only many requests in flight fill a link.
     A reader keeps the steps after its own asked for up to AHEAD_BYTES of pages (at least
-    STEPS_AHEAD per reader of the machine, at most STEPS_AHEAD_MAX): readers fill steps in
+    STEPS_AHEAD per reader of the machine, at most STEPS_AHEAD_MAX), and at most its share
+    of AHEAD_BUDGET_SHARE of the cache's budget (a step at least): readers fill steps in
     turn, so each one's next steps are mostly the others', and the cache's fetch locks make
     sure that a page is downloaded once."""
 
     def __init__(self, filler, readers: int) -> None:
         self.filler, self.sampler = filler, filler.sampler
         self.least = STEPS_AHEAD * max(1, readers)
+        self.readers = max(1, readers)
+        self._limit = AHEAD_BYTES  # What it keeps asked for ahead (_budget_share).
         self._next: int | None = None
         self._asked: collections.deque = collections.deque()  # (step, bytes of its pages) asked for
         self._asked_bytes = 0
@@ -299,19 +306,29 @@ class StepAhead:
         while self._asked and self._asked[0][0] <= step:
             self._asked_bytes -= self._asked.popleft()[1]
         end = min(step + 1 + STEPS_AHEAD_MAX, self.sampler.step_max)
-        while self._next < end and (self._next <= step + self.least or self._asked_bytes < AHEAD_BYTES):
+        while self._next < end and self._asked_bytes < self._limit and (
+                self._next <= step + self.least or self._asked_bytes < AHEAD_BYTES):
             if self._sources is None:
                 self.sampler.fill_unchecked(self._next, self._index_pointer)
             else:
                 self.sampler.fill_unchecked(self._next, self._index_pointer, self._source_pointer)
             ranges = [extent for reader in self.filler.field_readers for extent in
                       reader.extents(self._indices, self._sources, wait=False)]
+            self._limit = self._budget_share(ranges)  # The budget is the last loader's: read each time.
             if not self.advisor.submit("fetch", ranges):
                 break  # The fetches are behind: asked again at the next step.
             size = sum(_page_bytes(offsets, sizes) for _, offsets, sizes in ranges)
             self._asked.append((self._next, size))
             self._asked_bytes += size
             self._next += 1
+
+    def _budget_share(self, ranges: list[tuple]) -> int:
+        """This reader's share of what the caches of `ranges`' fields may hold fetched ahead."""
+        budgets = [field.remote.cache.budget() for field, _, _ in ranges]
+        budgets = [budget for budget in budgets if budget]  # 0: no budget set (yet).
+        if not budgets:
+            return AHEAD_BYTES
+        return min(AHEAD_BYTES, int(min(budgets) * AHEAD_BUDGET_SHARE) // self.readers)
 
     def close(self) -> None:
         self.advisor.close()
