@@ -4,8 +4,9 @@ or by dying (SIGKILL, os._exit in a transform), instead of when another loader n
 
 With readers > 0 the fork server does this (readers/forkserver_process.py). A readers=0
 trainer has none, so it starts this one: a fresh interpreter without site packages, in its
-own session (a Ctrl-C at the terminal reaches the trainer, not it), that opens the segment
-and blocks in a shared flock, which the kernel grants once the trainer's exclusive owner
+own session (a Ctrl-C at the terminal reaches the trainer, not it): a shell waiting in
+flock(1) where that is installed, else a fresh interpreter without site packages. It opens
+the segment and blocks in a shared flock, which the kernel grants once the trainer's exclusive owner
 lock is gone (every descriptor of the segment closed, its mappings' included). It then
 unlinks the segment and the semaphores and exits. A normal close unlinks them itself, then
 ends and reaps the janitor.
@@ -14,6 +15,8 @@ ends and reaps the janitor.
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -29,8 +32,6 @@ try:
     fd = os.open(directory + segment, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
 except OSError:
     sys.exit(0)
-sys.stdout.write("watching\n")
-sys.stdout.flush()
 fcntl.flock(fd, fcntl.LOCK_SH)
 for name in semaphores:
     try:
@@ -44,26 +45,37 @@ except OSError:
 """
 
 
+# Where util-linux's (or busybox's) flock is there, the janitor is a shell that waits in it:
+# a millisecond to start, where an interpreter takes tens (a readers=0 loader is made often).
+_SHELL_CODE = 'exec 3<"$0" || exit 0; flock -s 3 && exec rm -f -- "$@"'
+
+
 class Janitor:
-    """The janitor process of one ring (see the module)."""
+    """The janitor process of one ring (see the module). It is started without waiting for
+    it: if the trainer dies before the janitor opened the segment, it finds the lock free
+    and cleans at once; if the ring is closed first, close() ends it."""
 
     def __init__(self, names: RingNames, directory: str = SHM_DIRECTORY) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-S", "-I", "-c", _CODE, directory, names.segment, names.work, *names.ready],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
-            start_new_session=True,
-        )
-        # Watching once it has the segment open (a lock it then waits for cannot be missed):
-        # an empty line means it found no segment, which only a trainer already gone causes.
-        self.watching = self.process.stdout.readline() == b"watching\n"
-        self.process.stdout.close()
+        segment = directory + names.segment
+        semaphores = [f"{directory}/sem.{name.lstrip('/')}" for name in (names.work, *names.ready)]
+        flock = shutil.which("flock")
+        if flock is not None:
+            command = ["/bin/sh", "-c", _SHELL_CODE, segment, *semaphores, segment]
+        else:
+            command = [sys.executable, "-S", "-I", "-c", _CODE, directory, names.segment, names.work, *names.ready]
+        self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
 
     def stop(self) -> None:
-        """At the ring's close, whose names the trainer unlinks itself: ends the janitor and
-        reaps it (its wait for the lock could outlast close(), since a batch view keeps the
-        segment mapped, and the mapping's own descriptor holds the lock)."""
+        """At the ring's close, whose names the trainer unlinks itself: ends the janitor (its
+        whole process group: the shell and its flock) and reaps it. Its wait for the lock
+        could outlast close(), since a batch view keeps the segment mapped, and the
+        mapping's own descriptor holds the lock."""
         if self.process.poll() is None:
-            self.process.terminate()
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         try:
             self.process.wait(_REAP_SECONDS)
         except subprocess.TimeoutExpired:
