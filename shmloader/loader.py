@@ -296,7 +296,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
         none empty."""
         resume, transition = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
         sampler, finite = self.sampler, self.finite
-        start = _start_of(resume, sampler)
+        # A checkpoint at or past the end of its pass (in this shape too) ends this pass: its
+        # stream is not shifted there, where no step would be left to deal.
+        unshifted = sampler if transition == sampler.transition else sampler.with_transition(transition)
+        ended = resume is PASS_ENDED or (isinstance(resume, Resume) and self._epochs is not None and
+                                         resume.position >= FinitePass.of(unshifted, self._epochs,
+                                                                          self.drop_last).positions)
+        start = 0 if ended else _start_of(resume, sampler)
         if transition != self.sampler.transition or start != getattr(sampler, "start_position", 0):  # Checked whole.
             if start != getattr(sampler, "start_position", 0):  # Set without the dealing, which it shifts.
                 sampler = sampler.with_transition(None).with_start(start)

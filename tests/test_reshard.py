@@ -269,11 +269,12 @@ def test_the_end_of_a_pass_under_a_batch_larger_than_its_position(fields):
 
 hypothesis = pytest.importorskip("hypothesis")
 from conftest import examples  # noqa: E402
-from hypothesis import assume, given  # noqa: E402
+from hypothesis import assume, example, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 
 @examples(15)
+@example(rows=8, window=None, batch=1, old=1, new=3, new_batch=3, resume=1.0, epochs=1)  # Found by the suite.
 @given(rows=st.integers(8, 300), window=st.one_of(st.none(), st.integers(1, 299)), batch=st.integers(1, 24),
        old=st.integers(1, 4), new=st.integers(1, 4), new_batch=st.integers(1, 24), resume=st.floats(0, 1),
        epochs=st.integers(1, 2))
