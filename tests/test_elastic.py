@@ -155,11 +155,12 @@ def test_a_windowed_loader_whose_shards_read_their_own_blocks_continues_another_
 
 hypothesis = pytest.importorskip("hypothesis")
 from conftest import examples  # noqa: E402
-from hypothesis import given  # noqa: E402
+from hypothesis import example, given  # noqa: E402
 from hypothesis import strategies as st
 
 
 @examples(30)
+@example(before=(1, 1), after=(2, 1), steps=1, mode="shuffle", seed=0, finite=True)  # One row cannot be dealt.
 @given(before=st.tuples(st.integers(1, 5), st.integers(1, 40)), after=st.tuples(st.integers(1, 5), st.integers(1, 40)),
        steps=st.integers(0, 30), mode=st.sampled_from(["shuffle", "sequential"]), seed=st.integers(0, 1000),
        finite=st.booleans())
@@ -202,8 +203,8 @@ def test_any_resharding_delivers_each_row_of_the_epoch_once(rows, before, after,
                         assert start + offset not in delivered, (start + offset, "twice")
                         delivered[start + offset] = value
                 states.append(loader.state_dict())
-    if finite:
-        assert len(counts) == ROWS and set(counts.values()) == {2}
+    if finite:  # Fewer rows than shards may be left out where a tail cannot deal them (passes.py).
+        assert max(counts.values()) == 2 and 0 <= 2 * ROWS - sum(counts.values()) < max(shards, new_shards), counts
         return
     for epoch in range(2):  # Sequential or shuffled, an epoch is every row once.
         epoch_rows = [delivered.get(position) for position in range(epoch * ROWS, (epoch + 1) * ROWS)]

@@ -413,14 +413,17 @@ def test_bad_files_are_refused_naming_field_and_file(dataset, tmp_path):
         ShmDataLoader({"x": str(tmp_path / "junk.npy")}, readers=1, slots=2)
 
 
-def test_not_enough_shared_memory_is_an_error_naming_sizes(dataset, monkeypatch):
-    from shmloader.ring import stale as ring
+@pytest.mark.parametrize("memory", ["dev-shm", "auto"])
+def test_not_enough_shared_memory_is_an_error_naming_sizes(dataset, monkeypatch, memory):
+    """With anonymous memory forbidden, a full /dev/shm is the error; by default the ring
+    goes to anonymous memory instead, and only when that has no room either is it refused."""
+    from shmloader.ring import backing
 
-    class TinyStatvfs:
-        f_bavail, f_frsize = 10, 4096
-
-    monkeypatch.setattr(ring.os, "statvfs", lambda path: TinyStatvfs)
-    with pytest.raises(SharedMemoryError, match=r"needs \d+\.\d MiB.*0\.0 MiB are free"):
+    monkeypatch.setattr(backing, "free_bytes", lambda directory: 10 * 4096)
+    monkeypatch.setenv(backing.MEMORY_VARIABLE, memory)
+    if memory == "auto":
+        monkeypatch.setattr(backing, "memory_room_bytes", lambda: 10 * 4096)
+    with pytest.raises(SharedMemoryError, match=r"needs \d+\.\d MiB.*0\.0 MiB are free|\d+\.\d MiB.*0\.0 MiB more"):
         ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=1000, readers=1, slots=2)
 
 
