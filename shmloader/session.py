@@ -180,9 +180,11 @@ class Session:
         nothing, while a batch is held or a reader does not finish its step in time."""
         cursor = self.cursor
         cursor.release_unused()
-        gc.collect()
-        cursor.release_unused()
         held = cursor.held()
+        if held:  # Views caught in reference cycles: one collection (costly in a large process) to let them go.
+            gc.collect()
+            cursor.release_unused()
+            held = cursor.held()
         if held:
             raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
         # A reader in the middle of a step finishes it first: as long as a step may take

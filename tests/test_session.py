@@ -234,6 +234,7 @@ def test_a_seek_that_a_close_interrupts_says_the_loader_is_closed(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(200, dtype=np.int64))
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=1, slots=3, mode="sequential",
                        transform="transform_fixtures:slow_on_row_nine") as loader:  # Step 0 takes 2.5 s.
+        assert wait_until(lambda: loader.slot_states()[0][0] == "FILLING", 10)  # The seek waits for that step.
         closer = threading.Timer(0.3, loader.close)
         closer.start()
         with pytest.raises(RuntimeError, match="closed"):
