@@ -96,7 +96,11 @@ def _measure(loader, batch_size: int, seconds: float) -> tuple[float, float]:
         next(iterator)
     batches, started, cpu_started = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - started < seconds:
-        batch = next(iterator)
+        try:
+            batch = next(iterator)
+        except StopIteration:  # An epoch ended: the next one, as a training loop would.
+            iterator = iter(loader)
+            continue
         del batch
         batches += 1
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
@@ -147,7 +151,7 @@ def main() -> int:
         rows.append([name, f"{rate['torch']:,.0f} ({spread['torch'][0]:,.0f}-{spread['torch'][1]:,.0f})",
                      f"{rate['shmloader']:,.0f} ({spread['shmloader'][0]:,.0f}-{spread['shmloader'][1]:,.0f})",
                      f"{ratio:.2f}x", f"{cpu['torch']:.2f}", f"{cpu['shmloader']:.2f}"])
-        headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "", f"{ratio:.2f}x"])
+        headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "n/a", f"{ratio:.2f}x"])
         print(rows[-1], flush=True)
     header = ["case", "torch DataLoader samples/s (min-max)", "shmloader.torch samples/s (min-max)",
               "ratio", "torch trainer CPU ms/batch", "shmloader trainer CPU ms/batch"]

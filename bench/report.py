@@ -20,7 +20,7 @@ RESULTS = BENCH / "results"
 RESULTS_MD = BENCH / "RESULTS.md"
 README = BENCH.parent / "README.md"
 # The order benchmarks appear in; the README shows the headline rows of these.
-ORDER = ["throughput", "ragged", "images", "cold", "object_store"]
+ORDER = ["throughput", "ragged", "images", "dataset", "cold", "object_store"]
 README_HEADER = ["data", "shmloader", "/ single process", "/ PyTorch DataLoader (2 workers)"]
 CURRENT = ("<!-- current figures: python bench/report.py -->", "<!-- end of current figures -->")
 TABLE = ("<!-- benchmark table: python bench/report.py -->", "<!-- end of benchmark table -->")
