@@ -25,7 +25,7 @@ pytest.importorskip("moto.server")
 pytest.importorskip("obstore")
 pytest.importorskip("boto3")
 
-from test_object_store import BUCKET, Server  # noqa: E402
+from test_object_store import BUCKET, serving  # noqa: E402
 
 from shmloader import Packed, ReaderError, RemoteError, ShmDataLoader  # noqa: E402
 from shmloader.remote.pages import CACHE_PAGE_BYTES  # noqa: E402
@@ -35,18 +35,8 @@ pytestmark = pytest.mark.xdist_group("object_store")
 
 @pytest.fixture(scope="module")
 def server():
-    found = Server()
-    environment = {"AWS_ENDPOINT_URL": found.endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                   "AWS_REGION": "us-east-1"}
-    saved = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)  # Readers inherit the trainer's environment.
-    yield found
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    found.stop()
+    with serving() as found:
+        yield found
 
 
 def _upload_rows(server, tmp_path, key: str, rows: int = 200_000) -> tuple[np.ndarray, str]:

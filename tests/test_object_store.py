@@ -4,6 +4,7 @@ directly, the node cache's budget and sharing, and the store's faults."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -72,20 +73,30 @@ class Server:
         return f"s3://{BUCKET}/{key}"
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serving():
+    """A moto server on 127.0.0.1, with the environment (which readers inherit) pointing at
+    it while the block runs."""
     found = Server()
     environment = {"AWS_ENDPOINT_URL": found.endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
                    "AWS_REGION": "us-east-1"}
     saved = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)  # Readers inherit the trainer's environment.
-    yield found
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    found.stop()
+    os.environ.update(environment)
+    try:
+        yield found
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        found.stop()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as found:
+        yield found
 
 
 def _b2nd(path, array, chunks, blocks, codec=None):
