@@ -60,11 +60,11 @@ def _remove_session(session: str) -> None:
 
     shutil.rmtree(session, ignore_errors=True)
     latest = os.path.join(os.path.dirname(session), "session_latest")
-    if os.path.realpath(latest) == os.path.realpath(session):
-        try:
+    try:
+        if os.readlink(latest) == session:
             os.unlink(latest)
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 def _descendants(pid: int) -> list[int]:
@@ -97,6 +97,11 @@ def _reaper_of(pids: list[int], address: str = "", session: str = ""):
             "    if session:\n"
             "        time.sleep(0.5)\n"  # The killed processes' last writes.
             "        shutil.rmtree(session, ignore_errors=True)\n"
+            "        latest = os.path.join(os.path.dirname(session), 'session_latest')\n"
+            "        try:\n"
+            "            os.readlink(latest) == session and os.unlink(latest)\n"
+            "        except OSError:\n"
+            "            pass\n"
             "    os._exit(0)\n"
             "signal.signal(signal.SIGTERM, reap)\n"
             "import ctypes; ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
