@@ -106,7 +106,7 @@ def run_child(code: str) -> subprocess.CompletedProcess:
     import that hangs on a FIFO or reads /dev/zero for ever fails this test, not the suite."""
     prelude = "import resource\nresource.setrlimit(resource.RLIMIT_DATA, (4 << 30, 4 << 30))\n"
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_SECONDS)
+                          timeout=CHILD_TIMEOUT_SECONDS, cwd=os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_fifo_a_device_or_a_directory_is_refused_at_once(tmp_path):
