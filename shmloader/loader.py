@@ -20,7 +20,7 @@ from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_
 from .plan.defaults import default_readers, default_slots
 from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
-from .plan.passes import ENDLESS, FinitePass
+from .plan.passes import ENDLESS, FinitePass, pass_positions
 from .plan.dataset import plan_dataset
 from .plan.planner import plan_dataset_loader, plan_loader, warn_poor_layouts, warn_window_memory
 from .readers.pool import ReaderPool
@@ -29,6 +29,15 @@ from .ring.batch import cursor_module
 from .ring.stale import sweep_stale
 from .session import Session, StepCuts
 from .transforms.core import resolve as resolve_transform
+
+
+def _pass_end(sampler, epochs: int, drop_last: bool) -> int:
+    """The stream position where a pass ends for every shard: where shards read their own
+    streams, the longest one's end (a dealt tail gives the others rows of it)."""
+    finite = FinitePass.of(sampler, epochs, drop_last)
+    if not finite.shard_blocks:
+        return finite.positions
+    return max(pass_positions(sampler, epochs, index) for index in range(sampler.shard_count))
 
 
 def _start_of(resume, sampler) -> int:
@@ -300,8 +309,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         # stream is not shifted there, where no step would be left to deal.
         unshifted = sampler if transition == sampler.transition else sampler.with_transition(transition)
         ended = resume is PASS_ENDED or (isinstance(resume, Resume) and self._epochs is not None and
-                                         resume.position >= FinitePass.of(unshifted, self._epochs,
-                                                                          self.drop_last).positions)
+                                         resume.position >= _pass_end(unshifted, self._epochs, self.drop_last))
         start = 0 if ended else _start_of(resume, sampler)
         if transition != self.sampler.transition or start != getattr(sampler, "start_position", 0):  # Checked whole.
             if start != getattr(sampler, "start_position", 0):  # Set without the dealing, which it shifts.
