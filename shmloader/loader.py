@@ -31,6 +31,17 @@ from .session import Session, StepCuts
 from .transforms.core import resolve as resolve_transform
 
 
+def _shift_delivers(sampler, transition, start: int, epochs: int, drop_last: bool) -> bool:
+    """Whether the pass shifted to `start` has a step left to deal (FinitePass refuses one
+    that holds fewer rows than a step across the shards)."""
+    shifted = sampler.with_transition(None).with_start(start).with_transition(transition)
+    try:
+        FinitePass.of(shifted, epochs, drop_last)
+    except ValueError:
+        return False
+    return True
+
+
 def _pass_end(sampler, epochs: int, drop_last: bool) -> int:
     """The stream position where a pass ends for every shard: where shards read their own
     streams, the longest one's end (a dealt tail gives the others rows of it)."""
@@ -311,6 +322,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         ended = resume is PASS_ENDED or (isinstance(resume, Resume) and self._epochs is not None and
                                          resume.position >= _pass_end(unshifted, self._epochs, self.drop_last))
         start = 0 if ended else _start_of(resume, sampler)
+        if start and self._epochs is not None and not _shift_delivers(sampler, transition, start, self._epochs,
+                                                                     self.drop_last):
+            ended, start = True, 0  # Fewer rows left than shards: they cannot be dealt, so the pass ends here.
         if transition != self.sampler.transition or start != getattr(sampler, "start_position", 0):  # Checked whole.
             if start != getattr(sampler, "start_position", 0):  # Set without the dealing, which it shifts.
                 sampler = sampler.with_transition(None).with_start(start)
@@ -319,7 +333,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         end = ENDLESS if finite is None else finite.steps
         if start:  # The shifted stream's step starts at the position: nothing to cut (its pass ends there at the
             resume = resume.step  # latest, on every shard alike).
-        elif resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
+        elif ended or resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
                                       resume.position >= finite.positions):
             resume = end  # The checkpoint's pass had ended (its last global batch ran past it): so has this one.
         step = resume.step if isinstance(resume, Resume) else resume
