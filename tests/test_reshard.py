@@ -277,6 +277,7 @@ from hypothesis import strategies as st  # noqa: E402
 @example(rows=8, window=None, batch=1, old=1, new=3, new_batch=3, resume=1.0, epochs=1)  # Found by the suite.
 @example(rows=34, window=16, batch=16, old=2, new=2, new_batch=1, resume=0.5, epochs=1)  # Streams of 18 and 16 rows.
 @example(rows=8, window=None, batch=1, old=1, new=3, new_batch=3, resume=0.75, epochs=1)  # 2 rows left, 3 shards.
+@example(rows=8, window=1, batch=1, old=1, new=3, new_batch=2, resume=0.75, epochs=1)  # The tail reached before it.
 @given(rows=st.integers(8, 300), window=st.one_of(st.none(), st.integers(1, 299)), batch=st.integers(1, 24),
        old=st.integers(1, 4), new=st.integers(1, 4), new_batch=st.integers(1, 24), resume=st.floats(0, 1),
        epochs=st.integers(1, 2))

@@ -167,6 +167,9 @@ class FinitePass:
         # A resumed stream's shift and first step (Sampler.start_position): the tail never
         # reaches before that step, whose rows the interrupted run delivered.
         start_step, offset = getattr(sampler, "start_step", 0), getattr(sampler, "offset", 0)
+        transition = getattr(sampler, "transition", None)
+        if transition is not None:  # The resumed step (the dealing's start) also bounds it where nothing was shifted.
+            start_step = max(start_step, transition.start // batch)
         if shard_blocks:  # Each shard reads its own stream: the full steps end where the shortest one does.
             totals = [pass_positions(sampler, epochs, index) for index in range(shards)]
             tail = tail_of([max(0, total - offset) for total in totals], batch, shards, True, drop_last, offset,
