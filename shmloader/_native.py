@@ -168,3 +168,12 @@ def load_cursor():
 
 def status_name(code: int) -> str:
     return ffi.string(lib.shm_status_name(code)).decode()
+
+
+def check(status: int, what: str, error: type[Exception] = ValueError) -> None:
+    """The one mapping of a native call's status to an exception: nothing for OK, else
+    `error` saying "{what}: {the status's name}". `what` names what failed (the setting, the
+    step, the positions); `error` is a ValueError unless the caller's domain has its own
+    (a gather's StorageError: the stored data, not the call, is at fault)."""
+    if status != Status.OK:
+        raise error(f"{what}: {status_name(status)}")

@@ -20,7 +20,7 @@ from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_
 from .plan.defaults import default_readers, default_slots
 from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
-from .plan.passes import ENDLESS, FinitePass, pass_positions
+from .plan.passes import ENDLESS, FinitePass
 from .plan.dataset import plan_dataset
 from .plan.planner import plan_dataset_loader, plan_loader, warn_poor_layouts, warn_window_memory
 from .readers.pool import ReaderPool
@@ -46,15 +46,15 @@ def _pass_end(sampler, epochs: int, drop_last: bool) -> int:
     """The stream position where a pass ends for every shard: where shards read their own
     streams, the longest one's end (a dealt tail gives the others rows of it)."""
     finite = FinitePass.of(sampler, epochs, drop_last)
-    if not finite.shard_blocks:
+    if not finite.own_streams:
         return finite.positions
-    return max(pass_positions(sampler, epochs, index) for index in range(sampler.shard_count))
+    return max(sampler.pass_positions(epochs, index) for index in range(sampler.shard_count))
 
 
 def _start_of(resume, sampler) -> int:
     """Where a resumed stream starts (Sampler.start_position, plan/checkpoint.py Resume): 0
     for a resume by step, or where the resumed step is cut instead (a mixture)."""
-    if isinstance(resume, Resume) and resume.start is not None and hasattr(sampler, "with_start"):
+    if isinstance(resume, Resume) and resume.start is not None and sampler.fills_positions:
         return resume.start
     return 0
 
@@ -181,7 +181,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def _start(self, plan, start_step: int) -> Session:
         """Takes the validated plan, then creates the ring, its cursor and the readers'
         configuration (or, with readers=0, this process's filler): the session."""
-        if self._epochs is not None and hasattr(plan.sampler, "with_pass"):  # It deals its pass's tail (passes.py).
+        if self._epochs is not None:  # A sampler deals its pass's tail (passes.py); a mixture's is cut.
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(self._epochs, self.drop_last))
         self.plan = plan
         self.plans, self.slot, self.transform = plan.plans, plan.slot, plan.transform
@@ -325,8 +325,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         if start and self._epochs is not None and not _shift_delivers(sampler, transition, start, self._epochs,
                                                                      self.drop_last):
             ended, start = True, 0  # Fewer rows left than shards: they cannot be dealt, so the pass ends here.
-        if transition != self.sampler.transition or start != getattr(sampler, "start_position", 0):  # Checked whole.
-            if start != getattr(sampler, "start_position", 0):  # Set without the dealing, which it shifts.
+        if transition != self.sampler.transition or start != sampler.start_position:  # Checked whole.
+            if start != sampler.start_position:  # Set without the dealing, which it shifts.
                 sampler = sampler.with_transition(None).with_start(start)
             sampler = sampler.with_transition(transition)
             finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)

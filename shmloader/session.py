@@ -27,7 +27,6 @@ from .lifecycle import Resources, live_resources
 from .plan.defaults import TRAINER_SLOTS, wake_after
 from .plan.options import LoaderOptions
 from .plan.passes import ENDLESS, FinitePass
-from .plan.sampler import global_position
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, cursor_module
@@ -68,9 +67,7 @@ class StepCuts:
         rows = self.batch_size if self.finite is None else self.finite.rows(batch.step)
         first = 0
         if self.resume is not None and batch.step == self.resume.step:
-            sampler = self.sampler
-            start = batch.step * self.batch_size if getattr(sampler, "shard_blocks", False) else \
-                global_position(batch.step, self.batch_size, sampler.shard_index, sampler.shard_count)
+            start = self.sampler.first_position(batch.step)
             first = max(0, min(self.batch_size, self.resume.position - start))
             self.resume = None
             cursor.partial_from = self.partial_from

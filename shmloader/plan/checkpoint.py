@@ -6,16 +6,10 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 
+from .geometry import StreamGeometry
 from .passes import FinitePass
 from .reshard import _TRANSITION_KEYS, Origin, Transition, transition_of
-from .sampler import Sampler, global_position
-
-# The block-local shuffle's order, recorded with a shuffle_window: "sliding" since the
-# order that dealt whole windows one after another (checkpoints without this key) was
-# replaced; such a checkpoint's steps name other rows.
-SHUFFLE_ORDER = "sliding"
-# Where a window covers the data (or a mixture's source), the global shuffle.
-GLOBAL_ORDER = "global"
+from .sampler import Sampler
 
 
 # What a checkpoint's "position" counts: positions of the global stream every shard reads
@@ -34,14 +28,11 @@ ELASTIC_SETTINGS = ("batch_size", "shard_count", "shard_index")
 _NOT_COMPARED = ("transition", "start_position")
 
 
-def position_of(sampler, next_step: int) -> tuple[int, str]:
+def position_of(sampler: StreamGeometry, next_step: int) -> tuple[int, str]:
     """(position, kind): where the stream stands before `next_step`, the same on every
     shard (each shard's next step is the same): the start of its global batch, or of the
-    shard's own batch where each shard reads its own stream."""
-    offset = getattr(sampler, "offset", 0)  # A resumed stream's shift (Sampler.start_position).
-    if getattr(sampler, "shard_blocks", False):
-        return next_step * sampler.batch_size + offset, SHARD
-    return global_position(next_step, sampler.batch_size, 0, sampler.shard_count) + offset, GLOBAL
+    shard's own batch where each shard reads its own stream (shifted by a resume's offset)."""
+    return sampler.step_position(next_step), SHARD if sampler.shard_blocks else GLOBAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +49,8 @@ class Resume:
     start: int | None = None
 
 
-def state_of(next_step: int, sampler, sources: list[dict], transform, finite=None, position: int | None = None) -> dict:
+def state_of(next_step: int, sampler: StreamGeometry, sources: list[dict], transform, finite=None,
+             position: int | None = None) -> dict:
     """The next step to deliver, the position it stands at (`position` when a resume's
     first step is still ahead), the sampler's settings, the sources' description, and a
     finite pass's epochs and drop_last."""
@@ -70,26 +62,13 @@ def state_of(next_step: int, sampler, sources: list[dict], transform, finite=Non
     if transform is not None:
         state["transform"] = {"name": transform.name, "args": transform.args}
     if sampler.shuffle_window is not None:
-        state["shuffle_order"] = shuffle_order(sampler)
+        state["shuffle_order"] = sampler.shuffle_order
     if sampler.deals_on_reshard:  # Recorded when None too: a checkpoint that lacks the key was edited (or is older).
         state.setdefault("transition", None)
     return state
 
 
-def shuffle_order(sampler) -> str:
-    """The order a windowed sampler deals: "sliding" (the block-local shuffle), or where the
-    window covers the data (a mixture's source) the global shuffle; a checkpoint records it,
-    since a window that covers the data dealt blocks in a sliding order before."""
-    window_blocks = getattr(sampler, "window_blocks", None)
-    if window_blocks is None:  # One source.
-        return SHUFFLE_ORDER if sampler.blocks_per_window else GLOBAL_ORDER
-    covered = [index for index, blocks in enumerate(window_blocks) if not blocks]
-    if not covered:
-        return SHUFFLE_ORDER
-    return f"{SHUFFLE_ORDER}, {GLOBAL_ORDER} for sources {covered}"
-
-
-def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
+def step_to_resume(state, sampler: StreamGeometry, sources: list[dict], transform, finite=None):
     """The step `state` continues from, once it is this loader's checkpoint."""
     if not isinstance(state, collections.abc.Mapping):
         raise TypeError(f"state must be the mapping state_dict() returned, got {type(state).__name__}")
@@ -110,12 +89,12 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
         raise ValueError(f"the checkpoint was made with transform {state.get('transform')!r}, this loader has "
                          f"{mine!r}; its batches would differ")
     if sampler.shuffle_window is not None and state.get("shuffle_window") is not None and \
-            state.get("shuffle_order") != shuffle_order(sampler):
+            state.get("shuffle_order") != sampler.shuffle_order:
         before = state.get("shuffle_order")
         what = ("whose block-local shuffle dealt whole windows one after another (no shuffle_order recorded)"
                 if before is None else f"whose order was {before!r}")
         raise ValueError(f"the checkpoint was made with shuffle_window={state['shuffle_window']!r} by a shmloader "
-                         f"{what}; this one's is {shuffle_order(sampler)!r} (a window that covers the data is the "
+                         f"{what}; this one's is {sampler.shuffle_order!r} (a window that covers the data is the "
                          f"global shuffle now), so its steps name other rows. Resume it with the shmloader that wrote "
                          f"it, or seek(step) to continue in this order")
     expected = {**{key: value for key, value in sampler.to_dict().items() if key not in _NOT_COMPARED},
@@ -136,7 +115,7 @@ def step_to_resume(state, sampler, sources: list[dict], transform, finite=None):
         return _resharded(state, sampler, dealt, finite)
     if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
         step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
-        global_batch = sampler.batch_size * (1 if getattr(sampler, "shard_blocks", False) else sampler.shard_count)
+        global_batch = sampler.global_batch
         position, kind = state.get("position"), state.get("position_kind", GLOBAL)
         start = _checked_start(state, global_batch)
         if start:  # The run's own resumed stream, continued as it was.
@@ -243,12 +222,12 @@ def _recorded_sampler(state, sampler, dealt: Transition | None) -> Sampler:
                    sampler.shuffle_window, sampler.block_rows, dealt, start_position=start)
 
 
-def _refuse_in_tail(state, sampler, dealt: Transition | None, finite) -> None:
+def _refuse_in_tail(state, sampler: StreamGeometry, dealt: Transition | None, finite) -> None:
     """Refuses, under another batch size or shard count, a checkpoint taken within the
     dealt tail of its pass (passes.py): part of the tail was delivered, its rows from every
     shard's stream, so no single position says which rows are left. (A mixture's pass has
     no tail.)"""
-    if finite is None or not isinstance(sampler, Sampler) or not _is_int(state.get("step")):
+    if finite is None or not sampler.fills_positions or not _is_int(state.get("step")):
         return
     recorded_pass = FinitePass.of(_recorded_sampler(state, sampler, dealt), finite.epochs, finite.drop_last)
     if recorded_pass.in_tail(state["step"]):
@@ -260,14 +239,13 @@ def _refuse_in_tail(state, sampler, dealt: Transition | None, finite) -> None:
                          f"checkpoint before step {tail.first_step + 1}, or resume it as it was")
 
 
-def _checked_position(state, sampler) -> tuple[int, str]:
+def _checked_position(state, sampler: StreamGeometry) -> tuple[int, str]:
     """The checkpoint's position and its kind, checked against its step."""
     if "position" in state:
         position, kind = state["position"], state.get("position_kind", GLOBAL)
     else:  # Written before positions were recorded: the same arithmetic, from its own settings.
         step, batch, shards = state["step"], state["batch_size"], state["shard_count"]
-        kind = SHARD if state.get("shuffle_window") is not None and shards > 1 and \
-            getattr(sampler, "blocks_per_window", 0) else GLOBAL
+        kind = SHARD if state.get("shuffle_window") is not None and shards > 1 and sampler.blocks_per_window else GLOBAL
         position = step * batch * (1 if kind == SHARD else shards)
     if not isinstance(position, int) or isinstance(position, bool) or position < 0:
         raise ValueError(f"the checkpoint's position must be a non-negative integer, got {position!r}")
@@ -299,15 +277,14 @@ def _resharded(state, sampler, dealt: Transition | None, finite) -> tuple[int, T
     return step, transition_of(sampler, origin, None if finite is None else finite.epochs)
 
 
-def _elastic(state, sampler, changed: set) -> Resume:
+def _elastic(state, sampler: StreamGeometry, changed: set) -> Resume:
     """Where a checkpoint taken under another batch size or shard count continues here."""
     position, kind = _checked_position(state, sampler)
-    mine = SHARD if getattr(sampler, "shard_blocks", False) else GLOBAL
+    mine = SHARD if sampler.shard_blocks else GLOBAL
     if kind != mine:
         raise ValueError(f"the checkpoint's position counts {kind!r} stream positions and this loader's count "
                          f"{mine!r} ones, with the same settings otherwise; pass the state_dict() as it was")
-    global_batch = sampler.batch_size * (1 if kind == SHARD else sampler.shard_count)
-    return Resume(position, kind, position // global_batch, position if isinstance(sampler, Sampler) else None)
+    return Resume(position, kind, position // sampler.global_batch, position if sampler.fills_positions else None)
 
 
 def _checked_start(state, global_batch: int) -> int:

@@ -33,7 +33,7 @@ import dataclasses
 
 import numpy as np
 
-from .._native import Status, lib, status_name
+from .._native import check, lib
 
 
 _TRANSITION_KEYS = ("shard_count", "positions", "through_epoch", "start")
@@ -167,16 +167,24 @@ class Dealing:
         ends = [(transition.through_epoch + 1) * self._old_length(h) for h in range(old_count)]
         remainders = [max(0, end - p) for end, p in zip(ends, transition.positions)]
         self._cumulative = np.cumsum([0] + remainders).tolist()  # where each old remainder starts in T
-        total = self._cumulative[-1]
-        each, extra = divmod(total, sampler.shard_count)
+        self.total_rows = total = self._cumulative[-1]
         j = sampler.shard_index
-        self.piece_start = j * each + min(j, extra)  # in T
-        self.piece_rows = each + (j < extra)
+        self.piece_start = self.piece_start_of(j)  # in T
+        self.piece_rows = self.piece_rows_of(j)
         self.piece_end_position = transition.start + self.piece_rows  # in this shard's stream
         # The own stream from epoch through_epoch + 1, which follows the piece.
         self.own_offset = (transition.through_epoch + 1) * sampler.epoch_length - self.piece_end_position
-        self.total_rows = total
         assert 0 <= self.piece_start and self.piece_start + self.piece_rows <= total, (self.piece_start, total)
+
+    def piece_start_of(self, shard_index: int) -> int:
+        """Where new shard `shard_index`'s piece starts in T, the old remainders in order."""
+        each, extra = divmod(self.total_rows, self.sampler.shard_count)
+        return shard_index * each + min(shard_index, extra)
+
+    def piece_rows_of(self, shard_index: int) -> int:
+        """The rows of T new shard `shard_index` reads first: R // new_count, or one more."""
+        each, extra = divmod(self.total_rows, self.sampler.shard_count)
+        return each + (shard_index < extra)
 
     def _old_length(self, h: int) -> int:
         return self._old_sampler(h).epoch_length
@@ -212,9 +220,8 @@ class Dealing:
         offset = 0
         for sampler, position, rows, _ in self.segments(first, count):
             assert rows > 0, (first, count, position)
-            status = lib.shm_sampler_fill_positions(sampler._config, position, pointer + offset, rows)
-            if status != Status.OK:
-                raise ValueError(f"cannot fill positions {position} .. {position + rows}: {status_name(status)}")
+            check(lib.shm_sampler_fill_positions(sampler._config, position, pointer + offset, rows),
+                  f"cannot fill positions {position} .. {position + rows}")
             offset += rows
         assert offset == count, (first, count, offset)  # The runs cover the positions exactly.
 

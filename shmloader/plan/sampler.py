@@ -8,20 +8,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .._native import Status, ffi, lib, status_name
+from .._native import check, ffi, lib
+from .geometry import GLOBAL_ORDER, SHUFFLE_ORDER, StreamShape, global_position
 from .options import (
-    BATCH_SIZE_MAX,
     EPOCHS_MAX,
     LENGTH_MAX,
     MODES,
-    SEED_MAX,
     U64_MAX,
     check_integer,
     check_mode,
-    check_shard,
     check_window,
 )
 from .reshard import Dealing, Transition
+from .tail import Tail, tail_of
 
 
 class Places(NamedTuple):
@@ -39,9 +38,7 @@ class Places(NamedTuple):
 def read_places(epoch: int, function, *arguments) -> Places:
     """Places from the native `function` (shm_sampler_places or shm_mixture_places)."""
     opened, closed, total = ffi.new("uint64_t *"), ffi.new("uint64_t *"), ffi.new("uint64_t *")
-    status = function(*arguments, opened, closed, total)
-    if status != Status.OK:
-        raise ValueError(f"cannot find the places of position {arguments[-1]}: {status_name(status)}")
+    check(function(*arguments, opened, closed, total), f"cannot find the places of position {arguments[-1]}")
     return Places(epoch, int(opened[0]), int(closed[0]), int(total[0]))
 
 
@@ -50,10 +47,8 @@ def read_place_blocks(function, *arguments) -> np.ndarray:
     (shm_sampler_place_blocks or shm_mixture_place_blocks; arguments end epoch, first, count)."""
     count = arguments[-1]
     out = np.empty(count, dtype=np.uint64)
-    status = function(*arguments[:-1], ffi.from_buffer("uint64_t[]", out), count)
-    if status != Status.OK:
-        raise ValueError(f"cannot list places {arguments[-2]} to {arguments[-2] + count} of epoch {arguments[-3]}: "
-                         f"{status_name(status)}")
+    check(function(*arguments[:-1], ffi.from_buffer("uint64_t[]", out), count),
+          f"cannot list places {arguments[-2]} to {arguments[-2] + count} of epoch {arguments[-3]}")
     return out
 
 
@@ -61,36 +56,6 @@ def window_blocks_of(shuffle_window: int, block_rows: int, length: int) -> int:
     """Blocks a phase of the block-local shuffle mixes: ceil(shuffle_window / block_rows),
     but no more than the data has (a larger window orders rows no differently)."""
     return max(1, min(-(-shuffle_window // block_rows), length // block_rows + 1))
-
-
-def global_position(step: int, batch_size: int, shard_index: int, shard_count: int) -> int:
-    """Where shard `shard_index`'s part of step `step` starts in the global stream of
-    positions: a step's global batch holds batch_size * shard_count positions, and shard h
-    takes its h-th block of batch_size. Computed by the sampler's own Zig function (one
-    definition for the sampler, mixtures, passes, checkpoints and transforms)."""
-    out = ffi.new("uint64_t *")
-    status = lib.shm_global_position(step, batch_size, shard_index, shard_count, out)
-    if status != Status.OK:
-        raise ValueError(f"step {step} of batch_size {batch_size} and shard {shard_index} of {shard_count} is past "
-                         f"the 64-bit stream of positions")
-    return int(out[0])
-
-
-class StreamShape:
-    """What a Sampler and a MixtureSampler share: each step is a batch of batch_size
-    positions of a seeded stream, shard shard_index of shard_count's part of the step's
-    global batch. Checked where a sampler is built (a reader builds its own from a dict)
-    against the limits LoaderOptions checked the loader's settings with."""
-
-    def _check_shape(self, batch_size: int, seed: int, shard_index: int, shard_count: int) -> None:
-        self.batch_size = check_integer("batch_size", batch_size, 1, BATCH_SIZE_MAX)
-        self.seed = check_integer("seed", seed, 0, SEED_MAX)
-        self.shard_index, self.shard_count = check_shard(shard_index, shard_count)
-
-    @property
-    def step_max(self) -> int:
-        """The last step whose positions fit the 64-bit stream (zig/sampler.zig stepMax)."""
-        return int(lib.shm_step_max(self.batch_size, self.shard_index, self.shard_count))
 
 
 def derive_seed(*parts) -> int:
@@ -131,6 +96,8 @@ class Sampler(StreamShape):
     it (every row once per epoch across shards), but a shard's batches now depend on
     shard_count, and shards whose shares differ by a block cross epochs a little apart.
     """
+
+    fills_positions = True  # Any run of positions (shm_sampler_fill_positions): a pass's tail, a shifted resume.
 
     def __init__(
         self,
@@ -182,9 +149,7 @@ class Sampler(StreamShape):
                              f"smaller shuffle_window (blocks are at most an eighth of it)")
         # fill() remembers the last `out` it checked, since callers reuse one buffer.
         self._last_out = self._last_shape = self._last_pointer = None
-        status = lib.shm_sampler_check(self._config)
-        if status != Status.OK:
-            raise ValueError(f"invalid sampler configuration: {status_name(status)}")
+        check(lib.shm_sampler_check(self._config), "invalid sampler configuration")
         # A resumed checkpoint of another shard count: its unread rows dealt first (reshard.py).
         if transition is not None and not isinstance(transition, Transition):
             transition = Transition.from_dict(transition)
@@ -203,8 +168,7 @@ class Sampler(StreamShape):
         # position and is whole on every shard (no shard's part of it lies before the
         # position: no empty batch, nothing to cut). A pass's tail never reaches before it.
         self.start_position = check_integer("start_position", start_position, 0, U64_MAX)
-        unit = self.batch_size if self.own_streams else self.batch_size * self.shard_count
-        self.start_step, self.offset = divmod(self.start_position, unit)
+        self.start_step, self.offset = divmod(self.start_position, self.global_batch)
 
     def fill(self, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Returns the indices of `step` (uint64, batch_size of them), written into `out` if given."""
@@ -230,13 +194,10 @@ class Sampler(StreamShape):
         return out
 
     @property
-    def tail(self):
-        """The dealt tail of the loader's finite pass (passes.Tail), None for an endless
-        loader or a pass without one."""
+    def tail(self) -> Tail | None:
+        """The dealt tail of the loader's finite pass (pass_tail), None for an endless loader."""
         if not self._tail_known:
-            from .passes import FinitePass  # passes.py builds on this module.
-
-            self._tail, self._tail_known = FinitePass.of(self, self.epochs, self.drop_last).tail, True
+            self._tail, self._tail_known = self.pass_tail(self.epochs, self.drop_last), True
         return self._tail
 
     def _in_tail(self, step: int):
@@ -253,8 +214,8 @@ class Sampler(StreamShape):
             found = self._tail_streams[shard] = self.of_shard(shard, self.shard_count).with_transition(self.transition)
         return found
 
-    def _fill_tail(self, tail, step: int, pointer) -> None:
-        """A tail step's chunk (passes.Tail), then copies of its first row up to batch_size:
+    def _fill_tail(self, tail: Tail, step: int, pointer) -> None:
+        """A tail step's chunk (tail.Tail), then copies of its first row up to batch_size:
         those are computed (a batch has a fixed size) and cut, never delivered."""
         offset = 0
         for shard, position, rows in tail.segments(step, self.shard_index):
@@ -262,9 +223,8 @@ class Sampler(StreamShape):
             if stream.dealing is not None:
                 stream.dealing.fill(position, rows, pointer + offset)
             else:
-                status = lib.shm_sampler_fill_positions(stream._config, position, pointer + offset, rows)
-                if status != Status.OK:
-                    raise ValueError(f"cannot fill positions {position} .. {position + rows}: {status_name(status)}")
+                check(lib.shm_sampler_fill_positions(stream._config, position, pointer + offset, rows),
+                      f"cannot fill positions {position} .. {position + rows}")
             offset += rows
         assert 0 < offset <= self.batch_size, (step, offset)  # A chunk is never empty, never more than a batch.
         batch = np.frombuffer(ffi.buffer(pointer, self.batch_size * 8), dtype=np.uint64)
@@ -282,20 +242,50 @@ class Sampler(StreamShape):
             return
         if self.offset:  # The shifted stream: this shard's batch_size positions from there.
             position = self.stream_position(step)
-            status = lib.shm_sampler_fill_positions(self._config, position, pointer, self.batch_size)
-            if status != Status.OK:
-                raise ValueError(f"cannot fill step {step} (positions from {position}): {status_name(status)}")
+            check(lib.shm_sampler_fill_positions(self._config, position, pointer, self.batch_size),
+                  f"cannot fill step {step} (positions from {position})")
             return
-        status = lib.shm_sampler_fill(self._config, step, pointer, self.batch_size)
-        if status != Status.OK:
-            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+        check(lib.shm_sampler_fill(self._config, step, pointer, self.batch_size),
+              f"cannot fill step {step} (step too large?)")
 
     def stream_position(self, step: int) -> int:
-        """Where `step` starts in the stream this shard reads: the global position of its
-        block of the global batch, or its own position when it reads its share of blocks."""
-        if self.shard_blocks:
-            return step * self.batch_size + self.offset
-        return global_position(step, self.batch_size, self.shard_index, self.shard_count) + self.offset
+        """Where `step` starts in the stream this shard reads (first_position), shifted."""
+        return self.first_position(step) + self.offset
+
+    @property
+    def shuffle_order(self) -> str:
+        """The block-local shuffle's sliding order, or the global shuffle a window covers."""
+        return SHUFFLE_ORDER if self.blocks_per_window else GLOBAL_ORDER
+
+    def epoch_positions(self, shard_index: int | None = None) -> int:
+        """Rows in one epoch of shard `shard_index`'s stream (None: this shard's): its share
+        of the blocks (shm_share_length), or all of them where shards share the stream."""
+        if shard_index is None or shard_index == self.shard_index:
+            return self.epoch_length
+        return self.of_shard(shard_index, self.shard_count).epoch_length
+
+    def pass_positions(self, epochs: int, shard_index: int) -> int:
+        """The positions of shard `shard_index`'s stream in a pass of `epochs` epochs: whole
+        epochs, or after a resharded resume (reshard.py) the dealing's piece, then the epochs
+        after the last one it completes."""
+        epoch = self.epoch_positions(shard_index)
+        if self.transition is None:
+            return epochs * epoch
+        later = max(0, epochs - (self.transition.through_epoch + 1))
+        return self.transition.start + self.dealing.piece_rows_of(shard_index) + later * epoch
+
+    def pass_tail(self, epochs: int | None, drop_last: bool) -> Tail | None:
+        """The dealt tail of a pass of `epochs` epochs (None: endless, no tail): from the
+        first step not whole on every shard, never before the resumed run's first step,
+        whose rows the interrupted run delivered (start_step, or where a dealing starts)."""
+        if epochs is None:
+            return None
+        first_step = self.start_step
+        if self.transition is not None:  # The resumed step also bounds it where nothing was shifted.
+            first_step = max(first_step, self.transition.start // self.batch_size)
+        shards = range(self.shard_count) if self.own_streams else [self.shard_index]
+        ends = [max(0, self.pass_positions(epochs, index) - self.offset) for index in shards]
+        return tail_of(ends, self.batch_size, self.shard_count, self.own_streams, drop_last, self.offset, first_step)
 
     @property
     def deals_on_reshard(self) -> bool:
@@ -303,12 +293,6 @@ class Sampler(StreamShape):
         window smaller than the data, whose shards (where there are several) read their own
         blocks. Otherwise a changed shard count continues the global position."""
         return bool(self.blocks_per_window)
-
-    @property
-    def own_streams(self) -> bool:
-        """Whether each shard reads a stream of its own (positions step * batch_size), not
-        its block of the global one: a window split among shards, or a resharded dealing."""
-        return self.shard_blocks or self.transition is not None
 
     def with_transition(self, transition: Transition | None) -> Sampler:
         """This sampler, dealing `transition` first (or not at all: None)."""

@@ -16,7 +16,8 @@ import numbers
 
 import numpy as np
 
-from .._native import Status, ffi, lib, status_name
+from .._native import check, ffi, lib
+from .geometry import GLOBAL_ORDER, SHUFFLE_ORDER, StreamShape
 from .options import (
     SOURCES_MAX,
     U32_MAX,
@@ -26,9 +27,7 @@ from .options import (
 )
 from .sampler import (
     Places,
-    StreamShape,
     derive_seed,
-    global_position,
     read_place_blocks,
     read_places,
     window_blocks_of,
@@ -87,12 +86,11 @@ class MixtureSampler(StreamShape):
     """Maps a step to (source-local rows, source ids) of that step's batch, as a pure
     function of (source sizes, weights, fractions, fixed, batch size, seed, shard, step).
     Its shards always share one global stream (a window is each source's, read by every
-    shard), so a changed shard count continues its position: there is no dealing."""
+    shard), so a changed shard count continues its position: there is no dealing. It fills
+    whole steps only: its pass's last step is cut, and so is a resumed one (StreamGeometry)."""
 
-    transition = None
-    own_streams = False
-    shard_blocks = False
     deals_on_reshard = False
+    fills_positions = False
 
     def __init__(self, lengths: list[int], weights: list[int], fractions: list[float], fixed: list[bool],
                  batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,
@@ -139,9 +137,7 @@ class MixtureSampler(StreamShape):
         self._config.pattern_ranks = ffi.cast("uint64_t *", self._pattern_ranks.ctypes.data)
         self._config.block, self._config.batch_size = len(self._pattern_sources), self.batch_size
         self._config.shard_index, self._config.shard_count = self.shard_index, self.shard_count
-        status = lib.shm_mixture_check(self._config)
-        if status != Status.OK:
-            raise ValueError(f"invalid mixture: {status_name(status)}")
+        check(lib.shm_mixture_check(self._config), "invalid mixture")
 
     def fill(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(rows, sources) of `step`, as new arrays."""
@@ -152,13 +148,39 @@ class MixtureSampler(StreamShape):
         return rows, sources
 
     def fill_unchecked(self, step: int, rows_pointer, sources_pointer) -> None:
-        status = lib.shm_mixture_fill(self._config, step, rows_pointer, sources_pointer, self.batch_size)
-        if status != Status.OK:
-            raise ValueError(f"cannot fill step {step}: {status_name(status)} (step too large?)")
+        check(lib.shm_mixture_fill(self._config, step, rows_pointer, sources_pointer, self.batch_size),
+              f"cannot fill step {step} (step too large?)")
+
+    @property
+    def shuffle_order(self) -> str:
+        """Sliding, but the global shuffle for the sources a window covers (Sampler's)."""
+        covered = [index for index, blocks in enumerate(self.window_blocks) if not blocks]
+        if not covered:
+            return SHUFFLE_ORDER
+        return f"{SHUFFLE_ORDER}, {GLOBAL_ORDER} for sources {covered}"
+
+    def epoch_positions(self, shard_index: int | None = None) -> int:
+        """The fewest whole interleave blocks in which every source has delivered at least
+        its epoch's rows (its take, ceil(fraction * rows)): W * max_i ceil(take_i / w_i)
+        positions of the global stream every shard shares, W = sum of the weights."""
+        blocks = max(-(-take // weight) for take, weight in zip(self.takes, self.weights))
+        return sum(self.weights) * blocks
+
+    def pass_positions(self, epochs: int, shard_index: int) -> int:
+        """The global stream's positions in a pass of `epochs` epochs (no dealing)."""
+        return epochs * self.epoch_positions()
+
+    def pass_tail(self, epochs: int | None, drop_last: bool) -> None:
+        """None: a mixture's pass is cut as it falls (it fills no run of positions)."""
+        return None
+
+    def with_pass(self, epochs: int | None, drop_last: bool) -> MixtureSampler:
+        """Itself: a pass is cut where it ends, so the sampler needs nothing of it."""
+        return self
 
     def source_position(self, step: int, source: int) -> int:
         """Source `source`'s own stream position at its first draw in `step` or after."""
-        first = global_position(step, self.batch_size, self.shard_index, self.shard_count)
+        first = self.first_position(step)
         block, offset = divmod(first, len(self._pattern_sources))
         offsets = self._offsets_of[source]
         index = int(np.searchsorted(offsets, offset))
@@ -194,6 +216,10 @@ class SourceWindows:
 
     def stream_position(self, step: int) -> int:
         return self.mixture.source_position(step, self.source)
+
+    def window_stream(self, step: int) -> tuple:
+        """(key, sampler, position) as Sampler.window_stream gives them: a source has one stream."""
+        return None, self, self.stream_position(step)
 
     def places(self, position: int) -> Places:
         """The source's `position` in its epoch's block-local shuffle (Sampler.places)."""

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from .._filemap import FileMapping, map_file
-from .._native import Status, ffi, lib, status_name
+from .._native import Status, check, ffi, lib
 from ..errors import StorageError
 from .spec import FieldSpec, check_identity
 
@@ -77,7 +77,8 @@ def u64(array: np.ndarray):
 
 
 def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
-    """The one mapping of a native gather's status to an exception. `what(position)` names
+    """A native gather's status as an exception: its own cases here (an index out of range,
+    a chunk that fails to decompress), any other through _native.check. `what(position)` names
     the row or range at the failing batch position; `out_of_range(position)` gives an
     IndexError's message (or None: out of range is then a corrupted layout)."""
     if status == Status.OK:
@@ -88,7 +89,7 @@ def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
     if status == Status.DECOMPRESS_FAILED:
         raise StorageError(f"{path}: {what(position)} failed to decompress (libblosc2 error {int(failure.code)}); "
                            f"the file is corrupted")
-    raise StorageError(f"{path}: gather of {what(position)} failed: {status_name(status)}")
+    check(status, f"{path}: gather of {what(position)} failed", StorageError)
 
 
 def check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:

@@ -1,0 +1,79 @@
+"""A finite pass's tail: its last steps' rows dealt evenly among the shards, as arithmetic
+on where each shard's stream ends (passes.py says why; a sampler says where, pass_tail)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Tail:
+    """The last steps of a pass, whose rows are dealt evenly among the shards (see
+    passes.py's docstring). The tail is one sequence of `rows` rows: the global stream from
+    `first_step` * batch_size * shard_count, or with own streams shard 0's stream from
+    first_step * batch_size (`remainders[0]` rows), then shard 1's, and so on."""
+
+    first_step: int
+    steps: int
+    rows: int
+    batch_size: int
+    shard_count: int
+    own_streams: bool
+    remainders: tuple[int, ...]  # own streams: each shard's rows from first_step * batch_size on
+    offset: int = 0  # the streams' shift (Sampler.offset)
+
+    @property
+    def end_step(self) -> int:
+        return self.first_step + self.steps
+
+    def chunk(self, step: int, shard_index: int) -> tuple[int, int]:
+        """(offset in the tail, rows) of shard `shard_index`'s part of `step`."""
+        assert self.first_step <= step < self.end_step, (step, self.first_step, self.end_step)
+        chunks = self.steps * self.shard_count
+        each, extra = divmod(self.rows, chunks)
+        index = (step - self.first_step) * self.shard_count + shard_index
+        return index * each + min(index, extra), each + (index < extra)
+
+    def segments(self, step: int, shard_index: int):
+        """(shard or None, stream position, rows) runs of a chunk: positions of shard h's
+        own stream, or (None) of the global stream."""
+        offset, rows = self.chunk(step, shard_index)
+        if not self.own_streams:
+            yield None, self.offset + self.first_step * self.batch_size * self.shard_count + offset, rows
+            return
+        first = self.first_step * self.batch_size + self.offset
+        for shard, remainder in enumerate(self.remainders):
+            if rows and offset < remainder:
+                taken = min(rows, remainder - offset)
+                yield shard, first + offset, taken
+                offset, rows = remainder, rows - taken
+            offset -= remainder
+        assert rows == 0, rows
+
+
+def tail_of(ends: list[int], batch_size: int, shard_count: int, own_streams: bool, drop_last: bool, offset: int = 0,
+            start_step: int = 0) -> Tail:
+    """The tail of a pass whose streams (each shard's own, or the one global stream) end at
+    `ends` (positions after the shift `offset`): from the first step that is not whole on
+    every shard, but no earlier than `start_step`, the first step of a resumed run."""
+    unit = batch_size if own_streams else batch_size * shard_count
+    global_batch = batch_size * shard_count
+    first_step = max(start_step, min(end // unit for end in ends))
+
+    def remainders_from(step: int) -> list[int]:
+        return [max(0, end - step * unit) for end in ends]
+
+    remainders = remainders_from(first_step)
+    rows = sum(remainders)
+    if drop_last:
+        rows -= rows % global_batch
+    elif rows < -(-rows // global_batch) * shard_count:  # Some chunk would be empty.
+        if first_step > start_step and batch_size > 1:  # Over one more step every chunk has >= batch_size / 2 rows.
+            first_step -= 1
+            remainders = remainders_from(first_step)
+            rows = sum(remainders)
+        else:  # Fewer than shard_count rows cannot give every shard one.
+            rows -= rows % shard_count
+    steps = -(-rows // global_batch)
+    assert rows >= steps * shard_count, (rows, steps, shard_count)  # No empty chunk.
+    return Tail(first_step, steps, rows, batch_size, shard_count, own_streams, tuple(remainders), offset)
