@@ -5,6 +5,19 @@ memory-mapped .npy, and litdata (the same rows optimized into 64 MB chunks, its 
 chunk order, then rows within the chunks its workers hold), over a file that does not fit
 the memory the loader may use. Every delivered row is checked against its index.
 
+Each contender runs --rounds times (3). The disk here is a virtio device that its host
+caches, so a run's rate moves with what ran before it. Each round therefore starts with
+the plain read() and ends with it again (the one sequential reader, the round's reference:
+the mean of the two), and the contenders between them are rotated one place per round, so
+that none always follows the same run. The table gives each contender's median rows/s over
+the rounds and their spread (min-max); ratios are taken within a round (sequential mode /
+window, sequential mode / the read(), window / the read()), then their median and spread.
+
+Beside each rate: the CPU seconds per million rows of all the contender's processes (the
+trainer, the loader's fork server and readers, a peer's workers; user+system) from the start
+of its timed run to their exit, and the trainer's own share within the run, each the median
+over the rounds (bench/_common.py, run_contender, says how every process is counted).
+
 A cgroup-v1 memory group (page cache counts against it) confines the loader and its
 readers to --limit-gib, below the file's size; the file is evicted from the page cache
 (posix_fadvise DONTNEED) before each run, so every run starts cold. Needs root and
@@ -12,23 +25,31 @@ readers to --limit-gib, below the file's size; the file is evicted from the page
 --path (a disk, not tmpfs) and kept for later runs unless --remove.
 
     python bench/cold.py                                    # 1,000,000 rows of 3,072 B (3 GB), 2 GiB
-    python bench/cold.py --rows 300000 --limit-gib 0.5 --seconds 10
+    python bench/cold.py --rows 300000 --limit-gib 0.5 --seconds 10 --rounds 2
     python bench/cold.py --rows 11000000 --limit-gib 0 --skip litdata   # 33 GB, larger than the machine
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
+import statistics
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_line, table  # noqa: E402
+from _common import (  # noqa: E402
+    cpu_mark,
+    finish_child,
+    format_per_million,
+    machine_line,
+    per_million,
+    record,
+    run_contender,
+    table,
+)
 
 _CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
@@ -66,6 +87,7 @@ def _disk_rate(args) -> dict:
     a floor for the disk, not its ceiling; the kernel's read-ahead under mmap does more)."""
     rows_total = np.load(args.path, mmap_mode="r").shape[0]
     buffer = bytearray(8 << 20)
+    cpu_start = cpu_mark()
     started, read = time.perf_counter(), 0
     with open(args.path, "rb", buffering=0) as handle:
         while time.perf_counter() - started < args.seconds:
@@ -75,7 +97,7 @@ def _disk_rate(args) -> dict:
             read += count
     elapsed = time.perf_counter() - started
     return {"rows": read * rows_total // os.path.getsize(args.path), "seconds": elapsed, "wrong_rows": 0,
-            "block_rows": 0, "window_blocks": 0}
+            "block_rows": 0, "window_blocks": 0, "cpu_start": cpu_start, "cpu_end": cpu_mark()}
 
 
 def _torch_rate(args) -> dict:
@@ -98,6 +120,7 @@ def _torch_rate(args) -> dict:
 
     loader = torch.utils.data.DataLoader(Rows(args.path), batch_size=args.batch_size, shuffle=True,
                                          num_workers=args.readers, collate_fn=lambda batch: batch)
+    cpu_start = cpu_mark()
     rows, wrong, started = 0, 0, time.perf_counter()
     for data, order in loader:
         wrong += int(np.count_nonzero(data[:, :8].numpy().copy().view(np.uint64).ravel() != order.numpy()))
@@ -105,7 +128,7 @@ def _torch_rate(args) -> dict:
         if time.perf_counter() - started > args.seconds:
             break
     return {"rows": rows, "seconds": time.perf_counter() - started, "wrong_rows": wrong, "block_rows": 0,
-            "window_blocks": 0}
+            "window_blocks": 0, "cpu_start": cpu_start, "cpu_end": cpu_mark()}
 
 
 class _LitdataRows:
@@ -143,6 +166,7 @@ def _litdata_rate(args) -> dict:
 
     dataset = StreamingDataset(litdata_directory(args.path), shuffle=True, seed=1)
     loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
+    cpu_start = cpu_mark()
     rows, wrong, started = 0, 0, time.perf_counter()
     for batch in loader:
         order, data = batch["index"].numpy(), batch["row"].numpy()
@@ -151,21 +175,21 @@ def _litdata_rate(args) -> dict:
         if time.perf_counter() - started > args.seconds:
             break
     return {"rows": rows, "seconds": time.perf_counter() - started, "wrong_rows": wrong, "block_rows": 0,
-            "window_blocks": 0}
+            "window_blocks": 0, "cpu_start": cpu_start, "cpu_end": cpu_mark()}
 
 
 def run_child(args) -> None:
-    """One measurement, inside the memory group: prints a JSON line."""
+    """One measurement, inside the memory group: prints a JSON line and exits."""
     if args.mode in ("disk", "torch", "litdata"):
         rate = {"disk": _disk_rate, "torch": _torch_rate, "litdata": _litdata_rate}[args.mode]
-        print(json.dumps(rate(args)))
-        return
+        finish_child(rate(args))
     from shmloader import ShmDataLoader
 
     window = None if args.window == 0 else args.window
     mode = "sequential" if args.mode == "sequential" else "shuffle"
     with ShmDataLoader({"x": args.path}, batch_size=args.batch_size, readers=args.readers, mode=mode, seed=1,
                        shuffle_window=window) as loader:
+        cpu_start = cpu_mark()
         rows, wrong, started = 0, 0, time.perf_counter()
         while time.perf_counter() - started < args.seconds:
             batch = next(loader)
@@ -173,20 +197,20 @@ def run_child(args) -> None:
             rows += len(batch.indices)
             del batch
         elapsed = time.perf_counter() - started
+        cpu_end = cpu_mark()
         sampler = loader.sampler
-    print(json.dumps({"rows": rows, "seconds": elapsed, "wrong_rows": wrong,
-                      "block_rows": sampler.block_rows, "window_blocks": sampler.blocks_per_window}))
+    finish_child({"rows": rows, "seconds": elapsed, "wrong_rows": wrong, "block_rows": sampler.block_rows,
+                  "window_blocks": sampler.blocks_per_window, "cpu_start": cpu_start, "cpu_end": cpu_end})
 
 
 def run_in_group(command: list[str], limit_bytes: int, timeout: float) -> dict:
-    """Runs `command` (which prints a JSON line last) in a new cgroup-v1 memory group of
-    `limit_bytes` (0: no group, for a file larger than the machine's memory), and returns
-    that JSON with the group's peak usage; removes the group."""
+    """Runs `command` (a child that ends with _common.finish_child) in a new cgroup-v1 memory
+    group of `limit_bytes` (0: no group, for a file larger than the machine's memory), and
+    returns its JSON with the CPU of its processes (_common.run_contender) and the group's
+    peak usage; removes the group."""
+    what = " ".join(command[2:])
     if not limit_bytes:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[2:])}: exit {result.returncode}\n{result.stderr[-3000:]}")
-        return {**json.loads(result.stdout.strip().splitlines()[-1]), "peak_bytes": 0}
+        return {**run_contender(command, timeout, what), "peak_bytes": 0}
     group = f"{_CGROUP_ROOT}/shmloader_bench_{os.getpid()}"
     os.makedirs(group, exist_ok=True)
     try:
@@ -197,13 +221,9 @@ def run_in_group(command: list[str], limit_bytes: int, timeout: float) -> dict:
             with open(f"{group}/cgroup.procs", "w") as handle:
                 handle.write(str(os.getpid()))
 
-        result = subprocess.run(command, capture_output=True, text=True, preexec_fn=enter_group, timeout=timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command[2:])}: exit {result.returncode}\n{result.stderr[-3000:]}")
+        measured = run_contender(command, timeout, what, preexec_fn=enter_group)
         with open(f"{group}/memory.max_usage_in_bytes") as handle:
-            peak = int(handle.read())
-        measured = json.loads(result.stdout.strip().splitlines()[-1])
-        measured["peak_bytes"] = peak
+            measured["peak_bytes"] = int(handle.read())
         return measured
     finally:
         for _ in range(50):
@@ -248,27 +268,15 @@ def parse_or_run_child(parser: argparse.ArgumentParser, run_child) -> argparse.N
     return args
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--path", default="/var/tmp/shmloader_larger_than_memory.npy")
-    parser.add_argument("--rows", type=int, default=1_000_000)
-    parser.add_argument("--row-bytes", type=int, default=3072)
-    add_run_arguments(parser, batch_size=256)
-    parser.add_argument("--windows", default="262144,65536,16384", help="shuffle_window values to measure")
-    parser.add_argument("--remove", action="store_true", help="delete the file at the end")
-    parser.add_argument("--skip", default="", help="contenders left out: any of disk,global,torch,litdata")
-    parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
-    parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
-    args = parse_or_run_child(parser, run_child)
-    if args is None:
-        return
-    write_file(args.path, args.rows, args.row_bytes)
-    size_gib = os.path.getsize(args.path) / 2**30
-    group = f"memory group {args.limit_gib:g} GiB" if args.limit_gib else "no memory group"
-    print(f"{machine_line()}; file {size_gib:.2f} GiB, {group}, "
-          f"{args.readers} readers, batch {args.batch_size}, {args.seconds:g} s a run, cold cache each run")
+_DISK_LABEL = "read() of the file, 8 MiB at a time"
+_SEQUENTIAL_LABEL = "sequential"
+
+
+def contenders(args) -> tuple[list[tuple[str, str, int]], bool]:
+    """The runs between a round's two read()s, as (label, mode, window), and whether the
+    read() runs at all (--skip disk)."""
     skip = set(filter(None, args.skip.split(",")))
-    runs = [("read() of the file, 8 MiB at a time", "disk", 0)] * ("disk" not in skip) + [("sequential", "sequential", 0)]
+    runs = [(_SEQUENTIAL_LABEL, "sequential", 0)]
     runs += [("shuffle (global)", "shuffle", 0)] * ("global" not in skip)
     runs += [(f"shuffle_window={int(window):,}", "shuffle", int(window)) for window in args.windows.split(",") if window]
     try:
@@ -288,23 +296,116 @@ def main() -> None:
         print("MosaicML streaming is installed but not a contender here yet")
     except Exception as error:  # noqa: BLE001 (it fails in many ways beside other packages)
         print(f"MosaicML streaming cannot run here: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+    return runs, "disk" not in skip
+
+
+def round_order(runs: list, disk: bool, round_index: int) -> list:
+    """A round: the read() first and last, the other runs between, rotated by the round's
+    index (see the module's docstring)."""
+    shift = round_index % len(runs)
+    bracket = [(_DISK_LABEL, "disk", 0)] if disk else []
+    return bracket + runs[shift:] + runs[:shift] + bracket
+
+
+def run_rounds(args, runs: list, disk: bool) -> list[dict[str, list[dict]]]:
+    """Per round, each label's measurements (two for the read(), one for any other)."""
+    rounds = []
+    for round_index in range(args.rounds):
+        measured: dict[str, list[dict]] = {}
+        for label, mode, window in round_order(runs, disk, round_index):
+            result = measure(args, mode, window)
+            result["rate"] = result["rows"] / result["seconds"]
+            measured.setdefault(label, []).append(result)
+            print(f"round {round_index + 1}/{args.rounds}: {label}: {result['rate']:,.0f} rows/s, "
+                  f"{per_million(result['cpu_s'], result['rows'])} CPU s / M rows "
+                  f"(trainer {per_million(result['trainer_cpu_s'], result['rows'])})", flush=True)
+        rounds.append(measured)
+    return rounds
+
+
+def _median_per_million(results: list[dict], key: str) -> str:
+    """The median over `results` of CPU seconds (`key`) per million rows delivered."""
+    values = [result[key] / result["rows"] * 1e6 for result in results if result["rows"]]
+    return format_per_million(statistics.median(values)) if values else "-"
+
+
+def summary_rows(args, runs: list, disk: bool, rounds: list) -> list[list]:
+    """One row per contender: rows/s median and spread over its runs, and its CPU."""
+    windows = {label: window for label, _, window in runs}
     rows = []
+    for label in [_DISK_LABEL] * disk + [label for label, _, _ in runs]:
+        results = [result for measured in rounds for result in measured[label]]
+        rates = [result["rate"] for result in results]
+        median = statistics.median(rates)
+        block = f"{results[-1]['block_rows']:,} x {results[-1]['window_blocks']}" if windows.get(label) else "-"
+        rows.append([label, f"{median:,.0f}", f"{min(rates):,.0f}-{max(rates):,.0f}",
+                     f"{median * args.row_bytes / 1e6:,.0f}", block,
+                     f"{max(result['peak_bytes'] for result in results) / 2**30:.2f}",
+                     _median_per_million(results, "cpu_s"), _median_per_million(results, "trainer_cpu_s"),
+                     sum(result["wrong_rows"] for result in results)])
+    return rows
+
+
+def ratio_rows(runs: list, disk: bool, rounds: list) -> list[list]:
+    """The ratios the issue asks for, each taken within a round (a round's read() rate is
+    the mean of its two), then their median and spread over the rounds."""
+    def rate(measured: dict, label: str) -> float:
+        return statistics.fmean(result["rate"] for result in measured[label])
+
+    windows = [label for label, _, window in runs if window]
+    pairs = [(_SEQUENTIAL_LABEL, window) for window in windows]
+    if disk:
+        pairs += [(_SEQUENTIAL_LABEL, _DISK_LABEL)] + [(window, _DISK_LABEL) for window in windows]
+    pairs += [(label, _SEQUENTIAL_LABEL) for label, _, window in runs if label != _SEQUENTIAL_LABEL and not window]
+    rows = []
+    for top, bottom in pairs:
+        ratios = [rate(measured, top) / rate(measured, bottom) for measured in rounds]
+        bottom_name = "one sequential reader (read())" if bottom == _DISK_LABEL else bottom
+        rows.append([f"{top} / {bottom_name}", f"{statistics.median(ratios):.3g}",
+                     f"{min(ratios):.3g}-{max(ratios):.3g}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--path", default="/var/tmp/shmloader_larger_than_memory.npy")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--row-bytes", type=int, default=3072)
+    add_run_arguments(parser, batch_size=256)
+    parser.add_argument("--windows", default="262144,65536,16384", help="shuffle_window values to measure")
+    parser.add_argument("--rounds", type=int, default=3, help="how many times each contender runs (see above)")
+    parser.add_argument("--remove", action="store_true", help="delete the file at the end")
+    parser.add_argument("--skip", default="", help="contenders left out: any of disk,global,torch,litdata")
+    parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
+    args = parse_or_run_child(parser, run_child)
+    if args is None:
+        return
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    write_file(args.path, args.rows, args.row_bytes)
+    size_gib = os.path.getsize(args.path) / 2**30
+    group = f"memory group {args.limit_gib:g} GiB" if args.limit_gib else "no memory group"
+    setting = (f"file {size_gib:.2f} GiB, {group}, {args.readers} readers, batch {args.batch_size}, "
+               f"{args.seconds:g} s a run, {args.rounds} rounds, cold cache each run")
+    print(f"{machine_line()}; {setting}")
+    runs, disk = contenders(args)
     try:
-        for label, mode, window in runs:
-            measured = measure(args, mode, window)
-            rate = measured["rows"] / measured["seconds"]
-            block = f"{measured['block_rows']:,} x {measured['window_blocks']}" if window else "-"
-            rows.append([label, f"{rate:,.0f}", f"{rate * args.row_bytes / 1e6:,.0f}", block,
-                         f"{measured['peak_bytes'] / 2**30:.2f}", measured["wrong_rows"]])
-            print(" | ".join(str(cell) for cell in rows[-1]), flush=True)
+        rounds = run_rounds(args, runs, disk)
     finally:
         if args.remove:
             os.unlink(args.path)
-    print(table(rows, ["order", "rows/s", "MB/s", "block rows x blocks", "group peak GiB", "wrong rows"]))
-    rates = {row[0]: float(row[1].replace(",", "")) for row in rows}
-    sequential = rates["sequential"]
-    print("\n".join(f"{label}: {rate / sequential:.1%} of shmloader's sequential rate"
-                    for label, rate in rates.items() if label != "sequential"))
+    header = ["order", "rows/s (median)", "min-max", "MB/s", "block rows x blocks", "group peak GiB",
+              "CPU s / M rows", "trainer CPU s / M rows", "wrong rows"]
+    rows = summary_rows(args, runs, disk, rounds)
+    print(table(rows, header))
+    ratios = ratio_rows(runs, disk, rounds)
+    print(f"\nratios within a round, over {args.rounds} rounds")
+    print(table(ratios, ["ratio", "median", "min-max"]))
+    record("cold", " ".join(["python bench/cold.py", *sys.argv[1:]]), header, rows,
+           notes=[setting, "CPU: all the contender's processes from its timed run's start to their exit; trainer: its "
+                           "own process within the run; medians over the rounds",
+                  *(f"{name}: {median} ({spread})" for name, median, spread in ratios)])
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ confined to a memory group smaller than the corpus (the disk is then the bound).
     python bench/cold_tokens.py --tokens 300000000 --limit-gib 0.4 --seconds 10
 
 Needs root and /sys/fs/cgroup/memory (see bench/cold.py); files are kept in --directory.
+Beside each rate: the CPU seconds per billion tokens of the trainer and its readers from
+the run's start to their exit, and the trainer's own share (bench/_common.py, run_contender).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import machine_line, table  # noqa: E402
+from _common import cpu_mark, finish_child, machine_line, per_million, table  # noqa: E402
 from cold import add_run_arguments, evict, parse_or_run_child, run_in_group  # noqa: E402
 
 _LENGTH = 2048
@@ -62,6 +63,7 @@ def run_child(args) -> None:
     stream = np.load(args.reference, mmap_mode="r")
     with ShmDataLoader({"tokens": Windows(args.path, length=_LENGTH)}, batch_size=args.batch_size,
                        readers=args.readers, mode=mode, seed=1, shuffle_window=window) as loader:
+        cpu_start = cpu_mark()
         rows, wrong, started = 0, 0, time.perf_counter()
         while time.perf_counter() - started < args.seconds:
             batch = next(loader)
@@ -70,7 +72,9 @@ def run_child(args) -> None:
             rows += len(batch.indices)
             del batch
         elapsed = time.perf_counter() - started
-    print(json.dumps({"tokens": rows * _LENGTH, "seconds": elapsed, "wrong_batches": wrong}))
+        cpu_end = cpu_mark()
+    finish_child({"tokens": rows * _LENGTH, "seconds": elapsed, "wrong_batches": wrong, "cpu_start": cpu_start,
+                  "cpu_end": cpu_end})
 
 
 def main() -> None:
@@ -101,10 +105,13 @@ def main() -> None:
             rate = measured["tokens"] / measured["seconds"]
             order = "sequential" if window == 0 else f"shuffle_window={window:,}"
             rates[order, name] = rate
+            # CPU per billion tokens (a million thousands): per million, every figure starts 0.0.
             rows.append([order, name, f"{sizes['npy'] / sizes[name]:.2f}", f"{rate / 1e6:,.1f}",
-                         f"{rate / rates[order, 'npy']:.2f}", measured["wrong_batches"]])
+                         f"{rate / rates[order, 'npy']:.2f}", per_million(measured["cpu_s"], measured["tokens"] / 1e3),
+                         per_million(measured["trainer_cpu_s"], measured["tokens"] / 1e3), measured["wrong_batches"]])
             print(" | ".join(str(cell) for cell in rows[-1]), flush=True)
-    print(table(rows, ["order", "file", "ratio", "M tokens/s", "/ raw .npy", "wrong batches"]))
+    print(table(rows, ["order", "file", "ratio", "M tokens/s", "/ raw .npy", "CPU s / G tokens",
+                       "trainer CPU s / G tokens", "wrong batches"]))
 
 
 if __name__ == "__main__":

@@ -7,9 +7,13 @@ medians and spreads are printed.
 
 Cases: (a) small samples, a 3 KB uint8 array and a label; (b) large samples, a 4 MiB
 float32 volume; (c) JPEG decode, random resized crop and flip with PIL in __getitem__;
-(d) a Python-heavy sample, a dict of 20 small arrays. Reported: samples/s, and the
-trainer's CPU per batch (its process time, every thread, per batch delivered: unpickling
-and collating are the trainer's work in PyTorch's loader, and nothing in shmloader's).
+(d) a Python-heavy sample, a dict of 20 small arrays. Reported: samples/s; the CPU
+seconds per million samples of all the loader's processes (the trainer and its workers or
+readers, user+system, from the timed batches' start to their exit; each run is a child
+process of this script, bench/_common.py, run_contender, says how every process is
+counted); and the trainer's CPU per batch (its process time, every thread, per batch
+delivered: unpickling and collating are the trainer's work in PyTorch's loader, and
+nothing in shmloader's).
 """
 
 from __future__ import annotations
@@ -25,7 +29,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_line, record, table  # noqa: E402
+from _common import (  # noqa: E402
+    cpu_mark,
+    finish_child,
+    format_per_million,
+    machine_line,
+    record,
+    run_contender,
+    table,
+)
 
 
 class Small:
@@ -89,12 +101,14 @@ CASES = {"a: 3 KB array + label": (Small, 256), "b: 4 MiB volume": (Large, 8),
          "c: JPEG decode + crop + flip": (Jpeg, 64), "d: dict of 20 small arrays": (ManyArrays, 256)}
 
 
-def _measure(loader, batch_size: int, seconds: float) -> tuple[float, float]:
-    """(samples/s, trainer CPU ms per batch) over `seconds` after a warm-up of 3 batches."""
+def _measure(loader, batch_size: int, seconds: float) -> dict:
+    """Samples, batches and seconds over `seconds` after a warm-up of 3 batches, with the
+    CPU marks around them."""
     iterator = iter(loader)
     for _ in range(3):
         next(iterator)
-    batches, started, cpu_started = 0, time.perf_counter(), time.process_time()
+    cpu_start = cpu_mark()
+    batches, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         try:
             batch = next(iterator)
@@ -103,32 +117,44 @@ def _measure(loader, batch_size: int, seconds: float) -> tuple[float, float]:
             continue
         del batch
         batches += 1
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    elapsed = time.perf_counter() - started
+    cpu_end = cpu_mark()
     del iterator
-    return batches * batch_size / elapsed, 1000 * cpu / batches
+    return {"samples": batches * batch_size, "batches": batches, "seconds": elapsed, "cpu_start": cpu_start,
+            "cpu_end": cpu_end}
 
 
-def run_case(name: str, workers: int, rounds: int, seconds: float) -> dict:
+def run_child(contender: str, name: str, workers: int, seconds: float) -> None:
+    """One run of one contender on case `name`, in this child process: prints its JSON line."""
     import torch.utils.data
 
     import shmloader.torch_dataset
 
     make, batch_size = CASES[name]
     dataset = make()
+    if contender == "torch":
+        loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                             persistent_workers=False)
+        result = _measure(loader, batch_size, seconds)
+        del loader
+    else:
+        loader = shmloader.torch_dataset.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+        result = _measure(loader, batch_size, seconds)
+        loader.close()
+    finish_child(result)
+
+
+def run_case(name: str, workers: int, rounds: int, seconds: float) -> dict:
+    """Per contender, its runs' results, each run a child process (for the CPU of its workers)."""
     results = {"torch": [], "shmloader": []}
     for round_index in range(rounds):  # Alternate, so the host's caches and noise hit both.
         order = ["torch", "shmloader"] if round_index % 2 == 0 else ["shmloader", "torch"]
         for contender in order:
-            if contender == "torch":
-                loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers,
-                                                     persistent_workers=False)
-                results[contender].append(_measure(loader, batch_size, seconds))
-                del loader
-            else:
-                loader = shmloader.torch_dataset.DataLoader(dataset, batch_size=batch_size, shuffle=True,
-                                                            num_workers=workers)
-                results[contender].append(_measure(loader, batch_size, seconds))
-                loader.close()
+            command = [sys.executable, os.path.abspath(__file__), "--child", contender, "--cases", name[0],
+                       "--workers", str(workers), "--seconds", str(seconds)]
+            result = run_contender(command, seconds + 300, f"dataset.py --child {contender} --cases {name[0]}")
+            result["rate"] = result["samples"] / result["seconds"]
+            results[contender].append(result)
     return results
 
 
@@ -138,23 +164,34 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--cases", default="abcd", help="which cases, by letter")
+    parser.add_argument("--child", choices=("torch", "shmloader"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.child:
+        run_child(arguments.child, next(name for name in CASES if name[0] == arguments.cases), arguments.workers,
+                  arguments.seconds)
     rows, headline = [], []
     for name in CASES:
         if name[0] not in arguments.cases:
             continue
         results = run_case(name, arguments.workers, arguments.rounds, arguments.seconds)
-        rate = {key: statistics.median(rate for rate, _ in value) for key, value in results.items()}
-        spread = {key: (min(rate for rate, _ in value), max(rate for rate, _ in value)) for key, value in results.items()}
-        cpu = {key: statistics.median(cpu for _, cpu in value) for key, value in results.items()}
+        rate = {key: statistics.median(run["rate"] for run in runs) for key, runs in results.items()}
+        spread = {key: (min(run["rate"] for run in runs), max(run["rate"] for run in runs))
+                  for key, runs in results.items()}
+        # Medians of each run's own figure: CPU per million samples, trainer ms per batch.
+        cpu = {key: statistics.median(run["cpu_s"] / run["samples"] * 1e6 for run in runs)
+               for key, runs in results.items()}
+        trainer = {key: statistics.median(1000 * run["trainer_cpu_s"] / run["batches"] for run in runs)
+                   for key, runs in results.items()}
         ratio = rate["shmloader"] / rate["torch"]
         rows.append([name, f"{rate['torch']:,.0f} ({spread['torch'][0]:,.0f}-{spread['torch'][1]:,.0f})",
                      f"{rate['shmloader']:,.0f} ({spread['shmloader'][0]:,.0f}-{spread['shmloader'][1]:,.0f})",
-                     f"{ratio:.2f}x", f"{cpu['torch']:.2f}", f"{cpu['shmloader']:.2f}"])
+                     f"{ratio:.2f}x", format_per_million(cpu["torch"]), format_per_million(cpu["shmloader"]),
+                     f"{trainer['torch']:.2f}", f"{trainer['shmloader']:.2f}"])
         headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "n/a", f"{ratio:.2f}x"])
         print(rows[-1], flush=True)
     header = ["case", "torch DataLoader samples/s (min-max)", "shmloader.torch samples/s (min-max)",
-              "ratio", "torch trainer CPU ms/batch", "shmloader trainer CPU ms/batch"]
+              "ratio", "torch CPU s / M samples", "shmloader CPU s / M samples", "torch trainer CPU ms/batch",
+              "shmloader trainer CPU ms/batch"]
     print(f"\n{machine_line()}; {arguments.workers} workers each, {arguments.rounds} alternating rounds of "
           f"{arguments.seconds:g} s, medians\n")
     print(table(rows, header))

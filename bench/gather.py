@@ -7,6 +7,10 @@ as .npy and as `shmloader convert`ed LZ4 .b2nd (plus Blosc2's default layout for
 runs in $SHMLOADER_BENCH_DATA when it is set; they are read warm from the page cache: this measures gathering and decompression, not the disk.
 Targets (issue 3): 3 KB rows >= 40% of np.take on .npy and >= 5x the per-row get_slice
 loop; 150 KB rows >= 80% of np.take on .npy.
+Beside each rate: CPU seconds per million rows of the same measurement, this process's
+user+system time over all its threads (Blosc2's included). Every method runs in this one
+process and starts none, so no other process does part of its work (the loader benchmarks
+run theirs in child processes to count their readers).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import pathlib
 import sys
 
 import numpy as np
-from _common import best_rate, image_rows, machine_line, table, verdict
+from _common import best_rate_and_cpu, format_per_million, image_rows, machine_line, table, verdict
 
 from shmloader.storage.blosc import BloscField
 from shmloader.storage.opening import open_field
@@ -31,6 +35,13 @@ if "SHMLOADER_BENCH_DATA" not in os.environ:  # A cache only where asked for: ov
     import shutil
 
     atexit.register(shutil.rmtree, DATA_DIR, ignore_errors=True)
+
+
+def child_environment() -> dict[str, str]:
+    """The environment for a benchmark's child process (_common.run_contender): the data
+    directory named, so that the child, which imports this module too, leaves it in place
+    at its exit; only the process that chose /tmp/shmloader-bench removes it."""
+    return {**os.environ, "SHMLOADER_BENCH_DATA": str(DATA_DIR)}
 
 
 def _converted_here(path: str) -> bool:
@@ -123,10 +134,11 @@ def measure(rows: int, row_bytes: int, quick: bool) -> dict[str, float]:
     lines = []
     for name, path, function in cases:
         slow = "get_slice" in name or "arr[idx]" in name or "default" in name
-        rate = best_rate(function, BATCH, repeats=2 if slow else repeats, min_seconds=seconds)
+        rate, cpu_per_row = best_rate_and_cpu(function, BATCH, repeats=2 if slow else repeats, min_seconds=seconds)
         rates[name] = rate
-        lines.append([name, f"{rate:,.0f}", f"{rate * row_bytes / 1e9:.2f}", ratio_of(path)])
-    print(table(lines, ["method", "rows/s", "GB/s", "compression ratio"]))
+        lines.append([name, f"{rate:,.0f}", f"{rate * row_bytes / 1e9:.2f}", format_per_million(cpu_per_row * 1e6),
+                      ratio_of(path)])
+    print(table(lines, ["method", "rows/s", "GB/s", "CPU s / M rows", "compression ratio"]))
     return rates
 
 

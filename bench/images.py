@@ -11,6 +11,10 @@ Data: JPEGs of 300-500 px a side at quality 90, random crops of the photographs 
 colour shifts and noise, in 10 class directories; converted once with convert-images.
 Targets (issue 13): shmloader >= 1.3x PyTorch with the same decoder, >= 2x with the fast
 path, and >= 90% of (readers x the one-process limit).
+Beside each rate: the CPU seconds per million images of all the loader's processes (the
+trainer, readers or workers; user+system) from the timed batches' start to their exit,
+each loader in a child process of its own (bench/_common.py, run_contender, says how every
+process is counted); for the one-process rows, that process's own CPU over its images.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, record, table, verdict
-from gather import DATA_DIR
+from _common import cpu_mark, finish_child, machine_line, per_million, record, run_contender, table, verdict
+from gather import DATA_DIR, child_environment
 
 BATCH = 256
 SIZE = 224
@@ -87,8 +91,9 @@ def make_images(count: int, workers: int) -> tuple[pathlib.Path, dict]:
     return directory, {"fields": fields, **json.loads(done.read_text())}
 
 
-def one_process(fields: dict, decoder: str, images: int) -> float:
-    """Images/s of decode + crop + flip alone, in this process, into one output buffer."""
+def one_process(fields: dict, decoder: str, images: int) -> tuple[float, float]:
+    """(images/s, CPU seconds per image) of decode + crop + flip alone, in this process,
+    into one output buffer (this process starts none: its own CPU is all of it)."""
     import blosc2
 
     from shmloader.storage.ragged import describe_ragged
@@ -101,21 +106,22 @@ def one_process(fields: dict, decoder: str, images: int) -> float:
     records = [values[offsets[k]:offsets[k + 1]] for k in range(images)]
     writer = ImageWriter(decoder, "bilinear")
     target = np.empty((SIZE, SIZE, 3), np.uint8)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for k, data in enumerate(records):
         rng = sample_rng(0, k, "bench")
         flip = rng.random() < 0.5
         writer.write(data, target, lambda h, w: random_resized_crop_box(h, w, rng), flip)
-    return images / (time.perf_counter() - started)
+    return images / (time.perf_counter() - started), (time.process_time() - cpu_started) / images
 
 
-def run_shmloader(fields: dict, decoder: str, workers: int, batches: int) -> tuple[float, dict]:
+def run_shmloader(fields: dict, decoder: str, workers: int, batches: int) -> dict:
     from shmloader import ShmDataLoader
 
     with ShmDataLoader(fields, transform="shmloader.transforms.images:train", batch_size=BATCH, readers=workers,
                        transform_args={"size": SIZE, "decoder": decoder}) as loader:
         for _, batch in zip(range(3), loader):  # Readers started, first batches through.
             pass
+        cpu_start = cpu_mark()
         next_ns, started = 0, time.perf_counter()
         for _ in range(batches):
             before = time.thread_time_ns()  # CPU time: next()'s own cost, not its waiting.
@@ -123,16 +129,25 @@ def run_shmloader(fields: dict, decoder: str, workers: int, batches: int) -> tup
             next_ns += time.thread_time_ns() - before
             int(batch["image"][:, 0, 0, 0].sum())  # The trainer touches its batch.
         elapsed = time.perf_counter() - started
-    return batches * BATCH / elapsed, {"next_us": next_ns / batches / 1e3}
+        cpu_end = cpu_mark()
+    return {"rate": batches * BATCH / elapsed, "images": batches * BATCH, "next_us": next_ns / batches / 1e3,
+            "cpu_start": cpu_start, "cpu_end": cpu_end}
 
 
-def run_torch(directory: pathlib.Path, workers: int, batches: int, prefetch: int) -> float | None:
+def torchvision_installed() -> bool:
     try:
-        import torch
-        import torchvision
-        from torchvision import transforms
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
     except ImportError:
-        return None
+        return False
+    return True
+
+
+def run_torch(directory: pathlib.Path, workers: int, batches: int, prefetch: int) -> dict:
+    import torch
+    import torchvision
+    from torchvision import transforms
+
     torch.set_num_threads(1)
     pipeline = transforms.Compose([transforms.RandomResizedCrop(SIZE), transforms.RandomHorizontalFlip(),
                                    transforms.PILToTensor()])
@@ -146,13 +161,34 @@ def run_torch(directory: pathlib.Path, workers: int, batches: int, prefetch: int
     iterator = endless()
     for _ in range(3):
         next(iterator)
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     for _ in range(batches):
         images, _ = next(iterator)
         int(images[:, 0, 0, 0].sum())
     rate = batches * BATCH / (time.perf_counter() - started)
+    cpu_end = cpu_mark()
     del iterator
-    return rate
+    return {"rate": rate, "images": batches * BATCH, "cpu_start": cpu_start, "cpu_end": cpu_end}
+
+
+def contender(args, name: str, fields: dict, directory: pathlib.Path, option: str) -> dict | None:
+    """One loader's run in a child process of its own (for its CPU, readers and workers
+    included): name "shmloader" with a decoder, or "torch" with a prefetch factor; None for
+    PyTorch where torchvision is not installed."""
+    if name == "torch" and not torchvision_installed():
+        return None
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--option", option, "--fields",
+               json.dumps(fields), "--directory", str(directory), "--images", str(args.images), "--workers",
+               str(args.workers), "--batches", str(args.batches)]
+    return run_contender(command, 900, f"images.py --child {name} --option {option}", env=child_environment())
+
+
+def run_child(args) -> None:
+    """One loader's run, in this child process: prints its JSON line and exits."""
+    if args.child == "shmloader":
+        finish_child(run_shmloader(json.loads(args.fields), args.option, args.workers, args.batches))
+    finish_child(run_torch(pathlib.Path(args.directory), args.workers, args.batches, int(args.option)))
 
 
 def main(argv=None) -> int:
@@ -160,30 +196,41 @@ def main(argv=None) -> int:
     parser.add_argument("--images", type=int, default=20_000, help="JPEGs generated (default 20000)")
     parser.add_argument("--workers", type=int, default=2, help="readers / DataLoader workers (default 2)")
     parser.add_argument("--batches", type=int, default=30, help="batches timed per run, after 3 (default 30)")
+    parser.add_argument("--child", choices=("shmloader", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--option", help=argparse.SUPPRESS)
+    parser.add_argument("--fields", help=argparse.SUPPRESS)
+    parser.add_argument("--directory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child:
+        run_child(args)
     directory, made = make_images(args.images, max(1, os.cpu_count() or 1))
     fields = made["fields"]
     print(machine_line())
     print(f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'SYNTHETIC gradients'}), batch {BATCH}, "
           f"{args.workers} processes, {args.batches} batches per run")
-    limit_fast = one_process(fields, "fast", min(args.images, 4000))
-    limit_pillow = one_process(fields, "pillow", min(args.images, 2000))
-    shm_pillow, pillow_stats = run_shmloader(fields, "pillow", args.workers, args.batches)
-    shm_fast, fast_stats = run_shmloader(fields, "fast", args.workers, args.batches)
-    torch_rates = {prefetch: run_torch(directory, args.workers, args.batches, prefetch) for prefetch in (2, 4)}
-    torch_rate = max((rate for rate in torch_rates.values() if rate), default=None)
+    limit_fast, limit_fast_cpu = one_process(fields, "fast", min(args.images, 4000))
+    limit_pillow, limit_pillow_cpu = one_process(fields, "pillow", min(args.images, 2000))
+    pillow = contender(args, "shmloader", fields, directory, "pillow")
+    fast = contender(args, "shmloader", fields, directory, "fast")
+    shm_pillow, shm_fast = pillow["rate"], fast["rate"]
+    torch_runs = {prefetch: contender(args, "torch", fields, directory, str(prefetch)) for prefetch in (2, 4)}
+    torch_rate = max((run["rate"] for run in torch_runs.values() if run), default=None)
     rows = [
-        ["one process, fast path (per-core limit)", f"{limit_fast:,.0f}", f"{limit_fast:,.0f}", ""],
-        ["one process, Pillow", f"{limit_pillow:,.0f}", f"{limit_pillow:,.0f}", ""],
-        ["shmloader, Pillow decoder", f"{shm_pillow:,.0f}", f"{shm_pillow / args.workers:,.0f}",
-         f"{pillow_stats['next_us']:.0f}"],
-        ["shmloader, fast path", f"{shm_fast:,.0f}", f"{shm_fast / args.workers:,.0f}", f"{fast_stats['next_us']:.0f}"],
+        ["one process, fast path (per-core limit)", f"{limit_fast:,.0f}", f"{limit_fast:,.0f}",
+         per_million(limit_fast_cpu, 1), "", ""],
+        ["one process, Pillow", f"{limit_pillow:,.0f}", f"{limit_pillow:,.0f}", per_million(limit_pillow_cpu, 1),
+         "", ""],
     ]
-    for prefetch, rate in torch_rates.items():
-        if rate:
-            rows.append([f"PyTorch DataLoader + torchvision, prefetch {prefetch}", f"{rate:,.0f}",
-                         f"{rate / args.workers:,.0f}", ""])
-    print(table(rows, ["loader", "images/s", "per process", "trainer CPU per next(), us"]))
+    for label, run in (("shmloader, Pillow decoder", pillow), ("shmloader, fast path", fast),
+                       *((f"PyTorch DataLoader + torchvision, prefetch {prefetch}", run)
+                         for prefetch, run in torch_runs.items())):
+        if run:
+            rows.append([label, f"{run['rate']:,.0f}", f"{run['rate'] / args.workers:,.0f}",
+                         per_million(run["cpu_s"], run["images"]), per_million(run["trainer_cpu_s"], run["images"]),
+                         f"{run['next_us']:.0f}" if "next_us" in run else ""])
+    header = ["loader", "images/s", "per process", "CPU s / M images", "trainer CPU s / M images",
+              "trainer CPU per next(), us"]
+    print(table(rows, header))
     if torch_rate:
         print(f"shmloader Pillow / PyTorch: {shm_pillow / torch_rate:.2f}x (target 1.3x) "
               f"{verdict(shm_pillow >= 1.3 * torch_rate)}")
@@ -195,9 +242,11 @@ def main(argv=None) -> int:
     headline = [["JPEGs, decode + crop 224 + flip, fast path", f"{shm_fast:,.0f} images/s",
                  f"{shm_fast / limit_fast:.2f}x ({share:.0%} of {args.workers})",
                  f"{shm_fast / torch_rate:.2f}x" if torch_rate else "n/a"]]
-    record("images", "python bench/images.py", ["loader", "images/s", "per process", "trainer CPU per next(), us"],
-           rows, headline, [f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'synthetic'}), batch "
-                            f"{BATCH}, {args.workers} processes, {args.batches} batches a run"])
+    record("images", "python bench/images.py", header, rows, headline,
+           [f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'synthetic'}), batch "
+            f"{BATCH}, {args.workers} processes, {args.batches} batches a run",
+            "CPU s / M images: all the loader's processes (trainer, readers or workers) from the timed batches' start "
+            "to their exit; the one-process rows: that process over its images"])
     return 0
 
 

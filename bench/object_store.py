@@ -10,6 +10,10 @@ added latency). Every client runs inside the namespace; nothing leaves loopback.
 delivered row is checked: its first 8 bytes are its index. Each run starts cold (a new
 cache directory, for the peers too) and lasts one pass, or --seconds where it is slower;
 rows/s count from the loader's construction (its start-up and first window included).
+Beside each rate: the CPU seconds per million rows of all the run's processes (the trainer,
+shmloader's fork server and readers, a peer's workers; user+system), from the same start to
+their exit, and the trainer's own share up to its last row (bench/_common.py,
+run_contender, says how every process is counted; the server's CPU is not in it).
 
 Needs root (ip netns, tc), node with s3rver, and for the peers a Python with litdata,
 mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
@@ -48,7 +52,16 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import image_rows, machine_line, table  # noqa: E402
+from _common import (  # noqa: E402
+    cpu_mark,
+    finish_child,
+    image_rows,
+    machine_line,
+    per_million,
+    record,
+    run_contender,
+    table,
+)
 
 BUCKET = "bench"
 PORT = 4599
@@ -123,12 +136,14 @@ def child_link(args) -> dict:
             with lock:
                 total[0] += got
 
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         for future in [pool.submit(worker) for _ in range(4)]:
             future.result()
     seconds = time.perf_counter() - started
-    return {"rows": total[0] / args.row_bytes, "seconds": seconds, "wrong": 0, "bytes": total[0]}
+    return {"rows": total[0] / args.row_bytes, "seconds": seconds, "wrong": 0, "bytes": total[0],
+            "cpu_start": cpu_start, "cpu_end": cpu_mark()}
 
 
 def child_random_get(args) -> dict:
@@ -155,11 +170,13 @@ def child_random_get(args) -> dict:
                 counts[0] += 1
                 counts[1] += got
 
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
         for future in [pool.submit(worker, seed) for seed in range(args.concurrency)]:
             future.result()
-    return {"requests": counts[0], "bytes": counts[1], "seconds": time.perf_counter() - started}
+    return {"requests": counts[0], "bytes": counts[1], "seconds": time.perf_counter() - started,
+            "cpu_start": cpu_start, "cpu_end": cpu_mark()}
 
 
 def child_shmloader(args) -> dict:
@@ -169,6 +186,7 @@ def child_shmloader(args) -> dict:
     cache = os.path.join(args.data, "cache", f"{args.mode}-{args.codec}")
     shutil.rmtree(cache, ignore_errors=True)  # Cold.
     options = {"window": {"shuffle_window": args.window}, "global": {}, "sequential": {"mode": "sequential"}}[args.mode]
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     with ShmDataLoader({"x": f"s3://{BUCKET}/{name}"}, batch_size=args.batch_size, readers=args.readers, epochs=1,
                        cache_dir=cache, cache_bytes=(args.cache_mib << 20) or (args.cache_gib << 30),
@@ -180,10 +198,12 @@ def child_shmloader(args) -> dict:
             if time.perf_counter() - started > args.seconds:
                 break
         seconds = time.perf_counter() - started
+        cpu_end = cpu_mark()
         cache_stats = loader.stats()["cache"]
     shutil.rmtree(cache, ignore_errors=True)
     return {"rows": rows, "seconds": seconds, "wrong": wrong, "requests": cache_stats["requests"],
-            "bytes": cache_stats["bytes"], "retries": cache_stats["retries"]}
+            "bytes": cache_stats["bytes"], "retries": cache_stats["retries"], "cpu_start": cpu_start,
+            "cpu_end": cpu_end}
 
 
 def child_litdata(args) -> dict:
@@ -198,6 +218,7 @@ def child_litdata(args) -> dict:
 
     cache = os.path.join(args.data, "cache", "litdata")
     shutil.rmtree(cache, ignore_errors=True)
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     dataset = StreamingDataset(f"s3://{BUCKET}/litdata", shuffle=True, seed=1, cache_dir=cache,
                                storage_options={"endpoint_url": ENDPOINT, "aws_access_key_id": "S3RVER",
@@ -205,7 +226,7 @@ def child_litdata(args) -> dict:
     loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
     result = _consume(loader, started, args.seconds, lambda batch: (batch["index"].numpy(), batch["row"].numpy()))
     shutil.rmtree(cache, ignore_errors=True)
-    return result
+    return {**result, "cpu_start": cpu_start}
 
 
 def _consume(loader, started: float, seconds: float, rows_of) -> dict:
@@ -217,7 +238,7 @@ def _consume(loader, started: float, seconds: float, rows_of) -> dict:
         rows += len(indices)
         if time.perf_counter() - started > seconds:
             break
-    return {"rows": rows, "seconds": time.perf_counter() - started, "wrong": wrong}
+    return {"rows": rows, "seconds": time.perf_counter() - started, "wrong": wrong, "cpu_end": cpu_mark()}
 
 
 def child_mosaic(args) -> dict:
@@ -226,6 +247,7 @@ def child_mosaic(args) -> dict:
 
     local = os.path.join(args.data, "cache", "mosaic")
     shutil.rmtree(local, ignore_errors=True)
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     dataset = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=local, shuffle=True, shuffle_seed=1,
                                batch_size=args.batch_size)
@@ -233,7 +255,7 @@ def child_mosaic(args) -> dict:
     result = _consume(loader, started, args.seconds, lambda batch: (
         batch["index"].numpy(), np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])))
     shutil.rmtree(local, ignore_errors=True)
-    return result
+    return {**result, "cpu_start": cpu_start}
 
 
 def child_make_peers(args) -> dict:
@@ -375,11 +397,9 @@ def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict
         command += [f"--{key}", str(value)]
     environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
                    "AWS_ALLOW_HTTP": "true"}
-    done = subprocess.run([*namespace.prefix, *command], capture_output=True, text=True,
-                          env=environment, cwd=args.data, timeout=args.seconds * 4 + 300)
-    if done.returncode != 0:
-        raise RuntimeError(f"{mode} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # `ip netns exec` execs the command in its own process (no fork): the child is the run.
+    return run_contender([*namespace.prefix, *command], args.seconds * 4 + 300, f"{mode} failed", env=environment,
+                         cwd=args.data)
 
 
 def main() -> None:
@@ -406,8 +426,10 @@ def main() -> None:
     args = parser.parse_args()
     args.data = os.path.abspath(args.data)
     if args.child:
-        print(json.dumps(CHILDREN[args.child](argparse.Namespace(**{**vars(args), "mode": args.child}))))
-        return
+        # The uploads and the peers' files have no timed window: their marks span the call.
+        cpu_start = cpu_mark()
+        result = CHILDREN[args.child](argparse.Namespace(**{**vars(args), "mode": args.child}))
+        finish_child({"cpu_start": cpu_start, "cpu_end": cpu_mark(), **result})
     if args.small_cache:
         small_cache(args)
         return
@@ -460,12 +482,19 @@ def main() -> None:
     finally:
         namespace.close()
     link = results[0][1]["rows_per_s"]
-    print(f"\n{machine_line()}; link capped at {args.rate} (tbf), s3rver on 127.0.0.1 in a namespace; "
-          f"{args.rows:,} rows of {args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
-          f"at most {args.seconds:g} s each\n")
-    print(table([[label, f"{result['rows_per_s']:,.0f}" if "failed" not in result else f"failed: {result['failed']}",
-                  f"{result['rows_per_s'] / link:.2f}", result["wrong"]]
-                 for label, result in results], ["run", "rows/s", "x link (raw rows)", "wrong rows"]))
+    setting = (f"link capped at {args.rate} (tbf), s3rver on 127.0.0.1 in a namespace; {args.rows:,} rows of "
+               f"{args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
+               f"at most {args.seconds:g} s each")
+    print(f"\n{machine_line()}; {setting}\n")
+    header = ["run", "rows/s", "x link (raw rows)", "CPU s / M rows", "trainer CPU s / M rows", "wrong rows"]
+    rows = [[label, f"{result['rows_per_s']:,.0f}" if "failed" not in result else f"failed: {result['failed']}",
+             f"{result['rows_per_s'] / link:.2f}", per_million(result.get("cpu_s", 0.0), result.get("rows", 0)),
+             per_million(result.get("trainer_cpu_s", 0.0), result.get("rows", 0)), result["wrong"]]
+            for label, result in results]
+    print(table(rows, header))
+    record("object_store", " ".join(["python bench/object_store.py", *sys.argv[1:]]), header, rows,
+           notes=[setting, "CPU: all the run's processes from its start (the loader's construction) to their exit; "
+                           "trainer: its own process up to its last row; the server's CPU is in neither"])
 
 
 def small_cache(args) -> None:
@@ -490,10 +519,14 @@ def small_cache(args) -> None:
     print(f"\n{machine_line()}; {args.server} on 127.0.0.1; {args.rows:,} rows of {args.row_bytes} B "
           f"({data_mb:.0f} MB), cache_bytes {args.cache_mib} MiB, global shuffle, batch {args.batch_size}, "
           f"{args.readers} readers, cold, at most {args.seconds:g} s each\n")
-    print(table([[f"store: random GETs of one page, {args.concurrency} at once", f"{gets_per_s:,.1f} GETs/s", "", "-"],
+    # CPU per million of the rate's own unit (GETs for the store's row, rows for the loader's).
+    print(table([[f"store: random GETs of one page, {args.concurrency} at once", f"{gets_per_s:,.1f} GETs/s", "",
+                  per_million(store["cpu_s"], store["requests"]),
+                  per_million(store["trainer_cpu_s"], store["requests"]), "-"],
                  [f"shmloader, cache {args.cache_mib} MiB < data", f"{rows_per_s:,.1f} rows/s",
-                  f"{rows_per_s / gets_per_s:.2f}", loader["wrong"]]],
-                ["run", "rate", "rows/s / GETs/s", "wrong rows"]))
+                  f"{rows_per_s / gets_per_s:.2f}", per_million(loader["cpu_s"], loader["rows"]),
+                  per_million(loader["trainer_cpu_s"], loader["rows"]), loader["wrong"]]],
+                ["run", "rate", "rows/s / GETs/s", "CPU s / M", "trainer CPU s / M", "wrong rows"]))
     print(f"loader: {loader['requests']:,} requests for {loader['rows']:,} rows "
           f"({loader['requests'] / max(1, loader['rows']):.2f} a row), {loader['bytes'] / 1e6:.1f} MB fetched")
 

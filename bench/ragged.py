@@ -5,7 +5,10 @@ Run: python bench/ragged.py [--documents 200000] [--batches 4000]   (PyTorch row
 Data: documents of log-normal length (mean about 500 tokens) of Zipf-distributed int32
 token ids, written once as a ragged field per codec; batch 64. Rates count real tokens
 (padding excluded). Targets (issue 12): >= 10x PyTorch's tokens/s, >= 2x loaderx's,
->= 1.3x the single process.
+>= 1.3x the single process. Each run is a child process of its own; beside its rate, the
+CPU seconds per billion tokens of all its processes (the trainer, readers or workers;
+user+system) from the timed batches' start to their exit, and the trainer's own share
+within them (bench/_common.py, run_contender, says how every process is counted).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, record, table, verdict
-from gather import DATA_DIR
+from _common import cpu_mark, finish_child, machine_line, per_million, record, run_contender, table, verdict
+from gather import DATA_DIR, child_environment
 
 from shmloader import Packed, Padded, Sampler, ShmDataLoader
 from shmloader._native import ffi
@@ -69,6 +72,7 @@ def run_shmloader(declaration, batches: int, readers: int = 2) -> dict:
     with ShmDataLoader({"tokens": declaration}, batch_size=BATCH, readers=readers, seed=1) as loader:
         next(loader)
         first_batch_s = time.perf_counter() - started
+        cpu_start = cpu_mark()
         tokens, timed = 0, time.perf_counter()
         lengths_name = "tokens.lengths" if isinstance(declaration, Padded) else None
         for _, batch in zip(range(batches), loader):
@@ -80,8 +84,10 @@ def run_shmloader(declaration, batches: int, readers: int = 2) -> dict:
                 tokens += int(offsets[-1])
                 int(batch["tokens"][offsets[:-1]].sum())
         elapsed = time.perf_counter() - timed
+        cpu_end = cpu_mark()
         wait = loader.stats()["wait_fraction"]
-    return {"tokens_per_s": tokens / elapsed, "first_batch_s": first_batch_s, "wait_fraction": wait}
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "first_batch_s": first_batch_s, "wait_fraction": wait,
+            "cpu_start": cpu_start, "cpu_end": cpu_end}
 
 
 def run_single_process(path: str, batches: int) -> dict:
@@ -91,6 +97,7 @@ def run_single_process(path: str, batches: int) -> dict:
     out = np.zeros((BATCH, MAX_LENGTH), dtype=np.int32)
     pointer = ffi.from_buffer("uint8_t[]", out)
     destinations = np.arange(BATCH, dtype=np.uint64) * np.uint64(MAX_LENGTH * 4)
+    cpu_start = cpu_mark()
     tokens, started = 0, time.perf_counter()
     for step in range(batches):
         starts, lengths = field.starts_and_lengths(sampler.fill(step))
@@ -100,8 +107,9 @@ def run_single_process(path: str, batches: int) -> dict:
         tokens += int(counts.sum())
         int(out[:, 0].sum())
     elapsed = time.perf_counter() - started
+    cpu_end = cpu_mark()
     field.close()
-    return {"tokens_per_s": tokens / elapsed}
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "cpu_start": cpu_start, "cpu_end": cpu_end}
 
 
 class TorchDocuments:
@@ -130,12 +138,10 @@ def pad_batch(documents):
     return pad_sequence(documents, batch_first=True), torch.tensor([len(document) for document in documents])
 
 
-def run_torch(raw: str, batches: int, workers: int = 2) -> dict | None:
-    try:
-        import torch
-        from torch.utils.data import DataLoader, RandomSampler
-    except ImportError:
-        return None
+def run_torch(raw: str, batches: int, workers: int = 2) -> dict:
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
     torch.set_num_threads(1)
     dataset = TorchDocuments(raw)
     loader = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=(batches + 2) * BATCH),
@@ -143,12 +149,44 @@ def run_torch(raw: str, batches: int, workers: int = 2) -> dict | None:
                         multiprocessing_context="forkserver")
     iterator = iter(loader)
     next(iterator)
+    cpu_start = cpu_mark()
     tokens, started = 0, time.perf_counter()
     for _ in range(batches):
         padded, lengths = next(iterator)
         tokens += int(lengths.sum())
         int(padded[:, 0].sum())
-    return {"tokens_per_s": tokens / (time.perf_counter() - started)}
+    elapsed = time.perf_counter() - started
+    cpu_end = cpu_mark()
+    del iterator  # Its workers end here, inside the figure (run_contender counts up to their exit).
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "cpu_start": cpu_start, "cpu_end": cpu_end}
+
+
+def run_child(arguments) -> None:
+    """One run, in this child process (--child padded|packed|single|torch): its JSON line."""
+    paths = make_corpus(arguments.documents)  # Made by the parent: here, found.
+    if arguments.child == "padded":
+        result = run_shmloader(Padded(paths[arguments.codec], max_length=MAX_LENGTH, overflow="truncate"),
+                               arguments.batches)
+    elif arguments.child == "packed":
+        result = run_shmloader(Packed(paths[arguments.codec]), arguments.batches)
+    elif arguments.child == "single":
+        result = run_single_process(paths[arguments.codec], arguments.batches)
+    else:
+        result = run_torch(paths["raw"], arguments.batches)
+    finish_child(result)
+
+
+def contender(arguments, name: str, codec: str, batches: int) -> dict | None:
+    """One run in a child process of its own (for its CPU, readers and workers included);
+    None for PyTorch where it is not installed."""
+    if name == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return None
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--codec", codec, "--documents",
+               str(arguments.documents), "--batches", str(batches)]
+    return run_contender(command, 600, f"ragged.py --child {name} --codec {codec}", env=child_environment())
 
 
 def run_loaderx() -> str:
@@ -163,7 +201,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--documents", type=int, default=200_000)
     parser.add_argument("--batches", type=int, default=4000)
+    parser.add_argument("--child", choices=("padded", "packed", "single", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--codec", default="lz4", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.child:
+        run_child(arguments)
     paths = make_corpus(arguments.documents)
     spec = describe_ragged(paths["lz4"])
     print(f"# ragged benchmark ({machine_line()})")
@@ -173,20 +215,28 @@ def main() -> int:
     print("bytes per token on disk: " + ", ".join(f"{codec} {disk_bytes_per_token(paths[codec]):.2f}"
                                                    for codec in ("lz4", "zstd", "none")))
     rows, rates = [], {}
+
+    def row(what: str, codec: str, result: dict, notes: str) -> list:
+        # CPU per billion tokens (a million thousands): per million, every figure starts 0.0.
+        thousands = result["tokens"] / 1e3
+        return [what, codec, f"{result['tokens_per_s'] / 1e6:.1f}", per_million(result["cpu_s"], thousands),
+                per_million(result["trainer_cpu_s"], thousands), notes]
+
     for codec in ("lz4", "none"):
-        for name, declaration in (("padded", Padded(paths[codec], max_length=MAX_LENGTH, overflow="truncate")),
-                                  ("packed", Packed(paths[codec]))):
-            result = run_shmloader(declaration, arguments.batches)
+        for name in ("padded", "packed"):
+            result = contender(arguments, name, codec, arguments.batches)
             rates[f"{name}-{codec}"] = result["tokens_per_s"]
-            rows.append([f"shmloader {name}, 2 readers", codec, f"{result['tokens_per_s'] / 1e6:.1f}",
-                         f"first batch {result['first_batch_s']:.2f} s, trainer waited {result['wait_fraction']:.0%}"])
-    single = run_single_process(paths["lz4"], arguments.batches)
-    rows.append(["single process, same padded gather", "lz4", f"{single['tokens_per_s'] / 1e6:.1f}", ""])
-    torch_result = run_torch(paths["raw"], max(50, arguments.batches // 4))
+            rows.append(row(f"shmloader {name}, 2 readers", codec, result,
+                            f"first batch {result['first_batch_s']:.2f} s, "
+                            f"trainer waited {result['wait_fraction']:.0%}"))
+    single = contender(arguments, "single", "lz4", arguments.batches)
+    rows.append(row("single process, same padded gather", "lz4", single, ""))
+    torch_result = contender(arguments, "torch", "raw", max(50, arguments.batches // 4))
     if torch_result:
-        rows.append(["PyTorch DataLoader, 2 workers, pad_sequence", "raw .npy", f"{torch_result['tokens_per_s'] / 1e6:.1f}",
-                     "__getitems__ over memory-mapped values"])
-    print(table(rows, ["loader", "codec", "M tokens/s", "notes"]))
+        rows.append(row("PyTorch DataLoader, 2 workers, pad_sequence", "raw .npy", torch_result,
+                        "__getitems__ over memory-mapped values"))
+    header = ["loader", "codec", "M tokens/s", "CPU s / G tokens", "trainer CPU s / G tokens", "notes"]
+    print(table(rows, header))
     print("\n## targets")
     ours = rates["padded-lz4"]
     if torch_result:
@@ -199,8 +249,11 @@ def main() -> int:
     print(f"padded (lz4) / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
     headline = [["token documents, `Padded` (LZ4)", f"{ours / 1e6:.0f} M tokens/s", f"{ratio:.2f}x",
                  f"{ours / torch_result['tokens_per_s']:.1f}x" if torch_result else "n/a"]]
-    record("ragged", "python bench/ragged.py", ["loader", "codec", "M tokens/s", "notes"], rows, headline,
-           [f"{spec.record_count:,} documents, batch {BATCH}, max_length {MAX_LENGTH}, {arguments.batches} batches a run"])
+    record("ragged", "python bench/ragged.py", header, rows, headline,
+           [f"{spec.record_count:,} documents, batch {BATCH}, max_length {MAX_LENGTH}, "
+            f"{arguments.batches} batches a run",
+            "CPU s / G tokens: all the run's processes (trainer, readers or workers) from the timed batches' start to "
+            "their exit; trainer: its own process within the timed batches"])
     return 0
 
 

@@ -8,19 +8,26 @@ single-process loop; next() <= 20 us (median) when a batch is ready, for 1 MB an
 batches (measured inside a loop whose simulated training step leaves the readers time to
 fill the ring, beside the floor: next() of a bare C iterator in the same conditions);
 first batch within 1 s of construction.
+
+Each contender of the main table runs in a child process of its own, and its row gives
+the CPU seconds per million rows of all its processes (the trainer, shmloader's fork
+server and readers, PyTorch's forkserver and workers; user+system) from the start of the
+timed batches to their exit, and the trainer's own share within the timed batches
+(bench/_common.py, run_contender, says how every process is counted).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
 
 import numpy as np
-from _common import machine_line, record, table, verdict
-from gather import make_files
+from _common import cpu_mark, finish_child, machine_line, per_million, record, run_contender, table, verdict
+from gather import child_environment, make_files
 
 from shmloader import ShmDataLoader
 from shmloader.ring.layout import SlotState
@@ -77,18 +84,23 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         del first
         for _, batch in zip(range(warm_up), loader):
             consume(batch["image"], batch["label"])
+        cpu_start = cpu_mark()
         timed_start = time.perf_counter()
         for _, batch in zip(range(batches), loader):
             consume(batch["image"], batch["label"])
         elapsed = time.perf_counter() - timed_start
+        cpu_end = cpu_mark()
         memory = [memory_of(pid) for pid in loader.reader_pids]
         stats = loader.stats()
     return {
         "rows_per_s": batches * BATCH / elapsed,
+        "rows": batches * BATCH,
         "first_batch_s": first_batch_s,
         "shm_mib": loader.shared_memory_bytes / 2**20,
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
+        "cpu_start": cpu_start,
+        "cpu_end": cpu_end,
     }
 
 
@@ -148,6 +160,7 @@ def run_single_process(fields: dict, batches: int) -> dict:
     buffers = {name: np.empty((BATCH, *spec.row_shape), dtype=spec.numpy_dtype) for name, spec in specs.items()}
     sampler = Sampler(ROWS, BATCH, "shuffle", seed=1)
     indices = np.empty(BATCH, dtype=np.uint64)
+    cpu_start = cpu_mark()
     started = time.perf_counter()
     for step in range(batches):
         sampler.fill(step, indices)
@@ -155,18 +168,53 @@ def run_single_process(fields: dict, batches: int) -> dict:
             field.gather(indices, buffers[name])
         consume(buffers["image"], buffers["label"])
     elapsed = time.perf_counter() - started
+    cpu_end = cpu_mark()
     for field in opened.values():
         field.close()
-    return {"rows_per_s": batches * BATCH / elapsed}
+    return {"rows_per_s": batches * BATCH / elapsed, "rows": batches * BATCH, "cpu_start": cpu_start,
+            "cpu_end": cpu_end}
 
 
-def run_torch(fields: dict, kind: str, batches: int) -> dict | None:
-    """PyTorch's DataLoader, 2 workers, its batched __getitems__ fast path (shmloader.tools.benchmark.TorchRows)."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return None
-    return benchmark.run_torch(fields, BATCH, batches, workers=2)
+def run_torch(fields: dict, batches: int) -> dict:
+    """PyTorch's DataLoader, 2 workers, its batched __getitems__ fast path: the loop of
+    shmloader.tools.benchmark.run_torch, with the CPU marks around its timed batches."""
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    torch.set_num_threads(1)
+    dataset = benchmark.TorchRows(fields)
+    # Forking a process that runs threads risks a deadlock in the child; forkserver starts
+    # the workers from a clean single-threaded server (as benchmark.run_torch does).
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=RandomSampler(dataset, num_samples=(batches + 2) * BATCH),
+                        num_workers=2, collate_fn=benchmark._no_collate, persistent_workers=True, prefetch_factor=4,
+                        multiprocessing_context="forkserver")
+    iterator = iter(loader)
+    benchmark.touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
+    cpu_start = cpu_mark()
+    started = time.perf_counter()
+    for _ in range(batches):
+        benchmark.touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
+    elapsed = time.perf_counter() - started
+    cpu_end = cpu_mark()
+    del iterator  # Its workers end here, inside the figure (run_contender counts up to their exit).
+    return {"rows_per_s": batches * BATCH / elapsed, "rows": batches * BATCH, "cpu_start": cpu_start,
+            "cpu_end": cpu_end}
+
+
+_CONTENDERS = {"shmloader": run_shmloader, "single": run_single_process, "torch": run_torch}
+
+
+def contender(name: str, fields: dict, batches: int) -> dict | None:
+    """One contender of the main table, run in a child process of its own (for its CPU,
+    readers and workers included); None for PyTorch where it is not installed."""
+    if name == "torch":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return None
+    command = [sys.executable, os.path.abspath(__file__), "--child", name, "--fields", json.dumps(fields),
+               "--batches", str(batches)]
+    return run_contender(command, 600, f"throughput.py --child {name}", env=child_environment())
 
 
 def simulated_training_step(seconds: float, work: np.ndarray) -> None:
@@ -236,7 +284,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--child", choices=sorted(_CONTENDERS), help=argparse.SUPPRESS)
+    parser.add_argument("--fields", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
+    if arguments.child:
+        finish_child(_CONTENDERS[arguments.child](json.loads(arguments.fields), arguments.batches))
     batches = arguments.batches or (300 if arguments.quick else 2000)
     images = make_files(ROWS, ROW_BYTES, with_default=False)
     labels = label_files(os.path.dirname(images["npy"]))
@@ -249,19 +301,27 @@ def main() -> int:
     lines, rates = [], {}
     for kind in ("npy", "b2nd"):
         fields = {"image": images[kind], "label": labels[kind]}
-        ours = run_shmloader(fields, batches)
-        single = run_single_process(fields, batches)
-        torch_result = run_torch(fields, kind, max(50, batches // 4))
+        ours = contender("shmloader", fields, batches)
+        single = contender("single", fields, batches)
+        torch_result = contender("torch", fields, max(50, batches // 4))
         rates[kind] = (ours, single, torch_result)
         gigabytes = (ROW_BYTES + 8) / 1e9
-        lines.append([kind, "shmloader, 2 readers, 8 slots", f"{ours['rows_per_s']:,.0f}", f"{ours['rows_per_s'] * gigabytes:.2f}",
-                      f"first batch {ours['first_batch_s']:.2f} s, ring {ours['shm_mib']:.1f} MiB, trainer waited {ours['wait_fraction']:.0%}"])
-        lines.append([kind, "single process, same gather", f"{single['rows_per_s']:,.0f}", f"{single['rows_per_s'] * gigabytes:.2f}", ""])
+
+        def line(what: str, result: dict, notes: str) -> list:
+            return [kind, what, f"{result['rows_per_s']:,.0f}", f"{result['rows_per_s'] * gigabytes:.2f}",
+                    per_million(result["cpu_s"], result["rows"]), per_million(result["trainer_cpu_s"], result["rows"]),
+                    notes]
+
+        lines.append(line("shmloader, 2 readers, 8 slots", ours,
+                          f"first batch {ours['first_batch_s']:.2f} s, ring {ours['shm_mib']:.1f} MiB, "
+                          f"trainer waited {ours['wait_fraction']:.0%}"))
+        lines.append(line("single process, same gather", single, ""))
         if torch_result:
-            lines.append([kind, "PyTorch DataLoader, 2 workers, __getitems__", f"{torch_result['rows_per_s']:,.0f}",
-                          f"{torch_result['rows_per_s'] * gigabytes:.2f}", "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"])
+            lines.append(line("PyTorch DataLoader, 2 workers, __getitems__", torch_result,
+                              "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"))
         print(f"reader memory ({kind}): " + "; ".join(ours["reader_memory"]))
-    print(table(lines, ["file", "loader", "rows/s", "GB/s", "notes"]))
+    header = ["file", "loader", "rows/s", "GB/s", "CPU s / M rows", "trainer CPU s / M rows", "notes"]
+    print(table(lines, header))
     verify_cost = checksum_cost(images, labels, batches)
     shard_ratio = many_files_ratio(images, labels, batches)
     print("\n## next() when the batch is ready (2 readers, 8 slots; microseconds)")
@@ -306,8 +366,10 @@ def main() -> int:
              f"of one file's rate",
              *(f"next() with {label} batches after a training step: median {cost['median']:.1f} us" for label, cost
                in costs.items())]
-    record("throughput", "python bench/throughput.py" + (" --quick" if arguments.quick else ""),
-           ["file", "loader", "rows/s", "GB/s", "notes"], lines, headline, notes)
+    notes.append("CPU s / M rows: all the contender's processes (trainer, readers or workers) from the timed "
+                 "batches' start to their exit; trainer: its own process within the timed batches")
+    record("throughput", "python bench/throughput.py" + (" --quick" if arguments.quick else ""), header, lines,
+           headline, notes)
     return 0
 
 
