@@ -24,6 +24,7 @@ from ..plan.sampler import derive_seed
 from ..transforms.core import global_positions
 
 _MASK32 = (1 << 32) - 1
+_SCALARS = (int, float, bool)
 # Datasets loaded in this reader, by their spec's token: a filler's probe for bad records
 # (and a reconfigured filler) uses the same object instead of unpickling it again.
 _LOADED: dict[str, object] = {}
@@ -68,8 +69,20 @@ def load_dataset(spec: DatasetSpec):
     return dataset
 
 
-def _seed_globals(seed: int, position: int) -> None:
-    value = derive_seed(seed, "sample", position)
+def sample_seeds(seed: int, positions: np.ndarray) -> list[int]:
+    """The 64-bit seeds of the samples at stream `positions`: splitmix64's finaliser of
+    key + position * 2^64/phi, the key derive_seed(seed, "sample"). One numpy pass per batch
+    (a hash per sample cost as much as seeding a generator)."""
+    key = np.uint64(derive_seed(seed, "sample"))
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64's does.
+        z = key + np.asarray(positions, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z.tolist()
+
+
+def _seed_globals(value: int) -> None:
     random.seed(value)
     np.random.seed(value & _MASK32)
     torch = sys.modules.get("torch")
@@ -89,6 +102,9 @@ class DatasetRunner:
         self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
         self._outputs = {output.name: output for output in spec.outputs}
         self._paths = _leaf_paths(spec.structure)
+        # Leaves that take a plain write: an array of the output's shape or a Python scalar
+        # into a fixed-shape output (anything else goes through _write_leaf's checks).
+        self._fixed = [self._outputs[name].max_length is None for name, _, _ in self._paths]
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
@@ -96,15 +112,29 @@ class DatasetRunner:
             positions = sampler.row_keys(step, len(indices))
         else:
             positions = global_positions(step, len(indices), sampler.shard_index, sampler.shard_count)
-        for position_in_batch, (index, position) in enumerate(zip(indices.tolist(), positions.tolist())):
-            _seed_globals(sampler.seed + salt, position)
+        names = [name for name, _, _ in self._paths]
+        targets = [out[name] for name in names]
+        shapes = [target.shape[1:] for target in targets]
+        plain = list(zip(names, targets, shapes, self._fixed))
+        for row, (index, seed) in enumerate(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions))):
+            _seed_globals(seed)
             try:
                 sample = self.dataset[index]
             except Exception as error:
                 if hasattr(error, "add_note"):
-                    error.add_note(f"in dataset[{index}] (step {step}, batch position {position_in_batch})")
+                    error.add_note(f"in dataset[{index}] (step {step}, batch position {row})")
                 raise
-            self._write(index, position_in_batch, sample, out)
+            leaves = self._leaves(index, sample)
+            if len(leaves) != len(plain) or not leaves:
+                self._write(index, row, leaves, out)  # Shaped otherwise: _write names what differs.
+                continue
+            for (name, value), (expected, target, shape, fixed) in zip(leaves, plain):
+                kind = type(value)
+                if fixed and name == expected and (kind is np.ndarray and value.shape == shape or
+                                                   kind in _SCALARS and shape == ()):
+                    target[row] = value  # Casts as numpy does (an int64 scalar into int32 if declared so).
+                else:
+                    self._write_leaf(index, row, name, value, out)
 
     def _leaves(self, index: int, sample) -> list[tuple[str, object]]:
         """The sample's leaves by dataset[0]'s paths (no walk of the whole structure per
@@ -123,32 +153,35 @@ class DatasetRunner:
             pass
         return flatten(sample, f"dataset[{index}]")[1]
 
-    def _write(self, index: int, row: int, sample, out: dict) -> None:
-        leaves = self._leaves(index, sample)
+    def _write(self, index: int, row: int, leaves: list[tuple[str, object]], out: dict) -> None:
+        """Writes a sample's `leaves` (_leaves) into row `row` of the slot, every leaf checked."""
         if len(leaves) != len(self._outputs):
             raise DatasetError(f"dataset[{index}] has leaves {[name for name, _ in leaves]}; dataset[0] had "
                                f"{list(self._outputs)}")
         for name, value in leaves:
-            output = self._outputs.get(name)
-            if output is None:
-                raise DatasetError(f"dataset[{index}] has leaf {name!r}, which dataset[0] does not have "
-                                   f"({list(self._outputs)})")
-            array = _leaf_array(value, f"dataset[{index}][{name!r}]")
-            target = out[name]
-            if output.max_length is None:
-                if array.shape != target.shape[1:]:
-                    raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}, where dataset[0]'s (or "
-                                       f"outputs=) is {target.shape[1:]}; declare outputs={{{name!r}: "
-                                       f"Ragged(max_length)}} for a varying first dimension")
-                target[row] = array  # Casts as numpy does (an int64 scalar into int32 if declared so).
-                continue
-            length = array.shape[0] if array.ndim else -1
-            if array.ndim < 1 or array.shape[1:] != target.shape[2:] or length > output.max_length:
-                raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}; its output is Ragged with "
-                                   f"max_length={output.max_length} and per-item shape {target.shape[2:]}")
-            target[row, :length] = array
-            target[row, length:] = output.pad
-            out[f"{name}.lengths"][row] = length
+            self._write_leaf(index, row, name, value, out)
+
+    def _write_leaf(self, index: int, row: int, name: str, value, out: dict) -> None:
+        output = self._outputs.get(name)
+        if output is None:
+            raise DatasetError(f"dataset[{index}] has leaf {name!r}, which dataset[0] does not have "
+                               f"({list(self._outputs)})")
+        array = _leaf_array(value, f"dataset[{index}][{name!r}]")
+        target = out[name]
+        if output.max_length is None:
+            if array.shape != target.shape[1:]:
+                raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}, where dataset[0]'s (or "
+                                   f"outputs=) is {target.shape[1:]}; declare outputs={{{name!r}: "
+                                   f"Ragged(max_length)}} for a varying first dimension")
+            target[row] = array  # Casts as numpy does (an int64 scalar into int32 if declared so).
+            return
+        length = array.shape[0] if array.ndim else -1
+        if array.ndim < 1 or array.shape[1:] != target.shape[2:] or length > output.max_length:
+            raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}; its output is Ragged with "
+                               f"max_length={output.max_length} and per-item shape {target.shape[2:]}")
+        target[row, :length] = array
+        target[row, length:] = output.pad
+        out[f"{name}.lengths"][row] = length
 
 
 def _leaf_paths(structure: dict) -> list[tuple[str, tuple, tuple]]:
