@@ -193,7 +193,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         finite = None if self._epochs is None else FinitePass.of(plan.sampler, self._epochs, self.drop_last)
         self._cuts = StepCuts(self.slot, self.batch_size, plan.sampler, finite)
         # The whole first ring of steps must be steps the sampler can compute.
-        check_integer("start_step", start_step, 0, min(plan.sampler.step_max - self.slots, self._cuts.end_step))
+        check_integer("start_step", start_step, 0, self._last_step(plan.sampler, self._cuts.end_step))
         if self.options.warn_layout:
             warn_poor_layouts(self.plans)
         warn_window_memory(self.plans, plan.sampler)
@@ -210,6 +210,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def finite(self) -> FinitePass | None:
         """The finite pass (epochs=N), or None for the endless loader."""
         return self._cuts.finite
+
+    def _last_step(self, sampler, end_step: int) -> int:
+        """The last step a run may start at: its pass's end, and short of the stream's last
+        step by the ring's slots (the readers fill that far ahead of it)."""
+        return min(sampler.step_max - self.slots, end_step)
 
     def _filler_spec(self, sampler) -> FillerSpec:
         return FillerSpec(self.slot, sampler, self.plan.fields, self.verify, self.transform,
@@ -337,7 +342,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                                       resume.position >= finite.positions):
             resume = end  # The checkpoint's pass had ended (its last global batch ran past it): so has this one.
         step = resume.step if isinstance(resume, Resume) else resume
-        check_integer("the checkpoint's step", step, 0, min(sampler.step_max - self.slots, end))
+        check_integer("the checkpoint's step", step, 0, self._last_step(sampler, end))
         if sampler is not self.sampler:
             # Readers build their sampler from their configuration: the session replaces them.
             self._session.use(sampler, finite, self._filler_spec(sampler))
@@ -375,7 +380,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         discarded; readers in the middle of one finish it first.
         """
         self._session.check_open()
-        self._session.seek(check_integer("step", step, 0, min(self.sampler.step_max - self.slots, self._cuts.end_step)))
+        self._session.seek(check_integer("step", step, 0, self._last_step(self.sampler, self._cuts.end_step)))
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and per reader its

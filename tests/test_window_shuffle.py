@@ -483,3 +483,36 @@ def test_a_checkpoint_of_a_covering_window_from_before_the_global_fallback_is_re
         loader.load_state_dict(state)
         with pytest.raises(ValueError, match=r"whose order was 'sliding'.*covers the data is the global shuffle"):
             loader.load_state_dict({**state, "shuffle_order": "sliding"})
+
+
+def test_closing_the_read_ahead_drops_what_it_has_queued():
+    """A loader from a store closes without waiting for the window's blocks it had queued
+    (seconds of the link each): the request in progress ends, the queued ones are dropped."""
+    import threading
+
+    from shmloader.storage.readahead import Advisor
+
+    started, release, fetched = threading.Event(), threading.Event(), []
+
+    class Remote:
+        def prefetch(self, offsets, sizes, unit_pages):
+            fetched.append(int(offsets[0]))
+            started.set()
+            release.wait(10)
+
+    class Field:
+        remote, unit_pages = Remote(), 1
+
+    advisor = Advisor(8)
+    for block in range(5):
+        assert advisor.submit("fetch", [(Field, block, 1)])
+    assert started.wait(10)
+    closing = threading.Thread(target=advisor.close)
+    closing.start()
+    for _ in range(500):  # Until drained, with the thread's stop request left (5 s at most).
+        if advisor._pending.qsize() <= 1:
+            break
+        closing.join(0.01)
+    release.set()
+    closing.join(10)
+    assert not closing.is_alive() and fetched == [0]

@@ -62,8 +62,7 @@ class FieldReader:
         # Rows in shuffled or random order: no read-around on page faults (storage/opening.open_field).
         # The block-local shuffle keeps it: a fault ahead of its read-ahead then reads the
         # block around the row in one go instead of page by page.
-        self.random_access = getattr(sampler, "mode", "shuffle") != "sequential" and \
-            not getattr(sampler, "blocks_per_window", 0)
+        self.random_access = sampler.mode != "sequential" and not sampler.blocks_per_window
         self._opened: dict[int, object] = {}
         # Read from a store through the node cache: every fill pins its pages first (extents).
         self.remote = any(spec.remote for spec in plan.stored_files())

@@ -95,11 +95,6 @@ def memory_limit_bytes() -> int:
     return limit
 
 
-def _window_stream(sampler, step: int) -> tuple:
-    """(key, stream, position) of the stream `step` reads (Sampler.window_stream); a
-    mixture's source has one stream."""
-    of = getattr(sampler, "window_stream", None)
-    return (None, sampler, sampler.stream_position(step)) if of is None else of(step)
 
 
 class ReadAhead:
@@ -123,7 +118,7 @@ class ReadAhead:
         # advise, and the next to let go of at each stage; None before the first step and
         # after a jump.
         self._advised: int | None = None
-        self._key, self._stream = None, sampler  # the stream being read ahead (see _window_stream)
+        self._key, self._stream = None, sampler  # the stream being read ahead (see Sampler.window_stream)
         self._released: dict[str, int | None] = {"forget": None, "drop": None}
         self._own_advisor = advisor is None
         self.advisor = Advisor() if advisor is None else advisor
@@ -134,7 +129,7 @@ class ReadAhead:
         from to `ahead` past the first of them, and lets go of those closed LAG_STEPS and
         2 * LAG_STEPS steps ago (its mappings, then the pages), each once (a request the
         full queue refused is made again at the next step)."""
-        key, stream, position = _window_stream(self.sampler, step)
+        key, stream, position = self.sampler.window_stream(step)
         places = stream.places(position)
         needed = places.epoch * places.total + places.closed
         if self._advised is None or key != self._key or not needed <= self._advised <= needed + self.ahead:
@@ -153,7 +148,7 @@ class ReadAhead:
         for stage, lag in (("forget", LAG_STEPS), ("drop", 2 * LAG_STEPS)):
             if step < lag:
                 continue
-            lagged_key, _, lagged_position = _window_stream(self.sampler, step - lag)
+            lagged_key, _, lagged_position = self.sampler.window_stream(step - lag)
             if lagged_key != key:
                 continue  # Blocks of a stream left behind: the kernel reclaims them as any cached page.
             lagged = stream.places(lagged_position)
@@ -213,8 +208,8 @@ class Advisor:
 
     def submit(self, what: str, ranges: list[tuple]) -> bool:
         """Queues "advise" (read ahead), "forget" (drop this process's mappings) or "drop"
-        (drop the pages) of `ranges`; False if the queue is full (the disk is behind: the
-        caller asks again later)."""
+        (drop the pages) of `ranges`, or "fetch" (from a store into the node cache); False if
+        the queue is full (the disk is behind: the caller asks again later)."""
         try:
             self._pending.put_nowait((what, ranges))
             return True
@@ -240,7 +235,14 @@ class Advisor:
                 _fadvise(ranges, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        """Stops the thread after what it has queued (the fields stay open until it is done)."""
+        """Stops the thread after the request it is making: what is still queued is dropped
+        (from a store, a window's blocks are seconds of the link; the fields stay open until
+        the thread is done)."""
+        while True:
+            try:
+                self._pending.get_nowait()
+            except queue.Empty:
+                break
         while True:
             try:
                 self._pending.put(None, timeout=0.1)
