@@ -13,10 +13,14 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = pathlib.Path(__file__).parent
 ZIG_ROOT_SOURCE = "zig/c_api.zig"
-# The trainer's next(): shmloader/_cursor*.c, with _cursor.h (see its first lines).
-CURSOR_SOURCES = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("shmloader/_cursor*.c"))
+# The trainer's next(): shmloader/ring/_cursor*.c, with _cursor.h (see its first lines),
+# built as shmloader.ring._cursor beside its sources.
+CURSOR_MODULE = "shmloader.ring._cursor"
+CURSOR_SOURCES = sorted(str(path.relative_to(ROOT)) for path in ROOT.glob("shmloader/ring/_cursor*.c"))
 # The slot protocol's one definition; the Zig sources import its translation.
-RING_HEADER = "shmloader/ring.h"
+RING_HEADER = "shmloader/ring/ring.h"
+# The Zig library, called through cffi; _ffi.py is written beside it.
+NATIVE_MODULE = "shmloader._shmloader_native"
 GENERATED_ZIG_HEADER = "zig/ring_h.zig"
 # The C declarations called through cffi; _ffi.py is generated from them.
 DECLARATIONS = "shmloader/_declarations.py"
@@ -49,7 +53,7 @@ class ZigBuildExt(build_ext):
     and generates the cffi module the Zig library is called through."""
 
     def run(self) -> None:
-        package_dir = pathlib.Path(self.get_ext_fullpath("shmloader._cursor")).resolve().parent
+        package_dir = pathlib.Path(self.get_ext_fullpath(NATIVE_MODULE)).resolve().parent
         package_dir.mkdir(parents=True, exist_ok=True)
         write_ffi_module(package_dir)
         super().run()
@@ -58,7 +62,7 @@ class ZigBuildExt(build_ext):
         target = pathlib.Path(self.get_ext_fullpath(ext.name)).resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         zig = [sys.executable, "-m", "ziglang"]
-        if ext.name.endswith("_cursor"):
+        if ext.name == CURSOR_MODULE:
             import numpy  # A build requirement (pyproject.toml): its headers give the array struct.
 
             command = [
@@ -93,8 +97,8 @@ class ZigBuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("shmloader._shmloader_native", sources=[ZIG_ROOT_SOURCE]),
-        Extension("shmloader._cursor", sources=CURSOR_SOURCES, depends=["shmloader/_cursor.h", RING_HEADER]),
+        Extension(NATIVE_MODULE, sources=[ZIG_ROOT_SOURCE]),
+        Extension(CURSOR_MODULE, sources=CURSOR_SOURCES, depends=["shmloader/ring/_cursor.h", RING_HEADER]),
     ],
     cmdclass={"build_ext": ZigBuildExt},
 )

@@ -1,6 +1,6 @@
 """Loads the native parts: the Zig library (built from zig/) through cffi in ABI mode, with its
 API declared in _declarations.py, and the trainer's next() (the CPython extension built from
-_cursor.c). `ffi` is shared by every library the package calls (libc's mapping calls,
+ring/_cursor*.c). `ffi` is shared by every library the package calls (libc's mapping calls,
 libblosc2)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ._declarations import (
 )
 
 # The slot protocol's constants and structs (ring.h) are declared from the header itself.
-RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring.h"
+RING_HEADER = pathlib.Path(__file__).resolve().parent / "ring" / "ring.h"
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 LIBRARY_STEM = "_shmloader_native"
@@ -154,15 +154,16 @@ Status = _status_enum()
 
 
 def load_cursor():
-    """The CPython extension compiled from _cursor*.c (the trainer's next(); readers skip it)."""
+    """The CPython extension compiled from ring/_cursor*.c (the trainer's next(); readers skip it)."""
     try:
-        from . import _cursor
+        from .ring import _cursor
     except ImportError as error:
-        raise NativeLibraryError(f"cannot import shmloader._cursor ({error}). {_fix_hint()}") from None
+        raise NativeLibraryError(f"cannot import shmloader.ring._cursor ({error}). {_fix_hint()}") from None
     # Only a source checkout (zig/ beside the package) has sources to compare with: an
-    # installed package may carry _cursor.c and ring.h as data, copied after the build.
+    # installed package may carry ring/_cursor.c and ring/ring.h as data, copied after the build.
     in_checkout = (PACKAGE_DIR.parent / "zig").is_dir()
-    _check_fresh(pathlib.Path(_cursor.__file__), [*PACKAGE_DIR.glob("_cursor*.[ch]"), RING_HEADER] if in_checkout else [])
+    sources = [*RING_HEADER.parent.glob("_cursor*.[ch]"), RING_HEADER]
+    _check_fresh(pathlib.Path(_cursor.__file__), sources if in_checkout else [])
     return _cursor
 
 

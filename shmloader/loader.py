@@ -153,7 +153,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                     raise
                 raise renamed from None  # Objects named by their URLs, not by their cache paths.
             self._session = self._start(plan, options.start_step)
-            self._cursor = self._session.cursor  # What next(loader) forwards to, in C (_cursor_type.c).
+            self._cursor = self._session.cursor  # What next(loader) forwards to, in C (ring/_cursor_module.c).
         except BaseException:
             resources.close()  # A half-built loader gives back what it took before raising.
             raise
@@ -230,7 +230,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def __bool__(self) -> bool:
         return True
 
-    # Iteration: the session's native cursor (_cursor.c) decides what the step's slot holds,
+    # Iteration: the session's native cursor (ring/_cursor.c) decides what the step's slot holds,
     # takes it or waits for it, and calls its supervisor only to check readers and raise.
     # next(loader) reaches it through LoaderBase, in C; a loop iterates the cursor itself.
 

@@ -1,7 +1,7 @@
 """A loader's session: the ring, its readers and the native cursor over the ring.
 
 ShmDataLoader (loader.py) checks the settings, plans and answers the user; its Session
-runs what the plan needs. The session creates the ring, builds the cursor (_cursor.c)
+runs what the plan needs. The session creates the ring, builds the cursor (ring/_cursor.c)
 from plain settings and callables, configures the readers, requests steps, takes every
 slot back for a seek, gives the readers another filler, and tears it all down.
 

@@ -102,9 +102,9 @@ def test_the_source_distribution_holds_every_source(tmp_path):
     with tarfile.open(archive) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     expected = {f"zig/{path.name}" for path in ZIG_DIR.glob("*.zig") if path.name != _native.GENERATED_ZIG_HEADER}
-    expected |= {f"shmloader/{path.name}" for path in (ZIG_DIR.parent / "shmloader").glob("_cursor*.[ch]")}
-    expected |= {"shmloader/_cursor.c", "shmloader/_cursor.h", "shmloader/ring.h", "shmloader/py.typed", "shmloader/_declarations.py",
-                 "setup.py", "pyproject.toml"}
+    expected |= {f"shmloader/ring/{path.name}" for path in (ZIG_DIR.parent / "shmloader" / "ring").glob("_cursor*.[ch]")}
+    expected |= {"shmloader/ring/_cursor.c", "shmloader/ring/_cursor.h", "shmloader/ring/ring.h", "shmloader/py.typed",
+                 "shmloader/_declarations.py", "setup.py", "pyproject.toml"}
     assert expected <= names, expected - names
     assert "zig/ring_h.zig" not in names  # Generated at build time from ring.h.
     assert "shmloader/_ffi.py" not in names  # Generated at build time from _declarations.py.

@@ -1,4 +1,4 @@
-"""The ring's layout (ring/layout.py) and protocol (ring/segment.py) agree with ring.h, the one definition that _cursor.c and
+"""The ring's layout (ring/layout.py) and protocol (ring/segment.py, ring/transitions.py) agree with ring/ring.h, the one definition that ring/_cursor.c and
 the Zig library also compile against: a drift in a value or an offset fails here."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_struct_layout_is_the_documented_one():
 
 
 def request(ring, slot, step):
-    """What the trainer's cursor does to request a slot (_cursor.c request_slot): the step
+    """What the trainer's cursor does to request a slot (ring/_cursor.h request_slot): the step
     word, then the state."""
     line = ring.layout.table_offset + slot * SLOT_CONTROL_BYTES
     struct.pack_into("<Q", ring.memory, line + 8, step)

@@ -100,7 +100,7 @@ def test_the_cursor_takes_one_fixed_signature_and_refuses_what_is_outside_it(dat
 
 
 def test_a_seek_waits_natively_for_the_slot_a_reader_fills(dataset):
-    """The trainer's one wait (_cursor.c's wait_slot) serves a seek too: armed, woken by the
+    """The trainer's one wait (ring/_cursor.c's cursor_wait) serves a seek too: armed, woken by the
     reader's publish, disarmed after."""
     import threading
     import time

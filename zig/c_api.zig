@@ -7,7 +7,7 @@ const gather = @import("gather.zig");
 const mixture = @import("mixture.zig");
 const status = @import("status.zig");
 const Status = status.Status;
-/// Generated from shmloader/ring.h by `zig translate-c` at build time (setup.py).
+/// Generated from shmloader/ring/ring.h by `zig translate-c` at build time (setup.py).
 const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
@@ -205,7 +205,7 @@ export fn shm_state_compare_swap(address: *u64, expected: u64, desired: u64) u64
 
 /// A reader publishes a slot's new state word (READY or FAILED) and learns whether the
 /// trainer waits on the slot's semaphore: sequentially consistent, so that with the
-/// trainer's arming of the flag (cursor_wait in _cursor.c) at least one side sees the other (ring.h). Returns the flag.
+/// trainer's arming of the flag (cursor_wait in ring/_cursor.c) at least one side sees the other (ring.h). Returns the flag.
 export fn shm_publish(line: *ring.shm_control_line, word: u64) u64 {
     @atomicStore(u64, &line.state, word, .seq_cst);
     return @atomicLoad(u64, &line.waiter, .seq_cst);
@@ -267,7 +267,7 @@ test "publish reports the waiter flag the trainer armed" {
     var line = std.mem.zeroes(ring.shm_control_line);
     line.state = ring.SHM_SLOT_FILLING;
     try std.testing.expectEqual(@as(u64, 0), shm_publish(&line, ring.SHM_SLOT_READY));
-    line.waiter = 1; // The trainer's side (cursor_wait in _cursor.c): a seq_cst store, then a load of the state.
+    line.waiter = 1; // The trainer's side (cursor_wait in ring/_cursor.c): a seq_cst store, then a load of the state.
     try std.testing.expectEqual(@as(u64, 1), shm_publish(&line, ring.SHM_SLOT_FAILED));
 }
 

@@ -41,7 +41,7 @@ def default_readers(environment=os.environ) -> int:
 
 
 # Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
-# loop's variable still holds while next() runs (_cursor.c's readers_ahead counts them too).
+# loop's variable still holds while next() runs (ring/_cursor.c's readers_ahead counts them too).
 TRAINER_SLOTS = 2
 # The default ring stays under this many bytes where the readers' share allows (see default_slots).
 _DEFAULT_RING_BYTES = 1 << 30
@@ -62,6 +62,6 @@ def default_slots(readers: int, slot_bytes: int) -> int:
 
 def wake_after(slots: int) -> int:
     """How many slots the trainer hands back before it wakes the readers while they are
-    ahead (see cursor_release in _cursor.c). Half the ring: they are woken at once whenever
+    ahead (see cursor_release in ring/_cursor.c). Half the ring: they are woken at once whenever
     the batch after the one being delivered is not ready, so deferring costs no waiting."""
     return max(1, slots // 2)

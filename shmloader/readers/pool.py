@@ -325,7 +325,7 @@ class ReaderPool:
     def take_back(self, slot: int, timeout_seconds: float, cursor) -> None:
         """Takes a slot back from the readers (a seek): a requested one at once, one being
         filled once its reader is done, waiting at most `timeout_seconds` (the cursor's
-        wait: the protocol's waits are _cursor.c's alone). `cursor.request` is check()'s."""
+        wait: the protocol's waits are ring/_cursor.c's alone). `cursor.request` is check()'s."""
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:

@@ -41,7 +41,7 @@ import ray.exceptions
 
 from ..errors import ReaderError
 from ..fill.filler import FillerSpec
-from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
+from ..ring.layout import POLL_INTERVAL_SECONDS
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from .reader import ErrorReport, yield_to_the_trainer
@@ -288,9 +288,7 @@ class RayBridge:
         publisher.pid = pid  # The actor's process of the moment (a replacement has its own).
         if report:
             self._failed.add(job.actor)
-            self.ring.records.write_stats(record, pid, publisher.busy_ns, publisher.batches)
-            self.ring.records.write_error(record, report)
-            self.ring.publish(job.slot, SlotState.FAILED, record)
+            publisher.fail(report, (job.slot,))
             return
         target = self._slots[job.slot]
         problem = _result_problem(data, target)
@@ -299,8 +297,7 @@ class RayBridge:
             error = ReaderError(f"Ray actor {job.actor} (pid {pid}) returned {problem} for step {job.step}, where "
                                 f"a slot of {target.nbytes} uint8 bytes was expected: is every node running the same "
                                 f"shmloader?", reader_index=record, step=job.step)
-            self.ring.records.write_error(record, ErrorReport.of(error, job.step).encode())
-            self.ring.publish(job.slot, SlotState.FAILED, record)
+            publisher.fail(ErrorReport.of(error, job.step).encode(), (job.slot,))
             return
         np.copyto(target, data)
         del data  # The object store's copy goes once nothing refers to it.
@@ -333,7 +330,7 @@ class RayBridge:
     def _give_back(self, job: _Job) -> None:
         """FILLING by this actor's record -> REQUESTED, the step word unchanged, and the
         readers woken: only the claimer writes a FILLING slot's state, so the swap cannot
-        race another writer (the ring's transition table, ring/segment.py)."""
+        race another writer (the ring's transition table, ring/transitions.py)."""
         record = self.first + job.actor
         if not self.ring.give_back(job.slot, record):
             raise ReaderError(f"slot {job.slot} (step {job.step}) was not filling by Ray actor {job.actor} when the "

@@ -22,7 +22,7 @@ import posix_ipc
 
 from ..errors import TransformError
 from ..fill.filler import FillerSpec
-from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingLayout, RingNames, SlotState
+from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingLayout, RingNames
 from ..ring.publishing import Publisher, fill_and_publish
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
@@ -422,10 +422,9 @@ def main(argv: list[str]) -> int:
     except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
         leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.
         step = reader.step if reader is not None else None
-        ring.records.write_error(config.reader_index, ErrorReport.of(error, step).encode())
-        if reader is not None and step is not None:
-            for slot in ring.slots_filled_by(config.reader_index):
-                ring.publish(slot, SlotState.FAILED, config.reader_index)
+        publisher = reader.publisher if reader is not None else Publisher(ring, config.reader_index, pid)
+        filling = ring.slots_filled_by(config.reader_index) if step is not None else ()
+        publisher.fail(ErrorReport.of(error, step).encode(), filling)
         return EXIT_REPORTED_ERROR
     finally:
         leave_if_forked(pid)

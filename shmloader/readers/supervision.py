@@ -1,15 +1,11 @@
-"""What the trainer does about a step next() cannot deliver at once.
+"""What the trainer does about a step next() cannot deliver at once: the actions that
+ring/step_codes.py's map (StepActions) sends each STEP code to.
 
-The native next() (_cursor.c) delivers a READY step by itself. For any other state it
-calls back, and the Supervisor decides: fill the step here (readers=0), raise (a failed or
-wrong step, a step in flight past step_timeout, a slot a batch holds past hold_timeout, a
-reader dead past its budget), or return for next() to look again, warning once when a
-step stays in flight long enough to look like a hang. It also owns the one warning about
-records replaced under on_error="skip".
-
-The cursor is passed to each call rather than kept: the cursor holds supervise, and the
-session's finalizer (session.py) waits for the cursor to go, so a reference back would keep
-an unclosed loader's ring alive past its last use.
+Fill the step here (readers=0), raise (a failed reader's own error, a step in flight past
+step_timeout, a slot a batch holds past hold_timeout, a reader dead past its budget), or
+return for next() to look again, warning once when a step stays in flight long enough to
+look like a hang. It also owns the one warning about records replaced under
+on_error="skip".
 """
 
 from __future__ import annotations
@@ -20,10 +16,8 @@ import sys
 import time
 import warnings
 
-from .._native import load_cursor
 from ..errors import (
     ReaderStallWarning,
-    SharedMemoryError,
     SkippedRecordsWarning,
     SlotsExhaustedError,
     StepTimeoutError,
@@ -31,8 +25,7 @@ from ..errors import (
 )
 from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from ..ring.publishing import Publisher, fill_and_publish
-
-cursor_module = load_cursor()
+from ..ring.step_codes import StepActions
 
 # next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
 # a file on a stalled network mount): silence would look like a hang.
@@ -47,8 +40,8 @@ def _cache_note() -> str:
     return note[:1].upper() + note[1:]
 
 
-class Supervisor:
-    """The trainer's decisions for steps that are not READY, for one loader.
+class Supervisor(StepActions):
+    """The trainer's actions for steps that are not READY, for one loader.
 
     `filler` and `outputs` are set for readers=0 only: the filler this process runs, bound
     to each slot's arrays. `step_timeout` None waits (warning after STALL_WARNING_SECONDS).
@@ -65,34 +58,23 @@ class Supervisor:
         self._stall_warned = False
         self._publisher = None  # readers=0: the record of the steps filled in this process.
 
-    def supervise(self, cursor, state: int, owner: int, step: int) -> None:
-        """For `step`, in `state` (one of _cursor's STEP_* values) with `owner` the reader
-        record the ring names: after each poll interval in flight, for a held or failed
-        slot, and every few batches. Raises, or returns for next() to look again."""
-        self.raise_if_closed(cursor)
-        if state == cursor_module.STEP_IN_FLIGHT and self.filler is not None:
+    # The actions (ring/step_codes.py's table says which code gets which).
+
+    def due(self, cursor, step: int) -> None:
+        self._check(cursor, step, held=False)
+
+    def failed(self, owner: int) -> None:
+        self.pool.raise_reported(owner)
+
+    def held(self, cursor, step: int) -> None:
+        self._wait_for_holder(cursor, step, self._check(cursor, step, held=True))
+
+    def in_flight(self, cursor, step: int) -> None:
+        if self.filler is not None:
             self._fill_here(cursor, step)
             return
-        if state == cursor_module.STEP_FAILED:
-            self.pool.raise_reported(owner)
-        if state == cursor_module.STEP_WRONG:
-            slot = step % self.slots
-            found, _ = self.ring.state(slot)
-            raise SharedMemoryError(
-                f"slot {slot} of ring {self.ring.names.segment} is {found.name} with step {self.ring.step(slot)} "
-                f"while step {step} was expected; another process wrote to the ring"
-            )
-        self.pool.check(cursor.request)
-        self.warn_if_skipped()
-        episode = (step, cursor.batches)
-        if episode != self._episode:
-            self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
-            if state == cursor_module.STEP_HELD:
-                gc.collect()  # Views caught in reference cycles: give them one chance to go.
-        waited_s = time.monotonic() - self._episode_since
-        if state == cursor_module.STEP_HELD:
-            self._wait_for_holder(cursor, step, waited_s)
-        elif state == cursor_module.STEP_IN_FLIGHT and self.step_timeout is not None and waited_s > self.step_timeout:
+        waited_s = self._check(cursor, step, held=False)
+        if self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
             filling = found == SlotState.FILLING
             who = (f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
@@ -102,7 +84,7 @@ class Supervisor:
                 f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
                 f"loader (its readers are killed) and look at that step with shmloader.transforms.compute_batch.",
                 step, filler if filling else None, self.pool.pid(filler) if filling else None)
-        elif state == cursor_module.STEP_IN_FLIGHT and waited_s > STALL_WARNING_SECONDS and not self._stall_warned:
+        if waited_s > STALL_WARNING_SECONDS and not self._stall_warned:
             self._stall_warned = True
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
@@ -113,6 +95,19 @@ class Supervisor:
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),
             )
+
+    def _check(self, cursor, step: int, held: bool) -> float:
+        """Checks the readers (restarting a dead one, raising past its budget) and warns of
+        skipped records; returns how long next() has waited on this step (the episode: the
+        same step, no batch delivered since)."""
+        self.pool.check(cursor.request)
+        self.warn_if_skipped()
+        episode = (step, cursor.batches)
+        if episode != self._episode:
+            self._episode, self._episode_since, self._stall_warned = episode, time.monotonic(), False
+            if held:
+                gc.collect()  # Views caught in reference cycles: give them one chance to go.
+        return time.monotonic() - self._episode_since
 
     def _fill_here(self, cursor, step: int) -> None:
         """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An

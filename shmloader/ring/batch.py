@@ -1,6 +1,6 @@
 """A batch as the trainer sees it.
 
-Batch's arrays view a shared-memory slot; _cursor_module.c (BatchBase) and _cursor.c keep the slot
+Batch's arrays view a shared-memory slot; _cursor_batch.c (BatchBase) and _cursor.c keep the slot
 reserved while any of them is alive.
 """
 

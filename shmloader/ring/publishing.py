@@ -1,9 +1,10 @@
-"""A filled step made visible: the one path by which every filler (a reader process, the
-trainer itself with readers=0, the Ray bridge for its actors) hands a slot to the trainer.
+"""A filled step made visible, or its failure: the one path by which every filler (a reader
+process, the trainer itself with readers=0, the Ray bridge for its actors) hands a slot it
+claimed back to the trainer (FILLING|r -> READY|r or FAILED|r, ring/transitions.py).
 
-The order is the protocol's (ring.h): a record's skipped records and statistics are
-written before READY is published, since the trainer may read them as soon as it sees
-READY; READY is the last write.
+The order is the protocol's (ring.h): a record's skipped records, statistics and error
+report are written before READY or FAILED is published, since the trainer may read them
+as soon as it sees the state; the state is the last write.
 """
 
 from __future__ import annotations
@@ -46,11 +47,26 @@ class Publisher:
         self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
         self.ring.publish(slot, SlotState.READY, self.record)
 
+    def fail(self, report: bytes, slots=()) -> None:
+        """The filler failed: writes the record's statistics and `report` (an encoded
+        readers.reader.ErrorReport), then publishes FAILED for each of `slots`, the ones it
+        was filling (none when it failed before it claimed one: the trainer then finds the
+        report when it checks the readers). The trainer raises the report at that step."""
+        assert report, "a failure is published with its report: the trainer reads it at FAILED"
+        records = self.ring.records
+        records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
+        records.write_error(self.record, report)
+        for slot in slots:
+            self.ring.publish(slot, SlotState.FAILED, self.record)
+
 
 def fill_and_publish(publisher: Publisher, filler, step: int, outputs, slot: int, after_fill=None) -> None:
     """Fills `step` into `slot` (bound as `outputs`) with `filler` and publishes it; an
     exception leaves the slot unpublished (FILLING), for the caller to hand back.
     `after_fill`: called between the fill and the publication (a reader's fork check)."""
+    # Slot s only ever holds steps k with k % slot_count == s (Ring.publish checks the rest
+    # of the precondition: the slot is FILLING by this publisher's record).
+    assert step % publisher.ring.layout.slot_count == slot, (step, slot)
     started = time.perf_counter_ns()
     records = getattr(filler, "skipped", ())  # A test's stand-in filler may keep none.
     known = len(records)

@@ -1,8 +1,9 @@
 """The shared-memory ring: creating and attaching its segment, its semaphores and the slot states.
 
-The protocol's values and fixed structs are defined once, in ring.h, which _cursor.c
-includes, the Zig build translates and cffi parses: layout.py reads them as lib.SHM_...
-and ffi.sizeof(...), and the offsets below are computed by its RingLayout alone.
+The protocol's values and fixed structs are defined once, in ring.h (beside this file),
+which _cursor.c includes, the Zig build translates and cffi parses: layout.py reads them
+as lib.SHM_... and ffi.sizeof(...), and the offsets below are computed by its RingLayout
+alone.
 
 Segment layout (all integers little-endian, offsets in bytes):
 
@@ -28,33 +29,8 @@ step every page touched is a TLB miss, and the data of the slots is megabytes ap
 Slot s only ever holds steps k with k % slot_count == s, so batches come out in step order.
 A slot's state word holds the state in its low byte (SHM_STATE_MASK) and the filling
 reader's index above it (SHM_OWNER_SHIFT). Every change of it, with who makes it, where,
-and the memory ordering (one ordering per transition, the same in every language):
-
-    from -> to                who        where                              ordering
-    ------------------------  ---------  ---------------------------------  ----------------------------------
-    IDLE, READY -> REQUESTED  trainer    request_slot (C): Cursor.request   release store, after the step word
-    HELD -> REQUESTED         trainer    request_slot (C): cursor_release   the same; HELD is checked first
-    REQUESTED -> FILLING|r    reader r   shm_claim_lowest (Zig)             compare-and-swap, acq_rel
-    FILLING|r -> READY|r      reader r   fill_and_publish -> Ring.publish   seq_cst store after the data, then a
-                                         (ring/publishing.py; also the      seq_cst load of the waiter flag
-                                         trainer as r=0, and the Ray bridge)
-    FILLING|r -> FAILED|r     reader r   reader.main -> Ring.publish        the same, after the error report
-    READY -> HELD             trainer    take (C)                           relaxed store: only the trainer
-                                                                            reads HELD, and it publishes nothing
-    FILLING|r -> REQUESTED    trainer    request_slot (C): Cursor.request   release store; r is dead (ReaderPool.
-                                         from ReaderPool.retire, or a       retire) or r=0 is the trainer itself
-                                         failed fill with readers=0
-    REQUESTED -> IDLE         trainer    Ring.withdraw (a seek)             compare-and-swap, acq_rel (a reader
-                                                                            may claim the slot first)
-    FILLING|r -> REQUESTED    reader r   Ring.give_back: the Ray bridge     compare-and-swap, acq_rel, then a
-                              (bridge)   for a lost actor's steps           post of the work semaphore
-
-Every read of a state word that acts on it is an acquire load (Ring.state, step_state in
-_cursor.c, the claim's scan); the step word is read after it and written before the
-store that publishes it. Semaphores only wake waiters; the state word is the truth. A
-reader posts a slot's ready semaphore only when the trainer has armed the slot's waiter
-flag (seq_cst store of the flag, then a load of the state: a Dekker pair with publish),
-so a semaphore's count stays within a few posts however long the readers run ahead.
+and its memory ordering, is tabled in transitions.py (TRANSITIONS), checked against the
+code by tests/test_transitions.py; the Ring's methods below make the Python side's.
 
 Liveness of a ring's owner: the creating trainer holds an exclusive flock on the segment
 for the ring's lifetime (the kernel drops it when the process dies or execs, whatever
@@ -262,7 +238,7 @@ class Ring:
         """Whether the ring's creator still holds its owner lock (a reader's question)."""
         return not lock_free(self.segment_fd, shared=True)
 
-    # Slot state: the orderings are the table's in the module docstring.
+    # Slot state: the changes and their orderings are transitions.py's table.
 
     def state(self, slot: int) -> tuple[SlotState, int]:
         """(state, owner reader index), by an acquire load; raises SharedMemoryError on a
@@ -278,26 +254,33 @@ class Ring:
         is visible to whoever acquires the word), and posts the slot's ready semaphore if
         the trainer waits on it."""
         layout = self.layout
-        assert 0 <= slot < layout.slot_count and 0 <= owner < layout.reader_count, (slot, owner)
+        assert 0 <= slot < layout.slot_count, (slot, layout.slot_count)
+        assert 0 <= owner < layout.reader_count, (owner, layout.reader_count)
         assert state in (SlotState.READY, SlotState.FAILED), state
         # Only the reader that claimed the slot publishes it, once: FILLING by `owner` now.
         word = lib.shm_state_load(self._state_pointers[slot])
-        assert word & STATE_MASK == SlotState.FILLING and word >> OWNER_SHIFT == owner, (slot, word, owner)
+        assert word & STATE_MASK == SlotState.FILLING, (slot, word, state)
+        assert word >> OWNER_SHIFT == owner, (slot, word, owner)
+        # transition: FILLING -> READY, FILLING -> FAILED
         if lib.shm_publish(self._lines + slot, int(state) | owner << OWNER_SHIFT):
             self.ready_semaphores[slot].release()
 
     def withdraw(self, slot: int) -> bool:
         """REQUESTED -> IDLE unless a reader claimed it first (the trainer's seek)."""
+        assert 0 <= slot < self.layout.slot_count, (slot, self.layout.slot_count)
         requested = int(SlotState.REQUESTED)
+        # transition: REQUESTED -> IDLE
         return lib.shm_state_compare_swap(self._state_pointers[slot], requested, int(SlotState.IDLE)) == requested
 
     def give_back(self, slot: int, owner: int) -> bool:
         """FILLING by `owner` -> REQUESTED, the step word unchanged, and the readers woken:
         the claimer hands a step it cannot fill back to the others (the Ray bridge, for a
         lost actor). False if the slot was not FILLING by `owner`."""
-        assert 0 <= slot < self.layout.slot_count and 0 <= owner < self.layout.reader_count, (slot, owner)
+        assert 0 <= slot < self.layout.slot_count, (slot, self.layout.slot_count)
+        assert 0 <= owner < self.layout.reader_count, (owner, self.layout.reader_count)
         filling = int(SlotState.FILLING) | owner << OWNER_SHIFT
         requested = int(SlotState.REQUESTED)
+        # transition: FILLING -> REQUESTED
         if lib.shm_state_compare_swap(self._state_pointers[slot], filling, requested) != filling:
             return False
         self.work_semaphore.release()
@@ -318,8 +301,9 @@ class Ring:
     def claim(self, reader: int) -> int | None:
         """A reader takes the requested slot with the lowest step (natively: one scan of
         the control table and a compare-and-swap). None if none is requested."""
-        assert 0 <= reader < self.layout.reader_count, reader
-        slot = lib.shm_claim_lowest(self._lines, self.layout.slot_count, reader)
+        assert 0 <= reader < self.layout.reader_count, (reader, self.layout.reader_count)
+        slot = lib.shm_claim_lowest(self._lines, self.layout.slot_count, reader)  # REQUESTED -> FILLING|reader
+        assert slot < self.layout.slot_count, (slot, self.layout.slot_count)
         return None if slot < 0 else slot
 
     @property
@@ -327,6 +311,7 @@ class Ring:
         return self.header.stop != 0  # A plain read: readers poll it.
 
     def set_stopping(self) -> None:
+        # transition: none (the header's stop flag, not a slot's state)
         lib.shm_state_store(ffi.addressof(self.header[0], "stop"), 1)
 
     # Reader records: written only by their reader (and cleared by the trainer before

@@ -8,7 +8,8 @@
  * user's views, failed by its reader, or wrong. It takes a ready slot, waits for one in
  * flight (one poll interval at a time, without the GIL), and counts the time it waited in
  * one place (take). Python is called, through the `supervise` callable it was built with
- * (readers/supervision.py), only to supervise readers and to raise errors.
+ * (ring/step_codes.py maps its codes to actions), only to supervise readers and to raise
+ * errors, and with readers=0 to fill the step.
  *
  * The Cursor is the loader's iterator, not the loader: shmloader/session.py builds it with
  * plain callables and settings, keeps it, and hands it to `for` loops, so that a loop over
@@ -21,14 +22,59 @@
  * any of its arrays has a reference beyond the loader's own, or while a Batch that was not
  * released is alive; the release pass at each next() hands such slots back once nothing
  * refers to them. The protocol's values and the control line's layout come from ring.h,
- * shared with ring/layout.py and the Zig library; its orderings are tabled in ring/segment.py.
+ * shared with ring/layout.py and the Zig library; the state changes it makes, and their
+ * orderings, are tabled in ring/transitions.py.
  *
  * This file is next() and everything it touches, one translation unit so that the hot path
- * inlines; building the cursor and its other methods are _cursor_type.c's, the module and
- * the base types of Batch and ShmDataLoader _cursor_module.c's, their shared structs
- * _cursor.h's.
+ * inlines (the reason it is longer than the others), and the cursor's teardown, which only
+ * next() and its wait know when to run. It calls no other file of the extension: building
+ * the cursor and its other methods are _cursor_type.c's, the base type of Batch
+ * _cursor_batch.c's, the module and the base type of ShmDataLoader _cursor_module.c's,
+ * their shared structs _cursor.h's.
  */
 #include "_cursor.h"
+
+PyTypeObject *cursor_ndarray_type = NULL; /* Set by PyInit__cursor (_cursor_module.c). */
+
+/* ---- Teardown ----------------------------------------------------------------------- */
+
+/* Closes the cursor: drops every slot's arrays and the semaphores, or, while a thread is
+ * inside next() or a wait, marks them for that thread to drop when it leaves. */
+void cursor_clear(Cursor *self) {
+    self->active = 0;
+    if (self->waiting > 0 || self->iterating) {
+        /* A thread is inside next() (its callbacks and allocations can run any Python code,
+         * a close from another thread included) or waits on a semaphore of ours: the slot
+         * table and the semaphores stay until it leaves, and it clears them then. */
+        self->clear_deferred = 1;
+        return;
+    }
+    self->clear_deferred = 0;
+    if (self->slots != NULL) {
+        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
+            Py_CLEAR(self->slots[s].views);
+        }
+        PyMem_Free(self->slots);
+        self->slots = NULL;
+    }
+    PyMem_Free(self->snapshots);
+    self->snapshots = NULL;
+    if (self->work != NULL) {
+        sem_close(self->work);
+        self->work = NULL;
+    }
+    if (self->ready_semaphores != NULL) {
+        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
+            if (self->ready_semaphores[s] != NULL) {
+                sem_close(self->ready_semaphores[s]);
+            }
+        }
+        PyMem_Free(self->ready_semaphores);
+        self->ready_semaphores = NULL;
+    }
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->batch_type);
+}
 
 /* ---- Snapshots ---------------------------------------------------------------------- */
 
@@ -112,7 +158,11 @@ Py_ssize_t cursor_release(Cursor *self, int flush) {
     unsigned long long now_ns = 0; /* Read once, and only when a slot goes back. */
     for (Py_ssize_t s = 0; s < self->slot_count; s++) {
         Slot *slot = &self->slots[s];
-        if (!slot->held || slot_in_use(slot)) {
+        if (!slot->held) {
+            continue;
+        }
+        CURSOR_ASSERT(slot->views != NULL, -1); /* A held slot keeps its arrays until it goes back. */
+        if (slot_in_use(slot)) {
             continue;
         }
         if (now_ns == 0) {
@@ -124,16 +174,21 @@ Py_ssize_t cursor_release(Cursor *self, int flush) {
                          "another process wrote to the ring", s, (unsigned long long)word);
             return -1;
         }
-        assert(slot->views != NULL);
+        /* Slot s only ever holds steps k with k % slot_count == s. */
+        CURSOR_ASSERT(slot->held_step % (uint64_t)self->slot_count == (uint64_t)s, -1);
         slot->held = 0;
         /* Checked now, while the arrays' lines are in cache from the reference counts. */
         slot->damaged = !snapshot_matches(slot->snapshot, slot->views);
         uint64_t step = slot->held_step + (uint64_t)self->slot_count;
-        if (step >= self->end_step) { /* Past a finite pass: nothing to fill (HELD -> IDLE). */
+        if (step >= self->end_step) { /* Past a finite pass: nothing to fill. */
+            /* transition: HELD -> IDLE */
             __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_IDLE, __ATOMIC_RELEASE);
             continue;
         }
-        request_slot(slot->control, step, now_ns); /* HELD -> REQUESTED */
+        /* transition: HELD -> REQUESTED */
+        if (request_slot(slot->control, step, now_ns) < 0) {
+            return -1;
+        }
         released++;
     }
     self->pending_posts += (uint64_t)released;
@@ -196,6 +251,13 @@ static int supervise(Cursor *self, StepState state, uint64_t owner);
 static PyObject *take(Cursor *self, unsigned long long started_ns) {
     Py_ssize_t index = (Py_ssize_t)(self->next_step % (unsigned long long)self->slot_count);
     Slot *slot = &self->slots[index];
+    /* A slot this loader still holds is never handed out again (its batch's arrays would
+     * change under whoever holds them): a reader published into a slot it had not claimed. */
+    CURSOR_ASSERT(!slot->held, NULL);
+    CURSOR_ASSERT(self->next_step < self->end_step, NULL);
+    /* READY -> HELD's precondition, as step_state found it: only the trainer leaves READY. */
+    CURSOR_ASSERT((__atomic_load_n(&slot->control->state, __ATOMIC_RELAXED) & SHM_STATE_MASK) == SHM_SLOT_READY, NULL);
+    CURSOR_ASSERT(slot->control->step == self->next_step, NULL);
     if (slot->damaged) {
         /* A user changed one of its arrays in place (shape, dtype, ...) and has let go of
          * it since: the slot gets fresh arrays. Rare; Python builds them. */
@@ -231,7 +293,7 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
     Py_INCREF(self->names);
     batch->names = self->names;
     batch->step = self->next_step;
-    /* READY -> HELD: relaxed; only the trainer reads HELD, and it publishes nothing. */
+    /* transition: READY -> HELD. Relaxed: only the trainer reads HELD, and it publishes nothing. */
     __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_HELD, __ATOMIC_RELAXED);
     slot->held = 1;
     slot->held_step = self->next_step;
@@ -268,8 +330,9 @@ static int still_in_flight(const Cursor *self, Py_ssize_t index, uint64_t step) 
  * stays bounded, and a stale post left by an earlier wait is consumed here and looked
  * past. The one wait of the protocol on the trainer's side: next()'s and a seek's. */
 WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t timeout_ns) {
-    assert(self->slots != NULL && index >= 0 && index < self->slot_count);
-    assert(step == ANY_STEP || step % (uint64_t)self->slot_count == (uint64_t)index);
+    CURSOR_ASSERT(self->slots != NULL, WAIT_ERROR);
+    CURSOR_ASSERT(index >= 0 && index < self->slot_count, WAIT_ERROR);
+    CURSOR_ASSERT(step == ANY_STEP || step % (uint64_t)self->slot_count == (uint64_t)index, WAIT_ERROR);
     Slot *slot = &self->slots[index];
     sem_t *semaphore = self->ready_semaphores[index];
     unsigned long long deadline_ns = monotonic_ns() + timeout_ns;

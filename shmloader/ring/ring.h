@@ -1,11 +1,12 @@
 /*
  * The slot protocol of the shared-memory ring, defined once for all three languages:
- * _cursor.h includes this file, the Zig build translates it (zig translate-c, the
- * successor of @cImport) into zig/ring_h.zig, and the build hands it to cffi (setup.py
- * writes shmloader/_ffi.py from _declarations.py), so ring/layout.py reads every value
- * below as lib.SHM_... . tests/test_ring.py checks that ring/layout.py's layout agrees
- * with the structs here. Who writes which state, and with which
- * memory ordering, is tabled in ring/segment.py's docstring.
+ * _cursor.h (beside it in shmloader/ring/) includes this file, the Zig build translates it
+ * (zig translate-c, the successor of @cImport) into zig/ring_h.zig, and the build hands it
+ * to cffi (setup.py writes shmloader/_ffi.py from _declarations.py), so ring/layout.py
+ * reads every value below as lib.SHM_... . tests/test_ring.py checks that ring/layout.py's
+ * layout agrees with the structs here. Who changes which state, where, and with which
+ * memory ordering, is tabled in ring/transitions.py (checked against the code by
+ * tests/test_transitions.py).
  *
  * Only what cffi's parser accepts may appear between the guard lines: integer #defines
  * and plain structs of fixed-size integers (the include and guard lines are dropped).

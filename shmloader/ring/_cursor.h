@@ -1,10 +1,17 @@
 /*
  * The native cursor's shared declarations: the structs of the cursor, its slots and a
  * batch, and the functions one file of the extension calls in another. The extension is
- * three files: _cursor.c (next() and what it touches, one translation unit so that the hot
- * path inlines), _cursor_type.c (building the cursor, its methods, its type) and
- * _cursor_module.c (the module, and the base types of Batch and ShmDataLoader). See
- * _cursor.c for the design.
+ * four files, each calling only the ones below it (tests/test_cursor_c.py checks it):
+ *
+ *     _cursor_module.c   the module, and LoaderBase (the base of ShmDataLoader)
+ *       -> _cursor_type.c    building the cursor, its methods, its type
+ *       -> _cursor.c         next() and what it touches, one translation unit so that the
+ *                            hot path inlines; the cursor's teardown (cursor_clear)
+ *       -> _cursor_batch.c   BatchBase, the base of ring/batch.py's Batch
+ *
+ * (_cursor_module.c also calls _cursor.c and _cursor_batch.c, _cursor_type.c
+ * _cursor_batch.c; _cursor.c and _cursor_batch.c call no other file). See _cursor.c for
+ * the design, and ring/transitions.py for the slot states the cursor writes.
  */
 #ifndef SHMLOADER_CURSOR_H
 #define SHMLOADER_CURSOR_H
@@ -112,21 +119,64 @@ typedef enum { WAIT_CHANGED, WAIT_TIMED_OUT, WAIT_CLOSED, WAIT_ERROR } WaitResul
 /* Any step in cursor_wait: wait while the slot is REQUESTED or FILLING, whatever its step. */
 #define ANY_STEP UINT64_MAX
 
-/* -> REQUESTED with `step`: the one place the trainer requests a slot (the release pass,
- * and request() for the first ring of steps, a seek and a dead reader's slot). The step
- * word and the request time are published by the release store of the state after them
- * (ring/segment.py's table). */
-static inline void request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
-    assert(control != NULL);
+/* What each file offers the files above it (see the first lines). */
+
+/* _cursor.c */
+PyObject *cursor_next(Cursor *self);
+Py_ssize_t cursor_release(Cursor *self, int flush);
+int cursor_wake(Cursor *self);
+WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t timeout_ns);
+int cursor_store_views(Cursor *self, Py_ssize_t index, PyObject *views);
+Py_ssize_t cursor_snapshot_words(PyObject *views);
+void cursor_clear(Cursor *self);
+extern PyTypeObject *cursor_ndarray_type; /* numpy.ndarray, set when the module loads */
+
+/* _cursor_batch.c */
+extern PyTypeObject BatchBaseType;
+
+/* _cursor_type.c */
+extern PyTypeObject CursorType;
+
+/* _cursor_module.c: only PyInit__cursor, which leaves the extension. */
+
+/* An invariant of the cursor, or the precondition of a slot transition it makes
+ * (ring/transitions.py): false only through a bug, in this code or in a process that
+ * wrote the ring against the protocol. It raises AssertionError naming the file, the line
+ * and the condition, and the function returns `failed`: an exception the trainer sees,
+ * where abort() would take its process down. Never compiled out (NDEBUG does not touch
+ * it), so each one costs a compare on a line next() has in cache: none runs per row. What
+ * the ring may hold that no process of this loader wrote (a state word of no state) is
+ * foreign input instead, with its own error (step_state's STEP_WRONG). assert() remains
+ * only where no error can be returned (slot_of). */
+#define CURSOR_ASSERT(condition, failed)                                                             \
+    do {                                                                                             \
+        if (__builtin_expect(!(condition), 0)) {                                                     \
+            PyErr_Format(PyExc_AssertionError, "%s:%d: %s (an invariant of the slot protocol)",      \
+                         __FILE_NAME__, __LINE__, #condition);                                       \
+            return failed;                                                                           \
+        }                                                                                            \
+    } while (0)
+
+/* -> REQUESTED with `step`: the one store by which the trainer requests a slot (the
+ * release pass, and request() for the first ring of steps, a seek and a dead reader's
+ * slot). The step word and the request time are published by the release store of the
+ * state after them (ring/transitions.py). Its callers say which transition they make; the
+ * state found must be one that may become REQUESTED. Returns -1 with AssertionError set
+ * if not. */
+static inline int request_slot(shm_control_line *control, uint64_t step, unsigned long long now_ns) {
+    /* The sources of the table's X -> REQUESTED edges: never REQUESTED (one step requested
+     * twice) nor FAILED (final: raised, never requested again). */
+    uint64_t from = __atomic_load_n(&control->state, __ATOMIC_RELAXED) & SHM_STATE_MASK;
+    CURSOR_ASSERT(from == SHM_SLOT_IDLE || from == SHM_SLOT_READY || from == SHM_SLOT_FILLING ||
+                      from == SHM_SLOT_HELD, -1);
     control->step = step;
     control->requested_ns = now_ns;
     __atomic_store_n(&control->state, (uint64_t)SHM_SLOT_REQUESTED, __ATOMIC_RELEASE);
+    return 0;
 }
 
-/* numpy.ndarray itself (set when the module loads): a slot's arrays are read as
- * PyArrayObject, so nothing else, however it is named, may pass for one. */
-extern PyTypeObject *cursor_ndarray_type;
-
+/* Whether `object` is numpy.ndarray itself: a slot's arrays are read as PyArrayObject, so
+ * nothing else, however it is named, may pass for one. */
 static inline int is_ndarray(PyObject *object) {
     return Py_TYPE(object) == cursor_ndarray_type;
 }
@@ -144,21 +194,5 @@ static inline int cursor_refuse_if_busy(Cursor *self) {
                     "loader (batches may be used and dropped from any thread)");
     return -1;
 }
-
-/* _cursor.c */
-PyObject *cursor_next(Cursor *self);
-Py_ssize_t cursor_release(Cursor *self, int flush);
-int cursor_wake(Cursor *self);
-WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t timeout_ns);
-int cursor_store_views(Cursor *self, Py_ssize_t index, PyObject *views);
-Py_ssize_t cursor_snapshot_words(PyObject *views);
-
-/* _cursor_type.c */
-extern PyTypeObject CursorType;
-void cursor_clear(Cursor *self);
-
-/* _cursor_module.c */
-extern PyTypeObject BatchBaseType;
-extern PyTypeObject LoaderBaseType;
 
 #endif

@@ -1,47 +1,12 @@
 /*
  * The Cursor type: building a cursor from its settings and callables, the methods the
  * session (shmloader/session.py) calls, garbage collection and weak references. What
- * next() does is _cursor.c's.
+ * next() does, and the cursor's teardown, are _cursor.c's; this file calls it and
+ * _cursor_batch.c (BatchBase), and neither calls back (_cursor.h).
  */
 #include "_cursor.h"
 
 /* ---- Cursor methods (the API session.py uses) --------------------------------------- */
-
-void cursor_clear(Cursor *self) {
-    self->active = 0;
-    if (self->waiting > 0 || self->iterating) {
-        /* A thread is inside next() (its callbacks and allocations can run any Python code,
-         * a close from another thread included) or waits on a semaphore of ours: the slot
-         * table and the semaphores stay until it leaves, and it clears them then. */
-        self->clear_deferred = 1;
-        return;
-    }
-    self->clear_deferred = 0;
-    if (self->slots != NULL) {
-        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
-            Py_CLEAR(self->slots[s].views);
-        }
-        PyMem_Free(self->slots);
-        self->slots = NULL;
-    }
-    PyMem_Free(self->snapshots);
-    self->snapshots = NULL;
-    if (self->work != NULL) {
-        sem_close(self->work);
-        self->work = NULL;
-    }
-    if (self->ready_semaphores != NULL) {
-        for (Py_ssize_t s = 0; s < self->slot_count; s++) {
-            if (self->ready_semaphores[s] != NULL) {
-                sem_close(self->ready_semaphores[s]);
-            }
-        }
-        PyMem_Free(self->ready_semaphores);
-        self->ready_semaphores = NULL;
-    }
-    Py_CLEAR(self->names);
-    Py_CLEAR(self->batch_type);
-}
 
 /* An O& converter: a Python int in [0, 2**64) (negative values raise, not wrap). */
 static int u64_of(PyObject *value, void *out) {
@@ -225,7 +190,10 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "step %llu is past the pass's end (%llu steps)", step, self->end_step);
         return NULL;
     }
-    request_slot(slot->control, step, monotonic_ns());
+    /* transition: IDLE -> REQUESTED, READY -> REQUESTED, FILLING -> REQUESTED */
+    if (request_slot(slot->control, step, monotonic_ns()) < 0) {
+        return NULL;
+    }
     self->pending_posts++;
     if (cursor_wake(self) < 0) {
         return NULL;
@@ -424,8 +392,8 @@ static PyMemberDef cursor_members[] = {
 
 PyTypeObject CursorType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmloader._cursor.Cursor",
-    .tp_doc = "The trainer's iterator over the ring: next() natively (see _cursor.c). Built by "
+    .tp_name = "shmloader.ring._cursor.Cursor",
+    .tp_doc = "The trainer's iterator over the ring: next() natively (see ring/_cursor.c). Built by "
               "shmloader/session.py.",
     .tp_basicsize = sizeof(Cursor),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
