@@ -516,3 +516,23 @@ def test_closing_the_read_ahead_drops_what_it_has_queued():
     release.set()
     closing.join(10)
     assert not closing.is_alive() and fetched == [0]
+
+
+@pytest.mark.parametrize("settings, flag", [({"mode": "sequential"}, "sr"), ({}, "rr"),
+                                            ({"shuffle_window": 64}, None)])
+def test_the_kernel_is_told_how_each_order_reads_the_mapping(tmp_path, settings, flag):
+    """Sequential mode maps its files for reading ahead of each fault (MADV_SEQUENTIAL: the
+    mapping's VmFlags show `sr`), the global shuffle for no read-ahead (`rr`), the
+    block-local shuffle with the kernel's read-around (neither): /proc's own record."""
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(4096 * 64, dtype=np.int64).reshape(4096, 64))
+    with ShmDataLoader({"x": str(path)}, batch_size=32, readers=0, **settings) as loader:
+        next(iter(loader)).release()
+        with open("/proc/self/smaps") as smaps:
+            blocks = smaps.read().split("\n")
+        flags = [blocks[index + offset].split(":", 1)[1].split() for index, line in enumerate(blocks)
+                 if line.endswith(str(path)) for offset in range(1, 40)
+                 if index + offset < len(blocks) and blocks[index + offset].startswith("VmFlags:")][:1]
+    assert flags, "the file is not mapped"
+    for known in ("sr", "rr"):
+        assert (known in flags[0]) == (known == flag), (known, flags[0])

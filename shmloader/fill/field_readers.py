@@ -59,10 +59,13 @@ class FieldReader:
 
     def __init__(self, plan: FieldPlan, batch_size: int, verify: bool, sampler) -> None:
         self.plan, self.batch_size, self.sampler, self.verify = plan, batch_size, sampler, verify
-        # Rows in shuffled or random order: no read-around on page faults (storage/opening.open_field).
-        # The block-local shuffle keeps it: a fault ahead of its read-ahead then reads the
-        # block around the row in one go instead of page by page.
-        self.random_access = sampler.mode != "sequential" and not sampler.blocks_per_window
+        # How the kernel reads ahead of page faults (storage/opening.open_field): ahead of them in
+        # sequential order, not at all for rows in random order; the block-local shuffle keeps
+        # the read-around: a fault ahead of its read-ahead then reads the block around the row
+        # in one go instead of page by page.
+        self.access = "sequential" if sampler.mode == "sequential" else "blocks" if sampler.blocks_per_window else \
+            "random"
+        self.random_access = self.access == "random"
         self._opened: dict[int, object] = {}
         # Read from a store through the node cache: every fill pins its pages first (extents).
         self.remote = any(spec.remote for spec in plan.stored_files())
@@ -140,8 +143,8 @@ class FieldReader:
         if field is None:
             spec = self.plan.parts[index]
             field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify,
-                               random_access=self.random_access) if isinstance(spec, FieldSpec) \
-                else RaggedField(spec, verify=self.verify, random_access=self.random_access)
+                               access=self.access) if isinstance(spec, FieldSpec) \
+                else RaggedField(spec, verify=self.verify, access=self.access)
             stored = field.values if isinstance(field, RaggedField) else field
             if stored.remote is not None:
                 set_fetch_unit(stored, self.random_access, self.stored_total)

@@ -37,30 +37,45 @@ class Field(typing.Protocol):
         """Drops this process's mapping and native state (idempotent)."""
 
 
+# What the kernel is told of each way of reading (open_field's `access`).
+_ACCESS = {"random": mmap.MADV_RANDOM, "sequential": mmap.MADV_SEQUENTIAL, "blocks": None}
+
 def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False,
-               random_access: bool = False) -> Field:
+               access: str = "blocks") -> Field:
     """Opens a described field for gathering, in whichever process calls it; `verify`
     checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them).
-    `random_access` tells the kernel not to read ahead around a page fault (MADV_RANDOM):
-    for rows read in random order, a fault's read-around (read_ahead_kb, up to megabytes)
-    is mostly other rows, read for nothing and evicting the cache; the block-local shuffle
-    reads ahead itself (readahead.py)."""
+    `access` tells the kernel how the rows are read (madvise):
+      - "random": no read-ahead around a page fault (MADV_RANDOM): for rows read in random
+        order, a fault's read-around (read_ahead_kb, up to megabytes) is mostly other rows,
+        read for nothing and evicting the cache;
+      - "sequential" (MADV_SEQUENTIAL): a fault reads ahead of itself, not around it (half
+        of a read-around is pages already read), and asynchronously again before the
+        pages read ahead run out; the pages are reclaimed first under memory pressure
+        (data larger than memory is read once per pass). Cold, it served more rows than
+        the read-around in most alternated rounds (bench/RESULTS.md, sixteenth session);
+      - "blocks" (the kernel's default read-around): the block-local shuffle, which also
+        reads ahead itself (readahead.py)."""
     if spec.row_bytes == 0 or spec.row_count == 0:
         return EmptyRowsField(spec)
     if spec.remote:
-        return open_cached(spec, batch_size_max, verify, random_access)
+        return open_cached(spec, batch_size_max, verify, access)
     if spec.kind == "npy":
         field = NpyField(spec)
     elif spec.row_contiguous:
         field = BloscField(spec, batch_size_max, verify=verify)
     else:
         return BloscPythonField(spec)
-    if random_access:
-        field._mapping.advise(mmap.MADV_RANDOM)
+    _advise(field, access)
     return field
 
 
-def open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, random_access: bool) -> Field:
+def _advise(field, access: str) -> None:
+    assert access in _ACCESS, access
+    if _ACCESS[access] is not None:
+        field._mapping.advise(_ACCESS[access])
+
+
+def open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, access: str) -> Field:
     """A field over an object's copy in the node cache: opened with its header pages pinned;
     its gathers are pinned by their caller (StepFiller) through `field.remote`."""
     from ..remote.cache import cached_object
@@ -72,6 +87,5 @@ def open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, random_acces
     with cached.reading_header():
         field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
     field.remote = cached
-    if random_access:
-        field._mapping.advise(mmap.MADV_RANDOM)
+    _advise(field, access)
     return field

@@ -170,11 +170,11 @@ def record_lengths(spec: RaggedSpec) -> np.ndarray:
 class RaggedField:
     """A ragged field opened in a reader: offsets in memory, values gathered natively."""
 
-    def __init__(self, spec: RaggedSpec, verify: bool = False, random_access: bool = False) -> None:
+    def __init__(self, spec: RaggedSpec, verify: bool = False, access: str = "blocks") -> None:
         self.spec = spec
         self.offsets = read_all(spec.offsets)
         self.shapes = read_all(spec.shapes).astype(np.uint64) if spec.shapes else None
-        self.values = open_field(spec.values, verify=verify, random_access=random_access)
+        self.values = open_field(spec.values, verify=verify, access=access)
 
     def starts_and_lengths(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         bad = np.flatnonzero(indices >= self.spec.record_count)
