@@ -53,9 +53,12 @@ def _refuse(name: str, value, why: str) -> None:
 
 
 def _as_collated(structure: dict) -> dict:
-    """The samples' structure as default_collate gives it back: a tuple becomes a list."""
+    """The samples' structure as default_collate gives it back: a tuple becomes a list, a
+    namedtuple stays one."""
     if "dict" in structure:
         return {"dict": [[key, _as_collated(item)] for key, item in structure["dict"]]}
+    if "named" in structure:
+        return {"tuple": [_as_collated(item) for item in structure["tuple"]], "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
             return {"list": [_as_collated(item) for item in structure[kind]]}

@@ -5,6 +5,7 @@ under another num_workers; what it cannot honour is refused by name."""
 
 from __future__ import annotations
 
+import collections
 import copy
 
 import numpy as np
@@ -59,6 +60,32 @@ def test_batches_equal_torchs_own_loader_with_shuffle_off(num_workers, drop_last
         for key in ("image", "weight"):
             assert torch.equal(one[key], other[key]), key
         assert all(torch.equal(a, b) for a, b in zip(one["pair"], other["pair"]))
+
+
+Point = collections.namedtuple("Point", ["position", "label"])
+
+
+class Points(Dataset):
+    """Namedtuples, one inside a dict: default_collate keeps their class."""
+
+    def __len__(self) -> int:
+        return 21
+
+    def __getitem__(self, index: int):
+        return {"point": Point(np.full(3, index, np.float32), index % 4), "plain": (index, -index)}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_namedtuples_come_back_as_their_class_as_default_collate_gives_them(num_workers):
+    expected = list(TorchDataLoader(Points(), batch_size=4, shuffle=False))
+    with DataLoader(Points(), batch_size=4, shuffle=False, num_workers=num_workers) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected)
+    for one, other in zip(expected, found):
+        _assert_same_structure(one, other)
+        assert type(other["point"]) is Point and other["point"]._fields == ("position", "label")
+        assert torch.equal(one["point"].position, other["point"].position)
+        assert torch.equal(one["point"].label, other["point"].label)
 
 
 def _epoch_indices(loader) -> list[int]:

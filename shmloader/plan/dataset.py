@@ -77,6 +77,11 @@ def _leaf_array(value, where: str) -> np.ndarray:
                        f"scalars, bytes or torch tensors (in dicts, tuples or lists)")
 
 
+# The namedtuple classes of the samples this process has flattened, by "module:qualname"
+# (a class defined in a function cannot be imported again by name).
+_NAMED_TUPLES: dict[str, type] = {}
+
+
 def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, object]]]:
     """(structure, [(leaf name, leaf value)]) of a sample, leaves in a fixed order."""
     leaves: list[tuple[str, object]] = []
@@ -91,7 +96,11 @@ def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, 
             return {"dict": items}
         if isinstance(value, (tuple, list)):
             kind = "tuple" if isinstance(value, tuple) else "list"
-            return {kind: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
+            node = {kind: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
+            if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # A namedtuple: rebuilt as its class.
+                node["named"] = f"{type(value).__module__}:{type(value).__qualname__}"
+                _NAMED_TUPLES[node["named"]] = type(value)
+            return node
         name = _SEPARATOR.join(path) if path else "data"
         leaves.append((name, value))
         return {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
@@ -314,13 +323,27 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     return DatasetHandle(spec, instance)
 
 
+def _named_tuple(name: str) -> type:
+    """The namedtuple class `name` ("module:qualname") that dataset[0] returned in this
+    process, or imported by name."""
+    found = _NAMED_TUPLES.get(name)
+    if found is None:
+        module, _, qualname = name.partition(":")
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        _NAMED_TUPLES[name] = found
+    return found
+
+
 def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
     """A batch's arrays (by leaf name) in the samples' structure: what default_collate
     makes of a list of samples (dicts of batches, tuples and lists of batches)."""
     if "dict" in structure:
         return {key: rebuild_batch(item, arrays, convert) for key, item in structure["dict"]}
     if "tuple" in structure:
-        return tuple(rebuild_batch(item, arrays, convert) for item in structure["tuple"])
+        items = (rebuild_batch(item, arrays, convert) for item in structure["tuple"])
+        return _named_tuple(structure["named"])(*items) if "named" in structure else tuple(items)
     if "list" in structure:
         return [rebuild_batch(item, arrays, convert) for item in structure["list"]]
     return convert(arrays[structure["leaf"]])
