@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from

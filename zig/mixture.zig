@@ -157,9 +157,19 @@ pub fn check(config: *const MixtureConfig) Status {
         weights = std.math.add(u64, weights, source.weight) catch return .overflow;
     }
     if (weights != config.block) return .invalid_length;
+    // The pattern gives source j exactly weight_j offsets of a block, ranked 0, 1, ... in
+    // the order they come: source j's stream positions q = block * w_j + rank then cover
+    // its stream once, none drawn twice or skipped. The caller computes it (plan/sources.py
+    // interleave); this is the loop check() makes over it anyway. Ranks in order and below
+    // the weight give each source at most its weight, and the weights sum to the block:
+    // so exactly its weight.
+    var seen: [sources_max]u64 = undefined;
+    @memset(seen[0..config.source_count], 0);
     for (config.pattern_sources[0..config.block], config.pattern_ranks[0..config.block]) |source, rank| {
         if (source >= config.source_count) return .invalid_length;
         if (rank >= config.sources[source].weight) return .invalid_length;
+        if (rank != seen[source]) return .invalid_pattern;
+        seen[source] += 1;
     }
     _ = std.math.mul(u64, config.batch_size, config.shard_count) catch return .overflow;
     return .ok;
@@ -305,10 +315,11 @@ pub fn places(config: *const MixtureConfig, source_index: u64, q: u64, opened: *
         .status => |status| return status,
     };
     const shuffle = permutations.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, q / source.take);
+    if (!shuffle.valid()) return .invariant_broken;
     opened.* = shuffle.opened(q % source.take);
     closed.* = shuffle.closed(q % source.take);
     total.* = shuffle.opened(source.take - 1);
-    return .ok;
+    return sampler.checkPlaces(opened.*, closed.*, total.*, shuffle.full_blocks + 1);
 }
 
 /// The blocks at places first .. first + out.len of source `source_index`'s epoch `epoch`.
@@ -318,6 +329,7 @@ pub fn placeBlocks(config: *const MixtureConfig, source_index: u64, epoch: u64, 
         .status => |status| return status,
     };
     const shuffle = permutations.SlidingShuffle.init(source.length, source.block_rows, source.window_blocks, source.seed, epoch);
+    if (!shuffle.valid()) return .invariant_broken;
     const total = shuffle.opened(source.take - 1);
     if (first > total or out.len > total - first) return .output_size_mismatch;
     for (out, first..) |*block, place| block.* = shuffle.placeBlock(place);

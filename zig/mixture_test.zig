@@ -140,3 +140,22 @@ test "a windowed source covers its rows once per epoch, phase by phase, beside a
     }
     try testing.expectEqual(Status.invalid_mode, places(&config, 1, 0, &opened, &closed, &total));
 }
+
+test "a pattern that ranks a source's offsets out of order, or twice, is refused" {
+    const source_list = [_]MixtureSource{
+        .{ .length = 4, .take = 4, .weight = 2, .seed = 1, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+        .{ .length = 3, .take = 3, .weight = 1, .seed = 2, .fixed = 0, .reserved = 0, .block_rows = 0, .window_blocks = 0 },
+    };
+    const pattern_sources = [_]u32{ 0, 1, 0 };
+    var rows: [3]u64 = undefined;
+    var sources: [3]u32 = undefined;
+    const good = [_]u64{ 0, 0, 1 };
+    try testing.expectEqual(Status.ok, mixture.check(&testConfig(&source_list, &pattern_sources, &good, 3, 0, 1)));
+    const swapped = [_]u64{ 1, 0, 0 }; // Source 0's second position drawn first: q would step back.
+    const twice = [_]u64{ 0, 0, 0 }; // Source 0's position 0 drawn twice a block, position 1 never.
+    for ([_][3]u64{ swapped, twice }) |ranks| {
+        const config = testConfig(&source_list, &pattern_sources, &ranks, 3, 0, 1);
+        try testing.expectEqual(Status.invalid_pattern, mixture.check(&config));
+        try testing.expectEqual(Status.invalid_pattern, fill(&config, 0, &rows, &sources));
+    }
+}

@@ -62,7 +62,18 @@ pub const EpochPermutation = struct {
             key.* = hash2(epoch_key, round);
             multiplier.* = hash2(epoch_key, round + feistel_rounds) | 1;
         }
+        std.debug.assert(permutation.valid());
         return permutation;
+    }
+
+    /// The invariant apply() stands on: the domain [0, high_count << low_bits) covers
+    /// [0, length) and exceeds it by less than 2^low_bits, so that a cycle walk returns
+    /// within length in a few steps and every value stays within it.
+    pub fn valid(self: *const EpochPermutation) bool {
+        if (self.length == 0 or self.length > length_max) return false;
+        if (self.high_count == 0 or self.high_count > (length_max >> self.low_bits) + 1) return false;
+        const domain = self.high_count << self.low_bits;
+        return domain >= self.length and domain - self.length < @as(u64, 1) << self.low_bits;
     }
 
     /// One 64x64->128-bit multiply folded to 64 bits (the "mum" mix of wyhash): every
@@ -213,6 +224,26 @@ pub const SlidingShuffle = struct {
         };
     }
 
+    /// Whether the shuffle's geometry holds: its rows are the full blocks' and the tail's,
+    /// the tail shorter than a block; F + B - 1 phases (none without a full block), whose
+    /// starts reach the tail's phase, or the epoch's end, exactly (every row dealt once);
+    /// the rows of the phases where the window fills; and both its permutations valid. O(log)
+    /// floor sums: checked once per call, never per row.
+    pub fn valid(self: *const SlidingShuffle) bool {
+        if (self.length == 0 or self.block_rows == 0 or self.window_blocks == 0) return false;
+        if (self.full_rows != self.full_blocks * self.block_rows) return false;
+        if (self.full_rows + self.tail_rows != self.length or self.tail_rows >= self.block_rows) return false;
+        const phases = if (self.full_blocks == 0) 0 else self.full_blocks + self.window_blocks - 1;
+        if (self.phase_count != phases) return false;
+        // The rows dealt while the window fills (phaseIndex's shortcut from phase B - 1 on)
+        // are the floor sum of the shares C(0) .. C(B - 2).
+        const ramp = if (self.window_blocks == 1) 0 else self.dealtSum(self.window_blocks - 2) + self.dealt(self.window_blocks - 2);
+        if (self.ramp_rows != ramp) return false;
+        const dealt_end = if (self.tail_phase) self.full_rows else self.length;
+        if (self.phaseStart(self.phase_count) != dealt_end) return false;
+        return self.blocks.valid() and self.within.valid();
+    }
+
     /// C(k): how many of a block's rows its first k + 1 phases deal (R from k = B - 1 on).
     fn dealt(self: *const SlidingShuffle, k: u64) u64 {
         if (k + 1 >= self.window_blocks) return self.block_rows;
@@ -339,6 +370,45 @@ test "shuffle permutation is a bijection for small and odd lengths" {
             try testing.expect(!seen[value]);
             seen[value] = true;
         }
+    }
+}
+
+test "a permutation whose domain no longer covers its length, or exceeds it by a half, is not valid" {
+    for ([_]u64{ 1, 2, 100, 1 << 40, length_max }) |length| {
+        var permutation = EpochPermutation.init(length, 3, 1);
+        try testing.expect(permutation.valid());
+        permutation.high_count -= 1; // The last values of [0, length) would fall outside the domain.
+        try testing.expect(!permutation.valid());
+        permutation.high_count += 2; // A walk past length could take 2^low_bits steps.
+        try testing.expect(!permutation.valid());
+    }
+    var empty = EpochPermutation.init(5, 3, 1);
+    empty.length = 0;
+    try testing.expect(!empty.valid());
+}
+
+test "a sliding shuffle whose phases do not deal its epoch exactly is not valid" {
+    // Full windows, a tail dealt while the window drains, no tail, one block per window, no full block.
+    for ([_][3]u64{ .{ 1000, 64, 4 }, .{ 1024, 64, 4 }, .{ 1000, 64, 1 }, .{ 50, 64, 4 }, .{ 7, 1, 3 } }) |shape| {
+        const shuffle = SlidingShuffle.init(shape[0], shape[1], shape[2], 9, 2);
+        try testing.expect(shuffle.valid());
+        var broken = shuffle;
+        broken.phase_count += 1;
+        try testing.expect(!broken.valid());
+        broken = shuffle;
+        broken.tail_rows += shape[1]; // A tail as long as a block.
+        try testing.expect(!broken.valid());
+        broken = shuffle;
+        broken.length += 1; // A row no phase deals.
+        try testing.expect(!broken.valid());
+        if (shape[2] > 1 and shape[0] >= shape[1]) {
+            broken = shuffle;
+            broken.ramp_rows += 1; // Phase starts that overrun the epoch.
+            try testing.expect(!broken.valid());
+        }
+        broken = shuffle;
+        broken.within.high_count = 0;
+        try testing.expect(!broken.valid());
     }
 }
 

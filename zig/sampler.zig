@@ -120,7 +120,35 @@ pub fn fill(config: *const SamplerConfig, step: u64, out: []u64) Status {
     if (out.len < config.batch_size) return .output_size_mismatch;
     const first = (if (shardBlocks(config)) shardFirstPosition(config, step) else firstPosition(config, step)) orelse
         return .overflow;
+    const geometry = checkGeometry(config, first / epochLength(config));
+    if (geometry != .ok) return geometry;
     fillStream(config, first, out[0..config.batch_size]);
+    return .ok;
+}
+
+/// The invariants the fill of `epoch` stands on, checked once per call, never per row: a
+/// shard's share within the data, and the epoch's permutation or sliding shuffle valid
+/// (their `valid`), so that every row a fill writes lies within the data;
+/// `.invariant_broken` otherwise. An explicit check, not std.debug.assert: setup.py builds
+/// the library ReleaseFast, where a failed assert is not caught but undefined behaviour.
+/// The per-row paths keep their std.debug.asserts, which `zig test -ODebug` checks.
+fn checkGeometry(config: *const SamplerConfig, epoch: u64) Status {
+    if (config.window_blocks == 0) {
+        if (config.mode != @intFromEnum(Mode.shuffle)) return .ok; // Sequential and random draw within length by construction.
+        return if (EpochPermutation.init(config.length, config.seed, epoch).valid()) .ok else .invariant_broken;
+    }
+    if (shardBlocks(config)) {
+        const share = ShardShare.init(config, epoch);
+        if (!share.valid(config)) return .invariant_broken;
+    }
+    const shuffle = SlidingShuffle.init(epochLength(config), config.block_rows, config.window_blocks, config.seed, epoch);
+    return if (shuffle.valid()) .ok else .invariant_broken;
+}
+
+/// What `places` answers must hold, checked in release builds: places close after they
+/// open and open among the epoch's, which are its full blocks and the tail block at most.
+pub fn checkPlaces(opened: u64, closed: u64, total: u64, places_max: u64) Status {
+    if (closed > opened or opened > total or total > places_max) return .invariant_broken;
     return .ok;
 }
 
@@ -131,7 +159,10 @@ pub fn fillPositions(config: *const SamplerConfig, first: u64, out: []u64) Statu
     const status = check(config);
     if (status != .ok) return status;
     _ = std.math.add(u64, first, out.len) catch return .overflow;
-    if (out.len > 0) fillStream(config, first, out);
+    if (out.len == 0) return .ok;
+    const geometry = checkGeometry(config, first / epochLength(config));
+    if (geometry != .ok) return geometry;
+    fillStream(config, first, out);
     return .ok;
 }
 
@@ -157,10 +188,11 @@ pub fn places(config: *const SamplerConfig, position: u64, opened: *u64, closed:
     if (config.window_blocks == 0) return .invalid_mode;
     const length = epochLength(config);
     const shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, position / length);
+    if (!shuffle.valid()) return .invariant_broken;
     opened.* = shuffle.opened(position % length);
     closed.* = shuffle.closed(position % length);
     total.* = shuffle.opened(length - 1);
-    return .ok;
+    return checkPlaces(opened.*, closed.*, total.*, shuffle.full_blocks + 1);
 }
 
 /// The dataset blocks at places first .. first + out.len of `epoch` (see places): what a
@@ -171,12 +203,17 @@ pub fn placeBlocks(config: *const SamplerConfig, epoch: u64, first: u64, out: []
     if (config.window_blocks == 0) return .invalid_mode;
     const length = epochLength(config);
     const shuffle = SlidingShuffle.init(length, config.block_rows, config.window_blocks, config.seed, epoch);
+    if (!shuffle.valid()) return .invariant_broken;
     const total = shuffle.opened(length - 1);
     if (first > total or out.len > total - first) return .output_size_mismatch;
     const share = if (shardBlocks(config)) ShardShare.init(config, epoch) else null;
+    if (share) |s| if (!s.valid(config)) return .invariant_broken;
+    // A place's block is one of the data's: its full blocks, then the tail (id F).
+    const blocks_max = config.length / config.block_rows;
     for (out, first..) |*block, place| {
         const virtual = shuffle.placeBlock(place);
         block.* = if (share) |s| s.blockOf(virtual) else virtual;
+        if (block.* > blocks_max) return .invariant_broken; // Per place (a block of rows), not per row.
     }
     return .ok;
 }
@@ -202,6 +239,17 @@ pub const ShardShare = struct {
     shard_index: u64,
     shard_count: u64,
     all_blocks: EpochPermutation,
+
+    /// Whether the share lies within `config`'s data: some of its full blocks, at most
+    /// their 1/shard_count share rounded up, and the tail rows at most; the block
+    /// permutation valid.
+    pub fn valid(self: *const ShardShare, config: *const SamplerConfig) bool {
+        if (self.full_blocks != config.length / config.block_rows or self.block_rows != config.block_rows) return false;
+        if (self.share_blocks > (self.full_blocks + self.shard_count - 1) / self.shard_count) return false;
+        const tail_rows = config.length - self.full_blocks * self.block_rows;
+        if (self.length > self.share_blocks * self.block_rows + tail_rows) return false;
+        return self.shard_index < self.shard_count and self.all_blocks.valid();
+    }
 
     pub fn init(config: *const SamplerConfig, epoch: u64) ShardShare {
         const block_rows = config.block_rows;

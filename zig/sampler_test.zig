@@ -247,3 +247,53 @@ test "stepMax is the last step with a position, for any shape" {
         }
     }
 }
+
+test "places that close before they open, or open past the epoch's places, are an invariant broken" {
+    try testing.expectEqual(Status.ok, sampler.checkPlaces(3, 2, 5, 6));
+    try testing.expectEqual(Status.ok, sampler.checkPlaces(6, 6, 6, 6));
+    try testing.expectEqual(Status.invariant_broken, sampler.checkPlaces(2, 3, 5, 6)); // Closed before opened.
+    try testing.expectEqual(Status.invariant_broken, sampler.checkPlaces(5, 2, 4, 6)); // Opened past the epoch's.
+    try testing.expectEqual(Status.invariant_broken, sampler.checkPlaces(4, 2, 7, 6)); // More places than blocks.
+}
+
+test "a shard's share that reaches past its data is not valid" {
+    var config = windowConfig(1000, 10, 16, 4);
+    config.shard_count = 3;
+    config.shard_index = 1;
+    config.flags = flag_shard_blocks;
+    const share = ShardShare.init(&config, 2);
+    try testing.expect(share.valid(&config));
+    var broken = share;
+    broken.share_blocks = share.full_blocks; // Every block, on one shard of three.
+    try testing.expect(!broken.valid(&config));
+    broken = share;
+    broken.length += config.block_rows; // A block more than its share holds.
+    try testing.expect(!broken.valid(&config));
+    broken = share;
+    broken.shard_index = 3;
+    try testing.expect(!broken.valid(&config));
+    broken = share;
+    broken.full_blocks += 1; // Blocks the data does not have.
+    try testing.expect(!broken.valid(&config));
+}
+
+test "every entry's geometry check passes for the shapes the sampler accepts" {
+    var configs = [_]SamplerConfig{ testConfig(1, 1, .shuffle), testConfig(97, 8, .shuffle), windowConfig(1000, 8, 16, 4), windowConfig(1000, 8, 16, 1), windowConfig(7, 2, 16, 4), windowConfig(1000, 8, 16, 4) };
+    configs[5].shard_count = 3;
+    configs[5].shard_index = 2;
+    configs[5].flags = flag_shard_blocks;
+    var out: [8]u64 = undefined;
+    var opened: u64 = 0;
+    var closed: u64 = 0;
+    var total: u64 = 0;
+    for (&configs) |*config| {
+        for ([_]u64{ 0, 3, 125, 1 << 20 }) |step| {
+            try testing.expectEqual(Status.ok, fill(config, step, out[0..config.batch_size]));
+            try testing.expectEqual(Status.ok, fillPositions(config, step * 7 + 1, out[0..5]));
+            if (config.window_blocks == 0) continue;
+            try testing.expectEqual(Status.ok, places(config, step * 11, &opened, &closed, &total));
+            try testing.expect(closed <= opened and opened <= total);
+            try testing.expectEqual(Status.ok, placeBlocks(config, step, closed, out[0..@min(8, opened - closed)]));
+        }
+    }
+}

@@ -22,7 +22,14 @@ pub const Status = enum(c_int) {
     item_count_too_large = 12,
     /// libblosc2 returned fewer bytes than asked for, without an error code.
     decompressed_short = 13,
+    /// A mixture's pattern does not give each source its weight's offsets, ranked 0, 1, ...
+    /// in the order they come (the caller's interleave is wrong).
+    invalid_pattern = 14,
+    /// A sampler's derived geometry breaks one of its invariants (a permutation's domain,
+    /// the phases of a sliding shuffle, a window's places): a defect in this library,
+    /// checked once per call where a release build must still refuse it.
+    invariant_broken = 15,
 };
 
 /// The highest value; update it when appending.
-pub const status_last = Status.decompressed_short;
+pub const status_last = Status.invariant_broken;

@@ -164,17 +164,33 @@ class Dealing:
         self.sampler, self.transition = sampler, transition
         old_count = transition.shard_count
         self._old = {}  # old shard -> its Sampler, made for the pieces this shard reads
-        ends = [(transition.through_epoch + 1) * self._old_length(h) for h in range(old_count)]
-        remainders = [max(0, end - p) for end, p in zip(ends, transition.positions)]
+        # Where each old stream's remainder ends: the end of epoch through_epoch of its own stream.
+        self._ends = [(transition.through_epoch + 1) * self._old_length(h) for h in range(old_count)]
+        # Every old shard stands within the epochs dealt (through_epoch is the last one any
+        # has begun): a remainder is never negative, so T's starts below are monotone.
+        for h, (end, position) in enumerate(zip(self._ends, transition.positions)):
+            assert 0 <= position <= end, (h, position, end, transition)
+        remainders = [end - p for end, p in zip(self._ends, transition.positions)]
         self._cumulative = np.cumsum([0] + remainders).tolist()  # where each old remainder starts in T
-        self.total_rows = total = self._cumulative[-1]
+        self.total_rows = self._cumulative[-1]
         j = sampler.shard_index
         self.piece_start = self.piece_start_of(j)  # in T
         self.piece_rows = self.piece_rows_of(j)
         self.piece_end_position = transition.start + self.piece_rows  # in this shard's stream
         # The own stream from epoch through_epoch + 1, which follows the piece.
         self.own_offset = (transition.through_epoch + 1) * sampler.epoch_length - self.piece_end_position
-        assert 0 <= self.piece_start and self.piece_start + self.piece_rows <= total, (self.piece_start, total)
+        self._assert_pieces()
+
+    def _assert_pieces(self) -> None:
+        """The new shards' pieces cut T exactly: each starts where the one before ends, the
+        last ends at T's end (they sum to the total), and this shard's lies within T."""
+        count = self.sampler.shard_count
+        assert self.piece_start_of(0) == 0, self.piece_start_of(0)
+        last = self.piece_start_of(count - 1) + self.piece_rows_of(count - 1)
+        assert last == self.total_rows, (last, self.total_rows, count)
+        assert 0 <= self.piece_start, self.piece_start
+        assert self.piece_start + self.piece_rows <= self.total_rows, (self.piece_start, self.piece_rows,
+                                                                       self.total_rows)
 
     def piece_start_of(self, shard_index: int) -> int:
         """Where new shard `shard_index`'s piece starts in T, the old remainders in order."""
@@ -203,23 +219,27 @@ class Dealing:
         start = self.transition.start
         while position < end:
             if position < start:
-                rows = min(end, start) - position
-                yield self.sampler, position, rows, None
+                run = self.sampler, position, min(end, start) - position, None
             elif position < self.piece_end_position:
                 t = self.piece_start + position - start
                 h = bisect.bisect_right(self._cumulative, t) - 1
                 rows = min(end, self.piece_end_position, start + self._cumulative[h + 1] - self.piece_start) - position
-                yield self._old_sampler(h), self.transition.positions[h] + t - self._cumulative[h], rows, h
+                old_position = self.transition.positions[h] + t - self._cumulative[h]
+                # Within old shard h's remainder: from where it stood to the dealt epochs' end.
+                assert self.transition.positions[h] <= old_position, (h, old_position, self.transition.positions)
+                assert old_position + rows <= self._ends[h], (h, old_position, rows, self._ends[h])
+                run = self._old_sampler(h), old_position, rows, h
             else:
-                rows = end - position
-                yield self.sampler, position + self.own_offset, rows, None
-            position += rows
+                run = self.sampler, position + self.own_offset, end - position, None
+            # Every run moves forward: positions are monotone and the loop ends within count runs.
+            assert run[2] > 0, (first, count, position, run[2])
+            yield run
+            position += run[2]
 
     def fill(self, first: int, count: int, pointer) -> None:
         """Writes the rows of positions first .. first + count to the cffi uint64_t pointer."""
         offset = 0
         for sampler, position, rows, _ in self.segments(first, count):
-            assert rows > 0, (first, count, position)
             check(lib.shm_sampler_fill_positions(sampler._config, position, pointer + offset, rows),
                   f"cannot fill positions {position} .. {position + rows}")
             offset += rows

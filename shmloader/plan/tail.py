@@ -22,6 +22,21 @@ class Tail:
     remainders: tuple[int, ...]  # own streams: each shard's rows from first_step * batch_size on
     offset: int = 0  # the streams' shift (Sampler.offset)
 
+    def __post_init__(self) -> None:
+        # Checked once, where a tail is made (tail_of): what chunk() and segments() rely on.
+        global_batch = self.batch_size * self.shard_count
+        held = sum(self.remainders)
+        assert len(self.remainders) == (self.shard_count if self.own_streams else 1), (self.remainders,
+                                                                                       self.shard_count)
+        assert all(remainder >= 0 for remainder in self.remainders), self.remainders
+        # The tail's rows are the streams' (less what drop_last or an even deal leaves out,
+        # under one global batch).
+        assert 0 <= self.rows <= held, (self.rows, held)
+        assert held - self.rows < global_batch, (self.rows, held, global_batch)
+        # As many steps as the rows fill, each with a row for every shard: no empty chunk.
+        assert self.steps == -(-self.rows // global_batch), (self.steps, self.rows, global_batch)
+        assert self.rows >= self.steps * self.shard_count, (self.rows, self.steps, self.shard_count)
+
     @property
     def end_step(self) -> int:
         return self.first_step + self.steps
@@ -29,10 +44,15 @@ class Tail:
     def chunk(self, step: int, shard_index: int) -> tuple[int, int]:
         """(offset in the tail, rows) of shard `shard_index`'s part of `step`."""
         assert self.first_step <= step < self.end_step, (step, self.first_step, self.end_step)
+        assert 0 <= shard_index < self.shard_count, (shard_index, self.shard_count)
         chunks = self.steps * self.shard_count
         each, extra = divmod(self.rows, chunks)
         index = (step - self.first_step) * self.shard_count + shard_index
-        return index * each + min(index, extra), each + (index < extra)
+        offset, rows = index * each + min(index, extra), each + (index < extra)
+        # The chunks cut the tail exactly, in order, none empty (each >= 1: __post_init__).
+        assert rows > 0, (step, shard_index, self)
+        assert offset + rows <= self.rows, (offset, rows, self.rows)
+        return offset, rows
 
     def segments(self, step: int, shard_index: int):
         """(shard or None, stream position, rows) runs of a chunk: positions of shard h's
@@ -48,7 +68,7 @@ class Tail:
                 yield shard, first + offset, taken
                 offset, rows = remainder, rows - taken
             offset -= remainder
-        assert rows == 0, rows
+        assert rows == 0, rows  # The chunk lies within the streams' remainders.
 
 
 def tail_of(ends: list[int], batch_size: int, shard_count: int, own_streams: bool, drop_last: bool, offset: int = 0,
@@ -75,5 +95,4 @@ def tail_of(ends: list[int], batch_size: int, shard_count: int, own_streams: boo
         else:  # Fewer than shard_count rows cannot give every shard one.
             rows -= rows % shard_count
     steps = -(-rows // global_batch)
-    assert rows >= steps * shard_count, (rows, steps, shard_count)  # No empty chunk.
     return Tail(first_step, steps, rows, batch_size, shard_count, own_streams, tuple(remainders), offset)

@@ -56,7 +56,7 @@ import threading
 
 import numpy as np
 
-from ..errors import RemoteError, StorageError
+from ..errors import CacheError, RemoteError, StorageError
 from .node import NodeCache, cache_root, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
@@ -410,6 +410,25 @@ class CachedObject:
             self.stamps[stale] = stamp
         if len(missing):
             self._fetch_missing(missing, descriptor, unit_pages)
+        self._check_pinned(pages)
+
+    def _check_pinned(self, pages: np.ndarray) -> None:
+        """A pin returns with every page it holds present: an eviction, the one change that
+        makes a page absent for reasons of its own, takes the page's USE lock, which the pin
+        holds. Only another process that found a pinned page's bytes on disk not those its
+        download wrote (_verify) marks it absent under a pin: an operating error (a failing
+        disk, an edit of the cache directory), raised as one, never read as data. One
+        vectorised look per pin, not per row."""
+        stamps = self.stamps
+        if stamps is None:  # Closed meanwhile (the loader's close): nothing is read through it.
+            return
+        absent = pages[stamps[pages] == 0]
+        if len(absent):
+            raise CacheError(
+                f"{self.url}: {len(absent)} page(s) of its copy in the node cache ({self.path}), from page "
+                f"{int(absent[0])}, were marked absent while this process held them pinned: another process found "
+                f"their bytes on disk changed since they were written (a failing disk, or the cache directory edited "
+                f"while loaders ran). Restart the loader; if it happens again, check the disk under cache_dir")
 
     def _verify(self, pages: np.ndarray, descriptor: int, pinned: np.ndarray, stamps: np.ndarray) -> np.ndarray:
         """Checks present `pages` (pinned through `descriptor`) against the CRC-32 their
@@ -602,18 +621,25 @@ class CachedObject:
         return self._bytes_of(np.flatnonzero(self.stamps[first:end] == 0) + first)
 
     def _fetch_run(self, first: int, end: int, reserved: int, ahead: bool = False) -> None:
-        """Downloads pages [first, end) (claimed), then settles the `reserved` bytes."""
-        downloaded = False
+        """Downloads pages [first, end) (claimed), settling the `reserved` bytes: before
+        their stamps where the pages were written (_download_run), else here."""
+        settled = False
         try:
-            downloaded = self._download_run(first, end, ahead)
+            settled = self._download_run(first, end, reserved, ahead)
         finally:
-            self.cache.settle(reserved, downloaded)
+            if not settled:
+                self.cache.settle(reserved, False)
 
-    def _download_run(self, first: int, end: int, ahead: bool = False) -> bool:
-        """Whether the pages were written (not when the object was closed meanwhile). Pages
-        fetched `ahead` of their step are stamped AHEAD_STAMP_SECONDS in the future: the
-        newest of the cache, evicted after the pages the fills just read (stamps count whole
-        seconds, and a small cache turns over within one)."""
+    def _download_run(self, first: int, end: int, reserved: int, ahead: bool = False) -> bool:
+        """Whether the pages were written (not when the object was closed meanwhile), their
+        `reserved` bytes then settled as held before their stamps say present: a process
+        killed between the two leaves bytes counted that no stamp vouches for (given back
+        when the cache is next counted anew), never a present page the ledger does not count.
+        Pages fetched `ahead` of their step are stamped AHEAD_STAMP_SECONDS in the future:
+        the newest of the cache, evicted after the pages the fills just read (stamps count
+        whole seconds, and a small cache turns over within one)."""
+        # A request, whatever its fetch unit, lies within the object.
+        assert 0 <= first < end <= self.page_count, (first, end, self.page_count, self.url)
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
         data = self.client.get(self.url, self.etag, start, stop, self.size)
         checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
@@ -632,6 +658,7 @@ class CachedObject:
                     with contextlib.suppress(OSError):  # No stamp will vouch for it: its space back.
                         punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
                 raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
+            self.cache.settle(reserved, True)
             self.checksums[first:end] = checksums  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.
             self.verified[first:end] = True

@@ -64,7 +64,12 @@ class NodeCache:
         self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
         self._slots = np.frombuffer(self._ledger_map, dtype=np.int64, count=2 * _SLOT_COUNT,
                                     offset=_SLOTS_OFFSET).reshape(_SLOT_COUNT, 2)
-        self._thread_lock = threading.Lock()  # OFD locks do not exclude this process's own threads.
+        # OFD locks do not exclude this process's own threads. Reentrant: settle() and close()
+        # hold it around locked(), so that a settle never meets a ledger close() took down.
+        self._thread_lock = threading.RLock()
+        # Reservations in flight that no slot of the ledger records (every slot held by a
+        # live process): given back at close, or counted until the cache is next counted anew.
+        self._untracked = 0
         with self.locked():
             if self._ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
                 self._ledger[:] = 0
@@ -120,6 +125,10 @@ class NodeCache:
                         if found.data_disk_bytes > found.held:
                             _give_back_unstamped(found)
                     self._ledger[_LEDGER["held"]] = held
+                    # Every slot left is a dead process's (a user holds byte 1 from its start):
+                    # the count above has no reservation in it, so none may be given back again.
+                    self._slots[:] = 0
+                    self._assert_ledger()
             finally:
                 os.close(users)  # Closing the description drops its lock.
 
@@ -140,6 +149,7 @@ class NodeCache:
         with self.locked():
             self._make_room(size)
             self._ledger[_LEDGER["held"]] += size
+            self._assert_ledger()
 
     def reserve(self, size: int, optional: bool = False) -> bool:
         """Counts `size` bytes about to be downloaded, evicting first what would pass the
@@ -153,23 +163,46 @@ class NodeCache:
             if not self._make_room(size, now_stamp() if optional else None) and optional:
                 return False
             self._ledger[_LEDGER["held"]] += size
-            self._slot()[1] += size
+            slot = self._slot()
+            if slot is None:
+                self._untracked += size
+            else:
+                slot[1] += size
+            self._assert_ledger()
             return True
 
     def _make_room(self, size: int, newest: int | None = None) -> bool:
         """Evicts what `size` more bytes would pass the budget by (under the lock), pages
         stamped `newest` or before only where given; whether they fit now."""
         budget = int(self._ledger[_LEDGER["budget"]])
-        held = int(self._ledger[_LEDGER["held"]])
-        if not budget or held + size <= budget:
+        if not budget or self._held() + size <= budget:
             return True
-        held -= self._reclaim_dead()
+        self._reclaim_dead()
+        held = self._held()
         if held + size > budget:
             freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
-            held -= freed
+            self._ledger[_LEDGER["held"]] -= freed
             self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
-        self._ledger[_LEDGER["held"]] = held
-        return held + size <= budget
+        self._assert_ledger()
+        return self._held() + size <= budget
+
+    def _held(self) -> int:
+        return int(self._ledger[_LEDGER["held"]])
+
+    def _assert_ledger(self) -> None:
+        """The ledger's invariants, after each change (under the lock): the bytes held are
+        never negative, no process's reservations in flight are, and together they never
+        pass the bytes held, which include them. Every process changes the ledger under its
+        lock and keeps them, so one broken is a defect in this accounting: a reservation
+        settled twice, bytes given back twice (a dead process's reservation both counted
+        anew and reclaimed), a present page freed twice. Cheap: two numbers and a sum
+        over the slots' table, once per reservation, never per page."""
+        held = self._held()
+        reserved = self._slots[:, 1]
+        assert held >= 0, f"the node cache {self.root} holds {held} bytes"
+        assert int(reserved.min()) >= 0, f"a reservation in the node cache {self.root} is {int(reserved.min())} bytes"
+        assert int(reserved.sum()) + self._untracked <= held, \
+            f"the node cache {self.root} has {int(reserved.sum()) + self._untracked} bytes in flight, {held} held"
 
     def fits(self, size: int) -> bool:
         """Whether `size` more bytes fit the budget, evicting what they would pass it by (as
@@ -182,42 +215,59 @@ class NodeCache:
         """Pages whose bytes failed their checksum were marked absent: no longer held."""
         with self.locked():
             self._ledger[_LEDGER["held"]] -= size
+            self._assert_ledger()
 
     def budget(self) -> int:
         return 0 if self._ledger is None else int(self._ledger[_LEDGER["budget"]])
 
     def settle(self, size: int, downloaded: bool) -> None:
-        """A reservation's download ended: its bytes stay counted as held if it succeeded
-        (nothing once this view is closed: close() gave its reservations back)."""
-        if self._ledger_fd is None:
-            return
-        with self.locked():
-            self._slot()[1] -= size
-            if not downloaded:
-                self._ledger[_LEDGER["held"]] -= size
+        """A reservation's download ended, or its bytes are written and about to be stamped:
+        they stay counted as held if it succeeded (nothing once this view is closed: close()
+        gave its reservations back)."""
+        with self._thread_lock:  # close() takes the ledger down under it.
+            if self._ledger_fd is None:
+                return
+            with self.locked():
+                untracked = min(size, self._untracked)
+                self._untracked -= untracked
+                if size > untracked:  # A reservation a slot records: it keeps its slot until close().
+                    slot = self._own_slot()
+                    assert slot is not None, (size, untracked)
+                    slot[1] -= size - untracked
+                if not downloaded:
+                    self._ledger[_LEDGER["held"]] -= size
+                self._assert_ledger()
 
-    def _slot(self) -> np.ndarray:
-        """This process's (pid, bytes reserved) in the ledger's table (under the lock)."""
-        pid = os.getpid()
-        own = np.flatnonzero(self._slots[:, 0] == pid)
-        if len(own):
-            return self._slots[own[0]]
+    def _own_slot(self) -> np.ndarray | None:
+        """This process's (pid, bytes reserved) in the ledger's table, or None (under the lock)."""
+        own = np.flatnonzero(self._slots[:, 0] == os.getpid())
+        return self._slots[own[0]] if len(own) else None
+
+    def _slot(self) -> np.ndarray | None:
+        """This process's slot, taken where it has none (under the lock); None where every
+        slot belongs to a live process (its reservations then go untracked: a slot shared
+        with another process would be given back by whichever of the two closes first)."""
+        own = self._own_slot()
+        if own is not None:
+            return own
         free = np.flatnonzero(self._slots[:, 0] == 0)
         if not len(free):
             self._reclaim_dead()
             free = np.flatnonzero(self._slots[:, 0] == 0)
-        slot = self._slots[free[0] if len(free) else 0]  # Full of live processes: shares the first.
-        if slot[0] != pid and slot[0] == 0:
-            slot[:] = (pid, 0)
+        if not len(free):
+            return None
+        slot = self._slots[free[0]]
+        slot[:] = (os.getpid(), 0)
         return slot
 
     def _reclaim_dead(self) -> int:
-        """Gives back the reservations of processes that are gone (under the lock); returns
-        the bytes given back."""
+        """Gives back the reservations of processes that are gone (under the lock): no longer
+        held, their slots free. Returns the bytes given back."""
         alive = np.array([process_alive(int(pid)) for pid in self._slots[:, 0]], dtype=bool)
         dead = (self._slots[:, 0] != 0) & ~alive
         reclaimed = int(self._slots[dead, 1].sum())
         self._slots[dead] = 0
+        self._ledger[_LEDGER["held"]] -= reclaimed
         return reclaimed
 
     def _evict(self, wanted: int, newest: int | None = None) -> int:
@@ -277,15 +327,21 @@ class NodeCache:
             for pool in self._pools.values():
                 pool.shutdown(wait=False, cancel_futures=True)
             self._pools.clear()
-        if self._ledger_fd is not None:
+        with self._thread_lock:  # A download settling meanwhile finds the ledger whole, or closed.
+            if self._ledger_fd is None:
+                return
             with self.locked():  # Downloads given up on: their reservations go back now.
-                slot = self._slot()
-                self._ledger[_LEDGER["held"]] -= slot[1]
-                slot[:] = 0
+                slot = self._own_slot()
+                if slot is not None:
+                    self._ledger[_LEDGER["held"]] -= slot[1]
+                    slot[:] = 0
                 del slot  # A view of the mapping: it must go before the mapping can close.
+                self._ledger[_LEDGER["held"]] -= self._untracked
+                self._untracked = 0
                 # Back within the budget: what the fills held pinned beyond it is free now
                 # (pages pinned by loaders of other processes stay, and are theirs to give back).
                 self._make_room(0)
+                self._assert_ledger()
             self._ledger = self._slots = None
             with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
                 self._ledger_map.close()

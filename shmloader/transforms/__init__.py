@@ -36,41 +36,28 @@ forked child that does is ended before it can touch the ring).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..errors import TransformError
 from .core import Context, Records, batch_rng, global_positions, sample_rng, transform
 
-
-def check_determinism(fields, transform, transform_args=None, *, steps=(0, 1), **loader_options) -> None:
-    """Runs each of `steps` twice in this process, the second time with the global `random`
-    and `np.random` seeded differently, and raises TransformError naming the first output
-    that differs (a transform that uses global randomness, the clock, or state kept between
-    calls). Takes the loader's fields and options; starts no reader."""
-    from .local import (
-        LocalTransform,  # Planning and the fillers are the trainer's, not a reader's.
-    )
-
-    with LocalTransform(fields, transform, transform_args, **loader_options) as local:
-        for step in steps:
-            first = local.compute(step, salt=0)
-            second = local.compute(step, salt=1)
-            for name, array in first.items():
-                if not np.array_equal(array, second[name], equal_nan=array.dtype.kind in "fc"):
-                    raise TransformError(
-                        f"transform {local.spec.path!r} is not deterministic: output {name!r} of step {step} differs "
-                        f"between two runs with the global random and np.random seeded differently. Use ctx.rng(i) "
-                        f"or ctx.batch_rng, and keep no state between calls"
-                    )
+# The tools that compute a batch in this process (compute_batch, check_determinism) drive
+# the filler, which imports this package's core: they live above it, in
+# tools/local_batch.py, and are imported from there on first use (PEP 562), so that
+# importing shmloader.transforms, as every reader does, imports neither them nor fill/.
+_TOOLS = ("check_determinism", "compute_batch")
 
 
-def compute_batch(fields, step: int, transform, transform_args=None, **loader_options) -> dict:
-    """Batch `step` as the loader's readers would give it, computed in this process (new
-    arrays): a reference for tests, and a way to look at a transform's output."""
-    from .local import LocalTransform
+def __getattr__(name: str):
+    if name in _TOOLS:
+        from ..tools import local_batch
 
-    with LocalTransform(fields, transform, transform_args, **loader_options) as local:
-        return local.compute(step)
+        value = getattr(local_batch, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_TOOLS])
 
 
 __all__ = ["Context", "Records", "TransformError", "check_determinism", "compute_batch", "transform",
