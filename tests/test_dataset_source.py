@@ -144,6 +144,26 @@ def test_declared_outputs_set_dtype_and_unknown_names_are_refused():
         ShmDataLoader.from_dataset(dataset, outputs={"y": ((3,), "float32")}, batch_size=2, readers=0)
 
 
+class _SignedLabels:
+    """Labels -1 .. 2 as Python ints and as numpy int64 side by side."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return {"plain": index % 4 - 1, "numpy": np.int64(index % 4 - 1)}
+
+
+def test_a_python_scalar_is_cast_into_a_declared_dtype_as_a_numpy_scalar_is():
+    """-1 into a uint8 output is 255 whether the sample gives int or np.int64 (the plain
+    write path raised OverflowError for the int alone)."""
+    outputs = {"plain": ((), "u1"), "numpy": ((), "u1")}
+    with ShmDataLoader.from_dataset(_SignedLabels(), outputs=outputs, batch_size=8, readers=0, mode="sequential") \
+            as loader:
+        batch = next(loader)
+        assert batch["plain"].tolist() == batch["numpy"].tolist() == [255, 0, 1, 2] * 2
+
+
 def test_an_unpicklable_dataset_names_the_attribute_and_the_import_path_way():
     with pytest.raises(DatasetError, match=r"attribute 'guard'.*import path.*module:function|attribute 'guard'"):
         ShmDataLoader.from_dataset(fixtures.HoldsALock(), batch_size=2, readers=1)

@@ -130,9 +130,10 @@ class DatasetRunner:
                 continue
             for (name, value), (expected, target, shape, fixed) in zip(leaves, plain):
                 kind = type(value)
-                if fixed and name == expected and (kind is np.ndarray and value.shape == shape or
-                                                   kind in _SCALARS and shape == ()):
-                    target[row] = value  # Casts as numpy does (an int64 scalar into int32 if declared so).
+                if fixed and name == expected and kind is np.ndarray and value.shape == shape:
+                    target[row] = value  # Casts as numpy does (an int64 array into int32 if declared so).
+                elif fixed and name == expected and kind in _SCALARS and shape == ():
+                    target[row] = np.asarray(value)  # As a numpy scalar is cast (-1 into uint8 is 255).
                 else:
                     self._write_leaf(index, row, name, value, out)
 

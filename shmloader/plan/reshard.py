@@ -169,7 +169,9 @@ class Dealing:
         # Every old shard stands within the epochs dealt (through_epoch is the last one any
         # has begun): a remainder is never negative, so T's starts below are monotone.
         for h, (end, position) in enumerate(zip(self._ends, transition.positions)):
-            assert 0 <= position <= end, (h, position, end, transition)
+            if not 0 <= position <= end:  # A checkpoint's own numbers (an edited one): refused, not asserted.
+                raise ValueError(f"transition.positions[{h}] is {position}, outside old shard {h}'s stream "
+                                 f"through epoch {transition.through_epoch} (0..{end})")
         remainders = [end - p for end, p in zip(self._ends, transition.positions)]
         self._cumulative = np.cumsum([0] + remainders).tolist()  # where each old remainder starts in T
         self.total_rows = self._cumulative[-1]

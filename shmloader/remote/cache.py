@@ -623,14 +623,14 @@ class CachedObject:
     def _fetch_run(self, first: int, end: int, reserved: int, ahead: bool = False) -> None:
         """Downloads pages [first, end) (claimed), settling the `reserved` bytes: before
         their stamps where the pages were written (_download_run), else here."""
-        settled = False
+        settling: list[bool] = []  # Set as _download_run settles: one that raises is not settled again.
         try:
-            settled = self._download_run(first, end, reserved, ahead)
+            self._download_run(first, end, reserved, ahead, settling)
         finally:
-            if not settled:
+            if not settling:
                 self.cache.settle(reserved, False)
 
-    def _download_run(self, first: int, end: int, reserved: int, ahead: bool = False) -> bool:
+    def _download_run(self, first: int, end: int, reserved: int, ahead: bool, settling: list[bool]) -> bool:
         """Whether the pages were written (not when the object was closed meanwhile), their
         `reserved` bytes then settled as held before their stamps say present: a process
         killed between the two leaves bytes counted that no stamp vouches for (given back
@@ -658,6 +658,7 @@ class CachedObject:
                     with contextlib.suppress(OSError):  # No stamp will vouch for it: its space back.
                         punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
                 raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
+            settling.append(True)
             self.cache.settle(reserved, True)
             self.checksums[first:end] = checksums  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.

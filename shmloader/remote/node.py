@@ -230,12 +230,21 @@ class NodeCache:
             with self.locked():
                 untracked = min(size, self._untracked)
                 self._untracked -= untracked
+                given_back = 0
                 if size > untracked:  # A reservation a slot records: it keeps its slot until close().
                     slot = self._own_slot()
-                    assert slot is not None, (size, untracked)
-                    slot[1] -= size - untracked
-                if not downloaded:
-                    self._ledger[_LEDGER["held"]] -= size
+                    mine = 0 if slot is None else min(size - untracked, int(slot[1]))
+                    if slot is not None:
+                        slot[1] -= mine
+                    # The rest was given back already (no longer held): by another view of this
+                    # ledger in this process that closed (the same directory by another path,
+                    # or a close racing a new loader), or by a process in another PID
+                    # namespace that took this pid for a dead one.
+                    given_back = size - untracked - mine
+                if downloaded:  # Its bytes are on disk: counted again where they had been given back.
+                    self._ledger[_LEDGER["held"]] += given_back
+                else:
+                    self._ledger[_LEDGER["held"]] -= size - given_back
                 self._assert_ledger()
 
     def _own_slot(self) -> np.ndarray | None:
