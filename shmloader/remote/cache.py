@@ -1,5 +1,7 @@
 """The node's cache of objects: a sparse local copy of each, filled page by page, shared by
-every process of every loader that names the same directory.
+every process of every loader that names the same directory. (Over the package's ~450 lines
+per module: the page protocol below, its locks, stamps, checksums and the reservations around
+each download, is kept whole in one file, where each method can be checked against it.)
 
 An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
 its bytes at their own offsets (a sparse file the size of the object, so readers map and

@@ -1,6 +1,10 @@
 """The node cache as a whole (see cache.py for the design): its ledger (budget, bytes held,
 counters, each process's reservations), eviction by last use, and one view per process
-and root, shared by the loaders of the process."""
+and root, shared by the loaders of the process.
+
+Over the package's ~450 lines per module: the ledger's accounting (reserve, settle, reclaim,
+recount, evict) is one set of invariants (_assert_ledger) that every change keeps; split
+across files, each change would be argued against code elsewhere."""
 
 from __future__ import annotations
 
