@@ -1,6 +1,8 @@
 """ShmDataLoader: the trainer's facade: checks the settings, plans, iterates, resumes, reports.
 
-What runs underneath (the ring, its readers, the native cursor) is its Session (session.py)."""
+What runs underneath (the ring, its readers, the native cursor) is its Session (session.py).
+(Over the package's ~450 lines per module: most of it is the public methods' docstrings,
+the API's reference.)"""
 
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
                 self._dataset = resources.dataset = fields.plan(self.readers, remote)
                 self._session = self._start(plan_dataset_loader(self._dataset.spec, options), options.start_step)
-                self._cursor = self._session.cursor
+                self._cursor = self._session.iterator
                 return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
@@ -153,7 +155,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                     raise
                 raise renamed from None  # Objects named by their URLs, not by their cache paths.
             self._session = self._start(plan, options.start_step)
-            self._cursor = self._session.cursor  # What next(loader) forwards to, in C (ring/_cursor_module.c).
+            self._cursor = self._session.iterator  # What next(loader) forwards to, in C (ring/_cursor_module.c).
         except BaseException:
             resources.close()  # A half-built loader gives back what it took before raising.
             raise
@@ -180,7 +182,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     def _start(self, plan, start_step: int) -> Session:
         """Takes the validated plan, then creates the ring, its cursor and the readers'
-        configuration (or, with readers=0, this process's filler): the session."""
+        configuration (or, with readers=0, the local reader in this process): the session."""
         if self._epochs is not None:  # A sampler deals its pass's tail (passes.py); a mixture's is cut.
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(self._epochs, self.drop_last))
         self.plan = plan
@@ -231,13 +233,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
         return True
 
     # Iteration: the session's native cursor (ring/_cursor.c) decides what the step's slot holds,
-    # takes it or waits for it, and calls its supervisor only to check readers and raise.
-    # next(loader) reaches it through LoaderBase, in C; a loop iterates the cursor itself.
+    # takes it or waits for it, and calls its supervisor only to check readers and raise; with
+    # readers=0 the session's iterator has the local reader fill the step first (readers/local.py).
+    # next(loader) reaches that iterator through LoaderBase, in C; a loop iterates it itself.
 
     def __iter__(self):
-        """The native cursor over the ring (it keeps the ring alive as long as a loop runs).
-        A finite pass that has ended is not restarted and does not iterate as empty: it
-        raises, saying how to get another pass."""
+        """The session's iterator: the native cursor over the ring, or with readers=0 the
+        local reader's iterator over it (either keeps the ring alive as long as a loop
+        runs). A finite pass that has ended is not restarted and does not iterate as empty:
+        it raises, saying how to get another pass."""
         cursor = self._session.cursor
         if self.finite is not None and cursor.next_step >= self.finite.steps and cursor.active:
             raise RuntimeError(
@@ -245,7 +249,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                 f"restarted, since its order would repeat. For more passes give epochs=N up front (each epoch in "
                 f"its own order), or an endless loader (epochs=None) with your own step count; seek(0) replays "
                 f"this pass knowingly")
-        return cursor
+        return self._session.iterator
 
     # The GPU hop.
 

@@ -2,16 +2,19 @@
 
 ShmDataLoader (loader.py) checks the settings, plans and answers the user; its Session
 runs what the plan needs. The session creates the ring, builds the cursor (ring/_cursor.c)
-from plain settings and callables, configures the readers, requests steps, takes every
-slot back for a seek, gives the readers another filler, and tears it all down.
+from plain settings and callables, configures the readers (with readers=0, the local
+reader in this process, readers/local.py), requests steps, takes every slot back for a
+seek, gives the readers another filler, and tears it all down.
 
-Lifetimes. The cursor is the loader's iterator: `for batch in ShmDataLoader(...)` keeps
-only the cursor once the temporary loader is gone. So the teardown (lifecycle.Resources)
-follows the cursor: a weakref.finalize on the cursor runs Resources.close. Nothing the
-cursor refers to refers back to it, to the session or to the loader. The supervisor and
-the step cuts are handed the cursor when they act on it, and the pool its request. An
-unclosed loader is therefore torn down as soon as neither it nor a loop over it is left,
-without waiting for the garbage collector.
+Lifetimes. The session's `iterator` is the loader's: the cursor itself, or with readers=0
+the LocalIterator that has the local reader fill each step before the cursor takes it,
+which refers to the cursor. `for batch in ShmDataLoader(...)` keeps only that iterator once
+the temporary loader is gone. So the teardown (lifecycle.Resources) follows the cursor: a
+weakref.finalize on the cursor runs Resources.close. Nothing the cursor refers to refers
+back to it, to the iterator, to the session or to the loader. The supervisor, the step cuts
+and the local reader are handed the cursor when they act on it, and the pool its request.
+An unclosed loader is therefore torn down as soon as neither it nor a loop over it is
+left, without waiting for the garbage collector.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .lifecycle import Resources, live_resources
 from .plan.defaults import TRAINER_SLOTS, wake_after
 from .plan.options import LoaderOptions
 from .plan.passes import ENDLESS, FinitePass
+from .readers.local import LocalIterator, LocalReader
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, cursor_module
@@ -91,7 +95,8 @@ class Session:
 
     `resources` already holds the started pool; from here on it is closed when the cursor
     goes (or by close()). `fillers`: the steps filled at once (local readers plus the remote
-    readers' capacity); 0 fills each step in this process when next() needs it."""
+    readers' capacity); 0 fills each step in this process when next() needs it, by the
+    local reader (`local`) that the loader's `iterator` drives."""
 
     def __init__(self, resources: Resources, slot: SlotLayout, slots: int, cuts: StepCuts, filler: FillerSpec,
                  options: LoaderOptions, *, start_step: int, readers: int, fillers: int, pin_backend) -> None:
@@ -103,14 +108,15 @@ class Session:
         live_resources.add(resources)
         if pin_backend is not None:
             resources.pinned = PinnedRing(pin_backend, ring.base_address, self.layout.total_bytes)
-        local, outputs = None, ()
-        if fillers == 0:  # Its own arrays over the slots: the cursor judges a slot held by its views' references.
-            local = resources.filler = filler.build()
-            outputs = [local.bind(self.views(index)) for index in range(slots)]
+        views_of = _views_function(slot, ring, self.layout)
+        self.local = None
+        if fillers == 0:  # readers=0: reader 0 is this process's; Resources closes its filler.
+            resources.filler = filler.build()
+            self.local = LocalReader(ring, resources.filler, views_of)
         self.supervisor = Supervisor(pool, ring, slots, step_timeout=options.step_timeout,
                                      hold_timeout=options.hold_timeout, on_error=options.on_error,
-                                     owner_pid=resources.owner_pid, filler=local, outputs=outputs)
-        views_of = _views_function(slot, ring, self.layout)
+                                     owner_pid=resources.owner_pid,
+                                     skipped=None if self.local is None else self.local.skipped)
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,
@@ -131,6 +137,7 @@ class Session:
             views_of=views_of,
             partial=cuts.partial,
         )
+        self.iterator = self.cursor if self.local is None else LocalIterator(self.cursor, self.local, self.supervisor)
         resources.cursor = weakref.ref(self.cursor)
         self.finalizer = weakref.finalize(self.cursor, resources.close)
         self.request_from(start_step)
@@ -215,10 +222,9 @@ class Session:
             self.take_back_all()
             self.cuts.sampler, self.cuts.finite = sampler, finite
             self.cursor.end_step = self.cuts.end_step
-            if self.fillers == 0:  # readers=0: this process's filler, bound to the slots anew.
-                old, local = self.resources.filler, filler.build()
-                self.resources.filler = self.supervisor.filler = local
-                self.supervisor.outputs = [local.bind(self.views(slot)) for slot in range(self.slots)]
+            if self.local is not None:  # readers=0: the local reader's filler, bound to the slots anew.
+                old, self.resources.filler = self.resources.filler, filler.build()
+                self.local.use(self.resources.filler)
                 old.close()
             self.pool.reconfigure(filler)
         finally:

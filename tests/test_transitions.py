@@ -13,8 +13,9 @@ import struct
 
 import pytest
 
+from shmloader.readers.filling import fill_and_publish
 from shmloader.ring.layout import SLOT_CONTROL_BYTES, RingLayout, SlotState
-from shmloader.ring.publishing import Publisher, fill_and_publish
+from shmloader.ring.publishing import Publisher
 from shmloader.ring.segment import Ring
 from shmloader.ring.slot_layout import Region, SlotLayout
 from shmloader.ring.transitions import EDGES, TRANSITIONS

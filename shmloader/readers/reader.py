@@ -23,9 +23,10 @@ import posix_ipc
 from ..errors import TransformError
 from ..fill.filler import FillerSpec
 from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingLayout, RingNames
-from ..ring.publishing import Publisher, fill_and_publish
+from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
+from .filling import fill_and_publish
 
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0

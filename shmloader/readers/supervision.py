@@ -1,11 +1,11 @@
 """What the trainer does about a step next() cannot deliver at once: the actions that
 ring/step_codes.py's map (StepActions) sends each STEP code to.
 
-Fill the step here (readers=0), raise (a failed reader's own error, a step in flight past
-step_timeout, a slot a batch holds past hold_timeout, a reader dead past its budget), or
-return for next() to look again, warning once when a step stays in flight long enough to
-look like a hang. It also owns the one warning about records replaced under
-on_error="skip".
+Raise (a failed reader's own error, a step in flight past step_timeout, a slot a batch
+holds past hold_timeout, a reader dead past its budget), or return for next() to look
+again, warning once when a step stays in flight long enough to look like a hang. It fills
+nothing: with readers=0 the local reader does (local.py), like any reader. It also owns
+the one warning about records replaced under on_error="skip".
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from ..errors import (
     user_stacklevel,
 )
 from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
-from ..ring.publishing import Publisher, fill_and_publish
 from ..ring.step_codes import StepActions
 
 # next() warns once when one step stays in flight this long (a reader stopped by SIGSTOP,
@@ -43,20 +42,20 @@ def _cache_note() -> str:
 class Supervisor(StepActions):
     """The trainer's actions for steps that are not READY, for one loader.
 
-    `filler` and `outputs` are set for readers=0 only: the filler this process runs, bound
-    to each slot's arrays. `step_timeout` None waits (warning after STALL_WARNING_SECONDS).
+    `step_timeout` None waits (warning after STALL_WARNING_SECONDS). `skipped`: where the
+    records replaced under on_error="skip" are counted, the pool's readers by default
+    (readers=0: the local reader's LocalReader.skipped).
     """
 
     def __init__(self, pool, ring, slots: int, *, step_timeout: float | None, hold_timeout: float, on_error: str,
-                 owner_pid: int, filler=None, outputs=()) -> None:
+                 owner_pid: int, skipped=None) -> None:
         self.pool, self.ring, self.slots, self.owner_pid = pool, ring, slots, owner_pid
         self.step_timeout, self.hold_timeout, self.on_error = step_timeout, hold_timeout, on_error
-        self.filler, self.outputs = filler, list(outputs)
+        self._skipped = pool.skipped if skipped is None else skipped
         self.skips_warned = False
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
-        self._publisher = None  # readers=0: the record of the steps filled in this process.
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -70,9 +69,11 @@ class Supervisor(StepActions):
         self._wait_for_holder(cursor, step, self._check(cursor, step, held=True))
 
     def in_flight(self, cursor, step: int) -> None:
-        if self.filler is not None:
-            self._fill_here(cursor, step)
-            return
+        if self.pool.records == 0:
+            # readers=0: the loader's iterator has the local reader fill each step before
+            # next() looks (local.py); next() on the bare cursor has nobody to wait for.
+            raise RuntimeError(f"step {step} is requested and no reader fills it: with readers=0 the loader's own "
+                               f"iterator fills each step; iterate the loader (or iter(loader)), not its cursor")
         waited_s = self._check(cursor, step, held=False)
         if self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
@@ -109,35 +110,6 @@ class Supervisor(StepActions):
                 gc.collect()  # Views caught in reference cycles: give them one chance to go.
         return time.monotonic() - self._episode_since
 
-    def _fill_here(self, cursor, step: int) -> None:
-        """readers=0: fills `step`'s requested slot in this process, as reader 0 would. An
-        exception propagates as raised (the step is requested again for the next try)."""
-        slot = step % self.slots
-        try:
-            claimed = self.ring.claim(0)
-        except Exception:
-            self.raise_if_closed(cursor)  # Closed by another thread just now: say so.
-            raise
-        assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
-        if self._publisher is None:  # Reader 0's record, as a reader keeps its own: what `shmloader top` reads.
-            self._publisher = Publisher(self.ring, 0, os.getpid())
-        try:  # next() counts the time as waiting for data: stats()["wait_s"] is the filling.
-            # A child forked by the transform returns here too: it must not publish into
-            # its parent's ring (raise_if_closed names the owner).
-            fill_and_publish(self._publisher, self.filler, step, self.outputs[slot], slot,
-                             after_fill=lambda: self.raise_if_closed(cursor))
-        except BaseException as error:
-            if cursor.active and os.getpid() == self.owner_pid:
-                cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
-            elif isinstance(error, Exception):  # Closed by another thread, or a forked child: say which.
-                try:
-                    self.raise_if_closed(cursor)
-                except RuntimeError as closed:
-                    raise closed from error
-            raise
-        if self.filler.skipped:
-            self.warn_if_skipped()
-
     def _wait_for_holder(self, cursor, step: int, waited_s: float) -> None:
         """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
         if cursor.release_unused():
@@ -163,9 +135,7 @@ class Supervisor(StepActions):
 
     def skipped(self) -> tuple[int, list]:
         """(count, records as dicts) of the records replaced under on_error="skip"."""
-        if self.filler is not None:
-            return len(self.filler.skipped), [record.to_dict() for record in self.filler.skipped]
-        return self.pool.skipped()
+        return self._skipped()
 
     def warn_if_skipped(self) -> None:
         """The one SkippedRecordsWarning of a loader, once a record was skipped."""

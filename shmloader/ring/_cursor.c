@@ -9,7 +9,9 @@
  * flight (one poll interval at a time, without the GIL), and counts the time it waited in
  * one place (take). Python is called, through the `supervise` callable it was built with
  * (ring/step_codes.py maps its codes to actions), only to supervise readers and to raise
- * errors, and with readers=0 to fill the step.
+ * errors. With readers=0 nothing here fills a step either: the loader's iterator
+ * (readers/local.py) lets its local reader fill the step before it calls next(), which
+ * finds it ready like any reader's.
  *
  * The Cursor is the loader's iterator, not the loader: shmloader/session.py builds it with
  * plain callables and settings, keeps it, and hands it to `for` loops, so that a loop over
@@ -231,6 +233,13 @@ static StepState step_state(const Cursor *self, unsigned long long step, uint64_
     }
 }
 
+/* What next_step's slot holds now, before next()'s release pass (STEP_CLOSED for a closed
+ * cursor): the Cursor's next_state, by which readers=0's iterator knows whether to fill. */
+StepState cursor_next_state(const Cursor *self) {
+    uint64_t owner;
+    return self->active ? step_state(self, self->next_step, &owner) : STEP_CLOSED;
+}
+
 /* Whether the readers are far enough ahead that waking them can wait: the batch one
  * reader count past this one is ready. Each reader fills one batch at a time, so with
  * fewer ready ahead, the trainer could reach an unfilled step before a deferred wake-up
@@ -427,6 +436,11 @@ static int supervise(Cursor *self, StepState state, uint64_t owner) {
 }
 
 static PyObject *next_batch(Cursor *self) {
+    /* Not 0 only where readers=0's local reader filled this step just before (the time it
+     * began): that fill is this next()'s wait for data, as a reader's would be. */
+    unsigned long long started_ns = self->waiting_since_ns;
+    self->waiting_since_ns = 0;
+    CURSOR_ASSERT(started_ns == 0 || started_ns <= monotonic_ns(), NULL); /* A time that has come, of now_ns's clock. */
     if (!self->active) {
         supervise(self, STEP_CLOSED, 0);
         return NULL; /* supervise raises for a closed loader; if it did not, end iteration. */
@@ -438,7 +452,6 @@ static PyObject *next_batch(Cursor *self) {
         return NULL; /* The end of a finite pass: StopIteration. */
     }
     int due = (self->batches + 1) % self->check_every == 0;
-    unsigned long long started_ns = 0;
     /* Each turn takes the batch, waits at most one poll interval, or lets supervise check
      * the readers, which raises once a bound is passed (restarts, hold_timeout). */
     for (;;) {
@@ -460,9 +473,7 @@ static PyObject *next_batch(Cursor *self) {
         if (started_ns == 0) {
             started_ns = monotonic_ns(); /* Not ready at once: from here on, next() waits. */
         }
-        /* With no reader processes (readers=0) nobody else fills it: supervise fills the
-         * step in this thread, and the next turn takes it. */
-        if (state == STEP_IN_FLIGHT && self->reader_count > 0) {
+        if (state == STEP_IN_FLIGHT) {
             WaitResult waited = wait_in_flight(self);
             if (waited == WAIT_ERROR) {
                 return NULL;

@@ -80,12 +80,14 @@ typedef struct {
     uint64_t check_every;       /* batches between reader checks when next() never waits */
     uint64_t wake_after;        /* wake readers once this many slots were handed back */
     uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
-    uint64_t reader_count;      /* at most this many posts per wake-up; 0: the trainer fills (readers=0) */
+    uint64_t reader_count;      /* at most this many posts per wake-up; 0: readers=0, whose local reader
+                                 * fills each step before next() (readers/local.py) */
     uint64_t trainer_slots;     /* slots the trainer's own references may hold (plan/defaults.TRAINER_SLOTS) */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;
     unsigned long long first_next_ns;
+    unsigned long long waiting_since_ns; /* readers=0: when the local reader began filling next_step, else 0 */
     /* A finite pass: next() ends (StopIteration) at end_step, and hands batches from
      * partial_from on to partial(cursor, batch), which returns them cut to their rows.
      * Both are UINT64_MAX for the endless loader. */
@@ -126,6 +128,7 @@ PyObject *cursor_next(Cursor *self);
 Py_ssize_t cursor_release(Cursor *self, int flush);
 int cursor_wake(Cursor *self);
 WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t timeout_ns);
+StepState cursor_next_state(const Cursor *self);
 int cursor_store_views(Cursor *self, Py_ssize_t index, PyObject *views);
 Py_ssize_t cursor_snapshot_words(PyObject *views);
 void cursor_clear(Cursor *self);

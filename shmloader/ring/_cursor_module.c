@@ -10,21 +10,24 @@
 /* The base of ShmDataLoader, for one thing: next(loader) in C. A step-based trainer calls
  * next(loader) once per step, with its caches cold; a Python __next__ forwarding to the
  * cursor would add an interpreter frame to every one. The loader is not the cursor: it
- * holds one (the session's), and this forwards to it. */
+ * holds the session's iterator, the cursor itself, or with readers=0 the iterator that
+ * lets the local reader fill each step before the cursor takes it (readers/local.py), and
+ * this forwards to it. */
 typedef struct {
     PyObject_HEAD
-    PyObject *cursor; /* the session's Cursor; NULL until the loader is built */
+    PyObject *cursor; /* the session's iterator (a Cursor, or any iterator); NULL until the loader is built */
 } LoaderBase;
 
 static PyObject *loader_next(LoaderBase *self) {
-    PyObject *cursor = self->cursor;
-    if (cursor == NULL || Py_TYPE(cursor) != &CursorType) {
+    PyObject *iterator = self->cursor;
+    if (iterator == NULL || !PyIter_Check(iterator)) {
         PyErr_SetString(PyExc_RuntimeError, "the loader was never set up");
         return NULL;
     }
-    Py_INCREF(cursor); /* Held across next(): code it runs may replace the attribute. */
-    PyObject *batch = cursor_next((Cursor *)cursor);
-    Py_DECREF(cursor);
+    Py_INCREF(iterator); /* Held across next(): code it runs may replace the attribute. */
+    PyObject *batch = Py_TYPE(iterator) == &CursorType ? cursor_next((Cursor *)iterator)
+                                                        : Py_TYPE(iterator)->tp_iternext(iterator);
+    Py_DECREF(iterator);
     return batch;
 }
 
@@ -45,7 +48,8 @@ static void loader_dealloc(LoaderBase *self) {
 }
 
 static PyMemberDef loader_members[] = {
-    {"_cursor", T_OBJECT, offsetof(LoaderBase, cursor), 0, "the cursor next(loader) forwards to"},
+    {"_cursor", T_OBJECT, offsetof(LoaderBase, cursor), 0,
+     "the iterator next(loader) forwards to: the session's cursor, or readers=0's iterator over it"},
     {NULL},
 };
 

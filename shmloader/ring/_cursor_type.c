@@ -387,6 +387,19 @@ static PyMemberDef cursor_members[] = {
     {"active", T_INT, offsetof(Cursor, active), READONLY, "set up and not closed"},
     {"pending_posts", T_ULONGLONG, offsetof(Cursor, pending_posts), READONLY,
      "slots handed back whose readers were not woken yet"},
+    {"waiting_since_ns", T_ULONGLONG, offsetof(Cursor, waiting_since_ns), 0,
+     "readers=0: when the local reader began filling next_step (now_ns's clock), for the next next() to count "
+     "as its wait; that next() resets it to 0"},
+    {NULL},
+};
+
+static PyObject *cursor_get_next_state(Cursor *self, void *Py_UNUSED(closure)) {
+    return PyLong_FromLong((long)cursor_next_state(self));
+}
+
+static PyGetSetDef cursor_getset[] = {
+    {"next_state", (getter)cursor_get_next_state, NULL,
+     "the STEP code next() would find at next_step now, before its release pass (CLOSED once closed)", NULL},
     {NULL},
 };
 
@@ -407,4 +420,5 @@ PyTypeObject CursorType = {
     .tp_iternext = (iternextfunc)cursor_next,
     .tp_methods = cursor_methods,
     .tp_members = cursor_members,
+    .tp_getset = cursor_getset,
 };

@@ -1,6 +1,7 @@
 """A filled step made visible, or its failure: the one path by which every filler (a reader
-process, the trainer itself with readers=0, the Ray bridge for its actors) hands a slot it
-claimed back to the trainer (FILLING|r -> READY|r or FAILED|r, ring/transitions.py).
+process, readers=0's local reader in the trainer, the Ray bridge for its actors) hands a
+slot it claimed back to the trainer (FILLING|r -> READY|r or FAILED|r, ring/transitions.py).
+The fill itself is driven from above (readers/filling.py); nothing here calls a filler.
 
 The order is the protocol's (ring.h): a record's skipped records, statistics and error
 report are written before READY or FAILED is published, since the trainer may read them
@@ -10,7 +11,6 @@ as soon as it sees the state; the state is the last write.
 from __future__ import annotations
 
 import json
-import time
 
 from .layout import READER_SKIP_BYTES_MAX, SlotState
 from .segment import Ring
@@ -59,19 +59,3 @@ class Publisher:
         for slot in slots:
             self.ring.publish(slot, SlotState.FAILED, self.record)
 
-
-def fill_and_publish(publisher: Publisher, filler, step: int, outputs, slot: int, after_fill=None) -> None:
-    """Fills `step` into `slot` (bound as `outputs`) with `filler` and publishes it; an
-    exception leaves the slot unpublished (FILLING), for the caller to hand back.
-    `after_fill`: called between the fill and the publication (a reader's fork check)."""
-    # Slot s only ever holds steps k with k % slot_count == s (Ring.publish checks the rest
-    # of the precondition: the slot is FILLING by this publisher's record).
-    assert step % publisher.ring.layout.slot_count == slot, (step, slot)
-    started = time.perf_counter_ns()
-    records = getattr(filler, "skipped", ())  # A test's stand-in filler may keep none.
-    known = len(records)
-    filler.fill(step, outputs)
-    if after_fill is not None:
-        after_fill()
-    skipped = [record.to_dict() for record in records[known:]]
-    publisher.publish(slot, time.perf_counter_ns() - started, skipped)

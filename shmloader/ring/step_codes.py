@@ -12,15 +12,17 @@ Supervisor) provides the actions:
                                                                  forked child inherited, raises
     CLOSED      the loader is closed (or was never set up)       raise_if_closed raised already
     READY       ready, but the periodic reader check is due      due: check the readers (restart a dead one)
-    IN_FLIGHT   requested, or being filled                       in_flight: with readers=0 fill it here; else
-                                                                 check the readers, time the wait (warn, then
-                                                                 StepTimeoutError past step_timeout)
+    IN_FLIGHT   requested, or being filled (next() waited a      in_flight: check the readers, time the wait
+                poll interval for it first)                      (warn, then StepTimeoutError past step_timeout)
     HELD        a batch from a ring ago still holds the slot     held: check the readers, hand unused slots
                                                                  back, SlotsExhaustedError past hold_timeout
     FAILED      its reader failed while filling it               failed: raise the reader's own error
     WRONG       a state or step this trainer never wrote there   SharedMemoryError naming the slot (here)
 
-After an action returns, next() looks at the step again.
+After an action returns, next() looks at the step again. No action fills a step: with
+readers=0 the loader's iterator (readers/local.py) has its local reader fill the step before
+next() looks, so that next() finds it READY; that iterator calls supervise with HELD itself
+while a batch from a ring ago holds the slot it would fill.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ StepCode = enum.IntEnum(
 )
 StepCode.__doc__ = "What next() found in a step's slot: ring/_cursor.h's StepState, named by the extension itself."
 
-# Plain ints: supervise runs once per batch with readers=0, and compares these first.
+# Plain ints: supervise compares these first (every few batches while steps are ready).
 _READY, _IN_FLIGHT, _HELD = int(StepCode.READY), int(StepCode.IN_FLIGHT), int(StepCode.HELD)
 _FAILED, _WRONG, _CLOSED = int(StepCode.FAILED), int(StepCode.WRONG), int(StepCode.CLOSED)
 
@@ -92,7 +94,7 @@ class StepActions:
         raise NotImplementedError
 
     def in_flight(self, cursor, step: int) -> None:
-        """`step` is requested or being filled (next() waited a poll interval, or readers=0)."""
+        """`step` is requested or being filled (next() waited a poll interval for it)."""
         raise NotImplementedError
 
     def held(self, cursor, step: int) -> None:
