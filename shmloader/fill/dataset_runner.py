@@ -21,7 +21,6 @@ import numpy as np
 
 from ..plan.dataset import LOCAL_DATASETS, DatasetError, DatasetSpec, _leaf_array, flatten, import_factory
 from ..plan.sampler import derive_seed
-from ..transforms.core import global_positions
 
 _MASK32 = (1 << 32) - 1
 _SCALARS = (int, float, bool)
@@ -108,10 +107,7 @@ class DatasetRunner:
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
-        if hasattr(sampler, "row_keys"):  # Each row's own stream position (a dealt tail, a shifted resume).
-            positions = sampler.row_keys(step, len(indices))
-        else:
-            positions = global_positions(step, len(indices), sampler.shard_index, sampler.shard_count)
+        positions = sampler.row_keys(step, len(indices))  # Its own stream position (a dealt tail, a shifted resume).
         names = [name for name, _, _ in self._paths]
         targets = [out[name] for name in names]
         shapes = [target.shape[1:] for target in targets]

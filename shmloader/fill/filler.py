@@ -191,7 +191,7 @@ class StepFiller:
         self._probe = self._probe_outputs = None  # a filler with room to spare, for finding bad records
         self.plans = tuple(fields)
         batch = slot.batch_size
-        self.mixture = isinstance(sampler, MixtureSampler)
+        self.mixture = sampler.has_sources
         if self.mixture != slot.mixture:
             raise ValueError("a mixture's sampler needs a slot with a source region, and only it")
         self.fields, self.runner, self.inputs, self.dataset = [], None, None, dataset

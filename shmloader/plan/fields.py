@@ -20,7 +20,6 @@ from ..storage.ragged import (
     record_lengths,
 )
 from ..storage.spec import FieldSpec, describe_field
-from .sources import MixtureSampler
 
 OVERFLOWS = ("error", "truncate", "random")
 
@@ -334,7 +333,7 @@ def records_repeated_max(sampler) -> int:
     times. Draws with replacement (mode "random") and mixtures (whose sources' epochs
     interleave in one batch) may repeat a record up to B times."""
     batch_size = sampler.batch_size
-    if isinstance(sampler, MixtureSampler) or sampler.mode == "random":
+    if sampler.has_sources or sampler.mode == "random":
         return batch_size
     return min(batch_size, -(-batch_size // max(1, sampler.epoch_length)) + 1)
 

@@ -66,6 +66,13 @@ class StreamGeometry(Protocol):
     # pass's tail and shifting a resumed stream to start anywhere need. A mixture fills
     # whole steps only: its pass's last step is cut, and so is its resumed one.
     fills_positions: bool
+    # Whether each row of a step comes from one of several sources (a source id per row in
+    # the slot; a record may repeat within a batch as the sources' epochs interleave).
+    has_sources: bool
+
+    def row_keys(self, step: int, count: int):
+        """Each row's key for ctx.rng and a dataset's per-sample seeds (uint64 array), or
+        None where rows have no stream position of their own (a mixture)."""
 
     @property
     def own_streams(self) -> bool:

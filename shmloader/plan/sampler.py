@@ -98,6 +98,7 @@ class Sampler(StreamShape):
     """
 
     fills_positions = True  # Any run of positions (shm_sampler_fill_positions): a pass's tail, a shifted resume.
+    has_sources = False
 
     def __init__(
         self,

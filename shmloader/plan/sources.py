@@ -91,6 +91,7 @@ class MixtureSampler(StreamShape):
 
     deals_on_reshard = False
     fills_positions = False
+    has_sources = True
 
     def __init__(self, lengths: list[int], weights: list[int], fractions: list[float], fixed: list[bool],
                  batch_size: int, seed: int = 0, shard_index: int = 0, shard_count: int = 1,
@@ -177,6 +178,10 @@ class MixtureSampler(StreamShape):
     def with_pass(self, epochs: int | None, drop_last: bool) -> MixtureSampler:
         """Itself: a pass is cut where it ends, so the sampler needs nothing of it."""
         return self
+
+    def row_keys(self, step: int, count: int) -> None:
+        """None: a mixture's rows have no stream position of their own (StreamGeometry)."""
+        return None
 
     def source_position(self, step: int, source: int) -> int:
         """Source `source`'s own stream position at its first draw in `step` or after."""

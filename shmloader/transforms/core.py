@@ -269,7 +269,7 @@ class TransformRunner:
         sampler = self.sampler
         ctx = Context(step, _read_only(indices), None if sources is None else _read_only(sources), sampler.seed,
                       sampler.shard_index, sampler.shard_count, self.spec.name,
-                      sampler.row_keys(step, len(indices)) if hasattr(sampler, "row_keys") else None)
+                      sampler.row_keys(step, len(indices)))
         reseed_globals(sampler.seed, step, sampler.shard_index, salt)
         given = {name: array.view() for name, array in out.items()}
         passed = dict(given)
