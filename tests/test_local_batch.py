@@ -5,6 +5,7 @@ them nor fill/. That they compute the readers' batches is test_transforms.py's."
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -26,7 +27,9 @@ def test_the_tools_import_by_their_public_path_as_the_same_functions():
 def test_importing_transforms_imports_neither_the_tools_nor_the_filler():
     code = ("import sys, shmloader.transforms; "
             "print(sorted(m for m in sys.modules if m.startswith(('shmloader.fill', 'shmloader.tools'))))")
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # From the tests' folder: the installed package, not the checkout's unbuilt sources.
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
     assert found.stdout.strip() == "[]"
 
 
