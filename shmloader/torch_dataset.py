@@ -21,6 +21,11 @@ is laid out in the ring before it reaches the trainer), worker_init_fn (readers 
 Python's, numpy's and torch's generators per sample; open resources lazily in
 __getitem__).
 
+A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
+which default_collate cannot stack) comes as {"values": the batch's samples back to back,
+"offsets": (B+1,)}: sample i is values[offsets[i]:offsets[i+1]], what Packed gives for
+files (NAME and NAME.offsets).
+
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
 and the slot is reused only after that. Copy what you keep across steps.
 """
@@ -52,16 +57,19 @@ def _refuse(name: str, value, why: str) -> None:
         raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
-def _as_collated(structure: dict) -> dict:
+def _as_collated(structure: dict, packed: frozenset = frozenset()) -> dict:
     """The samples' structure as default_collate gives it back: a tuple becomes a list, a
-    namedtuple stays one."""
+    namedtuple stays one; a `packed` leaf becomes {"values", "offsets"}."""
     if "dict" in structure:
-        return {"dict": [[key, _as_collated(item)] for key, item in structure["dict"]]}
+        return {"dict": [[key, _as_collated(item, packed)] for key, item in structure["dict"]]}
     if "named" in structure:
-        return {"tuple": [_as_collated(item) for item in structure["tuple"]], "named": structure["named"]}
+        return {"tuple": [_as_collated(item, packed) for item in structure["tuple"]], "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
-            return {"list": [_as_collated(item) for item in structure[kind]]}
+            return {"list": [_as_collated(item, packed) for item in structure[kind]]}
+    if structure["leaf"] in packed:
+        name = structure["leaf"]
+        return {"dict": [["values", {"leaf": name}], ["offsets", {"leaf": f"{name}.offsets"}]]}
     return structure
 
 
@@ -113,7 +121,9 @@ class DataLoader:
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
             pin_memory=bool(pin_memory))
-        self._structure = _as_collated(self._loader._dataset.spec.structure)
+        spec = self._loader._dataset.spec
+        packed = frozenset(output.name for output in spec.outputs if output.max_items is not None)
+        self._structure = _as_collated(spec.structure, packed)
         self._started = False  # Whether the current epoch's pass has been iterated.
 
     def _epoch_seed(self, epoch: int) -> int:

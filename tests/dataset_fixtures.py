@@ -112,3 +112,19 @@ class HoldsALock:
 def make_squares(length: int = 20, scale: int = 1):
     """A factory by import path: each reader builds its own."""
     return [np.asarray([index * index * scale], np.int64) for index in range(length)]
+
+
+class Packable:
+    """Samples whose first dimension varies (0 to `longest` items of `item_shape`), drawn
+    from the index alone, for a PackedRagged output."""
+
+    def __init__(self, length: int, item_shape=(), dtype="int32", longest: int = 5) -> None:
+        self.length, self.item_shape, self.dtype, self.longest = length, tuple(item_shape), dtype, longest
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        rng = np.random.default_rng([index, 7])
+        count = int(rng.integers(0, self.longest + 1))
+        return {"points": (rng.random((count, *self.item_shape)) * 100).astype(self.dtype), "label": index}

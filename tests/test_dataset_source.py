@@ -1,6 +1,7 @@
 """A map-style dataset as the loader's source (ShmDataLoader.from_dataset): batches equal the
-samples stacked by numpy over drawn structures, shapes and dtypes, for readers 0 and 2; each
-index once per epoch across shards; augmentations from the global generators identical
+samples stacked by numpy over drawn structures, shapes and dtypes, for readers 0 and 2;
+PackedRagged outputs equal the samples concatenated with their offsets, and resume exactly;
+each index once per epoch across shards; augmentations from the global generators identical
 for any reader count and on resume; errors name the index; a killed reader costs no batch."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dataset_fixtures as fixtures
-from conftest import our_shm_entries
-from shmloader import Ragged, ShmDataLoader, rebuild_batch
+from conftest import examples, our_shm_entries
+from shmloader import PackedRagged, Ragged, ShmDataLoader, rebuild_batch
 from shmloader.plan.dataset import DatasetError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,6 +119,35 @@ def test_a_failing_index_is_skipped_under_on_error_skip():
     assert all("dataset[" in record["where"] and "no record" in record["error"] for record in skipped["records"])
 
 
+class _LongFirst:
+    """Record 0 holds 8 items, the others 1; record 1 raises."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 1:
+            raise KeyError(f"no record {index}")
+        return {"tokens": np.full(8 if index == 0 else 1, index, np.int32)}
+
+
+@pytest.mark.filterwarnings("ignore::shmloader.SkippedRecordsWarning")
+def test_the_search_for_bad_records_gives_packed_samples_room_and_blames_only_the_bad_one():
+    """The search tries records alone, repeated to fill a batch: record 0 four times holds 32
+    items, past the batch's max_items of 24, which it must not blame on record 0 (it was
+    skipped with the bad one)."""
+    from shmloader import PackedRagged
+
+    with ShmDataLoader.from_dataset(_LongFirst(), outputs={"tokens": PackedRagged(24)}, batch_size=4, readers=0,
+                                    mode="sequential", epochs=1, on_error="skip") as loader:
+        batch = next(loader)
+        offsets = batch["tokens.offsets"].tolist()
+        skipped = loader.stats()["skipped"]["records"]
+    assert [record["row"] for record in skipped] == [1]
+    assert batch["tokens"][offsets[0]:offsets[1]].tolist() == [0] * 8
+    assert offsets == [0, 8, 9, 10, 11]  # Record 1 replaced by record 2, the next good one.
+
+
 def test_a_sample_of_another_shape_names_the_index_the_key_and_both_shapes():
     with ShmDataLoader.from_dataset(fixtures.Varying(), batch_size=5, readers=0, mode="sequential") as loader:
         with pytest.raises(DatasetError, match=r"dataset\[1\]\['tokens'\] has shape \(2,\).*\(1,\).*Ragged"):
@@ -134,6 +164,87 @@ def test_ragged_outputs_are_padded_with_their_lengths():
             assert batch["tokens.lengths"][row] == length
             np.testing.assert_array_equal(batch["tokens"][row, :length], np.arange(length))
             assert (batch["tokens"][row, length:] == -1).all()
+
+
+def _packed_reference(dataset, indices) -> tuple[np.ndarray, np.ndarray]:
+    """What a packed batch should hold: the samples' points concatenated, and their offsets."""
+    samples = [dataset[int(index)]["points"] for index in indices]
+    offsets = np.concatenate([[0], np.cumsum([len(sample) for sample in samples])])
+    return np.concatenate(samples), offsets
+
+
+@examples(6)
+@given(length=st.integers(3, 30), item_shape=st.lists(st.integers(1, 3), max_size=2).map(tuple),
+       dtype=st.sampled_from(_DTYPES[:-1]), longest=st.integers(0, 6), batch_size=st.integers(1, 6),
+       readers=st.sampled_from([0, 2]), mode=st.sampled_from(["shuffle", "sequential"]),
+       offsets=st.sampled_from(["int64", "int32"]), room=st.integers(0, 5))
+def test_packed_outputs_are_the_samples_concatenated_with_their_offsets(length, item_shape, dtype, longest,
+                                                                        batch_size, readers, mode, offsets, room):
+    dataset = fixtures.Packable(length, item_shape, dtype, longest)
+    declared = PackedRagged(batch_size * longest + room or 1, offsets=offsets)  # Room for the longest batch.
+    with ShmDataLoader.from_dataset(dataset, outputs={"points": declared}, batch_size=batch_size, readers=readers,
+                                    mode=mode, seed=length, epochs=1) as loader:
+        seen = []
+        for batch in loader:
+            indices = batch.indices[:len(batch["label"])]
+            values, expected_offsets = _packed_reference(dataset, indices)
+            # As Packed's: a full batch's region is whole, items past offsets[-1] as they were.
+            assert batch["points"].dtype == np.dtype(dtype) and batch["points"].shape[1:] == item_shape
+            np.testing.assert_array_equal(batch["points"][:len(values)], values)
+            assert batch["points.offsets"].dtype == np.dtype(offsets)
+            np.testing.assert_array_equal(batch["points.offsets"], expected_offsets)
+            seen += indices.tolist()
+    assert sorted(seen) == list(range(length))
+
+
+@pytest.mark.parametrize("readers", [0, 1])
+def test_a_batch_over_the_packed_capacity_names_the_index_the_key_and_the_sizes(readers):
+    # Varying's tokens hold index % 6 + 1 items: rows 0..3 hold 1 + 2 + 3 + 4 = 10 items.
+    with ShmDataLoader.from_dataset(fixtures.Varying(), outputs={"tokens": PackedRagged(8)}, batch_size=4,
+                                    readers=readers, mode="sequential") as loader:
+        with pytest.raises(DatasetError) as raised:
+            next(loader)
+    message = str(raised.value)
+    assert "dataset[3]['tokens'] has 4 items" in message and "after the 6 items of the 3 sample(s)" in message
+    assert "make 10, more than its PackedRagged max_items=8" in message, message
+
+
+@pytest.mark.parametrize(("declared", "message"), [
+    (PackedRagged(0), "max_items must be a positive integer"),
+    (PackedRagged(8, offsets="int16"), "offsets must be 'int64' or 'int32'"),
+    (PackedRagged(1 << 31, offsets="int32"), "int32 offsets hold under 2\\*\\*31 items"),
+])
+def test_a_bad_packed_declaration_is_refused_by_name(declared, message):
+    with pytest.raises(DatasetError, match=message):
+        ShmDataLoader.from_dataset(fixtures.Varying(), outputs={"tokens": declared}, batch_size=2, readers=0)
+    with pytest.raises(DatasetError, match="PackedRagged, but the first sample's 'label' is a scalar"):
+        ShmDataLoader.from_dataset(fixtures.Varying(), outputs={"label": PackedRagged(8)}, batch_size=2, readers=0)
+
+
+def _packed_batches(readers: int, steps: int, state=None) -> tuple[list, dict]:
+    """`steps` packed batches (copied) after `state`, and the state after them."""
+    dataset = fixtures.Packable(29, (2,), "float32", 5)
+    with ShmDataLoader.from_dataset(dataset, outputs={"points": PackedRagged(20)}, batch_size=4, readers=readers,
+                                    seed=3) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        found = []
+        for _, batch in zip(range(steps), loader):
+            end = int(batch["points.offsets"][-1])
+            found.append((batch.indices.copy(), batch["points"][:end].copy(), batch["points.offsets"].copy()))
+        del batch
+        return found, loader.state_dict()
+
+
+def test_packed_batches_resume_exactly_mid_pass_under_another_reader_count():
+    whole, _ = _packed_batches(0, 12)
+    _, state = _packed_batches(2, 5)
+    resumed, _ = _packed_batches(1, 7, state)
+    assert len(resumed) == 7
+    for (indices, values, offsets), (resumed_indices, resumed_values, resumed_offsets) in zip(whole[5:], resumed):
+        np.testing.assert_array_equal(resumed_indices, indices)
+        np.testing.assert_array_equal(resumed_offsets, offsets)
+        np.testing.assert_array_equal(resumed_values, values)
 
 
 def test_declared_outputs_set_dtype_and_unknown_names_are_refused():

@@ -1,7 +1,8 @@
 """shmloader.torch.DataLoader as a drop-in for torch.utils.data.DataLoader over a map-style
 Dataset: batches equal PyTorch's own loader's (types, shapes, nesting) with shuffle=False;
 each index once per epoch, per shard and across two; a new order each epoch; exact resume
-under another num_workers; what it cannot honour is refused by name."""
+under another num_workers; a PackedRagged leaf comes as its values and offsets; what it
+cannot honour is refused by name."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
+import dataset_fixtures as fixtures  # noqa: E402
+from shmloader import PackedRagged  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
 
@@ -133,6 +136,42 @@ def test_a_resumed_epoch_equals_the_uninterrupted_one_under_another_num_workers(
     assert len(found) == len(rest)
     for (indices, noise), (found_indices, found_noise) in zip(rest, found):
         assert torch.equal(indices, found_indices) and torch.equal(noise, found_noise)
+
+
+def _packed_epoch(batches, dataset) -> list:
+    """(labels, values, offsets) of each of `batches`, checked against the samples
+    concatenated (the reference)."""
+    found = []
+    for batch in batches:
+        assert set(batch) == {"points", "label"} and set(batch["points"]) == {"values", "offsets"}
+        labels, offsets = batch["label"].clone(), batch["points"]["offsets"].clone()
+        samples = [torch.from_numpy(dataset[int(label)]["points"]) for label in labels]
+        assert offsets.dtype == torch.int64
+        assert offsets.tolist() == [0, *np.cumsum([len(sample) for sample in samples]).tolist()]
+        values = batch["points"]["values"][:int(offsets[-1])].clone()
+        assert torch.equal(values, torch.cat(samples))
+        found.append((labels, values, offsets))
+    return found
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_packed_leaf_comes_as_values_and_offsets_and_resumes(num_workers):
+    dataset = fixtures.Packable(23, (3,), "float32", 6)
+    options = {"batch_size": 4, "shuffle": True, "seed": 2, "outputs": {"points": PackedRagged(24)}}
+    with DataLoader(dataset, num_workers=num_workers, **options) as loader:
+        whole = _packed_epoch(loader, dataset)
+        assert sorted(label for labels, _, _ in whole for label in labels.tolist()) == list(range(23))
+        iterator = iter(loader)  # Epoch 1, interrupted after 2 batches.
+        for _ in range(2):
+            next(iterator)
+        state = loader.state_dict()
+        rest = _packed_epoch(iterator, dataset)
+    with DataLoader(dataset, num_workers=2 - num_workers, **options) as resumed:
+        resumed.load_state_dict(state)
+        found = _packed_epoch(resumed, dataset)
+    assert len(found) == len(rest) == 4
+    for one, other in zip(rest, found):
+        assert all(torch.equal(a, b) for a, b in zip(one, other))
 
 
 class Stream(IterableDataset):

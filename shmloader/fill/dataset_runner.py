@@ -103,7 +103,8 @@ class DatasetRunner:
         self._paths = _leaf_paths(spec.structure)
         # Leaves that take a plain write: an array of the output's shape or a Python scalar
         # into a fixed-shape output (anything else goes through _write_leaf's checks).
-        self._fixed = [self._outputs[name].max_length is None for name, _, _ in self._paths]
+        self._fixed = [self._outputs[name].fixed for name, _, _ in self._paths]
+        self._packed = [f"{output.name}.offsets" for output in spec.outputs if output.max_items is not None]
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
@@ -112,6 +113,8 @@ class DatasetRunner:
         targets = [out[name] for name in names]
         shapes = [target.shape[1:] for target in targets]
         plain = list(zip(names, targets, shapes, self._fixed))
+        for offsets in self._packed:  # Rows are written in order, each from where the row before it ends.
+            out[offsets][0] = 0
         for row, (index, seed) in enumerate(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions))):
             _seed_globals(seed)
             try:
@@ -165,11 +168,15 @@ class DatasetRunner:
                                f"({list(self._outputs)})")
         array = _leaf_array(value, f"dataset[{index}][{name!r}]")
         target = out[name]
+        if output.max_items is not None:
+            self._write_packed(index, row, output, array, out)
+            return
         if output.max_length is None:
             if array.shape != target.shape[1:]:
                 raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}, where dataset[0]'s (or "
                                    f"outputs=) is {target.shape[1:]}; declare outputs={{{name!r}: "
-                                   f"Ragged(max_length)}} for a varying first dimension")
+                                   f"Ragged(max_length)}} (padded) or PackedRagged(max_items) (packed) for a varying "
+                                   f"first dimension")
             target[row] = array  # Casts as numpy does (an int64 scalar into int32 if declared so).
             return
         length = array.shape[0] if array.ndim else -1
@@ -179,6 +186,22 @@ class DatasetRunner:
         target[row, :length] = array
         target[row, length:] = output.pad
         out[f"{name}.lengths"][row] = length
+
+    def _write_packed(self, index: int, row: int, output, array: np.ndarray, out: dict) -> None:
+        """Writes a sample after the rows before it in a packed output and ends its offsets."""
+        name, target, offsets = output.name, out[output.name], out[f"{output.name}.offsets"]
+        if array.ndim < 1 or array.shape[1:] != target.shape[1:]:
+            raise DatasetError(f"dataset[{index}][{name!r}] has shape {array.shape}; its output is PackedRagged with "
+                               f"per-item shape {target.shape[1:]} (any length, then that shape)")
+        start = int(offsets[row])
+        end = start + array.shape[0]
+        if end > len(target):  # The slot's capacity (max_items; more in the probe for bad records).
+            raise DatasetError(f"dataset[{index}][{name!r}] has {array.shape[0]} items, which after the "
+                               f"{start} items of the {row} sample(s) before it in the batch make {end}, more than "
+                               f"its PackedRagged max_items={output.max_items}; raise max_items (a batch of the "
+                               f"{self.batch_size} longest samples always fits)")
+        target[start:end] = array  # Casts as numpy does.
+        offsets[row + 1] = end
 
 
 def _leaf_paths(structure: dict) -> list[tuple[str, tuple, tuple]]:

@@ -62,6 +62,14 @@ def _roomy(plan: FieldPlan, batch_size: int) -> FieldPlan:
     return dataclasses.replace(plan, regions=(values, *plan.regions[1:]), options={**plan.options, "capacity": capacity})
 
 
+def _roomy_region(region, batch_size: int):
+    """A dataset's packed region with room for batch_size samples of max_items each (a
+    sample longer than max_items fails on its own, so none needs more)."""
+    if region.cut != "packed":
+        return region
+    return dataclasses.replace(region, shape=(region.shape[0] * batch_size, *region.shape[1:]))
+
+
 def _naming(error: Exception, text: str) -> Exception:
     """`error` with `text` added: in the message for the package's own errors (their type
     and cause kept), as a note on others."""
@@ -175,7 +183,8 @@ class StepFiller:
 
     def __init__(self, fields: tuple[FieldPlan, ...], slot: SlotLayout, sampler, transform: TransformSpec | None,
                  verify: bool, read_ahead: bool = True, on_error: str = "raise",
-                 share: tuple[int, int] = (0, 1), finite: FinitePass | None = None, dataset=None) -> None:
+                 share: tuple[int, int] = (0, 1), finite: FinitePass | None = None, dataset=None,
+                 roomy: bool = False) -> None:
         assert on_error in ON_ERROR, on_error  # Checked by options.LoaderOptions.
         self.slot, self.sampler, self.transform, self.on_error = slot, sampler, transform, on_error
         self.finite = finite
@@ -198,6 +207,8 @@ class StepFiller:
         if dataset is not None:  # dataset[index] for each row, straight into the slot (fill/dataset_runner.py).
             self.runner, self.inputs = dataset, _NoInputs()
             expected = list(dataset.spec.regions(batch))
+            if roomy:  # The probe for bad records (_fails).
+                expected = [_roomy_region(region, batch) for region in expected]
         elif transform is None:
             self.fields = [field_reader(plan, batch, verify, sampler) for plan in self.plans]
             expected = [region for plan in self.plans for region in plan.regions]
@@ -307,10 +318,16 @@ class StepFiller:
             # Records repeated to fill a probe can hold more elements than the batch's
             # packed regions are sized for: the probe's regions hold every row at its longest.
             plans = tuple(_roomy(plan, self.slot.batch_size) for plan in self.plans)
-            slot = self.slot if self.runner is not None else SlotLayout.of(
-                self.slot.batch_size, [region for plan in plans for region in plan.regions], self.mixture)
+            if self.dataset is not None:  # A dataset's packed outputs: batch_size samples at their longest.
+                regions = [_roomy_region(region, self.slot.batch_size) for region in self.slot.regions]
+                slot = SlotLayout.of(self.slot.batch_size, regions, self.mixture)
+            elif self.runner is not None:
+                slot = self.slot
+            else:
+                slot = SlotLayout.of(self.slot.batch_size, [region for plan in plans for region in plan.regions],
+                                     self.mixture)
             self._probe = StepFiller(plans, slot, self.sampler, self.transform, self.verify, read_ahead=False,
-                                     dataset=self.dataset)
+                                     dataset=self.dataset, roomy=True)
             self._probe_outputs = self._probe.bind(slot.allocate())
         probe, take = self._probe_outputs, np.resize(np.asarray(positions), len(rows))
         probe.indices[:] = rows[take]

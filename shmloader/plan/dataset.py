@@ -6,9 +6,10 @@ A sample is a numpy array, a Python scalar (int, float, bool), bytes, a torch te
 dict, tuple or list of those, nested. Its leaves become the slot's regions, named by their
 path ("image", "label"; a tuple's items "0", "1"; nested "meta/id"; a bare array "data"),
 each (batch_size, *shape) of its dtype, from the first sample or from `outputs=` (leaf
-name -> (shape, dtype), or Ragged(max_length) for a leaf whose first dimension varies:
-padded to max_length with NAME.lengths beside it). `structure` keeps the nesting so that
-the trainer can rebuild each batch as the samples' structure (rebuild_batch).
+name -> (shape, dtype); for a leaf whose first dimension varies, Ragged(max_length): padded
+to max_length with NAME.lengths beside it, or PackedRagged(max_items): back to back with
+NAME.offsets beside it, as Packed gives a file's records). `structure` keeps the nesting so
+that the trainer can rebuild each batch as the samples' structure (rebuild_batch).
 
 How readers get the dataset, once each (never per sample):
 - pickled, with the standard library's pickle at the highest protocol (no extra
@@ -54,6 +55,23 @@ class Ragged:
 
     max_length: int
     pad: int | float = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRagged:
+    """A dataset output whose first dimension varies between samples, packed as Packed packs
+    a file's records: NAME holds the batch's samples back to back, (max_items, *rest), and
+    NAME.offsets (B+1,) says where each is: sample i is NAME[offsets[i]:offsets[i+1]] (the
+    cu_seqlens convention). An item is one entry of the first dimension (an element for 1-D
+    samples). A batch whose samples hold more than max_items raises, naming the sample.
+    `offsets` is their dtype: "int64", or "int32" (flash-attention's cu_seqlens; max_items
+    must then be under 2**31). Items past offsets[-1] are left as they were."""
+
+    max_items: int
+    offsets: str = "int64"
+
+
+_OFFSETS_DTYPES = {"int64": "<i8", "int32": "<i4"}
 
 
 class DatasetError(TransformError):
@@ -112,22 +130,51 @@ def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, 
 
 @dataclasses.dataclass(frozen=True)
 class DatasetOutput:
-    """One leaf's region(s): (batch, *shape) of dtype; with max_length, padded to it."""
+    """One leaf's region(s): (batch, *shape) of dtype; with max_length, padded to it; with
+    max_items, packed into that many items with the batch's offsets (offsets_dtype)."""
 
     name: str
     shape: tuple[int, ...]  # per sample; for a ragged leaf, its shape past the first dimension
     dtype: str
     max_length: int | None = None
     pad: float = 0
+    max_items: int | None = None
+    offsets_dtype: str = "<i8"
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every sample has the same shape (neither padded nor packed)."""
+        return self.max_length is None and self.max_items is None
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
+        if self.max_items is not None:
+            return (Region(self.name, (self.max_items, *self.shape), self.dtype, "packed"),
+                    Region(f"{self.name}.offsets", (batch_size + 1,), self.offsets_dtype, "offsets"))
         if self.max_length is None:
             return (Region(self.name, (batch_size, *self.shape), self.dtype),)
         return (Region(self.name, (batch_size, self.max_length, *self.shape), self.dtype),
                 Region(f"{self.name}.lengths", (batch_size,), "<u4"))
 
 
+def _packed_output(name: str, leaf: np.ndarray, declared: PackedRagged) -> DatasetOutput:
+    items = declared.max_items
+    if isinstance(items, bool) or not isinstance(items, int) or items < 1:
+        raise DatasetError(f"outputs[{name!r}]: PackedRagged max_items must be a positive integer, got {items!r}")
+    offsets_dtype = _OFFSETS_DTYPES.get(declared.offsets)
+    if offsets_dtype is None:
+        raise DatasetError(f"outputs[{name!r}]: PackedRagged offsets must be 'int64' or 'int32', got "
+                           f"{declared.offsets!r}")
+    if offsets_dtype == "<i4" and items >= 1 << 31:
+        raise DatasetError(f"outputs[{name!r}]: int32 offsets hold under 2**31 items, but max_items is {items}; "
+                           f"lower max_items or use offsets='int64'")
+    if leaf.ndim < 1:
+        raise DatasetError(f"outputs[{name!r}] is PackedRagged, but the first sample's {name!r} is a scalar")
+    return DatasetOutput(name, tuple(leaf.shape[1:]), leaf.dtype.str, max_items=items, offsets_dtype=offsets_dtype)
+
+
 def _output_of(name: str, leaf: np.ndarray, declared) -> DatasetOutput:
+    if isinstance(declared, PackedRagged):
+        return _packed_output(name, leaf, declared)
     if isinstance(declared, Ragged):
         if isinstance(declared.max_length, bool) or not isinstance(declared.max_length, int) or declared.max_length < 1:
             raise DatasetError(f"outputs[{name!r}]: Ragged max_length must be a positive integer, got "
@@ -143,8 +190,8 @@ def _output_of(name: str, leaf: np.ndarray, declared) -> DatasetOutput:
             shape = (shape,) if isinstance(shape, int) else tuple(int(x) for x in shape)
             dtype = np.dtype(dtype)
         except (TypeError, ValueError):
-            raise DatasetError(f"outputs[{name!r}] must be (shape per sample, dtype) or Ragged(max_length), got "
-                               f"{declared!r}") from None
+            raise DatasetError(f"outputs[{name!r}] must be (shape per sample, dtype), Ragged(max_length) or "
+                               f"PackedRagged(max_items), got {declared!r}") from None
     if dtype.hasobject or dtype.fields is not None or dtype.itemsize == 0:
         raise DatasetError(f"sample leaf {name!r} has dtype {dtype}; the slot takes plain numeric or bool arrays")
     return DatasetOutput(name, tuple(shape), dtype.str)
@@ -183,8 +230,7 @@ class DatasetSpec:
 
     @classmethod
     def from_dict(cls, data: dict) -> DatasetSpec:
-        outputs = tuple(DatasetOutput(o["name"], tuple(o["shape"]), o["dtype"], o["max_length"], o["pad"])
-                        for o in data["outputs"])
+        outputs = tuple(DatasetOutput(**{**output, "shape": tuple(output["shape"])}) for output in data["outputs"])
         return cls(**{**data, "outputs": outputs, "sys_path": tuple(data["sys_path"])})
 
 
