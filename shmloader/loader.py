@@ -171,8 +171,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         sample's leaves straight into the slot: batch["image"], batch["label"] for dict
         samples, batch["0"], batch["1"] for tuples, batch["data"] for a bare array
         (plan/dataset.py; rebuild_batch gives the samples' structure back). `outputs`
-        declares a leaf's (shape, dtype), or Ragged(max_length) for a varying first
-        dimension; the others come from dataset[0]. `settings` are the loader's (batch_size,
+        declares a leaf's (shape, dtype), or for a varying first dimension Ragged(max_length)
+        (padded) or PackedRagged(max_items) (back to back, with offsets); the others come
+        from dataset[0]. `settings` are the loader's (batch_size,
         mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
         transform and remote readers do not apply."""
         return cls(_DatasetSource(dataset, outputs, dataset_args), **settings)

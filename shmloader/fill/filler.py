@@ -3,7 +3,7 @@
 fill(step, outputs) writes the step's row indices (and a mixture's source ids) from the
 sampler, then every field's regions, or, under a transform, reads the fields into this
 process's buffers and runs the transform into the slot. Reader processes (readers/reader.py), the
-trainer itself with readers=0 (session.py), and compute_batch / check_determinism
+trainer itself with readers=0 (readers/local.py), and compute_batch / check_determinism
 (tools/local_batch.py) all call it, so batch k is the same array whoever computes it.
 """
 
