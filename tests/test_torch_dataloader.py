@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 
 import numpy as np
 import pytest
@@ -99,6 +100,30 @@ def test_each_epoch_holds_each_index_once_in_a_new_order():
     with DataLoader(Samples(), batch_size=5, shuffle=True, num_workers=1, seed=4) as loader:
         first, second = _epoch_indices(loader), _epoch_indices(loader)
     assert sorted(first) == sorted(second) == list(range(37)) and first != second
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+class WithPid(Samples):
+    def __getitem__(self, index: int):
+        return {**super().__getitem__(index), "pid": os.getpid()}
+
+
+def test_readers_live_across_epochs_and_each_epoch_equals_one_computed_in_the_trainer():
+    """The next epoch is the same readers given the new pass through their pipe (they were
+    replaced, a second each); epoch by epoch, batches and augmentations equal num_workers=0's."""
+    dataset = WithPid(23)
+    with DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, seed=6) as loader, \
+            DataLoader(dataset, batch_size=4, shuffle=True, num_workers=0, seed=6) as local:
+        pids = []
+        for _ in range(3):
+            found = [copy.deepcopy(batch) for batch in loader]
+            expected = [copy.deepcopy(batch) for batch in local]
+            assert len(found) == len(expected) == 6
+            for one, other in zip(found, expected):
+                assert torch.equal(one["pair"][0], other["pair"][0]) and torch.equal(one["noise"], other["noise"])
+            pids.append({int(pid) for batch in found for pid in batch["pid"]})
+    readers = set().union(*pids)  # Fresh readers each epoch would be at least one new pid per epoch.
+    assert len(readers) <= 2 and os.getpid() not in readers
 
 
 @pytest.mark.parametrize("drop_last", [False, True])

@@ -11,8 +11,9 @@ all come here, through lifecycle.Resources.close):
    it is making; their actors are killed). It posts the work semaphore once per reader,
    so a reader asleep in its bounded wait wakes at once; a reader mid-fill finishes that
    batch and sees the flag.
-   It sends any reader still waiting for its configuration reader.STOP_MESSAGE instead,
-   and that reader exits at once (bare EOF would make it wait to judge its trainer dead).
+   It sends any reader still waiting for its configuration channel.STOP_MESSAGE instead,
+   and that reader exits at once (bare EOF would make it wait to judge its trainer dead);
+   a configured reader's pipe is closed.
 3. It joins every reader for at most join_timeout_seconds in all, then SIGKILLs and reaps
    whoever is left (a reader stopped by SIGSTOP, or stuck on a stalled file system); an
    exception in the join (Ctrl-C) kills and reaps the rest before it propagates.
@@ -46,10 +47,10 @@ from .reader import (
     EXIT_REPORTED_ERROR,
     EXIT_SERVER_GONE,
     SIGNAL_GRACE_SECONDS,
-    STOP_MESSAGE,
     ErrorReport,
     ReaderConfig,
 )
+from .channel import STOP_MESSAGE, send_line
 
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
@@ -137,6 +138,7 @@ class ReaderPool:
         # group) costs each one restart, not the whole budget.
         self._restarts_by_reader = [0] * count
         self.processes: list = []  # subprocess.Popen or forkserver.ForkedReader
+        self._configured: set[int] = set()  # Readers whose process has its configuration (channel.py).
         self.ring: Ring | None = None
         self._config: ReaderConfig | None = None
         # Remote readers (shmloader.readers.ray.RayReaders): reader records count..records-1, fed
@@ -171,14 +173,20 @@ class ReaderPool:
             self.remote = self.remote_spec.start(ring, self.count, config.filler)
 
     def reconfigure(self, filler) -> None:
-        """Replaces every reader by one configured with `filler` (a resharded resume's new
-        sampler): readers build their sampler once, from their configuration. The trainer
-        has taken back every slot, so the readers are idle and nothing is lost with them;
-        this is no restart (the budget is untouched), but their statistics are kept."""
+        """Makes every reader fill with `filler` from now on (a finite pass started again
+        under a new seed, a resharded resume's new sampler): a live reader takes it in place
+        through its pipe (channel.py: the trainer has taken back every slot and requests
+        none before this returns); a reader that died meanwhile is started with it. This is
+        no restart (the budget is untouched)."""
         self._config = dataclasses.replace(self._config, filler=filler)
         self._filler_json = json.dumps(filler.to_dict())
-        ring = self.ring
         for reader_index, process in enumerate(self.processes):
+            if process.poll() is None and reader_index in self._configured:
+                try:
+                    send_line(process.stdin, self._filler_json)
+                    continue
+                except OSError:
+                    pass  # Its pipe broke: it is dying; a fresh one gets the filler.
             if process.poll() is None:
                 process.kill()
             process.wait()
@@ -188,7 +196,7 @@ class ReaderPool:
         if self.remote is not None:
             self.remote.stop()
             self.remote = None
-            self.remote = self.remote_spec.start(ring, self.count, filler)
+            self.remote = self.remote_spec.start(self.ring, self.count, filler)
 
     @property
     def remote_restarts(self) -> int:
@@ -209,12 +217,15 @@ class ReaderPool:
         return "" if self.remote is None else self.remote.waiting_note()
 
     def _send_config(self, process, reader_index: int) -> None:
+        """Writes `process` its configuration as reader `reader_index`; its pipe stays open
+        for new fillers (reconfigure)."""
         self.ring.records.clear_error(reader_index)
+        self._configured.discard(reader_index)
         try:
             config = dataclasses.replace(self._config, reader_index=reader_index,
                                          signal_grace_seconds=self.signal_grace_seconds)
-            process.stdin.write(config.to_json(self._filler_json).encode())
-            process.stdin.close()
+            send_line(process.stdin, config.to_json(self._filler_json))
+            self._configured.add(reader_index)
         except BrokenPipeError:
             pass  # It died while starting: check() restarts it like any dead reader.
 
@@ -410,10 +421,11 @@ class ReaderPool:
                     ring.work_semaphore.release()
                 except (posix_ipc.ExistentialError, OSError):
                     pass
-        for process in processes:
+        for reader_index, process in enumerate(processes):
             if process.stdin is not None and not process.stdin.closed:
                 try:  # A reader still waiting for its configuration is told to leave, and exits at once.
-                    process.stdin.write(STOP_MESSAGE)
+                    if reader_index not in self._configured:
+                        process.stdin.write(STOP_MESSAGE)
                     process.stdin.close()
                 except OSError:
                     pass

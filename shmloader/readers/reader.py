@@ -26,6 +26,7 @@ from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingLay
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
+from .channel import STOP_MESSAGE, ConfigChannel
 from .filling import fill_and_publish
 
 # How long a reader that read no configuration waits to see whether its trainer died.
@@ -33,9 +34,6 @@ _ORPHAN_CHECK_SECONDS = 1.0
 # How long a reader outlives a termination signal while its trainer lives on (by default:
 # ReaderConfig.signal_grace_seconds, which ReaderPool.signal_grace_seconds sets).
 SIGNAL_GRACE_SECONDS = 3.0
-# What a trainer that gives up before configuring its readers sends them instead of a
-# configuration: they exit at once. Plain EOF means the trainer may have died (see main).
-STOP_MESSAGE = b"stop"
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # A process forked inside a transform that returned into the reader loop exits with this.
@@ -194,24 +192,40 @@ class Reader:
     """The reader loop: claims requested slots, fills each with its StepFiller (given, in
     the simulation), publishes it, and keeps its statistics in its ring record."""
 
-    def __init__(self, config: ReaderConfig, ring: Ring, filler=None, watch: TrainerWatch | None = None) -> None:
+    def __init__(self, config: ReaderConfig, ring: Ring, filler=None, watch: TrainerWatch | None = None,
+                 channel: ConfigChannel | None = None) -> None:
         self.pid = os.getpid()
         self.index = config.reader_index
+        self.config, self.channel = config, channel
         self.watch = TrainerWatch(config.trainer_pid, os.getppid()) if watch is None else watch
         self.signal_grace_seconds = config.signal_grace_seconds
         self.ring = ring
         self.layout = ring.layout
-        if filler is None:
-            filler = config.filler.build(share=(config.reader_index, max(1, config.local_readers)))
-        self.filler = filler
-        # Every slot's arrays and their pointers, made once.
-        self.outputs = [filler.bind(config.filler.slot.views(ring.memory, self.layout.slot_offset(slot)))
-                        for slot in range(self.layout.slot_count)]
+        self.filler, self.outputs = None, []
+        self._use(config.filler, filler)
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.publisher = Publisher(ring, self.index, os.getpid())
         self.starved_ns = self.sleeps = self.wakeups = 0
         self._slept = None  # (began, ended) of the last wait for work, until the next claim
+
+    def _use(self, spec: FillerSpec, filler=None) -> None:
+        """Fills with `spec`'s filler from now on (`filler`: built already), bound to every
+        slot's arrays once."""
+        if filler is None:
+            filler = spec.build(share=(self.index, max(1, self.config.local_readers)))
+        outputs = [filler.bind(spec.slot.views(self.ring.memory, self.layout.slot_offset(slot)))
+                   for slot in range(self.layout.slot_count)]
+        old, self.filler, self.outputs = self.filler, filler, outputs
+        if old is not None:
+            old.close()
+
+    def _take_new_filler(self) -> None:
+        """A new filler the trainer sent since the last claim (channel.py says why that is
+        in time), applied before this reader fills anything with the old one."""
+        message = None if self.channel is None else self.channel.latest()
+        if message is not None:
+            self._use(FillerSpec.from_dict(json.loads(message)))
 
     def trainer_alive(self) -> bool:
         """The trainer's process lives and still holds the ring's owner lock (gone once it
@@ -240,8 +254,10 @@ class Reader:
                 return 128 + _termination.signal  # Sent to this reader alone: the trainer restarts it.
             slot = self.ring.claim(self.index)
             if slot is None:
+                self._take_new_filler()  # Idle: a line longer than the pipe holds is drained as it comes.
                 self._sleep()
             else:
+                self._take_new_filler()
                 self._count_starvation(slot)
                 self.fill(slot)
         return 0
@@ -384,8 +400,9 @@ def main(argv: list[str]) -> int:
     # The process that started this reader (the trainer, or its fork server), as it said:
     # it may have died before this reader got here, so getppid() cannot tell it.
     parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
-    text = sys.stdin.read()  # The loader writes the configuration once the ring exists.
-    if text == STOP_MESSAGE.decode():
+    channel = ConfigChannel(sys.stdin.fileno())
+    text = channel.first()  # The loader writes the configuration once the ring exists.
+    if text == STOP_MESSAGE:
         return 0
     if not text:
         # The loader gave up before configuring this reader, or its trainer died: then the
@@ -418,7 +435,7 @@ def main(argv: list[str]) -> int:
         return EXIT_NO_RING
     reader, pid = None, os.getpid()
     try:
-        reader = Reader(config, ring, watch=watch)
+        reader = Reader(config, ring, watch=watch, channel=channel)
         return reader.run()
     except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
         leave_if_forked(pid)  # A transform's forked child that raised: the ring is not its to report on.

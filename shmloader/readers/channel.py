@@ -1,0 +1,75 @@
+"""The trainer's configuration pipe into a reader (the reader's stdin), both ends.
+
+The trainer writes one line of JSON per message and keeps its end open: the reader's
+ReaderConfig when it starts, then a new filler whenever the loader fills with another
+sampler (a finite pass started again under a new seed: the drop-in's next epoch; a
+resharded checkpoint's dealing). A live reader takes the new filler in place, keeping its
+interpreter, its imports and its loaded dataset; replacing the process cost about a second
+per epoch (an interpreter importing torch and the dataset again).
+
+The order that makes it exact: the trainer writes the new filler only once every slot is
+taken back (no reader is filling), and requests slots only after the whole line is written;
+a reader looks at the pipe after each claim, so the first step it fills after the change is
+filled with the new filler. A line larger than the pipe's buffer blocks the trainer until
+the reader drains it; an idle reader looks at the pipe every poll interval.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+# What a trainer that gives up before configuring its readers sends them instead of a
+# configuration: they exit at once. Plain EOF means the trainer may have died (reader.main).
+STOP_MESSAGE = b"stop"
+_CHUNK = 1 << 20
+
+
+def send_line(stream, text: str) -> None:
+    """Writes `text` as one message on a reader's pipe (`stream`: its stdin, ours to write);
+    raises BrokenPipeError when the reader is gone."""
+    assert "\n" not in text, "a message is one line (json.dumps writes none)"
+    stream.write(text.encode() + b"\n")
+    stream.flush()
+
+
+class ConfigChannel:
+    """The reader's end: its first message, then whether a newer one came."""
+
+    def __init__(self, descriptor: int = 0) -> None:
+        self.descriptor = descriptor
+        self.open = True  # Until EOF: the trainer closed its end (it is closing, or died).
+        self._pending: list[bytes] = []  # Whole messages read but not yet taken.
+        self._poll = select.poll()
+        self._poll.register(descriptor, select.POLLIN)
+
+    def first(self) -> bytes:
+        """The first message, waiting for it: the configuration, STOP_MESSAGE, or b"" at
+        EOF (the trainer gave up, or died, before configuring this reader)."""
+        self._pending += self._read_lines()
+        return self._pending.pop(0) if self._pending else b""
+
+    def latest(self) -> bytes | None:
+        """The newest whole message sent since the last call, or None; never waits for a
+        message that has not begun (one that has is read to its end)."""
+        while self.open and self._poll.poll(0):
+            self._pending += self._read_lines()
+        newest = self._pending[-1] if self._pending else None
+        self._pending.clear()
+        return newest
+
+    def _read_lines(self) -> list[bytes]:
+        """Reads until the data ends a line, or to EOF; the whole lines read. The trainer
+        writes each line in one piece, so a line begun is finished soon."""
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = os.read(self.descriptor, _CHUNK)
+            if not chunk:  # EOF: a partial last line (a trainer that died writing it) is no message.
+                self.open = False
+                self._poll.unregister(self.descriptor)
+                whole, _, rest = data.rpartition(b"\n")
+                if not whole and rest == STOP_MESSAGE:
+                    return [STOP_MESSAGE]
+                return whole.split(b"\n") if whole else []
+            data += chunk
+        return data[:-1].split(b"\n")
