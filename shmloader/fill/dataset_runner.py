@@ -4,7 +4,7 @@ Each reader gets the dataset once (unpickled from the trainer's memory file, or 
 its import path), then for each row of a step calls dataset[index] with Python's, numpy's
 and torch's global generators seeded from (seed, the row's stream position), so that an
 augmentation drawn from them gives the same sample for any reader count, shard count and
-on resume, and writes each leaf straight into its slot region: nothing is pickled per
+on resume (those it draws from: global_seeds.py), and writes each leaf straight into its slot region: nothing is pickled per
 sample.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import runpy
 import sys
 import types
@@ -21,12 +20,15 @@ import numpy as np
 
 from ..plan.dataset import LOCAL_DATASETS, DatasetError, DatasetSpec, _leaf_array, flatten, import_factory
 from ..plan.sampler import derive_seed
+from .global_seeds import GlobalSeeds
 
-_MASK32 = (1 << 32) - 1
 _SCALARS = (int, float, bool)
 # Datasets loaded in this reader, by their spec's token: a filler's probe for bad records
 # (and a reconfigured filler) uses the same object instead of unpickling it again.
 _LOADED: dict[str, object] = {}
+# The global generators this process's datasets draw from (global_seeds.py): learned once
+# per process, as the generators are the process's.
+GLOBAL_SEEDS = GlobalSeeds()
 
 
 def _run_main(path: str) -> None:
@@ -81,16 +83,6 @@ def sample_seeds(seed: int, positions: np.ndarray) -> list[int]:
     return z.tolist()
 
 
-def _seed_globals(value: int) -> None:
-    random.seed(value)
-    np.random.seed(value & _MASK32)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # The CPU generator alone: torch.manual_seed also queues a CUDA seeding with a
-        # formatted stack on every call while CUDA is not initialised (time and memory).
-        torch.default_generator.manual_seed(value & ((1 << 63) - 1))
-
-
 class DatasetRunner:
     """Fills a slot's regions from dataset[index] for a step's rows; the transform runner's
     interface (shapes, run) so that the step filler treats both alike."""
@@ -105,6 +97,7 @@ class DatasetRunner:
         # into a fixed-shape output (anything else goes through _write_leaf's checks).
         self._fixed = [self._outputs[name].fixed for name, _, _ in self._paths]
         self._packed = [f"{output.name}.offsets" for output in spec.outputs if output.max_items is not None]
+        self._seeds = GLOBAL_SEEDS
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
@@ -113,10 +106,17 @@ class DatasetRunner:
         targets = [out[name] for name in names]
         shapes = [target.shape[1:] for target in targets]
         plain = list(zip(names, targets, shapes, self._fixed))
+        rows = list(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions)))
+        self._seeds.fill([seed for _, seed in rows], lambda seeders: self._fill_rows(step, rows, seeders, plain, out))
+
+    def _fill_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, plain: list, out: dict) -> None:
+        """Writes dataset[index] for each (index, seed) of `rows` into its row, each of
+        `seeders` seeded with the row's seed first."""
         for offsets in self._packed:  # Rows are written in order, each from where the row before it ends.
             out[offsets][0] = 0
-        for row, (index, seed) in enumerate(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions))):
-            _seed_globals(seed)
+        for row, (index, seed) in enumerate(rows):
+            for seeder in seeders:
+                seeder(seed)
             try:
                 sample = self.dataset[index]
             except Exception as error:

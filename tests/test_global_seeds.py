@@ -1,0 +1,131 @@
+"""Global generators are seeded per sample only once the dataset is seen drawing from them
+(shmloader/fill/global_seeds.py): whatever a dataset draws, from which generator, at which
+indices and in which batch, the samples equal those of seeding every generator before every
+sample; a dataset that never draws costs one seeding per batch, not one per sample."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmloader import ShmDataLoader
+from shmloader.fill import dataset_runner
+from shmloader.fill.dataset_runner import sample_seeds
+from shmloader.fill.global_seeds import GlobalSeeds
+
+torch = pytest.importorskip("torch")
+
+GENERATORS = ("random", "numpy", "torch")
+
+
+def _draw(name: str) -> float:
+    if name == "random":
+        return random.random()
+    if name == "numpy":
+        return float(np.random.random())
+    return float(torch.rand(1))
+
+
+def _eager(value: int) -> None:
+    random.seed(value)
+    np.random.seed(value & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(value & ((1 << 63) - 1))
+
+
+class Draws:
+    """Sample `index` draws from the generators `plan[index]` names (most draw nothing),
+    and raises where `plan[index]` is "raise" after a draw from numpy."""
+
+    def __init__(self, plan: dict) -> None:
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        names = self.plan.get(index, ())
+        if names == "raise":
+            np.random.random()
+            raise KeyError(index)
+        return [_draw(name) for name in names]
+
+
+def _batch(seeds, dataset, indices, seeders):
+    samples = []
+    for index, seed in zip(indices, seeds):
+        for seeder in seeders:
+            seeder(seed)
+        samples.append(dataset[index])
+    return samples
+
+
+plans = st.dictionaries(st.integers(0, 63), st.one_of(st.lists(st.sampled_from(GENERATORS), max_size=3),
+                                                      st.just("raise")), max_size=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans, st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=9), min_size=1, max_size=6),
+       st.integers(0, 2**64 - 1))
+def test_lazy_seeding_gives_what_seeding_every_generator_before_every_sample_gives(plan, batches, seed):
+    dataset, lazy = Draws(plan), GlobalSeeds()
+    for step, indices in enumerate(batches):  # One reader's batches, in order: what it learns carries on.
+        seeds = sample_seeds(seed + step, np.arange(len(indices)))
+        try:
+            expected = [_batch([value], dataset, [index], [_eager]) [0] for index, value in zip(indices, seeds)]
+        except KeyError as error:
+            expected = error
+        found = []
+
+        def fill_rows(seeders):
+            found[:] = _batch(seeds, dataset, indices, seeders)
+
+        try:
+            lazy.fill(list(seeds), fill_rows)
+        except KeyError as error:
+            assert isinstance(expected, KeyError) and error.args == expected.args
+            continue
+        assert found == expected
+
+
+def test_a_dataset_that_never_draws_is_seeded_once_per_batch_and_one_that_draws_per_sample(monkeypatch):
+    calls = []
+    real = random.seed
+    monkeypatch.setattr(random, "seed", lambda value=None: (calls.append(value), real(value))[1])
+    lazy = GlobalSeeds()
+    for step in range(5):
+        lazy.fill(list(range(10 * step, 10 * step + 10)), lambda seeders: _batch(range(10), Draws({}), range(10),
+                                                                                   seeders))
+    assert len(calls) == 5 and "random" not in lazy.drawn
+    calls.clear()
+    lazy.fill(list(range(10)), lambda seeders: _batch(range(10), Draws({3: ["random"]}), range(10), seeders))
+    assert lazy.drawn == {"random"} and len(calls) == 1 + 10  # Once optimistic, then again per sample.
+
+
+class LateTorch:
+    """Only indices past 40 draw (from torch alone), so readers learn it batches in."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        return np.float32(float(torch.rand(1)) if index > 40 and index % 3 == 0 else -1.0)
+
+
+def _samples(readers: int) -> dict[int, float]:
+    with ShmDataLoader.from_dataset(LateTorch(), batch_size=4, readers=readers, seed=5, epochs=1) as loader:
+        return {int(index): float(value) for batch in loader for index, value in zip(batch.indices, batch["data"])}
+
+
+def test_a_loader_over_a_dataset_that_draws_late_equals_seeding_every_sample(monkeypatch):
+    monkeypatch.setattr(dataset_runner, "GLOBAL_SEEDS", GlobalSeeds())
+    lazy_here, lazy_readers = _samples(0), _samples(2)
+    eager = GlobalSeeds()
+    eager.drawn.update(GENERATORS)  # Every generator before every sample: what the samples must equal.
+    monkeypatch.setattr(dataset_runner, "GLOBAL_SEEDS", eager)
+    expected = _samples(0)
+    assert len(expected) == 64 and len({value for value in expected.values() if value >= 0}) == 8
+    assert lazy_here == expected and lazy_readers == expected
