@@ -24,7 +24,8 @@ __getitem__).
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
 "offsets": (B+1,)}: sample i is values[offsets[i]:offsets[i+1]], what Packed gives for
-files (NAME and NAME.offsets).
+files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values": padded
+to max_length, "lengths": (B,)}.
 
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
 and the slot is reused only after that. Copy what you keep across steps.
@@ -57,19 +58,23 @@ def _refuse(name: str, value, why: str) -> None:
         raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
-def _as_collated(structure: dict, packed: frozenset = frozenset()) -> dict:
+def _as_collated(structure: dict, packed: frozenset = frozenset(), padded: frozenset = frozenset()) -> dict:
     """The samples' structure as default_collate gives it back: a tuple becomes a list, a
-    namedtuple stays one; a `packed` leaf becomes {"values", "offsets"}."""
+    namedtuple stays one; a `packed` leaf becomes {"values", "offsets"}, a `padded` one
+    (Ragged) {"values", "lengths"}."""
     if "dict" in structure:
-        return {"dict": [[key, _as_collated(item, packed)] for key, item in structure["dict"]]}
+        return {"dict": [[key, _as_collated(item, packed, padded)] for key, item in structure["dict"]]}
     if "named" in structure:
-        return {"tuple": [_as_collated(item, packed) for item in structure["tuple"]], "named": structure["named"]}
+        return {"tuple": [_as_collated(item, packed, padded) for item in structure["tuple"]],
+                "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
-            return {"list": [_as_collated(item, packed) for item in structure[kind]]}
-    if structure["leaf"] in packed:
-        name = structure["leaf"]
+            return {"list": [_as_collated(item, packed, padded) for item in structure[kind]]}
+    name = structure["leaf"]
+    if name in packed:
         return {"dict": [["values", {"leaf": name}], ["offsets", {"leaf": f"{name}.offsets"}]]}
+    if name in padded:
+        return {"dict": [["values", {"leaf": name}], ["lengths", {"leaf": f"{name}.lengths"}]]}
     return structure
 
 
@@ -123,7 +128,8 @@ class DataLoader:
             pin_memory=bool(pin_memory))
         spec = self._loader._dataset.spec
         packed = frozenset(output.name for output in spec.outputs if output.max_items is not None)
-        self._structure = _as_collated(spec.structure, packed)
+        padded = frozenset(output.name for output in spec.outputs if output.max_length is not None)
+        self._structure = _as_collated(spec.structure, packed, padded)
         self._started = False  # Whether the current epoch's pass has been iterated.
 
     def _epoch_seed(self, epoch: int) -> int:

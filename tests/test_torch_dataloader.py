@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import dataset_fixtures as fixtures  # noqa: E402
-from shmloader import PackedRagged  # noqa: E402
+from shmloader import PackedRagged, Ragged  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
 
@@ -197,6 +197,24 @@ def test_a_packed_leaf_comes_as_values_and_offsets_and_resumes(num_workers):
     assert len(found) == len(rest) == 4
     for one, other in zip(rest, found):
         assert all(torch.equal(a, b) for a, b in zip(one, other))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_padded_leaf_comes_as_values_and_lengths(num_workers):
+    dataset = fixtures.Packable(19, (2,), "float32", 5)
+    with DataLoader(dataset, batch_size=4, shuffle=True, seed=3, num_workers=num_workers,
+                    outputs={"points": Ragged(5, pad=-1)}) as loader:
+        seen = []
+        for batch in loader:
+            assert set(batch["points"]) == {"values", "lengths"}
+            values, lengths = batch["points"]["values"], batch["points"]["lengths"]
+            assert values.shape[1:] == (5, 2)
+            for label, row, length in zip(batch["label"].tolist(), values, lengths.tolist()):
+                sample = torch.from_numpy(dataset[label]["points"])
+                assert length == len(sample) and torch.equal(row[:length], sample)
+                assert bool((row[length:] == -1).all())
+                seen.append(label)
+    assert sorted(seen) == list(range(19))
 
 
 class Stream(IterableDataset):
