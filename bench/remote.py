@@ -43,7 +43,7 @@ def rate(loader, batches: int) -> tuple[float, float]:
     for _ in range(batches):
         next(loader).release()
     elapsed = time.perf_counter() - started
-    return batches / elapsed, batches * loader.slot.row_bytes * loader.batch_size / elapsed
+    return batches / elapsed, batches * loader.plan.slot.row_bytes * loader.batch_size / elapsed
 
 
 def cached_rows(name: str, rows: int, row_bytes: int, shape: tuple[int, ...]) -> str:

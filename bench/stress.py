@@ -41,9 +41,9 @@ import json, os, signal, sys, time
 from shmloader import ShmDataLoader
 loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=32, readers=2, slots=4)
 next(loader)
-print(json.dumps(loader.reader_pids), flush=True)
+print(json.dumps(loader.diagnostics.reader_pids), flush=True)
 if sys.argv[2] == "close":
-    for pid in loader.reader_pids:
+    for pid in loader.diagnostics.reader_pids:
         os.kill(pid, signal.SIGSTOP)
     print("closing", flush=True)
     loader.close()
@@ -94,7 +94,7 @@ def replaced_file(directory: str, labels: np.ndarray) -> tuple[int, bool]:
                 if count == 50:
                     np.save(f"{directory}/other.npy", labels.astype(np.float64))
                     os.replace(f"{directory}/other.npy", path)
-                    for pid in loader.reader_pids:  # Every reader reopens the file.
+                    for pid in loader.diagnostics.reader_pids:  # Every reader reopens the file.
                         os.kill(pid, signal.SIGKILL)
                     deadline = time.monotonic() + 30
                 if count > 50 and time.monotonic() > deadline:
@@ -189,7 +189,7 @@ def main() -> int:
                     wrong += 1
                 delivered += 1
                 if delivered == next_kill:
-                    victim = rng.choice(loader.reader_pids)
+                    victim = rng.choice(loader.diagnostics.reader_pids)
                     try:
                         os.kill(victim, signal.SIGKILL)
                         killed += 1

@@ -90,13 +90,13 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
             consume(batch["image"], batch["label"])
         elapsed = time.perf_counter() - timed_start
         cpu_end = cpu_mark()
-        memory = [memory_of(pid) for pid in loader.reader_pids]
+        memory = [memory_of(pid) for pid in loader.diagnostics.reader_pids]
         stats = loader.stats()
     return {
         "rows_per_s": batches * BATCH / elapsed,
         "rows": batches * BATCH,
         "first_batch_s": first_batch_s,
-        "shm_mib": loader.shared_memory_bytes / 2**20,
+        "shm_mib": loader.diagnostics.shared_memory_bytes / 2**20,
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
         "cpu_start": cpu_start,

@@ -1,14 +1,12 @@
 """ShmDataLoader: the trainer's facade: checks the settings, plans, iterates, resumes, reports.
 
-What runs underneath (the ring, its readers, the native cursor) is its Session (session.py).
-(Over the package's ~450 lines per module: most of it is the public methods' docstrings,
-the API's reference.)"""
+It holds its options, its Session (session.py: the plan it fills with, the ring, its
+readers, the native cursor) and what the user may read off it (batch_size, readers, slots,
+field_names, diagnostics); where a checkpoint continues is plan/resume.py's."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 from .device import (
     DeviceIterator,
@@ -16,49 +14,19 @@ from .device import (
     cpu_tensors,
     pin_backend,
 )
-from .fill.filler import FillerSpec
 from .lifecycle import Resources
-from .plan.checkpoint import PASS_ENDED, Resume, position_of, state_of, step_to_resume
-from .plan.defaults import default_readers, default_slots
+from .plan.checkpoint import position_of, state_of
+from .plan.dataset import plan_dataset
+from .plan.defaults import default_readers
 from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
-from .plan.passes import ENDLESS, FinitePass
-from .plan.dataset import plan_dataset
-from .plan.planner import plan_dataset_loader, plan_loader, warn_poor_layouts, warn_window_memory
+from .plan.planner import plan_dataset_loader, plan_loader
+from .plan.resume import continuation
 from .readers.pool import ReaderPool
 from .remote.node import CacheUse
 from .ring.batch import cursor_module
-from .ring.stale import sweep_stale
-from .session import Session, StepCuts
+from .session import Diagnostics, Session
 from .transforms.core import resolve as resolve_transform
-
-
-def _shift_delivers(sampler, transition, start: int, epochs: int, drop_last: bool) -> bool:
-    """Whether the pass shifted to `start` has a step left to deal (FinitePass refuses one
-    that holds fewer rows than a step across the shards)."""
-    shifted = sampler.with_transition(None).with_start(start).with_transition(transition)
-    try:
-        FinitePass.of(shifted, epochs, drop_last)
-    except ValueError:
-        return False
-    return True
-
-
-def _pass_end(sampler, epochs: int, drop_last: bool) -> int:
-    """The stream position where a pass ends for every shard: where shards read their own
-    streams, the longest one's end (a dealt tail gives the others rows of it)."""
-    finite = FinitePass.of(sampler, epochs, drop_last)
-    if not finite.own_streams:
-        return finite.positions
-    return max(sampler.pass_positions(epochs, index) for index in range(sampler.shard_count))
-
-
-def _start_of(resume, sampler) -> int:
-    """Where a resumed stream starts (Sampler.start_position, plan/checkpoint.py Resume): 0
-    for a resume by step, or where the resumed step is cut instead (a mixture)."""
-    if isinstance(resume, Resume) and resume.start is not None and sampler.fills_positions:
-        return resume.start
-    return 0
 
 
 class ShmDataLoader(cursor_module.LoaderBase):
@@ -118,6 +86,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
             step_timeout=step_timeout, epochs=epochs, drop_last=drop_last, on_error=on_error, remote=remote,
             cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
+        # The facade holds its options, its session, and what the user may read off it.
         self.options = options
         resources = self._resources = Resources()
         self._cache_use = None  # Fields in a store: this loader's use of the node cache.
@@ -125,21 +94,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
         self.readers = default_readers() if options.readers is None else options.readers
-        self.slots = options.slots  # None: plan/defaults.default_slots, once the slot's size is known.
-        self.max_reader_restarts = options.max_reader_restarts
-        self.hold_timeout, self.step_timeout, self.verify = options.hold_timeout, options.step_timeout, options.verify
-        self._epochs, self.drop_last, self.on_error = options.epochs, options.drop_last, options.on_error
-        self.remote = remote
         self._pin_backend = pin_backend(pin_memory)  # No CUDA is an error before any reader starts.
         # Readers start now and wait for their configuration on stdin: their start-up
         # overlaps the validation of the files below instead of following it.
         try:
-            pool = resources.pool = self._make_pool(self.readers, self.max_reader_restarts, remote)
+            pool = resources.pool = self._pool_type(self.readers, options.max_reader_restarts, remote)
             pool.start()
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
                 self._dataset = resources.dataset = fields.plan(self.readers, remote)
-                self._session = self._start(plan_dataset_loader(self._dataset.spec, options), options.start_step)
-                self._cursor = self._session.iterator
+                self._open(plan_dataset_loader(self._dataset.spec, options))
                 return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
@@ -154,11 +117,21 @@ class ShmDataLoader(cursor_module.LoaderBase):
                 if renamed is error:
                     raise
                 raise renamed from None  # Objects named by their URLs, not by their cache paths.
-            self._session = self._start(plan, options.start_step)
-            self._cursor = self._session.iterator  # What next(loader) forwards to, in C (ring/_cursor_module.c).
+            self._open(plan)
         except BaseException:
             resources.close()  # A half-built loader gives back what it took before raising.
             raise
+
+    # Replaced by shmloader.testing.simulation's threads.
+    _pool_type = ReaderPool
+
+    def _open(self, plan) -> None:
+        session = self._session = Session.open(
+            self._resources, plan, self.options, readers=self.readers, pin_backend=self._pin_backend,
+            dataset_spec=None if self._dataset is None else self._dataset.spec)
+        self.slots, self.field_names = session.slots, plan.slot.names
+        self.diagnostics = Diagnostics(session)
+        self._cursor = session.iterator  # What next(loader) forwards to, in C (ring/_cursor_module.c).
 
     @classmethod
     def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, **settings) -> ShmDataLoader:
@@ -178,51 +151,21 @@ class ShmDataLoader(cursor_module.LoaderBase):
         transform and remote readers do not apply."""
         return cls(_DatasetSource(dataset, outputs, dataset_args), **settings)
 
-    def _make_pool(self, count: int, max_restarts: int, remote) -> ReaderPool:
-        return ReaderPool(count, max_restarts, remote)  # Replaced by shmloader.testing.simulation's threads.
-
-    def _start(self, plan, start_step: int) -> Session:
-        """Takes the validated plan, then creates the ring, its cursor and the readers'
-        configuration (or, with readers=0, the local reader in this process): the session."""
-        if self._epochs is not None:  # A sampler deals its pass's tail (passes.py); a mixture's is cut.
-            plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(self._epochs, self.drop_last))
-        self.plan = plan
-        self.plans, self.slot, self.transform = plan.plans, plan.slot, plan.transform
-        self.mixture, self.field_names, self.sources = plan.mixture, plan.slot.names, plan.sources
-        # Steps filled at once: one per reader, and the remote readers' steps in flight.
-        fillers = self.readers + (0 if self.remote is None else self.remote.capacity)
-        if self.slots is None:
-            self.slots = default_slots(fillers, self.slot.nbytes)
-        finite = None if self._epochs is None else FinitePass.of(plan.sampler, self._epochs, self.drop_last)
-        self._cuts = StepCuts(self.slot, self.batch_size, plan.sampler, finite)
-        # The whole first ring of steps must be steps the sampler can compute.
-        check_integer("start_step", start_step, 0, self._last_step(plan.sampler, self._cuts.end_step))
-        if self.options.warn_layout:
-            warn_poor_layouts(self.plans)
-        warn_window_memory(self.plans, plan.sampler)
-        sweep_stale()
-        return Session(self._resources, self.slot, self.slots, self._cuts, self._filler_spec(plan.sampler), self.options,
-                       start_step=start_step, readers=self.readers, fillers=fillers, pin_backend=self._pin_backend)
+    @property
+    def plan(self):
+        """The validated plan: fields, slot layout, transform, and the sampler batches come
+        from (a resharded resume's dealing included)."""
+        return self._session.plan
 
     @property
     def sampler(self):
         """The sampler batches come from (a resharded resume's dealing included)."""
-        return self._cuts.sampler
+        return self._session.cuts.sampler
 
     @property
-    def finite(self) -> FinitePass | None:
+    def finite(self):
         """The finite pass (epochs=N), or None for the endless loader."""
-        return self._cuts.finite
-
-    def _last_step(self, sampler, end_step: int) -> int:
-        """The last step a run may start at: its pass's end, and short of the stream's last
-        step by the ring's slots (the readers fill that far ahead of it)."""
-        return min(sampler.step_max - self.slots, end_step)
-
-    def _filler_spec(self, sampler) -> FillerSpec:
-        return FillerSpec(self.slot, sampler, self.plan.fields, self.verify, self.transform,
-                          tuple(os.path.abspath(entry) for entry in sys.path) if self.transform else (), self.on_error,
-                          self._epochs, self.drop_last, None if self._dataset is None else self._dataset.spec)
+        return self._session.cuts.finite
 
     def __len__(self) -> int:
         """The steps of a finite pass (epochs=...); an endless loader has no length."""
@@ -273,40 +216,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     # State and statistics.
 
-    @property
-    def reader_pids(self) -> list[int]:
-        return self._session.pool.pids
-
-    @property
-    def remote_actors(self) -> list:
-        """The remote readers' live handles (Ray actors, in reader-record order after the
-        local readers), [] without remote readers."""
-        remote = self._session.pool.remote
-        return [] if remote is None else list(remote.actors)
-
-    @property
-    def shared_memory_bytes(self) -> int:
-        return self._session.layout.total_bytes
-
-    @property
-    def ring_name(self) -> str:
-        """The POSIX name of the ring's segment (/dev/shm/<name>; its semaphores are named
-        after it): what to look for when judging a leak."""
-        return self._session.ring.names.segment
-
-    def held_steps(self) -> dict[int, int]:
-        """{slot: step} of the slots that batches (or views of them) still hold."""
-        return self._session.cursor.held()
-
-    def slot_states(self) -> list[tuple[str, int]]:
-        """(state, step) of every slot, as the ring's control table says now (diagnostics)."""
-        return self._session.slot_states()
-
     def state_dict(self) -> dict:
         """What a checkpoint needs: the next step to deliver, the settings it depends on,
         and a description of the sources (file lists as digests, rows, weights, fractions)."""
-        resume = self._cuts.resume
-        return state_of(self._session.cursor.next_step, self.sampler, self.sources, self.transform, self.finite,
+        resume, plan = self._session.cuts.resume, self.plan
+        return state_of(self._session.cursor.next_step, self.sampler, plan.sources, plan.transform, self.finite,
                         None if resume is None else resume.position)
 
     def load_state_dict(self, state: dict) -> None:
@@ -323,57 +237,17 @@ class ShmDataLoader(cursor_module.LoaderBase):
         cannot be shifted: its resumed step is cut, on the shard that holds the position to
         the rows from it, on those before it to none. A finite pass's last steps are dealt
         evenly among the shards (plan/passes.py): the same number of steps on every shard,
-        none empty."""
-        resume, transition = step_to_resume(state, self.sampler, self.sources, self.transform, self.finite)
-        sampler, finite = self.sampler, self.finite
-        # A checkpoint at or past the end of its pass (in this shape too) ends this pass: its
-        # stream is not shifted there, where no step would be left to deal.
-        unshifted = sampler if transition == sampler.transition else sampler.with_transition(transition)
-        ended = resume is PASS_ENDED or (isinstance(resume, Resume) and self._epochs is not None and
-                                         resume.position >= _pass_end(unshifted, self._epochs, self.drop_last))
-        start = 0 if ended else _start_of(resume, sampler)
-        if start and self._epochs is not None and not _shift_delivers(sampler, transition, start, self._epochs,
-                                                                     self.drop_last):
-            ended, start = True, 0  # Fewer rows left than shards: they cannot be dealt, so the pass ends here.
-        if transition != self.sampler.transition or start != sampler.start_position:  # Checked whole.
-            if start != sampler.start_position:  # Set without the dealing, which it shifts.
-                sampler = sampler.with_transition(None).with_start(start)
-            sampler = sampler.with_transition(transition)
-            finite = None if self._epochs is None else FinitePass.of(sampler, self._epochs, self.drop_last)
-        end = ENDLESS if finite is None else finite.steps
-        if start:  # The shifted stream's step starts at the position: nothing to cut (its pass ends there at the
-            resume = resume.step  # latest, on every shard alike).
-        elif ended or resume is PASS_ENDED or (isinstance(resume, Resume) and finite is not None and
-                                      resume.position >= finite.positions):
-            resume = end  # The checkpoint's pass had ended (its last global batch ran past it): so has this one.
-        step = resume.step if isinstance(resume, Resume) else resume
-        check_integer("the checkpoint's step", step, 0, self._last_step(sampler, end))
-        if sampler is not self.sampler:
-            # Readers build their sampler from their configuration: the session replaces them.
-            self._session.use(sampler, finite, self._filler_spec(sampler))
-            self.plan = dataclasses.replace(self.plan, sampler=sampler)
-        if not isinstance(resume, Resume):
-            self.seek(resume)
-            return
-        self.seek(resume.step)
-        if resume.position > position_of(self.sampler, resume.step)[0]:
-            self._session.resume_at(resume)
-
-    def _new_pass(self, seed: int) -> None:
-        """Starts this finite pass again under `seed`, at step 0, with the same readers (they
-        are given the new sampler as a resharded resume's dealing is): the next epoch of an
-        adapter that runs one pass per epoch (shmloader.torch.DataLoader). Every batch must
-        have been let go (as for seek)."""
-        if self.finite is None:
-            raise RuntimeError("a new pass needs a finite loader (epochs=N)")
-        data = {key: value for key, value in self.plan.sampler.to_dict().items()
-                if key not in ("transition", "start_position")}
-        sampler = type(self.plan.sampler).from_dict({**data, "seed": seed})
-        finite = FinitePass.of(sampler, self._epochs, self.drop_last)
-        self.options = dataclasses.replace(self.options, seed=seed)
-        self._session.use(sampler, finite, self._filler_spec(sampler))
-        self.plan = dataclasses.replace(self.plan, sampler=sampler)
-        self.seek(0)
+        none empty. (Where: plan/resume.py.)"""
+        session, options = self._session, self.options
+        going = continuation(state, self.sampler, self.finite, self.plan.sources, self.plan.transform, options.epochs,
+                             options.drop_last)
+        check_integer("the checkpoint's step", going.step, 0, session.last_step(going.sampler, going.end_step))
+        if going.sampler is not self.sampler:
+            session.use(going.sampler)
+        session.seek(going.step)
+        resume = going.resume
+        if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:
+            session.resume_at(resume)
 
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.
@@ -384,8 +258,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         step of any batch still referenced. Batches already filled for other steps are
         discarded; readers in the middle of one finish it first.
         """
-        self._session.check_open()
-        self._session.seek(check_integer("step", step, 0, self._last_step(self.sampler, self._cuts.end_step)))
+        self._session.seek(step)
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and per reader its
@@ -408,8 +281,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
             session.supervisor.warn_if_skipped()
         elapsed_s = (cursor.now_ns() - cursor.first_next_ns) / 1e9 if cursor.first_next_ns else 0.0
         batches, wait_s = cursor.batches, cursor.wait_ns / 1e9
-        rows = batches * self.batch_size - self._cuts.short_rows
-        row_bytes = self.slot.row_bytes
+        rows = batches * self.batch_size - session.cuts.short_rows
+        row_bytes = self.plan.slot.row_bytes
         return {
             "batches": batches,
             "rows": rows,
@@ -421,7 +294,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "wait_fraction": wait_s / elapsed_s if elapsed_s else 0.0,
             "reader_restarts": session.pool.restarts + session.pool.remote_restarts,
             "skipped": dict(zip(("count", "records"), session.supervisor.skipped())) if active else {"count": 0, "records": []},
-            "shared_memory_bytes": self.shared_memory_bytes,
+            "shared_memory_bytes": session.layout.total_bytes,
             "readers": session.pool.report(elapsed_s) if active else [],
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }

@@ -48,7 +48,7 @@ class LoadersCollector:
 
     def collect(self):
         loaders = [loader for loader in list(self._loaders) if not loader.closed]
-        readings = [(loader.ring_name.lstrip("/"), loader.stats()) for loader in loaders]
+        readings = [(loader.diagnostics.ring_name.lstrip("/"), loader.stats()) for loader in loaders]
         if not readings:
             return
         for key, name, kind, text in _LOADER_METRICS:

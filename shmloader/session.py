@@ -19,6 +19,7 @@ left, without waiting for the garbage collector.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -27,9 +28,10 @@ import weakref
 from .device import PinnedRing
 from .fill.filler import FillerSpec
 from .lifecycle import Resources, live_resources
-from .plan.defaults import TRAINER_SLOTS, wake_after
-from .plan.options import LoaderOptions
+from .plan.defaults import TRAINER_SLOTS, default_slots, wake_after
+from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
+from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
 from .readers.reader import ReaderConfig
 from .readers.supervision import Supervisor
@@ -37,6 +39,7 @@ from .ring.batch import Batch, cursor_module
 from .ring.layout import POLL_INTERVAL_SECONDS, RingLayout, SlotState
 from .ring.segment import Ring
 from .ring.slot_layout import SlotLayout
+from .ring.stale import sweep_stale
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
@@ -84,6 +87,17 @@ class StepCuts:
         return cursor.batch_of(self.slot.cut(views, rows, first), batch.step)
 
 
+def last_step(sampler, slots: int, end_step: int) -> int:
+    """The last step a run may start at: its pass's end, and short of the stream's last step
+    by the ring's `slots` (the readers fill that far ahead of it)."""
+    return min(sampler.step_max - slots, end_step)
+
+
+def _pass_of(sampler, options: LoaderOptions) -> FinitePass | None:
+    """The finite pass (epochs=N) of `sampler`, or None for an endless loader."""
+    return None if options.epochs is None else FinitePass.of(sampler, options.epochs, options.drop_last)
+
+
 def _views_function(slot: SlotLayout, ring: Ring, layout: RingLayout):
     """views_of(slot) -> that slot's arrays in SlotLayout view order, built afresh: the
     cursor's, referring to the ring but to no session."""
@@ -91,18 +105,45 @@ def _views_function(slot: SlotLayout, ring: Ring, layout: RingLayout):
 
 
 class Session:
-    """The ring, its readers (`pool`) and the cursor over the ring, for one loader.
+    """The ring, its readers (`pool`) and the cursor over the ring, for one loader, and what
+    they fill with: the plan (its sampler a resharded dealing's or a new pass's once use()
+    has given one), its pass and step cuts, the slots' count and the step bound.
 
-    `resources` already holds the started pool; from here on it is closed when the cursor
-    goes (or by close()). `fillers`: the steps filled at once (local readers plus the remote
-    readers' capacity); 0 fills each step in this process when next() needs it, by the
-    local reader (`local`) that the loader's `iterator` drives."""
+    Built by open(). `resources` already holds the started pool (readers start before the
+    plan exists, so that their start-up overlaps the validation of the files); from here on
+    it is closed when the cursor goes (or by close()). `fillers`: the steps filled at once
+    (local readers plus the remote readers' capacity); 0 fills each step in this process
+    when next() needs it, by the local reader (`local`) that the loader's `iterator` drives."""
 
-    def __init__(self, resources: Resources, slot: SlotLayout, slots: int, cuts: StepCuts, filler: FillerSpec,
-                 options: LoaderOptions, *, start_step: int, readers: int, fillers: int, pin_backend) -> None:
-        pool = resources.pool
-        self.resources, self.pool, self.slot, self.slots, self.cuts = resources, pool, slot, slots, cuts
+    @classmethod
+    def open(cls, resources: Resources, plan, options: LoaderOptions, *, readers: int, pin_backend,
+             dataset_spec=None) -> Session:
+        """The session for the validated `plan`: its pass (epochs=N), the slots' count
+        (plan/defaults.default_slots unless set), the step cuts, the first step checked
+        against the bound, the layout warnings; then the ring, its cursor and the readers'
+        configuration (or, with readers=0, the local reader in this process)."""
+        if options.epochs is not None:  # A sampler deals its pass's tail (passes.py); a mixture's is cut.
+            plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(options.epochs, options.drop_last))
+        # Steps filled at once: one per reader, and the remote readers' steps in flight.
+        fillers = readers + (0 if options.remote is None else options.remote.capacity)
+        slots = default_slots(fillers, plan.slot.nbytes) if options.slots is None else options.slots
+        cuts = StepCuts(plan.slot, options.batch_size, plan.sampler, _pass_of(plan.sampler, options))
+        # The whole first ring of steps must be steps the sampler can compute.
+        check_integer("start_step", options.start_step, 0, last_step(plan.sampler, slots, cuts.end_step))
+        if options.warn_layout:
+            warn_poor_layouts(plan.plans)
+        warn_window_memory(plan.plans, plan.sampler)
+        sweep_stale()
+        return cls(resources, plan, options, slots, cuts, readers=readers, fillers=fillers, pin_backend=pin_backend,
+                   dataset_spec=dataset_spec)
+
+    def __init__(self, resources: Resources, plan, options: LoaderOptions, slots: int, cuts: StepCuts, *,
+                 readers: int, fillers: int, pin_backend, dataset_spec=None) -> None:
+        pool, slot, start_step = resources.pool, plan.slot, options.start_step
+        self.resources, self.pool, self.plan, self.options = resources, pool, plan, options
+        self.slot, self.slots, self.cuts, self.dataset_spec = slot, slots, cuts, dataset_spec
         self.fillers, self.step_timeout, self.hold_timeout = fillers, options.step_timeout, options.hold_timeout
+        filler = self.filler_spec(plan.sampler)
         self.layout = RingLayout(slots, max(1, pool.records), options.batch_size, slot.nbytes, len(slot.regions))
         ring = self.ring = resources.ring = Ring.create(self.layout, os.getpid(), watched=pool.count > 0)
         live_resources.add(resources)
@@ -162,8 +203,24 @@ class Session:
     def check_open(self) -> None:
         self.supervisor.raise_if_closed(self.cursor)
 
-    def seek(self, step: int) -> None:
-        """Makes `step` the next batch (the loader checked it): every slot taken back first."""
+    def last_step(self, sampler=None, end_step: int | None = None) -> int:
+        """The last step a run may start at (with `sampler` and its pass's `end_step`, by
+        default the session's)."""
+        sampler = self.cuts.sampler if sampler is None else sampler
+        return last_step(sampler, self.slots, self.cuts.end_step if end_step is None else end_step)
+
+    def filler_spec(self, sampler) -> FillerSpec:
+        """What every filler of this session is built from, with `sampler`."""
+        plan, options = self.plan, self.options
+        return FillerSpec(plan.slot, sampler, plan.fields, options.verify, plan.transform,
+                          tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
+                          options.on_error, options.epochs, options.drop_last, self.dataset_spec)
+
+    def seek(self, step: int, what: str = "step") -> None:
+        """Makes `step` the next batch, checked against the bound (`what` names it in the
+        error): every slot taken back first."""
+        self.check_open()
+        check_integer(what, step, 0, self.last_step())
         self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
         try:
             self.take_back_all()
@@ -211,24 +268,38 @@ class Session:
                         cursor.request(slot, old)
             raise
 
-    def use(self, sampler, finite: FinitePass | None, filler: FillerSpec) -> None:
-        """Fills with `sampler` (and its pass, `finite`) from now on: a resharded checkpoint's
-        dealing (plan/reshard.py), or none again. Readers build their sampler from their
-        configuration, so they are replaced once every slot is taken back (the caller seeks
-        next). Raises, changing nothing, while a batch is held."""
+    def use(self, sampler) -> None:
+        """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing
+        (plan/reshard.py), a new pass's seed, or none again; readers take the new filler
+        once every slot is taken back (readers/channel.py). The caller seeks next. Raises,
+        changing nothing, while a batch is held."""
         self.check_open()
+        filler = self.filler_spec(sampler)
         self.cursor.enter()
         try:
             self.take_back_all()
-            self.cuts.sampler, self.cuts.finite = sampler, finite
+            self.cuts.sampler, self.cuts.finite = sampler, _pass_of(sampler, self.options)
             self.cursor.end_step = self.cuts.end_step
             if self.local is not None:  # readers=0: the local reader's filler, bound to the slots anew.
                 old, self.resources.filler = self.resources.filler, filler.build()
                 self.local.use(self.resources.filler)
                 old.close()
             self.pool.reconfigure(filler)
+            self.plan = dataclasses.replace(self.plan, sampler=sampler)
         finally:
             self.cursor.leave()
+
+    def new_pass(self, seed: int) -> None:
+        """Starts this finite pass again under `seed`, at step 0, with the same readers: the
+        next epoch of an adapter that runs one pass per epoch (shmloader.torch.DataLoader).
+        Every batch must have been let go (as for seek)."""
+        if self.cuts.finite is None:
+            raise RuntimeError("a new pass needs a finite loader (epochs=N)")
+        data = {key: value for key, value in self.plan.sampler.to_dict().items()
+                if key not in ("transition", "start_position")}
+        self.use(type(self.plan.sampler).from_dict({**data, "seed": seed}))
+        self.options = dataclasses.replace(self.options, seed=seed)
+        self.seek(0)
 
     def slot_states(self) -> list[tuple[str, int]]:
         """(state, step) of every slot, as the ring's control table says now (diagnostics)."""
@@ -241,3 +312,40 @@ class Session:
             self.supervisor.warn_if_skipped()  # The one warning, if next() never had a moment to give it.
         self.cursor.deactivate()
         self.finalizer()
+
+
+class Diagnostics:
+    """What a loader's session looks like from outside, for debugging and leak checks:
+    `loader.diagnostics`."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    @property
+    def reader_pids(self) -> list[int]:
+        return self._session.pool.pids
+
+    @property
+    def remote_actors(self) -> list:
+        """The remote readers' live handles (Ray actors, in reader-record order after the
+        local readers), [] without remote readers."""
+        remote = self._session.pool.remote
+        return [] if remote is None else list(remote.actors)
+
+    @property
+    def shared_memory_bytes(self) -> int:
+        return self._session.layout.total_bytes
+
+    @property
+    def ring_name(self) -> str:
+        """The POSIX name of the ring's segment (/dev/shm/<name>; its semaphores are named
+        after it): what to look for when judging a leak."""
+        return self._session.ring.names.segment
+
+    def held_steps(self) -> dict[int, int]:
+        """{slot: step} of the slots that batches (or views of them) still hold."""
+        return self._session.cursor.held()
+
+    def slot_states(self) -> list[tuple[str, int]]:
+        """(state, step) of every slot, as the ring's control table says now."""
+        return self._session.slot_states()

@@ -149,7 +149,7 @@ class DataLoader:
             self._resumed = False
         elif self._started:
             self._epoch += 1
-            self._loader._new_pass(self._epoch_seed(self._epoch))
+            self._loader._session.new_pass(self._epoch_seed(self._epoch))
         self._started = True
         structure = self._structure
         for batch in self._loader:
@@ -173,7 +173,7 @@ class DataLoader:
         if state["seed"] != self.seed:
             raise ValueError(f"the checkpoint was made with seed {state['seed']!r}, this loader has {self.seed}")
         if epoch != self._epoch or self._started:
-            self._loader._new_pass(self._epoch_seed(epoch))
+            self._loader._session.new_pass(self._epoch_seed(epoch))
         self._epoch, self._started = epoch, True
         self._loader.load_state_dict(state["loader"])
         self._resumed = True

@@ -213,7 +213,7 @@ def declarations(directory):
 def batches(fields, readers, steps=12, **options):
     with ShmDataLoader(fields, readers=readers, batch_size=16, seed=7, warn_layout=False, **options) as loader:
         if readers == 0:
-            assert loader.reader_pids == []
+            assert loader.diagnostics.reader_pids == []
         return [{"step": batch.step, "indices": batch.indices.copy(), **{k: np.array(v) for k, v in batch.items()}}
                 for _, batch in zip(range(steps), loader)]
 

@@ -27,18 +27,18 @@ def main() -> None:
     if behaviour == "stuck-transform":
         # Every reader's transform sleeps forever: next() waits, and the test kills this trainer.
         loader = ShmDataLoader(fields, batch_size=4, readers=2, slots=4, transform="transform_fixtures:hangs")
-        print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)
+        print(json.dumps({"readers": loader.diagnostics.reader_pids, "segment": loader.diagnostics.ring_name}), flush=True)
         next(loader)
         return
     if behaviour == "die-after-build":
         # SIGKILLed as soon as its loader exists: its fork server may still be starting,
         # and no reader may have been forked yet.
         loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
-        print(json.dumps({"readers": [], "segment": loader.ring_name}), flush=True)
+        print(json.dumps({"readers": [], "segment": loader.diagnostics.ring_name}), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     loader = ShmDataLoader(fields, batch_size=16, readers=2, slots=4)
     next(loader)
-    print(json.dumps({"readers": loader.reader_pids, "segment": loader.ring_name}), flush=True)
+    print(json.dumps({"readers": loader.diagnostics.reader_pids, "segment": loader.diagnostics.ring_name}), flush=True)
     if behaviour == "exit-without-close":
         return
     if behaviour == "iterate":
@@ -51,7 +51,7 @@ def main() -> None:
         time.sleep(60)
     if behaviour == "close-while-waiting":
         # One thread blocks in next() (readers stopped) while another closes the loader.
-        for pid in loader.reader_pids:
+        for pid in loader.diagnostics.reader_pids:
             os.kill(pid, signal.SIGSTOP)
         outcome = []
 
@@ -70,7 +70,7 @@ def main() -> None:
         print(json.dumps({"alive": thread.is_alive(), "outcome": outcome}), flush=True)
     if behaviour == "close-with-stopped-readers":
         # close() then waits for its stopped readers; the test interrupts it meanwhile.
-        for pid in loader.reader_pids:
+        for pid in loader.diagnostics.reader_pids:
             os.kill(pid, signal.SIGSTOP)
         print("closing", flush=True)
         loader.close()
@@ -81,7 +81,7 @@ def main() -> None:
         os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"])
     if behaviour == "stall":
         # Readers stopped: once the ring's ready batches are used up, next() blocks in its wait.
-        for pid in loader.reader_pids:
+        for pid in loader.diagnostics.reader_pids:
             os.kill(pid, signal.SIGSTOP)
         print("stalled", flush=True)
         with loader:

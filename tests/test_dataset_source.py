@@ -304,7 +304,7 @@ def test_a_reader_killed_mid_batch_costs_no_batch():
         found = []
         for count, batch in zip(range(24), loader):
             if count == 3:
-                os.kill(loader.reader_pids[0], signal.SIGKILL)
+                os.kill(loader.diagnostics.reader_pids[0], signal.SIGKILL)
             found.append((batch.indices.copy(), batch["data"][:, 0].copy()))
     for indices, values in found:
         np.testing.assert_array_equal(values, indices.astype(np.int64))

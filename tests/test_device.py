@@ -74,7 +74,7 @@ def test_the_ring_is_registered_once_and_unregistered_before_it_goes(dataset):
     backend = FakeBackend()
     loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=4,
                            pin_memory=backend)
-    assert backend.calls == [("register", loader._session.ring.base_address, loader.shared_memory_bytes)]
+    assert backend.calls == [("register", loader._session.ring.base_address, loader.diagnostics.shared_memory_bytes)]
     address = loader._session.ring.base_address
     next(loader)
     loader.close()
@@ -96,16 +96,16 @@ def test_a_slot_stays_held_until_the_copy_that_reads_it_completes(dataset):
         first = next(device)
         assert first["step"] == 0 and np.array_equal(first["label"], labels[sampler.fill(0)])
         # Step 0 was handed out, step 1's copy issued: neither completed, both slots held.
-        assert sorted(loader.held_steps().values()) == [0, 1]
+        assert sorted(loader.diagnostics.held_steps().values()) == [0, 1]
         for step in (0, 1):
-            assert loader.slot_states()[step % 6][0] == "HELD"
+            assert loader.diagnostics.slot_states()[step % 6][0] == "HELD"
         next(device)  # Copies still pending: nothing may be given back.
-        assert sorted(loader.held_steps().values()) == [0, 1, 2]
+        assert sorted(loader.diagnostics.held_steps().values()) == [0, 1, 2]
         backend.complete_all()
         third = next(device)
         assert third["step"] == 2 and np.array_equal(third["label"], labels[sampler.fill(2)])
         loader._session.cursor.release_unused()
-        assert sorted(loader.held_steps().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
+        assert sorted(loader.diagnostics.held_steps().values()) == [2, 3]  # Completed copies gave 0 and 1 back.
 
 
 def test_slow_copies_are_waited_for_before_the_ring_runs_out(dataset):
@@ -128,7 +128,7 @@ def test_close_and_errors_with_copies_in_flight_free_every_slot(dataset):
             raise ZeroDivisionError("the training step failed")
     assert device.held == 0 and all(event.complete for event in backend.events)
     loader._session.cursor.release_unused()
-    assert loader.held_steps() == {}
+    assert loader.diagnostics.held_steps() == {}
     second = loader.to_device(prefetch=1, backend=backend)
     next(second)
     loader.close()  # Closes the iterator first: its copies finish before the ring is unregistered.

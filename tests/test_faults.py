@@ -40,7 +40,7 @@ def test_a_killed_reader_is_replaced_and_no_step_is_lost(dataset, signal_number,
         steps = []
         for step in range(300):
             if step in (50, 150):
-                victim = loader.reader_pids[step // 100 % 2]
+                victim = loader.diagnostics.reader_pids[step // 100 % 2]
                 os.kill(victim, signal_number)
                 assert wait_until(lambda victim=victim: not process_alive(victim), timeout=5)
             batch = next(loader)
@@ -68,7 +68,7 @@ def test_a_reader_exiting_mid_step_has_that_step_recomputed(dataset, tmp_path, m
 def test_deaths_past_the_restart_budget_raise_naming_reader_pid_and_signal(dataset):
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=4, max_reader_restarts=0) as loader:
         next(loader)
-        victim = loader.reader_pids[1]
+        victim = loader.diagnostics.reader_pids[1]
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
         with pytest.raises(ReaderError, match=rf"reader 1 \(pid {victim}\) was killed by SIGKILL") as raised:
@@ -176,12 +176,12 @@ def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path, mo
     with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=4, readers=1, slots=3,
                        transform="transform_fixtures:hangs", step_timeout=0.5) as loader:
         # The reader has claimed step 0 (and hangs in it) before the timeout's clock starts.
-        assert wait_until(lambda: loader.slot_states()[0][0] == "FILLING", timeout=30)
+        assert wait_until(lambda: loader.diagnostics.slot_states()[0][0] == "FILLING", timeout=30)
         started = time.monotonic()
         with pytest.raises(StepTimeoutError, match=r"step 0 has been in flight for .* reader 0 \(pid \d+\)") as raised:
             next(loader)
         assert time.monotonic() - started < 5
-        assert raised.value.step == 0 and raised.value.pid == loader.reader_pids[0]
+        assert raised.value.step == 0 and raised.value.pid == loader.diagnostics.reader_pids[0]
 
 
 def test_sigterm_of_the_trainer_leaves_nothing(dataset):
@@ -252,7 +252,7 @@ def test_interpreter_exit_without_close_leaves_nothing(dataset):
 def test_an_unclosed_loader_is_cleaned_up_by_garbage_collection(dataset):
     loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3)
     batch = next(loader)
-    pids = loader.reader_pids
+    pids = loader.diagnostics.reader_pids
     del loader
     gc.collect()
     assert wait_until(lambda: not our_shm_entries(os.getpid()), 2)
@@ -263,7 +263,7 @@ def test_an_unclosed_loader_is_cleaned_up_by_garbage_collection(dataset):
 def test_an_exception_inside_the_loop_closes_the_loader(dataset):
     with pytest.raises(ZeroDivisionError):
         with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=3) as loader:
-            pids = loader.reader_pids
+            pids = loader.diagnostics.reader_pids
             for batch in loader:
                 raise ZeroDivisionError("the training step failed")
     assert not our_shm_entries(os.getpid())
@@ -380,11 +380,11 @@ def test_a_reader_ended_by_os_exit_3_in_a_transform_is_named_with_its_exit_code_
     with ShmDataLoader({"data": str(path)}, transform="skip_fixtures:exits_at_step",
                        transform_args={"step": 2, "code": 3}, batch_size=4, readers=2, slots=4, mode="sequential",
                        max_reader_restarts=restarts) as loader:
-        started = list(loader.reader_pids)
+        started = list(loader.diagnostics.reader_pids)
         with pytest.raises(ReaderError) as raised:
             for batch in loader:
                 assert batch.step < 2
-        pids = list(loader.reader_pids)
+        pids = list(loader.diagnostics.reader_pids)
     error, message = raised.value, str(raised.value)
     assert error.exit_code == 3 and error.step == 2 and error.reader_index in (0, 1)
     assert error.pid == pids[error.reader_index] and (restarts or error.pid == started[error.reader_index])

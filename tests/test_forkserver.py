@@ -53,8 +53,8 @@ def test_readers_of_successive_loaders_are_forked_by_one_server_of_this_trainer(
     for count in (2, 3):
         with ShmDataLoader({"data": path}, batch_size=8, readers=count, seed=count) as loader:
             check(loader, rows, 30)
-            assert wait_until(lambda: {parent_and_name(pid)[1] for pid in loader.reader_pids} == {"shml-reader"})
-            servers.update(parent_and_name(pid)[0] for pid in loader.reader_pids)
+            assert wait_until(lambda: {parent_and_name(pid)[1] for pid in loader.diagnostics.reader_pids} == {"shml-reader"})
+            servers.update(parent_and_name(pid)[0] for pid in loader.diagnostics.reader_pids)
     (server,) = servers
     assert parent_and_name(server) == (os.getpid(), "shml-forkserver")
 
@@ -65,7 +65,7 @@ def test_without_the_server_readers_are_interpreters_of_their_own(data, monkeypa
     with ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=3) as loader:
         check(loader, rows, 30)
         # One may still be importing (its name is set in reader.main) while the other filled all.
-        assert wait_until(lambda: [parent_and_name(pid) for pid in loader.reader_pids] == [(os.getpid(), "shml-reader")] * 2)
+        assert wait_until(lambda: [parent_and_name(pid) for pid in loader.diagnostics.reader_pids] == [(os.getpid(), "shml-reader")] * 2)
 
 
 def test_a_loader_made_in_a_thread_that_ended_keeps_its_readers(data, monkeypatch):
@@ -83,12 +83,12 @@ def test_a_loader_made_in_a_thread_that_ended_keeps_its_readers(data, monkeypatc
     thread.start()
     thread.join()
     with made["loader"] as loader:
-        pids = loader.reader_pids
+        pids = loader.diagnostics.reader_pids
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
             check(loader, rows, 20)
         assert loader.stats()["reader_restarts"] == 0
-        assert loader.reader_pids == pids
+        assert loader.diagnostics.reader_pids == pids
 
 
 def test_a_fork_server_killed_alone_costs_no_batch_and_keeps_the_ring(data, monkeypatch):
@@ -98,7 +98,7 @@ def test_a_fork_server_killed_alone_costs_no_batch_and_keeps_the_ring(data, monk
     monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
     with ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=5, max_reader_restarts=1) as loader:
         check(loader, rows, 20)
-        old_pids = loader.reader_pids
+        old_pids = loader.diagnostics.reader_pids
         server = parent_and_name(old_pids[0])[0]
         ring = set(our_shm_entries(os.getpid()))
         os.kill(server, signal.SIGKILL)
@@ -107,7 +107,7 @@ def test_a_fork_server_killed_alone_costs_no_batch_and_keeps_the_ring(data, monk
         check(loader, rows, 200)
         assert set(our_shm_entries(os.getpid())) == ring
         assert loader.stats()["reader_restarts"] == 2
-        new_servers = {parent_and_name(pid)[0] for pid in loader.reader_pids}
+        new_servers = {parent_and_name(pid)[0] for pid in loader.diagnostics.reader_pids}
         assert len(new_servers) == 1 and server not in new_servers
 
 
@@ -118,7 +118,7 @@ def test_readers_write_to_the_trainers_current_standard_error(data, capfd):
     for _ in range(2):
         with ShmDataLoader({"data": path}, transform="transform_fixtures:says_hello", batch_size=8, readers=1) as loader:
             check(loader, rows, 3, field="x")
-            pid = loader.reader_pids[0]
+            pid = loader.diagnostics.reader_pids[0]
         assert f"hello from reader {pid}" in capfd.readouterr().err
 
 
@@ -127,12 +127,12 @@ def test_a_new_cpu_affinity_gets_a_new_server(data):
     path, rows = data
     cpus = sorted(os.sched_getaffinity(0))
     with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
-        server = parent_and_name(loader.reader_pids[0])[0]
+        server = parent_and_name(loader.diagnostics.reader_pids[0])[0]
     try:
         os.sched_setaffinity(0, cpus[:1])
         with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
             check(loader, rows, 5)
-            pid = loader.reader_pids[0]
+            pid = loader.diagnostics.reader_pids[0]
             assert os.sched_getaffinity(pid) == set(cpus[:1])
             if len(cpus) > 1:
                 assert parent_and_name(pid)[0] != server
@@ -145,14 +145,14 @@ def test_a_lower_descriptor_limit_gets_a_new_server_whose_readers_have_it(data):
 
     path, rows = data
     with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
-        server = parent_and_name(loader.reader_pids[0])[0]
+        server = parent_and_name(loader.diagnostics.reader_pids[0])[0]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     lowered = min(soft, 4096) - 1
     resource.setrlimit(resource.RLIMIT_NOFILE, (lowered, hard))
     try:
         with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
             check(loader, rows, 5)
-            pid = loader.reader_pids[0]
+            pid = loader.diagnostics.reader_pids[0]
             with open(f"/proc/{pid}/limits") as handle:
                 line = next(line for line in handle if line.startswith("Max open files"))
             assert int(line.split()[3]) == lowered
@@ -202,18 +202,18 @@ def test_a_stopped_server_is_given_up_on_a_reader_killed_meanwhile_is_replaced_a
     path, rows = data
     monkeypatch.setattr(readers.ReaderPool, "signal_grace_seconds", 0.2)
     loader = ShmDataLoader({"data": path}, batch_size=8, readers=2, seed=5, max_reader_restarts=2)
-    server = parent_and_name(loader.reader_pids[0])[0]
+    server = parent_and_name(loader.diagnostics.reader_pids[0])[0]
     try:
         check(loader, rows, 20)
         os.kill(server, signal.SIGSTOP)
-        os.kill(loader.reader_pids[0], signal.SIGKILL)
+        os.kill(loader.diagnostics.reader_pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 20
-        while server in {parent_and_name(pid)[0] for pid in loader.reader_pids if process_alive(pid)} or \
-                not all(process_alive(pid) for pid in loader.reader_pids):
-            assert time.monotonic() < deadline, [describe(pid) for pid in loader.reader_pids]
+        while server in {parent_and_name(pid)[0] for pid in loader.diagnostics.reader_pids if process_alive(pid)} or \
+                not all(process_alive(pid) for pid in loader.diagnostics.reader_pids):
+            assert time.monotonic() < deadline, [describe(pid) for pid in loader.diagnostics.reader_pids]
             check(loader, rows, 5)  # Readers replaced through a new server, no batch lost or wrong.
         assert wait_until(lambda: not process_alive(server), 5), describe(server)
-        new_server = parent_and_name(loader.reader_pids[0])[0]
+        new_server = parent_and_name(loader.diagnostics.reader_pids[0])[0]
         os.kill(new_server, signal.SIGSTOP)
         started = time.monotonic()
         loader.close()
@@ -238,7 +238,7 @@ def test_idle_servers_of_other_settings_are_retired_instead_of_piling_up(data, m
         monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
         with ShmDataLoader({"data": path}, batch_size=8, readers=1) as loader:
             check(loader, rows, 3)
-            servers.add(parent_and_name(loader.reader_pids[0])[0])
+            servers.add(parent_and_name(loader.diagnostics.reader_pids[0])[0])
         alive = [pid for pid in servers if process_alive(pid) and parent_and_name(pid)[1] == "shml-forkserver"]
         assert len(alive) <= forkserver._SERVERS_MAX, alive
         assert len(forkserver._servers) <= forkserver._SERVERS_MAX

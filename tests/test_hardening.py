@@ -140,7 +140,7 @@ def mapped(name: str) -> bool:
 def test_close_gives_the_ring_memory_back_once_no_batch_view_is_alive(tmp_path):
     np.save(tmp_path / "big.npy", np.zeros((64, 1 << 20), dtype=np.uint8))
     loader = ShmDataLoader({"x": str(tmp_path / "big.npy")}, batch_size=32, readers=1, slots=4)
-    name = loader.ring_name.lstrip("/")
+    name = loader.diagnostics.ring_name.lstrip("/")
     batch = next(loader)
     assert mapped(name) and os.path.exists(f"/dev/shm/{name}")
     assert os.path.getsize(f"/dev/shm/{name}") >= 4 * 32 << 20
@@ -238,7 +238,7 @@ def test_steps_past_the_samplers_range_are_refused_at_construction_and_seek(data
 def test_next_from_a_second_thread_says_one_thread_iterates(dataset):
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=1, slots=2) as loader:
         next(loader)
-        os.kill(loader.reader_pids[0], signal.SIGSTOP)
+        os.kill(loader.diagnostics.reader_pids[0], signal.SIGSTOP)
         try:
             outcome = []
 
@@ -255,7 +255,7 @@ def test_next_from_a_second_thread_says_one_thread_iterates(dataset):
             with pytest.raises(RuntimeError, match="one thread iterates and seeks a loader"):
                 next(loader)
         finally:
-            os.kill(loader.reader_pids[0], signal.SIGCONT)
+            os.kill(loader.diagnostics.reader_pids[0], signal.SIGCONT)
         blocked.join(10)
 
 
@@ -283,7 +283,7 @@ def test_losing_every_reader_at_once_costs_each_one_restart(dataset):
     """The budget was per loader: four readers killed together exceeded the default 3."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=4, slots=6) as loader:
         next(loader)
-        for pid in loader.reader_pids:
+        for pid in loader.diagnostics.reader_pids:
             os.kill(pid, signal.SIGKILL)
         for _ in range(200):
             next(loader)
@@ -304,7 +304,7 @@ def ring_descriptors(segment):
     return count
 
 with ShmDataLoader({"label": sys.argv[1]}, batch_size=8, readers=1, slots=3) as loader:
-    segment = "/dev/shm" + loader.ring_name
+    segment = "/dev/shm" + loader.diagnostics.ring_name
     assert ring_descriptors(segment) >= 1
     read_end, write_end = os.pipe()
     pid = os.fork()

@@ -76,7 +76,7 @@ def test_batches_are_zero_copy_views_of_the_ring(dataset):
         assert not array.flags.owndata
         address = array.__array_interface__["data"][0]
         ring = loader._session.ring
-        assert ring.base_address <= address < ring.base_address + loader.shared_memory_bytes
+        assert ring.base_address <= address < ring.base_address + loader.diagnostics.shared_memory_bytes
 
 
 def test_a_viewed_slot_is_never_overwritten(dataset):
@@ -185,19 +185,19 @@ def test_slots_are_handed_back_at_the_next_call_after_their_last_reference(datas
     batch's slot goes back at the call after, and a dropped batch's at the next call."""
     with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=8, readers=2, slots=6) as loader:
         for batch in loader:
-            held = sorted(loader.held_steps().values())
+            held = sorted(loader.diagnostics.held_steps().values())
             assert held == ([0] if batch.step == 0 else [batch.step - 1, batch.step])
             if batch.step == 10:
                 break
         batch.release()
         released = next(loader)
-        assert released.step == 11 and sorted(loader.held_steps().values()) == [11]
+        assert released.step == 11 and sorted(loader.diagnostics.held_steps().values()) == [11]
         kept = released["label"]
         del released
-        assert next(loader).step == 12 and sorted(loader.held_steps().values()) == [11, 12]
+        assert next(loader).step == 12 and sorted(loader.diagnostics.held_steps().values()) == [11, 12]
         del kept
         loader._session.cursor.release_unused()
-        assert loader.held_steps() == {}
+        assert loader.diagnostics.held_steps() == {}
 
 
 def test_reader_wake_ups_are_batched_while_the_readers_are_ahead(dataset):
@@ -329,7 +329,7 @@ def test_two_loaders_in_one_process_do_not_interfere(dataset):
     paths = dataset["paths"]
     with ShmDataLoader({"label": paths["labels_npy"]}, batch_size=10, readers=2, slots=3, seed=1) as first, \
             ShmDataLoader({"label": paths["labels_b2nd"]}, batch_size=7, readers=1, slots=4, seed=2, mode="sequential") as second:
-        assert first.ring_name != second.ring_name
+        assert first.diagnostics.ring_name != second.diagnostics.ring_name
         one, two = Sampler(600, 10, seed=1), Sampler(600, 7, "sequential", seed=2)
         for step in range(40):
             assert np.array_equal(next(first)["label"], dataset["labels"][one.fill(step)])
@@ -339,7 +339,7 @@ def test_two_loaders_in_one_process_do_not_interfere(dataset):
 def test_nothing_remains_after_close(dataset):
     loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3)
     batch = next(loader)
-    pids = loader.reader_pids
+    pids = loader.diagnostics.reader_pids
     assert our_shm_entries(os.getpid())
     loader.close()
     loader.close()  # Idempotent.
@@ -358,7 +358,7 @@ def test_readers_run_as_batch_work_so_their_wake_ups_do_not_preempt_the_trainer(
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(loader._session.ring.records.stats(r)[0] for r in range(2)):
             time.sleep(0.01)  # A reader records its pid once running, after choosing its policy.
-        assert [os.sched_getscheduler(pid) for pid in loader.reader_pids] == [os.SCHED_BATCH] * 2
+        assert [os.sched_getscheduler(pid) for pid in loader.diagnostics.reader_pids] == [os.SCHED_BATCH] * 2
     assert os.sched_getscheduler(0) != os.SCHED_BATCH  # The trainer keeps its own policy.
 
 
@@ -371,7 +371,7 @@ def test_stats_report_progress(dataset):
     assert stats["rows_per_s"] > 0 and 0 <= stats["wait_fraction"] <= 1
     assert len(stats["readers"]) == 2
     assert sum(reader["batches"] for reader in stats["readers"]) >= 50
-    assert stats["shared_memory_bytes"] == loader.shared_memory_bytes
+    assert stats["shared_memory_bytes"] == loader.diagnostics.shared_memory_bytes
 
 
 def test_poor_layout_warns_once_and_good_layout_does_not(dataset):

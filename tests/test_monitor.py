@@ -82,20 +82,20 @@ def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
     master, slave = pty.openpty()
     # A wide terminal, so that no line wraps; and only this test's ring (others' run beside it).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-    process = subprocess.Popen([sys.executable, "-m", "shmloader", "top", live_loader.ring_name, "--interval", "0.2"],
+    process = subprocess.Popen([sys.executable, "-m", "shmloader", "top", live_loader.diagnostics.ring_name, "--interval", "0.2"],
                                stdin=slave, stdout=slave, stderr=slave, close_fds=True, preexec_fn=_terminal_session,
                                cwd="/")  # Not the checkout: there `shmloader` is the source tree, unbuilt.
     os.close(slave)
     terminal = _Terminal(master)
     try:
-        pids = live_loader.reader_pids
+        pids = live_loader.diagnostics.reader_pids
         screen = terminal.until(rf"reader 1: pid\s+{pids[1]}", 30)
-        assert live_loader.ring_name.lstrip("/") in screen, screen[-2000:]
+        assert live_loader.diagnostics.ring_name.lstrip("/") in screen, screen[-2000:]
         assert re.search(rf"reader 0: pid\s+{pids[0]}", screen) and re.search(rf"reader 1: pid\s+{pids[1]}", screen)
         screen = terminal.until(r"[1-9][\d,]* rows/s", 30)
         assert re.search(r"[1-9][\d,]* rows/s", screen), screen[-2000:]
         os.kill(pids[0], signal.SIGKILL)
-        assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
+        assert wait_until(lambda: live_loader.diagnostics.reader_pids[0] != pids[0], 20)
         # \s+: rich may wrap the header line just before the count (a narrower console).
         screen = terminal.until(r"restarts\s+seen\s+[1-9]", 30)
         assert re.search(r"restarts\s+seen\s+[1-9]", screen), screen[-2000:]
@@ -109,7 +109,7 @@ def test_top_under_a_terminal_shows_the_live_loader_and_a_restart(live_loader):
 
 
 def test_the_view_reads_states_and_a_gone_trainers_ring(live_loader, tmp_path):
-    monitor = Monitor([live_loader.ring_name])
+    monitor = Monitor([live_loader.diagnostics.ring_name])
     monitor.refresh()
     time.sleep(0.3)
     monitor.refresh()
@@ -124,8 +124,8 @@ def test_a_reader_killed_while_top_watches_agrees_with_stats(live_loader):
     """A SIGKILLed reader: the restarts top saw equal loader.stats()'s, and the reader's row
     shows the new process, its batches marked as that process's own (before: the count fell
     back to 0 under the same heading, looking like a reset)."""
-    monitor = Monitor([live_loader.ring_name])
-    pids = live_loader.reader_pids
+    monitor = Monitor([live_loader.diagnostics.ring_name])
+    pids = live_loader.diagnostics.reader_pids
 
     def shows(pid: int) -> bool:
         monitor.refresh()
@@ -133,8 +133,8 @@ def test_a_reader_killed_while_top_watches_agrees_with_stats(live_loader):
 
     assert wait_until(lambda: shows(pids[0]), 20)  # Top saw the first process (it writes its pid as it starts).
     os.kill(pids[0], signal.SIGKILL)
-    assert wait_until(lambda: live_loader.reader_pids[0] != pids[0], 20)
-    new_pid = live_loader.reader_pids[0]
+    assert wait_until(lambda: live_loader.diagnostics.reader_pids[0] != pids[0], 20)
+    new_pid = live_loader.diagnostics.reader_pids[0]
     assert wait_until(lambda: shows(new_pid), 20)
     (view,) = monitor.views.values()
     assert view.restarts == live_loader.stats()["reader_restarts"] == 1
@@ -152,10 +152,10 @@ def test_top_once_after_a_restart_does_not_claim_there_was_none(live_loader, cap
     loader.stats() said 1)."""
     from shmloader.tools.monitor import run
 
-    pid = live_loader.reader_pids[0]
+    pid = live_loader.diagnostics.reader_pids[0]
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: live_loader.stats()["reader_restarts"] == 1, 20)
-    assert run([live_loader.ring_name], interval_s=0.2, once=True) == 0
+    assert run([live_loader.diagnostics.ring_name], interval_s=0.2, once=True) == 0
     screen = capsys.readouterr().out
     assert not re.search(r"restarts\s+0\b", screen), screen
     assert re.search(r"restarts seen 0 in 0\.\d s", screen) and 'loader.stats()["reader_restarts"]' in screen, screen
@@ -167,7 +167,7 @@ def test_busy_shares_never_pass_100_percent(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(16, dtype=np.int64))
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=4,
                        transform="transform_fixtures:slow_on_row_nine") as loader:
-        monitor = Monitor([loader.ring_name])
+        monitor = Monitor([loader.diagnostics.ring_name])
         busy, starved = [], []
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -200,7 +200,7 @@ def test_stats_scrape_as_prometheus_metrics(tmp_path):
         samples = {(sample.name, sample.labels.get("reader")): sample.value
                    for family in text_string_to_metric_families(prometheus.generate_latest(registry).decode())
                    for sample in family.samples}
-        ring = loader.ring_name.lstrip("/")
+        ring = loader.diagnostics.ring_name.lstrip("/")
         stats = loader.stats()
         text = prometheus.generate_latest(registry).decode()
     assert samples[("shmloader_batches_total", None)] == 30 and samples[("shmloader_rows_total", None)] == 240
@@ -238,7 +238,7 @@ def test_a_loader_that_fills_in_the_trainer_shows_its_work(tmp_path):
     batches, 0 rows/s while the trainer took millions of rows a second)."""
     np.save(tmp_path / "x.npy", np.zeros((100, 2), np.float32))
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=0) as loader:
-        monitor = Monitor([loader.ring_name])
+        monitor = Monitor([loader.diagnostics.ring_name])
         monitor.refresh()
         for _ in range(50):
             next(loader)

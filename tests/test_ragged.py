@@ -341,7 +341,7 @@ def test_windows_over_documents_span_them_with_segments(tmp_path, separator):
     for readers in (0, 2):
         with ShmDataLoader({"tokens": Windows(str(tmp_path / "docs.ragged"), length=length, separator=separator)},
                            batch_size=8, readers=readers, seed=4) as loader:
-            assert len(loader.plans["tokens"].parts) == 1
+            assert len(loader.plan.plans["tokens"].parts) == 1
             for _, batch in zip(range(30), loader):
                 for row, index in enumerate(batch.indices.tolist()):
                     window = slice(index * length, index * length + length + 1)

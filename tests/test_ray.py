@@ -168,9 +168,9 @@ def test_killed_actors_cost_no_batch(cluster, kinds):
         for batch in loader:
             found.append({"step": batch.step, "indices": batch.indices.copy(), "x": np.array(batch["x"])})
             if batch.step == 20:
-                ray.kill(loader.remote_actors[0])
+                ray.kill(loader.diagnostics.remote_actors[0])
             if batch.step == 60:
-                pid = ray.get(loader.remote_actors[1].where.remote())[0]
+                pid = ray.get(loader.diagnostics.remote_actors[1].where.remote())[0]
                 assert pid > 0
                 os.kill(pid, signal.SIGKILL)
             if len(found) == 120:
@@ -196,7 +196,7 @@ def test_an_actor_lost_past_its_budget_stops_the_loader_with_a_named_error(clust
     with ShmDataLoader(fields, readers=0, batch_size=16, remote=RayReaders(actors=1, max_restarts=0),
                        warn_layout=False) as loader:
         next(loader)
-        ray.kill(loader.remote_actors[0])
+        ray.kill(loader.diagnostics.remote_actors[0])
         with pytest.raises(ReaderError, match=r"Ray actor 0 .*max_restarts=0"):
             for _ in range(100):
                 next(loader)
@@ -208,12 +208,12 @@ def test_close_with_steps_in_flight_leaves_no_actor_and_no_ring(cluster, kinds):
                            warn_layout=False)
     try:
         next(loader)  # The local reader may have filled it before any actor started.
-        ours = {handle._actor_id.hex() for handle in loader.remote_actors}
+        ours = {handle._actor_id.hex() for handle in loader.diagnostics.remote_actors}
         assert len(ours) == 3
         assert wait_until(lambda: ours <= {actor["ActorID"] for actor in alive_actors()}, timeout=30), alive_actors()
         for _ in range(20):
             next(loader)
-        name = loader.ring_name
+        name = loader.diagnostics.ring_name
     finally:
         loader.close()
     assert not os.path.exists(f"/dev/shm/{name}")
@@ -235,8 +235,8 @@ def test_a_removed_node_costs_no_batch(cluster, kinds):
                 found.append({"step": batch.step, "indices": batch.indices.copy(),
                               **{k: np.array(v) for k, v in batch.items()}})
                 if batch.step == 15:
-                    actor_node = ray.get(loader.remote_actors[0].where.remote())
-                    ours = loader.remote_actors[0]._actor_id.hex()
+                    actor_node = ray.get(loader.diagnostics.remote_actors[0].where.remote())
+                    ours = loader.diagnostics.remote_actors[0]._actor_id.hex()
                     node_id = next(actor["Address"]["NodeID"] for actor in alive_actors() if actor["ActorID"] == ours)
                     victim = next(node for node in nodes if node.node_id == node_id)
                     cluster.remove_node(victim)
@@ -364,7 +364,7 @@ def test_close_is_bounded_when_ray_no_longer_answers(cluster, kinds, monkeypatch
     monkeypatch.setattr(remote, "_STOP_SECONDS", 0.5)
     loader = ShmDataLoader({"x": str(kinds / "rows.npy")}, readers=0, batch_size=16, remote=RayReaders(actors=1),
                            warn_layout=False)
-    actors = list(loader.remote_actors)
+    actors = list(loader.diagnostics.remote_actors)
     try:
         next(loader)
         monkeypatch.setattr("shmloader.readers.ray.ray", _RayWith(kill=lambda handle: released.wait(60)))

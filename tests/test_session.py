@@ -47,7 +47,7 @@ def test_an_unclosed_loader_is_torn_down_when_its_last_reference_goes(dataset):
     with collector_off():
         loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3)
         batch = next(loader)
-        pids = loader.reader_pids
+        pids = loader.diagnostics.reader_pids
         iterator = iter(loader)
         del loader
         assert our_shm_entries(os.getpid())  # An iterator still refers to the cursor.
@@ -234,14 +234,14 @@ def test_a_seek_that_a_close_interrupts_says_the_loader_is_closed(tmp_path):
     np.save(tmp_path / "x.npy", np.arange(200, dtype=np.int64))
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=10, readers=1, slots=3, mode="sequential",
                        transform="transform_fixtures:slow_on_row_nine") as loader:  # Step 0 takes 2.5 s.
-        assert wait_until(lambda: loader.slot_states()[0][0] == "FILLING", 10)  # The seek waits for that step.
+        assert wait_until(lambda: loader.diagnostics.slot_states()[0][0] == "FILLING", 10)  # The seek waits for that step.
         closer = threading.Timer(0.3, loader.close)
         closer.start()
         with pytest.raises(RuntimeError, match="closed"):
             loader.seek(5)
         closer.join()
         with pytest.raises(RuntimeError, match="closed"):
-            loader.slot_states()
+            loader.diagnostics.slot_states()
     assert not our_shm_entries(os.getpid())
 
 

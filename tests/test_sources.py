@@ -131,7 +131,7 @@ def test_a_field_of_10000_files_maps_rows_at_every_boundary(tmp_path):
         for step in range(-(-start // batch_size)):
             batch = next(loader)
             assert np.array_equal(batch["x"], batch.indices.astype(np.int64)), step
-        assert loader.plans["x"].row_count == start and len(loader.plans["x"].parts) == 10_000
+        assert loader.plan.plans["x"].row_count == start and len(loader.plan.plans["x"].parts) == 10_000
 
 
 def test_files_of_one_field_must_match_and_bad_sources_are_named(tmp_path):

@@ -416,7 +416,7 @@ def test_a_reader_killed_mid_window_costs_no_batch(files):
         # The trainer checks its readers at least every 64 batches: the death is seen by 150.
         for step in range(150):
             if step == 20:
-                victim = loader.reader_pids[0]
+                victim = loader.diagnostics.reader_pids[0]
                 os.kill(victim, signal.SIGKILL)
                 assert wait_until(lambda: not process_alive(victim), timeout=10)
             batch = next(loader)

@@ -83,7 +83,7 @@ def test_a_file_replaced_under_a_running_loader_gives_an_error_never_wrong_batch
         np.testing.assert_array_equal(batch["label"], labels[batch.indices])
         del batch
         _replace(path, np.arange(4000, dtype=np.float64))
-        victim = loader.reader_pids[0]
+        victim = loader.diagnostics.reader_pids[0]
         os.kill(victim, signal.SIGKILL)
         assert wait_until(lambda: not process_alive(victim), timeout=10)
         with pytest.raises(ReaderError, match=CHANGED) as raised:
@@ -153,7 +153,7 @@ def test_a_transform_that_forks_delivers_every_step_once_and_right(rows):
             np.testing.assert_array_equal(batch["x"], data[batch.indices])
             del batch
         assert all(os.path.exists(f"/dev/shm/{name}") for name in
-                   [loader.ring_name.lstrip("/"), "sem." + loader._session.ring.names.work.lstrip("/")])
+                   [loader.diagnostics.ring_name.lstrip("/"), "sem." + loader._session.ring.names.work.lstrip("/")])
 
 
 def test_a_transform_cannot_change_the_indices_the_trainer_receives(rows):

@@ -127,7 +127,8 @@ def simulated_loader(path: str, readers: int, fill_seconds, **options) -> ShmDat
     the step each slot was filled for."""
 
     class _Loader(ShmDataLoader):
-        def _make_pool(self, count: int, max_restarts: int, remote) -> ReaderPool:
+        @staticmethod
+        def _pool_type(count: int, max_restarts: int, remote) -> ReaderPool:
             return SimulatedPool(count, max_restarts, fill_seconds)
 
     return _Loader(path, readers=readers, warn_layout=False, **options)

@@ -79,7 +79,7 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
             "gb_per_s": steps * batch_bytes / elapsed / 1e9,  # Slot bytes (a Packed field's capacity).
             "wait_fraction": stats["wait_fraction"],
             "first_batch_s": first_batch_s,
-            "shared_memory_mib": loader.shared_memory_bytes / 2**20,
+            "shared_memory_mib": loader.diagnostics.shared_memory_bytes / 2**20,
             "starved_fraction": max((reader["starved_fraction"] for reader in stats["readers"]), default=0.0),
             "batches_per_wakeup": sum(r["batches"] for r in stats["readers"]) / max(1, sum(r["wakeups"] for r in stats["readers"])),
         }

@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = _command(commands, "top", "a live view of every loader on this machine (or of the rings named), read "
                                     "from their rings: slots, readers, rows/s", _top)
-    top.add_argument("rings", nargs="*", help="ring names (loader.ring_name) to show; default: all")
+    top.add_argument("rings", nargs="*", help="ring names (loader.diagnostics.ring_name) to show; default: all")
     top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between samples")
     top.add_argument("--once", action="store_true", help="print one sample and exit")
 

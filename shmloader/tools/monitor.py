@@ -278,7 +278,7 @@ def run(names: list[str] | None = None, interval_s: float = 1.0, once: bool = Fa
         import sys
 
         print(f"shmloader top: no ring named {', '.join(missing)} in {SHM_DIRECTORY} (rings there: "
-              f"{', '.join(ring_names()) or 'none'}; a loader's is loader.ring_name)", file=sys.stderr)
+              f"{', '.join(ring_names()) or 'none'}; a loader's is loader.diagnostics.ring_name)", file=sys.stderr)
         return 1
     if once:
         time.sleep(min(interval_s, 0.5))  # Two samples make the rates.
