@@ -216,11 +216,10 @@ class Session:
                           tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
                           options.on_error, options.epochs, options.drop_last, self.dataset_spec)
 
-    def seek(self, step: int, what: str = "step") -> None:
-        """Makes `step` the next batch, checked against the bound (`what` names it in the
-        error): every slot taken back first."""
+    def seek(self, step: int) -> None:
+        """Makes `step` the next batch, checked against the bound: every slot taken back first."""
         self.check_open()
-        check_integer(what, step, 0, self.last_step())
+        check_integer("step", step, 0, self.last_step())
         self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
         try:
             self.take_back_all()
