@@ -29,6 +29,11 @@ from .session import Diagnostics, Session
 from .transforms.core import resolve as resolve_transform
 
 
+# Read off the loader until the seventeenth session; now off loader.diagnostics.
+_MOVED_TO_DIAGNOSTICS = frozenset({"reader_pids", "remote_actors", "shared_memory_bytes", "ring_name", "held_steps",
+                                   "slot_states"})
+
+
 class ShmDataLoader(cursor_module.LoaderBase):
     """An endless, step-based loader that fills batches in shared memory from reader processes.
 
@@ -124,6 +129,12 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     # Replaced by shmloader.testing.simulation's threads.
     _pool_type = ReaderPool
+
+    def __getattr__(self, name: str):
+        """Only for names that are not there: those that moved say where."""
+        if name in _MOVED_TO_DIAGNOSTICS:
+            raise AttributeError(f"ShmDataLoader.{name} is now loader.diagnostics.{name}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _open(self, plan) -> None:
         session = self._session = Session.open(

@@ -475,3 +475,13 @@ def test_a_seek_that_fails_while_a_reader_fills_leaves_the_loader_as_it_was(tmp_
             loader.seek(0)
         got = [(batch.step, batch["x"].tolist()) for batch in (next(loader) for _ in range(5))]
     assert got == [(step, list(range(4 * step, 4 * step + 4))) for step in range(1, 6)]
+
+
+def test_diagnostics_moved_off_the_loader_say_where(dataset):
+    with ShmDataLoader(dataset["paths"]["images_b2nd"], batch_size=4, readers=1, slots=2) as loader:
+        assert loader.diagnostics.ring_name and len(loader.diagnostics.reader_pids) == 1
+        with pytest.raises(AttributeError, match=r"loader\.diagnostics\.reader_pids"):
+            loader.reader_pids
+        with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+            loader.nonsense
+        assert not hasattr(loader, "ring_name")
