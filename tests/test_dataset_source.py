@@ -345,3 +345,43 @@ def test_rebuild_batch_gives_the_samples_structure_back():
         rebuilt = rebuild_batch(loader._dataset.spec.structure, batch)
         assert set(rebuilt) == {"a", "b"} and isinstance(rebuilt["b"]["c"], tuple) and len(rebuilt["b"]["c"]) == 2
         np.testing.assert_array_equal(rebuilt["a"], np.stack([dataset[i]["a"] for i in range(3)]))
+
+
+class StartsAHelper:
+    """Starts a helper process on its first sample without stdin=DEVNULL (as most code
+    does; `cat` stands in for ffmpeg without -nostdin, which reads its stdin)."""
+
+    helper = None
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int):
+        if StartsAHelper.helper is None:
+            StartsAHelper.helper = subprocess.Popen(["cat"], stdout=subprocess.DEVNULL)
+        return np.int64(index)
+
+
+def _two_passes(readers: int) -> list[list[int]]:
+    passes = []
+    with ShmDataLoader.from_dataset(StartsAHelper(), batch_size=4, readers=readers, seed=1, epochs=1) as loader:
+        for seed in (None, 77):
+            if seed is not None:
+                loader._session.new_pass(seed)  # What the drop-in's next epoch does.
+            passes.append([int(value) for batch in loader for value in batch["data"]])
+    return passes
+
+
+def test_a_process_the_dataset_starts_cannot_take_the_readers_next_pass():
+    """A reader's configuration pipe is not its stdin: a child that inherits stdin and
+    reads it (it got the new pass's filler, and the reader refilled the old order) sees
+    /dev/null."""
+    try:
+        local = _two_passes(0)
+    finally:
+        if StartsAHelper.helper is not None:  # This process's, with readers=0.
+            StartsAHelper.helper.kill()
+            StartsAHelper.helper.wait()
+            StartsAHelper.helper = None
+    readers = _two_passes(1)
+    assert local[0] != local[1] and readers == local

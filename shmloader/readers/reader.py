@@ -400,7 +400,13 @@ def main(argv: list[str]) -> int:
     # The process that started this reader (the trainer, or its fork server), as it said:
     # it may have died before this reader got here, so getppid() cannot tell it.
     parent = int(argv[1]) if len(argv) > 1 and argv[1].isdigit() else os.getppid()
-    channel = ConfigChannel(sys.stdin.fileno())
+    # The trainer's pipe moves off fd 0, which becomes /dev/null: a process the dataset or a
+    # transform starts inherits fd 0 (ffmpeg without -nostdin reads it), and would eat the
+    # fillers the trainer sends later (channel.py), or wait on it for input.
+    channel = ConfigChannel(os.dup(0))  # Not inherited (os.dup's descriptors are not).
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     text = channel.first()  # The loader writes the configuration once the ring exists.
     if text == STOP_MESSAGE:
         return 0
