@@ -114,6 +114,12 @@ def make_squares(length: int = 20, scale: int = 1):
     return [np.asarray([index * index * scale], np.int64) for index in range(length)]
 
 
+def make_squares_padded(length: int = 20, padding: str = ""):
+    """make_squares, with an argument whose only use is to make the readers' configuration
+    (which carries dataset_args) longer than a pipe holds."""
+    return make_squares(length)
+
+
 class Packable:
     """Samples whose first dimension varies (0 to `longest` items of `item_shape`), drawn
     from the index alone, for a PackedRagged output."""

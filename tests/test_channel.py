@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmloader.readers.channel import STOP_MESSAGE, ConfigChannel, send_line
+from shmloader.readers.channel import STOP_MESSAGE, ConfigChannel, send_line, send_to_all
 
 
 @pytest.fixture
@@ -84,3 +84,22 @@ def test_a_line_cut_by_a_writer_that_died_is_no_message(pipe):
     writer.close()
     assert channel.latest() is None
     assert not channel.open and channel.latest() is None
+
+
+def test_send_to_all_names_the_pipes_not_written_in_time_or_broken():
+    pipes = [os.pipe() for _ in range(3)]
+    writers = [os.fdopen(write_end, "wb") for _, write_end in pipes]
+    os.close(pipes[2][0])  # Its reader is gone.
+    text = "y" * (1 << 20)  # More than a pipe holds: written only as it is read.
+    drained = []
+    reader = threading.Thread(target=lambda: drained.append(ConfigChannel(pipes[0][0]).first()))
+    reader.start()
+    try:
+        failed = send_to_all(writers, text, timeout_seconds=1.0)
+        reader.join()
+        assert failed == [1, 2] and drained == [text.encode()]
+    finally:
+        for (read_end, _), writer in zip(pipes, writers):
+            writer.close()
+            if read_end != pipes[2][0]:
+                os.close(read_end)

@@ -6,6 +6,7 @@ for any reader count and on resume; errors name the index; a killed reader costs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -21,6 +22,7 @@ import dataset_fixtures as fixtures
 from conftest import examples, our_shm_entries
 from shmloader import PackedRagged, Ragged, ShmDataLoader, rebuild_batch
 from shmloader.plan.dataset import DatasetError
+from shmloader.readers.pool import ReaderPool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -385,3 +387,35 @@ def test_a_process_the_dataset_starts_cannot_take_the_readers_next_pass():
             StartsAHelper.helper = None
     readers = _two_passes(1)
     assert local[0] != local[1] and readers == local
+
+
+def _passes_by_import_path(readers: int, stop_a_reader: bool = False) -> tuple[list[list[int]], bool]:
+    """Two passes (seed 3, then 5) of a dataset whose configuration is 200 KB (more than a
+    pipe holds); with `stop_a_reader`, reader 0 is SIGSTOPped while the second pass is
+    given. Also whether that reader was replaced."""
+    settings = {"dataset_args": {"length": 24, "padding": "x" * 200_000}, "batch_size": 4, "readers": readers,
+                "epochs": 1, "seed": 3}
+    with ShmDataLoader.from_dataset("dataset_fixtures:make_squares_padded", **settings) as loader:
+        passes = [[int(value) for batch in loader for value in batch["data"][:, 0]]]
+        stopped = loader.diagnostics.reader_pids[0] if stop_a_reader else None
+        if stopped is not None:
+            os.kill(stopped, signal.SIGSTOP)
+        try:
+            loader._session.new_pass(5)
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped, signal.SIGCONT)
+        replaced = stopped is not None and stopped not in loader.diagnostics.reader_pids
+        passes.append([int(value) for batch in loader for value in batch["data"][:, 0]])
+    return passes, replaced
+
+
+def test_a_stopped_reader_that_cannot_take_a_new_pass_is_replaced(monkeypatch):
+    """A new filler longer than the pipe holds waits for each reader to read it: a stopped
+    one (it never reads) is replaced after reconfigure_timeout_seconds instead of hanging
+    the trainer, and the pass is right."""
+    monkeypatch.setattr(ReaderPool, "reconfigure_timeout_seconds", 1.0)
+    expected, _ = _passes_by_import_path(0)
+    found, replaced = _passes_by_import_path(2, stop_a_reader=True)
+    assert replaced and found == expected and expected[0] != expected[1]

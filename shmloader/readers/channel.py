@@ -16,8 +16,10 @@ the reader drains it; an idle reader looks at the pipe every poll interval.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import time
 
 # What a trainer that gives up before configuring its readers sends them instead of a
 # configuration: they exit at once. Plain EOF means the trainer may have died (reader.main).
@@ -26,11 +28,58 @@ _CHUNK = 1 << 20
 
 
 def send_line(stream, text: str) -> None:
-    """Writes `text` as one message on a reader's pipe (`stream`: its stdin, ours to write);
-    raises BrokenPipeError when the reader is gone."""
+    """Writes `text` as one message on a reader's pipe (`stream`: its stdin, ours to write),
+    waiting as long as the reader takes to read it; raises BrokenPipeError when the reader
+    is gone."""
     assert "\n" not in text, "a message is one line (json.dumps writes none)"
+    os.set_blocking(stream.fileno(), True)
     stream.write(text.encode() + b"\n")
     stream.flush()
+
+
+def send_to_all(streams: list, text: str, timeout_seconds: float) -> list[int]:
+    """Writes `text` as one message on every pipe of `streams` at once; the positions of
+    those not written whole within `timeout_seconds` (a reader stopped, or stuck where it
+    does not look at its pipe, while the line is longer than the pipe holds) or whose
+    reader is gone. Their readers must be replaced: a part of a line is on their pipe."""
+    assert "\n" not in text, "a message is one line (json.dumps writes none)"
+    data = text.encode() + b"\n"
+    written = {}
+    for position, stream in enumerate(streams):
+        stream.flush()
+        os.set_blocking(stream.fileno(), False)
+        written[stream.fileno()] = (position, 0)
+    poller = select.poll()
+    for descriptor in written:
+        poller.register(descriptor, select.POLLOUT)
+    failed = []
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while written:
+            for descriptor, (position, done) in list(written.items()):
+                try:
+                    done += os.write(descriptor, data[done:])
+                except BlockingIOError:
+                    pass
+                except OSError:  # The reader is gone (EPIPE).
+                    failed.append(position)
+                    done = len(data)
+                if done == len(data):
+                    del written[descriptor]
+                    poller.unregister(descriptor)
+                else:
+                    written[descriptor] = (position, done)
+            remaining = deadline - time.monotonic()
+            if written and remaining <= 0:
+                failed += [position for position, _ in written.values()]
+                break
+            if written:
+                poller.poll(max(1, int(remaining * 1000)))
+    finally:
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):
+                os.set_blocking(stream.fileno(), True)
+    return sorted(failed)
 
 
 class ConfigChannel:

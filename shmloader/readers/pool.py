@@ -50,7 +50,7 @@ from .reader import (
     ErrorReport,
     ReaderConfig,
 )
-from .channel import STOP_MESSAGE, send_line
+from .channel import STOP_MESSAGE, send_line, send_to_all
 
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.
@@ -123,12 +123,16 @@ class ReaderPool:
     or an interpreter's imports) overlaps the trainer's validation of the files;
     `configure` hands each its JSON configuration once the ring is there.
 
-    Its two waits are attributes, so that tests can shorten them: how long stop() joins
-    readers before killing them, and how long a reader outlives a termination signal
-    sent to it alone (then it exits and is restarted).
+    Its waits are attributes, so that tests can shorten them: how long stop() joins
+    readers before killing them, how long a reader outlives a termination signal sent to
+    it alone (then it exits and is restarted), and how long reconfigure waits for a reader
+    to take a new filler (then it is replaced).
     """
 
     join_timeout_seconds = 2.0
+    # How long reconfigure waits for a reader to take a new filler longer than its pipe holds
+    # (one stopped, or stuck in a step past every timeout) before replacing it.
+    reconfigure_timeout_seconds = 10.0
     signal_grace_seconds = SIGNAL_GRACE_SECONDS
 
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
@@ -180,13 +184,13 @@ class ReaderPool:
         no restart (the budget is untouched)."""
         self._config = dataclasses.replace(self._config, filler=filler)
         self._filler_json = json.dumps(filler.to_dict())
-        for reader_index, process in enumerate(self.processes):
-            if process.poll() is None and reader_index in self._configured:
-                try:
-                    send_line(process.stdin, self._filler_json)
-                    continue
-                except OSError:
-                    pass  # Its pipe broke: it is dying; a fresh one gets the filler.
+        live = [reader_index for reader_index, process in enumerate(self.processes)
+                if process.poll() is None and reader_index in self._configured]
+        failed = send_to_all([self.processes[index].stdin for index in live], self._filler_json,
+                             self.reconfigure_timeout_seconds)
+        replaced = {live[position] for position in failed} | (set(range(len(self.processes))) - set(live))
+        for reader_index in sorted(replaced):  # Dead, stuck or never configured: a fresh one gets the filler.
+            process = self.processes[reader_index]
             if process.poll() is None:
                 process.kill()
             process.wait()
