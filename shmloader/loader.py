@@ -29,9 +29,12 @@ from .session import Diagnostics, Session
 from .transforms.core import resolve as resolve_transform
 
 
-# Read off the loader until the seventeenth session; now off loader.diagnostics.
-_MOVED_TO_DIAGNOSTICS = frozenset({"reader_pids", "remote_actors", "shared_memory_bytes", "ring_name", "held_steps",
-                                   "slot_states"})
+# Read off the loader until the seventeenth session; now where this says.
+_MOVED = {**dict.fromkeys(("reader_pids", "remote_actors", "shared_memory_bytes", "ring_name", "held_steps",
+                           "slot_states"), "diagnostics"),
+          **dict.fromkeys(("plans", "slot", "transform", "mixture", "sources"), "plan"),
+          **dict.fromkeys(("verify", "hold_timeout", "step_timeout", "drop_last", "on_error", "max_reader_restarts",
+                           "remote"), "options")}
 
 
 class ShmDataLoader(cursor_module.LoaderBase):
@@ -132,8 +135,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     def __getattr__(self, name: str):
         """Only for names that are not there: those that moved say where."""
-        if name in _MOVED_TO_DIAGNOSTICS:
-            raise AttributeError(f"ShmDataLoader.{name} is now loader.diagnostics.{name}")
+        if name in _MOVED:
+            raise AttributeError(f"ShmDataLoader.{name} is now loader.{_MOVED[name]}.{name}")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _open(self, plan) -> None:

@@ -296,8 +296,7 @@ class Session:
             raise RuntimeError("a new pass needs a finite loader (epochs=N)")
         data = {key: value for key, value in self.plan.sampler.to_dict().items()
                 if key not in ("transition", "start_position")}
-        self.use(type(self.plan.sampler).from_dict({**data, "seed": seed}))
-        self.options = dataclasses.replace(self.options, seed=seed)
+        self.use(type(self.plan.sampler).from_dict({**data, "seed": seed}))  # options.seed stays the loader's.
         self.seek(0)
 
     def slot_states(self) -> list[tuple[str, int]]:

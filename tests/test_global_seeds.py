@@ -102,7 +102,34 @@ def test_a_dataset_that_never_draws_is_seeded_once_per_batch_and_one_that_draws_
     assert len(calls) == 5 and "random" not in lazy.drawn
     calls.clear()
     lazy.fill(list(range(10)), lambda seeders: _batch(range(10), Draws({3: ["random"]}), range(10), seeders))
-    assert lazy.drawn == {"random"} and len(calls) == 1 + 10  # Once optimistic, then again per sample.
+    assert lazy.drawn == {"random", "torch"} and len(calls) == 1 + 10  # Once optimistic, then again per sample.
+
+
+def test_torch_is_seeded_per_sample_so_that_reading_its_seed_is_exact():
+    """torch.initial_seed() reads without drawing (a comparison of states cannot see it),
+    a common way to seed a sample's own generator."""
+    seeds = list(sample_seeds(11, np.arange(6)))
+    found = []
+    GlobalSeeds().fill(seeds, lambda seeders: found.__setitem__(slice(None), _batch(
+        seeds, _InitialSeed(), range(6), seeders)))
+    expected = [_batch([seed], _InitialSeed(), [0], [_eager])[0] for seed in seeds]
+    assert found == expected and len(set(found)) == 6
+
+
+class _InitialSeed:
+    def __getitem__(self, index: int):
+        return torch.initial_seed()
+
+
+def test_an_error_that_drew_nothing_is_raised_without_seeding_per_sample_from_then_on():
+    lazy = GlobalSeeds()
+
+    def fill_rows(seeders):
+        raise KeyError("bad record")
+
+    with pytest.raises(KeyError):
+        lazy.fill([1, 2, 3], fill_rows)
+    assert lazy.drawn <= {"torch"}
 
 
 class LateTorch:

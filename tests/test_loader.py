@@ -485,3 +485,8 @@ def test_diagnostics_moved_off_the_loader_say_where(dataset):
         with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
             loader.nonsense
         assert not hasattr(loader, "ring_name")
+        with pytest.raises(AttributeError, match=r"loader\.plan\.slot"):
+            loader.slot
+        with pytest.raises(AttributeError, match=r"loader\.options\.verify"):
+            loader.verify
+        assert loader.plan.slot.batch_size == 4 and loader.options.verify is False

@@ -1,19 +1,23 @@
-"""Python's, numpy's and torch's global generators, seeded before each sample of a dataset,
-but only those the dataset draws from.
+"""Python's, numpy's and torch's global generators, seeded before each sample of a dataset;
+Python's and numpy's only once the dataset is seen drawing from them.
 
 Seeding all three costs about 7 µs a sample (Python's `random.seed` alone is ~3.6 µs: its
-init_by_array), more than the rest of a small sample's path. A generator the dataset never
-draws from need not be seeded for each sample: its state cannot change a sample. So a
-batch is filled optimistically while a generator is not yet known to be drawn from: seeded
-once, from the first sample's seed, and its state compared after the batch with the state
-it had right after that seeding. Unchanged, no sample drew from it and the batch is exact;
-changed (or the batch raised), the generator is known drawn from for the rest of this
-process, and the batch is filled again with it seeded before every sample. A dataset that
-draws costs one batch twice per reader; one that never does pays no seeding per sample.
+init_by_array; numpy's 1.5), more than the rest of a small sample's path. A generator the
+dataset never draws from need not be seeded for each sample: its state cannot change a
+sample. So a batch is filled optimistically while Python's or numpy's generator is not yet
+known to be drawn from: seeded once, from the first sample's seed, and its state compared
+after the batch with the state it had right after that seeding. Unchanged, no sample drew
+from it and the batch is exact; changed, it is known drawn from for the rest of this
+process, and the batch is filled again with it seeded before every sample. A batch that
+raises is judged the same way: if no unknown generator changed, its error is the exact
+one. A dataset that draws costs one batch twice per reader; one that never does pays no
+seeding per sample. Torch's generator is seeded before every sample whenever torch is
+imported (about 1 µs): `torch.initial_seed()` reads the seed without drawing, a common
+way to seed a sample's own generator, which a comparison of states cannot see.
 
-What this cannot see: a `__getitem__` that draws and then puts the generator's state back
-(random.setstate, torch.random.fork_rng without seeding inside) looks like one that did not
-draw, and its draws come from the first sample's seed.
+What this cannot see: a `__getitem__` that reads Python's or numpy's global state without
+drawing (random.getstate(), np.random.get_state()), or draws and then puts the state back
+(random.setstate): those reads and draws see the batch's first seed.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class GlobalSeeds:
         """Calls fill_rows(seeders), which must seed with each of `seeders` before each
         sample (the i-th sample with seeds[i]); again with every generator among them if a
         generator not yet known drawn from was drawn from (see the module's docstring)."""
+        if "torch" in sys.modules:
+            self.drawn.add("torch")  # Seeded before every sample: see the module's docstring.
         unknown = [name for name in self.present() if name not in self.drawn]
         if not unknown or not seeds:
             fill_rows(self._seeders(self.drawn))
@@ -82,17 +88,21 @@ class GlobalSeeds:
         try:
             fill_rows(self._seeders(self.drawn))
         except Exception:
-            # What raised may have drawn from a generator left unseeded: the exact pass says.
-            self.drawn.update(unknown)
+            if not self._learn(before):
+                raise  # No unknown generator was drawn from: the error is the exact pass's.
         else:
-            # Generators that appeared meanwhile (torch imported by __getitem__) are judged
-            # drawn from: there is no state of theirs from before to compare.
-            drawn = {name for name in self.present() if name not in self.drawn and
-                     (name not in before or _GENERATORS[name][1]() != before[name])}
-            if not drawn:
+            if not self._learn(before):
                 return
-            self.drawn.update(drawn)
         fill_rows(self._seeders(self.drawn))
+
+    def _learn(self, before: dict) -> bool:
+        """Whether a generator of `before` (states right after seeding) was drawn from since,
+        or one appeared meanwhile (torch imported by __getitem__: no state from before to
+        compare); such generators are known drawn from from now on."""
+        drawn = {name for name in self.present() if name not in self.drawn and
+                 (name not in before or _GENERATORS[name][1]() != before[name])}
+        self.drawn.update(drawn)
+        return bool(drawn)
 
     @staticmethod
     def _seeders(names) -> list:
