@@ -192,16 +192,20 @@ def child_shmloader(args) -> dict:
                        cache_dir=cache, cache_bytes=(args.cache_mib << 20) or (args.cache_gib << 30),
                        **options) as loader:
         rows = wrong = 0
+        first_batch_s = None
         for batch in loader:
             wrong += _check(np.asarray(batch.indices), np.asarray(batch["x"]))
             rows += len(batch.indices)
+            if first_batch_s is None:
+                first_batch_s = time.perf_counter() - started
             if time.perf_counter() - started > args.seconds:
                 break
         seconds = time.perf_counter() - started
         cpu_end = cpu_mark()
         cache_stats = loader.stats()["cache"]
     shutil.rmtree(cache, ignore_errors=True)
-    return {"rows": rows, "seconds": seconds, "wrong": wrong, "requests": cache_stats["requests"],
+    return {"rows": rows, "seconds": seconds, "first_batch_s": first_batch_s, "wrong": wrong,
+            "requests": cache_stats["requests"],
             "bytes": cache_stats["bytes"], "retries": cache_stats["retries"], "cpu_start": cpu_start,
             "cpu_end": cpu_end}
 

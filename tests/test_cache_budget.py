@@ -12,6 +12,8 @@ import time
 import warnings
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 
 pytest.importorskip("moto.server")
@@ -129,3 +131,17 @@ def test_a_cache_that_holds_the_data_is_not_blamed_for_a_slow_step(rows, tmp_pat
     # on a loaded machine: what is checked is that none blames the cache.
     assert not [message for message in stalls if "node cache" in message], stalls
     assert all("SIGSTOP" in message for message in stalls)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 22), st.integers(0, 3 * CACHE_PAGE_BYTES)), max_size=300))
+def test_the_read_ahead_counts_each_page_under_its_ranges_once(ranges):
+    """What StepAhead counts asked for: the distinct pages under a step's ranges (rows of a
+    few KiB share pages; counting a page per row made it ask for a fraction of AHEAD_BYTES)."""
+    from shmloader.storage.readahead import _page_bytes
+
+    offsets = np.array([offset for offset, _ in ranges], np.int64)
+    sizes = np.array([size for _, size in ranges], np.int64)
+    pages = {page for offset, size in ranges if size
+             for page in range(offset // CACHE_PAGE_BYTES, (offset + size - 1) // CACHE_PAGE_BYTES + 1)}
+    assert _page_bytes(offsets, sizes) == len(pages) * CACHE_PAGE_BYTES

@@ -624,3 +624,41 @@ def test_loaders_of_one_process_keep_their_own_fetch_units(big, tmp_path):
         next(iter(ordered)), next(iter(shuffled))
         units = [loader._resources.filler.fields[0].part(0).unit_pages for loader in (ordered, shuffled)]
     assert units[0] > 1 and units[1] == 1  # Rows in order take units; rows at random past the budget, pages.
+
+
+def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_together(big, tmp_path):
+    """prefetch returns once its requests are made: the read-ahead asks step by step, and
+    waiting for each step's request before the next left one request per reader in flight
+    and the link idle between them. Claims go when the requests end, pages are stamped."""
+    import threading
+    import time
+
+    from shmloader.remote.pages import REQUEST_BYTES
+
+    unit = REQUEST_BYTES // CACHE_PAGE_BYTES
+    with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path, batch_size=16, readers=0, mode="sequential") as loader:
+        remote = loader._resources.filler.fields[0].part(0).remote  # No step filled yet: nothing asked ahead.
+        real_get, gate, started = remote.client.get, threading.Event(), []
+
+        def held_get(url, etag, start, end, size=None):
+            started.append(start)
+            assert gate.wait(30)
+            return real_get(url, etag, start, end, size)
+
+        remote.client.get = held_get
+        first, second = 4 * CACHE_PAGE_BYTES, remote.size - 1  # In both units of the object, not fetched.
+        for offset in (first, second):
+            remote.prefetch(np.array([offset]), np.array([1]), unit)
+        deadline = time.monotonic() + 10
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == 2  # Both in flight, the first not answered.
+        gate.set()
+        pages = [first // CACHE_PAGE_BYTES, second // CACHE_PAGE_BYTES]
+        while not remote.stamps[pages].all() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert remote.stamps[pages].all() and not remote._fetching.any()
+        remote.client.get = real_get
+        batches = [batch["x"].copy() for _, batch in zip(range(3), loader)]
+    local = np.load(big[0])
+    assert all(np.array_equal(batch, local[16 * step:16 * (step + 1)]) for step, batch in enumerate(batches))

@@ -354,6 +354,10 @@ class CachedObject:
         self._local = threading.local()
         self._descriptors: list[int] = []
         self._descriptors_lock = threading.Lock()
+        # The read-ahead's requests in flight (prefetch): their pages, and a slot each.
+        self._fetching = np.zeros(self.page_count, dtype=bool)
+        self._fetching_lock = threading.Lock()
+        self._ahead_slots = threading.BoundedSemaphore(IN_FLIGHT)
 
     def current(self) -> bool:
         try:
@@ -517,46 +521,70 @@ class CachedObject:
 
     def prefetch(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:
         """Fetches the missing pages under the ranges, in the ranges' order (the read-ahead
-        gives them in the order they will be needed), IN_FLIGHT requests at a time, each run
-        claimed just before its request: pages a fill needs meanwhile and nobody claimed
-        yet are the fill's to fetch at once. Pages others fetch are skipped, not waited for."""
-        pending: collections.deque = collections.deque()
+        gives them in the order they will be needed), each run claimed just before its
+        request: pages a fill needs meanwhile and nobody claimed yet are the fill's to fetch
+        at once. Pages others fetch are skipped, not waited for. Returns once its requests
+        are made, waiting only for a free one of the IN_FLIGHT slots this object's read-ahead
+        shares across calls; each request lets go of its claim and slot when it ends. (Waiting
+        for a call's requests before the next call left one request per reader in flight, and
+        the link idle between them: the read-ahead asks step by step.)"""
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
         missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
+        with self._fetching_lock:  # Pages of this process's requests in flight are asked for already.
+            missing = missing[~self._fetching[missing]] if len(missing) else missing
         descriptor = self._fd("ahead")
-        try:
-            for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
-                while len(pending) >= IN_FLIGHT:
-                    self._finish(pending.popleft(), descriptor)
+        for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
+            self._ahead_slots.acquire()
+            made = False
+            try:
+                with self._fetching_lock:  # Checked before the lock: this thread's own claim would not stop it.
+                    if self._fetching[run_first:run_end].any():
+                        continue
                 if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
                     continue  # Being fetched (or evicted) by another: left to it.
                 if (self.stamps[run_first:run_end] != 0).all():
                     lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
                     continue
-                size = self._missing_bytes(run_first, run_end)
+                with self._fetching_lock:
+                    self._fetching[run_first:run_end] = True
                 try:
+                    size = self._missing_bytes(run_first, run_end)
                     room = self.cache.reserve(size, optional=True)
                 except BaseException:
-                    lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                    self._let_go(descriptor, run_first, run_end)
                     raise
                 if not room:  # The budget is full of pages in use: reading further ahead would evict them.
-                    lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
+                    self._let_go(descriptor, run_first, run_end)
                     break
-                future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end, size, True)
-                pending.append((future, run_first, run_end))
-        finally:
-            while pending:
-                self._finish(pending.popleft(), descriptor)
+                try:
+                    future = self.cache.pool("ahead").submit(self._fetch_run, run_first, run_end, size, True)
+                except BaseException:  # The pool is shut down (the cache closing): nothing fetched.
+                    self.cache.settle(size, False)
+                    self._let_go(descriptor, run_first, run_end)
+                    raise
+                made = True
+                future.add_done_callback(lambda _, first=run_first, end=run_end: self._ahead_done(descriptor, first, end))
+            finally:
+                if not made:
+                    self._ahead_slots.release()
 
-    def _finish(self, request, descriptor: int) -> None:
-        """Waits for a read-ahead request, then lets go of its claim."""
-        future, first, end = request
+    def _let_go(self, descriptor: int, first: int, end: int) -> None:
+        """Ends a read-ahead claim on pages [first, end): marked fetched by nobody here, and
+        unlocked, unless the object was closed (its descriptors, and their locks, are gone)."""
+        with self._fetching_lock:
+            self._fetching[first:end] = False
+        with self._descriptors_lock:
+            if self.stamps is not None:
+                with contextlib.suppress(OSError):
+                    lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+
+    def _ahead_done(self, descriptor: int, first: int, end: int) -> None:
+        """A read-ahead request ended (its failure is the fill's to report, when it needs the
+        pages): its claim and its slot go."""
         try:
-            future.result()
-        except Exception:  # noqa: BLE001 - the fill that needs the pages reports it.
-            pass
+            self._let_go(descriptor, first, end)
         finally:
-            lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+            self._ahead_slots.release()
 
     def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody
