@@ -490,9 +490,12 @@ def main() -> None:
                f"{args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
                f"at most {args.seconds:g} s each")
     print(f"\n{machine_line()}; {setting}\n")
-    header = ["run", "rows/s", "x link (raw rows)", "CPU s / M rows", "trainer CPU s / M rows", "wrong rows"]
+    header = ["run", "rows/s", "x link (raw rows)", "first batch s", "CPU s / M rows", "trainer CPU s / M rows",
+              "wrong rows"]
     rows = [[label, f"{result['rows_per_s']:,.0f}" if "failed" not in result else f"failed: {result['failed']}",
-             f"{result['rows_per_s'] / link:.2f}", per_million(result.get("cpu_s", 0.0), result.get("rows", 0)),
+             f"{result['rows_per_s'] / link:.2f}",
+             "-" if result.get("first_batch_s") is None else f"{result['first_batch_s']:.2f}",
+             per_million(result.get("cpu_s", 0.0), result.get("rows", 0)),
              per_million(result.get("trainer_cpu_s", 0.0), result.get("rows", 0)), result["wrong"]]
             for label, result in results]
     print(table(rows, header))
