@@ -154,7 +154,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         builds one in each reader from `dataset_args` (for a dataset that cannot be pickled).
 
         Readers call dataset[index] for the sampler's indices, with Python's, numpy's and
-        torch's global generators seeded from (seed, stream position), and write each
+        torch's global generators seeded from (seed, stream position) (the first two once
+        the dataset is seen drawing from them: fill/global_seeds.py), and write each
         sample's leaves straight into the slot: batch["image"], batch["label"] for dict
         samples, batch["0"], batch["1"] for tuples, batch["data"] for a bare array
         (plan/dataset.py; rebuild_batch gives the samples' structure back). `outputs`
