@@ -354,10 +354,9 @@ class CachedObject:
         self._local = threading.local()
         self._descriptors: list[int] = []
         self._descriptors_lock = threading.Lock()
-        # The read-ahead's requests in flight (prefetch): their pages, and a slot each.
+        # The pages of this process's read-ahead requests in flight (prefetch).
         self._fetching = np.zeros(self.page_count, dtype=bool)
         self._fetching_lock = threading.Lock()
-        self._ahead_slots = threading.BoundedSemaphore(IN_FLIGHT)
 
     def current(self) -> bool:
         try:
@@ -366,11 +365,15 @@ class CachedObject:
             return False
 
     def _fd(self, purpose: str) -> int:
-        """This thread's description of the pages file for `purpose` ("pin", "ahead")."""
+        """This thread's description of the pages file for `purpose` ("pin", "ahead");
+        StorageError once the object is closed."""
         descriptor = getattr(self._local, purpose, None)
         if descriptor is None:
             descriptor = open_private(self.path + PAGES_SUFFIX, os.O_RDWR)
             with self._descriptors_lock:
+                if self.stamps is None:
+                    os.close(descriptor)
+                    raise StorageError(f"{self.url}: its loader is closed")
                 self._descriptors.append(descriptor)
             setattr(self._local, purpose, descriptor)
         return descriptor
@@ -523,30 +526,38 @@ class CachedObject:
         """Fetches the missing pages under the ranges, in the ranges' order (the read-ahead
         gives them in the order they will be needed), each run claimed just before its
         request: pages a fill needs meanwhile and nobody claimed yet are the fill's to fetch
-        at once. Pages others fetch are skipped, not waited for. Returns once its requests
-        are made, waiting only for a free one of the IN_FLIGHT slots this object's read-ahead
-        shares across calls; each request lets go of its claim and slot when it ends. (Waiting
-        for a call's requests before the next call left one request per reader in flight, and
-        the link idle between them: the read-ahead asks step by step.)"""
+        at once. Pages others fetch are skipped, not waited for.
+        Returns once its requests
+        are made, each claimed only when one of the node cache's IN_FLIGHT read-ahead
+        threads is free for it (so that no claim waits in the pool's queue, where a fill
+        would wait behind it); each request lets go of its claim and thread when it ends.
+        (Waiting for a call's requests before the next call left one request per reader in
+        flight, and the link idle between them: the read-ahead asks step by step.)"""
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
         missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
         with self._fetching_lock:  # Pages of this process's requests in flight are asked for already.
             missing = missing[~self._fetching[missing]] if len(missing) else missing
         descriptor = self._fd("ahead")
+        slots = self.cache.ahead_slots
         for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
-            self._ahead_slots.acquire()
+            slots.acquire()
             made = False
             try:
-                with self._fetching_lock:  # Checked before the lock: this thread's own claim would not stop it.
-                    if self._fetching[run_first:run_end].any():
+                # Under the lock close() takes: a closed object's descriptor number may name
+                # another file by now, and a claim taken through it would never go.
+                with self._descriptors_lock:
+                    if self.stamps is None:
+                        return
+                    with self._fetching_lock:  # Checked before the lock: this thread's own claim would not stop it.
+                        if self._fetching[run_first:run_end].any():
+                            continue
+                    if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
+                        continue  # Being fetched (or evicted) by another: left to it.
+                    if (self.stamps[run_first:run_end] != 0).all():
+                        lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
                         continue
-                if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + run_first, run_end - run_first, False):
-                    continue  # Being fetched (or evicted) by another: left to it.
-                if (self.stamps[run_first:run_end] != 0).all():
-                    lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + run_first, run_end - run_first, False)
-                    continue
-                with self._fetching_lock:
-                    self._fetching[run_first:run_end] = True
+                    with self._fetching_lock:
+                        self._fetching[run_first:run_end] = True
                 try:
                     size = self._missing_bytes(run_first, run_end)
                     room = self.cache.reserve(size, optional=True)
@@ -566,25 +577,27 @@ class CachedObject:
                 future.add_done_callback(lambda _, first=run_first, end=run_end: self._ahead_done(descriptor, first, end))
             finally:
                 if not made:
-                    self._ahead_slots.release()
+                    slots.release()
 
     def _let_go(self, descriptor: int, first: int, end: int) -> None:
-        """Ends a read-ahead claim on pages [first, end): marked fetched by nobody here, and
-        unlocked, unless the object was closed (its descriptors, and their locks, are gone)."""
-        with self._fetching_lock:
-            self._fetching[first:end] = False
+        """Ends a read-ahead claim on pages [first, end): unlocked (unless the object was
+        closed: its descriptors, and their locks, are gone), then marked fetched by nobody
+        here. In that order: marked first, the next prefetch of this thread could claim the
+        pages again through the same description, and this unlock would drop its claim."""
         with self._descriptors_lock:
             if self.stamps is not None:
                 with contextlib.suppress(OSError):
                     lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)
+        with self._fetching_lock:
+            self._fetching[first:end] = False
 
     def _ahead_done(self, descriptor: int, first: int, end: int) -> None:
         """A read-ahead request ended (its failure is the fill's to report, when it needs the
-        pages): its claim and its slot go."""
+        pages): its claim and its thread go."""
         try:
             self._let_go(descriptor, first, end)
         finally:
-            self._ahead_slots.release()
+            self.cache.ahead_slots.release()
 
     def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody

@@ -85,6 +85,10 @@ class NodeCache:
         self.objects_lock = threading.Lock()
         self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
         self._pool_lock = threading.Lock()
+        # The read-ahead's requests in flight, one per thread of its pool: a request is claimed
+        # only when a thread is free for it, so a fill never waits on a claim that sits in the
+        # pool's queue behind other objects' read-ahead (cache.CachedObject.prefetch).
+        self.ahead_slots = threading.BoundedSemaphore(IN_FLIGHT)
 
     # The ledger.
 
