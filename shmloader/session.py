@@ -33,7 +33,7 @@ from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
-from .readers.reader import ReaderConfig
+from .readers.channel import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, cursor_module
 from .ring.layout import POLL_INTERVAL_SECONDS, RingLayout, SlotState

@@ -1,4 +1,5 @@
-"""The trainer's configuration pipe into a reader (the reader's stdin), both ends.
+"""The trainer's configuration pipe into a reader (the reader's stdin), both ends, and what
+crosses it (ReaderConfig).
 
 The trainer writes one line of JSON per message and keeps its end open: the reader's
 ReaderConfig when it starts, then a new filler whenever the loader fills with another
@@ -17,14 +18,67 @@ the reader drains it; an idle reader looks at the pipe every poll interval.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import select
 import time
+
+from ..fill.filler import FillerSpec
+from ..ring.layout import RingLayout, RingNames
 
 # What a trainer that gives up before configuring its readers sends them instead of a
 # configuration: they exit at once. Plain EOF means the trainer may have died (reader.main).
 STOP_MESSAGE = b"stop"
 _CHUNK = 1 << 20
+
+# How long a reader outlives a termination signal while its trainer lives on (by default:
+# ReaderConfig.signal_grace_seconds, which ReaderPool.signal_grace_seconds sets).
+SIGNAL_GRACE_SECONDS = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderConfig:
+    """Everything a reader is told, as the trainer sends it (JSON on the reader's stdin):
+    its ring and what its step filler is built from."""
+
+    reader_index: int
+    trainer_pid: int
+    names: RingNames
+    layout: RingLayout
+    filler: FillerSpec
+    signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
+    # The loader's local readers: they share this machine's page cache, and the read-ahead's
+    # dropping of finished blocks among them (storage/readahead.ReadAhead's `share`).
+    local_readers: int = 1
+
+    def to_json(self, filler_json: str | None = None) -> str:
+        """The JSON a reader reads; `filler_json` is json.dumps(self.filler.to_dict()) when
+        the caller has it already (the same for every reader of a loader, and large for a
+        field of many files)."""
+        head = json.dumps({
+            "reader_index": self.reader_index,
+            "trainer_pid": self.trainer_pid,
+            "names": self.names.to_dict(),
+            "layout": self.layout.to_dict(),
+            "signal_grace_seconds": self.signal_grace_seconds,
+            "local_readers": self.local_readers,
+        })
+        filler = json.dumps(self.filler.to_dict()) if filler_json is None else filler_json
+        return f'{head[:-1]}, "filler": {filler}}}'
+
+    @classmethod
+    def from_json(cls, text: str) -> ReaderConfig:
+        data = json.loads(text)
+        return cls(
+            reader_index=data["reader_index"],
+            trainer_pid=data["trainer_pid"],
+            names=RingNames.from_dict(data["names"]),
+            layout=RingLayout.from_dict(data["layout"]),
+            filler=FillerSpec.from_dict(data["filler"]),
+            signal_grace_seconds=float(data["signal_grace_seconds"]),
+            local_readers=int(data["local_readers"]),
+        )
 
 
 def send_line(stream, text: str) -> None:

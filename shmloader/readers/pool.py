@@ -43,14 +43,8 @@ from ..errors import ReaderError, SlotsExhaustedError, reader_error_type
 from ..readers import forkserver
 from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from ..ring.segment import Ring
-from .reader import (
-    EXIT_REPORTED_ERROR,
-    EXIT_SERVER_GONE,
-    SIGNAL_GRACE_SECONDS,
-    ErrorReport,
-    ReaderConfig,
-)
-from .channel import STOP_MESSAGE, send_line, send_to_all
+from .channel import SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ReaderConfig, send_line, send_to_all
+from .reader import EXIT_REPORTED_ERROR, EXIT_SERVER_GONE, ErrorReport
 
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
 # about running a module of an imported package.

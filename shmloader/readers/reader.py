@@ -1,10 +1,11 @@
 """A reader process: attaches the ring, opens its own field files, and fills requested slots.
 
 Forked by the trainer's fork server (forkserver.py), or started alone as `python -c
-"...reader.main..."` (pool.py), it reads a ReaderConfig as JSON on stdin: only names,
-paths and numbers cross the process boundary, each part serialised by its own
-to_dict/from_dict. It exits when the loader sets the
-ring's stop flag, when its trainer is gone, or after reporting an error.
+"...reader.main..."` (pool.py), it reads a ReaderConfig (channel.py) as JSON on the pipe
+that is its stdin, which it then moves off fd 0, and takes new fillers from it later: only
+names, paths and numbers cross the process boundary, each part serialised by its own
+to_dict/from_dict. It exits when the loader sets the ring's stop flag, when its trainer is
+gone, or after reporting an error.
 """
 
 from __future__ import annotations
@@ -22,18 +23,15 @@ import posix_ipc
 
 from ..errors import TransformError
 from ..fill.filler import FillerSpec
-from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingLayout, RingNames
+from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNames
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
-from .channel import STOP_MESSAGE, ConfigChannel
+from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig
 from .filling import fill_and_publish
 
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
-# How long a reader outlives a termination signal while its trainer lives on (by default:
-# ReaderConfig.signal_grace_seconds, which ReaderPool.signal_grace_seconds sets).
-SIGNAL_GRACE_SECONDS = 3.0
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # A process forked inside a transform that returned into the reader loop exits with this.
@@ -67,50 +65,6 @@ class _FaultInjection:
         if self.kind == "raise":
             raise RuntimeError(f"injected fault at step {step}: " + "x" * (2 * READER_ERROR_BYTES_MAX))
         os._exit(_FAULT_EXIT_CODE)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReaderConfig:
-    """Everything a reader is told, as the trainer sends it (JSON on the reader's stdin):
-    its ring and what its step filler is built from."""
-
-    reader_index: int
-    trainer_pid: int
-    names: RingNames
-    layout: RingLayout
-    filler: FillerSpec
-    signal_grace_seconds: float = SIGNAL_GRACE_SECONDS
-    # The loader's local readers: they share this machine's page cache, and the read-ahead's
-    # dropping of finished blocks among them (storage/readahead.ReadAhead's `share`).
-    local_readers: int = 1
-
-    def to_json(self, filler_json: str | None = None) -> str:
-        """The JSON a reader reads; `filler_json` is json.dumps(self.filler.to_dict()) when
-        the caller has it already (the same for every reader of a loader, and large for a
-        field of many files)."""
-        head = json.dumps({
-            "reader_index": self.reader_index,
-            "trainer_pid": self.trainer_pid,
-            "names": self.names.to_dict(),
-            "layout": self.layout.to_dict(),
-            "signal_grace_seconds": self.signal_grace_seconds,
-            "local_readers": self.local_readers,
-        })
-        filler = json.dumps(self.filler.to_dict()) if filler_json is None else filler_json
-        return f'{head[:-1]}, "filler": {filler}}}'
-
-    @classmethod
-    def from_json(cls, text: str) -> ReaderConfig:
-        data = json.loads(text)
-        return cls(
-            reader_index=data["reader_index"],
-            trainer_pid=data["trainer_pid"],
-            names=RingNames.from_dict(data["names"]),
-            layout=RingLayout.from_dict(data["layout"]),
-            filler=FillerSpec.from_dict(data["filler"]),
-            signal_grace_seconds=float(data["signal_grace_seconds"]),
-            local_readers=int(data["local_readers"]),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,7 +344,7 @@ def main(argv: list[str]) -> int:
     # the whole cgroup, pkill; readers have their own process group, so the trainer's
     # group signals miss them) must not kill the readers with their trainer: then nobody
     # would unlink the ring. A reader outlives such a signal by at most its signal grace
-    # (SIGNAL_GRACE_SECONDS): it sees its trainer gone and cleans up, or, if the signal
+    # (channel.SIGNAL_GRACE_SECONDS): it sees its trainer gone and cleans up, or, if the signal
     # was for it alone, exits and is restarted.
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(number, _termination.note)
