@@ -58,23 +58,20 @@ def _refuse(name: str, value, why: str) -> None:
         raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
-def _as_collated(structure: dict, packed: frozenset = frozenset(), padded: frozenset = frozenset()) -> dict:
+def _as_collated(structure: dict, beside: dict[str, str]) -> dict:
     """The samples' structure as default_collate gives it back: a tuple becomes a list, a
-    namedtuple stays one; a `packed` leaf becomes {"values", "offsets"}, a `padded` one
-    (Ragged) {"values", "lengths"}."""
+    namedtuple stays one; a leaf in `beside` (name -> "offsets" for PackedRagged, "lengths"
+    for Ragged) becomes {"values", that key}."""
     if "dict" in structure:
-        return {"dict": [[key, _as_collated(item, packed, padded)] for key, item in structure["dict"]]}
+        return {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
     if "named" in structure:
-        return {"tuple": [_as_collated(item, packed, padded) for item in structure["tuple"]],
-                "named": structure["named"]}
+        return {"tuple": [_as_collated(item, beside) for item in structure["tuple"]], "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
-            return {"list": [_as_collated(item, packed, padded) for item in structure[kind]]}
+            return {"list": [_as_collated(item, beside) for item in structure[kind]]}
     name = structure["leaf"]
-    if name in packed:
-        return {"dict": [["values", {"leaf": name}], ["offsets", {"leaf": f"{name}.offsets"}]]}
-    if name in padded:
-        return {"dict": [["values", {"leaf": name}], ["lengths", {"leaf": f"{name}.lengths"}]]}
+    if name in beside:
+        return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure
 
 
@@ -127,9 +124,9 @@ class DataLoader:
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
             pin_memory=bool(pin_memory))
         spec = self._loader._dataset.spec
-        packed = frozenset(output.name for output in spec.outputs if output.max_items is not None)
-        padded = frozenset(output.name for output in spec.outputs if output.max_length is not None)
-        self._structure = _as_collated(spec.structure, packed, padded)
+        beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
+                  if output.max_items is not None or output.max_length is not None}
+        self._structure = _as_collated(spec.structure, beside)
         self._started = False  # Whether the current epoch's pass has been iterated.
 
     def _epoch_seed(self, epoch: int) -> int:

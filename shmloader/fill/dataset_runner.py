@@ -4,8 +4,8 @@ Each reader gets the dataset once (unpickled from the trainer's memory file, or 
 its import path), then for each row of a step calls dataset[index] with Python's, numpy's
 and torch's global generators seeded from (seed, the row's stream position), so that an
 augmentation drawn from them gives the same sample for any reader count, shard count and
-on resume (those it draws from: global_seeds.py), and writes each leaf straight into its slot region: nothing is pickled per
-sample.
+on resume (Python's and numpy's once it draws from them: global_seeds.py), and writes each
+leaf straight into its slot region: nothing is pickled per sample.
 """
 
 from __future__ import annotations

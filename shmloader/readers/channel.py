@@ -11,8 +11,9 @@ per epoch (an interpreter importing torch and the dataset again).
 The order that makes it exact: the trainer writes the new filler only once every slot is
 taken back (no reader is filling), and requests slots only after the whole line is written;
 a reader looks at the pipe after each claim, so the first step it fills after the change is
-filled with the new filler. A line larger than the pipe's buffer blocks the trainer until
-the reader drains it; an idle reader looks at the pipe every poll interval.
+filled with the new filler. A line larger than the pipe's buffer waits for the reader to
+drain it (an idle reader looks at the pipe every poll interval); a reader that does not
+within ReaderPool.reconfigure_timeout_seconds (stopped, stuck) is replaced.
 """
 
 from __future__ import annotations
@@ -85,17 +86,16 @@ def send_line(stream, text: str) -> None:
     """Writes `text` as one message on a reader's pipe (`stream`: its stdin, ours to write),
     waiting as long as the reader takes to read it; raises BrokenPipeError when the reader
     is gone."""
-    assert "\n" not in text, "a message is one line (json.dumps writes none)"
-    os.set_blocking(stream.fileno(), True)
-    stream.write(text.encode() + b"\n")
-    stream.flush()
+    if send_to_all([stream], text, None):
+        raise BrokenPipeError(f"the reader's pipe {stream.fileno()} is closed")
 
 
-def send_to_all(streams: list, text: str, timeout_seconds: float) -> list[int]:
+def send_to_all(streams: list, text: str, timeout_seconds: float | None) -> list[int]:
     """Writes `text` as one message on every pipe of `streams` at once; the positions of
-    those not written whole within `timeout_seconds` (a reader stopped, or stuck where it
-    does not look at its pipe, while the line is longer than the pipe holds) or whose
-    reader is gone. Their readers must be replaced: a part of a line is on their pipe."""
+    those not written whole within `timeout_seconds` (None: no limit) (a reader stopped, or
+    stuck where it does not look at its pipe, while the line is longer than the pipe holds)
+    or whose reader is gone. Their readers must be replaced: a part of a line is on their
+    pipe."""
     assert "\n" not in text, "a message is one line (json.dumps writes none)"
     data = text.encode() + b"\n"
     written = {}
@@ -107,7 +107,7 @@ def send_to_all(streams: list, text: str, timeout_seconds: float) -> list[int]:
     for descriptor in written:
         poller.register(descriptor, select.POLLOUT)
     failed = []
-    deadline = time.monotonic() + timeout_seconds
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     try:
         while written:
             for descriptor, (position, done) in list(written.items()):
@@ -123,12 +123,12 @@ def send_to_all(streams: list, text: str, timeout_seconds: float) -> list[int]:
                     poller.unregister(descriptor)
                 else:
                     written[descriptor] = (position, done)
-            remaining = deadline - time.monotonic()
-            if written and remaining <= 0:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if written and remaining is not None and remaining <= 0:
                 failed += [position for position, _ in written.values()]
                 break
             if written:
-                poller.poll(max(1, int(remaining * 1000)))
+                poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
     finally:
         for stream in streams:
             with contextlib.suppress(OSError, ValueError):
