@@ -24,7 +24,7 @@ from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
 from ..ring.slot_layout import SlotLayout
-from ..storage.readahead import PENDING_MAX, Advisor, ReadAhead, StepAhead
+from ..storage.readahead import PENDING_MAX, Advisor, InOrder, ReadAhead, StepAhead
 from ..transforms.core import TransformRunner, TransformSpec
 from .field_readers import FieldReader, SlotOutput
 from .dataset_runner import DatasetRunner
@@ -223,12 +223,16 @@ class StepFiller:
         # mixture, all through one advisor thread.
         views = sampler.window_views() if read_ahead else []
         stored_bytes = sum(plan.stored_bytes for plan in self.plans)
+        self.remote = any(reader.remote for reader in self.field_readers)
+        if read_ahead and not views and self.plans and not self.remote and _in_order(sampler):
+            # Rows in order get the same read-ahead in blocks of steps (a store's own read-ahead,
+            # StepAhead, fetches the next steps' pages).
+            views = [InOrder(sampler, stored_bytes)]
         self.advisor = Advisor(PENDING_MAX * len(views)) if views else None
         self.read_ahead = [ReadAhead(view, self.field_readers, stored_bytes, getattr(view, "source", 0), self.advisor,
                                      share) for view in views]
         # Fields from a store: each fill pins its pages (fetching what is missing), and
         # without windows to read ahead, the next steps' pages are fetched ahead of them.
-        self.remote = any(reader.remote for reader in self.field_readers)
         for reader in self.field_readers:  # Whether all the data fits the node cache decides what a fill fetches.
             reader.stored_total = stored_bytes
         self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
@@ -433,3 +437,8 @@ class StepFiller:
             field.close()
         if self.inputs is not None:
             self.inputs.close()
+
+
+def _in_order(sampler) -> bool:
+    """Whether the sampler reads rows in order (sequential mode), which InOrder reads ahead."""
+    return getattr(sampler, "mode", None) == "sequential"

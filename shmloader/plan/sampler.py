@@ -373,6 +373,11 @@ class Sampler(StreamShape):
         """The block ids (row // block_rows) at places first .. first + count of `epoch`."""
         return read_place_blocks(lib.shm_sampler_place_blocks, self._config, epoch, first, count)
 
+    def row_runs(self, block: int) -> list[tuple[int, int]]:
+        """(first row, rows) of block `block`: what the read-ahead reads for it."""
+        first = block * self.block_rows
+        return [(first, min(self.block_rows, self.length - first))]
+
     def window_views(self) -> list[Sampler]:
         """What reads ahead for this sampler's windows (storage/readahead.py): itself, or nothing
         without a shuffle window. A mixture gives one per source."""

@@ -231,5 +231,10 @@ class SourceWindows:
         return read_places(position // self.epoch_length, lib.shm_mixture_places, self.mixture._config, self.source,
                            position)
 
+    def row_runs(self, block: int) -> list[tuple[int, int]]:
+        """(first row, rows) of the source's block `block` (Sampler.row_runs)."""
+        first = block * self.block_rows
+        return [(first, min(self.block_rows, self.length - first))]
+
     def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
         return read_place_blocks(lib.shm_mixture_place_blocks, self.mixture._config, self.source, epoch, first, count)

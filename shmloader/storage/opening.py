@@ -52,7 +52,9 @@ def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = Fa
         of a read-around is pages already read), and asynchronously again before the
         pages read ahead run out; the pages are reclaimed first under memory pressure
         (data larger than memory is read once per pass). Cold, it served more rows than
-        the read-around in most alternated rounds (bench/RESULTS.md, sixteenth session);
+        the read-around in most alternated rounds (bench/RESULTS.md, sixteenth session).
+        Sequential mode also reads ahead itself (readahead.InOrder): the kernel's read-ahead
+        of a fault serves where that is behind;
       - "blocks" (the kernel's default read-around): the block-local shuffle, which also
         reads ahead itself (readahead.py)."""
     if spec.row_bytes == 0 or spec.row_count == 0:

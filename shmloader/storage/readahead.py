@@ -1,6 +1,7 @@
-"""Reading ahead for the block-local shuffle: as a reader moves through an epoch it asks the
-kernel for the blocks that open next and lets go of those whose rows are all dealt, so the
-disk streams whole blocks while the rows being served come from the page cache.
+"""Reading ahead for the block-local shuffle and for passes in order (sequential mode, seen
+as blocks of steps by InOrder): as a reader moves through an epoch it asks the kernel for
+the blocks that open next and lets go of those whose rows are all dealt, so the disk
+streams whole blocks while the rows being served come from the page cache.
 
 Where a step reads is a pure function of the step (plan/sampler.py, SlidingShuffle in
 zig/permutation.zig): at each step a reader learns its position's places, `closed` <= the
@@ -39,11 +40,36 @@ import threading
 
 import numpy as np
 
+from ..plan.sampler import Places
 from ..remote.pages import CACHE_PAGE_BYTES
 
 # posix_fadvise is called on pieces of at most this size (see _fadvise); the kernel's own
 # read-ahead works in pieces of 2 MiB too.
 _ADVICE_PIECE_BYTES = 2 << 20
+# An in-order pass (InOrder) is read ahead in blocks of the steps holding about this many
+# bytes, the block-local shuffle's size (plan/planner._SHUFFLE_BLOCK_BYTES).
+IN_ORDER_BLOCK_BYTES = 32 << 20
+# ...and kept asked for this far ahead (16 blocks): an in-order pass has no window, and in
+# alternated cold runs it read more with this deeper queue than with LOOKAHEAD_BLOCKS's.
+IN_ORDER_AHEAD_BYTES = 512 << 20
+# ...and keeps the first rows of the data cached in this share of the memory limit, less
+# what it reads ahead (InOrder): cold, in alternated rounds, 2/3 to 3/4 served more rows
+# than half (bench/RESULTS.md); the rest is the trainer's and the readers' own memory.
+IN_ORDER_KEPT_SHARE = 2 / 3
+# Its places are counted from the start of the stream, never by epoch.
+_IN_ORDER_PLACES = 1 << 62
+# A block's runs come from filling each of its steps (in the filling thread, at the step
+# that first asks for it): at most this many steps per block, and this many blocks ahead,
+# so that a first step costs a few thousand fills where batches are small (and rows so
+# small that 32 MiB would be hundreds of thousands of steps).
+_IN_ORDER_STEPS_MAX = 256
+_IN_ORDER_AHEAD_BLOCKS_MAX = 16
+# Runs of rows closer than this are read ahead as one (InOrder.row_runs).
+_IN_ORDER_GAP_BYTES = 64 << 10
+# Rows InOrder.row_runs holds at once while it finds a block's runs.
+_IN_ORDER_ROWS_AT_ONCE = 1 << 18
+# The blocks whose runs InOrder keeps (each is asked for once, then let go of in two stages).
+_IN_ORDER_RUNS_KEPT = 64
 # Blocks asked for beyond the window being dealt from (blocks are about 32 MiB of rows,
 # plan/planner.shuffle_block_rows): the disk's queue while the next block is being waited for.
 LOOKAHEAD_BLOCKS = 4
@@ -108,12 +134,16 @@ class ReadAhead:
         that fits keeps its pages, and later epochs read from memory. `advisor`: the thread
         that makes the calls, shared by a mixture's sources (one of its own if None).
         `share`: (this reader's index, the readers on this machine): the pages of the
-        blocks at places p with p % readers == index are this reader's to drop."""
+        blocks at places p with p % readers == index are this reader's to drop. An in-order
+        pass (InOrder) reads ahead its own depth and never drops its kept first rows."""
         self.sampler, self.source = sampler, source
         self.share_index, self.share_count = share
         self.plan_readers = list(plan_readers)
         self.release_blocks = stored_bytes > memory_limit_bytes() // 2
         self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
+        self.keep_rows = 0
+        if isinstance(sampler, InOrder):  # No window: its depth stands in for one.
+            self.ahead, self.keep_rows = sampler.ahead_blocks, sampler.keep_rows
         # Places counted across epochs (epoch * places per epoch + place): the next to
         # advise, and the next to let go of at each stage; None before the first step and
         # after a jump.
@@ -155,8 +185,8 @@ class ReadAhead:
             done = min(needed, lagged.epoch * lagged.total + lagged.closed)
             if self._released[stage] is None:
                 self._released[stage] = done  # Nothing before the first step was read by this reader.
-            if self._released[stage] < done and self._submit(stage, self._blocks(self._released[stage], done,
-                                                                                   places.total, stage == "drop")):
+            if self._released[stage] < done and self._submit(stage, self._kept_out(self._blocks(
+                    self._released[stage], done, places.total, stage == "drop"), stage)):
                 if stage == "drop":
                     self.blocks_released += done - self._released[stage]
                 self._released[stage] = done
@@ -175,25 +205,126 @@ class ReadAhead:
                       if (start + offset) % self.share_count == self.share_index]
         return blocks
 
+    def _kept_out(self, blocks: list[int], stage: str) -> list[int]:
+        """`blocks`, less (for dropping their pages) those wholly within the rows kept cached."""
+        if stage != "drop" or not self.keep_rows:
+            return blocks
+        return [block for block in blocks
+                if any(first + count > self.keep_rows for first, count in self._stream.row_runs(block))]
+
     def _submit(self, what: str, blocks) -> bool:
         return self.advisor.submit(what, self._ranges(blocks))
 
     def _ranges(self, blocks) -> list[tuple]:
         """(opened file, offset, bytes) of every field's share of `blocks`, in their order
         (the kernel queues reads in the order it is asked: the block needed first, first)."""
-        block_rows, length = self.sampler.block_rows, self.sampler.length
         ranges = []
         for block in dict.fromkeys(blocks):
-            first = block * block_rows
-            count = min(block_rows, length - first)
-            for reader in self.plan_readers:
-                ranges.extend(reader.byte_ranges(first, count, self.source))
+            for first, count in self.sampler.row_runs(block):
+                for reader in self.plan_readers:
+                    ranges.extend(reader.byte_ranges(first, count, self.source))
         return ranges
 
     def close(self) -> None:
         """Stops its advisor if it is its own (a shared one is its owner's to close)."""
         if self._own_advisor:
             self.advisor.close()
+
+
+class InOrder:
+    """A sampler whose steps read rows in order (mode="sequential"), seen as ReadAhead sees a
+    windowed one, so that an in-order pass over data larger than memory gets the window's
+    read-ahead (large reads in flight ahead of need, finished pages let go of, the data's
+    first rows kept) instead of page faults and the kernel's read-ahead of them: block b
+    is the rows of steps
+    [b * steps, (b + 1) * steps), about IN_ORDER_BLOCK_BYTES of them, and the one block
+    being dealt from is the one that holds the step. Which rows those are comes from the
+    sampler's own fill (a shard's share of each global batch, a finite pass's tail, a
+    resumed offset, the wrap into the next epoch), merged into runs: nothing of the stream's
+    geometry is derived here."""
+
+    blocks_per_window = 1
+
+    def __init__(self, sampler, stored_bytes: int) -> None:
+        """`stored_bytes`: the fields' bytes on disk. The read-ahead's depth is up to
+        IN_ORDER_AHEAD_BYTES, and at most a quarter of the memory this machine's ranks may
+        use (its limit, shared by LOCAL_WORLD_SIZE ranks where torchrun says so)."""
+        self.sampler, self.length = sampler, sampler.length
+        row_bytes = stored_bytes / max(1, sampler.length)
+        step_bytes = max(1.0, sampler.batch_size * row_bytes)
+        self.steps = max(1, min(_IN_ORDER_STEPS_MAX, int(IN_ORDER_BLOCK_BYTES // step_bytes)))
+        block_bytes = self.steps * sampler.batch_size * max(1.0, row_bytes)
+        quarter = memory_limit_bytes() // 4 // _ranks_here()
+        self.ahead_blocks = max(2, min(_IN_ORDER_AHEAD_BLOCKS_MAX,
+                                       int(min(IN_ORDER_AHEAD_BYTES, quarter) // block_bytes)))
+        # A pass in order over data larger than memory reads every page again each pass
+        # whatever the kernel keeps (its least recently used page is always the next one
+        # needed): the data's first rows are kept cached instead (never let go of), in what
+        # IN_ORDER_KEPT_SHARE of the memory leaves beside the read-ahead, and each pass
+        # reads them from memory. Kept pages are mapped without recency (MADV_SEQUENTIAL),
+        # so under memory pressure the kernel still reclaims them first.
+        kept = IN_ORDER_KEPT_SHARE * memory_limit_bytes() / _ranks_here() - (self.ahead_blocks + 2) * block_bytes
+        self.keep_rows = int(max(0.0, kept) // max(1.0, row_bytes))
+        self._indices = np.zeros(sampler.batch_size, dtype=np.uint64)
+        from .._native import ffi
+
+        self._pointer = ffi.from_buffer("uint64_t[]", self._indices)
+        self._runs: dict[int, list[tuple[int, int]]] = {}
+        self._gap_rows = int(_IN_ORDER_GAP_BYTES // max(1.0, row_bytes))
+        tail = sampler.tail  # A finite pass's: nothing past its end is read ahead.
+        self._end_step = sampler.step_max + 1 if tail is None else tail.end_step
+
+    def window_stream(self, step: int) -> tuple:
+        return None, self, step
+
+    def places(self, step: int) -> Places:
+        block = step // self.steps
+        return Places(0, block + 1, block, _IN_ORDER_PLACES)
+
+    def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
+        return np.arange(first, first + count, dtype=np.uint64)
+
+    def row_runs(self, block: int) -> list[tuple[int, int]]:
+        """(first row, rows) of the runs of rows the steps of `block` read, in stream order:
+        a step's rows and the next step's join into one run; a shard's share of each global
+        batch, or the wrap into the next epoch, starts another. Runs less than
+        _IN_ORDER_GAP_BYTES apart are joined (the kernel reads whole pages, and its own
+        read-ahead would read such gaps too)."""
+        runs = self._runs.get(block)
+        if runs is not None:
+            return runs
+        first = block * self.steps
+        end = min(first + self.steps, self._end_step)
+        chunk = max(1, _IN_ORDER_ROWS_AT_ONCE // len(self._indices))
+        runs = []
+        for chunk_first in range(first, end, chunk):  # A block's rows a chunk of steps at a time.
+            steps = range(chunk_first, min(end, chunk_first + chunk))
+            rows = np.empty((len(steps), len(self._indices)), dtype=np.int64)
+            for offset, step in enumerate(steps):
+                self.sampler.fill_unchecked(step, self._pointer)
+                rows[offset] = self._indices
+            rows = rows.ravel()
+            jumps = np.diff(rows)
+            breaks = np.flatnonzero((jumps < 1) | (jumps > 1 + self._gap_rows)) + 1
+            for start, stop in zip(np.append(0, breaks).tolist(), np.append(breaks, len(rows)).tolist()):
+                low, high = int(rows[start]), int(rows[stop - 1]) + 1
+                if runs and 0 <= low - (runs[-1][0] + runs[-1][1]) <= self._gap_rows:
+                    runs[-1] = (runs[-1][0], high - runs[-1][0])  # Joins the previous chunk's last run.
+                else:
+                    runs.append((low, high - low))
+        # A block is asked for, then let go of in two stages: kept for the stages to come.
+        self._runs[block] = runs
+        while len(self._runs) > _IN_ORDER_RUNS_KEPT:
+            del self._runs[next(iter(self._runs))]
+        return runs
+
+
+def _ranks_here() -> int:
+    """The ranks of a job on this machine (torchrun's LOCAL_WORLD_SIZE), 1 if not said."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class Advisor:

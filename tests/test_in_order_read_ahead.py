@@ -1,0 +1,225 @@
+"""Sequential mode reads ahead as the block-local shuffle does (storage/readahead.InOrder):
+its blocks are runs of steps, whose rows come from the sampler's own fill for any shard,
+finite pass, resume or wrap; every step's rows are asked for before they are read and let
+go of only after; the filler of a sequential loader reads ahead for every kind of field;
+and the kernel really holds the pages of the steps ahead soon after the first batch."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+
+import numpy as np
+import pytest
+from conftest import write_b2nd
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmloader import Packed, ShmDataLoader, Windows
+from shmloader.fill.filler import StepFiller
+from shmloader.plan.options import LoaderOptions
+from shmloader.plan.planner import plan_loader
+from shmloader.plan.sampler import Sampler
+from shmloader.storage.readahead import LAG_STEPS, InOrder, ReadAhead
+from shmloader.tools.convert import write_ragged
+
+
+@st.composite
+def _in_order_samplers(draw):
+    length = draw(st.integers(1, 3000))
+    batch = draw(st.integers(1, 64))
+    shards = draw(st.integers(1, 4))
+    sampler = Sampler(length, batch, "sequential", draw(st.integers(0, 9)), draw(st.integers(0, shards - 1)), shards)
+    if draw(st.booleans()):
+        sampler = sampler.with_pass(draw(st.integers(1, 3)), draw(st.booleans()))
+    if draw(st.booleans()):
+        sampler = sampler.with_start(draw(st.integers(0, 3 * length)))
+    return sampler
+
+
+@settings(max_examples=60, deadline=None)
+@given(sampler=_in_order_samplers(), row_bytes=st.sampled_from([1, 8, 3072, 100_000]),
+       block_bytes=st.integers(1, 1 << 16), block=st.integers(0, 5))
+def test_a_blocks_runs_hold_exactly_the_rows_its_steps_read(sampler, row_bytes, block_bytes, block):
+    """Against the sampler's own batches: every row of every step of a block lies in one of
+    its runs, each run starts and ends at a row those steps read, and where no gap is small
+    enough to join (rows of 64 KiB or more) the runs hold exactly as many rows as the steps."""
+    view = InOrder(sampler, row_bytes * sampler.length)
+    view.steps = max(1, block_bytes // (row_bytes * sampler.batch_size) or 1)  # Blocks of a few steps.
+    first = block * view.steps
+    end = sampler.step_max + 1 if sampler.tail is None else sampler.tail.end_step  # A finite pass ends there.
+    steps = range(first, min(first + view.steps, end))
+    rows = np.concatenate([sampler.fill(step) for step in steps]).astype(np.int64) if steps else np.zeros(0, np.int64)
+    runs = view.row_runs(block)
+    assert view.row_runs(block) == runs  # Kept, not found again, for the stages to come.
+    starts = np.array([start for start, _ in runs], dtype=np.int64)
+    ends = np.array([start + count for start, count in runs], dtype=np.int64)
+    inside = ((rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])).any(axis=1) if len(runs) else \
+        np.zeros(len(rows), bool)
+    assert inside.all(), rows[~inside][:5]
+    read = set(rows.tolist())
+    assert all(start in read and end - 1 in read for start, end in zip(starts.tolist(), ends.tolist()))
+    if row_bytes >= 1 << 16:
+        assert int((ends - starts).sum()) == len(rows)
+
+
+class _Recording:
+    """Takes the read-ahead's requests as block ids."""
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    def submit(self, what, blocks) -> bool:
+        self.requests.append((what, list(blocks)))
+        return True
+
+
+class _BlockIds(ReadAhead):
+    def _ranges(self, blocks):
+        return list(blocks)
+
+
+@pytest.mark.parametrize("shards, epochs, keep", [(1, None, 0), (3, None, 0), (2, 2, 0), (1, None, 300),
+                                                  (3, 2, 500)])
+def test_every_steps_rows_are_asked_for_before_they_are_read_and_let_go_only_after(shards, epochs, keep):
+    """One reader of a sequential pass over three epochs: each step reads from blocks it has
+    asked for and still maps, a block's mappings go before its pages, at most the blocks
+    ahead and those of the last 2 * LAG_STEPS steps are held at once, and each block is
+    let go of once, except those wholly within the first `keep` rows (kept cached)."""
+    sampler = Sampler(1000 + 37, 20, "sequential", 3, shards - 1, shards)
+    if epochs:
+        sampler = sampler.with_pass(epochs, False)
+    view = InOrder(sampler, 1)
+    view.steps, view.ahead_blocks, view.keep_rows = 7, 4, keep
+    kept = {block for block in range(200)
+            if view.row_runs(block) and all(start + count <= keep for start, count in view.row_runs(block))}
+    advisor = _Recording()
+    read_ahead = _BlockIds(view, [], 0, advisor=advisor)
+    read_ahead.release_blocks = True
+    held: dict[int, int] = {}
+    mapped: dict[int, int] = {}
+    dropped = []
+    for step in range(3 * 1037 * shards // 20 if epochs is None else sampler.tail.end_step):
+        read_ahead.note(step)
+        for what, blocks in advisor.requests:
+            for block in blocks:
+                if what == "advise":
+                    held[block], mapped[block] = held.get(block, 0) + 1, mapped.get(block, 0) + 1
+                elif what == "forget":
+                    mapped[block] -= 1
+                    assert mapped[block] >= 0, f"block {block} forgotten before it was asked for"
+                else:
+                    held[block] -= 1
+                    assert held[block] >= mapped[block], f"block {block} dropped while still mapped"
+                    dropped.append(block)
+        advisor.requests.clear()
+        rows = sampler.fill(step).tolist()
+        open_runs = [run for block, count in mapped.items() if count > 0 for run in view.row_runs(block)]
+        for row in rows:
+            assert any(start <= row < start + count for start, count in open_runs), \
+                f"step {step}: row {row} read from a block not asked for"
+        in_memory = sum(1 for block, count in held.items() if count > 0 and block not in kept)
+        assert in_memory <= view.ahead_blocks + 2 * LAG_STEPS // view.steps + 2
+    lagging = 2 * LAG_STEPS // view.steps + 2  # Blocks closed too recently to be let go of yet.
+    assert not kept & set(dropped)
+    finished = set(range(step // view.steps - lagging)) - kept
+    assert sorted(dropped) == sorted(set(dropped)) and finished <= set(dropped)
+    assert bool(kept) == bool(keep)
+
+
+def test_the_rows_kept_cached_are_what_two_thirds_of_the_memory_leaves_beside_the_read_ahead(monkeypatch):
+    """Kept rows: IN_ORDER_KEPT_SHARE of the memory limit, shared by the machine's ranks,
+    less the blocks read ahead and two more; none where that leaves nothing."""
+    from shmloader.storage import readahead
+
+    sampler = Sampler(10**7, 256, "sequential")
+    row_bytes = 4096
+    for limit, ranks in [(6 << 30, 1), (6 << 30, 3), (64 << 20, 1)]:
+        monkeypatch.setattr(readahead, "memory_limit_bytes", lambda limit=limit: limit)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        view = InOrder(sampler, row_bytes * sampler.length)
+        block_bytes = view.steps * 256 * row_bytes
+        assert view.ahead_blocks * block_bytes <= max(2 * block_bytes, limit // 4 // ranks)
+        expected = max(0, readahead.IN_ORDER_KEPT_SHARE * limit / ranks - (view.ahead_blocks + 2) * block_bytes)
+        assert view.keep_rows == int(expected // row_bytes)
+        assert (view.keep_rows > 0) == (limit > 1 << 30)
+
+
+@pytest.fixture
+def files(tmp_path):
+    rows = 3000
+    data = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)
+    np.save(tmp_path / "rows.npy", data)
+    write_b2nd(str(tmp_path / "rows.b2nd"), data, chunks=(128, 16), blocks=(32, 16))
+    rng = np.random.default_rng(5)
+    sequences = [np.arange(int(n), dtype=np.int32) + index for index, n in enumerate(rng.integers(0, 40, rows))]
+    write_ragged(str(tmp_path / "docs.ragged"), sequences)
+    np.save(tmp_path / "tokens.npy", np.arange(rows * 16 + 1, dtype=np.int32))
+    return tmp_path
+
+
+def _declaration(files, kind):
+    return {"npy": str(files / "rows.npy"), "b2nd": str(files / "rows.b2nd"),
+            "packed": Packed(str(files / "docs.ragged")),
+            "windows": Windows(str(files / "tokens.npy"), length=16)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["npy", "b2nd", "packed", "windows"])
+def test_a_sequential_loaders_filler_reads_ahead_the_bytes_of_its_next_steps(files, kind):
+    """The filler of a sequential loader has an in-order read-ahead, and the byte ranges it
+    asks for at the first step cover every row of the steps of its first blocks."""
+    plan = plan_loader({"x": _declaration(files, kind)}, None, LoaderOptions(batch_size=32, mode="sequential"))
+    filler = StepFiller(plan.fields, plan.slot, plan.sampler, None, False)
+    try:
+        [ahead] = filler.read_ahead
+        assert isinstance(ahead.sampler, InOrder)
+        ahead.sampler.steps = 5  # Small blocks, so that the test's data spans several.
+        [reader] = filler.field_readers
+        ranges = ahead._ranges(range(3))
+        assert ranges and all(size > 0 for _, _, size in ranges)
+        for step in range(15):
+            for row in plan.sampler.fill(step).tolist():
+                for field, offset, size in reader.byte_ranges(row, 1):
+                    assert any(field is f and o <= offset and offset + size <= o + s for f, o, s in ranges), (step, row)
+    finally:
+        filler.close()
+
+
+def _resident(path: str, first: int, end: int) -> float:
+    """The share of a file's pages in [first, end) that the page cache holds (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        page = mmap.PAGESIZE
+        pages = (size + page - 1) // page
+        vector = (ctypes.c_ubyte * pages)()
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) == 0, ctypes.get_errno()
+        flags = np.frombuffer(vector, dtype=np.uint8)[first // page:(end + page - 1) // page]
+        del address
+    return float(np.count_nonzero(flags & 1)) / max(1, len(flags))
+
+
+def test_the_pages_of_the_steps_ahead_are_read_soon_after_the_first_batch(tmp_path):
+    """On a real disk: after a sequential loader's first batch, the pages of the file well past
+    what the kernel's own read-ahead of a fault takes (read_ahead_kb) come into the page cache
+    without any further batch taken."""
+    path = str(tmp_path / "cold.npy")
+    rows, row_bytes = 24 * 1024, 2048  # 48 MiB
+    np.save(path, np.arange(rows * row_bytes // 8, dtype=np.int64).reshape(rows, row_bytes // 8))
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+        os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _resident(path, 0, os.path.getsize(path)) > 0.1:
+        pytest.skip("the page cache cannot be emptied of this file here (tmpfs)")
+    far = 32 << 20  # Past the first block (32 MiB of rows) and any read_ahead_kb in use.
+    with ShmDataLoader({"x": path}, batch_size=64, readers=0, mode="sequential") as loader:
+        batch = next(iter(loader))
+        assert (batch["x"][:, 0] == batch.indices.astype(np.int64) * (row_bytes // 8)).all()
+        batch.release()
+        deadline = time.monotonic() + 30
+        while _resident(path, far, os.path.getsize(path)) < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _resident(path, far, os.path.getsize(path)) >= 0.9
