@@ -251,3 +251,53 @@ try:
         return _hypothesis_settings(max_examples=count * (20 if long else 1))
 except ImportError:
     examples = None
+
+
+class ReadAheadLedger:
+    """Takes a read-ahead's requests as block ids (with BlockIds as the read-ahead) and checks
+    the order they keep as they are settled: a block's mappings are let go of only after it
+    was asked for, and its pages only once no mapping of it is left."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, list[int]]] = []
+        self.held: dict[int, int] = {}  # Block -> times asked for and not dropped.
+        self.mapped: dict[int, int] = {}  # Block -> times asked for and not forgotten.
+        self.dropped: list[int] = []
+
+    def submit(self, what, blocks) -> bool:
+        self.requests.append((what, list(blocks)))
+        return True
+
+    def settle(self) -> list[tuple[str, list[int]]]:
+        """Applies the requests made since the last call, checking their order; returns them."""
+        requests, self.requests = self.requests, []
+        for what, blocks in requests:
+            for block in blocks:
+                if what == "advise":
+                    self.held[block] = self.held.get(block, 0) + 1
+                    self.mapped[block] = self.mapped.get(block, 0) + 1
+                elif what == "forget":
+                    self.mapped[block] -= 1
+                    assert self.mapped[block] >= 0, f"block {block} forgotten before it was asked for"
+                else:
+                    self.held[block] -= 1
+                    assert self.held[block] >= self.mapped[block], f"block {block} dropped while still mapped"
+                    self.dropped.append(block)
+        return requests
+
+    def in_memory(self) -> set[int]:
+        return {block for block, count in self.held.items() if count > 0}
+
+    def still_mapped(self) -> set[int]:
+        return {block for block, count in self.mapped.items() if count > 0}
+
+
+def block_ids_read_ahead():
+    """A ReadAhead whose requests name blocks instead of byte ranges (see ReadAheadLedger)."""
+    from shmloader.storage.readahead import ReadAhead
+
+    class BlockIds(ReadAhead):
+        def _ranges(self, blocks):
+            return list(blocks)
+
+    return BlockIds

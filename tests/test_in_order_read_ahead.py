@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import write_b2nd
+from conftest import ReadAheadLedger, block_ids_read_ahead, write_b2nd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,7 @@ from shmloader.fill.filler import StepFiller
 from shmloader.plan.options import LoaderOptions
 from shmloader.plan.planner import plan_loader
 from shmloader.plan.sampler import Sampler
-from shmloader.storage.readahead import LAG_STEPS, InOrder, ReadAhead
+from shmloader.storage.readahead import LAG_STEPS, InOrder
 from shmloader.tools.convert import write_ragged
 
 
@@ -65,22 +65,6 @@ def test_a_blocks_runs_hold_exactly_the_rows_its_steps_read(sampler, row_bytes, 
         assert int((ends - starts).sum()) == len(rows)
 
 
-class _Recording:
-    """Takes the read-ahead's requests as block ids."""
-
-    def __init__(self) -> None:
-        self.requests = []
-
-    def submit(self, what, blocks) -> bool:
-        self.requests.append((what, list(blocks)))
-        return True
-
-
-class _BlockIds(ReadAhead):
-    def _ranges(self, blocks):
-        return list(blocks)
-
-
 @pytest.mark.parametrize("shards, epochs, keep", [(1, None, 0), (3, None, 0), (2, 2, 0), (1, None, 300),
                                                   (3, 2, 500)])
 def test_every_steps_rows_are_asked_for_before_they_are_read_and_let_go_only_after(shards, epochs, keep):
@@ -95,39 +79,23 @@ def test_every_steps_rows_are_asked_for_before_they_are_read_and_let_go_only_aft
     view.steps, view.ahead_blocks, view.keep_rows = 7, 4, keep
     kept = {block for block in range(200)
             if view.row_runs(block) and all(start + count <= keep for start, count in view.row_runs(block))}
-    advisor = _Recording()
-    read_ahead = _BlockIds(view, [], 0, advisor=advisor)
+    ledger = ReadAheadLedger()
+    read_ahead = block_ids_read_ahead()(view, [], 0, advisor=ledger)
     read_ahead.release_blocks = True
-    held: dict[int, int] = {}
-    mapped: dict[int, int] = {}
-    dropped = []
     for step in range(3 * 1037 * shards // 20 if epochs is None else sampler.tail.end_step):
         read_ahead.note(step)
-        for what, blocks in advisor.requests:
-            for block in blocks:
-                if what == "advise":
-                    held[block], mapped[block] = held.get(block, 0) + 1, mapped.get(block, 0) + 1
-                elif what == "forget":
-                    mapped[block] -= 1
-                    assert mapped[block] >= 0, f"block {block} forgotten before it was asked for"
-                else:
-                    held[block] -= 1
-                    assert held[block] >= mapped[block], f"block {block} dropped while still mapped"
-                    dropped.append(block)
-        advisor.requests.clear()
-        rows = sampler.fill(step).tolist()
-        open_runs = [run for block, count in mapped.items() if count > 0 for run in view.row_runs(block)]
-        for row in rows:
+        ledger.settle()
+        open_runs = [run for block in ledger.still_mapped() for run in view.row_runs(block)]
+        for row in sampler.fill(step).tolist():
             assert any(start <= row < start + count for start, count in open_runs), \
                 f"step {step}: row {row} read from a block not asked for"
-        in_memory = sum(1 for block, count in held.items() if count > 0 and block not in kept)
-        assert in_memory <= view.ahead_blocks + 2 * LAG_STEPS // view.steps + 2
+        assert len(ledger.in_memory() - kept) <= view.ahead_blocks + 2 * LAG_STEPS // view.steps + 2
     lagging = 2 * LAG_STEPS // view.steps + 2  # Blocks closed too recently to be let go of yet.
+    dropped = ledger.dropped
     assert not kept & set(dropped)
     finished = set(range(step // view.steps - lagging)) - kept
     assert sorted(dropped) == sorted(set(dropped)) and finished <= set(dropped)
     assert bool(kept) == bool(keep)
-
 
 def test_the_rows_kept_cached_are_what_two_thirds_of_the_memory_leaves_beside_the_read_ahead(monkeypatch):
     """Kept rows: IN_ORDER_KEPT_SHARE of the memory limit, shared by the machine's ranks,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import write_b2nd
+from conftest import ReadAheadLedger, block_ids_read_ahead, write_b2nd
 
 from shmloader import Packed, Padded, PerformanceWarning, ShmDataLoader, Windows
 from shmloader.fill.inputs import field_reader
@@ -281,22 +281,6 @@ def test_readahead_asks_for_the_bytes_of_the_windows_blocks(files, kind):
         reader.close()
 
 
-class _RecordingAdvisor:
-    """Takes the read-ahead's requests as block ids (see _BlockReadAhead)."""
-
-    def __init__(self) -> None:
-        self.requests = []
-
-    def submit(self, what, blocks) -> bool:
-        self.requests.append((what, list(blocks)))
-        return True
-
-
-class _BlockReadAhead(ReadAhead):
-    def _ranges(self, blocks):
-        return list(blocks)
-
-
 @pytest.mark.parametrize("shard_count, tail", [(1, 0), (1, 37), (2, 37)])
 def test_every_block_is_asked_for_before_its_rows_are_read_and_let_go_only_after(shard_count, tail):
     """One reader through three epochs: each step's rows lie in blocks it has asked for and
@@ -306,35 +290,21 @@ def test_every_block_is_asked_for_before_its_rows_are_read_and_let_go_only_after
     block_rows, window = 50, 400
     sampler = Sampler(100 * block_rows + tail, 20, "shuffle", 3, 0, shard_count, shuffle_window=window,
                       block_rows=block_rows)
-    advisor = _RecordingAdvisor()
-    read_ahead = _BlockReadAhead(sampler, [], 0, advisor=advisor)
+    ledger = ReadAheadLedger()
+    read_ahead = block_ids_read_ahead()(sampler, [], 0, advisor=ledger)
     read_ahead.release_blocks = True
-    held: dict[int, int] = {}  # Block -> times asked for and not dropped.
-    mapped: dict[int, int] = {}  # Block -> times asked for and not forgotten.
-    dropped = 0
     step_rows = sampler.batch_size
     for step in range(3 * sampler.epoch_length // step_rows):
         read_ahead.note(step)
-        for what, blocks in advisor.requests:
-            for block in blocks:
-                if what == "advise":
-                    held[block], mapped[block] = held.get(block, 0) + 1, mapped.get(block, 0) + 1
-                elif what == "forget":
-                    mapped[block] -= 1
-                    assert mapped[block] >= 0, f"block {block} forgotten before it was asked for"
-                else:
-                    held[block] -= 1
-                    assert held[block] >= mapped[block], f"block {block} dropped while still mapped"
-            dropped += len(blocks) if what == "drop" else 0
-        advisor.requests.clear()
+        ledger.settle()
+        mapped = ledger.still_mapped()
         for row in sampler.fill(step).tolist():
-            assert mapped.get(row // block_rows, 0) > 0, f"step {step}: row {row} read from a block not asked for"
+            assert row // block_rows in mapped, f"step {step}: row {row} read from a block not asked for"
         # Held: the window, the blocks ahead, and those closed in the last 2 * LAG_STEPS steps.
         now, then = sampler.places(step * step_rows), sampler.places(max(0, step - 2 * LAG_STEPS) * step_rows)
         lagging = (now.epoch - then.epoch) * now.total + now.closed - then.closed
-        in_memory = sum(1 for count in held.values() if count > 0)
-        assert in_memory <= sampler.blocks_per_window + LOOKAHEAD_BLOCKS + lagging + 1, step
-    assert dropped >= 2 * (sampler.epoch_length // block_rows)
+        assert len(ledger.in_memory()) <= sampler.blocks_per_window + LOOKAHEAD_BLOCKS + lagging + 1, step
+    assert len(ledger.dropped) >= 2 * (sampler.epoch_length // block_rows)
 
 
 @pytest.mark.parametrize("readers", [2, 3])
@@ -345,15 +315,14 @@ def test_the_readers_drop_each_finished_block_once_between_them_when_one_reader_
     sampler = Sampler(100 * 50 + 37, 20, "shuffle", 3, shuffle_window=400, block_rows=50)
 
     def requests(share):
-        advisor = _RecordingAdvisor()
-        read_ahead = _BlockReadAhead(sampler, [], 0, advisor=advisor, share=share)
+        ledger = ReadAheadLedger()
+        read_ahead = block_ids_read_ahead()(sampler, [], 0, advisor=ledger, share=share)
         read_ahead.release_blocks = True
         found = {"advise": [], "forget": [], "drop": []}
         for step in range(3 * sampler.epoch_length // sampler.batch_size):
             read_ahead.note(step)
-            for what, blocks in advisor.requests:
+            for what, blocks in ledger.settle():
                 found[what] += [(step, block) for block in blocks]
-            advisor.requests.clear()
         return found
 
     alone = requests((0, 1))
