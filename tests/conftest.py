@@ -271,6 +271,7 @@ class ReadAheadLedger:
     def settle(self) -> list[tuple[str, list[int]]]:
         """Applies the requests made since the last call, checking their order; returns them."""
         requests, self.requests = self.requests, []
+        requests = [(what, list(dict.fromkeys(blocks))) for what, blocks in requests]  # A block's runs once.
         for what, blocks in requests:
             for block in blocks:
                 if what == "advise":
@@ -297,7 +298,7 @@ def block_ids_read_ahead():
     from shmloader.storage.readahead import ReadAhead
 
     class BlockIds(ReadAhead):
-        def _ranges(self, blocks):
-            return list(blocks)
+        def _run_ranges(self, block, first, count):
+            return [block]
 
     return BlockIds

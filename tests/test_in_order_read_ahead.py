@@ -45,7 +45,8 @@ def _in_order_samplers(draw):
 def test_a_blocks_runs_hold_exactly_the_rows_its_steps_read(sampler, row_bytes, block_bytes, block):
     """Against the sampler's own batches: every row of every step of a block lies in one of
     its runs, each run starts and ends at a row those steps read, and where no gap is small
-    enough to join (rows of 64 KiB or more) the runs hold exactly as many rows as the steps."""
+    enough to join (rows of 64 KiB or more) the runs hold exactly the distinct rows of the
+    steps."""
     view = InOrder(sampler, row_bytes * sampler.length)
     view.steps = max(1, block_bytes // (row_bytes * sampler.batch_size) or 1)  # Blocks of a few steps.
     first = block * view.steps
@@ -62,7 +63,7 @@ def test_a_blocks_runs_hold_exactly_the_rows_its_steps_read(sampler, row_bytes, 
     read = set(rows.tolist())
     assert all(start in read and end - 1 in read for start, end in zip(starts.tolist(), ends.tolist()))
     if row_bytes >= 1 << 16:
-        assert int((ends - starts).sum()) == len(rows)
+        assert int((ends - starts).sum()) == len(read)  # Repeated rows (padding, wraps) once.
 
 
 @pytest.mark.parametrize("shards, epochs, keep", [(1, None, 0), (3, None, 0), (2, 2, 0), (1, None, 300),
@@ -98,21 +99,53 @@ def test_every_steps_rows_are_asked_for_before_they_are_read_and_let_go_only_aft
     assert bool(kept) == bool(keep)
 
 def test_the_rows_kept_cached_are_what_two_thirds_of_the_memory_leaves_beside_the_read_ahead(monkeypatch):
-    """Kept rows: IN_ORDER_KEPT_SHARE of the memory limit, shared by the machine's ranks,
-    less the blocks read ahead and two more; none where that leaves nothing."""
+    """Kept rows: IN_ORDER_KEPT_SHARE of the memory limit, shared by the machine's trainers,
+    less the blocks read ahead and two more; none where that leaves nothing; a shard that
+    reads one row in `shard_count` of each stretch keeps a stretch that many times longer.
+    Pages are let go of only where the shard's data is larger than its share of memory."""
     from shmloader.storage import readahead
 
-    sampler = Sampler(10**7, 256, "sequential")
     row_bytes = 4096
-    for limit, ranks in [(6 << 30, 1), (6 << 30, 3), (64 << 20, 1)]:
+    for limit, ranks, shards in [(6 << 30, 1, 1), (6 << 30, 3, 1), (64 << 20, 1, 1), (6 << 30, 4, 4)]:
+        sampler = Sampler(10**7, 256, "sequential", 0, shards - 1, shards)
         monkeypatch.setattr(readahead, "memory_limit_bytes", lambda limit=limit: limit)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
         view = InOrder(sampler, row_bytes * sampler.length)
         block_bytes = view.steps * 256 * row_bytes
         assert view.ahead_blocks * block_bytes <= max(2 * block_bytes, limit // 4 // ranks)
-        expected = max(0, readahead.IN_ORDER_KEPT_SHARE * limit / ranks - (view.ahead_blocks + 2) * block_bytes)
-        assert view.keep_rows == int(expected // row_bytes)
+        kept = max(0, readahead.IN_ORDER_KEPT_SHARE * limit / ranks - (view.ahead_blocks + 2) * block_bytes)
+        # A shard's share is measured over its first block: its last piece ends it (a little over 1 / shards).
+        assert kept * shards // row_bytes * 0.97 <= view.keep_rows <= kept * shards // row_bytes
         assert (view.keep_rows > 0) == (limit > 1 << 30)
+        assert view.release
+        smaller = InOrder(sampler, int(limit / ranks * shards * 0.9))  # Its share fits its memory.
+        assert not smaller.release
+
+
+def test_readers_whose_steps_lie_past_the_read_ahead_still_let_go_of_what_they_read():
+    """Steps larger than a block: each reader's next step lies `readers` blocks on, past its
+    read-ahead's depth; it goes on (the others advise those between) instead of starting
+    afresh at every step and never letting go of anything. Between them, the readers drop
+    every finished block once."""
+    readers = 4
+    sampler = Sampler(100_000, 64, "sequential")
+    view = InOrder(sampler, 100_000 * 64 << 20)  # Rows of 64 MiB: one step per block.
+    assert view.steps == 1
+    view.ahead_blocks = 2
+    ledgers = []
+    for index in range(readers):
+        ledger = ReadAheadLedger()
+        read_ahead = block_ids_read_ahead()(view, [], 0, advisor=ledger, share=(index, readers))
+        read_ahead.release_blocks = True
+        for step in range(index, 400, readers):
+            read_ahead.note(step)
+            ledger.settle()
+            assert step // view.steps in ledger.still_mapped()
+        # Its own mappings: of the blocks ahead and those of the last LAG_STEPS steps and a few.
+        assert len(ledger.dropped) >= 80 and ledger.still_mapped() <= set(range(step - LAG_STEPS - 2 * readers, step + 3))
+        ledgers.append(ledger)
+    dropped = sorted(block for ledger in ledgers for block in ledger.dropped)
+    assert dropped == sorted(set(dropped)) and set(range(400 - 2 * LAG_STEPS - 2 * readers)) <= set(dropped)
 
 
 @pytest.fixture

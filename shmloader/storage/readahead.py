@@ -142,8 +142,8 @@ class ReadAhead:
         self.release_blocks = stored_bytes > memory_limit_bytes() // 2
         self.ahead = sampler.blocks_per_window + LOOKAHEAD_BLOCKS
         self.keep_rows = 0
-        if isinstance(sampler, InOrder):  # No window: its depth stands in for one.
-            self.ahead, self.keep_rows = sampler.ahead_blocks, sampler.keep_rows
+        if isinstance(sampler, InOrder):  # No window: its depth stands in for one, and it keeps rows.
+            self.ahead, self.keep_rows, self.release_blocks = sampler.ahead_blocks, sampler.keep_rows, sampler.release
         # Places counted across epochs (epoch * places per epoch + place): the next to
         # advise, and the next to let go of at each stage; None before the first step and
         # after a jump.
@@ -162,9 +162,14 @@ class ReadAhead:
         key, stream, position = self.sampler.window_stream(step)
         places = stream.places(position)
         needed = places.epoch * places.total + places.closed
-        if self._advised is None or key != self._key or not needed <= self._advised <= needed + self.ahead:
-            # A first step, a seek, a jump back, or another stream (a resharded dealing's
-            # pieces, then the shard's own stream): start afresh.
+        # Readers fill steps in turn, so a reader's next step may lie past what it advised
+        # (each block is one step where steps are large: readers blocks apart): a move
+        # forward by up to `slack` places goes on (the places between are advised too, by
+        # now cached, so that every place it lets go of was asked for); a seek, a jump back
+        # or further, or another stream (a resharded dealing's pieces, then the shard's own
+        # stream) starts afresh.
+        slack = max(self.ahead, 2 * self.share_count)
+        if self._advised is None or key != self._key or not needed - slack <= self._advised <= needed + self.ahead:
             self._advised, self._key, self._stream = needed, key, stream
             self._released = {"forget": None, "drop": None}
         end = needed + self.ahead
@@ -185,8 +190,8 @@ class ReadAhead:
             done = min(needed, lagged.epoch * lagged.total + lagged.closed)
             if self._released[stage] is None:
                 self._released[stage] = done  # Nothing before the first step was read by this reader.
-            if self._released[stage] < done and self._submit(stage, self._kept_out(self._blocks(
-                    self._released[stage], done, places.total, stage == "drop"), stage)):
+            if self._released[stage] < done and self._submit(stage, self._blocks(self._released[stage], done,
+                                                                                   places.total, stage == "drop")):
                 if stage == "drop":
                     self.blocks_released += done - self._released[stage]
                 self._released[stage] = done
@@ -205,25 +210,24 @@ class ReadAhead:
                       if (start + offset) % self.share_count == self.share_index]
         return blocks
 
-    def _kept_out(self, blocks: list[int], stage: str) -> list[int]:
-        """`blocks`, less (for dropping their pages) those wholly within the rows kept cached."""
-        if stage != "drop" or not self.keep_rows:
-            return blocks
-        return [block for block in blocks
-                if any(first + count > self.keep_rows for first, count in self._stream.row_runs(block))]
-
     def _submit(self, what: str, blocks) -> bool:
-        return self.advisor.submit(what, self._ranges(blocks))
+        return self.advisor.submit(what, self._ranges(blocks, self.keep_rows if what == "drop" else 0))
 
-    def _ranges(self, blocks) -> list[tuple]:
+    def _ranges(self, blocks, kept_rows: int = 0) -> list[tuple]:
         """(opened file, offset, bytes) of every field's share of `blocks`, in their order
-        (the kernel queues reads in the order it is asked: the block needed first, first)."""
+        (the kernel queues reads in the order it is asked: the block needed first, first),
+        less rows [0, kept_rows)."""
         ranges = []
         for block in dict.fromkeys(blocks):
             for first, count in self.sampler.row_runs(block):
-                for reader in self.plan_readers:
-                    ranges.extend(reader.byte_ranges(first, count, self.source))
+                if first + count > kept_rows:
+                    start = max(first, kept_rows)
+                    ranges.extend(self._run_ranges(block, start, first + count - start))
         return ranges
+
+    def _run_ranges(self, block: int, first: int, count: int) -> list[tuple]:
+        """(opened file, offset, bytes) of rows [first, first + count) of block `block`."""
+        return [extent for reader in self.plan_readers for extent in reader.byte_ranges(first, count, self.source)]
 
     def close(self) -> None:
         """Stops its advisor if it is its own (a shared one is its owner's to close)."""
@@ -254,17 +258,9 @@ class InOrder:
         step_bytes = max(1.0, sampler.batch_size * row_bytes)
         self.steps = max(1, min(_IN_ORDER_STEPS_MAX, int(IN_ORDER_BLOCK_BYTES // step_bytes)))
         block_bytes = self.steps * sampler.batch_size * max(1.0, row_bytes)
-        quarter = memory_limit_bytes() // 4 // _ranks_here()
+        memory = memory_limit_bytes() / _ranks_here()
         self.ahead_blocks = max(2, min(_IN_ORDER_AHEAD_BLOCKS_MAX,
-                                       int(min(IN_ORDER_AHEAD_BYTES, quarter) // block_bytes)))
-        # A pass in order over data larger than memory reads every page again each pass
-        # whatever the kernel keeps (its least recently used page is always the next one
-        # needed): the data's first rows are kept cached instead (never let go of), in what
-        # IN_ORDER_KEPT_SHARE of the memory leaves beside the read-ahead, and each pass
-        # reads them from memory. Kept pages are mapped without recency (MADV_SEQUENTIAL),
-        # so under memory pressure the kernel still reclaims them first.
-        kept = IN_ORDER_KEPT_SHARE * memory_limit_bytes() / _ranks_here() - (self.ahead_blocks + 2) * block_bytes
-        self.keep_rows = int(max(0.0, kept) // max(1.0, row_bytes))
+                                       int(min(IN_ORDER_AHEAD_BYTES, memory / 4) // block_bytes)))
         self._indices = np.zeros(sampler.batch_size, dtype=np.uint64)
         from .._native import ffi
 
@@ -273,6 +269,23 @@ class InOrder:
         self._gap_rows = int(_IN_ORDER_GAP_BYTES // max(1.0, row_bytes))
         tail = sampler.tail  # A finite pass's: nothing past its end is read ahead.
         self._end_step = sampler.step_max + 1 if tail is None else tail.end_step
+        # The share of the rows a shard reads in any stretch of them (1 unsharded, about
+        # 1 / shard_count where its pieces of each global batch are far apart, 1 where the
+        # pieces are so close that whole pages hold them): what its kept rows cost it.
+        runs = self._find_runs(0)
+        spanned = max(1, max(first + count for first, count in runs) - min(first for first, _ in runs)) if runs else 1
+        share = min(1.0, max(1.0 / sampler.shard_count, sum(count for _, count in runs) / spanned))
+        # Pages are let go of only where this shard's data is larger than the memory of this
+        # machine's share: data that fits stays cached for later passes, as without read-ahead.
+        self.release = stored_bytes * share > memory
+        # A pass in order over data larger than memory reads every page again each pass
+        # whatever the kernel keeps (its least recently used page is always the next one
+        # needed): the data's first rows are kept cached instead (never let go of), in what
+        # IN_ORDER_KEPT_SHARE of the memory leaves beside the read-ahead, and each pass
+        # reads them from memory. Kept pages are mapped without recency (MADV_SEQUENTIAL),
+        # so under memory pressure the kernel still reclaims them first.
+        kept = IN_ORDER_KEPT_SHARE * memory - (self.ahead_blocks + 2) * block_bytes
+        self.keep_rows = int(max(0.0, kept) / share // max(1.0, row_bytes))
 
     def window_stream(self, step: int) -> tuple:
         return None, self, step
@@ -285,44 +298,74 @@ class InOrder:
         return np.arange(first, first + count, dtype=np.uint64)
 
     def row_runs(self, block: int) -> list[tuple[int, int]]:
-        """(first row, rows) of the runs of rows the steps of `block` read, in stream order:
-        a step's rows and the next step's join into one run; a shard's share of each global
-        batch, or the wrap into the next epoch, starts another. Runs less than
+        """(first row, rows) of the runs of rows the steps of `block` read, by first row: a
+        step's rows and the next step's join into one run; a shard's share of each global
+        batch, or the wrap into the next epoch, starts another; repeated rows (a finite
+        pass's padding, a batch larger than the data) count once. Runs less than
         _IN_ORDER_GAP_BYTES apart are joined (the kernel reads whole pages, and its own
         read-ahead would read such gaps too)."""
         runs = self._runs.get(block)
-        if runs is not None:
-            return runs
+        if runs is None:
+            # A block is asked for, then let go of in two stages: kept for the stages to come.
+            runs = self._runs[block] = self._find_runs(block)
+            while len(self._runs) > _IN_ORDER_RUNS_KEPT:
+                del self._runs[next(iter(self._runs))]
+        return runs
+
+    def _find_runs(self, block: int) -> list[tuple[int, int]]:
         first = block * self.steps
         end = min(first + self.steps, self._end_step)
         chunk = max(1, _IN_ORDER_ROWS_AT_ONCE // len(self._indices))
-        runs = []
+        pieces = []
         for chunk_first in range(first, end, chunk):  # A block's rows a chunk of steps at a time.
             steps = range(chunk_first, min(end, chunk_first + chunk))
             rows = np.empty((len(steps), len(self._indices)), dtype=np.int64)
             for offset, step in enumerate(steps):
                 self.sampler.fill_unchecked(step, self._pointer)
                 rows[offset] = self._indices
-            rows = rows.ravel()
-            jumps = np.diff(rows)
-            breaks = np.flatnonzero((jumps < 1) | (jumps > 1 + self._gap_rows)) + 1
-            for start, stop in zip(np.append(0, breaks).tolist(), np.append(breaks, len(rows)).tolist()):
-                low, high = int(rows[start]), int(rows[stop - 1]) + 1
-                if runs and 0 <= low - (runs[-1][0] + runs[-1][1]) <= self._gap_rows:
-                    runs[-1] = (runs[-1][0], high - runs[-1][0])  # Joins the previous chunk's last run.
-                else:
-                    runs.append((low, high - low))
-        # A block is asked for, then let go of in two stages: kept for the stages to come.
-        self._runs[block] = runs
-        while len(self._runs) > _IN_ORDER_RUNS_KEPT:
-            del self._runs[next(iter(self._runs))]
-        return runs
+            pieces.extend(_runs_of(rows.ravel(), self._gap_rows))
+        return _union(pieces, self._gap_rows)
+
+
+def _runs_of(rows: np.ndarray, gap: int) -> list[tuple[int, int]]:
+    """(first, count) runs covering the distinct `rows`, runs closer than `gap` rows joined.
+    Rows in any order and repeated (a finite pass's padding, a batch larger than the data)."""
+    if not len(rows):
+        return []
+    if len(rows) == 1 or (rows[1:] - rows[:-1] == 1).all():  # A pass in order, away from its wrap and tail.
+        return [(int(rows[0]), len(rows))]
+    low, high = int(rows.min()), int(rows.max())
+    if high - low < 4 * len(rows) + 4096:  # Dense (in order, as a pass in order reads): a mask.
+        present = np.zeros(high - low + 1, dtype=bool)
+        present[rows - low] = True
+        distinct = np.flatnonzero(present) + low
+    else:
+        distinct = np.sort(rows)
+    breaks = np.flatnonzero(np.diff(distinct) > 1 + gap) + 1
+    starts, ends = np.append(0, breaks), np.append(breaks, len(distinct))
+    return [(int(distinct[start]), int(distinct[stop - 1]) + 1 - int(distinct[start]))
+            for start, stop in zip(starts.tolist(), ends.tolist())]
+
+
+def _union(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Runs merged where they overlap or lie within `gap` rows of each other, by first row."""
+    merged: list[tuple[int, int]] = []
+    for first, count in sorted(runs):
+        if merged and first <= merged[-1][0] + merged[-1][1] + gap:
+            end = max(merged[-1][0] + merged[-1][1], first + count)
+            merged[-1] = (merged[-1][0], end - merged[-1][0])
+        else:
+            merged.append((first, count))
+    return merged
 
 
 def _ranks_here() -> int:
-    """The ranks of a job on this machine (torchrun's LOCAL_WORLD_SIZE), 1 if not said."""
+    """The trainers on this machine (plan/defaults.local_trainers: torchrun's or Slurm's
+    count), 1 where none is said or it cannot be read (the loader reports that itself)."""
+    from ..plan.defaults import local_trainers
+
     try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return local_trainers()
     except ValueError:
         return 1
 
