@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ReadAheadLedger, block_ids_read_ahead, write_b2nd
-from hypothesis import given, settings
+from conftest import ReadAheadLedger, block_ids_read_ahead, examples, write_b2nd
+from hypothesis import given
 from hypothesis import strategies as st
 
 from shmloader import Packed, ShmDataLoader, Windows
@@ -39,7 +39,7 @@ def _in_order_samplers(draw):
     return sampler
 
 
-@settings(max_examples=60, deadline=None)
+@examples(60)
 @given(sampler=_in_order_samplers(), row_bytes=st.sampled_from([1, 8, 3072, 100_000]),
        block_bytes=st.integers(1, 1 << 16), block=st.integers(0, 5))
 def test_a_blocks_runs_hold_exactly_the_rows_its_steps_read(sampler, row_bytes, block_bytes, block):

@@ -373,6 +373,19 @@ class Sampler(StreamShape):
         """The block ids (row // block_rows) at places first .. first + count of `epoch`."""
         return read_place_blocks(lib.shm_sampler_place_blocks, self._config, epoch, first, count)
 
+    def step_runs(self, step: int) -> list[tuple[int, int]] | None:
+        """(first row, rows) of the runs of `step`'s rows in mode "sequential" away from a
+        finite pass's tail, from its stream position (the rows are the positions modulo the
+        length, see the class docstring); None where only fill() says (other modes, a
+        tail's steps): what an in-order read-ahead asks for (storage/readahead.InOrder)."""
+        if self.mode != "sequential" or self.dealing is not None or self._in_tail(step) is not None:
+            return None
+        if self.batch_size >= self.length:
+            return [(0, self.length)]
+        first = self.stream_position(step) % self.length
+        count = min(self.batch_size, self.length - first)
+        return [(first, count)] + ([(0, self.batch_size - count)] if count < self.batch_size else [])
+
     def row_runs(self, block: int) -> list[tuple[int, int]]:
         """(first row, rows) of block `block`: what the read-ahead reads for it."""
         first = block * self.block_rows

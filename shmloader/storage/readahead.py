@@ -315,10 +315,16 @@ class InOrder:
     def _find_runs(self, block: int) -> list[tuple[int, int]]:
         first = block * self.steps
         end = min(first + self.steps, self._end_step)
+        pieces, filled = [], []
+        for step in range(first, end):
+            runs = self.sampler.step_runs(step)  # Without filling the step, where the sampler can say.
+            if runs is None:
+                filled.append(step)
+            else:
+                pieces.extend(runs)
         chunk = max(1, _IN_ORDER_ROWS_AT_ONCE // len(self._indices))
-        pieces = []
-        for chunk_first in range(first, end, chunk):  # A block's rows a chunk of steps at a time.
-            steps = range(chunk_first, min(end, chunk_first + chunk))
+        for at in range(0, len(filled), chunk):  # The others filled, a chunk of steps at a time.
+            steps = filled[at:at + chunk]
             rows = np.empty((len(steps), len(self._indices)), dtype=np.int64)
             for offset, step in enumerate(steps):
                 self.sampler.fill_unchecked(step, self._pointer)
