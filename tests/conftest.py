@@ -258,7 +258,11 @@ class ReadAheadLedger:
     the order they keep as they are settled: a block's mappings are let go of only after it
     was asked for, and its pages only once no mapping of it is left."""
 
-    def __init__(self) -> None:
+    def __init__(self, alone: bool = True) -> None:
+        """`alone`: the only reader, whose order is checked; one of several may let go of a
+        block only another asked for (its forget then drops no mapping; its drop, pages the
+        other read), so its requests are only recorded."""
+        self.alone = alone
         self.requests: list[tuple[str, list[int]]] = []
         self.held: dict[int, int] = {}  # Block -> times asked for and not dropped.
         self.mapped: dict[int, int] = {}  # Block -> times asked for and not forgotten.
@@ -277,6 +281,8 @@ class ReadAheadLedger:
                 if what == "advise":
                     self.held[block] = self.held.get(block, 0) + 1
                     self.mapped[block] = self.mapped.get(block, 0) + 1
+                elif not self.alone:
+                    self.dropped.extend([block] * (what == "drop"))
                 elif what == "forget":
                     self.mapped[block] -= 1
                     assert self.mapped[block] >= 0, f"block {block} forgotten before it was asked for"

@@ -505,3 +505,27 @@ def test_the_kernel_is_told_how_each_order_reads_the_mapping(tmp_path, settings,
     assert flags, "the file is not mapped"
     for known in ("sr", "rr"):
         assert (known in flags[0]) == (known == flag), (known, flags[0])
+
+
+@pytest.mark.parametrize("readers, batch", [(4, 64), (8, 16)])
+def test_readers_whose_steps_span_more_places_than_they_read_ahead_still_let_go_of_blocks(readers, batch):
+    """Readers filling steps in turn, each reader's next step further on than it asks for
+    ahead (small blocks, large batches): each goes on from step to step instead of starting
+    afresh at each (which let go of nothing, ever), and between them every finished block
+    is let go of once an epoch."""
+    sampler = Sampler(5000, batch, "shuffle", 3, shuffle_window=40, block_rows=4)
+    ledgers = []
+    steps = 3 * sampler.epoch_length // batch
+    for index in range(readers):
+        ledger = ReadAheadLedger(alone=False)
+        read_ahead = block_ids_read_ahead()(sampler, [], 0, advisor=ledger, share=(index, readers))
+        read_ahead.release_blocks = True
+        assert read_ahead.ahead < readers * batch // sampler.block_rows  # Its steps lie past its read-ahead.
+        for step in range(index, steps, readers):
+            read_ahead.note(step)
+            ledger.settle()
+        ledgers.append(ledger)
+    dropped = [block for ledger in ledgers for block in ledger.dropped]
+    blocks = sampler.length // sampler.block_rows
+    assert len(dropped) >= 2 * blocks  # Each epoch's blocks, but for the last steps' (lagging).
+    assert all(count <= 3 for count in np.bincount(dropped))  # Once an epoch.

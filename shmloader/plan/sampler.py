@@ -382,7 +382,10 @@ class Sampler(StreamShape):
             return None
         if self.batch_size >= self.length:
             return [(0, self.length)]
-        first = self.stream_position(step) % self.length
+        position = self.stream_position(step)
+        if position + self.batch_size > U64_MAX + 1:  # As fill() does: past the 64-bit stream.
+            raise ValueError(f"step {step}: positions from {position} run past the 64-bit stream")
+        first = position % self.length
         count = min(self.batch_size, self.length - first)
         return [(first, count)] + ([(0, self.batch_size - count)] if count < self.batch_size else [])
 

@@ -148,6 +148,7 @@ class ReadAhead:
         # advise, and the next to let go of at each stage; None before the first step and
         # after a jump.
         self._advised: int | None = None
+        self._step: int | None = None  # the step of the last call
         self._key, self._stream = None, sampler  # the stream being read ahead (see Sampler.window_stream)
         self._released: dict[str, int | None] = {"forget": None, "drop": None}
         self._own_advisor = advisor is None
@@ -163,18 +164,21 @@ class ReadAhead:
         places = stream.places(position)
         needed = places.epoch * places.total + places.closed
         # Readers fill steps in turn, so a reader's next step may lie past what it advised
-        # (each block is one step where steps are large: readers blocks apart): a move
-        # forward by up to `slack` places goes on (the places between are advised too, by
-        # now cached, so that every place it lets go of was asked for); a seek, a jump back
-        # or further, or another stream (a resharded dealing's pieces, then the shard's own
-        # stream) starts afresh.
-        slack = max(self.ahead, 2 * self.share_count)
-        if self._advised is None or key != self._key or not needed - slack <= self._advised <= needed + self.ahead:
+        # (steps that span more places than it reads ahead): a move forward by up to two
+        # rounds of the readers' steps goes on, asking only for what lies ahead of the
+        # step (the places it skips are being dealt, by the others' steps or its own); a
+        # seek, a jump back or further, or another stream (a resharded dealing's pieces,
+        # then the shard's own stream) starts afresh.
+        moved = None if self._step is None else step - self._step
+        goes_on = needed <= self._advised <= needed + self.ahead if self._advised is not None else False
+        goes_on = goes_on or (moved is not None and 0 < moved <= 2 * self.share_count and self._advised <= needed)
+        if self._advised is None or key != self._key or not goes_on:
             self._advised, self._key, self._stream = needed, key, stream
             self._released = {"forget": None, "drop": None}
-        end = needed + self.ahead
-        if self._advised < end and self._submit("advise", self._blocks(self._advised, end, places.total)):
-            self.blocks_advised += end - self._advised
+        self._step = step
+        start, end = max(self._advised, needed), needed + self.ahead
+        if start < end and self._submit("advise", self._blocks(start, end, places.total)):
+            self.blocks_advised += end - start
             self._advised = end
         if not self.release_blocks or step < LAG_STEPS:
             return
@@ -251,16 +255,16 @@ class InOrder:
 
     def __init__(self, sampler, stored_bytes: int) -> None:
         """`stored_bytes`: the fields' bytes on disk. The read-ahead's depth is up to
-        IN_ORDER_AHEAD_BYTES, and at most a quarter of the memory this machine's ranks may
-        use (its limit, shared by LOCAL_WORLD_SIZE ranks where torchrun says so)."""
+        IN_ORDER_AHEAD_BYTES, and at most a quarter of the memory each trainer on this
+        machine may use (its limit, shared by the trainers a launcher says run here)."""
         self.sampler, self.length = sampler, sampler.length
         row_bytes = stored_bytes / max(1, sampler.length)
         step_bytes = max(1.0, sampler.batch_size * row_bytes)
         self.steps = max(1, min(_IN_ORDER_STEPS_MAX, int(IN_ORDER_BLOCK_BYTES // step_bytes)))
         block_bytes = self.steps * sampler.batch_size * max(1.0, row_bytes)
-        memory = memory_limit_bytes() / _ranks_here()
+        limit, trainers = memory_limit_bytes(), _ranks_here()
         self.ahead_blocks = max(2, min(_IN_ORDER_AHEAD_BLOCKS_MAX,
-                                       int(min(IN_ORDER_AHEAD_BYTES, memory / 4) // block_bytes)))
+                                       int(min(IN_ORDER_AHEAD_BYTES, limit / trainers / 4) // block_bytes)))
         self._indices = np.zeros(sampler.batch_size, dtype=np.uint64)
         from .._native import ffi
 
@@ -269,23 +273,33 @@ class InOrder:
         self._gap_rows = int(_IN_ORDER_GAP_BYTES // max(1.0, row_bytes))
         tail = sampler.tail  # A finite pass's: nothing past its end is read ahead.
         self._end_step = sampler.step_max + 1 if tail is None else tail.end_step
-        # The share of the rows a shard reads in any stretch of them (1 unsharded, about
-        # 1 / shard_count where its pieces of each global batch are far apart, 1 where the
-        # pieces are so close that whole pages hold them): what its kept rows cost it.
-        runs = self._find_runs(0)
-        spanned = max(1, max(first + count for first, count in runs) - min(first for first, _ in runs)) if runs else 1
-        share = min(1.0, max(1.0 / sampler.shard_count, sum(count for _, count in runs) / spanned))
-        # Pages are let go of only where this shard's data is larger than the memory of this
-        # machine's share: data that fits stays cached for later passes, as without read-ahead.
-        self.release = stored_bytes * share > memory
         # A pass in order over data larger than memory reads every page again each pass
         # whatever the kernel keeps (its least recently used page is always the next one
         # needed): the data's first rows are kept cached instead (never let go of), in what
-        # IN_ORDER_KEPT_SHARE of the memory leaves beside the read-ahead, and each pass
-        # reads them from memory. Kept pages are mapped without recency (MADV_SEQUENTIAL),
-        # so under memory pressure the kernel still reclaims them first.
-        kept = IN_ORDER_KEPT_SHARE * memory - (self.ahead_blocks + 2) * block_bytes
-        self.keep_rows = int(max(0.0, kept) / share // max(1.0, row_bytes))
+        # IN_ORDER_KEPT_SHARE of the memory leaves beside the trainers' read-ahead, and each
+        # pass reads them from memory. The machine's trainers (shards of the same data) read
+        # `coverage` of the pages of any stretch of rows together: all of them unsharded, or
+        # where a shard's pieces of each global batch lie within pages of each other; one
+        # shard's share per trainer where they lie far apart. Kept pages are mapped without
+        # recency (MADV_SEQUENTIAL), so under memory pressure the kernel reclaims them first.
+        coverage = min(1.0, self._share() * trainers)
+        kept = IN_ORDER_KEPT_SHARE * limit - trainers * (self.ahead_blocks + 2) * block_bytes
+        self.keep_rows = int(max(0.0, kept) / coverage // max(1.0, row_bytes))
+        # Pages are let go of only where the kept rows do not hold all of them: data that
+        # fits stays cached for later passes, as without read-ahead.
+        self.release = self.keep_rows < sampler.length
+
+    def _share(self) -> float:
+        """The share of the rows of a stretch that this shard reads: the rows of a step over
+        the distance to the next step's (1 unsharded; 1 / shard_count where the shards'
+        pieces of a global batch lie further apart than _IN_ORDER_GAP_BYTES; 1, the
+        cautious answer, where the sampler cannot say without a fill)."""
+        first, second = self.sampler.step_runs(0), self.sampler.step_runs(1)
+        if not first or not second or len(first) != 1 or len(second) != 1:
+            return 1.0
+        stride = second[0][0] - first[0][0]
+        rows = first[0][1]
+        return rows / stride if stride > rows + self._gap_rows else 1.0
 
     def window_stream(self, step: int) -> tuple:
         return None, self, step
