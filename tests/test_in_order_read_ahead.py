@@ -18,6 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shmloader import Packed, ShmDataLoader, Windows
+from shmloader.errors import StorageError
 from shmloader.fill.filler import StepFiller
 from shmloader.plan.options import LoaderOptions
 from shmloader.plan.planner import plan_loader
@@ -231,3 +232,22 @@ def test_the_pages_of_the_steps_ahead_are_read_soon_after_the_first_batch(tmp_pa
         while _resident(path, far, os.path.getsize(path)) < 0.9 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _resident(path, far, os.path.getsize(path)) >= 0.9
+
+
+def test_a_file_ahead_that_cannot_be_opened_fails_the_step_that_reads_it_not_an_earlier_one(tmp_path):
+    """The read-ahead opens the files of the blocks ahead; one that changed since the loader
+    described it fails the first step that reads its rows, naming it, and no step before
+    (advice costs speed only)."""
+    data = np.arange(1000 * 16, dtype=np.int64).reshape(1000, 16)
+    np.save(tmp_path / "a.npy", data[:500])
+    write_b2nd(str(tmp_path / "b.b2nd"), data[500:], chunks=(50, 16), blocks=(10, 16))
+    with ShmDataLoader({"x": [str(tmp_path / "a.npy"), str(tmp_path / "b.b2nd")]}, batch_size=10, readers=0,
+                       mode="sequential") as loader:
+        os.truncate(tmp_path / "b.b2nd", 200)
+        batches = iter(loader)
+        for step in range(50):  # The rows of a.npy.
+            batch = next(batches)
+            np.testing.assert_array_equal(batch["x"], data[batch.indices])
+            batch.release()
+        with pytest.raises(StorageError, match="b.b2nd: the file changed"):
+            next(batches)

@@ -40,6 +40,7 @@ import threading
 
 import numpy as np
 
+from ..errors import StorageError
 from ..plan.sampler import Places
 from ..remote.pages import CACHE_PAGE_BYTES
 
@@ -215,7 +216,13 @@ class ReadAhead:
         return blocks
 
     def _submit(self, what: str, blocks) -> bool:
-        return self.advisor.submit(what, self._ranges(blocks, self.keep_rows if what == "drop" else 0))
+        try:
+            ranges = self._ranges(blocks, self.keep_rows if what == "drop" else 0)
+        except (OSError, StorageError):
+            # A file ahead that cannot be opened (changed, removed): the fill of a step that
+            # reads it reports it, naming it; a step before it must not fail for advice.
+            return False
+        return self.advisor.submit(what, ranges)
 
     def _ranges(self, blocks, kept_rows: int = 0) -> list[tuple]:
         """(opened file, offset, bytes) of every field's share of `blocks`, in their order
