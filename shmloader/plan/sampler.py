@@ -58,6 +58,12 @@ def window_blocks_of(shuffle_window: int, block_rows: int, length: int) -> int:
     return max(1, min(-(-shuffle_window // block_rows), length // block_rows + 1))
 
 
+def block_runs(block: int, block_rows: int, length: int) -> list[tuple[int, int]]:
+    """(first row, rows) of block `block` of `block_rows` rows (the last one shorter)."""
+    first = block * block_rows
+    return [(first, min(block_rows, length - first))]
+
+
 def derive_seed(*parts) -> int:
     """A 64-bit value keyed by `parts` (their text joined by "/"): every seed the loader
     derives (a mixture's per-source seeds, transform names, the global generators'
@@ -391,8 +397,7 @@ class Sampler(StreamShape):
 
     def row_runs(self, block: int) -> list[tuple[int, int]]:
         """(first row, rows) of block `block`: what the read-ahead reads for it."""
-        first = block * self.block_rows
-        return [(first, min(self.block_rows, self.length - first))]
+        return block_runs(block, self.block_rows, self.length)
 
     def window_views(self) -> list[Sampler]:
         """What reads ahead for this sampler's windows (storage/readahead.py): itself, or nothing

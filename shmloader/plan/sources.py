@@ -27,6 +27,7 @@ from .options import (
 )
 from .sampler import (
     Places,
+    block_runs,
     derive_seed,
     read_place_blocks,
     read_places,
@@ -233,8 +234,7 @@ class SourceWindows:
 
     def row_runs(self, block: int) -> list[tuple[int, int]]:
         """(first row, rows) of the source's block `block` (Sampler.row_runs)."""
-        first = block * self.block_rows
-        return [(first, min(self.block_rows, self.length - first))]
+        return block_runs(block, self.block_rows, self.length)
 
     def place_blocks(self, epoch: int, first: int, count: int) -> np.ndarray:
         return read_place_blocks(lib.shm_mixture_place_blocks, self.mixture._config, self.source, epoch, first, count)

@@ -59,16 +59,14 @@ IN_ORDER_AHEAD_BYTES = 512 << 20
 IN_ORDER_KEPT_SHARE = 2 / 3
 # Its places are counted from the start of the stream, never by epoch.
 _IN_ORDER_PLACES = 1 << 62
-# A block's runs come from filling each of its steps (in the filling thread, at the step
-# that first asks for it): at most this many steps per block, and this many blocks ahead,
-# so that a first step costs a few thousand fills where batches are small (and rows so
-# small that 32 MiB would be hundreds of thousands of steps).
+# A block's runs are found step by step (in the filling thread, at the step that first asks
+# for it): at most this many steps per block, and this many blocks ahead, so that a first
+# step costs a few thousand steps' worth where batches are small (and rows so small that
+# 32 MiB would be hundreds of thousands of steps).
 _IN_ORDER_STEPS_MAX = 256
 _IN_ORDER_AHEAD_BLOCKS_MAX = 16
 # Runs of rows closer than this are read ahead as one (InOrder.row_runs).
 _IN_ORDER_GAP_BYTES = 64 << 10
-# Rows InOrder.row_runs holds at once while it finds a block's runs.
-_IN_ORDER_ROWS_AT_ONCE = 1 << 18
 # The blocks whose runs InOrder keeps (each is asked for once, then let go of in two stages).
 _IN_ORDER_RUNS_KEPT = 64
 # Blocks asked for beyond the window being dealt from (blocks are about 32 MiB of rows,
@@ -251,12 +249,11 @@ class InOrder:
     windowed one, so that an in-order pass over data larger than memory gets the window's
     read-ahead (large reads in flight ahead of need, finished pages let go of, the data's
     first rows kept) instead of page faults and the kernel's read-ahead of them: block b
-    is the rows of steps
-    [b * steps, (b + 1) * steps), about IN_ORDER_BLOCK_BYTES of them, and the one block
-    being dealt from is the one that holds the step. Which rows those are comes from the
-    sampler's own fill (a shard's share of each global batch, a finite pass's tail, a
-    resumed offset, the wrap into the next epoch), merged into runs: nothing of the stream's
-    geometry is derived here."""
+    is the rows of steps [b * steps, (b + 1) * steps), about IN_ORDER_BLOCK_BYTES of them,
+    and the one block being dealt from is the one that holds the step. Which rows those are
+    the sampler says (Sampler.step_runs from a step's stream position, its fill for a finite
+    pass's tail: a shard's share of each global batch, a resumed offset, the wrap into the
+    next epoch), merged into runs: nothing of the stream's geometry is derived here."""
 
     blocks_per_window = 1
 
@@ -336,21 +333,13 @@ class InOrder:
     def _find_runs(self, block: int) -> list[tuple[int, int]]:
         first = block * self.steps
         end = min(first + self.steps, self._end_step)
-        pieces, filled = [], []
+        pieces = []
         for step in range(first, end):
             runs = self.sampler.step_runs(step)  # Without filling the step, where the sampler can say.
-            if runs is None:
-                filled.append(step)
-            else:
-                pieces.extend(runs)
-        chunk = max(1, _IN_ORDER_ROWS_AT_ONCE // len(self._indices))
-        for at in range(0, len(filled), chunk):  # The others filled, a chunk of steps at a time.
-            steps = filled[at:at + chunk]
-            rows = np.empty((len(steps), len(self._indices)), dtype=np.int64)
-            for offset, step in enumerate(steps):
+            if runs is None:  # A finite pass's tail step: its fill says.
                 self.sampler.fill_unchecked(step, self._pointer)
-                rows[offset] = self._indices
-            pieces.extend(_runs_of(rows.ravel(), self._gap_rows))
+                runs = _runs_of(self._indices, self._gap_rows)
+            pieces.extend(runs)
         return _union(pieces, self._gap_rows)
 
 
@@ -359,15 +348,7 @@ def _runs_of(rows: np.ndarray, gap: int) -> list[tuple[int, int]]:
     Rows in any order and repeated (a finite pass's padding, a batch larger than the data)."""
     if not len(rows):
         return []
-    if len(rows) == 1 or (rows[1:] - rows[:-1] == 1).all():  # A pass in order, away from its wrap and tail.
-        return [(int(rows[0]), len(rows))]
-    low, high = int(rows.min()), int(rows.max())
-    if high - low < 4 * len(rows) + 4096:  # Dense (in order, as a pass in order reads): a mask.
-        present = np.zeros(high - low + 1, dtype=bool)
-        present[rows - low] = True
-        distinct = np.flatnonzero(present) + low
-    else:
-        distinct = np.sort(rows)
+    distinct = np.sort(rows.astype(np.int64))
     breaks = np.flatnonzero(np.diff(distinct) > 1 + gap) + 1
     starts, ends = np.append(0, breaks), np.append(breaks, len(distinct))
     return [(int(distinct[start]), int(distinct[stop - 1]) + 1 - int(distinct[start]))
