@@ -145,3 +145,39 @@ def test_the_read_ahead_counts_each_page_under_its_ranges_once(ranges):
     pages = {page for offset, size in ranges if size
              for page in range(offset // CACHE_PAGE_BYTES, (offset + size - 1) // CACHE_PAGE_BYTES + 1)}
     assert _page_bytes(offsets, sizes) == len(pages) * CACHE_PAGE_BYTES
+
+
+def test_a_fill_that_an_eviction_overlapped_is_read_again_pinned(rows, tmp_path, monkeypatch):
+    """Rows read unpinned (remote/cache.py, UNPINNED_READS) from pages another process
+    evicts meanwhile are read again under pins: the batch is the file's, never the holes'."""
+    from shmloader.fill.filler import StepFiller
+    from shmloader.remote.cache import UNPINNED_READS
+    from shmloader.remote.node import NodeCache
+
+    if not UNPINNED_READS:
+        pytest.skip("unpinned reads are for x86-64 only")
+    cache, calls, evicted = tmp_path / "cache", [], []
+    fill_pinned = StepFiller._fill_pinned
+
+    def evicting_fill(self, step, outputs, salt=0):
+        calls.append(step)
+        if step == 3 and not evicted:  # Its pages came with step 0's fetch unit: present, checked.
+            other = NodeCache(str(cache))  # Another process's view: its own ledger descriptor.
+            budget = other.budget()
+            other.set_budget(1)
+            held = other.counters()["bytes_held"]
+            other.reserve(0)  # Evicts every page nobody pins.
+            evicted.append(held - other.counters()["bytes_held"])
+            other.set_budget(budget)
+            other.close()
+        return fill_pinned(self, step, outputs, salt)
+
+    monkeypatch.setattr(StepFiller, "_fill_pinned", evicting_fill)
+    local = np.load(rows[0], mmap_mode="r")
+    with ShmDataLoader({"x": rows[1]}, cache_dir=cache, batch_size=BATCH, readers=0, mode="sequential",
+                       epochs=1) as loader:
+        for step, batch in zip(range(6), loader):
+            np.testing.assert_array_equal(np.asarray(batch["x"]), local[step * BATCH:(step + 1) * BATCH],
+                                          err_msg=f"step {step}")
+    assert evicted and evicted[0] > 0
+    assert calls.count(3) == 2  # Read unpinned, then again, pinned.

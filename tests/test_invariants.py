@@ -159,7 +159,7 @@ def test_bytes_given_back_twice_are_an_assertion(cache):
 
     held = cache.counters()["bytes_held"]
     with pytest.raises(AssertionError, match="holds -1 bytes"):
-        cache.forget(held + 1)
+        cache.mark_absent(np.ones(1, np.uint32), 0, held + 1)
     cache._ledger[_LEDGER["held"]] = held
 
 
@@ -169,7 +169,7 @@ def test_bytes_in_flight_beyond_the_bytes_held_are_an_assertion(cache):
     cache.reserve(8192)
     cache._ledger[_LEDGER["held"]] = 4096  # Another process's accounting gone wrong.
     with pytest.raises(AssertionError, match="8192 bytes in flight, 4096 held"):
-        cache.forget(0)
+        cache.mark_absent(np.ones(1, np.uint32), 0, 0)
     cache._ledger[_LEDGER["held"]] = 8192
     cache.settle(8192, downloaded=False)
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from shmloader.remote import cache as cached
 from shmloader.remote.node import node_cache
-from shmloader.remote.pages import CACHE_PAGE_BYTES, FETCH_BASE, lock
+from shmloader.remote.pages import CACHE_PAGE_BYTES, FETCH_BASE, IN_FLIGHT_FIRST, lock
 
 
 def _object(root, size: int = 64 * CACHE_PAGE_BYTES):
@@ -110,7 +110,8 @@ def test_a_read_ahead_outliving_its_objects_close_leaves_no_claim(tmp_path):
 
     thread = threading.Thread(target=read_ahead)
     thread.start()
-    assert _wait(lambda: len(calls) == 16)  # Every thread busy: the read-ahead waits for one.
+    # Every request it may have in flight so far made: the read-ahead waits for one to end.
+    assert _wait(lambda: len(calls) == IN_FLIGHT_FIRST)
     remote.close()
     held = []  # The process opens files since: one takes the read-ahead's old descriptor number.
     try:

@@ -289,20 +289,33 @@ class StepFiller:
 
     def _fill_rows(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         """Fills the regions from the rows already in outputs.indices (and sources); from a
-        store, with the pages they read pinned in the node cache while they are read."""
+        store, with the pages they read kept in the node cache while they are read: read
+        unpinned where they are all there (CachedObject.pin), and read again, pinned, where
+        an eviction may have taken some meanwhile (what it read then, and any error that
+        raised, is not the batch's)."""
         if not self.remote:
             self._fill_pinned(step, outputs, salt)
-            return
-        pinned = []
+        elif not self._fill_cached(step, outputs, salt, unpinned=True):
+            self._fill_cached(step, outputs, salt, unpinned=False)
+
+    def _fill_cached(self, step: int, outputs: SlotOutputs, salt: int, unpinned: bool) -> bool:
+        """One try of _fill_rows from the node cache; False where it read unpinned pages
+        that an eviction may have overlapped."""
+        cached_objects = []
         try:
             for reader in self.field_readers:
                 for field, offsets, sizes in reader.extents(outputs.indices, outputs.sources):
-                    pinned.append(field.remote)
-                    field.remote.pin(offsets, sizes, field.unit_pages)
+                    cached_objects.append(field.remote)
+                    field.remote.pin(offsets, sizes, field.unit_pages, unpinned=unpinned)
             self._fill_pinned(step, outputs, salt)
-        finally:
-            for cached in pinned:
-                cached.unpin()
+        except Exception:
+            if _unpin(cached_objects) or not unpinned:
+                raise
+            return False  # An error from bytes an eviction overlapped: read again, pinned.
+        except BaseException:
+            _unpin(cached_objects)
+            raise
+        return _unpin(cached_objects)
 
     def _fill_pinned(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         indices, sources = outputs.indices, outputs.sources
@@ -442,3 +455,12 @@ class StepFiller:
 def _in_order(sampler) -> bool:
     """Whether the sampler reads rows in order (sequential mode), which InOrder reads ahead."""
     return getattr(sampler, "mode", None) == "sequential"
+
+
+def _unpin(cached_objects: list) -> bool:
+    """Unpins every object (one listed twice: the second call does nothing); whether
+    what was read from them unpinned held (CachedObject.unpin)."""
+    held = True
+    for cached in cached_objects:
+        held = cached.unpin() and held
+    return held

@@ -14,9 +14,9 @@ budget, the bytes held (pages and the cache's own files) and the node's counters
 
 Trust: the cache is its user's own (directories 0700, files 0600, every open O_NOFOLLOW of
 a regular file of this user: pages.open_private, private_directory, private_root). A page
-a download wrote is served once its stamp says present; a page written by another process
-or run is checked against its CRC-32 first, once per process (CachedObject._verify); a
-copy whose files are not the object's size is every page absent. Credentials stay in the
+a download wrote is served once its stamp says present; a page already present when a
+process opened the copy is checked against its CRC-32 first, once per process
+(CachedObject._verify); a copy whose files are not the object's size is every page absent. Credentials stay in the
 memory of the process that read them (_hold_credentials).
 
 Locks are open-file-description locks (fcntl F_OFD_SETLK): a process that dies, however
@@ -51,6 +51,7 @@ import hashlib
 import hmac
 import json
 import os
+import platform
 import posixpath
 import re
 import secrets
@@ -89,6 +90,10 @@ from .store import Client
 
 # See CachedObject._download_run.
 AHEAD_STAMP_SECONDS = 2
+# Gathers read present pages without locks and check the eviction sequence after them
+# (CachedObject._read_unpinned) where loads are seen in program order (x86-64's model);
+# elsewhere every gather pins.
+UNPINNED_READS = platform.machine().lower() in ("x86_64", "amd64")
 
 
 def cached_object(path: str, url: str = "") -> CachedObject:
@@ -349,8 +354,11 @@ class CachedObject:
         self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
         self.checksums = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count,
                                        offset=STAMP_BYTES * self.page_count)
-        # Pages this process wrote or checked: see _verify for why and what it costs.
-        self.verified = np.zeros(self.page_count, dtype=bool)
+        # Pages this process may serve unchecked: see _verify for why and what it costs.
+        # Those absent now count as checked: whoever downloads one while this process has
+        # the copy open (this process, or another reader of the node), it is as fresh as
+        # this process's own downloads, which are served unchecked for the whole run.
+        self.verified = self.stamps == 0
         self._local = threading.local()
         self._descriptors: list[int] = []
         self._descriptors_lock = threading.Lock()
@@ -392,12 +400,17 @@ class CachedObject:
 
     # Pins (the gathering thread).
 
-    def pin(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:
+    def pin(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1, unpinned: bool = False) -> None:
         """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
         unpin(): they are fetched (by this process, or by whoever fetches them already),
-        with the rest of their fetch units of `unit_pages`."""
+        with the rest of their fetch units of `unit_pages`.
+        `unpinned`: where every page is present and checked already, and no eviction runs,
+        nothing is locked: unpin() then says whether an eviction ran meanwhile, and the
+        caller reads again (pinned) where one did (see _read_unpinned)."""
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
+            return
+        if unpinned and UNPINNED_READS and self._read_unpinned(pages):
             return
         descriptor = self._fd("pin")
         self._local.pinned = True
@@ -418,8 +431,35 @@ class CachedObject:
         if len(stale):
             self.stamps[stale] = stamp
         if len(missing):
-            self._fetch_missing(missing, descriptor, unit_pages)
+            with self.cache.ahead_slots.fill_waiting():
+                self._fetch_missing(missing, descriptor, unit_pages)
         self._check_pinned(pages)
+
+    def _read_unpinned(self, pages: np.ndarray) -> bool:
+        """Whether `pages` may be read without their USE locks: all present and checked,
+        with no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
+        A lock call per run of pages was the largest cost of serving rows from the cache:
+        a batch of rows at random is hundreds of runs, and each call walks the file's list
+        of locks, which every reader shares (py-spy; bench/RESULTS.md). An eviction is what
+        a pin holds off, and evictions are counted: unpin() compares the sequence with the
+        one read here (and looks at the stamps again), so a gather that an eviction may have
+        overlapped is read again, pinned. Pages last used a while ago are stamped as used
+        (touch, under the ledger lock) as a pin stamps them."""
+        sequence = self.cache.eviction_sequence()
+        if sequence is None or sequence % 2:
+            return False
+        stamps = self.stamps[pages]
+        if not ((stamps != 0) & self.verified[pages]).all():
+            return False
+        stamp = now_stamp()
+        stale = pages[(stamps + 1 < stamp) | (stamps > stamp)]
+        if len(stale):
+            self.cache.touch(self.stamps, stale, stamp)
+        reads = getattr(self._local, "unpinned", None)
+        if reads is None:
+            reads = self._local.unpinned = []
+        reads.append((sequence, pages))
+        return True
 
     def _check_pinned(self, pages: np.ndarray) -> None:
         """A pin returns with every page it holds present: an eviction, the one change that
@@ -441,12 +481,16 @@ class CachedObject:
 
     def _verify(self, pages: np.ndarray, descriptor: int, pinned: np.ndarray, stamps: np.ndarray) -> np.ndarray:
         """Checks present `pages` (pinned through `descriptor`) against the CRC-32 their
-        download stored, the first time this process serves them: a page written by another
-        run or process may have been altered on disk since (a flipped bit, a hand edit).
-        What it costs: the stored checksum, 4 bytes a page in the pages file; one CRC-32 per
-        page downloaded; and, once per page and process, a read of the page and its CRC-32
-        (pages this process downloads count as checked). One that fails is marked absent
-        and fetched again. Returns the stamps of `pinned` as they are now."""
+        download stored, the first time this process serves them: a page that was present
+        when this process opened the copy, written by an earlier run or process, may have
+        been altered on disk since (a flipped bit, a hand edit, a file cut short and grown
+        again). What it costs: the stored checksum, 4 bytes a page in the pages file; one
+        CRC-32 per page downloaded; and, once per such page and process, a read of the page
+        and its CRC-32. Pages downloaded while this process had the copy open, by it or by
+        another reader of the node, count as checked: checking those too made every reader
+        read and checksum every page the others fetched, the largest cost of serving rows
+        from the cache (py-spy, bench/RESULTS.md). One that fails is marked absent and
+        fetched again. Returns the stamps of `pinned` as they are now."""
         bad = []
         for first, end in runs_of(pages, VERIFY_READ_PAGES):
             for page in self._failing(first, end, pages):
@@ -457,8 +501,8 @@ class CachedObject:
             lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, True)
             try:
                 if self.stamps[page] != 0 and page in self._failing(page, page + 1, np.array([page])):
-                    self.stamps[page] = 0  # Absent from here on: nobody serves it again.
-                    self.cache.forget(page_disk_bytes(page, self.size))
+                    # Absent from here on: nobody serves it again.
+                    self.cache.mark_absent(self.stamps, page, page_disk_bytes(page, self.size))
             finally:
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
         return self.stamps[pinned]
@@ -492,10 +536,22 @@ class CachedObject:
             found[k] = bool(((self.stamps[first[k]:last[k] + 1] != 0) & self.verified[first[k]:last[k] + 1]).all())
         return found
 
-    def unpin(self) -> None:
+    def unpin(self) -> bool:
+        """Lets go of this thread's pins; False where pages it read unpinned since its last
+        unpin may have been evicted meanwhile (what was read from them must be read again)."""
+        held = True
+        reads = getattr(self._local, "unpinned", None)
+        if reads:
+            # Read after the gather: on x86-64 (UNPINNED_READS) loads are not reordered
+            # with older loads, so the gather's reads came before this one.
+            sequence, stamps = self.cache.eviction_sequence(), self.stamps
+            held = stamps is not None and all(
+                read == sequence and (stamps[pages] != 0).all() for read, pages in reads)
+            reads.clear()
         if getattr(self._local, "pinned", False):
             lock(self._fd("pin"), fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
             self._local.pinned = False
+        return held
 
     @contextlib.contextmanager
     def pinned(self, extents=None):
@@ -577,7 +633,7 @@ class CachedObject:
                 future.add_done_callback(lambda _, first=run_first, end=run_end: self._ahead_done(descriptor, first, end))
             finally:
                 if not made:
-                    slots.release()
+                    slots.release(used=False)
 
     def _let_go(self, descriptor: int, first: int, end: int) -> None:
         """Ends a read-ahead claim on pages [first, end): unlocked (unless the object was

@@ -24,6 +24,7 @@ from .pages import (
     DISK_SECTOR_BYTES,
     EVICT_SHARE,
     IN_FLIGHT,
+    IN_FLIGHT_FIRST,
     MARKER_SUFFIX,
     PAGES_SUFFIX,
     STAMP_BYTES,
@@ -42,10 +43,53 @@ from .pages import (
 )
 
 _LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
-_LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6}
+_LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6,
+           "evictions": 7}
 _LEDGER_BYTES = 4096
 # After the counters: (pid, bytes reserved in flight) per process using the cache.
 _SLOTS_OFFSET, _SLOT_COUNT = 256, 240
+
+
+class RampingSlots:
+    """A semaphore of `first` permits that gains one each time a request it let through
+    ends, up to `most`: the read-ahead's requests in flight (IN_FLIGHT_FIRST). A permit
+    given back unused (nothing to fetch) gains none."""
+
+    def __init__(self, first: int, most: int) -> None:
+        self._limit, self._most, self._taken, self._waiting = first, most, 0, 0
+        self._condition = threading.Condition()
+
+    def acquire(self) -> None:
+        with self._condition:
+            while self._taken >= self._limit or (self._waiting and self._limit < self._most):
+                self._condition.wait()
+            self._taken += 1
+
+    @contextlib.contextmanager
+    def fill_waiting(self):
+        """While a fill of this process waits for pages it needs now, a read-ahead still
+        ramping up makes no new request: the link is shared by the requests in flight, and
+        one more for a later step would delay those the fill waits for (a first step waited
+        for its two blocks and for the read-ahead's first requests beside them). Once
+        ramped up, the read-ahead goes on: fills that wait then wait for the link, for
+        blocks the read-ahead has asked for already, and pausing it left the link idle."""
+        with self._condition:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._waiting -= 1
+                self._condition.notify_all()
+
+    def release(self, used: bool = True) -> None:
+        with self._condition:
+            if self._taken <= 0:
+                raise ValueError("RampingSlots released more often than acquired")
+            self._taken -= 1
+            if used:
+                self._limit = min(self._most, self._limit + 1)
+            self._condition.notify(2)
 
 
 class NodeCache:
@@ -88,7 +132,7 @@ class NodeCache:
         # The read-ahead's requests in flight, one per thread of its pool: a request is claimed
         # only when a thread is free for it, so a fill never waits on a claim that sits in the
         # pool's queue behind other objects' read-ahead (cache.CachedObject.prefetch).
-        self.ahead_slots = threading.BoundedSemaphore(IN_FLIGHT)
+        self.ahead_slots = RampingSlots(IN_FLIGHT_FIRST, IN_FLIGHT)
 
     # The ledger.
 
@@ -188,11 +232,35 @@ class NodeCache:
         self._reclaim_dead()
         held = self._held()
         if held + size > budget:
-            freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
+            with self._evicting():
+                freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
             self._ledger[_LEDGER["held"]] -= freed
             self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
         self._assert_ledger()
         return self._held() + size <= budget
+
+    @contextlib.contextmanager
+    def _evicting(self):
+        """An eviction (under the ledger lock, so one at a time on the node), counted in the
+        ledger's sequence word: odd while it runs, two more once it is done. A gather that
+        read its pages without pins (cache.CachedObject.pin, `unpinned`) compares the word
+        before and after, and gathers again, pinned, where an eviction ran meanwhile. An
+        odd word left by an evicting process that died is made even first: only gathers
+        that read it while odd were unsure, and they pinned."""
+        word = _LEDGER["evictions"]
+        if self._ledger[word] % 2:
+            self._ledger[word] += 1
+        self._ledger[word] += 1
+        try:
+            yield
+        finally:
+            self._ledger[word] += 1
+
+    def eviction_sequence(self) -> int | None:
+        """The ledger's eviction sequence word (see _evicting): even while no eviction runs;
+        None once the ledger is closed."""
+        ledger = self._ledger
+        return None if ledger is None else int(ledger[_LEDGER["evictions"]])
 
     def _held(self) -> int:
         return int(self._ledger[_LEDGER["held"]])
@@ -219,11 +287,22 @@ class NodeCache:
         with self.locked():
             return self._make_room(size, now_stamp())
 
-    def forget(self, size: int) -> None:
-        """Pages whose bytes failed their checksum were marked absent: no longer held."""
+    def mark_absent(self, stamps: np.ndarray, page: int, size: int) -> None:
+        """A page whose bytes failed their checksum: absent from here on, no longer held.
+        Under the ledger lock, as evictions are: touch() never stamps it present again."""
         with self.locked():
+            stamps[page] = 0
             self._ledger[_LEDGER["held"]] -= size
             self._assert_ledger()
+
+    def touch(self, stamps: np.ndarray, pages: np.ndarray, stamp: int) -> None:
+        """Stamps present `pages` used at `stamp` (the last to be evicted) without their
+        USE locks (a gather that pinned nothing: cache.CachedObject.pin): under the ledger
+        lock, which every change of a present page to absent holds (evictions, mark_absent),
+        so that a page evicted meanwhile is never stamped present again over its hole."""
+        with self.locked():
+            pages = pages[stamps[pages] != 0]
+            stamps[pages] = stamp
 
     def budget(self) -> int:
         return 0 if self._ledger is None else int(self._ledger[_LEDGER["budget"]])

@@ -27,6 +27,11 @@ FIT_UNIT_BYTES = 1 << 20
 BUDGET_UNITS_MIN = 32
 # Requests one process has in flight (its fetch threads).
 IN_FLIGHT = 16
+# ...of which its read-ahead has this many in flight at first, one more as each ends (so the
+# count doubles each round, as TCP's slow start): a link shares itself among the requests in
+# flight, and IN_FLIGHT 8 MiB requests from each reader at once made the first block, which
+# the first batch needs, arrive with the 30 others (bench/RESULTS.md).
+IN_FLIGHT_FIRST = 2
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
 # An eviction frees at least this share of the budget, so that it runs rarely.
 EVICT_SHARE = 1 / 32

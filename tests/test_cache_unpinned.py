@@ -1,0 +1,186 @@
+"""Serving rows from the node cache without a lock per page (remote/cache.py): a gather of
+pages that are all present and checked reads them unpinned, and says afterwards whether an
+eviction ran meanwhile (the ledger's eviction sequence, remote/node.py), in which case the
+fill reads again, pinned, and nothing it read the first time reaches the batch; a page is
+never stamped present again over the hole an eviction left; pages another process
+downloaded while this one had the copy open are not read again to be checked, pages that
+were there before are; and the read-ahead's requests ramp up, giving way to a waiting fill
+while they do. Stand-in clients and a second view of the same cache (another process's,
+as far as the locks and the ledger go); the last test against moto's server."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from test_invariants import _Store, stored  # noqa: F401 (a fixture)
+
+from shmloader.remote.cache import open_object
+from shmloader.remote.node import _LEDGER, NodeCache, RampingSlots
+from shmloader.remote.pages import CACHE_PAGE_BYTES
+
+pytestmark = pytest.mark.skipif(not __import__("shmloader.remote.cache", fromlist=["x"]).UNPINNED_READS,
+                                reason="unpinned reads are for x86-64 only")
+
+ALL = (np.array([0]), np.array([5 * CACHE_PAGE_BYTES + 100]))  # Every byte of the stand-in object.
+
+
+def _other_view(found):
+    """Another process's view of the cache and the object (its own descriptors and locks)."""
+    view = NodeCache(found.cache.root)
+    other = open_object(view, found.path, found.url)
+    other.client = found.client
+    return view, other
+
+
+def _evict_everything(view) -> int:
+    """An eviction from `view` (budget 1 byte) of every page nobody pins; the bytes freed."""
+    view.set_budget(1)
+    held = view.counters()["bytes_held"]
+    view.reserve(0)
+    return held - view.counters()["bytes_held"]
+
+
+def test_present_checked_pages_are_read_unpinned_and_hold_where_nothing_was_evicted(stored):  # noqa: F811
+    found, data = stored
+    found.pin(*ALL)  # Fetched (by this process: checked).
+    assert found.unpin()
+    requests = found.client.requests
+    found.pin(*ALL, unpinned=True)
+    assert not getattr(found._local, "pinned", False)  # No USE lock taken.
+    assert found.unpin() is True
+    assert found.client.requests == requests
+
+
+def test_an_eviction_during_an_unpinned_read_says_read_again_and_the_pinned_read_is_right(stored):  # noqa: F811
+    found, data = stored
+    found.pin(*ALL)
+    found.unpin()
+    found.pin(*ALL, unpinned=True)
+    view, _ = _other_view(found)
+    try:
+        assert _evict_everything(view) > 0  # Nothing pinned: the other process took every page.
+        assert (found.stamps == 0).all()
+        assert found.unpin() is False
+        found.pin(*ALL, unpinned=True)  # Absent now: fetched again, under pins.
+        assert getattr(found._local, "pinned", False)
+        with open(found.path, "rb") as handle:
+            assert handle.read() == data
+        assert found.unpin() is True
+    finally:
+        view.close()
+
+
+def test_a_pinned_read_holds_off_the_eviction_an_unpinned_one_cannot(stored):  # noqa: F811
+    found, _ = stored
+    found.pin(*ALL)
+    view, _ = _other_view(found)
+    try:
+        assert _evict_everything(view) == 0
+        assert (found.stamps != 0).all()
+    finally:
+        found.unpin()
+        view.close()
+
+
+def test_while_an_eviction_runs_or_one_died_mid_way_a_read_pins(stored):  # noqa: F811
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    word = _LEDGER["evictions"]
+    found.cache._ledger[word] += 1  # Odd: an evicting process, running or killed.
+    found.pin(*ALL, unpinned=True)
+    assert getattr(found._local, "pinned", False)
+    assert found.unpin() is True
+    with found.cache.locked(), found.cache._evicting():  # The next eviction makes it even again.
+        assert found.cache._ledger[word] % 2 == 1
+    assert found.cache._ledger[word] % 2 == 0
+    found.pin(*ALL, unpinned=True)
+    assert not getattr(found._local, "pinned", False)
+    assert found.unpin() is True
+
+
+def test_stamping_pages_used_never_makes_an_evicted_page_present(stored):  # noqa: F811
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    view, _ = _other_view(found)
+    try:
+        _evict_everything(view)
+    finally:
+        view.close()
+    found.cache.touch(found.stamps, np.arange(found.page_count), 12345)
+    assert (found.stamps == 0).all()
+
+
+def test_pages_another_process_fetched_since_this_one_opened_are_not_checked_again(stored, monkeypatch):  # noqa: F811
+    found, _ = stored  # Opened with every page absent.
+    view, other = _other_view(found)
+    try:
+        other.pin(*ALL)  # The other process downloads them.
+        other.unpin()
+        checked = []
+        failing = type(found)._failing
+        monkeypatch.setattr(type(found), "_failing",
+                            lambda self, first, end, wanted: checked.append(first) or failing(self, first, end, wanted))
+        found.pin(*ALL, unpinned=True)
+        assert found.unpin() and checked == []
+        # A process that opens the copy now finds them there: it checks each once.
+        later_view = NodeCache(found.cache.root)
+        later = open_object(later_view, found.path, found.url)
+        later.pin(*ALL)
+        later.unpin()
+        later.pin(*ALL)
+        later.unpin()
+        assert checked == [0]  # One read of the run of six pages, then never again.
+        later_view.close()
+    finally:
+        view.close()
+
+
+# The read-ahead's requests in flight.
+
+def test_the_read_ahead_ramps_up_by_requests_that_end_not_by_permits_given_back_unused():
+    slots = RampingSlots(2, 5)
+    slots.acquire()
+    slots.acquire()
+    slots.release(used=False)  # Nothing to fetch: the limit stays 2.
+    slots.acquire()
+    blocked = _acquirer(slots)
+    assert not blocked.wait(0.2)
+    slots.release()  # A request ended: 3 in flight at most now.
+    assert blocked.wait(5)
+    slots.acquire()
+    blocked = _acquirer(slots)
+    assert not blocked.wait(0.2)
+    for _ in range(3):
+        slots.release()  # 5 at most, however many end.
+    assert blocked.wait(5)
+    for _ in range(4):
+        slots.acquire()
+    blocked = _acquirer(slots)
+    assert not blocked.wait(0.2)
+    slots.release()
+    assert blocked.wait(5)
+
+
+def test_a_waiting_fill_holds_the_read_ahead_back_only_while_it_ramps_up():
+    slots = RampingSlots(2, 3)
+    with slots.fill_waiting():
+        blocked = _acquirer(slots)
+        assert not blocked.wait(0.2)
+    assert blocked.wait(5)  # The fill has its pages.
+    slots.release()  # Ramped up: 3.
+    with slots.fill_waiting():
+        assert _acquirer(slots).wait(5)
+    with pytest.raises(ValueError):
+        RampingSlots(1, 1).release()
+
+
+def _acquirer(slots: RampingSlots) -> threading.Event:
+    """A thread that takes a permit; the event says it has."""
+    done = threading.Event()
+    threading.Thread(target=lambda: (slots.acquire(), done.set()), daemon=True).start()
+    return done
