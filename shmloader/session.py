@@ -23,11 +23,13 @@ import dataclasses
 import gc
 import os
 import sys
+import threading
 import weakref
 
 from .device import PinnedRing
-from .fill.filler import FillerSpec
+from .fill.filler import FillerSpec, fetch_first_steps
 from .lifecycle import Resources, live_resources
+from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, default_slots, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
@@ -96,6 +98,11 @@ def last_step(sampler, slots: int, end_step: int) -> int:
 def _pass_of(sampler, options: LoaderOptions) -> FinitePass | None:
     """The finite pass (epochs=N) of `sampler`, or None for an endless loader."""
     return None if options.epochs is None else FinitePass.of(sampler, options.epochs, options.drop_last)
+
+
+def _from_store(plan) -> bool:
+    """Whether a field of the plan reads a copy of an object in a store."""
+    return any(part_name(part) != getattr(part, "path", None) for field in plan.fields for part in field.parts)
 
 
 def _views_function(slot: SlotLayout, ring: Ring, layout: RingLayout):
@@ -190,6 +197,9 @@ class Session:
             filler=filler,
             local_readers=readers,
         ))
+        if readers and _from_store(plan):  # The readers' first steps' pages, while they start.
+            threading.Thread(target=fetch_first_steps, args=(filler, start_step, readers), daemon=True,
+                             name="shmloader-first-fetch").start()
 
     def views(self, slot: int):
         """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""

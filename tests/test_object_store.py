@@ -662,3 +662,33 @@ def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_togethe
         batches = [batch["x"].copy() for _, batch in zip(range(3), loader)]
     local = np.load(big[0])
     assert all(np.array_equal(batch, local[16 * step:16 * (step + 1)]) for step, batch in enumerate(batches))
+
+
+def test_the_trainer_fetches_its_readers_first_steps_while_they_start(big, tmp_path, monkeypatch):
+    """fill/filler.fetch_first_steps: the pages of the readers' first steps, fetched from the
+    trainer at construction (the link's first fifth of a second, otherwise idle), are all
+    those steps need: filling them afterwards makes no request."""
+    from shmloader import session as session_module
+    from shmloader.fill.filler import fetch_first_steps
+
+    started = []
+    monkeypatch.setattr(session_module, "fetch_first_steps", lambda spec, first, count: started.append((first, count)))
+    with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path / "other", batch_size=16, readers=2, start_step=5):
+        assert started == [(5, 2)]
+    kwargs = dict(batch_size=16, readers=0, seed=3, start_step=7)
+    local = ShmDataLoader({"x": big[0]}, **kwargs)
+    with local, ShmDataLoader({"x": big[1]}, cache_dir=tmp_path / "cache", **kwargs) as remote:
+        session = remote._session
+        assert remote.stats()["cache"]["requests"] == 0
+        fetch_first_steps(session.filler_spec(session.cuts.sampler), 7, 2)
+        assert remote.stats()["cache"]["requests"] > 0
+        (pages_file,) = (tmp_path / "cache").glob("objects/*/*/*.pages")
+        present = np.fromfile(pages_file, dtype=np.uint32) != 0  # Stamps first: a page's, then checksums.
+        rows = []
+        for _, a, b in zip(range(2), local, remote):
+            assert_same(a, b)
+            rows.extend(np.asarray(b.indices).tolist())
+    stored = np.load(big[0], mmap_mode="r")
+    starts = stored.offset + np.array(rows) * stored.shape[1] * stored.itemsize
+    needed = np.unique(np.concatenate([starts, starts + stored.shape[1] * stored.itemsize - 1]) // CACHE_PAGE_BYTES)
+    assert present[needed].all()  # Before the steps were filled (their own read-ahead fetches more since).

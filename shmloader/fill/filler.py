@@ -452,6 +452,41 @@ class StepFiller:
             self.inputs.close()
 
 
+def fetch_first_steps(spec: FillerSpec, first: int, count: int) -> None:
+    """Fetches into the node cache the pages of steps first .. first + count - 1 (the
+    readers' first steps), from the trainer while its readers start: a store's link
+    otherwise idles for the readers' start-up (a fifth of a second where each is a new
+    process), and their first fills find the pages claimed and wait for them (the cache's
+    FETCH locks). Nothing is filled; errors are left to the readers, which report them."""
+    try:
+        filler = FillerSpec.from_dict(spec.to_dict()).build(read_ahead=False)  # Its own sampler and files.
+    except Exception:  # noqa: BLE001 - the readers open the same plan and say what is wrong.
+        return
+    try:
+        if not filler.remote:
+            return
+        batch = filler.slot.batch_size
+        indices = np.zeros(batch, dtype=np.uint64)
+        sources = np.zeros(batch, dtype=np.uint32) if filler.mixture else None
+        pointers = [ffi.from_buffer("uint64_t[]", indices)]
+        if sources is not None:
+            pointers.append(ffi.from_buffer("uint32_t[]", sources))
+        for step in range(first, min(first + count, filler.sampler.step_max + 1)):
+            filler.sampler.fill_unchecked(step, *pointers)
+            cached_objects = []
+            try:
+                for reader in filler.field_readers:
+                    for field, offsets, sizes in reader.extents(indices, sources):
+                        cached_objects.append(field.remote)
+                        field.remote.pin(offsets, sizes, field.unit_pages)
+            finally:
+                _unpin(cached_objects)
+    except Exception:  # noqa: BLE001 - as above; a closed loader's objects raise here too.
+        pass
+    finally:
+        filler.close()
+
+
 def _in_order(sampler) -> bool:
     """Whether the sampler reads rows in order (sequential mode), which InOrder reads ahead."""
     return getattr(sampler, "mode", None) == "sequential"
