@@ -23,7 +23,6 @@ import dataclasses
 import gc
 import os
 import sys
-import threading
 import weakref
 
 from .device import PinnedRing
@@ -197,9 +196,8 @@ class Session:
             filler=filler,
             local_readers=readers,
         ))
-        if readers and _from_store(plan):  # The readers' first steps' pages, while they start.
-            threading.Thread(target=fetch_first_steps, args=(filler, start_step, readers), daemon=True,
-                             name="shmloader-first-fetch").start()
+        if readers and _from_store(plan):  # The readers' first steps' pages, asked for while they start.
+            fetch_first_steps(filler, start_step, readers)
 
     def views(self, slot: int):
         """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""

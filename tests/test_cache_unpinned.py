@@ -49,7 +49,7 @@ def test_present_checked_pages_are_read_unpinned_and_hold_where_nothing_was_evic
     assert found.unpin()
     requests = found.client.requests
     found.pin(*ALL, unpinned=True)
-    assert not getattr(found._local, "pinned", False)  # No USE lock taken.
+    assert not getattr(found._local, "pin_held", False)  # No USE lock taken.
     assert found.unpin() is True
     assert found.client.requests == requests
 
@@ -65,12 +65,43 @@ def test_an_eviction_during_an_unpinned_read_says_read_again_and_the_pinned_read
         assert (found.stamps == 0).all()
         assert found.unpin() is False
         found.pin(*ALL, unpinned=True)  # Absent now: fetched again, under pins.
-        assert getattr(found._local, "pinned", False)
+        assert getattr(found._local, "pin_held", False)
         with open(found.path, "rb") as handle:
             assert handle.read() == data
         assert found.unpin() is True
     finally:
         view.close()
+
+
+def test_a_block_pinned_inside_a_fill_leaves_the_fill_s_unpinned_reads_to_its_own_unpin(stored):  # noqa: F811
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    found.pin(*ALL, unpinned=True)
+    with found.pinned([(0, 10)]):  # A part of another field opening lazily, mid-fill.
+        pass
+    view, _ = _other_view(found)
+    try:
+        assert _evict_everything(view) > 0
+        assert found.unpin() is False
+    finally:
+        view.close()
+
+
+def test_a_page_marked_absent_counts_as_an_eviction(stored):  # noqa: F811
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    found.pin(*ALL, unpinned=True)
+    found.cache.mark_absent(found.stamps, 2, CACHE_PAGE_BYTES)  # Another process found it altered...
+    view, other = _other_view(found)
+    try:
+        other.pin(np.array([2 * CACHE_PAGE_BYTES]), np.array([1]))  # ...and fetched it again.
+        other.unpin()
+    finally:
+        view.close()
+    assert found.stamps[2] != 0
+    assert found.unpin() is False
 
 
 def test_a_pinned_read_holds_off_the_eviction_an_unpinned_one_cannot(stored):  # noqa: F811
@@ -92,13 +123,13 @@ def test_while_an_eviction_runs_or_one_died_mid_way_a_read_pins(stored):  # noqa
     word = _LEDGER["evictions"]
     found.cache._ledger[word] += 1  # Odd: an evicting process, running or killed.
     found.pin(*ALL, unpinned=True)
-    assert getattr(found._local, "pinned", False)
+    assert getattr(found._local, "pin_held", False)
     assert found.unpin() is True
     with found.cache.locked(), found.cache._evicting():  # The next eviction makes it even again.
         assert found.cache._ledger[word] % 2 == 1
     assert found.cache._ledger[word] % 2 == 0
     found.pin(*ALL, unpinned=True)
-    assert not getattr(found._local, "pinned", False)
+    assert not getattr(found._local, "pin_held", False)
     assert found.unpin() is True
 
 
@@ -184,3 +215,27 @@ def _acquirer(slots: RampingSlots) -> threading.Event:
     done = threading.Event()
     threading.Thread(target=lambda: (slots.acquire(), done.set()), daemon=True).start()
     return done
+
+
+def test_while_an_older_version_s_loaders_use_the_cache_every_gather_pins(stored):  # noqa: F811
+    from shmloader.remote.node import _LEDGER_MAGIC, _LEDGER_MAGIC_UNCOUNTED
+
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    found.cache._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC_UNCOUNTED  # An older loader's ledger...
+    newer = NodeCache(found.cache.root)  # ...which it uses now (found's view holds the users' byte).
+    try:
+        assert newer.eviction_sequence() is None and found.cache.eviction_sequence() is None
+        assert newer._ledger[_LEDGER["magic"]] == _LEDGER_MAGIC_UNCOUNTED  # Left as it is.
+        found.pin(*ALL, unpinned=True)
+        assert getattr(found._local, "pin_held", False)
+        assert found.unpin() is True
+    finally:
+        newer.close()
+    found.cache.close()  # Nobody uses it now: the next view makes it this version's.
+    alone = NodeCache(found.cache.root)
+    try:
+        assert alone._ledger[_LEDGER["magic"]] == _LEDGER_MAGIC and alone.eviction_sequence() == 0
+    finally:
+        alone.close()

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -665,9 +666,9 @@ def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_togethe
 
 
 def test_the_trainer_fetches_its_readers_first_steps_while_they_start(big, tmp_path, monkeypatch):
-    """fill/filler.fetch_first_steps: the pages of the readers' first steps, fetched from the
-    trainer at construction (the link's first fifth of a second, otherwise idle), are all
-    those steps need: filling them afterwards makes no request."""
+    """fill/filler.fetch_first_steps: the pages of the readers' first steps, asked for by
+    the trainer at construction (the link's first fifth of a second, otherwise idle), are
+    all those steps read."""
     from shmloader import session as session_module
     from shmloader.fill.filler import fetch_first_steps
 
@@ -680,8 +681,12 @@ def test_the_trainer_fetches_its_readers_first_steps_while_they_start(big, tmp_p
     with local, ShmDataLoader({"x": big[1]}, cache_dir=tmp_path / "cache", **kwargs) as remote:
         session = remote._session
         assert remote.stats()["cache"]["requests"] == 0
-        fetch_first_steps(session.filler_spec(session.cuts.sampler), 7, 2)
-        assert remote.stats()["cache"]["requests"] > 0
+        fetch_first_steps(session.filler_spec(session.cuts.sampler), 7, 2)  # Returns once asked.
+        deadline, last = time.monotonic() + 20, -1
+        while time.monotonic() < deadline and (last == 0 or last != remote.stats()["cache"]["requests"]):
+            last = remote.stats()["cache"]["requests"]
+            time.sleep(0.3)  # Until the requests made at once have all ended.
+        assert last > 0
         (pages_file,) = (tmp_path / "cache").glob("objects/*/*/*.pages")
         present = np.fromfile(pages_file, dtype=np.uint32) != 0  # Stamps first: a page's, then checksums.
         rows = []

@@ -464,7 +464,7 @@ def test_closing_the_read_ahead_drops_what_it_has_queued():
     started, release, fetched = threading.Event(), threading.Event(), []
 
     class Remote:
-        def prefetch(self, offsets, sizes, unit_pages):
+        def prefetch(self, offsets, sizes, unit_pages, throttled=True):
             fetched.append(int(offsets[0]))
             started.set()
             release.wait(10)

@@ -24,7 +24,7 @@ from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
 from ..ring.slot_layout import SlotLayout
-from ..storage.readahead import PENDING_MAX, Advisor, InOrder, ReadAhead, StepAhead
+from ..storage.readahead import PENDING_MAX, Advisor, InOrder, ReadAhead, StepAhead, fetch_remote
 from ..transforms.core import TransformRunner, TransformSpec
 from .field_readers import FieldReader, SlotOutput
 from .dataset_runner import DatasetRunner
@@ -453,13 +453,15 @@ class StepFiller:
 
 
 def fetch_first_steps(spec: FillerSpec, first: int, count: int) -> None:
-    """Fetches into the node cache the pages of steps first .. first + count - 1 (the
-    readers' first steps), from the trainer while its readers start: a store's link
-    otherwise idles for the readers' start-up (a fifth of a second where each is a new
-    process), and their first fills find the pages claimed and wait for them (the cache's
-    FETCH locks). Nothing is filled; errors are left to the readers, which report them."""
+    """Asks the node cache for the pages of steps first .. first + count - 1 (the readers'
+    first steps), from the trainer as its readers start: a store's link otherwise idles
+    for the readers' start-up (a fifth of a second where each is a new process), and their
+    first fills find the pages claimed and wait for them (the cache's FETCH locks). The
+    requests are made at once and run on the node cache's threads, which a loader's close
+    may outlive (CachedObject.prefetch); nothing is filled or pinned here. Errors are left
+    to the readers, which report them."""
     try:
-        filler = FillerSpec.from_dict(spec.to_dict()).build(read_ahead=False)  # Its own sampler and files.
+        filler = spec.build(read_ahead=False)
     except Exception:  # noqa: BLE001 - the readers open the same plan and say what is wrong.
         return
     try:
@@ -471,17 +473,12 @@ def fetch_first_steps(spec: FillerSpec, first: int, count: int) -> None:
         pointers = [ffi.from_buffer("uint64_t[]", indices)]
         if sources is not None:
             pointers.append(ffi.from_buffer("uint32_t[]", sources))
+        ranges = []
         for step in range(first, min(first + count, filler.sampler.step_max + 1)):
             filler.sampler.fill_unchecked(step, *pointers)
-            cached_objects = []
-            try:
-                for reader in filler.field_readers:
-                    for field, offsets, sizes in reader.extents(indices, sources):
-                        cached_objects.append(field.remote)
-                        field.remote.pin(offsets, sizes, field.unit_pages)
-            finally:
-                _unpin(cached_objects)
-    except Exception:  # noqa: BLE001 - as above; a closed loader's objects raise here too.
+            ranges += [extent for reader in filler.field_readers for extent in reader.extents(indices, sources, False)]
+        fetch_remote(ranges, throttled=False)
+    except Exception:  # noqa: BLE001 - as above.
         pass
     finally:
         filler.close()

@@ -373,9 +373,11 @@ class CachedObject:
             return False
 
     def _fd(self, purpose: str) -> int:
-        """This thread's description of the pages file for `purpose` ("pin", "ahead");
-        StorageError once the object is closed."""
+        """This thread's description of the pages file for `purpose` ("pin", "block",
+        "ahead"); StorageError once the object is closed."""
         descriptor = getattr(self._local, purpose, None)
+        if descriptor is not None and self.stamps is None:
+            raise StorageError(f"{self.url}: its loader is closed")
         if descriptor is None:
             descriptor = open_private(self.path + PAGES_SUFFIX, os.O_RDWR)
             with self._descriptors_lock:
@@ -400,20 +402,24 @@ class CachedObject:
 
     # Pins (the gathering thread).
 
-    def pin(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1, unpinned: bool = False) -> None:
+    def pin(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1, unpinned: bool = False,
+            purpose: str = "pin") -> None:
         """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
-        unpin(): they are fetched (by this process, or by whoever fetches them already),
-        with the rest of their fetch units of `unit_pages`.
+        unpin(purpose): they are fetched (by this process, or by whoever fetches them
+        already), with the rest of their fetch units of `unit_pages`.
         `unpinned`: where every page is present and checked already, and no eviction runs,
         nothing is locked: unpin() then says whether an eviction ran meanwhile, and the
-        caller reads again (pinned) where one did (see _read_unpinned)."""
+        caller reads again (pinned) where one did (see _read_unpinned).
+        `purpose`: pins of one purpose are let go of together, through their own description
+        of the pages file ("pin": a fill's; "block": pinned(), which a fill's thread may
+        enter while it holds pins of its own, when a field opens a part lazily)."""
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
             return
-        if unpinned and UNPINNED_READS and self._read_unpinned(pages):
+        if unpinned and UNPINNED_READS and self._read_unpinned(pages, purpose):
             return
-        descriptor = self._fd("pin")
-        self._local.pinned = True
+        descriptor = self._fd(purpose)
+        setattr(self._local, f"{purpose}_held", True)
         # The pages the ranges touch, and no others (a lock call per run of consecutive
         # pages): what a fill holds beyond the budget is its rows' pages (pinned_bytes_max),
         # not the fetch units around them, which an eviction may take once fetched.
@@ -428,14 +434,14 @@ class CachedObject:
         # Used now: the last to be evicted (a page fetched ahead, stamped in the future, is
         # from here on a page like any other, which the read-ahead may evict).
         stale = pages[(stamps != 0) & ((stamps + 1 < stamp) | (stamps > stamp))]
-        if len(stale):
-            self.stamps[stale] = stamp
+        if len(stale):  # Through the ledger lock: a page another process just marked absent stays so.
+            self.cache.touch(self.stamps, stale, stamp)
         if len(missing):
             with self.cache.ahead_slots.fill_waiting():
                 self._fetch_missing(missing, descriptor, unit_pages)
         self._check_pinned(pages)
 
-    def _read_unpinned(self, pages: np.ndarray) -> bool:
+    def _read_unpinned(self, pages: np.ndarray, purpose: str) -> bool:
         """Whether `pages` may be read without their USE locks: all present and checked,
         with no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
         A lock call per run of pages was the largest cost of serving rows from the cache:
@@ -455,9 +461,10 @@ class CachedObject:
         stale = pages[(stamps + 1 < stamp) | (stamps > stamp)]
         if len(stale):
             self.cache.touch(self.stamps, stale, stamp)
-        reads = getattr(self._local, "unpinned", None)
+        reads = getattr(self._local, f"{purpose}_reads", None)
         if reads is None:
-            reads = self._local.unpinned = []
+            reads = []
+            setattr(self._local, f"{purpose}_reads", reads)
         reads.append((sequence, pages))
         return True
 
@@ -536,11 +543,12 @@ class CachedObject:
             found[k] = bool(((self.stamps[first[k]:last[k] + 1] != 0) & self.verified[first[k]:last[k] + 1]).all())
         return found
 
-    def unpin(self) -> bool:
-        """Lets go of this thread's pins; False where pages it read unpinned since its last
-        unpin may have been evicted meanwhile (what was read from them must be read again)."""
+    def unpin(self, purpose: str = "pin") -> bool:
+        """Lets go of this thread's pins of `purpose`; False where pages it read unpinned
+        since its last unpin may have been evicted meanwhile (what was read from them must
+        be read again)."""
         held = True
-        reads = getattr(self._local, "unpinned", None)
+        reads = getattr(self._local, f"{purpose}_reads", None)
         if reads:
             # Read after the gather: on x86-64 (UNPINNED_READS) loads are not reordered
             # with older loads, so the gather's reads came before this one.
@@ -548,9 +556,9 @@ class CachedObject:
             held = stamps is not None and all(
                 read == sequence and (stamps[pages] != 0).all() for read, pages in reads)
             reads.clear()
-        if getattr(self._local, "pinned", False):
-            lock(self._fd("pin"), fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
-            self._local.pinned = False
+        if getattr(self._local, f"{purpose}_held", False):
+            lock(self._fd(purpose), fcntl.F_UNLCK, 0, 0, False)  # Length 0: to the end, every USE byte.
+            setattr(self._local, f"{purpose}_held", False)
         return held
 
     @contextlib.contextmanager
@@ -560,10 +568,10 @@ class CachedObject:
         try:
             if extents:
                 self.pin(np.array([offset for offset, _ in extents], np.int64),
-                         np.array([size for _, size in extents], np.int64))
+                         np.array([size for _, size in extents], np.int64), purpose="block")
             yield self
         finally:
-            self.unpin()
+            self.unpin("block")
 
     @contextlib.contextmanager
     def reading_header(self):
@@ -578,7 +586,7 @@ class CachedObject:
 
     # Fetching.
 
-    def prefetch(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1) -> None:
+    def prefetch(self, offsets: np.ndarray, sizes: np.ndarray, unit_pages: int = 1, throttled: bool = True) -> None:
         """Fetches the missing pages under the ranges, in the ranges' order (the read-ahead
         gives them in the order they will be needed), each run claimed just before its
         request: pages a fill needs meanwhile and nobody claimed yet are the fill's to fetch
@@ -588,15 +596,18 @@ class CachedObject:
         threads is free for it (so that no claim waits in the pool's queue, where a fill
         would wait behind it); each request lets go of its claim and thread when it ends.
         (Waiting for a call's requests before the next call left one request per reader in
-        flight, and the link idle between them: the read-ahead asks step by step.)"""
+        flight, and the link idle between them: the read-ahead asks step by step.)
+        Not `throttled` (the trainer's first steps, fetch_first_steps): every request is
+        made at once, without waiting for a thread, and queues in the pool where none is free."""
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
         missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
         with self._fetching_lock:  # Pages of this process's requests in flight are asked for already.
             missing = missing[~self._fetching[missing]] if len(missing) else missing
         descriptor = self._fd("ahead")
-        slots = self.cache.ahead_slots
+        slots = self.cache.ahead_slots if throttled else None
         for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
-            slots.acquire()
+            if slots is not None:
+                slots.acquire()
             made = False
             try:
                 # Under the lock close() takes: a closed object's descriptor number may name
@@ -630,9 +641,10 @@ class CachedObject:
                     self._let_go(descriptor, run_first, run_end)
                     raise
                 made = True
-                future.add_done_callback(lambda _, first=run_first, end=run_end: self._ahead_done(descriptor, first, end))
+                future.add_done_callback(
+                    lambda _, first=run_first, end=run_end: self._ahead_done(descriptor, first, end, slots))
             finally:
-                if not made:
+                if not made and slots is not None:
                     slots.release(used=False)
 
     def _let_go(self, descriptor: int, first: int, end: int) -> None:
@@ -647,13 +659,14 @@ class CachedObject:
         with self._fetching_lock:
             self._fetching[first:end] = False
 
-    def _ahead_done(self, descriptor: int, first: int, end: int) -> None:
+    def _ahead_done(self, descriptor: int, first: int, end: int, slots) -> None:
         """A read-ahead request ended (its failure is the fill's to report, when it needs the
-        pages): its claim and its thread go."""
+        pages): its claim and its thread (its permit of `slots`, where it took one) go."""
         try:
             self._let_go(descriptor, first, end)
         finally:
-            self.cache.ahead_slots.release()
+            if slots is not None:
+                slots.release()
 
     def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody

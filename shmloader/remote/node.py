@@ -42,7 +42,9 @@ from .pages import (
     reserve_file,
 )
 
-_LEDGER_MAGIC = 0x53484D43414348  # "SHMCACH"
+# "SHMCACI": a ledger whose evictions count themselves (NodeCache._evicting). "SHMCACH", the
+# version before, evicts without counting: while its loaders use a cache, gathers pin.
+_LEDGER_MAGIC, _LEDGER_MAGIC_UNCOUNTED = 0x53484D43414349, 0x53484D43414348
 _LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retries": 5, "evicted": 6,
            "evictions": 7}
 _LEDGER_BYTES = 4096
@@ -119,7 +121,10 @@ class NodeCache:
         # live process): given back at close, or counted until the cache is next counted anew.
         self._untracked = 0
         with self.locked():
-            if self._ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
+            magic = self._ledger[_LEDGER["magic"]]
+            # A ledger an older version's loaders use now is left as it is (the same layout);
+            # this view then reads pinned (eviction_sequence).
+            if magic != _LEDGER_MAGIC and not (magic == _LEDGER_MAGIC_UNCOUNTED and not self._alone()):
                 self._ledger[:] = 0
                 self._slots[:] = 0
                 self._ledger[_LEDGER["magic"]] = _LEDGER_MAGIC
@@ -258,9 +263,21 @@ class NodeCache:
 
     def eviction_sequence(self) -> int | None:
         """The ledger's eviction sequence word (see _evicting): even while no eviction runs;
-        None once the ledger is closed."""
+        None once the ledger is closed, or where it is not this version's (an older loader's
+        evictions do not count themselves: gathers pin)."""
         ledger = self._ledger
-        return None if ledger is None else int(ledger[_LEDGER["evictions"]])
+        if ledger is None or ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
+            return None
+        return int(ledger[_LEDGER["evictions"]])
+
+    def _alone(self) -> bool:
+        """Whether no other view uses the cache now (each holds the ledger's byte 1 shared
+        from its start; this one not yet, when called at its start)."""
+        users = open_private(os.path.join(self.root, "ledger"), os.O_RDWR)
+        try:
+            return lock(users, fcntl.F_WRLCK, 1, 1, False)
+        finally:
+            os.close(users)  # Closing the description drops its lock.
 
     def _held(self) -> int:
         return int(self._ledger[_LEDGER["held"]])
@@ -290,7 +307,7 @@ class NodeCache:
     def mark_absent(self, stamps: np.ndarray, page: int, size: int) -> None:
         """A page whose bytes failed their checksum: absent from here on, no longer held.
         Under the ledger lock, as evictions are: touch() never stamps it present again."""
-        with self.locked():
+        with self.locked(), self._evicting():  # Counted as an eviction: a gather unpinned meanwhile reads again.
             stamps[page] = 0
             self._ledger[_LEDGER["held"]] -= size
             self._assert_ledger()

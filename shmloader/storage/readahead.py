@@ -405,7 +405,7 @@ class Advisor:
                 return
             what, ranges = request
             if what in ("advise", "fetch"):
-                ranges = _fetch_remote(ranges)
+                ranges = fetch_remote(ranges)
             if what == "fetch":
                 continue
             if what == "forget":
@@ -435,10 +435,11 @@ class Advisor:
         self._thread.join(timeout=5.0)
 
 
-def _fetch_remote(ranges: list[tuple]) -> list[tuple]:
+def fetch_remote(ranges: list[tuple], throttled: bool = True) -> list[tuple]:
     """Fetches the ranges of fields from a store into the node cache (all of a field's at
-    once, so that their requests are in flight together); returns the other ranges.
-    A failure is left to the fill that needs the pages: it raises it, naming the URL."""
+    once, so that their requests are in flight together; CachedObject.prefetch, with its
+    `throttled`); returns the other ranges. A failure is left to the fill that needs the
+    pages: it raises it, naming the URL."""
     local, remote = [], {}
     for field, offsets, sizes in ranges:
         if getattr(field, "remote", None) is None:
@@ -449,7 +450,7 @@ def _fetch_remote(ranges: list[tuple]) -> list[tuple]:
             remote[id(field)][2].append(np.atleast_1d(sizes))
     for field, offsets, sizes in remote.values():
         try:
-            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes), field.unit_pages)
+            field.remote.prefetch(np.concatenate(offsets), np.concatenate(sizes), field.unit_pages, throttled)
         except Exception:  # noqa: BLE001 - the pin of the fill reports it.
             pass
     return local
