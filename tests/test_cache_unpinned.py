@@ -10,6 +10,11 @@ as far as the locks and the ledger go); the last test against moto's server."""
 
 from __future__ import annotations
 
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -168,6 +173,79 @@ def test_pages_another_process_fetched_since_this_one_opened_are_not_checked_aga
         assert checked == [0]  # One read of the run of six pages, then never again.
         later_view.close()
     finally:
+        view.close()
+
+
+_EVICTOR = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from shmloader.remote.cache import open_object
+    from shmloader.remote.node import NodeCache
+
+    class Store:
+        def __init__(self, data):
+            self.data = data
+        def get(self, url, etag, start, stop, size):
+            return self.data[start:stop]
+
+    root, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    data = open(sys.argv[4], "rb").read()
+    view = NodeCache(root)
+    found = open_object(view, path, "s3://bucket/x.bin")
+    found.client = Store(data)
+    print("ready", flush=True)
+    evictions, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:   # Every page out, then every page back.
+        view.set_budget(1)
+        view.reserve(0)
+        view.set_budget(1 << 30)
+        found.pin(np.array([0]), np.array([len(data)]))
+        found.unpin()
+        evictions += 1
+    print(evictions, flush=True)
+""")
+
+
+def test_gathers_beside_a_process_that_evicts_all_along_read_only_the_object_s_bytes(tmp_path):
+    """A reader gathering random ranges unpinned (pinning where told to read again) beside
+    another process that evicts every page and fetches it back, over and over: every
+    gather that held is the object's bytes, and both kinds of read happened."""
+    from shmloader.remote.cache import create_object
+
+    root, pages = tmp_path / "cache", 64
+    path = str(root / "objects" / "url" / "version" / "x.bin")
+    data = np.random.default_rng(7).integers(0, 256, pages * CACHE_PAGE_BYTES - 100, dtype=np.uint8).tobytes()
+    (tmp_path / "source.bin").write_bytes(data)
+    create_object(path, "s3://bucket/x.bin", "etag", len(data), {})
+    view = NodeCache(str(root))
+    view.set_budget(1 << 30)
+    found = open_object(view, path, "s3://bucket/x.bin")
+    found.client = _Store(data)
+    evictor = subprocess.Popen([sys.executable, "-c", _EVICTOR, str(root), path, "3", str(tmp_path / "source.bin")],
+                               stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(__file__))
+    try:
+        assert evictor.stdout.readline().strip() == "ready"
+        rng = np.random.default_rng(11)
+        counts = {"held": 0, "again": 0, "wrong": 0}
+        with open(path, "rb") as handle:
+            mapped = mmap.mmap(handle.fileno(), len(data), prot=mmap.PROT_READ)
+            while evictor.poll() is None:
+                offsets, sizes = rng.integers(0, len(data) - 3000, 16), np.full(16, 3000)
+                for unpinned in (True, False):
+                    found.pin(offsets, sizes, unpinned=unpinned)
+                    read = [mapped[start:start + 3000] for start in offsets.tolist()]
+                    if found.unpin():
+                        counts["held"] += 1
+                        counts["wrong"] += sum(piece != data[start:start + 3000]
+                                               for piece, start in zip(read, offsets.tolist()))
+                        break
+                    counts["again"] += 1
+            mapped.close()
+        assert int(evictor.stdout.readline()) > 10
+        assert counts["wrong"] == 0 and counts["held"] > 100 and counts["again"] > 0, counts
+    finally:
+        evictor.kill()
+        evictor.wait()
         view.close()
 
 
