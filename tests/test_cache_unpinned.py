@@ -10,6 +10,7 @@ as far as the locks and the ledger go); the last test against moto's server."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import subprocess
@@ -32,12 +33,16 @@ pytestmark = pytest.mark.skipif(not __import__("shmloader.remote.cache", fromlis
 ALL = (np.array([0]), np.array([5 * CACHE_PAGE_BYTES + 100]))  # Every byte of the stand-in object.
 
 
-def _other_view(found):
+@contextlib.contextmanager
+def _another_process(found):
     """Another process's view of the cache and the object (its own descriptors and locks)."""
     view = NodeCache(found.cache.root)
-    other = open_object(view, found.path, found.url)
-    other.client = found.client
-    return view, other
+    try:
+        other = open_object(view, found.path, found.url)
+        other.client = found.client
+        yield view, other
+    finally:
+        view.close()
 
 
 def _evict_everything(view) -> int:
@@ -46,6 +51,14 @@ def _evict_everything(view) -> int:
     held = view.counters()["bytes_held"]
     view.reserve(0)
     return held - view.counters()["bytes_held"]
+
+
+def _fetch_then_read_unpinned(found) -> None:
+    """Every page fetched (by this process: checked), then all read unpinned, no lock taken."""
+    found.pin(*ALL)
+    found.unpin()
+    found.pin(*ALL, unpinned=True)
+    assert not getattr(found._local, "pin_held", False)
 
 
 def test_present_checked_pages_are_read_unpinned_and_hold_where_nothing_was_evicted(stored):  # noqa: F811
@@ -61,11 +74,8 @@ def test_present_checked_pages_are_read_unpinned_and_hold_where_nothing_was_evic
 
 def test_an_eviction_during_an_unpinned_read_says_read_again_and_the_pinned_read_is_right(stored):  # noqa: F811
     found, data = stored
-    found.pin(*ALL)
-    found.unpin()
-    found.pin(*ALL, unpinned=True)
-    view, _ = _other_view(found)
-    try:
+    _fetch_then_read_unpinned(found)
+    with _another_process(found) as (view, _):
         assert _evict_everything(view) > 0  # Nothing pinned: the other process took every page.
         assert (found.stamps == 0).all()
         assert found.unpin() is False
@@ -74,37 +84,25 @@ def test_an_eviction_during_an_unpinned_read_says_read_again_and_the_pinned_read
         with open(found.path, "rb") as handle:
             assert handle.read() == data
         assert found.unpin() is True
-    finally:
-        view.close()
 
 
 def test_a_block_pinned_inside_a_fill_leaves_the_fill_s_unpinned_reads_to_its_own_unpin(stored):  # noqa: F811
     found, _ = stored
-    found.pin(*ALL)
-    found.unpin()
-    found.pin(*ALL, unpinned=True)
+    _fetch_then_read_unpinned(found)
     with found.pinned([(0, 10)]):  # A part of another field opening lazily, mid-fill.
         pass
-    view, _ = _other_view(found)
-    try:
+    with _another_process(found) as (view, _):
         assert _evict_everything(view) > 0
         assert found.unpin() is False
-    finally:
-        view.close()
 
 
 def test_a_page_marked_absent_counts_as_an_eviction(stored):  # noqa: F811
     found, _ = stored
-    found.pin(*ALL)
-    found.unpin()
-    found.pin(*ALL, unpinned=True)
+    _fetch_then_read_unpinned(found)
     found.cache.mark_absent(found.stamps, 2, CACHE_PAGE_BYTES)  # Another process found it altered...
-    view, other = _other_view(found)
-    try:
+    with _another_process(found) as (view, other):
         other.pin(np.array([2 * CACHE_PAGE_BYTES]), np.array([1]))  # ...and fetched it again.
         other.unpin()
-    finally:
-        view.close()
     assert found.stamps[2] != 0
     assert found.unpin() is False
 
@@ -112,13 +110,10 @@ def test_a_page_marked_absent_counts_as_an_eviction(stored):  # noqa: F811
 def test_a_pinned_read_holds_off_the_eviction_an_unpinned_one_cannot(stored):  # noqa: F811
     found, _ = stored
     found.pin(*ALL)
-    view, _ = _other_view(found)
-    try:
+    with _another_process(found) as (view, _):
         assert _evict_everything(view) == 0
         assert (found.stamps != 0).all()
-    finally:
-        found.unpin()
-        view.close()
+    found.unpin()
 
 
 def test_while_an_eviction_runs_or_one_died_mid_way_a_read_pins(stored):  # noqa: F811
@@ -142,19 +137,15 @@ def test_stamping_pages_used_never_makes_an_evicted_page_present(stored):  # noq
     found, _ = stored
     found.pin(*ALL)
     found.unpin()
-    view, _ = _other_view(found)
-    try:
+    with _another_process(found) as (view, _):
         _evict_everything(view)
-    finally:
-        view.close()
     found.cache.touch(found.stamps, np.arange(found.page_count), 12345)
     assert (found.stamps == 0).all()
 
 
 def test_pages_another_process_fetched_since_this_one_opened_are_not_checked_again(stored, monkeypatch):  # noqa: F811
     found, _ = stored  # Opened with every page absent.
-    view, other = _other_view(found)
-    try:
+    with _another_process(found) as (view, other):
         other.pin(*ALL)  # The other process downloads them.
         other.unpin()
         checked = []
@@ -163,17 +154,12 @@ def test_pages_another_process_fetched_since_this_one_opened_are_not_checked_aga
                             lambda self, first, end, wanted: checked.append(first) or failing(self, first, end, wanted))
         found.pin(*ALL, unpinned=True)
         assert found.unpin() and checked == []
-        # A process that opens the copy now finds them there: it checks each once.
-        later_view = NodeCache(found.cache.root)
-        later = open_object(later_view, found.path, found.url)
+    with _another_process(found) as (_, later):  # Opened now, it finds them there: checks each once.
         later.pin(*ALL)
         later.unpin()
         later.pin(*ALL)
         later.unpin()
-        assert checked == [0]  # One read of the run of six pages, then never again.
-        later_view.close()
-    finally:
-        view.close()
+    assert checked == [0]  # One read of the run of six pages, then never again.
 
 
 _EVICTOR = textwrap.dedent("""
