@@ -187,7 +187,8 @@ def main() -> int:
                      f"{rate['shmloader']:,.0f} ({spread['shmloader'][0]:,.0f}-{spread['shmloader'][1]:,.0f})",
                      f"{ratio:.2f}x", format_per_million(cpu["torch"]), format_per_million(cpu["shmloader"]),
                      f"{trainer['torch']:.2f}", f"{trainer['shmloader']:.2f}"])
-        headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "n/a", f"{ratio:.2f}x"])
+        headline.append([f"your Dataset, {name[3:]}", f"{rate['shmloader']:,.0f} samples/s", "n/a", f"{ratio:.2f}x",
+                         f"{format_per_million(cpu['shmloader'])} / {format_per_million(cpu['torch'])} per M samples"])
         print(rows[-1], flush=True)
     header = ["case", "torch DataLoader samples/s (min-max)", "shmloader.torch samples/s (min-max)",
               "ratio", "torch CPU s / M samples", "shmloader CPU s / M samples", "torch trainer CPU ms/batch",

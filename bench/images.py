@@ -239,9 +239,11 @@ def main(argv=None) -> int:
         print("PyTorch rows skipped: torchvision is not installed")
     share = shm_fast / (args.workers * limit_fast)
     print(f"shmloader fast / ({args.workers} x one-process limit): {share:.0%} (target 90%) {verdict(share >= 0.9)}")
+    best_torch = max((run for run in torch_runs.values() if run), key=lambda run: run["rate"], default=None)
+    cpu = [per_million(run["cpu_s"], run["images"]) if run else "-" for run in (fast, best_torch)]
     headline = [["JPEGs, decode + crop 224 + flip, fast path", f"{shm_fast:,.0f} images/s",
                  f"{shm_fast / limit_fast:.2f}x ({share:.0%} of {args.workers})",
-                 f"{shm_fast / torch_rate:.2f}x" if torch_rate else "n/a"]]
+                 f"{shm_fast / torch_rate:.2f}x" if torch_rate else "n/a", f"{cpu[0]} / {cpu[1]} per M images"]]
     record("images", "python bench/images.py", header, rows, headline,
            [f"{args.images} JPEGs ({'photographs' if made['photographs'] else 'synthetic'}), batch "
             f"{BATCH}, {args.workers} processes, {args.batches} batches a run",

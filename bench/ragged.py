@@ -214,7 +214,7 @@ def main() -> int:
           f"{arguments.batches} batches per run")
     print("bytes per token on disk: " + ", ".join(f"{codec} {disk_bytes_per_token(paths[codec]):.2f}"
                                                    for codec in ("lz4", "zstd", "none")))
-    rows, rates = [], {}
+    rows, rates, runs = [], {}, {}
 
     def row(what: str, codec: str, result: dict, notes: str) -> list:
         # CPU per billion tokens (a million thousands): per million, every figure starts 0.0.
@@ -226,6 +226,7 @@ def main() -> int:
         for name in ("padded", "packed"):
             result = contender(arguments, name, codec, arguments.batches)
             rates[f"{name}-{codec}"] = result["tokens_per_s"]
+            runs[f"{name}-{codec}"] = result
             rows.append(row(f"shmloader {name}, 2 readers", codec, result,
                             f"first batch {result['first_batch_s']:.2f} s, "
                             f"trainer waited {result['wait_fraction']:.0%}"))
@@ -247,8 +248,11 @@ def main() -> int:
     print(f"loaderx: {run_loaderx()}")
     ratio = ours / single["tokens_per_s"]
     print(f"padded (lz4) / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
+    cpu = [per_million(result["cpu_s"], result["tokens"] / 1e3) if result else "-"  # Per billion tokens.
+           for result in (runs["padded-lz4"], torch_result)]
     headline = [["token documents, `Padded` (LZ4)", f"{ours / 1e6:.0f} M tokens/s", f"{ratio:.2f}x",
-                 f"{ours / torch_result['tokens_per_s']:.1f}x" if torch_result else "n/a"]]
+                 f"{ours / torch_result['tokens_per_s']:.1f}x" if torch_result else "n/a",
+                 f"{cpu[0]} / {cpu[1]} per G tokens"]]
     record("ragged", "python bench/ragged.py", header, rows, headline,
            [f"{spec.record_count:,} documents, batch {BATCH}, max_length {MAX_LENGTH}, "
             f"{arguments.batches} batches a run",

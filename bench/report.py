@@ -21,7 +21,8 @@ RESULTS_MD = BENCH / "RESULTS.md"
 README = BENCH.parent / "README.md"
 # The order benchmarks appear in; the README shows the headline rows of these.
 ORDER = ["throughput", "ragged", "images", "dataset", "cold", "object_store"]
-README_HEADER = ["data", "shmloader", "/ single process", "/ PyTorch DataLoader (2 workers)"]
+README_HEADER = ["data", "shmloader", "/ single process", "/ PyTorch DataLoader (2 workers)",
+                 "CPU s, shmloader / PyTorch"]
 CURRENT = ("<!-- current figures: python bench/report.py -->", "<!-- end of current figures -->")
 TABLE = ("<!-- benchmark table: python bench/report.py -->", "<!-- end of benchmark table -->")
 
@@ -59,7 +60,8 @@ def current_section(results: list[dict]) -> str:
 
 
 def readme_table(results: list[dict]) -> str:
-    rows = [row for result in results for row in result["headline"]]
+    # A headline recorded before the CPU column has none: "-".
+    rows = [[*row, *["-"] * (len(README_HEADER) - len(row))] for result in results for row in result["headline"]]
     sources = ", ".join(f"`{result['command']}` ({result['date']})" for result in results if result["headline"])
     return "\n".join([TABLE[0], markdown(README_HEADER, rows), "", f"From {sources}; all figures in bench/RESULTS.md.",
                       TABLE[1]])

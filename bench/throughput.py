@@ -398,7 +398,9 @@ def main() -> int:
     for kind, what in (("npy", "`.npy` rows"), ("b2nd", "`.b2nd` rows (converted)")):
         ours, single, torch_result = rates[kind]
         headline.append([what, f"{ours['rows_per_s'] / 1e6:.2f} M/s", f"{ours['rows_per_s'] / single['rows_per_s']:.2f}x",
-                         f"{ours['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a"])
+                         f"{ours['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a",
+                         f"{per_million(ours['cpu_s'], ours['rows'])} / "
+                         f"{per_million(torch_result['cpu_s'], torch_result['rows']) if torch_result else '-'} per M rows"])
     notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm",
              f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
              f"of one file's rate",
