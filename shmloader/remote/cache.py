@@ -16,8 +16,10 @@ Trust: the cache is its user's own (directories 0700, files 0600, every open O_N
 a regular file of this user: pages.open_private, private_directory, private_root). A page
 a download wrote is served once its stamp says present; a page already present when a
 process opened the copy is checked against its CRC-32 first, once per process
-(CachedObject._verify); a copy whose files are not the object's size is every page absent. Credentials stay in the
-memory of the process that read them (_hold_credentials).
+(CachedObject._verify); a copy whose files are not the object's size is every page absent.
+Credentials stay in the memory of the process that read them (_hold_credentials).
+Gathers of pages present and checked take no locks on x86-64: evictions count themselves,
+and a gather that one may have overlapped is read again, pinned (_read_unpinned).
 
 Locks are open-file-description locks (fcntl F_OFD_SETLK): a process that dies, however
 it dies, holds none, so there is nothing to clean by hand after a SIGKILL. For page i:
