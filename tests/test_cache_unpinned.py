@@ -11,12 +11,14 @@ as far as the locks and the ledger go); the last test against moto's server."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -116,21 +118,30 @@ def test_a_pinned_read_holds_off_the_eviction_an_unpinned_one_cannot(stored):  #
     found.unpin()
 
 
-def test_while_an_eviction_runs_or_one_died_mid_way_a_read_pins(stored):  # noqa: F811
+def test_a_word_left_odd_by_an_evictor_that_died_is_made_even_by_the_next_read(stored):  # noqa: F811
     found, _ = stored
     found.pin(*ALL)
     found.unpin()
     word = _LEDGER["evictions"]
-    found.cache._ledger[word] += 1  # Odd: an evicting process, running or killed.
-    found.pin(*ALL, unpinned=True)
-    assert getattr(found._local, "pin_held", False)
-    assert found.unpin() is True
-    with found.cache.locked(), found.cache._evicting():  # The next eviction makes it even again.
-        assert found.cache._ledger[word] % 2 == 1
-    assert found.cache._ledger[word] % 2 == 0
-    found.pin(*ALL, unpinned=True)
+    found.cache._ledger[word] += 1  # Odd: an evicting process killed mid-way (its lock went with it).
+    found.pin(*ALL, unpinned=True)  # No eviction can run while the ledger lock is held: repaired.
     assert not getattr(found._local, "pin_held", False)
+    assert found.cache._ledger[word] % 2 == 0
     assert found.unpin() is True
+
+
+def test_a_read_waits_for_an_eviction_that_runs(stored):  # noqa: F811
+    found, _ = stored
+    _fetch_then_read_unpinned(found)
+    assert found.unpin()
+    with _another_process(found) as (view, _):
+        with view.locked(), view._evicting():  # Another process evicting now.
+            reading = threading.Thread(target=found.pin, args=ALL, kwargs={"unpinned": True})
+            reading.start()
+            reading.join(0.3)
+            assert reading.is_alive()  # Waits on the ledger lock.
+        reading.join(10)
+        assert not reading.is_alive()
 
 
 def test_stamping_pages_used_never_makes_an_evicted_page_present(stored):  # noqa: F811
@@ -233,6 +244,56 @@ def test_gathers_beside_a_process_that_evicts_all_along_read_only_the_object_s_b
         evictor.kill()
         evictor.wait()
         view.close()
+
+
+def test_the_first_steps_fetch_makes_at_most_in_flight_requests_and_none_once_closed(tmp_path):
+    """prefetch(throttled=False), the trainer's fetch of its readers' first steps: the first
+    IN_FLIGHT runs at once, the rest left to the fills (not queued behind busy threads);
+    requests still waiting for a thread when the object closes are not made, and an unpin
+    after the close returns."""
+    from shmloader.remote.cache import create_object
+    from shmloader.remote.pages import IN_FLIGHT
+
+    root, pages = tmp_path / "cache", 4 * IN_FLIGHT
+    path = str(root / "objects" / "url" / "version" / "x.bin")
+    create_object(path, "s3://bucket/x.bin", "etag", pages * CACHE_PAGE_BYTES, {})
+    view = NodeCache(str(root))
+    found = open_object(view, path, "s3://bucket/x.bin")
+    gate, calls = threading.Event(), []
+
+    def get(url, etag, start, stop, size):
+        calls.append(start)
+        if start // CACHE_PAGE_BYTES % 2 == 0:  # The first steps' pages: held until the gate opens.
+            gate.wait(10)
+        return bytes(stop - start)
+
+    found.client.get = get
+    every_other = np.arange(0, pages, 2) * CACHE_PAGE_BYTES  # 2 * IN_FLIGHT runs of a page.
+    found.prefetch(every_other, np.full(len(every_other), 10), throttled=False)
+    deadline = time.monotonic() + 10
+    while len(calls) < IN_FLIGHT and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(calls) == IN_FLIGHT
+    assert _claimable(found, 2 * (IN_FLIGHT - 1)) is False  # The last run asked for: claimed, in flight.
+    assert _claimable(found, 2 * IN_FLIGHT)  # The next: left to the fills, unclaimed.
+    found.pin(np.array([CACHE_PAGE_BYTES]), np.array([10]))  # A page nobody asked for: fetched, pinned.
+    view.close()
+    assert found.unpin() is True  # Closed meanwhile: nothing to let go of, no error.
+    gate.set()
+    time.sleep(0.3)  # The requests in flight end.
+    assert len(calls) == IN_FLIGHT + 1
+
+
+def _claimable(found, page: int) -> bool:
+    """Whether another description could claim (FETCH-lock) `page` now."""
+    from shmloader.remote.pages import FETCH_BASE, PAGES_SUFFIX, lock
+
+    descriptor = os.open(found.path + PAGES_SUFFIX, os.O_RDWR)
+    try:
+        return lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False)
+    finally:
+        os.close(descriptor)
 
 
 # The read-ahead's requests in flight.

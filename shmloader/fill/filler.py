@@ -456,32 +456,36 @@ def fetch_first_steps(spec: FillerSpec, first: int, count: int) -> None:
     """Asks the node cache for the pages of steps first .. first + count - 1 (the readers'
     first steps), from the trainer as its readers start: a store's link otherwise idles
     for the readers' start-up (a fifth of a second where each is a new process), and their
-    first fills find the pages claimed and wait for them (the cache's FETCH locks). The
-    requests are made at once and run on the node cache's threads, which a loader's close
-    may outlive (CachedObject.prefetch); nothing is filled or pinned here. Errors are left
-    to the readers, which report them."""
-    try:
-        filler = spec.build(read_ahead=False)
-    except Exception:  # noqa: BLE001 - the readers open the same plan and say what is wrong.
+    first fills find the pages claimed and wait for them (the cache's FETCH locks). Only
+    fields of fixed-shape rows, through their readers alone (no transform imported, no
+    ragged field's offsets read here), and at most IN_FLIGHT requests (prefetch, not
+    throttled), which the node cache's threads make at once and a loader's close may
+    outlive; nothing is filled or pinned. Errors are left to the readers, which report them."""
+    plans = [plan for plan in spec.fields if plan.kind == "rows"]
+    if not plans:
         return
+    batch, sampler = spec.slot.batch_size, spec.sampler
+    readers = []
     try:
-        if not filler.remote:
-            return
-        batch = filler.slot.batch_size
+        readers = [field_reader(plan, batch, False, sampler) for plan in plans]
+        stored = sum(plan.stored_bytes for plan in spec.fields)
+        for reader in readers:  # As a filler sets it: whether all the data fits decides the fetch unit.
+            reader.stored_total = stored
         indices = np.zeros(batch, dtype=np.uint64)
-        sources = np.zeros(batch, dtype=np.uint32) if filler.mixture else None
+        sources = np.zeros(batch, dtype=np.uint32) if sampler.has_sources else None
         pointers = [ffi.from_buffer("uint64_t[]", indices)]
         if sources is not None:
             pointers.append(ffi.from_buffer("uint32_t[]", sources))
         ranges = []
-        for step in range(first, min(first + count, filler.sampler.step_max + 1)):
-            filler.sampler.fill_unchecked(step, *pointers)
-            ranges += [extent for reader in filler.field_readers for extent in reader.extents(indices, sources, False)]
+        for step in range(first, min(first + count, sampler.step_max + 1)):
+            sampler.fill_unchecked(step, *pointers)
+            ranges += [extent for reader in readers for extent in reader.extents(indices, sources, False)]
         fetch_remote(ranges, throttled=False)
-    except Exception:  # noqa: BLE001 - as above.
+    except Exception:  # noqa: BLE001 - the readers open the same plan and say what is wrong.
         pass
     finally:
-        filler.close()
+        for reader in readers:
+            reader.close()
 
 
 def _in_order(sampler) -> bool:

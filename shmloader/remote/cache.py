@@ -550,6 +550,10 @@ class CachedObject:
         since its last unpin may have been evicted meanwhile (what was read from them must
         be read again)."""
         held = True
+        if self.stamps is None:  # Closed: its descriptors, and the locks taken through them, are gone.
+            setattr(self._local, f"{purpose}_held", False)
+            reads = getattr(self._local, f"{purpose}_reads", None)
+            return not reads
         reads = getattr(self._local, f"{purpose}_reads", None)
         if reads:
             # Read after the gather: on x86-64 (UNPINNED_READS) loads are not reordered
@@ -599,15 +603,17 @@ class CachedObject:
         would wait behind it); each request lets go of its claim and thread when it ends.
         (Waiting for a call's requests before the next call left one request per reader in
         flight, and the link idle between them: the read-ahead asks step by step.)
-        Not `throttled` (the trainer's first steps, fetch_first_steps): every request is
-        made at once, without waiting for a thread, and queues in the pool where none is free."""
+        Not `throttled` (the trainer's first steps, fetch_first_steps): the first IN_FLIGHT
+        requests are made at once, without waiting for a thread, and the rest left to the
+        fills (claims queued behind busy threads would make the fills that need them wait)."""
         pages = pages_of(np.atleast_1d(offsets), np.atleast_1d(sizes), ordered=True)
         missing = self._with_units(pages[self.stamps[pages] == 0] if len(pages) else pages, unit_pages)
         with self._fetching_lock:  # Pages of this process's requests in flight are asked for already.
             missing = missing[~self._fetching[missing]] if len(missing) else missing
         descriptor = self._fd("ahead")
         slots = self.cache.ahead_slots if throttled else None
-        for run_first, run_end in runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES):
+        runs = runs_of(missing, REQUEST_BYTES // CACHE_PAGE_BYTES)
+        for run_first, run_end in runs if throttled else runs[:IN_FLIGHT]:
             if slots is not None:
                 slots.acquire()
             made = False
@@ -755,6 +761,8 @@ class CachedObject:
         # A request, whatever its fetch unit, lies within the object.
         assert 0 <= first < end <= self.page_count, (first, end, self.page_count, self.url)
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
+        if self.stamps is None:  # Closed while the request waited for a thread: not made.
+            return False
         data = self.client.get(self.url, self.etag, start, stop, self.size)
         checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
                      for offset in range(0, len(data), CACHE_PAGE_BYTES)]

@@ -262,13 +262,21 @@ class NodeCache:
             self._ledger[word] += 1
 
     def eviction_sequence(self) -> int | None:
-        """The ledger's eviction sequence word (see _evicting): even while no eviction runs;
-        None once the ledger is closed, or where it is not this version's (an older loader's
-        evictions do not count themselves: gathers pin)."""
+        """The ledger's eviction sequence word (see _evicting), even: while an eviction runs
+        it waits for it to end, and a word left odd by an evicting process that died is made
+        even (else no gather would read unpinned until the next eviction, which a cache that
+        holds the data never runs); None once the ledger is closed, or where it is not this
+        version's (an older loader's evictions do not count themselves: gathers pin)."""
         ledger = self._ledger
         if ledger is None or ledger[_LEDGER["magic"]] != _LEDGER_MAGIC:
             return None
-        return int(ledger[_LEDGER["evictions"]])
+        word = int(ledger[_LEDGER["evictions"]])
+        if word % 2:  # An eviction runs, or one died mid-way: under the lock, which every eviction holds...
+            with self.locked():
+                if self._ledger[_LEDGER["evictions"]] % 2:  # ...one still odd is a dead evictor's.
+                    self._ledger[_LEDGER["evictions"]] += 1
+                word = int(self._ledger[_LEDGER["evictions"]])
+        return word
 
     def _alone(self) -> bool:
         """Whether no other view uses the cache now (each holds the ledger's byte 1 shared
