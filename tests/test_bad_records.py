@@ -223,6 +223,29 @@ def test_a_bad_record_delivered_last_is_replaced_by_a_delivered_row(ten_rows):
     check_skipped(skipped, [(2, 1, 9)])
 
 
+@pytest.mark.parametrize("readers", [0, 1, 2])
+def test_a_cut_last_step_whose_delivered_rows_are_all_bad_is_filled_from_the_step_before(tmp_path_factory, readers):
+    """3 rows in batches of 2, one epoch: the last step delivers row 2 alone and is
+    computed as [2, 2], so no record of its batch reads. Before: the step failed ("every
+    record fails on its own"); now row 2 is skipped and replaced by the step before's
+    first good record. Found by the long hypothesis profile."""
+    path, _ = float_rows(tmp_path_factory, "three_rows", 3)
+    batches, skipped = run_skipping(path, {2}, 2, readers)
+    assert batches == [(0, [0, 1]), (1, [0])]
+    check_skipped(skipped, [(1, 0, 2)])
+
+
+@pytest.mark.parametrize("bad, expected", [({0, 1}, [(0, [2, 2]), (1, [2, 3])]),
+                                           ({2, 3}, [(0, [0, 1]), (1, [0, 0])])])
+def test_a_whole_batch_of_bad_records_is_filled_from_the_step_beside_it(tmp_path_factory, bad, expected):
+    """4 rows in batches of 2: a step whose two records both fail takes the first good
+    record of the step before (after, for step 0) in their place."""
+    path, _ = float_rows(tmp_path_factory, "four_rows", 4)
+    batches, skipped = run_skipping(path, bad, 2, 1)
+    assert batches == expected
+    check_skipped(skipped, delivered_skips(batches, 4, 2, bad))
+
+
 if examples is not None:
     from hypothesis import given
     from hypothesis import strategies as st
@@ -231,8 +254,8 @@ if examples is not None:
     def skipping_cases(draw):
         row_count = draw(st.integers(2, 13))
         batch_size = draw(st.integers(2, row_count))
-        # Fewer bad rows than a batch: every computed batch keeps a good record.
-        bad = draw(st.sets(st.integers(0, row_count - 1), max_size=min(3, batch_size - 1)))
+        # Some good row is left; a batch may hold none (a short one, or a cut last step).
+        bad = draw(st.sets(st.integers(0, row_count - 1), max_size=min(3, row_count - 1)))
         return row_count, batch_size, bad, draw(st.integers(1, 2)), draw(st.sampled_from([0, 1, 2]))
 
     @examples(15)

@@ -381,18 +381,56 @@ class StepFiller:
         never delivered."""
         return self.slot.batch_size if self.finite is None else self.finite.rows(step)
 
+    def _good_record_near(self, step: int) -> tuple[int, int | None] | None:
+        """(row, source) of a record that reads on its own, from the steps before `step`
+        (nearest first; then those after it), at most BAD_RECORDS_MAX distinct records
+        tried; None if none does. Deterministic: it depends only on the step and the records."""
+        rows = np.empty(self.slot.batch_size, dtype=np.uint64)
+        sources = np.empty(self.slot.batch_size, dtype=np.uint32) if self.mixture else None
+        pointers = (ffi.from_buffer("uint64_t[]", rows),) + \
+            (() if sources is None else (ffi.from_buffer("uint32_t[]", sources),))
+        others = [*range(step - 1, max(-1, step - 1 - BAD_RECORDS_MAX), -1)]
+        others += range(step + 1, step + 1 + BAD_RECORDS_MAX - len(others))
+        tried = set()
+        for other in others:
+            self.sampler.fill_unchecked(other, *pointers)
+            for position in range(len(rows)):
+                record = (int(rows[position]), None if sources is None else int(sources[position]))
+                if record in tried:
+                    continue
+                if len(tried) == BAD_RECORDS_MAX:
+                    return None
+                tried.add(record)
+                if self._fails(step, rows, sources, [position]) is None:
+                    return record
+        return None
+
     def _recover(self, step: int, outputs: SlotOutputs, salt: int, error: Exception) -> None:
         rows = outputs.indices.copy()
         sources = None if outputs.sources is None else outputs.sources.copy()
-        bad = self._bad_positions(step, rows, sources, list(range(len(rows)))) or {}
-        if len(bad) == len(rows):  # Not some bad records: whatever the records, the step fails.
-            what = "the dataset" if self.dataset is not None else \
-                "the transform" if self.runner is not None else "reading its fields"
-            raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of {len(rows)}): "
-                                 f"{what} fails on every record, not on a few bad ones, so on_error='skip' cannot "
-                                 f"replace them")
+        # The search runs over distinct records: a cut step's computed rows repeat its
+        # delivered ones, and a record repeated is one bad record, not many.
+        records = list(zip(rows.tolist(), [0] * len(rows) if sources is None else sources.tolist()))
+        first = {}
+        for position, record in enumerate(records):
+            first.setdefault(record, position)
+        found = self._bad_positions(step, rows, sources, list(first.values())) or {}
+        bad = {i: found[first[record]] for i, record in enumerate(records) if first[record] in found}
         if not bad:
             raise error
+        nearby = None
+        if len(bad) == len(rows):
+            # No good record in the batch: a short batch, or a cut last step whose computed
+            # rows repeat its delivered ones. One from the steps beside it replaces them,
+            # unless those fail too: then the step fails whatever its records are.
+            nearby = self._good_record_near(step)
+            if nearby is None:
+                what = "the dataset" if self.dataset is not None else \
+                    "the transform" if self.runner is not None else "reading its fields"
+                raise _naming(error, f"every record of step {step}'s batch fails on its own ({len(rows)} of "
+                                     f"{len(rows)}), and so do the records of the steps beside it: {what} "
+                                     f"fails on every record, not on a few bad ones, so on_error='skip' cannot "
+                                     f"replace them")
         # A bad record past the delivered rows is no record of the pass: it is replaced
         # (so that the delivered rows can be computed), never reported nor counted.
         delivered = self.delivered_rows(step)
@@ -404,15 +442,19 @@ class StepFiller:
             raise _naming(error, f"the batch fails on record(s) {', '.join(named[:4])}"
                                  f"{' and more' if len(named) > 4 else ''} (on_error='skip' replaces them)")
         # Each bad record is replaced by the next good one of its delivered rows
-        # (cyclically; of the whole batch where every delivered row is bad): the same
-        # whatever the reader count, and on resume.
+        # (cyclically; of the whole batch where every delivered row is bad; the record
+        # found beside the step where every row is bad): the same whatever the reader count,
+        # and on resume.
         good = [i for i in range(len(rows)) if i not in bad]
         candidates = [i for i in good if i < delivered] or good
         for i in sorted(bad):
-            j = next((k for k in candidates if k > i), candidates[0])
-            outputs.indices[i] = rows[j]
+            if nearby is not None:
+                outputs.indices[i], source = nearby
+            else:
+                j = next((k for k in candidates if k > i), candidates[0])
+                outputs.indices[i], source = rows[j], None if sources is None else sources[j]
             if sources is not None:
-                outputs.sources[i] = sources[j]
+                outputs.sources[i] = source
         self._fill_rows(step, outputs, salt)
         # Counted once the step is filled: a fill that fails after all (and is tried again,
         # as readers=0 does on the next next()) counts its records once.
