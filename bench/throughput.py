@@ -9,6 +9,10 @@ batches (measured inside a loop whose simulated training step leaves the readers
 fill the ring, beside the floor: next() of a bare C iterator in the same conditions);
 first batch within 1 s of construction.
 
+shmloader, the single process and the pair (the same gather in two processes at once: the
+ceiling of two readers) run in turn, ROUNDS rounds (one with --quick); each round's ratios
+come from its own runs, and the ratios reported are the medians of the rounds'.
+
 Each contender of the main table runs in a child process of its own, and its row gives
 the CPU seconds per million rows of all its processes (the trainer, shmloader's fork
 server and readers, PyTorch's forkserver and workers; user+system) from the start of the
@@ -36,6 +40,9 @@ from shmloader.storage.spec import describe_field
 from shmloader.tools import benchmark
 
 ROWS, ROW_BYTES, BATCH = 100_000, 3072, 256
+# Rounds of the main table: shmloader, one process and two processes run in turn, each
+# round's ratios from its own runs (this host's speed moves within seconds; bench/RESULTS.md).
+ROUNDS = 5
 
 
 def label_files(directory: str) -> dict[str, str]:
@@ -71,6 +78,11 @@ def memory_of(pid: int) -> str:
         return f"{fields['Rss'] / 1024:.0f} MiB RSS, {(fields['Private_Clean'] + fields['Private_Dirty']) / 1024:.0f} MiB private"
     except (OSError, KeyError, ValueError):
         return "?"
+
+
+def median_run(results: list[dict]) -> dict:
+    """The run of median rate (the lower middle one of an even count)."""
+    return sorted(results, key=lambda result: result["rows_per_s"])[(len(results) - 1) // 2]
 
 
 def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, warm_up=0) -> dict:
@@ -321,7 +333,7 @@ def main() -> int:
     arguments = parser.parse_args()
     if arguments.child:
         finish_child(_CONTENDERS[arguments.child](json.loads(arguments.fields), arguments.batches))
-    batches = arguments.batches or (300 if arguments.quick else 2000)
+    batches = arguments.batches or (300 if arguments.quick else 8000)
     images = make_files(ROWS, ROW_BYTES, with_default=False)
     labels = label_files(os.path.dirname(images["npy"]))
     # Data in memory is what this compares: files the page cache dropped since they were
@@ -330,15 +342,23 @@ def main() -> int:
         read_through(path)
     print(f"# throughput benchmark ({machine_line()})")
     print(f"{ROWS:,} rows of {ROW_BYTES} bytes + int64 label, batch {BATCH}, {batches} batches per run, consumer sums a byte per row")
-    lines, rates, ceilings = [], {}, {}
+    lines, rates, ceilings, ratios = [], {}, {}, {}
+    rounds = 1 if arguments.quick else ROUNDS
+    print(f"shmloader, one process and two processes alternate, {rounds} round(s); each row is the median run, "
+          f"ratios the median of the rounds' ratios")
     for kind in ("npy", "b2nd"):
         fields = {"image": images[kind], "label": labels[kind]}
-        ours = contender("shmloader", fields, batches)
-        single = contender("single", fields, batches)
-        pair = contender("pair", fields, batches)
+        runs = {"shmloader": [], "single": [], "pair": []}
+        for _ in range(rounds):  # The host's speed drifts within seconds: each round compares its own runs.
+            for name, results in runs.items():
+                results.append(contender(name, fields, batches))
+        per_round = [ours["rows_per_s"] / single["rows_per_s"] for ours, single in zip(runs["shmloader"], runs["single"])]
+        pair_rounds = [pair["rows_per_s"] / single["rows_per_s"] for pair, single in zip(runs["pair"], runs["single"])]
+        ratios[kind] = (statistics.median(per_round), per_round)
+        ceilings[kind] = (statistics.median(pair_rounds), pair_rounds)
+        ours, single, pair = (median_run(runs[name]) for name in ("shmloader", "single", "pair"))
         torch_result = contender("torch", fields, max(50, batches // 4))
         rates[kind] = (ours, single, torch_result)
-        ceilings[kind] = pair["rows_per_s"] / single["rows_per_s"]
         gigabytes = (ROW_BYTES + 8) / 1e9
 
         def line(what: str, result: dict, notes: str) -> list:
@@ -346,11 +366,16 @@ def main() -> int:
                     per_million(result["cpu_s"], result["rows"]), per_million(result["trainer_cpu_s"], result["rows"]),
                     notes]
 
+        def spread(results: list) -> str:
+            rates_seen = sorted(result["rows_per_s"] for result in results)
+            return f"runs {rates_seen[0]:,.0f}-{rates_seen[-1]:,.0f}" if len(rates_seen) > 1 else ""
+
         lines.append(line("shmloader, 2 readers, 8 slots", ours,
                           f"first batch {ours['first_batch_s']:.2f} s, ring {ours['shm_mib']:.1f} MiB, "
-                          f"trainer waited {ours['wait_fraction']:.0%}"))
-        lines.append(line("single process, same gather", single, ""))
-        lines.append(line("2 processes, same gather, at once", pair, "the ceiling of 2 readers here"))
+                          f"trainer waited {ours['wait_fraction']:.0%}; {spread(runs['shmloader'])}"))
+        lines.append(line("single process, same gather", single, spread(runs["single"])))
+        lines.append(line("2 processes, same gather, at once", pair,
+                          f"the ceiling of 2 readers here; {spread(runs['pair'])}"))
         if torch_result:
             lines.append(line("PyTorch DataLoader, 2 workers, __getitems__", torch_result,
                               "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"))
@@ -381,11 +406,13 @@ def main() -> int:
             print(f"{kind}: shmloader / PyTorch = {ratio:.1f}x (target >= {factor}x) -> {verdict(ratio >= factor)}")
         else:
             print(f"{kind}: PyTorch not installed, comparison skipped")
-        ratio = ours["rows_per_s"] / single["rows_per_s"]
-        print(f"{kind}: shmloader / single process = {ratio:.2f}x (target >= 1.3x) -> {verdict(ratio >= 1.3)}")
-        print(f"{kind}: 2 processes of the same gather at once / single process = {ceilings[kind]:.2f}x; shmloader "
-              f"at {ratio / ceilings[kind]:.0%} of it" + (f" (issue 47: >= 1.9x single: {verdict(ratio >= 1.9)})"
-                                                          if kind == "npy" else ""))
+        ratio, per_round = ratios[kind]
+        ceiling, ceiling_rounds = ceilings[kind]
+        print(f"{kind}: shmloader / single process = {ratio:.2f}x, rounds {', '.join(f'{r:.2f}' for r in per_round)} "
+              f"(target >= 1.3x) -> {verdict(ratio >= 1.3)}")
+        print(f"{kind}: 2 processes of the same gather at once / single process = {ceiling:.2f}x, rounds "
+              f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it"
+              + (f" (issue 47: >= 1.9x single: {verdict(ratio >= 1.9)})" if kind == "npy" else ""))
         print(f"{kind}: first batch {ours['first_batch_s']:.2f} s (target <= 1 s) -> {verdict(ours['first_batch_s'] <= 1)}")
     print(f"b2nd: chunk checksums cost {verify_cost:.1%} of throughput over {batches} batches, the median of "
           f"{_CHECKSUM_PAIRS} alternating pairs (verify=True may be the default under 5%) -> {verdict(verify_cost < 0.05)}")
@@ -397,11 +424,13 @@ def main() -> int:
     headline = []
     for kind, what in (("npy", "`.npy` rows"), ("b2nd", "`.b2nd` rows (converted)")):
         ours, single, torch_result = rates[kind]
-        headline.append([what, f"{ours['rows_per_s'] / 1e6:.2f} M/s", f"{ours['rows_per_s'] / single['rows_per_s']:.2f}x",
+        headline.append([what, f"{ours['rows_per_s'] / 1e6:.2f} M/s", f"{ratios[kind][0]:.2f}x",
                          f"{ours['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a",
                          f"{per_million(ours['cpu_s'], ours['rows'])} / "
                          f"{per_million(torch_result['cpu_s'], torch_result['rows']) if torch_result else '-'} per M rows"])
-    notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm",
+    notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm; "
+             f"shmloader, one process and two alternate in {rounds} round(s): rows are the median runs, "
+             f"x single the median of the rounds' ratios",
              f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
              f"of one file's rate",
              *(f"next() with {label} batches after a training step: median {cost['median']:.1f} us" for label, cost

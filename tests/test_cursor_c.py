@@ -79,7 +79,7 @@ def unexpected(*arguments):
     raise RuntimeError(f"supervise was called: {arguments}")
 
 
-def cursor_over(ring):
+def cursor_over(ring, poll_interval_ns: int = 10**7):
     """A cursor over `ring` as session.py builds one, with one reader (this test) and no
     periodic supervision."""
     layout = ring.layout
@@ -89,7 +89,7 @@ def cursor_over(ring):
         batch_type=Batch, views=tuple(ring.slot.views(ring.memory, layout.slot_offset(slot))
                                       for slot in range(layout.slot_count)),
         next_step=0, check_every_batches=2**40, wake_after_slots=1, reader_count=1, trainer_slots=1,
-        poll_interval_ns=10**7, end_step=2**64 - 1, partial_from=2**64 - 1,
+        poll_interval_ns=poll_interval_ns, end_step=2**64 - 1, partial_from=2**64 - 1,
         supervise=unexpected, views_of=unexpected, partial=unexpected)
 
 
@@ -138,3 +138,45 @@ def test_the_cursor_keeps_to_the_table_where_the_ring_is_right(ring):
         assert struct.unpack_from("<Q", ring.memory, ring.layout.table_offset + 2 * SLOT_CONTROL_BYTES + 8)[0] == 14
     finally:
         cursor.deactivate()
+
+
+def test_a_trainer_that_outruns_its_readers_sleeps_until_the_third_step_after_is_filled():
+    """next() that finds its step in flight, and the three after it too, sleeps on the
+    third's slot: the readers fill the lowest steps first, so those before are ready by
+    then, and the trainer pays one sleep and wake-up (a costly round trip on a small or
+    virtual machine) per four batches instead of one per two. Publishing the steps before
+    it wakes nobody; publishing it hands out the step next() waited for."""
+    import threading
+    import time
+
+    slot = SlotLayout.of(4, (Region("x", (4,), "<u4"),), mixture=False)
+    layout = RingLayout(slot_count=8, reader_count=1, batch_size=4, slot_bytes=slot.nbytes, field_count=1)
+    ring = Ring.create(layout, os.getpid())
+    ring.slot = slot
+    cursor, publisher = cursor_over(ring, poll_interval_ns=60 * 10**9), Publisher(ring, 0, os.getpid())
+    trainer = None
+    try:
+        for step in range(8):
+            cursor.request(step, step)
+        claimed = [ring.claim(0) for _ in range(5)]  # Steps 0-4 FILLING, 5-7 REQUESTED.
+        assert claimed == [0, 1, 2, 3, 4]
+        delivered = []
+        trainer = threading.Thread(target=lambda: delivered.append(next(cursor).step))
+        trainer.start()
+        deadline = time.monotonic() + 30
+        while not any(ring._lines[index].waiter for index in range(8)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert [index for index in range(8) if ring._lines[index].waiter] == [3]
+        for index in (0, 1, 2):
+            publisher.publish(index, 0)
+        trainer.join(0.2)
+        assert trainer.is_alive() and not delivered  # Steps 0-2 ready, the trainer still asleep.
+        publisher.publish(3, 0)
+        trainer.join(30)
+        assert delivered == [0] and not any(ring._lines[index].waiter for index in range(8))
+    finally:
+        cursor.deactivate()  # A next() still waiting returns (its supervise raises in its thread).
+        if trainer is not None:
+            trainer.join(30)
+        ring.names.unlink_all()
+        ring.close()

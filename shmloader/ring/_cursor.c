@@ -393,6 +393,9 @@ WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t t
 /* next()'s wait: at most one poll interval for next_step's slot (or the next one's, see
  * below) to leave the in-flight states, the common wait of a trainer that outruns its
  * readers. */
+#ifndef WAIT_AHEAD_MAX
+#define WAIT_AHEAD_MAX 3
+#endif
 static WaitResult wait_in_flight(Cursor *self) {
     unsigned long long step = self->next_step;
     /* When the step after this one is in flight too, sleep until that one is published:
@@ -402,7 +405,11 @@ static WaitResult wait_in_flight(Cursor *self) {
      * The caller looks at next_step again after any wake-up, so a failed or stuck step is
      * still seen within a poll interval. */
     uint64_t ahead_owner;
-    if (self->slot_count > 3 && step_state(self, step + 1, &ahead_owner) == STEP_IN_FLIGHT) {
+    uint64_t ahead = self->slot_count > 3 ? (uint64_t)WAIT_AHEAD_MAX : 0;
+    if (ahead > (uint64_t)self->slot_count - 3) {
+        ahead = (uint64_t)self->slot_count - 3;
+    }
+    while (ahead-- > 0 && step + 1 < self->end_step && step_state(self, step + 1, &ahead_owner) == STEP_IN_FLIGHT) {
         step += 1;
     }
     if (cursor_wake(self) < 0) {
