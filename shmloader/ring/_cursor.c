@@ -390,20 +390,23 @@ WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t t
     return outcome;
 }
 
-/* next()'s wait: at most one poll interval for next_step's slot (or the next one's, see
+/* How many steps past next_step the trainer may sleep on (see wait_in_flight); never more
+ * than the ring less three slots (the batch the trainer holds, and two to keep the readers
+ * busy meanwhile). Sleeping on the fifth step after left the readers idle at times. */
+#define WAIT_AHEAD_MAX 3
+
+/* next()'s wait: at most one poll interval for next_step's slot (or a later one's, see
  * below) to leave the in-flight states, the common wait of a trainer that outruns its
  * readers. */
-#ifndef WAIT_AHEAD_MAX
-#define WAIT_AHEAD_MAX 3
-#endif
 static WaitResult wait_in_flight(Cursor *self) {
     unsigned long long step = self->next_step;
-    /* When the step after this one is in flight too, sleep until that one is published:
-     * readers claim the lowest step first, so this one is normally ready by then, and the
-     * trainer pays one sleep and wake-up (a futex round trip, a fifth of a core on a small
-     * machine) per two batches. Readers lose nothing: the requests ahead keep them busy.
-     * The caller looks at next_step again after any wake-up, so a failed or stuck step is
-     * still seen within a poll interval. */
+    /* While the steps after this one are in flight too, sleep until the last of up to
+     * WAIT_AHEAD_MAX of them is published: readers claim the lowest step first, so this
+     * one and those between are normally ready by then, and the trainer pays one sleep
+     * and wake-up (a futex round trip and a context switch that preempts a reader: a fifth
+     * of a core on a small or virtual machine) per four batches, not per one. Readers lose
+     * nothing: the requests ahead keep them busy. The caller looks at next_step again
+     * after any wake-up, so a failed or stuck step is still seen within a poll interval. */
     uint64_t ahead_owner;
     uint64_t ahead = self->slot_count > 3 ? (uint64_t)WAIT_AHEAD_MAX : 0;
     if (ahead > (uint64_t)self->slot_count - 3) {
