@@ -37,7 +37,7 @@ from .readers.local import LocalIterator, LocalReader
 from .readers.channel import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, cursor_module
-from .ring.layout import POLL_INTERVAL_SECONDS, RingLayout, SlotState
+from .ring.layout import POLL_INTERVAL_SECONDS, WAIT_AHEAD_SPAN_SECONDS, RingLayout, SlotState
 from .ring.segment import Ring
 from .ring.slot_layout import SlotLayout
 from .ring.stale import sweep_stale
@@ -178,6 +178,7 @@ class Session:
             reader_count=fillers,
             trainer_slots=TRAINER_SLOTS,
             poll_interval_ns=int(POLL_INTERVAL_SECONDS * 1e9),
+            wait_ahead_span_ns=int(WAIT_AHEAD_SPAN_SECONDS * 1e9),
             end_step=cuts.end_step,
             partial_from=cuts.partial_from,
             supervise=self.supervisor.supervise,

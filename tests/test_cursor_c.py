@@ -79,7 +79,7 @@ def unexpected(*arguments):
     raise RuntimeError(f"supervise was called: {arguments}")
 
 
-def cursor_over(ring, poll_interval_ns: int = 10**7):
+def cursor_over(ring, poll_interval_ns: int = 10**7, wait_ahead_span_ns: int = 0):
     """A cursor over `ring` as session.py builds one, with one reader (this test) and no
     periodic supervision."""
     layout = ring.layout
@@ -89,7 +89,7 @@ def cursor_over(ring, poll_interval_ns: int = 10**7):
         batch_type=Batch, views=tuple(ring.slot.views(ring.memory, layout.slot_offset(slot))
                                       for slot in range(layout.slot_count)),
         next_step=0, check_every_batches=2**40, wake_after_slots=1, reader_count=1, trainer_slots=1,
-        poll_interval_ns=poll_interval_ns, end_step=2**64 - 1, partial_from=2**64 - 1,
+        poll_interval_ns=poll_interval_ns, wait_ahead_span_ns=wait_ahead_span_ns, end_step=2**64 - 1, partial_from=2**64 - 1,
         supervise=unexpected, views_of=unexpected, partial=unexpected)
 
 
@@ -140,12 +140,14 @@ def test_the_cursor_keeps_to_the_table_where_the_ring_is_right(ring):
         cursor.deactivate()
 
 
-def test_a_trainer_that_outruns_its_readers_sleeps_until_the_third_step_after_is_filled():
-    """next() that finds its step in flight, and the three after it too, sleeps on the
-    third's slot: the readers fill the lowest steps first, so those before are ready by
-    then, and the trainer pays one sleep and wake-up (a costly round trip on a small or
-    virtual machine) per four batches instead of one per two. Publishing the steps before
-    it wakes nobody; publishing it hands out the step next() waited for."""
+@pytest.mark.parametrize("span_ns, sleeps_on", [(60 * 10**9, 5), (0, 3)])
+def test_a_trainer_that_outruns_fast_readers_sleeps_until_the_third_step_after_is_filled(span_ns, sleeps_on):
+    """next() that finds its step in flight sleeps on the next step's slot; once it has
+    measured that the readers deliver within the span, on the third step after its own
+    while those are in flight: the readers fill the lowest steps first, so those before are
+    ready by then, and the trainer pays one sleep and wake-up (a costly round trip on a
+    small or virtual machine) per four batches instead of one per two. Publishing the steps
+    before it wakes nobody. Slower readers (span 0 here) keep it on the next step's slot."""
     import threading
     import time
 
@@ -153,27 +155,43 @@ def test_a_trainer_that_outruns_its_readers_sleeps_until_the_third_step_after_is
     layout = RingLayout(slot_count=8, reader_count=1, batch_size=4, slot_bytes=slot.nbytes, field_count=1)
     ring = Ring.create(layout, os.getpid())
     ring.slot = slot
-    cursor, publisher = cursor_over(ring, poll_interval_ns=60 * 10**9), Publisher(ring, 0, os.getpid())
-    trainer = None
-    try:
-        for step in range(8):
-            cursor.request(step, step)
-        claimed = [ring.claim(0) for _ in range(5)]  # Steps 0-4 FILLING, 5-7 REQUESTED.
-        assert claimed == [0, 1, 2, 3, 4]
-        delivered = []
-        trainer = threading.Thread(target=lambda: delivered.append(next(cursor).step))
-        trainer.start()
+    cursor = cursor_over(ring, poll_interval_ns=60 * 10**9, wait_ahead_span_ns=span_ns)
+    publisher, delivered, trainer = Publisher(ring, 0, os.getpid()), [], None
+
+    def next_in_a_thread() -> threading.Thread:
+        thread = threading.Thread(target=lambda: delivered.append(next(cursor).step))
+        thread.start()
         deadline = time.monotonic() + 30
         while not any(ring._lines[index].waiter for index in range(8)) and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert [index for index in range(8) if ring._lines[index].waiter] == [3]
-        for index in (0, 1, 2):
+        return thread
+
+    def armed() -> list[int]:
+        return [index for index in range(8) if ring._lines[index].waiter]
+
+    try:
+        for step in range(8):
+            cursor.request(step, step)
+        assert [ring.claim(0) for _ in range(5)] == [0, 1, 2, 3, 4]  # Steps 0-4 FILLING, 5-7 REQUESTED.
+        trainer = next_in_a_thread()
+        assert armed() == [1]  # No delivery interval measured yet: the next step's slot.
+        publisher.publish(0, 0)
+        trainer.join(0.2)
+        assert trainer.is_alive()
+        publisher.publish(1, 0)
+        trainer.join(30)
+        assert delivered == [0] and next(cursor).step == 1  # Ready: no wait.
+        trainer = next_in_a_thread()  # Step 2 in flight, and 3-5 with it.
+        assert armed() == [sleeps_on]
+        for index in range(2, sleeps_on):
             publisher.publish(index, 0)
         trainer.join(0.2)
-        assert trainer.is_alive() and not delivered  # Steps 0-2 ready, the trainer still asleep.
-        publisher.publish(3, 0)
+        assert trainer.is_alive() and delivered == [0]  # The steps before ready, the trainer still asleep.
+        if sleeps_on == 5:
+            assert ring.claim(0) == 5
+        publisher.publish(sleeps_on, 0)
         trainer.join(30)
-        assert delivered == [0] and not any(ring._lines[index].waiter for index in range(8))
+        assert delivered == [0, 2] and not armed()
     finally:
         cursor.deactivate()  # A next() still waiting returns (its supervise raises in its thread).
         if trainer is not None:

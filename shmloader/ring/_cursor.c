@@ -390,28 +390,54 @@ WaitResult cursor_wait(Cursor *self, Py_ssize_t index, uint64_t step, uint64_t t
     return outcome;
 }
 
-/* How many steps past next_step the trainer may sleep on (see wait_in_flight); never more
- * than the ring less three slots (the batch the trainer holds, and two to keep the readers
- * busy meanwhile). Sleeping on the fifth step after left the readers idle at times. */
+/* How many steps past next_step the trainer may sleep on at most (see wait_ahead). */
 #define WAIT_AHEAD_MAX 3
+
+/* How many steps past next_step the trainer sleeps on, given the readers' delivery
+ * interval measured between its last two waits: one, as long as the ring has room for it;
+ * WAIT_AHEAD_MAX while that many more steps come within wait_ahead_span_ns (the trainer
+ * then takes its own step at most that much later than it could have, and sleeps once per
+ * four batches, not per two), never so far that the readers are left without a requested
+ * step: the ring less the trainer's slots, one step being filled per reader, and one. Slow
+ * steps (or none measured yet) keep to one: the trainer would sleep through whole poll
+ * intervals (one step after another of a single reader) while its own step waited ready. */
+static uint64_t wait_ahead(const Cursor *self) {
+    uint64_t slots = (uint64_t)self->slot_count;
+    if (slots <= 3) {
+        return 0;
+    }
+    uint64_t reserved = self->trainer_slots + self->reader_count + 1;
+    uint64_t room = slots > reserved ? slots - reserved : 0;
+    uint64_t interval = self->batch_interval_ns;
+    if (room <= 1 || interval == 0 || interval > self->wait_ahead_span_ns / (WAIT_AHEAD_MAX + 1)) {
+        return 1;
+    }
+    return room < WAIT_AHEAD_MAX ? room : WAIT_AHEAD_MAX;
+}
 
 /* next()'s wait: at most one poll interval for next_step's slot (or a later one's, see
  * below) to leave the in-flight states, the common wait of a trainer that outruns its
  * readers. */
 static WaitResult wait_in_flight(Cursor *self) {
     unsigned long long step = self->next_step;
-    /* While the steps after this one are in flight too, sleep until the last of up to
-     * WAIT_AHEAD_MAX of them is published: readers claim the lowest step first, so this
-     * one and those between are normally ready by then, and the trainer pays one sleep
-     * and wake-up (a futex round trip and a context switch that preempts a reader: a fifth
-     * of a core on a small or virtual machine) per four batches, not per one. Readers lose
-     * nothing: the requests ahead keep them busy. The caller looks at next_step again
-     * after any wake-up, so a failed or stuck step is still seen within a poll interval. */
-    uint64_t ahead_owner;
-    uint64_t ahead = self->slot_count > 3 ? (uint64_t)WAIT_AHEAD_MAX : 0;
-    if (ahead > (uint64_t)self->slot_count - 3) {
-        ahead = (uint64_t)self->slot_count - 3;
+    /* The readers' delivery interval: the batches handed out since the last wait began, over
+     * the time since (a wait that handed out none leaves it unknown). */
+    unsigned long long now_ns = monotonic_ns();
+    if (self->wait_mark_ns != 0) {
+        unsigned long long delivered = self->batches - self->wait_mark_batches;
+        self->batch_interval_ns = delivered > 0 ? (now_ns - self->wait_mark_ns) / delivered : 0;
     }
+    self->wait_mark_ns = now_ns;
+    self->wait_mark_batches = self->batches;
+    /* While the steps after this one are in flight too, sleep until the last of up to
+     * wait_ahead() of them is published: readers claim the lowest step first, so this one
+     * and those between are normally ready by then, and the trainer pays fewer sleeps and
+     * wake-ups (a futex round trip and a context switch that preempts a reader: a fifth of
+     * a core on a small or virtual machine). Readers lose nothing: the requests ahead keep
+     * them busy. The caller looks at next_step again after any wake-up, so a failed or
+     * stuck step is still seen within a poll interval. */
+    uint64_t ahead_owner;
+    uint64_t ahead = wait_ahead(self);
     while (ahead-- > 0 && step + 1 < self->end_step && step_state(self, step + 1, &ahead_owner) == STEP_IN_FLIGHT) {
         step += 1;
     }

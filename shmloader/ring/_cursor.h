@@ -83,6 +83,10 @@ typedef struct {
     uint64_t reader_count;      /* at most this many posts per wake-up; 0: readers=0, whose local reader
                                  * fills each step before next() (readers/local.py) */
     uint64_t trainer_slots;     /* slots the trainer's own references may hold (plan/defaults.TRAINER_SLOTS) */
+    uint64_t wait_ahead_span_ns; /* how much longer than needed next() may sleep to sleep less often (wait_in_flight) */
+    unsigned long long wait_mark_ns;       /* when the last wait for an in-flight step began (0: none yet) */
+    unsigned long long wait_mark_batches;  /* batches handed out by then */
+    unsigned long long batch_interval_ns;  /* readers' delivery interval between the last two waits (0: unknown) */
     unsigned long long next_step;
     unsigned long long batches;
     unsigned long long wait_ns;

@@ -91,19 +91,19 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"control_table_address", "slot_count", "work_semaphore", "ready_semaphores",
                                "field_names", "batch_type", "views", "next_step", "check_every_batches",
                                "wake_after_slots", "reader_count", "trainer_slots", "poll_interval_ns",
-                               "end_step", "partial_from", "supervise", "views_of", "partial", NULL};
+                               "wait_ahead_span_ns", "end_step", "partial_from", "supervise", "views_of", "partial", NULL};
     if (self->slots != NULL || self->supervise != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return -1;
     }
     unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, trainer_slots,
-        poll_ns, end_step, partial_from;
+        poll_ns, wait_ahead_span_ns, end_step, partial_from;
     PyObject *work, *ready, *names, *batch_type, *views, *supervise, *views_of, *partial;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&O&UO!O!OO!O&O&O&O&O&O&O&O&OOO:Cursor", keywords, u64_of,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&O&UO!O!OO!O&O&O&O&O&O&O&O&O&OOO:Cursor", keywords, u64_of,
                                      &control_table, u64_of, &slot_count, &work, &PyTuple_Type, &ready,
                                      &PyTuple_Type, &names, &batch_type, &PyTuple_Type, &views, u64_of, &next_step,
                                      u64_of, &check_every, u64_of, &wake_after, u64_of, &reader_count, u64_of,
-                                     &trainer_slots, u64_of, &poll_ns, u64_of, &end_step, u64_of, &partial_from,
+                                     &trainer_slots, u64_of, &poll_ns, u64_of, &wait_ahead_span_ns, u64_of, &end_step, u64_of, &partial_from,
                                      &supervise, &views_of, &partial)) {
         return -1;
     }
@@ -144,6 +144,7 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
     self->end_step = end_step;
     self->partial_from = partial_from;
     self->poll_interval_ns = poll_ns;
+    self->wait_ahead_span_ns = wait_ahead_span_ns;
     self->pending_posts = 0;
     self->active = 1;
     return 0;

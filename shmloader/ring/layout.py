@@ -31,6 +31,10 @@ PAGE_BYTES = 4096
 # How long one wait of the trainer lasts before it checks that its readers live (a dead
 # reader is noticed within about this long); the native next() waits in units of it.
 POLL_INTERVAL_SECONDS = 0.05
+# How much later than it could, at most, a trainer that outruns its readers takes its step
+# so that it sleeps and wakes less often (ring/_cursor.c, wait_ahead): only while the readers
+# deliver a batch in under a quarter of this.
+WAIT_AHEAD_SPAN_SECONDS = 0.002
 
 NAME_PREFIX = "shml_"
 SHM_DIRECTORY = "/dev/shm"
