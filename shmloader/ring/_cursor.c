@@ -444,7 +444,17 @@ static WaitResult wait_in_flight(Cursor *self) {
     if (cursor_wake(self) < 0) {
         return WAIT_ERROR; /* Readers asleep with pending requests would cost a whole poll. */
     }
-    return cursor_wait(self, (Py_ssize_t)(step % (unsigned long long)self->slot_count), step, self->poll_interval_ns);
+    /* A sleep past the step after the trainer's lasts at most the span four times over: readers
+     * that slowed down since the interval was measured would otherwise keep a ready step
+     * waiting a whole poll interval. Then next() looks again, with the interval measured
+     * anew (no batch since: one step ahead), and no supervision is due yet. */
+    uint64_t timeout_ns = self->poll_interval_ns;
+    int beyond = step > self->next_step + 1;
+    if (beyond && 4 * self->wait_ahead_span_ns < timeout_ns) {
+        timeout_ns = 4 * self->wait_ahead_span_ns;
+    }
+    WaitResult waited = cursor_wait(self, (Py_ssize_t)(step % (unsigned long long)self->slot_count), step, timeout_ns);
+    return waited == WAIT_TIMED_OUT && beyond ? WAIT_CHANGED : waited;
 }
 
 /* Calls supervise(cursor, state, owner, step): reader checks and errors. */
