@@ -352,7 +352,8 @@ def main() -> int:
         for _ in range(rounds):  # The host's speed drifts within seconds: each round compares its own runs.
             for name, results in runs.items():
                 results.append(contender(name, fields, batches))
-        per_round = [ours["rows_per_s"] / single["rows_per_s"] for ours, single in zip(runs["shmloader"], runs["single"])]
+        per_round = [ours["rows_per_s"] / single["rows_per_s"]
+                     for ours, single in zip(runs["shmloader"], runs["single"])]
         pair_rounds = [pair["rows_per_s"] / single["rows_per_s"] for pair, single in zip(runs["pair"], runs["single"])]
         ratios[kind] = (statistics.median(per_round), per_round)
         ceilings[kind] = (statistics.median(pair_rounds), pair_rounds)

@@ -32,12 +32,12 @@ from .filling import fill_and_publish
 
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
+# How often, at most, a busy reader asks whether its trainer lives (Reader.run).
+TRAINER_CHECK_SECONDS = 0.01
 EXIT_REPORTED_ERROR = 3
 EXIT_NO_RING = 4
 # A process forked inside a transform that returned into the reader loop exits with this.
 EXIT_FORKED_CHILD = 5
-# How often, at most, a busy reader asks whether its trainer lives (Reader.run).
-TRAINER_CHECK_SECONDS = 0.01
 # A forked reader whose fork server died before the reader could ask for its death signal:
 # nothing would end it with its trainer, so it leaves at once and is restarted.
 EXIT_SERVER_GONE = 6

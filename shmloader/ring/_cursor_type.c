@@ -91,7 +91,8 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"control_table_address", "slot_count", "work_semaphore", "ready_semaphores",
                                "field_names", "batch_type", "views", "next_step", "check_every_batches",
                                "wake_after_slots", "reader_count", "trainer_slots", "poll_interval_ns",
-                               "wait_ahead_span_ns", "end_step", "partial_from", "supervise", "views_of", "partial", NULL};
+                               "wait_ahead_span_ns", "end_step", "partial_from", "supervise", "views_of", "partial",
+                               NULL};
     if (self->slots != NULL || self->supervise != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return -1;
@@ -103,7 +104,8 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
                                      &control_table, u64_of, &slot_count, &work, &PyTuple_Type, &ready,
                                      &PyTuple_Type, &names, &batch_type, &PyTuple_Type, &views, u64_of, &next_step,
                                      u64_of, &check_every, u64_of, &wake_after, u64_of, &reader_count, u64_of,
-                                     &trainer_slots, u64_of, &poll_ns, u64_of, &wait_ahead_span_ns, u64_of, &end_step, u64_of, &partial_from,
+                                     &trainer_slots, u64_of, &poll_ns, u64_of, &wait_ahead_span_ns, u64_of, &end_step,
+                                     u64_of, &partial_from,
                                      &supervise, &views_of, &partial)) {
         return -1;
     }
