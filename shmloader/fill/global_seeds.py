@@ -22,6 +22,7 @@ drawing (random.getstate(), np.random.get_state()), or draws and then puts the s
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -107,3 +108,27 @@ class GlobalSeeds:
     @staticmethod
     def _seeders(names) -> list:
         return [_GENERATORS[name][0] for name in _GENERATORS if name in names]
+
+
+_RESTORE = {"random": random.setstate, "numpy": np.random.set_state,
+            "torch": lambda state: sys.modules["torch"].default_generator.set_state(state)}
+_SAVE = {"random": random.getstate, "numpy": np.random.get_state,
+         "torch": lambda: sys.modules["torch"].default_generator.get_state()}
+
+
+@contextlib.contextmanager
+def global_states_kept(keep: bool = True):
+    """Puts the global generators back as they were after the block: a dataset filled in
+    the trainer's own process (readers=0, trainer_fills=True) seeds them for each sample,
+    and the trainer's draws (dropout, augmentation in its loop) must not depend on which
+    process filled a step. A generator imported during the block had no state before it,
+    and keeps the one it has."""
+    if not keep:
+        yield
+        return
+    saved = {name: _SAVE[name]() for name in _GENERATORS if name != "torch" or "torch" in sys.modules}
+    try:
+        yield
+    finally:
+        for name, state in saved.items():
+            _RESTORE[name](state)

@@ -36,6 +36,7 @@ import sys
 import numpy as np
 
 from ..errors import TransformError
+from ..fill.global_seeds import global_states_kept
 from ..ring.slot_layout import Region
 from .naming import loader_name_problem
 
@@ -343,7 +344,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     length = check_length(instance, f"the dataset ({type(instance).__name__})")
     declared = dict(outputs or {})
     try:
-        first = instance[0]
+        with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
+            first = instance[0]
     except Exception as error:
         raise type(error)(f"dataset[0] raised {type(error).__name__}: {error}") from error
     structure, leaves = flatten(first, "dataset[0]")

@@ -76,6 +76,9 @@ def u64(array: np.ndarray):
     return ffi.from_buffer("uint64_t[]", array)
 
 
+_OK = int(Status.OK)
+
+
 def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
     """A native gather's status as an exception: its own cases here (an index out of range,
     a chunk that fails to decompress), any other through _native.check. `what(position)` names
@@ -93,6 +96,8 @@ def check_gather(status: int, failure, path: str, what, out_of_range) -> None:
 
 
 def check_range_status(spec: FieldSpec, status: int, starts, counts, failure) -> None:
+    if status == _OK:
+        return  # Before the messages' closures are made: this runs once per field and batch.
     check_gather(status, failure, spec.name,
                  lambda k: f"the chunk holding element {int(starts[k])}",
                  lambda k: f"elements [{int(starts[k])}, {int(starts[k]) + int(counts[k])}) are out of range for "
@@ -100,6 +105,8 @@ def check_range_status(spec: FieldSpec, status: int, starts, counts, failure) ->
 
 
 def check_row_status(spec: FieldSpec, status: int, indices, failure) -> None:
+    if status == _OK:
+        return  # As above.
     check_gather(status, failure, spec.name,
                  lambda k: f"chunk {int(indices[k]) // max(spec.chunk_rows, 1)} (holding row {int(indices[k])})",
                  lambda k: f"index {int(indices[k])} at batch position {k} is out of range for {spec.row_count} rows")
