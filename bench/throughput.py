@@ -9,12 +9,9 @@ batches (measured inside a loop whose simulated training step leaves the readers
 fill the ring, beside the floor: next() of a bare C iterator in the same conditions);
 first batch within 1 s of construction.
 
-shmloader with 2 readers, shmloader with 1 reader and trainer_fills=True (the trainer fills
-while its step is not ready: two fillers on two cores), the single process and the pair
-(the same gather in two processes at once: the ceiling of two fillers) run in turn, ROUNDS
-rounds (one with --quick); each round's ratios come from its own runs, and the ratios
-reported are the medians of the rounds'. Issue 47's target (>= 1.9x single on .npy) is
-judged on the better of the two configurations.
+shmloader, the single process and the pair (the same gather in two processes at once: the
+ceiling of two readers) run in turn, ROUNDS rounds (one with --quick); each round's ratios
+come from its own runs, and the ratios reported are the medians of the rounds'.
 
 Each contender of the main table runs in a child process of its own, and its row gives
 the CPU seconds per million rows of all its processes (the trainer, shmloader's fork
@@ -88,10 +85,10 @@ def median_run(results: list[dict]) -> dict:
     return sorted(results, key=lambda result: result["rows_per_s"])[(len(results) - 1) // 2]
 
 
-def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, warm_up=0, trainer_fills=False) -> dict:
+def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, warm_up=0) -> dict:
     started = time.perf_counter()
     loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False,
-                           verify=verify, trainer_fills=trainer_fills)
+                           verify=verify)
     with loader:
         first = next(loader)
         first_batch_s = time.perf_counter() - started
@@ -114,7 +111,6 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         "shm_mib": loader.diagnostics.shared_memory_bytes / 2**20,
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
-        "trainer_filled": stats.get("trainer_fills", {}).get("steps", 0),
         "cpu_start": cpu_start,
         "cpu_end": cpu_end,
     }
@@ -249,14 +245,7 @@ def run_torch(fields: dict, batches: int) -> dict:
             "cpu_end": cpu_end}
 
 
-def run_helped(fields: dict, batches: int) -> dict:
-    """One reader, and the trainer filling while its step is not ready (trainer_fills): two
-    fillers on two cores, as the pair is two gathers."""
-    return run_shmloader(fields, batches, readers=1, trainer_fills=True)
-
-
-_CONTENDERS = {"shmloader": run_shmloader, "helped": run_helped, "single": run_single_process, "pair": run_pair,
-               "torch": run_torch}
+_CONTENDERS = {"shmloader": run_shmloader, "single": run_single_process, "pair": run_pair, "torch": run_torch}
 
 
 def contender(name: str, fields: dict, batches: int) -> dict | None:
@@ -353,27 +342,24 @@ def main() -> int:
         read_through(path)
     print(f"# throughput benchmark ({machine_line()})")
     print(f"{ROWS:,} rows of {ROW_BYTES} bytes + int64 label, batch {BATCH}, {batches} batches per run, consumer sums a byte per row")
-    lines, rates, ceilings, ratios, helped_ratios, helped_rates = [], {}, {}, {}, {}, {}
+    lines, rates, ceilings, ratios = [], {}, {}, {}
     rounds = 1 if arguments.quick else ROUNDS
-    print(f"shmloader (2 readers; 1 reader and trainer_fills), one process and two processes alternate, "
-          f"{rounds} round(s); each row is the median run, "
+    print(f"shmloader, one process and two processes alternate, {rounds} round(s); each row is the median run, "
           f"ratios the median of the rounds' ratios")
     for kind in ("npy", "b2nd"):
         fields = {"image": images[kind], "label": labels[kind]}
-        runs = {"shmloader": [], "helped": [], "single": [], "pair": []}
+        runs = {"shmloader": [], "single": [], "pair": []}
         for _ in range(rounds):  # The host's speed drifts within seconds: each round compares its own runs.
             for name, results in runs.items():
                 results.append(contender(name, fields, batches))
-        def rounds_over_single(name: str) -> tuple[float, list[float]]:
-            per_round = [run["rows_per_s"] / single["rows_per_s"] for run, single in zip(runs[name], runs["single"])]
-            return statistics.median(per_round), per_round
-
-        ratios[kind], helped_ratios[kind], ceilings[kind] = (rounds_over_single(name)
-                                                             for name in ("shmloader", "helped", "pair"))
-        ours, helped, single, pair = (median_run(runs[name]) for name in ("shmloader", "helped", "single", "pair"))
+        per_round = [ours["rows_per_s"] / single["rows_per_s"]
+                     for ours, single in zip(runs["shmloader"], runs["single"])]
+        pair_rounds = [pair["rows_per_s"] / single["rows_per_s"] for pair, single in zip(runs["pair"], runs["single"])]
+        ratios[kind] = (statistics.median(per_round), per_round)
+        ceilings[kind] = (statistics.median(pair_rounds), pair_rounds)
+        ours, single, pair = (median_run(runs[name]) for name in ("shmloader", "single", "pair"))
         torch_result = contender("torch", fields, max(50, batches // 4))
         rates[kind] = (ours, single, torch_result)
-        helped_rates[kind] = helped
         gigabytes = (ROW_BYTES + 8) / 1e9
 
         def line(what: str, result: dict, notes: str) -> list:
@@ -388,12 +374,9 @@ def main() -> int:
         lines.append(line("shmloader, 2 readers, 8 slots", ours,
                           f"first batch {ours['first_batch_s']:.2f} s, ring {ours['shm_mib']:.1f} MiB, "
                           f"trainer waited {ours['wait_fraction']:.0%}; {spread(runs['shmloader'])}"))
-        lines.append(line("shmloader, 1 reader + trainer_fills, 8 slots", helped,
-                          f"the trainer filled {helped['trainer_filled'] / batches:.0%} of the steps; "
-                          f"{spread(runs['helped'])}"))
         lines.append(line("single process, same gather", single, spread(runs["single"])))
         lines.append(line("2 processes, same gather, at once", pair,
-                          f"the ceiling of 2 fillers here; {spread(runs['pair'])}"))
+                          f"the ceiling of 2 readers here; {spread(runs['pair'])}"))
         if torch_result:
             lines.append(line("PyTorch DataLoader, 2 workers, __getitems__", torch_result,
                               "np.take" if kind == "npy" else "blosc2 arr[sorted unique idx]"))
@@ -428,14 +411,9 @@ def main() -> int:
         ceiling, ceiling_rounds = ceilings[kind]
         print(f"{kind}: shmloader / single process = {ratio:.2f}x, rounds {', '.join(f'{r:.2f}' for r in per_round)} "
               f"(target >= 1.3x) -> {verdict(ratio >= 1.3)}")
-        helped_ratio, helped_rounds = helped_ratios[kind]
-        print(f"{kind}: shmloader, 1 reader + trainer_fills / single process = {helped_ratio:.2f}x, rounds "
-              f"{', '.join(f'{r:.2f}' for r in helped_rounds)}")
-        best = max(ratio, helped_ratio)
         print(f"{kind}: 2 processes of the same gather at once / single process = {ceiling:.2f}x, rounds "
-              f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it with 2 "
-              f"readers, {helped_ratio / ceiling:.0%} with 1 reader + trainer_fills"
-              + (f" (issue 47: >= 1.9x single, the better of the two: {verdict(best >= 1.9)})" if kind == "npy" else ""))
+              f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it"
+              + (f" (issue 47: >= 1.9x single: {verdict(ratio >= 1.9)})" if kind == "npy" else ""))
         print(f"{kind}: first batch {ours['first_batch_s']:.2f} s (target <= 1 s) -> {verdict(ours['first_batch_s'] <= 1)}")
     print(f"b2nd: chunk checksums cost {verify_cost:.1%} of throughput over {batches} batches, the median of "
           f"{_CHECKSUM_PAIRS} alternating pairs (verify=True may be the default under 5%) -> {verdict(verify_cost < 0.05)}")
@@ -447,16 +425,12 @@ def main() -> int:
     headline = []
     for kind, what in (("npy", "`.npy` rows"), ("b2nd", "`.b2nd` rows (converted)")):
         ours, single, torch_result = rates[kind]
-        for config, result, ratio in (("", ours, ratios[kind][0]),
-                                      (", 1 reader + trainer_fills", helped_rates[kind], helped_ratios[kind][0])):
-            headline.append([what + config, f"{result['rows_per_s'] / 1e6:.2f} M/s", f"{ratio:.2f}x",
-                             f"{result['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a",
-                             f"{per_million(result['cpu_s'], result['rows'])} / "
-                             f"{per_million(torch_result['cpu_s'], torch_result['rows']) if torch_result else '-'} "
-                             f"per M rows"])
+        headline.append([what, f"{ours['rows_per_s'] / 1e6:.2f} M/s", f"{ratios[kind][0]:.2f}x",
+                         f"{ours['rows_per_s'] / torch_result['rows_per_s']:.1f}x" if torch_result else "n/a",
+                         f"{per_million(ours['cpu_s'], ours['rows'])} / "
+                         f"{per_million(torch_result['cpu_s'], torch_result['rows']) if torch_result else '-'} per M rows"])
     notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm; "
-             f"shmloader (2 readers; 1 reader + trainer_fills), one process and two alternate in {rounds} round(s): "
-             f"rows are the median runs, "
+             f"shmloader, one process and two alternate in {rounds} round(s): rows are the median runs, "
              f"x single the median of the rounds' ratios",
              f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
              f"of one file's rate",

@@ -48,9 +48,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
     long a batch's zero-copy arrays stay valid); close it, or use `with`.
 
     readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
-    step itself when next() needs it). trainer_fills: while next()'s step is not ready, the
-    trainer fills requested steps itself instead of sleeping (a loader-bound trainer's idle
-    core; set readers to the cores less one). slots: steps the ring holds (plan/defaults.default_slots).
+    step itself when next() needs it). slots: steps the ring holds (plan/defaults.default_slots).
     verify: readers check each Blosc2 chunk's CRC-32 the first time they read it (files
     from `shmloader convert` carry them). pin_memory: page-lock the ring with CUDA once, for
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
@@ -68,7 +66,6 @@ class ShmDataLoader(cursor_module.LoaderBase):
         mode: str = "shuffle",
         seed: int = 0,
         readers: int | None = None,
-        trainer_fills: bool = False,
         slots: int | None = None,
         start_step: int = 0,
         shard_index: int = 0,
@@ -91,8 +88,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         storage_options: dict | None = None,
     ) -> None:
         options = LoaderOptions(
-            batch_size=batch_size, mode=mode, seed=seed, readers=readers, trainer_fills=trainer_fills, slots=slots,
-            start_step=start_step,
+            batch_size=batch_size, mode=mode, seed=seed, readers=readers, slots=slots, start_step=start_step,
             shard_index=shard_index, shard_count=shard_count, max_reader_restarts=max_reader_restarts,
             hold_timeout=hold_timeout, warn_layout=warn_layout, verify=verify, pin_memory=pin_memory,
             transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
@@ -293,10 +289,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         position (readers=0 fills only the steps next() asks for). The list is cut where a
         reader's records outgrow its 2 KiB report in the ring (a dozen or so per reader;
         readers=0 lists all): count is then larger than len(records), which holds the
-        first ones each reader skipped.
-
-        "trainer_fills" (trainer_fills=True): "steps" the trainer filled, and "stopped", the
-        error that ended its fills (the readers then fill every step), or None."""
+        first ones each reader skipped."""
         session, cursor = self._session, self._session.cursor
         active = cursor.active
         if active:
@@ -319,7 +312,6 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "shared_memory_bytes": session.layout.total_bytes,
             "readers": session.pool.report(elapsed_s) if active else [],
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
-            **({} if session.trainer_fills() is None else {"trainer_fills": session.trainer_fills()}),
         }
 
     # Lifecycle.

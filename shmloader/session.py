@@ -33,7 +33,7 @@ from .plan.defaults import TRAINER_SLOTS, default_slots, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
-from .readers.local import HelpingIterator, LocalIterator, LocalReader
+from .readers.local import LocalIterator, LocalReader
 from .readers.channel import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, cursor_module
@@ -132,11 +132,7 @@ class Session:
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(options.epochs, options.drop_last))
         # Steps filled at once: one per reader, and the remote readers' steps in flight.
         fillers = readers + (0 if options.remote is None else options.remote.capacity)
-        if options.trainer_fills and fillers == 0:
-            raise ValueError("trainer_fills=True needs readers >= 1 (or remote readers): with readers=0 the trainer "
-                             "fills every step already")
-        slots = (default_slots(fillers + options.trainer_fills, plan.slot.nbytes) if options.slots is None
-                 else options.slots)
+        slots = default_slots(fillers, plan.slot.nbytes) if options.slots is None else options.slots
         cuts = StepCuts(plan.slot, options.batch_size, plan.sampler, _pass_of(plan.sampler, options))
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", options.start_step, 0, last_step(plan.sampler, slots, cuts.end_step))
@@ -154,22 +150,20 @@ class Session:
         self.slot, self.slots, self.cuts, self.dataset_spec = slot, slots, cuts, dataset_spec
         self.fillers, self.step_timeout, self.hold_timeout = fillers, options.step_timeout, options.hold_timeout
         filler = self.filler_spec(plan.sampler)
-        # trainer_fills: the trainer's reader record is the last, after the pool's.
-        records = pool.records + 1 if options.trainer_fills else max(1, pool.records)
-        self.layout = RingLayout(slots, records, options.batch_size, slot.nbytes, len(slot.regions))
+        self.layout = RingLayout(slots, max(1, pool.records), options.batch_size, slot.nbytes, len(slot.regions))
         ring = self.ring = resources.ring = Ring.create(self.layout, os.getpid(), watched=pool.count > 0)
         live_resources.add(resources)
         if pin_backend is not None:
             resources.pinned = PinnedRing(pin_backend, ring.base_address, self.layout.total_bytes)
         views_of = _views_function(slot, ring, self.layout)
         self.local = None
-        if fillers == 0 or options.trainer_fills:  # This process's reader record; Resources closes its filler.
-            resources.filler = self._trainer_filler(filler)
-            self.local = LocalReader(ring, resources.filler, views_of, record=records - 1)
+        if fillers == 0:  # readers=0: reader 0 is this process's; Resources closes its filler.
+            resources.filler = filler.build()
+            self.local = LocalReader(ring, resources.filler, views_of)
         self.supervisor = Supervisor(pool, ring, slots, step_timeout=options.step_timeout,
                                      hold_timeout=options.hold_timeout, on_error=options.on_error,
                                      owner_pid=resources.owner_pid,
-                                     skipped=_skipped_function(pool, self.local, trainer_only=fillers == 0))
+                                     skipped=None if self.local is None else self.local.skipped)
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,
@@ -191,9 +185,7 @@ class Session:
             views_of=views_of,
             partial=cuts.partial,
         )
-        self.iterator = (self.cursor if self.local is None else
-                         LocalIterator(self.cursor, self.local, self.supervisor) if fillers == 0 else
-                         HelpingIterator(self.cursor, self.local, self.supervisor))
+        self.iterator = self.cursor if self.local is None else LocalIterator(self.cursor, self.local, self.supervisor)
         resources.cursor = weakref.ref(self.cursor)
         self.finalizer = weakref.finalize(self.cursor, resources.close)
         self.request_from(start_step)
@@ -207,20 +199,6 @@ class Session:
         ))
         if readers and _from_store(plan):  # The readers' first steps' pages, asked for while they start.
             fetch_first_steps(filler, start_step, readers)
-
-    def _trainer_filler(self, spec: FillerSpec):
-        """The filler of this process's own reader record. With trainer_fills it reads no
-        blocks ahead and lets go of none, and the trainer starts no thread for it: the
-        readers' read-ahead covers the stream (a reader whose next step lies past its
-        reach, the trainer having filled those between, asks afresh from there)."""
-        return spec.build(read_ahead=self.fillers == 0)
-
-    def trainer_fills(self) -> dict | None:
-        """trainer_fills=True: the steps the trainer filled, and the error that stopped it
-        filling (None while it fills); None otherwise."""
-        if not isinstance(self.iterator, HelpingIterator):
-            return None
-        return {"steps": self.iterator.filled(), "stopped": self.iterator.stopped}
 
     def views(self, slot: int):
         """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""
@@ -310,8 +288,8 @@ class Session:
             self.take_back_all()
             self.cuts.sampler, self.cuts.finite = sampler, _pass_of(sampler, self.options)
             self.cursor.end_step = self.cuts.end_step
-            if self.local is not None:  # The trainer's own filler (readers=0, trainer_fills), bound anew.
-                old, self.resources.filler = self.resources.filler, self._trainer_filler(filler)
+            if self.local is not None:  # readers=0: the local reader's filler, bound to the slots anew.
+                old, self.resources.filler = self.resources.filler, filler.build()
                 self.local.use(self.resources.filler)
                 old.close()
             self.pool.reconfigure(filler)
@@ -341,23 +319,6 @@ class Session:
             self.supervisor.warn_if_skipped()  # The one warning, if next() never had a moment to give it.
         self.cursor.deactivate()
         self.finalizer()
-
-
-def _skipped_function(pool, local: LocalReader | None, trainer_only: bool):
-    """What the supervisor counts as skipped (on_error="skip"): (count, records) of the
-    readers, of the trainer's own record, or of both. It refers to neither the session nor
-    the cursor: the cursor refers to the supervisor, and a loop must keep the ring alive by
-    reference counts alone (no cycle for the garbage collector to find)."""
-    if local is None:
-        return pool.skipped
-    if trainer_only:
-        return local.skipped
-
-    def both() -> tuple[int, list]:
-        (count, records), (own_count, own) = pool.skipped(), local.skipped()
-        return count + own_count, sorted(records + own, key=lambda record: (record.get("step", 0),
-                                                                             record.get("position", 0)))
-    return both
 
 
 class Diagnostics:

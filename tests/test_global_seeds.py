@@ -164,3 +164,29 @@ def test_a_loader_over_a_dataset_that_draws_late_equals_seeding_every_sample(mon
     expected = _samples(0)
     assert len(expected) == 64 and len({value for value in expected.values() if value >= 0}) == 8
     assert lazy_here == expected and lazy_readers == expected
+
+
+@pytest.mark.parametrize("readers", [0, 2])
+def test_a_loader_leaves_the_trainers_global_generators_as_they_were(readers):
+    """Augmented draws from Python's, numpy's (and torch's) global generators, which a fill
+    seeds per sample: neither the plan's read of dataset[0] in the trainer nor readers=0's
+    fills there may move the trainer's own generators, or its draws (dropout, its own
+    augmentation) would depend on the loader's settings. The batches are those of readers=1."""
+    from dataset_fixtures import Augmented
+
+    random.seed(11)
+    np.random.seed(12)
+    states = [random.getstate(), np.random.get_state()]
+    if torch is not None:
+        torch.manual_seed(13)
+        states.append(torch.get_rng_state())
+    with ShmDataLoader.from_dataset(Augmented(40), batch_size=4, readers=readers, seed=3) as loader:
+        drawn = [batch["drawn"].copy() for _, batch in zip(range(20), loader)]
+        assert random.getstate() == states[0]
+        after = np.random.get_state()
+        assert after[0] == states[1][0] and np.array_equal(after[1], states[1][1]) and after[2:] == states[1][2:]
+        if torch is not None:
+            assert torch.equal(torch.get_rng_state(), states[2])
+    with ShmDataLoader.from_dataset(Augmented(40), batch_size=4, readers=1, seed=3) as loader:
+        expected = [batch["drawn"].copy() for _, batch in zip(range(20), loader)]
+    np.testing.assert_array_equal(np.stack(drawn), np.stack(expected))

@@ -43,11 +43,9 @@ def test_a_loop_over_a_temporary_loader_keeps_its_ring_until_the_loop_ends(datas
         assert not our_shm_entries(os.getpid())
 
 
-@pytest.mark.parametrize("trainer_fills", [False, True])
-def test_an_unclosed_loader_is_torn_down_when_its_last_reference_goes(dataset, trainer_fills):
+def test_an_unclosed_loader_is_torn_down_when_its_last_reference_goes(dataset):
     with collector_off():
-        loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3,
-                               trainer_fills=trainer_fills)
+        loader = ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3)
         batch = next(loader)
         pids = loader.diagnostics.reader_pids
         iterator = iter(loader)

@@ -3,7 +3,6 @@ readers share), as a user's own module would be."""
 
 import os
 import random
-import time
 
 import numpy as np
 
@@ -208,20 +207,3 @@ def slow_on_row_nine(batch, out, ctx):
     if 9 in ctx.indices.tolist():
         time.sleep(2.5)
     out["x"][:] = batch["x"]
-
-
-@shmloader.transform(outputs={"x": ((4,), "float32")})
-def gated(batch, out, ctx, *, trainer_pid, gate, cursed_row=-1, cursed_in_trainer=False, trainer_sleep=0.0):
-    """x = data. Outside the trainer's process (in the readers) it first waits for the file
-    `gate` to exist (30 s at most); in the trainer's it sleeps `trainer_sleep` seconds. Row
-    `cursed_row` raises, in the trainer's process only where `cursed_in_trainer`."""
-    in_trainer = os.getpid() == trainer_pid
-    if in_trainer:
-        time.sleep(trainer_sleep)
-    else:
-        deadline = time.monotonic() + 30
-        while not os.path.exists(gate) and time.monotonic() < deadline:
-            time.sleep(0.005)
-    if cursed_row in ctx.indices.tolist() and (in_trainer or not cursed_in_trainer):
-        raise ValueError(f"row {cursed_row} is cursed in process {os.getpid()}")
-    out["x"][:] = batch["data"]

@@ -119,10 +119,10 @@ _SAVE = {"random": random.getstate, "numpy": np.random.get_state,
 @contextlib.contextmanager
 def global_states_kept(keep: bool = True):
     """Puts the global generators back as they were after the block: a dataset filled in
-    the trainer's own process (readers=0, trainer_fills=True) seeds them for each sample,
-    and the trainer's draws (dropout, augmentation in its loop) must not depend on which
-    process filled a step. A generator imported during the block had no state before it,
-    and keeps the one it has."""
+    the trainer's own process (readers=0; and dataset[0], which the plan reads there) seeds
+    them for each sample, and the trainer's draws (dropout, augmentation in its loop) must
+    not depend on the loader's settings. A generator imported during the block had no
+    state before it, and keeps the one it has."""
     if not keep:
         yield
         return

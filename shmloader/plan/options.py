@@ -98,7 +98,6 @@ class LoaderOptions:
     mode: str = "shuffle"
     seed: int = 0
     readers: int | None = None  # None: plan/defaults.default_readers()
-    trainer_fills: bool = False
     slots: int | None = None  # None: plan/defaults.default_slots()
     start_step: int = 0
     shard_index: int = 0
@@ -138,8 +137,6 @@ class LoaderOptions:
         set_(self, "hold_timeout", check_seconds("hold_timeout", self.hold_timeout))
         if self.step_timeout is not None:
             set_(self, "step_timeout", check_seconds("step_timeout", self.step_timeout))
-        if not isinstance(self.trainer_fills, bool):
-            raise TypeError(f"trainer_fills must be True or False, got {self.trainer_fills!r}")
         set_(self, "warn_layout", bool(self.warn_layout))
         set_(self, "verify", bool(self.verify))
         if self.transform_args is not None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 
+from ..fill.global_seeds import global_states_kept
+from ..ring.batch import cursor_module
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring
 from ..ring.step_codes import StepCode
-from ..fill.global_seeds import global_states_kept
-from ..ring.batch import cursor_module
 from .filling import fill_and_publish
 
 # readers=0 starts no reader process: the local reader takes the ring's one record.
@@ -42,10 +42,10 @@ class LocalReader:
     held) and its record's counters (a Publisher, as a reader process keeps). It refers to
     no cursor: the iterator hands it the cursor for each fill."""
 
-    def __init__(self, ring: Ring, filler, views_of, record: int = LOCAL_RECORD) -> None:
-        self.ring, self.views_of, self.record = ring, views_of, record
+    def __init__(self, ring: Ring, filler, views_of) -> None:
+        self.ring, self.views_of = ring, views_of
         self.slot_count = ring.layout.slot_count
-        self.publisher = Publisher(ring, record, os.getpid())
+        self.publisher = Publisher(ring, LOCAL_RECORD, os.getpid())
         self.filler = self.outputs = None
         self.use(filler)
 
@@ -56,30 +56,28 @@ class LocalReader:
         self.filler = filler
         self.outputs = [filler.bind(self.views_of(slot)) for slot in range(self.slot_count)]
 
-    def claim(self, cursor, raise_if_closed) -> int | None:
-        """The requested slot of lowest step, claimed for this record (None if none is)."""
+    def fill(self, cursor, step: int, raise_if_closed) -> bool:
+        """Claims `step`'s slot, the lowest requested, and fills and publishes it as a
+        reader process does; returns whether the fill replaced records (on_error="skip").
+        A fill that raises hands the slot back and propagates as raised.
+        `raise_if_closed(cursor)` raises for a loader closed by another thread meanwhile, or
+        in a child that a transform forked, which must not publish into its parent's ring."""
+        slot = step % self.slot_count
         try:
-            return self.ring.claim(self.record)
+            claimed = self.ring.claim(LOCAL_RECORD)
         except Exception:
             raise_if_closed(cursor)  # Closed by another thread just now: say so.
             raise
-
-    def fill(self, cursor, slot: int, step: int, raise_if_closed) -> bool:
-        """Fills and publishes `step` into `slot`, which this record claimed, as a reader
-        process does; returns whether the fill replaced records (on_error="skip"). A fill
-        that raises hands the slot back (FILLING -> REQUESTED, as for a dead reader's slot)
-        and propagates as raised. `raise_if_closed(cursor)` raises for a loader closed by
-        another thread meanwhile, or in a child that a transform forked, which must not
-        publish into its parent's ring. The trainer's global generators (Python's, numpy's,
-        torch's) are as they were: a dataset's fill seeds them for its samples."""
+        assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
         known = len(self.publisher.skipped)
         try:
+            # The trainer's own global generators as they were: a dataset's fill seeds them per sample.
             with global_states_kept(getattr(self.filler, "dataset", None) is not None):
                 fill_and_publish(self.publisher, self.filler, step, self.outputs[slot], slot,
                                  after_fill=lambda: raise_if_closed(cursor))
         except BaseException as error:
             if cursor.active and os.getpid() == self.publisher.pid:
-                cursor.request(slot, step)
+                cursor.request(slot, step)  # FILLING|0 -> REQUESTED, as for a dead reader's slot.
             elif isinstance(error, Exception):  # Closed by another thread, or a forked child: say which.
                 try:
                     raise_if_closed(cursor)
@@ -120,9 +118,7 @@ class LocalIterator:
                 state = self._wait_for_slot(cursor)
             if state == _IN_FLIGHT:  # Requested: only the local reader claims it (nothing is past the end).
                 started_ns = _now_ns()
-                step, slot = cursor.next_step, self.reader.claim(cursor, self._raise_if_closed)
-                assert slot == step % self.reader.slot_count, f"step {step}: claimed slot {slot} (the lowest requested)"
-                skipped = self.reader.fill(cursor, slot, step, self._raise_if_closed)
+                skipped = self.reader.fill(cursor, cursor.next_step, self._raise_if_closed)
                 cursor.waiting_since_ns = started_ns  # The fill is next()'s wait for data: stats()["wait_s"].
                 if skipped:
                     self.supervisor.warn_if_skipped()
@@ -144,64 +140,3 @@ class LocalIterator:
             self.supervisor.supervise(cursor, _HELD, LOCAL_RECORD, cursor.next_step)
             state = cursor.next_state
         return state
-
-
-class HelpingIterator:
-    """The loader's iterator with trainer_fills=True (next(loader) reaches it from C): when
-    the cursor's next step is not ready yet, the trainer claims the lowest requested step,
-    as a reader does, under a reader record of its own (`reader`, after the reader
-    processes' and the remote readers'), fills and publishes it, and looks again; once its
-    step is ready, or no step is left to claim, the cursor takes or waits as it would.
-
-    A loader-bound trainer thus fills instead of sleeping, and the reader processes lose no
-    core to its wake-ups: with readers = cores - 1 the trainer is the last core's filler.
-    The step it fills may be a later one than its own (the readers claimed that), so next()
-    may return up to one fill later than its step was ready; a compute-bound trainer finds
-    its step ready and never fills.
-
-    A fill that raises an Exception hands its slot back to the readers, and the trainer fills
-    nothing more: the readers fill that step and report its error at that step, in order, as
-    they report any (stats()["trainer_fills"] keeps the trainer's own error). BaseException
-    (KeyboardInterrupt) propagates, its slot handed back."""
-
-    __slots__ = ("cursor", "reader", "supervisor", "_raise_if_closed", "stopped")
-
-    def __init__(self, cursor, reader: LocalReader, supervisor) -> None:
-        self.cursor, self.reader, self.supervisor = cursor, reader, supervisor
-        self._raise_if_closed = supervisor.raise_if_closed
-        self.stopped = None  # The error that ended the trainer's fills ("Type: message"), or None.
-
-    def __iter__(self) -> HelpingIterator:
-        return self
-
-    def __next__(self):
-        cursor = self.cursor
-        if self.stopped is None and cursor.next_state == _IN_FLIGHT:
-            cursor.enter()  # As LocalIterator holds it while a step fills (see there).
-            try:
-                self._fill_while_in_flight(cursor)
-            finally:
-                cursor.leave()
-        return next(cursor)
-
-    def _fill_while_in_flight(self, cursor) -> None:
-        reader, raise_if_closed = self.reader, self._raise_if_closed
-        started_ns, skipped = _now_ns(), False
-        while cursor.next_state == _IN_FLIGHT:
-            slot = reader.claim(cursor, raise_if_closed)
-            if slot is None:
-                break
-            try:
-                skipped |= reader.fill(cursor, slot, reader.ring.step(slot), raise_if_closed)
-            except Exception as error:
-                if not cursor.active or reader.publisher.pid != os.getpid():
-                    raise  # Closed meanwhile, or a forked child: fill() said which.
-                self.stopped = f"{type(error).__name__}: {error}"
-                break
-        cursor.waiting_since_ns = started_ns  # The fills are next()'s wait for data: stats()["wait_s"].
-        if skipped:
-            self.supervisor.warn_if_skipped()
-
-    def filled(self) -> int:
-        """Steps the trainer filled."""
-        return self.reader.publisher.batches

@@ -482,9 +482,8 @@ static int supervise(Cursor *self, StepState state, uint64_t owner) {
 }
 
 static PyObject *next_batch(Cursor *self) {
-    /* Not 0 only where the trainer filled steps just before (readers=0's local reader, or
-     * trainer_fills; the time it began): that fill is this next()'s wait for data, as a
-     * reader's would be. */
+    /* Not 0 only where readers=0's local reader filled this step just before (the time it
+     * began): that fill is this next()'s wait for data, as a reader's would be. */
     unsigned long long started_ns = self->waiting_since_ns;
     self->waiting_since_ns = 0;
     CURSOR_ASSERT(started_ns == 0 || started_ns <= monotonic_ns(), NULL); /* A time that has come, of now_ns's clock. */
@@ -512,7 +511,7 @@ static PyObject *next_batch(Cursor *self) {
             continue;
         }
         if (state == STEP_READY) {
-            if (self->reader_count > 0 && self->pending_posts > 0 && !readers_ahead(self) && cursor_wake(self) < 0) {
+            if (started_ns == 0 && self->pending_posts > 0 && !readers_ahead(self) && cursor_wake(self) < 0) {
                 return NULL;
             }
             return take(self, started_ns);
