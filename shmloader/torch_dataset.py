@@ -160,7 +160,7 @@ class DataLoader:
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` (another num_workers is fine; another batch_size or rank
         count resumes elastically, as ShmDataLoader does). The next `for` loop continues
-        the saved epoch."""
+        the saved epoch, or starts the next one where the state was taken at its end."""
         if not isinstance(state, dict) or not {"epoch", "seed", "loader"} <= set(state):
             raise ValueError(f"expected a state_dict() of shmloader.torch.DataLoader (keys epoch, seed, loader), got "
                              f"{state!r:.200}")
@@ -173,7 +173,10 @@ class DataLoader:
             self._loader._session.new_pass(self._epoch_seed(epoch))
         self._epoch, self._started = epoch, True
         self._loader.load_state_dict(state["loader"])
-        self._resumed = True
+        # Taken at the end of its epoch (after a whole `for` loop): the next loop is the next
+        # epoch, as it would have been without the interruption (StatefulDataLoader's too).
+        cursor = self._loader._session.cursor
+        self._resumed = cursor.next_step < cursor.end_step
 
     def close(self) -> None:
         self._loader.close()

@@ -237,3 +237,20 @@ def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):
 def test_an_iterable_dataset_is_refused():
     with pytest.raises(TypeError, match="IterableDataset"):
         DataLoader(Stream(), batch_size=2)
+
+
+@pytest.mark.parametrize("num_workers, resumed_workers", [(0, 2), (2, 0)])
+def test_a_checkpoint_taken_at_an_epochs_end_resumes_with_the_next_epoch(num_workers, resumed_workers):
+    """state_dict() after a whole epoch, loaded into a new loader: its next loop is the next
+    epoch, as the uninterrupted run's (not an error for the pass that ended, not the
+    finished epoch again), and the one after that follows it."""
+    with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=num_workers, seed=3) as loader:
+        _epoch_indices(loader)
+        state = loader.state_dict()
+        expected = [_epoch_indices(loader), _epoch_indices(loader)]
+    with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=resumed_workers, seed=3) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == 10
+        found = [_epoch_indices(resumed), _epoch_indices(resumed)]
+        assert resumed.state_dict()["epoch"] == 2
+    assert found == expected
