@@ -6,6 +6,7 @@ sample; a dataset that never draws costs one seeding per batch, not one per samp
 from __future__ import annotations
 
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -164,6 +165,67 @@ def test_a_loader_over_a_dataset_that_draws_late_equals_seeding_every_sample(mon
     expected = _samples(0)
     assert len(expected) == 64 and len({value for value in expected.values() if value >= 0}) == 8
     assert lazy_here == expected and lazy_readers == expected
+
+
+def _trainer_states():
+    states = [random.getstate(), np.random.get_state(legacy=False)]
+    return states + ([torch.get_rng_state()] if torch is not None else [])
+
+
+def _assert_states_are(states):
+    assert random.getstate() == states[0]
+    now = np.random.get_state(legacy=False)
+    assert now["bit_generator"] == states[1]["bit_generator"] and now["state"].keys() == states[1]["state"].keys()
+    for key, value in states[1]["state"].items():
+        assert np.array_equal(now["state"][key], value), key
+    assert {k: v for k, v in now.items() if k != "state"} == {k: v for k, v in states[1].items() if k != "state"}
+    if torch is not None:
+        assert torch.equal(torch.get_rng_state(), states[2])
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "data.npy"
+    np.save(path, np.arange(200, dtype=np.float32).reshape(50, 4))
+    return str(path)
+
+
+def test_a_transform_run_in_the_trainer_leaves_its_global_generators_as_they_were(data_file):
+    """readers=0 runs the transform in the trainer, with `random` and `np.random` seeded per
+    batch (transforms/core.reseed_globals); compute_batch and check_determinism too."""
+    from shmloader.transforms import check_determinism, compute_batch
+
+    options = dict(transform="transform_fixtures:scaled", batch_size=4, seed=5)
+    random.seed(21)
+    np.random.seed(22)
+    states = _trainer_states()
+    with ShmDataLoader({"data": data_file}, readers=0, **options) as loader:
+        for _, batch in zip(range(5), loader):
+            pass
+        _assert_states_are(states)
+    compute_batch({"data": data_file}, 3, options["transform"], batch_size=4, seed=5)
+    check_determinism({"data": data_file}, options["transform"], batch_size=4, seed=5)
+    _assert_states_are(states)
+
+
+def test_a_global_generator_other_than_mt19937_is_kept_without_a_warning():
+    """np.random.set_bit_generator(PCG64): the legacy get_state() warns for it (an error
+    under -W error) and has no 5-tuple; the loader keeps and compares its state anyway."""
+    from dataset_fixtures import Augmented
+
+    original = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(7))
+    try:
+        states = _trainer_states()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for readers in (0, 2):
+                with ShmDataLoader.from_dataset(Augmented(12), batch_size=4, readers=readers, seed=3) as loader:
+                    drawn = [batch["drawn"].copy() for _, batch in zip(range(4), loader)]
+                _assert_states_are(states)
+                assert len(drawn) == 4
+    finally:
+        np.random.set_bit_generator(original)
 
 
 @pytest.mark.parametrize("readers", [0, 2])

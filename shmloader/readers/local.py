@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from ..fill.global_seeds import global_states_kept
+from ..fill.global_seeds import global_states_kept, runs_user_code
 from ..ring.batch import cursor_module
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring
@@ -71,8 +71,8 @@ class LocalReader:
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
         known = len(self.publisher.skipped)
         try:
-            # The trainer's own global generators as they were: a dataset's fill seeds them per sample.
-            with global_states_kept(getattr(self.filler, "dataset", None) is not None):
+            # The trainer's own global generators as they were: user code's fills seed them.
+            with global_states_kept(runs_user_code(self.filler)):
                 fill_and_publish(self.publisher, self.filler, step, self.outputs[slot], slot,
                                  after_fill=lambda: raise_if_closed(cursor))
         except BaseException as error:

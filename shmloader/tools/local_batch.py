@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import TransformError
 from ..fill.filler import StepFiller
+from ..fill.global_seeds import global_states_kept
 from ..plan.options import LoaderOptions
 from ..plan.planner import plan_loader
 from ..transforms.core import resolve
@@ -34,7 +35,8 @@ class LocalTransform:
         """Batch `step`'s arrays (new ones): the transform's outputs, "source" for a mixture,
         and "indices"."""
         views = self.slot.allocate()
-        self.filler.fill(step, self.filler.bind(views), salt)
+        with global_states_kept():  # The caller's own generators are not the batch's: as they were.
+            self.filler.fill(step, self.filler.bind(views), salt)
         return dict(zip(self.slot.view_names, views))
 
     def close(self) -> None:
