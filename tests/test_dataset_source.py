@@ -175,6 +175,10 @@ def _packed_reference(dataset, indices) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(samples), offsets
 
 
+# Each example with readers=2 starts readers that import torch where an earlier test of the
+# worker imported it (DatasetSpec.torch): about a second each, so the long profile's 120
+# examples take over a minute there (2 s without torch).
+@pytest.mark.timeout(600)
 @examples(6)
 @given(length=st.integers(3, 30), item_shape=st.lists(st.integers(1, 3), max_size=2).map(tuple),
        dtype=st.sampled_from(_DTYPES[:-1]), longest=st.integers(0, 6), batch_size=st.integers(1, 6),
