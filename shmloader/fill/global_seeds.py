@@ -59,10 +59,14 @@ def _frozen(value):
     return value
 
 
-def _state_numpy():
+def _numpy_state() -> dict:
     # The dict form: the legacy tuple exists for MT19937 alone (np.random.set_bit_generator
     # may have put another behind the global functions), and warns for the others.
-    return _frozen(np.random.get_state(legacy=False))
+    return np.random.get_state(legacy=False)
+
+
+def _state_numpy():
+    return _frozen(_numpy_state())
 
 
 def _state_torch():
@@ -123,21 +127,27 @@ class GlobalSeeds:
 def _cuda_generators():
     """torch's CUDA generators where CUDA is initialised (a dataset's torch.manual_seed
     seeds them too), else None."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
     return cuda if cuda is not None and cuda.is_initialized() else None
 
 
-_SAVE = {"random": random.getstate, "numpy": lambda: np.random.get_state(legacy=False),
-         "torch": lambda: sys.modules["torch"].default_generator.get_state(),
-         "cuda": lambda: _cuda_generators().get_rng_state_all()}
-_RESTORE = {"random": random.setstate, "numpy": np.random.set_state,
-            "torch": lambda state: sys.modules["torch"].default_generator.set_state(state),
-            "cuda": lambda states: _cuda_generators().set_rng_state_all(states)}
+def _torch_generator():
+    return sys.modules["torch"].default_generator
+
+
+# What global_states_kept saves and puts back: (there now?, save, restore) by generator.
+_KEPT = {
+    "random": (lambda: True, random.getstate, random.setstate),
+    "numpy": (lambda: True, _numpy_state, np.random.set_state),
+    "torch": (lambda: "torch" in sys.modules, lambda: _torch_generator().get_state(),
+              lambda state: _torch_generator().set_state(state)),
+    "cuda": (lambda: _cuda_generators() is not None, lambda: _cuda_generators().get_rng_state_all(),
+             lambda states: _cuda_generators().set_rng_state_all(states)),
+}
 
 
 @contextlib.contextmanager
-def global_states_kept(keep: bool = True):
+def global_states_kept():
     """Puts the global generators back as they were after the block. User code run in the
     trainer's own process (a dataset's samples or a transform with readers=0, dataset[0]
     which the plan reads there, compute_batch and check_determinism) has them seeded per
@@ -149,17 +159,12 @@ def global_states_kept(keep: bool = True):
     the one it has), and a CUDA seeding that torch.manual_seed queues while CUDA is not
     initialised (it runs when CUDA starts; a dataset that calls torch.manual_seed itself
     should use a torch.Generator of its own)."""
-    if not keep:
-        yield
-        return
-    saved = {name: _SAVE[name]() for name in _SAVE
-             if name in ("random", "numpy") or name == "torch" and "torch" in sys.modules
-             or name == "cuda" and _cuda_generators() is not None}
+    saved = [(restore, save()) for there, save, restore in _KEPT.values() if there()]
     try:
         yield
     finally:
-        for name, state in saved.items():
-            _RESTORE[name](state)
+        for restore, state in saved:
+            restore(state)
 
 
 def runs_user_code(filler) -> bool:

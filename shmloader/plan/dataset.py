@@ -343,11 +343,11 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
                            f"needed (an IterableDataset cannot be sampled by step)")
     length = check_length(instance, f"the dataset ({type(instance).__name__})")
     declared = dict(outputs or {})
-    try:
-        with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
+    with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
+        try:
             first = instance[0]
-    except Exception as error:
-        raise type(error)(f"dataset[0] raised {type(error).__name__}: {error}") from error
+        except Exception as error:
+            raise type(error)(f"dataset[0] raised {type(error).__name__}: {error}") from error
     structure, leaves = flatten(first, "dataset[0]")
     names = [name for name, _ in leaves]
     unknown = sorted(set(declared) - set(names))

@@ -19,6 +19,7 @@ own thread the user's exception itself, and a retry after fixing its cause, are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ..fill.global_seeds import global_states_kept, runs_user_code
@@ -55,6 +56,9 @@ class LocalReader:
         reader's do (ReaderPool.reconfigure)."""
         self.filler = filler
         self.outputs = [filler.bind(self.views_of(slot)) for slot in range(self.slot_count)]
+        # User code's fills seed the global generators: the trainer's own are put back after
+        # each (a file loader's fills touch none, and pay nothing).
+        self.kept_states = global_states_kept if runs_user_code(filler) else contextlib.nullcontext
 
     def fill(self, cursor, step: int, raise_if_closed) -> bool:
         """Claims `step`'s slot, the lowest requested, and fills and publishes it as a
@@ -71,8 +75,7 @@ class LocalReader:
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
         known = len(self.publisher.skipped)
         try:
-            # The trainer's own global generators as they were: user code's fills seed them.
-            with global_states_kept(runs_user_code(self.filler)):
+            with self.kept_states():
                 fill_and_publish(self.publisher, self.filler, step, self.outputs[slot], slot,
                                  after_fill=lambda: raise_if_closed(cursor))
         except BaseException as error:
