@@ -188,3 +188,19 @@ def test_a_checkpoint_inside_a_dealt_tail_resumes_in_its_own_shape_only(fields):
             sizes = [len(got["x"]) for got in each if rows.update(got["x"].tolist()) or True]
             assert len(sizes) == tail.steps - 1 and min(sizes) >= 1
     assert len(rows) == ROWS and set(rows.values()) == {1}
+
+
+@pytest.mark.parametrize("edit", [{"step": 1}, {"step": -1}, {"position": 16}, {"position": -16}])
+def test_a_step_and_position_that_disagree_are_refused_under_the_same_settings(fields, edit):
+    """Under the same batch size and shard count the step alone used to be read, so an
+    edited step skipped rows (or repeated them) where the position said otherwise."""
+    with loader(fields, 0, 1) as first:
+        for _ in range(9):
+            next(first)
+        state = first.state_dict()
+    edited = {**state, **{key: state[key] + delta for key, delta in edit.items()}}
+    with loader(fields, 0, 1) as resumed, pytest.raises(ValueError, match="disagree"):
+        resumed.load_state_dict(edited)
+    with loader(fields, 0, 1) as resumed:  # The checkpoint as it was still loads.
+        resumed.load_state_dict(copy.deepcopy(state))
+        next(resumed)

@@ -90,3 +90,21 @@ def test_a_mixture_takes_as_many_sources_as_the_native_fill_holds():
         else:
             with pytest.raises(ValueError, match="a mixture has 1 to 256 sources"):
                 MixtureSampler(*arguments)
+
+
+@pytest.mark.parametrize("name", ["drop_last", "verify", "warn_layout"])
+def test_a_yes_or_no_setting_refuses_what_is_not_a_bool_naming_it(name):
+    """bool("False") is True: a flag read from a configuration file as a string would
+    silently mean its opposite (drop_last="False" dropped the last partial batch)."""
+    for value, expected in ((True, True), (False, False), (np.bool_(True), True), (1, True), (0, False)):
+        assert getattr(LoaderOptions(**{name: value}), name) is expected
+    for value in ("False", "no", "", None, [0], 2, 0.0):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            LoaderOptions(**{name: value})
+
+
+@pytest.mark.parametrize("files", [[], ()])
+def test_a_field_of_an_empty_list_is_refused_as_empty(files, tmp_path):
+    np.save(tmp_path / "y.npy", np.arange(4))
+    with pytest.raises(ValueError, match="field 'x': an empty list of files"):
+        ShmDataLoader({"x": files, "y": str(tmp_path / "y.npy")}, batch_size=2, readers=0)

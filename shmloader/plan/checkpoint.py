@@ -116,6 +116,7 @@ def step_to_resume(state, sampler: StreamGeometry, sources: list[dict], transfor
     if not elastic - {"shard_index"}:  # The same global batches: the same step (shards may swap indices),
         step = state.get("step")       # or the rows from the position where a resumed first step is ahead.
         global_batch = sampler.global_batch
+        _checked_position(state, sampler)  # A step and position that disagree name no place to resume.
         position, kind = state.get("position"), state.get("position_kind", GLOBAL)
         start = _checked_start(state, global_batch)
         if start:  # The run's own resumed stream, continued as it was.

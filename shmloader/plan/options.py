@@ -12,6 +12,8 @@ import dataclasses
 import numbers
 import os
 
+import numpy as np
+
 from .._native import lib
 from ..remote.pages import CACHE_PAGE_BYTES
 
@@ -54,6 +56,15 @@ def check_integer(name: str, value, minimum: int, maximum: int) -> int:
     if not minimum <= value <= maximum:
         raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
     return value
+
+
+def check_flag(name: str, value) -> bool:
+    """A yes or no: a bool (numpy's too) or the integers 0 and 1. Anything else raises
+    naming the setting: bool("False") is True, and a setting read from a configuration
+    file as a string would silently mean its opposite."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r} of type {type(value).__name__}")
 
 
 def check_seconds(name: str, value) -> float:
@@ -137,8 +148,8 @@ class LoaderOptions:
         set_(self, "hold_timeout", check_seconds("hold_timeout", self.hold_timeout))
         if self.step_timeout is not None:
             set_(self, "step_timeout", check_seconds("step_timeout", self.step_timeout))
-        set_(self, "warn_layout", bool(self.warn_layout))
-        set_(self, "verify", bool(self.verify))
+        set_(self, "warn_layout", check_flag("warn_layout", self.warn_layout))
+        set_(self, "verify", check_flag("verify", self.verify))
         if self.transform_args is not None:
             if self.transform is None:
                 raise TypeError("transform_args given without a transform")
@@ -148,7 +159,7 @@ class LoaderOptions:
         set_(self, "shuffle_window", check_window(self.shuffle_window, self.mode))
         if self.epochs is not None:
             set_(self, "epochs", check_integer("epochs", self.epochs, 1, EPOCHS_MAX))
-        set_(self, "drop_last", bool(self.drop_last))
+        set_(self, "drop_last", check_flag("drop_last", self.drop_last))
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
         if self.remote is not None and not all(hasattr(self.remote, name) for name in ("start", "count", "capacity")):

@@ -68,7 +68,9 @@ def _check_mapping(mapping, where: str) -> dict:
         if isinstance(declaration, (Padded, Packed, Windows)):
             declaration = declaration.path
         if isinstance(declaration, (list, tuple)):
-            declaration = declaration[0] if declaration else None
+            if not declaration:
+                raise ValueError(f"{where}field {name!r}: an empty list of files; expected at least one path")
+            declaration = declaration[0]
         if not isinstance(declaration, (str, os.PathLike)):
             raise TypeError(f"{where}field {name!r}: expected a path, a list or glob of paths, or Padded/Packed/"
                             f"Windows of one, got {type(declaration).__name__}")
