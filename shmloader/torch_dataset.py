@@ -12,7 +12,9 @@ whose __getitem__ runs in shmloader's readers and writes each sample straight in
 Each `for` loop over the loader is one epoch: one finite pass of the dataset (every index
 once, per shard), in an order drawn from (seed, epoch), with the readers kept between
 epochs. Arguments map to the loader's settings: num_workers -> readers, prefetch_factor ->
-slots per worker, shuffle -> mode, generator -> seed (its initial_seed()), timeout ->
+slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
+a seed, one drawn from torch's global generator, so that torch.manual_seed decides the order
+and the samples' seeds as it does torch's; 0 across ranks, as DistributedSampler's), timeout ->
 step_timeout, drop_last as it is; shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
 naming the argument: a custom sampler or batch_sampler (the order is the loader's, so that
@@ -110,11 +112,16 @@ class DataLoader:
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=2)
             pin_memory = False
+        self.shard_index, self.shard_count = _shard_from_environment(shard_index, shard_count)
         if generator is not None and seed is None:
             seed = int(generator.initial_seed())
+        elif seed is None and self.shard_count == 1:
+            # As torch's DataLoader draws its base seed: torch.manual_seed decides the run. Ranks
+            # keep 0 (DistributedSampler's default): a seed drawn per rank would give each rank
+            # its own order, and the shards would overlap.
+            seed = int(torch.empty((), dtype=torch.int64).random_().item()) & _SEED_MASK
         self.dataset, self.batch_size, self.drop_last = dataset, int(batch_size), bool(drop_last)
         self.num_workers, self.seed = int(num_workers), 0 if seed is None else int(seed)
-        self.shard_index, self.shard_count = _shard_from_environment(shard_index, shard_count)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
         self._loader = ShmDataLoader.from_dataset(

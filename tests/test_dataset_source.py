@@ -12,6 +12,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -271,14 +272,72 @@ class _SignedLabels:
         return {"plain": index % 4 - 1, "numpy": np.int64(index % 4 - 1)}
 
 
-def test_a_python_scalar_is_cast_into_a_declared_dtype_as_a_numpy_scalar_is():
-    """-1 into a uint8 output is 255 whether the sample gives int or np.int64 (the plain
-    write path raised OverflowError for the int alone)."""
+def test_a_python_scalar_goes_into_a_declared_dtype_where_it_fits_and_is_refused_where_not():
+    """-1 into a uint8 output is refused naming the leaf, whether the sample gives int or
+    np.int64 (numpy's assignment would have made it 255); values that fit go in."""
     outputs = {"plain": ((), "u1"), "numpy": ((), "u1")}
+    with ShmDataLoader.from_dataset(_SignedLabels(), outputs=outputs, batch_size=8, readers=0, mode="sequential") \
+            as loader, pytest.raises(DatasetError, match=r"dataset\[0\]\['plain'\] is int64, its output is uint8.*"
+                                                          r"values from -1 to -1"):
+        next(loader)
+    outputs = {"plain": ((), "i1"), "numpy": ((), "i2")}
     with ShmDataLoader.from_dataset(_SignedLabels(), outputs=outputs, batch_size=8, readers=0, mode="sequential") \
             as loader:
         batch = next(loader)
-        assert batch["plain"].tolist() == batch["numpy"].tolist() == [255, 0, 1, 2] * 2
+        assert batch["plain"].tolist() == batch["numpy"].tolist() == [-1, 0, 1, 2] * 2
+
+
+class _TwoDtypes:
+    """Sample 0 of one dtype (its output's), the others one value of another."""
+
+    def __init__(self, first: str, later: str, value) -> None:
+        self.first, self.later, self.value = first, later, value
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        if index == 0:
+            return {"x": np.zeros(2, self.first)}
+        return {"x": self.value}
+
+
+_DTYPES = ["bool", "uint8", "int8", "int16", "uint32", "int32", "int64", "float16", "float32", "float64",
+           "complex64"]
+
+
+@examples(25)
+@given(first=st.sampled_from(_DTYPES), later=st.sampled_from(_DTYPES),
+       value=st.one_of(st.integers(-(1 << 40), 1 << 40), st.floats(-1e10, 1e10), st.sampled_from([0, 1, -1, 255,
+                                                                                                      256, 0.5])))
+def test_a_later_sample_of_another_dtype_is_delivered_unchanged_or_refused(first, later, value):
+    """Never cast silently: a later sample whose dtype differs from dataset[0]'s either
+    comes out as the dataset returned it (integers exactly, floats to the output's
+    precision), or raises a DatasetError naming it. Refused: a value an integer output
+    cannot hold, a finite value that overflows, a float into an integer or bool output, a
+    number into bool, a complex into a real output."""
+    target, kind = np.dtype(first), np.dtype(later).kind
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sample = np.full(2, np.float64(value) if isinstance(value, float) else np.int64(value)).astype(later)
+        cast = sample.astype(target)
+    if target.kind == "b":
+        fits = kind == "b"
+    elif target.kind in "iu":
+        fits = kind in "iub" and [int(item) for item in cast] == [int(item) for item in sample]
+    else:
+        fits = (kind != "c" or target.kind == "c") and np.array_equal(np.isfinite(cast), np.isfinite(sample))
+    with ShmDataLoader.from_dataset(_TwoDtypes(first, later, sample), batch_size=4, readers=0, mode="sequential") \
+            as loader:
+        if fits:
+            delivered = next(loader)["x"]
+            assert delivered.dtype == target
+            assert np.array_equal(delivered[1:], np.broadcast_to(cast, (3, 2)))
+            if target.kind in "iu":
+                assert [int(item) for item in delivered[1]] == [int(item) for item in sample]
+        else:
+            with pytest.raises(DatasetError, match=r"dataset\[1\]\['x'\] is " + later):
+                next(loader)
 
 
 def test_an_unpicklable_dataset_names_the_attribute_and_the_import_path_way():

@@ -254,3 +254,33 @@ def test_a_checkpoint_taken_at_an_epochs_end_resumes_with_the_next_epoch(num_wor
         found = [_epoch_indices(resumed), _epoch_indices(resumed)]
         assert resumed.state_dict()["epoch"] == 2
     assert found == expected
+
+
+class _IndexAndDraw(Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        return {"index": index, "draw": float(np.random.random())}
+
+
+def test_without_a_generator_or_seed_torch_manual_seed_decides_the_order_and_the_samples_seeds():
+    """As torch's DataLoader draws its base seed from torch's global generator: runs under
+    other torch.manual_seed values shuffle (and augment) otherwise, runs under the same
+    one alike (before, every such loader had seed 0)."""
+    def epoch(seed: int) -> tuple[list, list]:
+        torch.manual_seed(seed)
+        loader = DataLoader(_IndexAndDraw(), batch_size=8, shuffle=True)
+        try:
+            order, drawn = [], []
+            for batch in loader:
+                order += batch["index"].tolist()
+                drawn += batch["draw"].tolist()
+            return order, drawn
+        finally:
+            loader.close()
+
+    first, again, other = epoch(1), epoch(1), epoch(2)
+    assert first == again
+    assert sorted(first[0]) == sorted(other[0]) == list(range(64))
+    assert first[0] != other[0] and not set(first[1]) & set(other[1])

@@ -129,11 +129,16 @@ class DatasetRunner:
                 continue
             for (name, value), (expected, target, shape, fixed) in zip(leaves, plain):
                 kind = type(value)
-                if fixed and name == expected and kind is np.ndarray and value.shape == shape:
-                    target[row] = value  # Casts as numpy does (an int64 array into int32 if declared so).
+                if fixed and name == expected and kind is np.ndarray and value.shape == shape and \
+                        value.dtype == target.dtype:
+                    target[row] = value
                 elif fixed and name == expected and kind in _SCALARS and shape == ():
-                    target[row] = np.asarray(value)  # As a numpy scalar is cast (-1 into uint8 is 255).
-                else:
+                    scalar = np.asarray(value)
+                    if scalar.dtype == target.dtype:
+                        target[row] = scalar
+                    else:
+                        self._write_leaf(index, row, name, value, out)
+                else:  # Another dtype is cast only where no value changes (_checked_cast).
                     self._write_leaf(index, row, name, value, out)
 
     def _leaves(self, index: int, sample) -> list[tuple[str, object]]:
@@ -166,7 +171,8 @@ class DatasetRunner:
         if output is None:
             raise DatasetError(f"dataset[{index}] has leaf {name!r}, which dataset[0] does not have "
                                f"({list(self._outputs)})")
-        array = _leaf_array(value, f"dataset[{index}][{name!r}]")
+        array = _checked_cast(_leaf_array(value, f"dataset[{index}][{name!r}]"), out[name].dtype,
+                              f"dataset[{index}][{name!r}]")
         target = out[name]
         if output.max_items is not None:
             self._write_packed(index, row, output, array, out)
@@ -177,7 +183,7 @@ class DatasetRunner:
                                    f"outputs=) is {target.shape[1:]}; declare outputs={{{name!r}: "
                                    f"Ragged(max_length)}} (padded) or PackedRagged(max_items) (packed) for a varying "
                                    f"first dimension")
-            target[row] = array  # Casts as numpy does (an int64 scalar into int32 if declared so).
+            target[row] = array
             return
         length = array.shape[0] if array.ndim else -1
         if array.ndim < 1 or array.shape[1:] != target.shape[2:] or length > output.max_length:
@@ -200,8 +206,35 @@ class DatasetRunner:
                                f"{start} items of the {row} sample(s) before it in the batch make {end}, more than "
                                f"its PackedRagged max_items={output.max_items}; raise max_items (a batch of the "
                                f"{self.batch_size} longest samples always fits)")
-        target[start:end] = array  # Casts as numpy does.
+        target[start:end] = array
         offsets[row + 1] = end
+
+
+def _checked_cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    """`array`, where its values go into an output of `dtype` unchanged; otherwise a
+    DatasetError naming the leaf. numpy's assignment would cast silently: 0.37 into
+    dataset[0]'s int64 as 0, -2 into uint8 as 254, 1e6 into float16 as inf, ints into bool
+    as True. Narrower types are taken where every value fits (small Python ints into an
+    int32 or uint8 output, float64 into a declared float32)."""
+    if array.dtype == dtype or np.can_cast(array.dtype, dtype, "safe"):
+        return array
+    what = f"{where} is {array.dtype}, its output is {dtype} (dataset[0]'s dtype, or outputs=)"
+    source, target = array.dtype.kind, dtype.kind
+    if target in "iu" and source in "iub":
+        limits = np.iinfo(dtype)
+        low, high = (array.min(), array.max()) if array.size else (0, 0)
+        if low < limits.min or high > limits.max:
+            raise DatasetError(f"{what}, which holds [{limits.min}, {limits.max}]; the sample has values from {low} "
+                               f"to {high}")
+        return array
+    if (target == "f" and source in "iuf") or (target == "c" and source in "iufc"):
+        with np.errstate(over="ignore", invalid="ignore"):  # The overflow is what is looked for.
+            overflows = not np.array_equal(np.isfinite(array), np.isfinite(array.astype(dtype)))
+        if overflows:
+            raise DatasetError(f"{what}, where some of the sample's finite values overflow to infinity")
+        return array
+    raise DatasetError(f"{what}: the values would change ({array.dtype.kind!r} into {dtype.kind!r}); return one dtype "
+                       f"for every sample, or declare the output's with outputs={{name: (shape, dtype)}}")
 
 
 def _leaf_paths(structure: dict) -> list[tuple[str, tuple, tuple]]:
