@@ -30,13 +30,18 @@ files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values
 to max_length, "lengths": (B,)}.
 
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
-and the slot is reused only after that. Copy what you keep across steps.
+and the slot is reused only after that. Copy what you keep across steps. A new epoch (the
+next iter(loader)) moves the tensors of earlier batches that are still referenced (the loop
+variable after a `for`, a peeked next(iter(loader))) into memory of their own, and ends the
+earlier iterator: one pass runs at a time, so zip(loader, loader) raises.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import warnings
+import weakref
 
 from .loader import ShmDataLoader
 from .plan.dataset import rebuild_batch
@@ -75,6 +80,29 @@ def _as_collated(structure: dict, beside: dict[str, str]) -> dict:
     if name in beside:
         return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure
+
+
+class _PassIterator:
+    """One `for` loop's iterator over the loader's pass. The loader runs one pass at a time:
+    a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
+    loader) would otherwise end at once, in silence)."""
+
+    def __init__(self, batches) -> None:
+        self._batches, self._superseded = batches, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._superseded:
+            raise RuntimeError("this iterator's pass was ended by a newer iter() of the same shmloader.torch.DataLoader, "
+                               "which runs one pass at a time (torch's runs each iterator on workers of its own): "
+                               "iterate one loop at a time, or make a second DataLoader")
+        return next(self._batches)
+
+    def supersede(self) -> None:
+        self._superseded = True
+        self._batches.close()
 
 
 class DataLoader:
@@ -135,6 +163,11 @@ class DataLoader:
                   if output.max_items is not None or output.max_length is not None}
         self._structure = _as_collated(spec.structure, beside)
         self._started = False  # Whether the current epoch's pass has been iterated.
+        # The tensors of the batches handed out lately (weak references, per batch: no more
+        # batches than slots can be alive), and the iterator of the current pass: what a new
+        # pass lets go of first (_let_go).
+        self._handed: collections.deque = collections.deque(maxlen=self._loader.slots)
+        self._iterator = None
 
     def _epoch_seed(self, epoch: int) -> int:
         return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
@@ -147,18 +180,62 @@ class DataLoader:
         return finite.steps
 
     def __iter__(self):
-        import torch
-
         if self._resumed:
             self._resumed = False
         elif self._started:
-            self._epoch += 1
-            self._loader._session.new_pass(self._epoch_seed(self._epoch))
+            self._new_pass(self._epoch + 1)
         self._started = True
-        structure = self._structure
+        self._iterator = iterator = _PassIterator(self._batches())
+        return iterator
+
+    def _batches(self):
+        import torch
+
+        structure, handed = self._structure, self._handed
         for batch in self._loader:
-            yield rebuild_batch(structure, batch, torch.from_numpy)
+            tensors = []
+
+            def tensor_of(array, tensors=tensors):
+                tensor = torch.from_numpy(array)
+                tensors.append(weakref.ref(tensor))
+                return tensor
+
+            handed.append(tensors)
+            yield rebuild_batch(structure, batch, tensor_of)
             del batch
+
+    def _new_pass(self, epoch: int) -> None:
+        """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go)."""
+        self._let_go()
+        try:
+            self._loader._session.new_pass(self._epoch_seed(epoch))
+        except RuntimeError as error:
+            if "is held" not in str(error):
+                raise
+            raise RuntimeError(f"{error}: a tensor of the previous epoch's batches, or a view of one (a slice, "
+                               f"batch['x'][0]), is still referenced. Copy what you keep across epochs "
+                               f"(tensor.clone()); the tensors of the batches themselves are let go of at a new "
+                               f"epoch") from None
+        self._epoch = epoch
+
+    def _let_go(self) -> None:
+        """Ends the previous pass's iterator (a `for` left by break, next(iter(loader))) and
+        moves every tensor of its batches that is still referenced (the loop's variable keeps
+        the last batch after a `for` ends) into memory of its own, as torch's batches are:
+        their slots can then be filled with the new pass. A view made of such a tensor
+        still refers to its slot (_new_pass says so)."""
+        import torch
+
+        iterator, self._iterator = self._iterator, None
+        if iterator is not None:
+            iterator.supersede()  # Its frame lets go of the batch it was suspended on.
+        with torch.no_grad():
+            for tensors in self._handed:
+                for reference in tensors:
+                    tensor = reference()
+                    if tensor is not None:
+                        tensor.set_(tensor.clone())
+        self._handed.clear()
 
     def state_dict(self) -> dict:
         """The epoch and the position in it: load_state_dict continues with the next batch."""
@@ -177,7 +254,7 @@ class DataLoader:
         if state["seed"] != self.seed:
             raise ValueError(f"the checkpoint was made with seed {state['seed']!r}, this loader has {self.seed}")
         if epoch != self._epoch or self._started:
-            self._loader._session.new_pass(self._epoch_seed(epoch))
+            self._new_pass(epoch)
         self._epoch, self._started = epoch, True
         self._loader.load_state_dict(state["loader"])
         # Taken at the end of its epoch (after a whole `for` loop): the next loop is the next

@@ -284,3 +284,60 @@ def test_without_a_generator_or_seed_torch_manual_seed_decides_the_order_and_the
     assert first == again
     assert sorted(first[0]) == sorted(other[0]) == list(range(64))
     assert first[0] != other[0] and not set(first[1]) & set(other[1])
+
+
+class _Indices(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        return {"index": index, "image": np.full((3,), index, np.float32)}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loop_variable_kept_from_an_epoch_lets_the_next_one_start_and_keeps_its_values(workers):
+    """`for batch in loader` leaves the last batch bound to `batch` when the loop ends; the
+    next epoch's loop used to raise 'cannot seek while batch N is held'. Its tensors now get
+    memory of their own, with the values they had, as torch's batches have."""
+    loader = DataLoader(_Indices(), batch_size=4, shuffle=True, num_workers=workers, generator=torch.Generator())
+    try:
+        kept = []
+        for _ in range(3):
+            for batch in loader:
+                pass
+            kept.append((batch, batch["index"].tolist(), batch["image"].clone()))
+        peek = next(iter(loader))  # A peek, then training: the peek's iterator is let go of too.
+        for index, batch in enumerate(loader):
+            if index == 1:
+                break  # And a loop left early.
+        seen = sorted(i for batch in loader for i in batch["index"].tolist())
+        assert seen == list(range(10))
+        for batch, indices, image in kept + [(peek, peek["index"].tolist(), peek["image"].clone())]:
+            assert batch["index"].tolist() == indices and torch.equal(batch["image"], image)
+            assert torch.equal(batch["image"][:, 0], batch["index"].float())
+    finally:
+        loader.close()
+
+
+def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence():
+    loader = DataLoader(_Indices(), batch_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="ended by a newer iter"):
+            list(zip(loader, loader))
+        assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
+    finally:
+        loader.close()
+
+
+def test_a_view_kept_from_an_epochs_batch_is_named_when_the_next_epoch_starts():
+    loader = DataLoader(_Indices(), batch_size=4)
+    try:
+        for batch in loader:
+            view = batch["image"][0]  # A view of the slot: not let go of with the batch's own tensors.
+        del batch
+        with pytest.raises(RuntimeError, match=r"still referenced.*tensor\.clone"):
+            next(iter(loader))
+        del view
+        assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
+    finally:
+        loader.close()
