@@ -134,3 +134,30 @@ class Packable:
         rng = np.random.default_rng([index, 7])
         count = int(rng.integers(0, self.longest + 1))
         return {"points": (rng.random((count, *self.item_shape)) * 100).astype(self.dtype), "label": index}
+
+
+class OpensLazily:
+    """Opens its file at its first __getitem__, in whichever process calls it (the pattern
+    torch's documentation recommends for workers): the handle does not pickle."""
+
+    def __init__(self, path: str, length: int) -> None:
+        self.path, self.length, self.handle = path, length, None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if self.handle is None:
+            self.handle = open(self.path, "rb")
+        self.handle.seek(index)
+        return {"byte": np.frombuffer(self.handle.read(1), np.uint8)}
+
+
+class UndecodableFirst:
+    """dataset[0] raises a UnicodeDecodeError (whose constructor takes five arguments)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return {"text": np.frombuffer(b"\xff".decode("utf-8").encode(), np.uint8)}

@@ -482,3 +482,26 @@ def test_a_stopped_reader_that_cannot_take_a_new_pass_is_replaced(monkeypatch):
     expected, _ = _passes_by_import_path(0)
     found, replaced = _passes_by_import_path(2, stop_a_reader=True)
     assert replaced and found == expected and expected[0] != expected[1]
+
+
+def test_a_dataset_that_opens_its_file_lazily_in_getitem_is_sent_to_readers(tmp_path):
+    """The probe of dataset[0] opened the file in the trainer before the dataset was
+    pickled, so the handle went into the pickle and failed it."""
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(40)))
+    dataset = fixtures.OpensLazily(str(path), 40)
+    with ShmDataLoader.from_dataset(dataset, batch_size=8, readers=2, mode="sequential", epochs=1) as loader:
+        assert [value for batch in loader for value in batch["byte"][:, 0].tolist()] == list(range(40))
+    assert not our_shm_entries(os.getpid())
+
+
+@pytest.mark.parametrize("readers", [0, 1])
+def test_an_error_of_dataset_0_keeps_its_type_and_arguments(readers):
+    """It was raised again as type(error)(message), which a UnicodeDecodeError refuses (a
+    TypeError came out instead)."""
+    with pytest.raises(UnicodeDecodeError) as raised:
+        ShmDataLoader.from_dataset(fixtures.UndecodableFirst(), batch_size=2, readers=readers)
+    assert raised.value.encoding == "utf-8" and raised.value.start == 0
+    if sys.version_info >= (3, 11):
+        assert any("dataset[0]" in note for note in raised.value.__notes__)
+    assert not our_shm_entries(os.getpid())

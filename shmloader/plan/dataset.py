@@ -343,11 +343,16 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
                            f"needed (an IterableDataset cannot be sampled by step)")
     length = check_length(instance, f"the dataset ({type(instance).__name__})")
     declared = dict(outputs or {})
+    # Pickled for the readers before the probe below reads dataset[0] here: a dataset that
+    # opens its files or connections lazily in __getitem__ (as the readers need) would
+    # otherwise carry the handle it opened for the probe into its pickle, and fail to pickle.
+    data = _pickled(instance) if factory is None and readers > 0 else None
     with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
         try:
             first = instance[0]
         except Exception as error:
-            raise type(error)(f"dataset[0] raised {type(error).__name__}: {error}") from error
+            _note(error, "in dataset[0], which the loader reads first for the samples' structure")
+            raise
     structure, leaves = flatten(first, "dataset[0]")
     names = [name for name, _ in leaves]
     unknown = sorted(set(declared) - set(names))
@@ -363,12 +368,19 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     spec = DatasetSpec(length, tuple(built), structure, name, secrets.token_hex(8), trainer_pid=os.getpid(),
                        factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
                        torch="torch" in sys.modules)
-    if factory is None and readers > 0:
-        data = _pickled(instance)
+    if data is not None:
         main_path = _main_path(data, instance)
         fd = _write_memory_file("shmloader-dataset", data)
         spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
     return DatasetHandle(spec, instance)
+
+
+def _note(error: BaseException, note: str) -> None:
+    """Adds `note` to the error's message where Python has notes (3.11 on), keeping its type
+    and arguments: a type whose constructor takes others (UnicodeDecodeError) cannot be
+    raised again with a new message."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _named_tuple(name: str) -> type:
