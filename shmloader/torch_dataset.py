@@ -15,7 +15,9 @@ epochs. Arguments map to the loader's settings: num_workers -> readers, prefetch
 slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
 a seed, one drawn from torch's global generator, so that torch.manual_seed decides the order
 and the samples' seeds as it does torch's; 0 across ranks, as DistributedSampler's), timeout ->
-step_timeout, drop_last as it is; shard_index and shard_count default to RANK and
+step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> each later
+epoch's readers get the dataset pickled anew, as it is then (a change made between epochs is
+seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
 naming the argument: a custom sampler or batch_sampler (the order is the loader's, so that
 it resumes exactly), an IterableDataset, a collate_fn other than default_collate (the batch
@@ -150,6 +152,7 @@ class DataLoader:
             seed = int(torch.empty((), dtype=torch.int64).random_().item()) & _SEED_MASK
         self.dataset, self.batch_size, self.drop_last = dataset, int(batch_size), bool(drop_last)
         self.num_workers, self.seed = int(num_workers), 0 if seed is None else int(seed)
+        self.persistent_workers = bool(persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
         self._loader = ShmDataLoader.from_dataset(
@@ -205,17 +208,28 @@ class DataLoader:
             del batch
 
     def _new_pass(self, epoch: int) -> None:
-        """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go)."""
+        """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go);
+        with persistent_workers=False (torch's default) and readers, they get the dataset as
+        it is now (a change made between epochs is seen, as torch's new workers see it)."""
         self._let_go()
+        session, handle = self._loader._session, self._loader._dataset
+        before = handle.renew() if not self.persistent_workers and handle.spec.pickle_fd is not None else None
         try:
-            self._loader._session.new_pass(self._epoch_seed(epoch))
-        except RuntimeError as error:
-            if "is held" not in str(error):
-                raise
-            raise RuntimeError(f"{error}: a tensor of the previous epoch's batches, or a view of one (a slice, "
-                               f"batch['x'][0]), is still referenced. Copy what you keep across epochs "
-                               f"(tensor.clone()); the tensors of the batches themselves are let go of at a new "
-                               f"epoch") from None
+            if before is not None:
+                session.dataset_spec = handle.spec
+            session.new_pass(self._epoch_seed(epoch))
+        except BaseException as error:
+            if before is not None:  # Nothing changed: the readers keep the spec they have.
+                handle.revert(before)
+                session.dataset_spec = before
+            if isinstance(error, RuntimeError) and "is held" in str(error):
+                raise RuntimeError(f"{error}: a tensor of the previous epoch's batches, or a view of one (a slice, "
+                                   f"batch['x'][0]), is still referenced. Copy what you keep across epochs "
+                                   f"(tensor.clone()); the tensors of the batches themselves are let go of at a new "
+                                   f"epoch") from None
+            raise
+        if before is not None:
+            handle.settle(before)
         self._epoch = epoch
 
     def _let_go(self) -> None:

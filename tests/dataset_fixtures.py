@@ -161,3 +161,16 @@ class UndecodableFirst:
 
     def __getitem__(self, index: int):
         return {"text": np.frombuffer(b"\xff".decode("utf-8").encode(), np.uint8)}
+
+
+class Scaled:
+    """index * scale: a dataset whose attribute a training loop changes between epochs."""
+
+    def __init__(self, length: int = 8) -> None:
+        self.length, self.scale = length, 1
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        return {"value": index * self.scale}

@@ -341,3 +341,23 @@ def test_a_view_kept_from_an_epochs_batch_is_named_when_the_next_epoch_starts():
         assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_dataset_changed_between_epochs_reaches_the_readers_unless_they_persist(persistent):
+    """torch's workers (persistent_workers=False, its default) get the dataset anew each
+    epoch, so a change made between epochs (a curriculum, set_epoch) is seen; the readers
+    kept the copy they were started with. With persistent_workers=True they still do."""
+    dataset = fixtures.Scaled()
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=persistent)
+    try:
+        seen, descriptors = [], []
+        for epoch in range(4):
+            dataset.scale = 10 ** epoch
+            seen.append(sorted(value for batch in loader for value in batch["value"].tolist()))
+            descriptors.append(len(os.listdir("/proc/self/fd")))
+        assert len(set(descriptors[1:])) == 1, descriptors  # Each epoch's pickle closed once replaced.
+    finally:
+        loader.close()
+    scales = [1, 1, 1, 1] if persistent else [1, 10, 100, 1000]
+    assert seen == [[index * scale for index in range(8)] for scale in scales]

@@ -66,6 +66,7 @@ def load_dataset(spec: DatasetSpec):
         if len(data) != spec.pickle_bytes:
             raise DatasetError(f"the trainer's pickled dataset is {len(data)} bytes, expected {spec.pickle_bytes}")
         dataset = pickle.loads(data)
+    _LOADED.clear()  # A reader fills for one loader: an earlier token is its dataset of an earlier epoch.
     _LOADED[spec.token] = dataset
     return dataset
 

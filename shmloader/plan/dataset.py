@@ -319,6 +319,35 @@ class DatasetHandle:
         self.spec = spec
         LOCAL_DATASETS[spec.token] = instance
 
+    def renew(self) -> DatasetSpec:
+        """Pickles the dataset again, as it is now, under a new token: readers given the new
+        spec load it anew (a drop-in epoch's fresh copy, as torch's non-persistent workers
+        get). Returns the spec before: the caller closes its pickle's descriptor once the
+        readers have the new spec (settle), or goes back to it (revert)."""
+        assert self.spec is not None and self.spec.pickle_fd is not None, "a dataset given to readers by pickle"
+        before = self.spec
+        instance = LOCAL_DATASETS.pop(before.token)
+        try:
+            data = _pickled(instance)
+            fd = _write_memory_file("shmloader-dataset", data)
+        except BaseException:
+            LOCAL_DATASETS[before.token] = instance
+            raise
+        self.spec = dataclasses.replace(before, token=secrets.token_hex(8), pickle_fd=fd, pickle_bytes=len(data),
+                                        main_path=_main_path(data, instance))
+        LOCAL_DATASETS[self.spec.token] = instance
+        return before
+
+    def settle(self, before: DatasetSpec) -> None:
+        """The readers have the renewed spec: the pickle before is read by none again."""
+        os.close(before.pickle_fd)
+
+    def revert(self, before: DatasetSpec) -> None:
+        """Back to the spec before renew(), its pickle kept; the renewed one is closed."""
+        LOCAL_DATASETS[before.token] = LOCAL_DATASETS.pop(self.spec.token)
+        os.close(self.spec.pickle_fd)
+        self.spec = before
+
     def close(self) -> None:
         LOCAL_DATASETS.pop(self.spec.token, None)
         fd, self.spec = (None if self.spec is None else self.spec.pickle_fd), None

@@ -22,6 +22,7 @@ import traceback
 import posix_ipc
 
 from ..errors import TransformError
+from ..plan.dataset import DatasetError
 from ..fill.filler import FillerSpec
 from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNames
 from ..ring.publishing import Publisher
@@ -158,12 +159,26 @@ class Reader:
         self.ring = ring
         self.layout = ring.layout
         self.filler, self.outputs = None, []
-        self._use(config.filler, filler)
+        self._use_first(config.filler, filler)
         self.fault = _FaultInjection(os.environ.get(FAULT_INJECTION_VARIABLE))
         self.step = None
         self.publisher = Publisher(ring, self.index, os.getpid())
         self.starved_ns = self.sleeps = self.wakeups = 0
         self._slept = None  # (began, ended) of the last wait for work, until the next claim
+
+    def _use_first(self, spec: FillerSpec, filler=None) -> None:
+        """_use() of the configuration's filler, or of a newer one where the configuration's
+        dataset is gone: a reader still starting when the trainer began a new epoch (the
+        drop-in's persistent_workers=False) finds that epoch's filler on its pipe, since the
+        trainer closes the pickle before only once it has written the new filler to every
+        reader's pipe (shmloader.torch_dataset.DataLoader._new_pass)."""
+        try:
+            self._use(spec, filler)
+        except (FileNotFoundError, DatasetError):
+            newer = None if self.channel is None or spec.dataset is None else self.channel.latest()
+            if newer is None or newer == STOP_MESSAGE:
+                raise
+            self._use(FillerSpec.from_dict(json.loads(newer)))
 
     def _use(self, spec: FillerSpec, filler=None) -> None:
         """Fills with `spec`'s filler from now on (`filler`: built already), bound to every
