@@ -73,7 +73,9 @@ def reader_error_type(module: str, name: str) -> type:
     if not isinstance(candidate, type) or not issubclass(candidate, Exception) or issubclass(candidate, ReaderError):
         return ReaderError
     try:
-        return type(name, (ReaderError, candidate), {"__module__": "shmloader.errors",
+        # The message as it is written: KeyError's own str() is the repr of its argument
+        # (the report's newlines as \n on one line), others format attributes it lacks.
+        return type(name, (ReaderError, candidate), {"__module__": "shmloader.errors", "__str__": BaseException.__str__,
                                                      "__qualname__": f"ReaderError.{name}"})
     except TypeError:  # An instance layout conflict.
         return ReaderError

@@ -16,7 +16,7 @@ from .device import (
 )
 from .lifecycle import Resources
 from .plan.checkpoint import position_of, state_of
-from .plan.dataset import plan_dataset
+from .plan.dataset import plan_dataset, refuse_a_loader_in_the_scripts_import
 from .plan.defaults import default_readers
 from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
@@ -94,6 +94,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
             step_timeout=step_timeout, epochs=epochs, drop_last=drop_last, on_error=on_error, remote=remote,
             cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
+        refuse_a_loader_in_the_scripts_import()
         # The facade holds its options, its session, and what the user may read off it.
         self.options = options
         resources = self._resources = Resources()

@@ -505,3 +505,26 @@ def test_an_error_of_dataset_0_keeps_its_type_and_arguments(readers):
     if sys.version_info >= (3, 11):
         assert any("dataset[0]" in note for note in raised.value.__notes__)
     assert not our_shm_entries(os.getpid())
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """A reader runs the trainer's script to find a dataset class defined there; a script
+    that builds its loader at import built another loader in each reader, which failed
+    with an AttributeError that named no cause."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from shmloader import ShmDataLoader\n"
+        "class Squares:\n"
+        "    def __len__(self):\n"
+        "        return 8\n"
+        "    def __getitem__(self, index):\n"
+        "        return {'x': np.int64(index * index)}\n"
+        "with ShmDataLoader.from_dataset(Squares(), batch_size=4, readers=1, epochs=1) as loader:\n"
+        "    print(sum(len(batch['x']) for batch in loader))\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=str(tmp_path))
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0
+    assert 'if __name__ == "__main__":' in stderr and str(script) in stderr
+    assert not our_shm_entries(process.pid)

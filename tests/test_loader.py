@@ -318,7 +318,7 @@ def test_resume_gives_identical_batches(dataset):
         next(loader)
         next(loader)
         gc.collect()
-        loader.load_state_dict({**state, "step": 30})
+        loader.load_state_dict({**state, "step": 30, "position": 30 * 24})  # A checkpoint of step 30.
         for (step, image, label), batch in zip(first[30:], loader):
             assert batch.step == step and np.array_equal(batch["image"], image)
         with pytest.raises(ValueError, match="seed: checkpoint 6, loader 5"):

@@ -361,3 +361,27 @@ def test_a_dataset_changed_between_epochs_reaches_the_readers_unless_they_persis
         loader.close()
     scales = [1, 1, 1, 1] if persistent else [1, 10, 100, 1000]
     assert seen == [[index * scale for index in range(8)] for scale in scales]
+
+
+class _Typed(Dataset):
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return {"x": self.make(index)}
+
+
+def test_a_bfloat16_sample_is_refused_naming_the_leaf_and_a_conjugate_view_is_taken():
+    """A bfloat16 tensor failed inside torch ("unsupported ScalarType"), and a conjugate
+    view (its lazy bit set) with a RuntimeError, neither naming the sample."""
+    with pytest.raises(Exception, match=r"dataset\[0\]\['x'\] is a torch tensor of torch.bfloat16.*float32"):
+        DataLoader(_Typed(lambda index: torch.full((2,), float(index), dtype=torch.bfloat16)), batch_size=2)
+    loader = DataLoader(_Typed(lambda index: torch.tensor([index + 1j]).conj()), batch_size=2)
+    try:
+        values = [value for batch in loader for value in batch["x"][:, 0].tolist()]
+        assert values == [complex(index, -1) for index in range(4)]
+    finally:
+        loader.close()

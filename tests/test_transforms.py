@@ -266,3 +266,13 @@ def test_sys_exit_in_a_transform_is_reported_with_its_step_and_traceback(rows):
         with pytest.raises(ReaderError, match=r"raised SystemExit at step 0") as caught:
             next(loader)
     assert "sys.exit(0)" in caught.value.traceback_text
+
+
+def test_a_readers_key_error_reads_as_its_message_with_its_lines():
+    """KeyError's own str() is the repr of its argument: the whole report, traceback and
+    all, came out on one line of \\n escapes (torch's KeyErrorMessage fixes the same)."""
+    from shmloader.errors import reader_error_type
+
+    error = reader_error_type("builtins", "KeyError")("reader 0 raised KeyError: 'x'\n--- reader traceback ---\nline")
+    assert isinstance(error, KeyError) and isinstance(error, ReaderError)
+    assert str(error) == "reader 0 raised KeyError: 'x'\n--- reader traceback ---\nline"

@@ -18,7 +18,7 @@ import types
 
 import numpy as np
 
-from ..plan.dataset import LOCAL_DATASETS, DatasetError, DatasetSpec, _leaf_array, flatten, import_factory
+from ..plan.dataset import LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten, import_factory
 from ..plan.sampler import derive_seed
 from .global_seeds import GlobalSeeds
 
@@ -38,7 +38,11 @@ def _run_main(path: str) -> None:
         return
     module = types.ModuleType("__mp_main__")
     sys.modules["__mp_main__"] = module
-    namespace = runpy.run_path(path, run_name="__mp_main__")
+    MAIN_BEING_RUN.append(path)
+    try:
+        namespace = runpy.run_path(path, run_name="__mp_main__")
+    finally:
+        MAIN_BEING_RUN.pop()
     module.__dict__.update(namespace)
     sys.modules["__main__"] = module
 

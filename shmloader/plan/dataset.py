@@ -44,6 +44,21 @@ from .naming import loader_name_problem
 # holds its own copy of the unpickled dataset.
 PICKLE_BYTES_MAX = 1 << 30
 _SEPARATOR = "/"
+# The trainer's script while a reader runs it as __mp_main__ (fill/dataset_runner._run_main),
+# to unpickle a dataset class defined there: a loader built then is the script's own loader,
+# built again in the reader because the script has no `if __name__ == "__main__":` guard.
+MAIN_BEING_RUN: list[str] = []
+
+
+def refuse_a_loader_in_the_scripts_import() -> None:
+    """Raises where a loader is being built while a reader runs the trainer's script."""
+    if MAIN_BEING_RUN:
+        raise RuntimeError(f"a loader is being built while a reader runs {MAIN_BEING_RUN[-1]} to find the dataset's "
+                           f"class there: the script builds its loader at import. Put the code that builds and "
+                           f"iterates the loader under `if __name__ == \"__main__\":` (as multiprocessing's spawn "
+                           f"needs), or define the dataset class in a module of its own")
+
+
 # The trainer's own dataset objects, by their spec's token: its fillers (readers=0,
 # compute_batch) use them as they are; DatasetHandle.close removes them.
 LOCAL_DATASETS: dict[str, object] = {}
@@ -88,7 +103,13 @@ def _leaf_array(value, where: str) -> np.ndarray:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return np.frombuffer(value, np.uint8)
     if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
-        return value.detach().cpu().numpy()
+        tensor = value.detach().cpu().resolve_conj().resolve_neg()  # numpy() refuses the lazy conjugate bits.
+        try:
+            return tensor.numpy()
+        except (TypeError, RuntimeError) as error:
+            raise DatasetError(f"{where} is a torch tensor of {tensor.dtype}, which numpy cannot hold ({error}); "
+                               f"return a dtype numpy has (float32 for bfloat16), or the tensor's bits "
+                               f"(tensor.view(torch.int16)) to view back in the training step") from None
     if isinstance(value, str):
         raise DatasetError(f"{where} is a str; give bytes (text.encode()) with a Ragged(max_length) output, or "
                            f"token ids as an array")
