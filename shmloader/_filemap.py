@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 
 from ._native import ffi as _ffi
 
@@ -48,14 +49,38 @@ class FileMapping:
             _libc.madvise(self._pointer + start, end - start, advice)
 
 
-def map_file(path: str, check=None) -> FileMapping:
+class KeptDescriptor:
+    """A mapped file's descriptor, kept open to ask whether the file changed (os.fstat):
+    closed by close() or when nothing refers to it."""
+
+    __slots__ = ("descriptor", "_finalizer", "__weakref__")
+
+    def __init__(self, descriptor: int) -> None:
+        self.descriptor = descriptor
+        self._finalizer = weakref.finalize(self, os.close, descriptor)
+
+    def status(self) -> os.stat_result:
+        return os.fstat(self.descriptor)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def map_file(path: str, check=None, keep: bool = False) -> tuple[FileMapping, KeptDescriptor | None]:
     """Maps the file at `path`; `check(os.stat_result)` runs on the open descriptor first
-    (the file identity check) and may raise."""
+    (the file identity check) and may raise. `keep`: the descriptor stays open, returned
+    beside the mapping (a few files' worth; thousands of shards would run into
+    RLIMIT_NOFILE), else None."""
     descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         status = os.fstat(descriptor)
         if check is not None:
             check(status)
-        return FileMapping(descriptor, status.st_size)
-    finally:
+        mapping = FileMapping(descriptor, status.st_size)
+    except BaseException:
         os.close(descriptor)
+        raise
+    if keep:
+        return mapping, KeptDescriptor(descriptor)
+    os.close(descriptor)
+    return mapping, None

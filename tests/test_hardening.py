@@ -483,3 +483,61 @@ def test_ctrl_c_while_readers_start_prints_no_reader_traceback(dataset):
     assert "interrupted" in out
     assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
     assert wait_until(lambda: not our_shm_entries(child.pid), timeout=5.0)
+
+
+@pytest.mark.parametrize("kind", ["npy", "b2nd"])
+@pytest.mark.parametrize("readers", [0, 2])
+def test_a_file_written_in_place_while_read_stops_the_loader_and_no_batch_carries_its_new_bytes(
+        tmp_path, kind, readers):
+    """A field file rewritten in place at the same size (same inode) while a loader reads it:
+    batches carried the new bytes under the old rows' indices with no error (an outside
+    review: 54-60 of 91 batches). Now every batch delivered holds the described file's rows,
+    and a StorageError naming the file comes within the batches already filled."""
+    rows = np.arange(4000 * 4, dtype=np.int64).reshape(4000, 4)
+    path = str(tmp_path / f"rows.{kind}")
+    if kind == "npy":
+        np.save(path, rows)
+    else:
+        write_b2nd(path, rows, chunks=(64, 4), blocks=(16, 4))
+    slots = 6
+    delivered = 0
+    with ShmDataLoader({"x": path}, batch_size=32, readers=readers, slots=slots, seed=3) as loader:
+        with pytest.raises(StorageError, match=r"rows\.(npy|b2nd): the file changed since the loader described it"):
+            for step, batch in enumerate(loader):
+                assert np.array_equal(batch["x"], rows[batch.indices.astype(np.int64)]), step
+                delivered += 1
+                if step == 20:
+                    if kind == "npy":
+                        with open(path, "r+b") as handle:  # Same size, other rows: a write in place.
+                            handle.seek(128)
+                            handle.write((rows[::-1] + 1).tobytes())
+                    else:
+                        data = bytearray(open(path, "rb").read())
+                        with open(path, "r+b") as handle:
+                            handle.write(bytes(data))  # The same bytes again: a write all the same.
+                assert step < 20 + slots + readers + 1, "no error within the batches filled before the write"
+    assert delivered > 20
+    assert not our_shm_entries(os.getpid())
+
+
+def test_a_file_cut_short_between_batches_is_an_error_not_a_bus_error_with_readers_0(tmp_path):
+    """With readers=0 the trainer reads the mapping itself: a file truncated between two
+    batches killed it with SIGBUS, naming nothing (an outside review)."""
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(20000 * 8, dtype=np.float64).reshape(20000, 8))
+    script = (
+        "import os, sys\n"
+        "from shmloader import ShmDataLoader, StorageError\n"
+        f"path = {str(path)!r}\n"
+        "with ShmDataLoader({'x': path}, batch_size=128, readers=0, mode='random') as loader:\n"
+        "    try:\n"
+        "        for step, batch in enumerate(loader):\n"
+        "            if step == 5:\n"
+        "                os.truncate(path, 64128)\n"
+        "    except StorageError as error:\n"
+        "        print('StorageError', error)\n"
+        "        sys.exit(0)\n"
+        "sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
+    assert "rows.npy: the file changed" in result.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import pathlib
 import shutil
 import subprocess
@@ -161,3 +163,21 @@ def test_a_checkout_imported_instead_of_the_installed_package_says_so(tmp_path):
     assert "NativeLibraryError" in error, result.stderr
     assert f"source checkout {clone / 'shmloader'}" in error and str(installed / "shmloader") in error, error
     assert "current directory" in error and "another directory" in error and "pip install -e ." in error, error
+
+
+def test_file_unchanged_compares_size_and_modification_time_of_an_open_file(tmp_path):
+    from shmloader._native import lib
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abcd")
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        status = os.fstat(descriptor)
+        assert lib.shm_file_unchanged(descriptor, status.st_size, status.st_mtime_ns) == 1
+        assert lib.shm_file_unchanged(descriptor, status.st_size + 1, status.st_mtime_ns) == 0
+        assert lib.shm_file_unchanged(descriptor, status.st_size, status.st_mtime_ns + 1) == 0
+        os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))  # Another time, same size.
+        assert lib.shm_file_unchanged(descriptor, status.st_size, status.st_mtime_ns) == 0
+    finally:
+        os.close(descriptor)
+    assert lib.shm_file_unchanged(descriptor, 4, 0) == -errno.EBADF

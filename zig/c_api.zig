@@ -2,6 +2,7 @@
 //! declarations in shmloader/_declarations.py mirror this file; a test checks the two agree.
 
 const std = @import("std");
+const builtin = @import("builtin");
 const sampler = @import("sampler.zig");
 const gather = @import("gather.zig");
 const mixture = @import("mixture.zig");
@@ -12,7 +13,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 18; // 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 19; // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -201,6 +202,24 @@ export fn shm_state_store(address: *u64, value: u64) void {
 /// Returns the value found: equal to `expected` exactly when the swap happened.
 export fn shm_state_compare_swap(address: *u64, expected: u64, desired: u64) u64 {
     return @cmpxchgStrong(u64, address, expected, desired, .acq_rel, .acquire) orelse expected;
+}
+
+/// Whether the open file `fd` still has `size` bytes and modification time `mtime_ns`
+/// (what the loader described): 1 if so, 0 if not, -errno where statx fails. A fill asks
+/// after reading a field's rows, per file, so it costs one system call and no Python
+/// object (os.fstat builds a stat_result). Only where the kernel reports both.
+export fn shm_file_unchanged(fd: i32, size: u64, mtime_ns: i64) i32 {
+    if (builtin.os.tag != .linux) return -@as(i32, @intFromEnum(std.posix.E.NOSYS));
+    const linux = std.os.linux;
+    var found: linux.Statx = undefined;
+    const result = linux.statx(fd, "", linux.AT.EMPTY_PATH, .{ .SIZE = true, .MTIME = true }, &found);
+    switch (linux.errno(result)) {
+        .SUCCESS => {},
+        else => |code| return -@as(i32, @intFromEnum(code)),
+    }
+    if (!found.mask.SIZE or !found.mask.MTIME) return -@as(i32, @intFromEnum(linux.E.NOSYS));
+    const found_ns = found.mtime.sec * 1_000_000_000 + @as(i64, found.mtime.nsec);
+    return @intFromBool(found.size == size and found_ns == mtime_ns);
 }
 
 /// A reader publishes a slot's new state word (READY or FAILED) and learns whether the

@@ -42,6 +42,10 @@ def original_file(path: str, record: int) -> str | None:
         return None
 
 
+# The most files of one field whose descriptors a filler keeps open to watch them.
+WATCHED_FILES_MAX = 64
+
+
 class SlotOutput:
     """A region of one slot as the reader sees it: an array over the ring and its pointer."""
 
@@ -70,6 +74,11 @@ class FieldReader:
         # Read from a store through the node cache: every fill pins its pages first (extents).
         self.remote = any(spec.remote for spec in plan.stored_files())
         self.stored_total = plan.stored_bytes  # The loader's, once StepFiller knows every field.
+        # A field of a few local files keeps their descriptors, and every fill asks whether
+        # one was written in place since it was described (check_unchanged): the rows read
+        # would be other rows. A field of more files is checked when a reader opens them.
+        self.watch = not self.remote and len(plan.parts) <= WATCHED_FILES_MAX
+        self._watched: list = []
         self.itemsize = np.dtype(plan.regions[0].dtype).itemsize
         self.single = len(plan.parts) == 1
         # Per source: the range of its parts and their first rows, for the row -> part search.
@@ -143,8 +152,10 @@ class FieldReader:
         if field is None:
             spec = self.plan.parts[index]
             field = open_field(spec, batch_size_max=self.batch_size, verify=self.verify,
-                               access=self.access) if isinstance(spec, FieldSpec) \
-                else RaggedField(spec, verify=self.verify, access=self.access)
+                               access=self.access, watch=self.watch) if isinstance(spec, FieldSpec) \
+                else RaggedField(spec, verify=self.verify, access=self.access, watch=self.watch)
+            if self.watch:
+                self._watched.append(field)
             stored = field.values if isinstance(field, RaggedField) else field
             if stored.remote is not None:
                 set_fetch_unit(stored, self.random_access, self.stored_total)
@@ -190,10 +201,16 @@ class FieldReader:
             self.part(part).values.gather_ranges(np.ascontiguousarray(starts[mask]), np.ascontiguousarray(counts[mask]),
                                                  np.ascontiguousarray(destinations[mask]), output.pointer, output.nbytes)
 
+    def check_unchanged(self) -> None:
+        """Raises StorageError when a watched file was written since it was described."""
+        for field in self._watched:
+            field.check_unchanged()
+
     def close(self) -> None:
         for field in self._opened.values():
             field.close()
         self._opened.clear()
+        self._watched.clear()
 
 
 class RowsReader(FieldReader):

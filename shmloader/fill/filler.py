@@ -10,6 +10,7 @@ trainer itself with readers=0 (readers/local.py), and compute_batch / check_dete
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 
@@ -241,6 +242,10 @@ class StepFiller:
     def field_readers(self) -> list[FieldReader]:
         return self.fields or self.inputs.readers
 
+    @functools.cached_property
+    def _watching(self) -> list[FieldReader]:
+        return [reader for reader in self.field_readers if reader.watch]
+
     def bind(self, views: tuple[np.ndarray, ...]) -> SlotOutputs:
         """The outputs over one slot's arrays, in SlotLayout view order (regions, indices)."""
         regions, indices = SlotLayout.split_views(views)
@@ -285,7 +290,17 @@ class StepFiller:
         except RemoteError:
             raise  # A store that refuses or an object that changed: no record of the batch is at fault.
         except Exception as error:
+            self.check_files()  # A file written meanwhile is the cause, not the batch's records.
             self._recover(step, outputs, salt, error)
+        self.check_files()  # After the rows: what they were read from is still the described files.
+
+    def check_files(self) -> None:
+        """Raises StorageError when a watched field file was written in place since it was
+        described (FieldReader.check_unchanged): a fill followed by this check read only the
+        described bytes. Before a fill, it also keeps a file cut short meanwhile from being
+        read (a SIGBUS, where the trainer fills with readers=0)."""
+        for reader in self._watching:
+            reader.check_unchanged()
 
     def _fill_rows(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         """Fills the regions from the rows already in outputs.indices (and sources); from a

@@ -75,6 +75,9 @@ class LocalReader:
         assert claimed == slot, f"step {step}: claimed slot {claimed}, expected {slot} (the lowest requested)"
         known = len(self.publisher.skipped)
         try:
+            # In the trainer, a file cut short since the last fill would be a SIGBUS here, which
+            # no reader restart absorbs: its check comes first (the fill checks again after).
+            self.filler.check_files()
             with self.kept_states():
                 fill_and_publish(self.publisher, self.filler, step, self.outputs[slot], slot,
                                  after_fill=lambda: raise_if_closed(cursor))

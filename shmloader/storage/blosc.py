@@ -20,6 +20,7 @@ from .rows import (
     check_indices,
     check_range_status,
     check_row_status,
+    check_unchanged,
     checked_out_pointer,
     forget_mapped,
     u64,
@@ -49,7 +50,7 @@ class BloscField:
     unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
     def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True,
-                 verify: bool = False) -> None:
+                 verify: bool = False, watch: bool = False) -> None:
         """`share_blocks=False` decompresses a multi-row block once per row (for measurements).
         `verify=True` checks each chunk's CRC-32 the first time a gather touches it, when
         the file carries checksums (files without them load unchecked)."""
@@ -60,9 +61,9 @@ class BloscField:
         self._chunk_blocks = -(-spec.chunk_rows // max(spec.block_rows, 1))  # Blocks per chunk (at most).
         self._capi_ffi, self._capi = _blosc2_capi.load()
         self._schunk = None
-        self._context = None
+        self._context = self._kept = None
         self._special_by_index = {}  # Chunks Blosc2 builds in memory (all zeros, etc.).
-        self._mapping = map_file(spec.path, lambda status: check_identity(spec, status))
+        self._mapping, self._kept = map_file(spec.path, lambda status: check_identity(spec, status), keep=watch)
         self._map = self._mapping.buffer
         self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
         try:
@@ -354,6 +355,12 @@ class BloscField:
         self._layout = self._layout_keepalive = None
         self._special_by_index = {}
         self._map = self._mapping = None  # Unmapped with the last pointer into it.
+        if self._kept is not None:
+            self._kept.close()
+
+    def check_unchanged(self) -> None:
+        """Raises StorageError when the file was written since it was described (watch=True)."""
+        check_unchanged(self.spec, self._kept)
 
 
 class CombinedBlosc:

@@ -20,16 +20,22 @@ class BloscPythonField:
     remote = None  # The node cache's object, for a field read from a store (open_cached).
     unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
-    def __init__(self, spec: FieldSpec) -> None:
+    def __init__(self, spec: FieldSpec, watch: bool = False) -> None:
         import blosc2
 
-        self.spec = spec
+        self.spec, self.watch = spec, watch
         check_identity(spec, os.stat(spec.path))
         self._array = blosc2.open(spec.path, mode="r")
         check_identity(spec, os.stat(spec.path))
         if spec.whole_chunks and tuple(spec.chunks[1:]) != tuple(spec.row_shape):
             raise StorageError(f"{spec.name}: its chunks decode right only whole (the DELTA filter or a ZSTD "
                                f"dictionary) and split rows; re-save it with `shmloader convert`")
+
+    def check_unchanged(self) -> None:
+        """Raises StorageError when the file at its path is not the described one (watch=True):
+        blosc2 reads it by path, so a file replaced there counts too."""
+        if self.watch:
+            check_identity(self.spec, os.stat(self.spec.path))
 
     def _rows(self, unique: np.ndarray) -> np.ndarray:
         """Rows `unique` (sorted), through blosc2: whole chunks where only those decode right."""

@@ -41,7 +41,7 @@ class Field(typing.Protocol):
 _ACCESS = {"random": mmap.MADV_RANDOM, "sequential": mmap.MADV_SEQUENTIAL, "blocks": None}
 
 def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = False,
-               access: str = "blocks") -> Field:
+               access: str = "blocks", watch: bool = False) -> Field:
     """Opens a described field for gathering, in whichever process calls it; `verify`
     checks each Blosc2 chunk's CRC-32 the first time it is read (files that carry them).
     `access` tells the kernel how the rows are read (madvise):
@@ -56,17 +56,18 @@ def open_field(spec: FieldSpec, batch_size_max: int = 1 << 16, verify: bool = Fa
         Sequential mode also reads ahead itself (readahead.InOrder): the kernel's read-ahead
         of a fault serves where that is behind;
       - "blocks" (the kernel's default read-around): the block-local shuffle, which also
-        reads ahead itself (readahead.py)."""
+        reads ahead itself (readahead.py).
+    `watch`: the field's file descriptor stays open for check_unchanged() (a few files' worth)."""
     if spec.row_bytes == 0 or spec.row_count == 0:
         return EmptyRowsField(spec)
     if spec.remote:
         return open_cached(spec, batch_size_max, verify, access)
     if spec.kind == "npy":
-        field = NpyField(spec)
+        field = NpyField(spec, watch=watch)
     elif spec.row_contiguous:
-        field = BloscField(spec, batch_size_max, verify=verify)
+        field = BloscField(spec, batch_size_max, verify=verify, watch=watch)
     else:
-        return BloscPythonField(spec)
+        return BloscPythonField(spec, watch=watch)
     _advise(field, access)
     return field
 

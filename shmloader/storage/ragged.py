@@ -170,11 +170,14 @@ def record_lengths(spec: RaggedSpec) -> np.ndarray:
 class RaggedField:
     """A ragged field opened in a reader: offsets in memory, values gathered natively."""
 
-    def __init__(self, spec: RaggedSpec, verify: bool = False, access: str = "blocks") -> None:
+    def __init__(self, spec: RaggedSpec, verify: bool = False, access: str = "blocks", watch: bool = False) -> None:
         self.spec = spec
-        self.offsets = read_all(spec.offsets)
+        self.offsets = read_all(spec.offsets)  # Read whole now: a later write to the file is not read.
         self.shapes = read_all(spec.shapes).astype(np.uint64) if spec.shapes else None
-        self.values = open_field(spec.values, verify=verify, access=access)
+        self.values = open_field(spec.values, verify=verify, access=access, watch=watch)
+
+    def check_unchanged(self) -> None:
+        self.values.check_unchanged()
 
     def starts_and_lengths(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         bad = np.flatnonzero(indices >= self.spec.record_count)

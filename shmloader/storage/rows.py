@@ -139,14 +139,26 @@ def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row
     return layout, keepalive
 
 
+def check_unchanged(spec: FieldSpec, kept) -> None:
+    """A watched field's file as it was described (spec.identity), by its kept descriptor:
+    a write in place changes its modification time before its bytes (the kernel stamps the
+    file first), so a fill followed by this check read only bytes of the described file.
+    Natively (statx: one system call, no Python object); os.fstat names what changed."""
+    if kept is None or not spec.identity:
+        return
+    _, _, size, mtime_ns = spec.identity
+    if lib.shm_file_unchanged(kept.descriptor, size, mtime_ns) != 1:
+        check_identity(spec, kept.status())
+
+
 class NpyField:
     """A memory-mapped .npy field; gather is a native row copy."""
 
     remote = None  # The node cache's object, for a field read from a store (open_cached).
     unit_pages = 1  # What its fills fetch around a needed page (remote.cache.set_fetch_unit).
 
-    def __init__(self, spec: FieldSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: FieldSpec, watch: bool = False) -> None:
+        self.spec, self._kept = spec, None
         data_bytes = spec.row_count * spec.row_bytes
         def check(status: os.stat_result) -> None:
             check_identity(spec, status)
@@ -156,7 +168,7 @@ class NpyField:
         try:
             # Mapped at the offset the trainer found: no header parsing per reader and file,
             # which matters for fields of thousands of shards. No descriptor stays open.
-            self._mapping = map_file(spec.path, check)
+            self._mapping, self._kept = map_file(spec.path, check, keep=watch)
         except OSError as error:
             size = os.path.getsize(spec.path) if os.path.exists(spec.path) else "no"
             raise StorageError(
@@ -205,10 +217,16 @@ class NpyField:
     def forget(self, offset: int, size: int) -> None:
         forget_mapped(self._mapping, offset, size)
 
+    def check_unchanged(self) -> None:
+        """Raises StorageError when the file was written since it was described (watch=True)."""
+        check_unchanged(self.spec, self._kept)
+
     def close(self) -> None:
         # The mapping goes with the last object that refers to it (a pointer still in use
         # keeps it): dropping this field's references is all closing takes.
         self._table = self._array = self._map = self._mapping = None
+        if self._kept is not None:
+            self._kept.close()
 
 
 class EmptyRowsField:
@@ -237,6 +255,9 @@ class EmptyRowsField:
             k = int(bad[0])
             raise StorageError(f"{self.spec.name}: elements [{int(starts[k])}, {int(ends[k])}) are out of range for "
                                f"{self.spec.row_count} elements")
+
+    def check_unchanged(self) -> None:
+        """Nothing is read from the file."""
 
     def close(self) -> None:
         pass
