@@ -32,22 +32,22 @@ files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values
 to max_length, "lengths": (B,)}.
 
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
-and the slot is reused only after that. Copy what you keep across steps. A new epoch (the
-next iter(loader)) moves the tensors of earlier batches that are still referenced (the loop
-variable after a `for`, a peeked next(iter(loader))) into memory of their own, and ends the
-earlier iterator: one pass runs at a time, so zip(loader, loader) raises.
+and the slot is reused only after that. Copy what you keep across steps. The last batch of
+an epoch is a copy, so the loop's variable may keep it into the next epoch; a batch kept from
+a loop left by `break` or a peek (next(iter(loader))) must be deleted (or copied) before the
+next epoch, which says so. A new iter(loader) ends the one before: one pass runs at a time,
+so zip(loader, loader) raises.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import warnings
-import weakref
 
 from .loader import ShmDataLoader
-from .plan.dataset import rebuild_batch
+from .plan.dataset import DatasetError, rebuild_batch
 from .plan.defaults import TRAINER_SLOTS
+from .plan.options import check_flag
 from .plan.sampler import derive_seed
 
 _SEED_MASK = (1 << 63) - 1
@@ -143,16 +143,18 @@ class DataLoader:
                           stacklevel=2)
             pin_memory = False
         self.shard_index, self.shard_count = _shard_from_environment(shard_index, shard_count)
+        self._seed_drawn = generator is None and seed is None and self.shard_count == 1
         if generator is not None and seed is None:
             seed = int(generator.initial_seed())
-        elif seed is None and self.shard_count == 1:
+        elif self._seed_drawn:
             # As torch's DataLoader draws its base seed: torch.manual_seed decides the run. Ranks
             # keep 0 (DistributedSampler's default): a seed drawn per rank would give each rank
             # its own order, and the shards would overlap.
             seed = int(torch.empty((), dtype=torch.int64).random_().item()) & _SEED_MASK
-        self.dataset, self.batch_size, self.drop_last = dataset, int(batch_size), bool(drop_last)
+        self.dataset, self.batch_size = dataset, int(batch_size)
+        self.drop_last = check_flag("drop_last", drop_last)
         self.num_workers, self.seed = int(num_workers), 0 if seed is None else int(seed)
-        self.persistent_workers = bool(persistent_workers)
+        self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
         self._loader = ShmDataLoader.from_dataset(
@@ -166,11 +168,8 @@ class DataLoader:
                   if output.max_items is not None or output.max_length is not None}
         self._structure = _as_collated(spec.structure, beside)
         self._started = False  # Whether the current epoch's pass has been iterated.
-        # The tensors of the batches handed out lately (weak references, per batch: no more
-        # batches than slots can be alive), and the iterator of the current pass: what a new
-        # pass lets go of first (_let_go).
-        self._handed: collections.deque = collections.deque(maxlen=self._loader.slots)
-        self._iterator = None
+        self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
+        self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
 
     def _epoch_seed(self, epoch: int) -> int:
         return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
@@ -192,19 +191,17 @@ class DataLoader:
         return iterator
 
     def _batches(self):
+        """The pass's batches, tensors over their slots; the last one's tensors over memory of
+        their own: a `for` loop's variable keeps it after the loop, and its slot must be free
+        for the next epoch (torch's batches are the caller's to keep). One batch copied per
+        epoch, no more."""
         import torch
 
-        structure, handed = self._structure, self._handed
+        structure, cursor = self._structure, self._loader._session.cursor
         for batch in self._loader:
-            tensors = []
-
-            def tensor_of(array, tensors=tensors):
-                tensor = torch.from_numpy(array)
-                tensors.append(weakref.ref(tensor))
-                return tensor
-
-            handed.append(tensors)
-            yield rebuild_batch(structure, batch, tensor_of)
+            last = batch.step + 1 >= cursor.end_step
+            yield rebuild_batch(structure, batch, (lambda array: torch.from_numpy(array.copy())) if last
+                                else torch.from_numpy)
             del batch
 
     def _new_pass(self, epoch: int) -> None:
@@ -213,7 +210,14 @@ class DataLoader:
         it is now (a change made between epochs is seen, as torch's new workers see it)."""
         self._let_go()
         session, handle = self._loader._session, self._loader._dataset
-        before = handle.renew() if not self.persistent_workers and handle.spec.pickle_fd is not None else None
+        before = None
+        if not self.persistent_workers and handle.spec.pickle_fd is not None and not self._renew_failed:
+            try:
+                before = handle.renew()
+            except DatasetError as error:  # The trainer's object holds something now (a handle it opened).
+                self._renew_failed = True
+                warnings.warn(f"the dataset as it is now cannot be sent to the readers again ({error}); they keep "
+                              f"the copy they have, from now on (as with persistent_workers=True)", stacklevel=3)
         try:
             if before is not None:
                 session.dataset_spec = handle.spec
@@ -223,33 +227,24 @@ class DataLoader:
                 handle.revert(before)
                 session.dataset_spec = before
             if isinstance(error, RuntimeError) and "is held" in str(error):
-                raise RuntimeError(f"{error}: a tensor of the previous epoch's batches, or a view of one (a slice, "
-                                   f"batch['x'][0]), is still referenced. Copy what you keep across epochs "
-                                   f"(tensor.clone()); the tensors of the batches themselves are let go of at a new "
-                                   f"epoch") from None
+                raise RuntimeError(f"{error}: a batch of the previous epoch, or a tensor or array made from one, "
+                                   f"is still referenced: the loop's variable after a `break`, or a peek such as "
+                                   f"next(iter(loader)). Delete it, or copy what you keep (tensor.clone()), before "
+                                   f"the next epoch; the last batch of a whole epoch is a copy already") from None
             raise
         if before is not None:
             handle.settle(before)
         self._epoch = epoch
 
     def _let_go(self) -> None:
-        """Ends the previous pass's iterator (a `for` left by break, next(iter(loader))) and
-        moves every tensor of its batches that is still referenced (the loop's variable keeps
-        the last batch after a `for` ends) into memory of its own, as torch's batches are:
-        their slots can then be filled with the new pass. A view made of such a tensor
-        still refers to its slot (_new_pass says so)."""
-        import torch
-
+        """Ends the previous pass's iterator (a `for` left by break, a peek at next(iter(...))):
+        its frame lets go of the batch it was suspended on. A batch of that pass the caller
+        still holds keeps its slot, and the new pass says so (_new_pass): its tensors, and any
+        numpy array made of them, view the slot, so they cannot be moved without leaving such
+        an array to see the next pass's rows."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None:
-            iterator.supersede()  # Its frame lets go of the batch it was suspended on.
-        with torch.no_grad():
-            for tensors in self._handed:
-                for reference in tensors:
-                    tensor = reference()
-                    if tensor is not None:
-                        tensor.set_(tensor.clone())
-        self._handed.clear()
+            iterator.supersede()
 
     def state_dict(self) -> dict:
         """The epoch and the position in it: load_state_dict continues with the next batch."""
@@ -265,9 +260,15 @@ class DataLoader:
         epoch = state["epoch"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"the checkpoint's epoch must be a non-negative integer, got {epoch!r}")
-        if state["seed"] != self.seed:
-            raise ValueError(f"the checkpoint was made with seed {state['seed']!r}, this loader has {self.seed}")
-        if epoch != self._epoch or self._started:
+        seed = state["seed"]
+        if seed != self.seed and not self._seed_drawn:
+            raise ValueError(f"the checkpoint was made with seed {seed!r}, this loader has {self.seed}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"the checkpoint's seed must be a non-negative integer, got {seed!r}")
+        if seed != self.seed:  # This loader's seed was drawn, not given: the run resumed goes on with its own.
+            self.seed = seed
+            self._new_pass(epoch)
+        elif epoch != self._epoch or self._started:
             self._new_pass(epoch)
         self._epoch, self._started = epoch, True
         self._loader.load_state_dict(state["loader"])

@@ -313,18 +313,20 @@ _DTYPES = ["bool", "uint8", "int8", "int16", "uint32", "int32", "int64", "float1
 def test_a_later_sample_of_another_dtype_is_delivered_unchanged_or_refused(first, later, value):
     """Never cast silently: a later sample whose dtype differs from dataset[0]'s either
     comes out as the dataset returned it (integers exactly, floats to the output's
-    precision), or raises a DatasetError naming it. Refused: a value an integer output
-    cannot hold, a finite value that overflows, a float into an integer or bool output, a
-    number into bool, a complex into a real output."""
+    precision), or raises a DatasetError naming it. Refused: a value an integer or bool
+    output cannot hold, an integer a float output rounds, a finite value that overflows, a
+    float into an integer or bool output, a complex into a real output."""
     target, kind = np.dtype(first), np.dtype(later).kind
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sample = np.full(2, np.float64(value) if isinstance(value, float) else np.int64(value)).astype(later)
         cast = sample.astype(target)
     if target.kind == "b":
-        fits = kind == "b"
+        fits = kind == "b" or kind in "iu" and set(sample.tolist()) <= {0, 1}
     elif target.kind in "iu":
         fits = kind in "iub" and [int(item) for item in cast] == [int(item) for item in sample]
+    elif kind in "iu":  # Integers into a float output: exactly, or refused.
+        fits = bool(np.all(np.isfinite(cast))) and [complex(item) for item in cast] == [int(item) for item in sample]
     else:
         fits = (kind != "c" or target.kind == "c") and np.array_equal(np.isfinite(cast), np.isfinite(sample))
     with ShmDataLoader.from_dataset(_TwoDtypes(first, later, sample), batch_size=4, readers=0, mode="sequential") \

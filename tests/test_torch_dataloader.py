@@ -297,24 +297,46 @@ class _Indices(Dataset):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_loop_variable_kept_from_an_epoch_lets_the_next_one_start_and_keeps_its_values(workers):
     """`for batch in loader` leaves the last batch bound to `batch` when the loop ends; the
-    next epoch's loop used to raise 'cannot seek while batch N is held'. Its tensors now get
-    memory of their own, with the values they had, as torch's batches have."""
+    next epoch's loop used to raise 'cannot seek while batch N is held'. An epoch's last
+    batch is a copy now, as torch's batches are the caller's: kept, its values stay."""
     loader = DataLoader(_Indices(), batch_size=4, shuffle=True, num_workers=workers, generator=torch.Generator())
     try:
         kept = []
         for _ in range(3):
             for batch in loader:
-                pass
-            kept.append((batch, batch["index"].tolist(), batch["image"].clone()))
-        peek = next(iter(loader))  # A peek, then training: the peek's iterator is let go of too.
-        for index, batch in enumerate(loader):
-            if index == 1:
-                break  # And a loop left early.
-        seen = sorted(i for batch in loader for i in batch["index"].tolist())
-        assert seen == list(range(10))
-        for batch, indices, image in kept + [(peek, peek["index"].tolist(), peek["image"].clone())]:
-            assert batch["index"].tolist() == indices and torch.equal(batch["image"], image)
+                image = batch["image"].view(len(batch["image"]), -1)  # PyTorch's MNIST loop keeps a view.
+            array = batch["image"].numpy()
+            kept.append((batch, image, array, batch["index"].tolist(), batch["image"].clone()))
+        assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
+        for batch, image, array, indices, values in kept:
+            assert batch["index"].tolist() == indices and torch.equal(batch["image"], values)
+            assert torch.equal(image, values) and np.array_equal(array, values.numpy())
             assert torch.equal(batch["image"][:, 0], batch["index"].float())
+    finally:
+        loader.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_kept_from_a_loop_left_early_or_a_peek_is_named_at_the_next_epoch(workers):
+    """Its tensors (and any array made of them) view a slot the next pass needs; they are
+    not moved, since a numpy array made of one would then see the next pass's rows."""
+    loader = DataLoader(_Indices(), batch_size=4, num_workers=workers)
+    try:
+        for index, batch in enumerate(loader):
+            if index == 0:
+                break
+        array = batch["image"].numpy()
+        del batch
+        with pytest.raises(RuntimeError, match=r"still referenced.*break.*next\(iter\(loader\)\)"):
+            next(iter(loader))
+        assert np.array_equal(array[:, 0], np.arange(4))  # Still the rows it was given.
+        del array
+        peek = next(iter(loader))
+        with pytest.raises(RuntimeError, match="still referenced"):
+            list(loader)
+        assert peek["index"].tolist() == [0, 1, 2, 3]
+        del peek
+        assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
     finally:
         loader.close()
 
@@ -324,20 +346,6 @@ def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence(
     try:
         with pytest.raises(RuntimeError, match="ended by a newer iter"):
             list(zip(loader, loader))
-        assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
-    finally:
-        loader.close()
-
-
-def test_a_view_kept_from_an_epochs_batch_is_named_when_the_next_epoch_starts():
-    loader = DataLoader(_Indices(), batch_size=4)
-    try:
-        for batch in loader:
-            view = batch["image"][0]  # A view of the slot: not let go of with the batch's own tensors.
-        del batch
-        with pytest.raises(RuntimeError, match=r"still referenced.*tensor\.clone"):
-            next(iter(loader))
-        del view
         assert sorted(i for batch in loader for i in batch["index"].tolist()) == list(range(10))
     finally:
         loader.close()
@@ -385,3 +393,49 @@ def test_a_bfloat16_sample_is_refused_naming_the_leaf_and_a_conjugate_view_is_ta
         assert values == [complex(index, -1) for index in range(4)]
     finally:
         loader.close()
+
+
+def test_a_lazily_opened_dataset_goes_to_readers_every_epoch(tmp_path):
+    """The probe of dataset[0] opened the trainer's own object's file, which the next
+    epoch's pickle then carried (persistent_workers=False pickles it again each epoch)."""
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(24)))
+    loader = DataLoader(fixtures.OpensLazily(str(path), 24), batch_size=8, num_workers=2)
+    try:
+        for _ in range(3):
+            assert sorted(v for batch in loader for v in batch["byte"][:, 0].tolist()) == list(range(24))
+    finally:
+        loader.close()
+
+
+def test_a_checkpoint_of_a_run_without_a_seed_resumes_in_a_new_loader_without_one():
+    """The seed drawn from torch's generator differs between processes: the checkpoint's
+    is taken where this loader's was drawn, not given, and the rest of the epoch is exact."""
+    torch.manual_seed(11)
+    first = DataLoader(_Indices(), batch_size=2, shuffle=True)
+    try:
+        iterator = iter(first)
+        next(iterator)
+        state = copy.deepcopy(first.state_dict())
+        rest = [batch["index"].tolist() for batch in iterator]
+    finally:
+        first.close()
+    torch.manual_seed(12)
+    resumed = DataLoader(_Indices(), batch_size=2, shuffle=True)
+    try:
+        assert resumed.seed != state["seed"]
+        resumed.load_state_dict(state)
+        assert [batch["index"].tolist() for batch in resumed] == rest
+    finally:
+        resumed.close()
+    given = DataLoader(_Indices(), batch_size=2, shuffle=True, seed=5)
+    try:
+        with pytest.raises(ValueError, match="made with seed"):
+            given.load_state_dict(state)
+    finally:
+        given.close()
+
+
+def test_the_drop_in_refuses_a_flag_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="drop_last must be True or False"):
+        DataLoader(_Indices(), batch_size=4, drop_last="False")

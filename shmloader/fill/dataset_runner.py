@@ -218,21 +218,29 @@ class DatasetRunner:
 def _checked_cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
     """`array`, where its values go into an output of `dtype` unchanged; otherwise a
     DatasetError naming the leaf. numpy's assignment would cast silently: 0.37 into
-    dataset[0]'s int64 as 0, -2 into uint8 as 254, 1e6 into float16 as inf, ints into bool
-    as True. Narrower types are taken where every value fits (small Python ints into an
-    int32 or uint8 output, float64 into a declared float32)."""
-    if array.dtype == dtype or np.can_cast(array.dtype, dtype, "safe"):
+    dataset[0]'s int64 as 0, -2 into uint8 as 254, 1e6 into float16 as inf, 2 into bool as
+    True, 2**24 + 1 into float32 as 2**24. Taken: integers a narrower integer, float or bool
+    output holds exactly (small Python ints into int32, uint8 or float32; 0 and 1 into bool);
+    floats into a narrower float output, to its precision, where none overflows."""
+    source, target = array.dtype.kind, dtype.kind
+    if array.dtype == dtype or (np.can_cast(array.dtype, dtype, "safe") and not (source in "iu" and target in "fc")):
         return array
     what = f"{where} is {array.dtype}, its output is {dtype} (dataset[0]'s dtype, or outputs=)"
-    source, target = array.dtype.kind, dtype.kind
-    if target in "iu" and source in "iub":
-        limits = np.iinfo(dtype)
-        low, high = (array.min(), array.max()) if array.size else (0, 0)
-        if low < limits.min or high > limits.max:
-            raise DatasetError(f"{what}, which holds [{limits.min}, {limits.max}]; the sample has values from {low} "
+    if target in "iub" and source in "iub":
+        low, high = (int(array.min()), int(array.max())) if array.size else (0, 0)
+        limits = (0, 1) if target == "b" else (int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+        if low < limits[0] or high > limits[1]:
+            raise DatasetError(f"{what}, which holds [{limits[0]}, {limits[1]}]; the sample has values from {low} "
                                f"to {high}")
         return array
-    if (target == "f" and source in "iuf") or (target == "c" and source in "iufc"):
+    if target in "fc" and source in "iu":
+        with np.errstate(over="ignore", invalid="ignore"):
+            exact = np.array_equal(array.astype(dtype).astype(object), array.astype(object))
+        if not exact:
+            raise DatasetError(f"{what}, which does not hold every one of the sample's integers exactly (as "
+                               f"{dtype} they round or overflow); declare a wider output with outputs=")
+        return array
+    if (target == "f" and source == "f") or (target == "c" and source in "fc"):
         with np.errstate(over="ignore", invalid="ignore"):  # The overflow is what is looked for.
             overflows = not np.array_equal(np.isfinite(array), np.isfinite(array.astype(dtype)))
         if overflows:

@@ -397,12 +397,15 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     # opens its files or connections lazily in __getitem__ (as the readers need) would
     # otherwise carry the handle it opened for the probe into its pickle, and fail to pickle.
     data = _pickled(instance) if factory is None and readers > 0 else None
+    # The probe reads a copy from that pickle, as a reader would: the trainer's own object
+    # stays as it was given, to be pickled again for a later epoch (DatasetHandle.renew).
+    probe = instance if data is None else pickle.loads(data)
     with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
         try:
-            first = instance[0]
+            first = probe[0]
         except Exception as error:
-            _note(error, "in dataset[0], which the loader reads first for the samples' structure")
-            raise
+            raise _noted(error, "in dataset[0], which the loader reads first for the samples' structure")
+    del probe
     structure, leaves = flatten(first, "dataset[0]")
     names = [name for name, _ in leaves]
     unknown = sorted(set(declared) - set(names))
@@ -425,12 +428,20 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     return DatasetHandle(spec, instance)
 
 
-def _note(error: BaseException, note: str) -> None:
-    """Adds `note` to the error's message where Python has notes (3.11 on), keeping its type
-    and arguments: a type whose constructor takes others (UnicodeDecodeError) cannot be
-    raised again with a new message."""
+def _noted(error: BaseException, note: str) -> BaseException:
+    """`error` with `note` added, its type and arguments kept (a type whose constructor takes
+    others, UnicodeDecodeError, cannot be made again with a new message): a note where Python
+    has them (3.11 on); before, a copy whose message starts with the note where the type
+    takes one message (chained to the error), else the error as it is."""
     if hasattr(error, "add_note"):
         error.add_note(note)
+        return error
+    try:
+        copy = type(error)(f"{note}: {error}")
+    except Exception:  # noqa: BLE001 (any constructor)
+        return error
+    copy.__cause__ = error
+    return copy
 
 
 def _named_tuple(name: str) -> type:
