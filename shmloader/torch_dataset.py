@@ -97,8 +97,8 @@ class _PassIterator:
 
     def __next__(self):
         if self._superseded:
-            raise RuntimeError("this iterator's pass was ended by a newer iter() of the same shmloader.torch.DataLoader, "
-                               "which runs one pass at a time (torch's runs each iterator on workers of its own): "
+            raise RuntimeError("this iterator's pass was ended by a newer iter() of the same "
+                               "shmloader.torch.DataLoader, which runs one pass at a time (torch's runs each iterator on workers of its own): "
                                "iterate one loop at a time, or make a second DataLoader")
         return next(self._batches)
 

@@ -18,7 +18,8 @@ import types
 
 import numpy as np
 
-from ..plan.dataset import LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten, import_factory
+from ..plan.dataset import (LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten,
+                            import_factory)
 from ..plan.sampler import derive_seed
 from .global_seeds import GlobalSeeds
 
