@@ -538,6 +538,7 @@ def test_a_file_cut_short_between_batches_is_an_error_not_a_bus_error_with_reade
         "        print('StorageError', error)\n"
         "        sys.exit(0)\n"
         "sys.exit(3)\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=str(tmp_path))  # Not the checkout: the installed package.
     assert result.returncode == 0, (result.returncode, result.stderr[-2000:])
     assert "rows.npy: the file changed" in result.stdout

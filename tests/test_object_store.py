@@ -656,7 +656,9 @@ def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_togethe
         assert len(started) == 2  # Both in flight, the first not answered.
         gate.set()
         pages = [first // CACHE_PAGE_BYTES, second // CACHE_PAGE_BYTES]
-        while not remote.stamps[pages].all() and time.monotonic() < deadline:
+        # The pages are stamped, then their claims go: wait for both (the claims went after
+        # the stamps in one CI run of this check).
+        while (not remote.stamps[pages].all() or remote._fetching.any()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert remote.stamps[pages].all() and not remote._fetching.any()
         remote.client.get = real_get
