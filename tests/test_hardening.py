@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,6 +139,8 @@ def mapped(name: str) -> bool:
 
 
 def test_close_gives_the_ring_memory_back_once_no_batch_view_is_alive(tmp_path):
+    if shutil.disk_usage("/dev/shm").free < 256 << 20:  # A container's: the ring goes to a memfd (no path).
+        pytest.skip("this /dev/shm cannot hold the 128 MiB ring this test looks for there")
     np.save(tmp_path / "big.npy", np.zeros((64, 1 << 20), dtype=np.uint8))
     loader = ShmDataLoader({"x": str(tmp_path / "big.npy")}, batch_size=32, readers=1, slots=4)
     name = loader.diagnostics.ring_name.lstrip("/")
