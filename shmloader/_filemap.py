@@ -50,8 +50,8 @@ class FileMapping:
 
 
 class KeptDescriptor:
-    """A mapped file's descriptor, kept open to ask whether the file changed (os.fstat):
-    closed by close() or when nothing refers to it."""
+    """A mapped file's descriptor, kept open to ask whether the file changed (storage/rows.py,
+    check_unchanged): closed by close() or when nothing refers to it."""
 
     __slots__ = ("descriptor", "_finalizer", "__weakref__")
 

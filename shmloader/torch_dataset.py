@@ -98,8 +98,9 @@ class _PassIterator:
     def __next__(self):
         if self._superseded:
             raise RuntimeError("this iterator's pass was ended by a newer iter() of the same "
-                               "shmloader.torch.DataLoader, which runs one pass at a time (torch's runs each iterator on workers of its own): "
-                               "iterate one loop at a time, or make a second DataLoader")
+                               "shmloader.torch.DataLoader, which runs one pass at a time (torch's runs each "
+                               "iterator on workers of its own): iterate one loop at a time, or make a second "
+                               "DataLoader")
         return next(self._batches)
 
     def supersede(self) -> None:
@@ -261,15 +262,18 @@ class DataLoader:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"the checkpoint's epoch must be a non-negative integer, got {epoch!r}")
         seed = state["seed"]
-        if seed != self.seed and not self._seed_drawn:
-            raise ValueError(f"the checkpoint was made with seed {seed!r}, this loader has {self.seed}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"the checkpoint's seed must be a non-negative integer, got {seed!r}")
-        if seed != self.seed:  # This loader's seed was drawn, not given: the run resumed goes on with its own.
-            self.seed = seed
-            self._new_pass(epoch)
-        elif epoch != self._epoch or self._started:
-            self._new_pass(epoch)
+        if seed != self.seed and not self._seed_drawn:
+            raise ValueError(f"the checkpoint was made with seed {seed!r}, this loader has {self.seed}")
+        if seed != self.seed or epoch != self._epoch or self._started:
+            # A drawn seed (not given) gives way to the checkpoint's: the run resumed goes on with its own.
+            previous, self.seed = self.seed, seed
+            try:
+                self._new_pass(epoch)
+            except BaseException:
+                self.seed = previous
+                raise
         self._epoch, self._started = epoch, True
         self._loader.load_state_dict(state["loader"])
         # Taken at the end of its epoch (after a whole `for` loop): the next loop is the next

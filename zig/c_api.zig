@@ -13,7 +13,8 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-const abi_version: u32 = 19; // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+// 19: shm_file_unchanged.
+const abi_version: u32 = 19; // 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;

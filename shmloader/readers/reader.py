@@ -22,8 +22,8 @@ import traceback
 import posix_ipc
 
 from ..errors import TransformError
-from ..plan.dataset import DatasetError
 from ..fill.filler import FillerSpec
+from ..plan.dataset import DatasetError
 from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNames
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
