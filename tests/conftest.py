@@ -30,7 +30,7 @@ def our_shm_entries(pid: int | None = None) -> set[str]:
     return {name for name in os.listdir(SHM_DIRECTORY) if name.removeprefix("sem.").startswith(prefix)}
 
 
-def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Polls `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -144,7 +144,7 @@ def no_leaked_rings(request):
                 except ProcessLookupError:
                     pass
     pid = os.getpid()
-    assert wait_until(lambda: not our_shm_entries(pid), timeout=5.0), f"leaked: {our_shm_entries(pid)}"
+    assert wait_until(lambda: not our_shm_entries(pid), timeout=30), f"leaked: {our_shm_entries(pid)}"
 
 
 def float_rows(tmp_path_factory, name: str, count: int) -> tuple[str, np.ndarray]:

@@ -177,7 +177,7 @@ def test_killed_actors_cost_no_batch(cluster, kinds):
                 break
         assert loader.stats()["reader_restarts"] == 2
     assert_same(expected, found)
-    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+    assert wait_until(lambda: not alive_actors(), timeout=30), alive_actors()
 
 
 def test_an_actor_that_raises_reaches_the_trainer_with_its_type_and_step(cluster, kinds):
@@ -188,7 +188,7 @@ def test_an_actor_that_raises_reaches_the_trainer_with_its_type_and_step(cluster
             next(loader)
     assert isinstance(raised.value, ReaderError)
     assert raised.value.step == 0 and "Ray actor 0" in str(raised.value)
-    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+    assert wait_until(lambda: not alive_actors(), timeout=30), alive_actors()
 
 
 def test_an_actor_lost_past_its_budget_stops_the_loader_with_a_named_error(cluster, kinds):
@@ -217,7 +217,7 @@ def test_close_with_steps_in_flight_leaves_no_actor_and_no_ring(cluster, kinds):
     finally:
         loader.close()
     assert not os.path.exists(f"/dev/shm/{name}")
-    assert wait_until(lambda: not ours & {actor["ActorID"] for actor in alive_actors()}, timeout=10), alive_actors()
+    assert wait_until(lambda: not ours & {actor["ActorID"] for actor in alive_actors()}, timeout=30), alive_actors()
 
 
 def test_a_removed_node_costs_no_batch(cluster, kinds):
@@ -300,7 +300,7 @@ def test_an_actor_ray_cannot_place_is_named_when_a_step_times_out(cluster, kinds
                        warn_layout=False) as loader:
         with pytest.raises(StepTimeoutError, match=r"not placed actor\(s\) 0 .*no_such_node.*dealt no step"):
             next(loader)
-    assert wait_until(lambda: not alive_actors(), timeout=10), alive_actors()
+    assert wait_until(lambda: not alive_actors(), timeout=30), alive_actors()
 
 
 def test_actors_ray_cannot_place_are_dealt_no_step_so_the_others_fill_every_one(cluster, kinds):
@@ -410,7 +410,7 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert pids, result.stderr
     assert wait_until(lambda: not [pid for pid in pids if os.path.exists(f"/proc/{pid}") and
                                    open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"], timeout=20), pids
-    assert wait_until(lambda: not os.path.exists(session), timeout=10), session
+    assert wait_until(lambda: not os.path.exists(session), timeout=30), session
 
     def names_this_cluster() -> bool:
         try:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 
@@ -41,7 +43,15 @@ def _claimable(remote, page: int) -> bool:
         os.close(descriptor)
 
 
-def _wait(condition, seconds: float = 10.0) -> bool:
+def _threads(calls) -> str:
+    """What each thread of this process is doing, for a failure's message."""
+    frames = sys._current_frames()
+    return f"calls: {calls}\n" + "\n".join(
+        f"{thread.name}:\n{''.join(traceback.format_stack(frames[thread.ident]))}"
+        for thread in threading.enumerate() if thread.ident in frames)
+
+
+def _wait(condition, seconds: float = 60.0) -> bool:  # Long: only a failure waits it out.
     deadline = time.monotonic() + seconds
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -62,6 +72,15 @@ def test_a_request_that_ends_keeps_the_claim_of_the_next_request_for_its_pages(t
         return _content(start, end)
 
     remote.client.get = get
+    first_ended, ahead_done = threading.Event(), remote._ahead_done
+
+    def ended(*arguments):  # Waited for, not polled with a deadline: a loaded CI machine is slow.
+        try:
+            ahead_done(*arguments)
+        finally:
+            first_ended.set()
+
+    remote._ahead_done = ended
     held_before = int(remote.cache.counters()["bytes_held"])
     offsets, sizes = np.array([0]), np.array([4 * CACHE_PAGE_BYTES])  # Pages 0-3, one run.
     remote.prefetch(offsets, sizes)
@@ -70,7 +89,9 @@ def test_a_request_that_ends_keeps_the_claim_of_the_next_request_for_its_pages(t
         first_gate.set()  # The first request fails; its end waits for the lock.
         time.sleep(0.2)
         remote.prefetch(offsets, sizes)  # The read-ahead asks again meanwhile.
-    assert _wait(lambda: not remote._fetching.any() or not _claimable(remote, 0))
+    assert first_ended.wait(60), _threads(calls)
+    # No page is marked as asked for without the claim of a request that asks for it.
+    assert not remote._fetching.any() or not _claimable(remote, 0), (remote._fetching[:4], calls)
     time.sleep(0.2)
     # Either the pages are asked for again and claimed by that request, or left alone.
     if remote._fetching[:4].any():

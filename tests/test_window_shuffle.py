@@ -387,7 +387,7 @@ def test_a_reader_killed_mid_window_costs_no_batch(files):
             if step == 20:
                 victim = loader.diagnostics.reader_pids[0]
                 os.kill(victim, signal.SIGKILL)
-                assert wait_until(lambda: not process_alive(victim), timeout=10)
+                assert wait_until(lambda: not process_alive(victim), timeout=30)
             batch = next(loader)
             assert batch.step == step
             np.testing.assert_array_equal(batch.indices, expected[step])

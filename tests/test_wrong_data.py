@@ -85,7 +85,7 @@ def test_a_file_replaced_under_a_running_loader_gives_an_error_never_wrong_batch
         _replace(path, np.arange(4000, dtype=np.float64))
         victim = loader.diagnostics.reader_pids[0]
         os.kill(victim, signal.SIGKILL)
-        assert wait_until(lambda: not process_alive(victim), timeout=10)
+        assert wait_until(lambda: not process_alive(victim), timeout=30)
         with pytest.raises(ReaderError, match=CHANGED) as raised:
             for _ in range(200):
                 batch = next(loader)
