@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -127,6 +127,7 @@ void shm_state_store(uint64_t *address, uint64_t value);
 uint64_t shm_state_compare_swap(uint64_t *address, uint64_t expected, uint64_t desired);
 uint64_t shm_publish(shm_control_line *line, uint64_t word);
 int32_t shm_file_unchanged(int32_t fd, uint64_t size, int64_t mtime_ns);
+int32_t shm_private_copy(uint8_t *address, uint64_t length);
 int64_t shm_claim_lowest(shm_control_line *table, uint64_t slot_count, uint64_t reader_index);
 """
 

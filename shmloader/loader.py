@@ -268,11 +268,12 @@ class ShmDataLoader(cursor_module.LoaderBase):
     def seek(self, step: int) -> None:
         """Makes `step` the next batch.
 
-        The caller must first drop every batch and every view of one (or call release() on
-        the batches and drop the arrays taken from them): seek hands back every slot that
-        nothing refers to, after one garbage collection, and raises RuntimeError naming the
-        step of any batch still referenced. Batches already filled for other steps are
-        discarded; readers in the middle of one finish it first.
+        A batch still referenced keeps its values: its slot's pages become memory of its
+        own (a batch's worth while it lives) and the slot is mapped anew for the readers.
+        Under pin_memory (the device has the ring's pages registered) seek instead raises
+        RuntimeError naming the step of a batch still referenced, after one garbage
+        collection: drop every batch and view of one first. Batches already filled for other
+        steps are discarded; readers in the middle of one finish it first.
         """
         self._session.seek(step)
 

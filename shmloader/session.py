@@ -107,7 +107,7 @@ def _from_store(plan) -> bool:
 def _views_function(slot: SlotLayout, ring: Ring, layout: RingLayout):
     """views_of(slot) -> that slot's arrays in SlotLayout view order, built afresh: the
     cursor's, referring to the ring but to no session."""
-    return lambda index: slot.views(ring.memory, layout.slot_offset(index))
+    return lambda index: slot.views(*ring.slot_memory(index))
 
 
 class Session:
@@ -202,7 +202,7 @@ class Session:
 
     def views(self, slot: int):
         """Slot `slot`'s arrays in SlotLayout view order (regions, then the indices)."""
-        return self.slot.views(self.ring.memory, self.layout.slot_offset(slot))
+        return self.slot.views(*self.ring.slot_memory(slot))
 
     def request_from(self, step: int) -> None:
         """Requests the ring's worth of steps from `step` (up to a finite pass's end)."""
@@ -246,16 +246,18 @@ class Session:
 
     def take_back_all(self) -> None:
         """Takes every slot back from the readers (a seek's first half): raises, changing
-        nothing, while a batch is held or a reader does not finish its step in time."""
+        nothing, where a reader does not finish its step in time. A batch still held keeps
+        its values: its pages become memory of its own and its slot is mapped anew
+        (detach), except under pin_memory, where it raises instead."""
         cursor = self.cursor
         cursor.release_unused()
         held = cursor.held()
-        if held:  # Views caught in reference cycles: one collection (costly in a large process) to let them go.
+        if held and self.resources.pinned is not None:  # Views in reference cycles: one collection to let them go.
             gc.collect()
             cursor.release_unused()
             held = cursor.held()
-        if held:
-            raise RuntimeError(f"cannot seek while batch {min(held.values())} is held; release every batch first")
+        for slot in sorted(held):
+            self.detach(slot, held[slot])
         # A reader in the middle of a step finishes it first: as long as a step may take
         # (step_timeout, else a minute), not the hold timeout of a batch a user keeps.
         fill_timeout = self.step_timeout if self.step_timeout is not None else max(self.hold_timeout, _SEEK_FILL_SECONDS)
@@ -275,6 +277,20 @@ class Session:
                     if old < cursor.end_step:
                         cursor.request(slot, old)
             raise
+
+    def detach(self, slot: int, step: int) -> None:
+        """Frees `slot`, which the batch of `step` holds, for the steps a seek requests: the
+        batch keeps its pages as memory of its own (Ring.detach_slot), so its arrays, and
+        tensors or arrays made of them, keep the rows they were given; the cursor, and the
+        local reader with readers=0, take arrays over the slot's new mapping. Not under
+        pin_memory: the device has the old pages registered, and a pinned copy of the
+        batch would read the readers' new rows."""
+        if self.resources.pinned is not None:
+            raise RuntimeError(f"cannot seek while batch {step} is held under pin_memory; release every batch first")
+        self.ring.detach_slot(slot)
+        self.cursor.detach(slot, self.views(slot))
+        if self.local is not None:
+            self.local.rebind(slot)
 
     def use(self, sampler) -> None:
         """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing

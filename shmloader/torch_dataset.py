@@ -32,11 +32,13 @@ files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values
 to max_length, "lengths": (B,)}.
 
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
-and the slot is reused only after that. Copy what you keep across steps. The last batch of
-an epoch is a copy, so the loop's variable may keep it into the next epoch; a batch kept from
-a loop left by `break` or a peek (next(iter(loader))) must be deleted (or copied) before the
-next epoch, which says so. A new iter(loader) ends the one before: one pass runs at a time,
-so zip(loader, loader) raises.
+and the slot is reused only after that. Copy what you keep across steps. A batch kept past
+its epoch (the loop's variable, a loop left by `break` or an exception, a peek such as
+next(iter(loader))) keeps its values: the next pass gives its slot's pages memory of their
+own (Session.detach). Under pin_memory, where the device has those pages registered, such a
+batch must be deleted before the next epoch, which says so; the last batch of an epoch is a
+copy for that case. A new iter(loader) ends the one before: one pass runs at a time, so
+zip(loader, loader) raises.
 """
 
 from __future__ import annotations
@@ -193,9 +195,9 @@ class DataLoader:
 
     def _batches(self):
         """The pass's batches, tensors over their slots; the last one's tensors over memory of
-        their own: a `for` loop's variable keeps it after the loop, and its slot must be free
-        for the next epoch (torch's batches are the caller's to keep). One batch copied per
-        epoch, no more."""
+        their own: a `for` loop's variable keeps it after the loop, and under pin_memory its
+        slot must be free for the next epoch (elsewhere the next pass would give the slot's
+        pages to the batch: Session.detach). One batch copied per epoch, no more."""
         import torch
 
         structure, cursor = self._structure, self._loader._session.cursor
@@ -240,9 +242,9 @@ class DataLoader:
     def _let_go(self) -> None:
         """Ends the previous pass's iterator (a `for` left by break, a peek at next(iter(...))):
         its frame lets go of the batch it was suspended on. A batch of that pass the caller
-        still holds keeps its slot, and the new pass says so (_new_pass): its tensors, and any
-        numpy array made of them, view the slot, so they cannot be moved without leaving such
-        an array to see the next pass's rows."""
+        still holds keeps its values: the new pass gives its pages memory of their own at the
+        same address (Session.detach), since its tensors, and any numpy array made of them,
+        view the slot and cannot be moved."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None:
             iterator.supersede()

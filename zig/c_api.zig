@@ -13,8 +13,8 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-// 19: shm_file_unchanged.
-const abi_version: u32 = 19; // 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+// 20: shm_private_copy.
+const abi_version: u32 = 20; // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -221,6 +221,32 @@ export fn shm_file_unchanged(fd: i32, size: u64, mtime_ns: i64) i32 {
     if (!found.mask.SIZE or !found.mask.MTIME) return -@as(i32, @intFromEnum(linux.E.NOSYS));
     const found_ns = found.mtime.sec * 1_000_000_000 + @as(i64, found.mtime.nsec);
     return @intFromBool(found.size == size and found_ns == mtime_ns);
+}
+
+/// Gives the `length` bytes at `address` (page-aligned: a held slot of the trainer's mapping
+/// of the ring) memory of their own, holding the same bytes, at the same address: every
+/// view of them, and every pointer into them, keeps its values while the ring's shared
+/// pages, mapped elsewhere, are filled anew (Ring.detach_slot). mremap replaces the
+/// shared pages with the copy in one step, so no thread sees the range unmapped. 0, or
+/// -errno with nothing changed.
+export fn shm_private_copy(address: [*]u8, length: u64) i32 {
+    if (builtin.os.tag != .linux) return -@as(i32, @intFromEnum(std.posix.E.NOSYS));
+    const linux = std.os.linux;
+    const made = linux.mmap(null, length, .{ .READ = true, .WRITE = true }, .{ .TYPE = .PRIVATE, .ANONYMOUS = true }, -1, 0);
+    switch (linux.errno(made)) {
+        .SUCCESS => {},
+        else => |code| return -@as(i32, @intFromEnum(code)),
+    }
+    const copy: [*]u8 = @ptrFromInt(made);
+    @memcpy(copy[0..length], address[0..length]);
+    const moved = linux.mremap(copy, length, length, .{ .MAYMOVE = true, .FIXED = true }, address);
+    switch (linux.errno(moved)) {
+        .SUCCESS => return 0,
+        else => |code| {
+            _ = linux.munmap(copy, length);
+            return -@as(i32, @intFromEnum(code));
+        },
+    }
 }
 
 /// A reader publishes a slot's new state word (READY or FAILED) and learns whether the

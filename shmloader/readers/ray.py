@@ -175,10 +175,7 @@ class RayBridge:
     def __init__(self, spec: RayReaders, ring: Ring, first_record: int, filler: FillerSpec) -> None:
         self.spec, self.ring, self.first = spec, ring, first_record
         self.count = spec.actors
-        layout = ring.layout
-        # Each slot's bytes in the ring, as one array to copy a result into.
-        self._slots = [np.ndarray((filler.slot.nbytes,), np.uint8, ring.memory, layout.slot_offset(slot))
-                       for slot in range(layout.slot_count)]
+        self._slot_bytes = filler.slot.nbytes
         self._filler = filler.to_dict()
         self._class = ray.remote(_FillActor)
         self._pending: dict = {}  # ObjectRef -> _Job
@@ -290,7 +287,9 @@ class RayBridge:
             self._failed.add(job.actor)
             publisher.fail(report, (job.slot,))
             return
-        target = self._slots[job.slot]
+        # The slot's bytes, as one array to copy the result into; asked for each time, since a
+        # seek past a held batch maps the slot anew (Ring.detach_slot).
+        target = np.ndarray((self._slot_bytes,), np.uint8, *self.ring.slot_memory(job.slot))
         problem = _result_problem(data, target)
         if problem is not None:  # Never broadcast or cast into a slot: the step fails, naming the actor.
             self._failed.add(job.actor)

@@ -204,6 +204,41 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* detach(slot, views): a seek's way past a slot a batch still holds. The caller
+ * (Session.take_back_all) has given that batch's pages memory of their own at the same
+ * address (Ring.detach_slot), so the batch's arrays keep their values and are the cursor's
+ * no more, and has mapped the slot's shared pages anew: `views` are the slot's arrays over
+ * that mapping. The slot becomes IDLE, free for the seek's requests. */
+static PyObject *cursor_detach(Cursor *self, PyObject *args) {
+    Py_ssize_t index;
+    PyObject *views;
+    if (!PyArg_ParseTuple(args, "nO", &index, &views)) {
+        return NULL;
+    }
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "the loader is closed");
+        return NULL;
+    }
+    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
+        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
+        return NULL;
+    }
+    Slot *slot = &self->slots[index];
+    uint64_t word = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE);
+    if (!slot->held || word != SHM_SLOT_HELD) {
+        PyErr_Format(PyExc_RuntimeError, "slot %zd is not held by a batch (held %d, state word %#llx)", index,
+                     slot->held, (unsigned long long)word);
+        return NULL;
+    }
+    if (cursor_store_views(self, index, views) < 0) {
+        return NULL;
+    }
+    slot->held = 0;
+    /* transition: HELD -> IDLE */
+    __atomic_store_n(&slot->control->state, (uint64_t)SHM_SLOT_IDLE, __ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
 /* wait_filled(slot, timeout_seconds): a seek's wait for a reader to finish the slot it
  * fills; True once the slot is neither REQUESTED nor FILLING (or the cursor closed), False
  * after the time-out. A signal whose handler raises (Ctrl-C) raises here. */
@@ -363,6 +398,9 @@ static PyMethodDef cursor_methods[] = {
      "Requests the next step of every held slot nothing refers to and wakes readers for all pending "
      "requests; returns how many slots were handed back."},
     {"held", (PyCFunction)cursor_held, METH_NOARGS, "{slot: step} of the slots held by batches."},
+    {"detach", (PyCFunction)cursor_detach, METH_VARARGS,
+     "Lets go of a held slot whose batch has memory of its own now (Ring.detach_slot): the slot takes the "
+     "given arrays over its new mapping and becomes IDLE."},
     {"wait_filled", (PyCFunction)cursor_wait_filled, METH_VARARGS,
      "Waits at most timeout_seconds for a slot to leave REQUESTED and FILLING; False on time-out."},
     {"batch_of", (PyCFunction)cursor_batch_of, METH_VARARGS, "A Batch over the given arrays (a partial batch)."},

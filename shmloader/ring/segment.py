@@ -106,6 +106,34 @@ class Ring:
         self._state_pointers = [ffi.addressof(self._lines[slot], "state") for slot in range(layout.slot_count)]
         self.records = ReaderRecords(memory, layout, self.base_address)
         self.janitor: janitor.Janitor | None = None
+        # Slots whose pages in `memory` a held batch kept (detach_slot): each mapped anew.
+        self._slot_maps: dict[int, mmap.mmap] = {}
+
+    def slot_memory(self, slot: int) -> tuple[mmap.mmap, int]:
+        """(mapping, offset) through which this process reaches slot `slot`'s shared bytes:
+        the ring's mapping, or the slot's own since detach_slot. Every array over a slot in
+        the trainer is built from here (session.views_of, the local reader, the Ray bridge)."""
+        own = self._slot_maps.get(slot)
+        return (self.memory, self.layout.slot_offset(slot)) if own is None else (own, 0)
+
+    def detach_slot(self, slot: int) -> None:
+        """Lets a seek go past slot `slot` while a batch still holds it (the trainer's side
+        only): the batch's pages become memory of its own, at the same address and with
+        the same bytes (shm_private_copy), so its arrays, and any tensor or pointer made of
+        them, keep their values; the slot's shared pages, which the readers fill next, are
+        mapped anew at another address (slot_memory). Costs one batch of memory while the
+        batch lives. OSError, with nothing changed, where the kernel refuses."""
+        memory, offset = self.slot_memory(slot)
+        length = self.layout.slot_stride  # Whole pages: slots start on page boundaries.
+        fresh = mmap.mmap(self.segment_fd if self.data_fd is None else self.data_fd, length,
+                          flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=self.layout.slot_offset(slot))
+        address = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", memory))) + offset
+        result = lib.shm_private_copy(ffi.cast("uint8_t *", address), length)
+        if result < 0:
+            fresh.close()
+            raise OSError(-result, f"slot {slot} of {self.names.segment}: a held batch's pages could not be given "
+                                   f"memory of their own: {os.strerror(-result)}")
+        self._slot_maps[slot] = fresh
 
     @classmethod
     def create(cls, layout: RingLayout, trainer_pid: int, watched: bool = True) -> Ring:
@@ -340,5 +368,6 @@ class Ring:
         # the pages of the unlinked segment) once no batch array refers to it either.
         self.header = self._lines = self._state_pointers = self._pointer = None
         self.memory = self.records = None
+        self._slot_maps = {}  # Each unmapped once no batch array refers to it either.
 
 

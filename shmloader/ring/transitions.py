@@ -58,6 +58,9 @@ TRANSITIONS = (
                "release store, after the step word", "nothing refers to the batch any more: the slot's next step"),
     Transition(HELD, IDLE, "trainer", "ring/_cursor.c: cursor_release",
                "release store", "nothing refers to the batch, and the slot's next step is past a finite pass's end"),
+    Transition(HELD, IDLE, "trainer", "ring/_cursor_type.c: cursor_detach",
+               "release store", "a seek gives a batch still held memory of its own (Ring.detach_slot): the slot "
+               "is free for the seek's steps"),
     # A reader claims the requested slot with the lowest step.
     Transition(REQUESTED, FILLING, "reader r", "zig/c_api.zig: shm_claim_lowest",
                "compare-and-swap, acq_rel", "two readers never both win a slot"),
