@@ -314,11 +314,14 @@ class Session:
             self.cursor.leave()
 
     def new_pass(self, seed: int) -> None:
-        """Starts this finite pass again under `seed`, at step 0, with the same readers: the
-        next epoch of an adapter that runs one pass per epoch (shmloader.torch.DataLoader).
-        Every batch must have been let go (as for seek)."""
+        """Starts this finite pass again under `seed`, at step 0, with the same readers (one
+        whose error ended the pass before replaced): the next epoch of an adapter that runs
+        one pass per epoch (shmloader.torch.DataLoader). Batches still held keep their
+        values (as for seek)."""
         if self.cuts.finite is None:
             raise RuntimeError("a new pass needs a finite loader (epochs=N)")
+        self.check_open()
+        self.pool.renew_failed()  # The pass before may have ended in a reader's error, raised already.
         data = {key: value for key, value in self.plan.sampler.to_dict().items()
                 if key not in ("transition", "start_position")}
         self.use(type(self.plan.sampler).from_dict({**data, "seed": seed}))  # options.seed stays the loader's.

@@ -343,6 +343,43 @@ def test_a_batch_kept_from_a_loop_left_early_by_break_or_an_error_or_a_peek_keep
         loader.close()
 
 
+class _FailsWhileFlagged(Dataset):
+    """Sample 5 raises while its flag file exists (a transient fault: a network read)."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int):
+        if index == 5 and os.path.exists(self.flag):
+            raise OSError(f"sample {index} could not be read")
+        return np.full((2,), index, np.int64)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_after_a_getitem_error_starts_afresh_as_torchs_does(tmp_path, workers):
+    """torch's DataLoader starts new workers for each epoch; a reader that failed stayed
+    failed here, and every later epoch raised the same error."""
+    flag = tmp_path / "flag"
+    flag.touch()
+    loader = DataLoader(_FailsWhileFlagged(str(flag)), batch_size=3, num_workers=workers)
+    try:
+        for _ in range(2):  # The fault is still there: each epoch raises it anew.
+            seen = []
+            with pytest.raises(OSError, match="sample 5 could not be read"):
+                for batch in loader:
+                    seen.append(batch[:, 0].tolist())
+            assert seen == [[0, 1, 2]]
+        flag.unlink()
+        for _ in range(2):
+            assert [batch[:, 0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+        assert loader._loader.stats()["reader_restarts"] == 0
+    finally:
+        loader.close()
+
+
 def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence():
     loader = DataLoader(_Indices(), batch_size=4)
     try:

@@ -296,6 +296,30 @@ class ReaderPool:
         ring.records.write_sleeps(reader_index, 0, 0, 0)
         ring.records.write_skips(reader_index, 0, b"")
 
+    def renew_failed(self) -> int:
+        """Replaces each reader that reported an error (the trainer has raised it) with a new
+        one, and makes the slots it failed IDLE: a new pass (Session.new_pass, the drop-in's
+        next epoch) starts afresh, as torch's DataLoader starts new workers for each epoch.
+        Not counted as restarts. Remote readers are not renewed. Returns how many."""
+        renewed = 0
+        for reader_index in range(self.count):
+            if not self.ring.records.error(reader_index):
+                continue
+            process = self.processes[reader_index]
+            try:
+                process.wait(self.join_timeout_seconds)  # It exits once its report is written.
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(self.join_timeout_seconds)
+            self._keep_stats(reader_index)
+            for slot in range(self.ring.layout.slot_count):
+                self.ring.renew_failed(slot, reader_index)
+            process = spawn_reader()
+            self.processes[reader_index] = process
+            self._send_config(process, reader_index)  # Clears the error report first.
+            renewed += 1
+        return renewed
+
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
         exit_code = None

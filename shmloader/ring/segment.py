@@ -322,6 +322,14 @@ class Ring:
         """The slot's step; read it after the state word that published it."""
         return self._lines[slot].step
 
+    def renew_failed(self, slot: int, owner: int) -> bool:
+        """FAILED by `owner` -> IDLE: a new pass after the trainer raised the failure (its
+        reader replaced: ReaderPool.renew_failed). False if the slot was not FAILED by `owner`."""
+        assert 0 <= slot < self.layout.slot_count, (slot, self.layout.slot_count)
+        failed = int(SlotState.FAILED) | owner << OWNER_SHIFT
+        # transition: FAILED -> IDLE
+        return lib.shm_state_compare_swap(self._state_pointers[slot], failed, int(SlotState.IDLE)) == failed
+
     def slots_filled_by(self, reader: int) -> list[int]:
         """The slots in FILLING by `reader` (a dead or failing reader's: restarted or failed)."""
         return [slot for slot in range(self.layout.slot_count) if self.state(slot) == (SlotState.FILLING, reader)]

@@ -3,8 +3,9 @@
 A slot's state word holds the state in its low byte (SHM_STATE_MASK, ring.h) and the filling
 reader's index above it (SHM_OWNER_SHIFT): FILLING, READY and FAILED carry the reader r
 that claimed the slot ("FILLING|r"); IDLE, REQUESTED and HELD carry none. A new segment
-is all zeros: every slot starts IDLE. FAILED is final: the trainer raises the reader's
-error at that step, and nothing requests the slot again (Cursor.request refuses it).
+is all zeros: every slot starts IDLE. FAILED is final within a pass: the trainer raises the
+reader's error at that step, and nothing requests the slot again (Cursor.request refuses it);
+only a new pass (the drop-in's next epoch) makes it IDLE, its reader replaced.
 
 TRANSITIONS below lists each change with who makes it, the one function that does (in C,
 Python or Zig) and its memory ordering, the same in every language. Each place in the
@@ -61,6 +62,9 @@ TRANSITIONS = (
     Transition(HELD, IDLE, "trainer", "ring/_cursor_type.c: cursor_detach",
                "release store", "a seek gives a batch still held memory of its own (Ring.detach_slot): the slot "
                "is free for the seek's steps"),
+    Transition(FAILED, IDLE, "trainer", "ring/segment.py: Ring.renew_failed",
+               "compare-and-swap, acq_rel", "a new pass after the failure was raised: its reader is replaced "
+               "(ReaderPool.renew_failed), as torch's DataLoader starts new workers for each epoch"),
     # A reader claims the requested slot with the lowest step.
     Transition(REQUESTED, FILLING, "reader r", "zig/c_api.zig: shm_claim_lowest",
                "compare-and-swap, acq_rel", "two readers never both win a slot"),
