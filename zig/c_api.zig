@@ -14,7 +14,14 @@ const ring = @import("ring_h.zig");
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
 // 20: shm_private_copy.
-const abi_version: u32 = 20; // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max. 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places, shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls). 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local shuffle (shm_sampler_window_blocks).
+// 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
+// mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max.
+// 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length
+// (Python mirrors neither). 11: the sliding block-local shuffle (shm_sampler_places,
+// shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls).
+// 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local
+// shuffle (shm_sampler_window_blocks).
+const abi_version: u32 = 20;
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -232,7 +239,8 @@ export fn shm_file_unchanged(fd: i32, size: u64, mtime_ns: i64) i32 {
 export fn shm_private_copy(address: [*]u8, length: u64) i32 {
     if (builtin.os.tag != .linux) return -@as(i32, @intFromEnum(std.posix.E.NOSYS));
     const linux = std.os.linux;
-    const made = linux.mmap(null, length, .{ .READ = true, .WRITE = true }, .{ .TYPE = .PRIVATE, .ANONYMOUS = true }, -1, 0);
+    const private: linux.MAP = .{ .TYPE = .PRIVATE, .ANONYMOUS = true };
+    const made = linux.mmap(null, length, .{ .READ = true, .WRITE = true }, private, -1, 0);
     switch (linux.errno(made)) {
         .SUCCESS => {},
         else => |code| return -@as(i32, @intFromEnum(code)),

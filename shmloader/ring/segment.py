@@ -126,7 +126,8 @@ class Ring:
         memory, offset = self.slot_memory(slot)
         length = self.layout.slot_stride  # Whole pages: slots start on page boundaries.
         fresh = mmap.mmap(self.segment_fd if self.data_fd is None else self.data_fd, length,
-                          flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), offset=self.layout.slot_offset(slot))
+                          flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                          offset=self.layout.slot_offset(slot))
         address = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", memory))) + offset
         result = lib.shm_private_copy(ffi.cast("uint8_t *", address), length)
         if result < 0:
