@@ -128,6 +128,8 @@ uint64_t shm_state_compare_swap(uint64_t *address, uint64_t expected, uint64_t d
 uint64_t shm_publish(shm_control_line *line, uint64_t word);
 int32_t shm_file_unchanged(int32_t fd, uint64_t size, int64_t mtime_ns);
 int32_t shm_private_copy(uint8_t *address, uint64_t length);
+int64_t shm_map_shared(int32_t fd, uint64_t offset, uint64_t length);
+int32_t shm_unmap(uint8_t *address, uint64_t length);
 int64_t shm_claim_lowest(shm_control_line *table, uint64_t slot_count, uint64_t reader_index);
 """
 

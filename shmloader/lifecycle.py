@@ -31,6 +31,9 @@ class Resources:
         self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
         self.dataset = None  # from_dataset: the trainer's DatasetHandle (its pickle's memory file).
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
+        # (slot, step) of the batches held when this process forked: a child may read their
+        # pages, which stay shared, so a seek cannot give them to the readers (Session.detach).
+        self.held_at_fork: set[tuple[int, int]] = set()
 
     def close(self) -> None:
         if os.getpid() != self.owner_pid:
@@ -108,4 +111,12 @@ def _forget_rings_in_child() -> None:
             ring.forget_descriptors_in_child()
 
 
-os.register_at_fork(after_in_child=_forget_rings_in_child)
+def _note_held_at_fork() -> None:
+    """The parent's side of a fork: the batches its loaders hold now are shared with the child."""
+    for resources in list(live_resources):
+        cursor = None if resources.cursor is None else resources.cursor()
+        if cursor is not None and cursor.active:
+            resources.held_at_fork.update(cursor.held().items())
+
+
+os.register_at_fork(after_in_parent=_note_held_at_fork, after_in_child=_forget_rings_in_child)

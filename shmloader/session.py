@@ -244,28 +244,35 @@ class Session:
         self.cuts.resume = resume
         self.cursor.partial_from = resume.step
 
-    def take_back_all(self) -> None:
+    def take_back_all(self, settle: bool = False) -> None:
         """Takes every slot back from the readers (a seek's first half): raises, changing
-        nothing, where a reader does not finish its step in time. A batch still held keeps
-        its values: its pages become memory of its own and its slot is mapped anew
-        (detach), except under pin_memory, where it raises instead."""
+        nothing, where a reader does not finish its step in time (`settle`: see
+        ReaderPool.take_back). A batch still held keeps
+        its values: once the readers are done, its pages become memory of its own and its
+        slot is mapped anew (detach); where that cannot be (pin_memory, a fork), it raises
+        first, naming the batch."""
         cursor = self.cursor
         cursor.release_unused()
         held = cursor.held()
-        if held and self.resources.pinned is not None:  # Views in reference cycles: one collection to let them go.
-            gc.collect()
+        resources = self.resources
+        resources.held_at_fork &= set(held.items())  # Forgotten once let go.
+        if held and (resources.pinned is not None or resources.held_at_fork):
+            gc.collect()  # Views in reference cycles: one collection to let them go.
             cursor.release_unused()
             held = cursor.held()
-        for slot in sorted(held):
-            self.detach(slot, held[slot])
+            resources.held_at_fork &= set(held.items())
+        for slot, step in sorted(held.items()):
+            self.check_detachable(slot, step)
         # A reader in the middle of a step finishes it first: as long as a step may take
         # (step_timeout, else a minute), not the hold timeout of a batch a user keeps.
         fill_timeout = self.step_timeout if self.step_timeout is not None else max(self.hold_timeout, _SEEK_FILL_SECONDS)
         taken = []
         try:
             for slot in range(self.slots):
-                self.pool.take_back(slot, fill_timeout, cursor)
+                self.pool.take_back(slot, fill_timeout, cursor, settle)  # A held slot: at once.
                 taken.append(slot)
+            for slot, step in sorted(held.items()):
+                self.detach(slot, step)
         except BaseException:
             if not cursor.active:
                 raise  # Closed meanwhile: nothing to go on with.
@@ -278,30 +285,44 @@ class Session:
                         cursor.request(slot, old)
             raise
 
+    def check_detachable(self, slot: int, step: int) -> None:
+        """Raises where the batch of `step` cannot keep `slot`'s pages (detach): under
+        pin_memory the device has them registered, and a pinned copy of the batch would
+        read the readers' new rows; after a fork the child maps them too, shared, and
+        would see those rows."""
+        if self.resources.pinned is not None:
+            raise RuntimeError(f"cannot seek while batch {step} is held under pin_memory; release every batch first")
+        if (slot, step) in self.resources.held_at_fork:
+            raise RuntimeError(f"cannot seek while batch {step} is held: this process forked while it was held, and "
+                               f"the child shares its memory, which the readers would fill anew; release the batch "
+                               f"(or copy what you keep) first")
+
     def detach(self, slot: int, step: int) -> None:
         """Frees `slot`, which the batch of `step` holds, for the steps a seek requests: the
         batch keeps its pages as memory of its own (Ring.detach_slot), so its arrays, and
         tensors or arrays made of them, keep the rows they were given; the cursor, and the
-        local reader with readers=0, take arrays over the slot's new mapping. Not under
-        pin_memory: the device has the old pages registered, and a pinned copy of the
-        batch would read the readers' new rows."""
-        if self.resources.pinned is not None:
-            raise RuntimeError(f"cannot seek while batch {step} is held under pin_memory; release every batch first")
+        local reader with readers=0, take arrays over the slot's new mapping. The caller
+        checked it may (check_detachable). A thread writing into the batch meanwhile may
+        lose what it writes during the copy."""
         self.ring.detach_slot(slot)
         self.cursor.detach(slot, self.views(slot))
         if self.local is not None:
             self.local.rebind(slot)
 
-    def use(self, sampler) -> None:
+    def use(self, sampler, new_pass: bool = False) -> None:
         """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing
         (plan/reshard.py), a new pass's seed, or none again; readers take the new filler
         once every slot is taken back (readers/channel.py). The caller seeks next. Raises,
-        changing nothing, while a batch is held."""
+        changing nothing, where a slot cannot be taken back. A `new_pass` does not raise
+        what the readers failed in the pass before: those readers are replaced, started
+        with the new filler (ReaderPool.renew_failed, then reconfigure)."""
         self.check_open()
         filler = self.filler_spec(sampler)
         self.cursor.enter()
         try:
-            self.take_back_all()
+            self.take_back_all(settle=new_pass)
+            if new_pass:
+                self.pool.renew_failed()
             self.cuts.sampler, self.cuts.finite = sampler, _pass_of(sampler, self.options)
             self.cursor.end_step = self.cuts.end_step
             if self.local is not None:  # readers=0: the local reader's filler, bound to the slots anew.
@@ -320,11 +341,10 @@ class Session:
         values (as for seek)."""
         if self.cuts.finite is None:
             raise RuntimeError("a new pass needs a finite loader (epochs=N)")
-        self.check_open()
-        self.pool.renew_failed()  # The pass before may have ended in a reader's error, raised already.
         data = {key: value for key, value in self.plan.sampler.to_dict().items()
                 if key not in ("transition", "start_position")}
-        self.use(type(self.plan.sampler).from_dict({**data, "seed": seed}))  # options.seed stays the loader's.
+        sampler = type(self.plan.sampler).from_dict({**data, "seed": seed})  # options.seed stays the loader's.
+        self.use(sampler, new_pass=True)
         self.seek(0)
 
     def slot_states(self) -> list[tuple[str, int]]:

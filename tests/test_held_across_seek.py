@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from conftest import examples, our_shm_entries  # noqa: E402
+from conftest import examples, our_shm_entries, wait_until  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -169,3 +170,59 @@ def test_detached_slots_leave_nothing_behind(rows):
         assert len(batch["x"]) == 7
     del kept
     gc.collect()
+
+
+def test_a_batch_held_when_the_process_forked_still_stops_a_seek(rows):
+    """The child maps the batch's pages too, shared: had the seek given them to the readers,
+    the child would read their new rows (found by an outside review)."""
+    path, data = rows
+    with ShmDataLoader({"x": path}, readers=2, batch_size=7, seed=5, slots=3, warn_layout=False) as loader:
+        forked = next(loader)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        later = next(loader)  # Taken after the fork: the child cannot know it.
+        with pytest.raises(RuntimeError, match="batch 0 is held: this process forked while it was held"):
+            loader.seek(5)
+        np.testing.assert_array_equal(forked["x"], data[forked.indices])
+        del forked
+        loader.seek(5)  # `later` is detached.
+        assert next(loader).step == 5
+        np.testing.assert_array_equal(later["x"], data[later.indices])
+
+
+class _SlowOnce:
+    """Sample 28 (step 4 of batches of 7) takes 3 s the first time."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __len__(self) -> int:
+        return 300
+
+    def __getitem__(self, index: int):
+        if index == 28 and os.path.exists(self.flag):
+            os.unlink(self.flag)
+            time.sleep(3)
+        return {"x": np.full(3, index, dtype=np.int64)}
+
+
+def test_a_seek_that_times_out_changes_nothing_with_a_batch_held(tmp_path):
+    """The held slot was detached before the readers were waited for: a seek that then
+    timed out left it IDLE, and the next step of that slot raised (found by an outside review)."""
+    flag = tmp_path / "slow"
+    flag.touch()
+    with ShmDataLoader.from_dataset(_SlowOnce(str(flag)), batch_size=7, mode="sequential", readers=1, slots=3,
+                                    step_timeout=1.0, warn_layout=False) as loader:
+        kept = [next(loader) for _ in range(3)][2]  # Step 2 (slot 2) held.
+        next(loader)  # Step 3; the reader is on step 4 (3 s) now.
+        assert wait_until(lambda: ("FILLING", 4) in loader.diagnostics.slot_states())
+        states = loader.diagnostics.slot_states()
+        with pytest.raises(Exception, match="stayed in filling"):
+            loader.seek(0)
+        assert ("HELD", 2) in loader.diagnostics.slot_states() and states[2] == ("HELD", 2)
+        assert kept["x"][:, 0].tolist() == list(range(14, 21))
+        del kept
+        assert wait_until(lambda: ("READY", 4) in loader.diagnostics.slot_states())  # Past step_timeout.
+        assert [next(loader).step for _ in range(4)] == [4, 5, 6, 7]

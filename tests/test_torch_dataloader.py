@@ -9,6 +9,9 @@ from __future__ import annotations
 import collections
 import copy
 import os
+import pathlib
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import dataset_fixtures as fixtures  # noqa: E402
+from conftest import wait_until  # noqa: E402
 from shmloader import PackedRagged, Ragged  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
@@ -376,6 +380,103 @@ def test_an_epoch_after_a_getitem_error_starts_afresh_as_torchs_does(tmp_path, w
         for _ in range(2):
             assert [batch[:, 0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
         assert loader._loader.stats()["reader_restarts"] == 0
+    finally:
+        loader.close()
+
+
+class _Faults(Dataset):
+    """While its flag file exists: sample i in `slow` raises after slow[i] seconds (where
+    negative: -slow[i] seconds after the flag goes, FLAG.i made when it starts), and
+    sample `kill` SIGKILLs its reader as long as the count in `kills` is above zero (one
+    less each time); its readers' copy fails to unpickle while `load_flag` exists."""
+
+    def __init__(self, flag: str, slow: dict, kill: int = -1, kills: str = "", load_flag: str = "") -> None:
+        self.flag, self.slow, self.kill, self.kills, self.load_flag = flag, slow, kill, kills, load_flag
+        self.trainer = os.getpid()
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if os.getpid() != self.trainer and self.load_flag and os.path.exists(self.load_flag):
+            raise OSError("the dataset's resource is not there")
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int):
+        if index in self.slow and os.path.exists(self.flag):
+            if self.slow[index] < 0:  # Raises -slow[i] seconds after the flag goes (the epoch has ended).
+                pathlib.Path(f"{self.flag}.{index}").touch()
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and os.path.exists(self.flag):
+                    time.sleep(0.01)
+            time.sleep(abs(self.slow[index]))
+            raise OSError(f"sample {index} could not be read")
+        if index == self.kill:
+            with open(self.kills, "r+") as file:
+                left = int(file.read())
+                if left > 0:
+                    file.seek(0)
+                    file.write(f"{left - 1}\n")
+                    file.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return np.full((2,), index, np.int64)
+
+
+def _epoch(loader) -> tuple[list, BaseException | None]:
+    seen = []
+    try:
+        for batch in loader:
+            seen.extend(batch[:, 0].tolist())
+    except (OSError, RuntimeError) as error:
+        return seen, error
+    return seen, None
+
+
+def test_the_next_epoch_does_not_raise_what_the_readers_failed_ahead_in_the_epoch_before(tmp_path):
+    """A second reader failing on a later sample of the read-ahead reported it while the
+    next epoch took its slots back, which raised it from iter() before any batch."""
+    flag = tmp_path / "flag"
+    flag.touch()
+    loader = DataLoader(_Faults(str(flag), {10: 0.0, 12: -0.5}), batch_size=2, num_workers=2)
+    try:
+        seen, error = _epoch(loader)
+        assert seen == list(range(10)) and "sample 10" in str(error)
+        assert wait_until((tmp_path / "flag.12").exists)  # The other reader is on sample 12, and
+        flag.unlink()  # raises it while the next epoch takes the slots back.
+        for _ in range(2):
+            assert _epoch(loader) == (list(range(20)), None)
+    finally:
+        loader.close()
+
+
+def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that_runs(tmp_path):
+    """With persistent_workers=False each epoch's readers load the dataset anew. One that
+    failed there left its slot claimed (the next epoch waited 60 s for it, then raised),
+    and its replacement was started with that epoch's copy (every later epoch failed)."""
+    load_flag = tmp_path / "load"
+    loader = DataLoader(_Faults(str(tmp_path / "none"), {}, load_flag=str(load_flag)), batch_size=3, num_workers=2)
+    try:
+        assert _epoch(loader) == (list(range(20)), None)
+        load_flag.touch()
+        seen, error = _epoch(loader)
+        assert seen == [] and "resource is not there" in str(error)
+        load_flag.unlink()
+        for _ in range(2):
+            assert _epoch(loader) == (list(range(20)), None)
+    finally:
+        loader.close()
+
+
+def test_a_reader_killed_past_its_restart_budget_is_replaced_for_the_next_epoch(tmp_path):
+    kills = tmp_path / "kills"
+    kills.write_text("4\n")  # One more than max_reader_restarts (3).
+    loader = DataLoader(_Faults(str(tmp_path / "none"), {}, kill=4, kills=str(kills)), batch_size=2,
+                        num_workers=1)
+    try:
+        seen, error = _epoch(loader)
+        assert seen == [0, 1, 2, 3] and "SIGKILL" in str(error) and kills.read_text().strip() == "0"
+        for _ in range(2):
+            assert _epoch(loader) == (list(range(20)), None)
     finally:
         loader.close()
 

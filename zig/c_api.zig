@@ -13,7 +13,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-// 20: shm_private_copy.
+// 20: shm_private_copy, shm_map_shared, shm_unmap.
 // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
 // mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max.
 // 14: shm_length_max. 13: shm_sampler_fill_positions. 12: shm_global_position, shm_share_length
@@ -254,6 +254,31 @@ export fn shm_private_copy(address: [*]u8, length: u64) i32 {
             _ = linux.munmap(copy, length);
             return -@as(i32, @intFromEnum(code));
         },
+    }
+}
+
+/// Maps `length` bytes of `fd` from `offset` (page-aligned: a slot of the ring), shared,
+/// read-write and populated: a held slot's new mapping (Ring.detach_slot). Unlike Python's
+/// mmap, which keeps a duplicate of the descriptor for as long as the mapping lives, it
+/// holds none, so that batches kept across many seeks cost no descriptors. The address,
+/// or -errno.
+export fn shm_map_shared(fd: i32, offset: u64, length: u64) i64 {
+    if (builtin.os.tag != .linux) return -@as(i64, @intFromEnum(std.posix.E.NOSYS));
+    const linux = std.os.linux;
+    const shared: linux.MAP = .{ .TYPE = .SHARED, .POPULATE = true };
+    const made = linux.mmap(null, length, .{ .READ = true, .WRITE = true }, shared, fd, @intCast(offset));
+    switch (linux.errno(made)) {
+        .SUCCESS => return @intCast(made),
+        else => |code| return -@as(i64, @intFromEnum(code)),
+    }
+}
+
+/// Unmaps what shm_map_shared mapped (its owner's finalizer): 0, or -errno.
+export fn shm_unmap(address: [*]u8, length: u64) i32 {
+    const linux = std.os.linux;
+    switch (linux.errno(linux.munmap(address, length))) {
+        .SUCCESS => return 0,
+        else => |code| return -@as(i32, @intFromEnum(code)),
     }
 }
 

@@ -229,7 +229,7 @@ class ReaderPool:
 
     # Supervision.
 
-    def check(self, request) -> None:
+    def check(self, request, settle: bool = False) -> None:
         """Raises for a reader that reported an error or died past the restart budget;
         restarts any other dead reader. Raises what stopped the remote readers' bridge.
         `request(slot, step)` is the trainer's request (the cursor's): a dead reader's slot
@@ -241,6 +241,8 @@ class ReaderPool:
             exit_code = process.poll()
             if exit_code is None:
                 continue
+            if settle and self._failed(reader_index):
+                continue  # A new pass: renewed once every slot is taken back (renew_failed).
             # A reader returns EXIT_REPORTED_ERROR once its report is written; the same code
             # without one is a death like any other (a transform's os._exit(3)).
             if self.ring.records.error(reader_index):
@@ -296,14 +298,24 @@ class ReaderPool:
         ring.records.write_sleeps(reader_index, 0, 0, 0)
         ring.records.write_skips(reader_index, 0, b"")
 
+    def _failed(self, reader_index: int) -> bool:
+        """Whether a reader reported an error, or died past its restart budget."""
+        if self.ring.records.error(reader_index):
+            return True
+        return self.processes[reader_index].poll() is not None and \
+            self._restarts_by_reader[reader_index] >= self.max_restarts
+
     def renew_failed(self) -> int:
-        """Replaces each reader that reported an error (the trainer has raised it) with a new
-        one, and makes the slots it failed IDLE: a new pass (Session.new_pass, the drop-in's
-        next epoch) starts afresh, as torch's DataLoader starts new workers for each epoch.
-        Not counted as restarts. Remote readers are not renewed. Returns how many."""
+        """A new pass (Session.use for Session.new_pass, the drop-in's next epoch), once
+        every slot is taken back (take_back with `settle`): each reader that reported an
+        error or died past its restart budget has exited (killed after join_timeout_seconds),
+        the slots it failed or held claimed go IDLE, and its budget starts again; the
+        reconfigure that follows starts a new reader in its place, which clears its report.
+        So the pass starts afresh, as torch's DataLoader starts new workers for each epoch.
+        Remote readers are not renewed. Returns how many."""
         renewed = 0
         for reader_index in range(self.count):
-            if not self.ring.records.error(reader_index):
+            if not self._failed(reader_index):
                 continue
             process = self.processes[reader_index]
             try:
@@ -311,12 +323,9 @@ class ReaderPool:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(self.join_timeout_seconds)
-            self._keep_stats(reader_index)
             for slot in range(self.ring.layout.slot_count):
                 self.ring.renew_failed(slot, reader_index)
-            process = spawn_reader()
-            self.processes[reader_index] = process
-            self._send_config(process, reader_index)  # Clears the error report first.
+            self._restarts_by_reader[reader_index] = 0
             renewed += 1
         return renewed
 
@@ -355,10 +364,12 @@ class ReaderPool:
             traceback_text=report.traceback,
         )
 
-    def take_back(self, slot: int, timeout_seconds: float, cursor) -> None:
+    def take_back(self, slot: int, timeout_seconds: float, cursor, settle: bool = False) -> None:
         """Takes a slot back from the readers (a seek): a requested one at once, one being
         filled once its reader is done, waiting at most `timeout_seconds` (the cursor's
-        wait: the protocol's waits are ring/_cursor.c's alone). `cursor.request` is check()'s."""
+        wait: the protocol's waits are ring/_cursor.c's alone). `cursor.request` is check()'s.
+        `settle` (a new pass): a slot a reader failed, or holds claimed while it fails, is
+        left as it is for renew_failed instead of raising the pass before's error."""
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -366,17 +377,19 @@ class ReaderPool:
                 raise RuntimeError("the loader is closed")
             state, owner = ring.state(slot)
             if state == SlotState.FAILED:
+                if settle and owner < self.count:
+                    return
                 self.raise_reported(owner)
             if state == SlotState.REQUESTED and not ring.withdraw(slot):
                 continue  # A reader took it just now: wait for it to finish.
-            if state != SlotState.FILLING:
+            if state != SlotState.FILLING or (settle and owner < self.count and self._failed(owner)):
                 return
             if time.monotonic() > deadline:
                 raise SlotsExhaustedError(
                     f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
                 )
             if not cursor.wait_filled(slot, POLL_INTERVAL_SECONDS):
-                self.check(cursor.request)
+                self.check(cursor.request, settle)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""

@@ -107,9 +107,9 @@ class Ring:
         self.records = ReaderRecords(memory, layout, self.base_address)
         self.janitor: janitor.Janitor | None = None
         # Slots whose pages in `memory` a held batch kept (detach_slot): each mapped anew.
-        self._slot_maps: dict[int, mmap.mmap] = {}
+        self._slot_maps: dict[int, object] = {}
 
-    def slot_memory(self, slot: int) -> tuple[mmap.mmap, int]:
+    def slot_memory(self, slot: int) -> tuple[object, int]:
         """(mapping, offset) through which this process reaches slot `slot`'s shared bytes:
         the ring's mapping, or the slot's own since detach_slot. Every array over a slot in
         the trainer is built from here (session.views_of, the local reader, the Ray bridge)."""
@@ -121,19 +121,25 @@ class Ring:
         only): the batch's pages become memory of its own, at the same address and with
         the same bytes (shm_private_copy), so its arrays, and any tensor or pointer made of
         them, keep their values; the slot's shared pages, which the readers fill next, are
-        mapped anew at another address (slot_memory). Costs one batch of memory while the
-        batch lives. OSError, with nothing changed, where the kernel refuses."""
+        mapped anew at another address (slot_memory). Costs a slot of memory while the batch
+        lives, or, for the first batch of a slot so kept (whose copy lies within the ring's
+        mapping), until the ring is unmapped: a ring's worth at most. A thread writing into
+        the batch during the copy may lose what it writes. OSError, with nothing changed,
+        where the kernel refuses."""
         memory, offset = self.slot_memory(slot)
         length = self.layout.slot_stride  # Whole pages: slots start on page boundaries.
-        fresh = mmap.mmap(self.segment_fd if self.data_fd is None else self.data_fd, length,
-                          flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                          offset=self.layout.slot_offset(slot))
+        where = f"slot {slot} of {self.names.segment}: a held batch's pages could not be given memory of their own"
+        mapped = lib.shm_map_shared(self.segment_fd if self.data_fd is None else self.data_fd,
+                                    self.layout.slot_offset(slot), length)
+        if mapped < 0:
+            raise OSError(-mapped, f"{where}: {os.strerror(-mapped)}")
+        # Unmapped once nothing refers to it: the buffer keeps the pointer, each array the buffer.
+        fresh = ffi.buffer(ffi.gc(ffi.cast("uint8_t *", mapped), lambda pointer: lib.shm_unmap(pointer, length)),
+                           length)
         address = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", memory))) + offset
         result = lib.shm_private_copy(ffi.cast("uint8_t *", address), length)
         if result < 0:
-            fresh.close()
-            raise OSError(-result, f"slot {slot} of {self.names.segment}: a held batch's pages could not be given "
-                                   f"memory of their own: {os.strerror(-result)}")
+            raise OSError(-result, f"{where}: {os.strerror(-result)}")
         self._slot_maps[slot] = fresh
 
     @classmethod
@@ -324,12 +330,17 @@ class Ring:
         return self._lines[slot].step
 
     def renew_failed(self, slot: int, owner: int) -> bool:
-        """FAILED by `owner` -> IDLE: a new pass after the trainer raised the failure (its
-        reader replaced: ReaderPool.renew_failed). False if the slot was not FAILED by `owner`."""
+        """FAILED or FILLING by `owner`, a reader that has exited, -> IDLE: a new pass drops
+        what the pass before left of it (ReaderPool.renew_failed). False if the slot was
+        neither."""
         assert 0 <= slot < self.layout.slot_count, (slot, self.layout.slot_count)
-        failed = int(SlotState.FAILED) | owner << OWNER_SHIFT
-        # transition: FAILED -> IDLE
-        return lib.shm_state_compare_swap(self._state_pointers[slot], failed, int(SlotState.IDLE)) == failed
+        idle = int(SlotState.IDLE)
+        for state in (SlotState.FAILED, SlotState.FILLING):
+            word = int(state) | owner << OWNER_SHIFT
+            # transition: FAILED -> IDLE, FILLING -> IDLE
+            if lib.shm_state_compare_swap(self._state_pointers[slot], word, idle) == word:
+                return True
+        return False
 
     def slots_filled_by(self, reader: int) -> list[int]:
         """The slots in FILLING by `reader` (a dead or failing reader's: restarted or failed)."""

@@ -63,8 +63,11 @@ TRANSITIONS = (
                "release store", "a seek gives a batch still held memory of its own (Ring.detach_slot): the slot "
                "is free for the seek's steps"),
     Transition(FAILED, IDLE, "trainer", "ring/segment.py: Ring.renew_failed",
-               "compare-and-swap, acq_rel", "a new pass after the failure was raised: its reader is replaced "
+               "compare-and-swap, acq_rel", "a new pass after a reader failed: it is replaced "
                "(ReaderPool.renew_failed), as torch's DataLoader starts new workers for each epoch"),
+    Transition(FILLING, IDLE, "trainer", "ring/segment.py: Ring.renew_failed",
+               "compare-and-swap, acq_rel", "a new pass after a reader failed or died with the slot "
+               "claimed (while taking the new pass's filler): it has exited, and is replaced"),
     # A reader claims the requested slot with the lowest step.
     Transition(REQUESTED, FILLING, "reader r", "zig/c_api.zig: shm_claim_lowest",
                "compare-and-swap, acq_rel", "two readers never both win a slot"),
