@@ -269,10 +269,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
         """Makes `step` the next batch.
 
         A batch still referenced keeps its values: its slot's pages become memory of its
-        own (a batch's worth while it lives) and the slot is mapped anew for the readers.
-        Under pin_memory (the device has the ring's pages registered) seek instead raises
-        RuntimeError naming the step of a batch still referenced, after one garbage
-        collection: drop every batch and view of one first. Batches already filled for other
+        own (a slot's worth while it lives; the first of each slot until the loader
+        closes) and the slot is mapped anew for the readers. Under pin_memory (the device
+        has the ring's pages registered), and for a batch held when the process forked (a
+        child may share its pages), seek instead raises RuntimeError naming its step,
+        after one garbage collection: drop every batch and view of one first. Batches already filled for other
         steps are discarded; readers in the middle of one finish it first.
         """
         self._session.seek(step)

@@ -27,7 +27,7 @@ import weakref
 
 from .device import PinnedRing
 from .fill.filler import FillerSpec, fetch_first_steps
-from .lifecycle import Resources, live_resources
+from .lifecycle import Resources, interrupts_deferred, live_resources
 from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, default_slots, wake_after
 from .plan.options import LoaderOptions, check_integer
@@ -294,8 +294,8 @@ class Session:
             raise RuntimeError(f"cannot seek while batch {step} is held under pin_memory; release every batch first")
         if (slot, step) in self.resources.held_at_fork:
             raise RuntimeError(f"cannot seek while batch {step} is held: this process forked while it was held, and "
-                               f"the child shares its memory, which the readers would fill anew; release the batch "
-                               f"(or copy what you keep) first")
+                               f"a child that has not exec'd shares its memory, which the readers would fill anew; "
+                               f"release the batch (or copy what you keep) first")
 
     def detach(self, slot: int, step: int) -> None:
         """Frees `slot`, which the batch of `step` holds, for the steps a seek requests: the
@@ -303,11 +303,17 @@ class Session:
         tensors or arrays made of them, keep the rows they were given; the cursor, and the
         local reader with readers=0, take arrays over the slot's new mapping. The caller
         checked it may (check_detachable). A thread writing into the batch meanwhile may
-        lose what it writes during the copy."""
-        self.ring.detach_slot(slot)
-        self.cursor.detach(slot, self.views(slot))
-        if self.local is not None:
-            self.local.rebind(slot)
+        lose what it writes during the copy. Whatever can fail comes before the copy, and
+        nothing interrupts what follows it: a slot whose pages went to the batch while the
+        cursor kept arrays over them would deliver those rows again for later steps."""
+        fresh = self.ring.map_slot(slot)
+        views = self.slot.views(fresh, 0)
+        bound = None if self.local is None else self.local.filler.bind(self.slot.views(fresh, 0))
+        with interrupts_deferred():
+            self.ring.detach_slot(slot, fresh)
+            self.cursor.detach(slot, views)
+            if bound is not None:
+                self.local.outputs[slot] = bound
 
     def use(self, sampler, new_pass: bool = False) -> None:
         """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing

@@ -36,10 +36,10 @@ A batch's tensors view its slot (torch.from_numpy): they are valid until they ar
 and the slot is reused only after that. Copy what you keep across steps. A batch kept past
 its epoch (the loop's variable, a loop left by `break` or an exception, a peek such as
 next(iter(loader))) keeps its values: the next pass gives its slot's pages memory of their
-own (Session.detach). Under pin_memory, where the device has those pages registered, such a
-batch must be deleted before the next epoch, which says so; the last batch of an epoch is a
-copy for that case. A new iter(loader) ends the one before: one pass runs at a time, so
-zip(loader, loader) raises.
+own (Session.detach). Under pin_memory, where the device has those pages registered, and for
+a batch held when the process forked, such a batch must be deleted before the next epoch,
+which says so; the last batch of an epoch is a copy for the pin_memory case. A new
+iter(loader) ends the one before: one pass runs at a time, so zip(loader, loader) raises.
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ class DataLoader:
             if before is not None:  # Nothing changed: the readers keep the spec they have.
                 handle.revert(before)
                 session.dataset_spec = before
-            if isinstance(error, RuntimeError) and "is held" in str(error):
+            if isinstance(error, RuntimeError) and "is held under pin_memory" in str(error):
                 raise RuntimeError(f"{error}: a batch of the previous epoch, or a tensor or array made from one, "
                                    f"is still referenced: the loop's variable after a `break`, or a peek such as "
                                    f"next(iter(loader)). Delete it, or copy what you keep (tensor.clone()), before "

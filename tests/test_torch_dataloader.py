@@ -467,6 +467,53 @@ def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that
         loader.close()
 
 
+class _LoadFailsInTurn(Dataset):
+    """While the flag exists, the readers' copy fails to load: the first reader at once,
+    the others once the flag is gone (the epoch has ended), 0.3 s later."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag, self.trainer = flag, os.getpid()
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if os.getpid() == self.trainer or not os.path.exists(self.flag):
+            return
+        try:
+            os.close(os.open(f"{self.flag}.first", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            deadline = time.monotonic() + 30
+            while os.path.exists(self.flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            raise OSError("a later reader failed to load the dataset") from None
+        raise OSError("the first reader failed to load the dataset")
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return np.full((2,), index, np.int64)
+
+
+def test_an_epoch_after_one_whose_readers_failed_to_load_is_not_failed_by_a_slower_one(tmp_path):
+    """A reader still loading the failed epoch's dataset when the next began was sent the
+    next epoch's filler as a live reader, then reported its own failure there (found by an
+    outside review): every reader goes once one has failed."""
+    flag = tmp_path / "flag"
+    loader = DataLoader(_LoadFailsInTurn(str(flag)), batch_size=4, num_workers=2)
+    try:
+        assert _epoch(loader) == (list(range(8)), None)
+        flag.touch()
+        seen, error = _epoch(loader)
+        assert seen == [] and "the first reader failed" in str(error)
+        flag.unlink()
+        (tmp_path / "flag.first").unlink()
+        for _ in range(2):
+            assert _epoch(loader) == (list(range(8)), None)
+    finally:
+        loader.close()
+
+
 def test_a_reader_killed_past_its_restart_budget_is_replaced_for_the_next_epoch(tmp_path):
     kills = tmp_path / "kills"
     kills.write_text("4\n")  # One more than max_reader_restarts (3).

@@ -60,11 +60,6 @@ class LocalReader:
         # each (a file loader's fills touch none, and pay nothing).
         self.kept_states = global_states_kept if runs_user_code(filler) else contextlib.nullcontext
 
-    def rebind(self, slot: int) -> None:
-        """Binds the filler to slot `slot` anew: a seek past a batch that held it mapped it
-        anew (Ring.detach_slot)."""
-        self.outputs[slot] = self.filler.bind(self.views_of(slot))
-
     def fill(self, cursor, step: int, raise_if_closed) -> bool:
         """Claims `step`'s slot, the lowest requested, and fills and publishes it as a
         reader process does; returns whether the fill replaced records (on_error="skip").

@@ -307,27 +307,29 @@ class ReaderPool:
 
     def renew_failed(self) -> int:
         """A new pass (Session.use for Session.new_pass, the drop-in's next epoch), once
-        every slot is taken back (take_back with `settle`): each reader that reported an
-        error or died past its restart budget has exited (killed after join_timeout_seconds),
-        the slots it failed or held claimed go IDLE, and its budget starts again; the
-        reconfigure that follows starts a new reader in its place, which clears its report.
-        So the pass starts afresh, as torch's DataLoader starts new workers for each epoch.
-        Remote readers are not renewed. Returns how many."""
-        renewed = 0
-        for reader_index in range(self.count):
-            if not self._failed(reader_index):
-                continue
-            process = self.processes[reader_index]
+        every slot is taken back (take_back with `settle`): where a reader reported an error
+        or died past its restart budget, every reader goes, as torch's DataLoader starts new
+        workers for each epoch. Those that failed are waited for (killed after
+        join_timeout_seconds), the others killed: one still loading the pass before's filler
+        could report its failure after this, in the new pass. The slots they failed or held
+        claimed go IDLE and their budgets start again; the reconfigure that follows starts
+        new readers in their places, which clears their reports. Remote readers are not
+        renewed (a dataset source has none). Returns how many readers went."""
+        failed = [reader_index for reader_index in range(self.count) if self._failed(reader_index)]
+        if not failed:
+            return 0
+        for reader_index, process in enumerate(self.processes):
+            if reader_index not in failed:
+                process.kill()
             try:
-                process.wait(self.join_timeout_seconds)  # It exits once its report is written.
+                process.wait(self.join_timeout_seconds)  # One that failed exits once its report is written.
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(self.join_timeout_seconds)
             for slot in range(self.ring.layout.slot_count):
                 self.ring.renew_failed(slot, reader_index)
             self._restarts_by_reader[reader_index] = 0
-            renewed += 1
-        return renewed
+        return self.count
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""

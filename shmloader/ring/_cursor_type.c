@@ -160,6 +160,19 @@ static PyObject *cursor_release_unused(Cursor *self, PyObject *Py_UNUSED(ignored
     return released < 0 ? NULL : PyLong_FromSsize_t(released);
 }
 
+/* Slot `index` of an open cursor, or NULL with the error set (closed, or no such slot). */
+static Slot *slot_at(Cursor *self, Py_ssize_t index) {
+    if (!self->active) {
+        PyErr_SetString(PyExc_RuntimeError, "the loader is closed");
+        return NULL;
+    }
+    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
+        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
+        return NULL;
+    }
+    return &self->slots[index];
+}
+
 /* request(slot, step): IDLE, READY (a seek discards it) or FILLING (its filler is dead or
  * gave up: the caller knows) -> REQUESTED, then wakes a reader. HELD is cursor_release's
  * to hand back, REQUESTED is a request already, FAILED must be raised first. */
@@ -169,15 +182,10 @@ static PyObject *cursor_request(Cursor *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nO&", &index, u64_of, &step)) {
         return NULL;
     }
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "the loader is closed");
+    Slot *slot = slot_at(self, index);
+    if (slot == NULL) {
         return NULL;
     }
-    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
-        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
-        return NULL;
-    }
-    Slot *slot = &self->slots[index];
     uint64_t state = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE) & SHM_STATE_MASK;
     if (slot->held || (state != SHM_SLOT_IDLE && state != SHM_SLOT_READY && state != SHM_SLOT_FILLING)) {
         PyErr_Format(PyExc_RuntimeError, "slot %zd cannot be requested for step %llu from state %llu%s", index, step,
@@ -215,15 +223,10 @@ static PyObject *cursor_detach(Cursor *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "nO", &index, &views)) {
         return NULL;
     }
-    if (!self->active) {
-        PyErr_SetString(PyExc_RuntimeError, "the loader is closed");
+    Slot *slot = slot_at(self, index);
+    if (slot == NULL) {
         return NULL;
     }
-    if (self->slots == NULL || index < 0 || index >= self->slot_count) {
-        PyErr_Format(PyExc_IndexError, "no slot %zd", index);
-        return NULL;
-    }
-    Slot *slot = &self->slots[index];
     uint64_t word = __atomic_load_n(&slot->control->state, __ATOMIC_ACQUIRE);
     if (!slot->held || word != SHM_SLOT_HELD) {
         PyErr_Format(PyExc_RuntimeError, "slot %zd is not held by a batch (held %d, state word %#llx)", index,

@@ -116,30 +116,36 @@ class Ring:
         own = self._slot_maps.get(slot)
         return (self.memory, self.layout.slot_offset(slot)) if own is None else (own, 0)
 
-    def detach_slot(self, slot: int) -> None:
-        """Lets a seek go past slot `slot` while a batch still holds it (the trainer's side
-        only): the batch's pages become memory of its own, at the same address and with
-        the same bytes (shm_private_copy), so its arrays, and any tensor or pointer made of
-        them, keep their values; the slot's shared pages, which the readers fill next, are
-        mapped anew at another address (slot_memory). Costs a slot of memory while the batch
+    def map_slot(self, slot: int):
+        """A new mapping of slot `slot`'s shared pages (the trainer's side only), for
+        detach_slot: a buffer, unmapped once nothing refers to it. OSError where the kernel
+        refuses."""
+        length = self.layout.slot_stride  # Whole pages: slots start on page boundaries.
+        mapped = lib.shm_map_shared(self.segment_fd if self.data_fd is None else self.data_fd,
+                                    self.layout.slot_offset(slot), length)
+        if mapped < 0:
+            raise OSError(-mapped, f"slot {slot} of {self.names.segment} could not be mapped anew: "
+                                   f"{os.strerror(-mapped)}")
+        # The buffer keeps the pointer, each array the buffer; the pointer's finalizer unmaps.
+        return ffi.buffer(ffi.gc(ffi.cast("uint8_t *", mapped), lambda pointer: lib.shm_unmap(pointer, length)),
+                          length)
+
+    def detach_slot(self, slot: int, fresh) -> None:
+        """Lets a seek go past slot `slot` while a batch still holds it: the batch's pages
+        become memory of its own, at the same address and with the same bytes
+        (shm_private_copy), so its arrays, and any tensor or pointer made of them, keep their
+        values; the slot's shared pages, which the readers fill next, are reached through
+        `fresh` (map_slot) from now on (slot_memory). Costs a slot of memory while the batch
         lives, or, for the first batch of a slot so kept (whose copy lies within the ring's
         mapping), until the ring is unmapped: a ring's worth at most. A thread writing into
         the batch during the copy may lose what it writes. OSError, with nothing changed,
         where the kernel refuses."""
         memory, offset = self.slot_memory(slot)
-        length = self.layout.slot_stride  # Whole pages: slots start on page boundaries.
-        where = f"slot {slot} of {self.names.segment}: a held batch's pages could not be given memory of their own"
-        mapped = lib.shm_map_shared(self.segment_fd if self.data_fd is None else self.data_fd,
-                                    self.layout.slot_offset(slot), length)
-        if mapped < 0:
-            raise OSError(-mapped, f"{where}: {os.strerror(-mapped)}")
-        # Unmapped once nothing refers to it: the buffer keeps the pointer, each array the buffer.
-        fresh = ffi.buffer(ffi.gc(ffi.cast("uint8_t *", mapped), lambda pointer: lib.shm_unmap(pointer, length)),
-                           length)
         address = int(ffi.cast("uintptr_t", ffi.from_buffer("uint8_t[]", memory))) + offset
-        result = lib.shm_private_copy(ffi.cast("uint8_t *", address), length)
+        result = lib.shm_private_copy(ffi.cast("uint8_t *", address), self.layout.slot_stride)
         if result < 0:
-            raise OSError(-result, f"{where}: {os.strerror(-result)}")
+            raise OSError(-result, f"slot {slot} of {self.names.segment}: a held batch's pages could not be given "
+                                   f"memory of their own: {os.strerror(-result)}")
         self._slot_maps[slot] = fresh
 
     @classmethod
