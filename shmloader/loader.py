@@ -273,8 +273,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         closes) and the slot is mapped anew for the readers. Under pin_memory (the device
         has the ring's pages registered), and for a batch held when the process forked (a
         child may share its pages), seek instead raises RuntimeError naming its step,
-        after one garbage collection: drop every batch and view of one first. Batches already filled for other
-        steps are discarded; readers in the middle of one finish it first.
+        after one garbage collection: drop every batch and view of one first. Batches
+        already filled for other steps are discarded; readers in the middle of one finish
+        it first.
         """
         self._session.seek(step)
 

@@ -247,20 +247,17 @@ class Session:
     def take_back_all(self, settle: bool = False) -> None:
         """Takes every slot back from the readers (a seek's first half): raises, changing
         nothing, where a reader does not finish its step in time (`settle`: see
-        ReaderPool.take_back). A batch still held keeps
-        its values: once the readers are done, its pages become memory of its own and its
-        slot is mapped anew (detach); where that cannot be (pin_memory, a fork), it raises
-        first, naming the batch."""
-        cursor = self.cursor
+        ReaderPool.take_back). A batch still held keeps its values: once the readers are
+        done, its pages become memory of its own and its slot is mapped anew (detach);
+        where that cannot be (pin_memory, a fork), it raises first, naming the batch."""
+        cursor, resources = self.cursor, self.resources
         cursor.release_unused()
         held = cursor.held()
-        resources = self.resources
-        resources.held_at_fork &= set(held.items())  # Forgotten once let go.
-        if held and (resources.pinned is not None or resources.held_at_fork):
+        if held and (resources.pinned is not None or resources.held_at_fork & set(held.items())):
             gc.collect()  # Views in reference cycles: one collection to let them go.
             cursor.release_unused()
             held = cursor.held()
-            resources.held_at_fork &= set(held.items())
+        resources.held_at_fork &= set(held.items())  # Forgotten once let go.
         for slot, step in sorted(held.items()):
             self.check_detachable(slot, step)
         # A reader in the middle of a step finishes it first: as long as a step may take

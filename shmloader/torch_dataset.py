@@ -12,8 +12,8 @@ whose __getitem__ runs in shmloader's readers and writes each sample straight in
 Each `for` loop over the loader is one epoch: one finite pass of the dataset (every index
 once, per shard), in an order drawn from (seed, epoch), with the readers kept between
 epochs (a reader whose __getitem__ raised is replaced: the next epoch starts afresh, as
-torch's new workers do). Arguments map to the loader's settings: num_workers -> readers, prefetch_factor ->
-slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
+torch's new workers do). Arguments map to the loader's settings: num_workers -> readers,
+prefetch_factor -> slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
 a seed, one drawn from torch's global generator, so that torch.manual_seed decides the order
 and the samples' seeds as it does torch's; 0 across ranks, as DistributedSampler's), timeout ->
 step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> each later

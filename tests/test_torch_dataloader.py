@@ -368,8 +368,7 @@ def test_an_epoch_after_a_getitem_error_starts_afresh_as_torchs_does(tmp_path, w
     failed here, and every later epoch raised the same error."""
     flag = tmp_path / "flag"
     flag.touch()
-    loader = DataLoader(_FailsWhileFlagged(str(flag)), batch_size=3, num_workers=workers)
-    try:
+    with DataLoader(_FailsWhileFlagged(str(flag)), batch_size=3, num_workers=workers) as loader:
         for _ in range(2):  # The fault is still there: each epoch raises it anew.
             seen = []
             with pytest.raises(OSError, match="sample 5 could not be read"):
@@ -380,8 +379,6 @@ def test_an_epoch_after_a_getitem_error_starts_afresh_as_torchs_does(tmp_path, w
         for _ in range(2):
             assert [batch[:, 0].tolist() for batch in loader] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
         assert loader._loader.stats()["reader_restarts"] == 0
-    finally:
-        loader.close()
 
 
 class _Faults(Dataset):
@@ -437,16 +434,13 @@ def test_the_next_epoch_does_not_raise_what_the_readers_failed_ahead_in_the_epoc
     next epoch took its slots back, which raised it from iter() before any batch."""
     flag = tmp_path / "flag"
     flag.touch()
-    loader = DataLoader(_Faults(str(flag), {10: 0.0, 12: -0.5}), batch_size=2, num_workers=2)
-    try:
+    with DataLoader(_Faults(str(flag), {10: 0.0, 12: -0.5}), batch_size=2, num_workers=2) as loader:
         seen, error = _epoch(loader)
         assert seen == list(range(10)) and "sample 10" in str(error)
         assert wait_until((tmp_path / "flag.12").exists)  # The other reader is on sample 12, and
         flag.unlink()  # raises it while the next epoch takes the slots back.
         for _ in range(2):
             assert _epoch(loader) == (list(range(20)), None)
-    finally:
-        loader.close()
 
 
 def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that_runs(tmp_path):
@@ -454,8 +448,8 @@ def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that
     failed there left its slot claimed (the next epoch waited 60 s for it, then raised),
     and its replacement was started with that epoch's copy (every later epoch failed)."""
     load_flag = tmp_path / "load"
-    loader = DataLoader(_Faults(str(tmp_path / "none"), {}, load_flag=str(load_flag)), batch_size=3, num_workers=2)
-    try:
+    dataset = _Faults(str(tmp_path / "none"), {}, load_flag=str(load_flag))
+    with DataLoader(dataset, batch_size=3, num_workers=2) as loader:
         assert _epoch(loader) == (list(range(20)), None)
         load_flag.touch()
         seen, error = _epoch(loader)
@@ -463,8 +457,6 @@ def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that
         load_flag.unlink()
         for _ in range(2):
             assert _epoch(loader) == (list(range(20)), None)
-    finally:
-        loader.close()
 
 
 class _LoadFailsInTurn(Dataset):
@@ -500,8 +492,7 @@ def test_an_epoch_after_one_whose_readers_failed_to_load_is_not_failed_by_a_slow
     next epoch's filler as a live reader, then reported its own failure there (found by an
     outside review): every reader goes once one has failed."""
     flag = tmp_path / "flag"
-    loader = DataLoader(_LoadFailsInTurn(str(flag)), batch_size=4, num_workers=2)
-    try:
+    with DataLoader(_LoadFailsInTurn(str(flag)), batch_size=4, num_workers=2) as loader:
         assert _epoch(loader) == (list(range(8)), None)
         flag.touch()
         seen, error = _epoch(loader)
@@ -510,22 +501,17 @@ def test_an_epoch_after_one_whose_readers_failed_to_load_is_not_failed_by_a_slow
         (tmp_path / "flag.first").unlink()
         for _ in range(2):
             assert _epoch(loader) == (list(range(8)), None)
-    finally:
-        loader.close()
 
 
 def test_a_reader_killed_past_its_restart_budget_is_replaced_for_the_next_epoch(tmp_path):
     kills = tmp_path / "kills"
     kills.write_text("4\n")  # One more than max_reader_restarts (3).
-    loader = DataLoader(_Faults(str(tmp_path / "none"), {}, kill=4, kills=str(kills)), batch_size=2,
-                        num_workers=1)
-    try:
+    with DataLoader(_Faults(str(tmp_path / "none"), {}, kill=4, kills=str(kills)), batch_size=2,
+                    num_workers=1) as loader:
         seen, error = _epoch(loader)
         assert seen == [0, 1, 2, 3] and "SIGKILL" in str(error) and kills.read_text().strip() == "0"
         for _ in range(2):
             assert _epoch(loader) == (list(range(20)), None)
-    finally:
-        loader.close()
 
 
 def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence():

@@ -12,9 +12,9 @@ a batch from a ring ago still holds, which next() would ask for too.
 A fill that raises hands its slot back (FILLING|0 -> REQUESTED, ring/transitions.py) and
 its exception reaches the caller as raised, with its own type and traceback; the next
 next() tries the same step again. A reader process publishes FAILED with its report
-instead, which the trainer raises as a ReaderError: FAILED is final within a pass, and in the trainer's
-own thread the user's exception itself, and a retry after fixing its cause, are what help
-(PyTorch's num_workers=0 does the same).
+instead, which the trainer raises as a ReaderError: FAILED is final within a pass, and in
+the trainer's own thread the user's exception itself, and a retry after fixing its cause,
+are what help (PyTorch's num_workers=0 does the same).
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ class ReaderPool:
         return self.processes[reader_index].poll() is not None and \
             self._restarts_by_reader[reader_index] >= self.max_restarts
 
-    def renew_failed(self) -> int:
+    def renew_failed(self) -> None:
         """A new pass (Session.use for Session.new_pass, the drop-in's next epoch), once
         every slot is taken back (take_back with `settle`): where a reader reported an error
         or died past its restart budget, every reader goes, as torch's DataLoader starts new
@@ -314,10 +314,10 @@ class ReaderPool:
         could report its failure after this, in the new pass. The slots they failed or held
         claimed go IDLE and their budgets start again; the reconfigure that follows starts
         new readers in their places, which clears their reports. Remote readers are not
-        renewed (a dataset source has none). Returns how many readers went."""
-        failed = [reader_index for reader_index in range(self.count) if self._failed(reader_index)]
+        renewed (a dataset source has none)."""
+        failed = {reader_index for reader_index in range(self.count) if self._failed(reader_index)}
         if not failed:
-            return 0
+            return
         for reader_index, process in enumerate(self.processes):
             if reader_index not in failed:
                 process.kill()
@@ -329,7 +329,6 @@ class ReaderPool:
             for slot in range(self.ring.layout.slot_count):
                 self.ring.renew_failed(slot, reader_index)
             self._restarts_by_reader[reader_index] = 0
-        return self.count
 
     def raise_reported(self, reader_index: int) -> None:
         """Raises the error reader `reader_index` reported (it marked a slot FAILED)."""
