@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -371,7 +372,8 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
     from shmloader.storage.opening import open_field
     from shmloader.storage.spec import describe_field
 
-    rng = np.random.default_rng(hash((codec, clevel)) % 2**32)
+    # Not hash(): strings hash differently in each process, and the draws with them.
+    rng = np.random.default_rng(zlib.crc32(f"{codec}{clevel}".encode()))
     rows = rng.integers(0, 256, size=(3000, 256), dtype=np.uint8)  # Incompressible: blocks span pages.
     rows[1000:1400] = 0  # Some all-zero blocks, a zero chunk too.
     path = tmp_path / "rows.b2nd"
@@ -388,7 +390,13 @@ def test_a_row_at_random_fetches_its_block_and_nothing_else_is_needed(server, tm
             offsets, sizes = field.extents(wanted, np.ones(len(wanted), dtype=np.uint64))
             chunks = np.unique(wanted // 1024).astype(np.int64)
             whole = pages_of(field._file_offsets[chunks], field._sizes[chunks].astype(np.int64))
-            assert len(pages_of(offsets, sizes)) < len(whole)  # Blocks, not whole chunks.
+            assert len(pages_of(offsets, sizes)) <= len(whole)
+            # Blocks, not whole chunks, where a block with data (rows 1024-1311 are zero
+            # blocks of a few bytes) goes unread.
+            blocks = {(row // 1024, row % 1024 // 96) for row in range(3000) if row // 1024 in chunks
+                      and not 1024 <= row < 1312}
+            if blocks - {(row // 1024, row % 1024 // 96) for row in wanted.tolist()}:
+                assert len(pages_of(offsets, sizes)) < len(whole)
             field.remote.pin(offsets, sizes)
             out = np.empty((len(wanted), 256), dtype=np.uint8)
             field.gather(wanted, out)
