@@ -281,19 +281,31 @@ def table(rows: list[list], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 RESULTS_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def add_write_argument(parser) -> None:
+    """--write: the only way a benchmark touches the checkout (bench/results/<name>.json)."""
+    parser.add_argument("--write", action="store_true",
+                        help="save this run's table in bench/results/ (tracked; bench/report.py turns it into the "
+                             "README's and RESULTS.md's tables); without it nothing in the checkout changes")
+
+
+def command_line(script: str) -> str:
+    """How to rerun this benchmark: its own options, less --write."""
+    return " ".join([f"python bench/{script}", *(item for item in sys.argv[1:] if item != "--write")])
+
+
 def record(benchmark: str, command: str, header: list[str], rows: list[list], headline: list[list] = (),
-           notes: list[str] = ()) -> str:
-    """Writes bench/results/<benchmark>.json: the run's table, where and when it ran, and
-    `headline`, its rows for the README's table ([what, rate, / single process, / PyTorch]).
-    `python bench/report.py` turns these files into RESULTS.md's current table and the
-    README's. Returns the path."""
+           notes: list[str] = (), write: bool = False) -> str | None:
+    """With `write`, saves bench/results/<benchmark>.json: the run's table, where and when it
+    ran, and `headline`, its rows for the README's table ([what, rate, / single process,
+    / PyTorch]); `python bench/report.py --write` turns these files into RESULTS.md's current
+    table and the README's. Without it, says how to save and writes nothing (a run leaves the
+    checkout as it was). Returns the path written, or None."""
+    if not write:
+        print(f"\n(not saved: rerun with --write to keep this run in bench/results/{benchmark}.json)")
+        return None
     import datetime
     import json
     import subprocess
@@ -316,4 +328,5 @@ def record(benchmark: str, command: str, header: list[str], rows: list[list], he
     with open(path, "w") as handle:
         json.dump(data, handle, indent=1)
         handle.write("\n")
+    print(f"\nsaved in {path}")
     return path

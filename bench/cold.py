@@ -41,6 +41,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    add_write_argument,
+    command_line,
     cpu_mark,
     finish_child,
     format_per_million,
@@ -378,6 +380,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="contenders left out: any of disk,global,torch,litdata")
     parser.add_argument("--mode", default="shuffle", help=argparse.SUPPRESS)
     parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
+    add_write_argument(parser)
     args = parse_or_run_child(parser, run_child)
     if args is None:
         return
@@ -402,7 +405,7 @@ def main() -> None:
     ratios = ratio_rows(runs, disk, rounds)
     print(f"\nratios within a round, over {args.rounds} rounds")
     print(table(ratios, ["ratio", "median", "min-max"]))
-    record("cold", " ".join(["python bench/cold.py", *sys.argv[1:]]), header, rows,
+    record("cold", command_line("cold.py"), header, rows, write=args.write,
            notes=[setting, "CPU: all the contender's processes from its timed run's start to their exit; trainer: its "
                            "own process within the run; medians over the rounds",
                   *(f"{name}: {median} ({spread})" for name, median, spread in ratios)])

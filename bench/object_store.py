@@ -28,7 +28,7 @@ mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
 the store's own rate of random ranged GETs of one cache page each at the loader's
 concurrency (its readers' fetch threads), measured in the same run: the loader's rows/s
 over the store's GETs/s is the share of the store's request rate it reaches (a row is a
-request where the cache cannot hold the data; the target is at least 0.5). --server moto
+request where the cache cannot hold the data). --server moto
 runs it against moto in this process's network, without a namespace or a cap, to check
 that the case works (moto serves a few dozen ranged GETs a second):
 
@@ -53,6 +53,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
+    add_write_argument,
+    command_line,
     cpu_mark,
     finish_child,
     image_rows,
@@ -427,6 +429,7 @@ def main() -> None:
     parser.add_argument("--s3rver", default="/tmp/objstore/node_modules/.bin/s3rver")
     parser.add_argument("--peer-python", default=None, help="a Python with litdata, mosaicml-streaming and s3fs")
     parser.add_argument("--skip", default="", help="runs left out: any of litdata,mosaic,s3fs,global,sequential")
+    add_write_argument(parser)
     args = parser.parse_args()
     args.data = os.path.abspath(args.data)
     if args.child:
@@ -499,7 +502,7 @@ def main() -> None:
              per_million(result.get("trainer_cpu_s", 0.0), result.get("rows", 0)), result["wrong"]]
             for label, result in results]
     print(table(rows, header))
-    record("object_store", " ".join(["python bench/object_store.py", *sys.argv[1:]]), header, rows,
+    record("object_store", command_line("object_store.py"), header, rows, write=args.write,
            notes=[setting, "CPU: all the run's processes from its start (the loader's construction) to their exit; "
                            "trainer: its own process up to its last row; the server's CPU is in neither"])
 

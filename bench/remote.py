@@ -1,4 +1,4 @@
-"""Remote readers on Ray (issue 26): how fast the bridge moves batches into the ring, what
+"""Remote readers on Ray: how fast the bridge moves batches into the ring, what
 it costs per batch against a local reader, and a JPEG pipeline with and without actors.
 
 1. The bridge's ceiling: fixed rows cached in memory, readers=0 and actors only, whose fill
@@ -14,8 +14,8 @@ it costs per batch against a local reader, and a JPEG pipeline with and without 
 
 Run: python bench/remote.py [--images 3000] [--batches 20] [--actors 2] [--readers 2]
 Needs the ray and images extras. Ray runs locally, bound to 127.0.0.1
-(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0). Targets (issue 26): the bridge adds under 5% per
-batch against a local reader on the JPEG pipeline; at least 2 GB/s into the ring.
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0). It reports the bridge's cost per
+batch against a local reader on the JPEG pipeline, and its rate into the ring.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import numpy as np  # noqa: E402
-from _common import image_rows, machine_line, table, verdict  # noqa: E402
+from _common import image_rows, machine_line, table  # noqa: E402
 from gather import DATA_DIR  # noqa: E402
 from images import BATCH, SIZE, make_images  # noqa: E402
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     print("\n1. Into the ring, cached fixed rows (the actors' fill is a gather)")
     print(table(ceiling_rows, ["contender", "batch", "batches/s", "GB/s"]))
     into_ring = max(value[1] for value in ceiling.values())
-    print(f"bridge into the ring: {into_ring / 1e9:.2f} GB/s (target 2 GB/s) {verdict(into_ring >= 2e9)}")
+    print(f"bridge into the ring: {into_ring / 1e9:.2f} GB/s")
 
     # 2 and 3. JPEGs.
     _, made = make_images(args.images, max(1, os.cpu_count() or 1))
@@ -129,8 +129,7 @@ def main(argv=None) -> int:
         [f"{args.readers} local readers", f"{local_only * BATCH:,.0f}"],
         [f"{args.readers} local readers + {args.actors} actors (same {os.cpu_count()} cores)", f"{with_actors * BATCH:,.0f}"],
     ], ["contender", "images/s"]))
-    print(f"per-batch overhead of an actor against a local reader: {overhead:.1%} (best of {len(pairs)} each; target "
-          f"under 5%) {verdict(overhead < 0.05)}")
+    print(f"per-batch overhead of an actor against a local reader: {overhead:.1%} (best of {len(pairs)} each)")
     print(f"  actor/local per interleaved pair: {', '.join(f'{ratio:.3f}' for ratio in ratios)}; fill ms per batch "
           f"(local, actor): {', '.join(f'({a:.0f}, {b:.0f})' for a, b in fills)}")
     print("on one machine, actors share the readers' cores: part 3 shows the bridge's overhead, not scaling")

@@ -1,10 +1,9 @@
 """Sampler speed: indices per second for shuffle and random, against numpy doing the same job.
 
 Run: python bench/sampler.py
-Targets (issue 2): shuffle fills >= 50 M indices/s at B=8192 on one core; one fill() from
-Python costs <= 5 us at B=256 with a preallocated `out`. Issue 14: a three-source mixture
-(weights 7/2/1, one source down-sampled, one fixed subset) draws >= 50% of plain shuffle's
-indices/s.
+It reports shuffle's indices/s at B=8192 on one core, the cost of one fill() from Python at
+B=256 with a preallocated `out`, and a three-source mixture's rate (weights 7/2/1, one source
+down-sampled, one fixed subset) against plain shuffle's.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import sys
 import time
 
 import numpy as np
-from _common import best_rate, machine_line, table, verdict
+from _common import best_rate, machine_line, table
 
 from shmloader import Sampler
 from shmloader._native import ffi
@@ -105,11 +104,10 @@ def main() -> int:
     shuffle_rate = results[("shuffle", 8192)]
     print()
     print(f"one fill() call, B=256, preallocated out: {call_us:.2f} us")
-    print(f"target shuffle >= 50 M idx/s at B=8192: {shuffle_rate / 1e6:.1f} -> {verdict(shuffle_rate >= 50e6)}")
-    print(f"target fill() <= 5 us at B=256:         {call_us:.2f} -> {verdict(call_us <= 5.0)}")
+    print(f"shuffle at B=8192: {shuffle_rate / 1e6:.1f} M indices/s")
     for batch_size in (256, 8192):
         share = results[("mixture", batch_size)] / results[("shuffle", batch_size)]
-        print(f"target mixture >= 50% of plain shuffle at B={batch_size}: {share:.0%} -> {verdict(share >= 0.5)}")
+        print(f"three-source mixture at B={batch_size}: {share:.0%} of plain shuffle's rate")
     return 0
 
 
