@@ -228,7 +228,7 @@ def test_convert_images_given_a_file_says_it_wants_a_directory(tmp_path, capsys)
 def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(dataset, monkeypatch, capsys):
     from shmloader.tools import benchmark
 
-    def fake_run(fields, batch_size, steps, readers, slots, mode, progress, min_seconds=0.0):
+    def fake_run(fields, batch_size, readers, slots, mode, progress, rule):
         rate = {1: 10.0, 2: 30.0}.get(readers, 5.0)  # The best point is not the last one swept.
         return {"readers": readers, "slots": slots, "rows_per_s": rate, "batches_per_s": 1.0, "gb_per_s": 0.0,
                 "wait_fraction": 0.0, "first_batch_s": 0.0, "shared_memory_mib": 0.0, "starved_fraction": 0.0,
@@ -236,8 +236,8 @@ def test_compare_torch_with_sweep_runs_torch_with_the_best_points_readers(datase
 
     used = []
     monkeypatch.setattr(benchmark, "run_loader", fake_run)
-    monkeypatch.setattr(benchmark, "run_torch", lambda fields, batch, steps, workers: used.append(workers) or
-                        {"rows_per_s": 1.0})
+    monkeypatch.setattr(benchmark, "run_torch", lambda fields, batch, workers, rule: used.append(workers) or
+                        {"rows_per_s": 1.0, "spread": 0.0, "rounds": 5, "rounds_used": 5, "settled": True})
     monkeypatch.setattr(benchmark, "_require", lambda *args: None)
     assert main(["bench", dataset["paths"]["labels_npy"], "--sweep", "--compare", "torch", "--quiet",
                  "--repeats", "1"]) == 0
@@ -252,8 +252,8 @@ def test_the_sweep_times_each_setting_long_enough_repeats_it_and_says_how_sure_t
 
     calls = []
 
-    def fake_run(fields, batch_size, steps, readers, slots, mode, progress, min_seconds=0.0):
-        calls.append((readers, slots, min_seconds))
+    def fake_run(fields, batch_size, readers, slots, mode, progress, rule):
+        calls.append((readers, slots, rule.min_s))
         rate = 100.0 + (10.0 if readers == 2 else 0.0) + len(calls) % 3  # Readers 2 ahead, within noise of none.
         return {"readers": readers, "slots": slots, "rows_per_s": rate, "batches_per_s": 1.0, "gb_per_s": 0.0,
                 "wait_fraction": 0.0, "first_batch_s": 0.0, "shared_memory_mib": 0.0, "starved_fraction": 0.0,

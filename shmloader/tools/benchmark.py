@@ -15,6 +15,7 @@ from ..plan.defaults import TRAINER_SLOTS
 from ..plan.fields import Packed
 from ..storage.ragged import describe_ragged, is_ragged
 from ..storage.spec import describe_field
+from .measuring import StopRule, describe_cache, describe_figure, measure, page_cache_share
 
 # --sweep tries these many slots per reader for each reader count, plus the trainer's two
 # (the loader's default is 4 per reader + 2; with fewer than 2 per reader readers ran dry).
@@ -43,9 +44,8 @@ def touch(batch) -> int:
     return total
 
 
-def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: str, progress: bool,
-               min_seconds: float = 0.0) -> dict:
-    """One timed run: at least `steps` batches and at least `min_seconds` of them."""
+def run_loader(fields: dict, batch_size: int, readers, slots, mode: str, progress: bool, rule: StopRule) -> dict:
+    """One measurement of the loader: a warm-up, then rounds until the rate settles (`rule`)."""
     from tqdm import tqdm
 
     started = time.perf_counter()
@@ -56,33 +56,31 @@ def run_loader(fields: dict, batch_size: int, steps: int, readers, slots, mode: 
         batch_bytes = sum(array.nbytes for array in first.values())
         touch(first)
         del first
-        timed = time.perf_counter()
         # A bar updated by hand: tqdm(zip(range(n), loader)) keeps the batch before the
         # loop variable's alive (in the tuple tqdm holds), one more than a plain loop.
-        with tqdm(total=steps, desc=f"readers={loader.readers} slots={loader.slots}", disable=not progress,
+        with tqdm(desc=f"readers={loader.readers} slots={loader.slots}", unit=" batches", disable=not progress,
                   leave=False) as bar:
-            counted = 0
-            while counted < steps or time.perf_counter() - timed < min_seconds:
+            def step() -> int:
                 batch = next(loader)
                 touch(batch)
                 del batch
-                counted += 1
                 bar.update()
-        steps = counted
-        elapsed = time.perf_counter() - timed
+                return batch_size
+
+            result = measure(step, rule)
         stats = loader.stats()
-        return {
+        result.update({
             "readers": loader.readers,
             "slots": loader.slots,
-            "rows_per_s": steps * batch_size / elapsed,
-            "batches_per_s": steps / elapsed,
-            "gb_per_s": steps * batch_bytes / elapsed / 1e9,  # Slot bytes (a Packed field's capacity).
+            "batches_per_s": result["rows_per_s"] / batch_size,
+            "gb_per_s": result["rows_per_s"] / batch_size * batch_bytes / 1e9,  # Slot bytes (a Packed field's capacity).
             "wait_fraction": stats["wait_fraction"],
             "first_batch_s": first_batch_s,
             "shared_memory_mib": loader.diagnostics.shared_memory_bytes / 2**20,
             "starved_fraction": max((reader["starved_fraction"] for reader in stats["readers"]), default=0.0),
             "batches_per_wakeup": sum(r["batches"] for r in stats["readers"]) / max(1, sum(r["wakeups"] for r in stats["readers"])),
-        }
+        })
+        return result
 
 
 class TorchRows:
@@ -129,34 +127,44 @@ def _no_collate(batch):
     return batch
 
 
-def run_torch(fields: dict, batch_size: int, steps: int, workers: int) -> dict:
+def run_torch(fields: dict, batch_size: int, workers: int, rule: StopRule) -> dict:
+    """PyTorch's DataLoader over the same files, measured by the same rule as the loader."""
     import torch
     from torch.utils.data import DataLoader, RandomSampler
 
     torch.set_num_threads(1)
     dataset = TorchRows(fields)
     loader = DataLoader(
-        dataset, batch_size=batch_size, sampler=RandomSampler(dataset, num_samples=(steps + 2) * batch_size),
-        num_workers=workers, collate_fn=_no_collate, persistent_workers=workers > 0,
-        prefetch_factor=4 if workers > 0 else None,
+        dataset, batch_size=batch_size, sampler=RandomSampler(dataset), num_workers=workers,
+        collate_fn=_no_collate, persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
         # Forking a process that runs threads (the loader's, torch's) risks a deadlock in
         # the child; forkserver starts workers from a clean single-threaded server.
         multiprocessing_context="forkserver" if workers > 0 else None,
     )
     iterator = iter(loader)
-    touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
-    started = time.perf_counter()
-    for _ in range(steps):
-        touch({name: tensor.numpy() for name, tensor in next(iterator).items()})
-    elapsed = time.perf_counter() - started
-    return {"rows_per_s": steps * batch_size / elapsed, "batches_per_s": steps / elapsed}
+
+    def step() -> int:
+        nonlocal iterator
+        try:
+            batch = next(iterator)
+        except StopIteration:  # An epoch ended: the next one, as a training loop would.
+            iterator = iter(loader)
+            batch = next(iterator)
+        touch({name: tensor.numpy() for name, tensor in batch.items()})
+        return len(next(iter(batch.values())))
+
+    try:
+        return measure(step, rule)
+    finally:
+        del iterator
 
 
-def _print_result(result: dict) -> None:
-    spread = result.get("rows_per_s_range")
-    spread = f" (runs {spread[0]:,.0f}-{spread[1]:,.0f})" if spread else ""
+def _print_result(result: dict, rule: StopRule) -> None:
+    runs = result.get("rows_per_s_range")
+    figure = (f"median of {result['repeats']} runs ({runs[0]:,.0f}-{runs[1]:,.0f})" if runs
+              else describe_figure(result, rule))
     print(
-        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s{spread}, "
+        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, {figure}; "
         f"{result['gb_per_s']:.2f} GB/s, {result['batches_per_s']:,.1f} batches/s, trainer waited "
         f"{result['wait_fraction']:.0%}, readers starved up to {result['starved_fraction']:.0%} "
         f"({result['batches_per_wakeup']:.1f} batches per wake-up), first batch {result['first_batch_s']:.2f} s, "
@@ -212,23 +220,24 @@ def _describe(path: str) -> str:
     return f"{path}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}"
 
 
-def _sweep(fields: dict, arguments, points: list[tuple[int, int]], progress: bool) -> list[dict]:
+def _sweep(fields: dict, arguments, points: list[tuple[int, int]], progress: bool, rule: StopRule) -> list[dict]:
     """Each point run `repeats` times, every round over all points (in reverse order on odd
-    rounds, so that a machine's drift does not favour one end), each run timed for at least
-    `seconds_per_point`; a point's rows_per_s is its median, with its lowest and highest."""
+    rounds, so that a machine's drift does not favour one end), each run measured by `rule`;
+    a point's rows_per_s is the median of its runs, with their lowest and highest."""
     rates: dict[tuple[int, int], list[dict]] = {point: [] for point in points}
     for round_index in range(arguments.repeats):
         for readers, slots in (points if round_index % 2 == 0 else points[::-1]):
-            rates[readers, slots].append(run_loader(fields, arguments.batch_size, arguments.steps, readers, slots,
-                                                    arguments.mode, progress, arguments.seconds_per_point))
+            rates[readers, slots].append(run_loader(fields, arguments.batch_size, readers, slots, arguments.mode,
+                                                    progress, rule))
     results = []
     for point in points:
         runs = sorted(rates[point], key=lambda result: result["rows_per_s"])
         result = dict(runs[len(runs) // 2])  # The middle run's statistics, the median's rate.
         result["rows_per_s"] = statistics.median(run["rows_per_s"] for run in runs)
         result["rows_per_s_range"] = (runs[0]["rows_per_s"], runs[-1]["rows_per_s"])
+        result["repeats"] = len(runs)
         results.append(result)
-        _print_result(result)
+        _print_result(result, rule)
     return results
 
 
@@ -244,11 +253,20 @@ def _pick(results: list[dict]) -> str:
     return text + f"; within run-to-run noise of {shown}: any of them will do (more --repeats tell them apart)"
 
 
-def run_cli(arguments) -> int:
-    fields = field_names(arguments.files)
-    for name, path in fields.items():
-        print(f"field {name!r}: {_describe(path)}")
-    progress = not arguments.quiet
+def stop_rule(arguments) -> StopRule:
+    """The measurement's rule from the options: --steps (one fixed round), else --seconds at
+    most and --tolerance; a sweep's point lasts --seconds-per-point (its repeats and their
+    range tell noise apart)."""
+    if arguments.steps is not None:
+        return StopRule(steps=arguments.steps)
+    if arguments.sweep:
+        seconds = arguments.seconds_per_point
+        return StopRule(warmup_s=min(1.0, seconds), round_s=max(seconds / 5, 0.05), window=5,
+                        tolerance=arguments.tolerance, min_s=seconds, max_s=seconds)
+    return StopRule(tolerance=arguments.tolerance, max_s=max(arguments.seconds, StopRule.min_s))
+
+
+def _check_options(fields: dict, arguments) -> None:
     if arguments.plot and not arguments.sweep:
         raise ValueError("--plot goes with --sweep")
     if arguments.plot:
@@ -259,24 +277,38 @@ def run_cli(arguments) -> int:
             if is_ragged(path) or glob.has_magic(path):
                 raise ValueError(f"--compare torch takes single .npy or .b2nd files; {path} is "
                                  f"{'a ragged directory' if is_ragged(path) else 'a glob'}")
+
+
+def run_cli(arguments) -> int:
+    fields = field_names(arguments.files)
+    for name, path in fields.items():
+        print(f"field {name!r}: {_describe(path)}")
+    progress = not arguments.quiet
+    _check_options(fields, arguments)
+    rule = stop_rule(arguments)
+    cache_before = page_cache_share(list(fields.values()))
     results = []
     if arguments.sweep:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
         points = [(readers, per_reader * readers + TRAINER_SLOTS) for readers in reader_counts
                   for per_reader in _SLOTS_PER_READER]
-        results = _sweep(fields, arguments, points, progress)
+        results = _sweep(fields, arguments, points, progress, rule)
         print(_pick(results))
         if arguments.plot:
             _plot(results, arguments.plot)
     else:
-        results.append(run_loader(fields, arguments.batch_size, arguments.steps, arguments.readers, arguments.slots,
-                                  arguments.mode, progress))
-        _print_result(results[-1])
+        results.append(run_loader(fields, arguments.batch_size, arguments.readers, arguments.slots, arguments.mode,
+                                  progress, rule))
+        _print_result(results[-1], rule)
     if arguments.compare == "torch":
-        workers = max(results, key=lambda result: result["rows_per_s"])["readers"]  # The best point's.
-        theirs = run_torch(fields, arguments.batch_size, max(20, arguments.steps // 4), workers)
-        ours = max(result["rows_per_s"] for result in results)
-        print(f"PyTorch DataLoader, {workers} workers, __getitems__: {theirs['rows_per_s']:,.0f} rows/s "
-              f"(shmloader {ours / theirs['rows_per_s']:.1f}x)")
+        best = max(results, key=lambda result: result["rows_per_s"])
+        workers = best["readers"]  # The best point's.
+        theirs = run_torch(fields, arguments.batch_size, workers, rule)
+        print(f"PyTorch DataLoader, {workers} workers, __getitems__: {theirs['rows_per_s']:,.0f} rows/s, "
+              f"{describe_figure(theirs, rule)}")
+        print(f"shmloader / PyTorch DataLoader: {best['rows_per_s'] / theirs['rows_per_s']:.1f}x "
+              f"(readers={best['readers']} against {workers} workers, batch {arguments.batch_size}, "
+              f"both measured the same way in this run)")
+    print(describe_cache(cache_before, page_cache_share(list(fields.values()))))
     return 0

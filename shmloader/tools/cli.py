@@ -245,6 +245,14 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _positive_fraction(text: str) -> float:
+    """An argparse type: a share above 0 (0.03 is 3%)."""
+    value = float(text)
+    if not 0 < value < 10:
+        raise argparse.ArgumentTypeError(f"must be a share above 0 such as 0.03 (3%), got {text}")
+    return value
+
+
 def _non_negative(text: str) -> int:
     """An argparse type: an integer of at least 0."""
     value = int(text)
@@ -340,10 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="reader processes, 0 to fill steps in the trainer (default: the loader's)")
     bench.add_argument("--slots", type=_positive, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
     bench.add_argument("--batch-size", type=_positive, default=256, help="rows per batch")
-    bench.add_argument("--steps", type=_positive, default=500, help="batches timed per run")
+    bench.add_argument("--seconds", type=_positive_seconds, default=20.0,
+                       help="the most seconds one measurement lasts: after a 1 s warm-up it runs rounds of 0.5 s "
+                            "until 5 in a row agree within --tolerance (and at least 2.5 s), or until this")
+    bench.add_argument("--tolerance", type=_positive_fraction, default=0.03,
+                       help="the spread ((max - min) / median of the last 5 rounds) at which a figure counts as "
+                            "stable")
+    bench.add_argument("--steps", type=_positive, default=None,
+                       help="time exactly this many batches instead, as one round, without warm-up or spread (a "
+                            "quick check, not a figure to trust)")
     bench.add_argument("--mode", choices=["sequential", "random", "shuffle"], default="shuffle", help="sampler mode")
     bench.add_argument("--sweep", action="store_true", help="try several reader and slot counts")
-    bench.add_argument("--seconds-per-point", type=float, default=2.0, help="with --sweep: the least time a run lasts")
+    bench.add_argument("--seconds-per-point", type=float, default=2.0,
+                       help="with --sweep: the time each run is measured, after a warm-up of up to 1 s")
     bench.add_argument("--repeats", type=_positive, default=2, help="with --sweep: runs of each setting")
     bench.add_argument("--plot", metavar="PNG", default=None, help="with --sweep: draw throughput (needs matplotlib)")
     bench.add_argument("--compare", choices=["torch"], default=None, help="also run PyTorch's DataLoader on the files")
