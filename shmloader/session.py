@@ -137,7 +137,7 @@ class Session:
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", options.start_step, 0, last_step(plan.sampler, slots, cuts.end_step))
         if options.warn_layout:
-            warn_poor_layouts(plan.plans)
+            warn_poor_layouts(plan.plans, options.batch_size)
         warn_window_memory(plan.plans, plan.sampler)
         sweep_stale()
         return cls(resources, plan, options, slots, cuts, readers=readers, fillers=fillers, pin_backend=pin_backend,

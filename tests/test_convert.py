@@ -39,10 +39,22 @@ SHAPES = {
 }
 
 
+@pytest.fixture
+def convert_layout_measured_no_slower(monkeypatch):
+    """convert measures a .b2nd input's layout against its own before writing and keeps the
+    input's where that reads faster (test_layout_advice.py); here the measurement says
+    convert's is as fast, so that these tests check convert's own layout and values."""
+    from shmloader.storage.layout_advice import Advice
+    from shmloader.tools import convert as convert_module
+
+    monkeypatch.setattr(convert_module, "measure_layout",
+                        lambda spec, batch_size=256: Advice(spec, 1.0, 1.0, spec.row_count, batch_size, ()))
+
+
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("dtype", [np.uint8, np.int16, np.float32, np.float64, np.bool_], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("source", ["npy", "b2nd-default", "b2nd-partial-chunks"])
-def test_conversion_is_value_exact(tmp_path, shape, dtype, source):
+def test_conversion_is_value_exact(tmp_path, shape, dtype, source, convert_layout_measured_no_slower):
     array = image_like(shape[0], shape[1:] or (1,), seed=6).reshape(shape)
     array = (array % 2).astype(dtype) if dtype == np.bool_ else array.astype(dtype)
     if source == "npy":

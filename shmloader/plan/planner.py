@@ -18,6 +18,7 @@ import warnings
 from ..errors import PerformanceWarning, StorageError, user_stacklevel
 from ..ring.slot_layout import RESERVED_NAMES, SlotLayout
 from ..storage import layout as blosc_layout
+from ..storage import layout_advice
 from ..storage.readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
 from .fields import (
     FieldPlan,
@@ -257,18 +258,17 @@ def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | 
         )
 
 
-def warn_poor_layouts(plans: dict[str, FieldPlan]) -> None:
-    """A PerformanceWarning per Blosc2 field whose layout makes random rows costly."""
+def warn_poor_layouts(plans: dict[str, FieldPlan], batch_size: int) -> None:
+    """A PerformanceWarning per Blosc2 field that `shmloader convert` would make at least
+    1.5x faster: the cost model picks the files worth measuring, and a measurement of a
+    sample against convert's layout, in batches of `batch_size`, decides (storage/layout_advice.py)."""
     for name, plan in plans.items():
         spec = plan.first_part
-        if plan.kind == "rows" and blosc_layout.poor_layout(spec):
-            warnings.warn(
-                f"field {name!r} ({spec.name}): its Blosc2 layout (chunks {spec.chunks}, blocks "
-                f"{spec.blocks}, {spec.codec}) costs about {blosc_layout.estimate_row_cost_us(spec):.0f} us per "
-                f"random row, against about {blosc_layout.row_friendly_cost_us(spec):.0f} us for a row-friendly "
-                f"file. Re-lay it out once with: {blosc_layout.convert_command(spec)}",
-                PerformanceWarning,
-                stacklevel=user_stacklevel(),
-            )
+        if plan.kind != "rows" or not blosc_layout.poor_layout(spec):
+            continue
+        advice = layout_advice.advice_for(spec, batch_size)
+        if advice is not None and advice.worth_it:
+            warnings.warn(f"field {name!r} ({spec.name}): {advice.message()}", PerformanceWarning,
+                          stacklevel=user_stacklevel())
 
 

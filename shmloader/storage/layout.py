@@ -1,5 +1,5 @@
 """The layout cost model: which Blosc2 chunk and block shapes read random rows fast, and
-what a given file's layout costs per random row (the loader's PerformanceWarning)."""
+what a given file's layout costs per random row by a model (which files layout_advice.py measures)."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def row_friendly_cost_us(spec: FieldSpec) -> float:
 
 
 def poor_layout(spec: FieldSpec) -> bool:
-    """Whether random rows of this file cost far more than after `shmloader convert`."""
+    """Whether the model says random rows of this file cost far more than after `shmloader
+    convert`: the files worth measuring (layout_advice.py measures before anything is advised)."""
     if spec.kind != "b2nd":
         return False
     cost = estimate_row_cost_us(spec)
@@ -76,3 +77,21 @@ def convert_command(spec: FieldSpec) -> str:
         return f"shmloader convert LOCAL_COPY.{suffix} {stem}.rows.{suffix}"
     path = pathlib.Path(spec.path)
     return f"shmloader convert {path} {path.with_name(path.stem + '.rows' + path.suffix)}"
+
+
+def compression_params(codec: str, clevel: int, itemsize: int, threads: int):
+    """Blosc2's CParams for codec "lz4", "blosclz", "zstd" or "none" (convert decides "auto" first), for fixed rows and
+    ragged values alike. "none" is LZ4 at level 0: stored, with Blosc2's framing."""
+    import blosc2
+
+    return blosc2.CParams(
+        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD,
+               "none": blosc2.Codec.LZ4}[codec],
+        clevel=0 if codec == "none" else clevel,
+        typesize=itemsize,
+        nthreads=threads,
+        # Byte shuffle helps multi-byte types compress; on 1-byte types it does nothing
+        # but libblosc2 still runs a scalar byte loop over every decompressed block.
+        filters=[blosc2.Filter.SHUFFLE] if itemsize > 1 else [blosc2.Filter.NOFILTER],
+        filters_meta=[0],
+    )

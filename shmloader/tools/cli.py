@@ -29,10 +29,12 @@ def _convert(arguments) -> int:
     from .inspection import io_advice
     from .upload import named, staged_output
 
+    notes: list[str] = []
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
         spec = convert(
             arguments.input, output, codec=arguments.codec, clevel=arguments.clevel,
             rows_per_block=arguments.rows_per_block, force=arguments.force, progress=not arguments.quiet,
+            batch_size=arguments.batch_size, notes=notes,
         )
         advice = io_advice(spec)  # It reads the file written: before a staged one goes.
     ratio = spec.uncompressed_bytes / max(spec.compressed_bytes, 1)
@@ -40,6 +42,8 @@ def _convert(arguments) -> int:
     print(named(f"wrote {spec.path}: {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}, chunks "
                 f"{spec.chunks}, blocks {spec.blocks}, {codec}, ratio {ratio:.2f}", arguments.output, output))
     print(named(advice, arguments.output, output))
+    for note in notes:
+        print(note)
     return 0
 
 
@@ -53,10 +57,11 @@ def _inspect(arguments) -> int:
         report = {"path": spec.path, "format": "ragged", "records": spec.record_count, "dtype": spec.dtype,
                   "record_ndim": spec.record_ndim, "elements_min": int(lengths.min()),
                   "elements_mean": round(float(lengths.mean()), 1), "elements_max": int(lengths.max())}
-        report.update({f"values_{key}": value for key, value in inspect(spec.values.path, sample=arguments.sample).items()
+        report.update({f"values_{key}": value for key, value in inspect(spec.values.path, sample=arguments.sample,
+                                                                         batch_size=arguments.batch_size).items()
                        if key not in ("path", "format")})
     else:
-        report = inspect(arguments.file, sample=arguments.sample)
+        report = inspect(arguments.file, sample=arguments.sample, batch_size=arguments.batch_size)
     if arguments.json:
         print(json.dumps(report, default=str))
         return 0
@@ -288,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--clevel", type=int, default=5, help="compression level, 0-9 (ignored by --codec none)")
     convert.add_argument("--rows-per-block", type=int, default=None,
                          help="rows per Blosc2 block (default: about 4 KB of rows, at least one)")
+    convert.add_argument("--batch-size", type=_positive, default=256,
+                         help="the batch size you train with: a .b2nd input whose own layout reads random rows faster "
+                              "in batches like it keeps that layout (unless --codec or --rows-per-block is given)")
     convert.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     convert.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -329,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("file", help="a .npy or .b2nd file, or a ragged field directory")
     inspect.add_argument("--sample", type=_positive, default=64, help="random rows timed")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument("--batch-size", type=_positive, default=256,
+                         help="the batch size you train with: a .b2nd file's layout is measured against convert's "
+                              "in batches like it")
 
     verify = _command(commands, "verify", "check every chunk of a converted .b2nd against its stored CRC-32",
                       _verify)

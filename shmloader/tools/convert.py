@@ -12,7 +12,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import StorageError
-from ..storage.layout import choose_layout
+from ..storage.layout import choose_layout, compression_params
+from ..storage.layout_advice import DEFAULT_BATCH_SIZE
+from ..storage.layout_advice import measure as measure_layout
 from ..storage.ragged import (
     OFFSETS_NAME,
     SHAPES_NAME,
@@ -46,24 +48,6 @@ _COMPRESS_THREADS_MAX = 4
 _PIECE_BYTES_TARGET = 64 << 20
 
 
-def compression_params(codec: str, clevel: int, itemsize: int, threads: int):
-    """Blosc2's CParams for one of CODECS (not "auto": decide it first), for fixed rows and
-    ragged values alike. "none" is LZ4 at level 0: stored, with Blosc2's framing."""
-    import blosc2
-
-    return blosc2.CParams(
-        codec={"lz4": blosc2.Codec.LZ4, "blosclz": blosc2.Codec.BLOSCLZ, "zstd": blosc2.Codec.ZSTD,
-               "none": blosc2.Codec.LZ4}[codec],
-        clevel=0 if codec == "none" else clevel,
-        typesize=itemsize,
-        nthreads=threads,
-        # Byte shuffle helps multi-byte types compress; on 1-byte types it does nothing
-        # but libblosc2 still runs a scalar byte loop over every decompressed block.
-        filters=[blosc2.Filter.SHUFFLE] if itemsize > 1 else [blosc2.Filter.NOFILTER],
-        filters_meta=[0],
-    )
-
-
 def _open_input(path: str):
     """The input as an array-like that supports row slicing, read lazily."""
     with open(path, "rb") as handle:
@@ -91,6 +75,8 @@ def convert(
     force: bool = False,
     progress: bool = True,
     piece_bytes: int = _PIECE_BYTES_TARGET,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    notes: list[str] | None = None,
 ) -> FieldSpec:
     """Writes `source` (a .npy or .b2nd path, or a numpy array) to `output` as a row-friendly .b2nd.
 
@@ -101,6 +87,11 @@ def convert(
     name beside `output` and renames it at the end, so an interrupted conversion never
     leaves a partial file at `output`. About `piece_bytes` of input (at least one chunk of
     input and output) is held in memory at a time. Returns the new file's description.
+
+    A .b2nd input converted with the defaults (codec "auto", no rows_per_block) is first
+    measured against convert's layout on a sample, in batches of `batch_size`: where
+    convert's would read random rows slower, the output keeps the input's chunks, blocks
+    and compression (with checksums added), and says so in `notes`.
     """
     import blosc2
 
@@ -124,12 +115,19 @@ def convert(
     check_dtype(source_name, dtype)
     check_rows(source_name, shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
-    if codec == "auto":
-        codec = auto_codec(array, block_rows * row_bytes, clevel)
-    chunks = (rows_per_chunk, *shape[1:])
-    blocks = (block_rows, *shape[1:])
-    cparams = compression_params(codec, clevel, dtype.itemsize, min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX))
+    threads = min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX)
+    kept = None
+    if codec == "auto" and rows_per_block is None and not isinstance(array, np.ndarray):
+        kept = _faster_input_layout(source_name, array, batch_size, threads, notes)
+    if kept is not None:
+        rows_per_chunk, chunks, blocks, cparams = kept
+    else:
+        rows_per_chunk, block_rows = choose_layout(shape[0], row_bytes, rows_per_block)
+        if codec == "auto":
+            codec = auto_codec(array, block_rows * row_bytes, clevel)
+        chunks = (rows_per_chunk, *shape[1:])
+        blocks = (block_rows, *shape[1:])
+        cparams = compression_params(codec, clevel, dtype.itemsize, threads)
     temporary = output.with_name(f".{output.name}.partial-{os.getpid()}")
     piece_rows = rows_per_chunk * max(
         math.ceil(_input_chunk_rows(array) / rows_per_chunk),
@@ -156,6 +154,26 @@ def convert(
         temporary.unlink(missing_ok=True)
         raise
     return describe_field(output)
+
+
+def _faster_input_layout(source_name: str, array, batch_size: int, threads: int, notes: list[str] | None):
+    """(rows per chunk, chunks, blocks, cparams) of a .b2nd input whose own layout reads
+    random rows faster than convert's would (measured on a sample); None otherwise."""
+    import dataclasses
+
+    spec = describe_field(source_name)
+    if spec.kind != "b2nd" or not spec.row_contiguous:
+        return None
+    advice = measure_layout(spec, batch_size)
+    if advice is None or advice.gain >= 1.0:
+        return None
+    if notes is not None:
+        notes.append(f"kept the input's layout (chunks {spec.chunks}, blocks {spec.blocks}, {spec.codec}): convert's "
+                     f"would read random rows at {advice.gain:.2f}x its rate in batches of {batch_size:,} "
+                     f"({advice.converted_rows_per_s:,.0f} against {advice.rows_per_s:,.0f} rows/s on a sample); "
+                     f"--codec or --rows-per-block writes convert's layout anyway")
+    cparams = dataclasses.replace(array.schunk.cparams, nthreads=threads)
+    return spec.chunk_rows, spec.chunks, spec.blocks, cparams
 
 
 def chunk_checksums(schunk) -> np.ndarray:
