@@ -102,6 +102,13 @@ _FIELD_SPEC_KEYS = tuple(field.name for field in dataclasses.fields(FieldSpec))
 
 
 def check_dtype(path: str, dtype: np.dtype) -> None:
+    if dtype.fields is not None and not dtype.hasobject:
+        stem = _stem(path)
+        raise StorageError(
+            f"{path}: dtype {dtype} is structured (fields {', '.join(dtype.names)}); the loader reads one plain "
+            f"dtype per file. Split it once into one file per field with: shmloader convert {path} {stem}.b2nd "
+            f"(writes {stem}.{dtype.names[0]}.b2nd and the others beside it)"
+        )
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise StorageError(
             f"{path}: dtype {dtype} is not supported; shmloader needs a plain numeric or bool "
@@ -109,6 +116,27 @@ def check_dtype(path: str, dtype: np.dtype) -> None:
         )
     if dtype.itemsize == 0:
         raise StorageError(f"{path}: dtype {dtype} has zero-sized items")
+
+
+def _stem(path: str) -> str:
+    """A path without its trailing slash and .npy/.b2nd suffix, for naming what convert writes."""
+    path = path.rstrip(os.sep) or path
+    return re.sub(r"\.(npy|b2nd)$", "", path)
+
+
+# A sparse Blosc2 frame (blosc2's contiguous=False) is a directory holding this index file
+# beside one file per chunk.
+SPARSE_FRAME_INDEX = "chunks.b2frame"
+
+
+def is_sparse_frame(path: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), SPARSE_FRAME_INDEX))
+
+
+def contiguous_name(path: str) -> str:
+    """Where convert's contiguous copy of a sparse frame at `path` goes, by default."""
+    stem = _stem(path)
+    return f"{stem}.contiguous.b2nd" if stem != path.rstrip(os.sep) else f"{stem}.b2nd"
 
 
 def check_rows(path: str, shape: tuple[int, ...], allow_empty: bool = False) -> None:
@@ -153,6 +181,10 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
         status = os.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"field file {path} does not exist") from None
+    if stat.S_ISDIR(status.st_mode) and is_sparse_frame(path):
+        raise StorageError(f"{path} is a sparse Blosc2 frame (a directory of chunk files, as blosc2 writes with "
+                           f"contiguous=False); the loader maps contiguous .b2nd files. Copy it once into one with: "
+                           f"shmloader convert {path} {contiguous_name(path)}")
     if stat.S_ISDIR(status.st_mode):
         raise StorageError(f"{path} is a directory; expected a .npy file or a contiguous Blosc2 .b2nd file")
     if not stat.S_ISREG(status.st_mode):
@@ -285,7 +317,8 @@ def _describe_b2nd(path: str, allow_empty: bool = False) -> FieldSpec:
     check_rows(path, shape, allow_empty)
     schunk = array.schunk
     if not schunk.contiguous:
-        raise StorageError(f"{path}: a sparse (directory) Blosc2 frame; re-save it contiguous with `shmloader convert`")
+        raise StorageError(f"{path}: a sparse Blosc2 frame; copy it once into a contiguous one with: "
+                           f"shmloader convert {path} {contiguous_name(path)}")
     chunks = tuple(int(extent) for extent in array.chunks)
     blocks = tuple(int(extent) for extent in array.blocks)
     chunk_count = int(schunk.nchunks)

@@ -25,10 +25,12 @@ def _demo(arguments) -> int:
 
 
 def _convert(arguments) -> int:
-    from .convert import convert
+    from .convert import convert, is_structured
     from .inspection import io_advice
     from .upload import named, staged_output
 
+    if is_structured(arguments.input):
+        return _split(arguments)
     notes: list[str] = []
     with staged_output(arguments.output, arguments.force) as output:  # An s3:// output: uploaded once written.
         spec = convert(
@@ -44,6 +46,22 @@ def _convert(arguments) -> int:
     print(named(advice, arguments.output, output))
     for note in notes:
         print(note)
+    return 0
+
+
+def _split(arguments) -> int:
+    """A structured input: one file per field, and the loader's dict that reads them."""
+    from .convert import split_fields
+
+    if arguments.output.startswith("s3://"):
+        raise ValueError(f"{arguments.input} is structured: split it into local files first, then upload each")
+    specs = split_fields(arguments.input, arguments.output, codec=arguments.codec, clevel=arguments.clevel,
+                         rows_per_block=arguments.rows_per_block, force=arguments.force,
+                         progress=not arguments.quiet, batch_size=arguments.batch_size)
+    for name, spec in specs.items():
+        print(f"wrote {spec.path}: field {name!r}, {spec.row_count:,} rows of {spec.row_shape} {spec.numpy_dtype}")
+    fields = ", ".join(f"{name!r}: {spec.path!r}" for name, spec in specs.items())
+    print(f"load them with: ShmDataLoader({{{fields}}}, ...)")
     return 0
 
 
@@ -286,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = _command(commands, "convert", "write a .npy or .b2nd file as a Blosc2 .b2nd laid out for random rows",
                        _convert)
-    convert.add_argument("input", help="a .npy file or a contiguous Blosc2 .b2nd file")
+    convert.add_argument("input", help="a .npy or Blosc2 file, or a sparse Blosc2 frame (a directory); a structured "
+                                       "dtype is split into one file per field, OUTPUT.<field>.b2nd")
     convert.add_argument("output", help="the .b2nd file to write")
     convert.add_argument("--codec", choices=["auto", "lz4", "blosclz", "zstd", "none"], default="auto",
                          help="auto: LZ4 if it saves at least 10%% on a sample, else uncompressed")

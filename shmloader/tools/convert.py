@@ -29,9 +29,11 @@ from ..storage.spec import (
     check_rows,
     describe_field,
 )
+from .convert_inputs import Member, member_outputs, open_input
 from .output import check_output, publishing
 
-__all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "verify", "write_checksums", "write_ragged"]
+__all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "split_fields", "verify", "write_checksums",
+           "write_ragged"]
 
 CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
 # "auto" stores data uncompressed when LZ4 would shrink a sample by less than this: noisy
@@ -46,18 +48,6 @@ _AUTO_SAMPLE_PIECE_BYTES = 256 << 10
 _COMPRESS_THREADS_MAX = 4
 # Conversion reads its input in pieces of about this many bytes (at least one chunk).
 _PIECE_BYTES_TARGET = 64 << 20
-
-
-def _open_input(path: str):
-    """The input as an array-like that supports row slicing, read lazily."""
-    with open(path, "rb") as handle:
-        head = handle.read(16)
-    if head.startswith(b"\x93NUMPY"):
-        return np.load(path, mmap_mode="r")
-    spec = describe_field(path)  # Validates and raises a clear error for anything else.
-    import blosc2
-
-    return blosc2.open(spec.path, mode="r")
 
 
 def _input_chunk_rows(array) -> int:
@@ -101,23 +91,25 @@ def convert(
         raise ValueError(f"clevel must be an integer in [0, 9], got {clevel!r}")
     if pathlib.Path(output).suffix.lower() == ".npy":
         raise ValueError(f"{output}: convert writes a Blosc2 frame, which a .npy name would misdescribe; name it .b2nd")
-    output = check_output(output, () if isinstance(source, np.ndarray) else (source,), force)
+    output = check_output(output, (source,) if isinstance(source, (str, os.PathLike)) else (), force)
     if output.is_dir():
         raise FileExistsError(f"{output} is a directory; convert writes a .b2nd file: choose another output")
-    if isinstance(source, np.ndarray):
-        array, source_name = source, "array"
+    from_path = isinstance(source, (str, os.PathLike))
+    if not from_path:  # An array, or one field of a structured input (convert_inputs.Member).
+        array, source_name = source, getattr(source, "name", "array")
     else:
         source_name = os.fspath(source)
         if not os.path.exists(source_name):
             raise FileNotFoundError(f"input file {source_name} does not exist")
-        array = _open_input(source_name)
+        array = open_input(source_name)
     shape, dtype = tuple(int(extent) for extent in array.shape), np.dtype(array.dtype)
     check_dtype(source_name, dtype)
     check_rows(source_name, shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     threads = min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX)
     kept = None
-    if codec == "auto" and rows_per_block is None and not isinstance(array, np.ndarray):
+    if codec == "auto" and rows_per_block is None and from_path and os.path.isfile(source_name) \
+            and not isinstance(array, np.ndarray):
         kept = _faster_input_layout(source_name, array, batch_size, threads, notes)
     if kept is not None:
         rows_per_chunk, chunks, blocks, cparams = kept
@@ -154,6 +146,34 @@ def convert(
         temporary.unlink(missing_ok=True)
         raise
     return describe_field(output)
+
+
+def split_fields(source, output: str | os.PathLike, **options) -> dict[str, FieldSpec]:
+    """A structured .npy or .b2nd (or a sparse frame of one) written as one row-friendly
+    .b2nd per field, OUTPUT.<field>.b2nd; `options` as convert's. Returns each field's
+    description, by field name."""
+    source_name = os.fspath(source)
+    if not os.path.exists(source_name):
+        raise FileNotFoundError(f"input file {source_name} does not exist")
+    array = open_input(source_name)
+    dtype = np.dtype(array.dtype)
+    if dtype.fields is None:
+        raise ValueError(f"{source_name}: dtype {dtype} has no fields to split; convert it as it is")
+    for name in dtype.names:
+        if dtype.fields[name][0].fields is not None:
+            raise StorageError(f"{source_name}: field {name!r} is itself structured ({dtype.fields[name][0]}); "
+                               f"split it with numpy first")
+    paths = member_outputs(os.fspath(output), dtype.names)
+    for path in paths.values():
+        check_output(path, (source,), options.get("force", False))
+    return {name: convert(Member(array, name), path, **options) for name, path in paths.items()}
+
+
+def is_structured(source) -> bool:
+    """Whether `source` (a path) holds a structured array, which convert splits into fields."""
+    if not os.path.exists(os.fspath(source)):
+        raise FileNotFoundError(f"input file {os.fspath(source)} does not exist")
+    return np.dtype(open_input(os.fspath(source)).dtype).fields is not None
 
 
 def _faster_input_layout(source_name: str, array, batch_size: int, threads: int, notes: list[str] | None):
