@@ -338,6 +338,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         return not self._session.cursor.active
 
     def __enter__(self) -> ShmDataLoader:
+        if self.closed:  # `with` on a closed loader would run its block over nothing and hide why.
+            raise RuntimeError("`with loader:` on a closed loader: it was closed (close(), or the end of an earlier "
+                               "`with` block) and cannot be reopened; build a new ShmDataLoader")
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -196,6 +196,7 @@ def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> Loader
     else:
         block_rows = 1 if shuffle_window is None else shuffle_block_rows(plans, shuffle_window)
         sampler = Sampler(row_counts[0], batch_size, mode, seed, shard_index, shard_count, shuffle_window, block_rows)
+        warn_batch_past_epoch(batch_size, row_counts[0] // shard_count, mode, options.epochs)
     repeats = records_repeated_max(sampler)
     plans = {name: packed_for_repeats(plan, batch_size, repeats) for name, plan in plans.items()}
     if spec is None:
@@ -256,6 +257,21 @@ def warn_window_memory(plans: dict[str, FieldPlan], sampler, limit_bytes: int | 
             PerformanceWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def warn_batch_past_epoch(batch_size: int, epoch_rows: int, mode: str, epochs: int | None) -> None:
+    """A UserWarning where an endless shuffle's batch is larger than an epoch: the batch then
+    spans epochs and holds rows twice. Not refused: the stream stays what it is everywhere
+    (every row once per epoch), and epochs=N gives one short batch per pass instead."""
+    if mode != "shuffle" or epochs is not None or batch_size <= epoch_rows:
+        return
+    warnings.warn(
+        f"batch_size={batch_size:,} is larger than an epoch's {epoch_rows:,} rows (per shard): in the endless shuffle "
+        f"stream (epochs=None) each batch spans more than one epoch and holds some rows twice. For one short batch "
+        f"per epoch, as PyTorch's DataLoader gives, pass epochs=N; for distinct rows, use batch_size <= {epoch_rows:,}",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def warn_poor_layouts(plans: dict[str, FieldPlan], batch_size: int) -> None:

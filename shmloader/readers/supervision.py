@@ -39,6 +39,23 @@ def _cache_note() -> str:
     return note[:1].upper() + note[1:]
 
 
+# A batch slot of at least this many bytes can take the stall warning's time to fill by
+# itself (cold rows read from disk, the slot's pages touched for the first time), so the
+# warning names the batch's size before SIGSTOP or a stalled file system.
+_LARGE_BATCH_BYTES = 256 << 20
+
+
+def _stall_cause(slot_bytes: int, batches_delivered: int) -> str:
+    """What a long wait for a step may mean, the batch size first where it is large."""
+    usual = "a reader stopped (SIGSTOP, a debugger) or a stalled file system would do this"
+    if slot_bytes < _LARGE_BATCH_BYTES:
+        return usual[:1].upper() + usual[1:]
+    first = "the first batches" if batches_delivered == 0 else "a batch"
+    return (f"Each batch is {slot_bytes / 1e9:.2f} GB: filling {first} of that size (rows read from disk, the slot's "
+            f"pages written for the first time) can take this long on its own, and a smaller batch_size fills "
+            f"sooner; otherwise {usual}")
+
+
 class Supervisor(StepActions):
     """The trainer's actions for steps that are not READY, for one loader.
 
@@ -89,7 +106,7 @@ class Supervisor(StepActions):
             self._stall_warned = True
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
-            cause = _cache_note() or "A reader stopped (SIGSTOP, a debugger) or a stalled file system would do this"
+            cause = _cache_note() or _stall_cause(self.ring.layout.slot_bytes, cursor.batches)
             warnings.warn(
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it)"
                 f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.",

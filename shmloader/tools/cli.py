@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from .. import __version__
 
@@ -398,8 +400,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt_once(signum, frame) -> None:
+    """SIGINT: a KeyboardInterrupt the first time, nothing after it. The command then closes
+    what it opened (a loader's readers and ring, bounded waits) and exits with one line; a
+    second Ctrl-C during that clean-up printed an internal traceback and could leave it
+    half done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        return _run(arguments)
+    finally:
+        # Restored unless a Ctrl-C came: then it stays ignored while the process exits (the
+        # loaders' finalizers run at exit too).
+        if previous is not None and signal.getsignal(signal.SIGINT) is _interrupt_once:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _run(arguments) -> int:
     try:
         return arguments.handler(arguments)
     except KeyboardInterrupt:
