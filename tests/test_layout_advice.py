@@ -136,3 +136,16 @@ def test_convert_writes_its_own_layout_where_it_is_no_slower_or_where_told(layou
     told = convert(spec.path, tmp_path / "told.b2nd", progress=False, notes=notes, codec="lz4")
     assert told.chunks != spec.chunks and not notes and calls == [256]  # --codec given: not measured.
     np.testing.assert_array_equal(blosc2.open(told.path)[:], data)
+
+
+def test_the_sample_stays_small_whatever_the_chunks(layouts):
+    """One chunk of the whole array must not be read whole to measure it: the sample is about
+    8 MiB, a few blocks at least, 64 MiB at most."""
+    import dataclasses
+
+    spec, _, _ = layouts["int64 in one LZ4 chunk"]
+    huge = dataclasses.replace(spec, row_count=10**9, chunk_rows=10**9, block_rows=40_000)
+    assert layout_advice.sample_rows(huge) == (8 << 20) // 8
+    huge_blocks = dataclasses.replace(huge, block_rows=10**8)
+    assert layout_advice.sample_rows(huge_blocks) == (64 << 20) // 8
+    assert layout_advice.sample_rows(dataclasses.replace(spec, row_count=100)) == 100

@@ -19,10 +19,10 @@ from .spec import FieldSpec, describe_field
 # faster than the file's own: below it, the gain would be lost in a run's noise and a
 # converted file would cost the user a copy of the data for nothing.
 ADVISE_GAIN_MIN = 1.5
-# The sample: the file's first rows, about this many bytes of them (whole chunks of the
-# file where they are smaller). Convert's chunks hold at most 64 blocks, so a sample of a
-# few of them reads as the whole converted file would.
+# The sample: the file's first rows, about this many bytes of them. Convert's chunks hold at
+# most 64 blocks, so a sample of a few of them reads as the whole converted file would.
 _SAMPLE_BYTES = 8 << 20
+_SAMPLE_BYTES_MAX = 64 << 20  # What the sample holds in memory at most, whatever the blocks.
 # Rows in a batch where the caller names no batch size (`shmloader bench`'s default).
 DEFAULT_BATCH_SIZE = 256
 # Each side is timed for about this long after one untimed batch, and at most this many
@@ -95,9 +95,12 @@ def causes(spec: FieldSpec) -> tuple[str, ...]:
 
 
 def sample_rows(spec: FieldSpec) -> int:
-    """How many of the file's first rows the comparison reads: about _SAMPLE_BYTES, and at
-    least one chunk of the file."""
-    return min(spec.row_count, max(_SAMPLE_BYTES // max(spec.row_bytes, 1), spec.chunk_rows or 1))
+    """How many of the file's first rows the comparison reads: about _SAMPLE_BYTES, at least
+    a few of its blocks (what a row costs depends on its block, and on its whole chunk only
+    where blocks depend on each other, which any sample pays), at most _SAMPLE_BYTES_MAX."""
+    row_bytes = max(spec.row_bytes, 1)
+    wanted = max(_SAMPLE_BYTES // row_bytes, 4 * max(spec.block_rows, 1))
+    return max(1, min(spec.row_count, wanted, _SAMPLE_BYTES_MAX // row_bytes))
 
 
 def sample_batch(batch_size: int, sample: int, row_count: int) -> int:
