@@ -309,6 +309,7 @@ def run_cli(arguments) -> int:
               f"{describe_figure(theirs, rule)}")
         print(f"shmloader / PyTorch DataLoader: {best['rows_per_s'] / theirs['rows_per_s']:.1f}x "
               f"(readers={best['readers']} against {workers} workers, batch {arguments.batch_size}, "
-              f"both measured the same way in this run)")
+              f"both measured the same way in this run"
+              f"{'' if best.get('settled', True) and theirs['settled'] else '; not both stable, so a rough ratio'})")
     print(describe_cache(cache_before, page_cache_share(list(fields.values()))))
     return 0

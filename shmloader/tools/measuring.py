@@ -155,7 +155,7 @@ def describe_cache(before: tuple[float, int] | None, after: tuple[float, int] | 
     if before is None:
         return "page cache: not measured (no mincore here)"
     share, size = before
-    text = f"page cache: {share:.0%} of the data's {size / 1e6:,.0f} MB was in memory at the start"
+    text = f"page cache: {share:.0%} of the data's {size / 1e6:,.{0 if size >= 1e8 else 2}f} MB was in memory at the start"
     if share < COLD_SHARE:
         text += ("; COLD: this run read from the disk and its figure includes that (run again for the warm-cache "
                  "figure, or keep it if training reads cold data)")
