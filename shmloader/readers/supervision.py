@@ -56,6 +56,7 @@ class Supervisor(StepActions):
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
+        self.timed_out = False  # A step timed out: the next iter() recovers (Session.recover).
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -80,6 +81,7 @@ class Supervisor(StepActions):
             filling = found == SlotState.FILLING
             who = (f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
                    ) + self.pool.waiting_note()
+            self.timed_out = True
             raise StepTimeoutError(
                 f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
                 f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
