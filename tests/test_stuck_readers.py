@@ -163,3 +163,35 @@ def test_the_drop_in_recovers_from_a_timeout_at_the_next_epoch(tmp_path, short_b
         first = [int(value) for batch in epoch for value in batch["x"][:, 0]]
         second = [int(value) for batch in loader for value in batch["x"][:, 0]]
     assert first == second == list(range(48))
+
+
+class FailsOnce(Blocks):
+    """Row `row` raises the first time it is read (a transient error: a flaky mount)."""
+
+    def __getitem__(self, index: int):
+        if index == self.row:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                raise OSError(f"row {index}: a transient read error")
+            except FileExistsError:
+                pass
+        return {"x": np.full(2, index, dtype=np.int64)}
+
+
+@pytest.mark.parametrize("readers", [1, 3])
+def test_after_a_reader_failed_the_next_iteration_runs_with_healthy_readers(tmp_path, readers):
+    """Before: the next `for` loop raised the same reader's error again (its slot stayed
+    FAILED, its process gone)."""
+    from shmloader import ReaderError
+
+    dataset = FailsOnce(48, row=13, once=str(tmp_path / "failed"))
+    with ShmDataLoader.from_dataset(dataset, batch_size=4, mode="sequential", readers=readers, slots=4, epochs=1,
+                                    warn_layout=False) as loader:
+        rows = []
+        with pytest.raises(ReaderError, match="a transient read error"):
+            for batch in loader:
+                rows += batch["x"][:, 0].tolist()
+        assert rows == list(range(12))
+        for batch in loader:
+            rows += batch["x"][:, 0].tolist()
+    assert rows == list(range(48))
