@@ -266,7 +266,11 @@ class ReaderPool:
                     exit_code=exit_code,
                     step=step,
                 )
+            step = self._filling_step(reader_index)
             self.restart(reader_index, request)
+            stuck.warn_restarted(reader_index, process.pid, describe_exit(exit_code), step,
+                                 self.processes[reader_index].pid, self._restarts_by_reader[reader_index],
+                                 self.max_restarts)
 
     def _filling_step(self, reader_index: int) -> int | None:
         """The step a dead reader was filling (its slot still FILLING), or None."""

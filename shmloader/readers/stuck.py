@@ -1,6 +1,8 @@
-"""A reader that does not hand back its slot when the trainer takes the slots back (a seek,
-a new pass or epoch, a resume, the next pass after a step timed out): what it was doing,
-from /proc, for the warning that says it was killed and replaced (ReaderPool.replace_stuck).
+"""What the trainer says of a reader it replaces: one that died and is restarted
+(warn_restarted), and one that does not hand back its slot when the trainer takes the
+slots back (a seek, a new pass or epoch, a resume, the next pass after a step timed out):
+what it was doing, from /proc, for the warning that says it was killed and replaced
+(ReaderPool.replace_stuck).
 
 The step it held belongs to the position being left, so nothing is lost by killing it: the
 slot goes IDLE and the new position requests it again. Waiting longer only delays the new
@@ -12,7 +14,7 @@ import dataclasses
 import time
 import warnings
 
-from ..errors import ReaderStallWarning, user_stacklevel
+from ..errors import ReaderRestartWarning, ReaderStallWarning, user_stacklevel
 
 # What /proc/PID/stat's state letter means, in the warning's words.
 _STATES = {
@@ -84,3 +86,13 @@ class Report:
             f"{since}. It was killed and reader {self.reader_index} started anew (pid {new_pid}); the step belonged "
             f"to the position left, so nothing is lost.",
             ReaderStallWarning, stacklevel=user_stacklevel())
+
+
+def warn_restarted(reader_index: int, pid: int, exited: str, step: int | None, new_pid: int, count: int,
+                   max_restarts: int) -> None:
+    """The warning of a dead reader's restart: its signal or exit code, the step it was
+    filling, and its count against max_reader_restarts (past it, the loader raises)."""
+    where = "" if step is None else f" while filling step {step} (filled again)"
+    warnings.warn(f"reader {reader_index} (pid {pid}) {exited}{where}; restarted as pid {new_pid}, restart {count} of "
+                  f"max_reader_restarts={max_restarts} for this reader (one more death past that raises ReaderError)",
+                  ReaderRestartWarning, stacklevel=user_stacklevel())
