@@ -98,3 +98,20 @@ def test_top_once_survives_planted_rings_in_a_64_mb_dev_shm(tmp_path):
     assert ring + "  trainer" in out, out
     assert "foreign (not read): shml_1_00112233aa01: 20,000 reader records" in out, out
     assert "foreign (not read): shml_1_00112233aa02: 2,000,000 reader records" in out, out
+
+
+def test_the_stale_sweep_leaves_what_no_loader_makes():
+    """A FIFO named like a ring, old, is not a ring left behind: the sweep leaves it (before,
+    it took the FIFO's free flock for an owner gone and unlinked it)."""
+    from shmloader.ring.stale import sweep_stale
+
+    name = "shml_1_0011223344f1"
+    path = os.path.join("/dev/shm", name)
+    os.mkfifo(path)
+    try:
+        os.utime(path, (1, 1))
+        assert name not in sweep_stale()
+        assert os.path.exists(path)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
