@@ -46,7 +46,6 @@ from .ring.stale import sweep_stale
 _READER_CHECK_BATCHES = 64
 
 
-
 class StepCuts:
     """Which delivered steps keep fewer rows than a batch, and which rows: the partial steps
     of a finite pass (the last, or an empty one on a shard whose part ended), and the first
@@ -282,9 +281,10 @@ class Session:
         """Takes every slot back from the readers (a seek's first half): a reader that does
         not finish its step within take_back_bound() is killed and replaced, with a warning
         naming `why` (ReaderPool.take_back); raises, changing nothing, where a slot still
-        cannot be taken back (`settle`: see ReaderPool.take_back). A batch still held keeps its values: once the readers are
-        done, its pages become memory of its own and its slot is mapped anew (detach);
-        where that cannot be (pin_memory, a fork), it raises first, naming the batch."""
+        cannot be taken back (`settle`: see ReaderPool.take_back). A batch still held keeps
+        its values: once the readers are done, its pages become memory of its own and its
+        slot is mapped anew (detach); where that cannot be (pin_memory, a fork), it raises
+        first, naming the batch."""
         cursor, resources = self.cursor, self.resources
         cursor.release_unused()
         held = cursor.held()

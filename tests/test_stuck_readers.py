@@ -195,3 +195,19 @@ def test_after_a_reader_failed_the_next_iteration_runs_with_healthy_readers(tmp_
         for batch in loader:
             rows += batch["x"][:, 0].tolist()
     assert rows == list(range(48))
+
+
+def test_a_resume_replaces_a_stopped_reader_and_continues_exactly(tmp_path, short_bound):
+    flag = tmp_path / "stall"
+    flag.touch()
+    with ShmDataLoader.from_dataset(Blocks(60, row=22, flag=str(flag)), batch_size=4, mode="sequential", readers=2,
+                                    slots=6, warn_layout=False) as loader:
+        assert [next(loader).step for _ in range(2)] == [0, 1]
+        state = loader.state_dict()
+        owner, pid = _filling_reader(loader._session, 5)
+        os.kill(pid, signal.SIGSTOP)
+        flag.unlink()
+        with pytest.warns(ReaderStallWarning, match=rf"reader {owner} \(pid {pid}\).*at a resume \(load_state_dict\)"):
+            loader.load_state_dict(state)
+        got = [batch["x"][:, 0].tolist() for batch in (next(loader) for _ in range(8))]
+    assert got == [list(range(4 * step, 4 * step + 4)) for step in range(2, 10)]

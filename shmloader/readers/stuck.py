@@ -94,5 +94,6 @@ def warn_restarted(reader_index: int, pid: int, exited: str, step: int | None, n
     filling, and its count against max_reader_restarts (past it, the loader raises)."""
     where = "" if step is None else f" while filling step {step} (filled again)"
     warnings.warn(f"reader {reader_index} (pid {pid}) {exited}{where}; restarted as pid {new_pid}, restart {count} of "
-                  f"max_reader_restarts={max_restarts} for this reader (one more death past that raises ReaderError)",
+                  f"max_reader_restarts={max_restarts} for this reader (a death once it has had them all raises "
+                  f"ReaderError)",
                   ReaderRestartWarning, stacklevel=user_stacklevel())
