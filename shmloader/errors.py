@@ -120,6 +120,11 @@ class ReaderStallWarning(RuntimeWarning):
     """One step has been in flight for a long time: a reader is stopped or its files stall."""
 
 
+class ReaderRestartWarning(RuntimeWarning):
+    """A reader died (a signal, an exit) and was restarted: names the signal, the step it was
+    filling and its restart count against max_reader_restarts."""
+
+
 def user_stacklevel() -> int:
     """The stacklevel that makes a warning point at the first frame outside this package."""
     frame, level = sys._getframe(1), 1

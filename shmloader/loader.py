@@ -209,6 +209,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                 f"restarted, since its order would repeat. For more passes give epochs=N up front (each epoch in "
                 f"its own order), or an endless loader (epochs=None) with your own step count; seek(0) replays "
                 f"this pass knowingly")
+        self._session.recover()  # After a step failed or timed out: healthy readers, a clean ring.
         return self._session.iterator
 
     # The GPU hop.
@@ -260,7 +261,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         check_integer("the checkpoint's step", going.step, 0, session.last_step(going.sampler, going.end_step))
         if going.sampler is not self.sampler:
             session.use(going.sampler)
-        session.seek(going.step)
+        session.seek(going.step, "a resume (load_state_dict)")
         resume = going.resume
         if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:
             session.resume_at(resume)

@@ -45,9 +45,6 @@ from .ring.stale import sweep_stale
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
 
-# How long a seek waits for a reader to finish the step it is filling, without a step_timeout.
-_SEEK_FILL_SECONDS = 60.0
-
 
 class StepCuts:
     """Which delivered steps keep fewer rows than a batch, and which rows: the partial steps
@@ -225,13 +222,14 @@ class Session:
                           tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
                           options.on_error, options.epochs, options.drop_last, self.dataset_spec)
 
-    def seek(self, step: int) -> None:
-        """Makes `step` the next batch, checked against the bound: every slot taken back first."""
+    def seek(self, step: int, why: str = "a seek") -> None:
+        """Makes `step` the next batch, checked against the bound: every slot taken back first
+        (a reader that failed, or holds its slot past the bound, replaced: settle_readers)."""
         self.check_open()
         check_integer("step", step, 0, self.last_step())
         self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
         try:
-            self.take_back_all()
+            self.settle_readers(why)
             self.cursor.next_step = step
             self.cuts.resume = None  # A seek names its step knowingly: no resumed position to cut at.
             self.cursor.partial_from = self.cuts.partial_from
@@ -244,12 +242,49 @@ class Session:
         self.cuts.resume = resume
         self.cursor.partial_from = resume.step
 
-    def take_back_all(self, settle: bool = False) -> None:
-        """Takes every slot back from the readers (a seek's first half): raises, changing
-        nothing, where a reader does not finish its step in time (`settle`: see
-        ReaderPool.take_back). A batch still held keeps its values: once the readers are
-        done, its pages become memory of its own and its slot is mapped anew (detach);
-        where that cannot be (pin_memory, a fork), it raises first, naming the batch."""
+    def settle_readers(self, why: str) -> None:
+        """Takes every slot back and leaves healthy readers behind: one that failed is
+        replaced (ReaderPool.renew_failed, replace_dead), one that holds its slot past the
+        bound too (take_back_all). A new position's first half (seek, the next iter() after
+        a step failed or timed out)."""
+        self.take_back_all(settle=True, why=why)
+        self.pool.renew_failed()
+        self.pool.replace_dead()
+        # The timed-out step's wait starts again: the replaced reader's time is not the new one's.
+        self.supervisor.timed_out, self.supervisor._episode = False, None
+
+    def recover(self) -> None:
+        """The next iter() after a step timed out or a reader failed: the step next() was on
+        is requested again of healthy readers (a clean ring), as torch's DataLoader starts
+        new workers for its next epoch. Nothing else moves: the same step comes next."""
+        if not (self.supervisor.timed_out or self.pool.any_failed()):
+            return
+        self.check_open()
+        self.cursor.enter()
+        try:
+            self.settle_readers("the next iteration after a failed step")
+            self.request_from(self.cursor.next_step)
+        finally:
+            self.cursor.leave()
+
+    def take_back_bound(self) -> float:
+        """How long taking the slots back waits for a reader's step before replacing the
+        reader: ReaderPool.take_back_seconds, or the step_timeout where that is shorter."""
+        bound = self.pool.take_back_seconds
+        return bound if self.step_timeout is None else min(bound, self.step_timeout)
+
+    def step_rows(self, step: int):
+        """The dataset rows of `step` in the current pass (for a warning)."""
+        return self.cuts.sampler.fill(step)
+
+    def take_back_all(self, settle: bool = False, why: str = "a seek") -> None:
+        """Takes every slot back from the readers (a seek's first half): a reader that does
+        not finish its step within take_back_bound() is killed and replaced, with a warning
+        naming `why` (ReaderPool.take_back); raises, changing nothing, where a slot still
+        cannot be taken back (`settle`: see ReaderPool.take_back). A batch still held keeps
+        its values: once the readers are done, its pages become memory of its own and its
+        slot is mapped anew (detach); where that cannot be (pin_memory, a fork), it raises
+        first, naming the batch."""
         cursor, resources = self.cursor, self.resources
         cursor.release_unused()
         held = cursor.held()
@@ -260,22 +295,21 @@ class Session:
         resources.held_at_fork &= set(held.items())  # Forgotten once let go.
         for slot, step in sorted(held.items()):
             self.check_detachable(slot, step)
-        # A reader in the middle of a step finishes it first: as long as a step may take
-        # (step_timeout, else a minute), not the hold timeout of a batch a user keeps.
-        fill_timeout = self.step_timeout if self.step_timeout is not None else max(self.hold_timeout, _SEEK_FILL_SECONDS)
-        taken = []
+        # A reader in the middle of a step finishes it first, within the bound; not the hold
+        # timeout of a batch a user keeps. Its step belongs to the position being left.
+        fill_timeout = self.take_back_bound()
         try:
             for slot in range(self.slots):
-                self.pool.take_back(slot, fill_timeout, cursor, settle)  # A held slot: at once.
-                taken.append(slot)
+                self.pool.take_back(slot, fill_timeout, cursor, settle, why, self.step_rows)  # A held slot: at once.
             for slot, step in sorted(held.items()):
                 self.detach(slot, step)
         except BaseException:
             if not cursor.active:
                 raise  # Closed meanwhile: nothing to go on with.
             # Nothing changed, as far as the caller can tell: the slots taken back so far
-            # are requested again for the steps they held, and the loader goes on as before.
-            for slot in taken:
+            # (and those of a reader killed in a replacement that then failed) are requested
+            # again for the steps they held, and the loader goes on as before.
+            for slot in range(self.slots):
                 if self.ring.state(slot)[0] == SlotState.IDLE:
                     old = cursor.next_step + (slot - cursor.next_step) % self.slots
                     if old < cursor.end_step:
@@ -312,7 +346,7 @@ class Session:
             if bound is not None:
                 self.local.outputs[slot] = bound
 
-    def use(self, sampler, new_pass: bool = False) -> None:
+    def use(self, sampler, new_pass: bool = False, why: str = "a resume (load_state_dict)") -> None:
         """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing
         (plan/reshard.py), a new pass's seed, or none again; readers take the new filler
         once every slot is taken back (readers/channel.py). The caller seeks next. Raises,
@@ -323,7 +357,7 @@ class Session:
         filler = self.filler_spec(sampler)
         self.cursor.enter()
         try:
-            self.take_back_all(settle=new_pass)
+            self.take_back_all(settle=new_pass, why=why)
             if new_pass:
                 self.pool.renew_failed()
             self.cuts.sampler, self.cuts.finite = sampler, _pass_of(sampler, self.options)
@@ -337,7 +371,7 @@ class Session:
         finally:
             self.cursor.leave()
 
-    def new_pass(self, seed: int) -> None:
+    def new_pass(self, seed: int, why: str = "the start of the next epoch") -> None:
         """Starts this finite pass again under `seed`, at step 0, with the same readers (one
         whose error ended the pass before replaced): the next epoch of an adapter that runs
         one pass per epoch (shmloader.torch.DataLoader). Batches still held keep their
@@ -347,8 +381,8 @@ class Session:
         data = {key: value for key, value in self.plan.sampler.to_dict().items()
                 if key not in ("transition", "start_position")}
         sampler = type(self.plan.sampler).from_dict({**data, "seed": seed})  # options.seed stays the loader's.
-        self.use(sampler, new_pass=True)
-        self.seek(0)
+        self.use(sampler, new_pass=True, why=why)
+        self.seek(0, why)
 
     def slot_states(self) -> list[tuple[str, int]]:
         """(state, step) of every slot, as the ring's control table says now (diagnostics)."""

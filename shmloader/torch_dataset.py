@@ -52,6 +52,7 @@ from .plan.dataset import DatasetError, rebuild_batch
 from .plan.defaults import TRAINER_SLOTS
 from .plan.options import check_flag
 from .plan.sampler import derive_seed
+from .readers.supervision import drop_in_hold_advice
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -167,6 +168,8 @@ class DataLoader:
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
             pin_memory=bool(pin_memory))
+        self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
+                                                                           TRAINER_SLOTS)
         spec = self._loader._dataset.spec
         beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
                   if output.max_items is not None or output.max_length is not None}

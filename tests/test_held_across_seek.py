@@ -208,19 +208,26 @@ class _Stalls:
         return {"x": np.full(3, index, dtype=np.int64)}
 
 
-def test_a_seek_that_times_out_changes_nothing_with_a_batch_held(tmp_path):
+def test_a_seek_that_times_out_changes_nothing_with_a_batch_held(tmp_path, monkeypatch):
     """The held slot was detached before the readers were waited for: a seek that then
-    timed out left it IDLE, and the next step of that slot raised (found by an outside review)."""
+    timed out left it IDLE, and the next step of that slot raised (found by an outside review).
+    A reader past the take-back's bound is replaced; here its replacement cannot start."""
+    from shmloader.readers import pool as pool_module
+
     flag = tmp_path / "slow"
     flag.touch()
+    # The take-back's bound short; step_timeout long enough for a restarted reader's start.
+    monkeypatch.setattr(pool_module.ReaderPool, "take_back_seconds", 1.0)
     with ShmDataLoader.from_dataset(_Stalls(str(flag)), batch_size=7, mode="sequential", readers=1, slots=3,
-                                    step_timeout=3.0, warn_layout=False) as loader:
+                                    step_timeout=30.0, warn_layout=False) as loader:
         kept = [next(loader) for _ in range(3)][2]  # Step 2 (slot 2) held.
-        next(loader)  # Step 3; the reader is on step 4 (3 s) now.
+        next(loader)  # Step 3; the reader is on step 4 (stalled) now.
         assert wait_until(lambda: ("FILLING", 4) in loader.diagnostics.slot_states())
         states = loader.diagnostics.slot_states()
-        with pytest.raises(Exception, match="stayed in filling"):
-            loader.seek(0)
+        with monkeypatch.context() as refusing:
+            refusing.setattr(pool_module, "spawn_reader", lambda: (_ for _ in ()).throw(OSError("fork refused")))
+            with pytest.raises(OSError, match="fork refused"):
+                loader.seek(0)
         assert ("HELD", 2) in loader.diagnostics.slot_states() and states[2] == ("HELD", 2)
         assert kept["x"][:, 0].tolist() == list(range(14, 21))
         del kept

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import our_shm_entries, process_alive
+from conftest import our_shm_entries, process_alive, wait_until
 
 from shmloader import (
     PerformanceWarning,
@@ -461,18 +461,20 @@ def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(mon
 
 def test_a_seek_that_fails_while_a_reader_fills_leaves_the_loader_as_it_was(tmp_path, monkeypatch):
     """Before: seek() took some slots back, raised, and never requested them again: the next
-    batches were old steps, then a SharedMemoryError blamed another process."""
-    import shmloader.session as session_module
-    from shmloader import SlotsExhaustedError
+    batches were old steps, then a SharedMemoryError blamed another process. A reader that
+    holds its slot past the bound is replaced; here its replacement cannot start."""
+    from shmloader.readers import pool as pool_module
 
     np.save(tmp_path / "x.npy", np.arange(60, dtype=np.int64))
-    monkeypatch.setattr(session_module, "_SEEK_FILL_SECONDS", 0.5)
+    monkeypatch.setattr(pool_module.ReaderPool, "take_back_seconds", 0.5)
     with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=6,
                        transform="transform_fixtures:slow_on_row_nine", hold_timeout=0.2) as loader:
         assert next(loader).step == 0
-        time.sleep(0.3)  # The reader is inside step 2 now.
-        with pytest.raises(SlotsExhaustedError, match="stayed in filling"):
-            loader.seek(0)
+        assert wait_until(lambda: ("FILLING", 2) in loader.diagnostics.slot_states(), 30)  # Inside step 2 (2.5 s).
+        with monkeypatch.context() as refusing:
+            refusing.setattr(pool_module, "spawn_reader", lambda: (_ for _ in ()).throw(OSError("fork refused")))
+            with pytest.raises(OSError, match="fork refused"):
+                loader.seek(0)
         got = [(batch.step, batch["x"].tolist()) for batch in (next(loader) for _ in range(5))]
     assert got == [(step, list(range(4 * step, 4 * step + 4))) for step in range(1, 6)]
 

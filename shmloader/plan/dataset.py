@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import mmap
 import os
 import pickle
 import secrets
@@ -291,10 +292,47 @@ def _pickled(dataset) -> bytes:
             f"the dataset by import path: from_dataset('mypkg.data:make_dataset', dataset_args={{...}}) builds it in "
             f"each reader") from None
     if len(data) > PICKLE_BYTES_MAX:
+        mapped = _mapped_attributes(dataset)
+        if mapped:
+            name, filename, nbytes = mapped[0]
+            raise DatasetError(
+                f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} MiB): its "
+                f"attribute {name!r} is a memory-mapped array ({nbytes / 2**20:,.0f} MiB of {filename}, from "
+                f"np.load(mmap_mode='r') or np.memmap), and pickle copies a mapped array's bytes, it does not keep the "
+                f"mapping, so every reader would hold a copy. Keep the path in the dataset and map the file in "
+                f"__getitem__ on first use (if self.array is None: self.array = np.load(path, mmap_mode='r')), or "
+                f"give the dataset by import path; readers=0 (the trainer fills) sends nothing")
         raise DatasetError(f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} "
                            f"MiB), which every reader would hold again: keep its data in files it opens lazily, or give "
                            f"it by import path")
     return data
+
+
+def _mapped_attributes(dataset) -> list[tuple[str, str, int]]:
+    """(attribute, file, bytes) of the memory-mapped arrays among the dataset's attributes
+    (and the items of a list, tuple or dict attribute), largest first."""
+    found = []
+    for name, value in getattr(dataset, "__dict__", {}).items():
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+            else [(None, value)]
+        for key, item in items:
+            if isinstance(item, np.ndarray):
+                filename = _mapped_file(item)
+                if filename is not None:
+                    found.append((name if key is None else f"{name}[{key!r}]", filename, item.nbytes))
+    return sorted(found, key=lambda entry: -entry[2])
+
+
+def _mapped_file(array: np.ndarray) -> str | None:
+    """The file an array maps (np.memmap, or a view of one), or None."""
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return str(getattr(array, "filename", None) or "a mapped file")
+        base = getattr(array, "base", None)
+        if isinstance(base, mmap.mmap):
+            return "a mapped file"
+        array = base if isinstance(base, np.ndarray) else None
+    return None
 
 
 def _main_path(data: bytes, dataset) -> str | None:

@@ -35,6 +35,9 @@ SHARD_COUNT_MAX = U32_MAX
 SEED_MAX = U64_MAX
 # Reader processes per loader: each maps every field, and the ring keeps a record each.
 READERS_MAX = 256
+# Ray actors a loader may have (RayReaders); each takes a reader record after the readers'.
+ACTORS_MAX = 4096 - READERS_MAX
+READER_RECORDS_MAX = READERS_MAX + ACTORS_MAX
 # Slots: two at least (the batch in use and the next); 4096 semaphores at most per ring.
 SLOTS_MIN, SLOTS_MAX = 2, 4096
 RESTARTS_MAX = 1 << 20

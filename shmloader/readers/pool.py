@@ -44,6 +44,7 @@ from ..readers import forkserver
 from ..ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from ..ring.segment import Ring
 from .channel import SIGNAL_GRACE_SECONDS, STOP_MESSAGE, ReaderConfig, send_line, send_to_all
+from . import stuck
 from .reader import EXIT_REPORTED_ERROR, EXIT_SERVER_GONE, ErrorReport
 
 # Run as -c rather than -m: the package is already imported by then, and runpy warns
@@ -127,6 +128,10 @@ class ReaderPool:
     # How long reconfigure waits for a reader to take a new filler longer than its pipe holds
     # (one stopped, or stuck in a step past every timeout) before replacing it.
     reconfigure_timeout_seconds = 10.0
+    # How long taking the slots back (a seek, a new pass, a resume) waits for a reader to
+    # finish the step it fills before replacing it (replace_stuck); a step_timeout shorter
+    # than this bounds it instead (Session.take_back_all).
+    take_back_seconds = 10.0
     signal_grace_seconds = SIGNAL_GRACE_SECONDS
 
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
@@ -261,7 +266,11 @@ class ReaderPool:
                     exit_code=exit_code,
                     step=step,
                 )
+            step = self._filling_step(reader_index)
             self.restart(reader_index, request)
+            stuck.warn_restarted(reader_index, process.pid, describe_exit(exit_code), step,
+                                 self.processes[reader_index].pid, self._restarts_by_reader[reader_index],
+                                 self.max_restarts)
 
     def _filling_step(self, reader_index: int) -> int | None:
         """The step a dead reader was filling (its slot still FILLING), or None."""
@@ -304,6 +313,10 @@ class ReaderPool:
             return True
         return self.processes[reader_index].poll() is not None and \
             self._restarts_by_reader[reader_index] >= self.max_restarts
+
+    def any_failed(self) -> bool:
+        """Whether a reader of this pool reported an error or died past its budget."""
+        return self.ring is not None and any(self._failed(index) for index in range(self.count))
 
     def renew_failed(self) -> None:
         """A new pass (Session.use for Session.new_pass, the drop-in's next epoch), once
@@ -365,12 +378,16 @@ class ReaderPool:
             traceback_text=report.traceback,
         )
 
-    def take_back(self, slot: int, timeout_seconds: float, cursor, settle: bool = False) -> None:
+    def take_back(self, slot: int, timeout_seconds: float, cursor, settle: bool = False, why: str = "a seek",
+                  step_rows=None) -> None:
         """Takes a slot back from the readers (a seek): a requested one at once, one being
         filled once its reader is done, waiting at most `timeout_seconds` (the cursor's
-        wait: the protocol's waits are ring/_cursor.c's alone). `cursor.request` is check()'s.
-        `settle` (a new pass): a slot a reader failed, or holds claimed while it fails, is
-        left as it is for renew_failed instead of raising the pass before's error."""
+        wait: the protocol's waits are ring/_cursor.c's alone); a reader of this pool that
+        holds it longer is killed and replaced (replace_stuck), a remote one raises.
+        `cursor.request` is check()'s. `settle` (a new pass): a slot a reader failed, or
+        holds claimed while it fails, is left as it is for renew_failed instead of raising
+        the pass before's error. `why` names the caller's act in the warning and error;
+        `step_rows(step)`, a step's dataset rows, adds them to the warning."""
         ring = self.ring
         deadline = time.monotonic() + timeout_seconds
         while True:
@@ -386,11 +403,45 @@ class ReaderPool:
             if state != SlotState.FILLING or (settle and owner < self.count and self._failed(owner)):
                 return
             if time.monotonic() > deadline:
-                raise SlotsExhaustedError(
-                    f"slot {slot} stayed in filling (reader {owner}) for {timeout_seconds:.1f} s during seek"
-                )
+                if owner < self.count:
+                    self.replace_stuck(owner, slot, timeout_seconds, why, step_rows)
+                    continue
+                raise SlotsExhaustedError(f"slot {slot} stayed in filling ({self.describe(owner)}) for "
+                                          f"{timeout_seconds:.1f} s during {why}")
             if not cursor.wait_filled(slot, POLL_INTERVAL_SECONDS):
                 self.check(cursor.request, settle)
+
+    def replace_stuck(self, reader_index: int, slot: int, waited_s: float, why: str, step_rows=None) -> None:
+        """Kills reader `reader_index`, which held `slot` past the take-back's bound, turns the
+        slots it held claimed IDLE (the position being left requested them; the new one
+        requests again what it needs), and starts a new reader in its place, with a warning
+        naming the reader, its pid, the step and what it was doing (readers/stuck.py). Not
+        counted against max_reader_restarts: the trainer ended it, it did not die."""
+        process, ring = self.processes[reader_index], self.ring
+        report = stuck.Report(reader_index, process.pid, slot, ring.step(slot), waited_s, why,
+                              stuck.activity(process.pid), ring.requested_ns(slot), step_rows)
+        process.kill()  # SIGKILL ends a stopped process too.
+        try:
+            process.wait(self.join_timeout_seconds)
+        except subprocess.TimeoutExpired:
+            pass  # In uninterruptible I/O: it goes when that ends; its slot is not its own any more.
+        for claimed in range(ring.layout.slot_count):
+            ring.renew_failed(claimed, reader_index)
+        self.restarts += 1
+        self._keep_stats(reader_index)
+        self.processes[reader_index] = spawn_reader()
+        self._send_config(self.processes[reader_index], reader_index)
+        report.warn(self.processes[reader_index].pid)
+
+    def replace_dead(self) -> None:
+        """Starts a new reader in place of every one that has exited (a new position after a
+        failure: the readers renew_failed ended)."""
+        for reader_index, process in enumerate(self.processes):
+            if process.poll() is not None:
+                process.wait()
+                self._keep_stats(reader_index)
+                self.processes[reader_index] = spawn_reader()
+                self._send_config(self.processes[reader_index], reader_index)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""

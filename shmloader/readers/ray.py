@@ -40,6 +40,7 @@ import ray
 import ray.exceptions
 
 from ..errors import ReaderError
+from ..plan.options import ACTORS_MAX
 from ..fill.filler import FillerSpec
 from ..ring.layout import POLL_INTERVAL_SECONDS
 from ..ring.publishing import Publisher
@@ -143,6 +144,8 @@ class RayReaders:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RayReaders: {name} must be an integer >= {low}, got {value!r}")
+        if self.actors > ACTORS_MAX:
+            raise ValueError(f"RayReaders: actors must be at most {ACTORS_MAX}, got {self.actors}")
 
     @property
     def count(self) -> int:

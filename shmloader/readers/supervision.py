@@ -73,6 +73,9 @@ class Supervisor(StepActions):
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
         self._stall_warned = False
+        self.timed_out = False  # A step timed out: the next iter() recovers (Session.recover).
+        # An adapter's words for a batch kept too long (drop_in_hold_advice), else ShmDataLoader's.
+        self.hold_advice = None
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -97,6 +100,7 @@ class Supervisor(StepActions):
             filling = found == SlotState.FILLING
             who = (f"{self.pool.describe(filler)} is filling it" if filling else "no reader claimed it"
                    ) + self.pool.waiting_note()
+            self.timed_out = True
             raise StepTimeoutError(
                 f"step {step} has been in flight for {waited_s:.1f} s, past step_timeout={self.step_timeout:g} s; "
                 f"{who}. A transform that does not return, or a stalled file system, would do this. Close the "
@@ -133,6 +137,8 @@ class Supervisor(StepActions):
             return
         if waited_s > self.hold_timeout:
             slot = step % self.slots
+            if self.hold_advice is not None:
+                raise SlotsExhaustedError(self.hold_advice(step, self.slots, self.hold_timeout, cursor.held()))
             raise SlotsExhaustedError(
                 f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
                 f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
@@ -166,3 +172,20 @@ class Supervisor(StepActions):
                           f"stats()['skipped'] counts every one), the first at step "
                           f"{first.get('step')}: {first.get('where')} ({first.get('error')}); stats()['skipped'] "
                           f"lists them", SkippedRecordsWarning, stacklevel=user_stacklevel())
+
+
+def drop_in_hold_advice(num_workers: int, prefetch_factor: int | None, trainer_slots: int):
+    """SlotsExhaustedError's message in shmloader.torch.DataLoader's words: its knob is
+    prefetch_factor, and what holds a slot is a batch (or a tensor made of one) the loop
+    keeps; it has no batch.release() and no slots= setting."""
+    def advice(step: int, slots: int, hold_timeout: float, held: dict) -> str:
+        kept = sorted(held.values())
+        shown = ", ".join(str(kept_step) for kept_step in kept[:10]) + (", ..." if len(kept) > 10 else "")
+        factor = "None (the default)" if prefetch_factor is None else str(prefetch_factor)
+        return (f"batch {step} cannot be filled: the loader holds {slots} batches at once (num_workers="
+                f"{num_workers} x prefetch_factor={factor} + {trainer_slots} for the loop), and after "
+                f"{hold_timeout:.1f} s batches {shown} of this epoch are still referenced, by your code or tensors "
+                f"made from them (a list of batches, a tensor kept without .clone(), an iterator wrapper that keeps "
+                f"the batch before). Keep fewer batches (del them once used, .clone() what you keep), or raise "
+                f"prefetch_factor so that the batches you keep fit.")
+    return advice

@@ -5,11 +5,17 @@ or by dying (SIGKILL, os._exit in a transform), instead of when another loader n
 With readers > 0 the fork server does this (readers/forkserver_process.py). A readers=0
 trainer has none, so it starts this one: a fresh interpreter without site packages, in its
 own session (a Ctrl-C at the terminal reaches the trainer, not it): a shell waiting in
-flock(1) where that is installed, else a fresh interpreter without site packages. It opens
+flock(1) where a trusted one is installed, else a fresh interpreter without site packages. It opens
 the segment and blocks in a shared flock, which the kernel grants once the trainer's exclusive owner
 lock is gone (every descriptor of the segment closed, its mappings' included). It then
 unlinks the segment and the semaphores and exits. A normal close unlinks them itself, then
 ends and reaps the janitor.
+
+The programs the shell janitor runs (sh, flock, rm) are found in the system's own
+directories by absolute path, never through PATH, and each must be a root- (or this user-)
+owned file that nobody else can write, in a directory nobody else can write: a `flock`
+earlier on PATH that exits at once would otherwise unlink a live ring's names. Where one
+is missing or fails the check, the Python janitor runs instead.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 
@@ -47,7 +54,33 @@ except OSError:
 
 # Where util-linux's (or busybox's) flock is there, the janitor is a shell that waits in it:
 # a millisecond to start, where an interpreter takes tens (a readers=0 loader is made often).
-_SHELL_CODE = 'exec 3<"$0" || exit 0; flock -s 3 && exec rm -f -- "$@"'
+# $1 and $2 are the absolute flock and rm (trusted_program); the names to remove follow.
+_SHELL_CODE = 'exec 3<"$0" || exit 0; flock="$1"; rm="$2"; shift 2; "$flock" -s 3 && exec "$rm" -f -- "$@"'
+# Where the janitor looks for the programs it runs, instead of PATH.
+SYSTEM_DIRECTORIES = ("/usr/bin", "/bin", "/usr/sbin", "/sbin")
+
+
+def _trusted_file(path: str, directory: bool) -> bool:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return False
+    kind = stat.S_ISDIR if directory else stat.S_ISREG
+    return (kind(status.st_mode) and status.st_uid in (0, os.geteuid())
+            and not status.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def trusted_program(name: str) -> str | None:
+    """The absolute, symlink-resolved path of program `name` in SYSTEM_DIRECTORIES, where it
+    and its directory are owned by root (or this user) and writable by no one else; else None."""
+    found = shutil.which(name, path=os.pathsep.join(SYSTEM_DIRECTORIES))
+    if found is None:
+        return None
+    real = os.path.realpath(found)
+    if not (os.access(real, os.X_OK) and _trusted_file(real, directory=False)
+            and _trusted_file(os.path.dirname(real), directory=True)):
+        return None
+    return real
 
 
 class Janitor:
@@ -58,9 +91,9 @@ class Janitor:
     def __init__(self, names: RingNames, directory: str = SHM_DIRECTORY) -> None:
         segment = directory + names.segment
         semaphores = [f"{directory}/sem.{name.lstrip('/')}" for name in (names.work, *names.ready)]
-        flock = shutil.which("flock")
-        if flock is not None:
-            command = ["/bin/sh", "-c", _SHELL_CODE, segment, *semaphores, segment]
+        shell, flock, rm = (trusted_program(name) for name in ("sh", "flock", "rm"))
+        if shell is not None and flock is not None and rm is not None:
+            command = [shell, "-c", _SHELL_CODE, segment, flock, rm, *semaphores, segment]
         else:
             command = [sys.executable, "-S", "-I", "-c", _CODE, directory, names.segment, names.work, *names.ready]
         self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

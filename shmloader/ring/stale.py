@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import re
+import stat
 import time
 
 import posix_ipc
@@ -74,10 +75,12 @@ def sweep_stale(directory: str = SHM_DIRECTORY, owner_pid: int | None = None) ->
 
 def _segment_abandoned(path: str, owner_gone: bool = False) -> bool:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False  # Another user's, or gone already: not ours to judge.
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False  # A FIFO or socket named like a ring: no loader made it.
         if not lock_free(fd, shared=False):
             return False  # Its owner lives (in this PID namespace or another).
         stats = os.fstat(fd)

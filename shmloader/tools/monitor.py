@@ -1,7 +1,8 @@
 """`shmloader top`: a live, read-only view of every loader on this machine, from their rings.
 
-Each ring in /dev/shm is mapped read-only (nothing is written, no lock is taken but the
-shared probe of its owner lock) and sampled: its header, every slot's state, every reader
+Each ring in /dev/shm is read with pread (nothing is written or mapped, no lock is taken
+but the shared probe of its owner lock; an entry whose header fails the layout's arithmetic
+is listed as foreign and not read, see inspect) and sampled: its header, every slot's state, every reader
 record (pid, busy and starved time, batches, skipped records). Rates come from two samples:
 rows/s is batches filled times the batch size per second; a reader's busy and starved
 shares are its busy_ns and starved_ns per elapsed ns, held within 0-100%: a reader adds a
@@ -28,7 +29,6 @@ else as plain text; `--once` prints one sample and exits.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 import os
 import re
 import stat
@@ -37,14 +37,19 @@ import time
 from .._native import ffi
 from ..errors import SharedMemoryError
 from ..ring import backing
+from ..plan.options import BATCH_SIZE_MAX, READER_RECORDS_MAX, SLOTS_MAX, SLOTS_MIN
 from ..ring.layout import (
     HEADER_BYTES,
     OWNER_SHIFT,
+    PAGE_BYTES,
     READER_RECORD_BYTES,
+    READER_SKIP_OFFSET,
     RING_MAGIC,
+    RING_VERSION,
     SHM_DIRECTORY,
     SLOT_CONTROL_BYTES,
     STATE_MASK,
+    RingLayout,
     SlotState,
 )
 from ..ring.stale import lock_free
@@ -89,12 +94,36 @@ def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
     return sorted((entry for entry in entries if _SEGMENT.match(entry)), key=lambda entry: int(entry.split("_")[1]))
 
 
+@dataclasses.dataclass
+class Foreign:
+    """An entry named like a ring that is not one this shmloader made or can read safely:
+    listed by name and why, never read further."""
+
+    name: str
+    reason: str
+
+
+# A foreign entry's bytes are read with pread of bounded size, never mapped: a mapping of a
+# sparse file another user sized faults in tmpfs pages until /dev/shm is full (SIGBUS).
+# What one entry may make top read: the header, the control table, each reader's counters.
+_READ_BYTES_MAX = HEADER_BYTES + SLOTS_MAX * SLOT_CONTROL_BYTES + READER_RECORDS_MAX * READER_SKIP_OFFSET
+
+
 def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
-    """A reading of ring `name`, or None when it is gone, not ours to read, or not (yet) a
-    whole ring: its bytes are another process's, so every count is checked before use.
+    """A reading of ring `name`, or None when it is gone, not ours to read, not (yet) a
+    whole ring, or foreign (inspect says why)."""
+    reading = inspect(name, directory)
+    return reading if isinstance(reading, RingSample) else None
+
+
+def inspect(name: str, directory: str = SHM_DIRECTORY) -> RingSample | Foreign | None:
+    """A reading of ring `name`; Foreign where the entry is not a ring this shmloader made
+    (its layout's arithmetic fails); None when it is gone, not ours to open, or mid-creation.
     Any local user can make an entry named like a ring: it is opened without following a
-    link or blocking (a FIFO), and read only if it is a regular file. A ring in anonymous
-    memory (ring/backing.py) is read through its trainer's /proc entry."""
+    link or blocking (a FIFO), read only if it is a regular file, its header checked against
+    what a loader can make and the file's size before anything else is read, and read with
+    pread, at most _READ_BYTES_MAX bytes. A ring in anonymous memory (ring/backing.py) is
+    read through its trainer's /proc entry."""
     try:
         fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -103,7 +132,7 @@ def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
     try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
-            return None
+            return Foreign(name, "not a regular file")
         alive = not lock_free(fd, shared=True)
         stub = backing.read_stub(fd)
         if stub is not None:
@@ -112,32 +141,68 @@ def sample(name: str, directory: str = SHM_DIRECTORY) -> RingSample | None:
                 return None  # A dead trainer's anonymous ring is gone with it.
             data_fd = backing.open_anonymous(name, int(match.group(1)), stub[0], writable=False)
             status = os.fstat(data_fd)
+        source = fd if data_fd is None else data_fd
         size = status.st_size
         if size < HEADER_BYTES:
+            return None  # Mid-creation: sized, then its header written.
+        header = _pread(source, HEADER_BYTES, 0)
+        if header is None:
             return None
-        memory = mmap.mmap(fd if data_fd is None else data_fd, size, prot=mmap.PROT_READ)
+        problem = layout_problem(header, size)
+        if problem is not None:
+            return None if problem == "" else Foreign(name, problem)
+        return _read(name, source, header, alive)
     except (OSError, ValueError, SharedMemoryError):
         return None
     finally:
         for descriptor in (fd, data_fd):
             if descriptor is not None:
                 os.close(descriptor)
-    try:
-        return _read(name, memory, size, alive)
-    finally:
-        memory.close()
 
 
-def _read(name: str, memory: mmap.mmap, size: int, alive: bool) -> RingSample | None:
-    base = ffi.from_buffer("uint8_t[]", memory)
-    header = ffi.cast("shm_ring_header *", base)
-    if header.magic != RING_MAGIC:
-        return None
+def _pread(fd: int, length: int, offset: int) -> bytes | None:
+    data = os.pread(fd, length, offset)
+    return data if len(data) == length else None
+
+
+def layout_problem(header_bytes: bytes, size: int) -> str | None:
+    """What is wrong with a ring's header (HEADER_BYTES read from its start) for a file of
+    `size` bytes: None if its counts are ones a loader makes and its layout's arithmetic
+    gives exactly `size`; "" for an all-zero magic (a ring mid-creation); else the reason."""
+    header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", header_bytes))
+    magic, version = int(header.magic), int(header.version)
+    slots, readers = int(header.slot_count), int(header.reader_count)
+    batch_size, stride, slots_offset = int(header.batch_size), int(header.slot_stride), int(header.slots_offset)
+    del header
+    if magic == 0:
+        return ""
+    if magic != RING_MAGIC:
+        return f"magic {magic:#x}, not a ring's ({RING_MAGIC:#x})"
+    if version != RING_VERSION:
+        return f"ring version {version}, this shmloader reads {RING_VERSION}"
+    if not 1 <= readers <= READER_RECORDS_MAX:
+        return f"{readers:,} reader records, a loader makes 1-{READER_RECORDS_MAX:,}"
+    if not SLOTS_MIN <= slots <= SLOTS_MAX:
+        return f"{slots:,} slots, a loader makes {SLOTS_MIN}-{SLOTS_MAX}"
+    if not 1 <= batch_size <= BATCH_SIZE_MAX:
+        return f"batch size {batch_size:,}, a loader makes 1-{BATCH_SIZE_MAX:,}"
+    layout = RingLayout(slots, readers, batch_size, stride, 0)
+    if stride <= 0 or stride % PAGE_BYTES or slots_offset != layout.slots_offset or layout.total_bytes != size:
+        return (f"layout (slots {slots}, readers {readers}, slot stride {stride}, slots offset {slots_offset}) "
+                f"makes {layout.total_bytes:,} bytes, the file has {size:,}")
+    return None
+
+
+def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | None:
+    header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", header_bytes))
     slot_count, reader_count = int(header.slot_count), int(header.reader_count)
+    trainer_pid, batch_size = int(header.trainer_pid), int(header.batch_size)
+    del header
     table_offset = HEADER_BYTES + reader_count * READER_RECORD_BYTES
-    if table_offset + slot_count * SLOT_CONTROL_BYTES > size or slot_count > 1 << 16:
+    table = _pread(fd, slot_count * SLOT_CONTROL_BYTES, table_offset)
+    if table is None:
         return None
-    lines = ffi.cast("shm_control_line *", ffi.addressof(base, table_offset))
+    lines = ffi.cast("shm_control_line *", ffi.from_buffer("uint8_t[]", table))
     states = []
     for slot in range(slot_count):
         word = int(lines[slot].state)
@@ -146,15 +211,17 @@ def _read(name: str, memory: mmap.mmap, size: int, alive: bool) -> RingSample | 
         except ValueError:
             state = None
         states.append((state, word >> OWNER_SHIFT, int(lines[slot].step)))
+    del lines
     readers = []
     for reader in range(reader_count):
-        record = ffi.cast("shm_reader_record *", ffi.addressof(base, HEADER_BYTES + reader * READER_RECORD_BYTES))
+        data = _pread(fd, READER_SKIP_OFFSET, HEADER_BYTES + reader * READER_RECORD_BYTES)
+        if data is None:
+            return None
+        record = ffi.cast("shm_reader_record *", ffi.from_buffer("uint8_t[]", data))
         readers.append(ReaderSample(int(record.pid), int(record.busy_ns), int(record.batches),
                                     int(record.starved_ns), int(record.skipped)))
-    sampled = RingSample(name, int(header.trainer_pid), alive, int(header.batch_size), states, readers,
-                         time.monotonic_ns())
-    del header, lines, base
-    return sampled
+        del record
+    return RingSample(name, trainer_pid, alive, batch_size, states, readers, time.monotonic_ns())
 
 
 def _share(part_ns: int, elapsed_ns: int) -> float:
@@ -208,12 +275,16 @@ class Monitor:
     def __init__(self, names: list[str] | None = None, directory: str = SHM_DIRECTORY) -> None:
         self.names, self.directory = names, directory
         self.views: dict[str, RingView] = {}
+        self.foreign: dict[str, str] = {}  # Entries named like rings that are not (see inspect).
 
     def refresh(self) -> None:
         names = self.names if self.names else ring_names(self.directory)
-        seen = {}
+        seen, self.foreign = {}, {}
         for name in names:
-            reading = sample(name.lstrip("/"), self.directory)
+            reading = inspect(name.lstrip("/"), self.directory)
+            if isinstance(reading, Foreign):
+                self.foreign[reading.name] = reading.reason
+                continue
             if reading is None:
                 continue
             view = self.views.get(reading.name)
@@ -250,8 +321,9 @@ LEGEND = (
 
 def render_text(monitor: Monitor) -> str:
     """The screen as plain text (also what rich draws, line by line)."""
+    foreign = [f"foreign (not read): {name}: {reason}" for name, reason in monitor.foreign.items()]
     if not monitor.views:
-        return "no shmloader ring in /dev/shm"
+        return "\n".join(["no shmloader ring in /dev/shm", *foreign])
     lines = []
     for name, view in monitor.views.items():
         last = view.last
@@ -265,6 +337,7 @@ def render_text(monitor: Monitor) -> str:
             starved = view.starved[index] if index < len(view.starved) else 0.0
             lines.append(f"  reader {index}: pid {reader.pid:>7}  busy {busy:4.0%}  starved {starved:4.0%}  "
                          f"batches by this pid {reader.batches:>9,}  skipped {reader.skipped:,}")
+    lines.extend(foreign)
     lines.append(LEGEND)
     return "\n".join(lines)
 
@@ -277,8 +350,11 @@ def run(names: list[str] | None = None, interval_s: float = 1.0, once: bool = Fa
     if missing:
         import sys
 
+        foreign = [f"{name.lstrip('/')} is foreign: {monitor.foreign[name.lstrip('/')]}" for name in missing
+                   if name.lstrip("/") in monitor.foreign]
         print(f"shmloader top: no ring named {', '.join(missing)} in {SHM_DIRECTORY} (rings there: "
-              f"{', '.join(ring_names()) or 'none'}; a loader's is loader.diagnostics.ring_name)", file=sys.stderr)
+              f"{', '.join(ring_names()) or 'none'}; a loader's is loader.diagnostics.ring_name)"
+              + "".join(f"; {line}" for line in foreign), file=sys.stderr)
         return 1
     if once:
         time.sleep(min(interval_s, 0.5))  # Two samples make the rates.
