@@ -3,6 +3,7 @@ would be): readers unpickle them, or build them from an import path."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -174,3 +175,23 @@ class Scaled:
 
     def __getitem__(self, index: int):
         return {"value": index * self.scale}
+
+
+class StartsSlowly:
+    """Takes `start_seconds` to load in a reader (its unpickling sleeps there, as a dataset
+    that imports torch or opens a large index at load would; the trainer's own copies load
+    at once): a reader's start, not any step, is slow."""
+
+    def __init__(self, start_seconds: float, length: int = 32) -> None:
+        self.start_seconds, self.length, self.trainer_pid = start_seconds, length, os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if os.getpid() != self.trainer_pid:
+            time.sleep(self.start_seconds)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        return np.full(3, index, np.int64)

@@ -305,7 +305,16 @@ def test_parquet_imports_equal_pyarrows_read(tmp_path_factory, table, row_group,
             from_parquet(directory / "t.parquet", directory / "out", progress=False)
         assert not (directory / "out").exists()
         return
-    paths = from_parquet(directory / "t.parquet", directory / "out", nulls=nulls, progress=False)
+    try:
+        paths = from_parquet(directory / "t.parquet", directory / "out", nulls=nulls, progress=False)
+    except StorageError as error:
+        # A pyarrow before 26 cannot read some null rows of a fixed-size list column (its own
+        # cast fails): the import says a row is null, and which pyarrow reads it.
+        null_rows = any(table[name].null_count for name in table.column_names if name.endswith("fixed"))
+        if not (null_rows and int(pa.__version__.split(".")[0]) < 26 and "is null" in str(error)
+                and "pyarrow>=26 reads it" in str(error)):
+            raise
+        return
     for name in table.column_names:
         expected = table[name].to_pylist()
         if name.endswith("list"):
@@ -319,6 +328,27 @@ def test_parquet_imports_equal_pyarrows_read(tmp_path_factory, table, row_group,
             filled = [-7 if value is None else value for value in expected]
             got = np.load(paths[name])
             np.testing.assert_array_equal(got, np.array(filled, dtype=got.dtype), err_msg=name)
+
+
+@pytest.mark.parametrize("nulls", [None, {"x": -7}])
+def test_a_null_row_of_a_fixed_size_list_column_is_the_imports_own_null_error_on_any_pyarrow(tmp_path, nulls):
+    """pyarrow before 26 fails reading such a row with its own "Expected all lists to be of
+    size=3": the import still says, naming the file, row group and column, that it is null
+    (and that a newer pyarrow reads it); from 26 on, the row is read, refused, or filled."""
+    from shmloader import StorageError
+    from shmloader.tools.formats import from_parquet
+
+    table = pa.table({"x": pa.array([[1, 2, 3], None, [4, 5, 6], [7, 8, 9]], type=pa.list_(pa.int32(), 3))})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=2)
+    if int(pa.__version__.split(".")[0]) < 26:
+        with pytest.raises(StorageError, match=r"t.parquet: row group 0, column 'x': a row or item is null \(1 null"):
+            from_parquet(tmp_path / "t.parquet", tmp_path / "out", nulls=nulls, progress=False)
+    elif nulls is None:
+        with pytest.raises(StorageError, match=r"column 'x': item 0 of row 1 is null"):
+            from_parquet(tmp_path / "t.parquet", tmp_path / "out", progress=False)
+    else:
+        paths = from_parquet(tmp_path / "t.parquet", tmp_path / "out", nulls=nulls, progress=False)
+        assert np.load(paths["x"]).tolist() == [[1, 2, 3], [-7, -7, -7], [4, 5, 6], [7, 8, 9]]
 
 
 def _nested_null_count(column) -> int:

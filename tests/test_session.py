@@ -140,11 +140,23 @@ def _run_child(code: str, *args: str) -> str:
 
 
 _CLOSE_INSIDE_NEXT = '''
-import gc, sys, threading, time
+import gc, os, signal, sys, threading, time
 import numpy as np
+import shmloader
 import shmloader.session as session
 from shmloader import ShmDataLoader
 how = sys.argv[2]
+package = os.path.dirname(os.path.abspath(shmloader.__file__))
+
+def inside_next(frame):
+    """Whether `frame` runs inside next(): the loader's own Python code (its supervisor, which
+    next() calls while it waits) is on the stack; nothing else of the package runs here."""
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+            return True
+        frame = frame.f_back
+    return False
+
 if how == "views_of":  # Another thread closes while next() rebuilds a damaged slot in Python.
     original = session._views_function
     def slow(slot, ring, layout):
@@ -154,7 +166,8 @@ if how == "views_of":  # Another thread closes while next() rebuilds a damaged s
             return views_of(index)
         return rebuild
     session._views_function = slow
-loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=10, readers=1, slots=3, epochs=1 if how == "cut" else None)
+loader = ShmDataLoader({"label": sys.argv[1]}, batch_size=10, readers=1, slots=3, hold_timeout=60,
+                       epochs=1 if how == "cut" else None)
 batch = next(loader)
 if how == "views_of":
     batch["label"].shape = (2, 5)  # Changed in place: slot 0 is rebuilt before it is handed out again.
@@ -162,17 +175,62 @@ if how == "views_of":
     for _ in range(2):
         next(loader)
     threading.Thread(target=lambda: (time.sleep(0.1), loader.close())).start()
-else:  # A collection inside next()'s allocation of the Batch runs a finalizer that closes the loader.
+elif how == "cut":  # A collection in the allocation of the cut last batch of a finite pass (Cursor.batch_of).
     del batch
     time.sleep(0.3)
-    if how == "cut":  # The allocation of the cut last batch of a finite pass (Cursor.batch_of).
-        loader.seek(len(loader) - 1)
+    loader.seek(len(loader) - 1)
     class Closer:
         def __del__(self):
             loader.close()
     closer = Closer()
     closer.cycle = closer
     del closer
+    gc.set_threshold(1)
+elif how == "signal":
+    # A signal handler closes the loader while next() waits natively (without the GIL) for a
+    # step its stopped reader never fills: the wait's EINTR runs it (or the eval breaker of
+    # the supervisor's Python, between waits). The timer is armed by next()'s first look at
+    # the readers, so it can only fire inside next().
+    del batch
+    os.kill(loader.diagnostics.reader_pids[0], signal.SIGSTOP)
+    supervisor = loader._session.supervisor
+    looked = supervisor.in_flight
+    def arm(cursor, step):
+        supervisor.in_flight = looked
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        looked(cursor, step)
+    def on_alarm(number, frame):
+        loader.close()
+        print("closed inside next()")
+    signal.signal(signal.SIGALRM, on_alarm)
+    supervisor.in_flight = arm
+    for _ in range(4):  # The steps the reader filled before it stopped (at most 3), then the wait.
+        try:
+            next(loader)
+        except RuntimeError as error:
+            print("raised", error)
+            sys.exit(0)
+else:
+    # Every slot held: next() waits in its supervisor for a batch to go (a Python-level wait on
+    # every Python version); a collection there (in an allocation before 3.12, at the eval
+    # breaker since) runs a finalizer that closes the loader.
+    held = [batch, next(loader), next(loader)]
+    del batch
+    armed = [True]
+    class Closer:
+        def __del__(self):
+            if not armed[0]:
+                return
+            if inside_next(sys._getframe(1)):
+                armed[0] = False
+                loader.close()
+                print("closed inside next()")
+            else:
+                garbage()  # Collected before next() began: garbage again for a later collection.
+    def garbage():
+        closer = Closer()
+        closer.cycle = closer
+    garbage()
     gc.set_threshold(1)
 try:
     got = next(loader)
@@ -182,13 +240,20 @@ except RuntimeError as error:
 '''
 
 
-@pytest.mark.parametrize("how", ["views_of", "collection", "cut"])
-def test_a_close_from_code_that_runs_inside_next_raises_and_never_frees_what_next_uses(tmp_path, how):
+@pytest.mark.parametrize("how", ["views_of", "signal", "collection", "cut"])
+def test_a_close_from_code_that_runs_inside_next_raises_and_never_frees_what_next_uses(tmp_path, monkeypatch, how):
     """Before: next() called Python (views_of, a Batch allocation that collects garbage) and
-    then used the slot table that a close() meanwhile had freed: a segfault."""
+    then used the slot table that a close() meanwhile had freed: a segfault. On every Python
+    version code runs inside next(): a signal handler, and since 3.12 the collector (and so
+    finalizers and gc callbacks) at the eval breaker of the Python code next() calls; the
+    child checks that its close ran there."""
     np.save(tmp_path / "x.npy", np.arange(95, dtype=np.int64))
+    # Python's debug allocator fills freed memory: a slot table freed under next() crashes it.
+    monkeypatch.setenv("PYTHONMALLOC", "debug")
     out = _run_child(_CLOSE_INSIDE_NEXT, str(tmp_path / "x.npy"), how)
     assert "raised the loader is closed" in out or (how == "cut" and "delivered" in out), out
+    if how in ("signal", "collection"):
+        assert "closed inside next()" in out, out
 
 
 def test_only_numpy_arrays_pass_for_a_slots_arrays(dataset):
@@ -245,40 +310,67 @@ def test_a_seek_that_a_close_interrupts_says_the_loader_is_closed(tmp_path):
     assert not our_shm_entries(os.getpid())
 
 
-def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_right(dataset):
-    """Before: a gc callback (or finalizer) that seeks during next()'s Batch allocation moved
-    the step under it: a wrong batch, then 'another process wrote to the ring' forever."""
+def _inside_loader_code(frame) -> bool:
+    """Whether `frame` runs inside the loader's own Python code (its supervisor, which the
+    native next() calls while it waits): the only code of the package on the stack there."""
+    import shmloader
+
+    package = os.path.dirname(os.path.abspath(shmloader.__file__)) + os.sep
+    while frame is not None:
+        if os.path.abspath(frame.f_code.co_filename).startswith(package):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("how", ["signal", "gc_callback"])
+def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_right(dataset, how):
+    """Before: a gc callback (or finalizer, or signal handler) that seeks while next() runs
+    moved the step under it: a wrong batch, then 'another process wrote to the ring' forever.
+    Every slot is held, so next() waits in its supervisor for one to go (on every Python
+    version); a signal handler, or a gc callback (run there by the collector: in an
+    allocation before 3.12, at the eval breaker since), seeks there, is refused, and lets go
+    of the oldest batch, which next() then hands on."""
+    import signal
+    import sys
+
     labels = dataset["labels"]
     sampler = Sampler(len(labels), 10, seed=1)
     refused = []
-    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3, seed=1) as loader:
-        next(loader), next(loader)
-        import time
+    with ShmDataLoader({"label": dataset["paths"]["labels_npy"]}, batch_size=10, readers=2, slots=3, seed=1,
+                       hold_timeout=60) as loader:
+        held = [next(loader) for _ in range(3)]
+        got = [(batch.step, batch["label"].tolist()) for batch in held]
 
-        time.sleep(0.3)  # Step 2 ready: next() goes straight to its allocation.
-        armed = [True]
-
-        def seek_inside(phase, info):
-            if phase == "start" and armed[0]:
-                armed[0] = False
+        def seek_inside(frame):
+            if held and _inside_loader_code(frame):
                 try:
                     loader.seek(0)
                 except RuntimeError as error:
                     refused.append(str(error))
+                held.pop(0)  # Step 0's slot goes: next() delivers step 3.
 
-        threshold = gc.get_threshold()
-        gc.callbacks.append(seek_inside)
-        gc.set_threshold(1)
+        threshold, handler = gc.get_threshold(), signal.getsignal(signal.SIGALRM)
+        callback = lambda phase, info: seek_inside(sys._getframe(1)) if phase == "start" else None  # noqa: E731
+        if how == "signal":
+            signal.signal(signal.SIGALRM, lambda number, frame: seek_inside(frame))
+            signal.setitimer(signal.ITIMER_REAL, 0.2, 0.2)  # Again until it finds next() waiting.
+        else:
+            gc.callbacks.append(callback)
+            gc.set_threshold(1)
         try:
             batch = next(loader)
         finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, handler)
             gc.set_threshold(*threshold)
-            gc.callbacks.remove(seek_inside)
-        assert refused and "already running" in refused[0]
-        got = [(batch.step, batch["label"].tolist())]
-        del batch
+            if callback in gc.callbacks:
+                gc.callbacks.remove(callback)
+        assert refused and "already running" in refused[0], refused
+        got += [(batch.step, batch["label"].tolist())]
+        del batch, held[:]
         got += [(b.step, b["label"].tolist()) for b in (next(loader) for _ in range(4))]
-    assert got == [(step, labels[sampler.fill(step)].tolist()) for step in range(2, 7)]
+    assert got == [(step, labels[sampler.fill(step)].tolist()) for step in range(8)]
 
 
 def test_a_close_during_an_in_process_fill_waits_for_the_gather(tmp_path):

@@ -133,6 +133,12 @@ class ReaderPool:
     # than this bounds it instead (Session.take_back_all).
     take_back_seconds = 10.0
     signal_grace_seconds = SIGNAL_GRACE_SECONDS
+    # How long a reader may take to start, from its configuration to its first claim: it
+    # attaches the ring, loads the dataset and imports what that needs (torch, which with
+    # CUDA takes seconds on a GPU host). Its own phase: next()'s step_timeout and stall
+    # warning count only once a reader is ready (starting_note), and check() raises for a
+    # reader still starting past this bound (an import or a load that never returns).
+    start_timeout_seconds = 120.0
 
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
         self.max_restarts = max_restarts
@@ -142,6 +148,7 @@ class ReaderPool:
         self._restarts_by_reader = [0] * count
         self.processes: list = []  # subprocess.Popen or forkserver.ForkedReader
         self._configured: set[int] = set()  # Readers whose process has its configuration (channel.py).
+        self._configured_s: dict[int, float] = {}  # When each was sent it (monotonic): its start's clock.
         self.ring: Ring | None = None
         self._config: ReaderConfig | None = None
         # Remote readers (shmloader.readers.ray.RayReaders): reader records count..records-1, fed
@@ -224,6 +231,7 @@ class ReaderPool:
         for new fillers (reconfigure)."""
         self.ring.records.clear_error(reader_index)
         self._configured.discard(reader_index)
+        self._configured_s[reader_index] = time.monotonic()
         try:
             config = dataclasses.replace(self._config, reader_index=reader_index,
                                          signal_grace_seconds=self.signal_grace_seconds)
@@ -245,6 +253,7 @@ class ReaderPool:
         for reader_index, process in enumerate(self.processes):
             exit_code = process.poll()
             if exit_code is None:
+                self._raise_if_never_started(reader_index)
                 continue
             if settle and self._failed(reader_index):
                 continue  # A new pass: renewed once every slot is taken back (renew_failed).
@@ -271,6 +280,43 @@ class ReaderPool:
             stuck.warn_restarted(reader_index, process.pid, describe_exit(exit_code), step,
                                  self.processes[reader_index].pid, self._restarts_by_reader[reader_index],
                                  self.max_restarts)
+
+    def _ready(self, reader_index: int) -> bool:
+        """Whether a live reader has started: it wrote its pid into its record as it began
+        claiming steps (reader.Reader.run); a replaced reader's record is cleared (_keep_stats)."""
+        pid = self.processes[reader_index].pid  # 0 for one its fork server never started.
+        return pid != 0 and self.ring.records.stats(reader_index)[0] == pid
+
+    def _starting_s(self, reader_index: int) -> float | None:
+        """Seconds since a reader still starting was sent its configuration; None once ready."""
+        since = self._configured_s.get(reader_index)
+        return None if since is None or self._ready(reader_index) else time.monotonic() - since
+
+    def starting_note(self) -> str:
+        """"" once a reader can fill steps (one is ready, or remote readers are there); else
+        which readers are still starting, for how long, and the bound on it."""
+        if self.remote is not None or not self.processes:  # Threads (testing.simulation) start at once.
+            return ""
+        starting = [self._starting_s(reader_index) for reader_index in range(len(self.processes))]
+        if any(seconds is None for seconds in starting):
+            return ""
+        readers = ", ".join(self.describe(reader_index) for reader_index in range(len(starting)))
+        return (f"{readers} {'is' if len(starting) == 1 else 'are'} still starting (attaching the ring, loading the "
+                f"dataset and its imports) for {max(starting):.1f} s, at most start_timeout_seconds="
+                f"{self.start_timeout_seconds:g} s")
+
+    def _raise_if_never_started(self, reader_index: int) -> None:
+        seconds = self._starting_s(reader_index)
+        if seconds is None or seconds <= self.start_timeout_seconds:
+            return
+        pid = self.processes[reader_index].pid
+        raise ReaderError(
+            f"reader {reader_index} (pid {pid}) has not started {seconds:.1f} s after it was sent its configuration, "
+            f"past ReaderPool.start_timeout_seconds={self.start_timeout_seconds:g} s: it attaches the ring, then loads "
+            f"the dataset and what that imports (torch, a transform's libraries) before it claims a step. An import "
+            f"or a dataset load that does not return (a stalled file system, a lock held across a fork) would do "
+            f"this; py-spy dump --pid {pid} shows where it is.",
+            reader_index=reader_index, pid=pid)
 
     def _filling_step(self, reader_index: int) -> int | None:
         """The step a dead reader was filling (its slot still FILLING), or None."""

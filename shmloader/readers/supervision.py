@@ -72,7 +72,8 @@ class Supervisor(StepActions):
         self.skips_warned = False
         self._episode = None  # (step, batches) of the wait being timed, and since when.
         self._episode_since = 0.0
-        self._stall_warned = False
+        self._stall_warned = self._start_warned = False
+        self._start_waited_since = None  # When next() began waiting for a reader to start.
         self.timed_out = False  # A step timed out: the next iter() recovers (Session.recover).
         # An adapter's words for a batch kept too long (drop_in_hold_advice), else ShmDataLoader's.
         self.hold_advice = None
@@ -95,6 +96,8 @@ class Supervisor(StepActions):
             raise RuntimeError(f"step {step} is requested and no reader fills it: with readers=0 the loader's own "
                                f"iterator fills each step; iterate the loader (or iter(loader)), not its cursor")
         waited_s = self._check(cursor, step, held=False)
+        if self._starting(step):
+            return
         if self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
             filling = found == SlotState.FILLING
@@ -117,6 +120,24 @@ class Supervisor(StepActions):
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),
             )
+
+    def _starting(self, step: int) -> bool:
+        """Whether no reader has started yet (pool.starting_note): a reader's start (its
+        imports, the dataset's load) is its own phase, bounded by the pool's start timeout,
+        so step_timeout and the stall warning count from the moment one is ready. Warns
+        once when the start itself takes long enough to look like a hang."""
+        note = self.pool.starting_note()
+        if not note:
+            self._start_waited_since = None
+            return False
+        now = self._episode_since = time.monotonic()
+        if self._start_waited_since is None:
+            self._start_waited_since = now
+        if not self._start_warned and now - self._start_waited_since > STALL_WARNING_SECONDS:
+            self._start_warned = True
+            warnings.warn(f"step {step} waits for the readers to start: {note}; the loader keeps waiting.",
+                          ReaderStallWarning, stacklevel=user_stacklevel())
+        return True
 
     def _check(self, cursor, step: int, held: bool) -> float:
         """Checks the readers (restarting a dead one, raising past its budget) and warns of

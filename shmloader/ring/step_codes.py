@@ -58,8 +58,22 @@ class StepActions:
 
     def supervise(self, cursor, state: int, owner: int, step: int) -> None:
         """For `step`, in `state` (a StepCode) with `owner` the reader record the slot's state
-        word names. Raises, or returns for next() to look again."""
+        word names. Raises, or returns for next() to look again.
+
+        Code may run inside this call and close the loader: a signal handler, and the
+        collector (finalizers, gc callbacks), which since Python 3.12 runs at the eval
+        breaker of any Python code, this call's included. The ring is then gone under the
+        action, whose failure says nothing more than that the loader is closed."""
         self.raise_if_closed(cursor)
+        try:
+            self._act(cursor, state, owner, step)
+            return
+        except Exception:
+            if cursor.active:
+                raise
+        self.raise_if_closed(cursor)
+
+    def _act(self, cursor, state: int, owner: int, step: int) -> None:
         if state == _IN_FLIGHT:
             self.in_flight(cursor, step)
         elif state == _HELD:

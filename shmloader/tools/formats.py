@@ -102,8 +102,7 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
                     try:
                         table = parquet.read_row_group(group, columns=[column], use_threads=False)
                     except Exception as error:
-                        raise StorageError(f"{path}: row group {group}, column {column!r}: {one_line(error)}") \
-                            from None
+                        raise _read_error(path, parquet, group, column, error) from None
                     yield from table.column(0).chunks
             finally:
                 parquet.close()
@@ -111,6 +110,36 @@ def from_parquet(paths, out, *, columns=None, nulls=None, fixed=None, skip_unsup
     rows = sum(parquet.metadata.num_rows for parquet in opened)
     return _import(schema, batches, rows, out, columns, nulls, force, progress, threads, fixed, skip_unsupported,
                    files, image_root)
+
+
+# The first pyarrow that reads a null row of a fixed-size list column from Parquet; those
+# before fail in their own cast ("Expected all lists to be of size=3 but index 2 had size=0").
+_PYARROW_READS_NULL_FIXED_LISTS = 26
+
+
+def _read_error(path, parquet, group: int, column: str, error: Exception) -> StorageError:
+    """What a row group's column that pyarrow could not read says: where a pyarrow before
+    _PYARROW_READS_NULL_FIXED_LISTS fails on a fixed-size list column whose row group holds
+    nulls (its statistics count them), the import's own "is null" error, as a newer pyarrow
+    gives once it reads the rows; else pyarrow's error, with the file, row group and column."""
+    import pyarrow as pa
+
+    where = f"{path}: row group {group}, column {column!r}"
+    field_type = parquet.schema_arrow.field(column).type
+    major = int(pa.__version__.split(".")[0])
+    if major < _PYARROW_READS_NULL_FIXED_LISTS and pa.types.is_fixed_size_list(field_type):
+        metadata = parquet.metadata.row_group(group)
+        leaves = [metadata.column(index) for index in range(metadata.num_columns)
+                  if metadata.column(index).path_in_schema.split(".")[0] == column]
+        counts = [leaf.statistics.null_count for leaf in leaves
+                  if leaf.statistics is not None and leaf.statistics.has_null_count]
+        if len(counts) < len(leaves) or sum(counts) > 0:
+            return StorageError(
+                f"{where}: a row or item is null ({sum(counts) or 'an unknown number of'} null values in the row "
+                f"group), and pyarrow {pa.__version__} cannot read a null row of a fixed-size list column "
+                f"({one_line(error)}); pyarrow>={_PYARROW_READS_NULL_FIXED_LISTS} reads it (then give nulls={{"
+                f"{column!r}: value}} to fill it), or drop those rows")
+    return StorageError(f"{where}: {one_line(error)}")
 
 
 def from_arrow(table, out, *, columns=None, nulls=None, fixed=None, skip_unsupported: bool = False,
