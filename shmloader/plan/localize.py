@@ -20,7 +20,14 @@ import struct
 
 from ..errors import StorageError
 from ..remote import is_url
-from ..remote.cache import cached_name, create_object, object_directory, open_object, read_marker, write_marker
+from ..remote.cache import (
+    cached_name,
+    create_object,
+    object_directory,
+    open_object,
+    read_marker,
+    write_marker,
+)
 from ..remote.node import acquire
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..remote.store import Client
@@ -42,7 +49,7 @@ class CacheSettings:
 
     root: str
     budget: int
-    options: dict
+    options: dict = dataclasses.field(repr=False)  # Credentials: never printed.
 
     @classmethod
     def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
@@ -173,13 +180,14 @@ class Localizer:
             raise StorageError(f"{url}: an empty object; expected a .npy or .b2nd file, or a ragged directory")
         name = cached_name(url)  # Bounded: an S3 key segment may be longer than a file name.
         path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
-        create_object(path, url, etag, size, self.settings.options)
-        marker = read_marker(path)
-        if marker.get("options") != self.settings.options:
-            marker["options"] = self.settings.options  # This loader's credentials from now on.
-            write_marker(path, marker)
-        cached = open_object(self.cache, path, url)
-        cached.client = Client(self.settings.options, self.cache.count)
+        # This loader's storage_options, held in the trainer's memory: its readers get them
+        # from the plan (FieldSpec.access), never from another trainer's loader.
+        access = create_object(path, url, etag, size, self.settings.options)
+        marker = read_marker(path, (url, etag, size))
+        if marker is None:  # Damaged by another process since (a warning names it): written anew.
+            create_object(path, url, etag, size, self.settings.options)
+            marker = read_marker(path, (url, etag, size))
+        cached = open_object(self.cache, path, url, access)
         if not marker["meta"]:
             marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)
             write_marker(path, marker)

@@ -17,3 +17,36 @@ SCHEMES = ("s3://",)
 def is_url(path) -> bool:
     """Whether a field's path names an object in a store rather than a local file."""
     return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+# storage_options whose values are shown as they are (obstore's S3 settings that are not
+# secrets); every other value, a credential or a setting unknown here, is shown redacted.
+_SHOWN = frozenset(("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "region", "aws_region",
+                    "default_region", "aws_default_region", "bucket", "bucket_name", "aws_bucket", "allow_http",
+                    "virtual_hosted_style_request", "aws_virtual_hosted_style_request", "s3_express",
+                    "aws_s3_express", "checksum_algorithm", "aws_checksum_algorithm", "skip_signature",
+                    "aws_skip_signature", "unsigned_payload", "aws_unsigned_payload", "request_payer",
+                    "aws_request_payer", "imdsv1_fallback", "conditional_put"))
+REDACTED = "<redacted>"
+
+
+def redact_options(options):
+    """storage_options as any text of the package shows them: each value redacted but those
+    of settings known not to be secrets, and an endpoint's user and password (a URL may
+    carry them) taken out."""
+    if options is None:
+        return None
+    try:
+        items = dict(options).items()
+    except (TypeError, ValueError):
+        return REDACTED
+    shown = {}
+    for name, value in items:
+        if str(name).lower() not in _SHOWN:
+            shown[name] = REDACTED
+        elif isinstance(value, str) and "@" in value and "://" in value:
+            scheme, _, rest = value.partition("://")
+            shown[name] = f"{scheme}://{REDACTED}@{rest.rpartition('@')[2]}"
+        else:
+            shown[name] = value
+    return shown
