@@ -237,3 +237,81 @@ def test_no_text_the_package_makes_shows_a_credential(server, tmp_path, monkeypa
     for secret in _PLANTED.values():
         shown = [text for text in texts if secret in text]
         assert not shown, (secret, shown[:1])
+
+
+# Every wait on the store keeps the loader's deadline.
+
+class _Stalling(_Refusing):
+    """A store that answers HEAD, LIST and GETs of an object's first bytes (what the trainer
+    reads to describe it), then never answers a GET of any other bytes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        super().__init__(upstream_port)
+        self.RequestHandlerClass = _StallingHandler
+        self.released = threading.Event()
+
+
+class _StallingHandler(_RefusingHandler):
+    def do_GET(self) -> None:
+        wanted = self.headers.get("Range") or ""
+        if wanted and not wanted.startswith("bytes=0-"):
+            self.server.released.wait(300)  # Headers never sent: the GET hangs.
+            return
+        self._forward()
+
+
+_STALLED_TRAINER = textwrap.dedent("""
+    import sys, time
+    from shmloader import ShmDataLoader
+    from shmloader.errors import StepTimeoutError
+    url, cache, endpoint, readers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    loader = ShmDataLoader({"x": url}, cache_dir=cache, storage_options={"endpoint": endpoint}, batch_size=1000,
+                           readers=readers, mode="sequential", start_step=20, step_timeout=3)
+    started = time.monotonic()
+    try:
+        next(iter(loader))
+        print("read", flush=True)
+    except Exception as error:
+        print(type(error).__name__, round(time.monotonic() - started, 2), flush=True)
+    loader.close()
+    print("closed", flush=True)
+""")
+# What a stalled store may add to step_timeout on a loaded machine (the wait itself ends
+# within its polling interval, a few milliseconds).
+_MARGIN_SECONDS = 10
+
+
+@pytest.mark.parametrize("readers", [0, 2])
+def test_a_stalled_store_ends_the_step_within_step_timeout_and_the_process_exits_after_close(
+        server, tmp_path, readers):
+    values, url = _upload_rows(server, tmp_path, f"trainers/stalled-{readers}.npy")
+    proxy = _Stalling(server.port)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", _STALLED_TRAINER, url, str(tmp_path / "cache"),
+                                  proxy.endpoint, str(readers)], stdout=subprocess.PIPE, env=os.environ.copy())
+        try:
+            kind, waited = child.stdout.readline().decode().split()
+            assert kind == "StepTimeoutError" and float(waited) < 3 + _MARGIN_SECONDS, (kind, waited)
+            assert child.stdout.readline().strip() == b"closed"
+            closed = time.monotonic()
+            child.wait(timeout=120)
+            assert time.monotonic() - closed < _MARGIN_SECONDS  # Not after the stalled request's own timeout.
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    finally:
+        proxy.released.set()
+        proxy.shutdown()
+        proxy.server_close()
+        thread.join(timeout=10)
+
+
+def test_a_malformed_endpoint_fails_at_once_naming_the_setting(server, tmp_path):
+    values, url = _upload_rows(server, tmp_path, "trainers/malformed.npy")
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"storage_options\['endpoint'\] is 'htp://x', not an endpoint URL"):
+        ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", readers=0, storage_options={"endpoint": "htp://x"})
+    assert time.monotonic() - started < 30  # Not retried for the retry window (60 s).

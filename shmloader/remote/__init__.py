@@ -11,6 +11,10 @@ needs no object-store client.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 SCHEMES = ("s3://",)
 
 
@@ -50,3 +54,35 @@ def redact_options(options):
         else:
             shown[name] = value
     return shown
+
+
+# The deadline of the step this thread fills (readers=0: the trainer's own fills), which
+# every wait of the node cache keeps (deadline_left).
+_deadline = threading.local()
+
+
+@contextlib.contextmanager
+def step_deadline(seconds: float | None, step: int):
+    """Waits of the node cache in this thread (for a request, for a page another request
+    fetches) end in a StepTimeoutError once the step has been filling `seconds`."""
+    previous = getattr(_deadline, "value", None)
+    _deadline.value = None if seconds is None else (time.monotonic() + seconds, seconds, step)
+    try:
+        yield
+    finally:
+        _deadline.value = previous
+
+
+def deadline_left(what: str) -> float | None:
+    """Seconds left to this thread's step (None: no deadline); a StepTimeoutError naming
+    `what` it waited for once none are."""
+    found = getattr(_deadline, "value", None)
+    if found is None:
+        return None
+    left = found[0] - time.monotonic()
+    if left <= 0:
+        from ..errors import StepTimeoutError
+
+        raise StepTimeoutError(f"step {found[2]} has been filling for over step_timeout={found[1]:g} s, waiting for "
+                               f"{what}: the store answers no more (its requests are given up on)", found[2])
+    return left

@@ -47,6 +47,7 @@ reservation counted until then).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -58,11 +59,13 @@ import posixpath
 import re
 import secrets
 import threading
+import time
 import warnings
 
 import numpy as np
 
 from ..errors import CacheError, RemoteError, StorageError
+from . import deadline_left
 from .node import NodeCache, cache_root, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
@@ -91,6 +94,8 @@ from .pages import (
 from .store import Client
 
 
+# A fill with a deadline looks for a page another request fetches this often.
+_POLL_SECONDS = 0.02
 # See CachedObject._download_run.
 AHEAD_STAMP_SECONDS = 2
 # Gathers read present pages without locks and check the eviction sequence after them
@@ -748,9 +753,18 @@ class CachedObject:
             if not len(others):
                 return
             for page in others.tolist():  # Their fetcher is downloading: its lock goes when it is done.
-                lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
+                self._wait_for_fetcher(descriptor, page)
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
             needed = others[self.stamps[others] == 0]  # Their download failed: this process tries.
+
+    def _wait_for_fetcher(self, descriptor: int, page: int) -> None:
+        """Waits (its FETCH lock, shared) for whoever fetches `page`: blocking where this
+        thread's step has no deadline, else polled until it (remote.step_deadline)."""
+        if deadline_left(f"{self.url}: page {page}, which another request fetches") is None:
+            lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
+            return
+        while not lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, False):
+            time.sleep(min(_POLL_SECONDS, deadline_left(f"{self.url}: page {page}, which another request fetches")))
 
     def _demand_pages(self, needed: np.ndarray, unit_pages: int) -> np.ndarray:
         """The pages a fill fetches for its `needed` ones: with the rest of their fetch units
@@ -781,7 +795,11 @@ class CachedObject:
             futures = [self.cache.pool("demand").submit(self._fetch_run, first, end, size)
                        for (first, end), size in zip(todo, sizes)]
             for future in futures:
-                future.result()
+                try:
+                    future.result(timeout=deadline_left(f"{self.url}: a GET of its pages"))
+                except concurrent.futures.TimeoutError:
+                    deadline_left(f"{self.url}: a GET of its pages")
+                    raise
         finally:
             for first, end in claimed:
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)

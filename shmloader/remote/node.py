@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import os
+import queue
 import threading
 from typing import NamedTuple
 
@@ -94,6 +95,67 @@ class RampingSlots:
             self._condition.notify(2)
 
 
+class FetchThreads:
+    """The fetch threads of a kind (ThreadPoolExecutor's submit and shutdown), as daemon
+    threads that nothing joins: a request the store never answers is given up on when its
+    loader closes (shutdown), and the process exits without waiting for it, which
+    concurrent.futures' threads, joined at exit, made it do for as long as the request hung."""
+
+    def __init__(self, most: int, name: str) -> None:
+        self._most, self._name = most, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, function, *arguments) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new fetches after the node cache closed")
+            self._queue.put((future, function, arguments))
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self._most:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            found = self._queue.get()
+            if found is None:
+                return
+            future, function, arguments = found
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = function(*arguments)
+                except BaseException as error:  # noqa: BLE001 - the future's to raise, as an executor's.
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+                del future, function, arguments, found
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Cancels what waits for a thread and stops the threads once their request ends
+        (`wait` is not honoured: nothing is waited for)."""
+        with self._lock:
+            self._shut = True
+            while True:
+                try:
+                    found = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if found is not None and cancel_futures:
+                    found[0].cancel()
+            for _ in self._threads:
+                self._queue.put(None)
+
+
 class NodeCache:
     """One cache directory as this process sees it: the ledger, and the objects it opened."""
 
@@ -132,7 +194,7 @@ class NodeCache:
         lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
         self.objects: dict = {}  # path -> its cache.CachedObject, opened by cache.open_object
         self.objects_lock = threading.Lock()
-        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._pools: dict[str, FetchThreads] = {}
         self._pool_lock = threading.Lock()
         # The read-ahead's requests in flight, one per thread of its pool: a request is claimed
         # only when a thread is free for it, so a fill never waits on a claim that sits in the
@@ -469,14 +531,13 @@ class NodeCache:
             os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
             self._ledger_fd = None
 
-    def pool(self, kind: str = "demand") -> concurrent.futures.ThreadPoolExecutor:
+    def pool(self, kind: str = "demand") -> FetchThreads:
         """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
         read-ahead's (apart, so that a fill never queues behind the read-ahead's requests)."""
         with self._pool_lock:
             pool = self._pools.get(kind)
             if pool is None:
-                pool = self._pools[kind] = concurrent.futures.ThreadPoolExecutor(
-                    IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
+                pool = self._pools[kind] = FetchThreads(IN_FLIGHT, f"shmloader-fetch-{kind}")
             return pool
 
 
