@@ -208,8 +208,10 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     cache = node_cache(root)
     try:
         private_directory(os.path.dirname(path), root)
-        fresh = _create_files(path, url, size, root, cache.budget())
+        had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
+        # A damaged marker vouches for nothing of its copy: every page fetched again.
+        fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
     except OSError as error:
@@ -223,15 +225,16 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     return access
 
 
-def _create_files(path: str, url: str, size: int, root: str, budget: int) -> bool:
-    """The data and pages files of create_object; whether they were made (or made anew)."""
+def _create_files(path: str, url: str, size: int, root: str, budget: int, anew: bool = False) -> bool:
+    """The data and pages files of create_object (made anew where `anew`); whether they
+    were made (or made anew)."""
     pages_length = pages_file_bytes(-(-size // CACHE_PAGE_BYTES))
     pages_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR | os.O_CREAT)
     try:
         data_fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             data_size = os.fstat(data_fd).st_size
-            fresh = os.fstat(pages_fd).st_size != pages_length or data_size != size
+            fresh = anew or os.fstat(pages_fd).st_size != pages_length or data_size != size
             if fresh:
                 os.ftruncate(pages_fd, 0)  # Every stamp 0 first: absent before the bytes go.
                 os.ftruncate(pages_fd, pages_length)

@@ -178,6 +178,9 @@ def open_private(path: str, flags: int) -> int:
         if error.errno == errno.ELOOP:
             raise CacheError(f"{path} is a symbolic link: the node cache never follows one (it may have been "
                              f"planted by another user); remove it, or use another cache_dir") from None
+        if error.errno == errno.EISDIR:
+            raise CacheError(f"{path} is a directory where the node cache keeps a file: remove it (the object is "
+                             f"fetched again), or use another cache_dir") from None
         raise
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
