@@ -153,7 +153,8 @@ def test_each_trainer_s_readers_fetch_with_its_own_options_whoever_else_shares_t
             theirs = {**mine, "access_key_id": "trainer-b", "secret_access_key": "b-secret",
                       "endpoint": server.endpoint if other_can_read else refusing}
             other = subprocess.Popen([sys.executable, "-c", _OTHER_TRAINER, url, str(cache), json.dumps(theirs)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy())
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=os.environ.copy(),
+                                     cwd=tmp_path)
             try:
                 said = other.stdout.readline().decode().strip()
                 assert said == ("read" if other_can_read else "refused"), said  # What its own options allow.
@@ -290,7 +291,8 @@ def test_a_stalled_store_ends_the_step_within_step_timeout_and_the_process_exits
     thread.start()
     try:
         child = subprocess.Popen([sys.executable, "-c", _STALLED_TRAINER, url, str(tmp_path / "cache"),
-                                  proxy.endpoint, str(readers)], stdout=subprocess.PIPE, env=os.environ.copy())
+                                  proxy.endpoint, str(readers)], stdout=subprocess.PIPE, env=os.environ.copy(),
+                                 cwd=tmp_path)
         try:
             kind, waited = child.stdout.readline().decode().split()
             assert kind == "StepTimeoutError" and float(waited) < 3 + _MARGIN_SECONDS, (kind, waited)
@@ -315,3 +317,80 @@ def test_a_malformed_endpoint_fails_at_once_naming_the_setting(server, tmp_path)
     with pytest.raises(ValueError, match=r"storage_options\['endpoint'\] is 'htp://x', not an endpoint URL"):
         ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", readers=0, storage_options={"endpoint": "htp://x"})
     assert time.monotonic() - started < 30  # Not retried for the retry window (60 s).
+
+
+# Damaged metadata heals, or is named with its remedy.
+
+def _damage(marker: str, how: str) -> None:
+    import json
+
+    with open(marker) as handle:
+        found = json.load(handle)
+    content = {"empty": b"", "zeros": bytes(64), "no meta": json.dumps({k: v for k, v in found.items() if k != "meta"}).encode(),
+               "wrong size": json.dumps({**found, "size": found["size"] + 8}).encode(),
+               "not an object": b"[1, 2]"}[how]
+    with open(marker, "wb") as handle:
+        handle.write(content)
+
+
+@pytest.mark.parametrize("how,readers", [("empty", 0), ("zeros", 2), ("no meta", 0), ("wrong size", 2),
+                                         ("not an object", 0)])
+def test_a_damaged_marker_is_discarded_with_a_warning_naming_it_and_the_object_fetched_again(
+        server, tmp_path, how, readers):
+    values, url = _upload_rows(server, tmp_path, "trainers/marker.npy", rows=20_000)
+    cache = tmp_path / "cache"
+    kwargs = dict(cache_dir=cache, batch_size=1000, readers=readers, mode="sequential", epochs=1)
+    with ShmDataLoader({"x": url}, **kwargs) as loader:
+        np.testing.assert_array_equal(np.concatenate([np.array(batch["x"]) for batch in loader]), values)
+    (marker,) = glob.glob(os.path.join(str(cache), "objects", "*", "*", "marker.npy.remote.json"))
+    _damage(marker, how)
+    with pytest.warns(RuntimeWarning, match=rf"{marker}, the marker of the copy of {url} .* was damaged"):
+        with ShmDataLoader({"x": url}, **kwargs) as loader:
+            rows = np.concatenate([np.array(batch["x"]) for batch in loader])
+            requests = loader.stats()["cache"]["requests"]
+    np.testing.assert_array_equal(rows, values)
+    assert requests > 0  # Fetched again: pages its marker did not vouch for are not served.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Healed: the run after says nothing.
+        with ShmDataLoader({"x": url}, **kwargs) as loader:
+            np.testing.assert_array_equal(np.concatenate([np.array(batch["x"]) for batch in loader]), values)
+
+
+@pytest.mark.parametrize("which", ["", ".pages"])
+def test_a_directory_in_place_of_a_cache_file_is_named_with_the_remedy(server, tmp_path, which):
+    values, url = _upload_rows(server, tmp_path, "trainers/directory.npy", rows=20_000)
+    cache = tmp_path / "cache"
+    kwargs = dict(cache_dir=cache, batch_size=1000, readers=0, mode="sequential", epochs=1)
+    with ShmDataLoader({"x": url}, **kwargs) as loader:
+        next(iter(loader))
+    (data,) = glob.glob(os.path.join(str(cache), "objects", "*", "*", "directory.npy"))
+    os.unlink(data + which)
+    os.mkdir(data + which)
+    with pytest.raises(CacheError, match=rf"{data + which} is a directory where the node cache keeps a file: "
+                                         rf"remove it"):
+        ShmDataLoader({"x": url}, **kwargs)
+    os.rmdir(data + which)  # The remedy it names.
+    with ShmDataLoader({"x": url}, **kwargs) as loader:
+        np.testing.assert_array_equal(np.concatenate([np.array(batch["x"]) for batch in loader]), values)
+
+
+# One budget per node.
+
+def _disk_bytes(root) -> int:
+    return sum(os.lstat(os.path.join(directory, name)).st_blocks * 512
+               for directory, _, names in os.walk(root) for name in names)
+
+
+def test_the_smallest_budget_of_a_node_s_loaders_holds_whoever_starts_last(server, tmp_path):
+    values, url = _upload_rows(server, tmp_path, "trainers/budget.npy", rows=400_000)  # 3.2 MB
+    cache, budget = tmp_path / "cache", 512 << 10
+    kwargs = dict(cache_dir=cache, batch_size=10_000, mode="sequential", epochs=1)
+    with ShmDataLoader({"x": url}, cache_bytes=budget, readers=0, **kwargs) as small:
+        next(iter(small))
+        with pytest.warns(RuntimeWarning, match=rf"the node cache's budget is {budget} bytes, below this loader's"):
+            large = ShmDataLoader({"x": url}, readers=2, **kwargs)  # Half the free disk: above the small one's.
+        with large:
+            rows = np.concatenate([np.array(batch["x"]) for batch in large])
+            assert large.stats()["cache"]["bytes_budget"] == budget
+    np.testing.assert_array_equal(rows, values)
+    assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)

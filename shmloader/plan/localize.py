@@ -17,6 +17,7 @@ import os
 import posixpath
 import shutil
 import struct
+import warnings
 
 from ..errors import StorageError
 from ..remote import is_url
@@ -90,7 +91,11 @@ class Localizer:
     def __init__(self, settings: CacheSettings) -> None:
         self.settings = settings
         self.cache = acquire(settings.root)  # The loader release()s it when it closes.
-        self.cache.set_budget(settings.budget)
+        budget = self.cache.join_budget(settings.budget)
+        if budget < settings.budget:
+            warnings.warn(f"cache_dir {settings.root}: the node cache's budget is {budget} bytes, below this loader's "
+                          f"{settings.budget}: a node's loaders share one budget, the smallest of theirs (cache_bytes, "
+                          f"else half the disk free) since the cache was last unused", RuntimeWarning, stacklevel=4)
         self.client = Client(settings.options, self.cache.count)
         self.urls: dict[str, str] = {}  # cache path -> the URL it is a copy of
 

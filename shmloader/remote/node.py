@@ -224,9 +224,19 @@ class NodeCache:
                 **{name: int(values[_LEDGER[name]]) for name in COUNTERS}}
 
     def set_budget(self, budget: int) -> None:
-        """The node's budget: the one of the loader that started last."""
+        """Sets the node's budget as it is (tests; loaders join_budget)."""
         with self.locked():
             self._ledger[_LEDGER["budget"]] = budget
+
+    def join_budget(self, budget: int) -> int:
+        """A loader's budget joins the node's, which is the smallest budget of the loaders
+        started since no loader used the cache (each loader's cache_bytes, or half the disk
+        free where it gave none): a loader may lower it, never raise it, so that no loader
+        overrides another's explicit bound. Returns the node's budget."""
+        with self.locked():
+            found = int(self._ledger[_LEDGER["budget"]])
+            self._ledger[_LEDGER["budget"]] = budget if not found else min(found, budget)
+            return int(self._ledger[_LEDGER["budget"]])
 
     def _recount(self) -> None:
         """The bytes held, counted anew where no other process uses the cache (each user
@@ -244,6 +254,8 @@ class NodeCache:
                         if found.data_disk_bytes > found.held:
                             _give_back_unstamped(found)
                     self._ledger[_LEDGER["held"]] = held
+                    # No loader uses the cache: the next one's budget is the node's (set_budget).
+                    self._ledger[_LEDGER["budget"]] = 0
                     # Every slot left is a dead process's (a user holds byte 1 from its start):
                     # the count above has no reservation in it, so none may be given back again.
                     self._slots[:] = 0
