@@ -394,3 +394,25 @@ def test_the_smallest_budget_of_a_node_s_loaders_holds_whoever_starts_last(serve
             assert large.stats()["cache"]["bytes_budget"] == budget
     np.testing.assert_array_equal(rows, values)
     assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)
+
+
+def test_the_budget_bounds_every_file_the_cache_keeps_after_close(server, tmp_path):
+    # Small objects: their pages files and markers are most of their disk, and a glob keeps
+    # each open for the whole run; once closed, the budget holds for every file.
+    budget, count = 256 << 10, 40
+    for k in range(count):
+        np.save(tmp_path / "small.npy", np.full(10, k, dtype=np.int64))
+        server.upload(str(tmp_path / "small.npy"), f"trainers/small/{k:03d}.npy")
+    url = "s3://shmloader-tests/trainers/small/*.npy"
+    cache = tmp_path / "cache"
+    for replaced in (False, True):
+        if replaced:  # New ETags: the old copies' directories are the budget's too.
+            for k in range(count):
+                np.save(tmp_path / "small.npy", np.full(10, -k, dtype=np.int64))
+                server.upload(str(tmp_path / "small.npy"), f"trainers/small/{k:03d}.npy")
+        with ShmDataLoader({"x": url}, cache_dir=cache, cache_bytes=budget, batch_size=10 * count, readers=0,
+                           mode="sequential", epochs=1) as loader:
+            (batch,) = list(loader)
+        np.testing.assert_array_equal(np.sort(np.array(batch["x"])),
+                                      np.sort(np.repeat(np.arange(count) * (-1 if replaced else 1), 10)))
+        assert _disk_bytes(cache) <= budget, (replaced, _disk_bytes(cache), budget)

@@ -187,12 +187,14 @@ class Localizer:
         path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
         # This loader's storage_options, held in the trainer's memory: its readers get them
         # from the plan (FieldSpec.access), never from another trainer's loader.
-        access = create_object(path, url, etag, size, self.settings.options)
-        marker = read_marker(path, (url, etag, size))
-        if marker is None:  # Damaged by another process since (a warning names it): written anew.
-            create_object(path, url, etag, size, self.settings.options)
+        # Under the ledger lock until it is open: no eviction removes it before (node._remove_unopened).
+        with self.cache.locked():
+            access = create_object(path, url, etag, size, self.settings.options)
             marker = read_marker(path, (url, etag, size))
-        cached = open_object(self.cache, path, url, access)
+            if marker is None:  # Damaged by another process since (a warning names it): written anew.
+                create_object(path, url, etag, size, self.settings.options)
+                marker = read_marker(path, (url, etag, size))
+            cached = open_object(self.cache, path, url, access)
         if not marker["meta"]:
             marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)
             write_marker(path, marker)

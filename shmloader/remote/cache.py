@@ -75,6 +75,7 @@ from .pages import (
     FIT_UNIT_BYTES,
     IN_FLIGHT,
     MARKER_SUFFIX,
+    OPEN_BASE,
     PAGES_SUFFIX,
     REQUEST_BYTES,
     STAMP_BYTES,
@@ -206,6 +207,7 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     this process's descriptions of the copy give their readers from now on."""
     root = cache_root(path)
     cache = node_cache(root)
+    cache.creating.add(path)
     try:
         private_directory(os.path.dirname(path), root)
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
@@ -214,11 +216,13 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
         fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
+        if fresh:  # The budget covers the cache's own files too.
+            cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
+                                                                                   path + MARKER_SUFFIX)))
     except OSError as error:
         raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
-    if fresh:  # The budget covers the cache's own files too.
-        cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
-                                                                               path + MARKER_SUFFIX)))
+    finally:
+        cache.creating.discard(path)
     access = hold_options(options or {})
     with _held_lock:
         _access_of_path[path] = access
@@ -411,6 +415,13 @@ class CachedObject:
             raise StorageError(f"{self.url}: its copy in the node cache ({path}) does not have the object's size "
                                f"({self.size} bytes): it was cut short or replaced while the loader ran; restart "
                                f"the loader (a new one fetches the object again)")
+        # Open from here on: its files stay while this process has it (NodeCache._remove_unopened).
+        lock(self._map_fd, fcntl.F_RDLCK, OPEN_BASE, 1, True)
+        if os.fstat(self._map_fd).st_nlink == 0:  # Removed, unopened, before the lock was had.
+            os.close(self._data_fd)
+            os.close(self._map_fd)
+            raise StorageError(f"{self.url}: its copy in the node cache ({path}) was removed to keep the budget "
+                               f"before this process opened it; restart the loader")
         self._map = map_shared(self._map_fd, max(1, length))
         self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
         self.checksums = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count,

@@ -27,6 +27,7 @@ from .pages import (
     IN_FLIGHT,
     IN_FLIGHT_FIRST,
     MARKER_SUFFIX,
+    OPEN_BASE,
     PAGES_SUFFIX,
     STAMP_BYTES,
     evict_page,
@@ -179,6 +180,8 @@ class NodeCache:
         # OFD locks do not exclude this process's own threads. Reentrant: settle() and close()
         # hold it around locked(), so that a settle never meets a ledger close() took down.
         self._thread_lock = threading.RLock()
+        self._depth = 0  # Sections of locked() the thread holding _thread_lock is in.
+        self.creating: set[str] = set()  # Copies this process is making: not removed (_remove_unopened).
         # Reservations in flight that no slot of the ledger records (every slot held by a
         # live process): given back at close, or counted until the cache is next counted anew.
         self._untracked = 0
@@ -205,12 +208,18 @@ class NodeCache:
 
     @contextlib.contextmanager
     def locked(self):
+        """The ledger's lock, for this thread (reentrant: an OFD lock does not nest, so only
+        the outermost section takes and drops it)."""
         with self._thread_lock:
-            lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
+            self._depth += 1
             try:
+                if self._depth == 1:
+                    lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
                 yield
             finally:
-                lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
+                self._depth -= 1
+                if self._depth == 0:
+                    lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
 
     def count(self, requests: int = 0, size: int = 0, retries: int = 0, evicted: int = 0) -> None:
         with self.locked():
@@ -311,10 +320,14 @@ class NodeCache:
         self._reclaim_dead()
         held = self._held()
         if held + size > budget:
+            wanted = held + size - budget + int(budget * EVICT_SHARE)
             with self._evicting():
-                freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
+                freed = self._evict(wanted, newest)
             self._ledger[_LEDGER["held"]] -= freed
             self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
+            if freed < wanted:  # The pages were not enough: the files of copies no loader has open go too.
+                removed = min(self._held(), self._remove_unopened(wanted - freed))
+                self._ledger[_LEDGER["held"]] -= removed
         self._assert_ledger()
         return self._held() + size <= budget
 
@@ -500,6 +513,39 @@ class NodeCache:
                 if found is not None:
                     os.close(found[0])
                     os.close(found[1])
+        return freed
+
+    def _remove_unopened(self, wanted: int) -> int:
+        """Removes whole copies (data, pages file, marker, and their directories once empty)
+        that no process has open, used longest ago first, until `wanted` bytes are freed:
+        what the budget counts of them, their pages and own files (under the ledger lock).
+        A process holds each copy it opened by its OPEN lock (cache.CachedObject); making
+        one, it holds the ledger lock until it has it open (plan/localize.py)."""
+        found = sorted((item for item in self._pages_files() if item.data not in self.creating),
+                       key=lambda item: int(item.stamps.max(initial=0)))
+        freed = 0
+        for item in found:
+            if freed >= wanted:
+                break
+            try:
+                descriptor = open_private(item.pages, os.O_RDWR)
+            except (OSError, StorageError):
+                continue
+            try:
+                if not lock(descriptor, fcntl.F_WRLCK, OPEN_BASE, 1, False):
+                    continue  # Open in a process: its files stay.
+                for name in (item.data + MARKER_SUFFIX, item.data, item.pages):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
+                freed += item.held + item.own_bytes
+            finally:
+                os.close(descriptor)
+            version = os.path.dirname(item.data)
+            for directory in (version, os.path.dirname(version)):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # Not empty (a ragged directory's other members, other versions).
+                    break
         return freed
 
     # Objects and fetching.

@@ -33,6 +33,9 @@ IN_FLIGHT = 16
 # the first batch needs, arrive with the 30 others (bench/RESULTS.md).
 IN_FLIGHT_FIRST = 2
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
+# The OPEN lock: held shared by each process that has the copy open, taken exclusively
+# (never waited for) by the removal of a copy nobody has open (NodeCache._remove_unopened).
+OPEN_BASE = 2 << 40
 # An eviction frees at least this share of the budget, so that it runs rarely.
 EVICT_SHARE = 1 / 32
 
