@@ -17,10 +17,18 @@ import os
 import posixpath
 import shutil
 import struct
+import warnings
 
 from ..errors import StorageError
 from ..remote import is_url
-from ..remote.cache import cached_name, create_object, object_directory, open_object, read_marker, write_marker
+from ..remote.cache import (
+    cached_name,
+    create_object,
+    object_directory,
+    open_object,
+    read_marker,
+    write_marker,
+)
 from ..remote.node import acquire
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..remote.store import Client
@@ -42,7 +50,7 @@ class CacheSettings:
 
     root: str
     budget: int
-    options: dict
+    options: dict = dataclasses.field(repr=False)  # Credentials: never printed.
 
     @classmethod
     def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
@@ -83,7 +91,11 @@ class Localizer:
     def __init__(self, settings: CacheSettings) -> None:
         self.settings = settings
         self.cache = acquire(settings.root)  # The loader release()s it when it closes.
-        self.cache.set_budget(settings.budget)
+        budget = self.cache.join_budget(settings.budget)
+        if budget < settings.budget:
+            warnings.warn(f"cache_dir {settings.root}: the node cache's budget is {budget} bytes, below this loader's "
+                          f"{settings.budget}: a node's loaders share one budget, the smallest of theirs (cache_bytes, "
+                          f"else half the disk free) since the cache was last unused", RuntimeWarning, stacklevel=4)
         self.client = Client(settings.options, self.cache.count)
         self.urls: dict[str, str] = {}  # cache path -> the URL it is a copy of
 
@@ -173,13 +185,16 @@ class Localizer:
             raise StorageError(f"{url}: an empty object; expected a .npy or .b2nd file, or a ragged directory")
         name = cached_name(url)  # Bounded: an S3 key segment may be longer than a file name.
         path = path or os.path.join(object_directory(self.settings.root, url, etag), name)
-        create_object(path, url, etag, size, self.settings.options)
-        marker = read_marker(path)
-        if marker.get("options") != self.settings.options:
-            marker["options"] = self.settings.options  # This loader's credentials from now on.
-            write_marker(path, marker)
-        cached = open_object(self.cache, path, url)
-        cached.client = Client(self.settings.options, self.cache.count)
+        # This loader's storage_options, held in the trainer's memory: its readers get them
+        # from the plan (FieldSpec.access), never from another trainer's loader.
+        # Under the ledger lock until it is open: no eviction removes it before (node._remove_unopened).
+        with self.cache.locked():
+            access = create_object(path, url, etag, size, self.settings.options)
+            marker = read_marker(path, (url, etag, size))
+            if marker is None:  # Damaged by another process since (a warning names it): written anew.
+                create_object(path, url, etag, size, self.settings.options)
+                marker = read_marker(path, (url, etag, size))
+            cached = open_object(self.cache, path, url, access)
         if not marker["meta"]:
             marker["meta"] = [[0, size]] if whole else self._header_extents(cached, size)
             write_marker(path, marker)

@@ -178,3 +178,14 @@ class LoaderOptions:
         if self.storage_options is not None and not isinstance(self.storage_options, collections.abc.Mapping):
             raise TypeError(f"storage_options must be a mapping of obstore S3 settings (endpoint, access_key_id, "
                             f"secret_access_key, region, ...), got {type(self.storage_options).__name__}")
+
+    def __repr__(self) -> str:
+        """The dataclass's repr with storage_options redacted (remote.redact_options): the
+        options are printed in logs and errors, and credentials must never be."""
+        from ..remote import redact_options
+
+        shown = ", ".join(f"{field.name}={redact_options(value) if field.name == 'storage_options' else value!r}"
+                          for field in dataclasses.fields(self) for value in (getattr(self, field.name),))
+        return f"{type(self).__name__}({shown})"
+
+    __str__ = __repr__

@@ -23,6 +23,7 @@ import contextlib
 import os
 
 from ..fill.global_seeds import global_states_kept, runs_user_code
+from ..remote import step_deadline
 from ..ring.batch import cursor_module
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring
@@ -124,7 +125,9 @@ class LocalIterator:
                 state = self._wait_for_slot(cursor)
             if state == _IN_FLIGHT:  # Requested: only the local reader claims it (nothing is past the end).
                 started_ns = _now_ns()
-                skipped = self.reader.fill(cursor, cursor.next_step, self._raise_if_closed)
+                # Waits on a store keep step_timeout: no reader process to give up on here.
+                with step_deadline(self.supervisor.step_timeout, cursor.next_step):
+                    skipped = self.reader.fill(cursor, cursor.next_step, self._raise_if_closed)
                 cursor.waiting_since_ns = started_ns  # The fill is next()'s wait for data: stats()["wait_s"].
                 if skipped:
                     self.supervisor.warn_if_skipped()

@@ -47,6 +47,7 @@ reservation counted until then).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -58,10 +59,13 @@ import posixpath
 import re
 import secrets
 import threading
+import time
+import warnings
 
 import numpy as np
 
 from ..errors import CacheError, RemoteError, StorageError
+from . import deadline_left
 from .node import NodeCache, cache_root, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
@@ -71,6 +75,7 @@ from .pages import (
     FIT_UNIT_BYTES,
     IN_FLIGHT,
     MARKER_SUFFIX,
+    OPEN_BASE,
     PAGES_SUFFIX,
     REQUEST_BYTES,
     STAMP_BYTES,
@@ -90,6 +95,8 @@ from .pages import (
 from .store import Client
 
 
+# A fill with a deadline looks for a page another request fetches this often.
+_POLL_SECONDS = 0.02
 # See CachedObject._download_run.
 AHEAD_STAMP_SECONDS = 2
 # Gathers read present pages without locks and check the eviction sequence after them
@@ -98,23 +105,68 @@ AHEAD_STAMP_SECONDS = 2
 UNPINNED_READS = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def cached_object(path: str, url: str = "") -> CachedObject:
+def cached_object(path: str, url: str = "", access: str = "") -> CachedObject:
     """The object whose copy is the file at `path`, opened in this process's view of its
-    cache; `url` names it in errors."""
+    cache; `url` names it in errors; `access` (hold_options) says where its loader's
+    storage_options are."""
     if not os.path.exists(path + MARKER_SUFFIX):
         raise StorageError(f"{url or path}: its copy in the node cache ({path}) is not here: the cache directory "
                            f"was removed while the loader ran (restart the loader), or this reader runs on another "
                            f"machine than the trainer (Ray actors elsewhere cannot share its node's cache)")
-    return open_object(node_cache(cache_root(path)), path, url)
+    return open_object(node_cache(cache_root(path)), path, url, access or None)
 
 
-def read_marker(path: str) -> dict | None:
+def read_marker(path: str, expected: tuple[str, str, int] | None = None) -> dict | None:
+    """An object's marker, None where there is none. One that does not parse, lacks a key
+    or (given the (URL, ETag, size) `expected`) describes another object is damaged: with
+    `expected` (the trainer, which can write it anew) it is discarded with a warning naming
+    it, else a CacheError names it."""
+    marker_path = path + MARKER_SUFFIX
     try:
-        descriptor = open_private(path + MARKER_SUFFIX, os.O_RDONLY)
+        descriptor = open_private(marker_path, os.O_RDONLY)
     except FileNotFoundError:
         return None
-    with os.fdopen(descriptor) as handle:
-        return json.load(handle)
+    with os.fdopen(descriptor, "rb") as handle:
+        content = handle.read(_MARKER_BYTES_MAX + 1)
+    problem = _marker_problem(content, expected)
+    if problem is None:
+        return json.loads(content)
+    if expected is None:
+        raise CacheError(f"{marker_path}, the marker of a copy in the node cache, is damaged ({problem}): restart "
+                         f"the loader (its trainer writes it anew and fetches the object again), or remove the "
+                         f"cache directory")
+    warnings.warn(f"{marker_path}, the marker of the copy of {expected[0]} in the node cache, was damaged "
+                  f"({problem}): discarded, the object is fetched again", RuntimeWarning, stacklevel=3)
+    os.unlink(marker_path)
+    return None
+
+
+_MARKER_BYTES_MAX = 1 << 20  # Far past any marker: a header's ranges are a few pairs.
+
+
+def _marker_problem(content: bytes, expected: tuple[str, str, int] | None) -> str | None:
+    """What is wrong with a marker's bytes, or None."""
+    if len(content) > _MARKER_BYTES_MAX:
+        return f"over {_MARKER_BYTES_MAX} bytes"
+    try:
+        marker = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as error:
+        return f"{len(content)} bytes that are not JSON: {error}"
+    if not isinstance(marker, dict):
+        return f"JSON of type {type(marker).__name__}, not an object"
+    types = {"url": str, "etag": str, "size": int, "meta": list}
+    for name, kind in types.items():
+        if not isinstance(marker.get(name), kind) or isinstance(marker.get(name), bool):
+            return f"its {name!r} is {marker.get(name)!r}, expected a {kind.__name__}"
+    size = marker["size"]
+    if size < 0 or not all(isinstance(extent, list) and len(extent) == 2 and
+                           all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in extent) and
+                           sum(extent) <= size for extent in marker["meta"]):
+        return f"its size {size} or header ranges {marker['meta']!r} are not of an object"
+    if expected is not None and (marker["url"], marker["etag"], size) != tuple(expected):
+        return (f"it describes {marker['url']} at ETag {marker['etag']}, {size} bytes; the object is "
+                f"{expected[0]} at ETag {expected[1]}, {expected[2]} bytes")
+    return None
 
 
 def object_directory(root: str, url: str, version: str) -> str:
@@ -145,37 +197,48 @@ def cached_name(url: str) -> str:
     return f"{start}-{hashlib.sha256(name.encode()).hexdigest()[:32]}{extension}"
 
 
-def create_object(path: str, url: str, etag: str, size: int, options: dict) -> None:
+def create_object(path: str, url: str, etag: str, size: int, options: dict | None = None) -> str:
     """The sparse data file, its pages file and its marker, if they are not there yet
     (several trainers may create the same object at once: every step is idempotent). A
     copy whose files do not have the object's sizes (truncated between runs, or of an
-    older layout) is not trusted: every page absent, to be fetched again."""
+    older layout) is not trusted: every page absent, to be fetched again. A marker that
+    does not describe this object (damaged, or of an older layout) is written anew.
+    Returns the access (hold_options) of the loader's storage_options `options`, which
+    this process's descriptions of the copy give their readers from now on."""
     root = cache_root(path)
     cache = node_cache(root)
+    cache.creating.add(path)
     try:
         private_directory(os.path.dirname(path), root)
-        fresh = _create_files(path, url, size, root, cache.budget())
-        marker = read_marker(path)
-        if marker is None:
-            write_marker(path, {"url": url, "etag": etag, "size": size, "options": options, "meta": []})
-        elif (marker.get("options"), marker.get("credentials")) != _stored_options(options):
-            write_marker(path, {**marker, "options": options})  # This loader's options and credentials from now on.
+        had_marker = os.path.lexists(path + MARKER_SUFFIX)
+        marker = read_marker(path, (url, etag, size))
+        # A damaged marker vouches for nothing of its copy: every page fetched again.
+        fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
+        if marker is None or fresh:
+            write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
+        if fresh:  # The budget covers the cache's own files too.
+            cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
+                                                                                   path + MARKER_SUFFIX)))
     except OSError as error:
         raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
-    if fresh:  # The budget covers the cache's own files too.
-        cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
-                                                                               path + MARKER_SUFFIX)))
+    finally:
+        cache.creating.discard(path)
+    access = hold_options(options or {})
+    with _held_lock:
+        _access_of_path[path] = access
+    return access
 
 
-def _create_files(path: str, url: str, size: int, root: str, budget: int) -> bool:
-    """The data and pages files of create_object; whether they were made (or made anew)."""
+def _create_files(path: str, url: str, size: int, root: str, budget: int, anew: bool = False) -> bool:
+    """The data and pages files of create_object (made anew where `anew`); whether they
+    were made (or made anew)."""
     pages_length = pages_file_bytes(-(-size // CACHE_PAGE_BYTES))
     pages_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR | os.O_CREAT)
     try:
         data_fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             data_size = os.fstat(data_fd).st_size
-            fresh = os.fstat(pages_fd).st_size != pages_length or data_size != size
+            fresh = anew or os.fstat(pages_fd).st_size != pages_length or data_size != size
             if fresh:
                 os.ftruncate(pages_fd, 0)  # Every stamp 0 first: absent before the bytes go.
                 os.ftruncate(pages_fd, pages_length)
@@ -191,33 +254,49 @@ def _create_files(path: str, url: str, size: int, root: str, budget: int) -> boo
         os.close(pages_fd)
 
 
-# storage_options whose names say they are credentials: they never go into the cache's files.
-_CREDENTIAL_NAME = re.compile(r"secret|token|passw|credential|key|auth", re.IGNORECASE)
-_credentials: dict[tuple, dict] = {}  # (pid, the credentials' items) -> where the marker says they are
-_credentials_lock = threading.Lock()
+# A loader's storage_options (endpoint and credentials) never go into the cache's files,
+# which every trainer of the node shares: each trainer holds its own in memory, and the
+# plan it sends its readers says where (FieldSpec.access), so that a reader fetches with
+# its own trainer's options whoever else uses the same copy.
+_held_options: dict[tuple, dict] = {}  # (pid, the options' items) -> where this process holds them
+_held_lock = threading.Lock()
+_access_of_path: dict[str, str] = {}  # This trainer's copies -> the access of the loader that localized it last
 
 
-def _hold_credentials(credentials: dict) -> dict:
-    """Where this process keeps `credentials` for the other processes of its loaders: a
-    memfd (memory, never a file system) that this process holds open for its lifetime,
-    read by them as /proc/PID/fd/FD (the same user only), with a random nonce that tells it
-    from whatever a reused pid or descriptor number names later."""
-    key = (os.getpid(), tuple(sorted(credentials.items())))
-    with _credentials_lock:
-        found = _credentials.get(key)
+def hold_options(options: dict) -> str:
+    """Where this process keeps a loader's `options` for the other processes of the loader,
+    as a FieldSpec.access string ("" for none): a memfd (memory, never a file system) that
+    this process holds open for its lifetime, read by them as /proc/PID/fd/FD (the same
+    user only), with a random nonce that tells it from whatever a reused pid or descriptor
+    number names later."""
+    if not options:
+        return ""
+    key = (os.getpid(), tuple(sorted(options.items())))
+    with _held_lock:
+        found = _held_options.get(key)
         if found is None:
             nonce = secrets.token_hex(16)
             descriptor = os.memfd_create("shmloader-credentials", os.MFD_CLOEXEC)
-            os.write(descriptor, json.dumps({"nonce": nonce, "options": credentials}).encode())
-            found = _credentials[key] = {"pid": os.getpid(), "fd": descriptor, "nonce": nonce}
-        return found
+            os.write(descriptor, json.dumps({"nonce": nonce, "options": dict(options)}).encode())
+            found = _held_options[key] = {"pid": os.getpid(), "fd": descriptor, "nonce": nonce}
+        return json.dumps(found)
 
 
-def _read_credentials(reference: dict, url: str) -> dict:
-    """The credentials a marker's reference names (see _hold_credentials)."""
+def access_for(path: str) -> str:
+    """The access (hold_options) this trainer's descriptions of the copy at `path` give
+    their readers: that of the loader that made it (create_object) last."""
+    with _held_lock:
+        return _access_of_path.get(path, "")
+
+
+def options_of(access: str, url: str) -> dict:
+    """The storage_options an access string (hold_options) stands for: {} for none."""
+    if not access:
+        return {}
+    reference = json.loads(access)
     if reference["pid"] == os.getpid():
-        with _credentials_lock:
-            for (pid, items), found in _credentials.items():
+        with _held_lock:
+            for (pid, items), found in _held_options.items():
                 if pid == reference["pid"] and found["nonce"] == reference["nonce"]:
                     return dict(items)
     try:
@@ -232,33 +311,14 @@ def _read_credentials(reference: dict, url: str) -> dict:
             raise PermissionError("another process's")
         return dict(held["options"])
     except (OSError, ValueError, KeyError, AttributeError) as error:
-        raise RemoteError(f"{url}: the credentials in the storage_options of the loader that described it are held "
-                          f"by its trainer (pid {reference['pid']}), which cannot give them ({error}); the cache keeps "
-                          f"no credential on disk: open this loader in that trainer's lifetime, or give credentials "
-                          f"in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)") from None
-
-
-def _stored_options(options: dict) -> tuple[dict, dict | None]:
-    """(the options but credentials, where this process holds the credentials or None):
-    what a marker keeps of a loader's storage_options."""
-    credentials = {name: value for name, value in options.items() if _CREDENTIAL_NAME.search(name)}
-    public = {name: value for name, value in options.items() if name not in credentials}
-    return public, (_hold_credentials(credentials) if credentials else None)
-
-
-def marker_options(marker: dict, url: str) -> dict:
-    """The storage_options an object's marker stands for, credentials included."""
-    options = dict(marker.get("options") or {})
-    if marker.get("credentials"):
-        options.update(_read_credentials(marker["credentials"], url))
-    return options
+        raise RemoteError(f"{url}: the storage_options of this reader's loader are held by its trainer (pid "
+                          f"{reference['pid']}), which cannot give them ({error}); the cache keeps no credential "
+                          f"on disk: readers fetch only in their trainer's lifetime") from None
 
 
 def write_marker(path: str, marker: dict) -> None:
-    """Writes an object's marker; credentials in its options are replaced by where this
-    process holds them (_hold_credentials)."""
-    public, credentials = _stored_options(marker.get("options") or {})
-    marker = {**marker, "options": public, "credentials": credentials}
+    """Writes an object's marker (URL, ETag, size, header ranges: no storage_options)."""
+    marker = {name: marker[name] for name in ("url", "etag", "size", "meta")}
     temporary = f"{path}{MARKER_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)  # Left by a process of this pid that died: O_EXCL below must not meet it.
@@ -309,16 +369,19 @@ def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
     return runs
 
 
-def open_object(cache: NodeCache, path: str, url: str = "") -> CachedObject:
+def open_object(cache: NodeCache, path: str, url: str = "", access: str | None = None) -> CachedObject:
     """This process's opening of the copy at `path` in `cache` (opened anew where the file is
-    not the one it opened: the cache directory removed and made again)."""
+    not the one it opened: the cache directory removed and made again), fetching with the
+    storage_options `access` stands for (hold_options; None: as it was opened)."""
     with cache.objects_lock:
         found = cache.objects.get(path)
         if found is not None and not found.current():
             found.close()
             found = None
         if found is None:
-            found = cache.objects[path] = CachedObject(cache, path, url)
+            found = cache.objects[path] = CachedObject(cache, path, url, access or "")
+        elif access is not None and access != found.access:
+            found.access, found.client = access, Client(options_of(access, found.url), cache.count)
         return found
 
 
@@ -328,7 +391,7 @@ class CachedObject:
     OFD locks taken through one description do not exclude each other, so two threads
     sharing one would release each other's pins and claims."""
 
-    def __init__(self, cache: NodeCache, path: str, url: str = "") -> None:
+    def __init__(self, cache: NodeCache, path: str, url: str = "", access: str = "") -> None:
         marker = read_marker(path)
         if marker is None:
             raise StorageError(f"{url or path}: its copy in the node cache ({path}) is gone: was the cache directory "
@@ -336,7 +399,7 @@ class CachedObject:
         self.cache, self.path = cache, path
         self.url, self.etag, self.size = marker["url"], marker["etag"], int(marker["size"])
         self.meta = [tuple(extent) for extent in marker.get("meta", [])]
-        self.client = Client(marker_options(marker, self.url), cache.count)
+        self.access, self.client = access, Client(options_of(access, self.url), cache.count)
         self.page_count = -(-self.size // CACHE_PAGE_BYTES)
         self._data_fd = open_private(path, os.O_RDWR)
         self.inode = os.fstat(self._data_fd).st_ino
@@ -352,6 +415,13 @@ class CachedObject:
             raise StorageError(f"{self.url}: its copy in the node cache ({path}) does not have the object's size "
                                f"({self.size} bytes): it was cut short or replaced while the loader ran; restart "
                                f"the loader (a new one fetches the object again)")
+        # Open from here on: its files stay while this process has it (NodeCache._remove_unopened).
+        lock(self._map_fd, fcntl.F_RDLCK, OPEN_BASE, 1, True)
+        if os.fstat(self._map_fd).st_nlink == 0:  # Removed, unopened, before the lock was had.
+            os.close(self._data_fd)
+            os.close(self._map_fd)
+            raise StorageError(f"{self.url}: its copy in the node cache ({path}) was removed to keep the budget "
+                               f"before this process opened it; restart the loader")
         self._map = map_shared(self._map_fd, max(1, length))
         self.stamps = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count)
         self.checksums = np.frombuffer(self._map, dtype=np.uint32, count=self.page_count,
@@ -697,9 +767,18 @@ class CachedObject:
             if not len(others):
                 return
             for page in others.tolist():  # Their fetcher is downloading: its lock goes when it is done.
-                lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
+                self._wait_for_fetcher(descriptor, page)
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + page, 1, False)
             needed = others[self.stamps[others] == 0]  # Their download failed: this process tries.
+
+    def _wait_for_fetcher(self, descriptor: int, page: int) -> None:
+        """Waits (its FETCH lock, shared) for whoever fetches `page`: blocking where this
+        thread's step has no deadline, else polled until it (remote.step_deadline)."""
+        if deadline_left(f"{self.url}: page {page}, which another request fetches") is None:
+            lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, True)
+            return
+        while not lock(descriptor, fcntl.F_RDLCK, FETCH_BASE + page, 1, False):
+            time.sleep(min(_POLL_SECONDS, deadline_left(f"{self.url}: page {page}, which another request fetches")))
 
     def _demand_pages(self, needed: np.ndarray, unit_pages: int) -> np.ndarray:
         """The pages a fill fetches for its `needed` ones: with the rest of their fetch units
@@ -730,7 +809,11 @@ class CachedObject:
             futures = [self.cache.pool("demand").submit(self._fetch_run, first, end, size)
                        for (first, end), size in zip(todo, sizes)]
             for future in futures:
-                future.result()
+                try:
+                    future.result(timeout=deadline_left(f"{self.url}: a GET of its pages"))
+                except concurrent.futures.TimeoutError:
+                    deadline_left(f"{self.url}: a GET of its pages")
+                    raise
         finally:
             for first, end in claimed:
                 lock(descriptor, fcntl.F_UNLCK, FETCH_BASE + first, end - first, False)

@@ -12,6 +12,7 @@ import concurrent.futures
 import contextlib
 import fcntl
 import os
+import queue
 import threading
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ from .pages import (
     IN_FLIGHT,
     IN_FLIGHT_FIRST,
     MARKER_SUFFIX,
+    OPEN_BASE,
     PAGES_SUFFIX,
     STAMP_BYTES,
     evict_page,
@@ -94,6 +96,67 @@ class RampingSlots:
             self._condition.notify(2)
 
 
+class FetchThreads:
+    """The fetch threads of a kind (ThreadPoolExecutor's submit and shutdown), as daemon
+    threads that nothing joins: a request the store never answers is given up on when its
+    loader closes (shutdown), and the process exits without waiting for it, which
+    concurrent.futures' threads, joined at exit, made it do for as long as the request hung."""
+
+    def __init__(self, most: int, name: str) -> None:
+        self._most, self._name = most, name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, function, *arguments) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new fetches after the node cache closed")
+            self._queue.put((future, function, arguments))
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self._most:
+                thread = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            found = self._queue.get()
+            if found is None:
+                return
+            future, function, arguments = found
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = function(*arguments)
+                except BaseException as error:  # noqa: BLE001 - the future's to raise, as an executor's.
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)
+                del future, function, arguments, found
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """Cancels what waits for a thread and stops the threads once their request ends
+        (`wait` is not honoured: nothing is waited for)."""
+        with self._lock:
+            self._shut = True
+            while True:
+                try:
+                    found = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if found is not None and cancel_futures:
+                    found[0].cancel()
+            for _ in self._threads:
+                self._queue.put(None)
+
+
 class NodeCache:
     """One cache directory as this process sees it: the ledger, and the objects it opened."""
 
@@ -117,6 +180,8 @@ class NodeCache:
         # OFD locks do not exclude this process's own threads. Reentrant: settle() and close()
         # hold it around locked(), so that a settle never meets a ledger close() took down.
         self._thread_lock = threading.RLock()
+        self._depth = 0  # Sections of locked() the thread holding _thread_lock is in.
+        self.creating: set[str] = set()  # Copies this process is making: not removed (_remove_unopened).
         # Reservations in flight that no slot of the ledger records (every slot held by a
         # live process): given back at close, or counted until the cache is next counted anew.
         self._untracked = 0
@@ -132,7 +197,7 @@ class NodeCache:
         lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
         self.objects: dict = {}  # path -> its cache.CachedObject, opened by cache.open_object
         self.objects_lock = threading.Lock()
-        self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self._pools: dict[str, FetchThreads] = {}
         self._pool_lock = threading.Lock()
         # The read-ahead's requests in flight, one per thread of its pool: a request is claimed
         # only when a thread is free for it, so a fill never waits on a claim that sits in the
@@ -143,12 +208,18 @@ class NodeCache:
 
     @contextlib.contextmanager
     def locked(self):
+        """The ledger's lock, for this thread (reentrant: an OFD lock does not nest, so only
+        the outermost section takes and drops it)."""
         with self._thread_lock:
-            lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
+            self._depth += 1
             try:
+                if self._depth == 1:
+                    lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
                 yield
             finally:
-                lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
+                self._depth -= 1
+                if self._depth == 0:
+                    lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
 
     def count(self, requests: int = 0, size: int = 0, retries: int = 0, evicted: int = 0) -> None:
         with self.locked():
@@ -162,9 +233,19 @@ class NodeCache:
                 **{name: int(values[_LEDGER[name]]) for name in COUNTERS}}
 
     def set_budget(self, budget: int) -> None:
-        """The node's budget: the one of the loader that started last."""
+        """Sets the node's budget as it is (tests; loaders join_budget)."""
         with self.locked():
             self._ledger[_LEDGER["budget"]] = budget
+
+    def join_budget(self, budget: int) -> int:
+        """A loader's budget joins the node's, which is the smallest budget of the loaders
+        started since no loader used the cache (each loader's cache_bytes, or half the disk
+        free where it gave none): a loader may lower it, never raise it, so that no loader
+        overrides another's explicit bound. Returns the node's budget."""
+        with self.locked():
+            found = int(self._ledger[_LEDGER["budget"]])
+            self._ledger[_LEDGER["budget"]] = budget if not found else min(found, budget)
+            return int(self._ledger[_LEDGER["budget"]])
 
     def _recount(self) -> None:
         """The bytes held, counted anew where no other process uses the cache (each user
@@ -182,6 +263,8 @@ class NodeCache:
                         if found.data_disk_bytes > found.held:
                             _give_back_unstamped(found)
                     self._ledger[_LEDGER["held"]] = held
+                    # No loader uses the cache: the next one's budget is the node's (set_budget).
+                    self._ledger[_LEDGER["budget"]] = 0
                     # Every slot left is a dead process's (a user holds byte 1 from its start):
                     # the count above has no reservation in it, so none may be given back again.
                     self._slots[:] = 0
@@ -237,10 +320,14 @@ class NodeCache:
         self._reclaim_dead()
         held = self._held()
         if held + size > budget:
+            wanted = held + size - budget + int(budget * EVICT_SHARE)
             with self._evicting():
-                freed = self._evict(held + size - budget + int(budget * EVICT_SHARE), newest)
+                freed = self._evict(wanted, newest)
             self._ledger[_LEDGER["held"]] -= freed
             self._ledger[_LEDGER["evicted"]] += -(-freed // CACHE_PAGE_BYTES)
+            if freed < wanted:  # The pages were not enough: the files of copies no loader has open go too.
+                removed = min(self._held(), self._remove_unopened(wanted - freed))
+                self._ledger[_LEDGER["held"]] -= removed
         self._assert_ledger()
         return self._held() + size <= budget
 
@@ -428,6 +515,39 @@ class NodeCache:
                     os.close(found[1])
         return freed
 
+    def _remove_unopened(self, wanted: int) -> int:
+        """Removes whole copies (data, pages file, marker, and their directories once empty)
+        that no process has open, used longest ago first, until `wanted` bytes are freed:
+        what the budget counts of them, their pages and own files (under the ledger lock).
+        A process holds each copy it opened by its OPEN lock (cache.CachedObject); making
+        one, it holds the ledger lock until it has it open (plan/localize.py)."""
+        found = sorted((item for item in self._pages_files() if item.data not in self.creating),
+                       key=lambda item: int(item.stamps.max(initial=0)))
+        freed = 0
+        for item in found:
+            if freed >= wanted:
+                break
+            try:
+                descriptor = open_private(item.pages, os.O_RDWR)
+            except (OSError, StorageError):
+                continue
+            try:
+                if not lock(descriptor, fcntl.F_WRLCK, OPEN_BASE, 1, False):
+                    continue  # Open in a process: its files stay.
+                for name in (item.data + MARKER_SUFFIX, item.data, item.pages):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name)
+                freed += item.held + item.own_bytes
+            finally:
+                os.close(descriptor)
+            version = os.path.dirname(item.data)
+            for directory in (version, os.path.dirname(version)):
+                try:
+                    os.rmdir(directory)
+                except OSError:  # Not empty (a ragged directory's other members, other versions).
+                    break
+        return freed
+
     # Objects and fetching.
 
     def current(self) -> bool:
@@ -469,14 +589,13 @@ class NodeCache:
             os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
             self._ledger_fd = None
 
-    def pool(self, kind: str = "demand") -> concurrent.futures.ThreadPoolExecutor:
+    def pool(self, kind: str = "demand") -> FetchThreads:
         """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
         read-ahead's (apart, so that a fill never queues behind the read-ahead's requests)."""
         with self._pool_lock:
             pool = self._pools.get(kind)
             if pool is None:
-                pool = self._pools[kind] = concurrent.futures.ThreadPoolExecutor(
-                    IN_FLIGHT, thread_name_prefix=f"shmloader-fetch-{kind}")
+                pool = self._pools[kind] = FetchThreads(IN_FLIGHT, f"shmloader-fetch-{kind}")
             return pool
 
 

@@ -33,6 +33,9 @@ IN_FLIGHT = 16
 # the first batch needs, arrive with the 30 others (bench/RESULTS.md).
 IN_FLIGHT_FIRST = 2
 FETCH_BASE = 1 << 40  # FETCH lock offsets: far past any pages file's USE bytes.
+# The OPEN lock: held shared by each process that has the copy open, taken exclusively
+# (never waited for) by the removal of a copy nobody has open (NodeCache._remove_unopened).
+OPEN_BASE = 2 << 40
 # An eviction frees at least this share of the budget, so that it runs rarely.
 EVICT_SHARE = 1 / 32
 
@@ -178,6 +181,9 @@ def open_private(path: str, flags: int) -> int:
         if error.errno == errno.ELOOP:
             raise CacheError(f"{path} is a symbolic link: the node cache never follows one (it may have been "
                              f"planted by another user); remove it, or use another cache_dir") from None
+        if error.errno == errno.EISDIR:
+            raise CacheError(f"{path} is a directory where the node cache keeps a file: remove it (the object is "
+                             f"fetched again), or use another cache_dir") from None
         raise
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():

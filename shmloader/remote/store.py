@@ -29,11 +29,37 @@ from ..errors import RemoteError
 # dropped connection), waiting BACKOFF_FIRST_SECONDS, then twice as long each time (at
 # most BACKOFF_MAX_SECONDS), each wait drawn uniformly below that bound (full jitter:
 # readers that failed together do not retry together).
-RETRY_SECONDS = float(os.environ.get("SHMLOADER_REMOTE_RETRY_SECONDS", "60"))
+# SHMLOADER_REMOTE_RETRY_SECONDS, read at each request (retry_seconds), stands in for it.
+RETRY_SECONDS = 60.0
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 4.0
 # One request's limits: a stalled connection is a timeout, and a timeout is retried.
 _CLIENT_OPTIONS = {"timeout": "60s", "connect_timeout": "5s"}
+
+
+def retry_seconds() -> float:
+    """The retry window: SHMLOADER_REMOTE_RETRY_SECONDS as set now, else RETRY_SECONDS."""
+    value = os.environ.get("SHMLOADER_REMOTE_RETRY_SECONDS")
+    if value is None:
+        return RETRY_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"SHMLOADER_REMOTE_RETRY_SECONDS must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def check_endpoint(endpoint: str, setting: str) -> None:
+    """Refuses at once an endpoint that no request could reach (retrying it as a transient
+    failure waited out the whole retry window), naming the setting it came from."""
+    scheme, separator, rest = endpoint.partition("://")
+    host = rest.split("/", 1)[0].rpartition("@")[2]
+    if not separator or scheme.lower() not in ("http", "https") or not host or host.startswith(":"):
+        shown = f"{scheme}://{host}" if separator else endpoint.rpartition("@")[2]
+        raise ValueError(f"{setting} is {shown!r}, not an endpoint URL: expected http(s)://HOST[:PORT], e.g. "
+                         f"https://s3.us-east-1.amazonaws.com or http://127.0.0.1:9000")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -63,6 +89,9 @@ def _store(bucket: str, options: dict):
     by the process's threads). Made on first use: a reader forked from a process that
     never made one has no runtime to inherit."""
     endpoint = options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        check_endpoint(endpoint, "storage_options['endpoint']" if options.get("endpoint") else
+                       "AWS_ENDPOINT_URL_S3" if os.environ.get("AWS_ENDPOINT_URL_S3") else "AWS_ENDPOINT_URL")
     # The endpoint as resolved now: a process whose environment names another one since
     # (another server, a test's) gets a client for it, not the first one's.
     key = (os.getpid(), bucket, endpoint, tuple(sorted(options.items())))
@@ -96,8 +125,8 @@ class Client:
         from obstore import exceptions
 
         bucket, key = split_url(url)
-        started = time.monotonic()
-        deadline = started + RETRY_SECONDS
+        started, window = time.monotonic(), retry_seconds()
+        deadline = started + window
         wait, retries = BACKOFF_FIRST_SECONDS, 0
         while True:
             try:
@@ -134,7 +163,7 @@ class Client:
                     self._count(1, 0, retries)
                     # The time it really took: one request may outlast the retry window alone (its timeout).
                     raise RemoteError(f"{url}: {what} failed after {retries} retries over {now - started:.1f} s "
-                                      f"(retries stop {RETRY_SECONDS:g} s after the first request: "
+                                      f"(retries stop {window:g} s after the first request: "
                                       f"SHMLOADER_REMOTE_RETRY_SECONDS; each request times out after "
                                       f"{_CLIENT_OPTIONS['timeout']}): {_first_line(error)}") from None
                 retries += 1
@@ -227,6 +256,11 @@ _UNPARSABLE = re.compile(r'Error parsing Path "((?:[^"\\]|\\.)*)"')
 _STATUS = re.compile(r"status code: (\d{3})")
 
 
+_USER_INFO = re.compile(r"(://)[^/@\s]*@")
+
+
 def _first_line(error: BaseException) -> str:
+    """The first line of a client's error, without the user and password a URL in it may
+    carry."""
     text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
+    return _USER_INFO.sub(r"\1<redacted>@", text[0][:300]) if text else type(error).__name__

@@ -86,7 +86,7 @@ def open_cached(spec: FieldSpec, batch_size_max: int, verify: bool, access: str)
     if spec.kind == "b2nd" and not spec.row_contiguous:
         raise StorageError(f"{spec.remote}: layout {spec.chunks}/{spec.blocks} is not row-contiguous, which a cached "
                            f"object needs; re-save it with `shmloader convert` before uploading it")
-    cached = cached_object(spec.path, spec.remote)
+    cached = cached_object(spec.path, spec.remote, spec.access)
     with cached.reading_header():
         field = NpyField(spec) if spec.kind == "npy" else BloscField(spec, batch_size_max, verify=verify)
     field.remote = cached

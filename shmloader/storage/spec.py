@@ -66,6 +66,9 @@ class FieldSpec:
     # (remote/cache.py), whose pages a gather pins first; `identity` is empty (the ETag
     # the copy is named by stands for it).
     remote: str = ""
+    # An object in a store: where its loader's storage_options are (remote/cache.hold_options),
+    # so that a reader fetches with its own trainer's, whoever else shares the cache.
+    access: str = ""
 
     # Cached: a reader reads them on every gather (a frozen dataclass still has a __dict__).
     @functools.cached_property
@@ -198,12 +201,12 @@ def describe_field(path: str | os.PathLike, allow_empty: bool = False) -> FieldS
 
 def describe_cached(path: str, allow_empty: bool) -> FieldSpec:
     """An object's copy in the node cache, its header pages pinned while it is read."""
-    from ..remote.cache import cached_object
+    from ..remote.cache import access_for, cached_object
 
     cached = cached_object(path)
     with cached.reading_header():
         spec = _describe_file(path, allow_empty)
-    return dataclasses.replace(spec, remote=cached.url, identity=())
+    return dataclasses.replace(spec, remote=cached.url, identity=(), access=access_for(path))
 
 
 def _describe_file(path: str, allow_empty: bool) -> FieldSpec:
