@@ -10,7 +10,9 @@ DataLoader, the drop-in for torch.utils.data.DataLoader over your own map-style 
     torch.utils.data.DataLoader(ShmIterableDataset(loader), batch_size=None)  # where a
                                     # framework insists on a real DataLoader
 
-Each batch carries its rows' indices (int64, "indices"), so a run can count what it saw.
+Each batch carries its rows' indices (int64, "indices"), so a run can count what it saw,
+and "padding" (bool, Batch.padding): True for a row repeated to keep a shard's last step of
+a finite pass from being empty; leave those out of an evaluation's metric.
 The loader batches already, in its own reader processes: a torch DataLoader around it must
 have batch_size=None and num_workers=0 (its workers would fork, or pickle, a copy of the
 trainer that cannot use the ring). A tensor views its slot and follows the batch lifetime
@@ -67,6 +69,7 @@ def _tensors(batch, indices: bool) -> dict:
         # A copy in int64, torch's index type: uint64 tensors lack most operations, and
         # accelerate's dispatcher broadcasts every tensor of a batch (gloo has no uint64).
         tensors["indices"] = torch.from_numpy(batch.indices.astype(np.int64))
+        tensors["padding"] = torch.from_numpy(batch.padding)  # True: a repeated row (Batch.padding).
     return tensors
 
 
