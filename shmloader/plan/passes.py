@@ -91,6 +91,11 @@ class FinitePass:
         first = global_position(step, self.batch_size, self.shard_index, self.shard_count)
         return max(0, min(self.batch_size, self.positions - first))  # A mixture's: cut as it falls.
 
+    @property
+    def pads(self) -> bool:
+        """Whether some shard's step of this pass repeats a row (the same answer on every shard)."""
+        return self.tail is not None and self.tail.padded > 0
+
     def padding(self, step: int) -> int:
         """How many of step `step`'s last rows on this shard repeat a row of the pass (a
         tail's chunk past its rows, see tail.Tail.chunk): 0 or 1."""
