@@ -147,6 +147,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self.slots, self.field_names = session.slots, plan.slot.names
         self.diagnostics = Diagnostics(session)
         self._cursor = session.iterator  # What next(loader) forwards to, in C (ring/_cursor_module.c).
+        self._placed_after = 0  # cursor.batches when a seek or checkpoint last placed the loader (__iter__).
 
     @classmethod
     def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, **settings) -> ShmDataLoader:
@@ -204,6 +205,12 @@ class ShmDataLoader(cursor_module.LoaderBase):
         it raises, saying how to get another pass."""
         cursor = self._session.cursor
         if self.finite is not None and cursor.next_step >= self.finite.steps and cursor.active:
+            if cursor.batches == self._placed_after:  # Put there by start_step, seek or a checkpoint, not iterated.
+                raise RuntimeError(
+                    f"this loader's pass (epochs={self.finite.epochs}, {self.finite.steps} steps) has ended where "
+                    f"start_step, seek() or load_state_dict() put it (step {cursor.next_step}), before it delivered "
+                    f"a batch: nothing of the pass is left to deliver (a checkpoint taken at its end delivers "
+                    f"nothing more). seek(0) replays the pass knowingly")
             raise RuntimeError(
                 f"this loader's pass (epochs={self.finite.epochs}, {self.finite.steps} steps) has ended; a pass is not "
                 f"restarted, since its order would repeat. For more passes give epochs=N up front (each epoch in "
@@ -262,6 +269,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         if going.sampler is not self.sampler:
             session.use(going.sampler)
         session.seek(going.step, "a resume (load_state_dict)")
+        self._placed_after = session.cursor.batches
         resume = going.resume
         if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:
             session.resume_at(resume)
@@ -279,6 +287,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         it first.
         """
         self._session.seek(step)
+        self._placed_after = self._session.cursor.batches
 
     def stats(self) -> dict:
         """Batches delivered, rates, the share of time the trainer waited, and per reader its

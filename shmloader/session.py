@@ -36,7 +36,7 @@ from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
 from .readers.channel import ReaderConfig
 from .readers.supervision import Supervisor
-from .ring.batch import Batch, cursor_module
+from .ring.batch import Batch, batch_type_of, cursor_module
 from .ring.layout import POLL_INTERVAL_SECONDS, WAIT_AHEAD_SPAN_SECONDS, RingLayout, SlotState
 from .ring.segment import Ring
 from .ring.slot_layout import SlotLayout
@@ -167,7 +167,7 @@ class Session:
             work_semaphore=ring.names.work,
             ready_semaphores=ring.names.ready,
             field_names=tuple(sys.intern(name) for name in slot.names),
-            batch_type=Batch,
+            batch_type=batch_type_of(cuts),
             views=tuple(views_of(index) for index in range(slots)),
             next_step=start_step,
             check_every_batches=_READER_CHECK_BATCHES,

@@ -11,6 +11,9 @@ DataLoader, the drop-in for torch.utils.data.DataLoader over your own map-style 
                                     # framework insists on a real DataLoader
 
 Each batch carries its rows' indices (int64, "indices"), so a run can count what it saw.
+Where a finite pass with drop_last=False pads (fewer rows left than shards: plan/passes.py),
+every batch of it carries "padding" too (bool, Batch.padding): True for a row repeated to
+keep a shard's last step from being empty; leave those out of an evaluation's metric.
 The loader batches already, in its own reader processes: a torch DataLoader around it must
 have batch_size=None and num_workers=0 (its workers would fork, or pickle, a copy of the
 trainer that cannot use the ring). A tensor views its slot and follows the batch lifetime
@@ -61,12 +64,14 @@ _PICKLE_REFUSAL = (
     "shmloader.torch.TorchLoader(loader) directly")
 
 
-def _tensors(batch, indices: bool) -> dict:
+def _tensors(batch, indices: bool, padding: bool) -> dict:
     tensors = {name: torch.from_numpy(array) for name, array in batch.items()}
     if indices:
         # A copy in int64, torch's index type: uint64 tensors lack most operations, and
         # accelerate's dispatcher broadcasts every tensor of a batch (gloo has no uint64).
         tensors["indices"] = torch.from_numpy(batch.indices.astype(np.int64))
+    if padding:  # True: a repeated row (Batch.padding). Only where the pass pads: a model's forward(**batch)
+        tensors["padding"] = torch.from_numpy(batch.padding)  # would refuse a key it does not expect.
     return tensors
 
 
@@ -173,7 +178,8 @@ class ShmIterableDataset(torch.utils.data.IterableDataset):
                                f"{info.num_workers}); the loader's own readers do the work")
         _check_shard(self.loader, self)
         for batch in self.loader:
-            yield _tensors(batch, self.indices)
+            finite = self.loader.finite  # Its tail may change with a resharded resume.
+            yield _tensors(batch, self.indices, finite is not None and finite.pads)
             del batch
 
     def set_epoch(self, epoch: int) -> None:

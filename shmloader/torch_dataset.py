@@ -32,6 +32,10 @@ which default_collate cannot stack) comes as {"values": the batch's samples back
 files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values": padded
 to max_length, "lengths": (B,)}.
 
+`loader.padding` is the bool tensor of the batch last yielded (Batch.padding): True for a
+sample repeated so that, across ranks with drop_last=False, each rank's last step holds one;
+leave those out of an evaluation's metric (DistributedSampler's padding, but marked).
+
 A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
 and the slot is reused only after that. Copy what you keep across steps. A batch kept past
 its epoch (the loop's variable, a loop left by `break` or an exception, a peek such as
@@ -177,6 +181,7 @@ class DataLoader:
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
+        self.padding = None  # The last batch's Batch.padding (bool per sample), as a tensor.
 
     def _epoch_seed(self, epoch: int) -> int:
         return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
@@ -207,6 +212,7 @@ class DataLoader:
         structure, cursor = self._structure, self._loader._session.cursor
         for batch in self._loader:
             last = batch.step + 1 >= cursor.end_step
+            self.padding = torch.from_numpy(batch.padding)
             yield rebuild_batch(structure, batch, (lambda array: torch.from_numpy(array.copy())) if last
                                 else torch.from_numpy)
             del batch

@@ -1,7 +1,7 @@
-"""Global generators are seeded per sample only once the dataset is seen drawing from them
-(shmloader/fill/global_seeds.py): whatever a dataset draws, from which generator, at which
-indices and in which batch, the samples equal those of seeding every generator before every
-sample; a dataset that never draws costs one seeding per batch, not one per sample."""
+"""Global generators are seeded before every sample (shmloader/fill/global_seeds.py):
+whatever a dataset draws, from which generator, at which indices and in which batch, the
+samples equal those of seeding every generator before every sample, each __getitem__ called
+once (tests/test_once_per_sample.py has the loader-level cases)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmloader import ReaderStallWarning, ShmDataLoader
-from shmloader.fill import dataset_runner
 from shmloader.fill.dataset_runner import sample_seeds
 from shmloader.fill.global_seeds import GlobalSeeds
 
@@ -76,40 +75,28 @@ plans = st.dictionaries(st.integers(0, 63), st.one_of(st.lists(st.sampled_from(G
 @settings(max_examples=60, deadline=None)
 @given(plans, st.lists(st.lists(st.integers(0, 63), min_size=1, max_size=9), min_size=1, max_size=6),
        st.integers(0, 2**64 - 1))
-def test_lazy_seeding_gives_what_seeding_every_generator_before_every_sample_gives(plan, batches, seed):
-    dataset, lazy = Draws(plan), GlobalSeeds()
-    for step, indices in enumerate(batches):  # One reader's batches, in order: what it learns carries on.
+def test_seeding_gives_what_seeding_every_generator_before_every_sample_gives(plan, batches, seed):
+    dataset, seeding = Draws(plan), GlobalSeeds()
+    for step, indices in enumerate(batches):  # One reader's batches, in order.
         seeds = sample_seeds(seed + step, np.arange(len(indices)))
         try:
             expected = [_batch([value], dataset, [index], [_eager]) [0] for index, value in zip(indices, seeds)]
         except KeyError as error:
             expected = error
-        found = []
+        found, calls = [], []
 
         def fill_rows(seeders):
+            calls.append(1)
             found[:] = _batch(seeds, dataset, indices, seeders)
 
         try:
-            lazy.fill(list(seeds), fill_rows)
+            seeding.fill(list(seeds), fill_rows)
         except KeyError as error:
             assert isinstance(expected, KeyError) and error.args == expected.args
             continue
+        finally:
+            assert len(calls) == 1  # Before: a batch that drew was filled twice.
         assert found == expected
-
-
-def test_a_dataset_that_never_draws_is_seeded_once_per_batch_and_one_that_draws_per_sample(monkeypatch):
-    calls = []
-    real = random.seed
-    monkeypatch.setattr(random, "seed", lambda value=None: (calls.append(value), real(value))[1])
-    lazy = GlobalSeeds()
-    for step in range(5):
-        lazy.fill(list(range(10 * step, 10 * step + 10)), lambda seeders: _batch(range(10), Draws({}), range(10),
-                                                                                   seeders))
-    assert len(calls) == 5 and "random" not in lazy.drawn
-    calls.clear()
-    lazy.fill(list(range(10)), lambda seeders: _batch(range(10), Draws({3: ["random"]}), range(10), seeders))
-    seeded_always = {"torch"} if torch is not None else set()
-    assert lazy.drawn == {"random"} | seeded_always and len(calls) == 1 + 10  # Once optimistic, then per sample.
 
 
 @needs_torch
@@ -129,17 +116,6 @@ class _InitialSeed:
         return torch.initial_seed()
 
 
-def test_an_error_that_drew_nothing_is_raised_without_seeding_per_sample_from_then_on():
-    lazy = GlobalSeeds()
-
-    def fill_rows(seeders):
-        raise KeyError("bad record")
-
-    with pytest.raises(KeyError):
-        lazy.fill([1, 2, 3], fill_rows)
-    assert lazy.drawn <= {"torch"}
-
-
 class LateTorch:
     """Only indices past 40 draw (from torch alone), so readers learn it batches in."""
 
@@ -156,15 +132,16 @@ def _samples(readers: int) -> dict[int, float]:
 
 
 @needs_torch
-def test_a_loader_over_a_dataset_that_draws_late_equals_seeding_every_sample(monkeypatch):
-    monkeypatch.setattr(dataset_runner, "GLOBAL_SEEDS", GlobalSeeds())
-    lazy_here, lazy_readers = _samples(0), _samples(2)
-    eager = GlobalSeeds()
-    eager.drawn.update(GENERATORS)  # Every generator before every sample: what the samples must equal.
-    monkeypatch.setattr(dataset_runner, "GLOBAL_SEEDS", eager)
-    expected = _samples(0)
+def test_a_loader_over_a_dataset_that_draws_late_equals_seeding_every_sample():
+    here, readers = _samples(0), _samples(2)
+    with ShmDataLoader.from_dataset(LateTorch(), batch_size=4, readers=0, seed=5, epochs=1) as loader:
+        expected = {}
+        for batch in loader:
+            for index, key in zip(batch.indices.tolist(), loader.sampler.row_keys(batch.step, len(batch.indices))):
+                _eager(sample_seeds(5, np.array([key]))[0])
+                expected[index] = float(LateTorch()[index])
     assert len(expected) == 64 and len({value for value in expected.values() if value >= 0}) == 8
-    assert lazy_here == expected and lazy_readers == expected
+    assert here == expected and readers == expected
 
 
 def _trainer_states():

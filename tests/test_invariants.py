@@ -87,14 +87,21 @@ def _tail(**changes) -> Tail:
 def test_a_tail_s_chunks_cover_its_rows_in_order_none_empty():
     tail = _tail()
     chunks = [tail.chunk(step, shard) for step in range(tail.first_step, tail.end_step) for shard in range(2)]
-    assert all(rows > 0 for _, rows in chunks)
-    assert [offset for offset, _ in chunks] == list(np.cumsum([0] + [rows for _, rows in chunks])[:-1])
-    assert sum(rows for _, rows in chunks) == tail.rows
+    assert all(rows > 0 and not padding for _, rows, padding in chunks)
+    assert [offset for offset, _, _ in chunks] == list(np.cumsum([0] + [rows for _, rows, _ in chunks])[:-1])
+    assert sum(rows for _, rows, _ in chunks) == tail.rows
+
+
+def test_a_tail_of_fewer_rows_than_chunks_repeats_one_marked_padding():
+    tail = tail_of([3], batch_size=1, shard_count=2, own_streams=False, drop_last=False)
+    chunks = [tail.chunk(step, shard) for step in range(tail.first_step, tail.end_step) for shard in range(2)]
+    assert (tail.first_step, tail.steps, tail.padded) == (1, 1, 1)  # Step 0 is whole: rows 0 and 1.
+    assert chunks == [(0, 1, False), (0, 1, True)]  # Row 2 once, then repeated on shard 1.
 
 
 @pytest.mark.parametrize("changes", [
     pytest.param({"rows": 61, "steps": 4}, id="more rows than the streams hold"),
-    pytest.param({"rows": 1, "steps": 1, "remainders": (1, 0)}, id="a chunk with no row"),
+    pytest.param({"rows": 0, "steps": 1, "remainders": (0, 0)}, id="a step with no row to repeat"),
     pytest.param({"steps": 2}, id="fewer steps than the rows fill"),
     pytest.param({"remainders": (60,)}, id="one remainder for two own streams"),
     pytest.param({"rows": 40, "steps": 2}, id="a global batch of rows left out"),
@@ -104,11 +111,7 @@ def test_a_tail_made_inconsistent_is_an_assertion(changes):
         _tail(**changes)
 
 
-def test_an_empty_chunk_or_a_chunk_past_the_streams_is_an_assertion():
-    tail = _tail()
-    object.__setattr__(tail, "rows", tail.steps * tail.shard_count - 1)  # Past __post_init__'s check.
-    with pytest.raises(AssertionError):
-        tail.chunk(tail.end_step - 1, 1)
+def test_a_chunk_past_the_streams_is_an_assertion():
     tail = _tail()
     object.__setattr__(tail, "remainders", (40, 7))  # The streams hold less than the chunks say.
     with pytest.raises(AssertionError):

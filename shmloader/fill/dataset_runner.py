@@ -4,7 +4,7 @@ Each reader gets the dataset once (unpickled from the trainer's memory file, or 
 its import path), then for each row of a step calls dataset[index] with Python's, numpy's
 and torch's global generators seeded from (seed, the row's stream position), so that an
 augmentation drawn from them gives the same sample for any reader count, shard count and
-on resume (Python's and numpy's once it draws from them: global_seeds.py), and writes each
+on resume (global_seeds.py: __getitem__ runs once a sample), and writes each
 leaf straight into its slot region: nothing is pickled per sample.
 """
 
@@ -107,7 +107,8 @@ class DatasetRunner:
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
-        positions = sampler.row_keys(step, len(indices))  # Its own stream position (a dealt tail, a shifted resume).
+        # Its own stream position (a dealt tail, a shifted resume); the rows a cut step keeps come first.
+        positions = sampler.row_keys(step, self.batch_size)[:len(indices)]
         names = [name for name, _, _ in self._paths]
         targets = [out[name] for name in names]
         shapes = [target.shape[1:] for target in targets]

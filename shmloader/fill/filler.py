@@ -339,6 +339,8 @@ class StepFiller:
                 field.fill(step, indices, outputs.index_pointer, field_outputs, sources)
         else:
             inputs = self.inputs.fill(step, indices, outputs.index_pointer, sources)
+            if self.dataset is not None:  # __getitem__ once per delivered sample: not for the rows a cut step drops.
+                indices = indices[:self.delivered_rows(step)]
             self.runner.run(step, indices, sources, inputs, outputs.out, salt)
 
     # Bad records.

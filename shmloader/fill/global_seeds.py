@@ -1,23 +1,19 @@
-"""Python's, numpy's and torch's global generators, seeded before each sample of a dataset;
-Python's and numpy's only once the dataset is seen drawing from them.
+"""Python's, numpy's and torch's global generators, seeded before each sample of a dataset
+from the sample's seed (its stream position's), so that a sample is the same whatever the
+reader count, reader, batch or resume, and each sample's __getitem__ runs once.
 
-Seeding all three costs about 7 µs a sample (Python's `random.seed` alone is ~3.6 µs: its
-init_by_array; numpy's 1.5), more than the rest of a small sample's path. A generator the
-dataset never draws from need not be seeded for each sample: its state cannot change a
-sample. So a batch is filled optimistically while Python's or numpy's generator is not yet
-known to be drawn from: seeded once, from the first sample's seed, and its state compared
-after the batch with the state it had right after that seeding. Unchanged, no sample drew
-from it and the batch is exact; changed, it is known drawn from for the rest of this
-process, and the batch is filled again with it seeded before every sample. A batch that
-raises is judged the same way: if no unknown generator changed, its error is the exact
-one. A dataset that draws costs one batch twice per reader; one that never does pays no
-seeding per sample. Torch's generator is seeded before every sample whenever torch is
-imported (about 1 µs): `torch.initial_seed()` reads the seed without drawing, a common
-way to seed a sample's own generator, which a comparison of states cannot see.
+Every generator there is (torch's once anything imported it) is seeded before every
+sample, whether or not the dataset draws from it. An earlier, lazier scheme seeded Python's
+and numpy's only once a batch showed them drawn from, and filled that batch again with them
+seeded per sample: a dataset that memoizes its samples, counts its calls or caches what it
+decodes saw __getitem__ twice and kept its first, wrongly seeded, result. Seeding costs a few
+microseconds a sample (Python's `random.seed` most: its init_by_array; bench/RESULTS.md has
+the figures); the seeding is one call per sample (seed_all), which looks torch up each time,
+so that a __getitem__ that imports torch has it seeded from the next sample on.
 
-What this cannot see: a `__getitem__` that reads Python's or numpy's global state without
-drawing (random.getstate(), np.random.get_state()), or draws and then puts the state back
-(random.setstate): those reads and draws see the batch's first seed.
+What stays outside: a generator other than these three (a dataset's own, which it should
+seed from torch.initial_seed() or a seed of its own making), and numpy's new-style
+Generators (np.random.default_rng()), which draw from their own seed.
 """
 
 from __future__ import annotations
@@ -32,96 +28,30 @@ _MASK32 = (1 << 32) - 1
 _MASK63 = (1 << 63) - 1
 
 
-def _seed_random(value: int) -> None:
-    random.seed(value)
-
-
-def _seed_numpy(value: int) -> None:
-    np.random.seed(value & _MASK32)
-
-
-def _seed_torch(value: int) -> None:
-    # The CPU generator alone: torch.manual_seed also queues a CUDA seeding with a
-    # formatted stack on every call while CUDA is not initialised (time and memory).
-    sys.modules["torch"].default_generator.manual_seed(value & _MASK63)
-
-
-def _state_random():
-    return random.getstate()
-
-
-def _frozen(value):
-    """`value` (a generator's state: dicts, arrays, numbers) as something `==` compares."""
-    if isinstance(value, dict):
-        return tuple((key, _frozen(item)) for key, item in sorted(value.items()))
-    if isinstance(value, np.ndarray):
-        return value.dtype.str, value.tobytes()
-    return value
-
-
 def _numpy_state() -> dict:
     # The dict form: the legacy tuple exists for MT19937 alone (np.random.set_bit_generator
     # may have put another behind the global functions), and warns for the others.
     return np.random.get_state(legacy=False)
 
 
-def _state_numpy():
-    return _frozen(_numpy_state())
-
-
-def _state_torch():
-    return sys.modules["torch"].default_generator.get_state().numpy().tobytes()
-
-
-_GENERATORS = {"random": (_seed_random, _state_random), "numpy": (_seed_numpy, _state_numpy),
-               "torch": (_seed_torch, _state_torch)}
+def seed_all(value: int) -> None:
+    """Seeds Python's, numpy's and (once imported) torch's global generators from `value`,
+    as before every sample. Torch's CPU generator alone: torch.manual_seed also queues a
+    CUDA seeding with a formatted stack on every call while CUDA is not initialised."""
+    random.seed(value)  # Inlined: this runs before every sample.
+    np.random.seed(value & _MASK32)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "default_generator"):  # Not while torch is half imported.
+        torch.default_generator.manual_seed(value & _MASK63)
 
 
 class GlobalSeeds:
-    """Which global generators this process's dataset draws from, learned batch by batch."""
-
-    def __init__(self) -> None:
-        self.drawn: set[str] = set()
-
-    def present(self) -> list[str]:
-        """The generators there are: torch's once anything imported torch."""
-        return [name for name in _GENERATORS if name != "torch" or "torch" in sys.modules]
+    """Has a batch filled with every global generator seeded before each sample."""
 
     def fill(self, seeds: list[int], fill_rows) -> None:
-        """Calls fill_rows(seeders), which must seed with each of `seeders` before each
-        sample (the i-th sample with seeds[i]); again with every generator among them if a
-        generator not yet known drawn from was drawn from (see the module's docstring)."""
-        if "torch" in sys.modules:
-            self.drawn.add("torch")  # Seeded before every sample: see the module's docstring.
-        unknown = [name for name in self.present() if name not in self.drawn]
-        if not unknown or not seeds:
-            fill_rows(self._seeders(self.drawn))
-            return
-        for name in unknown:
-            _GENERATORS[name][0](seeds[0])
-        before = {name: _GENERATORS[name][1]() for name in unknown}
-        try:
-            fill_rows(self._seeders(self.drawn))
-        except Exception:
-            if not self._learn(before):
-                raise  # No unknown generator was drawn from: the error is the exact pass's.
-        else:
-            if not self._learn(before):
-                return
-        fill_rows(self._seeders(self.drawn))
-
-    def _learn(self, before: dict) -> bool:
-        """Whether a generator of `before` (states right after seeding) was drawn from since,
-        or one appeared meanwhile (torch imported by __getitem__: no state from before to
-        compare); such generators are known drawn from from now on."""
-        drawn = {name for name in self.present() if name not in self.drawn and
-                 (name not in before or _GENERATORS[name][1]() != before[name])}
-        self.drawn.update(drawn)
-        return bool(drawn)
-
-    @staticmethod
-    def _seeders(names) -> list:
-        return [_GENERATORS[name][0] for name in _GENERATORS if name in names]
+        """Calls fill_rows(seeders) once: it must call each of `seeders` with a sample's seed
+        before that sample (the i-th sample with seeds[i]), and call __getitem__ once a sample."""
+        fill_rows([seed_all])
 
 
 def _cuda_generators():

@@ -26,6 +26,7 @@ How readers get the dataset, once each (never per sample):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import mmap
@@ -436,8 +437,10 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     # otherwise carry the handle it opened for the probe into its pickle, and fail to pickle.
     data = _pickled(instance) if factory is None and readers > 0 else None
     # The probe reads a copy from that pickle, as a reader would: the trainer's own object
-    # stays as it was given, to be pickled again for a later epoch (DatasetHandle.renew).
-    probe = instance if data is None else pickle.loads(data)
+    # stays as it was given, to be pickled again for a later epoch (DatasetHandle.renew),
+    # and (readers=0) to fill the batches, which a memoizing or counting dataset would
+    # otherwise see probed once more, unseeded (_probe_copy).
+    probe = _probe_copy(instance) if data is None else pickle.loads(data)
     with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
         try:
             first = probe[0]
@@ -464,6 +467,20 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
         fd = _write_memory_file("shmloader-dataset", data)
         spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
     return DatasetHandle(spec, instance)
+
+
+def _probe_copy(instance):
+    """A copy of the dataset for the probe of dataset[0] (readers=0: nothing was pickled),
+    or the object itself where it neither pickles nor deep-copies: only then does the
+    probe's __getitem__ call reach the object that fills the batches."""
+    try:
+        return pickle.loads(pickle.dumps(instance, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception:  # noqa: BLE001 (pickle raises many types)
+        pass
+    try:
+        return copy.deepcopy(instance)
+    except Exception:  # noqa: BLE001
+        return instance
 
 
 def _noted(error: BaseException, note: str) -> BaseException:

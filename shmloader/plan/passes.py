@@ -15,11 +15,13 @@ hold them: step first_step + k gives host j chunk k * shard_count + j of the tai
 chunk of tail_rows // chunks rows or one more (Tail). Each row of the pass still comes
 once. With drop_last the tail keeps only whole global batches (batch_size rows on every
 host), so it drops what does not divide (fewer than batch_size * shard_count rows), never
-a whole global batch. Without it, fewer rows than hosts cannot be dealt so that each host
-has one: the tail then takes in one more step (every chunk has at least batch_size / 2
-rows), and where it cannot (batch_size 1, a pass smaller than shard_count rows, or a tail
-that would reach before a resumed run's first step, Sampler.start_position) those rows,
-fewer than shard_count, are left out, the same on every host. A checkpoint taken inside
+a whole global batch. Without it every row comes once: where the rows left are fewer
+than the chunks (some host would get none), the tail takes in one more step (every chunk
+then has at least batch_size / 2 rows), and where it cannot (batch_size 1, a pass smaller
+than shard_count rows, or a tail that would reach before a resumed run's first step,
+Sampler.start_position) a chunk past the rows repeats one of them, one row marked as
+padding (FinitePass.padding, Batch.padding): a host's batch is never empty, and the rows
+not marked padding are each row once. A checkpoint taken inside
 a tail continues only under its own shard count and batch size (checkpoint.py). A
 mixture's pass is cut as before (its last step may be empty on some hosts): its sampler
 has no position lookup to deal a tail with.
@@ -34,6 +36,8 @@ has delivered at least its epoch's rows (MixtureSampler.epoch_positions).
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from .geometry import StreamGeometry, global_position
 from .options import EPOCHS_MAX
@@ -71,19 +75,42 @@ class FinitePass:
             steps = tail.end_step
             positions = sampler.offset + tail.first_step * batch * shards + tail.rows  # Past it, the rows left out.
         if steps < 1 and sampler.transition is None:  # A resumed dealing may have none left.
-            raise ValueError(f"the pass of {epochs} epoch(s) holds {positions} positions, fewer than one batch of "
-                             f"{batch * shards} rows across shards with drop_last=True, or fewer rows than shards: "
+            why = (f"fewer than one batch of {batch * shards} rows across shards (batch_size={batch} on "
+                   f"{shards} shard(s)) with drop_last=True" if drop_last else "no row")
+            raise ValueError(f"the pass of {epochs} epoch(s) holds {positions} positions from its start: {why}, "
                              f"nothing to deliver")
         return cls(epochs, bool(drop_last), batch, steps, positions, own_streams, sampler.shard_index, shards, tail)
 
     def rows(self, step: int) -> int:
-        """The rows step `step` keeps on this shard: batch_size, a tail's chunk, or 0 past the end."""
+        """The rows step `step` keeps on this shard: batch_size, a tail's chunk (padding
+        included), or 0 past the end."""
         if self.tail is not None:
             if step < self.tail.first_step:
                 return self.batch_size
             return self.tail.chunk(step, self.shard_index)[1] if step < self.tail.end_step else 0
         first = global_position(step, self.batch_size, self.shard_index, self.shard_count)
         return max(0, min(self.batch_size, self.positions - first))  # A mixture's: cut as it falls.
+
+    @property
+    def pads(self) -> bool:
+        """Whether some shard's step of this pass repeats a row (the same answer on every shard)."""
+        return self.tail is not None and self.tail.padded > 0
+
+    def padding(self, step: int) -> int:
+        """How many of step `step`'s last rows on this shard repeat a row of the pass (a
+        tail's chunk past its rows, see tail.Tail.chunk): 0 or 1."""
+        tail = self.tail
+        if tail is None or not tail.padded or not tail.first_step <= step < tail.end_step:
+            return 0
+        return int(tail.chunk(step, self.shard_index)[2])
+
+    def padding_mask(self, step: int, rows: int):
+        """Batch.padding of a step that holds `rows` rows: True for each repeated row."""
+        mask = np.zeros(rows, dtype=bool)
+        padded = self.padding(step)
+        if padded:
+            mask[max(0, rows - padded):] = True
+        return mask
 
     @property
     def partial_from(self) -> int:

@@ -27,7 +27,7 @@ class Continuation:
 
 def _shift_delivers(sampler, transition, start: int, epochs: int, drop_last: bool) -> bool:
     """Whether the pass shifted to `start` has a step left to deal (FinitePass refuses one
-    that holds fewer rows than a step across the shards)."""
+    that holds no row, or with drop_last fewer rows than a step across the shards)."""
     shifted = sampler.with_transition(None).with_start(start).with_transition(transition)
     try:
         FinitePass.of(shifted, epochs, drop_last)
@@ -67,7 +67,7 @@ def continuation(state: dict, sampler, finite: FinitePass | None, sources: list[
                                      resume.position >= _pass_end(unshifted, epochs, drop_last))
     start = 0 if ended else _start_of(resume, sampler)
     if start and epochs is not None and not _shift_delivers(sampler, transition, start, epochs, drop_last):
-        ended, start = True, 0  # Fewer rows left than shards: they cannot be dealt, so the pass ends here.
+        ended, start = True, 0  # drop_last: fewer rows left than a global batch, dropped: the pass ends here.
     if transition != current.transition or start != sampler.start_position:  # Checked whole.
         if start != sampler.start_position:  # Set without the dealing, which it shifts.
             sampler = sampler.with_transition(None).with_start(start)

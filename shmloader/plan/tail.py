@@ -1,5 +1,7 @@
 """A finite pass's tail: its last steps' rows dealt evenly among the shards, as arithmetic
-on where each shard's stream ends (passes.py says why; a sampler says where, pass_tail)."""
+on where each shard's stream ends (passes.py says why; a sampler says where, pass_tail).
+Where the rows left are fewer than the chunks that give every shard one per step, the
+chunks past them repeat a row of the tail, marked padding (FinitePass.padding)."""
 
 from __future__ import annotations
 
@@ -33,31 +35,40 @@ class Tail:
         # under one global batch).
         assert 0 <= self.rows <= held, (self.rows, held)
         assert held - self.rows < global_batch, (self.rows, held, global_batch)
-        # As many steps as the rows fill, each with a row for every shard: no empty chunk.
+        # As many steps as the rows fill; a chunk past the rows repeats one of them (padded).
         assert self.steps == -(-self.rows // global_batch), (self.steps, self.rows, global_batch)
-        assert self.rows >= self.steps * self.shard_count, (self.rows, self.steps, self.shard_count)
+        assert 0 <= self.padded < self.steps * self.shard_count or self.steps == 0, (self.rows, self.steps)
+
+    @property
+    def padded(self) -> int:
+        """Chunks that hold no row of their own, so repeat one (fewer rows than chunks)."""
+        return max(0, self.steps * self.shard_count - self.rows)
 
     @property
     def end_step(self) -> int:
         return self.first_step + self.steps
 
-    def chunk(self, step: int, shard_index: int) -> tuple[int, int]:
-        """(offset in the tail, rows) of shard `shard_index`'s part of `step`."""
+    def chunk(self, step: int, shard_index: int) -> tuple[int, int, bool]:
+        """(offset in the tail, rows, padding) of shard `shard_index`'s part of `step`: its
+        rows of the tail, or (padding, where the tail has fewer rows than chunks) one row of
+        it repeated, so that no shard's batch is empty."""
         assert self.first_step <= step < self.end_step, (step, self.first_step, self.end_step)
         assert 0 <= shard_index < self.shard_count, (shard_index, self.shard_count)
         chunks = self.steps * self.shard_count
-        each, extra = divmod(self.rows, chunks)
         index = (step - self.first_step) * self.shard_count + shard_index
+        if self.rows < chunks:  # One row per chunk while they last, then repeats of them.
+            return (index, 1, False) if index < self.rows else (index % self.rows, 1, True)
+        each, extra = divmod(self.rows, chunks)
         offset, rows = index * each + min(index, extra), each + (index < extra)
-        # The chunks cut the tail exactly, in order, none empty (each >= 1: __post_init__).
+        # The chunks cut the tail exactly, in order, none empty (each >= 1 here).
         assert rows > 0, (step, shard_index, self)
         assert offset + rows <= self.rows, (offset, rows, self.rows)
-        return offset, rows
+        return offset, rows, False
 
     def segments(self, step: int, shard_index: int):
         """(shard or None, stream position, rows) runs of a chunk: positions of shard h's
         own stream, or (None) of the global stream."""
-        offset, rows = self.chunk(step, shard_index)
+        offset, rows, _ = self.chunk(step, shard_index)
         if not self.own_streams:
             yield None, self.offset + self.first_step * self.batch_size * self.shard_count + offset, rows
             return
@@ -92,7 +103,7 @@ def tail_of(ends: list[int], batch_size: int, shard_count: int, own_streams: boo
             first_step -= 1
             remainders = remainders_from(first_step)
             rows = sum(remainders)
-        else:  # Fewer than shard_count rows cannot give every shard one.
-            rows -= rows % shard_count
+        # Otherwise (batch_size 1, a pass smaller than shard_count rows, a tail that would
+        # reach before a resumed run's first step) the chunks past the rows are padding.
     steps = -(-rows // global_batch)
     return Tail(first_step, steps, rows, batch_size, shard_count, own_streams, tuple(remainders), offset)

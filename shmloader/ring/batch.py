@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections.abc
 
+import numpy as np
+
 from .._native import load_cursor
 
 cursor_module = load_cursor()
@@ -30,6 +32,21 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
     """
 
     __slots__ = ()
+    # What says which rows repeat one (padding): the session's StepCuts, set on the batch
+    # type each session makes (batch_type_of); None where no pass pads.
+    _cuts = None
+
+    @property
+    def padding(self) -> np.ndarray:
+        """A bool per row, True where the row repeats one delivered elsewhere in the pass:
+        a finite pass with drop_last=False pads a shard's last step with one repeated row
+        where fewer rows are left than shards (plan/passes.py), so that every shard steps
+        alike and no batch is empty. Leave those rows out of a metric: the rows marked
+        False are each row of the pass once across the shards."""
+        indices = self.indices
+        rows = 0 if indices is None else len(indices)
+        finite = None if self._cuts is None else self._cuts.finite
+        return np.zeros(rows, dtype=bool) if finite is None else finite.padding_mask(self.step, rows)
 
     def __enter__(self) -> Batch:
         return self
@@ -49,3 +66,10 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
             return f"Batch(step={self.step}, released)"
         fields = ", ".join(f"{name}: {array.dtype}{list(array.shape)}" for name, array in self.items())
         return f"Batch(step={self.step}, {fields})"
+
+
+def batch_type_of(cuts) -> type:
+    """A Batch subclass whose padding answers from `cuts` (the session's StepCuts): one
+    per session, since its pass (and, after a resharded resume, its tail) is its own."""
+    return type("Batch", (Batch,), {"__slots__": (), "_cuts": cuts, "__module__": Batch.__module__,
+                                    "__qualname__": "Batch"})
