@@ -113,6 +113,8 @@ class DatasetRunner:
         shapes = [target.shape[1:] for target in targets]
         plain = list(zip(names, targets, shapes, self._fixed))
         rows = list(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions)))
+        if hasattr(sampler, "rows_of"):  # A caller's order (plan/index_table.py): the rest of the slot is cut.
+            rows = rows[:sampler.rows_of(step)]
         self._seeds.fill([seed for _, seed in rows], lambda seeders: self._fill_rows(step, rows, seeders, plain, out))
 
     def _fill_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, plain: list, out: dict) -> None:
