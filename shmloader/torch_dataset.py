@@ -170,6 +170,20 @@ class DataLoader:
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
+        self._requested_epoch = None  # loader.sampler.set_epoch(epoch): the next loop's epoch.
+        self._attributes(collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
+        from .torch_sampling import LoaderBatches, LoaderOrder
+
+        self.sampler = LoaderOrder(self)
+        self.batch_sampler = LoaderBatches(self)
+
+    def _attributes(self, collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order) -> None:
+        """PyTorch's DataLoader attributes that a script or framework reads back."""
+        import torch.utils.data
+
+        self.collate_fn = torch.utils.data.default_collate if collate_fn is None else collate_fn
+        self.generator, self.pin_memory, self.timeout, self.in_order = generator, bool(pin_memory), timeout, in_order
+        self.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if self.num_workers else None
 
     @staticmethod
     def _check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order) -> None:
@@ -204,7 +218,11 @@ class DataLoader:
         return finite.steps
 
     def __iter__(self):
-        if self._resumed:
+        requested, self._requested_epoch = self._requested_epoch, None
+        if requested is not None and not ((self._resumed or not self._started) and requested == self._epoch):
+            self._resumed = False  # set_epoch named another epoch than the one at hand: that one starts.
+            self._new_pass(requested)
+        elif self._resumed:
             self._resumed = False
         elif self._started:
             self._new_pass(self._epoch + 1)

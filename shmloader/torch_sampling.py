@@ -134,13 +134,12 @@ class SampledDataLoader(DataLoader):
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=3)
             pin_memory = False
-        self.dataset, self.generator = dataset, generator
+        self.dataset = dataset
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
         self.batch_size, self.drop_last = reference.batch_size, reference.drop_last
         self._index_sampler = reference._index_sampler
-        self.num_workers, self.pin_memory, self.timeout = int(num_workers), bool(pin_memory), timeout
-        self.prefetch_factor = prefetch_factor if num_workers else None
-        self.persistent_workers, self.collate_fn = bool(persistent_workers), reference.collate_fn
+        self.num_workers, self.persistent_workers = int(num_workers), bool(persistent_workers)
+        self._attributes(reference.collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
         self.seed = None if seed is None else int(seed)  # None: each epoch's from the int64 drawn at iter().
         self.shard_index, self.shard_count, self._seed_drawn = 0, 1, seed is None
         self._build = {"outputs": outputs, "dataset_args": dataset_args, "on_error": on_error,
@@ -347,3 +346,47 @@ def _widened(table: IndexTable, width: int) -> IndexTable:
     batches = [table.batch(step).tolist() for step in range(table.steps)]
     return IndexTable.of_batches(batches, int(np.iinfo(np.int64).max), "the epoch's order", width)
 
+
+
+class LoaderOrder:
+    """`loader.sampler` of a loader in its own order (shuffle=, seed=): the indices of the
+    pass at hand on this shard, and set_epoch(epoch), which makes the next `for` loop that
+    epoch (its order a function of the seed and the epoch, as DistributedSampler's is)."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch takes a non-negative integer, got {epoch!r}")
+        self._loader._requested_epoch = epoch
+
+    def batches(self):
+        """The pass at hand's batches of indices on this shard (lists of ints)."""
+        inner = self._loader._loader
+        sampler, finite = inner.sampler, inner.finite
+        for step in range(finite.steps):
+            yield sampler.fill(step)[:finite.rows(step)].tolist()
+
+    def __iter__(self):
+        for batch in self.batches():
+            yield from batch
+
+    def __len__(self) -> int:
+        finite = self._loader._loader.finite
+        return sum(finite.rows(step) for step in range(finite.steps))
+
+
+class LoaderBatches:
+    """`loader.batch_sampler` of a loader in its own order: the pass at hand's batches."""
+
+    def __init__(self, loader) -> None:
+        self._loader = loader
+        self.sampler = loader.sampler
+        self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+
+    def __iter__(self):
+        return self.sampler.batches()
+
+    def __len__(self) -> int:
+        return self._loader._loader.finite.steps

@@ -9,7 +9,12 @@ generators' states); a sampler whose order cannot be rebuilt named by state_dict
 from __future__ import annotations
 
 import copy
+import os
+import pathlib
 import random
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,7 +26,8 @@ from torch.utils.data import BatchSampler, Dataset, DistributedSampler, RandomSa
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler  # noqa: E402
 
-from conftest import examples  # noqa: E402
+import sampling_child  # noqa: E402
+from conftest import examples, our_shm_entries, wait_until  # noqa: E402
 from shmloader import torch_sampling  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
@@ -250,6 +256,26 @@ def test_a_checkpoint_mid_epoch_resumes_exactly_under_another_num_workers(monkey
         assert_same(one, other)
 
 
+def test_a_trainer_killed_mid_epoch_resumes_exactly_under_another_num_workers(tmp_path):
+    """kill -9 of a DistributedSampler run with 2 workers after 4 batches of epoch 1; the last
+    checkpoint resumed with no workers gives the uninterrupted run's batches, noise included."""
+    with sampling_child.make_loader(1) as loader:
+        whole = epochs_of(loader)
+    here = pathlib.Path(__file__).resolve().parent
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), *sys.path])}
+    child = subprocess.Popen([sys.executable, str(here / "sampling_child.py"), str(tmp_path), "4"], env=environment)
+    assert child.wait(timeout=300) == -signal.SIGKILL
+    assert wait_until(lambda: not our_shm_entries(child.pid), timeout=60)  # Its readers clean up after it.
+    record = torch.load(tmp_path / "last.pt", weights_only=False)
+    assert_same(whole[1][3], record["batch"])
+    with sampling_child.make_loader(0) as resumed:
+        resumed.load_state_dict(record["state"])
+        resumed.sampler.set_epoch(1)
+        rest = [copy.deepcopy(batch) for batch in resumed]
+    for one, other in zip(whole[1][4:], rest, strict=True):
+        assert_same(one, other)
+
+
 def test_a_sampler_whose_order_cannot_be_rebuilt_is_named_by_state_dict(monkeypatch):
     monkeypatch.setattr(torch_sampling, "SEQUENCE_KEPT_MAX", 0)
     with DataLoader(Items(12), batch_size=4, sampler=PythonRandom(12)) as loader:
@@ -312,3 +338,60 @@ def test_a_narrower_batch_reads_only_its_own_samples():
     assert found == batches
     # dataset[0] once more: read first for the samples' structure.
     assert sorted(dataset.calls) == sorted([0] + [index for batch in batches for index in batch])
+
+
+# The loader in its own order (no sampler=): PyTorch's attributes, and set_epoch.
+
+def test_the_attributes_a_script_reads_are_pytorchs():
+    dataset = Items(10)
+    generator = torch.Generator().manual_seed(4)
+    arguments = {"batch_size": 3, "shuffle": True, "drop_last": True, "generator": generator, "timeout": 30}
+    for workers, persistent in ((0, False), (2, True)):
+        reference = TorchDataLoader(dataset, num_workers=workers, persistent_workers=persistent, **arguments)
+        with DataLoader(dataset, num_workers=workers, persistent_workers=persistent, in_order=False,
+                        **arguments) as loader:
+            for name in ("dataset", "batch_size", "drop_last", "num_workers", "prefetch_factor", "persistent_workers",
+                         "timeout", "generator", "pin_memory", "collate_fn", "in_order"):
+                assert getattr(loader, name) == getattr(reference, name) or name == "in_order", name
+            assert loader.in_order is False
+            assert len(loader.batch_sampler) == len(loader) == len(reference)
+            batches = list(loader.batch_sampler)
+            assert list(loader.sampler) == [index for batch in batches for index in batch]
+            assert len(loader.sampler) == 9
+            assert [batch["label"].tolist() for batch in loader] == batches
+
+
+def test_set_epoch_on_the_loaders_own_order_makes_the_next_loop_that_epoch():
+    dataset = Items(13)
+    with DataLoader(dataset, batch_size=4, shuffle=True, seed=3, num_workers=1) as loader:
+        epochs = [[batch["label"].tolist() for batch in loader] for _ in range(3)]
+    assert epochs[0] != epochs[2]
+    with DataLoader(dataset, batch_size=4, shuffle=True, seed=3) as loader:
+        loader.sampler.set_epoch(2)
+        assert [batch["label"].tolist() for batch in loader] == epochs[2]
+        loader.sampler.set_epoch(0)
+        assert [batch["label"].tolist() for batch in loader] == epochs[0]
+        loader.sampler.set_epoch(0)  # The same epoch again: the same order, as DistributedSampler gives.
+        assert [batch["label"].tolist() for batch in loader] == epochs[0]
+        assert [batch["label"].tolist() for batch in loader] == epochs[1]  # Without set_epoch: the next one.
+
+
+class Tokens(Dataset):
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int):
+        return {"ids": np.arange(1 + index % 4, dtype=np.int64), "label": index}
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_padded_lengths_are_int64_as_torch_masks_and_counts_take_them(num_workers):
+    from shmloader import Ragged
+
+    with DataLoader(Tokens(), batch_size=4, outputs={"ids": Ragged(4)}, num_workers=num_workers) as loader:
+        for batch in loader:
+            lengths = batch["ids"]["lengths"]
+            assert lengths.dtype == torch.int64
+            mask = torch.arange(4) < lengths[:, None]
+            assert mask.sum(1).tolist() == [1 + label % 4 for label in batch["label"].tolist()]
+            assert (lengths - 1).max() == lengths.max() - 1

@@ -67,7 +67,8 @@ LOCAL_DATASETS: dict[str, object] = {}
 @dataclasses.dataclass(frozen=True)
 class Ragged:
     """A dataset output whose first dimension varies between samples: padded with `pad` to
-    `max_length`, its length per sample in NAME.lengths (uint32). A longer sample raises."""
+    `max_length`, its length per sample in NAME.lengths (int64, as torch indexes: a mask
+    `arange(n) < lengths[:, None]`, `lengths - 1`). A longer sample raises."""
 
     max_length: int
     pad: int | float = 0
@@ -175,7 +176,7 @@ class DatasetOutput:
         if self.max_length is None:
             return (Region(self.name, (batch_size, *self.shape), self.dtype),)
         return (Region(self.name, (batch_size, self.max_length, *self.shape), self.dtype),
-                Region(f"{self.name}.lengths", (batch_size,), "<u4"))
+                Region(f"{self.name}.lengths", (batch_size,), "<i8"))
 
 
 def _packed_output(name: str, leaf: np.ndarray, declared: PackedRagged) -> DatasetOutput:
