@@ -36,7 +36,7 @@ from .plan.dataset import rebuild_batch
 from .plan.defaults import TRAINER_SLOTS
 from .plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from .plan.sampler import derive_seed
-from .torch_dataset import _SEED_MASK, DataLoader, _as_collated, _PassIterator
+from .torch_dataset import _SEED_MASK, DataLoader, _PassIterator, collated_structure
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -152,7 +152,9 @@ class SampledDataLoader(DataLoader):
         self._loader = None  # Built at the first iter(), when the first epoch's order is drawn.
         self._epoch, self._resumed, self._started, self._iterator, self._renew_failed = 0, False, False, None, False
         self._drawn = None  # The int64 drawn at the last iter() that drew one.
-        self._order = None  # The epoch's: {"table", "seed", "before", "after"}.
+        # The epoch's order: its table, its seeds' base, whether a seed was drawn for it, the
+        # generators' states before and after (Snapshot.take).
+        self._order = None
         self._pending = None  # An order a new pass starts with (_start_pass).
         self._tables = []  # The tables readers may still open: this epoch's and the one before.
 
@@ -167,7 +169,7 @@ class SampledDataLoader(DataLoader):
             self._resumed = False
         else:
             self._let_go()
-            order = self._draw(first=self._loader is None)
+            order = self._draw()
             epoch = self._epoch + 1 if self._started else self._epoch
             self._started = True
             if order is None:  # No batch this epoch, as PyTorch's loader gives none.
@@ -179,11 +181,13 @@ class SampledDataLoader(DataLoader):
         self._iterator = iterator = _PassIterator(self._batches())
         return iterator
 
-    def _draw(self, first: bool) -> dict:
-        """The next epoch's order, drawn as PyTorch's iterator draws it, with what rebuilds it."""
+    def _draw(self) -> dict | None:
+        """The next epoch's order, drawn as PyTorch's iterator draws it, with what rebuilds it
+        (None for an epoch without a batch)."""
         snapshot = Snapshot(self.generator, self._index_sampler)
         before = snapshot.take()
-        draw_seed = first or self.num_workers == 0 or not self.persistent_workers
+        # PyTorch's iterator draws at each iter(), but a persistent one's only at the first.
+        draw_seed = self._drawn is None or self.num_workers == 0 or not self.persistent_workers
         table, drawn = draw_epoch(self._index_sampler, self.generator, draw_seed, self._length, self._fixed_width)
         if drawn is not None:
             self._drawn = drawn
@@ -222,10 +226,7 @@ class SampledDataLoader(DataLoader):
             on_error=self._build["on_error"], pin_memory=self.pin_memory)
         self._keep(table)
         self._order, self._epoch = order, epoch
-        spec = self._loader._dataset.spec
-        beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
-                  if output.max_items is not None or output.max_length is not None}
-        self._structure = _as_collated(spec.structure, beside)
+        self._structure = collated_structure(self._loader._dataset.spec)
 
     def _start_pass(self, epoch: int) -> None:
         """The readers fill the pending order's table from its step 0 (DataLoader._new_pass)."""
@@ -322,6 +323,8 @@ class SampledDataLoader(DataLoader):
             raise ValueError(f"{_name(self._index_sampler)} does not draw the checkpoint's order again (its hash "
                              f"differs): another sampler, dataset or seed than the checkpoint's")
         Snapshot(self.generator, self._index_sampler).restore(saved["after"], global_too=False)
+        if self.seed is None:  # The base a persistent run's later epochs keep (_draw).
+            self._drawn = saved["base"]
         order = {"table": table, "base": saved["base"], "drew": saved.get("drew", True), "after": saved["after"],
                  "before": saved.get("before"), "checked": "before" in saved}
         self._let_go()

@@ -4,7 +4,8 @@ DistributedSampler with set_epoch, WeightedRandomSampler and SubsetRandomSampler
 generator, RandomSampler drawing from torch's global generator, a user Sampler, batch
 samplers of varying sizes, drop_last both ways, num_workers 0, 1 and 3; exact resume from a
 checkpoint taken mid-epoch under another num_workers (the order kept, or rebuilt from the
-generators' states); a sampler whose order cannot be rebuilt named by state_dict()."""
+generators' states); a sampler whose order cannot be rebuilt named by state_dict(); str
+fields come back as default_collate gives them (a list, a tuple inside a tuple)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ class Items(Dataset):
         return self.length
 
     def __getitem__(self, index: int):
-        return {"image": np.full((2, 3), index, np.float32), "label": index,
-                "pair": (index * 3, np.int16(index)), "weight": index / 4}
+        return {"image": np.full((2, 3), index, np.float32), "label": index, "name": f"#{index}" + "é" * (index % 3),
+                "pair": (index * 3, np.int16(index), str(index)), "weight": index / 4}
 
 
 class Noisy(Items):
@@ -112,6 +113,8 @@ def assert_same(expected, found, where="batch") -> None:
         assert list(expected) == list(found), where
         for key in expected:
             assert_same(expected[key], found[key], f"{where}[{key!r}]")
+    elif isinstance(expected, str):
+        assert expected == found, (where, expected, found)
     elif isinstance(expected, (list, tuple)):
         assert len(expected) == len(found), where
         for index, (one, other) in enumerate(zip(expected, found)):
@@ -225,15 +228,18 @@ def test_a_wider_batch_in_a_later_epoch_grows_the_slot_and_says_so():
 
 
 @pytest.mark.parametrize("kind, kept, num_workers, resumed_workers", [
-    ("distributed", False, 2, 0), ("buckets", True, 0, 2), ("random", False, 0, 1), ("weighted", True, 1, 0)])
+    ("distributed", False, 2, 0), ("buckets", True, 0, 2), ("random", False, 0, 1), ("weighted", True, 1, 0),
+    ("subset", True, 1, 2)])
 def test_a_checkpoint_mid_epoch_resumes_exactly_under_another_num_workers(monkeypatch, kind, kept, num_workers,
                                                                           resumed_workers):
+    """Two workers each side are persistent: their epochs' seeds come from the first iter()'s draw."""
     if not kept:
         monkeypatch.setattr(torch_sampling, "SEQUENCE_KEPT_MAX", 0)
     dataset = Noisy(31)
 
     def loader_of(workers):
-        return DataLoader(dataset, num_workers=workers, **make_arguments(kind, 31, 3, False, 5, 2))
+        return DataLoader(dataset, num_workers=workers, persistent_workers=bool(num_workers and resumed_workers),
+                          **make_arguments(kind, 31, 3, False, 5, 2))
 
     with loader_of(num_workers) as loader:
         whole = epochs_of(loader, epochs=2, seed=1)
@@ -395,3 +401,25 @@ def test_padded_lengths_are_int64_as_torch_masks_and_counts_take_them(num_worker
             mask = torch.arange(4) < lengths[:, None]
             assert mask.sum(1).tolist() == [1 + label % 4 for label in batch["label"].tolist()]
             assert (lengths - 1).max() == lengths.max() - 1
+
+
+class Captions(Dataset):
+    def __init__(self, long_at: int = -1) -> None:
+        self.long_at = long_at
+
+    def __len__(self) -> int:
+        return 7
+
+    def __getitem__(self, index: int):
+        return {"caption": "x" * (300 if index == self.long_at else index), "label": index}
+
+
+def test_a_str_longer_than_its_output_holds_is_named_and_a_declared_bound_takes_it():
+    from shmloader import Ragged
+
+    with DataLoader(Captions(long_at=5), batch_size=2) as loader:
+        with pytest.raises(Exception, match=r"dataset\[5\]\['caption'\] is a str of 300 bytes.*Ragged\(max_bytes\)"):
+            list(loader)
+    with DataLoader(Captions(long_at=5), batch_size=2, outputs={"caption": Ragged(300)}) as loader:
+        captions = [caption for batch in loader for caption in batch["caption"]]
+    assert captions == [Captions(long_at=5)[index]["caption"] for index in range(7)]
