@@ -71,18 +71,30 @@ def _refuse(name: str, value, why: str) -> None:
         raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
-def _as_collated(structure: dict, beside: dict[str, str]) -> dict:
+def collated_structure(spec) -> dict:
+    """The structure a batch of the dataset `spec` describes is rebuilt in (_as_collated)."""
+    beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
+              if output.max_items is not None or output.max_length is not None}
+    beside.update({output.name: "text" for output in spec.outputs if output.text_bytes is not None})
+    return _as_collated(spec.structure, beside)
+
+
+def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = False) -> dict:
     """The samples' structure as default_collate gives it back: a tuple becomes a list, a
     namedtuple stays one; a leaf in `beside` (name -> "offsets" for PackedRagged, "lengths"
-    for Ragged) becomes {"values", that key}."""
+    for Ragged) becomes {"values", that key}; a str leaf ("text") the batch's strings, a
+    list, or a tuple inside a tuple or list (default_collate's zip of the samples)."""
     if "dict" in structure:
         return {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
     if "named" in structure:
-        return {"tuple": [_as_collated(item, beside) for item in structure["tuple"]], "named": structure["named"]}
+        return {"tuple": [_as_collated(item, beside, True) for item in structure["tuple"]],
+                "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
-            return {"list": [_as_collated(item, beside) for item in structure[kind]]}
+            return {"list": [_as_collated(item, beside, True) for item in structure[kind]]}
     name = structure["leaf"]
+    if beside.get(name) == "text":
+        return {"text": name, "tuple": in_sequence}
     if name in beside:
         return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure
@@ -163,10 +175,7 @@ class DataLoader:
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
             pin_memory=bool(pin_memory))
-        spec = self._loader._dataset.spec
-        beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
-                  if output.max_items is not None or output.max_length is not None}
-        self._structure = _as_collated(spec.structure, beside)
+        self._structure = collated_structure(self._loader._dataset.spec)
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
