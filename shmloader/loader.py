@@ -111,7 +111,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             pool.start()
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
                 self._dataset = resources.dataset = fields.plan(self.readers, remote)
-                self._open(plan_dataset_loader(self._dataset.spec, options))
+                self._open(plan_dataset_loader(self._dataset.spec, options, fields.index_table))
                 return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
             fields, label_path, localizer = localize(fields, label_path, cache_dir, cache_bytes, storage_options)
@@ -150,7 +150,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self._placed_after = 0  # cursor.batches when a seek or checkpoint last placed the loader (__iter__).
 
     @classmethod
-    def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, **settings) -> ShmDataLoader:
+    def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, index_table=None, **settings) -> ShmDataLoader:
         """A loader whose rows are a map-style dataset's samples: any object with __len__
         and __getitem__ (a torch.utils.data.Dataset as it is), or "module:function" that
         builds one in each reader from `dataset_args` (for a dataset that cannot be pickled).
@@ -163,10 +163,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
         (plan/dataset.py; rebuild_batch gives the samples' structure back). `outputs`
         declares a leaf's (shape, dtype), or for a varying first dimension Ragged(max_length)
         (padded) or PackedRagged(max_items) (back to back, with offsets); the others come
-        from dataset[0]. `settings` are the loader's (batch_size,
+        from dataset[0]. `index_table` (plan/index_table.py; its width the batch_size, one
+        epoch): a caller's own order instead of the loader's. `settings` are the loader's (batch_size,
         mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
         transform and remote readers do not apply."""
-        return cls(_DatasetSource(dataset, outputs, dataset_args), **settings)
+        return cls(_DatasetSource(dataset, outputs, dataset_args, index_table), **settings)
 
     @property
     def plan(self):
@@ -369,8 +370,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
 class _DatasetSource:
     """What from_dataset hands the constructor in place of fields."""
 
-    def __init__(self, dataset, outputs, dataset_args) -> None:
+    def __init__(self, dataset, outputs, dataset_args, index_table=None) -> None:
         self.dataset, self.outputs, self.dataset_args = dataset, outputs, dataset_args
+        self.index_table = index_table
 
     def plan(self, readers: int, remote):
         if remote is not None:

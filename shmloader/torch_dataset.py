@@ -20,11 +20,11 @@ step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> 
 epoch's readers get the dataset pickled anew, as it is then (a change made between epochs is
 seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
-naming the argument: a custom sampler or batch_sampler (the order is the loader's, so that
-it resumes exactly), an IterableDataset, a collate_fn other than default_collate (the batch
+naming the argument: an IterableDataset, a collate_fn other than default_collate (the batch
 is laid out in the ring before it reaches the trainer), worker_init_fn (readers seed
 Python's, numpy's and torch's generators per sample; open resources lazily in
-__getitem__).
+__getitem__). With sampler= or batch_sampler=, the order is the caller's, drawn as PyTorch
+draws it (torch_sampling.py: DataLoader(...) makes that class's loader).
 
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
@@ -48,6 +48,7 @@ iter(loader) ends the one before: one pass runs at a time, so zip(loader, loader
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 
@@ -75,18 +76,30 @@ def _refuse(name: str, value, why: str) -> None:
         raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
-def _as_collated(structure: dict, beside: dict[str, str]) -> dict:
+def collated_structure(spec) -> dict:
+    """The structure a batch of the dataset `spec` describes is rebuilt in (_as_collated)."""
+    beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
+              if output.max_items is not None or output.max_length is not None}
+    beside.update({output.name: "text" for output in spec.outputs if output.text_bytes is not None})
+    return _as_collated(spec.structure, beside)
+
+
+def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = False) -> dict:
     """The samples' structure as default_collate gives it back: a tuple becomes a list, a
     namedtuple stays one; a leaf in `beside` (name -> "offsets" for PackedRagged, "lengths"
-    for Ragged) becomes {"values", that key}."""
+    for Ragged) becomes {"values", that key}; a str leaf ("text") the batch's strings, a
+    list, or a tuple inside a tuple or list (default_collate's zip of the samples)."""
     if "dict" in structure:
         return {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
     if "named" in structure:
-        return {"tuple": [_as_collated(item, beside) for item in structure["tuple"]], "named": structure["named"]}
+        return {"tuple": [_as_collated(item, beside, True) for item in structure["tuple"]],
+                "named": structure["named"]}
     for kind in ("tuple", "list"):
         if kind in structure:
-            return {"list": [_as_collated(item, beside) for item in structure[kind]]}
+            return {"list": [_as_collated(item, beside, True) for item in structure[kind]]}
     name = structure["leaf"]
+    if beside.get(name) == "text":
+        return {"text": name, "tuple": in_sequence}
     if name in beside:
         return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure
@@ -119,6 +132,19 @@ class _PassIterator:
 class DataLoader:
     """A drop-in for torch.utils.data.DataLoader over a map-style dataset (see the module)."""
 
+    def __new__(cls, *args, **kwargs):
+        """With sampler= or batch_sampler=, the loader over the caller's order (torch_sampling.py)."""
+        if cls is DataLoader:
+            try:
+                given = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
+            except TypeError:
+                given = {}  # __init__ raises it, as it would have.
+            if given.get("sampler") is not None or given.get("batch_sampler") is not None:
+                from .torch_sampling import SampledDataLoader
+
+                cls = SampledDataLoader
+        return object.__new__(cls)
+
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
                  batch_sampler=None, num_workers: int = 0, collate_fn=None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
@@ -128,25 +154,7 @@ class DataLoader:
                  on_error: str = "raise") -> None:
         import torch.utils.data
 
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
-                            "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
-                            "records to files (shmloader import) and use ShmDataLoader")
-        _refuse("sampler", sampler, "the order is the loader's (shuffle=, seed=), so that it resumes exactly; "
-                "drop sampler= (a DistributedSampler's rank and world size go to shard_index/shard_count)")
-        _refuse("batch_sampler", batch_sampler, "batches are the loader's steps; give batch_size and drop_last")
-        if collate_fn is not None and collate_fn is not torch.utils.data.default_collate:
-            raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
-                             "the ring as default_collate would stack them; collate in your training step from the "
-                             "batch, or move the work into __getitem__ (declare shapes with outputs=)")
-        _refuse("worker_init_fn", worker_init_fn, "readers seed Python's, numpy's and torch's generators from "
-                "(seed, sample position) before each __getitem__; open files or connections lazily in __getitem__")
-        if batch_size is None:
-            raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
-                             "loader delivers batches; give batch_size")
-        if not in_order:
-            raise ValueError("shmloader.torch.DataLoader: in_order=False cannot be honoured: batches always come "
-                             "in step order (that is what makes resume exact)")
+        self._check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=2)
@@ -174,14 +182,47 @@ class DataLoader:
             pin_memory=bool(pin_memory))
         self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
                                                                            TRAINER_SLOTS)
-        spec = self._loader._dataset.spec
-        beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
-                  if output.max_items is not None or output.max_length is not None}
-        self._structure = _as_collated(spec.structure, beside)
+        self._structure = collated_structure(self._loader._dataset.spec)
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
         self.padding = None  # The last batch's Batch.padding (bool per sample), as a tensor.
+        self._requested_epoch = None  # loader.sampler.set_epoch(epoch): the next loop's epoch.
+        self._attributes(collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
+        from .torch_sampling import LoaderBatches, LoaderOrder
+
+        self.sampler = LoaderOrder(self)
+        self.batch_sampler = LoaderBatches(self)
+
+    def _attributes(self, collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order) -> None:
+        """PyTorch's DataLoader attributes that a script or framework reads back."""
+        import torch.utils.data
+
+        self.collate_fn = torch.utils.data.default_collate if collate_fn is None else collate_fn
+        self.generator, self.pin_memory, self.timeout, self.in_order = generator, bool(pin_memory), timeout, in_order
+        self.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if self.num_workers else None
+
+    @staticmethod
+    def _check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order) -> None:
+        """Refuses, by name, what the loader cannot honour."""
+        import torch.utils.data
+
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
+                            "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
+                            "records to files (shmloader import) and use ShmDataLoader")
+        if collate_fn is not None and collate_fn is not torch.utils.data.default_collate:
+            raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
+                             "the ring as default_collate would stack them; collate in your training step from the "
+                             "batch, or move the work into __getitem__ (declare shapes with outputs=)")
+        _refuse("worker_init_fn", worker_init_fn, "readers seed Python's, numpy's and torch's generators from "
+                "(seed, sample position) before each __getitem__; open files or connections lazily in __getitem__")
+        if batch_size is None:
+            raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
+                             "loader delivers batches; give batch_size")
+        # in_order=False lets PyTorch's loader give batches out of order; this one's are in
+        # step order always (which is what makes resume exact), which in_order=False allows.
+        del in_order
 
     def _epoch_seed(self, epoch: int) -> int:
         return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
@@ -194,7 +235,11 @@ class DataLoader:
         return finite.steps
 
     def __iter__(self):
-        if self._resumed:
+        requested, self._requested_epoch = self._requested_epoch, None
+        if requested is not None and not ((self._resumed or not self._started) and requested == self._epoch):
+            self._resumed = False  # set_epoch named another epoch than the one at hand: that one starts.
+            self._new_pass(requested)
+        elif self._resumed:
             self._resumed = False
         elif self._started:
             self._new_pass(self._epoch + 1)
@@ -234,7 +279,7 @@ class DataLoader:
         try:
             if before is not None:
                 session.dataset_spec = handle.spec
-            session.new_pass(self._epoch_seed(epoch))
+            self._start_pass(epoch)
         except BaseException as error:
             if before is not None:  # Nothing changed: the readers keep the spec they have.
                 handle.revert(before)
@@ -248,6 +293,10 @@ class DataLoader:
         if before is not None:
             handle.settle(before)
         self._epoch = epoch
+
+    def _start_pass(self, epoch: int) -> None:
+        """The readers fill `epoch`'s pass from its step 0."""
+        self._loader._session.new_pass(self._epoch_seed(epoch))
 
     def _let_go(self) -> None:
         """Ends the previous pass's iterator (a `for` left by break, a peek at next(iter(...))):

@@ -355,11 +355,9 @@ def test_a_dataset_by_import_path_is_built_in_each_reader():
     assert values == [index * index * 3 for index in range(12)]
 
 
-def test_iterable_and_str_samples_are_refused_by_name():
+def test_iterable_samples_and_a_shuffle_window_are_refused_by_name():
     with pytest.raises(DatasetError, match="no __getitem__"):
         ShmDataLoader.from_dataset(iter(range(3)), batch_size=1, readers=0)
-    with pytest.raises(DatasetError, match=r"dataset\[0\]\['name'\] is a str"):
-        ShmDataLoader.from_dataset([{"name": "a"}], batch_size=1, readers=0)
     with pytest.raises(ValueError, match="shuffle_window"):
         ShmDataLoader.from_dataset(fixtures.Drawn(10, {"x": ((1,), "int64")}), batch_size=2, readers=0,
                                    shuffle_window=4)

@@ -227,8 +227,6 @@ class Stream(IterableDataset):
 
 
 @pytest.mark.parametrize("argument, value, message", [
-    ("sampler", [0, 1], "sampler=.*cannot be honoured"),
-    ("batch_sampler", [[0, 1]], "batch_sampler=.*cannot be honoured"),
     ("collate_fn", lambda samples: samples, "collate_fn cannot be honoured"),
     ("worker_init_fn", lambda worker: None, "worker_init_fn=.*cannot be honoured"),
     ("batch_size", None, "batch_size=None"),

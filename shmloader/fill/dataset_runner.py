@@ -19,7 +19,7 @@ import types
 import numpy as np
 
 from ..plan.dataset import (LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten,
-                            import_factory)
+                            import_factory, text_bytes)
 from ..plan.sampler import derive_seed
 from .global_seeds import GlobalSeeds
 
@@ -102,7 +102,8 @@ class DatasetRunner:
         # Leaves that take a plain write: an array of the output's shape or a Python scalar
         # into a fixed-shape output (anything else goes through _write_leaf's checks).
         self._fixed = [self._outputs[name].fixed for name, _, _ in self._paths]
-        self._packed = [f"{output.name}.offsets" for output in spec.outputs if output.max_items is not None]
+        self._packed = [f"{output.name}.offsets" for output in spec.outputs
+                        if output.max_items is not None or output.text_bytes is not None]
         self._seeds = GLOBAL_SEEDS
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
@@ -114,6 +115,8 @@ class DatasetRunner:
         shapes = [target.shape[1:] for target in targets]
         plain = list(zip(names, targets, shapes, self._fixed))
         rows = list(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions)))
+        if hasattr(sampler, "rows_of"):  # A caller's order (plan/index_table.py): the rest of the slot is cut.
+            rows = rows[:sampler.rows_of(step)]
         self._seeds.fill([seed for _, seed in rows], lambda seeders: self._fill_rows(step, rows, seeders, plain, out))
 
     def _fill_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, plain: list, out: dict) -> None:
@@ -178,6 +181,9 @@ class DatasetRunner:
         if output is None:
             raise DatasetError(f"dataset[{index}] has leaf {name!r}, which dataset[0] does not have "
                                f"({list(self._outputs)})")
+        if output.text_bytes is not None:
+            self._write_packed(index, row, output, text_bytes(value, output, f"dataset[{index}][{name!r}]"), out)
+            return
         array = _checked_cast(_leaf_array(value, f"dataset[{index}][{name!r}]"), out[name].dtype,
                               f"dataset[{index}][{name!r}]")
         target = out[name]

@@ -20,6 +20,7 @@ from .._native import ffi
 from ..errors import RemoteError, ShmLoaderError, TransformError
 from ..plan.dataset import DatasetSpec
 from ..plan.fields import FieldPlan
+from ..plan.index_table import TableSampler
 from ..plan.options import ON_ERROR
 from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
@@ -139,7 +140,7 @@ class FillerSpec:
         sampler = data["sampler"]
         return cls(
             slot=SlotLayout.from_dict(data["slot"]),
-            sampler=MixtureSampler.from_dict(sampler) if sampler.get("kind") == "mixture" else Sampler.from_dict(sampler),
+            sampler=_sampler_of(sampler),
             fields=tuple(FieldPlan.from_dict(plan) for plan in data["fields"]),
             verify=bool(data["verify"]),
             transform=None if data["transform"] is None else TransformSpec.from_dict(data["transform"]),
@@ -149,6 +150,14 @@ class FillerSpec:
             drop_last=bool(data["drop_last"]),
             dataset=None if data.get("dataset") is None else DatasetSpec.from_dict(data["dataset"]),
         )
+
+
+def _sampler_of(data: dict):
+    """The sampler `data` (a sampler's to_dict()) describes."""
+    kind = data.get("kind")
+    if kind == "mixture":
+        return MixtureSampler.from_dict(data)
+    return TableSampler.from_dict(data) if kind == "index_table" else Sampler.from_dict(data)
 
 
 class _NoInputs:

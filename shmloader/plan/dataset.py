@@ -69,7 +69,8 @@ LOCAL_DATASETS: dict[str, object] = {}
 @dataclasses.dataclass(frozen=True)
 class Ragged:
     """A dataset output whose first dimension varies between samples: padded with `pad` to
-    `max_length`, its length per sample in NAME.lengths (uint32). A longer sample raises."""
+    `max_length`, its length per sample in NAME.lengths (int64, as torch indexes: a mask
+    `arange(n) < lengths[:, None]`, `lengths - 1`). A longer sample raises."""
 
     max_length: int
     pad: int | float = 0
@@ -113,8 +114,7 @@ def _leaf_array(value, where: str) -> np.ndarray:
                                f"return a dtype numpy has (float32 for bfloat16), or the tensor's bits "
                                f"(tensor.view(torch.int16)) to view back in the training step") from None
     if isinstance(value, str):
-        raise DatasetError(f"{where} is a str; give bytes (text.encode()) with a Ragged(max_length) output, or "
-                           f"token ids as an array")
+        raise DatasetError(f"{where} is a str, where dataset[0]'s is not; return one type for every sample")
     raise DatasetError(f"{where} is a {type(value).__name__}; a sample's leaves must be numpy arrays, Python "
                        f"scalars, bytes or torch tensors (in dicts, tuples or lists)")
 
@@ -164,20 +164,26 @@ class DatasetOutput:
     pad: float = 0
     max_items: int | None = None
     offsets_dtype: str = "<i8"
+    # A str leaf: each sample's UTF-8 bytes, at most text_bytes of them, packed back to back
+    # (NAME, NAME.offsets), given back as a list of str (rebuild_batch), as default_collate does.
+    text_bytes: int | None = None
 
     @property
     def fixed(self) -> bool:
         """Whether every sample has the same shape (neither padded nor packed)."""
-        return self.max_length is None and self.max_items is None
+        return self.max_length is None and self.max_items is None and self.text_bytes is None
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
+        if self.text_bytes is not None:
+            return (Region(self.name, (self.text_bytes * batch_size,), "|u1", "packed"),
+                    Region(f"{self.name}.offsets", (batch_size + 1,), "<i8", "offsets"))
         if self.max_items is not None:
             return (Region(self.name, (self.max_items, *self.shape), self.dtype, "packed"),
                     Region(f"{self.name}.offsets", (batch_size + 1,), self.offsets_dtype, "offsets"))
         if self.max_length is None:
             return (Region(self.name, (batch_size, *self.shape), self.dtype),)
         return (Region(self.name, (batch_size, self.max_length, *self.shape), self.dtype),
-                Region(f"{self.name}.lengths", (batch_size,), "<u4"))
+                Region(f"{self.name}.lengths", (batch_size,), "<i8"))
 
 
 def _packed_output(name: str, leaf: np.ndarray, declared: PackedRagged) -> DatasetOutput:
@@ -194,6 +200,33 @@ def _packed_output(name: str, leaf: np.ndarray, declared: PackedRagged) -> Datas
     if leaf.ndim < 1:
         raise DatasetError(f"outputs[{name!r}] is PackedRagged, but the first sample's {name!r} is a scalar")
     return DatasetOutput(name, tuple(leaf.shape[1:]), leaf.dtype.str, max_items=items, offsets_dtype=offsets_dtype)
+
+
+# A str leaf's bytes per sample unless declared (Ragged(max_bytes)): this, or four times
+# dataset[0]'s if more.
+TEXT_BYTES_DEFAULT = 256
+
+
+def _text_output(name: str, text: str, declared) -> DatasetOutput:
+    """A str leaf's output: its UTF-8 bytes, up to Ragged(max_length)'s bytes per sample."""
+    if declared is None:
+        return DatasetOutput(name, (), "|u1", text_bytes=max(TEXT_BYTES_DEFAULT, 4 * len(text.encode())))
+    if not isinstance(declared, Ragged) or isinstance(declared.max_length, bool) or \
+            not isinstance(declared.max_length, int) or declared.max_length < 1:
+        raise DatasetError(f"outputs[{name!r}]: dataset[0]'s {name!r} is a str, whose output is Ragged(max_bytes) "
+                           f"(its UTF-8 bytes per sample at most), got {declared!r}")
+    return DatasetOutput(name, (), "|u1", text_bytes=declared.max_length)
+
+
+def text_bytes(value, output: DatasetOutput, where: str) -> np.ndarray:
+    """A str leaf's UTF-8 bytes, checked against its output's bound."""
+    if not isinstance(value, str):
+        raise DatasetError(f"{where} is a {type(value).__name__}, where dataset[0]'s is a str")
+    data = np.frombuffer(value.encode(), np.uint8)
+    if len(data) > output.text_bytes:
+        raise DatasetError(f"{where} is a str of {len(data)} bytes (UTF-8), more than the {output.text_bytes} its "
+                           f"output holds; declare outputs={{{output.name!r}: Ragged(max_bytes)}}")
+    return data
 
 
 def _output_of(name: str, leaf: np.ndarray, declared) -> DatasetOutput:
@@ -457,6 +490,9 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
         problem = loader_name_problem(name.replace(_SEPARATOR, "_"))
         if problem is not None:
             raise DatasetError(f"dataset[0]'s leaf {name!r} {problem}")
+        if isinstance(value, str):
+            built.append(_text_output(name, value, declared.get(name)))
+            continue
         built.append(_output_of(name, _leaf_array(value, f"dataset[0][{name!r}]"), declared.get(name)))
     name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
     spec = DatasetSpec(length, tuple(built), structure, name, secrets.token_hex(8), trainer_pid=os.getpid(),
@@ -517,6 +553,10 @@ def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
     makes of a list of samples (dicts of batches, tuples and lists of batches)."""
     if "dict" in structure:
         return {key: rebuild_batch(item, arrays, convert) for key, item in structure["dict"]}
+    if "text" in structure:  # A str leaf: the batch's strings, as default_collate gives them.
+        values, offsets = arrays[structure["text"]], arrays[f"{structure['text']}.offsets"].tolist()
+        texts = [bytes(values[start:end]).decode() for start, end in zip(offsets, offsets[1:])]
+        return tuple(texts) if structure.get("tuple") else texts
     if "tuple" in structure:
         items = (rebuild_batch(item, arrays, convert) for item in structure["tuple"])
         return _named_tuple(structure["named"])(*items) if "named" in structure else tuple(items)

@@ -30,6 +30,7 @@ from .fields import (
     plan_field,
     records_repeated_max,
 )
+from .index_table import TableSampler
 from .naming import loader_name_problem
 from .options import LoaderOptions
 from .sampler import Sampler
@@ -207,16 +208,21 @@ def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> Loader
                       _sources_description(sources, plans))
 
 
-def plan_dataset_loader(spec, options: LoaderOptions) -> LoaderPlan:
+def plan_dataset_loader(spec, options: LoaderOptions, index_table=None) -> LoaderPlan:
     """The plan of a loader whose source is a map-style dataset (plan/dataset.py): no
-    fields, the slot from the samples' outputs, the sampler over len(dataset)."""
+    fields, the slot from the samples' outputs, the sampler over len(dataset), or over
+    `index_table`'s batches (a caller's own order: plan/index_table.py)."""
     if options.shuffle_window is not None:
         raise ValueError("shuffle_window reads a file's rows in blocks; a dataset's rows come from __getitem__, "
                          "so the global shuffle (no shuffle_window) costs it nothing more: drop shuffle_window")
     if options.transform is not None:
         raise ValueError("a dataset source does its own work in __getitem__: give no transform")
-    sampler = Sampler(spec.length, options.batch_size, options.mode, options.seed, options.shard_index,
-                      options.shard_count, None, 1)
+    if index_table is None:
+        sampler = Sampler(spec.length, options.batch_size, options.mode, options.seed, options.shard_index,
+                          options.shard_count, None, 1)
+    else:
+        assert index_table.width == options.batch_size, (index_table.width, options.batch_size)
+        sampler = TableSampler(index_table, options.seed)
     digest = hashlib.blake2b(json.dumps([spec.name, spec.structure]).encode(), digest_size=8).hexdigest()
     sources = [{"files": 0, "files_digest": digest, "rows": spec.length, "weight": 1, "fraction": 1.0,
                 "fixed": False}]
