@@ -106,6 +106,10 @@ class SimulatedPool(ReaderPool):
         for index in range(self.count):
             self._start_thread(index)
 
+    def _failed(self, reader_index: int) -> bool:
+        """Whether a reader thread reported an error (a dead one is restarted by check, with no budget)."""
+        return bool(self.ring.records.error(reader_index))
+
     def check(self, request) -> None:
         """Restarts a reader thread that died, as ReaderPool restarts a dead process."""
         for index, thread in enumerate(self.threads):
