@@ -150,7 +150,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self._placed_after = 0  # cursor.batches when a seek or checkpoint last placed the loader (__iter__).
 
     @classmethod
-    def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, index_table=None, **settings) -> ShmDataLoader:
+    def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, index_table=None, reader_hook=None,
+                     probe_view=None, **settings) -> ShmDataLoader:
         """A loader whose rows are a map-style dataset's samples: any object with __len__
         and __getitem__ (a torch.utils.data.Dataset as it is), or "module:function" that
         builds one in each reader from `dataset_args` (for a dataset that cannot be pickled).
@@ -164,10 +165,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
         declares a leaf's (shape, dtype), or for a varying first dimension Ragged(max_length)
         (padded) or PackedRagged(max_items) (back to back, with offsets); the others come
         from dataset[0]. `index_table` (plan/index_table.py; its width the batch_size, one
-        epoch): a caller's own order instead of the loader's. `settings` are the loader's (batch_size,
+        epoch): a caller's own order instead of the loader's. `reader_hook`: ("module:function",
+        argument), called in each reader once it has loaded the dataset (DatasetSpec.reader_hook;
+        the drop-in's worker view); `probe_view(copy)`, the context the trainer's probe of
+        dataset[0] runs in (plan_dataset). `settings` are the loader's (batch_size,
         mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
         transform and remote readers do not apply."""
-        return cls(_DatasetSource(dataset, outputs, dataset_args, index_table), **settings)
+        return cls(_DatasetSource(dataset, outputs, dataset_args, index_table, reader_hook, probe_view), **settings)
 
     @property
     def plan(self):
@@ -370,12 +374,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
 class _DatasetSource:
     """What from_dataset hands the constructor in place of fields."""
 
-    def __init__(self, dataset, outputs, dataset_args, index_table=None) -> None:
+    def __init__(self, dataset, outputs, dataset_args, index_table=None, reader_hook=None, probe_view=None) -> None:
         self.dataset, self.outputs, self.dataset_args = dataset, outputs, dataset_args
-        self.index_table = index_table
+        self.index_table, self.reader_hook, self.probe_view = index_table, reader_hook, probe_view
 
     def plan(self, readers: int, remote):
         if remote is not None:
             raise ValueError("remote readers take files every node can read; a dataset source runs in local readers "
                              "only: give remote=None")
-        return plan_dataset(self.dataset, self.outputs, self.dataset_args, readers=readers)
+        return plan_dataset(self.dataset, self.outputs, self.dataset_args, readers=readers,
+                            reader_hook=self.reader_hook, probe_view=self.probe_view)

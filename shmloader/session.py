@@ -34,7 +34,7 @@ from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
-from .readers.channel import ReaderConfig
+from .readers.channel import ReaderConfig, trainer_context
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, batch_type_of, cursor_module
 from .ring.layout import POLL_INTERVAL_SECONDS, WAIT_AHEAD_SPAN_SECONDS, RingLayout, SlotState
@@ -193,6 +193,7 @@ class Session:
             layout=self.layout,
             filler=filler,
             local_readers=readers,
+            **trainer_context(),
         ))
         if readers and _from_store(plan):  # The readers' first steps' pages, asked for while they start.
             fetch_first_steps(filler, start_step, readers)

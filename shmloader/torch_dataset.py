@@ -48,6 +48,7 @@ iter(loader) ends the one before: one pass runs at a time, so zip(loader, loader
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import warnings
@@ -69,11 +70,6 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
             return int(rank), int(world)
         return 0, 1
     return (shard_index or 0), (shard_count or 1)
-
-
-def _refuse(name: str, value, why: str) -> None:
-    if value is not None:
-        raise ValueError(f"shmloader.torch.DataLoader: {name}={value!r} cannot be honoured: {why}")
 
 
 def collated_structure(spec) -> dict:
@@ -154,7 +150,7 @@ class DataLoader:
                  on_error: str = "raise") -> None:
         import torch.utils.data
 
-        self._check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order)
+        self._check_arguments(dataset, batch_size, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=2)
@@ -174,8 +170,10 @@ class DataLoader:
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
+        self.worker_init_fn = worker_init_fn
         self._loader = ShmDataLoader.from_dataset(
-            dataset, outputs=outputs, dataset_args=dataset_args, batch_size=self.batch_size,
+            dataset, outputs=outputs, dataset_args=dataset_args, reader_hook=self._reader_hook(),
+            probe_view=self._probe_view(self._epoch_seed(0)), batch_size=self.batch_size,
             mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
@@ -202,8 +200,21 @@ class DataLoader:
         self.generator, self.pin_memory, self.timeout, self.in_order = generator, bool(pin_memory), timeout, in_order
         self.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if self.num_workers else None
 
+    def _reader_hook(self) -> tuple:
+        """What each reader runs once it has loaded the dataset: torch's worker info, then
+        worker_init_fn (torch_worker.py)."""
+        from .torch_worker import HOOK
+
+        return HOOK, self.worker_init_fn
+
+    def _probe_view(self, pass_seed: int):
+        """The worker info the probe of dataset[0] runs with (torch_worker.probe_view)."""
+        from .torch_worker import probe_view
+
+        return functools.partial(probe_view, num_workers=self.num_workers, pass_seed=pass_seed)
+
     @staticmethod
-    def _check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order) -> None:
+    def _check_arguments(dataset, batch_size, collate_fn, in_order) -> None:
         """Refuses, by name, what the loader cannot honour."""
         import torch.utils.data
 
@@ -215,8 +226,6 @@ class DataLoader:
             raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
                              "the ring as default_collate would stack them; collate in your training step from the "
                              "batch, or move the work into __getitem__ (declare shapes with outputs=)")
-        _refuse("worker_init_fn", worker_init_fn, "readers seed Python's, numpy's and torch's generators from "
-                "(seed, sample position) before each __getitem__; open files or connections lazily in __getitem__")
         if batch_size is None:
             raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
                              "loader delivers batches; give batch_size")

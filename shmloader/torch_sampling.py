@@ -129,12 +129,12 @@ class SampledDataLoader(DataLoader):
         reference = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                                                 batch_sampler=batch_sampler, drop_last=drop_last, generator=generator)
         # The plain drop-in's checks of the other arguments, on a loader it never starts.
-        super()._check_arguments(dataset, batch_size or 1, collate_fn, worker_init_fn, in_order)
+        super()._check_arguments(dataset, batch_size or 1, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=3)
             pin_memory = False
-        self.dataset = dataset
+        self.dataset, self.worker_init_fn = dataset, worker_init_fn
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
         self.batch_size, self.drop_last = reference.batch_size, reference.drop_last
         self._index_sampler = reference._index_sampler
@@ -221,6 +221,7 @@ class SampledDataLoader(DataLoader):
         table.share()
         self._loader = ShmDataLoader.from_dataset(
             self.dataset, outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
+            reader_hook=self._reader_hook(), probe_view=self._probe_view(self._pass_seed(order, epoch)),
             batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self.num_workers,
             slots=self._build["slots"], epochs=1, drop_last=False, step_timeout=self.timeout or None,
             on_error=self._build["on_error"], pin_memory=self.pin_memory)

@@ -10,6 +10,9 @@ leaf straight into its slot region: nothing is pickled per sample.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import importlib
 import os
 import pickle
 import runpy
@@ -21,9 +24,10 @@ import numpy as np
 from ..plan.dataset import (LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten,
                             import_factory, text_bytes)
 from ..plan.sampler import derive_seed
-from .global_seeds import GlobalSeeds
+from .global_seeds import GlobalSeeds, seed_all
 
 _SCALARS = (int, float, bool)
+_MASK63 = (1 << 63) - 1
 # Datasets loaded in this reader, by their spec's token: a filler's probe for bad records
 # (and a reconfigured filler) uses the same object instead of unpickling it again.
 _LOADED: dict[str, object] = {}
@@ -48,9 +52,30 @@ def _run_main(path: str) -> None:
     sys.modules["__main__"] = module
 
 
-def load_dataset(spec: DatasetSpec):
+@dataclasses.dataclass(frozen=True)
+class ReaderView:
+    """What a reader hook (DatasetSpec.reader_hook) is told of the reader it runs in: its
+    index (0 to count - 1), the loader's local reader count, and its seed: derive_seed(the
+    pass's seed, "reader", index) to 63 bits, the value Python's, numpy's and torch's
+    global generators are seeded with while the hook runs. It is the pass's in which the
+    reader loaded the dataset (a persistent reader keeps its first; a replaced one gets the
+    pass's it started in). Samples never draw from it: each is seeded from its own stream
+    position before __getitem__ (sample_seeds), whichever reader reads it."""
+
+    index: int
+    count: int
+    seed: int
+
+    @classmethod
+    def of(cls, share: tuple[int, int], pass_seed: int) -> ReaderView:
+        index, count = share
+        return cls(index, count, derive_seed(pass_seed, "reader", index) & _MASK63)
+
+
+def load_dataset(spec: DatasetSpec, reader: ReaderView | None = None):
     """The dataset for `spec`: in the trainer its own object (readers=0, compute_batch),
-    elsewhere loaded once per process."""
+    elsewhere loaded once per process, and then given to the spec's reader hook (as
+    `reader`) before any sample is read."""
     if spec.token in LOCAL_DATASETS and os.getpid() == spec.trainer_pid:
         return LOCAL_DATASETS[spec.token]
     if spec.token in _LOADED:
@@ -58,11 +83,11 @@ def load_dataset(spec: DatasetSpec):
     sys.path.extend(entry for entry in spec.sys_path if entry not in sys.path)
     if spec.torch:
         import torch  # noqa: F401 (seeded before each sample from now on)
+    if spec.main_path is not None:
+        _run_main(spec.main_path)
     if spec.factory is not None:
         dataset = import_factory(spec.factory, spec.args)
     else:
-        if spec.main_path is not None:
-            _run_main(spec.main_path)
         path = f"/proc/{spec.trainer_pid}/fd/{spec.pickle_fd}"
         if not os.readlink(path).startswith("/memfd:shmloader-dataset"):
             raise DatasetError(f"{path} is not the trainer's pickled dataset (is the trainer gone?)")
@@ -71,9 +96,23 @@ def load_dataset(spec: DatasetSpec):
         if len(data) != spec.pickle_bytes:
             raise DatasetError(f"the trainer's pickled dataset is {len(data)} bytes, expected {spec.pickle_bytes}")
         dataset = pickle.loads(data)
+    if spec.reader_hook is not None:
+        _run_reader_hook(spec, dataset, ReaderView(0, 1, 0) if reader is None else reader)
     _LOADED.clear()  # A reader fills for one loader: an earlier token is its dataset of an earlier epoch.
     _LOADED[spec.token] = dataset
     return dataset
+
+
+def _run_reader_hook(spec: DatasetSpec, dataset, reader: ReaderView) -> None:
+    """Calls the spec's reader hook with the freshly loaded dataset, the global generators
+    seeded with the reader's seed (as torch seeds a worker before its worker_init_fn)."""
+    module, _, attribute = spec.reader_hook.partition(":")
+    hook = importlib.import_module(module)
+    for part in attribute.split("."):
+        hook = getattr(hook, part)
+    argument = pickle.loads(base64.b64decode(spec.reader_hook_argument))
+    seed_all(reader.seed)
+    hook(dataset, reader, argument)
 
 
 def sample_seeds(seed: int, positions: np.ndarray) -> list[int]:
@@ -93,9 +132,9 @@ class DatasetRunner:
     """Fills a slot's regions from dataset[index] for a step's rows; the transform runner's
     interface (shapes, run) so that the step filler treats both alike."""
 
-    def __init__(self, spec: DatasetSpec, batch_size: int, sampler) -> None:
+    def __init__(self, spec: DatasetSpec, batch_size: int, sampler, share: tuple[int, int] = (0, 1)) -> None:
         self.spec, self.batch_size, self.sampler = spec, batch_size, sampler
-        self.dataset = load_dataset(spec)
+        self.dataset = load_dataset(spec, ReaderView.of(share, sampler.seed))
         self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
         self._outputs = {output.name: output for output in spec.outputs}
         self._paths = _leaf_paths(spec.structure)

@@ -117,7 +117,8 @@ class FillerSpec:
         if self.transform is not None:
             sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
         finite = None if self.epochs is None else FinitePass.of(self.sampler, self.epochs, self.drop_last)
-        dataset = None if self.dataset is None else DatasetRunner(self.dataset, self.slot.batch_size, self.sampler)
+        dataset = None if self.dataset is None else DatasetRunner(self.dataset, self.slot.batch_size, self.sampler,
+                                                                  share)
         return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
                           share, finite, dataset)
 

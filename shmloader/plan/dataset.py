@@ -26,6 +26,8 @@ How readers get the dataset, once each (never per sample):
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
 import dataclasses
 import importlib
@@ -276,6 +278,12 @@ class DatasetSpec:
     # Whether the trainer imported torch: readers then import it before the first sample,
     # so that torch's generator is seeded for it too (a dataset may import torch lazily).
     torch: bool = False
+    # "module:function" a reader calls once it has loaded the dataset, before its first
+    # sample: function(dataset, reader (fill/dataset_runner.ReaderView), argument), the
+    # argument pickled here (base64). The drop-in's get_worker_info() and worker_init_fn
+    # (shmloader/torch_worker.py); the core knows nothing of what it does.
+    reader_hook: str | None = None
+    reader_hook_argument: str = ""
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
         return tuple(region for output in self.outputs for region in output.regions(batch_size))
@@ -369,7 +377,25 @@ def _mapped_file(array: np.ndarray) -> str | None:
     return None
 
 
-def _main_path(data: bytes, dataset) -> str | None:
+def _hook_fields(reader_hook) -> dict:
+    """DatasetSpec's reader_hook fields for `reader_hook` = ("module:function", argument)."""
+    if reader_hook is None:
+        return {}
+    path, argument = reader_hook
+    try:
+        data = pickle.dumps(argument, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:  # noqa: BLE001 (pickle raises many types)
+        raise DatasetError(f"{argument!r:.200} (what {path} runs in each reader, worker_init_fn for the drop-in) "
+                           f"cannot be pickled for the readers ({type(error).__name__}: {error}): define it at a "
+                           f"module's top level (a lambda or a local function does not pickle)") from None
+    return {"reader_hook": path, "reader_hook_argument": base64.b64encode(data).decode()}
+
+
+def _main_path(data: bytes, dataset, spec: DatasetSpec | None = None) -> str | None:
+    """The trainer's script where the dataset's pickle (or its reader hook's argument, of
+    `spec`) refers to __main__, which readers then run as __mp_main__."""
+    if spec is not None and spec.reader_hook_argument:
+        data = data + base64.b64decode(spec.reader_hook_argument)
     if b"__main__" not in data:
         return None
     main = sys.modules.get("__main__")
@@ -427,7 +453,7 @@ class DatasetHandle:
             LOCAL_DATASETS[before.token] = instance
             raise
         self.spec = dataclasses.replace(before, token=secrets.token_hex(8), pickle_fd=fd, pickle_bytes=len(data),
-                                        main_path=_main_path(data, instance))
+                                        main_path=_main_path(data, instance, before))
         LOCAL_DATASETS[self.spec.token] = instance
         return before
 
@@ -448,11 +474,15 @@ class DatasetHandle:
             os.close(fd)
 
 
-def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) -> DatasetHandle:
+def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, reader_hook=None,
+                 probe_view=None) -> DatasetHandle:
     """The trainer's handle on the dataset, whose spec readers get. `dataset`: the object,
     or "module:function" called with `dataset_args`. The structure and shapes come from
     sample 0, or from `outputs` for the leaves it names. With readers == 0 nothing is
-    pickled (the trainer uses its own object)."""
+    pickled (the trainer uses its own object, and no reader hook runs). `reader_hook`:
+    ("module:function", argument), see DatasetSpec.reader_hook. `probe_view(copy)`: a context
+    manager the probe of dataset[0] runs in, with readers (the drop-in's worker info, as
+    reader 0 would see it: a __getitem__ written for workers reads it unconditionally)."""
     if isinstance(dataset, str):
         factory, args = dataset, dict(dataset_args or {})
         instance = import_factory(factory, args)
@@ -474,7 +504,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     # and (readers=0) to fill the batches, which a memoizing or counting dataset would
     # otherwise see probed once more, unseeded (_probe_copy).
     probe = _probe_copy(instance) if data is None else pickle.loads(data)
-    with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
+    view = probe_view(probe) if probe_view is not None and readers > 0 else contextlib.nullcontext()
+    with global_states_kept(), view:  # The trainer's own draws do not depend on the loader's probe.
         try:
             first = probe[0]
         except Exception as error:
@@ -497,9 +528,11 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
     spec = DatasetSpec(length, tuple(built), structure, name, secrets.token_hex(8), trainer_pid=os.getpid(),
                        factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
-                       torch="torch" in sys.modules)
+                       torch="torch" in sys.modules, **(_hook_fields(reader_hook) if readers > 0 else {}))
+    if factory is not None and spec.reader_hook_argument:
+        spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
     if data is not None:
-        main_path = _main_path(data, instance)
+        main_path = _main_path(data, instance, spec)
         fd = _write_memory_file("shmloader-dataset", data)
         spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
     return DatasetHandle(spec, instance)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import select
+import sys
 import time
 
 from ..fill.filler import FillerSpec
@@ -52,6 +53,13 @@ class ReaderConfig:
     # The loader's local readers: they share this machine's page cache, and the read-ahead's
     # dropping of finished blocks among them (storage/readahead.ReadAhead's `share`).
     local_readers: int = 1
+    # The trainer's working directory and sys.path (absolute) when it made the loader: a
+    # reader enters them before it loads anything (enter_trainer_context), so that a dataset
+    # opening "data/text.txt" or importing a module beside the script finds what the trainer
+    # would, as a worker forked by torch's DataLoader does. A reader starts in "/" (its
+    # interpreter's own start-up must not import from a source checkout there).
+    working_directory: str = "/"
+    sys_path: tuple[str, ...] = ()
 
     def to_json(self, filler_json: str | None = None) -> str:
         """The JSON a reader reads; `filler_json` is json.dumps(self.filler.to_dict()) when
@@ -64,6 +72,8 @@ class ReaderConfig:
             "layout": self.layout.to_dict(),
             "signal_grace_seconds": self.signal_grace_seconds,
             "local_readers": self.local_readers,
+            "working_directory": self.working_directory,
+            "sys_path": list(self.sys_path),
         })
         filler = json.dumps(self.filler.to_dict()) if filler_json is None else filler_json
         return f'{head[:-1]}, "filler": {filler}}}'
@@ -79,7 +89,36 @@ class ReaderConfig:
             filler=FillerSpec.from_dict(data["filler"]),
             signal_grace_seconds=float(data["signal_grace_seconds"]),
             local_readers=int(data["local_readers"]),
+            working_directory=str(data.get("working_directory", "/")),
+            sys_path=tuple(str(entry) for entry in data.get("sys_path", ())),
         )
+
+
+def trainer_context() -> dict:
+    """ReaderConfig's working_directory and sys_path, as this process has them now; "/"
+    where its working directory is gone (deleted under it), as a reader had it before."""
+    try:
+        working_directory = os.getcwd()
+    except OSError:
+        working_directory = "/"
+    return {"working_directory": working_directory,
+            "sys_path": tuple(os.path.abspath(entry) for entry in sys.path)}
+
+
+def enter_trainer_context(config: ReaderConfig) -> None:
+    """Makes this reader's working directory and sys.path the trainer's (ReaderConfig). The
+    trainer's entries come first, in its order, so that a module name resolves as it does
+    there; the reader's own follow (where this package was found), but not "" (the working
+    directory, which the trainer's path holds only where it held it)."""
+    try:
+        os.chdir(config.working_directory)
+    except OSError as error:
+        raise OSError(f"reader {config.reader_index} cannot enter the trainer's working directory "
+                      f"{config.working_directory!r} ({error.strerror}): a dataset or transform opening a relative "
+                      f"path would not find it; give the loader's process a working directory its readers may "
+                      f"enter") from None
+    trainer = list(config.sys_path)
+    sys.path[:] = trainer + [entry for entry in sys.path if entry and entry not in trainer]
 
 
 def send_line(stream, text: str) -> None:

@@ -28,7 +28,7 @@ from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNam
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
-from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig
+from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
 from .filling import fill_and_publish
 
 # How long a reader that read no configuration waits to see whether its trainer died.
@@ -419,6 +419,7 @@ def main(argv: list[str]) -> int:
         return EXIT_NO_RING
     reader, pid = None, os.getpid()
     try:
+        enter_trainer_context(config)  # Before the dataset or transform loads: it may open relative paths.
         reader = Reader(config, ring, watch=watch, channel=channel)
         return reader.run()
     except BaseException as error:  # SystemExit or KeyboardInterrupt raised in a transform too: reported, not "code 0".
