@@ -21,10 +21,21 @@ epoch's readers get the dataset pickled anew, as it is then (a change made betwe
 seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
 naming the argument: an IterableDataset, a collate_fn other than default_collate (the batch
-is laid out in the ring before it reaches the trainer), worker_init_fn (readers seed
-Python's, numpy's and torch's generators per sample; open resources lazily in
-__getitem__). With sampler= or batch_sampler=, the order is the caller's, drawn as PyTorch
-draws it (torch_sampling.py: DataLoader(...) makes that class's loader).
+is laid out in the ring before it reaches the trainer). With sampler= or batch_sampler=, the
+order is the caller's, drawn as PyTorch draws it (torch_sampling.py: DataLoader(...) makes
+that class's loader).
+
+Readers are torch's workers as a dataset sees them (torch_worker.py): they run in the
+trainer's working directory with its sys.path (as they were when the loader was made),
+torch.utils.data.get_worker_info() answers inside them (id, num_workers, seed, dataset;
+None in the trainer, as torch's), and worker_init_fn(worker_id) runs in each reader once it
+has loaded its copy of the dataset, before its first sample: once per reader with
+persistent_workers=True, once per reader and epoch without, and again in a reader that
+replaces one that died. It is pickled to the readers with the dataset (a lambda is refused
+by name, as torch's spawn refuses it). The global generators are still seeded per sample
+from its position before __getitem__: what worker_init_fn seeds there does not reach the
+samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
+in the trainer sees reader 0's worker info (without running worker_init_fn there).
 
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
