@@ -108,6 +108,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         # overlaps the validation of the files below instead of following it.
         try:
             pool = resources.pool = self._pool_type(self.readers, options.max_reader_restarts, remote)
+            if isinstance(fields, _DatasetSource) and fields.share_by_fork:
+                pool.share_by_fork = True  # Its readers are forked once the dataset is planned.
             pool.start()
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
                 self._dataset = resources.dataset = fields.plan(self.readers, remote)
@@ -151,7 +153,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     @classmethod
     def from_dataset(cls, dataset, *, outputs=None, dataset_args=None, index_table=None, reader_hook=None,
-                     probe_view=None, **settings) -> ShmDataLoader:
+                     probe_view=None, share_by_fork: bool = False, **settings) -> ShmDataLoader:
         """A loader whose rows are a map-style dataset's samples: any object with __len__
         and __getitem__ (a torch.utils.data.Dataset as it is), or "module:function" that
         builds one in each reader from `dataset_args` (for a dataset that cannot be pickled).
@@ -168,10 +170,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
         epoch): a caller's own order instead of the loader's. `reader_hook`: ("module:function",
         argument), called in each reader once it has loaded the dataset (DatasetSpec.reader_hook;
         the drop-in's worker view); `probe_view(copy)`, the context the trainer's probe of
-        dataset[0] runs in (plan_dataset). `settings` are the loader's (batch_size,
+        dataset[0] runs in (plan_dataset). `share_by_fork`: readers are forked from this
+        process once the dataset is planned (readers/trainer_fork.py), and find it in memory,
+        nothing pickled; the caller checks that forking is safe. `settings` are the loader's (batch_size,
         mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
         transform and remote readers do not apply."""
-        return cls(_DatasetSource(dataset, outputs, dataset_args, index_table, reader_hook, probe_view), **settings)
+        return cls(_DatasetSource(dataset, outputs, dataset_args, index_table, reader_hook, probe_view, share_by_fork),
+                   **settings)
 
     @property
     def plan(self):
@@ -374,13 +379,16 @@ class ShmDataLoader(cursor_module.LoaderBase):
 class _DatasetSource:
     """What from_dataset hands the constructor in place of fields."""
 
-    def __init__(self, dataset, outputs, dataset_args, index_table=None, reader_hook=None, probe_view=None) -> None:
+    def __init__(self, dataset, outputs, dataset_args, index_table=None, reader_hook=None, probe_view=None,
+                 share_by_fork=False) -> None:
         self.dataset, self.outputs, self.dataset_args = dataset, outputs, dataset_args
         self.index_table, self.reader_hook, self.probe_view = index_table, reader_hook, probe_view
+        self.share_by_fork = bool(share_by_fork) and not isinstance(dataset, str)
 
     def plan(self, readers: int, remote):
         if remote is not None:
             raise ValueError("remote readers take files every node can read; a dataset source runs in local readers "
                              "only: give remote=None")
         return plan_dataset(self.dataset, self.outputs, self.dataset_args, readers=readers,
-                            reader_hook=self.reader_hook, probe_view=self.probe_view)
+                            reader_hook=self.reader_hook, probe_view=self.probe_view,
+                            share_by_fork=self.share_by_fork)

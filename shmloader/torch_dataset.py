@@ -181,10 +181,11 @@ class DataLoader:
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
-        self.worker_init_fn = worker_init_fn
+        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self._loader = ShmDataLoader.from_dataset(
             dataset, outputs=outputs, dataset_args=dataset_args, reader_hook=self._reader_hook(),
-            probe_view=self._probe_view(self._epoch_seed(0)), batch_size=self.batch_size,
+            probe_view=self._probe_view(self._epoch_seed(0)), share_by_fork=self._share_by_fork(),
+            batch_size=self.batch_size,
             mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
@@ -217,6 +218,12 @@ class DataLoader:
         from .torch_worker import HOOK
 
         return HOOK, self.worker_init_fn
+
+    def _share_by_fork(self) -> bool:
+        """Whether the readers are forked from this process (torch_worker.share_by_fork)."""
+        from .torch_worker import share_by_fork
+
+        return self.num_workers > 0 and share_by_fork(self.multiprocessing_context)
 
     def _probe_view(self, pass_seed: int):
         """The worker info the probe of dataset[0] runs with (torch_worker.probe_view)."""

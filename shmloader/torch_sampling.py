@@ -134,7 +134,8 @@ class SampledDataLoader(DataLoader):
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
                           stacklevel=3)
             pin_memory = False
-        self.dataset, self.worker_init_fn = dataset, worker_init_fn
+        self.dataset, self.worker_init_fn, self.multiprocessing_context = dataset, worker_init_fn, \
+            multiprocessing_context
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
         self.batch_size, self.drop_last = reference.batch_size, reference.drop_last
         self._index_sampler = reference._index_sampler
@@ -222,6 +223,7 @@ class SampledDataLoader(DataLoader):
         self._loader = ShmDataLoader.from_dataset(
             self.dataset, outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
             reader_hook=self._reader_hook(), probe_view=self._probe_view(self._pass_seed(order, epoch)),
+            share_by_fork=self._share_by_fork(),
             batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self.num_workers,
             slots=self._build["slots"], epochs=1, drop_last=False, step_timeout=self.timeout or None,
             on_error=self._build["on_error"], pin_memory=self.pin_memory)

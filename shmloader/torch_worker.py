@@ -28,6 +28,8 @@ The core never imports this module: the hook is named by its import path.
 from __future__ import annotations
 
 import contextlib
+import sys
+import warnings
 
 HOOK = "shmloader.torch_worker:enter_reader"
 
@@ -68,3 +70,52 @@ def probe_view(dataset, num_workers: int, pass_seed: int):
         yield
     finally:
         worker._worker_info = before
+
+
+# The reasons a fork was refused that this process has said already (share_by_fork).
+_WARNED: set[str] = set()
+
+
+def start_method(context) -> str:
+    """The start method torch's DataLoader would use for `multiprocessing_context`: a name
+    or a multiprocessing context; None is the platform's default ("fork" on Linux, as
+    PyTorch's workers are forked there; "spawn" elsewhere)."""
+    import multiprocessing
+
+    if context is None:
+        return "fork" if sys.platform.startswith("linux") else "spawn"
+    if isinstance(context, str):
+        if context not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"shmloader.torch.DataLoader: multiprocessing_context={context!r} is no start method "
+                             f"here; expected one of {multiprocessing.get_all_start_methods()}")
+        return context
+    method = getattr(context, "get_start_method", None)
+    if method is None:
+        raise TypeError(f"shmloader.torch.DataLoader: multiprocessing_context must be a start method's name or a "
+                        f"multiprocessing context, got {type(context).__name__}")
+    return method()
+
+
+def share_by_fork(context) -> bool:
+    """Whether readers are forked from the trainer (readers/trainer_fork.py) for
+    `multiprocessing_context`: for "fork" (the default on Linux) where forking is safe now;
+    where it is not (CUDA initialised, other Python threads running, no pidfds), the fork
+    server's readers instead, said once per reason. "spawn" and "forkserver": the fork
+    server's (fresh interpreters, the dataset pickled)."""
+    if start_method(context) != "fork":
+        return False
+    from .readers import forkserver
+    from .readers.trainer_fork import fork_hazard
+
+    hazard = fork_hazard() if forkserver.available() else \
+        "this system has no pidfds (Linux before 5.3) or SHMLOADER_FORKSERVER=0"
+    if hazard is None:
+        return True
+    reason = hazard.split(" (")[0]
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"shmloader.torch.DataLoader: multiprocessing_context='fork' falls back to readers started "
+                      f"from a fresh interpreter with the dataset pickled (as 'spawn'): {hazard}. Make the loader "
+                      f"before CUDA is initialised or threads start, or pass multiprocessing_context='spawn' to say "
+                      f"so", stacklevel=4)
+    return False

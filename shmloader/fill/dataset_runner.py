@@ -21,8 +21,8 @@ import types
 
 import numpy as np
 
-from ..plan.dataset import (LOCAL_DATASETS, MAIN_BEING_RUN, DatasetError, DatasetSpec, _leaf_array, flatten,
-                            import_factory, text_bytes)
+from ..plan.dataset import (LOCAL_DATASETS, LOCAL_HOOK_ARGUMENTS, MAIN_BEING_RUN, DatasetError, DatasetSpec,
+                            _leaf_array, flatten, import_factory, text_bytes)
 from ..plan.sampler import derive_seed
 from .global_seeds import GlobalSeeds, seed_all
 
@@ -85,7 +85,12 @@ def load_dataset(spec: DatasetSpec, reader: ReaderView | None = None):
         import torch  # noqa: F401 (seeded before each sample from now on)
     if spec.main_path is not None:
         _run_main(spec.main_path)
-    if spec.factory is not None:
+    if spec.forked:  # This process is a fork of the trainer's, made after the spec (readers/trainer_fork.py).
+        if spec.token not in LOCAL_DATASETS:
+            raise DatasetError(f"the dataset {spec.name} is shared by fork, but this process (pid {os.getpid()}) was "
+                               f"not forked from its trainer (pid {spec.trainer_pid}) after the loader was made")
+        dataset = LOCAL_DATASETS[spec.token]
+    elif spec.factory is not None:
         dataset = import_factory(spec.factory, spec.args)
     else:
         path = f"/proc/{spec.trainer_pid}/fd/{spec.pickle_fd}"
@@ -110,7 +115,8 @@ def _run_reader_hook(spec: DatasetSpec, dataset, reader: ReaderView) -> None:
     hook = importlib.import_module(module)
     for part in attribute.split("."):
         hook = getattr(hook, part)
-    argument = pickle.loads(base64.b64decode(spec.reader_hook_argument))
+    argument = LOCAL_HOOK_ARGUMENTS.get(spec.token) if spec.forked else \
+        pickle.loads(base64.b64decode(spec.reader_hook_argument))
     seed_all(reader.seed)
     hook(dataset, reader, argument)
 

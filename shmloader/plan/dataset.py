@@ -64,8 +64,10 @@ def refuse_a_loader_in_the_scripts_import() -> None:
 
 
 # The trainer's own dataset objects, by their spec's token: its fillers (readers=0,
-# compute_batch) use them as they are; DatasetHandle.close removes them.
+# compute_batch) use them as they are, and so do readers forked from it (DatasetSpec.forked),
+# with the reader hook's argument; DatasetHandle.close removes them.
 LOCAL_DATASETS: dict[str, object] = {}
+LOCAL_HOOK_ARGUMENTS: dict[str, object] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +286,10 @@ class DatasetSpec:
     # (shmloader/torch_worker.py); the core knows nothing of what it does.
     reader_hook: str | None = None
     reader_hook_argument: str = ""
+    # Readers are forks of the trainer made after this spec (readers/trainer_fork.py): they
+    # take the dataset and the hook's argument from LOCAL_DATASETS and LOCAL_HOOK_ARGUMENTS
+    # as the trainer had them then; nothing is pickled.
+    forked: bool = False
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
         return tuple(region for output in self.outputs for region in output.regions(batch_size))
@@ -469,20 +475,23 @@ class DatasetHandle:
 
     def close(self) -> None:
         LOCAL_DATASETS.pop(self.spec.token, None)
+        LOCAL_HOOK_ARGUMENTS.pop(self.spec.token, None)
         fd, self.spec = (None if self.spec is None else self.spec.pickle_fd), None
         if fd is not None:
             os.close(fd)
 
 
 def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, reader_hook=None,
-                 probe_view=None) -> DatasetHandle:
+                 probe_view=None, share_by_fork: bool = False) -> DatasetHandle:
     """The trainer's handle on the dataset, whose spec readers get. `dataset`: the object,
     or "module:function" called with `dataset_args`. The structure and shapes come from
     sample 0, or from `outputs` for the leaves it names. With readers == 0 nothing is
     pickled (the trainer uses its own object, and no reader hook runs). `reader_hook`:
     ("module:function", argument), see DatasetSpec.reader_hook. `probe_view(copy)`: a context
     manager the probe of dataset[0] runs in, with readers (the drop-in's worker info, as
-    reader 0 would see it: a __getitem__ written for workers reads it unconditionally)."""
+    reader 0 would see it: a __getitem__ written for workers reads it unconditionally).
+    `share_by_fork`: readers will be forked from this process (DatasetSpec.forked), so
+    neither the dataset nor the hook's argument is pickled."""
     if isinstance(dataset, str):
         factory, args = dataset, dict(dataset_args or {})
         instance = import_factory(factory, args)
@@ -498,7 +507,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
     # Pickled for the readers before the probe below reads dataset[0] here: a dataset that
     # opens its files or connections lazily in __getitem__ (as the readers need) would
     # otherwise carry the handle it opened for the probe into its pickle, and fail to pickle.
-    data = _pickled(instance) if factory is None and readers > 0 else None
+    forked = share_by_fork and factory is None and readers > 0
+    data = _pickled(instance) if factory is None and readers > 0 and not forked else None
     # The probe reads a copy from that pickle, as a reader would: the trainer's own object
     # stays as it was given, to be pickled again for a later epoch (DatasetHandle.renew),
     # and (readers=0) to fill the batches, which a memoizing or counting dataset would
@@ -526,9 +536,15 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
             continue
         built.append(_output_of(name, _leaf_array(value, f"dataset[0][{name!r}]"), declared.get(name)))
     name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
-    spec = DatasetSpec(length, tuple(built), structure, name, secrets.token_hex(8), trainer_pid=os.getpid(),
+    token = secrets.token_hex(8)
+    if forked and reader_hook is not None:
+        LOCAL_HOOK_ARGUMENTS[token] = reader_hook[1]
+        hook = {"reader_hook": reader_hook[0]}
+    else:
+        hook = _hook_fields(reader_hook) if readers > 0 else {}
+    spec = DatasetSpec(length, tuple(built), structure, name, token, trainer_pid=os.getpid(),
                        factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
-                       torch="torch" in sys.modules, **(_hook_fields(reader_hook) if readers > 0 else {}))
+                       torch="torch" in sys.modules, forked=forked, **hook)
     if factory is not None and spec.reader_hook_argument:
         spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
     if data is not None:

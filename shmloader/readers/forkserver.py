@@ -169,7 +169,7 @@ class ForkServer:
             # trainer's pid, and so do its readers'.
             # Descriptors 0-2 always open there (its stderr the trainer's, for its own crash),
             # so that the descriptors a request brings never take their numbers.
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(child_end.fileno()), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=None if standard_stream(2) else subprocess.DEVNULL,
@@ -180,6 +180,11 @@ class ForkServer:
             raise
         finally:
             child_end.close()
+        self._set_up(parent_end, process)
+
+    def _set_up(self, parent_end: socket.socket, process) -> None:
+        """The trainer's side, once `process` (the server; subprocess.Popen's interface) runs."""
+        self.process = process
         self.socket = parent_end
         self.owner = os.getpid()
         self.lost = False

@@ -139,6 +139,11 @@ class ReaderPool:
     # warning count only once a reader is ready (starting_note), and check() raises for a
     # reader still starting past this bound (an import or a load that never returns).
     start_timeout_seconds = 120.0
+    # Readers forked from the trainer's own image (readers/trainer_fork.py): set before
+    # start(), which then starts none; configure() forks the trainer once the dataset is
+    # planned (its readers find it in memory), and every reader comes from that fork.
+    share_by_fork = False
+    trainer_fork = None
 
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
         self.max_restarts = max_restarts
@@ -163,9 +168,29 @@ class ReaderPool:
 
     def start(self) -> None:
         """Starts the readers; they wait for configure(). One that fails to start leaves
-        the others in self.processes, so that stop() reaps them."""
+        the others in self.processes, so that stop() reaps them. With share_by_fork, none
+        yet (configure)."""
+        if self.share_by_fork and self.trainer_fork is None:
+            return
         while len(self.processes) < self.count:
-            self.processes.append(spawn_reader())
+            self.processes.append(self._spawn())
+
+    def _spawn(self):
+        """A new reader: forked from the trainer's fork where there is one, else spawn_reader()."""
+        if not self.share_by_fork:
+            return spawn_reader()
+        from .trainer_fork import TrainerFork, fork_hazard
+
+        if self.trainer_fork is None or self.trainer_fork.lost:
+            hazard = None if self.trainer_fork is None else fork_hazard()
+            if hazard is not None:  # Its fork was killed: forking the trainer again now is not safe.
+                raise ReaderError(f"the readers' fork of the trainer (pid {self.trainer_fork.process.pid}) is gone and "
+                                  f"a reader must be replaced, but the trainer cannot be forked again now: {hazard}. "
+                                  f"Use multiprocessing_context='spawn', or leave the fork alone")
+            if self.trainer_fork is not None:
+                self.trainer_fork.retire()
+            self.trainer_fork = TrainerFork()
+        return self.trainer_fork.fork(reader_environment())
 
     @property
     def pids(self) -> list[int]:
@@ -175,6 +200,11 @@ class ReaderPool:
         """Sends every started reader `config` with its own reader_index."""
         self.ring, self._config = ring, config
         self._filler_json = json.dumps(config.filler.to_dict())  # Once for every reader and restart.
+        if self.share_by_fork and self.count:  # Forked now: the trainer has planned the dataset.
+            from .trainer_fork import TrainerFork
+
+            self.trainer_fork = TrainerFork()
+            self.start()
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
         if self.remote_spec is not None:
@@ -201,7 +231,7 @@ class ReaderPool:
                 process.kill()
             process.wait()
             self._keep_stats(reader_index)
-            self.processes[reader_index] = spawn_reader()
+            self.processes[reader_index] = self._spawn()
             self._send_config(self.processes[reader_index], reader_index)
         if self.remote is not None:
             self.remote.stop()
@@ -326,7 +356,7 @@ class ReaderPool:
     def restart(self, reader_index: int, request) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
         self.retire(reader_index, request)
-        process = spawn_reader()
+        process = self._spawn()
         self.processes[reader_index] = process
         self._send_config(process, reader_index)
 
@@ -475,7 +505,7 @@ class ReaderPool:
             ring.renew_failed(claimed, reader_index)
         self.restarts += 1
         self._keep_stats(reader_index)
-        self.processes[reader_index] = spawn_reader()
+        self.processes[reader_index] = self._spawn()
         self._send_config(self.processes[reader_index], reader_index)
         report.warn(self.processes[reader_index].pid)
 
@@ -486,7 +516,7 @@ class ReaderPool:
             if process.poll() is not None:
                 process.wait()
                 self._keep_stats(reader_index)
-                self.processes[reader_index] = spawn_reader()
+                self.processes[reader_index] = self._spawn()
                 self._send_config(self.processes[reader_index], reader_index)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
@@ -574,3 +604,5 @@ class ReaderPool:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+            if self.trainer_fork is not None:
+                self.trainer_fork.retire()
