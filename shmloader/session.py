@@ -385,6 +385,18 @@ class Session:
         self.use(sampler, new_pass=True, why=why)
         self.seek(0, why)
 
+    def refork(self, why: str = "the start of the next epoch") -> None:
+        """Readers forked from the trainer anew, as it is now (ReaderPool.refork), once every
+        slot is taken back; the next use() starts them. Raises, changing nothing, where a
+        slot cannot be taken back."""
+        self.check_open()
+        self.cursor.enter()
+        try:
+            self.take_back_all(settle=True, why=why)
+            self.pool.refork()
+        finally:
+            self.cursor.leave()
+
     def slot_states(self) -> list[tuple[str, int]]:
         """(state, step) of every slot, as the ring's control table says now (diagnostics)."""
         self.check_open()

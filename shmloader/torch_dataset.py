@@ -292,9 +292,11 @@ class DataLoader:
     def _new_pass(self, epoch: int) -> None:
         """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go);
         with persistent_workers=False (torch's default) and readers, they get the dataset as
-        it is now (a change made between epochs is seen, as torch's new workers see it)."""
+        it is now (a change made between epochs is seen, as torch's new workers see it):
+        pickled anew, or, where readers are forked from the trainer, forked anew."""
         self._let_go()
         session, handle = self._loader._session, self._loader._dataset
+        refork = not self.persistent_workers and handle.spec.forked and self._fork_safe_now()
         before = None
         if not self.persistent_workers and handle.spec.pickle_fd is not None and not self._renew_failed:
             try:
@@ -306,6 +308,8 @@ class DataLoader:
         try:
             if before is not None:
                 session.dataset_spec = handle.spec
+            if refork:
+                session.refork()
             self._start_pass(epoch)
         except BaseException as error:
             if before is not None:  # Nothing changed: the readers keep the spec they have.
@@ -320,6 +324,19 @@ class DataLoader:
         if before is not None:
             handle.settle(before)
         self._epoch = epoch
+
+    @staticmethod
+    def _fork_safe_now() -> bool:
+        """Whether the trainer may be forked for a new epoch's readers; where not, the
+        readers keep the copy they were forked with, said once (torch_worker.fork_refused)."""
+        from .readers.trainer_fork import fork_hazard
+        from .torch_worker import fork_refused
+
+        hazard = fork_hazard()
+        if hazard is not None:
+            fork_refused(hazard, "this epoch's readers keep the dataset as it was when they were forked (as with "
+                                 "persistent_workers=True)")
+        return hazard is None
 
     def _start_pass(self, epoch: int) -> None:
         """The readers fill `epoch`'s pass from its step 0."""

@@ -73,7 +73,7 @@ def probe_view(dataset, num_workers: int, pass_seed: int):
 
 
 # The reasons a fork was refused that this process has said already (share_by_fork).
-_WARNED: set[str] = set()
+_WARNED: set[tuple[str, str]] = set()
 
 
 def start_method(context) -> str:
@@ -111,11 +111,17 @@ def share_by_fork(context) -> bool:
         "this system has no pidfds (Linux before 5.3) or SHMLOADER_FORKSERVER=0"
     if hazard is None:
         return True
-    reason = hazard.split(" (")[0]
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"shmloader.torch.DataLoader: multiprocessing_context='fork' falls back to readers started "
-                      f"from a fresh interpreter with the dataset pickled (as 'spawn'): {hazard}. Make the loader "
-                      f"before CUDA is initialised or threads start, or pass multiprocessing_context='spawn' to say "
-                      f"so", stacklevel=4)
+    fork_refused(hazard, "readers start from a fresh interpreter with the dataset pickled (as with 'spawn')")
     return False
+
+
+def fork_refused(hazard: str, instead: str) -> None:
+    """Warns, once per reason and consequence in this process, that the trainer was not
+    forked for its readers because of `hazard`, and what happens `instead`."""
+    key = (hazard.split(" (")[0], instead)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(f"shmloader.torch.DataLoader: multiprocessing_context='fork' cannot fork the trainer now: {hazard}; "
+                  f"{instead}. Make the loader before CUDA is initialised or threads start, or pass "
+                  f"multiprocessing_context='spawn' to choose that path", stacklevel=5)

@@ -238,6 +238,22 @@ class ReaderPool:
             self.remote = None
             self.remote = self.remote_spec.start(self.ring, self.count, filler)
 
+    def refork(self) -> None:
+        """Ends every reader and the trainer's fork they came from (share_by_fork), once every
+        slot is taken back: the reconfigure that follows forks the trainer again, as it is
+        now, and starts new readers from it (the drop-in's epoch without persistent_workers,
+        as torch forks new workers). Not counted as restarts."""
+        assert self.share_by_fork, "readers forked from the trainer"
+        for process in self.processes:
+            process.kill()
+        for reader_index, process in enumerate(self.processes):
+            process.wait()
+            self._keep_stats(reader_index)
+        self._configured.clear()
+        if self.trainer_fork is not None:
+            self.trainer_fork.retire()
+            self.trainer_fork = None
+
     @property
     def remote_restarts(self) -> int:
         return 0 if self.remote is None else self.remote.restarts

@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 
+from .. import lifecycle
 from .forkserver import ForkServer
 from .forkserver_channel import above_standard
 
@@ -101,7 +102,11 @@ class TrainerFork(ForkServer):
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        pid = os.fork()
+        lifecycle.forking_for_readers = True
+        try:
+            pid = os.fork()
+        finally:
+            lifecycle.forking_for_readers = False
         if pid == 0:
             _serve_in_child(parent_end, child_end, trainer_pid)  # Never returns.
         child_end.close()
