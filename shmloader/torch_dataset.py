@@ -17,13 +17,21 @@ prefetch_factor -> slots per worker, shuffle -> mode, generator -> seed (its ini
 a seed, one drawn from torch's global generator, so that torch.manual_seed decides the order
 and the samples' seeds as it does torch's; 0 across ranks, as DistributedSampler's), timeout ->
 step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> each later
-epoch's readers get the dataset pickled anew, as it is then (a change made between epochs is
-seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
+epoch's readers get the dataset anew (forked or pickled), as it is then (a change made between
+epochs is seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
 naming the argument: an IterableDataset, a collate_fn other than default_collate (the batch
 is laid out in the ring before it reaches the trainer). With sampler= or batch_sampler=, the
 order is the caller's, drawn as PyTorch draws it (torch_sampling.py: DataLoader(...) makes
 that class's loader).
+
+multiprocessing_context="fork" (the default on Linux, as PyTorch's): the readers are forked
+from the trainer once the dataset is planned (readers/trainer_fork.py): they share the
+dataset's memory copy-on-write and see the trainer's globals, nothing pickled; without
+persistent_workers each later epoch forks them anew (a change made between epochs is seen).
+Where the trainer cannot be forked safely (CUDA initialised, other Python threads), and for
+"spawn" or "forkserver", readers start from the fork server with the dataset pickled
+(torch_worker.share_by_fork says why, once).
 
 Readers are torch's workers as a dataset sees them (torch_worker.py): they run in the
 trainer's working directory with its sys.path (as they were when the loader was made),
@@ -31,8 +39,8 @@ torch.utils.data.get_worker_info() answers inside them (id, num_workers, seed, d
 None in the trainer, as torch's), and worker_init_fn(worker_id) runs in each reader once it
 has loaded its copy of the dataset, before its first sample: once per reader with
 persistent_workers=True, once per reader and epoch without, and again in a reader that
-replaces one that died. It is pickled to the readers with the dataset (a lambda is refused
-by name, as torch's spawn refuses it). The global generators are still seeded per sample
+replaces one that died. Off the fork path it is pickled to the readers with the dataset (a
+lambda is refused by name, as torch's spawn refuses it). The global generators are still seeded per sample
 from its position before __getitem__: what worker_init_fn seeds there does not reach the
 samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
 in the trainer sees reader 0's worker info (without running worker_init_fn there).

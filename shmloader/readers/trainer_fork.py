@@ -132,6 +132,10 @@ def _serve_in_child(parent_end: socket.socket, child_end: socket.socket, trainer
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The trainer's own handlers (a scheduler's SIGTERM checkpointing, a profiler's
+        # SIGUSR1) are the trainer's business, not its fork's: a signal ends the fork.
+        for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(number, signal.SIG_DFL)
         parent_end.close()
         os.setsid()  # Its own session, as the fork server's: the terminal's Ctrl-C reaches the trainer alone.
         null = os.open(os.devnull, os.O_RDONLY)
