@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -28,6 +29,21 @@ def our_shm_entries(pid: int | None = None) -> set[str]:
     """Entries of /dev/shm that belong to shmloader rings (of one creating pid, if given)."""
     prefix = f"shml_{pid}_" if pid is not None else "shml_"
     return {name for name in os.listdir(SHM_DIRECTORY) if name.removeprefix("sem.").startswith(prefix)}
+
+
+@pytest.fixture
+def harness_threads_not_counted(monkeypatch):
+    """Threads the test harness runs (pytest-timeout's timer, a pytest-xdist worker's) are
+    not the trainer's: the drop-in's fork check (readers/trainer_fork.fork_hazard) then
+    sees only those a test starts, as it would a script's. Use with
+    pytest.mark.timeout(..., method="signal"), which starts no thread."""
+    harness = {thread for thread in threading.enumerate() if thread is not threading.current_thread()}
+    if not harness:
+        return
+    enumerate_all = threading.enumerate
+    monkeypatch.setattr(threading, "enumerate", lambda: [thread for thread in enumerate_all()
+                                                         if thread not in harness])
+    monkeypatch.setattr(threading, "active_count", lambda: len(threading.enumerate()))
 
 
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:

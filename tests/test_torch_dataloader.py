@@ -114,9 +114,11 @@ class WithPid(Samples):
 
 def test_readers_live_across_epochs_and_each_epoch_equals_one_computed_in_the_trainer():
     """The next epoch is the same readers given the new pass through their pipe (they were
-    replaced, a second each); epoch by epoch, batches and augmentations equal num_workers=0's."""
+    replaced, a second each); epoch by epoch, batches and augmentations equal num_workers=0's.
+    The spawn path's (forked readers are forked anew each epoch, as torch's: test_torch_fork.py)."""
     dataset = WithPid(23)
-    with DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, seed=6) as loader, \
+    with DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, seed=6,
+                    multiprocessing_context="spawn") as loader, \
             DataLoader(dataset, batch_size=4, shuffle=True, num_workers=0, seed=6) as local:
         pids = []
         for _ in range(3):
@@ -446,7 +448,7 @@ def test_an_epoch_whose_readers_fail_to_load_the_dataset_is_followed_by_one_that
     and its replacement was started with that epoch's copy (every later epoch failed)."""
     load_flag = tmp_path / "load"
     dataset = _Faults(str(tmp_path / "none"), {}, load_flag=str(load_flag))
-    with DataLoader(dataset, batch_size=3, num_workers=2) as loader:
+    with DataLoader(dataset, batch_size=3, num_workers=2, multiprocessing_context="spawn") as loader:  # Unpickled.
         assert _epoch(loader) == (list(range(20)), None)
         load_flag.touch()
         seen, error = _epoch(loader)
@@ -489,7 +491,8 @@ def test_an_epoch_after_one_whose_readers_failed_to_load_is_not_failed_by_a_slow
     next epoch's filler as a live reader, then reported its own failure there (found by an
     outside review): every reader goes once one has failed."""
     flag = tmp_path / "flag"
-    with DataLoader(_LoadFailsInTurn(str(flag)), batch_size=4, num_workers=2) as loader:
+    with DataLoader(_LoadFailsInTurn(str(flag)), batch_size=4, num_workers=2,
+                    multiprocessing_context="spawn") as loader:  # Its readers unpickle it.
         assert _epoch(loader) == (list(range(8)), None)
         flag.touch()
         seen, error = _epoch(loader)
@@ -539,7 +542,8 @@ def test_a_dataset_changed_between_epochs_reaches_the_readers_unless_they_persis
     epoch, so a change made between epochs (a curriculum, set_epoch) is seen; the readers
     kept the copy they were started with. With persistent_workers=True they still do."""
     dataset = fixtures.Scaled()
-    loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=persistent)
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=persistent,
+                        multiprocessing_context="spawn")  # Pickled (forked: test_torch_fork.py).
     try:
         seen, descriptors = [], []
         for epoch in range(4):

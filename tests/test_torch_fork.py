@@ -27,21 +27,9 @@ from shmloader.plan.dataset import DatasetError  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
 # SIGALRM instead of pytest-timeout's timer thread, which would make every trainer here
-# one "running threads" (the fork's fallback).
+# one "running threads" (the fork's fallback); conftest's fixture leaves out the others.
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is the default on Linux"),
-              pytest.mark.timeout(120, method="signal")]
-
-
-@pytest.fixture(autouse=True)
-def _harness_threads_not_counted(monkeypatch):
-    """Threads the test harness runs (a pytest-xdist worker's) are not the trainer's: the
-    fork's thread check sees those the test starts, as it would a script's."""
-    harness = {thread for thread in threading.enumerate() if thread is not threading.current_thread()}
-    if not harness:
-        return
-    enumerate_all = threading.enumerate
-    monkeypatch.setattr(threading, "enumerate", lambda: [t for t in enumerate_all() if t not in harness])
-    monkeypatch.setattr(threading, "active_count", lambda: len(threading.enumerate()))
+              pytest.mark.timeout(120, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys
@@ -197,7 +185,7 @@ def test_a_reader_killed_under_fork_is_replaced_from_the_trainers_fork(tmp_path)
             found = [value for batch in loader for value in batch.tolist()]
         assert found == [index * index for index in range(12)] and not kills.exists()
         assert loader._loader.stats()["reader_restarts"] == 1
-        fork = loader._loader._resources.pool.trainer_fork
+        fork = loader._loader._resources.pool.forks.server
         assert fork is not None and process_alive(fork.process.pid)
         assert [value for batch in loader for value in batch.tolist()] == found
     assert wait_until(lambda: not process_alive(fork.process.pid), timeout=10)  # The fork goes with the loader.

@@ -143,7 +143,7 @@ class ReaderPool:
     # start(), which then starts none; configure() forks the trainer once the dataset is
     # planned (its readers find it in memory), and every reader comes from that fork.
     share_by_fork = False
-    trainer_fork = None
+    forks = None  # trainer_fork.ReaderForks, under share_by_fork once configured.
 
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
         self.max_restarts = max_restarts
@@ -170,27 +170,16 @@ class ReaderPool:
         """Starts the readers; they wait for configure(). One that fails to start leaves
         the others in self.processes, so that stop() reaps them. With share_by_fork, none
         yet (configure)."""
-        if self.share_by_fork and self.trainer_fork is None:
+        if self.share_by_fork and self.forks is None:
             return
         while len(self.processes) < self.count:
             self.processes.append(self._spawn())
 
     def _spawn(self):
-        """A new reader: forked from the trainer's fork where there is one, else spawn_reader()."""
-        if not self.share_by_fork:
-            return spawn_reader()
-        from .trainer_fork import TrainerFork, fork_hazard
-
-        if self.trainer_fork is None or self.trainer_fork.lost:
-            hazard = None if self.trainer_fork is None else fork_hazard()
-            if hazard is not None:  # Its fork was killed: forking the trainer again now is not safe.
-                raise ReaderError(f"the readers' fork of the trainer (pid {self.trainer_fork.process.pid}) is gone and "
-                                  f"a reader must be replaced, but the trainer cannot be forked again now: {hazard}. "
-                                  f"Use multiprocessing_context='spawn', or leave the fork alone")
-            if self.trainer_fork is not None:
-                self.trainer_fork.retire()
-            self.trainer_fork = TrainerFork()
-        return self.trainer_fork.fork(reader_environment())
+        """A new reader: forked from the trainer's fork under share_by_fork, else spawn_reader()."""
+        if self.forks is not None:
+            return self.forks.reader(reader_environment())
+        return spawn_reader()
 
     @property
     def pids(self) -> list[int]:
@@ -201,9 +190,10 @@ class ReaderPool:
         self.ring, self._config = ring, config
         self._filler_json = json.dumps(config.filler.to_dict())  # Once for every reader and restart.
         if self.share_by_fork and self.count:  # Forked now: the trainer has planned the dataset.
-            from .trainer_fork import TrainerFork
+            from .trainer_fork import ReaderForks
 
-            self.trainer_fork = TrainerFork()
+            self.forks = ReaderForks()
+            self.forks.start()
             self.start()
         for reader_index, process in enumerate(self.processes):
             self._send_config(process, reader_index)
@@ -243,16 +233,14 @@ class ReaderPool:
         slot is taken back: the reconfigure that follows forks the trainer again, as it is
         now, and starts new readers from it (the drop-in's epoch without persistent_workers,
         as torch forks new workers). Not counted as restarts."""
-        assert self.share_by_fork, "readers forked from the trainer"
+        assert self.forks is not None, "readers forked from the trainer"
         for process in self.processes:
             process.kill()
         for reader_index, process in enumerate(self.processes):
             process.wait()
             self._keep_stats(reader_index)
         self._configured.clear()
-        if self.trainer_fork is not None:
-            self.trainer_fork.retire()
-            self.trainer_fork = None
+        self.forks.retire()  # The reconfigure that follows forks the trainer anew.
 
     @property
     def remote_restarts(self) -> int:
@@ -620,5 +608,5 @@ class ReaderPool:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
-            if self.trainer_fork is not None:
-                self.trainer_fork.retire()
+            if self.forks is not None:
+                self.forks.retire()

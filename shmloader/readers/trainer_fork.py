@@ -10,7 +10,8 @@ request, a reader replacing one that died included. So a replacement is forked f
 trainer as it was then, not as it is later, when it may have CUDA initialised or threads
 running (a fork copies only the calling thread: a lock another thread held stays held in
 the child forever). The trainer forks only when neither holds (fork_hazard); the drop-in
-falls back to the fork server otherwise, saying why once.
+falls back to the fork server otherwise, saying why once. A zygote killed alone is made
+again from the trainer as it is then, where that is safe (ReaderForks).
 
 What the zygote inherits and must not use: the trainer's rings (lifecycle's at-fork hook
 points their descriptors at /dev/null), its fork servers (forkserver's hook forgets them),
@@ -30,7 +31,7 @@ import time
 import weakref
 
 from .. import lifecycle
-from .forkserver import ForkServer
+from .forkserver import ForkServer, ServerLost
 from .forkserver_channel import above_standard
 
 
@@ -53,6 +54,43 @@ def fork_hazard() -> str | None:
         return f"the trainer runs {threads - 1} other Python thread(s) ({names}), which a fork would leave " \
                f"holding whatever lock they held"
     return None
+
+
+class ReaderForks:
+    """A reader pool's source of readers under share_by_fork: the trainer's fork, made by
+    start() (the caller checked fork_hazard), and every reader forked from it. A fork that
+    died (killed alone) is made again from the trainer as it is then, where that is safe;
+    where not, a reader that must be replaced cannot be, and the error says why."""
+
+    def __init__(self) -> None:
+        self.server: TrainerFork | None = None
+
+    def start(self) -> None:
+        self.retire()
+        self.server = TrainerFork()
+
+    def reader(self, environment: dict[str, str]):
+        """A reader forked from the trainer's fork (forkserver.ForkedReader)."""
+        for attempt in range(2):
+            if self.server is None or self.server.lost:
+                hazard = fork_hazard()
+                if hazard is not None:
+                    gone = "" if self.server is None else f" (pid {self.server.process.pid}) is gone and"
+                    raise RuntimeError(f"the readers' fork of the trainer{gone} a reader must be started, but the "
+                                       f"trainer cannot be forked now: {hazard}; use multiprocessing_context='spawn'")
+                self.start()
+            try:
+                return self.server.fork(environment)
+            except ServerLost:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def retire(self) -> None:
+        """Ends the fork (its readers are the caller's to end first). Idempotent."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.retire()
 
 
 class _ForkedProcess:
