@@ -6,7 +6,9 @@ and importing numpy for every reader is most of a reader's start-up, paid again 
 loader (an evaluation pass each epoch) and every restart. So the trainer starts one
 interpreter per process, the fork server, which imports the reader's modules once, never
 starts a thread, and forks a reader per request. Like multiprocessing's forkserver, minus
-its re-import of the trainer's __main__.
+its re-import of the trainer's __main__. (The drop-in's multiprocessing_context="fork" forks
+the trainer itself instead, where that is safe: trainer_fork.py, which reuses this server's
+protocol and loop.)
 
 A forked reader gets, per request, what a fresh interpreter would: the trainer's current
 environment, its current standard output and error (descriptors passed with SCM_RIGHTS),

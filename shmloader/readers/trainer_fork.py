@@ -13,6 +13,11 @@ the child forever). The trainer forks only when neither holds (fork_hazard); the
 falls back to the fork server otherwise, saying why once. A zygote killed alone is made
 again from the trainer as it is then, where that is safe (ReaderForks).
 
+Memory: the zygote shares the trainer's pages copy-on-write; a page the trainer writes
+afterwards (its model, optimiser, Python heap) is copied, and the zygote keeps the old one,
+as each of torch's forked workers does. Without persistent_workers the zygote is made anew
+each epoch (ReaderPool.refork), which gives those pages back.
+
 What the zygote inherits and must not use: the trainer's rings (lifecycle's at-fork hook
 points their descriptors at /dev/null), its fork servers (forkserver's hook forgets them),
 its signal handlers (SIGINT is ignored: the trainer handles Ctrl-C and stops its readers)
