@@ -54,7 +54,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
     mode="shuffle"): the block-local shuffle for data larger than memory (README). step_timeout
     (seconds; None waits, warning after 10 s): next() raises StepTimeoutError for a step in
-    flight that long. hold_timeout: how long next() waits for a slot a batch still holds.
+    flight that long. hold_timeout: how long next() waits for a slot a batch still holds
+    where that batch cannot be given memory of its own (pin_memory, held across a fork;
+    shmloader/kept.py), before SlotsExhaustedError.
     """
 
     def __init__(
