@@ -95,9 +95,12 @@ class Supervisor(StepActions):
         next() waits a bounded time for it to go."""
         if cursor.release_unused():
             return
-        reason = None if self.make_room is None else self.make_room(cursor, step)
-        if reason is None and self.make_room is not None:
-            return
+        if self.make_room is None:
+            reason = "no session set make_room up"
+        else:
+            reason = self.make_room(cursor, step)
+            if reason is None:
+                return  # The slot is requested, or was let go meanwhile: next() looks again.
         self._wait_for_holder(cursor, step, self._check(cursor, step, held=True), reason)
 
     def in_flight(self, cursor, step: int) -> None:
