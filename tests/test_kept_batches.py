@@ -1,22 +1,28 @@
 """Batches a loop keeps stay right (shmloader/kept.py): an evaluation loop that keeps every
 batch's arrays or tensors over several epochs, list(loader), and a batch peeked with
 next(iter(loader)) and kept across epochs give the values of an independent reference, in
-ShmDataLoader and in the drop-in alike; the memory so kept is bounded, with an error that
+ShmDataLoader and in the drop-in alike, as does any pattern of keeping, slicing and
+dropping batches that Hypothesis draws; the memory so kept is bounded, with an error that
 names what holds it; the kept memory and descriptors go with the batches. Before, each of
 these loops stopped after `slots` batches with SlotsExhaustedError."""
 
 from __future__ import annotations
 
+import collections.abc
 import gc
 import os
 
 import numpy as np
 import pytest
-from conftest import our_shm_entries
 
-from shmloader import ShmDataLoader, SlotsExhaustedError
-from shmloader.plan import defaults
-from shmloader.storage.readahead import memory_limit_bytes
+hypothesis = pytest.importorskip("hypothesis")
+from conftest import examples, our_shm_entries  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from shmloader import Sampler, ShmDataLoader, SlotsExhaustedError  # noqa: E402
+from shmloader.plan import defaults  # noqa: E402
+from shmloader.storage.readahead import memory_limit_bytes  # noqa: E402
 
 ROWS = 203  # Not a multiple of the batch size: each pass ends with a partial batch.
 BATCH = 8
@@ -172,3 +178,32 @@ def test_the_drop_in_keeps_every_batchs_tensors_and_a_peeked_batch_across_epochs
     assert torch.equal(peeked["x"], torch.from_numpy(np.stack([item["x"] for item in expected[:4]])))
     del epochs, listed, peeked, kept_x, kept_y
     assert not our_shm_entries(os.getpid())
+
+
+
+@examples(12)
+@given(readers=st.sampled_from([0, 1]), slots=st.integers(2, 6),
+       actions=st.lists(st.one_of(st.just("keep"), st.just("drop"), st.just("view"), st.integers(0, 40)),
+                        min_size=1, max_size=50))
+def test_any_pattern_of_keeping_and_dropping_keeps_the_rows_of_every_kept_batch(rows, readers, slots, actions):
+    """Each action takes a batch, then: keeps it, drops it, keeps a slice of it, or drops the
+    kept one at that position; whatever is kept holds its step's rows (the pure Sampler's)."""
+    reference = np.load(rows)
+    sampler = Sampler(ROWS, BATCH, "shuffle", 4)
+    with ShmDataLoader({"x": rows}, batch_size=BATCH, readers=readers, slots=slots, seed=4, warn_layout=False,
+                       hold_timeout=0.1) as loader:
+        kept = []  # (step, what is kept: a Batch or a slice of one)
+        for action in actions:
+            batch = next(loader)
+            if action == "keep":
+                kept.append((batch.step, batch))
+            elif action == "view":
+                kept.append((batch.step, batch["x"][1:]))
+            elif isinstance(action, int) and kept:
+                kept.pop(action % len(kept))
+            del batch
+            for step, held in kept:
+                x = held["x"] if isinstance(held, collections.abc.Mapping) else held
+                expected = reference[sampler.fill(step).astype(np.int64)]
+                np.testing.assert_array_equal(x, expected if x.shape == expected.shape else expected[1:])
+        del kept
