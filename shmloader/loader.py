@@ -88,6 +88,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         cache_dir=None,
         cache_bytes: int | None = None,
         storage_options: dict | None = None,
+        audit_log=None,
     ) -> None:
         options = LoaderOptions(
             batch_size=batch_size, mode=mode, seed=seed, readers=readers, slots=slots, start_step=start_step,
@@ -95,7 +96,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             hold_timeout=hold_timeout, warn_layout=warn_layout, verify=verify, pin_memory=pin_memory,
             transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
             step_timeout=step_timeout, epochs=epochs, drop_last=drop_last, on_error=on_error, remote=remote,
-            cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
+            cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options, audit_log=audit_log)
         refuse_a_loader_in_the_scripts_import()
         # The facade holds its options, its session, and what the user may read off it.
         self.options = options
@@ -271,7 +272,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         check_integer("the checkpoint's step", going.step, 0, session.last_step(going.sampler, going.end_step))
         if going.sampler is not self.sampler:
             session.use(going.sampler)
-        session.seek(going.step, "a resume (load_state_dict)")
+        # The audit log's segment starts where the checkpoint stood: what was delivered from
+        # there before this resume is replayed (tools/audit.py).
+        session.seek(going.step, "resume", _checkpoint_position(state, self.sampler))
         self._placed_after = session.cursor.batches
         resume = going.resume
         if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:
@@ -373,6 +376,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
             f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
         )
+
+
+def _checkpoint_position(state: dict, sampler) -> int | None:
+    """The stream position a (validated) checkpoint stood at, for the audit log."""
+    position = state.get("position")
+    if isinstance(position, int) and not isinstance(position, bool):
+        return position
+    step = state.get("step")
+    return None if not isinstance(step, int) else position_of(sampler, step)[0]
 
 
 class _DatasetSource:

@@ -25,10 +25,12 @@ import os
 import sys
 import weakref
 
+from .audit_log import AuditIterator, AuditWriter, check_auditable, log_path, segment_header
 from .device import PinnedRing
 from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
+from .plan.checkpoint import position_of
 from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, default_slots, kept_bytes_max, wake_after
 from .plan.options import LoaderOptions, check_integer
@@ -189,6 +191,12 @@ class Session:
                                 kept_bytes_max(), self.local)
         self.supervisor.make_room = self.kept.make_room
         self.iterator = self.cursor if self.local is None else LocalIterator(self.cursor, self.local, self.supervisor)
+        if options.audit_log is not None:  # Each delivered batch recorded (audit_log.py).
+            check_auditable(plan.sampler)
+            sampler = plan.sampler
+            resources.audit = AuditWriter(log_path(options.audit_log, sampler.shard_index, sampler.shard_count))
+            self.iterator = AuditIterator(self.iterator, resources.audit)
+            self.audit_begin(start_step, "start")
         resources.cursor = weakref.ref(self.cursor)
         self.finalizer = weakref.finalize(self.cursor, resources.close)
         self.request_from(start_step)
@@ -228,9 +236,23 @@ class Session:
                           tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
                           options.on_error, options.epochs, options.drop_last, self.dataset_spec)
 
-    def seek(self, step: int, why: str = "a seek") -> None:
+    def audit_begin(self, step: int, why: str, position: int | None = None) -> None:
+        """With audit_log: the deliveries from `step` on are a new segment, which starts at
+        stream `position` (a resume's checkpoint position; by default where `step` starts)."""
+        writer = self.resources.audit
+        if writer is None:
+            return
+        sampler, finite = self.cuts.sampler, self.cuts.finite
+        if position is None:
+            position = position_of(sampler, step)[0]
+        writer.begin(segment_header(sampler, finite, self.plan.sources, step, position, why),
+                     finite.padding if finite is not None and finite.pads else None, sampler.length <= 1 << 32)
+
+    def seek(self, step: int, why: str = "a seek", position: int | None = None) -> None:
         """Makes `step` the next batch, checked against the bound: every slot taken back first
-        (a reader that failed, or holds its slot past the bound, replaced: settle_readers)."""
+        (a reader that failed, or holds its slot past the bound, replaced: settle_readers).
+        With audit_log the steps from there are a new segment starting at `position`
+        (audit_begin)."""
         self.check_open()
         check_integer("step", step, 0, self.last_step())
         self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
@@ -240,6 +262,7 @@ class Session:
             self.cuts.resume = None  # A seek names its step knowingly: no resumed position to cut at.
             self.cursor.partial_from = self.cuts.partial_from
             self.request_from(step)
+            self.audit_begin(step, why, position)
         finally:
             self.cursor.leave()
 

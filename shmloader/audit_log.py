@@ -1,0 +1,289 @@
+"""The audit log (audit_log=path): what a trainer's loader delivered, step by step, appended
+to a file that `shmloader audit` reads back (tools/audit.py proves from it).
+
+A log is a file of records appended with one write() each (O_APPEND), so a writer killed
+with SIGKILL leaves every record it finished whole in the page cache; at most the last one
+is torn, which the reader detects (its length runs past the end, or its CRC-32 disagrees)
+and leaves out with a note. Several writers may append to one file: every step record
+names its segment.
+
+Layout (little-endian):
+
+    offset  size  field
+    0       8     magic b"SHMAUDIT"          once, at the start of the file
+    8       4     version (u32)              LOG_VERSION
+    then records, each:
+    0       4     kind b"SEGM" or b"STEP"
+    4       4     payload_bytes (u32)
+    8       ..    payload
+    ..      4     CRC-32 of kind, payload_bytes and payload
+
+A SEGM payload is JSON: where a run of deliveries starts (a new loader, a resume, a seek, a
+new pass) and what it is: the pass (its settings and rows per epoch), the shard, batch
+size, the stream position it starts at (`position`: a resume's checkpoint position) and
+what turns a step into stream positions (global_batch, offset). A STEP payload:
+
+    0       8     segment id (u64)          the SEGM it belongs to
+    8       8     step (u64)
+    16      4     rows (u32)                 rows delivered
+    20      4     padded (u32)               of them, the last `padded` repeat a row (Batch.padding)
+    24      4     flags (u32)                bit 0: row indices as u32 (else u64)
+    28      ..    row indices                global row indices, in the batch's order
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import stat
+import struct
+import time
+import zlib
+
+import numpy as np
+
+LOG_MAGIC = b"SHMAUDIT"
+LOG_VERSION = 1
+_FILE_HEADER = struct.Struct("<8sI")
+_RECORD_HEADER = struct.Struct("<4sI")
+_CRC = struct.Struct("<I")
+_STEP = struct.Struct("<QQIII")
+SEGMENT_KIND, STEP_KIND = b"SEGM", b"STEP"
+_FLAG_U32 = 1
+# A record's payload is at most this: a batch of BATCH_SIZE_MAX u64 indices and its header;
+# a larger length read back is damage, not a record (the reader never allocates past it).
+PAYLOAD_BYTES_MAX = (1 << 24) * 8 + _STEP.size
+# The settings of a sampler that do not change what a pass is: the shape a resume may
+# change (plan/checkpoint.py ELASTIC_SETTINGS) and where its run started.
+_NOT_THE_PASS = ("batch_size", "shard_index", "shard_count", "transition", "start_position")
+
+
+def log_path(path, shard_index: int, shard_count: int) -> str:
+    """The file rank `shard_index` writes: `path` with "{rank}" replaced by the shard index,
+    or, without "{rank}" and with several shards, `path` + ".rank<index>"."""
+    path = os.fspath(path)
+    if "{rank}" in path:
+        return path.replace("{rank}", str(shard_index))
+    return path if shard_count == 1 else f"{path}.rank{shard_index}"
+
+
+def pass_of(sampler, sources: list[dict]) -> tuple[dict, str]:
+    """(what the pass is, its id): the sampler's settings less the shape a resume may change,
+    and the sources; a resumed or resharded run of the pass has the same id."""
+    key = {name: value for name, value in sampler.to_dict().items() if name not in _NOT_THE_PASS}
+    key["sources"] = sources
+    text = json.dumps(key, sort_keys=True, default=str)
+    return key, hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class AuditWriter:
+    """Appends a loader's records to its log file: begin() at each placement (a segment),
+    step() per delivered batch. Owned by the loader's Resources, which close() it; it
+    refers to no session, cursor or loader."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.fd = os.open(path, flags, 0o644)
+        except OSError as error:
+            raise OSError(error.errno, f"audit_log: cannot open {path!r} to append to: {error.strerror}") from None
+        try:
+            info = os.fstat(self.fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"audit_log: {path!r} is not a regular file")
+            if info.st_size == 0:
+                os.write(self.fd, _FILE_HEADER.pack(LOG_MAGIC, LOG_VERSION))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.segment = 0
+        self.pending = None  # A segment's header, written with its first step (a placement undone delivers none).
+        self.padding_of = None  # finite.padding where the segment's pass pads, else None.
+        self.small = True  # Row indices fit u32.
+        self._counter = 0
+
+    def begin(self, header: dict, padding_of, small: bool) -> None:
+        """A new segment: `header` (see the module docstring) is written with its first step."""
+        self._counter += 1
+        digest = hashlib.blake2b(f"{os.getpid()}/{time.time_ns()}/{id(self)}/{self._counter}".encode(),
+                                 digest_size=8).digest()
+        self.segment = int.from_bytes(digest, "little")
+        self.pending = {**header, "segment": self.segment, "started_ns": time.time_ns(), "pid": os.getpid(),
+                        "host": socket.gethostname()}
+        self.padding_of, self.small = padding_of, small
+
+    def step(self, batch) -> None:
+        """Appends the record of a delivered batch (one write, flushed to the kernel)."""
+        if self.pending is not None:
+            payload = json.dumps(self.pending, sort_keys=True).encode()
+            self.pending = None
+            _write(self.fd, SEGMENT_KIND, payload)
+        indices, step = batch.indices, batch.step
+        rows = len(indices)
+        padded = 0 if self.padding_of is None else self.padding_of(step)
+        body = indices.astype(np.uint32).tobytes() if self.small else indices.tobytes()
+        _write(self.fd, STEP_KIND, _STEP.pack(self.segment, step, rows, padded, _FLAG_U32 if self.small else 0) + body)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _write(fd: int, kind: bytes, payload: bytes) -> None:
+    head = _RECORD_HEADER.pack(kind, len(payload))
+    os.write(fd, head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head))))
+
+
+class AuditIterator:
+    """The loader's iterator with audit_log: the session's own iterator (the cursor, or
+    readers=0's LocalIterator), each batch recorded before it is handed out. It refers to
+    the inner iterator and the writer only (the lifetimes in session.py hold)."""
+
+    __slots__ = ("inner", "writer", "_step")
+
+    def __init__(self, inner, writer: AuditWriter) -> None:
+        self.inner, self.writer, self._step = inner, writer, writer.step
+
+    def __iter__(self) -> AuditIterator:
+        return self
+
+    def __next__(self):
+        batch = next(self.inner)
+        self._step(batch)
+        return batch
+
+
+# Reading a log back.
+
+@dataclasses.dataclass
+class Segment:
+    header: dict
+    path: str
+    order: int  # its place among the file's segments
+    records: list = dataclasses.field(default_factory=list)  # (step, rows array, padded)
+
+
+@dataclasses.dataclass
+class LogFile:
+    path: str
+    segments: list
+    notes: list  # a torn last record, left out
+    problems: list  # damage inside the file: what follows it is not read
+
+
+def read_log(path: str) -> LogFile:
+    """Every segment of the log at `path` with its steps; a torn last record is left out
+    (noted), damage before the end is a problem and ends the reading there."""
+    with open(path, "rb") as file:
+        data = file.read()
+    log = LogFile(path, [], [], [])
+    if len(data) < _FILE_HEADER.size or _FILE_HEADER.unpack_from(data)[0] != LOG_MAGIC:
+        log.problems.append(f"{path}: not an audit log (no {LOG_MAGIC!r} header)")
+        return log
+    version = _FILE_HEADER.unpack_from(data)[1]
+    if version != LOG_VERSION:
+        log.problems.append(f"{path}: audit log version {version}, this shmloader reads {LOG_VERSION}")
+        return log
+    segments, offset = {}, _FILE_HEADER.size
+    while offset < len(data):
+        found = _record_at(data, offset)
+        if isinstance(found, str):
+            if _torn_end(data, offset):
+                log.notes.append(f"{path}: a torn last record at byte {offset} ({len(data) - offset} bytes; a "
+                                 f"writer stopped mid-write) left out")
+            else:
+                log.problems.append(f"{path}: a damaged record at byte {offset} ({found}); the rest of the file "
+                                    f"is not read")
+            break
+        kind, payload, offset = found
+        if kind == SEGMENT_KIND:
+            header = json.loads(payload)
+            segments[header["segment"]] = segment = Segment(header, path, len(segments))
+            log.segments.append(segment)
+            continue
+        segment_id, step, rows, padded, flags = _STEP.unpack_from(payload)
+        dtype = np.uint32 if flags & _FLAG_U32 else np.uint64
+        indices = np.frombuffer(payload, dtype=dtype, count=rows, offset=_STEP.size).astype(np.int64)
+        segment = segments.get(segment_id)
+        if segment is None:
+            log.problems.append(f"{path}: step {step} names segment {segment_id:#x}, whose header the file lacks")
+            continue
+        segment.records.append((step, indices, padded))
+    return log
+
+
+def _record_at(data: bytes, offset: int):
+    """(kind, payload, next offset) of the record at `offset`, or why there is none."""
+    if offset + _RECORD_HEADER.size > len(data):
+        return "a record header past the end"
+    kind, size = _RECORD_HEADER.unpack_from(data, offset)
+    if kind not in (SEGMENT_KIND, STEP_KIND):
+        return f"unknown kind {kind!r}"
+    if size > PAYLOAD_BYTES_MAX:
+        return f"a payload of {size} bytes"
+    end = offset + _RECORD_HEADER.size + size
+    if end + _CRC.size > len(data):
+        return "its payload runs past the end"
+    payload = data[offset + _RECORD_HEADER.size:end]
+    if _CRC.unpack_from(data, end)[0] != zlib.crc32(data[offset:end]):
+        return "its CRC-32 disagrees"
+    if kind == STEP_KIND:
+        if size < _STEP.size:
+            return "a step record shorter than its header"
+        rows, flags = _STEP.unpack_from(payload)[2], _STEP.unpack_from(payload)[4]
+        if _STEP.size + rows * (4 if flags & _FLAG_U32 else 8) != size:
+            return f"a step record of {rows} rows in {size} bytes"
+    else:
+        try:
+            header = json.loads(payload)
+        except ValueError:
+            return "a segment header that is not JSON"
+        if not isinstance(header, dict) or not _SEGMENT_KEYS <= set(header):
+            return "a segment header without the keys a writer records"
+    return kind, payload, end + _CRC.size
+
+
+def _torn_end(data: bytes, offset: int) -> bool:
+    """Whether the bad record at `offset` is the file's last: nothing after it parses as a
+    record, so it is a write cut short, not damage in the middle of the log."""
+    if offset + _RECORD_HEADER.size > len(data):
+        return True
+    size = _RECORD_HEADER.unpack_from(data, offset)[1]
+    end = offset + _RECORD_HEADER.size + size + _CRC.size
+    return end >= len(data)
+
+
+_SEGMENT_KEYS = {"segment", "pass", "pass_id", "rows", "epochs", "drop_last", "shard_index", "shard_count",
+                 "batch_size", "global_batch", "offset", "own_streams", "epoch_positions", "position", "reason",
+                 "started_ns"}
+
+
+def segment_header(sampler, finite, sources: list[dict], step: int, position: int, reason: str) -> dict:
+    """What a segment's SEGM record says (see the module docstring): the pass, the shard and
+    how its steps map to stream positions, from `step` at stream `position` on."""
+    key, pass_id = pass_of(sampler, sources)
+    tail = None if finite is None else finite.tail
+    return {"pass": key, "pass_id": pass_id, "rows": sampler.length, "mode": sampler.mode,
+            "epochs": None if finite is None else finite.epochs, "drop_last": bool(finite and finite.drop_last),
+            "shard_index": sampler.shard_index, "shard_count": sampler.shard_count, "batch_size": sampler.batch_size,
+            "global_batch": sampler.global_batch, "offset": sampler.offset, "own_streams": sampler.shard_blocks,
+            "epoch_positions": sampler.epoch_positions(), "position": position, "step": step, "reason": reason,
+            "tail_first_step": None if tail is None else tail.first_step}
+
+
+def check_auditable(sampler) -> None:
+    """Refuses audit_log for a stream without the promise it proves: each row once an epoch."""
+    from .plan.sampler import Sampler
+
+    if not isinstance(sampler, Sampler):
+        raise ValueError(f"audit_log records the loader's own order over one source; this loader's batches come "
+                         f"from a {type(sampler).__name__} (a mixture or an index_table), whose epochs it cannot "
+                         f"check: leave audit_log unset")
+    if sampler.mode == "random":
+        raise ValueError("audit_log proves each row once an epoch; mode='random' draws rows with replacement, so "
+                         "there is nothing to prove: use mode='shuffle' or 'sequential', or leave audit_log unset")
