@@ -2,10 +2,13 @@
 to a file that `shmloader audit` reads back (tools/audit.py proves from it).
 
 A log is a file of records appended with one write() each (O_APPEND), so a writer killed
-with SIGKILL leaves every record it finished whole in the page cache; at most the last one
+with SIGKILL leaves every record it finished whole in the page cache; at most its last one
 is torn, which the reader detects (its length runs past the end, or its CRC-32 disagrees)
-and leaves out with a note. Several writers may append to one file: every step record
-names its segment.
+and leaves out with a note: at the end of the file, or followed by a segment record (a
+resumed run appending to the same file). A bad record followed by a step record was not
+cut short by a kill: it is damage, a problem. Several writers may append to one file
+(every step record names its segment), though a writer killed mid-write then reads as
+damage: each rank has its own file (log_path).
 
 Layout (little-endian):
 
@@ -193,13 +196,19 @@ def read_log(path: str) -> LogFile:
     while offset < len(data):
         found = _record_at(data, offset)
         if isinstance(found, str):
-            if _torn_end(data, offset):
-                log.notes.append(f"{path}: a torn last record at byte {offset} ({len(data) - offset} bytes; a "
-                                 f"writer stopped mid-write) left out")
+            following = _next_record(data, offset + 1)
+            if following is None or data[following:following + 4] == SEGMENT_KIND:
+                # Nothing whole after it, or a new writer's first record (a resumed run
+                # appending to the file): a write cut short by a kill.
+                log.notes.append(f"{path}: a torn record at byte {offset} ({(following or len(data)) - offset} "
+                                 f"bytes; a writer stopped mid-write) left out")
             else:
-                log.problems.append(f"{path}: a damaged record at byte {offset} ({found}); the rest of the file "
-                                    f"is not read")
-            break
+                log.problems.append(f"{path}: a damaged record at byte {offset} ({found}), followed by the same "
+                                    f"writer's records: its rows are not counted")
+            if following is None:
+                break
+            offset = following
+            continue
         kind, payload, offset = found
         if kind == SEGMENT_KIND:
             header = json.loads(payload)
@@ -215,6 +224,19 @@ def read_log(path: str) -> LogFile:
             continue
         segment.records.append((step, indices, padded))
     return log
+
+
+def _next_record(data: bytes, offset: int) -> int | None:
+    """Where the first whole record at or after `offset` starts, None where none does."""
+    while offset < len(data):
+        starts = [found for found in (data.find(SEGMENT_KIND, offset), data.find(STEP_KIND, offset)) if found >= 0]
+        if not starts:
+            return None
+        offset = min(starts)
+        if not isinstance(_record_at(data, offset), str):
+            return offset
+        offset += 1
+    return None
 
 
 def _record_at(data: bytes, offset: int):
@@ -246,16 +268,6 @@ def _record_at(data: bytes, offset: int):
         if not isinstance(header, dict) or not _SEGMENT_KEYS <= set(header):
             return "a segment header without the keys a writer records"
     return kind, payload, end + _CRC.size
-
-
-def _torn_end(data: bytes, offset: int) -> bool:
-    """Whether the bad record at `offset` is the file's last: nothing after it parses as a
-    record, so it is a write cut short, not damage in the middle of the log."""
-    if offset + _RECORD_HEADER.size > len(data):
-        return True
-    size = _RECORD_HEADER.unpack_from(data, offset)[1]
-    end = offset + _RECORD_HEADER.size + size + _CRC.size
-    return end >= len(data)
 
 
 _SEGMENT_KEYS = {"segment", "pass", "pass_id", "rows", "epochs", "drop_last", "shard_index", "shard_count",
