@@ -1,14 +1,12 @@
 """The audit log (audit_log=path): what a trainer's loader delivered, step by step, appended
 to a file that `shmloader audit` reads back (tools/audit.py proves from it).
 
-A log is a file of records appended with one write() each (O_APPEND), so a writer killed
-with SIGKILL leaves every record it finished whole in the page cache; at most its last one
-is torn, which the reader detects (its length runs past the end, or its CRC-32 disagrees)
-and leaves out with a note: at the end of the file, or followed by a segment record (a
-resumed run appending to the same file). A bad record followed by a step record was not
-cut short by a kill: it is damage, a problem. Several writers may append to one file
-(every step record names its segment), though a writer killed mid-write then reads as
-damage: each rank has its own file (log_path).
+A log is a file of records that one writer (AuditWriter: mapped, locked) copies in per
+delivered step, so a trainer killed with SIGKILL leaves every record it finished whole in
+the page cache, then zeros (the reserve it had mapped). A record cut short by the kill has
+no kind yet (it is stored last); the reader stops there, noting a torn last record unless
+only zeros follow, and the next writer of the file (a resumed run) cuts both off. A bad
+record followed by a whole one is damage, a problem: a kill leaves nothing whole after it.
 
 Layout (little-endian):
 
@@ -37,8 +35,10 @@ what turns a step into stream positions (global_batch, offset). A STEP payload:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
+import mmap
 import os
 import socket
 import stat
@@ -52,13 +52,18 @@ LOG_MAGIC = b"SHMAUDIT"
 LOG_VERSION = 1
 _FILE_HEADER = struct.Struct("<8sI")
 _RECORD_HEADER = struct.Struct("<4sI")
-_CRC = struct.Struct("<I")
+_CRC = _LENGTH = struct.Struct("<I")
 _STEP = struct.Struct("<QQIII")
 SEGMENT_KIND, STEP_KIND = b"SEGM", b"STEP"
 _FLAG_U32 = 1
 # A record's payload is at most this: a batch of BATCH_SIZE_MAX u64 indices and its header;
 # a larger length read back is damage, not a record (the reader never allocates past it).
 PAYLOAD_BYTES_MAX = (1 << 24) * 8 + _STEP.size
+# The mapped file grows by this much at a time (a few thousand steps of 256 rows).
+_GROWTH_BYTES = 4 << 20
+# How long opening waits for a killed writer's lock: its forked readers share the open
+# file, and exit once they see the trainer gone.
+_LOCK_WAIT_SECONDS = 10.0
 # The settings of a sampler that do not change what a pass is: the shape a resume may
 # change (plan/checkpoint.py ELASTIC_SETTINGS) and where its run started.
 _NOT_THE_PASS = ("batch_size", "shard_index", "shard_count", "transition", "start_position")
@@ -83,26 +88,35 @@ def pass_of(sampler, sources: list[dict]) -> tuple[dict, str]:
 
 
 class AuditWriter:
-    """Appends a loader's records to its log file: begin() at each placement (a segment),
+    """Writes a loader's records into its log file: begin() at each placement (a segment),
     step() per delivered batch. Owned by the loader's Resources, which close() it; it
-    refers to no session, cursor or loader."""
+    refers to no session, cursor or loader.
+
+    The file is mapped and grown _GROWTH_BYTES at a time (reserved with posix_fallocate, so
+    a full disk is an OSError there, not a SIGBUS later), and a record is copied into the
+    mapping: no system call per step, and a record is in the page cache, whatever becomes of
+    the process, once copied. Its kind is stored last, so a record cut short by a kill reads
+    as no record. One writer per file: an exclusive flock, held until close(), refuses a
+    second. Opening cuts a killed writer's zeros and torn record off; close() cuts the unused
+    reserve."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self.path, self.fd, self._map = path, -1, None
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             self.fd = os.open(path, flags, 0o644)
         except OSError as error:
-            raise OSError(error.errno, f"audit_log: cannot open {path!r} to append to: {error.strerror}") from None
+            raise OSError(error.errno, f"audit_log: cannot open {path!r} to write to: {error.strerror}") from None
         try:
-            info = os.fstat(self.fd)
-            if not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(os.fstat(self.fd).st_mode):
                 raise ValueError(f"audit_log: {path!r} is not a regular file")
-            if info.st_size == 0:
-                os.write(self.fd, _FILE_HEADER.pack(LOG_MAGIC, LOG_VERSION))
+            _lock(self.fd, path)
+            self.end = _whole_end(self.fd, path)
+            os.ftruncate(self.fd, self.end)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
+        self._map_start = self._map_end = self.end
         self.segment = 0
         self.pending = None  # A segment's header, written with its first step (a placement undone delivers none).
         self.padding_of = None  # finite.padding where the segment's pass pads, else None.
@@ -120,26 +134,89 @@ class AuditWriter:
         self.padding_of, self.small = padding_of, small
 
     def step(self, batch) -> None:
-        """Appends the record of a delivered batch (one write, flushed to the kernel)."""
+        """Writes the record of a delivered batch."""
         if self.pending is not None:
             payload = json.dumps(self.pending, sort_keys=True).encode()
             self.pending = None
-            _write(self.fd, SEGMENT_KIND, payload)
+            self._put(SEGMENT_KIND, payload + b" " * (-len(payload) % 4))  # Records stay 4-byte aligned.
         indices, step = batch.indices, batch.step
-        rows = len(indices)
         padded = 0 if self.padding_of is None else self.padding_of(step)
         body = indices.astype(np.uint32).tobytes() if self.small else indices.tobytes()
-        _write(self.fd, STEP_KIND, _STEP.pack(self.segment, step, rows, padded, _FLAG_U32 if self.small else 0) + body)
+        self._put(STEP_KIND, _STEP.pack(self.segment, step, len(indices), padded, _FLAG_U32 if self.small else 0)
+                  + body)
+
+    def _put(self, kind: bytes, payload: bytes) -> None:
+        size = _RECORD_HEADER.size + len(payload) + _CRC.size
+        if self.end + size > self._map_end:
+            self._grow(size)
+        length = _LENGTH.pack(len(payload))
+        at = self.end - self._map_start
+        self._map[at + 4:at + size] = length + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(kind + length)))
+        self._map[at:at + 4] = kind  # Last: the record is whole once its kind is there.
+        self.end += size
+
+    def _grow(self, size: int) -> None:
+        """Maps the file from the page holding `end` on, reserved for `size` bytes and more."""
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        start = self.end - self.end % mmap.ALLOCATIONGRANULARITY
+        length = max(_GROWTH_BYTES, self.end - start + size)
+        try:
+            os.posix_fallocate(self.fd, start, length)
+        except OSError as error:
+            raise OSError(error.errno, f"audit_log: cannot grow {self.path!r} by {length} bytes: "
+                                       f"{error.strerror}") from None
+        self._map = mmap.mmap(self.fd, length, offset=start)
+        self._map_start, self._map_end = start, start + length
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
+        """Unmaps the file, cuts the unused reserve, closes it (and so gives up the lock)."""
+        mapping, fd, self._map, self.fd = self._map, self.fd, None, -1
+        if mapping is not None:
+            mapping.close()
         if fd >= 0:
-            os.close(fd)
+            try:
+                if hasattr(self, "end"):
+                    os.ftruncate(fd, self.end)
+            finally:
+                os.close(fd)
 
 
-def _write(fd: int, kind: bytes, payload: bytes) -> None:
-    head = _RECORD_HEADER.pack(kind, len(payload))
-    os.write(fd, head + payload + _CRC.pack(zlib.crc32(payload, zlib.crc32(head))))
+def _lock(fd: int, path: str) -> None:
+    """Takes the file's exclusive lock, waiting a bounded time for a killed writer's forked
+    reader (it shares the lock) to notice and exit."""
+    deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ValueError(f"audit_log: {path!r} is being written by another loader (its lock held for "
+                                 f"{_LOCK_WAIT_SECONDS:.0f} s); give each loader its own file (\"{{rank}}\" in the "
+                                 f"path is replaced by shard_index)") from None
+            time.sleep(0.05)
+
+
+def _whole_end(fd: int, path: str) -> int:
+    """Where the file's whole records end (its header written to an empty file): a killed
+    writer's reserve and a torn record after them are cut off by the caller."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        os.write(fd, _FILE_HEADER.pack(LOG_MAGIC, LOG_VERSION))
+        return _FILE_HEADER.size
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
+        if size < _FILE_HEADER.size or _FILE_HEADER.unpack_from(data) != (LOG_MAGIC, LOG_VERSION):
+            raise ValueError(f"audit_log: {path!r} exists and is not a version-{LOG_VERSION} audit log; give a "
+                             f"new path (it is not overwritten)")
+        offset = _FILE_HEADER.size
+        while offset < size:
+            found = _record_at(data, offset)
+            if isinstance(found, str):
+                break
+            offset = found[2]
+    return offset
 
 
 class AuditIterator:
@@ -195,16 +272,16 @@ def read_log(path: str) -> LogFile:
     segments, offset = {}, _FILE_HEADER.size
     while offset < len(data):
         found = _record_at(data, offset)
+        if isinstance(found, str) and not data[offset:].strip(b"\0"):
+            break  # A killed writer's reserve: no record was begun there.
         if isinstance(found, str):
             following = _next_record(data, offset + 1)
-            if following is None or data[following:following + 4] == SEGMENT_KIND:
-                # Nothing whole after it, or a new writer's first record (a resumed run
-                # appending to the file): a write cut short by a kill.
-                log.notes.append(f"{path}: a torn record at byte {offset} ({(following or len(data)) - offset} "
-                                 f"bytes; a writer stopped mid-write) left out")
+            if following is None:  # Nothing whole after it: a write cut short by a kill.
+                log.notes.append(f"{path}: a torn last record at byte {offset} (a writer stopped mid-write) left "
+                                 f"out")
             else:
-                log.problems.append(f"{path}: a damaged record at byte {offset} ({found}), followed by the same "
-                                    f"writer's records: its rows are not counted")
+                log.problems.append(f"{path}: a damaged record at byte {offset} ({found}), followed by whole "
+                                    f"records: its rows are not counted")
             if following is None:
                 break
             offset = following

@@ -1,6 +1,6 @@
 """One rank of a training run for test_audit.py: a ShmDataLoader over the test's rows with
 audit_log, resumed from a checkpoint file if given, that writes its own checkpoint after
-`checkpoint_after` steps and keeps a note of every batch it delivered (step, rows, padding,
+`checkpoint_after` steps (with a shuffle window if given) and keeps a note of every batch it delivered (step, rows, padding,
 and whether the checkpoint was written before it). With `kill`, it prints "ready" after
 `stop_after` steps and waits for the test's SIGKILL; otherwise it delivers `stop_after`
 steps (or the rest of the pass: -1) and closes."""
@@ -20,11 +20,12 @@ def main() -> None:
     from shmloader import ShmDataLoader
 
     (data, log, notes, rank, shards, batch, resume_from, checkpoint_to, checkpoint_after, stop_after,
-     kill) = sys.argv[1:]
+     kill, window) = sys.argv[1:]
     rank, shards, batch = int(rank), int(shards), int(batch)
     checkpoint_after, stop_after = int(checkpoint_after), int(stop_after)
     loader = ShmDataLoader(data, batch_size=batch, shard_index=rank, shard_count=shards, readers=0, seed=11,
-                           epochs=2, audit_log=log)
+                           epochs=2, audit_log=log,
+                           shuffle_window=None if window == "-" else int(window))
     if resume_from != "-":
         with open(resume_from) as file:
             loader.load_state_dict(json.load(file))
