@@ -55,6 +55,8 @@ _RECORD_HEADER = struct.Struct("<4sI")
 _CRC = _LENGTH = struct.Struct("<I")
 _STEP = struct.Struct("<QQIII")
 SEGMENT_KIND, STEP_KIND = b"SEGM", b"STEP"
+_STEP_HEAD = struct.Struct("<IQQIII")  # payload_bytes, then the STEP payload's header
+_STEP_KIND_CRC = zlib.crc32(STEP_KIND)
 _FLAG_U32 = 1
 # A record's payload is at most this: a batch of BATCH_SIZE_MAX u64 indices and its header;
 # a larger length read back is damage, not a record (the reader never allocates past it).
@@ -101,7 +103,7 @@ class AuditWriter:
     reserve."""
 
     def __init__(self, path: str) -> None:
-        self.path, self.fd, self._map = path, -1, None
+        self.path, self.fd, self._map, self._words = path, -1, None, None
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             self.fd = os.open(path, flags, 0o644)
@@ -134,19 +136,35 @@ class AuditWriter:
         self.padding_of, self.small = padding_of, small
 
     def step(self, batch) -> None:
-        """Writes the record of a delivered batch."""
+        """Writes the record of a delivered batch: its header packed and its indices copied
+        straight into the mapping (cast to u32 where the rows fit), then its CRC, then its kind."""
         if self.pending is not None:
             payload = json.dumps(self.pending, sort_keys=True).encode()
             self.pending = None
             self._put(SEGMENT_KIND, payload + b" " * (-len(payload) % 4))  # Records stay 4-byte aligned.
         indices, step = batch.indices, batch.step
+        rows = len(indices)
         padded = 0 if self.padding_of is None else self.padding_of(step)
-        body = indices.astype(np.uint32).tobytes() if self.small else indices.tobytes()
-        self._put(STEP_KIND, _STEP.pack(self.segment, step, len(indices), padded, _FLAG_U32 if self.small else 0)
-                  + body)
+        if not self.small:
+            self._put(STEP_KIND, _STEP.pack(self.segment, step, rows, padded, 0) + indices.tobytes())
+            return
+        payload_bytes = _STEP.size + 4 * rows
+        size = _RECORD_HEADER.size + payload_bytes + _CRC.size
+        if self.end + size > self._map_end:
+            self._grow(size)
+        at = self.end - self._map_start
+        mapping = self._map
+        _STEP_HEAD.pack_into(mapping, at + 4, payload_bytes, self.segment, step, rows, padded, _FLAG_U32)
+        first = (at + _RECORD_HEADER.size + _STEP.size) >> 2
+        self._words[first:first + rows] = indices  # Records are 4-byte aligned (see _put).
+        crc_at = at + size - _CRC.size
+        _CRC.pack_into(mapping, crc_at, zlib.crc32(mapping[at + 4:crc_at], _STEP_KIND_CRC))
+        mapping[at:at + 4] = STEP_KIND  # Last: the record is whole once its kind is there.
+        self.end += size
 
     def _put(self, kind: bytes, payload: bytes) -> None:
         size = _RECORD_HEADER.size + len(payload) + _CRC.size
+        assert size % 4 == 0, size  # Every record keeps the next one's indices 4-byte aligned.
         if self.end + size > self._map_end:
             self._grow(size)
         length = _LENGTH.pack(len(payload))
@@ -158,6 +176,7 @@ class AuditWriter:
     def _grow(self, size: int) -> None:
         """Maps the file from the page holding `end` on, reserved for `size` bytes and more."""
         if self._map is not None:
+            self._words = None  # The view goes first: a mapping with views of it cannot close.
             self._map.close()
             self._map = None
         start = self.end - self.end % mmap.ALLOCATIONGRANULARITY
@@ -168,11 +187,12 @@ class AuditWriter:
             raise OSError(error.errno, f"audit_log: cannot grow {self.path!r} by {length} bytes: "
                                        f"{error.strerror}") from None
         self._map = mmap.mmap(self.fd, length, offset=start)
+        self._words = np.frombuffer(self._map, dtype=np.uint32)  # What step() copies indices into.
         self._map_start, self._map_end = start, start + length
 
     def close(self) -> None:
         """Unmaps the file, cuts the unused reserve, closes it (and so gives up the lock)."""
-        mapping, fd, self._map, self.fd = self._map, self.fd, None, -1
+        mapping, fd, self._map, self.fd, self._words = self._map, self.fd, None, -1, None
         if mapping is not None:
             mapping.close()
         if fd >= 0:
