@@ -48,6 +48,9 @@ import zlib
 
 import numpy as np
 
+from .plan.checkpoint import position_of
+from .plan.sampler import Sampler
+
 LOG_MAGIC = b"SHMAUDIT"
 LOG_VERSION = 1
 _FILE_HEADER = struct.Struct("<8sI")
@@ -372,6 +375,22 @@ _SEGMENT_KEYS = {"segment", "pass", "pass_id", "rows", "epochs", "drop_last", "s
                  "started_ns"}
 
 
+def open_writer(path, sampler) -> AuditWriter:
+    """The writer of audit_log=`path` for a loader filling with `sampler` (check_auditable)."""
+    check_auditable(sampler)
+    return AuditWriter(log_path(path, sampler.shard_index, sampler.shard_count))
+
+
+def begin_segment(writer: AuditWriter, sampler, finite, sources: list[dict], step: int, reason: str,
+                  position: int | None = None) -> None:
+    """Starts `writer`'s segment of the steps from `step`, at stream `position` (by default
+    where `step` starts: plan/checkpoint.py position_of)."""
+    if position is None:
+        position = position_of(sampler, step)[0]
+    writer.begin(segment_header(sampler, finite, sources, step, position, reason),
+                 finite.padding if finite is not None and finite.pads else None, sampler.length <= 1 << 32)
+
+
 def segment_header(sampler, finite, sources: list[dict], step: int, position: int, reason: str) -> dict:
     """What a segment's SEGM record says (see the module docstring): the pass, the shard and
     how its steps map to stream positions, from `step` at stream `position` on."""
@@ -387,8 +406,6 @@ def segment_header(sampler, finite, sources: list[dict], step: int, position: in
 
 def check_auditable(sampler) -> None:
     """Refuses audit_log for a stream without the promise it proves: each row once an epoch."""
-    from .plan.sampler import Sampler
-
     if not isinstance(sampler, Sampler):
         raise ValueError(f"audit_log records the loader's own order over one source; this loader's batches come "
                          f"from a {type(sampler).__name__} (a mixture or an index_table), whose epochs it cannot "

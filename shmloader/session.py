@@ -25,12 +25,11 @@ import os
 import sys
 import weakref
 
-from .audit_log import AuditIterator, AuditWriter, check_auditable, log_path, segment_header
+from .audit_log import AuditIterator, begin_segment, open_writer
 from .device import PinnedRing
 from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
-from .plan.checkpoint import position_of
 from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, default_slots, kept_bytes_max, wake_after
 from .plan.options import LoaderOptions, check_integer
@@ -192,9 +191,7 @@ class Session:
         self.supervisor.make_room = self.kept.make_room
         self.iterator = self.cursor if self.local is None else LocalIterator(self.cursor, self.local, self.supervisor)
         if options.audit_log is not None:  # Each delivered batch recorded (audit_log.py).
-            check_auditable(plan.sampler)
-            sampler = plan.sampler
-            resources.audit = AuditWriter(log_path(options.audit_log, sampler.shard_index, sampler.shard_count))
+            resources.audit = open_writer(options.audit_log, plan.sampler)
             self.iterator = AuditIterator(self.iterator, resources.audit)
             self.audit_begin(start_step, "start")
         resources.cursor = weakref.ref(self.cursor)
@@ -239,14 +236,9 @@ class Session:
     def audit_begin(self, step: int, why: str, position: int | None = None) -> None:
         """With audit_log: the deliveries from `step` on are a new segment, which starts at
         stream `position` (a resume's checkpoint position; by default where `step` starts)."""
-        writer = self.resources.audit
-        if writer is None:
-            return
-        sampler, finite = self.cuts.sampler, self.cuts.finite
-        if position is None:
-            position = position_of(sampler, step)[0]
-        writer.begin(segment_header(sampler, finite, self.plan.sources, step, position, why),
-                     finite.padding if finite is not None and finite.pads else None, sampler.length <= 1 << 32)
+        if self.resources.audit is not None:
+            begin_segment(self.resources.audit, self.cuts.sampler, self.cuts.finite, self.plan.sources, step, why,
+                          position)
 
     def seek(self, step: int, why: str = "a seek", position: int | None = None) -> None:
         """Makes `step` the next batch, checked against the bound: every slot taken back first
