@@ -32,6 +32,9 @@ which default_collate cannot stack) comes as {"values": the batch's samples back
 files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values": padded
 to max_length, "lengths": (B,)}.
 
+`audit_log=PATH` records what each rank delivered, each epoch a pass of its own, for
+`shmloader audit` (ShmDataLoader's setting; not with sampler= or batch_sampler=).
+
 `loader.padding` is the bool tensor of the batch last yielded (Batch.padding): True for a
 sample repeated so that, across ranks with drop_last=False, each rank's last step holds one;
 leave those out of an evaluation's metric (DistributedSampler's padding, but marked).
@@ -153,7 +156,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None, outputs=None,
                  dataset_args=None, shard_index: int | None = None, shard_count: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", audit_log=None) -> None:
         import torch.utils.data
 
         self._check_arguments(dataset, batch_size, collate_fn, worker_init_fn, in_order)
@@ -181,7 +184,7 @@ class DataLoader:
             mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
             slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
             shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
-            pin_memory=bool(pin_memory))
+            pin_memory=bool(pin_memory), audit_log=audit_log)
         self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
                                                                            TRAINER_SLOTS)
         self._structure = collated_structure(self._loader._dataset.spec)

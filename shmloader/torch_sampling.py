@@ -120,7 +120,11 @@ class SampledDataLoader(DataLoader):
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None, outputs=None,
                  dataset_args=None, shard_index: int | None = None, shard_count: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", audit_log=None) -> None:
+        if audit_log is not None:
+            raise ValueError("shmloader.torch.DataLoader: audit_log proves the loader's own order (shuffle=True or "
+                             "False); with sampler= or batch_sampler= the order is the caller's, whose epochs it "
+                             "cannot check: leave audit_log unset")
         if shard_index not in (None, 0) or shard_count not in (None, 1):
             raise ValueError(f"shmloader.torch.DataLoader: shard_index/shard_count ({shard_index}, {shard_count}) "
                              f"shard the loader's own order; with sampler= the sampler shards (DistributedSampler)")

@@ -240,3 +240,21 @@ def test_audit_log_refuses_what_it_cannot_prove(data, tmp_path):
         ShmDataLoader(data, batch_size=4, readers=0, mode="random", audit_log=tmp_path / "x.log")
     with pytest.raises(TypeError, match="audit_log must be a path"):
         ShmDataLoader(data, batch_size=4, readers=0, audit_log=3)
+
+
+def test_the_drop_in_records_each_epoch_as_a_pass_and_refuses_a_callers_sampler(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from shmloader.torch import DataLoader
+
+    dataset = torch.arange(ROWS)
+    for rank in range(2):
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, seed=5, shard_index=rank, shard_count=2,
+                            audit_log=tmp_path / "drop-in-{rank}.log")
+        for _ in range(2):
+            for _ in loader:
+                pass
+        loader._loader.close()
+    status, out = audit(sorted(tmp_path.glob("drop-in-*.log")), capsys)
+    assert status == 0 and out.count("OK: each row of each of its 1 epoch(s) once") == 2, out
+    with pytest.raises(ValueError, match="sampler= or batch_sampler="):
+        DataLoader(dataset, batch_size=4, sampler=range(ROWS), audit_log=tmp_path / "no.log")
