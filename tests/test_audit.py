@@ -253,7 +253,7 @@ def test_the_drop_in_records_each_epoch_as_a_pass_and_refuses_a_callers_sampler(
         for _ in range(2):
             for _ in loader:
                 pass
-        loader._loader.close()
+        loader.close()
     status, out = audit(sorted(tmp_path.glob("drop-in-*.log")), capsys)
     assert status == 0 and out.count("OK: each row of each of its 1 epoch(s) once") == 2, out
     with pytest.raises(ValueError, match="sampler= or batch_sampler="):
