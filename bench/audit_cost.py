@@ -7,7 +7,8 @@ directory. Each round runs both settings in turn (the order swapped every round)
 a fresh loader after a warm-up of 20 batches: rows/s over --batches batches, and the median
 time of next() inside a loop whose simulated training step (2 ms) leaves the readers time
 to fill the ring, so that next() finds its batch ready (the cost the log adds is then
-all of what it measures). Nothing is written; copy the printout to bench/RESULTS.md.
+all of what it measures); then the writer's step alone in a tight loop. Nothing is
+written; copy the printout to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -52,6 +53,25 @@ def next_median_us(fields: dict, batches: int, log: str | None) -> float:
         return statistics.median(times) / 1000
 
 
+def writer_step_us(directory: str, records: int = 20_000) -> float:
+    """AuditWriter.step alone, in a tight loop over a batch of BATCH indices."""
+    from shmloader.audit_log import AuditWriter
+
+    class Delivered:
+        indices, step = np.arange(BATCH, dtype=np.uint64), 0
+
+    writer = AuditWriter(os.path.join(directory, "alone.log"))
+    try:
+        writer.begin({}, None, True)
+        batch = Delivered()
+        start = time.perf_counter_ns()
+        for _ in range(records):
+            writer.step(batch)
+        return (time.perf_counter_ns() - start) / records / 1000
+    finally:
+        writer.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -71,6 +91,7 @@ def main() -> int:
                 ready[setting].append(next_median_us(fields, arguments.batches // 2, log))
         log_bytes = sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
                         if name.startswith("audit-"))
+        alone = [writer_step_us(directory) for _ in range(3)]
     for setting in ("off", "on"):
         rates = results[setting]
         print(f"audit_log {setting:>3}: rows/s median {statistics.median(rates):,.0f} (min {min(rates):,.0f}, max "
@@ -79,6 +100,7 @@ def main() -> int:
     ratios = [on / off for on, off in zip(results["on"], results["off"])]
     print(f"on/off rows/s per round: {', '.join(f'{ratio:.3f}' for ratio in ratios)}; median "
           f"{statistics.median(ratios):.3f}")
+    print(f"AuditWriter.step alone: {', '.join(f'{value:.1f}' for value in alone)} us a step (tight loop)")
     print(f"log bytes written: {log_bytes:,} ({log_bytes / (arguments.rounds * arguments.batches * 1.5):.0f} per step)")
     return 0
 

@@ -19,7 +19,8 @@ Layout (little-endian):
     8       ..    payload
     ..      4     CRC-32 of kind, payload_bytes and payload
 
-A SEGM payload is JSON: where a run of deliveries starts (a new loader, a resume, a seek, a
+A SEGM payload is JSON (spaces after it to a multiple of 4 bytes, so that a STEP's indices
+are 4-byte aligned): where a run of deliveries starts (a new loader, a resume, a seek, a
 new pass) and what it is: the pass (its settings and rows per epoch), the shard, batch
 size, the stream position it starts at (`position`: a resume's checkpoint position) and
 what turns a step into stream positions (global_batch, offset). A STEP payload:
@@ -237,6 +238,9 @@ def _whole_end(fd: int, path: str) -> int:
         while offset < size:
             found = _record_at(data, offset)
             if isinstance(found, str):
+                if _next_record(data, offset + 1) is not None:  # Damage, not a kill's cut: never cut off.
+                    raise ValueError(f"audit_log: {path!r} has a damaged record at byte {offset} ({found}) with whole "
+                                     f"records after it; `shmloader audit` it as it is, and give a new path")
                 break
             offset = found[2]
     return offset

@@ -226,13 +226,17 @@ def test_a_second_writer_of_one_file_is_refused(tmp_path, data, monkeypatch):
     assert (tmp_path / "other.txt").read_text() == "not a log"
 
 
-def test_a_damaged_record_inside_a_log_is_a_problem(logs, capsys):
+def test_a_damaged_record_inside_a_log_is_a_problem_and_is_kept(logs, data, capsys):
     paths, _ = logs
-    data = bytearray(paths[0].read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    paths[0].write_bytes(bytes(data))
+    damaged = bytearray(paths[0].read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    paths[0].write_bytes(bytes(damaged))
     status, out = audit(paths, capsys)
     assert status == 1 and "damaged record" in out, out
+    with pytest.raises(ValueError, match="damaged record"):  # Never cut off by the next writer.
+        ShmDataLoader(data, batch_size=4, shard_count=2, readers=0, seed=3, epochs=EPOCHS,
+                      audit_log=paths[0].parent / "pass.log")
+    assert paths[0].read_bytes() == bytes(damaged)
 
 
 def test_audit_log_refuses_what_it_cannot_prove(data, tmp_path):

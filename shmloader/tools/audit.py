@@ -180,8 +180,9 @@ def _report(counts, expected, deliveries: list, epochs, write) -> int:
     named = set(wrong[:_ROWS_NAMED_MAX].tolist())
     found = collections.defaultdict(list)  # row -> [(epoch, delivery)]
     for delivery in deliveries:
-        for row, epoch in zip(delivery.rows.tolist(), delivery.epochs.tolist()):
-            if row in named and epoch in epochs:
+        hits = np.flatnonzero(np.isin(delivery.rows, wrong[:_ROWS_NAMED_MAX]))
+        for row, epoch in zip(delivery.rows[hits].tolist(), delivery.epochs[hits].tolist()):
+            if epoch in epochs:
                 found[row].append((epoch, delivery))
     for row in sorted(named):
         seen = found[row]
