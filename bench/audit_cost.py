@@ -53,14 +53,14 @@ def next_median_us(fields: dict, batches: int, log: str | None) -> float:
         return statistics.median(times) / 1000
 
 
-def writer_step_us(directory: str, records: int = 20_000) -> float:
+def writer_step_us(directory: str, name: str, records: int = 20_000) -> float:
     """AuditWriter.step alone, in a tight loop over a batch of BATCH indices."""
     from shmloader.audit_log import AuditWriter
 
     class Delivered:
         indices, step = np.arange(BATCH, dtype=np.uint64), 0
 
-    writer = AuditWriter(os.path.join(directory, "alone.log"))
+    writer = AuditWriter(os.path.join(directory, name))
     try:
         writer.begin({}, None, True)
         batch = Delivered()
@@ -91,7 +91,7 @@ def main() -> int:
                 ready[setting].append(next_median_us(fields, arguments.batches // 2, log))
         log_bytes = sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
                         if name.startswith("audit-"))
-        alone = [writer_step_us(directory) for _ in range(3)]
+        alone = [writer_step_us(directory, f"alone-{number}.log") for number in range(3)]
     for setting in ("off", "on"):
         rates = results[setting]
         print(f"audit_log {setting:>3}: rows/s median {statistics.median(rates):,.0f} (min {min(rates):,.0f}, max "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 
 import numpy as np
 
@@ -50,6 +51,8 @@ def audit(paths: list[str], write=print) -> int:
     0 when every pass is proven, 1 when a row is missing or repeated or a log is damaged."""
     problems = 0
     passes: dict[str, list] = collections.defaultdict(list)
+    # A file named twice (a glob and its name) is read once: its records are not deliveries twice.
+    paths = list({os.path.realpath(path): path for path in reversed(paths)}.values())[::-1]
     for path in paths:
         try:
             log = read_log(path)
