@@ -262,3 +262,19 @@ def test_the_drop_in_records_each_epoch_as_a_pass_and_refuses_a_callers_sampler(
     assert status == 0 and out.count("OK: each row of each of its 1 epoch(s) once") == 2, out
     with pytest.raises(ValueError, match="sampler= or batch_sampler="):
         DataLoader(dataset, batch_size=4, sampler=range(ROWS), audit_log=tmp_path / "no.log")
+
+
+def test_a_checkpoint_resumed_twice_replays_the_first_attempts_steps(tmp_path, data, capsys):
+    log = tmp_path / "twice.log"
+    with ShmDataLoader(data, batch_size=4, readers=0, seed=2, epochs=1, audit_log=log) as loader:
+        for _ in range(3):
+            next(loader)
+        state = loader.state_dict()
+        next(loader)  # Past the checkpoint: replayed.
+    for steps in (2, None):  # The first resume dies after 2 steps; the second, from the same checkpoint, ends the pass.
+        with ShmDataLoader(data, batch_size=4, readers=0, seed=2, epochs=1, audit_log=log) as loader:
+            loader.load_state_dict(state)
+            for _, _ in zip(range(steps or len(loader)), loader):
+                pass
+    status, out = audit([log], capsys)
+    assert status == 0 and "12 row(s) delivered past a checkpoint" in out, out
