@@ -29,8 +29,10 @@ A collate_fn other than default_collate runs in the readers on each step's sampl
 global generators seeded from (seed, "collate", step)); what it returns is written into the
 slot, its arrays and tensors zero copy, its other leaves (str, bytes, numbers, None) beside
 them, and given back as it made them (plan/collated.py). Each array's room in the slot is
-learned from two probe batches; outputs={leaf: its largest shape} declares it, and a batch
-that outgrows it fails naming the leaf, its shape and that setting.
+learned from two probe batches, and grows where a batch outgrows it (a CollateGrowthWarning;
+the loader is built again at that step, its batches unchanged); outputs={leaf: its largest
+shape} declares it instead, and a batch that outgrows a declared room fails naming the
+leaf, its shape and that setting.
 
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
@@ -196,14 +198,16 @@ class DataLoader:
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
-        self._loader = ShmDataLoader.from_dataset(
-            collating(dataset, collate_fn, self.batch_size, on_error), outputs=outputs, dataset_args=dataset_args,
-            batch_size=self.batch_size, mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0),
-            readers=self.num_workers, slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
-            shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
-            pin_memory=bool(pin_memory))
-        self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
-                                                                           TRAINER_SLOTS)
+        # The inner loader's settings: a collate_fn's slot that grows is built again from them (_regrow).
+        self._build = {"dataset": collating(dataset, collate_fn, self.batch_size, on_error),
+                       "outputs": dict(outputs or {}), "dataset_args": dataset_args, "batch_size": self.batch_size,
+                       "mode": "shuffle" if shuffle else "sequential", "readers": self.num_workers, "slots": slots,
+                       "epochs": 1, "drop_last": self.drop_last, "step_timeout": timeout or None,
+                       "shard_index": self.shard_index, "shard_count": self.shard_count, "on_error": on_error,
+                       "pin_memory": bool(pin_memory)}
+        self._declared, self._growths = set(outputs or {}), 0
+        self._hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor, TRAINER_SLOTS)
+        self._loader = self._make_loader()
         self._learn_layout()
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
@@ -272,12 +276,55 @@ class DataLoader:
         pages to the batch: Session.detach). One batch copied per epoch, no more."""
         import torch
 
-        cursor = self._loader._session.cursor
-        for batch in self._loader:
-            last = batch.step + 1 >= cursor.end_step
-            self.padding = torch.from_numpy(batch.padding)
-            yield self._rebuild(batch, last)
-            del batch
+        while True:
+            cursor = self._loader._session.cursor
+            try:
+                for batch in self._loader:
+                    last = batch.step + 1 >= cursor.end_step
+                    self.padding = torch.from_numpy(batch.padding)
+                    yield self._rebuild(batch, last)
+                    del batch
+                return
+            except DatasetError as error:
+                outputs = self._grown_outputs(error)
+                if outputs is None:
+                    raise
+            self._regrow(outputs)
+
+    def _make_loader(self) -> ShmDataLoader:
+        loader = ShmDataLoader.from_dataset(self._build["dataset"], seed=self._epoch_seed(0),
+                                            **{key: value for key, value in self._build.items() if key != "dataset"})
+        loader._session.supervisor.hold_advice = self._hold_advice
+        return loader
+
+    def _grown_outputs(self, error: Exception) -> dict | None:
+        """outputs= with twice the room a CollateRoomError says each of its leaves needed (the
+        slot grows geometrically), or None: another error, a room the caller declared (a
+        maximum is kept), or the slot grown COLLATE_GROWTHS_MAX times already."""
+        needed = collated.room_needed(error)
+        if not needed or set(needed) & self._declared or self._growths >= collated.COLLATE_GROWTHS_MAX:
+            return None
+        self._growths += 1
+        step = self._loader._session.cursor.next_step
+        what = ", ".join(f"{name!r} needs {count} {'bytes' if name == collated.BESIDE else 'elements'}"
+                         for name, count in needed.items())
+        warnings.warn(f"collate_fn's batch at step {step} of epoch {self._epoch} outgrows the room the probe batches "
+                      f"gave it ({what}): the room grows to twice that and the readers start again at that step "
+                      f"(outputs={{name: its largest shape}} gives the room from the start)",
+                      collated.CollateGrowthWarning, stacklevel=4)
+        return {**self._build["outputs"], **{name: 2 * count for name, count in needed.items()}}
+
+    def _regrow(self, outputs: dict) -> None:
+        """The loader again with `outputs`, at the step the trainer was waiting for: batches
+        already given keep their memory (a closed ring's mapping lives while they do)."""
+        state = self._loader.state_dict()
+        self._loader.close()
+        self._build["outputs"] = outputs
+        self._loader = self._make_loader()
+        if self._epoch:
+            self._start_pass(self._epoch)
+        self._loader.load_state_dict(state)
+        self._learn_layout()
 
     def _learn_layout(self) -> None:
         """How a batch is rebuilt from the slot: as default_collate stacks the samples, or

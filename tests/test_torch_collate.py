@@ -5,12 +5,14 @@ RNG), a collate of dicts with str leaves, a list of str, ints, floats, None, byt
 scalar and nested tuples, lists and namedtuples; num_workers 0 and 2, the loader's order and a
 seeded RandomSampler. Batch k is the same under num_workers 0, 1 and 3 with a collate that
 draws from torch's generator, after a reader is killed with SIGKILL, and after a resume from
-state_dict() under another num_workers. A batch whose array outgrows its room in the slot
-fails naming the leaf, its shape and the setting to raise."""
+state_dict() under another num_workers. A batch whose array outgrows the room the probe
+learned grows the slot (said by a warning) and the batches stay torch's; one that outgrows
+a declared room fails naming the leaf, its shape and the setting to raise."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import os
 import signal
@@ -27,7 +29,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from conftest import examples  # noqa: E402
 from shmloader import ReaderRestartWarning  # noqa: E402
 from shmloader.plan.collated import BESIDE  # noqa: E402
-from shmloader.torch import DataLoader  # noqa: E402
+from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
 
 
 class Tokens(Dataset):
@@ -224,18 +226,59 @@ class LongInTheMiddle(Tokens):
         self.lengths[9] = 300
 
 
+def _grown(records) -> list[str]:
+    return [str(record.message) for record in records if issubclass(record.category, CollateGrowthWarning)]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_array_larger_than_its_room_is_named_with_its_shape_and_the_setting(num_workers):
-    with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, num_workers=num_workers) as loader:
+def test_an_array_larger_than_its_learned_room_grows_the_slot_and_the_batches_stay_torchs(num_workers):
+    expected = list(TorchDataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate))
+    with pytest.warns(CollateGrowthWarning) as records:
+        with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, num_workers=num_workers) as loader:
+            found = batches(loader) + batches(loader)  # The second epoch runs in the grown slot.
+    grown = _grown(records)  # One growth for both arrays.
+    assert len(grown) == 1 and "at step 2 of epoch 0" in grown[0], grown
+    assert "'input_ids' needs 1200 elements, 'attention_mask' needs 1200 elements" in grown[0], grown
+    for one, other in zip(expected + expected, found, strict=True):
+        assert_same(one, other)
+
+
+def test_a_slot_grown_in_a_later_shuffled_epoch_gives_the_batches_of_one_with_the_room_declared():
+    """persistent_workers=False: the dataset as it is at each epoch, here longer in epoch 1."""
+    options = {"batch_size": 4, "shuffle": True, "seed": 4, "collate_fn": noisy_collate, "num_workers": 2}
+    runs = []
+    for outputs in ({}, {"input_ids": (4, 300), "attention_mask": (4, 300)}):
+        dataset = Tokens([16] * 20)
+        with DataLoader(dataset, outputs=outputs, **options) as loader:
+            first = batches(loader)
+            dataset.lengths[9] = 300
+            with pytest.warns(CollateGrowthWarning) if not outputs else contextlib.nullcontext():
+                runs.append(first + batches(loader) + batches(loader))
+    for one, other in zip(*runs, strict=True):
+        assert_same(one, other)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampled_loaders_slot_grows_too(num_workers):
+    def sampler():
+        return RandomSampler(LongInTheMiddle(), generator=torch.Generator().manual_seed(3))
+
+    expected = list(TorchDataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, sampler=sampler()))
+    with pytest.warns(CollateGrowthWarning):
+        with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, sampler=sampler(),
+                        num_workers=num_workers) as loader:
+            found = batches(loader)
+    for one, other in zip(expected, found, strict=True):
+        assert_same(one, other)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_array_larger_than_its_declared_room_is_named_with_its_shape_and_the_setting(num_workers):
+    with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, num_workers=num_workers,
+                    outputs={"input_ids": (4, 16)}) as loader:
         with pytest.raises(ValueError, match=r"'input_ids'\] has shape \(4, 300\) \(1200 elements\), more than the "
                                              r"64 the slot holds.*outputs=\{'input_ids': \(\.\.\.\)\}"):
             batches(loader)
-    with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, num_workers=num_workers,
-                    outputs={"input_ids": (4, 300), "attention_mask": (4, 300)}) as loader:
-        found = batches(loader)
-    for one, other in zip(TorchDataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate), found,
-                          strict=True):
-        assert_same(one, other)
 
 
 def many_names(samples: list) -> list:

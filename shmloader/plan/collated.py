@@ -24,8 +24,9 @@ trainer (the first batch_size indices and the last whole batch's, on a copy of t
 and gives a leaf whose shape both agree on exactly that many elements, any other
 COLLATE_HEADROOM times the larger (padding to the batch's longest varies). `outputs=`
 declares a leaf's largest shape instead ({"input_ids": (64, 1024)}), and
-{"collate.beside": bytes} the JSON's room. A batch whose leaf is larger fails naming the
-leaf, its shape and that setting.
+{"collate.beside": bytes} the JSON's room. A batch whose leaf is larger raises
+CollateRoomError naming the leaf, its shape and that setting; the drop-in grows a learned
+room from it (room_needed; torch_dataset.py) and keeps a declared one.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ import base64
 import collections.abc
 import json
 import math
+import re
 
 import numpy as np
 
+from .dataset import COLLATE_BESIDE, DatasetError, DatasetOutput, _leaf_array
 from .naming import loader_name_problem
 
-BESIDE = "collate.beside"
+BESIDE = COLLATE_BESIDE
 # A leaf whose shape differed between the probe batches gets this many times the larger's
 # elements: a padding collate's longest sample in a batch varies from batch to batch.
 COLLATE_HEADROOM = 4
@@ -66,9 +69,20 @@ class Collated:
         return self.collate_fn(samples)
 
 
-def _error(message: str) -> Exception:
-    from .dataset import DatasetError  # The one error type of a dataset source (plan/dataset.py).
+# A loader whose learned room was outgrown this many times raises the room error instead.
+COLLATE_GROWTHS_MAX = 8
 
+
+class CollateGrowthWarning(UserWarning):
+    """A collate_fn's batch outgrew the room the probe batches gave a leaf: the slot grew."""
+
+
+class CollateRoomError(DatasetError):
+    """A collate_fn's batch needs more room in the slot than its leaf was given (the message
+    says how much: room_needed reads it, also from a reader's report of it)."""
+
+
+def _error(message: str) -> Exception:
     return DatasetError(message)
 
 
@@ -79,8 +93,6 @@ def _is_tensor(value) -> bool:
 def encode(batch, where: str) -> tuple[dict, list[tuple[str, np.ndarray]], dict]:
     """(the batch's JSON tree, its arrays as (leaf name, array), the classes it names by
     "module:qualname") of a collate_fn's `batch`; `where` names the batch in errors."""
-    from .dataset import _leaf_array
-
     arrays: list[tuple[str, np.ndarray]] = []
     classes: dict[str, type] = {}
 
@@ -158,9 +170,9 @@ def _capacity(name: str, probes: list[tuple[int, ...]], declared, batch_rows: li
 
 def plan_collated(probe, length: int, declared: dict):
     """(outputs, structure, classes) of a Collated dataset `probe` (a copy: its samples are
-    read here, unseeded): the regions of its collate's arrays and of the JSON beside them."""
-    from .dataset import DatasetOutput
-
+    read here, unseeded): the regions of its collate's arrays and of the JSON beside them.
+    The structure names the arrays and their dtypes, never a value: a checkpoint's digest of
+    it matches a loader built again whatever the probe drew."""
     batch_size = probe.batch_size
     first = list(range(min(batch_size, length)))
     start = (length // batch_size - 1) * batch_size if length >= batch_size else 0
@@ -168,7 +180,7 @@ def plan_collated(probe, length: int, declared: dict):
     shapes: dict[str, list[tuple[int, ...]]] = {}
     dtypes: dict[str, np.dtype] = {}
     classes: dict[str, type] = {}
-    trees, beside_bytes = [], 0
+    beside_bytes = 0
     for indices in batches:
         where = f"collate_fn(dataset[{indices[0]}:{indices[-1] + 1}])"
         try:
@@ -179,7 +191,6 @@ def plan_collated(probe, length: int, declared: dict):
             raise
         tree, arrays, seen = encode(batch, where)
         classes.update(seen)
-        trees.append(tree)
         beside_bytes = max(beside_bytes, len(json.dumps(tree).encode()))
         for name, array in arrays:
             if dtypes.setdefault(name, array.dtype) != array.dtype:
@@ -201,13 +212,16 @@ def plan_collated(probe, length: int, declared: dict):
         raise _error(f"outputs[{BESIDE!r}] is the bytes of a batch's leaves that are not arrays (as JSON): a positive "
                      f"int, got {beside!r}")
     outputs.append(DatasetOutput(BESIDE, (), "|u1", collated=beside))
-    return tuple(outputs), trees[0], classes
+    return tuple(outputs), {"collated": [[output.name, output.dtype] for output in outputs]}, classes
 
 
 def write(batch, outputs: dict, out: dict, where: str) -> None:
     """Writes a collate_fn's `batch` into the slot's arrays `out` (by region name), each
-    array checked against its leaf's output (`outputs`, by name)."""
+    array checked against its leaf's output (`outputs`, by name) before any is written: a
+    CollateRoomError names every leaf that does not fit, so that one growth fits them all."""
     tree, arrays, _ = encode(batch, where)
+    data = json.dumps(tree).encode()
+    too_large = []
     for name, array in arrays:
         output = outputs.get(name)
         if output is None or name == BESIDE:
@@ -218,18 +232,36 @@ def write(batch, outputs: dict, out: dict, where: str) -> None:
             raise _error(f"{where}[{name!r}] is {array.dtype}, {np.dtype(output.dtype)} in the probe batches: return "
                          f"one dtype for every batch")
         if array.size > output.collated:
-            raise _error(f"{where}[{name!r}] has shape {tuple(array.shape)} ({array.size} elements), more than the "
-                         f"{output.collated} the slot holds for it (laid out from the probe batches' largest, "
-                         f"{output.shape}); declare its largest shape in any batch: DataLoader(..., "
-                         f"outputs={{{name!r}: (...)}})")
-        np.copyto(out[name][:array.size].reshape(array.shape), array, casting="no")
-    data = json.dumps(tree).encode()
+            too_large.append(f"{where}[{name!r}] has shape {tuple(array.shape)} ({array.size} elements), more than "
+                             f"the {output.collated} the slot holds for it (laid out from the probe batches' "
+                             f"largest, {output.shape}); declare its largest shape in any batch: DataLoader(..., "
+                             f"outputs={{{name!r}: (...)}})")
     room = outputs[BESIDE].collated
     if len(data) > room:
-        raise _error(f"{where}: its leaves that are not arrays take {len(data)} bytes as JSON, more than the {room} "
-                     f"the slot holds for them; declare more: DataLoader(..., outputs={{{BESIDE!r}: bytes}})")
+        too_large.append(f"{where}: its leaves that are not arrays take {len(data)} bytes as JSON, more than the "
+                         f"{room} the slot holds for them; declare more: DataLoader(..., outputs={{{BESIDE!r}: "
+                         f"bytes}})")
+    if too_large:
+        raise CollateRoomError("; ".join(too_large))
+    for name, array in arrays:
+        np.copyto(out[name][:array.size].reshape(array.shape), array, casting="no")
     out[BESIDE][:len(data)] = np.frombuffer(data, np.uint8)
     out[f"{BESIDE}.length"][0] = len(data)
+
+
+_ARRAY_ROOM = re.compile(r"\[('[^'\\]*')\] has shape \([0-9, ]*\) \(([0-9]+) elements\), more than the")
+_BESIDE_ROOM = re.compile(r"take ([0-9]+) bytes as JSON, more than the")
+
+
+def room_needed(error: BaseException) -> dict[str, int]:
+    """{leaf: the elements (or bytes) it needed} of a CollateRoomError, raised here or in a
+    reader (whose report keeps its type and message); {} for another error."""
+    if not isinstance(error, CollateRoomError):
+        return {}
+    text = str(error)
+    needed = {name[1:-1]: int(count) for name, count in _ARRAY_ROOM.findall(text)}
+    needed.update({BESIDE: int(count) for count in _BESIDE_ROOM.findall(text)[:1]})
+    return needed
 
 
 def rebuild(arrays, outputs: dict, classes: dict, convert, to_tensor):

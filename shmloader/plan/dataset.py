@@ -40,9 +40,10 @@ import numpy as np
 from ..errors import TransformError
 from ..fill.global_seeds import global_states_kept
 from ..ring.slot_layout import Region
-from .collated import BESIDE, Collated, plan_collated
 from .naming import loader_name_problem
 
+# The region of a collate_fn's batch that holds its leaves other than arrays (plan/collated.py).
+COLLATE_BESIDE = "collate.beside"
 # A dataset's pickle larger than this is refused with the import-path advice: every reader
 # holds its own copy of the unpickled dataset.
 PICKLE_BYTES_MAX = 1 << 30
@@ -180,7 +181,7 @@ class DatasetOutput:
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
         if self.collated is not None:  # A whole batch's, never cut to rows.
-            if self.name == BESIDE:
+            if self.name == COLLATE_BESIDE:
                 return (Region(self.name, (self.collated,), "|u1", "whole"),
                         Region(f"{self.name}.length", (1,), "<i8", "whole"))
             return (Region(self.name, (self.collated,), self.dtype, "whole"),)
@@ -488,6 +489,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1) 
     # and (readers=0) to fill the batches, which a memoizing or counting dataset would
     # otherwise see probed once more, unseeded (_probe_copy).
     probe = _probe_copy(instance) if data is None else pickle.loads(data)
+    from .collated import Collated, plan_collated  # It builds on this module's outputs.
+
     classes = {}
     if isinstance(instance, Collated):  # The outputs are the collate_fn's batch's.
         with global_states_kept():
