@@ -65,7 +65,7 @@ def mixed_collate(samples: list) -> dict:
     lengths = [len(sample["input_ids"]) for sample in samples]
     return {"names": [sample["name"] for sample in samples], "first": samples[0]["name"], "count": len(samples),
             "mean": float(np.mean(lengths)), "none": None, "flag": lengths[0] > 100, "raw": b"\x00\xffab",
-            "longest": np.int32(max(lengths)), "lengths": np.asarray(lengths, np.int32),
+            "longest": np.int32(max(lengths)), "mean64": np.mean(lengths), "odd": np.bool_(lengths[0] % 2), "lengths": np.asarray(lengths, np.int32),
             "nested": (torch.tensor(lengths, dtype=torch.float16), [samples[-1]["name"], None, (1, 2.5)]),
             "pair": Pair(torch.arange(len(samples)), "right"), "empty": []}
 
@@ -144,6 +144,7 @@ def test_leaves_that_are_not_arrays_come_back_as_the_collate_made_them(num_worke
     for one, other in zip(expected, found):
         assert_same(one, other)
         assert type(other["pair"]) is Pair and type(other["longest"]) is np.int32
+        assert type(other["mean64"]) is np.float64 and type(other["odd"]) is np.bool_
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

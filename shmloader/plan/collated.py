@@ -104,6 +104,8 @@ def encode(batch, where: str) -> tuple[dict, list[tuple[str, np.ndarray]], dict]
     def walk(value, path: tuple[str, ...]):
         if value is None:
             return None
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":  # Before float: np.float64 is one.
+            return {"g": value.dtype.str, "v": value.item()}
         if isinstance(value, bool):
             return {"b": value}
         if isinstance(value, int):
@@ -114,8 +116,6 @@ def encode(batch, where: str) -> tuple[dict, list[tuple[str, np.ndarray]], dict]
             return {"s": value}
         if isinstance(value, (bytes, bytearray)):
             return {"y": base64.b64encode(bytes(value)).decode()}
-        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-            return {"g": value.dtype.str, "v": value.item()}
         if isinstance(value, np.ndarray) or _is_tensor(value):
             name = _SEPARATOR.join(path) if path else "data"
             problem = loader_name_problem(name.replace(_SEPARATOR, "_"))
