@@ -236,7 +236,8 @@ def test_an_array_larger_than_its_learned_room_grows_the_slot_and_the_batches_st
     expected = list(TorchDataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate))
     with pytest.warns(CollateGrowthWarning) as records:
         with DataLoader(LongInTheMiddle(), batch_size=4, collate_fn=pad_collate, num_workers=num_workers) as loader:
-            found = batches(loader) + batches(loader)  # The second epoch runs in the grown slot.
+            # Batches kept, not copied: those given before the loader was built again keep their values.
+            found = list(loader) + list(loader)  # The second epoch runs in the grown slot.
     grown = _grown(records)  # One growth for both arrays.
     assert len(grown) == 1 and "at step 2 of epoch 0" in grown[0], grown
     assert "'input_ids' needs 1200 elements, 'attention_mask' needs 1200 elements" in grown[0], grown
