@@ -20,11 +20,19 @@ step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> 
 epoch's readers get the dataset pickled anew, as it is then (a change made between epochs is
 seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
-naming the argument: an IterableDataset, a collate_fn other than default_collate (the batch
-is laid out in the ring before it reaches the trainer), worker_init_fn (readers seed
+naming the argument: an IterableDataset, worker_init_fn (readers seed
 Python's, numpy's and torch's generators per sample; open resources lazily in
 __getitem__). With sampler= or batch_sampler=, the order is the caller's, drawn as PyTorch
 draws it (torch_sampling.py: DataLoader(...) makes that class's loader).
+
+A collate_fn other than default_collate runs in the readers on each step's samples (the
+global generators seeded from (seed, "collate", step)); what it returns is written into the
+slot, its arrays and tensors zero copy, its other leaves (str, bytes, numbers, None) beside
+them, and given back as it made them (plan/collated.py). Each array's room in the slot is
+learned from two probe batches, and grows where a batch outgrows it (a CollateGrowthWarning;
+the loader is built again at that step, its batches unchanged); outputs={leaf: its largest
+shape} declares it instead, and a batch that outgrows a declared room fails naming the
+leaf, its shape and that setting.
 
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
@@ -58,6 +66,7 @@ import os
 import warnings
 
 from .loader import ShmDataLoader
+from .plan import collated
 from .plan.dataset import DatasetError, rebuild_batch
 from .plan.defaults import TRAINER_SLOTS
 from .plan.options import check_flag
@@ -74,6 +83,21 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
             return int(rank), int(world)
         return 0, 1
     return (shard_index or 0), (shard_count or 1)
+
+
+def collating(dataset, collate_fn, batch_size: int, on_error: str):
+    """The dataset the loader reads: `dataset`, or with a collate_fn other than
+    default_collate, Collated (the readers collate each step's samples: plan/collated.py)."""
+    import torch.utils.data
+
+    if collate_fn is None or collate_fn is torch.utils.data.default_collate:
+        return dataset
+    if not callable(collate_fn):
+        raise TypeError(f"shmloader.torch.DataLoader: collate_fn must be callable, got {collate_fn!r}")
+    if on_error != "raise":
+        raise ValueError(f"shmloader.torch.DataLoader: on_error={on_error!r} replaces a bad sample in a batch, but "
+                         f"with a collate_fn a batch is one call of it: give on_error='raise'")
+    return collated.Collated(dataset, collate_fn, batch_size)
 
 
 def _refuse(name: str, value, why: str) -> None:
@@ -179,15 +203,17 @@ class DataLoader:
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
-        self._loader = ShmDataLoader.from_dataset(
-            dataset, outputs=outputs, dataset_args=dataset_args, batch_size=self.batch_size,
-            mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
-            slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
-            shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
-            pin_memory=bool(pin_memory), audit_log=audit_log)
-        self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
-                                                                           TRAINER_SLOTS)
-        self._structure = collated_structure(self._loader._dataset.spec)
+        # The inner loader's settings: a collate_fn's slot that grows is built again from them (_regrow).
+        self._build = {"dataset": collating(dataset, collate_fn, self.batch_size, on_error),
+                       "outputs": dict(outputs or {}), "dataset_args": dataset_args, "batch_size": self.batch_size,
+                       "mode": "shuffle" if shuffle else "sequential", "readers": self.num_workers, "slots": slots,
+                       "epochs": 1, "drop_last": self.drop_last, "step_timeout": timeout or None,
+                       "shard_index": self.shard_index, "shard_count": self.shard_count, "on_error": on_error,
+                       "pin_memory": bool(pin_memory), "audit_log": audit_log}
+        self._declared, self._growths = set(outputs or {}), 0
+        self._hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor, TRAINER_SLOTS)
+        self._loader = self._make_loader()
+        self._learn_layout()
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
@@ -216,10 +242,6 @@ class DataLoader:
             raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
                             "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
                             "records to files (shmloader import) and use ShmDataLoader")
-        if collate_fn is not None and collate_fn is not torch.utils.data.default_collate:
-            raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
-                             "the ring as default_collate would stack them; collate in your training step from the "
-                             "batch, or move the work into __getitem__ (declare shapes with outputs=)")
         _refuse("worker_init_fn", worker_init_fn, "readers seed Python's, numpy's and torch's generators from "
                 "(seed, sample position) before each __getitem__; open files or connections lazily in __getitem__")
         if batch_size is None:
@@ -259,13 +281,74 @@ class DataLoader:
         pages to the batch: kept.py). One batch copied per epoch, no more."""
         import torch
 
-        structure, cursor = self._structure, self._loader._session.cursor
-        for batch in self._loader:
-            last = batch.step + 1 >= cursor.end_step
-            self.padding = torch.from_numpy(batch.padding)
-            yield rebuild_batch(structure, batch, (lambda array: torch.from_numpy(array.copy())) if last
-                                else torch.from_numpy)
-            del batch
+        while True:
+            cursor = self._loader._session.cursor
+            try:
+                for batch in self._loader:
+                    last = batch.step + 1 >= cursor.end_step
+                    self.padding = torch.from_numpy(batch.padding)
+                    yield self._rebuild(batch, last)
+                    del batch
+                return
+            except DatasetError as error:
+                outputs = self._grown_outputs(error)
+                if outputs is None:
+                    raise
+            self._regrow(outputs)
+
+    def _make_loader(self) -> ShmDataLoader:
+        loader = ShmDataLoader.from_dataset(self._build["dataset"], seed=self._epoch_seed(0),
+                                            **{key: value for key, value in self._build.items() if key != "dataset"})
+        loader._session.supervisor.hold_advice = self._hold_advice
+        return loader
+
+    def _grown_outputs(self, error: Exception) -> dict | None:
+        """outputs= with twice the room a CollateRoomError says each of its leaves needed (the
+        slot grows geometrically), or None: another error, a room the caller declared (a
+        maximum is kept), or the slot grown COLLATE_GROWTHS_MAX times already."""
+        needed = collated.room_needed(error)
+        if not needed or set(needed) & self._declared or self._growths >= collated.COLLATE_GROWTHS_MAX:
+            return None
+        self._growths += 1
+        step = self._loader._session.cursor.next_step
+        what = ", ".join(f"{name!r} needs {count} {'bytes' if name == collated.BESIDE else 'elements'}"
+                         for name, count in needed.items())
+        warnings.warn(f"collate_fn's batch at step {step} of epoch {self._epoch} outgrows the room the probe batches "
+                      f"gave it ({what}): the room grows to twice that and the readers start again at that step "
+                      f"(outputs={{name: its largest shape}} gives the room from the start)",
+                      collated.CollateGrowthWarning, stacklevel=4)
+        return {**self._build["outputs"], **{name: 2 * count for name, count in needed.items()}}
+
+    def _regrow(self, outputs: dict) -> None:
+        """The loader again with `outputs`, at the step the trainer was waiting for: batches
+        already given keep their memory (a closed ring's mapping lives while they do)."""
+        state = self._loader.state_dict()
+        self._loader.close()
+        self._build["outputs"] = outputs
+        self._loader = self._make_loader()
+        if self._epoch:
+            self._start_pass(self._epoch)
+        self._loader.load_state_dict(state)
+        self._learn_layout()
+
+    def _learn_layout(self) -> None:
+        """How a batch is rebuilt from the slot: as default_collate stacks the samples, or
+        as the collate_fn made it (plan/collated.py)."""
+        handle = self._loader._dataset
+        self._collated = ({output.name: output for output in handle.spec.outputs}, handle.classes) \
+            if handle.spec.collate else None
+        self._structure = None if handle.spec.collate else collated_structure(handle.spec)
+
+    def _rebuild(self, arrays, last: bool):
+        """The batch over the slot's `arrays`; over memory of its own where `last` (_batches)."""
+        import torch
+
+        if self._collated is None:
+            return rebuild_batch(self._structure, arrays, (lambda array: torch.from_numpy(array.copy())) if last
+                                 else torch.from_numpy)
+        own = (lambda array: array.copy()) if last else (lambda array: array)
+        outputs, classes = self._collated
+        return collated.rebuild(arrays, outputs, classes, own, lambda array: torch.from_numpy(own(array)))
 
     def _new_pass(self, epoch: int) -> None:
         """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go);

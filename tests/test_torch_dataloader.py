@@ -227,7 +227,6 @@ class Stream(IterableDataset):
 
 
 @pytest.mark.parametrize("argument, value, message", [
-    ("collate_fn", lambda samples: samples, "collate_fn cannot be honoured"),
     ("worker_init_fn", lambda worker: None, "worker_init_fn=.*cannot be honoured"),
     ("batch_size", None, "batch_size=None"),
 ])

@@ -300,6 +300,8 @@ class StepFiller:
             raise  # A store that refuses or an object that changed: no record of the batch is at fault.
         except Exception as error:
             self.check_files()  # A file written meanwhile is the cause, not the batch's records.
+            if getattr(self.runner, "collates", False):
+                raise  # One collate_fn call made the batch: no record of it fails on its own.
             self._recover(step, outputs, salt, error)
         self.check_files()  # After the rows: what they were read from is still the described files.
 
