@@ -304,7 +304,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
         position (readers=0 fills only the steps next() asks for). The list is cut where a
         reader's records outgrow its 2 KiB report in the ring (a dozen or so per reader;
         readers=0 lists all): count is then larger than len(records), which holds the
-        first ones each reader skipped."""
+        first ones each reader skipped.
+
+        "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
+        call before (the first: since the start; called often, about the last 10 s):
+        "stage" (trainer, held, stalled, link, cache, user_code, disk, decompression,
+        reader_cpu), its "utilisation", the one change that would help ("advice"), all of
+        it as one "line", and the figures it was judged on ("detail")."""
         session, cursor = self._session, self._session.cursor
         active = cursor.active
         if active:
@@ -326,6 +332,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "skipped": dict(zip(("count", "records"), session.supervisor.skipped())) if active else {"count": 0, "records": []},
             "shared_memory_bytes": session.layout.total_bytes,
             "readers": session.pool.report(elapsed_s) if active else [],
+            "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }
 

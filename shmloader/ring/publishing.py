@@ -33,10 +33,12 @@ class Publisher:
     def __init__(self, ring: Ring, record: int, pid: int) -> None:
         self.ring, self.record, self.pid = ring, record, pid
         self.busy_ns = self.batches = 0
+        self.stage_ns = [0, 0, 0]  # (user_ns, read_ns, fetch_ns) of ring.h's record, summed over fills.
         self.skipped: list[dict] = []
 
-    def publish(self, slot: int, busy_ns: int, skipped: list[dict] = ()) -> None:
-        """`slot`'s bytes are its step's: counts the fill (`busy_ns`, the records it
+    def publish(self, slot: int, busy_ns: int, skipped: list[dict] = (), stage_ns=(0, 0, 0)) -> None:
+        """`slot`'s bytes are its step's: counts the fill (`busy_ns`, of it `stage_ns` in the
+        user's code, reading fields and waiting for a store's pages; the records it
         skipped), writes them to the record, then publishes READY."""
         assert busy_ns >= 0, busy_ns
         if skipped:
@@ -44,7 +46,13 @@ class Publisher:
             self.ring.records.write_skips(self.record, len(self.skipped), skips_report(self.skipped))
         self.busy_ns += busy_ns
         self.batches += 1
-        self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
+        totals = self.stage_ns
+        totals[0] += stage_ns[0]
+        totals[1] += stage_ns[1]
+        totals[2] += stage_ns[2]
+        records = self.ring.records
+        records.write_stages(self.record, totals[0], totals[1], totals[2])
+        records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
         self.ring.publish(slot, SlotState.READY, self.record)
 
     def fail(self, report: bytes, slots=()) -> None:

@@ -27,6 +27,15 @@ class ReaderRecords:
         record = self._records[reader]
         return record.pid, record.busy_ns, record.batches
 
+    def write_stages(self, reader: int, user_ns: int, read_ns: int, fetch_ns: int) -> None:
+        record = self._records[reader]
+        record.user_ns, record.read_ns, record.fetch_ns = user_ns, read_ns, fetch_ns
+
+    def stages(self, reader: int) -> tuple[int, int, int]:
+        """(user_ns, read_ns, fetch_ns): a reader's fill time by stage (see ring.h)."""
+        record = self._records[reader]
+        return record.user_ns, record.read_ns, record.fetch_ns
+
     def write_sleeps(self, reader: int, starved_ns: int, sleeps: int, wakeups: int) -> None:
         record = self._records[reader]
         record.starved_ns, record.sleeps, record.wakeups = starved_ns, sleeps, wakeups

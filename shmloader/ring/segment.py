@@ -327,6 +327,11 @@ class Ring:
         self.work_semaphore.release()
         return True
 
+    def waited_ns(self) -> int:
+        """How long next() has waited for steps, summed over the slots' lines (ring.h's
+        waited_ns, which the trainer adds at each take)."""
+        return sum(int(self._lines[slot].waited_ns) for slot in range(self.layout.slot_count))
+
     def requested_ns(self, slot: int) -> int:
         """When the trainer requested the slot (CLOCK_MONOTONIC); read after claiming it."""
         return self._lines[slot].requested_ns
