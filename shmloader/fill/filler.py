@@ -26,6 +26,7 @@ from ..plan.options import ON_ERROR
 from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
+from ..ring.publishing import NO_STAGES
 from ..ring.slot_layout import SlotLayout
 from ..storage.readahead import PENDING_MAX, Advisor, InOrder, ReadAhead, StepAhead, fetch_remote
 from ..transforms.core import TransformRunner, TransformSpec
@@ -207,6 +208,8 @@ class StepFiller:
         # Time by stage, summed over fills: (the user's code, reading fields, waiting for a
         # store's pages) in ns, which a publisher writes to its reader record (ring.h) and
         # stats()["bottleneck"] reads. Two clock reads per stage and fill: nothing per row.
+        # A fill of local fields alone is all reading: it keeps none (NO_STAGES, set below),
+        # and its busy time is its read time (readers/bottleneck.py).
         self.stage_ns = [0, 0, 0]
         self.verify = verify
         # close() from another thread during a fill (readers=0: the trainer fills while a
@@ -253,6 +256,8 @@ class StepFiller:
         for reader in self.field_readers:  # Whether all the data fits the node cache decides what a fill fetches.
             reader.stored_total = stored_bytes
         self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
+        if self.runner is None and not self.remote:
+            self.stage_ns = NO_STAGES
 
     @property
     def field_readers(self) -> list[FieldReader]:
@@ -360,7 +365,12 @@ class StepFiller:
 
     def _fill_pinned(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         indices, sources = outputs.indices, outputs.sources
-        stage_ns, started = self.stage_ns, time.perf_counter_ns()
+        stage_ns = self.stage_ns
+        if stage_ns is NO_STAGES:
+            for field, field_outputs in zip(self.fields, outputs.fields):
+                field.fill(step, indices, outputs.index_pointer, field_outputs, sources)
+            return
+        started = time.perf_counter_ns()
         if self.runner is None:
             for field, field_outputs in zip(self.fields, outputs.fields):
                 field.fill(step, indices, outputs.index_pointer, field_outputs, sources)

@@ -266,6 +266,8 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
              before: Reading, after: Reading, context: Context, window_s: float, detail: dict) -> dict:
     """The readers limit: which part of their fills takes most of their time."""
     parts = {name: sum(change[name] for change in changes) for name in ("user_ns", "read_ns", "fetch_ns")}
+    if not any(parts.values()) and context.user_code is None:
+        parts["read_ns"] = busy_ns  # Fills of local fields alone keep no stages: they are all reading (fill/filler.py).
     parts["other_ns"] = max(0, busy_ns - sum(parts.values()))
     shares = {name[:-3]: _share(value, busy_ns) for name, value in parts.items()}
     detail["shares"] = {name: round(value, 3) for name, value in shares.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from ..ring.publishing import Publisher
+from ..ring.publishing import NO_STAGES, Publisher
 
 
 def fill_and_publish(publisher: Publisher, filler, step: int, outputs, slot: int, after_fill=None) -> None:
@@ -22,15 +22,9 @@ def fill_and_publish(publisher: Publisher, filler, step: int, outputs, slot: int
     started = time.perf_counter_ns()
     records = getattr(filler, "skipped", ())  # A test's stand-in filler may keep none.
     known = len(records)
-    # The filler's time by stage (StepFiller.stage_ns), summed over its fills: this fill's is the difference.
-    stages = getattr(filler, "stage_ns", _NO_STAGES)
-    user_ns, read_ns, fetch_ns = stages
     filler.fill(step, outputs)
     if after_fill is not None:
         after_fill()
     skipped = [record.to_dict() for record in records[known:]]
-    publisher.publish(slot, time.perf_counter_ns() - started, skipped,
-                      (stages[0] - user_ns, stages[1] - read_ns, stages[2] - fetch_ns))
-
-
-_NO_STAGES = (0, 0, 0)
+    # The filler's time by stage, summed over its fills (StepFiller.stage_ns; a test's stand-in keeps none).
+    publisher.publish(slot, time.perf_counter_ns() - started, skipped, getattr(filler, "stage_ns", NO_STAGES))

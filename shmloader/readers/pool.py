@@ -351,9 +351,8 @@ class ReaderPool:
         self._retired_stages[reader_index] = self.stages(reader_index)
         count, records = self._reader_skips(reader_index)
         self._retired_skips[reader_index] = (count, records)
-        ring.records.write_stats(reader_index, 0, 0, 0)
+        ring.records.write_stats(reader_index, 0, 0, 0, 0, 0, 0)
         ring.records.write_sleeps(reader_index, 0, 0, 0)
-        ring.records.write_stages(reader_index, 0, 0, 0)
         ring.records.write_skips(reader_index, 0, b"")
 
     def _failed(self, reader_index: int) -> bool:
