@@ -71,6 +71,26 @@ def test_a_slow_transform_names_the_transform(tmp_path):
     assert verdict["stage"] == "user_code" and "the transform" in verdict["line"], verdict
 
 
+def test_a_trainer_that_outruns_compressed_fields_names_decompression(tmp_path):
+    """Fields of ZSTD at level 9, a trainer that does nothing: readers spend their fills in
+    decompressing (the file is in the page cache: nothing is read from storage)."""
+    from conftest import image_like, write_b2nd
+
+    path = write_b2nd(tmp_path / "x.b2nd", image_like(8192, (256,)), chunks=(1024, 256), blocks=(128, 256),
+                      codec="ZSTD", clevel=9)
+    with ShmDataLoader({"x": path}, batch_size=512, readers=1, warn_layout=False) as loader:
+        verdict = _windowed(loader, 30)
+    assert verdict["stage"] == "decompression", verdict
+    assert "--codec lz4" in verdict["advice"], verdict
+
+
+def test_a_trainer_that_outruns_plain_rows_names_reader_cpu(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((8192, 256), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=1024, readers=1) as loader:
+        verdict = _windowed(loader, 60)
+    assert verdict["stage"] == "reader_cpu", verdict
+
+
 def test_batches_the_trainer_keeps_name_held_batches():
     slots = 8
     with ShmDataLoader.from_dataset(fixtures.Sleepy(0.005), batch_size=4, readers=2, slots=slots) as loader:

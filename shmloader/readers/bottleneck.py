@@ -48,6 +48,9 @@ STALL_FILLS = 4
 # The stall warning diagnoses the wait it warns of when it has lasted this long, else the
 # meter's window: a shorter span holds too few fills to judge by.
 SINCE_SECONDS_MIN = 0.5
+# Readers busy less than this share of the window while next() waits are kept from
+# working (by the CPU others hold, or slow wake-ups), not short of readers.
+READERS_SATURATED = 0.7
 # At least this many idle cores make "another reader would help" true.
 IDLE_CORES_MIN = 1.0
 
@@ -239,7 +242,7 @@ def diagnose(before: Reading, after: Reading, context: Context) -> dict:
     if waited < TRAINER_WAIT_SHARE_MAX:
         return _trainer(waited, busy, len(changes), window_s, detail)
     free = after.slots - after.held_slots
-    if after.held_slots and free < max(1, context.local_readers, len(changes)) and busy < 0.9:
+    if after.held_slots and free < max(1, context.local_readers, len(changes)) and busy < READERS_SATURATED:
         advice = (f"the trainer holds {after.held_slots} of {after.slots} slots' batches, so readers have {free} to "
                   f"fill: let go of batches sooner (del batch, batch.release()) or give slots="
                   f"{after.held_slots + max(2, len(changes)) * 2}")
@@ -311,7 +314,12 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(
             readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)"))
         return _verdict("decompression", busy * shares["read"], advice, window_s, detail)
-    advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns")
+    if busy < READERS_SATURATED and idle_cores is not None and idle_cores < IDLE_CORES_MIN:
+        advice = (f"readers are only {busy:.0%} busy while next() waits, and no core is idle: they wait for a CPU "
+                  f"that other processes (the trainer's included) hold, so more readers would not help; fewer "
+                  f"processes on the node would")
+    else:
+        advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns")
     return _verdict("reader_cpu", busy, advice, window_s, detail)
 
 
