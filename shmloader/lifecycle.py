@@ -32,7 +32,7 @@ class Resources:
         self.dataset = None  # from_dataset: the trainer's DatasetHandle (its pickle's memory file).
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
         # (slot, step) of the batches held when this process forked: a child may read their
-        # pages, which stay shared, so a seek cannot give them to the readers (Session.detach).
+        # pages, which stay shared, so neither next() nor a seek can give them to the readers (kept.py).
         self.held_at_fork: set[tuple[int, int]] = set()
 
     def close(self) -> None:

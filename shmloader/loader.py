@@ -54,7 +54,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
     mode="shuffle"): the block-local shuffle for data larger than memory (README). step_timeout
     (seconds; None waits, warning after 10 s): next() raises StepTimeoutError for a step in
-    flight that long. hold_timeout: how long next() waits for a slot a batch still holds.
+    flight that long. hold_timeout: how long next() waits for a slot a batch still holds
+    where that batch cannot be given memory of its own (pin_memory, held across a fork;
+    shmloader/kept.py), before SlotsExhaustedError.
     """
 
     def __init__(
@@ -280,7 +282,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
         A batch still referenced keeps its values: its slot's pages become memory of its
         own (a slot's worth while it lives; the first of each slot until the loader
-        closes) and the slot is mapped anew for the readers. Under pin_memory (the device
+        closes; bounded, shmloader/kept.py) and the slot is mapped anew for the readers. Under pin_memory (the device
         has the ring's pages registered), and for a batch held when the process forked (a
         child may share its pages), seek instead raises RuntimeError naming its step,
         after one garbage collection: drop every batch and view of one first. Batches
@@ -304,7 +306,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         position (readers=0 fills only the steps next() asks for). The list is cut where a
         reader's records outgrow its 2 KiB report in the ring (a dozen or so per reader;
         readers=0 lists all): count is then larger than len(records), which holds the
-        first ones each reader skipped.
+        first ones each reader skipped. "kept_batches", "kept_bytes": the batches your code
+        kept past their slot's turn, given memory of their own (shmloader/kept.py), and their
+        bytes; "kept_bytes_max" the bound on those bytes.
 
         "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
         call before (the first: since the start; called often, about the last 10 s):
@@ -331,6 +335,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "reader_restarts": session.pool.restarts + session.pool.remote_restarts,
             "skipped": dict(zip(("count", "records"), session.supervisor.skipped())) if active else {"count": 0, "records": []},
             "shared_memory_bytes": session.layout.total_bytes,
+            # Batches kept past their slot's turn, in memory of their own (kept.py), and its bound.
+            "kept_batches": session.kept.count,
+            "kept_bytes": session.kept.kept_bytes,
+            "kept_bytes_max": session.kept.bytes_max,
             "readers": session.pool.report(elapsed_s) if active else [],
             "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),

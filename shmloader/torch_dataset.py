@@ -36,14 +36,16 @@ to max_length, "lengths": (B,)}.
 sample repeated so that, across ranks with drop_last=False, each rank's last step holds one;
 leave those out of an evaluation's metric (DistributedSampler's padding, but marked).
 
-A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
-and the slot is reused only after that. Copy what you keep across steps. A batch kept past
-its epoch (the loop's variable, a loop left by `break` or an exception, a peek such as
-next(iter(loader))) keeps its values: the next pass gives its slot's pages memory of their
-own (Session.detach). Under pin_memory, where the device has those pages registered, and for
-a batch held when the process forked, such a batch must be deleted before the next epoch,
-which says so; the last batch of an epoch is a copy for the pin_memory case. A new
-iter(loader) ends the one before: one pass runs at a time, so zip(loader, loader) raises.
+A batch's tensors view its slot (torch.from_numpy): they are valid for as long as they are
+held. A batch the loop keeps (all_labels.append(y), list(loader), a peek such as
+next(iter(loader)), the loop's variable after a `break`, across epochs too) keeps its
+values: when the ring needs its slot, its pages become memory of their own at the same
+address (shmloader/kept.py, bounded: the error at the bound names what holds it). Under
+pin_memory, where the device has those pages registered, and for a batch held when the
+process forked, the slot is kept instead: keep fewer batches than the ring holds (.clone()
+what you keep), or next() waits `hold_timeout` and raises, and the next epoch raises at
+once; the last batch of an epoch is a copy for the pin_memory case. A new iter(loader) ends
+the one before: one pass runs at a time, so zip(loader, loader) raises.
 """
 
 from __future__ import annotations
@@ -251,7 +253,7 @@ class DataLoader:
         """The pass's batches, tensors over their slots; the last one's tensors over memory of
         their own: a `for` loop's variable keeps it after the loop, and under pin_memory its
         slot must be free for the next epoch (elsewhere the next pass would give the slot's
-        pages to the batch: Session.detach). One batch copied per epoch, no more."""
+        pages to the batch: kept.py). One batch copied per epoch, no more."""
         import torch
 
         structure, cursor = self._structure, self._loader._session.cursor
@@ -302,7 +304,7 @@ class DataLoader:
         """Ends the previous pass's iterator (a `for` left by break, a peek at next(iter(...))):
         its frame lets go of the batch it was suspended on. A batch of that pass the caller
         still holds keeps its values: the new pass gives its pages memory of their own at the
-        same address (Session.detach), since its tensors, and any numpy array made of them,
+        same address (kept.py), since its tensors, and any numpy array made of them,
         view the slot and cannot be moved."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None:

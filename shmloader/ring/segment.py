@@ -133,7 +133,7 @@ class Ring:
                           length)
 
     def detach_slot(self, slot: int, fresh) -> None:
-        """Lets a seek go past slot `slot` while a batch still holds it: the batch's pages
+        """Lets a seek, or next() (kept.py), go past slot `slot` while a batch still holds it: the batch's pages
         become memory of its own, at the same address and with the same bytes
         (shm_private_copy), so its arrays, and any tensor or pointer made of them, keep their
         values; the slot's shared pages, which the readers fill next, are reached through
