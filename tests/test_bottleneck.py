@@ -129,15 +129,18 @@ def test_stats_before_and_after_close_keep_the_same_form(tmp_path):
 _WINDOW_NS = 10_000_000_000
 
 
-def _reader(busy_s: float, user_s=0.0, read_s=0.0, fetch_s=0.0, cpu_s=None, storage_bytes=None, batches=100):
+def _reader(busy_s: float, user_s=0.0, read_s=0.0, fetch_s=0.0, cpu_s=None, storage_bytes=None, batches=100,
+            queued_s=None):
     ns = 1_000_000_000
     return ReaderCounters(7, int(busy_s * ns), batches, int(user_s * ns), int(read_s * ns), int(fetch_s * ns),
-                          cpu_ns=None if cpu_s is None else int(cpu_s * ns), storage_read_bytes=storage_bytes)
+                          cpu_ns=None if cpu_s is None else int(cpu_s * ns),
+                          queued_ns=None if queued_s is None else int(queued_s * ns), storage_read_bytes=storage_bytes)
 
 
 def _readings(readers, waited_s: float, held: int = 0, idle_cores: float | None = 0.0, evicted=None,
               filling=False):
     before = Reading(0, 0, tuple(ReaderCounters(7, 0, 0, cpu_ns=None if r.cpu_ns is None else 0,
+                                                queued_ns=None if r.queued_ns is None else 0,
                                                 storage_read_bytes=None if r.storage_read_bytes is None else 0)
                                  for r in readers), 8, 0, 0, 0, 4, None if evicted is None else 0)
     if filling:  # Fills that began before the window and go on: no counter moved in it.
@@ -165,6 +168,11 @@ def _readings(readers, waited_s: float, held: int = 0, idle_cores: float | None 
      dict(waited_s=6, evicted=500 * 10**6), Context(local_readers=2), "cache", "cache_bytes"),
     ("the user's code", [_reader(10, user_s=9, cpu_s=9)] * 2, dict(waited_s=6, idle_cores=0.0),
      Context(user_code="the transform", local_readers=2), "user_code", "make the transform cheaper"),
+    ("the user's code asleep", [_reader(10, user_s=9, cpu_s=1, queued_s=0)] * 2, dict(waited_s=6, idle_cores=0.0),
+     Context(user_code="the transform", local_readers=2), "user_code", "more readers overlap those waits: readers=4"),
+    ("the user's code waiting for a core", [_reader(10, user_s=9, cpu_s=4, queued_s=5)] * 2,
+     dict(waited_s=6, idle_cores=0.0), Context(user_code="the transform", local_readers=2), "user_code",
+     "wait for a core 50%"),
     ("batches held", [_reader(2), _reader(2)], dict(waited_s=6, held=7), Context(local_readers=2), "held",
      "holds 7 of 8"),
     ("a fill that has not ended", [_reader(0.5, batches=50)] * 2, dict(waited_s=9.5, filling=True, idle_cores=None),

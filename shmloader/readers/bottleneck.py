@@ -51,6 +51,9 @@ SINCE_SECONDS_MIN = 0.5
 # Readers busy less than this share of the window while next() waits are kept from
 # working (by the CPU others hold, or slow wake-ups), not short of readers.
 READERS_SATURATED = 0.7
+# Readers that wait this share of their fill time for a core (runnable, not running) are
+# short of CPU: another reader would only wait too.
+QUEUED_SHARE_MIN = 0.3
 # At least this many idle cores make "another reader would help" true.
 IDLE_CORES_MIN = 1.0
 
@@ -61,8 +64,9 @@ _PROC_BYTES_MAX = 4096
 
 @dataclasses.dataclass(frozen=True)
 class ReaderCounters:
-    """One reader record's cumulative counters (ns), and from /proc its process's CPU time
-    (ns) and bytes read from storage (None where unknown: a remote reader, no /proc)."""
+    """One reader record's cumulative counters (ns), and from /proc its main thread's (the
+    one that fills) time on a CPU and waiting for one (ns), and its process's bytes read
+    from storage (None where unknown: a remote reader, no /proc)."""
 
     pid: int
     busy_ns: int
@@ -72,6 +76,7 @@ class ReaderCounters:
     fetch_ns: int = 0
     filling: bool = False  # A slot is FILLING by this reader at the reading.
     cpu_ns: int | None = None
+    queued_ns: int | None = None
     storage_read_bytes: int | None = None
 
 
@@ -109,12 +114,17 @@ def zero_reading(at_ns: int, slots: int, readers: int) -> Reading:
 
 # /proc, read at a reading only.
 
-def process_counters(pid: int) -> tuple[int | None, int | None]:
-    """(CPU ns, bytes read from storage) of process `pid`, None for what cannot be read."""
-    cpu_ns = read_bytes = None
-    text = _read_proc(f"/proc/{pid}/stat")
-    if text:
-        fields = text[text.rfind(")") + 2:].split()  # After the command, which may hold spaces.
+def process_counters(pid: int) -> tuple[int | None, int | None, int | None]:
+    """(ns on a CPU, ns waiting for one, bytes read from storage) of process `pid`, None for
+    what cannot be read. The times are its main thread's (schedstat: the thread that fills,
+    not the read-ahead's), or without schedstat the whole process's CPU time (stat)."""
+    cpu_ns = queued_ns = read_bytes = None
+    fields = (_read_proc(f"/proc/{pid}/schedstat") or "").split()
+    if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+        cpu_ns, queued_ns = int(fields[0]), int(fields[1])
+    else:
+        text = _read_proc(f"/proc/{pid}/stat")
+        fields = text[text.rfind(")") + 2:].split() if text else []  # After the command, which may hold spaces.
         if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit():
             cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
     text = _read_proc(f"/proc/{pid}/io")
@@ -122,7 +132,7 @@ def process_counters(pid: int) -> tuple[int | None, int | None]:
         name, _, value = line.partition(":")
         if name == "read_bytes" and value.strip().isdigit():
             read_bytes = int(value)
-    return cpu_ns, read_bytes
+    return cpu_ns, queued_ns, read_bytes
 
 
 def cores_counters() -> tuple[int | None, int | None, int]:
@@ -159,8 +169,8 @@ def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
     """`counters` with its process's CPU time and storage reads, for a reader on this node."""
     if not local or counters.pid <= 0:
         return counters
-    cpu_ns, read_bytes = process_counters(counters.pid)
-    return dataclasses.replace(counters, cpu_ns=cpu_ns, storage_read_bytes=read_bytes)
+    cpu_ns, queued_ns, read_bytes = process_counters(counters.pid)
+    return dataclasses.replace(counters, cpu_ns=cpu_ns, queued_ns=queued_ns, storage_read_bytes=read_bytes)
 
 
 def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True) -> Reading:
@@ -275,10 +285,13 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     shares = {name[:-3]: _share(value, busy_ns) for name, value in parts.items()}
     detail["shares"] = {name: round(value, 3) for name, value in shares.items()}
     cpu = [change["cpu_ns"] for change in changes if change["cpu_ns"] is not None]
-    blocked = None
+    queued_ns = sum(change["queued_ns"] for change in changes if change["queued_ns"] is not None)
+    blocked = queued = None
     if cpu and busy_ns:
-        blocked = max(0.0, 1.0 - sum(cpu) / busy_ns)
-        detail["readers_blocked"] = round(blocked, 3)
+        # Off a CPU and not waiting for one: asleep, or waiting for I/O.
+        blocked = max(0.0, 1.0 - (sum(cpu) + queued_ns) / busy_ns)
+        queued = _share(queued_ns, busy_ns)
+        detail["readers_blocked"], detail["readers_queued"] = round(blocked, 3), round(queued, 3)
     storage = [change["storage_read_bytes"] for change in changes if change["storage_read_bytes"] is not None]
     storage_rate = sum(storage) / window_s if storage else None
     if storage_rate is not None:
@@ -292,8 +305,8 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "fetch":
         if evicted:
             advice = (f"the node cache evicted {evicted / 1e6:,.0f} MB in {window_s:.0f} s and readers waited for "
-                      f"pages {shares['fetch']:.0%} of their time: a larger cache_bytes (or SHMLOADER's cache on a "
-                      f"larger disk) keeps what the next steps read")
+                      f"pages {shares['fetch']:.0%} of their time: a larger cache_bytes (with cache_dir on a disk "
+                      f"with the room) keeps what the next steps read")
             return _verdict("cache", busy * shares["fetch"], advice, window_s, detail)
         advice = (f"readers waited for the object store {shares['fetch']:.0%} of their time: a faster link to it, "
                   f"or the data kept in the node cache (cache_bytes at least its size) from the second epoch on")
@@ -301,7 +314,7 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "user":
         who = context.user_code or "the user's code (a transform or __getitem__)"
         advice = f"{who} takes {shares['user']:.0%} of the readers' time: " + _cpu_advice(
-            readers, idle_cores, f"make {who} cheaper", blocked)
+            readers, idle_cores, f"make {who} cheaper", blocked, queued)
         result = _verdict("user_code", busy * shares["user"], advice, window_s, detail)
         result["line"] = f"bottleneck: {who} at {busy * shares['user']:.0%}: {advice}"
         return result
@@ -312,21 +325,26 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)
     if largest == "read" and context.compressed:
         advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(
-            readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)"))
+            readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)", None, queued))
         return _verdict("decompression", busy * shares["read"], advice, window_s, detail)
     if busy < READERS_SATURATED and idle_cores is not None and idle_cores < IDLE_CORES_MIN:
         advice = (f"readers are only {busy:.0%} busy while next() waits, and no core is idle: they wait for a CPU "
                   f"that other processes (the trainer's included) hold, so more readers would not help; fewer "
                   f"processes on the node would")
     else:
-        advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns")
+        advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns",
+                                                                  None, queued)
     return _verdict("reader_cpu", busy, advice, window_s, detail)
 
 
-def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked: float | None = None) -> str:
-    """Whether another reader would help: where a core is idle to run it, or where readers
-    spend most of their time off the CPU (sleeping or waiting in the user's code), which
-    more readers overlap without a core of their own."""
+def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked: float | None = None,
+                queued: float | None = None) -> str:
+    """Whether another reader would help: not where readers wait for a core already; where
+    they spend most of their time off the CPU (sleeping or waiting in the user's code),
+    which more readers overlap without a core of their own; where a core is idle."""
+    if queued is not None and queued >= QUEUED_SHARE_MIN:
+        return (f"readers wait for a core {queued:.0%} of their time (the node's CPU is taken, the trainer's "
+                f"included), so more readers would not help: {otherwise}")
     if blocked is not None and blocked >= BLOCKED_SHARE_MIN:
         return (f"readers wait off the CPU {blocked:.0%} of their time, so more readers overlap those waits: "
                 f"readers={max(readers * 2, readers + 1)}")
@@ -353,7 +371,7 @@ def _change(old: ReaderCounters, new: ReaderCounters) -> dict:
               "fetch_ns": new.fetch_ns}
     if same:
         change = {name: max(0, value - getattr(old, name)) for name, value in change.items()}
-    for name in ("cpu_ns", "storage_read_bytes"):
+    for name in ("cpu_ns", "queued_ns", "storage_read_bytes"):
         value, earlier = getattr(new, name), getattr(old, name)
         change[name] = None if value is None else value - earlier if same and earlier is not None else \
             None if same else value
