@@ -311,7 +311,13 @@ class ShmDataLoader(cursor_module.LoaderBase):
         readers=0 lists all): count is then larger than len(records), which holds the
         first ones each reader skipped. "kept_batches", "kept_bytes": the batches your code
         kept past their slot's turn, given memory of their own (shmloader/kept.py), and their
-        bytes; "kept_bytes_max" the bound on those bytes."""
+        bytes; "kept_bytes_max" the bound on those bytes.
+
+        "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
+        call before (the first: since the start; called often, about the last 10 s):
+        "stage" (trainer, held, stalled, link, cache, user_code, disk, decompression,
+        reader_cpu), its "utilisation", the one change that would help ("advice"), all of
+        it as one "line", and the figures it was judged on ("detail")."""
         session, cursor = self._session, self._session.cursor
         active = cursor.active
         if active:
@@ -337,6 +343,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "kept_bytes": session.kept.kept_bytes,
             "kept_bytes_max": session.kept.bytes_max,
             "readers": session.pool.report(elapsed_s) if active else [],
+            "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }
 

@@ -20,9 +20,11 @@ left, without waiting for the garbage collector.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import sys
+import time
 import weakref
 
 from .audit_log import AuditIterator, begin_segment, open_writer
@@ -36,6 +38,7 @@ from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
+from .readers.bottleneck import Meter, plan_context, ring_reading, zero_reading
 from .readers.channel import ReaderConfig
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, batch_type_of, cursor_module
@@ -163,6 +166,11 @@ class Session:
                                      hold_timeout=options.hold_timeout, on_error=options.on_error,
                                      owner_pid=resources.owner_pid,
                                      skipped=None if self.local is None else self.local.skipped)
+        # What limits the loader, from the ring's counters (stats()["bottleneck"], the stall warning).
+        self.meter = self.supervisor.meter = Meter(
+            functools.partial(ring_reading, ring, pool.count, resources.node_cache),
+            plan_context(plan, dataset_spec is not None, pool.count),
+            zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,

@@ -80,6 +80,11 @@ class Supervisor(StepActions):
         self.hold_advice = None
         # make_room(cursor, step) -> None once a held slot is freed (kept.KeptBatches), else why not.
         self.make_room = None
+        # The session's bottleneck meter (readers/bottleneck.py), and a cheap reading of the
+        # ring at the start of the wait being timed: the stall warning names what limited
+        # the loader over that wait, in stats()["bottleneck"]'s words.
+        self.meter = None
+        self._episode_reading = None
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -112,6 +117,8 @@ class Supervisor(StepActions):
         waited_s = self._check(cursor, step, held=False)
         if self._starting(step):
             return
+        if self.meter is not None and (self._episode_reading is None or self._episode_reading[0] != self._episode):
+            self._episode_reading = (self._episode, self.meter.read(processes=False))
         if self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
             filling = found == SlotState.FILLING
@@ -128,9 +135,10 @@ class Supervisor(StepActions):
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
             cause = _cache_note() or _stall_cause(self.ring.layout.slot_bytes, cursor.batches)
+            line = "" if self._episode_reading is None else f" {self.meter.since(self._episode_reading[1])['line']}."
             warnings.warn(
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it)"
-                f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.",
+                f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.{line}",
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),
             )
