@@ -350,7 +350,7 @@ def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked:
                 f"readers={max(readers * 2, readers + 1)}")
     if idle_cores is not None and idle_cores >= IDLE_CORES_MIN:
         more = readers + int(idle_cores)
-        return f"{idle_cores:.1f} cores are idle, readers={more} would use them"
+        return f"{idle_cores:.1f} cores are idle, readers={more} would use them; else {otherwise}"
     if idle_cores is None:
         return f"more readers where cores are idle, else {otherwise}"
     return f"no core is idle for another reader, so {otherwise}"
