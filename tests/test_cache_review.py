@@ -1,0 +1,93 @@
+"""The node cache against what an outside review planted in it between runs: a FIFO in place
+of a cache file is named at once (never waited on), a pages file or a ledger grown past its
+layout costs neither memory nor disk past the budget, and the cache directory is private
+under an ordinary umask. Every loader's rows are compared with the uploaded array. Against
+moto's S3 server on 127.0.0.1, as test_object_store.py."""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("moto.server")
+pytest.importorskip("obstore")
+pytest.importorskip("boto3")
+
+from test_object_store import serving  # noqa: E402
+
+from shmloader import ShmDataLoader  # noqa: E402
+from shmloader.errors import CacheError  # noqa: E402
+from shmloader.remote.node import read_stamps  # noqa: E402
+from shmloader.remote.pages import CACHE_PAGE_BYTES  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("object_store")
+
+# A FIFO's open for reading blocks until a writer comes: the test comes as one after this
+# long, so that code that waits for it fails the test by its time instead of hanging it.
+_FIFO_WRITER_SECONDS = 10.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as found:
+        yield found
+
+
+def _upload_rows(server, tmp_path, key: str, rows: int = 20_000) -> tuple[np.ndarray, str]:
+    values = np.random.default_rng(len(key)).integers(0, 1 << 62, size=rows, dtype=np.int64)
+    np.save(tmp_path / "rows.npy", values)
+    return values, server.upload(str(tmp_path / "rows.npy"), key)
+
+
+def _read_all(url: str, cache, **kwargs) -> tuple[np.ndarray, int]:
+    """Every row of `url` in order, and the requests the pass made."""
+    with ShmDataLoader({"x": url}, cache_dir=cache, batch_size=1000, mode="sequential", readers=0, epochs=1,
+                       **kwargs) as loader:
+        rows = np.concatenate([np.array(batch["x"]) for batch in loader])
+        return rows, loader.stats()["cache"]["requests"]
+
+
+def _copy_of(cache, name: str) -> str:
+    (path,) = glob.glob(os.path.join(str(cache), "objects", "*", "*", name))
+    return path
+
+
+def _disk_bytes(root) -> int:
+    return sum(os.lstat(os.path.join(directory, name)).st_blocks * 512
+               for directory, _, names in os.walk(root) for name in names)
+
+
+def _ledger_held(root) -> int:
+    return int(np.fromfile(os.path.join(str(root), "ledger"), dtype=np.int64, count=2)[1])
+
+
+@pytest.mark.parametrize("suffix", [".remote.json", ".pages"])
+def test_a_fifo_in_place_of_a_cache_file_is_named_at_once_not_waited_on(server, tmp_path, suffix):
+    values, url = _upload_rows(server, tmp_path, f"review/fifo{suffix}.npy")
+    cache = tmp_path / "cache"
+    np.testing.assert_array_equal(_read_all(url, cache)[0], values)
+    planted = _copy_of(cache, f"fifo{suffix}.npy") + suffix
+    os.unlink(planted)
+    os.mkfifo(planted, 0o600)
+
+    def writer() -> None:  # Ends a wait for a writer, if anything waits.
+        if not finished.wait(_FIFO_WRITER_SECONDS):
+            os.close(os.open(planted, os.O_RDWR | os.O_NONBLOCK))
+    finished = threading.Event()
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(CacheError, match=rf"{planted} is not a regular file .*remove it"):
+            _read_all(url, cache)
+    finally:
+        finished.set()
+        thread.join()
+    assert time.monotonic() - started < _FIFO_WRITER_SECONDS / 2
+    os.unlink(planted)  # The remedy it names.
+    np.testing.assert_array_equal(_read_all(url, cache)[0], values)
