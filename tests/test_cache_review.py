@@ -91,3 +91,17 @@ def test_a_fifo_in_place_of_a_cache_file_is_named_at_once_not_waited_on(server, 
     assert time.monotonic() - started < _FIFO_WRITER_SECONDS / 2
     os.unlink(planted)  # The remedy it names.
     np.testing.assert_array_equal(_read_all(url, cache)[0], values)
+
+
+def test_a_pages_file_grown_between_runs_is_not_read_and_its_copy_is_fetched_again(server, tmp_path):
+    values, url = _upload_rows(server, tmp_path, "review/grown.npy")
+    cache = tmp_path / "cache"
+    np.testing.assert_array_equal(_read_all(url, cache)[0], values)
+    data = _copy_of(cache, "grown.npy")
+    os.truncate(data + ".pages", 64 << 20)  # Sparse: 8 Mi stamps a loader's start would read.
+    page_count = -(-values.nbytes // CACHE_PAGE_BYTES)
+    assert read_stamps(data + ".pages", data).stamps.nbytes <= 4 * page_count
+    rows, requests = _read_all(url, cache)
+    np.testing.assert_array_equal(rows, values)
+    assert requests > 0  # Its stamps vouched for nothing.
+    assert _ledger_held(cache) == _disk_bytes(cache)

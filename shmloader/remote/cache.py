@@ -66,7 +66,7 @@ import numpy as np
 
 from ..errors import CacheError, RemoteError, StorageError
 from . import deadline_left
-from .node import NodeCache, cache_root, node_cache
+from .node import NodeCache, cache_root, counted_bytes, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
     CACHE_PAGE_BYTES,
@@ -210,15 +210,16 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     cache.creating.add(path)
     try:
         private_directory(os.path.dirname(path), root)
+        counted = counted_bytes(path)  # Before read_marker removes a damaged marker the ledger counts.
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
         # A damaged marker vouches for nothing of its copy: every page fetched again.
         fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
-        if fresh:  # The budget covers the cache's own files too.
+        if fresh:  # The budget covers the cache's own files too; what it counted of the old ones goes.
             cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
-                                                                                   path + MARKER_SUFFIX)))
+                                                                                   path + MARKER_SUFFIX)), counted)
     except OSError as error:
         raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
     finally:

@@ -283,10 +283,15 @@ class NodeCache:
                     except (OSError, StorageError):  # Gone meanwhile, or not this user's: not counted.
                         continue
 
-    def hold(self, size: int) -> None:
+    def hold(self, size: int, replaced: int = 0) -> None:
         """Counts `size` bytes of the cache's own files (a new object's pages file and
-        marker) as held for good, evicting pages first where they would pass the budget."""
+        marker) as held for good, evicting pages first where they would pass the budget.
+        `replaced`: what the ledger counted of the copy they replace (one made anew over
+        damaged files: counted_bytes), given back first, never below the reservations in
+        flight (files a killed process made were never counted: held may not have them)."""
         with self.locked():
+            in_flight = int(self._slots[:, 1].sum()) + self._untracked
+            self._ledger[_LEDGER["held"]] -= min(replaced, max(0, self._held() - in_flight))
             self._make_room(size)
             self._ledger[_LEDGER["held"]] += size
             self._assert_ledger()
@@ -612,18 +617,23 @@ class CachedFiles(NamedTuple):
 
 
 def read_stamps(pages: str, data: str) -> CachedFiles:
-    """An object's stamps and sizes (files of this user, links not followed)."""
-    descriptor = open_private(pages, os.O_RDONLY)
-    try:
-        info = os.fstat(descriptor)
-        count = info.st_size // pages_file_bytes(1)
-        stamps = np.frombuffer(os.pread(descriptor, STAMP_BYTES * count, 0), dtype=np.uint32).copy()
-        own_bytes = info.st_blocks * DISK_SECTOR_BYTES
-    finally:
-        os.close(descriptor)
+    """An object's stamps and sizes (files of this user, links not followed). A pages file
+    that is not of its data file's size (damaged, or cut short or grown between runs)
+    vouches for no page, as create_object holds: its stamps are not read (none), so that
+    one grown to any size costs no more than a stat, here and in every eviction's scan."""
     descriptor = open_private(data, os.O_RDONLY)
     try:
         info = os.fstat(descriptor)
+    finally:
+        os.close(descriptor)
+    count = -(-info.st_size // CACHE_PAGE_BYTES)
+    descriptor = open_private(pages, os.O_RDONLY)
+    try:
+        pages_info = os.fstat(descriptor)
+        if pages_info.st_size != pages_file_bytes(count):
+            count = 0
+        stamps = np.frombuffer(os.pread(descriptor, STAMP_BYTES * count, 0), dtype=np.uint32).copy()
+        own_bytes = pages_info.st_blocks * DISK_SECTOR_BYTES
     finally:
         os.close(descriptor)
     with contextlib.suppress(OSError):
@@ -635,6 +645,16 @@ def read_stamps(pages: str, data: str) -> CachedFiles:
     return CachedFiles(pages, data, stamps, info.st_size, max(0, held), info.st_blocks * DISK_SECTOR_BYTES, own_bytes)
 
 
+def counted_bytes(data: str) -> int:
+    """What the ledger counts of the copy whose data file is `data`, as _recount counts it:
+    its present pages and its own files (0 where its files are not there)."""
+    try:
+        found = read_stamps(data + PAGES_SUFFIX, data)
+    except (OSError, StorageError):
+        return 0
+    return found.held + found.own_bytes
+
+
 def _give_back_unstamped(found: CachedFiles) -> None:
     """Frees the space of an object's absent pages (bytes a process killed mid-download
     wrote before it could stamp them); only while no other process uses the cache."""
@@ -643,6 +663,9 @@ def _give_back_unstamped(found: CachedFiles) -> None:
     except (OSError, StorageError):
         return
     try:
+        if not len(found.stamps):  # A pages file of another size (read_stamps): no page is vouched for.
+            punch_hole(descriptor, 0, -(-found.size // CACHE_PAGE_BYTES) * CACHE_PAGE_BYTES)
+            return
         absent = np.flatnonzero(found.stamps == 0)
         if not len(absent):
             return
