@@ -105,3 +105,15 @@ def test_a_pages_file_grown_between_runs_is_not_read_and_its_copy_is_fetched_aga
     np.testing.assert_array_equal(rows, values)
     assert requests > 0  # Its stamps vouched for nothing.
     assert _ledger_held(cache) == _disk_bytes(cache)
+
+
+def test_a_ledger_grown_past_its_layout_is_cut_back_so_the_budget_holds(server, tmp_path):
+    values, url = _upload_rows(server, tmp_path, "review/ledger.npy", rows=200_000)  # 1.6 MB
+    cache, budget = tmp_path / "cache", 256 << 10
+    np.testing.assert_array_equal(_read_all(url, cache, cache_bytes=budget)[0], values)
+    with open(os.path.join(str(cache), "ledger"), "wb") as handle:
+        handle.write(np.random.default_rng(1).bytes(1 << 20))
+    rows, _ = _read_all(url, cache, cache_bytes=budget)
+    np.testing.assert_array_equal(rows, values)
+    assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)
+    assert _ledger_held(cache) == _disk_bytes(cache)

@@ -257,6 +257,10 @@ class NodeCache:
             users = open_private(os.path.join(self.root, "ledger"), os.O_RDWR)
             try:
                 if lock(users, fcntl.F_WRLCK, 1, 1, False):
+                    if os.fstat(self._ledger_fd).st_size > _LEDGER_BYTES:
+                        # Grown past its layout (damaged, or written by hand): the tail is no count's,
+                        # and kept it would hold disk the budget cannot free.
+                        os.ftruncate(self._ledger_fd, _LEDGER_BYTES)
                     held = os.fstat(self._ledger_fd).st_blocks * DISK_SECTOR_BYTES
                     for found in self._pages_files():
                         held += found.held + found.own_bytes
