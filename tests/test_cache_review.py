@@ -1,13 +1,17 @@
 """The node cache against what an outside review planted in it between runs: a FIFO in place
 of a cache file is named at once (never waited on), a pages file or a ledger grown past its
-layout costs neither memory nor disk past the budget, and the cache directory is private
-under an ordinary umask. Every loader's rows are compared with the uploaded array. Against
-moto's S3 server on 127.0.0.1, as test_object_store.py."""
+layout costs neither memory nor disk past the budget; and against a process of the node
+stopped while it holds the ledger's lock: a step keeps step_timeout and close() returns.
+Every loader's rows are compared with the uploaded array. Against moto's S3 server on
+127.0.0.1, as test_object_store.py."""
 
 from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -20,8 +24,9 @@ pytest.importorskip("boto3")
 
 from test_object_store import serving  # noqa: E402
 
-from shmloader import ShmDataLoader  # noqa: E402
+from shmloader import ShmDataLoader, StepTimeoutError  # noqa: E402
 from shmloader.errors import CacheError  # noqa: E402
+from shmloader.remote import node  # noqa: E402
 from shmloader.remote.node import read_stamps  # noqa: E402
 from shmloader.remote.pages import CACHE_PAGE_BYTES  # noqa: E402
 
@@ -116,4 +121,63 @@ def test_a_ledger_grown_past_its_layout_is_cut_back_so_the_budget_holds(server, 
     rows, _ = _read_all(url, cache, cache_bytes=budget)
     np.testing.assert_array_equal(rows, values)
     assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)
+    assert _ledger_held(cache) == _disk_bytes(cache)
+
+
+# A process stopped in the ledger's lock.
+
+# The stopped holder is killed after this long whatever happens, so that code that waits for
+# it fails the test by its time instead of hanging it.
+_HOLDER_KILL_SECONDS = 30.0
+
+
+def _stopped_holder(cache) -> subprocess.Popen:
+    """A process of this user that takes the ledger's lock and stops itself (SIGSTOP), as a
+    loader's process stopped inside the lock (a job suspended, ctrl-Z) leaves it."""
+    code = textwrap.dedent(f"""
+        import fcntl, os, signal
+        from shmloader.remote.pages import lock
+        descriptor = os.open({os.path.join(str(cache), "ledger")!r}, os.O_RDWR)
+        lock(descriptor, fcntl.F_WRLCK, 0, 1, True)
+        print("held", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.parametrize("readers", [0, 2])
+def test_a_process_stopped_in_the_ledger_s_lock_holds_no_step_past_step_timeout_nor_close(
+        server, tmp_path, monkeypatch, readers):
+    monkeypatch.setattr(node, "CLOSE_WAIT_SECONDS", 1.0, raising=False)
+    values, url = _upload_rows(server, tmp_path, f"review/stopped{readers}.npy", rows=200_000)  # 1.6 MB
+    cache, step_timeout = tmp_path / "cache", 2.0
+    # A small budget: each step reserves pages through the ledger.
+    loader = ShmDataLoader({"x": url}, cache_dir=cache, cache_bytes=256 << 10, batch_size=1000, mode="sequential",
+                           readers=readers, epochs=1, step_timeout=step_timeout)
+    batches = iter(loader)
+    np.testing.assert_array_equal(np.array(next(batches)["x"]), values[:1000])
+    holder = _stopped_holder(cache)
+    killer = threading.Timer(_HOLDER_KILL_SECONDS, holder.kill)
+    killer.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StepTimeoutError):
+            for step, batch in enumerate(batches, start=1):  # Every batch delivered is right.
+                np.testing.assert_array_equal(np.array(batch["x"]), values[step * 1000:(step + 1) * 1000])
+        # Margin: a step polls the lock for its deadline, then the trainer notices.
+        assert time.monotonic() - started < step_timeout + 3
+        started = time.monotonic()
+        with pytest.warns(RuntimeWarning, match=r"left open at close .*held by another process of the node"):
+            loader.close()
+        # The bound, and the read-ahead's thread, which close() waits for for 5 s at most.
+        assert time.monotonic() - started < node.CLOSE_WAIT_SECONDS + 5 + 3
+    finally:
+        killer.cancel()
+        holder.kill()
+        holder.wait()
+        loader.close()
+    rows, _ = _read_all(url, cache)  # Its lock gone with it, the cache serves again.
+    np.testing.assert_array_equal(rows, values)
     assert _ledger_held(cache) == _disk_bytes(cache)

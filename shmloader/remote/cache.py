@@ -871,8 +871,14 @@ class CachedObject:
             self.verified[first:end] = True
             return True
 
-    def close(self) -> None:
-        with self._descriptors_lock:
+    def close(self, wait_seconds: float | None = None) -> None:
+        """Closes the copy's files in this process. `wait_seconds` bounds the wait for a
+        request that is writing pages meanwhile (one that waits for the ledger's lock, which
+        a stopped process may hold: NodeCache.locked); past it the files stay open, and
+        their locks go when the process exits."""
+        if not self._descriptors_lock.acquire(timeout=-1 if wait_seconds is None else wait_seconds):
+            return
+        try:
             if self.stamps is None:
                 return
             descriptors, self._descriptors = self._descriptors, []
@@ -882,6 +888,8 @@ class CachedObject:
             self.stamps = self.checksums = None
             with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
                 self._map.close()
+        finally:
+            self._descriptors_lock.release()
 
 
 def pinned_bytes_max(fillers: int, batch_size: int, row_bytes: int) -> int:
