@@ -124,6 +124,23 @@ def test_a_ledger_grown_past_its_layout_is_cut_back_so_the_budget_holds(server, 
     assert _ledger_held(cache) == _disk_bytes(cache)
 
 
+
+def test_the_files_of_a_copy_whose_data_file_is_gone_are_counted_within_the_budget(server, tmp_path):
+    # A removal killed between its unlinks (marker, data, pages), or a data file removed by
+    # hand, leaves the copy's pages file and marker with no data file beside them.
+    gone_values, gone_url = _upload_rows(server, tmp_path, "review/gone.npy", rows=200_000)  # 1.6 MB
+    values, url = _upload_rows(server, tmp_path, "review/kept.npy", rows=200_000)
+    cache, budget = tmp_path / "cache", 256 << 10
+    np.testing.assert_array_equal(_read_all(gone_url, cache)[0], gone_values)
+    gone = _copy_of(cache, "gone.npy")
+    os.unlink(gone)
+    with ShmDataLoader({"x": url}, cache_dir=cache, batch_size=1000, mode="sequential", readers=0, epochs=1,
+                       cache_bytes=budget) as loader:
+        assert _ledger_held(cache) == _disk_bytes(cache)  # Counted as the loader started.
+        np.testing.assert_array_equal(np.concatenate([np.array(batch["x"]) for batch in loader]), values)
+    assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)
+    assert _ledger_held(cache) == _disk_bytes(cache)
+
 # A process stopped in the ledger's lock.
 
 # The stopped holder is killed after this long whatever happens, so that code that waits for

@@ -687,13 +687,20 @@ def read_stamps(pages: str, data: str) -> CachedFiles:
     """An object's stamps and sizes (files of this user, links not followed). A pages file
     that is not of its data file's size (damaged, or cut short or grown between runs)
     vouches for no page, as create_object holds: its stamps are not read (none), so that
-    one grown to any size costs no more than a stat, here and in every eviction's scan."""
-    descriptor = open_private(data, os.O_RDONLY)
+    one grown to any size costs no more than a stat, here and in every eviction's scan.
+    One whose data file is gone (removed by hand, or a removal killed between its unlinks)
+    is an orphan: no page, its own files counted, and removed as a copy nobody has open."""
     try:
-        info = os.fstat(descriptor)
-    finally:
-        os.close(descriptor)
-    count = -(-info.st_size // CACHE_PAGE_BYTES)
+        descriptor = open_private(data, os.O_RDONLY)
+    except FileNotFoundError:
+        size = data_disk_bytes = 0
+    else:
+        try:
+            info = os.fstat(descriptor)
+        finally:
+            os.close(descriptor)
+        size, data_disk_bytes = info.st_size, info.st_blocks * DISK_SECTOR_BYTES
+    count = -(-size // CACHE_PAGE_BYTES)
     descriptor = open_private(pages, os.O_RDONLY)
     try:
         pages_info = os.fstat(descriptor)
@@ -708,8 +715,8 @@ def read_stamps(pages: str, data: str) -> CachedFiles:
     present = np.flatnonzero(stamps)
     held = len(present) * CACHE_PAGE_BYTES
     if len(present) and present[-1] == len(stamps) - 1:
-        held -= CACHE_PAGE_BYTES - page_disk_bytes(len(stamps) - 1, info.st_size)  # The last page is shorter.
-    return CachedFiles(pages, data, stamps, info.st_size, max(0, held), info.st_blocks * DISK_SECTOR_BYTES, own_bytes)
+        held -= CACHE_PAGE_BYTES - page_disk_bytes(len(stamps) - 1, size)  # The last page is shorter.
+    return CachedFiles(pages, data, stamps, size, max(0, held), data_disk_bytes, own_bytes)
 
 
 def counted_bytes(data: str) -> int:
