@@ -192,6 +192,7 @@ class NodeCache:
         # hold it around locked(), so that a settle never meets a ledger close() took down.
         self._thread_lock = threading.RLock()
         self._depth = 0  # Sections of locked() the thread holding _thread_lock is in.
+        self._ledger_lock_named = f"the lock of the node cache's ledger ({self.root}/ledger), {_LEDGER_HOLDER}"
         self.creating: set[str] = set()  # Copies this process is making: not removed (_remove_unopened).
         # Reservations in flight that no slot of the ledger records (every slot held by a
         # live process): given back at close, or counted until the cache is next counted anew.
@@ -244,7 +245,7 @@ class NodeCache:
         deadline nor `give_up` (a time.monotonic()) bounds the wait, else polled until the
         first of them, each pause twice the one before: most holders hold the ledger for
         microseconds, and a pause of _LEDGER_POLL_SECONDS at once would be a step's delay."""
-        what = f"the lock of the node cache's ledger ({self.root}/ledger), {_LEDGER_HOLDER}"
+        what = self._ledger_lock_named
         if give_up is None and deadline_left(what) is None:
             take(True)
             return
