@@ -141,6 +141,15 @@ def test_the_files_of_a_copy_whose_data_file_is_gone_are_counted_within_the_budg
     assert _disk_bytes(cache) <= budget, (_disk_bytes(cache), budget)
     assert _ledger_held(cache) == _disk_bytes(cache)
 
+
+def test_a_marker_removed_between_runs_is_written_anew_and_counted(server, tmp_path):
+    values, url = _upload_rows(server, tmp_path, "review/unmarked.npy")
+    cache = tmp_path / "cache"
+    np.testing.assert_array_equal(_read_all(url, cache)[0], values)
+    os.unlink(_copy_of(cache, "unmarked.npy") + ".remote.json")
+    np.testing.assert_array_equal(_read_all(url, cache)[0], values)
+    assert _ledger_held(cache) == _disk_bytes(cache)
+
 # A process stopped in the ledger's lock.
 
 # The stopped holder is killed after this long whatever happens, so that code that waits for

@@ -70,7 +70,6 @@ from .node import NodeCache, cache_root, counted_bytes, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
     CACHE_PAGE_BYTES,
-    DISK_SECTOR_BYTES,
     FETCH_BASE,
     FIT_UNIT_BYTES,
     IN_FLIGHT,
@@ -210,16 +209,17 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     cache.creating.add(path)
     try:
         private_directory(os.path.dirname(path), root)
-        counted = counted_bytes(path)  # Before read_marker removes a damaged marker the ledger counts.
+        # Before read_marker removes a damaged marker the ledger counts.
+        pages_held, own_held = counted_bytes(path)
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
         # A damaged marker vouches for nothing of its copy: every page fetched again.
         fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
-        if fresh:  # The budget covers the cache's own files too; what it counted of the old ones goes.
-            cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
-                                                                                   path + MARKER_SUFFIX)), counted)
+            # The budget covers the cache's own files too: as they are now, in place of what it
+            # counted of them (and of the pages a copy made anew no longer has).
+            cache.hold(counted_bytes(path)[1], own_held + (pages_held if fresh else 0))
     except OSError as error:
         raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
     finally:

@@ -720,14 +720,14 @@ def read_stamps(pages: str, data: str) -> CachedFiles:
     return CachedFiles(pages, data, stamps, size, max(0, held), data_disk_bytes, own_bytes)
 
 
-def counted_bytes(data: str) -> int:
+def counted_bytes(data: str) -> tuple[int, int]:
     """What the ledger counts of the copy whose data file is `data`, as _recount counts it:
-    its present pages and its own files (0 where its files are not there)."""
+    (its present pages, its own files); zeros where its files are not there."""
     try:
         found = read_stamps(data + PAGES_SUFFIX, data)
     except (OSError, StorageError):
-        return 0
-    return found.held + found.own_bytes
+        return 0, 0
+    return found.held, found.own_bytes
 
 
 def _give_back_unstamped(found: CachedFiles) -> None:
