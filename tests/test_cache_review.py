@@ -1,7 +1,8 @@
 """The node cache against what an outside review planted in it between runs: a FIFO in place
 of a cache file is named at once (never waited on), a pages file or a ledger grown past its
-layout costs neither memory nor disk past the budget; and against a process of the node
-stopped while it holds the ledger's lock: a step keeps step_timeout and close() returns.
+layout costs neither memory nor disk past the budget, and the files of a copy whose data or
+marker is gone are counted as the disk holds them; and against a process of the node stopped
+while it holds the ledger's lock: a step keeps step_timeout and close() returns.
 Every loader's rows are compared with the uploaded array. Against moto's S3 server on
 127.0.0.1, as test_object_store.py."""
 
