@@ -58,7 +58,10 @@ class CacheSettings:
         from ..remote.pages import default_root
 
         root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
-        os.makedirs(root, exist_ok=True)
+        # 0700 where it is made here (the umask only takes bits away): made with the umask's
+        # 0755, every user of the node could list it (private_root makes private only one
+        # that others may write in).
+        os.makedirs(root, mode=0o700, exist_ok=True)
         # The values' types and bounds are plan/options.LoaderOptions'; here what they mean.
         explicit = cache_bytes is not None
         if not explicit:
