@@ -30,9 +30,10 @@ class Resources:
         self.filler: StepFiller | None = None  # readers=0: the trainer's own filler.
         self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
         self.dataset = None  # from_dataset: the trainer's DatasetHandle (its pickle's memory file).
+        self.audit = None  # audit_log: the AuditWriter (audit_log.py), its file closed last.
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
         # (slot, step) of the batches held when this process forked: a child may read their
-        # pages, which stay shared, so a seek cannot give them to the readers (Session.detach).
+        # pages, which stay shared, so neither next() nor a seek can give them to the readers (kept.py).
         self.held_at_fork: set[tuple[int, int]] = set()
 
     def close(self) -> None:
@@ -72,6 +73,8 @@ class Resources:
                     release(cache)
                 except Exception:
                     pass  # Its files close with the process anyway.
+            if self.audit is not None:
+                self.audit.close()
 
 
 @contextlib.contextmanager

@@ -54,7 +54,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
     mode="shuffle"): the block-local shuffle for data larger than memory (README). step_timeout
     (seconds; None waits, warning after 10 s): next() raises StepTimeoutError for a step in
-    flight that long. hold_timeout: how long next() waits for a slot a batch still holds.
+    flight that long. hold_timeout: how long next() waits for a slot a batch still holds
+    where that batch cannot be given memory of its own (pin_memory, held across a fork;
+    shmloader/kept.py), before SlotsExhaustedError.
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         cache_dir=None,
         cache_bytes: int | None = None,
         storage_options: dict | None = None,
+        audit_log=None,
     ) -> None:
         options = LoaderOptions(
             batch_size=batch_size, mode=mode, seed=seed, readers=readers, slots=slots, start_step=start_step,
@@ -93,7 +96,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             hold_timeout=hold_timeout, warn_layout=warn_layout, verify=verify, pin_memory=pin_memory,
             transform=transform, transform_args=transform_args, shuffle_window=shuffle_window,
             step_timeout=step_timeout, epochs=epochs, drop_last=drop_last, on_error=on_error, remote=remote,
-            cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options)
+            cache_dir=cache_dir, cache_bytes=cache_bytes, storage_options=storage_options, audit_log=audit_log)
         refuse_a_loader_in_the_scripts_import()
         # The facade holds its options, its session, and what the user may read off it.
         self.options = options
@@ -278,7 +281,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         check_integer("the checkpoint's step", going.step, 0, session.last_step(going.sampler, going.end_step))
         if going.sampler is not self.sampler:
             session.use(going.sampler)
-        session.seek(going.step, "a resume (load_state_dict)")
+        # The audit log's segment starts where the checkpoint stood: what was delivered from
+        # there before this resume is replayed (tools/audit.py).
+        session.seek(going.step, "resume", _checkpoint_position(state, self.sampler))
         self._placed_after = session.cursor.batches
         resume = going.resume
         if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:
@@ -289,7 +294,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
         A batch still referenced keeps its values: its slot's pages become memory of its
         own (a slot's worth while it lives; the first of each slot until the loader
-        closes) and the slot is mapped anew for the readers. Under pin_memory (the device
+        closes; bounded, shmloader/kept.py) and the slot is mapped anew for the readers. Under pin_memory (the device
         has the ring's pages registered), and for a batch held when the process forked (a
         child may share its pages), seek instead raises RuntimeError naming its step,
         after one garbage collection: drop every batch and view of one first. Batches
@@ -313,7 +318,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
         position (readers=0 fills only the steps next() asks for). The list is cut where a
         reader's records outgrow its 2 KiB report in the ring (a dozen or so per reader;
         readers=0 lists all): count is then larger than len(records), which holds the
-        first ones each reader skipped."""
+        first ones each reader skipped. "kept_batches", "kept_bytes": the batches your code
+        kept past their slot's turn, given memory of their own (shmloader/kept.py), and their
+        bytes; "kept_bytes_max" the bound on those bytes.
+
+        "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
+        call before (the first: since the start; called often, about the last 10 s):
+        "stage" (trainer, held, stalled, link, cache, user_code, disk, decompression,
+        reader_cpu), its "utilisation", the one change that would help ("advice"), all of
+        it as one "line", and the figures it was judged on ("detail")."""
         session, cursor = self._session, self._session.cursor
         active = cursor.active
         if active:
@@ -334,7 +347,12 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "reader_restarts": session.pool.restarts + session.pool.remote_restarts,
             "skipped": dict(zip(("count", "records"), session.supervisor.skipped())) if active else {"count": 0, "records": []},
             "shared_memory_bytes": session.layout.total_bytes,
+            # Batches kept past their slot's turn, in memory of their own (kept.py), and its bound.
+            "kept_batches": session.kept.count,
+            "kept_bytes": session.kept.kept_bytes,
+            "kept_bytes_max": session.kept.bytes_max,
             "readers": session.pool.report(elapsed_s) if active else [],
+            "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }
 
@@ -374,6 +392,15 @@ class ShmDataLoader(cursor_module.LoaderBase):
             f"ShmDataLoader(fields={list(self.field_names)}, batch_size={self.batch_size}, "
             f"mode={self.sampler.mode!r}, readers={self.readers}, slots={self.slots}, {state})"
         )
+
+
+def _checkpoint_position(state: dict, sampler) -> int | None:
+    """The stream position a (validated) checkpoint stood at, for the audit log."""
+    position = state.get("position")
+    if isinstance(position, int) and not isinstance(position, bool):
+        return position
+    step = state.get("step")
+    return None if not isinstance(step, int) else position_of(sampler, step)[0]
 
 
 class _DatasetSource:

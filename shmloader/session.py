@@ -20,20 +20,25 @@ left, without waiting for the garbage collector.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import sys
+import time
 import weakref
 
+from .audit_log import AuditIterator, begin_segment, open_writer
 from .device import PinnedRing
 from .fill.filler import FillerSpec, fetch_first_steps
-from .lifecycle import Resources, interrupts_deferred, live_resources
+from .kept import KeptBatches
+from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
-from .plan.defaults import TRAINER_SLOTS, default_slots, wake_after
+from .plan.defaults import TRAINER_SLOTS, default_slots, kept_bytes_max, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
+from .readers.bottleneck import Meter, plan_context, ring_reading, zero_reading
 from .readers.channel import ReaderConfig, trainer_context
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, batch_type_of, cursor_module
@@ -161,6 +166,11 @@ class Session:
                                      hold_timeout=options.hold_timeout, on_error=options.on_error,
                                      owner_pid=resources.owner_pid,
                                      skipped=None if self.local is None else self.local.skipped)
+        # What limits the loader, from the ring's counters (stats()["bottleneck"], the stall warning).
+        self.meter = self.supervisor.meter = Meter(
+            functools.partial(ring_reading, ring, pool.count, resources.node_cache),
+            plan_context(plan, dataset_spec is not None, pool.count),
+            zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,
@@ -182,7 +192,16 @@ class Session:
             views_of=views_of,
             partial=cuts.partial,
         )
+        # Batches kept past their slot's turn get memory of their own (kept.py): next() asks
+        # through the supervisor, which must not refer to the session (the lifetimes note).
+        self.kept = KeptBatches(resources, slot, slots, max(1, slots - TRAINER_SLOTS) if fillers else 1,
+                                kept_bytes_max(), self.local)
+        self.supervisor.make_room = self.kept.make_room
         self.iterator = self.cursor if self.local is None else LocalIterator(self.cursor, self.local, self.supervisor)
+        if options.audit_log is not None:  # Each delivered batch recorded (audit_log.py).
+            resources.audit = open_writer(options.audit_log, plan.sampler)
+            self.iterator = AuditIterator(self.iterator, resources.audit)
+            self.audit_begin(start_step, "start")
         resources.cursor = weakref.ref(self.cursor)
         self.finalizer = weakref.finalize(self.cursor, resources.close)
         self.request_from(start_step)
@@ -223,9 +242,18 @@ class Session:
                           tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
                           options.on_error, options.epochs, options.drop_last, self.dataset_spec)
 
-    def seek(self, step: int, why: str = "a seek") -> None:
+    def audit_begin(self, step: int, why: str, position: int | None = None) -> None:
+        """With audit_log: the deliveries from `step` on are a new segment, which starts at
+        stream `position` (a resume's checkpoint position; by default where `step` starts)."""
+        if self.resources.audit is not None:
+            begin_segment(self.resources.audit, self.cuts.sampler, self.cuts.finite, self.plan.sources, step, why,
+                          position)
+
+    def seek(self, step: int, why: str = "a seek", position: int | None = None) -> None:
         """Makes `step` the next batch, checked against the bound: every slot taken back first
-        (a reader that failed, or holds its slot past the bound, replaced: settle_readers)."""
+        (a reader that failed, or holds its slot past the bound, replaced: settle_readers).
+        With audit_log the steps from there are a new segment starting at `position`
+        (audit_begin)."""
         self.check_open()
         check_integer("step", step, 0, self.last_step())
         self.cursor.enter()  # Refused inside next() (another thread, a finalizer): it would move the step under it.
@@ -235,6 +263,7 @@ class Session:
             self.cuts.resume = None  # A seek names its step knowingly: no resumed position to cut at.
             self.cursor.partial_from = self.cuts.partial_from
             self.request_from(step)
+            self.audit_begin(step, why, position)
         finally:
             self.cursor.leave()
 
@@ -284,8 +313,8 @@ class Session:
         naming `why` (ReaderPool.take_back); raises, changing nothing, where a slot still
         cannot be taken back (`settle`: see ReaderPool.take_back). A batch still held keeps
         its values: once the readers are done, its pages become memory of its own and its
-        slot is mapped anew (detach); where that cannot be (pin_memory, a fork), it raises
-        first, naming the batch."""
+        slot is mapped anew (kept.py); where that cannot be (pin_memory, a fork) or the
+        memory so kept would pass its bound, it raises first, naming the batch."""
         cursor, resources = self.cursor, self.resources
         cursor.release_unused()
         held = cursor.held()
@@ -295,7 +324,9 @@ class Session:
             held = cursor.held()
         resources.held_at_fork &= set(held.items())  # Forgotten once let go.
         for slot, step in sorted(held.items()):
-            self.check_detachable(slot, step)
+            self.kept.check_detachable(slot, step)
+        if held:
+            self.kept.check_room(len(held), cursor.next_step, held)
         # A reader in the middle of a step finishes it first, within the bound; not the hold
         # timeout of a batch a user keeps. Its step belongs to the position being left.
         fill_timeout = self.take_back_bound()
@@ -303,7 +334,7 @@ class Session:
             for slot in range(self.slots):
                 self.pool.take_back(slot, fill_timeout, cursor, settle, why, self.step_rows)  # A held slot: at once.
             for slot, step in sorted(held.items()):
-                self.detach(slot, step)
+                self.kept.detach(cursor, slot, step)
         except BaseException:
             if not cursor.active:
                 raise  # Closed meanwhile: nothing to go on with.
@@ -316,36 +347,6 @@ class Session:
                     if old < cursor.end_step:
                         cursor.request(slot, old)
             raise
-
-    def check_detachable(self, slot: int, step: int) -> None:
-        """Raises where the batch of `step` cannot keep `slot`'s pages (detach): under
-        pin_memory the device has them registered, and a pinned copy of the batch would
-        read the readers' new rows; after a fork the child maps them too, shared, and
-        would see those rows."""
-        if self.resources.pinned is not None:
-            raise RuntimeError(f"cannot seek while batch {step} is held under pin_memory; release every batch first")
-        if (slot, step) in self.resources.held_at_fork:
-            raise RuntimeError(f"cannot seek while batch {step} is held: this process forked while it was held, and "
-                               f"a child that has not exec'd shares its memory, which the readers would fill anew; "
-                               f"release the batch (or copy what you keep) first")
-
-    def detach(self, slot: int, step: int) -> None:
-        """Frees `slot`, which the batch of `step` holds, for the steps a seek requests: the
-        batch keeps its pages as memory of its own (Ring.detach_slot), so its arrays, and
-        tensors or arrays made of them, keep the rows they were given; the cursor, and the
-        local reader with readers=0, take arrays over the slot's new mapping. The caller
-        checked it may (check_detachable). A thread writing into the batch meanwhile may
-        lose what it writes during the copy. Whatever can fail comes before the copy, and
-        nothing interrupts what follows it: a slot whose pages went to the batch while the
-        cursor kept arrays over them would deliver those rows again for later steps."""
-        fresh = self.ring.map_slot(slot)
-        views = self.slot.views(fresh, 0)
-        bound = None if self.local is None else self.local.filler.bind(self.slot.views(fresh, 0))
-        with interrupts_deferred():
-            self.ring.detach_slot(slot, fresh)
-            self.cursor.detach(slot, views)
-            if bound is not None:
-                self.local.outputs[slot] = bound
 
     def use(self, sampler, new_pass: bool = False, why: str = "a resume (load_state_dict)") -> None:
         """Fills with `sampler` (and its pass) from now on: a resharded checkpoint's dealing

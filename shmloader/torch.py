@@ -55,6 +55,7 @@ import torch
 import torch.utils.data
 
 from .loader import ShmDataLoader
+from .plan.collated import CollateGrowthWarning  # noqa: F401 (a collate_fn's slot grew: plan/collated.py)
 from .torch_dataset import DataLoader  # noqa: F401 (the drop-in over a map-style Dataset: torch_dataset.py)
 
 _PICKLE_REFUSAL = (

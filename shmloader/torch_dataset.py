@@ -20,10 +20,9 @@ step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> 
 epoch's readers get the dataset anew (forked or pickled), as it is then (a change made between
 epochs is seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
-naming the argument: an IterableDataset, a collate_fn other than default_collate (the batch
-is laid out in the ring before it reaches the trainer). With sampler= or batch_sampler=, the
-order is the caller's, drawn as PyTorch draws it (torch_sampling.py: DataLoader(...) makes
-that class's loader).
+naming the argument: an IterableDataset. With sampler= or batch_sampler=, the order is the
+caller's, drawn as PyTorch draws it (torch_sampling.py: DataLoader(...) makes that class's
+loader).
 
 multiprocessing_context="fork" (the default on Linux, as PyTorch's): the readers are forked
 from the trainer once the dataset is planned (readers/trainer_fork.py): they share the
@@ -45,24 +44,38 @@ from its position before __getitem__: what worker_init_fn seeds there does not r
 samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
 in the trainer sees reader 0's worker info (without running worker_init_fn there).
 
+A collate_fn other than default_collate runs in the readers on each step's samples (the
+global generators seeded from (seed, "collate", step)); what it returns is written into the
+slot, its arrays and tensors zero copy, its other leaves (str, bytes, numbers, None) beside
+them, and given back as it made them (plan/collated.py). Each array's room in the slot is
+learned from two probe batches, and grows where a batch outgrows it (a CollateGrowthWarning;
+the loader is built again at that step, its batches unchanged); outputs={leaf: its largest
+shape} declares it instead, and a batch that outgrows a declared room fails naming the
+leaf, its shape and that setting.
+
 A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
 which default_collate cannot stack) comes as {"values": the batch's samples back to back,
 "offsets": (B+1,)}: sample i is values[offsets[i]:offsets[i+1]], what Packed gives for
 files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values": padded
 to max_length, "lengths": (B,)}.
 
+`audit_log=PATH` records what each rank delivered, each epoch a pass of its own, for
+`shmloader audit` (ShmDataLoader's setting; not with sampler= or batch_sampler=).
+
 `loader.padding` is the bool tensor of the batch last yielded (Batch.padding): True for a
 sample repeated so that, across ranks with drop_last=False, each rank's last step holds one;
 leave those out of an evaluation's metric (DistributedSampler's padding, but marked).
 
-A batch's tensors view its slot (torch.from_numpy): they are valid until they are dropped,
-and the slot is reused only after that. Copy what you keep across steps. A batch kept past
-its epoch (the loop's variable, a loop left by `break` or an exception, a peek such as
-next(iter(loader))) keeps its values: the next pass gives its slot's pages memory of their
-own (Session.detach). Under pin_memory, where the device has those pages registered, and for
-a batch held when the process forked, such a batch must be deleted before the next epoch,
-which says so; the last batch of an epoch is a copy for the pin_memory case. A new
-iter(loader) ends the one before: one pass runs at a time, so zip(loader, loader) raises.
+A batch's tensors view its slot (torch.from_numpy): they are valid for as long as they are
+held. A batch the loop keeps (all_labels.append(y), list(loader), a peek such as
+next(iter(loader)), the loop's variable after a `break`, across epochs too) keeps its
+values: when the ring needs its slot, its pages become memory of their own at the same
+address (shmloader/kept.py, bounded: the error at the bound names what holds it). Under
+pin_memory, where the device has those pages registered, and for a batch held when the
+process forked, the slot is kept instead: keep fewer batches than the ring holds (.clone()
+what you keep), or next() waits `hold_timeout` and raises, and the next epoch raises at
+once; the last batch of an epoch is a copy for the pin_memory case. A new iter(loader) ends
+the one before: one pass runs at a time, so zip(loader, loader) raises.
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ import os
 import warnings
 
 from .loader import ShmDataLoader
+from .plan import collated
 from .plan.dataset import DatasetError, rebuild_batch
 from .plan.defaults import TRAINER_SLOTS
 from .plan.options import check_flag
@@ -89,6 +103,21 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
             return int(rank), int(world)
         return 0, 1
     return (shard_index or 0), (shard_count or 1)
+
+
+def collating(dataset, collate_fn, batch_size: int, on_error: str):
+    """The dataset the loader reads: `dataset`, or with a collate_fn other than
+    default_collate, Collated (the readers collate each step's samples: plan/collated.py)."""
+    import torch.utils.data
+
+    if collate_fn is None or collate_fn is torch.utils.data.default_collate:
+        return dataset
+    if not callable(collate_fn):
+        raise TypeError(f"shmloader.torch.DataLoader: collate_fn must be callable, got {collate_fn!r}")
+    if on_error != "raise":
+        raise ValueError(f"shmloader.torch.DataLoader: on_error={on_error!r} replaces a bad sample in a batch, but "
+                         f"with a collate_fn a batch is one call of it: give on_error='raise'")
+    return collated.Collated(dataset, collate_fn, batch_size)
 
 
 def collated_structure(spec) -> dict:
@@ -166,7 +195,7 @@ class DataLoader:
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None, outputs=None,
                  dataset_args=None, shard_index: int | None = None, shard_count: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", audit_log=None) -> None:
         import torch.utils.data
 
         self._check_arguments(dataset, batch_size, collate_fn, in_order)
@@ -190,17 +219,17 @@ class DataLoader:
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
-        self._loader = ShmDataLoader.from_dataset(
-            dataset, outputs=outputs, dataset_args=dataset_args, reader_hook=self._reader_hook(),
-            probe_view=self._probe_view(self._epoch_seed(0)), share_by_fork=self._share_by_fork(),
-            batch_size=self.batch_size,
-            mode="shuffle" if shuffle else "sequential", seed=self._epoch_seed(0), readers=self.num_workers,
-            slots=slots, epochs=1, drop_last=self.drop_last, step_timeout=timeout or None,
-            shard_index=self.shard_index, shard_count=self.shard_count, on_error=on_error,
-            pin_memory=bool(pin_memory))
-        self._loader._session.supervisor.hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor,
-                                                                           TRAINER_SLOTS)
-        self._structure = collated_structure(self._loader._dataset.spec)
+        # The inner loader's settings: a collate_fn's slot that grows is built again from them (_regrow).
+        self._build = {"dataset": collating(dataset, collate_fn, self.batch_size, on_error),
+                       "outputs": dict(outputs or {}), "dataset_args": dataset_args, "batch_size": self.batch_size,
+                       "mode": "shuffle" if shuffle else "sequential", "readers": self.num_workers, "slots": slots,
+                       "epochs": 1, "drop_last": self.drop_last, "step_timeout": timeout or None,
+                       "shard_index": self.shard_index, "shard_count": self.shard_count, "on_error": on_error,
+                       "pin_memory": bool(pin_memory), "audit_log": audit_log}
+        self._declared, self._growths = set(outputs or {}), 0
+        self._hold_advice = drop_in_hold_advice(self.num_workers, prefetch_factor, TRAINER_SLOTS)
+        self._loader = self._make_loader()
+        self._learn_layout()
         self._started = False  # Whether the current epoch's pass has been iterated.
         self._iterator = None  # The current pass's: a new pass ends it first (_let_go).
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
@@ -248,10 +277,6 @@ class DataLoader:
             raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
                             "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
                             "records to files (shmloader import) and use ShmDataLoader")
-        if collate_fn is not None and collate_fn is not torch.utils.data.default_collate:
-            raise ValueError("shmloader.torch.DataLoader: collate_fn cannot be honoured: samples are written into "
-                             "the ring as default_collate would stack them; collate in your training step from the "
-                             "batch, or move the work into __getitem__ (declare shapes with outputs=)")
         if batch_size is None:
             raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
                              "loader delivers batches; give batch_size")
@@ -286,16 +311,80 @@ class DataLoader:
         """The pass's batches, tensors over their slots; the last one's tensors over memory of
         their own: a `for` loop's variable keeps it after the loop, and under pin_memory its
         slot must be free for the next epoch (elsewhere the next pass would give the slot's
-        pages to the batch: Session.detach). One batch copied per epoch, no more."""
+        pages to the batch: kept.py). One batch copied per epoch, no more."""
         import torch
 
-        structure, cursor = self._structure, self._loader._session.cursor
-        for batch in self._loader:
-            last = batch.step + 1 >= cursor.end_step
-            self.padding = torch.from_numpy(batch.padding)
-            yield rebuild_batch(structure, batch, (lambda array: torch.from_numpy(array.copy())) if last
-                                else torch.from_numpy)
-            del batch
+        while True:
+            cursor = self._loader._session.cursor
+            try:
+                for batch in self._loader:
+                    last = batch.step + 1 >= cursor.end_step
+                    self.padding = torch.from_numpy(batch.padding)
+                    yield self._rebuild(batch, last)
+                    del batch
+                return
+            except DatasetError as error:
+                outputs = self._grown_outputs(error)
+                if outputs is None:
+                    raise
+            self._regrow(outputs)
+
+    def _make_loader(self) -> ShmDataLoader:
+        loader = ShmDataLoader.from_dataset(self._build["dataset"], seed=self._epoch_seed(0),
+                                            reader_hook=self._reader_hook(),
+                                            probe_view=self._probe_view(self._epoch_seed(0)),
+                                            share_by_fork=self._share_by_fork(),
+                                            **{key: value for key, value in self._build.items() if key != "dataset"})
+        loader._session.supervisor.hold_advice = self._hold_advice
+        return loader
+
+    def _grown_outputs(self, error: Exception) -> dict | None:
+        """outputs= with twice the room a CollateRoomError says each of its leaves needed (the
+        slot grows geometrically), or None: another error, a room the caller declared (a
+        maximum is kept), or the slot grown COLLATE_GROWTHS_MAX times already."""
+        needed = collated.room_needed(error)
+        if not needed or set(needed) & self._declared or self._growths >= collated.COLLATE_GROWTHS_MAX:
+            return None
+        self._growths += 1
+        step = self._loader._session.cursor.next_step
+        what = ", ".join(f"{name!r} needs {count} {'bytes' if name == collated.BESIDE else 'elements'}"
+                         for name, count in needed.items())
+        warnings.warn(f"collate_fn's batch at step {step} of epoch {self._epoch} outgrows the room the probe batches "
+                      f"gave it ({what}): the room grows to twice that and the readers start again at that step "
+                      f"(outputs={{name: its largest shape}} gives the room from the start)",
+                      collated.CollateGrowthWarning, stacklevel=4)
+        return {**self._build["outputs"], **{name: 2 * count for name, count in needed.items()}}
+
+    def _regrow(self, outputs: dict) -> None:
+        """The loader again with `outputs`, at the step the trainer was waiting for: batches
+        already given keep their memory (a closed ring's mapping lives while they do)."""
+        state = self._loader.state_dict()
+        self._loader.close()
+        self._build["outputs"] = outputs
+        self._loader = self._make_loader()
+        if self._epoch:
+            self._start_pass(self._epoch)
+        self._loader.load_state_dict(state)
+        self._learn_layout()
+
+    def _learn_layout(self) -> None:
+        """How a batch is rebuilt from the slot: as default_collate stacks the samples, or
+        as the collate_fn made it (plan/collated.py)."""
+        handle = self._loader._dataset
+        self._collated = ({output.name: output for output in handle.spec.outputs}, handle.classes) \
+            if handle.spec.collate else None
+        self._structure = None if handle.spec.collate else collated_structure(handle.spec)
+
+    def _rebuild(self, arrays, last: bool):
+        """The batch over the slot's `arrays`; over memory of its own where `last` (_batches)."""
+        import torch
+
+        if self._collated is None:
+            return rebuild_batch(self._structure, arrays, (lambda array: torch.from_numpy(array.copy())) if last
+                                 else torch.from_numpy)
+        own = (lambda array: array.copy()) if last else (lambda array: array)
+        outputs, classes = self._collated
+        return collated.rebuild(arrays, outputs, classes, own, lambda array: torch.from_numpy(own(array)))
 
     def _new_pass(self, epoch: int) -> None:
         """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go);
@@ -354,7 +443,7 @@ class DataLoader:
         """Ends the previous pass's iterator (a `for` left by break, a peek at next(iter(...))):
         its frame lets go of the batch it was suspended on. A batch of that pass the caller
         still holds keeps its values: the new pass gives its pages memory of their own at the
-        same address (Session.detach), since its tensors, and any numpy array made of them,
+        same address (kept.py), since its tensors, and any numpy array made of them,
         view the slot and cannot be moved."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None:

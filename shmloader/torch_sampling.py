@@ -32,11 +32,11 @@ import torch
 import torch.utils.data
 
 from .loader import ShmDataLoader
-from .plan.dataset import rebuild_batch
+from .plan.dataset import DatasetError
 from .plan.defaults import TRAINER_SLOTS
 from .plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from .plan.sampler import derive_seed
-from .torch_dataset import _SEED_MASK, DataLoader, _PassIterator, collated_structure
+from .torch_dataset import _SEED_MASK, DataLoader, _PassIterator, collating
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -120,14 +120,19 @@ class SampledDataLoader(DataLoader):
                  generator=None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, seed: int | None = None, outputs=None,
                  dataset_args=None, shard_index: int | None = None, shard_count: int | None = None,
-                 on_error: str = "raise") -> None:
+                 on_error: str = "raise", audit_log=None) -> None:
+        if audit_log is not None:
+            raise ValueError("shmloader.torch.DataLoader: audit_log proves the loader's own order (shuffle=True or "
+                             "False); with sampler= or batch_sampler= the order is the caller's, whose epochs it "
+                             "cannot check: leave audit_log unset")
         if shard_index not in (None, 0) or shard_count not in (None, 1):
             raise ValueError(f"shmloader.torch.DataLoader: shard_index/shard_count ({shard_index}, {shard_count}) "
                              f"shard the loader's own order; with sampler= the sampler shards (DistributedSampler)")
         # PyTorch's own checks and defaults (shuffle and sampler exclusive, batch_sampler
         # alone, BatchSampler(sampler, batch_size, drop_last)): nothing starts until iter().
         reference = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
-                                                batch_sampler=batch_sampler, drop_last=drop_last, generator=generator)
+                                                batch_sampler=batch_sampler, drop_last=drop_last, generator=generator,
+                                                collate_fn=collate_fn)
         # The plain drop-in's checks of the other arguments, on a loader it never starts.
         super()._check_arguments(dataset, batch_size or 1, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
@@ -143,7 +148,8 @@ class SampledDataLoader(DataLoader):
         self._attributes(reference.collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
         self.seed = None if seed is None else int(seed)  # None: each epoch's from the int64 drawn at iter().
         self.shard_index, self.shard_count, self._seed_drawn = 0, 1, seed is None
-        self._build = {"outputs": outputs, "dataset_args": dataset_args, "on_error": on_error,
+        self._declared, self._growths = set(outputs or {}), 0
+        self._build = {"outputs": dict(outputs or {}), "dataset_args": dataset_args, "on_error": on_error,
                        "slots": None if prefetch_factor is None else
                        max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS}
         self._length = len(dataset)
@@ -218,18 +224,31 @@ class SampledDataLoader(DataLoader):
         self._new_pass(epoch)
 
     def _open(self, epoch: int, order: dict) -> None:
+        self._make_loader(epoch, order)
+        self._keep(order["table"])
+        self._order, self._epoch = order, epoch
+        self._learn_layout()
+
+    def _make_loader(self, epoch: int, order: dict) -> None:
         table = order["table"]
         table.share()
         self._loader = ShmDataLoader.from_dataset(
-            self.dataset, outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
+            collating(self.dataset, self.collate_fn, table.width, self._build["on_error"]),
+            outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
             reader_hook=self._reader_hook(), probe_view=self._probe_view(self._pass_seed(order, epoch)),
             share_by_fork=self._share_by_fork(),
             batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self.num_workers,
             slots=self._build["slots"], epochs=1, drop_last=False, step_timeout=self.timeout or None,
             on_error=self._build["on_error"], pin_memory=self.pin_memory)
-        self._keep(table)
-        self._order, self._epoch = order, epoch
-        self._structure = collated_structure(self._loader._dataset.spec)
+
+    def _regrow(self, outputs: dict) -> None:
+        """The loader again with `outputs`, at the step the trainer was waiting for (DataLoader._regrow)."""
+        step = self._loader._session.cursor.next_step
+        self._loader.close()
+        self._build["outputs"] = outputs
+        self._make_loader(self._epoch, self._order)
+        self._loader._session.seek(step)
+        self._learn_layout()
 
     def _start_pass(self, epoch: int) -> None:
         """The readers fill the pending order's table from its step 0 (DataLoader._new_pass)."""
@@ -252,15 +271,24 @@ class SampledDataLoader(DataLoader):
     def _batches(self):
         """The pass's batches, each cut to its rows (the slot holds the widest); the last
         over memory of its own (see DataLoader._batches)."""
-        structure, session = self._structure, self._loader._session
-        cursor, slot, table = session.cursor, session.slot, self._order["table"]
-        for batch in self._loader:
-            rows = int(table.rows[batch.step])
-            arrays = batch if rows == table.width else dict(zip(slot.names, slot.cut(slot.views_of(batch), rows)))
-            last = batch.step + 1 >= cursor.end_step
-            yield rebuild_batch(structure, arrays, (lambda array: torch.from_numpy(array.copy())) if last
-                                else torch.from_numpy)
-            del batch, arrays
+        table = self._order["table"]
+        while True:
+            session = self._loader._session
+            cursor, slot = session.cursor, session.slot
+            try:
+                for batch in self._loader:
+                    rows = int(table.rows[batch.step])
+                    arrays = batch if rows == table.width else \
+                        dict(zip(slot.names, slot.cut(slot.views_of(batch), rows)))
+                    last = batch.step + 1 >= cursor.end_step
+                    yield self._rebuild(arrays, last)
+                    del batch, arrays
+                return
+            except DatasetError as error:
+                outputs = self._grown_outputs(error)
+                if outputs is None:
+                    raise
+            self._regrow(outputs)
 
     def state_dict(self) -> dict:
         """The epoch, the next step in it, the epoch's order (or what rebuilds it, checked

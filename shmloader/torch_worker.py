@@ -39,6 +39,7 @@ def enter_reader(dataset, reader, worker_init_fn) -> None:
     where one was given. `reader`: fill/dataset_runner.ReaderView."""
     from torch.utils.data._utils import worker
 
+    dataset = _users(dataset)
     worker._worker_info = worker.WorkerInfo(id=reader.index, num_workers=reader.count, seed=reader.seed,
                                             dataset=dataset)
     if worker_init_fn is None:
@@ -50,6 +51,13 @@ def enter_reader(dataset, reader, worker_init_fn) -> None:
             error.add_note(f"in worker_init_fn({reader.index}), which reader {reader.index} runs before its first "
                            f"sample")
         raise
+
+
+def _users(dataset):
+    """The user's dataset: the loader reads a collate_fn's through a Collated wrapper."""
+    from .plan.collated import Collated
+
+    return dataset.dataset if isinstance(dataset, Collated) else dataset
 
 
 @contextlib.contextmanager
@@ -65,7 +73,8 @@ def probe_view(dataset, num_workers: int, pass_seed: int):
 
     reader = ReaderView.of((0, num_workers), pass_seed)
     before = worker._worker_info
-    worker._worker_info = worker.WorkerInfo(id=0, num_workers=num_workers, seed=reader.seed, dataset=dataset)
+    worker._worker_info = worker.WorkerInfo(id=0, num_workers=num_workers, seed=reader.seed,
+                                            dataset=_users(dataset))
     try:
         yield
     finally:

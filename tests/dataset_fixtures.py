@@ -195,3 +195,19 @@ class StartsSlowly:
 
     def __getitem__(self, index: int):
         return np.full(3, index, np.int64)
+
+
+class Sleepy:
+    """Samples that each take `seconds` in __getitem__ (a slow decode or augmentation, as a
+    sleep: it limits the loader whatever the machine's load)."""
+
+    def __init__(self, seconds: float, length: int = 1000) -> None:
+        self.seconds, self.length = seconds, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if self.seconds:
+            time.sleep(self.seconds)
+        return {"x": np.full(8, index, np.float32)}

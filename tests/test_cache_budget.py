@@ -181,3 +181,24 @@ def test_a_fill_that_an_eviction_overlapped_is_read_again_pinned(rows, tmp_path,
                                           err_msg=f"step {step}")
     assert evicted and evicted[0] > 0
     assert calls.count(3) == 2  # Read unpinned, then again, pinned.
+
+
+def _bottleneck_after(loader, steps: int) -> dict:
+    """stats()["bottleneck"] over `steps` steps after a warm-up and a first reading."""
+    for _ in zip(range(3), loader):
+        pass
+    loader.stats()
+    for _ in zip(range(steps), loader):
+        pass
+    return loader.stats()["bottleneck"]
+
+
+def test_the_bottleneck_of_a_cache_below_the_data_is_the_caches_budget(rows, tmp_path):
+    """Rows at random over a cache of a third of the data: readers wait for pages the cache
+    evicted, and stats()["bottleneck"] says so (readers/bottleneck.py)."""
+    with ShmDataLoader({"x": rows[1]}, cache_dir=tmp_path, cache_bytes=BUDGET, batch_size=BATCH, readers=READERS,
+                       seed=4) as loader:
+        verdict = _bottleneck_after(loader, 30)
+    assert verdict["stage"] == "cache", verdict
+    assert verdict["detail"]["cache_evicted_bytes"] > 0 and "cache_bytes" in verdict["advice"], verdict
+

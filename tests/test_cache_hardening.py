@@ -172,10 +172,11 @@ def _modes(root) -> dict[str, int]:
     return found
 
 
-def test_the_cache_is_made_private_whatever_the_umask(server, tmp_path):
+@pytest.mark.parametrize("umask", [0, 0o022])  # 0o022: the usual one, which left cache_dir listable by all.
+def test_the_cache_is_made_private_whatever_the_umask(server, tmp_path, umask):
     values, url = _upload_rows(server, tmp_path, "hardening/umask.npy", rows=20_000)
     cache = tmp_path / "cache"
-    previous = os.umask(0)
+    previous = os.umask(umask)
     try:
         rows, _ = _read_all(url, cache)
     finally:

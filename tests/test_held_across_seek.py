@@ -1,5 +1,5 @@
 """A batch still held when the loader seeks, resumes or starts a new pass keeps its values,
-and the loader goes on (Session.detach, Ring.detach_slot): its slot's pages become memory of
+and the loader goes on (kept.KeptBatches.detach, Ring.detach_slot): its slot's pages become memory of
 its own at the same address, and the slot is mapped anew for the readers. Before, seek raised
 'cannot seek while batch N is held', and shmloader.torch.DataLoader's next epoch raised after
 a loop left by `break` or by an exception, where torch's DataLoader goes on."""

@@ -1,7 +1,7 @@
 """readers=0's local reader (shmloader/readers/local.py) is a reader: it fills each step before
 the native next() looks, so next() finds every step READY and never asks supervision to fill;
 it keeps reader record 0 as a reader process does, fills only the steps next() asks for,
-waits for a held slot as next() would, counts its fills as the trainer's wait, and leaves a
+gives a held slot's batch memory of its own (or, after a fork, waits for it) as next() would, counts its fills as the trainer's wait, and leaves a
 child forked inside a fill an error instead of a second publisher."""
 
 from __future__ import annotations
@@ -72,9 +72,29 @@ def test_the_iterator_of_a_temporary_readers_0_loader_keeps_its_ring_until_the_l
             gc.enable()
 
 
-def test_a_held_slot_is_waited_for_and_refused_past_hold_timeout(rows):
+def test_a_held_slot_gets_memory_of_its_own_and_the_local_reader_fills_it_anew(rows):
+    """Before: next() waited hold_timeout for the batch from a ring ago, then raised
+    SlotsExhaustedError. Now that batch keeps its rows in memory of its own (kept.py)."""
+    reference = np.load(rows)
+    with ShmDataLoader({"x": rows}, batch_size=8, readers=0, slots=3, mode="sequential", hold_timeout=0.2) as loader:
+        kept = [next(loader) for _ in range(12)]  # Steps 3 on need slots that kept batches hold.
+        assert [batch.step for batch in kept] == list(range(12))
+        for batch in kept:
+            assert batch["x"].tolist() == reference[8 * batch.step:8 * batch.step + 8].tolist()
+        assert loader._session.kept.count == 9  # readers=0: only the batch next() needs, each time.
+        del kept, batch
+    assert not our_shm_entries(os.getpid())
+
+
+def test_a_batch_held_when_the_process_forked_is_waited_for_and_refused_past_hold_timeout(rows):
+    """A child shares the batch's pages: they cannot become the batch's own, so next() waits
+    for the batch to go, as before, and names why past hold_timeout."""
     with ShmDataLoader({"x": rows}, batch_size=8, readers=0, slots=3, mode="sequential", hold_timeout=1.0) as loader:
         kept = [next(loader) for _ in range(3)]  # Step 3 needs slot 0, which step 0 holds.
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
         dropper = threading.Timer(0.1, kept.pop, (0,))  # Let go of step 0 while next() waits for it.
         dropper.start()
         batch = next(loader)
@@ -82,8 +102,9 @@ def test_a_held_slot_is_waited_for_and_refused_past_hold_timeout(rows):
         assert batch.step == 3 and batch["x"].tolist() == list(range(24, 32))
         kept.append(batch)
         del batch
-        with pytest.raises(SlotsExhaustedError, match=r"step 4 needs slot 1, which still holds step 1"):
+        with pytest.raises(SlotsExhaustedError, match=r"step 4 needs slot 1, which still holds step 1.*forked while"):
             next(loader)
+        assert [batch["x"].tolist() for batch in kept] == [list(range(8 * step, 8 * step + 8)) for step in (1, 2, 3)]
         del kept
     assert not our_shm_entries(os.getpid())
 

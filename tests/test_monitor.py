@@ -257,3 +257,23 @@ def test_top_names_a_ring_it_cannot_find_and_refuses_a_bad_interval(capsys):
     with pytest.raises(SystemExit):
         main(["top", "--interval", "-1"])
     assert "must be above 0 seconds" in capsys.readouterr().err
+
+
+def test_top_names_what_limits_a_loader_as_stats_does(tmp_path):
+    """A trainer whose step (50 ms) outlasts every fill: top reads the trainer's waits from
+    the ring and names the training step, the same stage as stats()["bottleneck"]."""
+    np.save(tmp_path / "x.npy", np.zeros((4000, 8), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=32, readers=1) as loader:
+        for _ in range(3):
+            next(loader)
+        monitor = Monitor([loader.diagnostics.ring_name])
+        monitor.refresh()
+        loader.stats()
+        for _ in range(20):
+            next(loader)
+            time.sleep(0.05)
+        monitor.refresh()
+        stage = loader.stats()["bottleneck"]["stage"]
+        (view,) = monitor.views.values()
+        assert view.bottleneck is not None and view.bottleneck["stage"] == stage == "trainer", view.bottleneck
+        assert "bottleneck: the training step" in render_text(monitor)

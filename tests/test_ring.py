@@ -49,12 +49,15 @@ def test_slot_states_are_the_headers():
 
 
 def test_struct_layout_is_the_documented_one():
-    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 64 + 2048
+    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 88 + 2048
     assert ffi.offsetof("shm_ring_header", "stop") == 56
     assert ffi.offsetof("shm_ring_header", "batch_size") == 32
     assert ffi.offsetof("shm_control_line", "step") == 8
     assert ffi.offsetof("shm_reader_record", "error_bytes") == 24
     assert ffi.offsetof("shm_reader_record", "skipped") == 56
+    # Version 6: the fills' time by stage, and next()'s waits per slot (stats()["bottleneck"], top).
+    assert ffi.offsetof("shm_reader_record", "user_ns") == 64 and ffi.offsetof("shm_reader_record", "fetch_ns") == 80
+    assert ffi.offsetof("shm_control_line", "waited_ns") == 32
 
 
 def request(ring, slot, step):

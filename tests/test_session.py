@@ -327,10 +327,10 @@ def _inside_loader_code(frame) -> bool:
 def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_right(dataset, how):
     """Before: a gc callback (or finalizer, or signal handler) that seeks while next() runs
     moved the step under it: a wrong batch, then 'another process wrote to the ring' forever.
-    Every slot is held, so next() waits in its supervisor for one to go (on every Python
-    version); a signal handler, or a gc callback (run there by the collector: in an
-    allocation before 3.12, at the eval breaker since), seeks there, is refused, and lets go
-    of the oldest batch, which next() then hands on."""
+    Every slot is held (next() gives the oldest batch memory of its own) and the readers are
+    stopped, so next() waits in its supervisor for step 3 (on every Python version); a signal
+    handler, or a gc callback (run there by the collector: in an allocation before 3.12, at
+    the eval breaker since), seeks there, is refused, and lets the readers go on."""
     import signal
     import sys
 
@@ -342,13 +342,18 @@ def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_righ
         held = [next(loader) for _ in range(3)]
         got = [(batch.step, batch["label"].tolist()) for batch in held]
 
+        pids = list(loader._session.pool.pids)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+
         def seek_inside(frame):
-            if held and _inside_loader_code(frame):
+            if not refused and _inside_loader_code(frame):
                 try:
                     loader.seek(0)
                 except RuntimeError as error:
                     refused.append(str(error))
-                held.pop(0)  # Step 0's slot goes: next() delivers step 3.
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
 
         threshold, handler = gc.get_threshold(), signal.getsignal(signal.SIGALRM)
         callback = lambda phase, info: seek_inside(sys._getframe(1)) if phase == "start" else None  # noqa: E731
@@ -361,6 +366,8 @@ def test_a_seek_from_code_that_runs_inside_next_is_refused_and_batches_stay_righ
         try:
             batch = next(loader)
         finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, handler)
             gc.set_threshold(*threshold)

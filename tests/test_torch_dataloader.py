@@ -229,7 +229,6 @@ class Stream(IterableDataset):
 
 
 @pytest.mark.parametrize("argument, value, message", [
-    ("collate_fn", lambda samples: samples, "collate_fn cannot be honoured"),
     ("batch_size", None, "batch_size=None"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):

@@ -273,3 +273,16 @@ def test_an_error_in_worker_init_fn_reaches_the_trainer_naming_it(DataLoader):
     with DataLoader(WorkerView(), batch_size=3, num_workers=1, worker_init_fn=failing_init) as loader:
         with pytest.raises(OSError, match=r"no device for worker 0(.|\n)*worker_init_fn\(0\)"):
             list(loader)
+
+
+def keep_collate(samples: list):
+    """A collate_fn other than default_collate (the readers collate through a wrapper)."""
+    return torch.utils.data.default_collate(samples)
+
+
+def test_get_worker_info_gives_the_users_dataset_with_a_collate_fn(DataLoader, tmp_path):
+    with DataLoader(WorkerView(8), batch_size=4, num_workers=2, collate_fn=keep_collate,
+                    worker_init_fn=functools.partial(record_init, str(tmp_path))) as loader:
+        rows = _views(loader)
+    assert len(rows) == 8
+    _check_views(rows, 2)  # info.dataset is the dataset whose __getitem__ runs, worker_init_fn marked it.

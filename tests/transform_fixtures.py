@@ -207,3 +207,12 @@ def slow_on_row_nine(batch, out, ctx):
     if 9 in ctx.indices.tolist():
         time.sleep(2.5)
     out["x"][:] = batch["x"]
+
+
+@shmloader.transform(outputs={"x": ((4,), "float32")})
+def sleeps(batch, out, ctx):
+    """Copies `data`, after 50 ms per batch in the user's code (a slow augmentation)."""
+    import time
+
+    time.sleep(0.05)
+    out["x"][:] = batch["data"]

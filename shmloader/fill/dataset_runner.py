@@ -21,6 +21,7 @@ import types
 
 import numpy as np
 
+from ..plan import collated
 from ..plan.dataset import (LOCAL_DATASETS, LOCAL_HOOK_ARGUMENTS, MAIN_BEING_RUN, DatasetError, DatasetSpec,
                             _leaf_array, flatten, import_factory, text_bytes)
 from ..plan.sampler import derive_seed
@@ -143,7 +144,8 @@ class DatasetRunner:
         self.dataset = load_dataset(spec, ReaderView.of(share, sampler.seed))
         self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
         self._outputs = {output.name: output for output in spec.outputs}
-        self._paths = _leaf_paths(spec.structure)
+        # A Collated dataset's batch is written whole (_collate_rows); its structure is the collate's.
+        self._paths = [] if spec.collate else _leaf_paths(spec.structure)
         # Leaves that take a plain write: an array of the output's shape or a Python scalar
         # into a fixed-shape output (anything else goes through _write_leaf's checks).
         self._fixed = [self._outputs[name].fixed for name, _, _ in self._paths]
@@ -162,6 +164,10 @@ class DatasetRunner:
         rows = list(zip(indices.tolist(), sample_seeds(sampler.seed + salt, positions)))
         if hasattr(sampler, "rows_of"):  # A caller's order (plan/index_table.py): the rest of the slot is cut.
             rows = rows[:sampler.rows_of(step)]
+        if self.spec.collate:
+            self._seeds.fill([seed for _, seed in rows],
+                             lambda seeders: self._collate_rows(step, rows, seeders, out, sampler.seed + salt))
+            return
         self._seeds.fill([seed for _, seed in rows], lambda seeders: self._fill_rows(step, rows, seeders, plain, out))
 
     def _fill_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, plain: list, out: dict) -> None:
@@ -195,6 +201,36 @@ class DatasetRunner:
                         self._write_leaf(index, row, name, value, out)
                 else:  # Another dtype is cast only where no value changes (_checked_cast).
                     self._write_leaf(index, row, name, value, out)
+
+    def _collate_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, out: dict, seed: int) -> None:
+        """collate_fn of dataset[index] for each (index, seed) of `rows` (each seeded as
+        without a collate), written whole into the slot (plan/collated.py). The collate runs
+        with the generators seeded from (seed, "collate", step): a collate that draws (a
+        masking collate) draws the same for any reader count and on resume."""
+        samples = []
+        for row, (index, sample_seed) in enumerate(rows):
+            for seeder in seeders:
+                seeder(sample_seed)
+            try:
+                samples.append(self.dataset[index])
+            except Exception as error:
+                if hasattr(error, "add_note"):
+                    error.add_note(f"in dataset[{index}] (step {step}, batch position {row})")
+                raise
+        for seeder in seeders:
+            seeder(derive_seed(seed, "collate", step))
+        try:
+            batch = self.dataset.collate(samples)
+        except Exception as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"in collate_fn of step {step}'s {len(samples)} samples")
+            raise
+        collated.write(batch, self._outputs, out, f"collate_fn's batch of step {step}")
+
+    @property
+    def collates(self) -> bool:
+        """Whether a batch is one collate_fn call: a failing one has no bad record to search for."""
+        return self.spec.collate
 
     def _leaves(self, index: int, sample) -> list[tuple[str, object]]:
         """The sample's leaves by dataset[0]'s paths (no walk of the whole structure per

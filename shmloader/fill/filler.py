@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from ..plan.options import ON_ERROR
 from ..plan.passes import FinitePass
 from ..plan.sampler import Sampler
 from ..plan.sources import MixtureSampler
+from ..ring.publishing import NO_STAGES
 from ..ring.slot_layout import SlotLayout
 from ..storage.readahead import PENDING_MAX, Advisor, InOrder, ReadAhead, StepAhead, fetch_remote
 from ..transforms.core import TransformRunner, TransformSpec
@@ -32,6 +34,8 @@ from .field_readers import FieldReader, SlotOutput
 from .dataset_runner import DatasetRunner
 from .inputs import InputBuffers, field_reader
 
+# StepFiller.stage_ns's entries, in ring.h's order (user_ns, read_ns, fetch_ns).
+_USER, _READ, _FETCH = 0, 1, 2
 # A batch with more failing records than this fails for another reason than its records.
 BAD_RECORDS_MAX = 8
 # A skipped record's error text is cut to this many characters: a reader's skip report
@@ -202,6 +206,12 @@ class StepFiller:
         self._step_max = sampler.step_max  # The last step the sampler computes (asserted per fill).
         # Every record of a delivered row replaced so far, once each, in the order filled.
         self.skipped: list[SkippedRecord] = []
+        # Time by stage, summed over fills: (the user's code, reading fields, waiting for a
+        # store's pages) in ns, which a publisher writes to its reader record (ring.h) and
+        # stats()["bottleneck"] reads. Two clock reads per stage and fill: nothing per row.
+        # A fill of local fields alone is all reading: it keeps none (NO_STAGES, set below),
+        # and its busy time is its read time (readers/bottleneck.py).
+        self.stage_ns = [0, 0, 0]
         self.verify = verify
         # close() from another thread during a fill (readers=0: the trainer fills while a
         # thread closes the loader) waits for the fill to end: the native gathers read the
@@ -247,6 +257,8 @@ class StepFiller:
         for reader in self.field_readers:  # Whether all the data fits the node cache decides what a fill fetches.
             reader.stored_total = stored_bytes
         self.step_ahead = StepAhead(self, share[1]) if self.remote and read_ahead and not views else None
+        if self.runner is None and not self.remote:
+            self.stage_ns = NO_STAGES
 
     @property
     def field_readers(self) -> list[FieldReader]:
@@ -290,7 +302,9 @@ class StepFiller:
         for ahead in self.read_ahead:
             ahead.note(step)
         if self.step_ahead is not None:
-            self.step_ahead.note(step)
+            started = time.perf_counter_ns()
+            self.step_ahead.note(step)  # Asking for the next steps' pages: the store's part of the fill.
+            self.stage_ns[_FETCH] += time.perf_counter_ns() - started
         if self.mixture:
             self.sampler.fill_unchecked(step, outputs.index_pointer, outputs.source_pointer)
         else:
@@ -301,6 +315,8 @@ class StepFiller:
             raise  # A store that refuses or an object that changed: no record of the batch is at fault.
         except Exception as error:
             self.check_files()  # A file written meanwhile is the cause, not the batch's records.
+            if getattr(self.runner, "collates", False):
+                raise  # One collate_fn call made the batch: no record of it fails on its own.
             self._recover(step, outputs, salt, error)
         self.check_files()  # After the rows: what they were read from is still the described files.
 
@@ -320,8 +336,16 @@ class StepFiller:
         raised, is not the batch's)."""
         if not self.remote:
             self._fill_pinned(step, outputs, salt)
-        elif not self._fill_cached(step, outputs, salt, unpinned=True):
-            self._fill_cached(step, outputs, salt, unpinned=False)
+            return
+        # From a store, all but the reading and the user's code is the cache's and the
+        # store's: pins, fetches, unpins, a read again after an eviction.
+        stage_ns, started = self.stage_ns, time.perf_counter_ns()
+        others_ns = stage_ns[_USER] + stage_ns[_READ]
+        try:
+            if not self._fill_cached(step, outputs, salt, unpinned=True):
+                self._fill_cached(step, outputs, salt, unpinned=False)
+        finally:
+            stage_ns[_FETCH] += time.perf_counter_ns() - started - (stage_ns[_USER] + stage_ns[_READ] - others_ns)
 
     def _fill_cached(self, step: int, outputs: SlotOutputs, salt: int, unpinned: bool) -> bool:
         """One try of _fill_rows from the node cache; False where it read unpinned pages
@@ -344,14 +368,24 @@ class StepFiller:
 
     def _fill_pinned(self, step: int, outputs: SlotOutputs, salt: int = 0) -> None:
         indices, sources = outputs.indices, outputs.sources
+        stage_ns = self.stage_ns
+        if stage_ns is NO_STAGES:
+            for field, field_outputs in zip(self.fields, outputs.fields):
+                field.fill(step, indices, outputs.index_pointer, field_outputs, sources)
+            return
+        started = time.perf_counter_ns()
         if self.runner is None:
             for field, field_outputs in zip(self.fields, outputs.fields):
                 field.fill(step, indices, outputs.index_pointer, field_outputs, sources)
+            stage_ns[_READ] += time.perf_counter_ns() - started
         else:
             inputs = self.inputs.fill(step, indices, outputs.index_pointer, sources)
+            read = time.perf_counter_ns()
+            stage_ns[_READ] += read - started
             if self.dataset is not None:  # __getitem__ once per delivered sample: not for the rows a cut step drops.
                 indices = indices[:self.delivered_rows(step)]
             self.runner.run(step, indices, sources, inputs, outputs.out, salt)
+            stage_ns[_USER] += time.perf_counter_ns() - read
 
     # Bad records.
 

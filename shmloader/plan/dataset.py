@@ -44,6 +44,8 @@ from ..fill.global_seeds import global_states_kept
 from ..ring.slot_layout import Region
 from .naming import loader_name_problem
 
+# The region of a collate_fn's batch that holds its leaves other than arrays (plan/collated.py).
+COLLATE_BESIDE = "collate.beside"
 # A dataset's pickle larger than this is refused with the import-path advice: every reader
 # holds its own copy of the unpickled dataset.
 PICKLE_BYTES_MAX = 1 << 30
@@ -171,13 +173,22 @@ class DatasetOutput:
     # A str leaf: each sample's UTF-8 bytes, at most text_bytes of them, packed back to back
     # (NAME, NAME.offsets), given back as a list of str (rebuild_batch), as default_collate does.
     text_bytes: int | None = None
+    # A collate_fn's leaf (plan/collated.py): its elements in the slot, whatever the batch's
+    # shape (`shape` is the probe's largest); BESIDE: the bytes of the batch's JSON.
+    collated: int | None = None
 
     @property
     def fixed(self) -> bool:
         """Whether every sample has the same shape (neither padded nor packed)."""
-        return self.max_length is None and self.max_items is None and self.text_bytes is None
+        return self.max_length is None and self.max_items is None and self.text_bytes is None and \
+            self.collated is None
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
+        if self.collated is not None:  # A whole batch's, never cut to rows.
+            if self.name == COLLATE_BESIDE:
+                return (Region(self.name, (self.collated,), "|u1", "whole"),
+                        Region(f"{self.name}.length", (1,), "<i8", "whole"))
+            return (Region(self.name, (self.collated,), self.dtype, "whole"),)
         if self.text_bytes is not None:
             return (Region(self.name, (self.text_bytes * batch_size,), "|u1", "packed"),
                     Region(f"{self.name}.offsets", (batch_size + 1,), "<i8", "offsets"))
@@ -280,6 +291,9 @@ class DatasetSpec:
     # Whether the trainer imported torch: readers then import it before the first sample,
     # so that torch's generator is seeded for it too (a dataset may import torch lazily).
     torch: bool = False
+    # Whether the dataset is Collated (plan/collated.py): readers collate each step's samples
+    # and the outputs are the collate_fn's, not a sample's.
+    collate: bool = False
     # "module:function" a reader calls once it has loaded the dataset, before its first
     # sample: function(dataset, reader (fill/dataset_runner.ReaderView), argument), the
     # argument pickled here (base64). The drop-in's get_worker_info() and worker_init_fn
@@ -442,6 +456,7 @@ class DatasetHandle:
 
     def __init__(self, spec: DatasetSpec, instance) -> None:
         self.spec = spec
+        self.classes = {}  # A collate_fn's Mapping and namedtuple classes, by name (collated.rebuild).
         LOCAL_DATASETS[spec.token] = instance
 
     def renew(self) -> DatasetSpec:
@@ -514,13 +529,45 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
     # and (readers=0) to fill the batches, which a memoizing or counting dataset would
     # otherwise see probed once more, unseeded (_probe_copy).
     probe = _probe_copy(instance) if data is None else pickle.loads(data)
+    from .collated import Collated, plan_collated  # It builds on this module's outputs.
+
+    classes = {}
     view = probe_view(probe) if probe_view is not None and readers > 0 else contextlib.nullcontext()
-    with global_states_kept(), view:  # The trainer's own draws do not depend on the loader's probe.
+    with view:
+        if isinstance(instance, Collated):  # The outputs are the collate_fn's batch's.
+            with global_states_kept():
+                built, structure, classes = plan_collated(probe, length, declared)
+        else:
+            structure, built = _sample_outputs(probe, declared)
+    del probe
+    name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
+    token = secrets.token_hex(8)
+    if forked and reader_hook is not None:
+        LOCAL_HOOK_ARGUMENTS[token] = reader_hook[1]
+        hook = {"reader_hook": reader_hook[0]}
+    else:
+        hook = _hook_fields(reader_hook) if readers > 0 else {}
+    spec = DatasetSpec(length, tuple(built), structure, name, token, trainer_pid=os.getpid(),
+                       factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
+                       torch="torch" in sys.modules, collate=isinstance(instance, Collated), forked=forked, **hook)
+    if factory is not None and spec.reader_hook_argument:
+        spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
+    if data is not None:
+        main_path = _main_path(data, instance, spec)
+        fd = _write_memory_file("shmloader-dataset", data)
+        spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
+    handle = DatasetHandle(spec, instance)
+    handle.classes = classes
+    return handle
+
+
+def _sample_outputs(probe, declared: dict) -> tuple[dict, list]:
+    """(structure, outputs) of the samples, from dataset[0] of `probe` (a copy) and `declared`."""
+    with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
         try:
             first = probe[0]
         except Exception as error:
             raise _noted(error, "in dataset[0], which the loader reads first for the samples' structure")
-    del probe
     structure, leaves = flatten(first, "dataset[0]")
     names = [name for name, _ in leaves]
     unknown = sorted(set(declared) - set(names))
@@ -535,23 +582,7 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
             built.append(_text_output(name, value, declared.get(name)))
             continue
         built.append(_output_of(name, _leaf_array(value, f"dataset[0][{name!r}]"), declared.get(name)))
-    name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
-    token = secrets.token_hex(8)
-    if forked and reader_hook is not None:
-        LOCAL_HOOK_ARGUMENTS[token] = reader_hook[1]
-        hook = {"reader_hook": reader_hook[0]}
-    else:
-        hook = _hook_fields(reader_hook) if readers > 0 else {}
-    spec = DatasetSpec(length, tuple(built), structure, name, token, trainer_pid=os.getpid(),
-                       factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
-                       torch="torch" in sys.modules, forked=forked, **hook)
-    if factory is not None and spec.reader_hook_argument:
-        spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
-    if data is not None:
-        main_path = _main_path(data, instance, spec)
-        fd = _write_memory_file("shmloader-dataset", data)
-        spec = dataclasses.replace(spec, pickle_fd=fd, pickle_bytes=len(data), main_path=main_path)
-    return DatasetHandle(spec, instance)
+    return structure, built
 
 
 def _probe_copy(instance):

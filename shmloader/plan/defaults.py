@@ -65,3 +65,21 @@ def wake_after(slots: int) -> int:
     ahead (see cursor_release in ring/_cursor.c). Half the ring: they are woken at once whenever
     the batch after the one being delivered is not ready, so deferring costs no waiting."""
     return max(1, slots // 2)
+
+
+# ---- Batches kept past their slot's turn -------------------------------------------------
+
+# Batches the trainer keeps (kept.py: each given memory of its own when the ring needs its
+# slot) take at most this share of the memory this process may use: past it the node would
+# swap or its OOM killer would pick a process, so the error at the bound, which names what
+# holds the memory, comes first. A quarter leaves the rest to the model, the page cache and
+# the other trainers of the node (the read-ahead budget's share too: storage/readahead.py).
+KEPT_MEMORY_SHARE = 1 / 4
+
+
+def kept_bytes_max() -> int:
+    """The bound on the memory of kept batches: KEPT_MEMORY_SHARE of the machine's memory, or
+    of its memory cgroup's limit where that is lower."""
+    from ..storage.readahead import memory_limit_bytes  # Here: it imports the plan (plan.sampler).
+
+    return int(memory_limit_bytes() * KEPT_MEMORY_SHARE)

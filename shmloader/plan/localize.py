@@ -51,18 +51,23 @@ class CacheSettings:
     root: str
     budget: int
     options: dict = dataclasses.field(repr=False)  # Credentials: never printed.
+    explicit: bool = True  # cache_bytes given; else budget is half the disk free, read now.
 
     @classmethod
     def of(cls, cache_dir, cache_bytes, storage_options) -> CacheSettings:
         from ..remote.pages import default_root
 
         root = os.path.abspath(os.fspath(cache_dir)) if cache_dir is not None else default_root()
-        os.makedirs(root, exist_ok=True)
+        # 0700 where it is made here (the umask only takes bits away): made with the umask's
+        # 0755, every user of the node could list it (private_root makes private only one
+        # that others may write in).
+        os.makedirs(root, mode=0o700, exist_ok=True)
         # The values' types and bounds are plan/options.LoaderOptions'; here what they mean.
-        if cache_bytes is None:
+        explicit = cache_bytes is not None
+        if not explicit:
             cache_bytes = shutil.disk_usage(root).free // 2  # Half of what is free where it lives.
         assert storage_options is None or isinstance(storage_options, collections.abc.Mapping), storage_options
-        return cls(root, int(cache_bytes), {str(k): str(v) for k, v in (storage_options or {}).items()})
+        return cls(root, int(cache_bytes), {str(k): str(v) for k, v in (storage_options or {}).items()}, explicit)
 
 
 def declares_urls(fields, label_path=None) -> bool:
@@ -92,7 +97,10 @@ class Localizer:
         self.settings = settings
         self.cache = acquire(settings.root)  # The loader release()s it when it closes.
         budget = self.cache.join_budget(settings.budget)
-        if budget < settings.budget:
+        # Only a budget the user gave is worth a warning: two default budgets differ by what
+        # the disk gained or lost between two loaders' starts, and lowering one of them is
+        # no surprise the user could act on.
+        if budget < settings.budget and settings.explicit:
             warnings.warn(f"cache_dir {settings.root}: the node cache's budget is {budget} bytes, below this loader's "
                           f"{settings.budget}: a node's loaders share one budget, the smallest of theirs (cache_bytes, "
                           f"else half the disk free) since the cache was last unused", RuntimeWarning, stacklevel=4)

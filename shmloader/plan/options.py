@@ -132,6 +132,7 @@ class LoaderOptions:
     cache_dir: object = None
     cache_bytes: int | None = None
     storage_options: dict | None = None
+    audit_log: object = None  # a path (audit_log.py): what each rank delivered, for `shmloader audit`
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -175,6 +176,9 @@ class LoaderOptions:
                                              self.cache_bytes < CACHE_BYTES_MIN):
             raise ValueError(f"cache_bytes must be an integer of at least {CACHE_BYTES_MIN} bytes (the node cache's "
                              f"budget), got {self.cache_bytes!r}")
+        if self.audit_log is not None and not isinstance(self.audit_log, (str, os.PathLike)):
+            raise TypeError(f"audit_log must be a path (\"{{rank}}\" in it is replaced by shard_index), got "
+                            f"{type(self.audit_log).__name__}")
         if self.storage_options is not None and not isinstance(self.storage_options, collections.abc.Mapping):
             raise TypeError(f"storage_options must be a mapping of obstore S3 settings (endpoint, access_key_id, "
                             f"secret_access_key, region, ...), got {type(self.storage_options).__name__}")

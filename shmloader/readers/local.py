@@ -138,14 +138,16 @@ class LocalIterator:
     def _wait_for_slot(self, cursor) -> int:
         """The next step's slot still holds the batch from a ring ago: hands back the slots
         nothing refers to (next()'s release pass, run first), else waits as next() would
-        (the supervisor's held action, SlotsExhaustedError past hold_timeout). Returns what
+        (the supervisor's held action: the batch gets memory of its own and the step is
+        requested, or, under pin_memory or after a fork, SlotsExhaustedError past
+        hold_timeout). Returns what
         the slot holds then; at a finite pass's end, HELD: there is nothing to fill, and
         next() ends the pass without waiting."""
         if cursor.next_step >= cursor.end_step:
             return _HELD
         cursor.release_unused()
         state = cursor.next_state
-        while state == _HELD:  # Bounded: the held action raises past hold_timeout.
+        while state == _HELD:  # Bounded: the held action frees the slot, or raises past hold_timeout.
             self.supervisor.supervise(cursor, _HELD, LOCAL_RECORD, cursor.next_step)
             state = cursor.next_state
         return state

@@ -163,6 +163,7 @@ class ReaderPool:
         self._retired_busy_ns = [0] * count
         self._retired_batches = [0] * count
         self._retired_sleeps = [(0, 0, 0)] * self.records  # (starved_ns, sleeps, wakeups)
+        self._retired_stages = [(0, 0, 0)] * self.records  # (user_ns, read_ns, fetch_ns)
         self._retired_skips: list[tuple[int, list]] = [(0, [])] * self.records  # (count, first records)
         self.count = count
 
@@ -381,9 +382,10 @@ class ReaderPool:
         self._retired_batches[reader_index] += batches
         self._retired_sleeps[reader_index] = tuple(
             a + b for a, b in zip(self._retired_sleeps[reader_index], ring.records.sleeps(reader_index)))
+        self._retired_stages[reader_index] = self.stages(reader_index)
         count, records = self._reader_skips(reader_index)
         self._retired_skips[reader_index] = (count, records)
-        ring.records.write_stats(reader_index, 0, 0, 0)
+        ring.records.write_stats(reader_index, 0, 0, 0, 0, 0, 0)
         ring.records.write_sleeps(reader_index, 0, 0, 0)
         ring.records.write_skips(reader_index, 0, b"")
 
@@ -541,10 +543,16 @@ class ReaderPool:
             total, records = total + count, records + described
         return total, sorted(records, key=lambda record: (record.get("step", 0), record.get("position", 0)))
 
+    def stages(self, reader_index: int) -> tuple[int, int, int]:
+        """(user_ns, read_ns, fetch_ns) of a reader record (ring.h), the readers it replaced included."""
+        return tuple(a + b for a, b in zip(self.ring.records.stages(reader_index), self._retired_stages[reader_index]))
+
     def report(self, elapsed_s: float) -> list[dict]:
         """Per reader, counting the readers it replaced: pid, batches filled, time busy,
         time asleep while a slot it then claimed was already requested (a starved
-        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up.
+        pipeline), waits for work, wake-ups by a post, and batches filled per wake-up; of
+        its busy time, the part in the user's code (user_s: a transform, a dataset's
+        __getitem__), reading fields (read_s) and waiting for a store's pages (fetch_s).
         Remote readers (remote: True) follow, busy_s their actor's time filling."""
         readers = []
         for reader_index in range(self.records):
@@ -555,6 +563,7 @@ class ReaderPool:
                 batches += self._retired_batches[reader_index]
                 busy_ns += self._retired_busy_ns[reader_index]
             busy_s = busy_ns / 1e9
+            user_ns, read_ns, fetch_ns = self.stages(reader_index)
             readers.append({
                 "index": reader_index,
                 "remote": reader_index >= self.count,
@@ -567,6 +576,9 @@ class ReaderPool:
                 "sleeps": sleeps,
                 "wakeups": wakeups,
                 "batches_per_wakeup": batches / wakeups if wakeups else float(batches),
+                "user_s": user_ns / 1e9,
+                "read_s": read_ns / 1e9,
+                "fetch_s": fetch_ns / 1e9,
             })
         return readers
 

@@ -291,7 +291,7 @@ class RayBridge:
             publisher.fail(report, (job.slot,))
             return
         # The slot's bytes, as one array to copy the result into; asked for each time, since a
-        # seek past a held batch maps the slot anew (Ring.detach_slot).
+        # batch kept past its slot's turn has it mapped anew (Ring.detach_slot).
         target = np.ndarray((self._slot_bytes,), np.uint8, *self.ring.slot_memory(job.slot))
         problem = _result_problem(data, target)
         if problem is not None:  # Never broadcast or cast into a slot: the step fails, naming the actor.

@@ -2,8 +2,9 @@
 ring/step_codes.py's map (StepActions) sends each STEP code to.
 
 Raise (a failed reader's own error, a step in flight past step_timeout, a slot a batch
-holds past hold_timeout, a reader dead past its budget), or return for next() to look
-again, warning once when a step stays in flight long enough to look like a hang. It fills
+holds past hold_timeout where that batch cannot be given memory of its own, a reader dead
+past its budget), or return for next() to look again (a slot a batch holds is freed by
+giving the batch memory of its own: kept.py), warning once when a step stays in flight long enough to look like a hang. It fills
 nothing: with readers=0 the local reader does (local.py), like any reader. It also owns
 the one warning about records replaced under on_error="skip".
 """
@@ -77,6 +78,13 @@ class Supervisor(StepActions):
         self.timed_out = False  # A step timed out: the next iter() recovers (Session.recover).
         # An adapter's words for a batch kept too long (drop_in_hold_advice), else ShmDataLoader's.
         self.hold_advice = None
+        # make_room(cursor, step) -> None once a held slot is freed (kept.KeptBatches), else why not.
+        self.make_room = None
+        # The session's bottleneck meter (readers/bottleneck.py), and a cheap reading of the
+        # ring at the start of the wait being timed: the stall warning names what limited
+        # the loader over that wait, in stats()["bottleneck"]'s words.
+        self.meter = None
+        self._episode_reading = None
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -87,7 +95,18 @@ class Supervisor(StepActions):
         self.pool.raise_reported(owner)
 
     def held(self, cursor, step: int) -> None:
-        self._wait_for_holder(cursor, step, self._check(cursor, step, held=True))
+        """The batch from a ring ago still holds `step`'s slot: it gets memory of its own and
+        the slot goes back to the readers (kept.py); where it cannot (pin_memory, a fork),
+        next() waits a bounded time for it to go."""
+        if cursor.release_unused():
+            return
+        if self.make_room is None:
+            reason = "no session set make_room up"
+        else:
+            reason = self.make_room(cursor, step)
+            if reason is None:
+                return  # The slot is requested, or was let go meanwhile: next() looks again.
+        self._wait_for_holder(cursor, step, self._check(cursor, step, held=True), reason)
 
     def in_flight(self, cursor, step: int) -> None:
         if self.pool.records == 0:
@@ -98,6 +117,8 @@ class Supervisor(StepActions):
         waited_s = self._check(cursor, step, held=False)
         if self._starting(step):
             return
+        if self.meter is not None and (self._episode_reading is None or self._episode_reading[0] != self._episode):
+            self._episode_reading = (self._episode, self.meter.read(processes=False))
         if self.step_timeout is not None and waited_s > self.step_timeout:
             found, filler = self.ring.state(step % self.slots)
             filling = found == SlotState.FILLING
@@ -114,9 +135,10 @@ class Supervisor(StepActions):
             found, filler = self.ring.state(step % self.slots)
             who = self.pool.describe(filler) if found == SlotState.FILLING else "no reader"
             cause = _cache_note() or _stall_cause(self.ring.layout.slot_bytes, cursor.batches)
+            line = "" if self._episode_reading is None else f" {self.meter.since(self._episode_reading[1])['line']}."
             warnings.warn(
                 f"step {step} has been {found.name.lower()} for {waited_s:.0f} s ({who} has it)"
-                f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.",
+                f"{self.pool.waiting_note()}; the loader keeps waiting. {cause}.{line}",
                 ReaderStallWarning,
                 stacklevel=user_stacklevel(),
             )
@@ -152,21 +174,22 @@ class Supervisor(StepActions):
                 gc.collect()  # Views caught in reference cycles: give them one chance to go.
         return time.monotonic() - self._episode_since
 
-    def _wait_for_holder(self, cursor, step: int, waited_s: float) -> None:
-        """The batch from `slots` steps ago still has views: wait a bounded time for them to go."""
+    def _wait_for_holder(self, cursor, step: int, waited_s: float, reason: str | None) -> None:
+        """The batch from `slots` steps ago still has views and cannot be given memory of its
+        own (`reason`): wait a bounded time for them to go."""
         if cursor.release_unused():
             return
         if waited_s > self.hold_timeout:
             slot = step % self.slots
             if self.hold_advice is not None:
-                raise SlotsExhaustedError(self.hold_advice(step, self.slots, self.hold_timeout, cursor.held()))
+                raise SlotsExhaustedError(self.hold_advice(step, self.slots, self.hold_timeout, cursor.held(), reason))
             raise SlotsExhaustedError(
                 f"step {step} needs slot {slot}, which still holds step {step - self.slots}: views of that "
-                f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s. Release batches "
-                f"once used (batch.release(), `with batch:`, or drop the arrays), copy data you keep, or "
-                f"raise slots (now {self.slots}). An iterator around the loader may keep the batch before the "
-                f"current one (tqdm(zip(range(n), loader)) does): iterate the loader itself, or allow one more "
-                f"slot per batch it keeps."
+                f"batch (arrays, slices, tensors) are alive after {self.hold_timeout:.1f} s, and that batch cannot "
+                f"be given memory of its own: {reason}. Release batches once used (batch.release(), `with batch:`, "
+                f"or drop the arrays), copy data you keep, or raise slots (now {self.slots}). An iterator around "
+                f"the loader may keep the batch before the current one (tqdm(zip(range(n), loader)) does): iterate "
+                f"the loader itself, or allow one more slot per batch it keeps."
             )
         time.sleep(POLL_INTERVAL_SECONDS / 5)  # Another thread may drop its views meanwhile.
 
@@ -198,8 +221,9 @@ class Supervisor(StepActions):
 def drop_in_hold_advice(num_workers: int, prefetch_factor: int | None, trainer_slots: int):
     """SlotsExhaustedError's message in shmloader.torch.DataLoader's words: its knob is
     prefetch_factor, and what holds a slot is a batch (or a tensor made of one) the loop
-    keeps; it has no batch.release() and no slots= setting."""
-    def advice(step: int, slots: int, hold_timeout: float, held: dict) -> str:
+    keeps; it has no batch.release() and no slots= setting. Only where the batch cannot be
+    given memory of its own (`reason`: pin_memory, a fork)."""
+    def advice(step: int, slots: int, hold_timeout: float, held: dict, reason: str | None) -> str:
         kept = sorted(held.values())
         shown = ", ".join(str(kept_step) for kept_step in kept[:10]) + (", ..." if len(kept) > 10 else "")
         factor = "None (the default)" if prefetch_factor is None else str(prefetch_factor)
@@ -207,6 +231,7 @@ def drop_in_hold_advice(num_workers: int, prefetch_factor: int | None, trainer_s
                 f"{num_workers} x prefetch_factor={factor} + {trainer_slots} for the loop), and after "
                 f"{hold_timeout:.1f} s batches {shown} of this epoch are still referenced, by your code or tensors "
                 f"made from them (a list of batches, a tensor kept without .clone(), an iterator wrapper that keeps "
-                f"the batch before). Keep fewer batches (del them once used, .clone() what you keep), or raise "
-                f"prefetch_factor so that the batches you keep fit.")
+                f"the batch before), and they cannot be given memory of their own: {reason}. Keep fewer batches (del "
+                f"them once used, .clone() what you keep), or raise prefetch_factor so that the batches you keep "
+                f"fit.")
     return advice

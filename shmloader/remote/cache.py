@@ -66,11 +66,10 @@ import numpy as np
 
 from ..errors import CacheError, RemoteError, StorageError
 from . import deadline_left
-from .node import NodeCache, cache_root, node_cache
+from .node import NodeCache, cache_root, counted_bytes, node_cache
 from .pages import (
     BUDGET_UNITS_MIN,
     CACHE_PAGE_BYTES,
-    DISK_SECTOR_BYTES,
     FETCH_BASE,
     FIT_UNIT_BYTES,
     IN_FLIGHT,
@@ -210,15 +209,17 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     cache.creating.add(path)
     try:
         private_directory(os.path.dirname(path), root)
+        # Before read_marker removes a damaged marker the ledger counts.
+        pages_held, own_held = counted_bytes(path)
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
         # A damaged marker vouches for nothing of its copy: every page fetched again.
         fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
-        if fresh:  # The budget covers the cache's own files too.
-            cache.hold(sum(os.lstat(name).st_blocks * DISK_SECTOR_BYTES for name in (path + PAGES_SUFFIX,
-                                                                                   path + MARKER_SUFFIX)))
+            # The budget covers the cache's own files too: as they are now, in place of what it
+            # counted of them (and of the pages a copy made anew no longer has).
+            cache.hold(counted_bytes(path)[1], own_held + (pages_held if fresh else 0))
     except OSError as error:
         raise no_space(error, root, cache.budget(), f"making the copy of {url}") from None
     finally:
@@ -870,8 +871,14 @@ class CachedObject:
             self.verified[first:end] = True
             return True
 
-    def close(self) -> None:
-        with self._descriptors_lock:
+    def close(self, wait_seconds: float | None = None) -> None:
+        """Closes the copy's files in this process. `wait_seconds` bounds the wait for a
+        request that is writing pages meanwhile (one that waits for the ledger's lock, which
+        a stopped process may hold: NodeCache.locked); past it the files stay open, and
+        their locks go when the process exits."""
+        if not self._descriptors_lock.acquire(timeout=-1 if wait_seconds is None else wait_seconds):
+            return
+        try:
             if self.stamps is None:
                 return
             descriptors, self._descriptors = self._descriptors, []
@@ -881,6 +888,8 @@ class CachedObject:
             self.stamps = self.checksums = None
             with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
                 self._map.close()
+        finally:
+            self._descriptors_lock.release()
 
 
 def pinned_bytes_max(fillers: int, batch_size: int, row_bytes: int) -> int:

@@ -14,11 +14,14 @@ import fcntl
 import os
 import queue
 import threading
+import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 
 from ..errors import StorageError
+from . import deadline_left
 from .pages import (
     CACHE_PAGE_BYTES,
     COUNTERS,
@@ -52,6 +55,14 @@ _LEDGER = {"magic": 0, "held": 1, "budget": 2, "requests": 3, "bytes": 4, "retri
 _LEDGER_BYTES = 4096
 # After the counters: (pid, bytes reserved in flight) per process using the cache.
 _SLOTS_OFFSET, _SLOT_COUNT = 256, 240
+# A bounded wait for the ledger's lock (NodeCache.locked) looks again after the first pause,
+# then after pauses twice as long, up to the second.
+_LEDGER_POLL_FIRST_SECONDS, _LEDGER_POLL_SECONDS = 0.0005, 0.02
+_LEDGER_HOLDER = "held by another process of the node: one stopped (SIGSTOP, a job suspended) or hung in it"
+# close() waits this long at most for the ledger's lock and the locks of its objects; past it
+# the ledger and the objects' files stay open (their locks go when the process exits) and the
+# reservations of this process's requests are given back by the next loader that needs room.
+CLOSE_WAIT_SECONDS = 5.0
 
 
 class RampingSlots:
@@ -181,6 +192,7 @@ class NodeCache:
         # hold it around locked(), so that a settle never meets a ledger close() took down.
         self._thread_lock = threading.RLock()
         self._depth = 0  # Sections of locked() the thread holding _thread_lock is in.
+        self._ledger_lock_named = f"the lock of the node cache's ledger ({self.root}/ledger), {_LEDGER_HOLDER}"
         self.creating: set[str] = set()  # Copies this process is making: not removed (_remove_unopened).
         # Reservations in flight that no slot of the ledger records (every slot held by a
         # live process): given back at close, or counted until the cache is next counted anew.
@@ -207,19 +219,45 @@ class NodeCache:
     # The ledger.
 
     @contextlib.contextmanager
-    def locked(self):
+    def locked(self, wait_seconds: float | None = None):
         """The ledger's lock, for this thread (reentrant: an OFD lock does not nest, so only
-        the outermost section takes and drops it)."""
-        with self._thread_lock:
+        the outermost section takes and drops it). Waited for without bound, but within the
+        deadline of the step this thread fills (remote.step_deadline: StepTimeoutError) or
+        for `wait_seconds` (TimeoutError): a process of the node stopped (SIGSTOP, a job
+        suspended) or hung inside its section holds the lock for as long."""
+        give_up = None if wait_seconds is None else time.monotonic() + wait_seconds
+        self._wait_for(lambda wait: self._thread_lock.acquire(blocking=wait), give_up)
+        try:
             self._depth += 1
             try:
                 if self._depth == 1:
-                    lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, True)
+                    self._wait_for(lambda wait: lock(self._ledger_fd, fcntl.F_WRLCK, 0, 1, wait), give_up)
                 yield
             finally:
                 self._depth -= 1
                 if self._depth == 0:
                     lock(self._ledger_fd, fcntl.F_UNLCK, 0, 1, False)
+        finally:
+            self._thread_lock.release()
+
+    def _wait_for(self, take, give_up: float | None) -> None:
+        """take(wait) (a lock; whether it was had), blocking where neither this thread's step
+        deadline nor `give_up` (a time.monotonic()) bounds the wait, else polled until the
+        first of them, each pause twice the one before: most holders hold the ledger for
+        microseconds, and a pause of _LEDGER_POLL_SECONDS at once would be a step's delay."""
+        what = self._ledger_lock_named
+        if give_up is None and deadline_left(what) is None:
+            take(True)
+            return
+        pause = _LEDGER_POLL_FIRST_SECONDS
+        while not take(False):
+            bounds = [pause, deadline_left(what) or pause]
+            if give_up is not None:
+                if time.monotonic() >= give_up:
+                    raise TimeoutError(f"{what}, was not had within the time allowed")
+                bounds.append(give_up - time.monotonic())
+            time.sleep(max(0.0, min(bounds)))
+            pause = min(2 * pause, _LEDGER_POLL_SECONDS)
 
     def count(self, requests: int = 0, size: int = 0, retries: int = 0, evicted: int = 0) -> None:
         with self.locked():
@@ -257,6 +295,10 @@ class NodeCache:
             users = open_private(os.path.join(self.root, "ledger"), os.O_RDWR)
             try:
                 if lock(users, fcntl.F_WRLCK, 1, 1, False):
+                    if os.fstat(self._ledger_fd).st_size > _LEDGER_BYTES:
+                        # Grown past its layout (damaged, or written by hand): the tail is no count's,
+                        # and kept it would hold disk the budget cannot free.
+                        os.ftruncate(self._ledger_fd, _LEDGER_BYTES)
                     held = os.fstat(self._ledger_fd).st_blocks * DISK_SECTOR_BYTES
                     for found in self._pages_files():
                         held += found.held + found.own_bytes
@@ -283,10 +325,15 @@ class NodeCache:
                     except (OSError, StorageError):  # Gone meanwhile, or not this user's: not counted.
                         continue
 
-    def hold(self, size: int) -> None:
+    def hold(self, size: int, replaced: int = 0) -> None:
         """Counts `size` bytes of the cache's own files (a new object's pages file and
-        marker) as held for good, evicting pages first where they would pass the budget."""
+        marker) as held for good, evicting pages first where they would pass the budget.
+        `replaced`: what the ledger counted of the copy they replace (one made anew over
+        damaged files: counted_bytes), given back first, never below the reservations in
+        flight (files a killed process made were never counted: held may not have them)."""
         with self.locked():
+            in_flight = int(self._slots[:, 1].sum()) + self._untracked
+            self._ledger[_LEDGER["held"]] -= min(replaced, max(0, self._held() - in_flight))
             self._make_room(size)
             self._ledger[_LEDGER["held"]] += size
             self._assert_ledger()
@@ -560,34 +607,60 @@ class NodeCache:
     def close(self) -> None:
         """Closes every object, the fetch threads and the ledger (a loader's close, when no
         other loader of this process uses the directory)."""
+        give_up = time.monotonic() + CLOSE_WAIT_SECONDS
         with self.objects_lock:
             for found in self.objects.values():
-                found.close()
+                found.close(max(0.0, give_up - time.monotonic()))
             self.objects.clear()
         with self._pool_lock:
             for pool in self._pools.values():
                 pool.shutdown(wait=False, cancel_futures=True)
             self._pools.clear()
-        with self._thread_lock:  # A download settling meanwhile finds the ledger whole, or closed.
-            if self._ledger_fd is None:
-                return
-            with self.locked():  # Downloads given up on: their reservations go back now.
-                slot = self._own_slot()
-                if slot is not None:
-                    self._ledger[_LEDGER["held"]] -= slot[1]
-                    slot[:] = 0
-                del slot  # A view of the mapping: it must go before the mapping can close.
-                self._ledger[_LEDGER["held"]] -= self._untracked
-                self._untracked = 0
-                # Back within the budget: what the fills held pinned beyond it is free now
-                # (pages pinned by loaders of other processes stay, and are theirs to give back).
-                self._make_room(0)
-                self._assert_ledger()
-            self._ledger = self._slots = None
-            with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
-                self._ledger_map.close()
-            os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
-            self._ledger_fd = None
+        try:
+            # A download settling meanwhile finds the ledger whole, or closed.
+            self._wait_for(lambda wait: self._thread_lock.acquire(blocking=wait), give_up)
+        except TimeoutError as error:
+            warnings.warn(f"the node cache at {self.root} is left open at close ({error}): its files and locks go when "
+                          f"this process exits", RuntimeWarning, stacklevel=2)
+            return
+        try:
+            self._close_ledger(give_up)
+        finally:
+            self._thread_lock.release()
+
+    def _close_ledger(self, give_up: float) -> None:
+        """close()'s part under the thread lock: this process's reservations given back, the
+        cache trimmed to its budget, the ledger closed; left open where its lock is not had
+        by `give_up` (a stopped process holds it)."""
+        if self._ledger_fd is None:
+            return
+        try:
+            with self.locked(max(0.0, give_up - time.monotonic())):
+                self._give_back_own()
+        except TimeoutError as error:
+            warnings.warn(f"the node cache at {self.root} is left open at close ({error}): its files and locks go when "
+                          f"this process exits", RuntimeWarning, stacklevel=2)
+            return
+        self._ledger = self._slots = None
+        with contextlib.suppress(BufferError):  # A view held elsewhere: unmapped with it.
+            self._ledger_map.close()
+        os.close(self._ledger_fd)  # Its locks (the users' byte) go with it.
+        self._ledger_fd = None
+
+    def _give_back_own(self) -> None:
+        """Gives back this process's reservations (downloads given up on at close) and trims
+        the cache to its budget (under the lock)."""
+        slot = self._own_slot()
+        if slot is not None:
+            self._ledger[_LEDGER["held"]] -= slot[1]
+            slot[:] = 0
+        del slot  # A view of the mapping: it must go before the mapping can close.
+        self._ledger[_LEDGER["held"]] -= self._untracked
+        self._untracked = 0
+        # Back within the budget: what the fills held pinned beyond it is free now
+        # (pages pinned by loaders of other processes stay, and are theirs to give back).
+        self._make_room(0)
+        self._assert_ledger()
 
     def pool(self, kind: str = "demand") -> FetchThreads:
         """The fetch threads: "demand" for the pages a fill waits for, "ahead" for the
@@ -612,18 +685,30 @@ class CachedFiles(NamedTuple):
 
 
 def read_stamps(pages: str, data: str) -> CachedFiles:
-    """An object's stamps and sizes (files of this user, links not followed)."""
+    """An object's stamps and sizes (files of this user, links not followed). A pages file
+    that is not of its data file's size (damaged, or cut short or grown between runs)
+    vouches for no page, as create_object holds: its stamps are not read (none), so that
+    one grown to any size costs no more than a stat, here and in every eviction's scan.
+    One whose data file is gone (removed by hand, or a removal killed between its unlinks)
+    is an orphan: no page, its own files counted, and removed as a copy nobody has open."""
+    try:
+        descriptor = open_private(data, os.O_RDONLY)
+    except FileNotFoundError:
+        size = data_disk_bytes = 0
+    else:
+        try:
+            info = os.fstat(descriptor)
+        finally:
+            os.close(descriptor)
+        size, data_disk_bytes = info.st_size, info.st_blocks * DISK_SECTOR_BYTES
+    count = -(-size // CACHE_PAGE_BYTES)
     descriptor = open_private(pages, os.O_RDONLY)
     try:
-        info = os.fstat(descriptor)
-        count = info.st_size // pages_file_bytes(1)
+        pages_info = os.fstat(descriptor)
+        if pages_info.st_size != pages_file_bytes(count):
+            count = 0
         stamps = np.frombuffer(os.pread(descriptor, STAMP_BYTES * count, 0), dtype=np.uint32).copy()
-        own_bytes = info.st_blocks * DISK_SECTOR_BYTES
-    finally:
-        os.close(descriptor)
-    descriptor = open_private(data, os.O_RDONLY)
-    try:
-        info = os.fstat(descriptor)
+        own_bytes = pages_info.st_blocks * DISK_SECTOR_BYTES
     finally:
         os.close(descriptor)
     with contextlib.suppress(OSError):
@@ -631,8 +716,18 @@ def read_stamps(pages: str, data: str) -> CachedFiles:
     present = np.flatnonzero(stamps)
     held = len(present) * CACHE_PAGE_BYTES
     if len(present) and present[-1] == len(stamps) - 1:
-        held -= CACHE_PAGE_BYTES - page_disk_bytes(len(stamps) - 1, info.st_size)  # The last page is shorter.
-    return CachedFiles(pages, data, stamps, info.st_size, max(0, held), info.st_blocks * DISK_SECTOR_BYTES, own_bytes)
+        held -= CACHE_PAGE_BYTES - page_disk_bytes(len(stamps) - 1, size)  # The last page is shorter.
+    return CachedFiles(pages, data, stamps, size, max(0, held), data_disk_bytes, own_bytes)
+
+
+def counted_bytes(data: str) -> tuple[int, int]:
+    """What the ledger counts of the copy whose data file is `data`, as _recount counts it:
+    (its present pages, its own files); zeros where its files are not there."""
+    try:
+        found = read_stamps(data + PAGES_SUFFIX, data)
+    except (OSError, StorageError):
+        return 0, 0
+    return found.held, found.own_bytes
 
 
 def _give_back_unstamped(found: CachedFiles) -> None:
@@ -643,6 +738,9 @@ def _give_back_unstamped(found: CachedFiles) -> None:
     except (OSError, StorageError):
         return
     try:
+        if not len(found.stamps):  # A pages file of another size (read_stamps): no page is vouched for.
+            punch_hole(descriptor, 0, -(-found.size // CACHE_PAGE_BYTES) * CACHE_PAGE_BYTES)
+            return
         absent = np.flatnonzero(found.stamps == 0)
         if not len(absent):
             return

@@ -174,9 +174,11 @@ def no_space(error: OSError, root: str, budget: int, what: str) -> OSError:
 def open_private(path: str, flags: int) -> int:
     """A descriptor of the cache's file at `path`, opened without following a link and
     only where it is a regular file of this user: a link or a file planted by another
-    user is refused, never followed or trusted."""
+    user is refused, never followed or trusted. Opened without blocking: a FIFO in place
+    of a file would hold an open for reading until a writer came (every loader of the
+    node waited for ever); it is refused below as any other non-file."""
     try:
-        descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, _PRIVATE_FILE_MODE)
+        descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, _PRIVATE_FILE_MODE)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise CacheError(f"{path} is a symbolic link: the node cache never follows one (it may have been "
@@ -184,6 +186,9 @@ def open_private(path: str, flags: int) -> int:
         if error.errno == errno.EISDIR:
             raise CacheError(f"{path} is a directory where the node cache keeps a file: remove it (the object is "
                              f"fetched again), or use another cache_dir") from None
+        if error.errno == errno.ENXIO:  # A socket, or a FIFO opened for writing that nothing reads.
+            raise CacheError(f"{path} is not a regular file (a socket or a FIFO): the node cache reads only files "
+                             f"it made; remove it, or use another cache_dir") from None
         raise
     info = os.fstat(descriptor)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
@@ -191,6 +196,9 @@ def open_private(path: str, flags: int) -> int:
         raise CacheError(f"{path} is not a regular file of this user (uid {info.st_uid}, mode "
                          f"{stat.filemode(info.st_mode)}): the node cache reads only files it made; remove it, or "
                          f"use another cache_dir")
+    # Blocking again, as the callers expect (O_NONBLOCK means nothing to a regular file's
+    # reads on Linux; cleared so that no file system that honours it surprises them).
+    fcntl.fcntl(descriptor, fcntl.F_SETFL, fcntl.fcntl(descriptor, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return descriptor
 
 

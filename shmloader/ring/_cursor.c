@@ -312,7 +312,11 @@ static PyObject *take(Cursor *self, unsigned long long started_ns) {
         self->first_next_ns = started_ns != 0 ? started_ns : monotonic_ns();
     }
     if (started_ns != 0) {
-        self->wait_ns += monotonic_ns() - started_ns;
+        unsigned long long waited_ns = monotonic_ns() - started_ns;
+        self->wait_ns += waited_ns;
+        /* The trainer alone writes the line's waited_ns (ring.h), so a plain sum; relaxed, since
+         * its readers (top, stats()) only sample it. */
+        __atomic_store_n(&slot->control->waited_ns, slot->control->waited_ns + waited_ns, __ATOMIC_RELAXED);
     }
     if (batch->step >= self->partial_from) { /* The end of a finite pass, or a resumed first step: Python cuts it. */
         PyObject *cut = PyObject_CallFunctionObjArgs(self->partial, (PyObject *)self, (PyObject *)batch, NULL);

@@ -22,9 +22,13 @@ class Batch(cursor_module.BatchBase, collections.abc.Mapping):
     reserved for this batch while the Batch (until released) or any array of it or view of
     one (slices, np.asarray, torch.from_numpy tensors) is alive; the loader hands it back to
     the readers at the first next() after the last of them is gone. `release()` or leaving
-    `with batch:` gives up the Batch's own references. A view kept longer keeps the slot:
-    it is never overwritten under you, but a loader whose every slot is kept this way
-    raises SlotsExhaustedError. Copy what you need to keep (np.array(batch["x"])).
+    `with batch:` gives up the Batch's own references. A view kept longer stays valid as
+    long as it is held: when the ring needs its slot, the batch's pages become memory of
+    its own at the same address (shmloader/kept.py), up to a bound on the memory so kept
+    (SlotsExhaustedError past it, naming what holds it); that memory goes with the last
+    view. Under pin_memory, and for a batch held when the process forked, the slot is kept
+    instead and next() raises SlotsExhaustedError past hold_timeout. Copying what you keep
+    (np.array(batch["x"])) costs less than keeping whole batches.
 
     The arrays are built once per slot and handed out again for later steps in that slot,
     so a batch costs no allocation; an array changed in place (its shape, dtype, strides or

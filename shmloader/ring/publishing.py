@@ -27,24 +27,42 @@ def skips_report(skipped: list[dict]) -> bytes:
     return report
 
 
+# A filler that keeps no time by stage (a Ray actor's, a test's stand-in).
+NO_STAGES = (0, 0, 0)
+
+
 class Publisher:
     """One reader record's counters and its side of the protocol."""
 
     def __init__(self, ring: Ring, record: int, pid: int) -> None:
         self.ring, self.record, self.pid = ring, record, pid
         self.busy_ns = self.batches = 0
+        # (user_ns, read_ns, fetch_ns) of ring.h's record: the current filler's sums (its
+        # stage_ns, read at each publication) plus those of the fillers before it.
+        self._stages, self._stage_base = NO_STAGES, (0, 0, 0)
         self.skipped: list[dict] = []
 
-    def publish(self, slot: int, busy_ns: int, skipped: list[dict] = ()) -> None:
-        """`slot`'s bytes are its step's: counts the fill (`busy_ns`, the records it
-        skipped), writes them to the record, then publishes READY."""
+    def publish(self, slot: int, busy_ns: int, skipped: list[dict] = (), stage_ns=NO_STAGES) -> None:
+        """`slot`'s bytes are its step's: counts the fill (`busy_ns`; `stage_ns`, the
+        filler's time in the user's code, reading fields and waiting for a store's pages,
+        summed over its fills; the records it skipped), writes them to the record, then
+        publishes READY."""
         assert busy_ns >= 0, busy_ns
         if skipped:
             self.skipped += skipped
             self.ring.records.write_skips(self.record, len(self.skipped), skips_report(self.skipped))
         self.busy_ns += busy_ns
         self.batches += 1
-        self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
+        if stage_ns is NO_STAGES:  # A fill of local fields alone: its stages stay zero, unwritten.
+            self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches)
+            self.ring.publish(slot, SlotState.READY, self.record)
+            return
+        if stage_ns is not self._stages:  # Another filler (a new epoch's): its sums start from zero.
+            self._stage_base = tuple(a + b for a, b in zip(self._stage_base, self._stages))
+            self._stages = stage_ns
+        base = self._stage_base
+        self.ring.records.write_stats(self.record, self.pid, self.busy_ns, self.batches, stage_ns[0] + base[0],
+                                      stage_ns[1] + base[1], stage_ns[2] + base[2])
         self.ring.publish(slot, SlotState.READY, self.record)
 
     def fail(self, report: bytes, slots=()) -> None:

@@ -19,13 +19,22 @@ class ReaderRecords:
         self._records = [ffi.cast("shm_reader_record *", base_address + layout.reader_offset(reader))
                          for reader in range(layout.reader_count)]
 
-    def write_stats(self, reader: int, pid: int, busy_ns: int, batches: int) -> None:
+    def write_stats(self, reader: int, pid: int, busy_ns: int, batches: int, user_ns: int | None = None,
+                    read_ns: int = 0, fetch_ns: int = 0) -> None:
+        """A reader's counters; with `user_ns`, its time by stage too (else those stay)."""
         record = self._records[reader]
         record.pid, record.busy_ns, record.batches = pid, busy_ns, batches
+        if user_ns is not None:
+            record.user_ns, record.read_ns, record.fetch_ns = user_ns, read_ns, fetch_ns
 
     def stats(self, reader: int) -> tuple[int, int, int]:
         record = self._records[reader]
         return record.pid, record.busy_ns, record.batches
+
+    def stages(self, reader: int) -> tuple[int, int, int]:
+        """(user_ns, read_ns, fetch_ns): a reader's fill time by stage (see ring.h)."""
+        record = self._records[reader]
+        return record.user_ns, record.read_ns, record.fetch_ns
 
     def write_sleeps(self, reader: int, starved_ns: int, sleeps: int, wakeups: int) -> None:
         record = self._records[reader]

@@ -19,8 +19,9 @@
 #define SHM_RING_MAGIC 0x474E49524C4D4853
 /* Bumped whenever the layout or the protocol changes; a reader refuses any other.
  * 4: when a slot was requested, and the readers' sleep counters, for stats().
- * 5: the records a reader skipped. */
-#define SHM_RING_VERSION 5
+ * 5: the records a reader skipped.
+ * 6: next()'s waits per slot, and the readers' time by stage, for stats()["bottleneck"]. */
+#define SHM_RING_VERSION 6
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -52,20 +53,27 @@ typedef struct {
  * `waiter` is nonzero while the trainer waits on the slot's ready semaphore: a reader
  * posts the semaphore only then, so its count stays bounded (a Dekker pair of sequentially
  * consistent accesses: the trainer stores waiter then loads state, a reader stores state
- * then loads waiter, so at least one of them sees the other). */
+ * then loads waiter, so at least one of them sees the other). `waited_ns` sums how long
+ * next() waited for the steps this slot delivered: the trainer's alone to write, at the
+ * take it writes the line for anyway, so that `shmloader top` reads the trainer's wait
+ * share (the sum over the slots) from the ring. */
 typedef struct {
     uint64_t state;
     uint64_t step;
     uint64_t waiter;
     uint64_t requested_ns; /* CLOCK_MONOTONIC when the trainer requested the slot */
-    uint64_t reserved[4];
+    uint64_t waited_ns;
+    uint64_t reserved[3];
 } shm_control_line;
 
 /* The fixed head of a reader's record; SHM_READER_SKIP_BYTES of UTF-8 JSON describing the
  * first records it skipped (on_error="skip") follow, then its UTF-8 JSON error report.
  * starved_ns: time the reader slept while a slot it then claimed was already requested;
  * sleeps and wakeups: waits for work begun, and ended by a post rather than the time-out;
- * skipped: records it replaced. */
+ * skipped: records it replaced. The time of its fills (busy_ns) by stage: user_ns in the
+ * user's code (a transform, a dataset's __getitem__), read_ns reading fields (decompression
+ * or copies, and the page faults of a cold file), fetch_ns waiting for a store's pages in
+ * the node cache; the rest is the sampler's and the protocol's. */
 #define SHM_READER_SKIP_BYTES 2048
 typedef struct {
     uint64_t pid;
@@ -77,6 +85,9 @@ typedef struct {
     uint64_t sleeps;
     uint64_t wakeups;
     uint64_t skipped;
+    uint64_t user_ns;
+    uint64_t read_ns;
+    uint64_t fetch_ns;
 } shm_reader_record;
 
 #endif

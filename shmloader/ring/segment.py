@@ -12,9 +12,11 @@ Segment layout (all integers little-endian, offsets in bytes):
     0               64                    shm_ring_header         magic, version, counts, trainer pid, batch
                                                                   size, slot stride, slots offset, stop flag
     64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
-                                                                  error_bytes, skipped), 2048 bytes of JSON on
-                                                                  the records it skipped, its JSON error report
-    table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step
+                                                                  error_bytes, skipped, busy time by stage),
+                                                                  2048 bytes of JSON on the records it
+                                                                  skipped, its JSON error report
+    table_offset    slot_count * 64       control table           one shm_control_line per slot: state, step,
+                                                                  waiter, requested_ns, next()'s waits
     slots_offset    slot_count * stride   slot data               per slot: its SlotLayout (slot_layout.py):
                                                                   uint64 indices (8*B), then each region, 64-byte
                                                                   aligned: a field's rows, a ragged field's
@@ -131,7 +133,7 @@ class Ring:
                           length)
 
     def detach_slot(self, slot: int, fresh) -> None:
-        """Lets a seek go past slot `slot` while a batch still holds it: the batch's pages
+        """Lets a seek, or next() (kept.py), go past slot `slot` while a batch still holds it: the batch's pages
         become memory of its own, at the same address and with the same bytes
         (shm_private_copy), so its arrays, and any tensor or pointer made of them, keep their
         values; the slot's shared pages, which the readers fill next, are reached through
@@ -326,6 +328,11 @@ class Ring:
             return False
         self.work_semaphore.release()
         return True
+
+    def waited_ns(self) -> int:
+        """How long next() has waited for steps, summed over the slots' lines (ring.h's
+        waited_ns, which the trainer adds at each take)."""
+        return sum(int(self._lines[slot].waited_ns) for slot in range(self.layout.slot_count))
 
     def requested_ns(self, slot: int) -> int:
         """When the trainer requested the slot (CLOCK_MONOTONIC); read after claiming it."""

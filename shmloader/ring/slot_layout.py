@@ -30,8 +30,9 @@ def align(value: int, alignment: int) -> int:
 
 # How a region is cut to the rows of a partial batch (the end of a finite pass): its first
 # axis is the batch ("rows"), it holds batch_size + 1 offsets ("offsets"), or it holds a
-# Packed field's values, cut where its offsets say the kept rows end ("packed").
-CUTS = ("rows", "offsets", "packed")
+# Packed field's values, cut where its offsets say the kept rows end ("packed"), or it
+# holds the batch as a whole, whatever its rows ("whole": a collate_fn's, plan/collated.py).
+CUTS = ("rows", "offsets", "packed", "whole")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,8 @@ class SlotLayout:
             elif region.cut == "packed":
                 offsets = by_name[f"{region.name}.offsets"]
                 cut.append(view[int(offsets[first]):int(offsets[rows])])
+            elif region.cut == "whole":
+                cut.append(view)
             else:
                 cut.append(view[first:rows])
         cut.append(views[-1][first:rows])

@@ -14,15 +14,17 @@ Supervisor) provides the actions:
     READY       ready, but the periodic reader check is due      due: check the readers (restart a dead one)
     IN_FLIGHT   requested, or being filled (next() waited a      in_flight: check the readers, time the wait
                 poll interval for it first)                      (warn, then StepTimeoutError past step_timeout)
-    HELD        a batch from a ring ago still holds the slot     held: check the readers, hand unused slots
-                                                                 back, SlotsExhaustedError past hold_timeout
+    HELD        a batch from a ring ago still holds the slot     held: hand unused slots back, give kept
+                                                                 batches memory of their own (kept.py), else
+                                                                 (pin_memory, a fork) wait, and raise
+                                                                 SlotsExhaustedError past hold_timeout
     FAILED      its reader failed while filling it               failed: raise the reader's own error
     WRONG       a state or step this trainer never wrote there   SharedMemoryError naming the slot (here)
 
 After an action returns, next() looks at the step again. No action fills a step: with
 readers=0 the loader's iterator (readers/local.py) has its local reader fill the step before
 next() looks, so that next() finds it READY; that iterator calls supervise with HELD itself
-while a batch from a ring ago holds the slot it would fill.
+while a batch from a ring ago holds the slot it would fill (the held action requests it).
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ TRANSITIONS = (
     Transition(HELD, IDLE, "trainer", "ring/_cursor.c: cursor_release",
                "release store", "nothing refers to the batch, and the slot's next step is past a finite pass's end"),
     Transition(HELD, IDLE, "trainer", "ring/_cursor_type.c: cursor_detach",
-               "release store", "a seek gives a batch still held memory of its own (Ring.detach_slot): the slot "
-               "is free for the seek's steps"),
+               "release store", "a seek, or next() needing a slot a kept batch holds (kept.py), gives that batch "
+               "memory of its own (Ring.detach_slot): the slot is free for the next steps"),
     Transition(FAILED, IDLE, "trainer", "ring/segment.py: Ring.renew_failed",
                "compare-and-swap, acq_rel", "a new pass after a reader failed: it is replaced "
                "(ReaderPool.renew_failed), as torch's DataLoader starts new workers for each epoch"),

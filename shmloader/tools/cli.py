@@ -1,5 +1,5 @@
 """The `shmloader` command (also `python -m shmloader`): demo, convert, import, inspect, verify,
-bench and top."""
+bench, top and audit."""
 
 from __future__ import annotations
 
@@ -237,6 +237,12 @@ def _top(arguments) -> int:
     return run(arguments.rings or None, interval_s=arguments.interval, once=arguments.once)
 
 
+def _audit(arguments) -> int:
+    from .audit import audit
+
+    return audit(arguments.logs)
+
+
 def _bench(arguments) -> int:
     from .benchmark import run_cli
 
@@ -372,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("rings", nargs="*", help="ring names (loader.diagnostics.ring_name) to show; default: all")
     top.add_argument("--interval", type=_positive_seconds, default=1.0, help="seconds between samples")
     top.add_argument("--once", action="store_true", help="print one sample and exit")
+
+    audit = _command(commands, "audit", "prove from the audit logs of every rank (audit_log=PATH), across resumes "
+                                        "and reshapes, that each row of each epoch was delivered once, or name the "
+                                        "rows missing or repeated; exit status 1 on a problem", _audit)
+    audit.add_argument("logs", nargs="+", help="every rank's log files, of every run of the training")
 
     bench = _command(commands, "bench", "run the loader on your files and report its speed", _bench)
     bench.add_argument("files", nargs="+", help="one per field: a .b2nd or .npy file, a quoted glob of them, or a "

@@ -20,7 +20,11 @@ trainer's memory):
   this pid"); loader.stats()["readers"] adds the replaced processes' to them.
 The ring would need a field for each (a restart count beside the trainer pid in
 shm_ring_header, the replaced readers' batches in shm_reader_record) for top to show
-them. What only the trainer knows (its wait share) is not in the ring either.
+them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the stage that
+limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does, but for what only
+the trainer knows: whether a transform or a dataset runs (top says "the user's code"),
+whether fields are compressed (reader CPU, not decompression), and the node cache's
+evictions (the link, not the cache's budget).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
@@ -52,6 +56,7 @@ from ..ring.layout import (
     RingLayout,
     SlotState,
 )
+from ..readers.bottleneck import Context, ReaderCounters, Reading, cores_counters, diagnose, with_processes
 from ..ring.stale import lock_free
 
 _SEGMENT = re.compile(r"^shml_(\d{1,10})_[0-9a-f]{12}$")
@@ -70,6 +75,9 @@ class ReaderSample:
     batches: int
     starved_ns: int
     skipped: int
+    user_ns: int = 0
+    read_ns: int = 0
+    fetch_ns: int = 0
 
 
 @dataclasses.dataclass
@@ -83,6 +91,8 @@ class RingSample:
     states: list[tuple[SlotState | None, int, int]]  # (state, owner, step) per slot
     readers: list[ReaderSample]
     at_ns: int
+    waited_ns: int = 0  # next()'s waits, summed over the slots' lines (ring.h)
+    reading: Reading | None = None  # the same counters, with the readers' /proc ones, for diagnose()
 
 
 def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
@@ -203,8 +213,9 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
     if table is None:
         return None
     lines = ffi.cast("shm_control_line *", ffi.from_buffer("uint8_t[]", table))
-    states = []
+    states, waited_ns = [], 0
     for slot in range(slot_count):
+        waited_ns += int(lines[slot].waited_ns)
         word = int(lines[slot].state)
         try:
             state = SlotState(word & STATE_MASK)
@@ -219,9 +230,42 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
             return None
         record = ffi.cast("shm_reader_record *", ffi.from_buffer("uint8_t[]", data))
         readers.append(ReaderSample(int(record.pid), int(record.busy_ns), int(record.batches),
-                                    int(record.starved_ns), int(record.skipped)))
+                                    int(record.starved_ns), int(record.skipped), int(record.user_ns),
+                                    int(record.read_ns), int(record.fetch_ns)))
         del record
-    return RingSample(name, trainer_pid, alive, batch_size, states, readers, time.monotonic_ns())
+    at_ns = time.monotonic_ns()
+    return RingSample(name, trainer_pid, alive, batch_size, states, readers, at_ns, waited_ns,
+                      _reading(at_ns, trainer_pid, waited_ns, states, readers))
+
+
+def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list[ReaderSample]) -> Reading:
+    """What readers/bottleneck.diagnose needs of a sample: the ring's counters, and /proc's
+    of the readers that are the trainer's children (or its fork server's: a remote
+    reader's pid names another node's process)."""
+    held = sum(1 for state, _, _ in states if state == SlotState.HELD)
+    filling = {owner for state, owner, _ in states if state == SlotState.FILLING}
+    counters = tuple(with_processes(
+        ReaderCounters(reader.pid, reader.busy_ns, reader.batches, reader.user_ns, reader.read_ns, reader.fetch_ns,
+                       index in filling), _child_of(reader.pid, trainer_pid))
+        for index, reader in enumerate(readers))
+    idle_ns, total_ns, cores = cores_counters()
+    return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores)
+
+
+def _child_of(pid: int, trainer_pid: int) -> bool:
+    """Whether `pid` runs on this node as the trainer's child or grandchild (a forked reader)."""
+    parent = _parent(pid)
+    return parent is not None and parent > 0 and (parent == trainer_pid or _parent(parent) == trainer_pid)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
 def _share(part_ns: int, elapsed_ns: int) -> float:
@@ -242,6 +286,7 @@ class RingView:
     restarts: int = 0
     history: list[float] = dataclasses.field(default_factory=list)
     first_at_ns: int = dataclasses.field(init=False, default=0)
+    bottleneck: dict | None = None  # readers/bottleneck.diagnose over the last two samples
 
     def __post_init__(self) -> None:
         self.first_at_ns = self.last.at_ns
@@ -265,6 +310,11 @@ class RingView:
             self.busy.append(_share(reader.busy_ns - before.busy_ns, elapsed) if same else 0.0)
             self.starved.append(_share(reader.starved_ns - before.starved_ns, elapsed) if same else 0.0)
         self.rows_per_s = max(0, batches) * new.batch_size / (elapsed / 1e9)
+        if self.last.reading is not None and new.reading is not None:
+            # What the ring cannot say (is there a transform, is a field compressed, the node
+            # cache's evictions) is left out: top says "the user's code", "reader CPU", "link".
+            self.bottleneck = diagnose(self.last.reading, new.reading, Context(local_readers=sum(
+                1 for reader in new.reading.readers if reader.cpu_ns is not None)))
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
 
@@ -332,6 +382,8 @@ def render_text(monitor: Monitor) -> str:
                      f"{last.batch_size}  {view.rows_per_s:,.0f} rows/s  restarts seen {view.restarts} in "
                      f"{_duration(view.watched_s)}")
         lines.append(f"  slots [{states}]   rows/s {sparkline(view.history)}")
+        if view.bottleneck is not None:
+            lines.append(f"  {view.bottleneck['line']}")
         for index, reader in enumerate(last.readers):
             busy = view.busy[index] if index < len(view.busy) else 0.0
             starved = view.starved[index] if index < len(view.starved) else 0.0

@@ -1,0 +1,444 @@
+"""What limits a loader now, in one line: stats()["bottleneck"], `shmloader top` and the stall
+warning all call diagnose() on two readings of the counters the trainer and readers keep anyway.
+
+A reading (Reading) holds, cumulative since the ring was made: how long next() waited
+(the ring's control lines' waited_ns, which the trainer adds at each take), each reader's
+fill time and its part in the user's code, in reading fields and in waiting for a store's
+pages (its record in the ring), the slots batches hold now, and from /proc, read only when a
+reading is taken: each local reader's CPU time and the bytes it read from storage, and the
+idle time of the cores this process may run on. Nothing here runs per batch: the counters
+are written where a fill or a take writes its record or line already (ring.h).
+
+diagnose() takes the difference of two readings (the window) and names one stage, in this
+order: the trainer, when next() hardly waited (the loader is ahead); held batches, when
+the batches the trainer holds leave fewer slots to fill than there are readers; a stalled
+fill, when readers filled nothing in the window while the trainer waited; else the
+readers' largest share of time: the store's link or the node cache's budget (waiting for
+pages; the cache when it evicted meanwhile), the user's code, reading fields (disk when
+readers block on storage reads, decompression for compressed fields, else reader CPU), and
+the rest (the sampler, copies, the protocol) as reader CPU. Each verdict says how busy the
+stage was and the one change that would help; for the stages that need CPU, whether the
+node has an idle core for another reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from ..errors import SharedMemoryError
+from ..ring.layout import SlotState
+
+# Below this share of the window spent waiting in next(), the trainer is what limits:
+# the loader is ahead. A tenth leaves room for the waits that any pipeline has (a first
+# batch after a seek, a reader's restart) without calling a loader that keeps up the limit.
+TRAINER_WAIT_SHARE_MAX = 0.1
+# A reading taken less than this after the one before reuses it: stats() called at every
+# step reads /proc at most a few times a second.
+SAMPLE_INTERVAL_SECONDS = 0.25
+# The window diagnose() looks at: the readings of about the last this many seconds.
+WINDOW_SECONDS = 10.0
+# Readers blocked (busy, off the CPU) for at least this share of their reading time, while
+# reading from storage, are waiting for the disk rather than decompressing or copying.
+BLOCKED_SHARE_MIN = 0.5
+# A fill in progress for this many times a reader's usual fill, with no other fill ended
+# meanwhile, has stalled (a stopped reader, a transform that does not return).
+STALL_FILLS = 4
+# The stall warning diagnoses the wait it warns of when it has lasted this long, else the
+# meter's window: a shorter span holds too few fills to judge by.
+SINCE_SECONDS_MIN = 0.5
+# Readers busy less than this share of the window while next() waits are kept from
+# working (by the CPU others hold, or slow wake-ups), not short of readers.
+READERS_SATURATED = 0.7
+# Readers that wait this share of their fill time for a core (runnable, not running) are
+# short of CPU: another reader would only wait too.
+QUEUED_SHARE_MIN = 0.3
+# At least this many idle cores make "another reader would help" true.
+IDLE_CORES_MIN = 1.0
+
+_CLOCK_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# /proc files are small; a bound on what one read takes (foreign input: any process's).
+_PROC_BYTES_MAX = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class ReaderCounters:
+    """One reader record's cumulative counters (ns), and from /proc its main thread's (the
+    one that fills) time on a CPU and waiting for one (ns), and its process's bytes read
+    from storage (None where unknown: a remote reader, no /proc)."""
+
+    pid: int
+    busy_ns: int
+    batches: int
+    user_ns: int = 0
+    read_ns: int = 0
+    fetch_ns: int = 0
+    filling: bool = False  # A slot is FILLING by this reader at the reading.
+    cpu_ns: int | None = None
+    queued_ns: int | None = None
+    storage_read_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """The loader's counters at `at_ns` (CLOCK_MONOTONIC), cumulative."""
+
+    at_ns: int
+    waited_ns: int
+    readers: tuple[ReaderCounters, ...]
+    slots: int
+    held_slots: int
+    cores_idle_ns: int | None = None  # summed over the cores this process may use
+    cores_total_ns: int | None = None
+    cores: int = 1
+    evicted_bytes: int | None = None  # the node cache's, where the loader reads from one
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What the readings cannot say: what the readers run. `user_code`: "the transform",
+    "the dataset's __getitem__", or None for fields read as they are; `compressed`: whether
+    a field is compressed (reading it is decompression); `local_readers`: reader processes
+    on this node (readers=0: none, the trainer fills)."""
+
+    user_code: str | None = None
+    compressed: bool = False
+    local_readers: int = 0
+
+
+def zero_reading(at_ns: int, slots: int, readers: int) -> Reading:
+    """The counters of a ring just made: the baseline of a first diagnosis."""
+    return Reading(at_ns, 0, tuple(ReaderCounters(0, 0, 0) for _ in range(readers)), slots, 0)
+
+
+# /proc, read at a reading only.
+
+def process_counters(pid: int) -> tuple[int | None, int | None, int | None]:
+    """(ns on a CPU, ns waiting for one, bytes read from storage) of process `pid`, None for
+    what cannot be read. The times are its main thread's (schedstat: the thread that fills,
+    not the read-ahead's), or without schedstat the whole process's CPU time (stat)."""
+    cpu_ns = queued_ns = read_bytes = None
+    fields = (_read_proc(f"/proc/{pid}/schedstat") or "").split()
+    if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+        cpu_ns, queued_ns = int(fields[0]), int(fields[1])
+    else:
+        text = _read_proc(f"/proc/{pid}/stat")
+        fields = text[text.rfind(")") + 2:].split() if text else []  # After the command, which may hold spaces.
+        if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit():
+            cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
+    text = _read_proc(f"/proc/{pid}/io")
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(":")
+        if name == "read_bytes" and value.strip().isdigit():
+            read_bytes = int(value)
+    return cpu_ns, queued_ns, read_bytes
+
+
+def cores_counters() -> tuple[int | None, int | None, int]:
+    """(idle ns, total ns, cores) summed over the cores this process may run on, from
+    /proc/stat (idle and I/O wait count as idle)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    text = _read_proc("/proc/stat", 1 << 16)
+    idle = total = 0
+    for line in (text or "").splitlines():
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit() or int(name[3:]) not in allowed:
+            continue
+        ticks = [int(value) for value in values[:8] if value.isdigit()]
+        if len(ticks) >= 5:
+            idle, total = idle + ticks[3] + ticks[4], total + sum(ticks)
+    if total == 0:
+        return None, None, len(allowed)
+    scale = 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
+    return idle * scale, total * scale, len(allowed)
+
+
+def _read_proc(path: str, limit: int = _PROC_BYTES_MAX) -> str | None:
+    try:
+        with open(path, "rb") as file:
+            return file.read(limit).decode("ascii", "replace")
+    except OSError:
+        return None
+
+
+def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
+    """`counters` with its process's CPU time and storage reads, for a reader on this node."""
+    if not local or counters.pid <= 0:
+        return counters
+    cpu_ns, queued_ns, read_bytes = process_counters(counters.pid)
+    return dataclasses.replace(counters, cpu_ns=cpu_ns, queued_ns=queued_ns, storage_read_bytes=read_bytes)
+
+
+def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True) -> Reading:
+    """A reading of `ring` (ring/segment.Ring) from its trainer's process: the first
+    `local_readers` records are reader processes on this node; `node_cache` the cache the
+    loader reads a store's objects through (its evictions), or None. `processes=False`
+    leaves /proc unread (no CPU, storage or core counters): the stall warning's cheap
+    reading at the start of each long wait."""
+    layout = ring.layout
+    held, filling = 0, set()
+    for slot in range(layout.slot_count):
+        try:
+            state, owner = ring.state(slot)
+        except SharedMemoryError:
+            continue  # Foreign input; the trainer's own checks raise on it at next().
+        if state == SlotState.HELD:
+            held += 1
+        elif state == SlotState.FILLING:
+            filling.add(owner)
+    readers = []
+    for index in range(layout.reader_count):
+        pid, busy_ns, batches = ring.records.stats(index)
+        user_ns, read_ns, fetch_ns = ring.records.stages(index)
+        counters = ReaderCounters(pid, busy_ns, batches, user_ns, read_ns, fetch_ns, index in filling)
+        readers.append(with_processes(counters, processes and index < local_readers))
+    idle_ns, total_ns, cores = cores_counters() if processes else (None, None, 1)
+    evicted = None
+    if node_cache is not None:
+        try:
+            evicted = node_cache.counters()["evicted"]
+        except (OSError, ValueError, KeyError):
+            evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
+    return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
+                   total_ns, cores, evicted)
+
+
+def plan_context(plan, dataset: bool, local_readers: int) -> Context:
+    """What a loader's plan says its readers run (see Context)."""
+    user_code = "the dataset's __getitem__" if dataset else "the transform" if plan.transform is not None else None
+    compressed = any(getattr(part, "codec", "none") not in ("", "none") and getattr(part, "clevel", 0) > 0
+                     for field in plan.fields for part in field.parts)
+    return Context(user_code, compressed, local_readers)
+
+
+# The diagnosis.
+
+_WORDS = {
+    "trainer": "the training step",
+    "held": "batches the trainer holds",
+    "stalled": "a fill that has not ended",
+    "link": "the object store's link",
+    "cache": "the node cache's budget",
+    "user_code": "the user's code",
+    "disk": "disk reads",
+    "decompression": "decompression",
+    "reader_cpu": "reader CPU",
+    "unknown": "nothing yet",
+}
+STAGES = tuple(_WORDS)
+
+
+def diagnose(before: Reading, after: Reading, context: Context) -> dict:
+    """What limited the loader between two readings: {"stage", "utilisation" (0-1, how busy
+    that stage was), "advice", "line" (the one-line form), "window_s", "detail"}."""
+    window_ns = after.at_ns - before.at_ns
+    if window_ns <= 0:
+        return _verdict("unknown", 0.0, "read stats() again after some steps", 0.0, {})
+    window_s = window_ns / 1e9
+    waited = _share(after.waited_ns - before.waited_ns, window_ns)
+    changes = [_change(old, new) for old, new in zip(_padded(before.readers, len(after.readers)), after.readers)]
+    count = max(1, len(changes))
+    busy_ns = sum(change["busy_ns"] for change in changes)
+    busy = _share(busy_ns, window_ns * count)
+    detail = {"trainer_wait": round(waited, 3), "readers_busy": round(busy, 3), "readers": len(changes),
+              "held_slots": after.held_slots, "slots": after.slots}
+    idle_cores = _idle_cores(before, after)
+    if idle_cores is not None:
+        detail["idle_cores"] = round(idle_cores, 1)
+    if waited < TRAINER_WAIT_SHARE_MAX:
+        return _trainer(waited, busy, len(changes), window_s, detail)
+    free = after.slots - after.held_slots
+    if after.held_slots and free < max(1, context.local_readers, len(changes)) and busy < READERS_SATURATED:
+        advice = (f"the trainer holds {after.held_slots} of {after.slots} slots' batches, so readers have {free} to "
+                  f"fill: let go of batches sooner (del batch, batch.release()) or give slots="
+                  f"{after.held_slots + max(2, len(changes)) * 2}")
+        return _verdict("held", after.held_slots / after.slots, advice, window_s, detail)
+    stalled = _stalled(changes, after.readers, window_ns)
+    if stalled and waited >= 0.5:
+        advice = (f"reader {stalled[0]} (pid {after.readers[stalled[0]].pid}) has filled one step for {window_s:.0f} "
+                  f"s, far longer than its fills take: a transform or __getitem__ that does not return, a reader "
+                  f"stopped (by a signal, a debugger) or a stalled file system; "
+                  f"shmloader.transforms.compute_batch runs one step alone")
+        return _verdict("stalled", waited, advice, window_s, detail)
+    return _readers(changes, busy_ns, busy, waited, idle_cores, before, after, context, window_s, detail)
+
+
+def _trainer(waited: float, busy: float, readers: int, window_s: float, detail: dict) -> dict:
+    advice = f"the loader is ahead (next() waited {waited:.0%} of the time): nothing to do"
+    if readers > 1 and busy < 0.3:
+        fewer = max(1, round(readers * busy / 0.7 + 0.5))
+        advice += f"; readers are {busy:.0%} busy, readers={fewer} would keep up too"
+    return _verdict("trainer", 1.0 - waited, advice, window_s, detail)
+
+
+def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle_cores: float | None,
+             before: Reading, after: Reading, context: Context, window_s: float, detail: dict) -> dict:
+    """The readers limit: which part of their fills takes most of their time."""
+    parts = {name: sum(change[name] for change in changes) for name in ("user_ns", "read_ns", "fetch_ns")}
+    if not any(parts.values()) and context.user_code is None:
+        parts["read_ns"] = busy_ns  # Fills of local fields alone keep no stages: they are all reading (fill/filler.py).
+    parts["other_ns"] = max(0, busy_ns - sum(parts.values()))
+    shares = {name[:-3]: _share(value, busy_ns) for name, value in parts.items()}
+    detail["shares"] = {name: round(value, 3) for name, value in shares.items()}
+    cpu = [change["cpu_ns"] for change in changes if change["cpu_ns"] is not None]
+    queued_ns = sum(change["queued_ns"] for change in changes if change["queued_ns"] is not None)
+    blocked = queued = None
+    if cpu and busy_ns:
+        # Off a CPU and not waiting for one: asleep, or waiting for I/O.
+        blocked = max(0.0, 1.0 - (sum(cpu) + queued_ns) / busy_ns)
+        queued = _share(queued_ns, busy_ns)
+        detail["readers_blocked"], detail["readers_queued"] = round(blocked, 3), round(queued, 3)
+    storage = [change["storage_read_bytes"] for change in changes if change["storage_read_bytes"] is not None]
+    storage_rate = sum(storage) / window_s if storage else None
+    if storage_rate is not None:
+        detail["storage_read_bytes_per_s"] = round(storage_rate)
+    evicted = None
+    if after.evicted_bytes is not None and before.evicted_bytes is not None:
+        evicted = max(0, after.evicted_bytes - before.evicted_bytes)
+        detail["cache_evicted_bytes"] = evicted
+    largest = max(shares, key=shares.get)
+    readers = context.local_readers
+    if largest == "fetch":
+        if evicted:
+            advice = (f"the node cache evicted {evicted / 1e6:,.0f} MB in {window_s:.0f} s and readers waited for "
+                      f"pages {shares['fetch']:.0%} of their time: a larger cache_bytes (with cache_dir on a disk "
+                      f"with the room) keeps what the next steps read")
+            return _verdict("cache", busy * shares["fetch"], advice, window_s, detail)
+        advice = (f"readers waited for the object store {shares['fetch']:.0%} of their time: a faster link to it, "
+                  f"or the data kept in the node cache (cache_bytes at least its size) from the second epoch on")
+        return _verdict("link", busy * shares["fetch"], advice, window_s, detail)
+    if largest == "user":
+        who = context.user_code or "the user's code (a transform or __getitem__)"
+        advice = f"{who} takes {shares['user']:.0%} of the readers' time: " + _cpu_advice(
+            readers, idle_cores, f"make {who} cheaper", blocked, queued)
+        result = _verdict("user_code", busy * shares["user"], advice, window_s, detail)
+        result["line"] = f"bottleneck: {who} at {busy * shares['user']:.0%}: {advice}"
+        return result
+    if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
+        advice = (f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their "
+                  f"time: data in the page cache (memory for it), faster storage, or fewer bytes to read "
+                  f"(shmloader convert compresses)")
+        return _verdict("disk", busy * shares["read"], advice, window_s, detail)
+    if largest == "read" and context.compressed:
+        advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(
+            readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)", None, queued))
+        return _verdict("decompression", busy * shares["read"], advice, window_s, detail)
+    if busy < READERS_SATURATED and idle_cores is not None and idle_cores < IDLE_CORES_MIN:
+        advice = (f"readers are only {busy:.0%} busy while next() waits, and no core is idle: they wait for a CPU "
+                  f"that other processes (the trainer's included) hold, so more readers would not help; fewer "
+                  f"processes on the node would")
+    else:
+        advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns",
+                                                                  None, queued)
+    return _verdict("reader_cpu", busy, advice, window_s, detail)
+
+
+def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked: float | None = None,
+                queued: float | None = None) -> str:
+    """Whether another reader would help: not where readers wait for a core already; where
+    they spend most of their time off the CPU (sleeping or waiting in the user's code),
+    which more readers overlap without a core of their own; where a core is idle."""
+    if queued is not None and queued >= QUEUED_SHARE_MIN:
+        return (f"readers wait for a core {queued:.0%} of their time (the node's CPU is taken, the trainer's "
+                f"included), so more readers would not help: {otherwise}")
+    if blocked is not None and blocked >= BLOCKED_SHARE_MIN:
+        return (f"readers wait off the CPU {blocked:.0%} of their time, so more readers overlap those waits: "
+                f"readers={max(readers * 2, readers + 1)}")
+    if idle_cores is not None and idle_cores >= IDLE_CORES_MIN:
+        more = readers + int(idle_cores)
+        return f"{idle_cores:.1f} cores are idle, readers={more} would use them; else {otherwise}"
+    if idle_cores is None:
+        return f"more readers where cores are idle, else {otherwise}"
+    return f"no core is idle for another reader, so {otherwise}"
+
+
+def _verdict(stage: str, utilisation: float, advice: str, window_s: float, detail: dict) -> dict:
+    utilisation = min(1.0, max(0.0, utilisation))
+    return {"stage": stage, "utilisation": round(utilisation, 3), "advice": advice,
+            "line": f"bottleneck: {_WORDS[stage]} at {utilisation:.0%}: {advice}",
+            "window_s": round(window_s, 3), "detail": detail}
+
+
+def _change(old: ReaderCounters, new: ReaderCounters) -> dict:
+    """A reader's counters over the window; a new process in the record (a restart, its
+    counters cleared) counts from zero."""
+    same = old.pid == new.pid
+    change = {"busy_ns": new.busy_ns, "batches": new.batches, "user_ns": new.user_ns, "read_ns": new.read_ns,
+              "fetch_ns": new.fetch_ns}
+    if same:
+        change = {name: max(0, value - getattr(old, name)) for name, value in change.items()}
+    for name in ("cpu_ns", "queued_ns", "storage_read_bytes"):
+        value, earlier = getattr(new, name), getattr(old, name)
+        change[name] = None if value is None else value - earlier if same and earlier is not None else \
+            None if same else value
+    return change
+
+
+def _stalled(changes: list[dict], readers: tuple[ReaderCounters, ...], window_ns: int) -> list[int]:
+    """The readers filling a step now that finished none in the window, where the window
+    is STALL_FILLS times as long as their usual fill (busy_ns per batch so far)."""
+    found = []
+    for index, (change, reader) in enumerate(zip(changes, readers)):
+        usual_ns = reader.busy_ns / reader.batches if reader.batches else None
+        if reader.filling and change["batches"] == 0 and usual_ns is not None and window_ns > STALL_FILLS * usual_ns:
+            found.append(index)
+    return found
+
+
+def _padded(readers: tuple[ReaderCounters, ...], count: int) -> list[ReaderCounters]:
+    return list(readers[:count]) + [ReaderCounters(0, 0, 0)] * (count - len(readers))
+
+
+def _share(part: float, whole: float) -> float:
+    return min(1.0, max(0.0, part / whole)) if whole > 0 else 0.0
+
+
+def _idle_cores(before: Reading, after: Reading) -> float | None:
+    if None in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
+        return None
+    total = after.cores_total_ns - before.cores_total_ns
+    return after.cores * _share(after.cores_idle_ns - before.cores_idle_ns, total) if total > 0 else None
+
+
+class Meter:
+    """Readings taken when asked (not more often than SAMPLE_INTERVAL_SECONDS); a diagnosis
+    looks from the oldest kept to the newest: the first from `baseline` (the ring's start),
+    later ones from the reading before (or, asked often, from about WINDOW_SECONDS ago), so
+    that a start-up's waits leave the window as soon as a second reading is taken.
+    `read()` takes a reading; `context` is the loader's."""
+
+    def __init__(self, read, context: Context, baseline: Reading) -> None:
+        self.read, self.context = read, context
+        self.readings = [baseline]
+        self._from_start = True
+        self.last = diagnose(baseline, baseline, context)  # What a closed loader's stats() repeats.
+
+    def diagnosis(self) -> dict:
+        now = time.monotonic_ns()
+        # The second reading is taken whenever asked: the first window is the start-up's.
+        if self._from_start or now - self.readings[-1].at_ns >= SAMPLE_INTERVAL_SECONDS * 1e9:
+            self.readings.append(self.read())
+        if self._from_start and len(self.readings) > 2:
+            self._from_start = False
+            self.readings.pop(0)
+        # One reading at least as old as the window stays: the baseline of the next diagnosis.
+        while len(self.readings) > 2 and self.readings[1].at_ns <= now - WINDOW_SECONDS * 1e9:
+            self.readings.pop(0)
+        self.last = diagnose(self.readings[0], self.readings[-1], self.context)
+        return self.last
+
+    def since(self, reading: Reading) -> dict:
+        """The diagnosis from `reading` (a cheap one, read(processes=False)) to now, read the
+        same way: the stall warning's, over the wait it warns of, which next() has spent
+        waiting throughout (a wait is added to waited_ns only when it ends, at the take);
+        where that wait is shorter than SINCE_SECONDS_MIN (a warning set to come early),
+        diagnosis()'s."""
+        now = self.read(processes=False)
+        if now.at_ns - reading.at_ns < SINCE_SECONDS_MIN * 1e9:
+            return self.diagnosis()
+        now = dataclasses.replace(now, waited_ns=reading.waited_ns + now.at_ns - reading.at_ns)
+        return diagnose(reading, now, self.context)

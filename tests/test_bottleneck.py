@@ -1,0 +1,260 @@
+"""stats()["bottleneck"] names the stage that limits the loader: end to end, loaders built so
+that one stage dominates by a wide margin (a training step of 50 ms against fills of a
+millisecond, a __getitem__ or transform that sleeps 50 ms against a trainer that does not,
+batches the trainer keeps, a fill that does not end, which the stall warning names too);
+and diagnose() itself on counters written by hand for every stage, the ones no fixture here
+can make (a slow disk, decompression, a link, a cache too small, cores free or not).
+No assertion compares timings: each case is limited by one stage whatever the machine's load."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import dataset_fixtures as fixtures
+from shmloader import ReaderStallWarning, ShmDataLoader
+from shmloader.readers import supervision
+from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters, Reading, diagnose, zero_reading
+
+# A training step, or a sample's __getitem__, that dominates what the other side takes.
+_SLOW_SECONDS = 0.05
+# A link slow enough that a few steps' pages of a 6 MB object take seconds.
+_LINK_BYTES_PER_SECOND = 2e6
+
+
+def _windowed(loader, steps: int, step_seconds: float = 0.0, keep: int = 0) -> dict:
+    """The bottleneck over `steps` steps after a warm-up (readers started, a first reading
+    taken): the second stats() judges the steps between the two. `keep`: batches the
+    trainer holds on to, the newest ones."""
+    kept = []
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    loader.stats()
+    for _ in range(steps):
+        batch = next(iterator)
+        if keep:
+            kept = (kept + [batch])[-keep:]
+        del batch
+        time.sleep(step_seconds)
+    verdict = loader.stats()["bottleneck"]
+    kept.clear()
+    return verdict
+
+
+def test_a_slow_training_step_names_the_trainer():
+    with ShmDataLoader.from_dataset(fixtures.Sleepy(0.0), batch_size=4, readers=1) as loader:
+        verdict = _windowed(loader, 20, step_seconds=_SLOW_SECONDS)
+    assert verdict["stage"] == "trainer", verdict
+    assert "nothing to do" in verdict["advice"] and verdict["line"].startswith("bottleneck: the training step")
+
+
+def test_a_slow_getitem_names_the_users_code_and_its_share():
+    with ShmDataLoader.from_dataset(fixtures.Sleepy(_SLOW_SECONDS), batch_size=2, readers=1) as loader:
+        verdict = _windowed(loader, 6)
+        reader = loader.stats()["readers"][0]
+    assert verdict["stage"] == "user_code", verdict
+    assert "__getitem__" in verdict["line"] and verdict["detail"]["shares"]["user"] > 0.5, verdict
+    # A sleep is off the CPU: another reader overlaps it without a free core.
+    assert "readers=2" in verdict["advice"], verdict
+    assert 0 < reader["user_s"] <= reader["busy_s"], reader
+
+
+def test_a_slow_transform_names_the_transform(tmp_path):
+    np.save(tmp_path / "data.npy", np.arange(400 * 4, dtype=np.float32).reshape(400, 4))
+    with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=4, readers=1,
+                       transform="transform_fixtures:sleeps") as loader:
+        verdict = _windowed(loader, 8)
+    assert verdict["stage"] == "user_code" and "the transform" in verdict["line"], verdict
+
+
+def test_a_trainer_that_outruns_compressed_fields_names_decompression(tmp_path):
+    """Fields of ZSTD at level 9, a trainer that does nothing: readers spend their fills in
+    decompressing (the file is in the page cache: nothing is read from storage)."""
+    from conftest import image_like, write_b2nd
+
+    path = write_b2nd(tmp_path / "x.b2nd", image_like(8192, (256,)), chunks=(1024, 256), blocks=(128, 256),
+                      codec="ZSTD", clevel=9)
+    with ShmDataLoader({"x": path}, batch_size=512, readers=1, warn_layout=False) as loader:
+        verdict = _windowed(loader, 30)
+    assert verdict["stage"] == "decompression", verdict
+    assert "--codec lz4" in verdict["advice"], verdict
+
+
+def test_a_trainer_that_outruns_plain_rows_names_reader_cpu(tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((8192, 256), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=1024, readers=1) as loader:
+        verdict = _windowed(loader, 60)
+    assert verdict["stage"] == "reader_cpu", verdict
+
+
+def test_batches_the_trainer_keeps_name_held_batches():
+    slots = 8
+    with ShmDataLoader.from_dataset(fixtures.Sleepy(0.005), batch_size=4, readers=2, slots=slots) as loader:
+        verdict = _windowed(loader, 20, keep=slots - 1)
+    assert verdict["stage"] == "held", verdict
+    assert "release" in verdict["advice"] and verdict["detail"]["held_slots"] >= slots - 1, verdict
+
+
+def test_the_stall_warning_names_a_fill_that_does_not_end(tmp_path, monkeypatch):
+    monkeypatch.setattr(supervision, "STALL_WARNING_SECONDS", 1.0)
+    np.save(tmp_path / "x.npy", np.arange(16, dtype=np.int64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4, mode="sequential", readers=1, slots=4,
+                           transform="transform_fixtures:slow_on_row_nine") as loader:
+            for _ in zip(range(4), loader):
+                pass
+    stalls = [str(warning.message) for warning in caught if issubclass(warning.category, ReaderStallWarning)]
+    assert stalls and "bottleneck: a fill that has not ended" in stalls[0], stalls
+
+
+def test_stats_before_and_after_close_keep_the_same_form(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((64, 2), np.float32))
+    loader = ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=8, readers=1)
+    first = loader.stats()["bottleneck"]
+    next(loader)
+    loader.close()
+    after = loader.stats()["bottleneck"]
+    for verdict in (first, after):
+        assert verdict["stage"] in STAGES and set(verdict) == {"stage", "utilisation", "advice", "line",
+                                                               "window_s", "detail"}, verdict
+
+
+# diagnose() on counters written by hand: one window of 10 s, two readers.
+
+_WINDOW_NS = 10_000_000_000
+
+
+def _reader(busy_s: float, user_s=0.0, read_s=0.0, fetch_s=0.0, cpu_s=None, storage_bytes=None, batches=100,
+            queued_s=None):
+    ns = 1_000_000_000
+    return ReaderCounters(7, int(busy_s * ns), batches, int(user_s * ns), int(read_s * ns), int(fetch_s * ns),
+                          cpu_ns=None if cpu_s is None else int(cpu_s * ns),
+                          queued_ns=None if queued_s is None else int(queued_s * ns), storage_read_bytes=storage_bytes)
+
+
+def _readings(readers, waited_s: float, held: int = 0, idle_cores: float | None = 0.0, evicted=None,
+              filling=False):
+    before = Reading(0, 0, tuple(ReaderCounters(7, 0, 0, cpu_ns=None if r.cpu_ns is None else 0,
+                                                queued_ns=None if r.queued_ns is None else 0,
+                                                storage_read_bytes=None if r.storage_read_bytes is None else 0)
+                                 for r in readers), 8, 0, 0, 0, 4, None if evicted is None else 0)
+    if filling:  # Fills that began before the window and go on: no counter moved in it.
+        before = Reading(0, 0, tuple(readers), 8, 0, 0, 0, 4)
+        readers = [ReaderCounters(r.pid, r.busy_ns, r.batches, filling=True) for r in readers]
+    after = Reading(_WINDOW_NS, int(waited_s * 1e9), tuple(readers), 8, held,
+                    None if idle_cores is None else int(idle_cores / 4 * _WINDOW_NS), _WINDOW_NS, 4, evicted)
+    return before, after
+
+
+@pytest.mark.parametrize("case, readers, options, context, stage, words", [
+    ("a trainer that barely waits", [_reader(2), _reader(2)], dict(waited_s=0.2), Context(), "trainer",
+     "readers=1 would keep up"),
+    ("readers on the CPU, cores idle", [_reader(10, read_s=2, cpu_s=10), _reader(10, read_s=2, cpu_s=10)],
+     dict(waited_s=6, idle_cores=2.5), Context(local_readers=2), "reader_cpu", "readers=4"),
+    ("readers on the CPU, no core idle", [_reader(10, read_s=2, cpu_s=10), _reader(10, read_s=2, cpu_s=10)],
+     dict(waited_s=6, idle_cores=0.2), Context(local_readers=2), "reader_cpu", "no core is idle"),
+    ("compressed fields", [_reader(10, read_s=8, cpu_s=10), _reader(10, read_s=8, cpu_s=10)],
+     dict(waited_s=6), Context(compressed=True, local_readers=2), "decompression", "--codec lz4"),
+    ("reads that block on storage", [_reader(10, read_s=9, cpu_s=2, storage_bytes=10**9)] * 2,
+     dict(waited_s=6), Context(compressed=True, local_readers=2), "disk", "200 MB/s"),
+    ("waits for a store's pages", [_reader(10, fetch_s=8), _reader(10, fetch_s=8)],
+     dict(waited_s=6, evicted=0), Context(local_readers=2), "link", "object store"),
+    ("waits for pages a small cache evicted", [_reader(10, fetch_s=8), _reader(10, fetch_s=8)],
+     dict(waited_s=6, evicted=500 * 10**6), Context(local_readers=2), "cache", "cache_bytes"),
+    ("the user's code", [_reader(10, user_s=9, cpu_s=9)] * 2, dict(waited_s=6, idle_cores=0.0),
+     Context(user_code="the transform", local_readers=2), "user_code", "make the transform cheaper"),
+    ("the user's code asleep", [_reader(10, user_s=9, cpu_s=1, queued_s=0)] * 2, dict(waited_s=6, idle_cores=0.0),
+     Context(user_code="the transform", local_readers=2), "user_code", "more readers overlap those waits: readers=4"),
+    ("the user's code waiting for a core", [_reader(10, user_s=9, cpu_s=4, queued_s=5)] * 2,
+     dict(waited_s=6, idle_cores=0.0), Context(user_code="the transform", local_readers=2), "user_code",
+     "wait for a core 50%"),
+    ("batches held", [_reader(2), _reader(2)], dict(waited_s=6, held=7), Context(local_readers=2), "held",
+     "holds 7 of 8"),
+    ("a fill that has not ended", [_reader(0.5, batches=50)] * 2, dict(waited_s=9.5, filling=True, idle_cores=None),
+     Context(local_readers=2), "stalled", "filled one step"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_diagnose_names_the_stage_its_counters_describe(case, readers, options, context, stage, words):
+    before, after = _readings(readers, **options)
+    verdict = diagnose(before, after, context)
+    assert verdict["stage"] == stage, (case, verdict)
+    assert words in verdict["advice"], (case, verdict)
+    assert 0.0 <= verdict["utilisation"] <= 1.0 and verdict["line"].startswith("bottleneck: ")
+
+
+def test_a_restarted_reader_counts_from_zero_and_no_window_says_unknown():
+    before = Reading(0, 0, (ReaderCounters(5, 9 * 10**9, 900),), 4, 0)
+    after = Reading(_WINDOW_NS, 9 * 10**9, (ReaderCounters(6, 10**10, 10, user_ns=9 * 10**9),), 4, 0)
+    verdict = diagnose(before, after, Context(user_code="the transform", local_readers=1))
+    assert verdict["stage"] == "user_code" and verdict["detail"]["readers_busy"] == 1.0, verdict
+    assert diagnose(after, after, Context())["stage"] == "unknown"
+
+
+def test_the_meter_judges_from_the_reading_before_once_it_has_one():
+    """The first diagnosis counts from the ring's start; the next from the reading before,
+    leaving a slow start-up out."""
+    start = time.monotonic_ns() - 20 * 10**9
+    readings = iter([
+        Reading(start + 10**9, 9 * 10**8, (ReaderCounters(1, 10**8, 1),), 4, 0),  # Waited 90% of the first second.
+        Reading(start + 11 * 10**9, 10**9, (ReaderCounters(1, 2 * 10**8, 50),), 4, 0),  # Then 1% of 10 s.
+    ])
+    meter = Meter(lambda **_: next(readings), Context(local_readers=1), zero_reading(start, 4, 1))
+    assert meter.diagnosis()["stage"] != "trainer"
+    verdict = meter.diagnosis()
+    assert verdict["stage"] == "trainer" and verdict["window_s"] == 10.0, verdict
+
+
+def test_a_slow_store_names_the_link(tmp_path):
+    """Fields in a store behind a proxy that answers reads of an object's bytes as one link of
+    2 MB/s would, through a cache that holds the data: in the first pass readers wait for
+    pages, nothing is evicted, and the link is named, not the cache."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("obstore")
+    pytest.importorskip("boto3")
+    import threading
+
+    from test_cache_trainers import _Refusing, _RefusingHandler
+    from test_object_store import serving
+
+    link = threading.Lock()  # One link: requests share its rate.
+
+    class SlowHandler(_RefusingHandler):
+        def do_GET(self) -> None:
+            self._forward()  # Every read answered (the refusing proxy's forwarding), the slow link's way.
+
+        def send_response(self, *arguments) -> None:
+            wanted = self.headers.get("Range") or ""
+            if wanted.startswith("bytes=") and not wanted.startswith("bytes=0-"):
+                first, _, last = wanted[len("bytes="):].partition("-")
+                with link:
+                    time.sleep((int(last or first) - int(first) + 1) / _LINK_BYTES_PER_SECOND)
+            super().send_response(*arguments)
+
+    class SlowLink(_Refusing):
+        def handle_error(self, request, client_address) -> None:
+            pass  # A loader closed with fetches ahead in flight drops their connections: not this test's.
+
+    rows = np.random.default_rng(7).integers(0, 1 << 60, size=(3000, 256), dtype=np.int64)  # 6 MB, 2 KB a row.
+    np.save(tmp_path / "rows.npy", rows)
+    with serving() as server:
+        url = server.upload(str(tmp_path / "rows.npy"), "bottleneck/rows.npy")
+        proxy = SlowLink(server.port)
+        proxy.RequestHandlerClass = SlowHandler
+        thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+        thread.start()
+        try:
+            # In order, through a cache of twice the data: fetched in units of a 32nd of it, as the steps
+            # come, each once (remote/cache.set_fetch_unit).
+            with ShmDataLoader({"x": url}, cache_dir=tmp_path / "cache", cache_bytes=2 * rows.nbytes, batch_size=32,
+                               readers=2, mode="sequential", storage_options={"endpoint": proxy.endpoint}) as loader:
+                verdict = _windowed(loader, 20)
+        finally:
+            proxy.shutdown()
+            proxy.server_close()
+            thread.join(timeout=10)
+    assert verdict["stage"] == "link", verdict
+    assert verdict["detail"]["cache_evicted_bytes"] == 0 and "object store" in verdict["advice"], verdict
