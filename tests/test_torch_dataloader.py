@@ -17,6 +17,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+# The drop-in forks its readers from the trainer unless threads run there; the harness's own
+# (pytest-timeout's timer thread, an xdist worker's) are not the script's, so they are left out
+# and the timer is a signal: these tests run the path a script takes (the spawn path has tests
+# of its own, pinned with multiprocessing_context="spawn").
+pytestmark = [pytest.mark.timeout(300, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 

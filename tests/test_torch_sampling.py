@@ -21,6 +21,11 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+# The drop-in forks its readers from the trainer unless threads run there; the harness's own
+# (pytest-timeout's timer thread, an xdist worker's) are not the script's, so they are left out
+# and the timer is a signal: these tests run the path a script takes (the spawn path has tests
+# of its own, pinned with multiprocessing_context="spawn").
+pytestmark = [pytest.mark.timeout(300, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.utils.data import BatchSampler, Dataset, DistributedSampler, RandomSampler, Sampler  # noqa: E402
