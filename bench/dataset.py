@@ -130,7 +130,7 @@ def run_child(contender: str, name: str, workers: int, seconds: float) -> None:
     """One run of one contender on case `name`, in this child process: prints its JSON line."""
     import torch.utils.data
 
-    import shmloader.torch_dataset
+    import shmloader.torch
 
     make, batch_size = CASES[name]
     dataset = make()
@@ -140,7 +140,7 @@ def run_child(contender: str, name: str, workers: int, seconds: float) -> None:
         result = _measure(loader, batch_size, seconds)
         del loader
     else:
-        loader = shmloader.torch_dataset.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
+        loader = shmloader.torch.DataLoader(dataset, batch_size=batch_size, shuffle=True, num_workers=workers)
         result = _measure(loader, batch_size, seconds)
         loader.close()
     finish_child(result)

@@ -157,7 +157,7 @@ def test_hugging_face_trainer_resumes_from_a_checkpoint_exactly(rows, tmp_path):
 def test_accelerates_dispatcher_is_refused_where_it_would_lose_or_repeat_rows(rows, settings, refusal):
     """What ShmIterableDataset checks on every rank under accelerate's dispatcher (two
     processes here; tests/test_distributed.py runs the real one under torchrun)."""
-    from shmloader.torch import _check_dispatched
+    from shmloader.torch.adapters import _check_dispatched
 
     fields, _, _ = rows
     with ShmDataLoader(fields, batch_size=16, readers=0, **settings) as loader:

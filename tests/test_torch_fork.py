@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 from torch.utils.data import Dataset, get_worker_info  # noqa: E402
 
 from conftest import our_shm_entries, process_alive, wait_until  # noqa: E402
-from shmloader import torch_worker  # noqa: E402
+from shmloader.torch import worker as torch_worker  # noqa: E402
 from shmloader.plan.dataset import DatasetError  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 

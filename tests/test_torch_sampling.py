@@ -34,7 +34,7 @@ from torch.utils.data import SubsetRandomSampler, WeightedRandomSampler  # noqa:
 
 import sampling_child  # noqa: E402
 from conftest import examples, our_shm_entries, wait_until  # noqa: E402
-from shmloader import torch_sampling  # noqa: E402
+from shmloader.torch import sampling as torch_sampling  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
 

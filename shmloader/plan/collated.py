@@ -26,7 +26,7 @@ COLLATE_HEADROOM times the larger (padding to the batch's longest varies). `outp
 declares a leaf's largest shape instead ({"input_ids": (64, 1024)}), and
 {"collate.beside": bytes} the JSON's room. A batch whose leaf is larger raises
 CollateRoomError naming the leaf, its shape and that setting; the drop-in grows a learned
-room from it (room_needed; torch_dataset.py) and keeps a declared one.
+room from it (room_needed; torch/dataloader.py) and keeps a declared one.
 """
 
 from __future__ import annotations

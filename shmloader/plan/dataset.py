@@ -297,7 +297,7 @@ class DatasetSpec:
     # "module:function" a reader calls once it has loaded the dataset, before its first
     # sample: function(dataset, reader (fill/dataset_runner.ReaderView), argument), the
     # argument pickled here (base64). The drop-in's get_worker_info() and worker_init_fn
-    # (shmloader/torch_worker.py); the core knows nothing of what it does.
+    # (shmloader/torch/worker.py); the core knows nothing of what it does.
     reader_hook: str | None = None
     reader_hook_argument: str = ""
     # Readers are forks of the trainer made after this spec (readers/trainer_fork.py): they

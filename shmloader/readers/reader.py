@@ -171,7 +171,7 @@ class Reader:
         dataset is gone: a reader still starting when the trainer began a new epoch (the
         drop-in's persistent_workers=False) finds that epoch's filler on its pipe, since the
         trainer closes the pickle before only once it has written the new filler to every
-        reader's pipe (shmloader.torch_dataset.DataLoader._new_pass)."""
+        reader's pipe (shmloader.torch.dataloader.DataLoader._new_pass)."""
         try:
             self._use(spec, filler)
         except (FileNotFoundError, DatasetError):

@@ -31,12 +31,13 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .loader import ShmDataLoader
-from .plan.dataset import DatasetError
-from .plan.defaults import TRAINER_SLOTS
-from .plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
-from .plan.sampler import derive_seed
-from .torch_dataset import _SEED_MASK, DataLoader, _PassIterator, collating
+from ..loader import ShmDataLoader
+from ..plan.dataset import DatasetError
+from ..plan.defaults import TRAINER_SLOTS
+from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
+from ..plan.sampler import derive_seed
+from .collation import collating
+from .dataloader import _SEED_MASK, DataLoader, _PassIterator
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -111,7 +112,7 @@ def draw_epoch(index_sampler, generator, draw_seed: bool, length: int, width: in
     return IndexTable.of_batches(batches, length, what, width), drawn
 
 
-class SampledDataLoader(DataLoader):
+class SampledDataLoader(DataLoader, takes_sampler=True):
     """shmloader.torch.DataLoader given sampler= or batch_sampler= (see the module)."""
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -379,48 +380,3 @@ def _widened(table: IndexTable, width: int) -> IndexTable:
     assert table.width < width and table.fd is None, (table.width, width)
     batches = [table.batch(step).tolist() for step in range(table.steps)]
     return IndexTable.of_batches(batches, int(np.iinfo(np.int64).max), "the epoch's order", width)
-
-
-
-class LoaderOrder:
-    """`loader.sampler` of a loader in its own order (shuffle=, seed=): the indices of the
-    pass at hand on this shard, and set_epoch(epoch), which makes the next `for` loop that
-    epoch (its order a function of the seed and the epoch, as DistributedSampler's is)."""
-
-    def __init__(self, loader) -> None:
-        self._loader = loader
-
-    def set_epoch(self, epoch: int) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"set_epoch takes a non-negative integer, got {epoch!r}")
-        self._loader._requested_epoch = epoch
-
-    def batches(self):
-        """The pass at hand's batches of indices on this shard (lists of ints)."""
-        inner = self._loader._loader
-        sampler, finite = inner.sampler, inner.finite
-        for step in range(finite.steps):
-            yield sampler.fill(step)[:finite.rows(step)].tolist()
-
-    def __iter__(self):
-        for batch in self.batches():
-            yield from batch
-
-    def __len__(self) -> int:
-        finite = self._loader._loader.finite
-        return sum(finite.rows(step) for step in range(finite.steps))
-
-
-class LoaderBatches:
-    """`loader.batch_sampler` of a loader in its own order: the pass at hand's batches."""
-
-    def __init__(self, loader) -> None:
-        self._loader = loader
-        self.sampler = loader.sampler
-        self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
-
-    def __iter__(self):
-        return self.sampler.batches()
-
-    def __len__(self) -> int:
-        return self._loader._loader.finite.steps

@@ -31,7 +31,7 @@ import contextlib
 import sys
 import warnings
 
-HOOK = "shmloader.torch_worker:enter_reader"
+HOOK = "shmloader.torch.worker:enter_reader"
 
 
 def enter_reader(dataset, reader, worker_init_fn) -> None:
@@ -55,7 +55,7 @@ def enter_reader(dataset, reader, worker_init_fn) -> None:
 
 def _users(dataset):
     """The user's dataset: the loader reads a collate_fn's through a Collated wrapper."""
-    from .plan.collated import Collated
+    from ..plan.collated import Collated
 
     return dataset.dataset if isinstance(dataset, Collated) else dataset
 
@@ -69,7 +69,7 @@ def probe_view(dataset, num_workers: int, pass_seed: int):
     it makes (torch.set_num_threads(1), a seed) would be the trainer's."""
     from torch.utils.data._utils import worker
 
-    from .fill.dataset_runner import ReaderView
+    from ..fill.dataset_runner import ReaderView
 
     reader = ReaderView.of((0, num_workers), pass_seed)
     before = worker._worker_info
@@ -113,8 +113,8 @@ def share_by_fork(context) -> bool:
     server's (fresh interpreters, the dataset pickled)."""
     if start_method(context) != "fork":
         return False
-    from .readers import forkserver
-    from .readers.trainer_fork import fork_hazard
+    from ..readers import forkserver
+    from ..readers.trainer_fork import fork_hazard
 
     hazard = fork_hazard() if forkserver.available() else \
         "this system has no pidfds (Linux before 5.3) or SHMLOADER_FORKSERVER=0"

@@ -1,7 +1,7 @@
-"""PyTorch's shapes for a loader: an IterableDataset and a DataLoader-like object whose
-batches are dicts of CPU tensors over the ring's slots (torch.from_numpy: no copy); and
-DataLoader, the drop-in for torch.utils.data.DataLoader over your own map-style Dataset
-(shmloader/torch_dataset.py).
+"""PyTorch's shapes for a ShmDataLoader: an IterableDataset and a DataLoader-like object
+whose batches are dicts of CPU tensors over the ring's slots (torch.from_numpy: no copy).
+(The drop-in for torch.utils.data.DataLoader over your own map-style Dataset is
+dataloader.py.)
 
     from shmloader.torch import TorchLoader
     train = TorchLoader(ShmDataLoader(fields, batch_size=256, epochs=1))
@@ -43,7 +43,7 @@ Face's Trainer resumes by skipping the steps already trained (accelerate's
 skip_first_batches), which TorchLoader's DataLoader-like settings make exact: it reads
 and drops them. `TrainingArguments(ignore_data_skip=True)` with the loader's own
 load_state_dict (or start_step) skips without reading.
-PyTorch is an optional extra (pip install "shmloader[torch]"); only this module imports it.
+PyTorch is an optional extra (pip install "shmloader[torch]"); only shmloader.torch imports it.
 """
 
 from __future__ import annotations
@@ -54,9 +54,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .loader import ShmDataLoader
-from .plan.collated import CollateGrowthWarning  # noqa: F401 (a collate_fn's slot grew: plan/collated.py)
-from .torch_dataset import DataLoader  # noqa: F401 (the drop-in over a map-style Dataset: torch_dataset.py)
+from ..loader import ShmDataLoader
 
 _PICKLE_REFUSAL = (
     "a {kind} cannot be sent to another process: its loader's ring and readers belong to this one. A torch "

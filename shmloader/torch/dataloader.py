@@ -21,7 +21,7 @@ epoch's readers get the dataset anew (forked or pickled), as it is then (a chang
 epochs is seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
 naming the argument: an IterableDataset. With sampler= or batch_sampler=, the order is the
-caller's, drawn as PyTorch draws it (torch_sampling.py: DataLoader(...) makes that class's
+caller's, drawn as PyTorch draws it (sampling.py: DataLoader(...) makes that class's
 loader).
 
 multiprocessing_context="fork" (the default on Linux, as PyTorch's): the readers are forked
@@ -30,9 +30,9 @@ dataset's memory copy-on-write and see the trainer's globals, nothing pickled; w
 persistent_workers each later epoch forks them anew (a change made between epochs is seen).
 Where the trainer cannot be forked safely (CUDA initialised, other Python threads), and for
 "spawn" or "forkserver", readers start from the fork server with the dataset pickled
-(torch_worker.share_by_fork says why, once).
+(worker.share_by_fork says why, once).
 
-Readers are torch's workers as a dataset sees them (torch_worker.py): they run in the
+Readers are torch's workers as a dataset sees them (worker.py): they run in the
 trainer's working directory with its sys.path (as they were when the loader was made),
 torch.utils.data.get_worker_info() answers inside them (id, num_workers, seed, dataset;
 None in the trainer, as torch's), and worker_init_fn(worker_id) runs in each reader once it
@@ -44,20 +44,8 @@ from its position before __getitem__: what worker_init_fn seeds there does not r
 samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
 in the trainer sees reader 0's worker info (without running worker_init_fn there).
 
-A collate_fn other than default_collate runs in the readers on each step's samples (the
-global generators seeded from (seed, "collate", step)); what it returns is written into the
-slot, its arrays and tensors zero copy, its other leaves (str, bytes, numbers, None) beside
-them, and given back as it made them (plan/collated.py). Each array's room in the slot is
-learned from two probe batches, and grows where a batch outgrows it (a CollateGrowthWarning;
-the loader is built again at that step, its batches unchanged); outputs={leaf: its largest
-shape} declares it instead, and a batch that outgrows a declared room fails naming the
-leaf, its shape and that setting.
-
-A leaf declared PackedRagged(max_items) in outputs= (samples whose first dimension varies,
-which default_collate cannot stack) comes as {"values": the batch's samples back to back,
-"offsets": (B+1,)}: sample i is values[offsets[i]:offsets[i+1]], what Packed gives for
-files (NAME and NAME.offsets); one declared Ragged(max_length) comes as {"values": padded
-to max_length, "lengths": (B,)}.
+collate_fn= (run in the readers, its output written into the slot) and the shape of a batch with
+outputs= PackedRagged or Ragged: collation.py.
 
 `audit_log=PATH` records what each rank delivered, each epoch a pass of its own, for
 `shmloader audit` (ShmDataLoader's setting; not with sampler= or batch_sampler=).
@@ -85,13 +73,16 @@ import inspect
 import os
 import warnings
 
-from .loader import ShmDataLoader
-from .plan import collated
-from .plan.dataset import DatasetError, rebuild_batch
-from .plan.defaults import TRAINER_SLOTS
-from .plan.options import check_flag
-from .plan.sampler import derive_seed
-from .readers.supervision import drop_in_hold_advice
+from ..loader import ShmDataLoader
+from ..plan import collated
+from ..plan.dataset import DatasetError, rebuild_batch
+from ..plan.defaults import TRAINER_SLOTS
+from ..plan.options import check_flag
+from ..plan.sampler import derive_seed
+from ..readers.supervision import drop_in_hold_advice
+from .collation import collated_structure, collating
+from .own_order import LoaderBatches, LoaderOrder
+from .worker import HOOK, fork_refused, probe_view, share_by_fork
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -103,50 +94,6 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
             return int(rank), int(world)
         return 0, 1
     return (shard_index or 0), (shard_count or 1)
-
-
-def collating(dataset, collate_fn, batch_size: int, on_error: str):
-    """The dataset the loader reads: `dataset`, or with a collate_fn other than
-    default_collate, Collated (the readers collate each step's samples: plan/collated.py)."""
-    import torch.utils.data
-
-    if collate_fn is None or collate_fn is torch.utils.data.default_collate:
-        return dataset
-    if not callable(collate_fn):
-        raise TypeError(f"shmloader.torch.DataLoader: collate_fn must be callable, got {collate_fn!r}")
-    if on_error != "raise":
-        raise ValueError(f"shmloader.torch.DataLoader: on_error={on_error!r} replaces a bad sample in a batch, but "
-                         f"with a collate_fn a batch is one call of it: give on_error='raise'")
-    return collated.Collated(dataset, collate_fn, batch_size)
-
-
-def collated_structure(spec) -> dict:
-    """The structure a batch of the dataset `spec` describes is rebuilt in (_as_collated)."""
-    beside = {output.name: "offsets" if output.max_items is not None else "lengths" for output in spec.outputs
-              if output.max_items is not None or output.max_length is not None}
-    beside.update({output.name: "text" for output in spec.outputs if output.text_bytes is not None})
-    return _as_collated(spec.structure, beside)
-
-
-def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = False) -> dict:
-    """The samples' structure as default_collate gives it back: a tuple becomes a list, a
-    namedtuple stays one; a leaf in `beside` (name -> "offsets" for PackedRagged, "lengths"
-    for Ragged) becomes {"values", that key}; a str leaf ("text") the batch's strings, a
-    list, or a tuple inside a tuple or list (default_collate's zip of the samples)."""
-    if "dict" in structure:
-        return {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
-    if "named" in structure:
-        return {"tuple": [_as_collated(item, beside, True) for item in structure["tuple"]],
-                "named": structure["named"]}
-    for kind in ("tuple", "list"):
-        if kind in structure:
-            return {"list": [_as_collated(item, beside, True) for item in structure[kind]]}
-    name = structure["leaf"]
-    if beside.get(name) == "text":
-        return {"text": name, "tuple": in_sequence}
-    if name in beside:
-        return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
-    return structure
 
 
 class _PassIterator:
@@ -176,17 +123,29 @@ class _PassIterator:
 class DataLoader:
     """A drop-in for torch.utils.data.DataLoader over a map-style dataset (see the module)."""
 
+    # The subclass that takes sampler= or batch_sampler= (sampling.SampledDataLoader), which
+    # names itself here as it is defined (__init_subclass__): sampling.py builds on this
+    # module, and this one needs nothing of it. The package imports both with DataLoader.
+    _sampled_class = None
+
+    def __init_subclass__(cls, takes_sampler: bool = False, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if takes_sampler:
+            DataLoader._sampled_class = cls
+
     def __new__(cls, *args, **kwargs):
-        """With sampler= or batch_sampler=, the loader over the caller's order (torch_sampling.py)."""
+        """With sampler= or batch_sampler=, the loader over the caller's order (sampling.py)."""
         if cls is DataLoader:
             try:
                 given = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
             except TypeError:
                 given = {}  # __init__ raises it, as it would have.
             if given.get("sampler") is not None or given.get("batch_sampler") is not None:
-                from .torch_sampling import SampledDataLoader
-
-                cls = SampledDataLoader
+                if DataLoader._sampled_class is None:
+                    raise RuntimeError("shmloader.torch.dataloader was imported without shmloader.torch.sampling, "
+                                       "which takes sampler= and batch_sampler=: import DataLoader from "
+                                       "shmloader.torch")
+                cls = DataLoader._sampled_class
         return object.__new__(cls)
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -236,8 +195,6 @@ class DataLoader:
         self.padding = None  # The last batch's Batch.padding (bool per sample), as a tensor.
         self._requested_epoch = None  # loader.sampler.set_epoch(epoch): the next loop's epoch.
         self._attributes(collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
-        from .torch_sampling import LoaderBatches, LoaderOrder
-
         self.sampler = LoaderOrder(self)
         self.batch_sampler = LoaderBatches(self)
 
@@ -251,21 +208,15 @@ class DataLoader:
 
     def _reader_hook(self) -> tuple:
         """What each reader runs once it has loaded the dataset: torch's worker info, then
-        worker_init_fn (torch_worker.py)."""
-        from .torch_worker import HOOK
-
+        worker_init_fn (worker.py)."""
         return HOOK, self.worker_init_fn
 
     def _share_by_fork(self) -> bool:
-        """Whether the readers are forked from this process (torch_worker.share_by_fork)."""
-        from .torch_worker import share_by_fork
-
+        """Whether the readers are forked from this process (worker.share_by_fork)."""
         return self.num_workers > 0 and share_by_fork(self.multiprocessing_context)
 
     def _probe_view(self, pass_seed: int):
-        """The worker info the probe of dataset[0] runs with (torch_worker.probe_view)."""
-        from .torch_worker import probe_view
-
+        """The worker info the probe of dataset[0] runs with (worker.probe_view)."""
         return functools.partial(probe_view, num_workers=self.num_workers, pass_seed=pass_seed)
 
     @staticmethod
@@ -425,9 +376,8 @@ class DataLoader:
     @staticmethod
     def _fork_safe_now() -> bool:
         """Whether the trainer may be forked for a new epoch's readers; where not, the
-        readers keep the copy they were forked with, said once (torch_worker.fork_refused)."""
-        from .readers.trainer_fork import fork_hazard
-        from .torch_worker import fork_refused
+        readers keep the copy they were forked with, said once (worker.fork_refused)."""
+        from ..readers.trainer_fork import fork_hazard
 
         hazard = fork_hazard()
         if hazard is not None:
