@@ -51,7 +51,7 @@ __version__ = "0.1.0"
 # trainer's, and skipping them shortens every reader's start-up.
 _LAZY = {"Batch": ".ring.batch", "ShmDataLoader": ".loader", "Sampler": ".plan.sampler", "Padded": ".plan.fields",
          "Packed": ".plan.fields", "Windows": ".plan.fields", "Source": ".plan.sources",
-         "Ragged": ".plan.dataset", "PackedRagged": ".plan.dataset", "rebuild_batch": ".plan.dataset"}
+         "Ragged": ".plan.dataset_outputs", "PackedRagged": ".plan.dataset_outputs", "rebuild_batch": ".plan.dataset"}
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ import weakref
 
 from .device import PinnedRing
 from .fill.filler import StepFiller
+from .readers import trainer_fork
 from .readers.pool import ReaderPool
 from .ring.segment import Ring
 
@@ -114,14 +115,11 @@ def _forget_rings_in_child() -> None:
             ring.forget_descriptors_in_child()
 
 
-# Set while the loader forks the trainer for its readers (readers/trainer_fork.py): that
-# child never reads the batches mapped in it, so they need not be noted as shared.
-forking_for_readers = False
-
-
 def _note_held_at_fork() -> None:
-    """The parent's side of a fork: the batches its loaders hold now are shared with the child."""
-    if forking_for_readers:
+    """The parent's side of a fork: the batches its loaders hold now are shared with the child
+    (not in the loader's own fork of the trainer for its readers, trainer_fork.forking: that
+    child never reads the batches mapped in it)."""
+    if trainer_fork.forking:
         return
     for resources in list(live_resources):
         cursor = None if resources.cursor is None else resources.cursor()

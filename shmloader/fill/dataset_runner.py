@@ -22,8 +22,8 @@ import types
 import numpy as np
 
 from ..plan import collated
-from ..plan.dataset import (LOCAL_DATASETS, LOCAL_HOOK_ARGUMENTS, MAIN_BEING_RUN, DatasetError, DatasetSpec,
-                            _leaf_array, flatten, import_factory, text_bytes)
+from ..plan.dataset import LOCAL_DATASETS, LOCAL_HOOK_ARGUMENTS, MAIN_BEING_RUN, DatasetSpec, import_factory
+from ..plan.dataset_outputs import DatasetError, _leaf_array, flatten, text_bytes
 from ..plan.sampler import derive_seed
 from .global_seeds import GlobalSeeds, seed_all
 

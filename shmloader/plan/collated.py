@@ -39,7 +39,7 @@ import re
 
 import numpy as np
 
-from .dataset import COLLATE_BESIDE, DatasetError, DatasetOutput, _leaf_array
+from .dataset_outputs import COLLATE_BESIDE, DatasetError, DatasetOutput, _leaf_array
 from .naming import loader_name_problem
 
 BESIDE = COLLATE_BESIDE

@@ -80,6 +80,32 @@ KEPT_MEMORY_SHARE = 1 / 4
 def kept_bytes_max() -> int:
     """The bound on the memory of kept batches: KEPT_MEMORY_SHARE of the machine's memory, or
     of its memory cgroup's limit where that is lower."""
-    from ..storage.readahead import memory_limit_bytes  # Here: it imports the plan (plan.sampler).
-
     return int(memory_limit_bytes() * KEPT_MEMORY_SHARE)
+
+
+def memory_limit_bytes() -> int:
+    """The memory this process may use for the page cache: the machine's, or its memory
+    cgroup's limit (v1 or v2) where that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/proc/self/cgroup") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return limit
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                with open(candidate) as handle:
+                    text = handle.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limit = min(limit, int(text))
+    return limit

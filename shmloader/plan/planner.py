@@ -19,7 +19,8 @@ from ..errors import PerformanceWarning, StorageError, user_stacklevel
 from ..ring.slot_layout import RESERVED_NAMES, SlotLayout
 from ..storage import layout as blosc_layout
 from ..storage import layout_advice
-from ..storage.readahead import LOOKAHEAD_BLOCKS, memory_limit_bytes
+from ..storage.readahead import LOOKAHEAD_BLOCKS
+from .defaults import memory_limit_bytes
 from .fields import (
     FieldPlan,
     Packed,

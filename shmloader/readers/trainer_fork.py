@@ -35,9 +35,12 @@ import threading
 import time
 import weakref
 
-from .. import lifecycle
 from .forkserver import ForkServer, ServerLost
 from .forkserver_channel import above_standard
+
+# Set while the trainer forks itself for its readers: lifecycle's at-fork hook then does not
+# note the held batches as shared (that child never reads the batches mapped in it).
+forking = False
 
 
 def fork_hazard() -> str | None:
@@ -145,11 +148,12 @@ class TrainerFork(ForkServer):
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        lifecycle.forking_for_readers = True
+        global forking
+        forking = True
         try:
             pid = os.fork()
         finally:
-            lifecycle.forking_for_readers = False
+            forking = False
         if pid == 0:
             _serve_in_child(parent_end, child_end, trainer_pid)  # Never returns.
         child_end.close()

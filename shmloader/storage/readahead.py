@@ -41,6 +41,7 @@ import threading
 import numpy as np
 
 from ..errors import StorageError
+from ..plan.defaults import local_trainers, memory_limit_bytes
 from ..plan.sampler import Places
 from ..remote.pages import CACHE_PAGE_BYTES
 
@@ -90,36 +91,6 @@ STEPS_AHEAD_MAX = 256
 # pages fetched ahead past what the budget holds would evict each other (and the pages of
 # the steps being filled) before they are read, and be fetched again.
 AHEAD_BUDGET_SHARE = 1 / 4
-
-
-def memory_limit_bytes() -> int:
-    """The memory this process may use for the page cache: the machine's, or its memory
-    cgroup's limit (v1 or v2) where that is lower."""
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/proc/self/cgroup") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return limit
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
-        elif "memory" in controllers.split(","):
-            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
-        else:
-            continue
-        for candidate in candidates:
-            try:
-                with open(candidate) as handle:
-                    text = handle.read().strip()
-            except OSError:
-                continue
-            if text.isdigit():
-                limit = min(limit, int(text))
-    return limit
-
-
 
 
 class ReadAhead:
@@ -370,8 +341,6 @@ def _union(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
 def _ranks_here() -> int:
     """The trainers on this machine (plan/defaults.local_trainers: torchrun's or Slurm's
     count), 1 where none is said or it cannot be read (the loader reports that itself)."""
-    from ..plan.defaults import local_trainers
-
     try:
         return local_trainers()
     except ValueError:
