@@ -325,7 +325,13 @@ def rebuild(arrays, outputs: dict, classes: dict, convert, to_tensor):
             return cls(*values) if cls is not None and hasattr(cls, "_fields") else tuple(values)
         return values
 
-    return build(tree)
+    try:
+        return build(tree)
+    finally:
+        # build refers to itself (it recurses): a reference cycle through its closure, which
+        # holds `arrays`, the slot's. Unbroken, a batch the loop drops would live until the
+        # cycle collector ran, and the ring would copy it out to reuse its slot.
+        del build
 
 
 def _made(cls, made: dict, default):
