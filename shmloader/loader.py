@@ -283,7 +283,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             session.use(going.sampler)
         # The audit log's segment starts where the checkpoint stood: what was delivered from
         # there before this resume is replayed (tools/audit.py).
-        session.seek(going.step, "resume", _checkpoint_position(state, self.sampler))
+        session.seek(going.step, "a resume (load_state_dict)", _checkpoint_position(state, self.sampler))
         self._placed_after = session.cursor.batches
         resume = going.resume
         if resume is not None and resume.position > position_of(self.sampler, resume.step)[0]:

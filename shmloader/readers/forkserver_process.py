@@ -62,6 +62,8 @@ def serve(argv: list[str]) -> int:
                 _fork_reader(channel, request, descriptors, (channel.fileno(), trainer, wake_read, wake_write), reader)
     except (BrokenPipeError, ConnectionError):
         return 0  # The trainer is gone.
+    finally:
+        channel.close()  # A server forked from the trainer returns into it: nothing left unclosed.
 
 
 def _trainer_gone(trainer_pid: int, code: int) -> int:

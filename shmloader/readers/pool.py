@@ -222,8 +222,7 @@ class ReaderPool:
                 process.kill()
             process.wait()
             self._keep_stats(reader_index)
-            self.processes[reader_index] = self._spawn()
-            self._send_config(self.processes[reader_index], reader_index)
+            self._replace(reader_index)
         if self.remote is not None:
             self.remote.stop()
             self.remote = None
@@ -361,9 +360,21 @@ class ReaderPool:
     def restart(self, reader_index: int, request) -> None:
         """Replaces a dead reader and hands the step it was filling to the readers again."""
         self.retire(reader_index, request)
-        process = self._spawn()
-        self.processes[reader_index] = process
+        self._replace(reader_index)
+
+    def _replace(self, reader_index: int):
+        """Starts a reader in place of `reader_index`'s, which has exited, and configures it.
+        The old one's pipe is closed here: dropped unclosed, it stayed open until collected
+        (a descriptor per replaced reader, and a ResourceWarning)."""
+        old = self.processes[reader_index]
+        if old.stdin is not None and not old.stdin.closed:
+            try:
+                old.stdin.close()
+            except OSError:  # Its reader is gone: what the buffer held goes with it.
+                pass
+        self.processes[reader_index] = process = self._spawn()
         self._send_config(process, reader_index)
+        return process
 
     def retire(self, reader_index: int, request) -> None:
         """Counts a dead reader's restart, keeps its statistics and requests again the step
@@ -511,9 +522,7 @@ class ReaderPool:
             ring.renew_failed(claimed, reader_index)
         self.restarts += 1
         self._keep_stats(reader_index)
-        self.processes[reader_index] = self._spawn()
-        self._send_config(self.processes[reader_index], reader_index)
-        report.warn(self.processes[reader_index].pid)
+        report.warn(self._replace(reader_index).pid)
 
     def replace_dead(self) -> None:
         """Starts a new reader in place of every one that has exited (a new position after a
@@ -522,8 +531,7 @@ class ReaderPool:
             if process.poll() is not None:
                 process.wait()
                 self._keep_stats(reader_index)
-                self.processes[reader_index] = self._spawn()
-                self._send_config(self.processes[reader_index], reader_index)
+                self._replace(reader_index)
 
     def _reader_skips(self, reader_index: int) -> tuple[int, list]:
         """The records reader `reader_index` skipped, with those of the readers it replaced."""
