@@ -52,7 +52,7 @@ def label_files(directory: str) -> dict[str, str]:
     b2nd = os.path.join(directory, f"labels{ROWS}.lz4.b2nd")
     if not os.path.exists(npy):
         np.save(npy, np.arange(ROWS, dtype=np.int64) % 1000)
-    if not os.path.exists(b2nd) or not describe_field(b2nd).checksums:
+    if not os.path.exists(b2nd) or not describe_field(b2nd).block_digests:
         convert(npy, b2nd, progress=False, force=True)
     return {"npy": npy, "b2nd": b2nd}
 

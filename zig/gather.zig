@@ -4,9 +4,11 @@
 
 const std = @import("std");
 const Status = @import("status.zig").Status;
+const block_digests = @import("block_digests.zig");
 
 /// Where a failed gather stopped: which batch position, and libblosc2's own error code
-/// when the status is .decompress_failed (0 otherwise).
+/// when the status is .decompress_failed, which digest failed when .checksum_mismatch
+/// (chunk * digest_stride + part), 0 otherwise.
 pub const GatherError = extern struct {
     position: u64,
     code: i64,
@@ -76,6 +78,12 @@ pub const BloscLayout = extern struct {
     /// `batch_size` entries, used to visit the rows of a batch in block order.
     order_buffer: [*]u128,
     order_buffer_count: u64,
+    /// Each chunk's part digests (block_digests.zig), `digest_stride` per chunk, head
+    /// first; null: nothing is checked. A part is checked before it is first decompressed.
+    digests: ?[*]const u32,
+    digest_stride: u64,
+    /// One bit per digest, set once its part matched in this process.
+    digests_checked: ?[*]u64,
 };
 
 pub const chunk_header_bytes = 32;
@@ -109,6 +117,14 @@ fn getBytes(
     const chunk_bytes = layout.chunk_bytes[chunk_index];
     if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
+    if (layout.digests) |digests| {
+        // Checked here, just before libblosc2 reads the same bytes: they are in cache then.
+        const checker: block_digests.Checker = .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.? };
+        if (checker.checkRange(chunk_index, chunk, chunk_bytes, byte_start, byte_count)) |part| {
+            library_code.* = @intCast(chunk_index * layout.digest_stride + part);
+            return .checksum_mismatch;
+        }
+    }
     const split = singleBlockSplit(chunk, byte_start, byte_count);
     if (split == 0) return getItems(layout, chunk_index, byte_start, byte_count, destination, library_code);
     std.debug.assert(split < byte_count);
@@ -176,6 +192,12 @@ pub fn checkLayout(layout: *const BloscLayout, batch_size: u64) Status {
     const block_bytes = std.math.mul(u64, layout.rows_per_block, layout.row_bytes) catch return .invalid_layout;
     if (layout.rows_per_block > 1 and layout.block_buffer_bytes < block_bytes) return .invalid_layout;
     if (layout.rows_per_block > 1 and layout.order_buffer_count < batch_size) return .invalid_layout;
+    return checkDigests(layout);
+}
+
+fn checkDigests(layout: *const BloscLayout) Status {
+    if (layout.digests == null) return .ok;
+    if (layout.digests_checked == null or layout.digest_stride == 0) return .invalid_layout;
     return .ok;
 }
 
@@ -408,6 +430,7 @@ pub fn gatherRangesBlosc(
     failure: *GatherError,
 ) Status {
     if (layout.getitem == null or layout.rows_per_chunk == 0 or layout.row_bytes == 0) return .invalid_layout;
+    if (checkDigests(layout) != .ok) return .invalid_layout;
     const element_bytes = layout.row_bytes;
     const status = checkRanges(layout.row_count, element_bytes, starts, counts, destinations, out.len, failure);
     if (status != .ok) return status;

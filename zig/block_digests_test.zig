@@ -1,0 +1,73 @@
+//! The tests of block_digests.zig (run by `zig test zig/c_api.zig`): which bytes each part
+//! covers, and that a changed byte is found in the part a read touches, once.
+
+const std = @import("std");
+const block_digests = @import("block_digests.zig");
+const testing = std.testing;
+
+/// A chunk of 3 blocks of 4 bytes, stored out of order (block 1 first) after a header and
+/// a table of block starts, as several compression threads leave them.
+fn tableChunk() [68]u8 {
+    var chunk: [68]u8 = @splat(0);
+    chunk[3] = 1;
+    std.mem.writeInt(u32, chunk[4..8], 12, .little); // Uncompressed bytes.
+    std.mem.writeInt(u32, chunk[8..12], 4, .little); // Block bytes.
+    std.mem.writeInt(u32, chunk[12..16], 68, .little); // Stored bytes.
+    for ([_]u32{ 52, 44, 60 }, 0..) |start, block| std.mem.writeInt(u32, chunk[32 + 4 * block ..][0..4], start, .little);
+    for (44..68) |at| chunk[at] = @intCast(at);
+    return chunk;
+}
+
+test "the parts of a chunk tile its stored bytes, blocks in any stored order" {
+    const chunk = tableChunk();
+    const blocks = block_digests.blocksOf(&chunk, chunk.len).?;
+    try testing.expectEqual(@as(u64, 3), blocks.count);
+    const expected = [_][2]u64{ .{ 0, 44 }, .{ 52, 60 }, .{ 44, 52 }, .{ 60, 68 } };
+    for (expected, 0..) |bounds, part| {
+        const extent = block_digests.partExtent(&chunk, blocks, part).?;
+        try testing.expectEqual(bounds[0], extent.start);
+        try testing.expectEqual(bounds[1], extent.end);
+    }
+    var digests: [5]u32 = undefined;
+    try testing.expectEqual(@as(?u64, 4), block_digests.chunkDigests(&chunk, chunk.len, &digests));
+    try testing.expectEqual(block_digests.digest(chunk[52..60]), digests[1]);
+    try testing.expectEqual(@as(u32, 0), digests[4]);
+    // A table that points into itself or past the chunk is refused, not followed.
+    var bad = chunk;
+    std.mem.writeInt(u32, bad[32..36], 40, .little);
+    try testing.expectEqual(@as(?u64, null), block_digests.chunkDigests(&bad, bad.len, &digests));
+    std.mem.writeInt(u32, bad[32..36], 68, .little);
+    try testing.expectEqual(@as(?u64, null), block_digests.chunkDigests(&bad, bad.len, &digests));
+}
+
+test "a chunk of one repeated value is all head" {
+    var chunk: [40]u8 = @splat(0);
+    std.mem.writeInt(u32, chunk[4..8], 4096, .little);
+    std.mem.writeInt(u32, chunk[8..12], 1024, .little);
+    std.mem.writeInt(u32, chunk[12..16], 40, .little);
+    chunk[31] = 0x10; // A special chunk: its value follows the header.
+    var digests: [3]u32 = undefined;
+    try testing.expectEqual(@as(?u64, 1), block_digests.chunkDigests(&chunk, chunk.len, &digests));
+    try testing.expectEqual(block_digests.digest(&chunk), digests[0]);
+}
+
+test "a read checks the head and the blocks under it once, and finds a changed byte there" {
+    var chunk = tableChunk();
+    var digests: [4]u32 = undefined;
+    _ = block_digests.chunkDigests(&chunk, chunk.len, &digests).?;
+    var checked: [1]u64 = .{0};
+    const checker: block_digests.Checker = .{ .digests = &digests, .stride = 4, .checked = &checked };
+    chunk[50] ^= 1; // In block 1's stored bytes.
+    // Bytes 0..8 lie in blocks 0 and 1 (uncompressed): block 1 is found.
+    try testing.expectEqual(@as(?u64, 2), checker.checkRange(0, &chunk, chunk.len, 0, 8));
+    try testing.expectEqual(@as(u64, 0b11), checked[0]); // The head and block 0 matched.
+    // Block 2 alone reads none of block 1's bytes.
+    try testing.expectEqual(@as(?u64, null), checker.checkRange(0, &chunk, chunk.len, 8, 4));
+    chunk[50] ^= 1;
+    try testing.expectEqual(@as(?u64, null), checker.checkRange(0, &chunk, chunk.len, 4, 4));
+    try testing.expectEqual(@as(u64, 0b1111), checked[0]);
+    // A changed header is the head's: found before any block is trusted.
+    checked[0] = 0;
+    chunk[8] ^= 1;
+    try testing.expectEqual(@as(?u64, 0), checker.checkRange(0, &chunk, chunk.len, 0, 4));
+}
