@@ -126,7 +126,7 @@ def block_extents(chunk: bytes) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("codec", ["none", "lz4"])
-def test_block_digests_are_xxh64_of_each_blocks_stored_bytes(tmp_path, codec):
+def test_block_digests_are_xxh3_of_each_blocks_stored_bytes(tmp_path, codec):
     """Against the xxhash package and the extents above, on blocks that LZ4 compresses to
     different sizes and compression threads may store out of order."""
     import blosc2
@@ -139,7 +139,7 @@ def test_block_digests_are_xxh64_of_each_blocks_stored_bytes(tmp_path, codec):
     digests = np.frombuffer(schunk.vlmeta[BLOCK_DIGESTS_META], dtype="<u4").reshape(spec.chunk_count, -1)
     for chunk in range(spec.chunk_count):
         stored = schunk.get_chunk(chunk)
-        expected = [xxhash.xxh64_intdigest(stored[start:end]) & 0xFFFFFFFF for start, end in block_extents(stored)]
+        expected = [xxhash.xxh3_64_intdigest(stored[start:end]) & 0xFFFFFFFF for start, end in block_extents(stored)]
         assert digests[chunk, :len(expected)].tolist() == expected
         assert not digests[chunk, len(expected):].any()
 
@@ -206,7 +206,7 @@ def test_block_digest_metadata_of_the_wrong_length_names_the_file(stored):
     array = blosc2.open(spec.path, mode="a")
     array.schunk.vlmeta[BLOCK_DIGESTS_META] = b"\x01\x02\x03\x04\x05"
     del array
-    with pytest.raises(StorageError, match=r"rows\.b2nd: its shmloader\.block_xxh64 metadata holds 5 bytes"):
+    with pytest.raises(StorageError, match=r"rows\.b2nd: its shmloader\.block_xxh3 metadata holds 5 bytes"):
         open_field(describe_field(spec.path), verify=True)
 
 

@@ -71,3 +71,13 @@ test "a read checks the head and the blocks under it once, and finds a changed b
     chunk[8] ^= 1;
     try testing.expectEqual(@as(?u64, 0), checker.checkRange(0, &chunk, chunk.len, 0, 4));
 }
+
+test "the digest is XXH3-64's low half at every length, its vector loop included" {
+    var bytes: [5000]u8 = undefined;
+    for (&bytes, 0..) |*byte, at| byte.* = @truncate(at *% 2654435761 >> 11);
+    // Around the short/long switch (240), a scramble (1024) and the overlapping last stripe.
+    for ([_]usize{ 0, 1, 32, 240, 241, 255, 1023, 1024, 1025, 1088, 3072, 4999, 5000 }) |length| {
+        const expected: u32 = @truncate(std.hash.XxHash3.hash(0, bytes[0..length]));
+        try testing.expectEqual(expected, block_digests.digest(bytes[0..length]));
+    }
+}

@@ -30,10 +30,10 @@ CHUNK_CBYTES_OFFSET = 12
 # reads it back without shmloader.
 CHECKSUM_META = "shmloader.crc32"
 # Beside it, the digest of every part of every chunk (zig/block_digests.zig: a chunk's head,
-# then each block's stored bytes; the low 32 bits of XXH64, little-endian uint32), the same
+# then each block's stored bytes; the low 32 bits of XXH3-64, little-endian uint32), the same
 # number per chunk, in chunk order: what readers check, a part the first time they read it,
 # so that a row costs a hash of the bytes it decompresses, not of its whole chunk.
-BLOCK_DIGESTS_META = "shmloader.block_xxh64"
+BLOCK_DIGESTS_META = "shmloader.block_xxh3"
 
 
 @dataclasses.dataclass(frozen=True)
