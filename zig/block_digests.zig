@@ -82,6 +82,112 @@ fn scramble(accumulators: *[4]Lanes, secret: [*]const u8) void {
     }
 }
 
+/// Stripes through accumulateStripe, or through the same sums on 256-bit vectors where
+/// the CPU has AVX2 (about twice the bytes per cycle; the library is built for the
+/// baseline CPU, so that loop is assembly, chosen at run time).
+fn accumulateStripes(accumulators: *[4]Lanes, input: [*]const u8, secret: [*]const u8, stripes: u64) void {
+    if (stripes == 0) return;
+    if (avx2_assembly and hasAvx2()) return accumulateStripesAvx2(accumulators, input, secret, stripes);
+    for (0..stripes) |stripe| accumulateStripe(accumulators, input + stripe * stripe_bytes, secret + stripe * 8);
+}
+
+// LLVM assembles the loop; Zig's own x86-64 backend (Debug builds) takes a subset of AT&T
+// syntax without it, and runs the 128-bit loop.
+const avx2_assembly = @import("builtin").cpu.arch == .x86_64 and @import("builtin").zig_backend == .stage2_llvm;
+
+/// XXH3_accumulate_512 as xxhash.h's AVX2 path computes it: the two halves of the
+/// accumulators in ymm0 and ymm1, a stripe's two 32-byte halves against them.
+fn accumulateStripesAvx2(accumulators: *[4]Lanes, input: [*]const u8, secret: [*]const u8, stripes: u64) void {
+    std.debug.assert(stripes > 0);
+    var input_at = @intFromPtr(input);
+    var secret_at = @intFromPtr(secret);
+    var left = stripes;
+    asm volatile (
+        \\ vmovdqu (%[acc]), %%ymm0
+        \\ vmovdqu 32(%[acc]), %%ymm1
+        \\ 1:
+        \\ vmovdqu (%[input]), %%ymm2
+        \\ vpxor (%[secret]), %%ymm2, %%ymm3
+        \\ vpshufd $0x31, %%ymm3, %%ymm4
+        \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
+        \\ vpshufd $0x4e, %%ymm2, %%ymm2
+        \\ vpaddq %%ymm2, %%ymm0, %%ymm0
+        \\ vpaddq %%ymm4, %%ymm0, %%ymm0
+        \\ vmovdqu 32(%[input]), %%ymm2
+        \\ vpxor 32(%[secret]), %%ymm2, %%ymm3
+        \\ vpshufd $0x31, %%ymm3, %%ymm4
+        \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
+        \\ vpshufd $0x4e, %%ymm2, %%ymm2
+        \\ vpaddq %%ymm2, %%ymm1, %%ymm1
+        \\ vpaddq %%ymm4, %%ymm1, %%ymm1
+        \\ add $64, %[input]
+        \\ add $8, %[secret]
+        \\ dec %[left]
+        \\ jnz 1b
+        \\ vmovdqu %%ymm0, (%[acc])
+        \\ vmovdqu %%ymm1, 32(%[acc])
+        \\ vzeroupper
+        : [input] "+r" (input_at),
+          [secret] "+r" (secret_at),
+          [left] "+r" (left),
+        : [acc] "r" (@intFromPtr(accumulators)),
+        // The xmm names too: built for the baseline CPU, LLVM knows no ymm registers and
+        // would drop their clobbers, keeping its own values in xmm1-4 across the loop.
+        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true });
+}
+
+/// 0: not asked yet, 1: no AVX2, 2: AVX2. Asked once per process; a race asks twice and
+/// stores the same answer.
+var avx2_known: u8 = 0;
+/// Forces the 128-bit loop (the tests compare both).
+pub var avx2_allowed: bool = true;
+
+fn hasAvx2() bool {
+    if (!avx2_allowed) return false;
+    var known = @atomicLoad(u8, &avx2_known, .monotonic);
+    if (known == 0) {
+        known = if (cpuHasAvx2()) 2 else 1;
+        @atomicStore(u8, &avx2_known, known, .monotonic);
+    }
+    return known == 2;
+}
+
+const CpuidLeaf = struct { eax: u32, ebx: u32, ecx: u32 };
+
+fn cpuid(leaf: u32, subleaf: u32) CpuidLeaf {
+    var eax: u32 = undefined;
+    var ebx: u32 = undefined;
+    var ecx: u32 = undefined;
+    var edx: u32 = undefined;
+    asm volatile ("cpuid"
+        : [_] "={eax}" (eax),
+          [_] "={ebx}" (ebx),
+          [_] "={ecx}" (ecx),
+          [_] "={edx}" (edx),
+        : [_] "{eax}" (leaf),
+          [_] "{ecx}" (subleaf),
+    );
+    return .{ .eax = eax, .ebx = ebx, .ecx = ecx };
+}
+
+/// AVX2 in the CPU (CPUID 7.0 EBX bit 5), and YMM state saved by the OS (OSXSAVE, then
+/// XCR0 bits 1 and 2): both are needed to run the loop above.
+fn cpuHasAvx2() bool {
+    if (cpuid(0, 0).eax < 7) return false;
+    const features = cpuid(1, 0).ecx;
+    const osxsave = features & (1 << 27) != 0;
+    const avx = features & (1 << 28) != 0;
+    if (!osxsave or !avx) return false;
+    const xcr0 = asm volatile (
+        \\ xor %%ecx, %%ecx
+        \\ xgetbv
+        : [_] "={eax}" (-> u32),
+        :
+        : .{ .edx = true, .ecx = true });
+    if (xcr0 & 0x6 != 0x6) return false;
+    return cpuid(7, 0).ebx & (1 << 5) != 0;
+}
+
 fn fold128(a: u64, b: u64) u64 {
     const product = @as(u128, a) * b;
     return @as(u64, @truncate(product)) ^ @as(u64, @truncate(product >> 64));
@@ -94,15 +200,11 @@ fn xxh3Long(input: []const u8) u64 {
     const block_bytes = stripe_bytes * stripes_per_block;
     const blocks = (input.len - 1) / block_bytes;
     for (0..blocks) |block| {
-        for (0..stripes_per_block) |stripe| {
-            accumulateStripe(&accumulators, input.ptr + block * block_bytes + stripe * stripe_bytes, secret + stripe * 8);
-        }
+        accumulateStripes(&accumulators, input.ptr + block * block_bytes, secret, stripes_per_block);
         scramble(&accumulators, secret + xxh3_secret.len - stripe_bytes);
     }
     const stripes = (input.len - 1 - blocks * block_bytes) / stripe_bytes;
-    for (0..stripes) |stripe| {
-        accumulateStripe(&accumulators, input.ptr + blocks * block_bytes + stripe * stripe_bytes, secret + stripe * 8);
-    }
+    accumulateStripes(&accumulators, input.ptr + blocks * block_bytes, secret, stripes);
     // The last stripe, overlapping the previous one where the length is not a multiple of 64.
     accumulateStripe(&accumulators, input.ptr + input.len - stripe_bytes, secret + xxh3_secret.len - stripe_bytes - 7);
     var result: u64 = @as(u64, input.len) *% prime64_1;
@@ -137,7 +239,7 @@ pub fn blocksOf(chunk: [*]const u8, chunk_bytes: u64) ?Blocks {
     const uncompressed: u64 = std.mem.readInt(u32, chunk[4..8], .little);
     const block_bytes: u64 = std.mem.readInt(u32, chunk[8..12], .little);
     const stored: u64 = std.mem.readInt(u32, chunk[12..16], .little);
-    if (stored < chunk_header_bytes or stored > chunk_bytes) return null;
+    if (stored < chunk_header_bytes or stored > chunk_bytes or stored > std.math.maxInt(i32)) return null;
     const flags = chunk[2];
     const flags2 = chunk[31];
     const special = (flags2 >> 4) & 0x7 != 0; // Zeros, NaNs, uninitialised, a repeated value.
@@ -150,6 +252,31 @@ pub fn blocksOf(chunk: [*]const u8, chunk_bytes: u64) ?Blocks {
         if (chunk_header_bytes + uncompressed > stored) return null;
     } else if (chunk_header_bytes + 4 * count > stored) return null;
     return .{ .count = count, .block_bytes = block_bytes, .stored_bytes = stored, .copied = copied };
+}
+
+const table_start = chunk_header_bytes;
+
+/// The smallest of `count` little-endian block starts at `table` above `start`, or
+/// `stored` when none is. Four at a time: a gather asks once per block it reads. Starts
+/// and `stored` fit an i32 (a chunk is at most 2 GiB: blocksOf and the gather check),
+/// whose compares the baseline CPU has in vectors.
+fn nextStart(table: [*]const u8, count: u64, start: u64, stored: u64) u64 {
+    std.debug.assert(stored <= std.math.maxInt(i32) and start < stored);
+    const Quad = @Vector(4, i32);
+    const above: Quad = @splat(@intCast(start));
+    var smallest: Quad = @splat(@intCast(stored));
+    var block: u64 = 0;
+    while (block + 4 <= count) : (block += 4) {
+        var starts = @as(*align(1) const Quad, @ptrCast(table + 4 * block)).*;
+        if (@import("builtin").cpu.arch.endian() != .little) starts = @byteSwap(starts);
+        smallest = @select(i32, starts > above, @min(smallest, starts), smallest);
+    }
+    var end: u64 = @intCast(@reduce(.Min, smallest));
+    while (block < count) : (block += 1) {
+        const other: u64 = std.mem.readInt(u32, table[4 * block ..][0..4], .little);
+        if (other > start and other < end) end = other;
+    }
+    return end;
 }
 
 fn blockStart(chunk: [*]const u8, block: u64) u64 {
@@ -180,12 +307,7 @@ pub fn partExtent(chunk: [*]const u8, blocks: Blocks, part: u64) ?Extent {
     if (start < table_end or start >= stored) return null;
     // Blocks compressed by several threads are stored in the order they finished: a block
     // ends where the next stored one starts, whichever block that is.
-    var end: u64 = stored;
-    for (0..blocks.count) |block| {
-        const other = blockStart(chunk, block);
-        if (other > start and other < end) end = other;
-    }
-    return .{ .start = start, .end = end };
+    return .{ .start = start, .end = nextStart(chunk + table_start, blocks.count, start, stored) };
 }
 
 /// Every part's digest of one chunk (head first), written to `out`; the rest of `out` is

@@ -76,8 +76,31 @@ test "the digest is XXH3-64's low half at every length, its vector loop included
     var bytes: [5000]u8 = undefined;
     for (&bytes, 0..) |*byte, at| byte.* = @truncate(at *% 2654435761 >> 11);
     // Around the short/long switch (240), a scramble (1024) and the overlapping last stripe.
-    for ([_]usize{ 0, 1, 32, 240, 241, 255, 1023, 1024, 1025, 1088, 3072, 4999, 5000 }) |length| {
-        const expected: u32 = @truncate(std.hash.XxHash3.hash(0, bytes[0..length]));
-        try testing.expectEqual(expected, block_digests.digest(bytes[0..length]));
+    // Both loops: 256-bit where this CPU has AVX2 and the build is LLVM's (zig test
+    // -OReleaseFast), and the 128-bit one.
+    defer block_digests.avx2_allowed = true;
+    for ([_]bool{ true, false }) |allowed| {
+        block_digests.avx2_allowed = allowed;
+        for ([_]usize{ 0, 1, 32, 240, 241, 255, 1023, 1024, 1025, 1088, 3072, 4999, 5000 }) |length| {
+            const expected: u32 = @truncate(std.hash.XxHash3.hash(0, bytes[0..length]));
+            try testing.expectEqual(expected, block_digests.digest(bytes[0..length]));
+        }
+    }
+}
+
+test "a block ends at the next stored start, found four at a time past a table's first quad" {
+    // 9 blocks of 8 bytes stored in a shuffled order after a 68-byte head.
+    const order = [_]u32{ 5, 0, 8, 2, 7, 1, 6, 3, 4 };
+    var chunk: [68 + 72]u8 = @splat(0);
+    std.mem.writeInt(u32, chunk[4..8], 72, .little);
+    std.mem.writeInt(u32, chunk[8..12], 8, .little);
+    std.mem.writeInt(u32, chunk[12..16], chunk.len, .little);
+    for (order, 0..) |slot, block| std.mem.writeInt(u32, chunk[32 + 4 * block ..][0..4], 68 + 8 * slot, .little);
+    const blocks = block_digests.blocksOf(&chunk, chunk.len).?;
+    try testing.expectEqual(@as(u64, 9), blocks.count);
+    for (order, 0..) |slot, block| {
+        const extent = block_digests.partExtent(&chunk, blocks, 1 + block).?;
+        try testing.expectEqual(@as(u64, 68 + 8 * slot), extent.start);
+        try testing.expectEqual(@as(u64, 68 + 8 * slot + 8), extent.end);
     }
 }
