@@ -1,6 +1,6 @@
 """End-to-end throughput: ShmDataLoader against PyTorch's DataLoader and a single-process loop.
 
-Run: python bench/throughput.py [--quick]   (PyTorch rows need `pip install torch`)
+Run: python bench/throughput.py [--quick] [--checksums-only]   (PyTorch rows need `pip install torch`)
 Data: 100,000 rows of 3,072 bytes (image-like) plus an int64 label, as .npy and as
 converted LZ4 .b2nd; batches of 256; the consumer reads every batch (sums one byte per row
 and the labels). It reports shmloader against PyTorch and against the
@@ -116,7 +116,11 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
     }
 
 
-_CHECKSUM_PAIRS = 3
+# Checks cost most in a loader's first batches, where every row read is a first read: they
+# are timed over this many batches from the first, and over a run's batches.
+_CHECKSUM_FIRST_BATCHES = 300
+# Alternating pairs per count: short runs are noisier, and cheap.
+_CHECKSUM_PAIRS_SHORT, _CHECKSUM_PAIRS = 9, 3
 _SHARD_FILES = 1000
 _SHARD_WARM_UP = 500
 
@@ -149,18 +153,24 @@ def many_files_ratio(images: dict, labels: dict, batches: int) -> float:
     return statistics.median(ratios)
 
 
-def checksum_cost(images: dict, labels: dict, batches: int) -> float:
-    """1 - rate(verify=True) / rate(verify=False) on the .b2nd files, from alternating runs
-    (the machine's noise moves both alike within a pair). Each run starts fresh readers,
-    so every run pays the first pass over the chunks: the worst case, not a long run's."""
+def checksum_cost(images: dict, labels: dict, batches: int) -> dict[int, tuple[float, list[float]]]:
+    """1 - rate(verify=True) / rate(verify=False) on the .b2nd files, over the first
+    _CHECKSUM_FIRST_BATCHES batches and over `batches`: {batches: (median, per pair)}, from
+    alternating pairs (which of the two runs first alternates too: the machine's noise moves
+    both alike within a pair). Each run starts fresh readers, so every run pays the first
+    reads of the blocks it reads: the first batches are the worst case."""
     fields = {"image": images["b2nd"], "label": labels["b2nd"]}
-    ratios = []
-    for _ in range(_CHECKSUM_PAIRS):
-        checked = run_shmloader(fields, batches, verify=True)["rows_per_s"]
-        unchecked = run_shmloader(fields, batches, verify=False)["rows_per_s"]
-        ratios.append(checked / unchecked)
-    print(f"\nchunk checksums, verify=True / verify=False rows/s per pair: {', '.join(f'{r:.3f}' for r in ratios)}")
-    return 1 - statistics.median(ratios)
+    costs = {}
+    for count in sorted({_CHECKSUM_FIRST_BATCHES, batches}):
+        ratios = []
+        for pair in range(_CHECKSUM_PAIRS_SHORT if count <= _CHECKSUM_FIRST_BATCHES else _CHECKSUM_PAIRS):
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            rates = {verify: run_shmloader(fields, count, verify=verify)["rows_per_s"] for verify in order}
+            ratios.append(rates[True] / rates[False])
+        print(f"\nchecksums over {count} batches, verify=True / verify=False rows/s per pair: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)} (load average {os.getloadavg()[0]:.2f})")
+        costs[count] = (1 - statistics.median(ratios), ratios)
+    return costs
 
 
 def run_single_process(fields: dict, batches: int, ready=None) -> dict:
@@ -328,6 +338,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--checksums-only", action="store_true",
+                        help="only the cost of verify=True on .b2nd, over the first batches and over --batches")
     parser.add_argument("--child", choices=sorted(_CONTENDERS), help=argparse.SUPPRESS)
     parser.add_argument("--fields", help=argparse.SUPPRESS)
     add_write_argument(parser)
@@ -342,6 +354,11 @@ def main() -> int:
     for path in [*images.values(), *labels.values()]:
         read_through(path)
     print(f"# throughput benchmark ({machine_line()})")
+    if arguments.checksums_only:
+        for count, (cost, ratios) in checksum_cost(images, labels, batches).items():
+            print(f"b2nd: checksums (verify=True) cost {cost:.1%} of throughput over {count} batches from the "
+                  f"first, the median of {len(ratios)} alternating pairs (against verify=False)")
+        return 0
     print(f"{ROWS:,} rows of {ROW_BYTES} bytes + int64 label, batch {BATCH}, {batches} batches per run, consumer sums a byte per row")
     lines, rates, ceilings, ratios = [], {}, {}, {}
     rounds = 1 if arguments.quick else ROUNDS
@@ -415,8 +432,9 @@ def main() -> int:
         print(f"{kind}: 2 processes of the same gather at once / single process = {ceiling:.2f}x, rounds "
               f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it")
         print(f"{kind}: first batch after {ours['first_batch_s']:.2f} s")
-    print(f"b2nd: chunk checksums cost {verify_cost:.1%} of throughput over {batches} batches, the median of "
-          f"{_CHECKSUM_PAIRS} alternating pairs (verify=True against verify=False)")
+    for count, (cost, ratios) in verify_cost.items():
+        print(f"b2nd: checksums (verify=True) cost {cost:.1%} of throughput over {count} batches from the first, the "
+              f"median of {len(ratios)} alternating pairs (against verify=False)")
     print(f"npy: the same rows in {_SHARD_FILES} files load at {shard_ratio:.0%} of one file's rate")
     for label, cost in costs.items():
         print(f"next() with {label} batches, after a training step: median {cost['median']:.1f} us; "
@@ -431,8 +449,9 @@ def main() -> int:
     notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm; "
              f"shmloader, one process and two alternate in {rounds} round(s): rows are the median runs, "
              f"x single the median of the rounds' ratios",
-             f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
-             f"of one file's rate",
+             f"checksums (verify=True, the default) cost "
+             f"{', '.join(f'{cost:.1%} over {count} batches' for count, (cost, _) in verify_cost.items())}; "
+             f"{_SHARD_FILES} files load at {shard_ratio:.0%} of one file's rate",
              *(f"next() with {label} batches after a training step: median {cost['median']:.1f} us" for label, cost
                in costs.items())]
     notes.append("CPU s / M rows: all the contender's processes (trainer, readers or workers) from the timed "
