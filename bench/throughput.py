@@ -120,7 +120,7 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
 # are timed over this many batches from the first, and over a run's batches.
 _CHECKSUM_FIRST_BATCHES = 300
 # Alternating pairs per count: short runs are noisier, and cheap.
-_CHECKSUM_PAIRS_SHORT, _CHECKSUM_PAIRS = 9, 3
+_CHECKSUM_PAIRS_SHORT, _CHECKSUM_PAIRS = 9, 5
 _SHARD_FILES = 1000
 _SHARD_WARM_UP = 500
 
