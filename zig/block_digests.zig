@@ -310,6 +310,29 @@ pub fn partExtent(chunk: [*]const u8, blocks: Blocks, part: u64) ?Extent {
     return .{ .start = start, .end = nextStart(chunk + table_start, blocks.count, start, stored) };
 }
 
+/// partExtent of block part `part` of a chunk whose table lists its blocks in stored order
+/// (strictly increasing starts, which Checker.checkHead found): the block ends where the
+/// next one in the table starts, one entry away, instead of at the smallest start above it.
+fn inOrderBlockExtent(chunk: [*]const u8, blocks: Blocks, part: u64) Extent {
+    std.debug.assert(part >= 1 and part <= blocks.count and !blocks.copied);
+    const start = blockStart(chunk, part - 1);
+    const end = if (part < blocks.count) blockStart(chunk, part) else blocks.stored_bytes;
+    return .{ .start = start, .end = end };
+}
+
+/// Whether a chunk's table lists its blocks in stored order, each start inside the chunk
+/// past the table.
+fn tableInOrder(chunk: [*]const u8, blocks: Blocks) bool {
+    if (blocks.copied or blocks.count == 0) return false;
+    var previous: u64 = chunk_header_bytes + 4 * blocks.count - 1;
+    for (0..blocks.count) |block| {
+        const start = blockStart(chunk, block);
+        if (start <= previous) return false;
+        previous = start;
+    }
+    return previous < blocks.stored_bytes;
+}
+
 /// Every part's digest of one chunk (head first), written to `out`; the rest of `out` is
 /// zeroed. Returns the parts written, or null where the chunk's layout is unreadable or
 /// has more parts than `out` holds.
@@ -324,13 +347,20 @@ pub fn chunkDigests(chunk: [*]const u8, chunk_bytes: u64, out: []u32) ?u64 {
     return 1 + blocks.count;
 }
 
-/// What a gather checks before it reads a chunk's bytes: each part's stored digest
+/// What a gather checks when it reads a chunk's bytes: each part's stored digest
 /// (`stride` per chunk, head first) and one bit per part, set once the part matched in
-/// this process (a part is checked the first time a gather reads it, never again).
+/// this process (a part is checked the first time a gather reads it, never again); then
+/// one bit per chunk (of `chunk_count`), set with its head's where its table lists its
+/// blocks in stored order.
 pub const Checker = struct {
     digests: [*]const u32,
     stride: u64,
     checked: [*]u64,
+    chunk_count: u64,
+
+    fn inOrderIndex(self: Checker, chunk_index: u64) u64 {
+        return self.chunk_count * self.stride + chunk_index;
+    }
 
     fn isChecked(self: Checker, index: u64) bool {
         return self.checked[index / 64] & (@as(u64, 1) << @intCast(index % 64)) != 0;
@@ -351,6 +381,9 @@ pub const Checker = struct {
         if (1 + blocks.count > self.stride) return 0;
         const extent = partExtent(chunk, blocks, 0) orelse return 0;
         if (digest(chunk[extent.start..extent.end]) != self.digests[index]) return 0;
+        // The table was just read whole: whether its blocks lie in order is known once
+        // here, and spares each block read a search of the table for its end.
+        if (tableInOrder(chunk, blocks)) self.markChecked(self.inOrderIndex(chunk_index));
         self.markChecked(index);
         return null;
     }
@@ -366,11 +399,13 @@ pub const Checker = struct {
         if (blocks.count == 0 or byte_count == 0) return null;
         const first_block = byte_start / blocks.block_bytes;
         const last_block = @min((byte_start + byte_count - 1) / blocks.block_bytes, blocks.count - 1);
+        const in_order = self.isChecked(self.inOrderIndex(chunk_index));
         var block = first_block;
         while (block <= last_block) : (block += 1) {
             const index = first_index + 1 + block;
             if (self.isChecked(index)) continue;
-            const extent = partExtent(chunk, blocks, 1 + block) orelse return 1 + block;
+            const extent = if (in_order) inOrderBlockExtent(chunk, blocks, 1 + block) else
+                partExtent(chunk, blocks, 1 + block) orelse return 1 + block;
             if (digest(chunk[extent.start..extent.end]) != self.digests[index]) return 1 + block;
             self.markChecked(index);
         }

@@ -56,7 +56,7 @@ test "a read checks the head and the blocks under it once, and finds a changed b
     var digests: [4]u32 = undefined;
     _ = block_digests.chunkDigests(&chunk, chunk.len, &digests).?;
     var checked: [1]u64 = .{0};
-    const checker: block_digests.Checker = .{ .digests = &digests, .stride = 4, .checked = &checked };
+    const checker: block_digests.Checker = .{ .digests = &digests, .stride = 4, .checked = &checked, .chunk_count = 1 };
     chunk[50] ^= 1; // In block 1's stored bytes.
     // Bytes 0..8 lie in blocks 0 and 1 (uncompressed): block 1 is found.
     try testing.expectEqual(@as(?u64, 2), checker.checkRange(0, &chunk, chunk.len, 0, 8));
@@ -103,4 +103,19 @@ test "a block ends at the next stored start, found four at a time past a table's
         try testing.expectEqual(@as(u64, 68 + 8 * slot), extent.start);
         try testing.expectEqual(@as(u64, 68 + 8 * slot + 8), extent.end);
     }
+}
+
+test "a chunk whose table lists its blocks in order has its blocks checked from their neighbours' starts" {
+    // The chunk of the first test with its blocks stored in table order.
+    var chunk = tableChunk();
+    for ([_]u32{ 44, 52, 60 }, 0..) |start, block| std.mem.writeInt(u32, chunk[32 + 4 * block ..][0..4], start, .little);
+    var digests: [4]u32 = undefined;
+    _ = block_digests.chunkDigests(&chunk, chunk.len, &digests).?;
+    var checked: [1]u64 = .{0};
+    const checker: block_digests.Checker = .{ .digests = &digests, .stride = 4, .checked = &checked, .chunk_count = 1 };
+    try testing.expectEqual(@as(?u64, null), checker.checkRange(0, &chunk, chunk.len, 0, 12));
+    try testing.expectEqual(@as(u64, 0b11111), checked[0]); // Every part, and the in-order bit.
+    checked[0] = 0;
+    chunk[61] ^= 1; // In block 2, the last: it ends at the chunk's end.
+    try testing.expectEqual(@as(?u64, 3), checker.checkRange(0, &chunk, chunk.len, 8, 4));
 }

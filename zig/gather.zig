@@ -82,7 +82,8 @@ pub const BloscLayout = extern struct {
     /// first; null: nothing is checked. A part is checked before it is first decompressed.
     digests: ?[*]const u32,
     digest_stride: u64,
-    /// One bit per digest, set once its part matched in this process.
+    /// One bit per digest, set once its part matched in this process, then one per chunk
+    /// (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
     digests_checked: ?[*]u64,
 };
 
@@ -118,7 +119,7 @@ fn getBytes(
     if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
     const checker: ?block_digests.Checker = if (layout.digests) |digests|
-        .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.? }
+        .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.?, .chunk_count = layout.chunk_count }
     else
         null;
     if (checker) |check| {

@@ -140,7 +140,8 @@ def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row
     if digests is not None:
         assert digests.ndim == 2 and digests.shape[0] == len(addresses), "one row of part digests per chunk"
         digests = np.ascontiguousarray(digests, dtype=np.uint32)
-        checked = np.zeros(-(-digests.size // 64), dtype=np.uint64)  # One bit per part, set once it matched.
+        # One bit per part, set once it matched, then one per chunk (blocks stored in order).
+        checked = np.zeros(-(-(digests.size + digests.shape[0]) // 64), dtype=np.uint64)
         layout.digests = ffi.from_buffer("uint32_t[]", digests)
         layout.digest_stride = digests.shape[1]
         layout.digests_checked = ffi.from_buffer("uint64_t[]", checked)
