@@ -394,14 +394,21 @@ pub const Checker = struct {
     pub fn checkBlocks(self: Checker, chunk_index: u64, chunk: [*]const u8, chunk_bytes: u64, byte_start: u64, byte_count: u64) ?u64 {
         const first_index = chunk_index * self.stride;
         std.debug.assert(self.isChecked(first_index));
-        // The head matched: these are the header and table as written.
-        const blocks = blocksOf(chunk, chunk_bytes).?;
-        if (blocks.count == 0 or byte_count == 0) return null;
-        const first_block = byte_start / blocks.block_bytes;
-        const last_block = @min((byte_start + byte_count - 1) / blocks.block_bytes, blocks.count - 1);
-        const in_order = self.isChecked(self.inOrderIndex(chunk_index));
+        // The head matched: the header is as written. Once its blocks are checked (most
+        // reads of a long run), a read costs one division and a bit test.
+        const block_bytes: u64 = std.mem.readInt(u32, chunk[8..12], .little);
+        const special = (chunk[31] >> 4) & 0x7 != 0;
+        if (byte_count == 0 or block_bytes == 0 or special or self.stride < 2) return null;
+        const first_block = byte_start / block_bytes;
+        const inside_one = byte_start % block_bytes + byte_count <= block_bytes;
+        const last_block = @min(if (inside_one) first_block else (byte_start + byte_count - 1) / block_bytes, self.stride - 2);
         var block = first_block;
-        while (block <= last_block) : (block += 1) {
+        while (block <= last_block and self.isChecked(first_index + 1 + block)) block += 1;
+        if (block > last_block) return null;
+        const blocks = blocksOf(chunk, chunk_bytes).?;
+        if (blocks.count == 0) return null;
+        const in_order = self.isChecked(self.inOrderIndex(chunk_index));
+        while (block <= @min(last_block, blocks.count - 1)) : (block += 1) {
             const index = first_index + 1 + block;
             if (self.isChecked(index)) continue;
             const extent = if (in_order) inOrderBlockExtent(chunk, blocks, 1 + block) else
