@@ -85,6 +85,16 @@ def median_run(results: list[dict]) -> dict:
     return sorted(results, key=lambda result: result["rows_per_s"])[(len(results) - 1) // 2]
 
 
+def readers_cpu_s(pids) -> float:
+    """Seconds the readers have spent on a CPU (schedstat: nanoseconds, where /proc/PID/stat
+    counts 10 ms ticks, coarse against a run of 300 batches)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as handle:
+            total += int(handle.read().split()[0])
+    return total / 1e9
+
+
 def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, warm_up=0) -> dict:
     started = time.perf_counter()
     loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False,
@@ -97,10 +107,12 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         for _, batch in zip(range(warm_up), loader):
             consume(batch["image"], batch["label"])
         cpu_start = cpu_mark()
+        readers_start = readers_cpu_s(loader.diagnostics.reader_pids)
         timed_start = time.perf_counter()
         for _, batch in zip(range(batches), loader):
             consume(batch["image"], batch["label"])
         elapsed = time.perf_counter() - timed_start
+        readers_s = readers_cpu_s(loader.diagnostics.reader_pids) - readers_start
         cpu_end = cpu_mark()
         memory = [memory_of(pid) for pid in loader.diagnostics.reader_pids]
         stats = loader.stats()
@@ -111,6 +123,7 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         "shm_mib": loader.diagnostics.shared_memory_bytes / 2**20,
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
+        "readers_cpu_s": readers_s,
         "cpu_start": cpu_start,
         "cpu_end": cpu_end,
     }
@@ -163,13 +176,16 @@ def checksum_cost(images: dict, labels: dict, batches: int) -> dict[int, tuple[f
     fields = {"image": images["b2nd"], "label": labels["b2nd"]}
     costs = {}
     for count in sorted({_CHECKSUM_FIRST_BATCHES, batches}):
-        ratios = []
+        ratios, cpu_ratios = [], []
         for pair in range(_CHECKSUM_PAIRS_SHORT if count <= _CHECKSUM_FIRST_BATCHES else _CHECKSUM_PAIRS):
             order = (True, False) if pair % 2 == 0 else (False, True)
-            rates = {verify: run_shmloader(fields, count, verify=verify)["rows_per_s"] for verify in order}
-            ratios.append(rates[True] / rates[False])
+            runs = {verify: run_shmloader(fields, count, verify=verify) for verify in order}
+            ratios.append(runs[True]["rows_per_s"] / runs[False]["rows_per_s"])
+            cpu_ratios.append(runs[True]["readers_cpu_s"] / runs[False]["readers_cpu_s"])
         print(f"\nchecksums over {count} batches, verify=True / verify=False rows/s per pair: "
-              f"{', '.join(f'{r:.3f}' for r in ratios)} (load average {os.getloadavg()[0]:.2f})")
+              f"{', '.join(f'{r:.3f}' for r in ratios)} (load average {os.getloadavg()[0]:.2f}); the readers' CPU "
+              f"seconds, True / False: median {statistics.median(cpu_ratios):.3f} "
+              f"({min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")
         costs[count] = (1 - statistics.median(ratios), ratios)
     return costs
 
