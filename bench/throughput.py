@@ -132,8 +132,8 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
 # Checks cost most in a loader's first batches, where every row read is a first read: they
 # are timed over this many batches from the first, and over a run's batches.
 _CHECKSUM_FIRST_BATCHES = 300
-# Alternating pairs per count: short runs are noisier (a pair of 300 batches ranged 0.64-1.29 on
-# this shared host), and cheap.
+# Alternating pairs per count: short runs are noisier (one pair of them can land on another
+# process's burst), and cheap.
 _CHECKSUM_PAIRS_SHORT, _CHECKSUM_PAIRS = 25, 5
 _SHARD_FILES = 1000
 _SHARD_WARM_UP = 500

@@ -24,8 +24,8 @@ pub fn digest(bytes: []const u8) u32 {
 // XXH3-64's long-input path (xxhash.h, XXH3_hashLong_64b with the default secret), on
 // 128-bit vectors: the baseline x86-64 (SSE2) and ARM64 (NEON) this library is built for
 // have them, so it needs no CPU feature to dispatch on. std.hash.XxHash3 computes the same
-// values, but its build of this loop reads each 64-byte stripe byte by byte (about 0.3 GB/s
-// against tens); shorter inputs, which never reach this loop, stay with it.
+// values, but its build of this loop reads each 64-byte stripe byte by byte, many times
+// slower (bench/RESULTS.md); shorter inputs, which never reach this loop, stay with it.
 const xxh3_short_max = 240;
 const xxh3_secret: [192]u8 = .{
     0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,

@@ -270,8 +270,8 @@ pub fn gatherBlosc(
 }
 
 /// How many rows ahead a Blosc2 gather of one row per block asks for a row's chunk header
-/// and table entry, and for its block (which needs the entry): a row takes about a
-/// microsecond, a miss to memory a tenth of one, so a row or two of lead hides them.
+/// and table entry, and for its block (which needs the entry, so it comes later): a row's
+/// decompression takes several times a miss to memory, so a row or two of lead hides them.
 const row_prefetch_distance = 4;
 const block_prefetch_distance = 2;
 
