@@ -3,6 +3,7 @@
 
 const std = @import("std");
 const block_digests = @import("block_digests.zig");
+const xxh3 = @import("xxh3.zig");
 const testing = std.testing;
 
 /// A chunk of 3 blocks of 4 bytes, stored out of order (block 1 first) after a header and
@@ -78,9 +79,9 @@ test "the digest is XXH3-64's low half at every length, its vector loop included
     // Around the short/long switch (240), a scramble (1024) and the overlapping last stripe.
     // Both loops: 256-bit where this CPU has AVX2 and the build is LLVM's (zig test
     // -OReleaseFast), and the 128-bit one.
-    defer block_digests.avx2_allowed = true;
+    defer xxh3.avx2_allowed = true;
     for ([_]bool{ true, false }) |allowed| {
-        block_digests.avx2_allowed = allowed;
+        xxh3.avx2_allowed = allowed;
         for ([_]usize{ 0, 1, 32, 240, 241, 255, 1023, 1024, 1025, 1088, 3072, 4999, 5000 }) |length| {
             const expected: u32 = @truncate(std.hash.XxHash3.hash(0, bytes[0..length]));
             try testing.expectEqual(expected, block_digests.digest(bytes[0..length]));
