@@ -45,8 +45,12 @@ def child_environment() -> dict[str, str]:
 
 
 def _converted_here(path: str) -> bool:
-    """Whether a cached file exists and was written by this version's converter (checksums)."""
-    return os.path.exists(path) and describe_field(path).checksums
+    """Whether a cached file exists and was written by this version's converter (checksums
+    and block digests)."""
+    if not os.path.exists(path):
+        return False
+    spec = describe_field(path)
+    return spec.checksums and spec.block_digests
 
 
 def make_files(rows: int, row_bytes: int, with_default: bool) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """End-to-end throughput: ShmDataLoader against PyTorch's DataLoader and a single-process loop.
 
-Run: python bench/throughput.py [--quick]   (PyTorch rows need `pip install torch`)
+Run: python bench/throughput.py [--quick] [--checksums-only]   (PyTorch rows need `pip install torch`)
 Data: 100,000 rows of 3,072 bytes (image-like) plus an int64 label, as .npy and as
 converted LZ4 .b2nd; batches of 256; the consumer reads every batch (sums one byte per row
 and the labels). It reports shmloader against PyTorch and against the
@@ -52,7 +52,7 @@ def label_files(directory: str) -> dict[str, str]:
     b2nd = os.path.join(directory, f"labels{ROWS}.lz4.b2nd")
     if not os.path.exists(npy):
         np.save(npy, np.arange(ROWS, dtype=np.int64) % 1000)
-    if not os.path.exists(b2nd) or not describe_field(b2nd).checksums:
+    if not os.path.exists(b2nd) or not describe_field(b2nd).block_digests:
         convert(npy, b2nd, progress=False, force=True)
     return {"npy": npy, "b2nd": b2nd}
 
@@ -85,6 +85,16 @@ def median_run(results: list[dict]) -> dict:
     return sorted(results, key=lambda result: result["rows_per_s"])[(len(results) - 1) // 2]
 
 
+def readers_cpu_s(pids) -> float:
+    """Seconds the readers have spent on a CPU (schedstat: nanoseconds, where /proc/PID/stat
+    counts 10 ms ticks, coarse against a run of 300 batches)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as handle:
+            total += int(handle.read().split()[0])
+    return total / 1e9
+
+
 def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, warm_up=0) -> dict:
     started = time.perf_counter()
     loader = ShmDataLoader(fields, batch_size=BATCH, readers=readers, slots=slots, seed=1, warn_layout=False,
@@ -97,10 +107,12 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         for _, batch in zip(range(warm_up), loader):
             consume(batch["image"], batch["label"])
         cpu_start = cpu_mark()
+        readers_start = readers_cpu_s(loader.diagnostics.reader_pids)
         timed_start = time.perf_counter()
         for _, batch in zip(range(batches), loader):
             consume(batch["image"], batch["label"])
         elapsed = time.perf_counter() - timed_start
+        readers_s = readers_cpu_s(loader.diagnostics.reader_pids) - readers_start
         cpu_end = cpu_mark()
         memory = [memory_of(pid) for pid in loader.diagnostics.reader_pids]
         stats = loader.stats()
@@ -111,12 +123,18 @@ def run_shmloader(fields: dict, batches: int, readers=2, slots=8, verify=False, 
         "shm_mib": loader.diagnostics.shared_memory_bytes / 2**20,
         "reader_memory": memory,
         "wait_fraction": stats["wait_fraction"],
+        "readers_cpu_s": readers_s,
         "cpu_start": cpu_start,
         "cpu_end": cpu_end,
     }
 
 
-_CHECKSUM_PAIRS = 3
+# Checks cost most in a loader's first batches, where every row read is a first read: they
+# are timed over this many batches from the first, and over a run's batches.
+_CHECKSUM_FIRST_BATCHES = 300
+# Alternating pairs per count: short runs are noisier (one pair of them can land on another
+# process's burst), and cheap.
+_CHECKSUM_PAIRS_SHORT, _CHECKSUM_PAIRS = 25, 5
 _SHARD_FILES = 1000
 _SHARD_WARM_UP = 500
 
@@ -149,18 +167,27 @@ def many_files_ratio(images: dict, labels: dict, batches: int) -> float:
     return statistics.median(ratios)
 
 
-def checksum_cost(images: dict, labels: dict, batches: int) -> float:
-    """1 - rate(verify=True) / rate(verify=False) on the .b2nd files, from alternating runs
-    (the machine's noise moves both alike within a pair). Each run starts fresh readers,
-    so every run pays the first pass over the chunks: the worst case, not a long run's."""
+def checksum_cost(images: dict, labels: dict, batches: int) -> dict[int, tuple[float, list[float]]]:
+    """1 - rate(verify=True) / rate(verify=False) on the .b2nd files, over the first
+    _CHECKSUM_FIRST_BATCHES batches and over `batches`: {batches: (median, per pair)}, from
+    alternating pairs (which of the two runs first alternates too: the machine's noise moves
+    both alike within a pair). Each run starts fresh readers, so every run pays the first
+    reads of the blocks it reads: the first batches are the worst case."""
     fields = {"image": images["b2nd"], "label": labels["b2nd"]}
-    ratios = []
-    for _ in range(_CHECKSUM_PAIRS):
-        checked = run_shmloader(fields, batches, verify=True)["rows_per_s"]
-        unchecked = run_shmloader(fields, batches, verify=False)["rows_per_s"]
-        ratios.append(checked / unchecked)
-    print(f"\nchunk checksums, verify=True / verify=False rows/s per pair: {', '.join(f'{r:.3f}' for r in ratios)}")
-    return 1 - statistics.median(ratios)
+    costs = {}
+    for count in sorted({_CHECKSUM_FIRST_BATCHES, batches}):
+        ratios, cpu_ratios = [], []
+        for pair in range(_CHECKSUM_PAIRS_SHORT if count <= _CHECKSUM_FIRST_BATCHES else _CHECKSUM_PAIRS):
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            runs = {verify: run_shmloader(fields, count, verify=verify) for verify in order}
+            ratios.append(runs[True]["rows_per_s"] / runs[False]["rows_per_s"])
+            cpu_ratios.append(runs[True]["readers_cpu_s"] / runs[False]["readers_cpu_s"])
+        print(f"\nchecksums over {count} batches, verify=True / verify=False rows/s per pair: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)} (load average {os.getloadavg()[0]:.2f}); the readers' CPU "
+              f"seconds, True / False: median {statistics.median(cpu_ratios):.3f} "
+              f"({min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")
+        costs[count] = (1 - statistics.median(ratios), ratios)
+    return costs
 
 
 def run_single_process(fields: dict, batches: int, ready=None) -> dict:
@@ -328,6 +355,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument("--checksums-only", action="store_true",
+                        help="only the cost of verify=True on .b2nd, over the first batches and over --batches")
     parser.add_argument("--child", choices=sorted(_CONTENDERS), help=argparse.SUPPRESS)
     parser.add_argument("--fields", help=argparse.SUPPRESS)
     add_write_argument(parser)
@@ -342,6 +371,11 @@ def main() -> int:
     for path in [*images.values(), *labels.values()]:
         read_through(path)
     print(f"# throughput benchmark ({machine_line()})")
+    if arguments.checksums_only:
+        for count, (cost, ratios) in checksum_cost(images, labels, batches).items():
+            print(f"b2nd: checksums (verify=True) cost {cost:.1%} of throughput over {count} batches from the "
+                  f"first, the median of {len(ratios)} alternating pairs (against verify=False)")
+        return 0
     print(f"{ROWS:,} rows of {ROW_BYTES} bytes + int64 label, batch {BATCH}, {batches} batches per run, consumer sums a byte per row")
     lines, rates, ceilings, ratios = [], {}, {}, {}
     rounds = 1 if arguments.quick else ROUNDS
@@ -415,8 +449,9 @@ def main() -> int:
         print(f"{kind}: 2 processes of the same gather at once / single process = {ceiling:.2f}x, rounds "
               f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it")
         print(f"{kind}: first batch after {ours['first_batch_s']:.2f} s")
-    print(f"b2nd: chunk checksums cost {verify_cost:.1%} of throughput over {batches} batches, the median of "
-          f"{_CHECKSUM_PAIRS} alternating pairs (verify=True against verify=False)")
+    for count, (cost, ratios) in verify_cost.items():
+        print(f"b2nd: checksums (verify=True) cost {cost:.1%} of throughput over {count} batches from the first, the "
+              f"median of {len(ratios)} alternating pairs (against verify=False)")
     print(f"npy: the same rows in {_SHARD_FILES} files load at {shard_ratio:.0%} of one file's rate")
     for label, cost in costs.items():
         print(f"next() with {label} batches, after a training step: median {cost['median']:.1f} us; "
@@ -431,8 +466,9 @@ def main() -> int:
     notes = [f"{ROWS:,} rows of {ROW_BYTES} B + an int64 label, batch {BATCH}, {batches} batches a run, warm; "
              f"shmloader, one process and two alternate in {rounds} round(s): rows are the median runs, "
              f"x single the median of the rounds' ratios",
-             f"chunk checksums (verify=True) cost {verify_cost:.1%}; {_SHARD_FILES} files load at {shard_ratio:.0%} "
-             f"of one file's rate",
+             f"checksums (verify=True, the default) cost "
+             f"{', '.join(f'{cost:.1%} over {count} batches' for count, (cost, _) in verify_cost.items())}; "
+             f"{_SHARD_FILES} files load at {shard_ratio:.0%} of one file's rate",
              *(f"next() with {label} batches after a training step: median {cost['median']:.1f} us" for label, cost
                in costs.items())]
     notes.append("CPU s / M rows: all the contender's processes (trainer, readers or workers) from the timed "

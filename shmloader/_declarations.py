@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 20
+ABI_VERSION = 21
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -52,6 +52,9 @@ typedef struct {
     uint64_t block_buffer_bytes;
     void *order_buffer;
     uint64_t order_buffer_count;
+    const uint32_t *digests;
+    uint64_t digest_stride;
+    uint64_t *digests_checked;
 } shm_blosc_layout;
 
 typedef struct {
@@ -112,6 +115,8 @@ int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes
 int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, uint64_t index_count,
                      uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
 
+int shm_chunk_digests(const uint8_t *chunk, uint64_t chunk_bytes, uint32_t *out, uint64_t out_count,
+                      uint64_t *parts);
 int shm_gather_parts_raw(const uint64_t *part_tables, const uint64_t *part_starts, uint64_t part_count,
                          uint64_t total_rows, uint64_t row_bytes, const uint64_t *indices,
                          const uint64_t *destinations, uint64_t index_count, uint8_t *out, uint64_t out_bytes,

@@ -49,8 +49,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
     step itself when next() needs it). slots: steps the ring holds (plan/defaults.default_slots).
-    verify: readers check each Blosc2 chunk's CRC-32 the first time they read it (files
-    from `shmloader convert` carry them). pin_memory: page-lock the ring with CUDA once, for
+    verify (on by default): readers check what they read of a Blosc2 file against its
+    checksums the first time they read it, each block and its chunk's head where the file
+    carries block digests (`shmloader convert` writes them), else each whole chunk's CRC-32
+    (files converted before block digests); files without checksums load unchecked. False
+    skips the checks. pin_memory: page-lock the ring with CUDA once, for
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,
     mode="shuffle"): the block-local shuffle for data larger than memory (README). step_timeout
     (seconds; None waits, warning after 10 s): next() raises StepTimeoutError for a step in
@@ -75,7 +78,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         max_reader_restarts: int = 3,
         hold_timeout: float = 5.0,
         warn_layout: bool = True,
-        verify: bool = False,
+        verify: bool = True,
         pin_memory=False,
         transform=None,
         transform_args: dict | None = None,

@@ -1,6 +1,8 @@
-"""Silent corruption is caught: `shmloader convert` stores a CRC-32 per chunk in the file's
-own metadata (readable with Blosc2 alone), `shmloader verify` names every bad chunk, and
-readers check each chunk the first time they read it; files without checksums still load."""
+"""Silent corruption is caught: `shmloader convert` stores a CRC-32 per chunk and a digest per
+block in the file's own metadata (readable with Blosc2 alone), `shmloader verify` names every
+bad chunk, and readers check what they read the first time they read it (on by default): a
+block and its chunk's head where the file has block digests, else the whole chunk; files
+without checksums still load."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import numpy as np
 import pytest
 
 from shmloader import ReaderError, ShmDataLoader
+from shmloader.errors import StorageError
 from shmloader.storage.opening import open_field
-from shmloader.storage.spec import CHECKSUM_META, describe_field
+from shmloader.storage.spec import BLOCK_DIGESTS_META, CHECKSUM_META, CHUNK_HEADER_BYTES, describe_field
 from shmloader.tools.cli import main
 from shmloader.tools.convert import convert, verify
 
@@ -27,10 +30,15 @@ def stored(tmp_path):
     return rows, spec
 
 
-def flip_a_byte_in_chunk(spec, chunk: int) -> None:
+def flip_a_byte_in_chunk(spec, chunk: int, at: int | None = None) -> None:
+    """Flips byte `at` of a chunk as stored (its middle byte by default)."""
     field = open_field(spec)
-    offset = int(field._file_offsets[chunk]) + int(field._sizes[chunk]) // 2
+    offset = int(field._file_offsets[chunk]) + (int(field._sizes[chunk]) // 2 if at is None else at)
     field.close()
+    flip_a_byte_at(spec, offset)
+
+
+def flip_a_byte_at(spec, offset: int) -> None:
     before = os.stat(spec.path)
     with open(spec.path, "r+b") as handle:
         handle.seek(offset)
@@ -99,3 +107,121 @@ def test_files_without_checksums_still_load_and_verify_says_so(tmp_path, capsys)
         assert np.array_equal(batch["rows"], rows[batch.indices])
     assert main(["verify", path, "--quiet"]) == 2
     assert "carries no chunk checksums" in capsys.readouterr().err
+
+
+def block_extents(chunk: bytes) -> list[tuple[int, int]]:
+    """The reference for zig/block_digests.zig's parts, from Blosc2's chunk format: the head
+    (every byte before the first stored block), then each block from its start to the next
+    stored block's start or the chunk's end."""
+    uncompressed, block_bytes, stored = np.frombuffer(chunk[4:16], dtype="<u4").tolist()
+    assert stored == len(chunk) and not chunk[31] & 0x70  # No special (one-value) chunks here.
+    count = -(-uncompressed // block_bytes)
+    if chunk[2] & 0x2:  # Stored as they are, after the header.
+        starts = [CHUNK_HEADER_BYTES + block * block_bytes for block in range(count)]
+    else:
+        starts = np.frombuffer(chunk[CHUNK_HEADER_BYTES:CHUNK_HEADER_BYTES + 4 * count], dtype="<u4").tolist()
+    ordered = sorted(starts)
+    ends = {start: end for start, end in zip(ordered, [*ordered[1:], stored])}
+    return [(0, ordered[0])] + [(start, ends[start]) for start in starts]
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4"])
+def test_block_digests_are_xxh3_of_each_blocks_stored_bytes(tmp_path, codec):
+    """Against the xxhash package and the extents above, on blocks that LZ4 compresses to
+    different sizes and compression threads may store out of order."""
+    import blosc2
+
+    xxhash = pytest.importorskip("xxhash")
+    rows = np.random.default_rng(1).integers(0, 8, size=(1000, 3000), dtype=np.uint8)
+    spec = convert(rows, tmp_path / "rows.b2nd", codec=codec, progress=False)
+    assert spec.block_digests and spec.chunk_count > 1
+    schunk = blosc2.open(spec.path).schunk
+    digests = np.frombuffer(schunk.vlmeta[BLOCK_DIGESTS_META], dtype="<u4").reshape(spec.chunk_count, -1)
+    for chunk in range(spec.chunk_count):
+        stored = schunk.get_chunk(chunk)
+        expected = [xxhash.xxh3_64_intdigest(stored[start:end]) & 0xFFFFFFFF for start, end in block_extents(stored)]
+        assert digests[chunk, :len(expected)].tolist() == expected
+        assert not digests[chunk, len(expected):].any()
+
+
+def test_a_flipped_byte_is_caught_in_the_block_read_and_nowhere_else(stored):
+    """Where the file has block digests, a fill checks the blocks it reads: a sound block of
+    a chunk with a bad one reads fine, the bad block raises (a whole-chunk check would
+    refuse both), and so does a changed header or block table."""
+    rows, spec = stored
+    assert spec.block_rows == 1 and spec.chunk_rows == 64
+    field = open_field(spec)
+    chunk = bytes(field.chunk_bytes(2))
+    field.close()
+    start, end = block_extents(chunk)[1 + 5]  # Chunk 2's block 5: row 133.
+    flip_a_byte_in_chunk(spec, 2, at=(start + end) // 2)
+    checked = open_field(spec, verify=True)
+    out = np.empty((2, 4096), dtype=np.uint8)
+    checked.gather(np.array([130, 140], dtype=np.uint64), out)
+    assert np.array_equal(out, rows[[130, 140]])
+    with pytest.raises(StorageError, match=r"rows\.b2nd: chunk 2 fails its checksum \(its block 5, .*shmloader verify"):
+        checked.gather(np.array([140, 133], dtype=np.uint64), out)
+    with pytest.raises(StorageError, match=r"chunk 2 fails its checksum \(its block 5"):  # Not marked as checked.
+        checked.gather(np.array([133, 0], dtype=np.uint64), out)
+    checked.close()
+    flip_a_byte_in_chunk(spec, 1, at=22)  # Chunk 1's header (its codec's byte): a block read reads it too.
+    checked = open_field(spec, verify=True)
+    with pytest.raises(StorageError, match=r"chunk 1 fails its checksum \(its header and block table"):
+        checked.gather(np.array([64, 65], dtype=np.uint64), out)
+    checked.close()
+
+
+def test_a_shard_field_read_through_one_joined_table_names_the_bad_file(tmp_path):
+    """Shards with block digests keep the joined chunk table under verify: the error names
+    the shard and its own chunk, not the joined table's."""
+    rows = np.random.default_rng(0).integers(0, 255, size=(300, 4096), dtype=np.uint8)
+    for shard in range(3):
+        convert(rows[shard * 100:(shard + 1) * 100], tmp_path / f"img-{shard}.b2nd", codec="none", progress=False)
+    spec = describe_field(str(tmp_path / "img-2.b2nd"))
+    flip_a_byte_in_chunk(spec, 1)  # Rows 64..99 of shard 2: 264..299.
+    with ShmDataLoader({"x": str(tmp_path / "img-*.b2nd")}, batch_size=100, readers=1, slots=2, mode="sequential",
+                       warn_layout=False) as loader:
+        assert loader.plan.fields[0].parts[0].block_digests
+        with pytest.raises(ReaderError) as raised:
+            for _ in range(3):
+                batch = next(loader)
+                assert np.array_equal(batch["x"], rows[batch.indices])
+    assert "img-2.b2nd: chunk 1 fails its checksum" in str(raised.value)
+
+
+def test_checks_are_on_by_default(stored):
+    rows, spec = stored
+    flip_a_byte_in_chunk(spec, 3)
+    with ShmDataLoader({"rows": spec.path}, batch_size=64, readers=1, slots=2, mode="sequential") as loader:
+        assert loader.options.verify is True
+        with pytest.raises(ReaderError, match="chunk 3 fails its checksum"):
+            for _ in range(4):
+                next(loader)
+
+
+def test_block_digest_metadata_of_the_wrong_length_names_the_file(stored):
+    import blosc2
+
+    _, spec = stored
+    array = blosc2.open(spec.path, mode="a")
+    array.schunk.vlmeta[BLOCK_DIGESTS_META] = b"\x01\x02\x03\x04\x05"
+    del array
+    with pytest.raises(StorageError, match=r"rows\.b2nd: its shmloader\.block_xxh3 metadata holds 5 bytes"):
+        open_field(describe_field(spec.path), verify=True)
+
+
+def test_a_file_converted_before_block_digests_is_checked_chunk_by_chunk(stored):
+    import blosc2
+
+    rows, spec = stored
+    array = blosc2.open(spec.path, mode="a")
+    del array.schunk.vlmeta[BLOCK_DIGESTS_META]
+    del array
+    spec = describe_field(spec.path)
+    assert spec.checksums and not spec.block_digests
+    flip_a_byte_in_chunk(spec, 2, at=CHUNK_HEADER_BYTES + 5 * 4096 + 7)  # Block 5 of chunk 2 (stored as is).
+    checked = open_field(spec, verify=True)
+    out = np.empty((1, 4096), dtype=np.uint8)
+    with pytest.raises(StorageError, match=r"chunk 2 fails its checksum \(stored CRC-32"):
+        checked.gather(np.array([130], dtype=np.uint64), out)  # Another block of the chunk: the whole is checked.
+    checked.close()

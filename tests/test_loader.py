@@ -497,4 +497,4 @@ def test_diagnostics_moved_off_the_loader_say_where(dataset):
             loader.slot
         with pytest.raises(AttributeError, match=r"loader\.options\.verify"):
             loader.verify
-        assert loader.plan.slot.batch_size == 4 and loader.options.verify is False
+        assert loader.plan.slot.batch_size == 4 and loader.options.verify is True

@@ -155,7 +155,7 @@ def test_files_of_one_field_must_match_and_bad_sources_are_named(tmp_path):
         ShmDataLoader([Source(one)], batch_size=2, readers=1, mode="sequential")
 
 
-@pytest.mark.parametrize("verify", [False, True], ids=["joined-chunk-table", "file-by-file"])
+@pytest.mark.parametrize("verify", [False, True], ids=["unchecked", "checked-by-block-digests"])
 def test_a_field_of_b2nd_shards_reads_like_one_file(tmp_path, verify):
     from shmloader.plan.sampler import Sampler
     from shmloader.tools.convert import convert

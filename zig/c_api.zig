@@ -5,6 +5,7 @@ const std = @import("std");
 const builtin = @import("builtin");
 const sampler = @import("sampler.zig");
 const gather = @import("gather.zig");
+const block_digests = @import("block_digests.zig");
 const mixture = @import("mixture.zig");
 const status = @import("status.zig");
 const Status = status.Status;
@@ -13,6 +14,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
+// 21: block digests (shm_chunk_digests, shm_blosc_layout's digests, status checksum_mismatch).
 // 20: shm_private_copy, shm_map_shared, shm_unmap.
 // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
 // mirrored it). 16: shm_arm_waiter removed (the trainer's waits are _cursor.c's). 15: shm_sources_max.
@@ -21,7 +23,7 @@ const ring = @import("ring_h.zig");
 // shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls).
 // 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local
 // shuffle (shm_sampler_window_blocks).
-const abi_version: u32 = 20;
+const abi_version: u32 = 21;
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -147,6 +149,14 @@ export fn shm_gather_blosc(
     failure: *gather.GatherError,
 ) Status {
     return gather.gatherBlosc(layout, indices[0..index_count], out[0..out_bytes], failure);
+}
+
+/// The part digests of one stored chunk (block_digests.zig), head first, into `out`
+/// (`out_count` entries, the rest zeroed); `parts` receives how many the chunk has.
+/// .invalid_layout: its header or block table is unreadable, or it has more parts.
+export fn shm_chunk_digests(chunk: [*]const u8, chunk_bytes: u64, out: [*]u32, out_count: u64, parts: *u64) Status {
+    parts.* = block_digests.chunkDigests(chunk, chunk_bytes, out[0..out_count]) orelse return .invalid_layout;
+    return .ok;
 }
 
 export fn shm_gather_parts_raw(
@@ -331,6 +341,7 @@ test {
     _ = @import("permutation.zig");
     _ = @import("sampler_test.zig");
     _ = @import("gather_test.zig");
+    _ = @import("block_digests_test.zig");
     _ = @import("mixture_test.zig");
 }
 

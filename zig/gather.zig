@@ -1,12 +1,15 @@
 //! Row gathers: copy or decompress the rows named by an index batch straight into a
 //! caller's buffer (a shared-memory slot), in index order.
-//! Its tests: gather_test.zig.
+//! Its tests: gather_test.zig. Past 450 lines: the raw and Blosc2 gathers share their range
+//! checks and prefetching here; the Blosc2 reads (getBytes and below) would move out first.
 
 const std = @import("std");
 const Status = @import("status.zig").Status;
+const block_digests = @import("block_digests.zig");
 
 /// Where a failed gather stopped: which batch position, and libblosc2's own error code
-/// when the status is .decompress_failed (0 otherwise).
+/// when the status is .decompress_failed, which digest failed when .checksum_mismatch
+/// (chunk * digest_stride + part), 0 otherwise.
 pub const GatherError = extern struct {
     position: u64,
     code: i64,
@@ -76,6 +79,13 @@ pub const BloscLayout = extern struct {
     /// `batch_size` entries, used to visit the rows of a batch in block order.
     order_buffer: [*]u128,
     order_buffer_count: u64,
+    /// Each chunk's part digests (block_digests.zig), `digest_stride` per chunk, head
+    /// first; null: nothing is checked. A part is checked before it is first decompressed.
+    digests: ?[*]const u32,
+    digest_stride: u64,
+    /// One bit per digest, set once its part matched in this process, then one per chunk
+    /// (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
+    digests_checked: ?[*]u64,
 };
 
 pub const chunk_header_bytes = 32;
@@ -109,6 +119,41 @@ fn getBytes(
     const chunk_bytes = layout.chunk_bytes[chunk_index];
     if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
+    const checker: ?block_digests.Checker = if (layout.digests) |digests|
+        .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.?, .chunk_count = layout.chunk_count }
+    else
+        null;
+    if (checker) |check| {
+        // The head before libblosc2 reads the chunk: its header and table say where the
+        // blocks lie, and libblosc2 must not follow a changed one.
+        if (check.checkHead(chunk_index, chunk, chunk_bytes)) |part| {
+            library_code.* = @intCast(chunk_index * layout.digest_stride + part);
+            return .checksum_mismatch;
+        }
+    }
+    const got = getRange(layout, chunk, chunk_index, byte_start, byte_count, destination, library_code);
+    if (checker) |check| {
+        // The blocks after: libblosc2 has just read their bytes, which are in cache now (a
+        // pass before it would fetch them from memory alone), and decodes a changed block
+        // safely (LZ4's safe decoder). The rows it wrote are never delivered when a block
+        // fails: the gather fails, with the checksum's status even where decoding failed.
+        if (check.checkBlocks(chunk_index, chunk, chunk_bytes, byte_start, byte_count)) |part| {
+            library_code.* = @intCast(chunk_index * layout.digest_stride + part);
+            return .checksum_mismatch;
+        }
+    }
+    return got;
+}
+
+fn getRange(
+    layout: *const BloscLayout,
+    chunk: [*]const u8,
+    chunk_index: u64,
+    byte_start: u64,
+    byte_count: u64,
+    destination: [*]u8,
+    library_code: *i64,
+) Status {
     const split = singleBlockSplit(chunk, byte_start, byte_count);
     if (split == 0) return getItems(layout, chunk_index, byte_start, byte_count, destination, library_code);
     std.debug.assert(split < byte_count);
@@ -176,6 +221,12 @@ pub fn checkLayout(layout: *const BloscLayout, batch_size: u64) Status {
     const block_bytes = std.math.mul(u64, layout.rows_per_block, layout.row_bytes) catch return .invalid_layout;
     if (layout.rows_per_block > 1 and layout.block_buffer_bytes < block_bytes) return .invalid_layout;
     if (layout.rows_per_block > 1 and layout.order_buffer_count < batch_size) return .invalid_layout;
+    return checkDigests(layout);
+}
+
+fn checkDigests(layout: *const BloscLayout) Status {
+    if (layout.digests == null) return .ok;
+    if (layout.digests_checked == null or layout.digest_stride == 0) return .invalid_layout;
     return .ok;
 }
 
@@ -200,6 +251,11 @@ pub fn gatherBlosc(
     }
     if (layout.rows_per_block == 1) {
         for (indices, 0..) |index, position| {
+            // A row at random starts with misses on its block's entry in its chunk's table,
+            // then on its block (a digest check or libblosc2 reads it first): asking for
+            // them a row or two ahead overlaps those misses with this row's work.
+            if (position + row_prefetch_distance < indices.len) prefetchRow(layout, indices[position + row_prefetch_distance], false);
+            if (position + block_prefetch_distance < indices.len) prefetchRow(layout, indices[position + block_prefetch_distance], true);
             const chunk_index = index / layout.rows_per_chunk;
             const row_in_chunk = index % layout.rows_per_chunk;
             var library_code: i64 = 0;
@@ -212,6 +268,32 @@ pub fn gatherBlosc(
         return .ok;
     }
     return gatherByBlock(layout, indices, out, failure);
+}
+
+/// How many rows ahead a Blosc2 gather of one row per block asks for a row's chunk header
+/// and table entry, and for its block (which needs the entry, so it comes later): a row's
+/// decompression takes several times a miss to memory, so a row or two of lead hides them.
+const row_prefetch_distance = 4;
+const block_prefetch_distance = 2;
+
+/// Prefetches the header and table entry of row `index`'s block (one row per block), or with `block`
+/// the block's first lines and its digest, reading the entry (prefetched before). Only
+/// hints: an entry is read only inside its chunk, and a prefetch never faults.
+fn prefetchRow(layout: *const BloscLayout, index: u64, block: bool) void {
+    if (index >= layout.row_count) return;
+    const chunk_index = index / layout.rows_per_chunk;
+    const block_in_chunk = index % layout.rows_per_chunk;
+    const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
+    const entry = chunk_header_bytes + 4 * block_in_chunk;
+    if (entry + 4 > layout.chunk_bytes[chunk_index]) return;
+    if (!block) {
+        @prefetch(chunk, .{});
+        @prefetch(chunk + entry, .{});
+        return;
+    }
+    const start = std.mem.readInt(u32, chunk[entry..][0..4], .little);
+    inline for (0..4) |line| @prefetch(chunk + start + 64 * line, .{});
+    if (layout.digests) |digests| @prefetch(digests + chunk_index * layout.digest_stride + 1 + block_in_chunk, .{});
 }
 
 fn orderLessThan(_: void, a: u128, b: u128) bool {
@@ -408,6 +490,7 @@ pub fn gatherRangesBlosc(
     failure: *GatherError,
 ) Status {
     if (layout.getitem == null or layout.rows_per_chunk == 0 or layout.row_bytes == 0) return .invalid_layout;
+    if (checkDigests(layout) != .ok) return .invalid_layout;
     const element_bytes = layout.row_bytes;
     const status = checkRanges(layout.row_count, element_bytes, starts, counts, destinations, out.len, failure);
     if (status != .ok) return status;

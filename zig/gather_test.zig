@@ -90,6 +90,9 @@ const FakeChunks = struct {
             .block_buffer_bytes = block_buffer.len,
             .order_buffer = order_buffer.ptr,
             .order_buffer_count = order_buffer.len,
+            .digests = null,
+            .digest_stride = 0,
+            .digests_checked = null,
         };
     }
 };

@@ -29,7 +29,10 @@ pub const Status = enum(c_int) {
     /// the phases of a sliding shuffle, a window's places): a defect in this library,
     /// checked once per call where a release build must still refuse it.
     invariant_broken = 15,
+    /// A part of a chunk (its head or a block) does not match the digest its file stores:
+    /// GatherError.code is chunk * digest_stride + part (part 0: the head, 1 + b: block b).
+    checksum_mismatch = 16,
 };
 
 /// The highest value; update it when appending.
-pub const status_last = Status.invariant_broken;
+pub const status_last = Status.checksum_mismatch;

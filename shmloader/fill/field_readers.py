@@ -225,8 +225,10 @@ class RowsReader(FieldReader):
             isinstance(part, FieldSpec) and part.kind == "npy" and part.row_bytes > 0 for part in plan.parts)
         self._raw_tables: dict[int, tuple] = {}
         # Rows of many row-friendly .b2nd files of one layout: one joined chunk table per
-        # source (checked chunks go file by file: their checksums are per file).
-        all_blosc = not self.single and not verify and all(
+        # source, checked natively where every file carries block digests (files checked
+        # chunk by chunk against CRC-32s go file by file: their checksums are per file).
+        checked_natively = not verify or all(isinstance(part, FieldSpec) and part.block_digests for part in plan.parts)
+        all_blosc = not self.single and checked_natively and all(
             isinstance(part, FieldSpec) and part.kind == "b2nd" and part.row_contiguous and part.row_bytes > 0
             and (part.chunk_rows, part.block_rows) == (plan.parts[0].chunk_rows, plan.parts[0].block_rows)
             for part in plan.parts)

@@ -105,7 +105,7 @@ class FillerSpec:
     slot: SlotLayout
     sampler: Sampler | MixtureSampler
     fields: tuple[FieldPlan, ...]
-    verify: bool = False
+    verify: bool = True
     transform: TransformSpec | None = None
     sys_path: tuple[str, ...] = ()  # The trainer's, where a transform is imported from.
     on_error: str = "raise"

@@ -119,7 +119,7 @@ class LoaderOptions:
     max_reader_restarts: int = 3
     hold_timeout: float = 5.0
     warn_layout: bool = True
-    verify: bool = False
+    verify: bool = True
     pin_memory: object = False
     transform: object = None
     transform_args: dict | None = None

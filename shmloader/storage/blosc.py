@@ -27,6 +27,7 @@ from .rows import (
 )
 from .spec import (
     B2FRAME_HEADER_LENGTH_OFFSET,
+    BLOCK_DIGESTS_META,
     CHECKSUM_META,
     CHUNK_CBYTES_OFFSET,
     CHUNK_HEADER_BYTES,
@@ -52,8 +53,10 @@ class BloscField:
     def __init__(self, spec: FieldSpec, batch_size_max: int = 1 << 16, share_blocks: bool = True,
                  verify: bool = False, watch: bool = False) -> None:
         """`share_blocks=False` decompresses a multi-row block once per row (for measurements).
-        `verify=True` checks each chunk's CRC-32 the first time a gather touches it, when
-        the file carries checksums (files without them load unchecked)."""
+        `verify=True` checks what a gather reads against the file's checksums the first time
+        it reads it: each block and its chunk's head against their digests, natively,
+        where the file carries them (BLOCK_DIGESTS_META); else each whole chunk's CRC-32 at
+        its first row; files without checksums load unchecked."""
         if not spec.row_contiguous:
             raise StorageError(f"{spec.name}: layout {spec.chunks}/{spec.blocks} is not row-contiguous")
         self.spec = spec
@@ -66,10 +69,14 @@ class BloscField:
         self._mapping, self._kept = map_file(spec.path, lambda status: check_identity(spec, status), keep=watch)
         self._map = self._mapping.buffer
         self._checksums = None  # Expected CRC-32 per chunk, until every chunk is verified.
+        # Each chunk's part digests (head, then blocks), which the native gather checks.
+        self.block_digests = None
         try:
             self._locate_chunks()
+            if verify and spec.block_digests:
+                self.block_digests = self._load_block_digests()
             self._create_context(batch_size_max)
-            if verify and spec.checksums:
+            if verify and spec.checksums and self.block_digests is None:
                 self._load_checksums()
         except BaseException:
             self.close()
@@ -170,7 +177,7 @@ class BloscField:
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem))),
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context))),
             self._addresses, self._sizes, spec.row_count, spec.chunk_rows, self._block_rows, spec.row_bytes,
-            batch_size_max)
+            batch_size_max, self.block_digests)
         self._failure = ffi.new("shm_gather_error *")
 
     def gather(self, indices, out) -> None:
@@ -182,16 +189,27 @@ class BloscField:
         out_pointer = checked_out_pointer(self.spec, out, len(indices))
         self.gather_into(indices, ffi.from_buffer("uint64_t[]", indices), out_pointer, len(out_pointer))
 
-    def _load_checksums(self) -> None:
+    def _metadata(self, key: str) -> bytes:
+        """The bytes a converter stored under vlmeta `key`."""
         capi, capi_ffi = self._capi, self._capi_ffi
         content, length = capi_ffi.new("uint8_t **"), capi_ffi.new("int32_t *")
-        if capi.blosc2_vlmeta_get(self._schunk, CHECKSUM_META.encode(), content, length) < 0:
-            raise StorageError(f"{self.spec.name}: its chunk checksums ({CHECKSUM_META}) cannot be read")
+        if capi.blosc2_vlmeta_get(self._schunk, key.encode(), content, length) < 0:
+            raise StorageError(f"{self.spec.name}: its checksums ({key}) cannot be read")
         try:
             packed = bytes(capi_ffi.buffer(content[0], length[0]))
         finally:
             capi.free(content[0])
-        payload = msgpack_binary(packed, self.spec.name)
+        return msgpack_binary(packed, self.spec.name)
+
+    def _load_block_digests(self) -> np.ndarray:
+        payload, chunks = self._metadata(BLOCK_DIGESTS_META), self.spec.chunk_count
+        if not chunks or len(payload) % (4 * chunks) or len(payload) < 4 * chunks:
+            raise StorageError(f"{self.spec.name}: its {BLOCK_DIGESTS_META} metadata holds {len(payload)} bytes, not "
+                               f"a row of 4-byte digests for each of its {chunks} chunks (corrupted metadata)")
+        return np.frombuffer(payload, dtype="<u4").reshape(chunks, -1)
+
+    def _load_checksums(self) -> None:
+        payload = self._metadata(CHECKSUM_META)
         if len(payload) % 4:
             raise StorageError(f"{self.spec.name}: its {CHECKSUM_META} metadata holds {len(payload)} bytes, not a whole "
                                f"number of 4-byte CRC-32s (corrupted metadata)")
@@ -203,6 +221,17 @@ class BloscField:
         self._checksums = checksums
         self._verified = np.zeros(self.spec.chunk_count, dtype=bool)
         self._unverified_count = self.spec.chunk_count
+
+    def raise_mismatch(self, digest_index: int) -> None:
+        """Raises the StorageError for the native gather's .checksum_mismatch: which chunk,
+        and which of its parts (GatherError.code: chunk * digest stride + part)."""
+        chunk, part = divmod(digest_index, self.block_digests.shape[1])
+        where = "its header and block table" if part == 0 else f"its block {part - 1}"
+        raise StorageError(
+            f"{self.spec.name}: chunk {chunk} fails its checksum ({where}, as stored, does not match the digest the "
+            f"file records): the file is corrupted. `shmloader verify "
+            f"{'LOCAL_COPY' if self.spec.remote else self.spec.path}` lists every bad chunk."
+        )
 
     def _verify_chunks(self, indices: np.ndarray) -> None:
         """Checks the CRC-32 of every chunk these rows touch that this reader has not checked yet."""
@@ -237,6 +266,8 @@ class BloscField:
             self._layout, u64(starts), u64(counts), u64(destinations), len(starts), out_pointer, out_bytes,
             self._failure,
         )
+        if status == Status.CHECKSUM_MISMATCH:
+            self.raise_mismatch(int(self._failure.code))
         check_range_status(self.spec, status, starts, counts, self._failure)
 
     def byte_ranges(self, first_row: int, row_count: int) -> list[tuple[int, int]]:
@@ -343,6 +374,8 @@ class BloscField:
         if self._checksums is not None:
             self._verify_chunks(indices)
         status = lib.shm_gather_blosc(self._layout, index_pointer, len(indices), out_pointer, out_bytes, self._failure)
+        if status == Status.CHECKSUM_MISMATCH:
+            self.raise_mismatch(int(self._failure.code))
         check_row_status(self.spec, status, indices, self._failure)
 
     def close(self) -> None:
@@ -381,9 +414,15 @@ class CombinedBlosc:
         self.chunk_starts = np.concatenate([[0], np.cumsum([part.spec.chunk_count for part in parts])[:-1]]).astype(np.uint64)
         addresses = np.concatenate([part._addresses for part in parts])
         sizes = np.concatenate([part._sizes for part in parts])
+        digests = None  # The parts' digests, joined; the joined table checks each part once more, by its own bits.
+        if any(part.block_digests is not None for part in parts):
+            if any(part.block_digests is None or part.block_digests.shape[1] != first.block_digests.shape[1]
+                   for part in parts):
+                raise ValueError(f"{first.spec.name}: its files do not all carry block digests of one layout")
+            digests = np.concatenate([part.block_digests for part in parts])
         self._layout, self._layout_keepalive = blosc_layout(
             first._layout.getitem, first._layout.context, addresses, sizes, len(addresses) * self.chunk_rows,
-            self.chunk_rows, first._block_rows, first.spec.row_bytes, batch_size_max)
+            self.chunk_rows, first._block_rows, first.spec.row_bytes, batch_size_max, digests)
         self._failure = ffi.new("shm_gather_error *")
 
     def virtual_rows(self, parts: np.ndarray, local: np.ndarray) -> np.ndarray:
@@ -393,6 +432,11 @@ class CombinedBlosc:
     def gather_into(self, virtual_rows: np.ndarray, out_pointer, out_bytes: int) -> None:
         status = lib.shm_gather_blosc(self._layout, u64(virtual_rows), len(virtual_rows), out_pointer, out_bytes,
                                       self._failure)
+        if status == Status.CHECKSUM_MISMATCH:  # A virtual chunk's digest index: its part file's own.
+            chunk, part = divmod(int(self._failure.code), self.parts[0].block_digests.shape[1])
+            owner = int(np.searchsorted(self.chunk_starts, chunk, side="right")) - 1
+            self.parts[owner].raise_mismatch((chunk - int(self.chunk_starts[owner])) * self.parts[0].block_digests.shape[1]
+                                             + part)
         if status != Status.OK:
             chunk = int(virtual_rows[int(self._failure.position)]) // self.chunk_rows
             part = int(np.searchsorted(self.chunk_starts, chunk, side="right")) - 1

@@ -29,6 +29,11 @@ CHUNK_CBYTES_OFFSET = 12
 # msgpack binary like every Blosc2 vlmeta value: blosc2.open(path).schunk.vlmeta[...]
 # reads it back without shmloader.
 CHECKSUM_META = "shmloader.crc32"
+# Beside it, the digest of every part of every chunk (zig/block_digests.zig: a chunk's head,
+# then each block's stored bytes; the low 32 bits of XXH3-64, little-endian uint32), the same
+# number per chunk, in chunk order: what readers check, a part the first time they read it,
+# so that a row costs a hash of the bytes it decompresses, not of its whole chunk.
+BLOCK_DIGESTS_META = "shmloader.block_xxh3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,8 @@ class FieldSpec:
     row_contiguous: bool = False
     # True when the file carries a CRC-32 per chunk (CHECKSUM_META).
     checksums: bool = False
+    # True when it also carries a digest per block (BLOCK_DIGESTS_META).
+    block_digests: bool = False
     # True when a chunk decodes right only whole (the DELTA filter, a ZSTD dictionary):
     # libblosc2 reads a range of such a chunk wrong (tests/test_upstream_blosc2.py).
     whole_chunks: bool = False
@@ -353,6 +360,7 @@ def _describe_b2nd(path: str, allow_empty: bool = False) -> FieldSpec:
         row_contiguous=row_contiguous_layout(shape, chunks, blocks) and not _blocks_depend(cparams),
         whole_chunks=_blocks_depend(cparams),
         checksums=CHECKSUM_META in schunk.vlmeta,
+        block_digests=BLOCK_DIGESTS_META in schunk.vlmeta,
     )
 
 

@@ -23,6 +23,7 @@ from ..storage.ragged import (
     describe_ragged,
 )
 from ..storage.spec import (
+    BLOCK_DIGESTS_META,
     CHECKSUM_META,
     FieldSpec,
     check_dtype,
@@ -32,7 +33,7 @@ from ..storage.spec import (
 from .convert_inputs import Member, member_outputs, open_input
 from .output import check_output, publishing
 
-__all__ = ["CODECS", "auto_codec", "chunk_checksums", "convert", "split_fields", "verify", "write_checksums",
+__all__ = ["CODECS", "auto_codec", "block_digests", "chunk_checksums", "convert", "split_fields", "verify", "write_checksums",
            "write_ragged"]
 
 CODECS = ("auto", "lz4", "blosclz", "zstd", "none")
@@ -201,9 +202,32 @@ def chunk_checksums(schunk) -> np.ndarray:
     return np.array([zlib.crc32(schunk.get_chunk(chunk)) for chunk in range(schunk.nchunks)], dtype="<u4")
 
 
+def block_digests(schunk) -> np.ndarray | None:
+    """The digest of every part of every chunk as stored (zig/block_digests.zig: each
+    chunk's head, then its blocks; the same count per chunk, unused entries 0), in chunk
+    order, or None where a chunk's blocks cannot be told apart (readers then check whole
+    chunks against their CRC-32)."""
+    from .._native import Status, ffi, lib
+
+    stride = 1 + -(-int(schunk.chunksize) // max(int(schunk.blocksize), 1))
+    digests = np.zeros((schunk.nchunks, stride), dtype="<u4")
+    parts = ffi.new("uint64_t *")
+    for chunk in range(schunk.nchunks):
+        stored = schunk.get_chunk(chunk)
+        status = lib.shm_chunk_digests(ffi.from_buffer("uint8_t[]", stored), len(stored),
+                                       ffi.from_buffer("uint32_t[]", digests[chunk]), stride, parts)
+        if status != Status.OK:
+            return None
+    return digests.reshape(-1)
+
+
 def write_checksums(schunk) -> None:
-    """Stores every chunk's CRC-32 in the frame's own metadata (storage/spec.CHECKSUM_META)."""
+    """Stores every chunk's CRC-32 (storage/spec.CHECKSUM_META) and every block's digest
+    (BLOCK_DIGESTS_META, where its blocks can be told apart) in the frame's own metadata."""
     schunk.vlmeta[CHECKSUM_META] = chunk_checksums(schunk).tobytes()
+    digests = block_digests(schunk)
+    if digests is not None:
+        schunk.vlmeta[BLOCK_DIGESTS_META] = digests.tobytes()
 
 
 def verify(path: str | os.PathLike, progress: bool = True) -> list[int]:

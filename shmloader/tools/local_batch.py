@@ -21,7 +21,7 @@ from ..transforms.core import resolve
 class LocalTransform:
     def __init__(self, fields, transform, transform_args=None, *, label_path=None, batch_size: int = 256,
                  mode: str = "shuffle", seed: int = 0, shard_index: int = 0, shard_count: int = 1,
-                 verify: bool = False, shuffle_window: int | None = None, on_error: str = "raise") -> None:
+                 verify: bool = True, shuffle_window: int | None = None, on_error: str = "raise") -> None:
         options = LoaderOptions(batch_size=batch_size, mode=mode, seed=seed, shard_index=shard_index,
                                 shard_count=shard_count, transform=transform, transform_args=transform_args,
                                 shuffle_window=shuffle_window, on_error=on_error, verify=verify)
