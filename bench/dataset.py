@@ -325,7 +325,7 @@ def _pair(results: dict, value, digits: int = 3) -> str:
 
 
 def case_rows(letter: str, results: dict) -> tuple[list[list], dict]:
-    """The table's rows for one case, and the figures its targets are judged by."""
+    """The table's rows for one case, and its figures (ratios, memory, first batch)."""
     case, runs = CASES[letter], [run for key in ("torch", "shmloader") for run in results[key]]
     loads = [run["load"] for run in runs]
     load = f"{min(loads):.1f}-{max(loads):.1f}"
@@ -362,30 +362,6 @@ def case_rows(letter: str, results: dict) -> tuple[list[list], dict]:
                  load])
     figures.update(cpu=cpu, rate=_median(results["shmloader"], lambda run: run["rate"]))
     return rows, figures
-
-
-def target_lines(figures: dict) -> list[str]:
-    """Issue 57's targets for these cases, each judged from this run's medians."""
-    lines = []
-
-    def judge(what: str, value: float, met: bool) -> None:
-        lines.append(f"target {what}: {value:.3g} -> {'met' if met else 'NOT met'}")
-
-    if "e" in figures:
-        judge("(e) >= 1.5x torch", figures["e"]["ratio"], figures["e"]["ratio"] >= 1.5)
-    for rank in range(RANKS):
-        if "f" in figures:
-            judge(f"(f) rank {rank} >= 1.5x torch", figures["f"][f"rank {rank}"], figures["f"][f"rank {rank}"] >= 1.5)
-    if "g" in figures:
-        judge("(g) >= 1.0x torch over 3 epochs", figures["g"]["ratio"], figures["g"]["ratio"] >= 1.0)
-        judge("(g) memory (PSS peak) <= 1.3x torch's", figures["g"]["memory"], figures["g"]["memory"] <= 1.3)
-        judge("(g) memory (PSS in the timed window, median) <= 1.3x torch's", figures["g"]["memory_window"],
-              figures["g"]["memory_window"] <= 1.3)
-    for letter in "ag":
-        if letter in figures:
-            judge(f"({letter}) first batch <= 0.3 s from iter() (s)", figures[letter]["first_batch_s"],
-                  figures[letter]["first_batch_s"] <= 0.3)
-    return lines
 
 
 HEADER = ["case", "torch DataLoader samples/s (min-max)", "shmloader.torch samples/s (min-max)",
@@ -425,7 +401,6 @@ def main() -> int:
                          f"{format_per_million(cpu['shmloader'])} / {format_per_million(cpu['torch'])} per M samples"])
         for row in case_table:
             print(row, flush=True)
-    notes += target_lines(figures)
     print(f"\n{machine_line()}; {arguments.workers} workers each, {arguments.rounds} alternating rounds of "
           f"{arguments.seconds:g} s, medians; load average at the end: "
           f"{' '.join(f'{value:.2f}' for value in os.getloadavg())}\n")

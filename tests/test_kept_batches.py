@@ -98,7 +98,8 @@ def test_descriptors_do_not_grow_with_kept_batches_and_their_memory_goes_with_th
         kept = [next(loader) for _ in range(100)]
         descriptors = _open_descriptors()
         kept += [next(loader) for _ in range(200)]
-        assert _open_descriptors() == descriptors
+        # None opened (one may close: an earlier test's loader collected meanwhile, under xdist).
+        assert _open_descriptors().items() <= descriptors.items()
         stats = loader.stats()
         assert stats["kept_batches"] >= 296
         assert stats["kept_bytes"] == stats["kept_batches"] * loader._session.kept.slot_bytes
