@@ -46,6 +46,17 @@ def harness_threads_not_counted(monkeypatch):
     monkeypatch.setattr(threading, "active_count", lambda: len(threading.enumerate()))
 
 
+def child_environment() -> dict:
+    """os.environ for a child Python that must import the shmloader this test imported: the
+    checkout where it is built in place (pip install -e), the installed copy where the
+    checkout is only its source (CI's pip install .). Run the child outside the checkout
+    (cwd), or its source shadows the installed package."""
+    import shmloader
+
+    where = os.path.dirname(os.path.dirname(os.path.abspath(shmloader.__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))}
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Polls `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch.utils.data import Dataset, get_worker_info  # noqa: E402
 
-from conftest import our_shm_entries, process_alive, wait_until  # noqa: E402
+from conftest import child_environment, our_shm_entries, process_alive, wait_until  # noqa: E402
 from shmloader.torch import worker as torch_worker  # noqa: E402
 from shmloader.plan.dataset import DatasetError  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
@@ -66,8 +66,7 @@ _SCRIPT = textwrap.dedent("""
 def test_a_global_set_under_the_main_guard_is_seen_as_by_torchs_forked_workers(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), os.environ.get("PYTHONPATH")]))}
+    environment = child_environment()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=environment)
     assert done.returncode == 0, done.stderr

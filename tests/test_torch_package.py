@@ -6,22 +6,22 @@ the reference."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 pytest.importorskip("torch")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import child_environment  # noqa: E402
 
 
 def _modules_after(code: str) -> set[str]:
     """The modules a fresh interpreter holds after running `code`."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", f"{code}\nimport json, sys; print(json.dumps(sorted(sys.modules)))"],
-                          capture_output=True, text=True, timeout=120, env=environment)
+                          capture_output=True, text=True, timeout=120, env=child_environment(),
+                          cwd=tempfile.gettempdir())
     assert done.returncode == 0, done.stderr
     return set(json.loads(done.stdout.strip().splitlines()[-1]))
 
