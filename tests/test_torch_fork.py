@@ -232,15 +232,22 @@ def test_a_trainer_with_cuda_initialised_falls_back_naming_cuda(monkeypatch):
 
 
 def _pss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/smaps_rollup") as handle:
-        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("Pss:"))
+    """The process's PSS; 0 for one that has exited meanwhile (it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("Pss:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
 
 
 def _descendants(pid: int) -> list[int]:
     children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as handle:
-            children += [int(child) for child in handle.read().split()]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                children += [int(child) for child in handle.read().split()]
+    except (FileNotFoundError, ProcessLookupError):  # Exited meanwhile.
+        return []
     return children + [grandchild for child in children for grandchild in _descendants(child)]
 
 
