@@ -52,3 +52,14 @@ def receive(channel: socket.socket, descriptors_max: int, flags: int = 0) -> tup
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             descriptors.frombytes(payload[:len(payload) - len(payload) % descriptors.itemsize])
     return data, list(descriptors)
+
+
+def flush_and_exit(code: int):
+    """Ends a forked process (a reader, the trainer's fork) with `code`: its standard streams
+    flushed, nothing else run (no atexit, no finalizer of the objects it inherited)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)

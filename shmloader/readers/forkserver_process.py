@@ -8,9 +8,8 @@ import os
 import select
 import signal
 import socket
-import sys
 
-from .forkserver_channel import SERVER_NAME, receive
+from .forkserver_channel import SERVER_NAME, flush_and_exit, receive
 
 # The server's side: a process of its own, started by ForkServer.
 
@@ -133,9 +132,4 @@ def _become_reader(request: dict, descriptors: list[int], own: tuple, reader_mod
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(code)
+        flush_and_exit(code)

@@ -37,7 +37,7 @@ import time
 import weakref
 
 from .forkserver import ForkServer, ServerLost
-from .forkserver_channel import above_standard
+from .forkserver_channel import above_standard, flush_and_exit
 
 # Set while the trainer forks itself for its readers: lifecycle's at-fork hook then does not
 # note the held batches as shared (that child never reads the batches mapped in it).
@@ -209,9 +209,4 @@ def _serve_in_child(parent_end: socket.socket, child_end: socket.socket, trainer
 
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(code)
+        flush_and_exit(code)

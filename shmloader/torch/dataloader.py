@@ -262,23 +262,28 @@ class DataLoader:
         """The pass's batches, tensors over their slots; the last one's tensors over memory of
         their own: a `for` loop's variable keeps it after the loop, and under pin_memory its
         slot must be free for the next epoch (elsewhere the next pass would give the slot's
-        pages to the batch: kept.py). One batch copied per epoch, no more."""
-        import torch
-
+        pages to the batch: kept.py). One batch copied per epoch, no more. A collate_fn's
+        batch that outgrows its slot grows the slot and the pass goes on from that step."""
         while True:
-            cursor = self._loader._session.cursor
             try:
-                for batch in self._loader:
-                    last = batch.step + 1 >= cursor.end_step
-                    self.padding = torch.from_numpy(batch.padding)
-                    yield self._rebuild(batch, last)
-                    del batch
+                yield from self._pass_batches()
                 return
             except DatasetError as error:
                 outputs = self._grown_outputs(error)
                 if outputs is None:
                     raise
             self._regrow(outputs)
+
+    def _pass_batches(self):
+        """The current inner loader's batches, rebuilt (_batches)."""
+        import torch
+
+        cursor = self._loader._session.cursor
+        for batch in self._loader:
+            last = batch.step + 1 >= cursor.end_step
+            self.padding = torch.from_numpy(batch.padding)
+            yield self._rebuild(batch, last)
+            del batch
 
     def _make_loader(self) -> ShmDataLoader:
         loader = ShmDataLoader.from_dataset(self._build["dataset"], seed=self._epoch_seed(0),

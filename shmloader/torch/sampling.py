@@ -32,7 +32,6 @@ import torch
 import torch.utils.data
 
 from ..loader import ShmDataLoader
-from ..plan.dataset import DatasetError
 from ..plan.defaults import TRAINER_SLOTS
 from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from ..plan.sampler import derive_seed
@@ -269,27 +268,18 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
         while len(self._tables) > 2:
             self._tables.pop(0).close()
 
-    def _batches(self):
-        """The pass's batches, each cut to its rows (the slot holds the widest); the last
-        over memory of its own (see DataLoader._batches)."""
+    def _pass_batches(self):
+        """The current inner loader's batches, each cut to its rows (the slot holds the
+        widest); the last over memory of its own (see DataLoader._batches)."""
         table = self._order["table"]
-        while True:
-            session = self._loader._session
-            cursor, slot = session.cursor, session.slot
-            try:
-                for batch in self._loader:
-                    rows = int(table.rows[batch.step])
-                    arrays = batch if rows == table.width else \
-                        dict(zip(slot.names, slot.cut(slot.views_of(batch), rows)))
-                    last = batch.step + 1 >= cursor.end_step
-                    yield self._rebuild(arrays, last)
-                    del batch, arrays
-                return
-            except DatasetError as error:
-                outputs = self._grown_outputs(error)
-                if outputs is None:
-                    raise
-            self._regrow(outputs)
+        session = self._loader._session
+        cursor, slot = session.cursor, session.slot
+        for batch in self._loader:
+            rows = int(table.rows[batch.step])
+            arrays = batch if rows == table.width else dict(zip(slot.names, slot.cut(slot.views_of(batch), rows)))
+            last = batch.step + 1 >= cursor.end_step
+            yield self._rebuild(arrays, last)
+            del batch, arrays
 
     def state_dict(self) -> dict:
         """The epoch, the next step in it, the epoch's order (or what rebuilds it, checked
