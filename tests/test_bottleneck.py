@@ -85,9 +85,12 @@ def test_a_trainer_that_outruns_compressed_fields_names_decompression(tmp_path):
 
 
 def test_a_trainer_that_outruns_plain_rows_names_reader_cpu(tmp_path):
-    np.save(tmp_path / "x.npy", np.ones((8192, 256), np.float32))
-    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=1024, readers=1) as loader:
-        verdict = _windowed(loader, 60)
+    # 4 MiB batches of random rows over 300 steps: the reader's gather outweighs the
+    # trainer's next() by far, and the ring's first fill is a small part of the window (with
+    # 60 steps of 1 MiB a loaded CI host once saw the trainer as the limit).
+    np.save(tmp_path / "x.npy", np.ones((16384, 256), np.float32))
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=4096, readers=1) as loader:
+        verdict = _windowed(loader, 300)
     assert verdict["stage"] == "reader_cpu", verdict
 
 

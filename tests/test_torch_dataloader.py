@@ -500,7 +500,9 @@ def test_an_epoch_after_one_whose_readers_failed_to_load_is_not_failed_by_a_slow
         assert _epoch(loader) == (list(range(8)), None)
         flag.touch()
         seen, error = _epoch(loader)
-        assert seen == [] and "the first reader failed" in str(error)
+        # Which reader's failure is reported depends on which the trainer sees first (a
+        # loaded 2-core CI host once gave the later one's): what matters is the epochs after.
+        assert seen == [] and "reader failed to load the dataset" in str(error), error
         flag.unlink()
         (tmp_path / "flag.first").unlink()
         for _ in range(2):
