@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         FACTOR = 7
         from shmloader.torch import DataLoader
-        results = {"torch": outcome(lambda: torch.utils.data.DataLoader(Scaled(), batch_size=4, num_workers=2))}
+        results = {}
         for context in (None, "fork", "spawn"):
             def make():
                 with DataLoader(Scaled(), batch_size=4, num_workers=2, multiprocessing_context=context) as loader:
@@ -71,8 +71,11 @@ def test_a_global_set_under_the_main_guard_is_seen_as_by_torchs_forked_workers(t
                           env=environment)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    # What torch's forked workers give (index * FACTOR). Torch's own run is left out of the
+    # script: its queue threads outlive its loop for a moment, and a drop-in made while they
+    # run takes the spawn path (said by a warning), where FACTOR is unset: a loaded host
+    # showed it.
     expected = [[0, 7, 14, 21], [28, 35]]
-    assert found["results"]["torch"] == expected
     assert found["results"]["None"] == found["results"]["fork"] == expected
     # Spawn runs the script as __mp_main__, where the guard keeps FACTOR unset, as torch's spawn would.
     assert found["results"]["spawn"] in ("NameError", "ReaderError")
