@@ -335,3 +335,42 @@ def block_ids_read_ahead():
             return [block]
 
     return BlockIds
+
+
+def _splitmix64_finaliser(value: int) -> int:
+    value &= (1 << 64) - 1
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return value ^ (value >> 31)
+
+
+def sample_generator_words(value: int, domain: int) -> list[int]:
+    """The 624 Mersenne Twister words a sample with seed `value` starts from, as documented
+    in zig/generator_states.zig, rebuilt here in plain Python integers: splitmix64's
+    sequence from its finaliser of value ^ domain, each output's low then high half, word 0
+    0x80000000."""
+    base = _splitmix64_finaliser(value ^ domain)
+    words = []
+    for j in range(1, 313):
+        output = _splitmix64_finaliser(base + j * 0x9E3779B97F4A7C15)
+        words += [output & 0xFFFFFFFF, output >> 32]
+    words[0] = 0x80000000
+    return words
+
+
+def seed_sample_generators(value: int) -> None:
+    """What a reader does before a sample with seed `value`, through the generators' public
+    calls: random and np.random to their documented states, torch's CPU generator with
+    manual_seed (an independent reference for the native write, fill/global_seeds.py)."""
+    import random
+
+    import numpy as np
+
+    random.setstate((3, (*sample_generator_words(value, 0x7079_7468_6F6E_0001), 624), None))
+    np.random.set_state(("MT19937", np.array(sample_generator_words(value, 0x6E75_6D70_7900_0002), np.uint32),
+                         624, 0, 0.0))
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.default_generator.manual_seed(value & ((1 << 63) - 1))

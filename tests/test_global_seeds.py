@@ -13,8 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import sample_generator_words, seed_sample_generators
 from shmloader import ReaderStallWarning, ShmDataLoader
 from shmloader.fill.dataset_runner import sample_seeds
+from shmloader.fill import global_seeds
 from shmloader.fill.global_seeds import GlobalSeeds
 
 try:
@@ -22,7 +24,9 @@ try:
 except ImportError:  # The tests of Python's and numpy's generators run without it.
     torch = None
 
-GENERATORS = ("random", "numpy") + (("torch",) if torch is not None else ())
+# "gauss" and "normal" leave a cached normal behind (random.gauss's gauss_next, the legacy
+# RandomState's Box-Muller pair): the next sample must not get it.
+GENERATORS = ("random", "numpy", "gauss", "normal") + (("torch",) if torch is not None else ())
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 
@@ -31,14 +35,15 @@ def _draw(name: str) -> float:
         return random.random()
     if name == "numpy":
         return float(np.random.random())
+    if name == "gauss":
+        return random.gauss(0.0, 1.0)
+    if name == "normal":
+        return float(np.random.standard_normal())
     return float(torch.rand(1))
 
 
 def _eager(value: int) -> None:
-    random.seed(value)
-    np.random.seed(value & 0xFFFFFFFF)
-    if torch is not None:
-        torch.default_generator.manual_seed(value & ((1 << 63) - 1))
+    seed_sample_generators(value)
 
 
 class Draws:
@@ -239,3 +244,55 @@ def test_a_loader_leaves_the_trainers_global_generators_as_they_were(readers):
     with ShmDataLoader.from_dataset(Augmented(40), batch_size=4, readers=1, seed=3) as loader:
         expected = [batch["drawn"].copy() for _, batch in zip(range(20), loader)]
     np.testing.assert_array_equal(np.stack(drawn), np.stack(expected))
+
+
+def _public_states():
+    return random.getstate(), np.random.get_state()
+
+
+def _assert_documented_states(value):
+    python, numpy = _public_states()
+    expected_python = (3, (*sample_generator_words(value, 0x7079_7468_6F6E_0001), 624), None)
+    assert python == expected_python
+    assert numpy[0] == "MT19937" and numpy[2:] == (624, 0, 0.0)
+    assert numpy[1].tolist() == sample_generator_words(value, 0x6E75_6D70_7900_0002)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**64 - 1))
+def test_a_sample_s_generators_hold_the_documented_states_written_natively(value):
+    """The native write (one call into the generators' memory) leaves exactly the states
+    that random.setstate and np.random.set_state would, cached normals cleared, here on
+    CPython with numpy's MT19937 (where it found and checked its addresses)."""
+    global_seeds.seed_all(1)
+    assert global_seeds._TWISTERS._python is not None and global_seeds._TWISTERS._numpy is not None
+    random.gauss(0.0, 1.0)
+    np.random.standard_normal()  # Both now hold a cached normal.
+    global_seeds.sample_seeder()(value)
+    _assert_documented_states(value)
+    global_seeds.seed_all(value)
+    _assert_documented_states(value)
+
+
+def test_without_the_native_write_the_public_calls_set_the_same_states(monkeypatch):
+    twisters = global_seeds._MersenneTwisters()
+    twisters._python = None  # As where the layout was not found.
+    monkeypatch.setattr(global_seeds, "_TWISTERS", twisters)
+    assert global_seeds.sample_seeder() is global_seeds.seed_all
+    random.gauss(0.0, 1.0)
+    global_seeds.seed_all(2**63 + 5)
+    _assert_documented_states(2**63 + 5)
+
+
+def test_a_replaced_numpy_bit_generator_is_found_again():
+    """np.random.set_bit_generator(MT19937(...)) moves the state the native write must reach."""
+    original = np.random.get_bit_generator()
+    seeder = global_seeds.sample_seeder()
+    np.random.set_bit_generator(np.random.MT19937(3))
+    try:
+        seeder(77)  # A seeder made before the replacement.
+        _assert_documented_states(77)
+        global_seeds.sample_seeder()(78)
+        _assert_documented_states(78)
+    finally:
+        np.random.set_bit_generator(original)

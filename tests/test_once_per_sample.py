@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from conftest import seed_sample_generators
 from shmloader import ShmDataLoader
 from shmloader.fill.dataset_runner import sample_seeds
 
@@ -74,13 +75,7 @@ def _delivered(dataset, readers: int) -> tuple[dict, int]:
 
 
 def _seed_every_generator(value: int) -> None:
-    random.seed(value)
-    np.random.seed(value & 0xFFFFFFFF)
-    try:
-        import torch
-    except ImportError:
-        return
-    torch.default_generator.manual_seed(value & ((1 << 63) - 1))
+    seed_sample_generators(value)
 
 
 def _reference(make) -> dict:

@@ -149,6 +149,7 @@ class DatasetRunner:
         # Leaves that take a plain write: an array of the output's shape or a Python scalar
         # into a fixed-shape output (anything else goes through _write_leaf's checks).
         self._fixed = [self._outputs[name].fixed for name, _, _ in self._paths]
+        self._flat = _flat_keys(spec.structure) if self._paths else None
         self._packed = [f"{output.name}.offsets" for output in spec.outputs
                         if output.max_items is not None or output.text_bytes is not None]
         self._seeds = GLOBAL_SEEDS
@@ -172,35 +173,67 @@ class DatasetRunner:
 
     def _fill_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, plain: list, out: dict) -> None:
         """Writes dataset[index] for each (index, seed) of `rows` into its row, each of
-        `seeders` seeded with the row's seed first."""
+        `seeders` seeded with the row's seed first. Arrays of the output's shape and dtype
+        are written as they come; Python and numpy scalars of a fixed-shape output are kept
+        and written as one array a leaf once the batch's samples are read (one conversion a
+        batch instead of one a sample), or row by row through the checks where that array
+        does not go into the output unchanged (the checks then name the sample)."""
         for offsets in self._packed:  # Rows are written in order, each from where the row before it ends.
             out[offsets][0] = 0
+        dataset, flat = self.dataset, self._flat
+        scalars = [([], []) for _ in plain]  # (rows, values) a leaf.
         for row, (index, seed) in enumerate(rows):
             for seeder in seeders:
                 seeder(seed)
             try:
-                sample = self.dataset[index]
+                sample = dataset[index]
             except Exception as error:
                 if hasattr(error, "add_note"):
                     error.add_note(f"in dataset[{index}] (step {step}, batch position {row})")
                 raise
-            leaves = self._leaves(index, sample)
-            if len(leaves) != len(plain) or not leaves:
-                self._write(index, row, leaves, out)  # Shaped otherwise: _write names what differs.
-                continue
-            for (name, value), (expected, target, shape, fixed) in zip(leaves, plain):
+            leaves = None
+            if flat is not None:
+                kind, size, keys = flat
+                if type(sample) is kind and len(sample) == size:
+                    leaves = [sample[key] for key in keys]
+            if leaves is None:
+                named = self._leaves(index, sample)
+                if len(named) != len(plain) or not named or any(
+                        name != expected for (name, _), (expected, _, _, _) in zip(named, plain)):
+                    self._write(index, row, named, out)  # Shaped otherwise: _write names what differs.
+                    continue
+                leaves = [value for _, value in named]
+            for value, (name, target, shape, fixed), pending in zip(leaves, plain, scalars):
                 kind = type(value)
-                if fixed and name == expected and kind is np.ndarray and value.shape == shape and \
-                        value.dtype == target.dtype:
+                if fixed and kind is np.ndarray and value.shape == shape and value.dtype == target.dtype:
                     target[row] = value
-                elif fixed and name == expected and kind in _SCALARS and shape == ():
-                    scalar = np.asarray(value)
-                    if scalar.dtype == target.dtype:
-                        target[row] = scalar
-                    else:
-                        self._write_leaf(index, row, name, value, out)
+                elif fixed and shape == () and (kind in _SCALARS or isinstance(value, np.generic)):
+                    pending[0].append(row)
+                    pending[1].append(value)
                 else:  # Another dtype is cast only where no value changes (_checked_cast).
                     self._write_leaf(index, row, name, value, out)
+        for (name, target, _, _), (written, values) in zip(plain, scalars):
+            if written:
+                self._write_scalars(name, target, written, values, rows, out)
+
+    def _write_scalars(self, name: str, target: np.ndarray, written: list, values: list, rows: list, out: dict) -> None:
+        try:
+            array = np.asarray(values)
+        except (OverflowError, ValueError, TypeError):  # An integer past 64 bits: the checks name it.
+            array = None
+        if array is not None and array.dtype != target.dtype:
+            try:  # Cast as one array where no value changes; otherwise each row's checks name the sample.
+                array = _checked_cast(array, target.dtype, f"{name!r}")
+            except DatasetError:
+                array = None
+        if array is not None:
+            if len(written) == len(rows):
+                target[:len(rows)] = array
+            else:
+                target[written] = array
+            return
+        for row, value in zip(written, values):
+            self._write_leaf(rows[row][0], row, name, value, out)
 
     def _collate_rows(self, step: int, rows: list[tuple[int, int]], seeders: list, out: dict, seed: int) -> None:
         """collate_fn of dataset[index] for each (index, seed) of `rows` (each seeded as
@@ -337,6 +370,21 @@ def _checked_cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
         return array
     raise DatasetError(f"{what}: the values would change ({array.dtype.kind!r} into {dtype.kind!r}); return one dtype "
                        f"for every sample, or declare the output's with outputs={{name: (shape, dtype)}}")
+
+
+def _flat_keys(structure: dict) -> tuple[type, int, list] | None:
+    """(container type, size, keys) where dataset[0] is one tuple, list or dict of leaves:
+    a sample of that type and size has its leaves at those keys, with no walk. None otherwise."""
+    for kind, container in ((tuple, "tuple"), (list, "list"), (dict, "dict")):
+        items = structure.get(container)
+        if items is None:
+            continue
+        if kind is dict:
+            if all("leaf" in item for _, item in items):
+                return dict, len(items), [key for key, _ in items]
+        elif all("leaf" in item for item in items):
+            return kind, len(items), list(range(len(items)))
+    return None
 
 
 def _leaf_paths(structure: dict) -> list[tuple[str, tuple, tuple]]:

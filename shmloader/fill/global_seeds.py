@@ -1,25 +1,35 @@
-"""Python's, numpy's and torch's global generators, seeded before each sample of a dataset
-from the sample's seed (its stream position's), so that a sample is the same whatever the
-reader count, reader, batch or resume, and each sample's __getitem__ runs once.
+"""Python's, numpy's and torch's global generators, set before each sample of a dataset
+to states that are a function of the sample's seed (its stream position's), so that a
+sample is the same whatever the reader count, reader, batch or resume, and each sample's
+__getitem__ runs once.
 
-Every generator there is (torch's once anything imported it) is seeded before every
-sample, whether or not the dataset draws from it. An earlier, lazier scheme seeded Python's
-and numpy's only once a batch showed them drawn from, and filled that batch again with them
-seeded per sample: a dataset that memoizes its samples, counts its calls or caches what it
-decodes saw __getitem__ twice and kept its first, wrongly seeded, result. Seeding costs a few
-microseconds a sample (Python's `random.seed` most: its init_by_array; bench/RESULTS.md has
-the figures); the seeding is one call per sample (seed_all), which looks torch up each time,
-so that a __getitem__ that imports torch has it seeded from the next sample on.
+Every generator there is (torch's once anything imported it) is set before every sample,
+whether or not the dataset draws from it: what a sample will draw from is not known before
+it runs, and running it twice (an earlier, lazier scheme filled a batch again once it saw a
+generator drawn from) gives a dataset that memoizes, counts its calls or caches what it
+decodes its first, wrongly seeded, result.
+
+Python's `random` and numpy's legacy `np.random` are Mersenne Twisters whose own seeding
+(init_by_array, init_genrand) is a serial chain of 1,900 and 624 steps, microseconds a
+sample; their states are instead the 624 words of zig/generator_states.zig (splitmix64
+outputs, no chain), written into the generators' memory by one native call, at the
+addresses _MersenneTwisters finds and checks once per process through the generators'
+public getstate/get_state. Where it cannot (another Python or numpy layout), the same
+states go through random.setstate and np.random.set_state: the same values, slower. Torch's
+CPU generator takes manual_seed (its state is no public layout). bench/RESULTS.md has the
+costs.
 
 What stays outside: a generator other than these three (a dataset's own, which it should
-seed from torch.initial_seed() or a seed of its own making), and numpy's new-style
-Generators (np.random.default_rng()), which draw from their own seed.
+seed from torch.initial_seed() or a seed of its own making), numpy's new-style Generators
+(np.random.default_rng()), which draw from their own seed, and a global numpy generator
+that is not a MT19937 (np.random.set_bit_generator), which is seeded with np.random.seed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import random
+import struct
 import sys
 
 import numpy as np
@@ -34,15 +44,174 @@ def _numpy_state() -> dict:
     return np.random.get_state(legacy=False)
 
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+# zig/generator_states.zig's domains: the two generators get different states from one seed.
+PYTHON_DOMAIN = 0x7079_7468_6F6E_0001
+NUMPY_DOMAIN = 0x6E75_6D70_7900_0002
+_WORDS = 624
+
+
+def mt19937_words(seed: int, domain: int) -> np.ndarray:
+    """The 624 state words zig/generator_states.zig writes for (seed, domain), by numpy:
+    splitmix64's sequence from its finaliser of seed ^ domain, each output's low then high
+    half, word 0 set to 0x80000000."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64's does.
+        z = np.array([(seed ^ domain) & _MASK64], dtype=np.uint64)
+        z = _mix64(z)
+        z = _mix64(z + np.arange(1, _WORDS // 2 + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
+    words = z.view(np.uint32).copy() if sys.byteorder == "little" else \
+        np.stack([z & np.uint64(0xFFFFFFFF), z >> np.uint64(32)], axis=1).astype(np.uint32).ravel()
+    words[0] = 0x80000000
+    return words
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _set_by_public_calls(value: int) -> None:
+    """The states of `value` through random.setstate and np.random.set_state: what the
+    native write does, where its addresses could not be found or checked."""
+    random.setstate((3, (*mt19937_words(value, PYTHON_DOMAIN).tolist(), _WORDS), None))
+    if isinstance(np.random.mtrand._rand._bit_generator, np.random.MT19937):
+        np.random.set_state(("MT19937", mt19937_words(value, NUMPY_DOMAIN), _WORDS, 0, 0.0))
+    else:
+        np.random.seed(value & _MASK32)  # numpy seeds another bit generator its own way.
+
+
+class _MersenneTwisters:
+    """Finds, once per process, where `random`'s and np.random's states are in memory, checks
+    each address by writing a state through it into a probe generator of the same type and
+    reading it back through the public getstate/get_state, and then sets the global
+    generators with one native call a sample (set)."""
+
+    def __init__(self) -> None:
+        from .._native import ffi, lib
+
+        self._ffi, self._lib = ffi, lib
+        self._python = self._python_addresses()
+        self._numpy_generator = None
+        self._numpy = self._numpy_addresses()
+
+    def set(self, value: int) -> None:
+        if np.random.mtrand._rand._bit_generator is not self._numpy_generator:  # np.random.set_bit_generator.
+            self._numpy = self._numpy_addresses()
+        python, numpy = self._python, self._numpy
+        if python is None or numpy is None:
+            _set_by_public_calls(value)
+            return
+        self._lib.shm_seed_mt19937(value & _MASK64, *python, *numpy)
+        random._inst.gauss_next = None  # As Random.seed leaves it.
+
+    def _python_addresses(self):
+        """random._inst's index and key addresses (CPython's RandomObject: the index, then the
+        624 words), or None."""
+        import ctypes
+
+        probe = random.Random(12345)
+        words = struct.pack(f"={_WORDS}I", *probe.getstate()[1][:_WORDS])
+        size = type(probe).__basicsize__
+        offset = ctypes.string_at(id(probe), size).find(words)
+        if offset < 4:
+            return None
+        addresses = lambda instance: (self._ffi.cast("int *", id(instance) + offset - 4),  # noqa: E731
+                                      self._ffi.cast("uint32_t *", id(instance) + offset))
+        self._lib.shm_seed_mt19937(7, *addresses(probe), self._ffi.NULL, self._ffi.NULL, self._ffi.NULL,
+                                   self._ffi.NULL)
+        expected = (3, (*mt19937_words(7, PYTHON_DOMAIN).tolist(), _WORDS), probe.gauss_next)
+        if probe.getstate() != expected or type(random._inst) is not type(probe):
+            return None
+        return addresses(random._inst)
+
+    def _numpy_addresses(self):
+        """np.random's MT19937 key and position and its RandomState's cached normal, or None
+        (the global generator is no MT19937, or the layout is not the one checked)."""
+        import ctypes
+
+        generator = self._numpy_generator = np.random.mtrand._rand._bit_generator
+        if type(generator) is not np.random.MT19937:
+            return None
+        probe = np.random.RandomState(np.random.MT19937(12345))
+        probe.standard_normal()  # Box-Muller: one normal of a pair is cached.
+        _, _, _, has_gauss, gauss = probe.get_state()
+        # The RandomState's cached normal follows its pointer to the bit generator's functions,
+        # a pointer into the RandomState itself (numpy's aug_bitgen_t).
+        size = type(probe).__basicsize__
+        memory = ctypes.string_at(id(probe), size)
+        cached = None
+        for offset in range(0, size - struct.calcsize("@Pid") + 1, 8):
+            pointer, flag, value = struct.unpack_from("@Pid", memory, offset)  # aug_bitgen_t's fields, native alignment
+            if id(probe) <= pointer < id(probe) + size and flag == has_gauss == 1 and value == gauss:
+                cached = offset
+                break
+        if cached is None:
+            return None
+
+        def addresses(state, bit_generator) -> tuple:
+            key = bit_generator.ctypes.state_address
+            return (self._ffi.cast("int *", key + 4 * _WORDS), self._ffi.cast("uint32_t *", key),
+                    self._ffi.cast("int *", id(state) + cached + 8), self._ffi.cast("double *", id(state) + cached + 16))
+
+        self._lib.shm_seed_mt19937(7, self._ffi.NULL, self._ffi.NULL, *addresses(probe, probe._bit_generator))
+        state = probe.get_state()
+        if state[0] != "MT19937" or not np.array_equal(state[1], mt19937_words(7, NUMPY_DOMAIN)) or \
+                state[2:] != (_WORDS, 0, 0.0):
+            return None
+        return addresses(np.random.mtrand._rand, generator)
+
+
+_TWISTERS: _MersenneTwisters | None = None
+
+
+def _twisters() -> _MersenneTwisters:
+    global _TWISTERS
+    if _TWISTERS is None:
+        _TWISTERS = _MersenneTwisters()
+    return _TWISTERS
+
+
 def seed_all(value: int) -> None:
-    """Seeds Python's, numpy's and (once imported) torch's global generators from `value`,
-    as before every sample. Torch's CPU generator alone: torch.manual_seed also queues a
-    CUDA seeding with a formatted stack on every call while CUDA is not initialised."""
-    random.seed(value)  # Inlined: this runs before every sample.
-    np.random.seed(value & _MASK32)
+    """Sets Python's, numpy's and (once imported) torch's global generators to the states of
+    `value`, as before every sample. Torch's CPU generator alone: torch.manual_seed also
+    queues a CUDA seeding with a formatted stack on every call while CUDA is not initialised."""
+    _twisters().set(value)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "default_generator"):  # Not while torch is half imported.
         torch.default_generator.manual_seed(value & _MASK63)
+
+
+def sample_seeder():
+    """seed_all for a batch's samples, its lookups made once: the native write's arguments
+    and torch's generator bound in a closure (a sample's seeding is most of a small sample's
+    cost). It still looks torch up before each sample until torch is there, so that a
+    __getitem__ that imports torch has it seeded from the next sample on, and falls back to
+    seed_all where the native write is not used or np.random's bit generator was replaced."""
+    twisters = _twisters()
+    python, numpy = twisters._python, twisters._numpy
+    if python is None or numpy is None:
+        return seed_all
+    write, arguments, modules = twisters._lib.shm_seed_mt19937, (*python, *numpy), sys.modules
+    legacy, bit_generator, instance = np.random.mtrand._rand, twisters._numpy_generator, random._inst
+    torch_generator = None
+
+    def seed(value: int) -> None:
+        nonlocal torch_generator
+        if legacy._bit_generator is not bit_generator:
+            seed_all(value)
+            return
+        write(value & _MASK64, *arguments)
+        instance.gauss_next = None  # As Random.seed leaves it.
+        if torch_generator is None:
+            torch = modules.get("torch")
+            if torch is None or not hasattr(torch, "default_generator"):
+                return
+            torch_generator = torch.default_generator
+        torch_generator.manual_seed(value & _MASK63)
+
+    return seed
 
 
 class GlobalSeeds:
@@ -51,7 +220,7 @@ class GlobalSeeds:
     def fill(self, seeds: list[int], fill_rows) -> None:
         """Calls fill_rows(seeders) once: it must call each of `seeders` with a sample's seed
         before that sample (the i-th sample with seeds[i]), and call __getitem__ once a sample."""
-        fill_rows([seed_all])
+        fill_rows([sample_seeder()])
 
 
 def _cuda_generators():
