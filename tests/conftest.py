@@ -374,3 +374,12 @@ def seed_sample_generators(value: int) -> None:
     except ImportError:
         return
     torch.default_generator.manual_seed(value & ((1 << 63) - 1))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for torchrun's store: tests use loopback only)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
