@@ -42,7 +42,9 @@ replaces one that died. Off the fork path it is pickled to the readers with the 
 lambda is refused by name, as torch's spawn refuses it). The global generators are still seeded per sample
 from its position before __getitem__: what worker_init_fn seeds there does not reach the
 samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
-in the trainer sees reader 0's worker info (without running worker_init_fn there).
+that plans the slot (in a fork of the trainer on the fork path, so that the dataset is
+neither copied nor called in the trainer; on a copy in the trainer otherwise: plan/probe.py)
+sees reader 0's worker info, without running worker_init_fn there.
 
 collate_fn= (run in the readers, its output written into the slot) and the shape of a batch with
 outputs= PackedRagged or Ragged: collation.py.
