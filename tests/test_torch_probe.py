@@ -80,6 +80,39 @@ def test_the_trainer_s_dataset_sees_no_call_at_construction_and_samples_are_the_
     assert found == expected
 
 
+class DrawsLogged(Dataset):
+    """Draws from the three global generators and logs each call's draws, one line a call."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __len__(self) -> int:
+        return ROWS
+
+    def __getitem__(self, index: int):
+        draws = [random.random(), float(np.random.random()), float(torch.rand(()))]
+        with open(self.log, "a") as log:
+            log.write(json.dumps([index, draws]) + "\n")
+        return {"index": index, "draws": np.array(draws)}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_probe_draws_what_the_sample_at_position_0_draws_and_leaves_the_trainer_s_generators(tmp_path, context):
+    """Before: the probe drew from the trainer's generators as they happened to be."""
+    log = tmp_path / "calls"
+    python, numpy, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    # A generator gives the loader its seed: without one, the drop-in draws it from torch's, as torch's does.
+    with DataLoader(DrawsLogged(str(log)), batch_size=BATCH, num_workers=2, multiprocessing_context=context,
+                    generator=torch.Generator().manual_seed(3)) as loader:
+        assert loader._loader._dataset.spec.forked == (context == "fork")
+        assert random.getstate() == python and torch.equal(torch.get_rng_state(), torch_state)
+        assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), numpy))
+        (probed,) = [json.loads(line) for line in log.read_text().splitlines()]  # Only the probe's, so far.
+        first = next(iter(loader))  # shuffle=False: dataset[0] is the sample at stream position 0.
+    assert probed[0] == 0 and first["index"][0] == 0
+    assert probed[1] == first["draws"][0].tolist()
+
+
 Pair = collections.namedtuple("Pair", ["indices", "name"])
 
 

@@ -7,7 +7,8 @@ nothing (no CUDA, no other Python thread), with the standard streams flushed fir
 lifecycle's at-fork hook told that the child never reads the batches held now. The child
 runs no garbage collection (it would write the header of every object the trainer has, and
 so copy the trainer's heap), ignores Ctrl-C (the trainer, in the same process group, ends
-it), and never returns into the trainer's code (os._exit).
+it), runs none of the trainer's signal handlers, and never returns into the trainer's code
+(os._exit).
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ def _answer_in_child(channel: socket.socket, job, answer_bytes_max: int) -> None
     try:
         gc.disable()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The trainer's own handlers (a scheduler's SIGTERM checkpointing) are not the
+        # child's to run: a signal ends it, as it ends the readers' fork.
+        for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(number, signal.SIG_DFL)
         answer = job()
         if len(answer) > answer_bytes_max:
             raise AssertionError(f"the job's answer is {len(answer)} bytes, more than {answer_bytes_max}")
