@@ -32,6 +32,7 @@ from torch.utils.data import Dataset  # noqa: E402
 
 from conftest import child_environment, process_alive, seed_sample_generators  # noqa: E402
 from shmloader.plan import probe  # noqa: E402
+from shmloader.plan.dataset import DatasetError  # noqa: E402
 from shmloader.fill.dataset_runner import sample_seeds  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
@@ -154,6 +155,13 @@ def test_dataset_0_raising_in_the_fork_gives_the_user_s_exception_with_a_note():
     notes = "\n".join(raised.value.__notes__)
     assert "in dataset[0], which the loader reads first" in notes
     assert "raise FirstSampleError" in notes  # The fork's traceback, which the exception lost on its way.
+
+
+def test_the_plan_s_own_checks_raise_from_the_fork_as_they_did_in_the_trainer():
+    with pytest.raises(DatasetError, match=r"outputs names \['nowhere'\], which dataset\[0\] does not have") as raised:
+        DataLoader(CountsInItself(), batch_size=BATCH, num_workers=2, outputs={"nowhere": ((2,), "float32")},
+                   multiprocessing_context="fork")
+    assert not getattr(raised.value, "__notes__", None)  # No traceback of the loader's own code.
 
 
 class TwoArgumentsError(Exception):

@@ -9,7 +9,8 @@ each (batch_size, *shape) of its dtype, from the first sample or from `outputs=`
 name -> (shape, dtype); for a leaf whose first dimension varies, Ragged(max_length): padded
 to max_length with NAME.lengths beside it, or PackedRagged(max_items): back to back with
 NAME.offsets beside it, as Packed gives a file's records). `structure` keeps the nesting so
-that the trainer can rebuild each batch as the samples' structure (rebuild_batch).
+that the trainer can rebuild each batch as the samples' structure (rebuild_batch). The
+probe that reads dataset[0] for them, in a fork of the trainer or on a copy: plan/probe.py.
 
 How readers get the dataset, once each (never per sample):
 - pickled, with the standard library's pickle at the highest protocol (no extra

@@ -96,6 +96,10 @@ def _probe_in_fork(instance, length: int, declared: dict, probe_view, sample_see
         return None
     if answer[0] == "raised":
         error, text = answer[1], answer[2]
+        if isinstance(error, DatasetError):  # The plan's own check: its message says what and where.
+            raise error
+        # The user's exception lost its traceback on the way (as a torch worker's would): it
+        # goes in a note, as torch puts a worker's in its message.
         raise _noted(error, f"the probe's traceback, in a fork of the trainer:\n{text}")
     if answer[0] != "planned":
         return None
