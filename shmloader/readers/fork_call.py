@@ -49,7 +49,12 @@ def call_in_fork(job, answer_bytes_max: int, wait_seconds_max: float, purpose: s
     if trainer_fork.fork_hazard() is not None:
         return None
     parent_end, child_end = (above_standard(end) for end in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
-    pid = _fork()
+    try:
+        pid = _fork()
+    except BaseException:  # No child (ENOMEM, EAGAIN): nothing but the channel to close.
+        parent_end.close()
+        child_end.close()
+        raise
     if pid == 0:
         parent_end.close()
         _answer_in_child(child_end, job, answer_bytes_max)  # Never returns.
