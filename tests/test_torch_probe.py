@@ -1,6 +1,6 @@
 """Under multiprocessing_context="fork", the drop-in's probe of dataset[0] (plan/probe.py)
 runs in a fork of the trainer: the trainer's own dataset object sees no __getitem__ call at
-construction, even one that neither pickles nor deep-copies (before, the probe then called
+construction (nor at a batch_sampler's later passes, each planned anew), even one that neither pickles nor deep-copies (before, the probe then called
 the trainer's object), and its samples are still the per-sample reference's and a
 collate_fn's batches torch's; dataset[0]'s error reaches the trainer as the user's
 exception, with a note naming dataset[0] (one that does not unpickle is raised by a probe
@@ -79,6 +79,15 @@ def test_the_trainer_s_dataset_sees_no_call_at_construction_and_samples_are_the_
         seed_sample_generators(sample_seeds(seed, np.array([key], dtype=np.uint64))[0])
         expected[index] = float(CountsInItself()[index]["draw"])
     assert found == expected
+
+
+def test_with_a_batch_sampler_each_pass_s_probe_is_read_in_the_fork():
+    """The sampled loader plans each epoch's pass anew (torch/sampling.py), probe included."""
+    dataset, batches = CountsInItself(), [[5, 6, 7], [1], [0, 2]]
+    with DataLoader(dataset, batch_sampler=batches, num_workers=2, multiprocessing_context="fork") as loader:
+        for _ in range(2):
+            assert [batch["index"].tolist() for batch in loader] == batches
+            assert loader._loader._dataset.spec.forked and dataset.calls == 0
 
 
 class DrawsLogged(Dataset):
