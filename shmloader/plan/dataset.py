@@ -103,6 +103,10 @@ class DatasetSpec:
     # take the dataset and the hook's argument from LOCAL_DATASETS and LOCAL_HOOK_ARGUMENTS
     # as the trainer had them then; nothing is pickled.
     forked: bool = False
+    # Step k is filled by reader k % readers, and each step is a whole batch the dataset
+    # makes itself (dataset.batch_of(step, pass seed)): an IterableDataset's, each reader's
+    # batches from its own iterator (shmloader/torch/iterable.py; Ring.claim_own).
+    by_reader: bool = False
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
         return tuple(region for output in self.outputs for region in output.regions(batch_size))
@@ -338,7 +342,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
         hook = _hook_fields(reader_hook) if readers > 0 else {}
     spec = DatasetSpec(length, tuple(built), structure, name, token, trainer_pid=os.getpid(),
                        factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
-                       torch="torch" in sys.modules, collate=isinstance(instance, Collated), forked=forked, **hook)
+                       torch="torch" in sys.modules, collate=isinstance(instance, Collated), forked=forked,
+                       by_reader=bool(getattr(instance, "by_reader", False)), **hook)
     if factory is not None and spec.reader_hook_argument:
         spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
     if data is not None:

@@ -1,0 +1,228 @@
+"""shmloader.torch.DataLoader over an IterableDataset, against PyTorch's own DataLoader given
+the same arguments: every batch equal (types, nesting, values, order) over two epochs for a
+dataset sharded by get_worker_info() with uneven shards (workers exhaust at different
+times), num_workers 0, 1 and 3, drop_last both ways, default_collate and a padding
+collate_fn, persistent_workers both ways, batch_size=None; an unsharded dataset read whole
+by every worker (duplicates, as torch's); resume by replay from a checkpoint mid-epoch and
+at an epoch's end; what torch refuses refused with torch's words."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+# As test_torch_sampling.py: the harness's threads are not the script's (the fork path runs).
+pytestmark = [pytest.mark.timeout(300, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
+from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
+
+from conftest import examples  # noqa: E402
+from shmloader.torch import DataLoader  # noqa: E402
+
+
+class Shards(IterableDataset):
+    """Worker w (0 without workers) yields shard w: `lengths[w]` samples, each a dict of a
+    sequence whose length varies, its position, a str and a float, telling apart worker and
+    position; with `count_epochs`, also how many times this copy was iterated."""
+
+    def __init__(self, lengths: list[int], count_epochs: bool = False) -> None:
+        self.lengths, self.epoch, self.count_epochs = list(lengths), 0, count_epochs
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        assert info is None or (info.num_workers == len(self.lengths) and isinstance(info.dataset, Shards)
+                                and isinstance(info.seed, int))
+        self.epoch += 1
+        for position in range(self.lengths[worker]):
+            at = (worker, position, self.epoch) if self.count_epochs else (worker, position)
+            yield {"tokens": torch.arange(1 + (worker + position) % 4, dtype=torch.int64) + 10 * worker,
+                   "at": at, "name": f"w{worker}-{position}", "weight": position / 8}
+
+
+class Everything(IterableDataset):
+    """Ignores get_worker_info(): every worker yields every sample (torch duplicates them)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        return iter(range(self.length))
+
+
+def pad(samples: list) -> dict:
+    """A padding collate: the batch's sequences padded to its longest, their lengths, the names."""
+    longest = max(len(sample["tokens"]) for sample in samples)
+    tokens = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        tokens[row, :len(sample["tokens"])] = sample["tokens"]
+    return {"tokens": tokens, "lengths": torch.tensor([len(sample["tokens"]) for sample in samples]),
+            "names": [sample["name"] for sample in samples], "rows": len(samples)}
+
+
+def whole(samples: list) -> dict:
+    """default_collate's batch of Shards samples, without the sequences (which it cannot stack)."""
+    return torch.utils.data.default_collate([{key: value for key, value in sample.items() if key != "tokens"}
+                                             for sample in samples])
+
+
+def assert_same(expected, found, where="batch") -> None:
+    """Equal types, nesting, dtypes, shapes and values."""
+    assert type(expected) is type(found), (where, type(expected), type(found))
+    if isinstance(expected, dict):
+        assert list(expected) == list(found), where
+        for key in expected:
+            assert_same(expected[key], found[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(found), where
+        for index, (one, other) in enumerate(zip(expected, found)):
+            assert_same(one, other, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert expected.dtype == found.dtype and expected.shape == found.shape, (where, expected, found)
+        assert torch.equal(expected, found), (where, expected, found)
+    else:
+        assert expected == found, (where, expected, found)
+
+
+def epochs_of(loader, count: int = 2) -> list[list]:
+    """`count` epochs of the loader's batches, each a list (the tensors cloned)."""
+    return [[_cloned(batch) for batch in loader] for _ in range(count)]
+
+
+def _cloned(batch):
+    if isinstance(batch, dict):
+        return {key: _cloned(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cloned(value) for value in batch)
+    return batch.clone() if isinstance(batch, torch.Tensor) else batch
+
+
+def both(dataset_of, count: int = 2, **arguments) -> tuple[list, list]:
+    """(torch's epochs, the drop-in's) for the same arguments, each loader its own dataset.
+    The drop-in runs first: torch's workers leave queue threads behind a moment, which
+    would send the drop-in to its spawn path (tested elsewhere)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "more workers than cores" on a small host.
+        with DataLoader(dataset_of(), **arguments) as loader:
+            found = epochs_of(loader, count)
+        expected = epochs_of(TorchDataLoader(dataset_of(), **arguments), count)
+    return expected, found
+
+
+def assert_epochs(expected: list, found: list) -> None:
+    for epoch, (one, other) in enumerate(zip(expected, found)):
+        assert len(one) == len(other), (epoch, len(one), len(other))
+        for index, (batch, got) in enumerate(zip(one, other)):
+            assert_same(batch, got, f"epoch {epoch} batch {index}")
+    assert len(expected) == len(found)
+
+
+@examples(6)
+@given(workers=st.sampled_from([0, 1, 3]), data=st.data(), batch_size=st.integers(1, 3), drop_last=st.booleans(),
+       padded=st.booleans(), persistent=st.booleans())
+def test_batches_equal_torchs_for_a_sharded_dataset(workers, data, batch_size, drop_last, padded, persistent):
+    lengths = data.draw(st.lists(st.integers(0, 7), min_size=max(1, workers), max_size=max(1, workers)), "lengths")
+    if sum(lengths) == 0:
+        lengths[-1] = 1  # The slot is laid out from a first batch: a dataset with none is its own test.
+    arguments = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": workers,
+                 "collate_fn": pad if padded else whole}
+    if workers:
+        arguments["persistent_workers"] = persistent
+    assert_epochs(*both(lambda: Shards(lengths), **arguments))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_workers_that_end_at_once_and_late_are_skipped_in_turn(workers):
+    lengths = [0, 9, 2][:workers] if workers == 3 else [5]
+    assert_epochs(*both(lambda: Shards(lengths), batch_size=2, num_workers=workers, collate_fn=pad))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_persistent_workers_copy_is_iterated_again_and_a_new_ones_afresh(persistent):
+    expected, found = both(lambda: Shards([2, 3], count_epochs=True), count=3, batch_size=2, num_workers=2,
+                           collate_fn=whole, persistent_workers=persistent)
+    assert_epochs(expected, found)
+    assert {int(epoch) for batch in found[2] for epoch in batch["at"][2]} == ({3} if persistent else {1})
+
+
+def test_an_unsharded_dataset_is_read_whole_by_every_worker():
+    expected, found = both(lambda: Everything(5), batch_size=2, num_workers=3)
+    assert_epochs(expected, found)
+    assert sorted(torch.cat(found[0]).tolist()) == sorted(list(range(5)) * 3)
+
+
+def test_batch_size_none_gives_each_item_as_its_batch():
+    assert_epochs(*both(lambda: Everything(4), batch_size=None, num_workers=2))
+
+
+def test_the_default_collate_gives_torchs_types():
+    class Pairs(IterableDataset):
+        def __iter__(self):
+            info = get_worker_info()
+            start = 0 if info is None else info.id * 100
+            return iter([(start + index, f"s{index}", (index / 2, index)) for index in range(5)])
+
+    assert_epochs(*both(Pairs, batch_size=2, num_workers=2, persistent_workers=True))
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_resume_mid_epoch_replays_each_worker_to_the_step(workers):
+    lengths = [3, 8, 1] if workers else [7]
+    arguments = {"batch_size": 2, "num_workers": workers, "collate_fn": pad}
+    with DataLoader(Shards(lengths), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    for stop in (1, 4):
+        with DataLoader(Shards(lengths), **arguments) as loader:
+            batches = iter(loader)
+            for _ in range(stop):
+                next(batches)
+            state = loader.state_dict()
+        with DataLoader(Shards(lengths), **arguments) as resumed:
+            resumed.load_state_dict(state)
+            rest = [[_cloned(batch) for batch in resumed]]
+            rest.append([_cloned(batch) for batch in resumed])
+        assert_epochs([whole_run[0][stop:], whole_run[1]], rest)
+
+
+def test_a_checkpoint_at_an_epochs_end_resumes_with_the_next_epoch():
+    arguments = {"batch_size": 2, "num_workers": 2, "collate_fn": pad}
+    with DataLoader(Shards([3, 1]), **arguments) as loader:
+        first = [_cloned(batch) for batch in loader]
+        state = loader.state_dict()
+    with DataLoader(Shards([3, 1]), **arguments) as resumed:
+        resumed.load_state_dict(state)
+        assert [batch["names"] for batch in resumed] == [batch["names"] for batch in first]
+        assert state["epoch"] == 0 and resumed.state_dict()["epoch"] == 1
+
+
+def test_resume_under_another_num_workers_is_refused_by_name():
+    with DataLoader(Shards([3, 1]), batch_size=2, num_workers=2, collate_fn=whole) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with DataLoader(Shards([3, 1, 2]), batch_size=2, num_workers=3, collate_fn=whole) as other:
+        with pytest.raises(ValueError, match="num_workers=2"):
+            other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("argument", [{"shuffle": True}, {"sampler": [0, 1]}, {"batch_sampler": [[0]]}])
+def test_what_torch_refuses_is_refused_with_torchs_words(argument):
+    with pytest.raises(ValueError) as torchs:
+        TorchDataLoader(Everything(3), **argument)
+    with pytest.raises(ValueError) as ours:
+        DataLoader(Everything(3), **argument)
+    assert str(ours.value) == str(torchs.value)
+
+
+def test_len_is_torchs():
+    class Sized(Everything):
+        def __len__(self) -> int:
+            return self.length
+
+    with DataLoader(Sized(5), batch_size=2) as loader:
+        assert len(loader) == len(TorchDataLoader(Sized(5), batch_size=2)) == 3
+    with DataLoader(Everything(5), batch_size=2) as loader, pytest.raises(TypeError):
+        len(loader)
