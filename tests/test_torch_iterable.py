@@ -2,12 +2,16 @@
 the same arguments: every batch equal (types, nesting, values, order) over two epochs for a
 dataset sharded by get_worker_info() with uneven shards (workers exhaust at different
 times), num_workers 0, 1 and 3, drop_last both ways, default_collate and a padding
-collate_fn, persistent_workers both ways, batch_size=None; an unsharded dataset read whole
+collate_fn, persistent_workers both ways, batch_size=None, worker_init_fn narrowing each
+worker's copy, the spawn path, an epoch without a sample; an unsharded dataset read whole
 by every worker (duplicates, as torch's); resume by replay from a checkpoint mid-epoch and
-at an epoch's end; what torch refuses refused with torch's words."""
+at an epoch's end, and a killed worker replaced and replaying; what torch refuses refused
+with torch's words."""
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 
 import pytest
@@ -226,3 +230,85 @@ def test_len_is_torchs():
         assert len(loader) == len(TorchDataLoader(Sized(5), batch_size=2)) == 3
     with DataLoader(Everything(5), batch_size=2) as loader, pytest.raises(TypeError):
         len(loader)
+
+
+class Range(IterableDataset):
+    """torch's documented pattern: worker_init_fn narrows each worker's copy to its part."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_range(worker_id: int) -> None:
+    info = get_worker_info()
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start, dataset.end = dataset.start + worker_id * per_worker, min(dataset.end,
+                                                                           dataset.start + (worker_id + 1) * per_worker)
+
+
+def test_worker_init_fn_shards_each_workers_copy_as_under_torch():
+    assert_epochs(*both(lambda: Range(3, 14), batch_size=3, num_workers=3, worker_init_fn=split_range))
+
+
+def test_an_epoch_without_a_sample_gives_no_batch():
+    assert_epochs(*both(lambda: Shards([0, 0]), batch_size=2, num_workers=2, collate_fn=whole))
+
+
+def test_the_spawn_path_reads_a_pickled_copy_in_torchs_order():
+    arguments = {"batch_size": 2, "num_workers": 3, "collate_fn": pad, "persistent_workers": True}
+    with DataLoader(Shards([4, 1, 6]), multiprocessing_context="spawn", **arguments) as loader:
+        found = epochs_of(loader)
+    # torch's batches do not depend on its start method: its forked workers, faster here.
+    assert_epochs(epochs_of(TorchDataLoader(Shards([4, 1, 6]), **arguments)), found)
+
+
+class Killing(Shards):
+    """Shards whose worker 1 is killed (SIGKILL) once, at its sample 3, in the first process
+    that reaches it (`kills` holds how many kills are left)."""
+
+    def __init__(self, lengths: list[int], kills: str) -> None:
+        super().__init__(lengths)
+        self.kills = kills
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            if sample["at"] == (1, 3):
+                with open(self.kills, "r+") as file:
+                    left = int(file.read())
+                    if left > 0:
+                        file.seek(0)
+                        file.write(f"{left - 1}\n")
+                        file.flush()
+                        os.kill(os.getpid(), signal.SIGKILL)
+            yield sample
+
+
+def test_a_killed_worker_is_replaced_and_replays_its_iterator(tmp_path):
+    kills = tmp_path / "kills"
+    kills.write_text("1\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # The restart's warning.
+        with DataLoader(Killing([3, 7], str(kills)), batch_size=2, num_workers=2, collate_fn=pad) as loader:
+            found = [_cloned(batch) for batch in loader]
+    assert kills.read_text().strip() == "0"
+    expected = list(TorchDataLoader(Shards([3, 7]), batch_size=2, num_workers=2, collate_fn=pad))
+    assert_epochs([expected], [found])
+
+
+class Failing(IterableDataset):
+    def __iter__(self):
+        yield 1
+        raise KeyError("shard 7 is missing")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_datasets_exception_reaches_the_loop_with_its_type(workers):
+    with DataLoader(Failing(), batch_size=1, num_workers=workers) as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [1]
+        with pytest.raises(KeyError, match="shard 7 is missing"):
+            list(batches)

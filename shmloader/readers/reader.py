@@ -31,10 +31,8 @@ from ..ring.stale import sweep_stale
 from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
 from .filling import fill_and_publish
 
-# How long a reader whose steps are its own (Ring.claim_own) sleeps at most before it looks
-# for them again: the work semaphore's post for its step may wake another reader, which
-# cannot take it. Short against a batch's time, long enough that an idle reader costs
-# little CPU (200 looks a second).
+# How long a reader whose steps are its own (Ring.claim_own) sleeps at most: the post for its
+# step may wake another reader, which cannot take it. 200 looks a second cost an idle reader little.
 OWN_STEPS_POLL_SECONDS = 0.005
 
 # How long a reader that read no configuration waits to see whether its trainer died.
@@ -252,8 +250,6 @@ class Reader:
 
     def _sleep(self) -> None:
         began = time.monotonic_ns()
-        # A wake-up is for any reader: one whose steps are its own may take another's and
-        # sleep again, so those readers look again sooner (OWN_STEPS_POLL_SECONDS).
         woken = wait(self.ring.work_semaphore, POLL_INTERVAL_SECONDS if self.own_steps_of is None
                      else OWN_STEPS_POLL_SECONDS)
         self.sleeps += 1

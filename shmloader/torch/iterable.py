@@ -31,8 +31,15 @@ exact where iterating the dataset again gives the same samples in the same order
 same files, a seed of its own): a dataset that draws from an unseeded source continues
 with other samples. The checkpoint names num_workers; another num_workers is refused (the
 order depends on it, as torch's does). A reader that dies is replaced and replays the same
-way. Within a reader, samples are not seeded one by one (unlike a map-style dataset's):
-the reader's generators are seeded once when it starts, as torch seeds a worker.
+way, and so do the readers when a collate_fn's batch outgrows its room in the slot (the
+slot grows, as for a map-style dataset: collation.py; outputs= gives the room up front).
+
+Unlike torch's, the trainer iterates a copy of the dataset for its first two batches (of
+reader 0's shard, as reader 0 sees get_worker_info(); of the next reader's where that is
+empty) when the loader is made, to lay out the slot; an error in the first batch is raised
+then, one later is raised by the reader that reaches it. Within a reader, samples are not
+seeded one by one (unlike a map-style dataset's): the reader's generators are seeded once
+when it starts, as torch seeds a worker.
 """
 
 from __future__ import annotations
@@ -137,7 +144,7 @@ class IterableBatches(Collated):
                                                         dataset=view.dataset)
             try:
                 self._iterator, self._ended = iter(self.dataset), False
-                while len(found) < _PROBE_BATCHES and (batch := self._next_batch()) is not None:
+                while len(found) < _PROBE_BATCHES and (batch := self._probe_next(found)) is not None:
                     found.append((list(range(self._rows)), [batch]))
             finally:
                 worker._worker_info = view
@@ -145,6 +152,16 @@ class IterableBatches(Collated):
             if found:
                 return found
         return [([], None)]
+
+    def _probe_next(self, found: list):
+        """The probe's next batch; None where a later one raises: the reader that reaches it
+        raises it at its step, as torch's worker does, not the loader's construction."""
+        try:
+            return self._next_batch()
+        except Exception:
+            if not found:
+                raise
+            return None
 
 
 class IterableDataLoader(DataLoader, takes_iterable=True):
