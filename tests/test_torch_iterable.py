@@ -263,7 +263,20 @@ def test_the_spawn_path_reads_a_pickled_copy_in_torchs_order():
     with DataLoader(Shards([4, 1, 6]), multiprocessing_context="spawn", **arguments) as loader:
         found = epochs_of(loader)
     # torch's batches do not depend on its start method: its forked workers, faster here.
-    assert_epochs(epochs_of(TorchDataLoader(Shards([4, 1, 6]), **arguments)), found)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "more workers than cores" on a small host.
+        expected = epochs_of(TorchDataLoader(Shards([4, 1, 6]), **arguments))
+    assert_epochs(expected, found)
+
+
+def test_batches_the_loop_keeps_keep_their_values():
+    """list(loader): every batch held at once, more than the ring's slots (kept.py)."""
+    with DataLoader(Everything(40), batch_size=2, num_workers=2) as loader:
+        found = list(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = list(TorchDataLoader(Everything(40), batch_size=2, num_workers=2))
+    assert_epochs([expected], [found])
 
 
 class Killing(Shards):
