@@ -269,6 +269,19 @@ def test_the_spawn_path_reads_a_pickled_copy_in_torchs_order():
     assert_epochs(expected, found)
 
 
+def test_batches_the_loop_keeps_do_not_start_a_workers_iterator_again():
+    """Kept batches hold their slots, so the ring requests a later step of a worker before
+    an earlier one: the worker's iterator still runs once an epoch (its copy counts them)."""
+    arguments = {"batch_size": 1, "num_workers": 2, "persistent_workers": True, "collate_fn": whole}
+    with DataLoader(Shards([12, 15], count_epochs=True), **arguments) as loader:
+        found = [list(loader), list(loader)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torchs = TorchDataLoader(Shards([12, 15], count_epochs=True), **arguments)
+        expected = [list(torchs), list(torchs)]
+    assert_epochs(expected, found)
+
+
 def test_batches_the_loop_keeps_keep_their_values():
     """list(loader): every batch held at once, more than the ring's slots (kept.py)."""
     with DataLoader(Everything(40), batch_size=2, num_workers=2) as loader:
@@ -325,3 +338,56 @@ def test_the_datasets_exception_reaches_the_loop_with_its_type(workers):
         assert next(batches).tolist() == [1]
         with pytest.raises(KeyError, match="shard 7 is missing"):
             list(batches)
+
+
+class Counting(IterableDataset):
+    """A Stateful dataset (torchdata's protocol) that a replay cannot rebuild: each iter()
+    counts the iter() calls of this copy, so iterating a new copy again gives other samples
+    from the second epoch on; its state_dict() rebuilds the count and the position, mid-
+    iteration (iter() then continues it) or between two (iter() starts the next)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.position, self.iterations, self.active, self.resuming = lengths, 0, 0, False, False
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        if not self.resuming:
+            self.iterations, self.position = self.iterations + 1, 0
+        self.resuming, self.active = False, True
+        while self.position < self.lengths[worker]:
+            self.position += 1
+            yield (worker, self.position, self.iterations)
+        self.active = False
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "iterations": self.iterations, "active": self.active}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position, self.iterations, self.resuming = state["position"], state["iterations"], state["active"]
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_stateful_dataset_resumes_from_each_workers_state(workers):
+    lengths = [5, 9, 1] if workers else [7]
+    arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": bool(workers)}
+    with DataLoader(Counting(lengths), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_epochs(epochs_of(TorchDataLoader(Counting(lengths), **arguments), 2), whole_run)
+    for stop in (1, 3):
+        # In the second epoch: a persistent worker's copy (the trainer's, without workers)
+        # was iterated once before, which iterating a new copy again would not give.
+        with DataLoader(Counting(lengths), **arguments) as loader:
+            list(loader)
+            batches = iter(loader)
+            for _ in range(stop):
+                next(batches)
+            state = loader.state_dict()
+        assert set(state["reader_states"]) <= {str(reader) for reader in range(max(1, workers))}
+        with DataLoader(Counting(lengths), **arguments) as resumed:
+            resumed.load_state_dict(state)
+            assert_epochs([whole_run[1][stop:]], epochs_of(resumed, 1))
+            again = resumed.state_dict()
+        assert again["ended"] and again["epoch"] == 1

@@ -22,17 +22,29 @@ exhausted (IterableBatches.batch_of). The trainer takes the steps in order, leav
 end marks, and ends the epoch once it has seen one of each reader: that is torch's
 round-robin with exhausted workers skipped, and nothing in the ring's protocol changed for
 its other users. A reader exhausted early fills its later steps with end marks (a few
-bytes each) until the longest reader ends.
+bytes each) until the longest reader ends. A reader makes its batches in step order even
+where the ring requests a later step of it first (a batch the loop keeps holds its slot):
+the batches between are kept in the reader until their steps come.
 
-Resume (state_dict / load_state_dict): by replay. The checkpoint holds the epoch and its
-next step; on load, each reader calls iter() again and skips the batches it delivered
-before that step (collating them as before: a replay costs the batches skipped). It is
-exact where iterating the dataset again gives the same samples in the same order (the
-same files, a seed of its own): a dataset that draws from an unseeded source continues
-with other samples. The checkpoint names num_workers; another num_workers is refused (the
-order depends on it, as torch's does). A reader that dies is replaced and replays the same
-way, and so do the readers when a collate_fn's batch outgrows its room in the slot (the
-slot grows, as for a map-style dataset: collation.py; outputs= gives the room up front).
+Resume (state_dict / load_state_dict), under the same num_workers (the order depends on
+it, as torch's does; another is refused by name); the readers start afresh on load:
+- A dataset with state_dict() and load_state_dict() (torchdata's Stateful protocol): each
+  batch carries the reader's dataset.state_dict() after it (pickled in the slot beside the
+  batch), and each end mark the state a next iter() starts from; the checkpoint holds each
+  reader's last state the trainer took, and a resumed reader calls load_state_dict(state)
+  then iter() (torchdata's order), so its iterator continues where it was: exact, also for
+  a dataset whose order a replay would not give again. With persistent_workers (or
+  num_workers=0) a new epoch's iter() continues from the end mark's state, as the copy
+  torch's persistent worker keeps would.
+- Otherwise by replay: each reader calls iter() again and skips the batches it delivered
+  before the checkpoint's step (collating them as before: a replay costs the batches
+  skipped). It is exact where iterating the dataset again gives the same samples in the
+  same order (the same files, a seed of its own); a dataset that draws from an unseeded
+  source, or changes as it is iterated (a persistent copy's second epoch), continues with
+  other samples.
+A reader that dies is replaced and replays the same way, and so do the readers when a
+collate_fn's batch outgrows its room in the slot (the slot grows, as for a map-style
+dataset: collation.py; outputs= gives the room up front).
 
 Unlike torch's, the trainer iterates a copy of the dataset for its first two batches (of
 reader 0's shard, as reader 0 sees get_worker_info(); of the next reader's where that is
@@ -44,7 +56,9 @@ when it starts, as torch seeds a worker.
 
 from __future__ import annotations
 
+import base64
 import math
+import pickle
 
 from ..plan.collated import Collated
 from .dataloader import DataLoader
@@ -58,21 +72,36 @@ _PROBE_BATCHES = 2
 
 class IterableBatches(Collated):
     """What the readers read for an IterableDataset: a map-style view whose step k is the
-    next batch of the iterator of reader k % readers (batch_of), wrapped as [batch], or None
-    once that iterator is exhausted (the end mark). Pickled or forked to the readers
-    without its iterator."""
+    next batch of the iterator of reader k % readers (batch_of) as {"batch": it, "state":
+    ...}, or once that iterator is exhausted the end mark {"end": True, "state": ...}. A
+    Stateful dataset's state is its state_dict() (pickled, base64) after the batch (None
+    where the iterator ended making it), or at the end mark the state a next iter() starts
+    from; otherwise None. Pickled or forked to the readers without its iterator; `resume`
+    (set by the trainer before it starts readers for a checkpoint's pass) says where each
+    reader's iterator continues from."""
 
     by_reader = True
 
     def __init__(self, dataset, collate_fn, batch_size: int | None, drop_last: bool, readers: int) -> None:
         super().__init__(dataset, collate_fn, batch_size or 1)
         self.batched, self.drop_last, self.readers = batch_size is not None, bool(drop_last), max(1, int(readers))
+        self.stateful = callable(getattr(dataset, "state_dict", None)) and \
+            callable(getattr(dataset, "load_state_dict", None))
+        # {"pass_seed": int, "readers": {reader: [its next step, its state or None where it had ended]}}
+        self.resume = None
         self._iterator = self._pass_seed = self._next_step = self._last = None
         self._ended, self._rows = False, 0
+        # Batches made ahead of their step (batch_of), by step.
+        self._ahead: dict[int, dict] = {}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_iterator": None, "_pass_seed": None, "_next_step": None, "_last": None,
-                "_ended": False}
+                "_ended": False, "_ahead": {}}
+
+    def forget(self) -> None:
+        """Drops the iterator and what it made ahead: the next step starts afresh (a seek in
+        the trainer's own copy, readers=0)."""
+        self.__dict__.update(self.__getstate__())
 
     def __len__(self) -> int:
         return STEPS_MAX
@@ -80,24 +109,64 @@ class IterableBatches(Collated):
     def __getitem__(self, index):
         raise TypeError("an IterableDataset's samples are not read by index: its readers iterate it (batch_of)")
 
-    def batch_of(self, step: int, pass_seed: int):
-        """Step `step`'s batch: this reader's next, as [batch], or None once its iterator is
-        exhausted. A step behind the iterator (a new pass, a seek back, a replaced reader)
-        starts it again from iter(); a step ahead of it (a resume) skips the batches before."""
-        reader = step % self.readers
-        if self._pass_seed == pass_seed and self._last is not None and self._last[0] == step:
-            return self._last[1]  # Asked again (a slot grown at this step, readers=0): no replay.
-        if self._pass_seed != pass_seed or self._next_step is None or step < self._next_step:
-            self._iterator, self._ended = iter(self.dataset), False
-            self._pass_seed, self._next_step = pass_seed, reader
+    def batch_of(self, step: int, pass_seed: int) -> dict:
+        """Step `step`'s batch: this reader's next, or the end mark once its iterator is
+        exhausted (see the class); the iterator's batches are made in step order, whatever
+        order the steps come in.
+
+        A pass's first step here (a new pass, a replaced reader, a resume: the loader starts
+        readers afresh for one) starts the iterator (iter(), or load_state_dict first where a
+        checkpoint's state applies) and skips the batches of this reader's steps before it:
+        they were delivered before (the replay of a resume). A later step past the next one
+        is a step requested before an earlier one (the ring requests step k once step
+        k - slots is let go of, and a batch the loop keeps holds its slot a while): the
+        batches between are made now, kept, and given when their steps come, which is
+        within the ring's slots of steps. A step behind the iterator and not kept is a seek
+        back: the iterator starts again."""
+        if self._pass_seed == pass_seed:
+            if step in self._ahead:
+                return self._ahead.pop(step)
+            if self._last is not None and self._last[0] == step:
+                return self._last[1]  # Asked again (a slot grown at this step, readers=0): no replay.
+        first = self._pass_seed != pass_seed or self._next_step is None or step < self._next_step
+        if first:
+            self._restart(step, pass_seed)
         assert (step - self._next_step) % self.readers == 0, (step, self._next_step, self.readers)
-        for _ in range((step - self._next_step) // self.readers):  # The replay of a resume.
-            self._next_batch()
+        while self._next_step < step:
+            made = self._made()
+            if not first:
+                self._ahead[self._next_step] = made
+            self._next_step += self.readers
         self._next_step = step + self.readers
         self._last = None
-        batch = self._next_batch()
-        self._last = (step, None if batch is None else [batch])
+        self._last = (step, self._made())
         return self._last[1]
+
+    def _made(self) -> dict:
+        """The iterator's next batch, or the end mark, with the state after it (the class)."""
+        batch = self._next_batch()
+        if batch is None:
+            made = {"end": True, "state": _pickled(self.dataset.state_dict()) if self.stateful else None}
+        else:  # No state where this batch was the iterator's last (it ended making it): a resume ends it.
+            made = {"batch": batch, "state": _pickled(self.dataset.state_dict()) if self.stateful and not self._ended
+                    else None}
+        return made
+
+    def _restart(self, step: int, pass_seed: int) -> None:
+        """iter() again for this reader's first step of the pass, or, where a checkpoint's
+        state of it applies (the pass it was taken in, a step at or after it), its
+        load_state_dict(state) first and its steps from the checkpoint's."""
+        reader = step % self.readers
+        self._pass_seed, self._next_step, self._ended, self._ahead = pass_seed, reader, False, {}
+        saved = None if self.resume is None or self.resume["pass_seed"] != pass_seed else \
+            self.resume["readers"].get(reader)
+        if saved is not None and step >= saved[0]:
+            self._next_step = saved[0]
+            if saved[1] is None:  # It had ended before the checkpoint.
+                self._iterator, self._ended = None, True
+                return
+            self.dataset.load_state_dict(pickle.loads(base64.b64decode(saved[1])))
+        self._iterator = iter(self.dataset)
 
     def _next_batch(self):
         """The iterator's next batch, collated, or None once it is exhausted: as torch's
@@ -145,13 +214,14 @@ class IterableBatches(Collated):
             try:
                 self._iterator, self._ended = iter(self.dataset), False
                 while len(found) < _PROBE_BATCHES and (batch := self._probe_next(found)) is not None:
-                    found.append((list(range(self._rows)), [batch]))
+                    state = _pickled(self.dataset.state_dict()) if self.stateful else None
+                    found.append((list(range(self._rows)), {"batch": batch, "state": state}))
             finally:
                 worker._worker_info = view
                 self._iterator = None
             if found:
                 return found
-        return [([], None)]
+        return [([], {"end": True, "state": None})]
 
     def _probe_next(self, found: list):
         """The probe's next batch; None where a later one raises: the reader that reaches it
@@ -162,6 +232,10 @@ class IterableBatches(Collated):
             if not found:
                 raise
             return None
+
+
+def _pickled(state) -> str:
+    return base64.b64encode(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)).decode()
 
 
 class IterableDataLoader(DataLoader, takes_iterable=True):
@@ -193,6 +267,11 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         self._adapter = IterableBatches(dataset, reference.collate_fn, reference.batch_size, reference.drop_last,
                                         num_workers)
         self._ended_pass = False  # Whether the current epoch's pass saw every reader exhausted.
+        # A Stateful dataset's: each reader's [next step, state after its last batch taken
+        # (None once it ended)] in this pass, by reader (IterableBatches.resume); and the
+        # states its end marks gave, from which a reader kept for the next pass starts it.
+        self._reader_states: dict[int, list] = {}
+        self._next_pass_states: dict[int, list] = {}
         super().__init__(dataset, batch_size=reference.batch_size or 1, num_workers=num_workers, pin_memory=pin_memory,
                          drop_last=reference.drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context, generator=generator,
@@ -215,31 +294,42 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
 
     def __iter__(self):
         if not self._resumed:
-            self._ended_pass = False
+            kept = self.persistent_workers or self.num_workers == 0  # The readers' copies go on.
+            self._reader_states = self._next_pass_states if kept else {}
+            self._ended_pass, self._next_pass_states = False, {}
         return super().__iter__()
 
     def _pass_batches(self):
         """The readers' batches in step order, the end marks left out, until every reader's
         has come (see the module)."""
-        readers, ended = self._adapter.readers, set()
+        readers, ended, stateful = self._adapter.readers, set(), self._adapter.stateful
         for arrays in self._loader:
-            step = arrays.step
+            reader, after = arrays.step % readers, arrays.step + readers
             # Under pin_memory each batch is a copy (its slot is free for the next epoch at once).
-            wrapped = self._rebuild(arrays, self.pin_memory)
+            made = self._rebuild(arrays, self.pin_memory)
             del arrays
-            if wrapped is None:
-                ended.add(step % readers)
+            if "end" in made:
+                if stateful:
+                    self._reader_states[reader] = [after, None]
+                    self._next_pass_states[reader] = [reader, made["state"]]
+                ended.add(reader)
                 if len(ended) == readers:
                     self._ended_pass = True
                     return
                 continue
-            yield wrapped[0]
-            del wrapped
+            if stateful:
+                self._reader_states[reader] = [after, made["state"]]
+            yield made["batch"]
+            del made
 
     def state_dict(self) -> dict:
-        """The epoch, its next step, num_workers, and whether the epoch had ended (see the
-        module: resume replays each reader's iterator to that step)."""
-        return {**super().state_dict(), "num_workers": self.num_workers, "ended": self._ended_pass}
+        """The epoch, its next step, num_workers, whether the epoch had ended, and for a
+        Stateful dataset each reader's state after its last batch taken (see the module)."""
+        state = {**super().state_dict(), "num_workers": self.num_workers, "ended": self._ended_pass}
+        if self._adapter.stateful:
+            for key, states in (("reader_states", self._reader_states), ("next_pass_states", self._next_pass_states)):
+                state[key] = {str(reader): list(saved) for reader, saved in states.items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continues from `state` by replay (see the module), under the same num_workers."""
@@ -252,6 +342,37 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                              f"depends on num_workers (as torch's), so resume with num_workers="
                              f"{state['num_workers']!r}")
         super().load_state_dict(state)
-        self._ended_pass = bool(state["ended"])
+        self._ended_pass, self._reader_states, self._next_pass_states = bool(state["ended"]), {}, {}
         if self._ended_pass:  # Taken after the epoch's last batch: the next loop is the next epoch.
             self._resumed = False
+        resume = None
+        if self._adapter.stateful:
+            self._reader_states = self._checked_states(state, "reader_states")
+            self._next_pass_states = self._checked_states(state, "next_pass_states")
+            kept = self.persistent_workers or self.num_workers == 0
+            # Where readers start from a state: this pass's, or after an epoch's end the next's
+            # (kept readers start it from where their iterators ended).
+            states, epoch = (self._next_pass_states, self._epoch + 1) if self._ended_pass and kept else \
+                (self._reader_states, self._epoch)
+            if states and (not self._ended_pass or kept):
+                resume = {"pass_seed": self._epoch_seed(epoch), "readers": states}
+        if resume is not None or not self._ended_pass:
+            # Readers started afresh, whose first step of the pass starts their iterators (from
+            # `resume`, or replaying: IterableBatches.batch_of); those running may have made
+            # batches of this pass's steps before the checkpoint's.
+            self._adapter.forget()
+            self._adapter.resume = resume
+            self._regrow(self._build["outputs"])
+
+    def _checked_states(self, state: dict, key: str) -> dict[int, list]:
+        """The checkpoint's `key`: reader -> [its next step, its state (str) or None]."""
+        saved = state.get(key, {})
+        try:
+            states = {int(reader): [int(entry[0]), entry[1]] for reader, entry in saved.items()}
+            if not all(0 <= reader < self._adapter.readers and (entry[1] is None or isinstance(entry[1], str))
+                       for reader, entry in states.items()):
+                raise ValueError
+        except (TypeError, ValueError, IndexError, AttributeError):
+            raise ValueError(f"the checkpoint's {key} must map each reader (0 to {self._adapter.readers - 1}) to "
+                             f"[its next step, its state], got {saved!r:.200}") from None
+        return states
