@@ -361,10 +361,12 @@ class Counting(IterableDataset):
         self.active = False
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "iterations": self.iterations, "active": self.active}
+        # A tensor leaf too: a state's arrays cross in the slot, which is filled again after.
+        return {"position": torch.tensor([self.position]), "iterations": self.iterations, "active": self.active}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position, self.iterations, self.resuming = state["position"], state["iterations"], state["active"]
+        self.position, self.iterations = int(state["position"][0]), state["iterations"]
+        self.resuming = state["active"]
 
 
 @pytest.mark.parametrize("workers", [0, 3])

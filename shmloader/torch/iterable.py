@@ -29,8 +29,8 @@ the batches between are kept in the reader until their steps come.
 Resume (state_dict / load_state_dict), under the same num_workers (the order depends on
 it, as torch's does; another is refused by name); the readers start afresh on load:
 - A dataset with state_dict() and load_state_dict() (torchdata's Stateful protocol): each
-  batch carries the reader's dataset.state_dict() after it (pickled in the slot beside the
-  batch), and each end mark the state a next iter() starts from; the checkpoint holds each
+  batch carries the reader's dataset.state_dict() after it (in the slot beside the batch,
+  written as a collate_fn's leaves are: nothing pickled), and each end mark the state a next iter() starts from; the checkpoint holds each
   reader's last state the trainer took, and a resumed reader calls load_state_dict(state)
   then iter() (torchdata's order), so its iterator continues where it was: exact, also for
   a dataset whose order a replay would not give again. With persistent_workers (or
@@ -56,9 +56,8 @@ when it starts, as torch seeds a worker.
 
 from __future__ import annotations
 
-import base64
+import copy
 import math
-import pickle
 
 from ..plan.collated import Collated
 from .dataloader import DataLoader
@@ -74,11 +73,12 @@ class IterableBatches(Collated):
     """What the readers read for an IterableDataset: a map-style view whose step k is the
     next batch of the iterator of reader k % readers (batch_of) as {"batch": it, "state":
     ...}, or once that iterator is exhausted the end mark {"end": True, "state": ...}. A
-    Stateful dataset's state is its state_dict() (pickled, base64) after the batch (None
-    where the iterator ended making it), or at the end mark the state a next iter() starts
-    from; otherwise None. Pickled or forked to the readers without its iterator; `resume`
-    (set by the trainer before it starts readers for a checkpoint's pass) says where each
-    reader's iterator continues from."""
+    Stateful dataset's state is its state_dict() after the batch (None where the iterator
+    ended making it), or at the end mark the state a next iter() starts from; otherwise
+    None. Both are written into the slot as a collate_fn's batch is (plan/collated.py: its
+    arrays in regions, the rest as JSON; nothing pickled). The view is pickled or forked to
+    the readers without its iterator; `resume` (set by the trainer before it starts readers
+    for a checkpoint's pass) says where each reader's iterator continues from."""
 
     by_reader = True
 
@@ -138,7 +138,7 @@ class IterableBatches(Collated):
                 self._ahead[self._next_step] = made
             self._next_step += self.readers
         self._next_step = step + self.readers
-        self._last = None
+        self._last = None  # Not a stale batch where the next raises.
         self._last = (step, self._made())
         return self._last[1]
 
@@ -146,9 +146,9 @@ class IterableBatches(Collated):
         """The iterator's next batch, or the end mark, with the state after it (the class)."""
         batch = self._next_batch()
         if batch is None:
-            made = {"end": True, "state": _pickled(self.dataset.state_dict()) if self.stateful else None}
+            made = {"end": True, "state": self.dataset.state_dict() if self.stateful else None}
         else:  # No state where this batch was the iterator's last (it ended making it): a resume ends it.
-            made = {"batch": batch, "state": _pickled(self.dataset.state_dict()) if self.stateful and not self._ended
+            made = {"batch": batch, "state": self.dataset.state_dict() if self.stateful and not self._ended
                     else None}
         return made
 
@@ -165,7 +165,7 @@ class IterableBatches(Collated):
             if saved[1] is None:  # It had ended before the checkpoint.
                 self._iterator, self._ended = None, True
                 return
-            self.dataset.load_state_dict(pickle.loads(base64.b64decode(saved[1])))
+            self.dataset.load_state_dict(saved[1])
         self._iterator = iter(self.dataset)
 
     def _next_batch(self):
@@ -214,7 +214,7 @@ class IterableBatches(Collated):
             try:
                 self._iterator, self._ended = iter(self.dataset), False
                 while len(found) < _PROBE_BATCHES and (batch := self._probe_next(found)) is not None:
-                    state = _pickled(self.dataset.state_dict()) if self.stateful else None
+                    state = self.dataset.state_dict() if self.stateful else None
                     found.append((list(range(self._rows)), {"batch": batch, "state": state}))
             finally:
                 worker._worker_info = view
@@ -232,10 +232,6 @@ class IterableBatches(Collated):
             if not found:
                 raise
             return None
-
-
-def _pickled(state) -> str:
-    return base64.b64encode(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)).decode()
 
 
 class IterableDataLoader(DataLoader, takes_iterable=True):
@@ -309,16 +305,16 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             made = self._rebuild(arrays, self.pin_memory)
             del arrays
             if "end" in made:
-                if stateful:
+                if stateful:  # Copied: its arrays view the slot, which the ring fills again.
                     self._reader_states[reader] = [after, None]
-                    self._next_pass_states[reader] = [reader, made["state"]]
+                    self._next_pass_states[reader] = [reader, copy.deepcopy(made["state"])]
                 ended.add(reader)
                 if len(ended) == readers:
                     self._ended_pass = True
                     return
                 continue
             if stateful:
-                self._reader_states[reader] = [after, made["state"]]
+                self._reader_states[reader] = [after, copy.deepcopy(made["state"])]
             yield made["batch"]
             del made
 
@@ -365,12 +361,11 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             self._regrow(self._build["outputs"])
 
     def _checked_states(self, state: dict, key: str) -> dict[int, list]:
-        """The checkpoint's `key`: reader -> [its next step, its state (str) or None]."""
+        """The checkpoint's `key`: reader -> [its next step, its state_dict() or None]."""
         saved = state.get(key, {})
         try:
             states = {int(reader): [int(entry[0]), entry[1]] for reader, entry in saved.items()}
-            if not all(0 <= reader < self._adapter.readers and (entry[1] is None or isinstance(entry[1], str))
-                       for reader, entry in states.items()):
+            if not all(0 <= reader < self._adapter.readers for reader in states):
                 raise ValueError
         except (TypeError, ValueError, IndexError, AttributeError):
             raise ValueError(f"the checkpoint's {key} must map each reader (0 to {self._adapter.readers - 1}) to "
