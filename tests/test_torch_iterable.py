@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
 from conftest import examples  # noqa: E402
-from shmloader.torch import DataLoader  # noqa: E402
+from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
 
 
 class Shards(IterableDataset):
@@ -151,6 +151,16 @@ def test_a_persistent_workers_copy_is_iterated_again_and_a_new_ones_afresh(persi
                            collate_fn=whole, persistent_workers=persistent)
     assert_epochs(expected, found)
     assert {int(epoch) for batch in found[2] for epoch in batch["at"][2]} == ({3} if persistent else {1})
+
+
+def test_outputs_declares_a_leafs_room_by_the_collates_name():
+    """The padding collate's leaves are declared by the names it gives them (the slot wraps them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CollateGrowthWarning)
+        with DataLoader(Shards([9, 9]), batch_size=2, num_workers=2, collate_fn=pad,
+                        outputs={"tokens": (2, 14), "lengths": 2}) as loader:
+            found = epochs_of(loader, 1)
+    assert_epochs(epochs_of(TorchDataLoader(Shards([9, 9]), batch_size=2, num_workers=2, collate_fn=pad), 1), found)
 
 
 def test_an_unsharded_dataset_is_read_whole_by_every_worker():

@@ -59,7 +59,7 @@ from __future__ import annotations
 import copy
 import math
 
-from ..plan.collated import Collated
+from ..plan.collated import BESIDE, Collated
 from .dataloader import DataLoader
 
 # The steps a pass may hold: far more than any epoch of batches. The ring's steps are
@@ -234,6 +234,15 @@ class IterableBatches(Collated):
             return None
 
 
+def _in_the_slot(outputs: dict | None) -> dict | None:
+    """outputs= by the collate's leaf names ("input_ids"; "data" for a bare tensor) as the
+    slot names them: under "batch" (IterableBatches wraps each batch with its state)."""
+    if not outputs:
+        return outputs
+    return {name if name == BESIDE else "batch" if name == "data" else f"batch/{name}": room
+            for name, room in outputs.items()}
+
+
 class IterableDataLoader(DataLoader, takes_iterable=True):
     """shmloader.torch.DataLoader given an IterableDataset (see the module)."""
 
@@ -272,7 +281,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                          drop_last=reference.drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context, generator=generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
-                         seed=seed, outputs=outputs, shard_index=0, shard_count=1)
+                         seed=seed, outputs=_in_the_slot(outputs), shard_index=0, shard_count=1)
         self.batch_size, self.collate_fn = reference.batch_size, reference.collate_fn
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
 
