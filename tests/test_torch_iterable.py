@@ -5,7 +5,8 @@ times), num_workers 0, 1 and 3, drop_last both ways, default_collate and a paddi
 collate_fn, persistent_workers both ways, batch_size=None, worker_init_fn narrowing each
 worker's copy, the spawn path, an epoch without a sample; an unsharded dataset read whole
 by every worker (duplicates, as torch's); resume by replay from a checkpoint mid-epoch and
-at an epoch's end, and a killed worker replaced and replaying; what torch refuses refused
+at an epoch's end (a Stateful dataset from each worker's state), an epoch left by break, a
+killed worker replaced and replaying, batches kept by the loop; what torch refuses refused
 with torch's words."""
 
 from __future__ import annotations
@@ -161,6 +162,22 @@ def test_outputs_declares_a_leafs_room_by_the_collates_name():
                         outputs={"tokens": (2, 14), "lengths": 2}) as loader:
             found = epochs_of(loader, 1)
     assert_epochs(epochs_of(TorchDataLoader(Shards([9, 9]), batch_size=2, num_workers=2, collate_fn=pad), 1), found)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_epoch_left_by_break_is_followed_by_a_whole_one(persistent):
+    def two_epochs(loader) -> list:
+        first = []
+        for batch in loader:
+            first.append(_cloned(batch))
+            if len(first) == 2:
+                break
+        return [first, [_cloned(batch) for batch in loader]]
+
+    arguments = {"batch_size": 2, "num_workers": 2, "collate_fn": pad, "persistent_workers": persistent}
+    with DataLoader(Shards([5, 3]), **arguments) as loader:
+        found = two_epochs(loader)
+    assert_epochs(two_epochs(TorchDataLoader(Shards([5, 3]), **arguments)), found)
 
 
 def test_an_unsharded_dataset_is_read_whole_by_every_worker():
