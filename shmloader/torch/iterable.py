@@ -35,7 +35,9 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   then iter() (torchdata's order), so its iterator continues where it was: exact, also for
   a dataset whose order a replay would not give again. With persistent_workers (or
   num_workers=0) a new epoch's iter() continues from the end mark's state, as the copy
-  torch's persistent worker keeps would.
+  torch's persistent worker keeps would. After an epoch left by `break`, the readers' copies
+  start the next epoch from states the trainer never took: a checkpoint taken before a
+  reader's first batch of that epoch restarts that reader from a fresh copy (as a replay).
 - Otherwise by replay: each reader calls iter() again and skips the batches it delivered
   before the checkpoint's step (collating them as before: a replay costs the batches
   skipped). It is exact where iterating the dataset again gives the same samples in the
