@@ -246,8 +246,9 @@ def check_length(dataset, where: str) -> int:
     try:
         length = len(dataset)
     except TypeError:
-        raise DatasetError(f"{where} has no len(): a map-style dataset needs __len__ and __getitem__ (an iterable "
-                           f"dataset cannot be sampled by step; convert it to files with shmloader import)") from None
+        raise DatasetError(f"{where} has no len(): a map-style dataset needs __len__ and __getitem__ (a torch "
+                           f"IterableDataset goes to shmloader.torch.DataLoader; or convert it to files with "
+                           f"shmloader import)") from None
     if not isinstance(length, int) or length < 1:
         raise DatasetError(f"{where} has len() = {length!r}; expected a positive integer")
     return length
@@ -321,7 +322,7 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
         factory, args, instance = None, {}, dataset
     if not hasattr(instance, "__getitem__"):
         raise DatasetError(f"the dataset ({type(instance).__name__}) has no __getitem__: a map-style dataset is "
-                           f"needed (an IterableDataset cannot be sampled by step)")
+                           f"needed (a torch IterableDataset goes to shmloader.torch.DataLoader)")
     length = check_length(instance, f"the dataset ({type(instance).__name__})")
     declared = dict(outputs or {})
     # Pickled for the readers before the probe below reads dataset[0]: a dataset that opens
