@@ -19,9 +19,10 @@ from .plan.checkpoint import position_of, state_of
 from .plan.dataset import plan_dataset, refuse_a_loader_in_the_scripts_import
 from .plan.defaults import default_readers
 from .plan.localize import localize
-from .plan.options import LoaderOptions, check_integer
+from .plan.options import AutoReaders, LoaderOptions, check_integer
 from .plan.planner import plan_dataset_loader, plan_loader
 from .plan.resume import continuation
+from .readers.elastic import ElasticPool
 from .readers.fork_call import call_in_fork
 from .readers.pool import ReaderPool
 from .remote.node import CacheUse
@@ -49,7 +50,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
     long a batch's zero-copy arrays stay valid); close it, or use `with`.
 
     readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
-    step itself when next() needs it). slots: steps the ring holds (plan/defaults.default_slots).
+    step itself when next() needs it; "auto" or AutoReaders(start, least, most): as many as
+    keep the trainer from waiting while cores are idle, added and retired as the loader runs,
+    readers/autotune.py). slots: steps the ring holds (None: plan/defaults.default_slots;
+    "auto": sized from the batch's bytes, the most readers and the memory, auto_slots).
     verify (on by default): readers check what they read of a Blosc2 file against its
     checksums the first time they read it, each block and its chunk's head where the file
     carries block digests (`shmloader convert` writes them), else each whole chunk's CRC-32
@@ -71,8 +75,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         batch_size: int = 256,
         mode: str = "shuffle",
         seed: int = 0,
-        readers: int | None = None,
-        slots: int | None = None,
+        readers: int | str | AutoReaders | None = None,
+        slots: int | str | None = None,
         start_step: int = 0,
         shard_index: int = 0,
         shard_count: int = 1,
@@ -109,12 +113,21 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self._dataset = None  # from_dataset: the trainer's handle on the dataset (plan/dataset.py).
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
+        # readers="auto": self.readers is the most it may reach (the ring's reader records).
         self.readers = default_readers() if options.readers is None else options.readers
+        if isinstance(options.readers, AutoReaders):
+            start, least, self.readers = options.readers.resolve()
         self._pin_backend = pin_backend(pin_memory)  # No CUDA is an error before any reader starts.
         # Readers start now and wait for their configuration on stdin: their start-up
         # overlaps the validation of the files below instead of following it.
         try:
-            pool = resources.pool = self._pool_type(self.readers, options.max_reader_restarts, remote)
+            if not isinstance(options.readers, AutoReaders):
+                pool = self._pool_type(self.readers, options.max_reader_restarts, remote)
+            elif self._pool_type is ReaderPool:
+                pool = ElasticPool(self.readers, options.max_reader_restarts, start, least)
+            else:  # The simulation's threads (testing/simulation.py) neither join nor leave: its start, fixed.
+                pool, self.readers = self._pool_type(start, options.max_reader_restarts, remote), start
+            resources.pool = pool
             if isinstance(fields, _DatasetSource) and fields.share_by_fork:
                 pool.share_by_fork = True  # Its readers are forked once the dataset is planned.
             pool.start()
@@ -327,6 +340,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
         kept past their slot's turn, given memory of their own (shmloader/kept.py), and their
         bytes; "kept_bytes_max" the bound on those bytes.
 
+        "reader_count": the readers filling now; under readers="auto" (readers/autotune.py) also
+        "readers_least", "readers_most", "reader_changes" and "reader_change", the last change
+        ({"at_s", "from", "to", "why"}; None before one), else "reader_change" None.
+
         "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
         call before (the first: since the start; called often, about the last 10 s):
         "stage" (trainer, held, stalled, link, cache, user_code, disk, decompression,
@@ -336,6 +353,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
         active = cursor.active
         if active:
             session.supervisor.warn_if_skipped()
+            if session.tuner is not None:
+                session.tuner.tune()
         elapsed_s = (cursor.now_ns() - cursor.first_next_ns) / 1e9 if cursor.first_next_ns else 0.0
         batches, wait_s = cursor.batches, cursor.wait_ns / 1e9
         rows = batches * self.batch_size - session.cuts.short_rows
@@ -357,6 +376,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
             "kept_bytes": session.kept.kept_bytes,
             "kept_bytes_max": session.kept.bytes_max,
             "readers": session.pool.report(elapsed_s) if active else [],
+            # The readers now and, under readers="auto", their bounds and the last change and why.
+            **({"reader_count": session.pool.count, "reader_change": None} if session.tuner is None
+               else session.tuner.report()),
             "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }

@@ -33,12 +33,14 @@ from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
-from .plan.defaults import TRAINER_SLOTS, default_slots, kept_bytes_max, wake_after
+from .plan.defaults import TRAINER_SLOTS, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
+from .readers.autotune import Tuner
 from .readers.bottleneck import Meter, plan_context, ring_reading, zero_reading
+from .readers.elastic import ElasticPool
 from .readers.channel import ReaderConfig, trainer_context
 from .readers.supervision import Supervisor
 from .ring.batch import Batch, batch_type_of, cursor_module
@@ -134,7 +136,8 @@ class Session:
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(options.epochs, options.drop_last))
         # Steps filled at once: one per reader, and the remote readers' steps in flight.
         fillers = readers + (0 if options.remote is None else options.remote.capacity)
-        slots = default_slots(fillers, plan.slot.nbytes) if options.slots is None else options.slots
+        slots = default_slots(fillers, plan.slot.nbytes) if options.slots is None else \
+            auto_slots(fillers, plan.slot.nbytes, ring_budget_bytes()) if options.slots == "auto" else options.slots
         cuts = StepCuts(plan.slot, options.batch_size, plan.sampler, _pass_of(plan.sampler, options))
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", options.start_step, 0, last_step(plan.sampler, slots, cuts.end_step))
@@ -171,6 +174,8 @@ class Session:
             functools.partial(ring_reading, ring, pool.count, resources.node_cache),
             plan_context(plan, dataset_spec is not None, pool.count),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
+        self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
+            Tuner(pool, functools.partial(ring_reading, ring, pool.count))
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,

@@ -1,9 +1,12 @@
 """The ring's default size: how many readers and slots a loader gets when it is not told,
-from the node's cores and trainers."""
+from the node's cores and trainers, and the bounds readers="auto" and slots="auto" keep to."""
 
 from __future__ import annotations
 
 import os
+
+from ..ring import backing
+from ..ring.layout import SHM_DIRECTORY
 
 # ---- Sizing the ring ----------------------------------------------------------------------
 
@@ -27,17 +30,21 @@ def local_trainers(environment=os.environ) -> int:
     return 1
 
 
-def default_readers(environment=os.environ) -> int:
+def cores_share(environment=os.environ) -> int:
     """The cores this process may use, divided among the node's trainers (each one starts
     its own loader: eight ranks with a reader per core each would run 8x the cores), at
-    least one and at most 8."""
+    least one."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
     # A rank pinned to its own cores (affinity already divided) keeps them all.
-    share = cores if cores < (os.cpu_count() or cores) else cores // local_trainers(environment)
-    return max(1, min(share, 8))
+    return max(1, cores if cores < (os.cpu_count() or cores) else cores // local_trainers(environment))
+
+
+def default_readers(environment=os.environ) -> int:
+    """cores_share(), at most 8."""
+    return min(cores_share(environment), 8)
 
 
 # Slots a trainer's own references may hold at once: the batch in use, and the one a `for`
@@ -58,6 +65,49 @@ def default_slots(readers: int, slot_bytes: int) -> int:
     if readers == 0:
         return TRAINER_SLOTS + 1
     return max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
+
+
+# ---- slots="auto" ----------------------------------------------------------------------
+
+# An automatic ring takes at most this share of the memory it may live in (the smaller of
+# the memory this process may use and the room in /dev/shm or for anonymous memory), divided
+# among the node's trainers: it is the fixed part of the loader's memory, next to the kept
+# batches' quarter (KEPT_MEMORY_SHARE) and the read-ahead's share, and the model and the
+# page cache need the rest.
+AUTO_RING_MEMORY_SHARE = 1 / 8
+# Slots per reader that keep every reader busy while one step is slow (default_slots' four).
+AUTO_SLOTS_PER_READER = 4
+
+
+def auto_slots(readers_max: int, slot_bytes: int, budget_bytes: int) -> int:
+    """slots="auto": AUTO_SLOTS_PER_READER slots for each reader the loader may reach
+    (readers_max: readers="auto" sizes the ring for its most) plus the trainer's
+    TRAINER_SLOTS, the same rule as default_slots; fewer where that passes `budget_bytes`
+    (ring_budget_bytes), but never fewer than one step per reader plus the trainer's slots
+    and one more: below that a reader would have nothing to fill while the trainer holds
+    its two. readers_max=0 (the trainer fills): one slot beyond the trainer's."""
+    assert readers_max >= 0 and slot_bytes > 0 and budget_bytes >= 0
+    if readers_max == 0:
+        return TRAINER_SLOTS + 1
+    floor = readers_max + TRAINER_SLOTS + 1
+    wanted = AUTO_SLOTS_PER_READER * readers_max + TRAINER_SLOTS
+    return max(floor, min(wanted, budget_bytes // slot_bytes))
+
+
+def ring_budget_bytes(environment=os.environ) -> int:
+    """The bytes an automatic ring may take: AUTO_RING_MEMORY_SHARE of the smaller of the
+    memory this process may use (memory_limit_bytes) and the room a ring has now (/dev/shm's
+    free space, or where the ring may go to anonymous memory the memory still available),
+    divided among the node's trainers."""
+    rooms = []
+    choice = backing.choice(environment)
+    if choice != "anonymous":
+        rooms.append(backing.free_bytes(SHM_DIRECTORY))
+    if choice != "dev-shm":
+        rooms.append(backing.memory_room_bytes())
+    known = [room for room in rooms if room is not None]
+    limit = memory_limit_bytes() if not known else min(memory_limit_bytes(), max(known))
+    return int(limit * AUTO_RING_MEMORY_SHARE) // local_trainers(environment)
 
 
 def wake_after(slots: int) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._native import lib
 from ..remote.pages import CACHE_PAGE_BYTES
+from .defaults import cores_share, default_readers
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -101,6 +102,33 @@ def check_window(shuffle_window, mode: str) -> int | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class AutoReaders:
+    """readers="auto" with its bounds: the loader starts `start` readers and adds or retires
+    them while it runs (readers/autotune.py), between `least` and `most`; the ring keeps a
+    reader record for each of `most`. None: `most` the cores this process may use divided
+    among the node's trainers (plan/defaults.cores_share), `start` the fixed default
+    (default_readers, at most `most`)."""
+
+    start: int | None = None
+    least: int = 1
+    most: int | None = None
+
+    def __post_init__(self) -> None:
+        check_integer("AutoReaders.least", self.least, 1, READERS_MAX)
+        if self.most is not None:
+            check_integer("AutoReaders.most", self.most, self.least, READERS_MAX)
+        if self.start is not None:
+            check_integer("AutoReaders.start", self.start, self.least,
+                          READERS_MAX if self.most is None else self.most)
+
+    def resolve(self) -> tuple[int, int, int]:
+        """(start, least, most) on this node."""
+        most = max(self.least, cores_share()) if self.most is None else self.most
+        start = min(most, max(self.least, default_readers())) if self.start is None else self.start
+        return start, self.least, most
+
+
+@dataclasses.dataclass(frozen=True)
 class LoaderOptions:
     """ShmDataLoader's settings past its fields, validated when made: each value normalised
     (ints as ints, seconds as floats) or a TypeError/ValueError naming the setting. What
@@ -111,8 +139,8 @@ class LoaderOptions:
     batch_size: int = 256
     mode: str = "shuffle"
     seed: int = 0
-    readers: int | None = None  # None: plan/defaults.default_readers()
-    slots: int | None = None  # None: plan/defaults.default_slots()
+    readers: object = None  # None: plan/defaults.default_readers(); "auto" or AutoReaders: readers/autotune.py
+    slots: object = None  # None: plan/defaults.default_slots(); "auto": plan/defaults.auto_slots()
     start_step: int = 0
     shard_index: int = 0
     shard_count: int = 1
@@ -139,9 +167,14 @@ class LoaderOptions:
         set_(self, "batch_size", check_integer("batch_size", self.batch_size, 1, BATCH_SIZE_MAX))
         set_(self, "mode", check_mode(self.mode))
         set_(self, "seed", check_integer("seed", self.seed, 0, SEED_MAX))
-        if self.readers is not None:
+        if self.readers == "auto":
+            set_(self, "readers", AutoReaders())
+        elif self.readers is not None and not isinstance(self.readers, AutoReaders):
             set_(self, "readers", check_integer("readers", self.readers, 0, READERS_MAX))
-        if self.slots is not None:
+        if isinstance(self.readers, AutoReaders) and self.remote is not None:
+            raise ValueError("readers='auto' sizes local reader processes only: with remote readers give readers= a "
+                             "number")
+        if self.slots is not None and self.slots != "auto":
             set_(self, "slots", check_integer("slots", self.slots, SLOTS_MIN, SLOTS_MAX))
         set_(self, "start_step", check_integer("start_step", self.start_step, 0, STEP_MAX))
         shard_index, shard_count = check_shard(self.shard_index, self.shard_count)

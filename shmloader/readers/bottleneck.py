@@ -240,13 +240,14 @@ def diagnose(before: Reading, after: Reading, context: Context) -> dict:
         return _verdict("unknown", 0.0, "read stats() again after some steps", 0.0, {})
     window_s = window_ns / 1e9
     waited = _share(after.waited_ns - before.waited_ns, window_ns)
-    changes = [_change(old, new) for old, new in zip(_padded(before.readers, len(after.readers)), after.readers)]
+    changes = [reader_change(old, new)
+               for old, new in zip(_padded(before.readers, len(after.readers)), after.readers)]
     count = max(1, len(changes))
     busy_ns = sum(change["busy_ns"] for change in changes)
     busy = _share(busy_ns, window_ns * count)
     detail = {"trainer_wait": round(waited, 3), "readers_busy": round(busy, 3), "readers": len(changes),
               "held_slots": after.held_slots, "slots": after.slots}
-    idle_cores = _idle_cores(before, after)
+    idle_cores = idle_cores_between(before, after)
     if idle_cores is not None:
         detail["idle_cores"] = round(idle_cores, 1)
     if waited < TRAINER_WAIT_SHARE_MAX:
@@ -363,7 +364,7 @@ def _verdict(stage: str, utilisation: float, advice: str, window_s: float, detai
             "window_s": round(window_s, 3), "detail": detail}
 
 
-def _change(old: ReaderCounters, new: ReaderCounters) -> dict:
+def reader_change(old: ReaderCounters, new: ReaderCounters) -> dict:
     """A reader's counters over the window; a new process in the record (a restart, its
     counters cleared) counts from zero."""
     same = old.pid == new.pid
@@ -397,7 +398,7 @@ def _share(part: float, whole: float) -> float:
     return min(1.0, max(0.0, part / whole)) if whole > 0 else 0.0
 
 
-def _idle_cores(before: Reading, after: Reading) -> float | None:
+def idle_cores_between(before: Reading, after: Reading) -> float | None:
     if None in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
         return None
     total = after.cores_total_ns - before.cores_total_ns

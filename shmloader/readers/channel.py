@@ -32,6 +32,9 @@ from ..ring.layout import RingLayout, RingNames
 # What a trainer that gives up before configuring its readers sends them instead of a
 # configuration: they exit at once. Plain EOF means the trainer may have died (reader.main).
 STOP_MESSAGE = b"stop"
+# What the trainer sends a configured reader it no longer needs (readers="auto" retiring
+# one: readers/elastic.py): it finishes the step it has claimed, if any, and exits with 0.
+RETIRE_MESSAGE = b"retire"
 _CHUNK = 1 << 20
 
 # How long a reader outlives a termination signal while its trainer lives on (by default:

@@ -28,7 +28,7 @@ from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNam
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
-from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
+from .channel import RETIRE_MESSAGE, STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
 from .filling import fill_and_publish
 
 # How long a reader whose steps are its own (Ring.claim_own) sleeps at most: the post for its
@@ -198,12 +198,22 @@ class Reader:
         if old is not None:
             old.close()
 
-    def _take_new_filler(self) -> None:
+    def _take_new_filler(self) -> bool:
         """A new filler the trainer sent since the last claim (channel.py says why that is
-        in time), applied before this reader fills anything with the old one."""
+        in time), applied before this reader fills anything with the old one. True where the
+        trainer retired this reader instead (RETIRE_MESSAGE; it sends nothing after it)."""
         message = None if self.channel is None else self.channel.latest()
+        if message == RETIRE_MESSAGE:
+            return True
         if message is not None:
             self._use(FillerSpec.from_dict(json.loads(message)))
+        return False
+
+    def _retire(self) -> int:
+        """Leaves the ring for good, once the step this reader claimed is published: the
+        wake-up it may have taken from the work semaphore goes to another reader."""
+        self.ring.work_semaphore.release()
+        return 0
 
     def trainer_alive(self) -> bool:
         """The trainer's process lives and still holds the ring's owner lock (gone once it
@@ -240,12 +250,15 @@ class Reader:
             slot = self.ring.claim(self.index) if self.own_steps_of is None else \
                 self.ring.claim_own(self.index, self.own_steps_of)
             if slot is None:
-                self._take_new_filler()  # Idle: a line longer than the pipe holds is drained as it comes.
+                if self._take_new_filler():  # Idle: a line longer than the pipe holds is drained as it comes.
+                    return self._retire()
                 self._sleep()
             else:
-                self._take_new_filler()
+                retired = self._take_new_filler()
                 self._count_starvation(slot)
-                self.fill(slot)
+                self.fill(slot)  # A step claimed is filled, retired or not: no other reader has it.
+                if retired:
+                    return self._retire()
         return 0
 
     def _sleep(self) -> None:

@@ -85,11 +85,16 @@ class Supervisor(StepActions):
         # the loader over that wait, in stats()["bottleneck"]'s words.
         self.meter = None
         self._episode_reading = None
+        # readers="auto": the Tuner (readers/autotune.py) that decides, at most once a window,
+        # from this periodic check and from next()'s waits.
+        self.tuner = None
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
     def due(self, cursor, step: int) -> None:
         self._check(cursor, step, held=False)
+        if self.tuner is not None:
+            self.tuner.tune()
 
     def failed(self, owner: int) -> None:
         self.pool.raise_reported(owner)
@@ -117,6 +122,8 @@ class Supervisor(StepActions):
         waited_s = self._check(cursor, step, held=False)
         if self._starting(step):
             return
+        if self.tuner is not None:
+            self.tuner.tune()
         if self.meter is not None and (self._episode_reading is None or self._episode_reading[0] != self._episode):
             self._episode_reading = (self._episode, self.meter.read(processes=False))
         if self.step_timeout is not None and waited_s > self.step_timeout:

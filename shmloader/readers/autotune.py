@@ -1,0 +1,170 @@
+"""readers="auto"'s decisions: whether to add or retire readers, as a pure function of what the
+loader did over a window (decide), and the Tuner that measures windows from the trainer's side
+and acts on the ElasticPool (readers/elastic.py).
+
+The rule, on one window (Window: at least Tuner.window_seconds of counters the trainer and
+readers keep anyway; readers/bottleneck.py reads them):
+
+- Add while the trainer waits (next() waited at least ADD_WAIT_SHARE of the window), the
+  readers are what it waits for (each busy at least ADD_BUSY_SHARE of it: not a start-up,
+  not batches the trainer holds), and another reader would run: a core is idle
+  (IDLE_CORES_MIN), or the readers spend at least BLOCKED_SHARE_MIN of their fills off the
+  CPU (sleeping, reading a disk: another overlaps those waits without a core of its own).
+  As many as would end the wait, readers / (1 - wait) in all, at most one per idle core
+  where they need cores, and never past `most`.
+- Retire one while the trainer hardly waits (below RETIRE_WAIT_SHARE) and the readers left
+  would be busy at most RETIRE_BUSY_SHARE of the time, on RETIRE_WINDOWS windows in a row.
+- Else hold.
+
+Why it does not oscillate: after an add the readers' work is the same or more, so the
+readers left after a retirement would be busier than RETIRE_BUSY_SHARE < ADD_BUSY_SHARE
+allows; after a retirement the readers left are at most RETIRE_BUSY_SHARE busy, below
+ADD_BUSY_SHARE, so no add follows until the work grows. Retiring waits RETIRE_WINDOWS
+windows; adding acts on one, since a waiting trainer is the cost auto exists to cut.
+
+The Tuner runs inside the trainer's own calls (the supervisor's periodic reader check, its
+waits in next(), stats()), at most once a window: no thread of its own. Each window starts
+where the one before ended, and again once a change was made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from .bottleneck import Reading, idle_cores_between, reader_change
+
+ADD_WAIT_SHARE = 0.05
+ADD_BUSY_SHARE = 0.6
+IDLE_CORES_MIN = 0.9
+BLOCKED_SHARE_MIN = 0.5
+RETIRE_WAIT_SHARE = 0.02
+RETIRE_BUSY_SHARE = 0.5
+RETIRE_WINDOWS = 3
+# The most a window's wait share counts for: at a full wait (nothing delivered) readers /
+# (1 - wait) has no bound; a tenth left makes it ten times the readers, capped by `most`.
+_WAIT_SHARE_COUNTED_MAX = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """What the loader did between two readings: `trainer_wait`, the share of the window
+    next() waited; `readers`, the active readers; `readers_busy`, their fill time over the
+    window, in readers (0 to `readers`); `readers_blocked`, the share of that fill time off a
+    CPU and not waiting for one (None: unknown); `idle_cores`, cores this process may use
+    that were idle, on average (None: unknown)."""
+
+    seconds: float
+    trainer_wait: float
+    readers: int
+    readers_busy: float
+    readers_blocked: float | None = None
+    idle_cores: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """`change`: readers to add (> 0) or retire (< 0); `why`, in words; `calm`: windows in a
+    row that asked for a retirement (the hysteresis' state, given to the next decide)."""
+
+    change: int
+    why: str
+    calm: int = 0
+
+
+def decide(window: Window, least: int, most: int, calm: int = 0) -> Decision:
+    """The module's rule on one window, for a loader of `least` to `most` readers."""
+    assert 1 <= least <= most and least <= window.readers <= most, (least, window.readers, most)
+    readers, wait, busy = window.readers, window.trainer_wait, window.readers_busy
+    if wait >= ADD_WAIT_SHARE and busy >= ADD_BUSY_SHARE * readers:
+        if readers >= most:
+            return Decision(0, f"the trainer waits {wait:.0%} of the time, and the readers are at their most ({most})")
+        blocked = window.readers_blocked is not None and window.readers_blocked >= BLOCKED_SHARE_MIN
+        idle = window.idle_cores if window.idle_cores is not None else 0.0
+        if not blocked and idle < IDLE_CORES_MIN:
+            return Decision(0, f"the trainer waits {wait:.0%} of the time, but no core is idle "
+                               f"({idle:.1f}) for another reader")
+        wanted = math.ceil(readers / (1.0 - min(wait, _WAIT_SHARE_COUNTED_MAX)) - 1e-9) - readers
+        room = most - readers if blocked else int(idle + 1 - IDLE_CORES_MIN)
+        change = max(1, min(wanted, room, most - readers))
+        where = (f"readers wait off the CPU {window.readers_blocked:.0%} of their fills" if blocked
+                 else f"{idle:.1f} cores idle")
+        return Decision(change, f"the trainer waited {wait:.0%} of {window.seconds:.1f} s with {readers} readers "
+                                f"{busy / readers:.0%} busy, {where}")
+    if wait < RETIRE_WAIT_SHARE and readers > least and busy <= RETIRE_BUSY_SHARE * (readers - 1):
+        calm += 1
+        why = (f"the trainer waited {wait:.0%} with {readers} readers {busy / readers:.0%} busy: "
+               f"{readers - 1} would do")
+        if calm >= RETIRE_WINDOWS:
+            return Decision(-1, why + f" ({calm} windows in a row)")
+        return Decision(0, why + f" ({calm} of {RETIRE_WINDOWS} windows)", calm)
+    return Decision(0, f"the trainer waits {wait:.0%} of the time with {readers} readers {busy / readers:.0%} busy")
+
+
+def window_of(before: Reading, after: Reading, active: list[int]) -> Window:
+    """The Window between two readings (readers/bottleneck.py's) over the `active` records."""
+    window_ns = max(1, after.at_ns - before.at_ns)
+    busy_ns = cpu_ns = queued_ns = 0
+    timed = True
+    for index in active:
+        change = reader_change(before.readers[index], after.readers[index])
+        busy_ns += change["busy_ns"]
+        if change["cpu_ns"] is None or change["queued_ns"] is None:
+            timed = False
+        else:
+            cpu_ns, queued_ns = cpu_ns + change["cpu_ns"], queued_ns + change["queued_ns"]
+    blocked = max(0.0, 1.0 - (cpu_ns + queued_ns) / busy_ns) if timed and busy_ns else None
+    wait = min(1.0, max(0.0, (after.waited_ns - before.waited_ns) / window_ns))
+    return Window(window_ns / 1e9, wait, len(active), min(float(len(active)), busy_ns / window_ns), blocked,
+                  idle_cores_between(before, after))
+
+
+class Tuner:
+    """Adds and retires the readers of an ElasticPool by decide(), from readings taken by
+    `read()` (bottleneck.ring_reading of the loader's ring) at most once a window. `last`,
+    the last change as stats()["reader_change"] reports it; `decision`, the last decision."""
+
+    # The shortest window decided on: long enough to hold several fills of a slow step, and
+    # a reader's start (a fork and its imports, about a tenth of a second) is short beside it.
+    window_seconds = 1.0
+
+    def __init__(self, pool, read) -> None:
+        self.pool, self.read = pool, read
+        self.started_ns = time.monotonic_ns()
+        self.baseline: Reading | None = None
+        self.calm = 0
+        self.changes = 0
+        self.decision: Decision | None = None
+        self.last: dict | None = None
+
+    def tune(self) -> None:
+        """Decides on the window since the last decision once it is window_seconds long, and
+        acts: the first call only takes the baseline."""
+        now_ns = time.monotonic_ns()
+        if self.baseline is not None and now_ns - self.baseline.at_ns < self.window_seconds * 1e9:
+            return
+        reading = self.read()
+        if self.baseline is None or self.pool.ring is None or self.pool.starting_note():
+            self.baseline = reading  # Nothing to judge while readers start: their waits are the start's.
+            return
+        active = self.pool.active()
+        window = window_of(self.baseline, reading, active)
+        self.baseline = reading
+        decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
+        self.calm = decision.calm
+        done = 0
+        for _ in range(decision.change):
+            done += self.pool.add_reader() is not None
+        if decision.change < 0:
+            done -= self.pool.retire_reader() is not None
+        if done:
+            self.changes += 1
+            self.last = {"at_s": round((now_ns - self.started_ns) / 1e9, 3), "from": len(active),
+                         "to": len(active) + done, "why": decision.why}
+            self.baseline = self.read()  # The next window starts with the new readers.
+
+    def report(self) -> dict:
+        """stats()'s part: the active readers, their bounds, the last change and its reason."""
+        return {"reader_count": self.pool.active_count, "readers_least": self.pool.least,
+                "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last}

@@ -1,0 +1,219 @@
+"""readers="auto" and slots="auto": the decision rule on synthetic windows (adds while the
+trainer waits and a core is idle, holds without one, retires idle readers, never oscillates on
+a modelled workload), and real loaders whose readers join and leave a running ring, under
+SIGKILL too, delivering exactly the batches of a fixed readers=1 loader."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from conftest import our_shm_entries, process_alive, wait_until
+from dataset_fixtures import Sleepy
+from shmloader import ShmDataLoader
+from shmloader.errors import ReaderRestartWarning
+from shmloader.plan import defaults
+from shmloader.plan.options import AutoReaders, LoaderOptions
+from shmloader.readers import autotune
+from shmloader.readers.autotune import RETIRE_WINDOWS, Window, decide
+
+# ---- The rule, on synthetic windows --------------------------------------------------------
+
+
+def test_a_waiting_trainer_with_busy_readers_and_an_idle_core_gets_more_readers():
+    decision = decide(Window(1.0, trainer_wait=0.5, readers=2, readers_busy=1.9, readers_blocked=0.0,
+                             idle_cores=1.5), least=1, most=8)
+    assert decision.change == 1  # One idle core: one reader, though the wait asks for two.
+    assert "1.5 cores idle" in decision.why
+
+
+def test_no_reader_is_added_while_no_core_is_idle():
+    decision = decide(Window(1.0, trainer_wait=0.5, readers=2, readers_busy=2.0, readers_blocked=0.0,
+                             idle_cores=0.3), least=1, most=8)
+    assert decision.change == 0
+    assert "no core is idle" in decision.why
+
+
+def test_readers_that_wait_off_the_cpu_get_more_readers_without_an_idle_core():
+    decision = decide(Window(1.0, trainer_wait=0.75, readers=1, readers_busy=1.0, readers_blocked=0.95,
+                             idle_cores=0.0), least=1, most=8)
+    assert decision.change == 3  # 1 / (1 - 0.75) = 4 readers in all.
+
+
+def test_no_reader_is_added_past_most_nor_while_readers_are_not_what_the_trainer_waits_for():
+    busy = Window(1.0, trainer_wait=0.9, readers=4, readers_busy=4.0, readers_blocked=0.0, idle_cores=4.0)
+    assert decide(busy, least=1, most=4).change == 0
+    starting = Window(1.0, trainer_wait=0.9, readers=2, readers_busy=0.2, readers_blocked=None, idle_cores=4.0)
+    assert decide(starting, least=1, most=8).change == 0
+
+
+def test_idle_readers_are_retired_one_at_a_time_after_calm_windows():
+    idle = Window(1.0, trainer_wait=0.0, readers=4, readers_busy=0.8, readers_blocked=0.0, idle_cores=3.0)
+    calm, changes = 0, []
+    for _ in range(RETIRE_WINDOWS):
+        decision = decide(idle, least=1, most=8, calm=calm)
+        calm, changes = decision.calm, changes + [decision.change]
+    assert changes == [0] * (RETIRE_WINDOWS - 1) + [-1]
+    assert calm == 0  # Counted again from the next window.
+    # A window in between that is not calm starts the count again.
+    assert decide(Window(1.0, 0.2, 4, 3.9, 0.0, 0.0), least=1, most=8, calm=RETIRE_WINDOWS - 1).calm == 0
+    # Never below least.
+    assert decide(Window(1.0, 0.0, 2, 0.1, 0.0, 3.0), least=2, most=8, calm=RETIRE_WINDOWS).change == 0
+
+
+def _modelled_window(readers: int, work: float, cores: int, blocked: float) -> Window:
+    """A workload that needs `work` readers' worth of fills: fewer readers keep the trainer
+    waiting for the rest; the trainer's own core and the readers' CPU leave the idle cores."""
+    wait = max(0.0, 1.0 - readers / work)
+    busy = min(float(readers), work)
+    idle = max(0.0, cores - (1.0 - wait) - busy * (1.0 - blocked))
+    return Window(1.0, wait, readers, busy, blocked, idle)
+
+
+@settings(max_examples=300, deadline=None)
+@given(work=st.floats(0.2, 20.0), start=st.integers(1, 16), most=st.integers(1, 16), cores=st.integers(1, 32),
+       blocked=st.sampled_from([0.0, 0.2, 0.9]))
+def test_the_reader_count_settles_without_oscillating(work, start, most, cores, blocked):
+    start = min(start, most)
+    readers, calm, counts = start, 0, [start]
+    for _ in range(60):
+        decision = decide(_modelled_window(readers, work, cores, blocked), least=1, most=most, calm=calm)
+        readers, calm = readers + decision.change, decision.calm
+        assert 1 <= readers <= most
+        counts.append(readers)
+    directions = [b - a for a, b in zip(counts, counts[1:]) if b != a]
+    turns = sum(1 for a, b in zip(directions, directions[1:]) if (a > 0) != (b > 0))
+    assert turns <= 1, counts
+    assert len(set(counts[-20:])) == 1, counts  # Settled.
+    if blocked >= autotune.BLOCKED_SHARE_MIN:  # Cores do not bound readers that wait off the CPU.
+        assert readers >= min(most, math.ceil(work * 0.95 - 1e-9)), counts
+
+
+# ---- slots="auto" ----------------------------------------------------------------------------
+
+
+def test_auto_slots_keep_every_reader_busy_and_stay_inside_the_budget():
+    assert defaults.auto_slots(4, 1 << 20, 1 << 40) == 4 * 4 + defaults.TRAINER_SLOTS
+    assert defaults.auto_slots(4, 1 << 20, 10 << 20) == 10
+    assert defaults.auto_slots(4, 1 << 20, 1 << 20) == 4 + defaults.TRAINER_SLOTS + 1  # The floor.
+    assert defaults.auto_slots(0, 1 << 20, 1 << 40) == defaults.TRAINER_SLOTS + 1
+
+
+def test_a_loader_with_auto_slots_keeps_its_ring_inside_a_small_memory_limit(tmp_path, monkeypatch):
+    path = tmp_path / "rows.npy"
+    np.save(path, np.arange(2048 * 1024, dtype=np.uint8).reshape(2048, 1024))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    limit = 64 << 20
+    monkeypatch.setattr(defaults, "memory_limit_bytes", lambda: limit)
+    budget = int(limit * defaults.AUTO_RING_MEMORY_SHARE)
+    with ShmDataLoader(str(path), batch_size=1024, readers=2, slots="auto") as loader:
+        slot_bytes = loader.plan.slot.nbytes
+        assert slot_bytes >= 1 << 20
+        assert loader.slots == budget // slot_bytes < 4 * 2 + defaults.TRAINER_SLOTS
+        assert loader.slots * slot_bytes <= budget
+        next(iter(loader))
+    monkeypatch.setattr(defaults, "memory_limit_bytes", lambda: 1 << 40)
+    with ShmDataLoader(str(path), batch_size=1024, readers=2, slots="auto") as loader:
+        assert loader.slots == 4 * 2 + defaults.TRAINER_SLOTS
+
+
+def test_auto_settings_are_checked_where_they_are_given():
+    with pytest.raises(ValueError, match="AutoReaders.start"):
+        AutoReaders(start=5, most=2)
+    with pytest.raises(ValueError, match="remote readers"):
+        LoaderOptions(readers="auto", remote=type("Remote", (), {"start": 0, "count": 1, "capacity": 1})())
+    assert isinstance(LoaderOptions(readers="auto").readers, AutoReaders)
+    with pytest.raises(TypeError, match="slots"):
+        LoaderOptions(slots="many")
+
+
+# ---- Readers joining and leaving a running ring ------------------------------------------------
+
+_SEED, _BATCH = 7, 4
+
+
+def _reference(dataset, steps: int) -> list[np.ndarray]:
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED, readers=1) as loader:
+        return [batch["x"].copy() for _, batch in zip(range(steps), loader)]
+
+
+def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers_batches(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.25)
+    dataset, steps = Sleepy(0.004), 80
+    expected = _reference(dataset, steps)
+    counts = []
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
+                                    readers=AutoReaders(start=1, most=3)) as loader:
+        assert loader.readers == 3 and loader.stats()["reader_count"] == 1
+        for step, batch in zip(range(steps), loader):
+            np.testing.assert_array_equal(batch["x"], expected[step], err_msg=f"step {step}")
+            counts.append(loader.stats()["reader_count"])
+        change = loader.stats()["reader_change"]
+        restarts = loader.stats()["reader_restarts"]
+    assert max(counts) > 1, counts
+    assert change is not None and change["from"] == 1 and change["to"] > 1, change
+    assert "the trainer waited" in change["why"]
+    assert restarts == 0
+
+
+def test_idle_readers_retire_without_being_restarted_and_the_batches_stay_the_same(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
+    dataset, steps = Sleepy(0.0, length=4000), 120
+    expected = _reference(dataset, steps)
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
+                                    readers=AutoReaders(start=3, most=3)) as loader:
+        first_pids = set(loader.diagnostics.reader_pids)
+        for step, batch in zip(range(steps), loader):
+            np.testing.assert_array_equal(batch["x"], expected[step], err_msg=f"step {step}")
+            time.sleep(0.02)  # A slow training step: the readers sit idle.
+            if loader.stats()["reader_count"] < 3 and step > 60:
+                break
+        stats = loader.stats()
+        assert stats["reader_count"] < 3, stats["reader_change"]
+        assert stats["reader_change"]["to"] < stats["reader_change"]["from"]
+        assert stats["reader_restarts"] == 0
+        # A retired reader exits by itself, while the loader runs on.
+        assert wait_until(lambda: any(not process_alive(pid) for pid in first_pids), timeout=5)
+        assert next(iter(loader))["x"].shape == (_BATCH, 8)
+
+
+def test_readers_join_and_leave_under_sigkill_and_every_batch_is_right(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 1e9)  # Only this test's own changes.
+    dataset, steps = Sleepy(0.003), 90
+    expected = _reference(dataset, steps)
+    killed = None
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED, max_reader_restarts=1,
+                                    readers=AutoReaders(start=2, most=3)) as loader:
+        pool = loader._session.pool  # The elastic pool, driven by hand.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, batch in zip(range(steps), loader):
+                np.testing.assert_array_equal(batch["x"], expected[step], err_msg=f"step {step}")
+                if step == 10:
+                    leaving = pool.retire_reader()
+                    assert leaving is not None
+                    os.kill(pool.processes[leaving].pid, signal.SIGKILL)  # Retired and killed: not restarted.
+                    assert pool.add_reader() is not None
+                if step == 30:
+                    assert pool.add_reader() is not None
+                    killed = pool.processes[pool.active()[0]].pid
+                    os.kill(killed, signal.SIGKILL)  # Active: restarted, as any reader.
+                if step == 50:
+                    assert pool.retire_reader() is not None
+        stats = loader.stats()
+        pids = loader.diagnostics.reader_pids
+    restarted = [str(warning.message) for warning in caught if issubclass(warning.category, ReaderRestartWarning)]
+    assert len(restarted) == 1 and f"pid {killed})" in restarted[0], restarted
+    assert stats["reader_restarts"] == 1
+    assert 1 <= stats["reader_count"] <= 3
+    assert 0 not in pids
+    assert wait_until(lambda: not our_shm_entries(os.getpid()), timeout=5), our_shm_entries(os.getpid())
+    assert wait_until(lambda: not any(process_alive(pid) for pid in pids), timeout=5)
