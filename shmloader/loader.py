@@ -353,8 +353,6 @@ class ShmDataLoader(cursor_module.LoaderBase):
         active = cursor.active
         if active:
             session.supervisor.warn_if_skipped()
-            if session.tuner is not None:
-                session.tuner.tune()
         elapsed_s = (cursor.now_ns() - cursor.first_next_ns) / 1e9 if cursor.first_next_ns else 0.0
         batches, wait_s = cursor.batches, cursor.wait_ns / 1e9
         rows = batches * self.batch_size - session.cuts.short_rows

@@ -22,9 +22,13 @@ allows; after a retirement the readers left are at most RETIRE_BUSY_SHARE busy, 
 ADD_BUSY_SHARE, so no add follows until the work grows. Retiring waits RETIRE_WINDOWS
 windows; adding acts on one, since a waiting trainer is the cost auto exists to cut.
 
-The Tuner runs inside the trainer's own calls (the supervisor's periodic reader check, its
-waits in next(), stats()), at most once a window: no thread of its own. Each window starts
-where the one before ended, and again once a change was made.
+The Tuner runs inside next(), at most once a window: from the supervisor's periodic reader
+check (every few dozen batches while steps are ready) and from its waits (every poll
+interval while next() waits), so adding is prompt where it matters and retiring follows
+within a few dozen batches. No thread of its own, and not from stats(): that may be read
+from a monitoring thread (metrics.register), while the pool's processes are changed only
+on the thread in next(), where the supervisor checks them. Each window starts where the one
+before ended, and again once a change was made.
 """
 
 from __future__ import annotations
