@@ -21,7 +21,7 @@ RESULTS = BENCH / "results"
 RESULTS_MD = BENCH / "RESULTS.md"
 README = BENCH.parent / "README.md"
 # The order benchmarks appear in; the README shows the headline rows of these.
-ORDER = ["throughput", "ragged", "images", "dataset", "cold", "object_store"]
+ORDER = ["throughput", "ragged", "images", "dataset", "cold", "object_store", "autotune"]
 README_HEADER = ["data", "shmloader", "/ single process", "/ PyTorch DataLoader (2 workers)",
                  "CPU s, shmloader / PyTorch"]
 CURRENT = ("<!-- current figures: python bench/report.py --write -->", "<!-- end of current figures -->")
