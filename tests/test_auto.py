@@ -147,7 +147,9 @@ def _reference(dataset, steps: int) -> list[np.ndarray]:
 
 def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers_batches(monkeypatch):
     monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.25)
-    dataset, steps = Sleepy(0.004), 80
+    # 8 ms a step with one reader: next() waits less than a poll interval, so the tuner runs at
+    # the periodic check (every 64 batches): the baseline at the first, a decision at the second.
+    dataset, steps = Sleepy(0.002), 200
     expected = _reference(dataset, steps)
     counts = []
     with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,

@@ -106,8 +106,8 @@ class AutoReaders:
     """readers="auto" with its bounds: the loader starts `start` readers and adds or retires
     them while it runs (readers/autotune.py), between `least` and `most`; the ring keeps a
     reader record for each of `most`. None: `most` the cores this process may use divided
-    among the node's trainers (plan/defaults.cores_share), `start` the fixed default
-    (default_readers, at most `most`)."""
+    among the node's trainers (plan/defaults.cores_share; `start` where that is more), `start`
+    the fixed default (default_readers, at most `most`)."""
 
     start: int | None = None
     least: int = 1
@@ -123,7 +123,7 @@ class AutoReaders:
 
     def resolve(self) -> tuple[int, int, int]:
         """(start, least, most) on this node."""
-        most = max(self.least, cores_share()) if self.most is None else self.most
+        most = max(self.least, self.start or 0, cores_share()) if self.most is None else self.most
         start = min(most, max(self.least, default_readers())) if self.start is None else self.start
         return start, self.least, most
 

@@ -23,9 +23,11 @@ ADD_BUSY_SHARE, so no add follows until the work grows. Retiring waits RETIRE_WI
 windows; adding acts on one, since a waiting trainer is the cost auto exists to cut.
 
 The Tuner runs inside next(), at most once a window: from the supervisor's periodic reader
-check (every few dozen batches while steps are ready) and from its waits (every poll
-interval while next() waits), so adding is prompt where it matters and retiring follows
-within a few dozen batches. No thread of its own, and not from stats(): that may be read
+check (every 64 batches, session.py's _READER_CHECK_BATCHES) and from its waits (every poll
+interval, 50 ms, while next() waits longer than that). A loader whose trainer waits is
+judged at least every max(window, 64 batches); one whose steps each take a second would
+wait a minute between decisions, which only delays a retirement (its waits, if any, come
+at once). No thread of its own, and not from stats(): that may be read
 from a monitoring thread (metrics.register), while the pool's processes are changed only
 on the thread in next(), where the supervisor checks them. Each window starts where the one
 before ended, and again once a change was made.

@@ -94,9 +94,6 @@ class ElasticPool(ReaderPool):
     def _vacant(self, reader_index: int) -> bool:
         return isinstance(self.processes[reader_index], _Vacant)
 
-    def _leaving(self, reader_index: int) -> bool:
-        return isinstance(self.processes[reader_index], _Leaving)
-
     def active(self) -> list[int]:
         """The records whose readers claim steps now."""
         return [index for index, process in enumerate(self.processes)
@@ -123,6 +120,7 @@ class ElasticPool(ReaderPool):
         if not free or self.ring is None:
             return None
         reader_index = free[0]
+        assert reader_index not in self._configured, reader_index  # Vacant: no reader was sent this record.
         self._restarts_by_reader[reader_index] = 0  # A new reader, not a restart: its own budget.
         self.processes[reader_index] = process = self._spawn()
         self._send_config(process, reader_index)
@@ -137,6 +135,7 @@ class ElasticPool(ReaderPool):
             return None
         reader_index = active[-1]
         process = self.processes[reader_index]
+        assert process.stdin is not None, reader_index  # An active reader's pipe stays open for fillers.
         if send_to_all([process.stdin], RETIRE_MESSAGE.decode(), _RETIRE_SEND_SECONDS):
             return None
         self.processes[reader_index] = _Leaving(process)
