@@ -146,10 +146,12 @@ def _reference(dataset, steps: int) -> list[np.ndarray]:
 
 
 def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers_batches(monkeypatch):
-    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.25)
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
     # 8 ms a step with one reader: next() waits less than a poll interval, so the tuner runs at
     # the periodic check (every 64 batches): the baseline at the first, a decision at the second.
-    dataset, steps = Sleepy(0.002), 200
+    # Sleeps of 2 ms keep the readers off the CPU most of their fills even on a loaded machine
+    # (waking from a shorter one, a reader waits for a core a large share of it).
+    dataset, steps = Sleepy(0.002), 192
     expected = _reference(dataset, steps)
     counts = []
     with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
@@ -202,12 +204,12 @@ def test_readers_join_and_leave_under_sigkill_and_every_batch_is_right(monkeypat
                 if step == 10:
                     leaving = pool.retire_reader()
                     assert leaving is not None
-                    os.kill(pool.processes[leaving].pid, signal.SIGKILL)  # Retired and killed: not restarted.
-                    assert pool.add_reader() is not None
+                    _kill(pool.processes[leaving].pid)  # Retired and killed: not restarted.
+                    _add(loader)
                 if step == 30:
-                    assert pool.add_reader() is not None
+                    _add(loader)
                     killed = pool.processes[pool.active()[0]].pid
-                    os.kill(killed, signal.SIGKILL)  # Active: restarted, as any reader.
+                    _kill(killed)  # Active: restarted, as any reader.
                 if step == 50:
                     assert pool.retire_reader() is not None
         stats = loader.stats()
@@ -219,3 +221,89 @@ def test_readers_join_and_leave_under_sigkill_and_every_batch_is_right(monkeypat
     assert 0 not in pids
     assert wait_until(lambda: not our_shm_entries(os.getpid()), timeout=5), our_shm_entries(os.getpid())
     assert wait_until(lambda: not any(process_alive(pid) for pid in pids), timeout=5)
+
+
+def test_a_seek_and_a_new_filler_with_a_reader_leaving_keep_the_batches_and_restart_nobody(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 1e9)
+    dataset, steps = Sleepy(0.003), 60
+    expected = _reference(dataset, steps)
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
+                                    readers=AutoReaders(start=3, most=3)) as loader:
+        pool, session = loader._session.pool, loader._session
+        iterator = iter(loader)
+        for step in range(10):
+            np.testing.assert_array_equal(next(iterator)["x"], expected[step], err_msg=f"step {step}")
+        assert pool.retire_reader() is not None
+        loader.seek(3)  # Every slot taken back while a retired reader may still be finishing its step.
+        for step in range(3, 20):
+            np.testing.assert_array_equal(next(iterator)["x"], expected[step], err_msg=f"step {step}")
+        assert pool.retire_reader() is not None
+        session.use(loader.sampler)  # A new filler (as a resharded resume sends): the leaving reader is ended.
+        loader.seek(20)
+        _add(loader)
+        for step in range(20, steps):
+            np.testing.assert_array_equal(next(iterator)["x"], expected[step], err_msg=f"step {step}")
+        stats = loader.stats()
+        assert stats["reader_restarts"] == 0
+        assert stats["reader_count"] == 2
+
+
+def _add(loader) -> int:
+    """add_reader as the tuner calls it, after the supervisor's check of the readers (which
+    frees the record of a retired reader once it has exited); waits for a free record."""
+    pool, request, added = loader._session.pool, loader._session.cursor.request, []
+    assert wait_until(lambda: pool.check(request) or added.append(pool.add_reader()) or added[-1] is not None,
+                      timeout=5), "no reader record came free"
+    return added[-1]
+
+
+def _kill(pid: int) -> None:
+    assert pid > 0, pid  # os.kill(0, ...) would signal this test's whole process group.
+    os.kill(pid, signal.SIGKILL)
+
+
+_ACTIONS = ("add", "retire", "kill an active reader", "retire and kill it")
+
+
+@settings(max_examples=3, deadline=None)
+@given(schedule=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(_ACTIONS)), min_size=1, max_size=6))
+def test_any_schedule_of_joins_leaves_and_kills_delivers_the_same_batches(schedule):
+    dataset, steps = Sleepy(0.002), 40
+    expected = _reference_cached(dataset, steps)
+    events = {}
+    for step, action in schedule:
+        events.setdefault(step, []).append(action)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReaderRestartWarning)
+        with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED, max_reader_restarts=10,
+                                        readers=AutoReaders(start=2, most=3)) as loader:
+            pool = loader._session.pool
+            pool_tuner = loader._session.tuner
+            pool_tuner.window_seconds = 1e9  # Only the schedule changes the readers.
+            for step, batch in zip(range(steps), loader):
+                np.testing.assert_array_equal(batch["x"], expected[step], err_msg=f"step {step}: {schedule}")
+                for action in events.get(step, ()):
+                    _act(pool, action)
+
+
+def _act(pool, action: str) -> None:
+    if action == "add":
+        pool.add_reader()
+    elif action == "retire":
+        pool.retire_reader()
+    elif action == "kill an active reader" and pool.active():
+        _kill(pool.processes[pool.active()[0]].pid)
+    elif action == "retire and kill it":
+        leaving = pool.retire_reader()
+        if leaving is not None:
+            _kill(pool.processes[leaving].pid)
+
+
+_REFERENCES: dict = {}
+
+
+def _reference_cached(dataset, steps: int) -> list[np.ndarray]:
+    key = (dataset.seconds, dataset.length, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(dataset, steps)
+    return _REFERENCES[key]

@@ -41,12 +41,21 @@ import time
 
 from .bottleneck import Reading, idle_cores_between, reader_change
 
+# A trainer waiting a twentieth of its time loses that much of its step rate: worth a reader.
 ADD_WAIT_SHARE = 0.05
+# Readers less busy than this while the trainer waits are held back by something a reader
+# more would not fix (their start, batches the trainer holds, a stall): bottleneck.py says what.
 ADD_BUSY_SHARE = 0.6
+# "A core is idle": /proc/stat's idle time over the window, in cores, less a tenth for the
+# noise of one window's ticks.
 IDLE_CORES_MIN = 0.9
+# Readers off the CPU this share of their fills (bottleneck.BLOCKED_SHARE_MIN's meaning).
 BLOCKED_SHARE_MIN = 0.5
+# Below a fiftieth the trainer's waits are the ones any pipeline has (a first batch, a seek).
 RETIRE_WAIT_SHARE = 0.02
+# Below ADD_BUSY_SHARE, so that the readers left after a retirement do not ask for one more.
 RETIRE_BUSY_SHARE = 0.5
+# A retirement saves CPU, an add saves the trainer's time: the first can wait for proof.
 RETIRE_WINDOWS = 3
 # The most a window's wait share counts for: at a full wait (nothing delivered) readers /
 # (1 - wait) has no bound; a tenth left makes it ten times the readers, capped by `most`.
