@@ -262,10 +262,10 @@ def _kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-_ACTIONS = ("add", "retire", "kill an active reader", "retire and kill it")
+_ACTIONS = ("add", "retire", "kill an active reader", "retire and kill it", "retire and stop it a moment")
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(schedule=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(_ACTIONS)), min_size=1, max_size=6))
 def test_any_schedule_of_joins_leaves_and_kills_delivers_the_same_batches(schedule):
     dataset, steps = Sleepy(0.002), 40
@@ -297,6 +297,14 @@ def _act(pool, action: str) -> None:
         leaving = pool.retire_reader()
         if leaving is not None:
             _kill(pool.processes[leaving].pid)
+    elif action == "retire and stop it a moment":  # SIGSTOP mid-step, then SIGCONT: it finishes, then leaves.
+        leaving = pool.retire_reader()
+        if leaving is not None:
+            pid = pool.processes[leaving].pid
+            assert pid > 0, pid
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
 
 
 _REFERENCES: dict = {}
