@@ -133,6 +133,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
             pool.start()
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
                 self._dataset = resources.dataset = fields.plan(self.readers, remote, options.seed)
+                if isinstance(pool, ElasticPool) and self._dataset.spec.by_reader:
+                    raise ValueError("readers='auto' needs steps any reader may fill; this dataset's steps each "
+                                     "belong to one reader (an IterableDataset): give readers= a number")
                 self._open(plan_dataset_loader(self._dataset.spec, options, fields.index_table))
                 return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
