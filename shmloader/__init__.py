@@ -50,8 +50,8 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562): a reader process imports shmloader.readers.reader, and through
 # this package, only what it runs; the loader, the converter and their imports are the
 # trainer's, and skipping them shortens every reader's start-up.
-_LAZY = {"AutoReaders": ".plan.options", "Batch": ".ring.batch", "ShmDataLoader": ".loader", "Sampler": ".plan.sampler", "Padded": ".plan.fields",
-         "Packed": ".plan.fields", "Windows": ".plan.fields", "Source": ".plan.sources",
+_LAZY = {"AutoReaders": ".plan.options", "Batch": ".ring.batch", "ShmDataLoader": ".loader",
+         "Sampler": ".plan.sampler", "Padded": ".plan.fields", "Packed": ".plan.fields", "Windows": ".plan.fields", "Source": ".plan.sources",
          "Ragged": ".plan.dataset_outputs", "PackedRagged": ".plan.dataset_outputs", "rebuild_batch": ".plan.dataset"}
 
 

@@ -131,8 +131,10 @@ def test_auto_settings_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="remote readers"):
         LoaderOptions(readers="auto", remote=type("Remote", (), {"start": 0, "count": 1, "capacity": 1})())
     assert isinstance(LoaderOptions(readers="auto").readers, AutoReaders)
-    with pytest.raises(TypeError, match="slots"):
+    with pytest.raises(TypeError, match='slots must be an integer or "auto", got .many.'):
         LoaderOptions(slots="many")
+    with pytest.raises(TypeError, match='readers must be an integer or "auto"'):
+        LoaderOptions(readers="Auto")
 
 
 # ---- Readers joining and leaving a running ring ------------------------------------------------

@@ -101,6 +101,13 @@ def check_window(shuffle_window, mode: str) -> int | None:
     return shuffle_window
 
 
+def _auto(name: str, value: str) -> dict:
+    """Checks the one word a count setting takes besides a number; {} (AutoReaders' defaults)."""
+    if value != "auto":
+        raise TypeError(f"{name} must be an integer or \"auto\", got {value!r} of type str")
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoReaders:
     """readers="auto" with its bounds: the loader starts `start` readers and adds or retires
@@ -167,14 +174,16 @@ class LoaderOptions:
         set_(self, "batch_size", check_integer("batch_size", self.batch_size, 1, BATCH_SIZE_MAX))
         set_(self, "mode", check_mode(self.mode))
         set_(self, "seed", check_integer("seed", self.seed, 0, SEED_MAX))
-        if self.readers == "auto":
-            set_(self, "readers", AutoReaders())
+        if isinstance(self.readers, str):
+            set_(self, "readers", AutoReaders(**_auto("readers", self.readers)))
         elif self.readers is not None and not isinstance(self.readers, AutoReaders):
             set_(self, "readers", check_integer("readers", self.readers, 0, READERS_MAX))
         if isinstance(self.readers, AutoReaders) and self.remote is not None:
             raise ValueError("readers='auto' sizes local reader processes only: with remote readers give readers= a "
                              "number")
-        if self.slots is not None and self.slots != "auto":
+        if isinstance(self.slots, str):
+            _auto("slots", self.slots)
+        elif self.slots is not None:
             set_(self, "slots", check_integer("slots", self.slots, SLOTS_MIN, SLOTS_MAX))
         set_(self, "start_step", check_integer("start_step", self.start_step, 0, STEP_MAX))
         shard_index, shard_count = check_shard(self.shard_index, self.shard_count)
