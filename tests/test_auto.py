@@ -147,6 +147,17 @@ def _reference(dataset, steps: int) -> list[np.ndarray]:
         return [batch["x"].copy() for _, batch in zip(range(steps), loader)]
 
 
+_REFERENCES: dict = {}
+
+
+def _reference_cached(dataset, steps: int) -> list[np.ndarray]:
+    """_reference, computed once per dataset and length for the tests that share it."""
+    key = (dataset.seconds, dataset.length, steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(dataset, steps)
+    return _REFERENCES[key]
+
+
 def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers_batches(monkeypatch):
     monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
     # 8 ms a step with one reader: next() waits less than a poll interval, so the tuner runs at
@@ -154,7 +165,7 @@ def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers
     # Sleeps of 2 ms keep the readers off the CPU most of their fills even on a loaded machine
     # (waking from a shorter one, a reader waits for a core a large share of it).
     dataset, steps = Sleepy(0.002), 192
-    expected = _reference(dataset, steps)
+    expected = _reference_cached(dataset, steps)
     counts = []
     with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
                                     readers=AutoReaders(start=1, most=3)) as loader:
@@ -168,6 +179,24 @@ def test_auto_readers_grow_while_the_trainer_waits_and_deliver_the_fixed_readers
     assert change is not None and change["from"] == 1 and change["to"] > 1, change
     assert "the trainer waited" in change["why"]
     assert restarts == 0
+
+
+def test_a_reader_that_cannot_be_started_is_reported_and_training_goes_on(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
+    dataset, steps = Sleepy(0.002), 192
+    expected = _reference_cached(dataset, steps)
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
+                                    readers=AutoReaders(start=1, most=3)) as loader:
+        def refuse():
+            raise OSError(11, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(loader._session.pool, "_spawn", refuse)
+        for step, batch in zip(range(steps), loader):
+            np.testing.assert_array_equal(batch["x"], expected[step], err_msg=f"step {step}")
+        stats = loader.stats()
+    assert stats["reader_count"] == 1 and stats["reader_change"] is None
+    assert "adding a reader failed" in stats["reader_add_failure"], stats["reader_add_failure"]
+    assert "Resource temporarily unavailable" in stats["reader_add_failure"]
 
 
 def test_idle_readers_retire_without_being_restarted_and_the_batches_stay_the_same(monkeypatch):
@@ -307,13 +336,3 @@ def _act(pool, action: str) -> None:
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.1)
             os.kill(pid, signal.SIGCONT)
-
-
-_REFERENCES: dict = {}
-
-
-def _reference_cached(dataset, steps: int) -> list[np.ndarray]:
-    key = (dataset.seconds, dataset.length, steps)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = _reference(dataset, steps)
-    return _REFERENCES[key]

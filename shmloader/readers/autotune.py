@@ -152,6 +152,7 @@ class Tuner:
         self.changes = 0
         self.decision: Decision | None = None
         self.last: dict | None = None
+        self.add_failure: str | None = None  # Why the last reader that could not be started was not.
 
     def tune(self) -> None:
         """Decides on the window since the last decision once it is window_seconds long, and
@@ -170,7 +171,11 @@ class Tuner:
         self.calm = decision.calm
         done = 0
         for _ in range(decision.change):
-            done += self.pool.add_reader() is not None
+            try:
+                done += self.pool.add_reader() is not None
+            except OSError as error:  # No process to be had (a process or memory limit): training goes on.
+                self.add_failure = f"adding a reader failed at {(now_ns - self.started_ns) / 1e9:.1f} s: {error}"
+                break
         if decision.change < 0:
             done -= self.pool.retire_reader() is not None
         if done:
@@ -182,4 +187,5 @@ class Tuner:
     def report(self) -> dict:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""
         return {"reader_count": self.pool.active_count, "readers_least": self.pool.least,
-                "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last}
+                "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last,
+                "reader_add_failure": self.add_failure}
