@@ -28,6 +28,8 @@ the same way, and the reader that replaces it is active again.
 
 from __future__ import annotations
 
+import subprocess
+
 from .channel import RETIRE_MESSAGE, send_to_all
 from .pool import ReaderPool
 
@@ -42,7 +44,6 @@ class _Vacant:
 
     pid = 0
     stdin = None
-    returncode = None
 
     def poll(self) -> None:
         return None
@@ -156,8 +157,13 @@ class ElasticPool(ReaderPool):
             self._vacate(reader_index, stand_in.process)
 
     def _vacate(self, reader_index: int, process) -> None:
-        """The record of an exited reader becomes vacant, its statistics kept (report())."""
-        process.wait()
+        """The record of an exited (or SIGKILLed) reader becomes vacant, its statistics kept
+        (report()). A killed one still in uninterruptible I/O is not waited for past
+        join_timeout_seconds: it runs none of its own code again, so the record is free."""
+        try:
+            process.wait(self.join_timeout_seconds)
+        except subprocess.TimeoutExpired:
+            pass
         if process.stdin is not None and not process.stdin.closed:
             try:
                 process.stdin.close()
