@@ -24,6 +24,8 @@ from shmloader.storage.spec import BLOCK_DIGESTS_META, CHECKSUM_META, CHUNK_HEAD
 from shmloader.tools.cli import main
 from shmloader.tools.convert import convert, verify
 
+from conftest import examples
+
 
 @pytest.fixture
 def stored(tmp_path):
@@ -345,3 +347,39 @@ def test_a_loaders_readers_keep_one_record_of_checked_blocks_in_its_ring(stored)
         found = set_bits(memory, layout.checked_offset, 0)
     parts = {bit for bit in found if bit < spec.chunk_count * stride}
     assert parts == {chunk * stride + part for chunk in range(spec.chunk_count) for part in range(stride)}
+
+
+def stored_as_is(blocks: list[bytes]) -> bytes:
+    """A Blosc2 chunk of `blocks` stored as they are (BLOSC_MEMCPYED), each but the last of
+    the first one's length: its block parts are exactly those bytes."""
+    block_bytes, uncompressed = len(blocks[0]), sum(map(len, blocks))
+    assert all(len(block) == block_bytes for block in blocks[:-1]) and 0 < len(blocks[-1]) <= block_bytes
+    header = bytearray(CHUNK_HEADER_BYTES)
+    header[0], header[2], header[3] = 2, 0x2, 1  # Version, stored as is, one-byte items.
+    struct.pack_into("<III", header, 4, uncompressed, block_bytes, CHUNK_HEADER_BYTES + uncompressed)
+    return bytes(header) + b"".join(blocks)
+
+
+if examples is not None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @examples(60)
+    @given(first=st.integers(1, 5000), second=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
+    def test_the_digest_is_xxh3_at_any_length_and_alignment(first, second, seed):
+        """The library's digests (the widest vector loop this CPU runs: AVX-512, AVX2 or
+        128-bit) against the xxhash package, over lengths around every switch of XXH3's
+        long loop and at every alignment (the second block starts `first` bytes later)."""
+        import xxhash
+
+        from shmloader._native import Status, ffi, lib
+
+        data = np.random.default_rng(seed).integers(0, 256, first + min(first, second), dtype=np.uint8).tobytes()
+        blocks = [data[:first], data[first:]]
+        chunk = stored_as_is(blocks)
+        digests, parts = np.zeros(3, dtype=np.uint32), ffi.new("uint64_t *")
+        status = lib.shm_chunk_digests(ffi.from_buffer("uint8_t[]", chunk), len(chunk),
+                                       ffi.from_buffer("uint32_t[]", digests), 3, parts)
+        assert status == Status.OK and parts[0] == 3
+        expected = [xxhash.xxh3_64_intdigest(part) & 0xFFFFFFFF for part in (chunk[:CHUNK_HEADER_BYTES], *blocks)]
+        assert digests.tolist() == expected
