@@ -157,7 +157,7 @@ ZIG_SWAP = re.compile(r"@cmpxchg(?:Strong|Weak)\s*\(\s*u64\s*,\s*&[^,]*\.state\s
 ZIG_STATE_CONSTANT = re.compile(r"const\s+(\w+)\s*:\s*u64\s*=\s*ring\.SHM_SLOT_(\w+)\b")
 # The record of checked blocks lies in the ring too (storage/checked_blocks.py), but its bits
 # are no slot's state: a reader setting one (block_digests.zig, Checker) makes no transition.
-ZIG_CHECKED_BIT = re.compile(r"@atomicRmw\s*\(\s*u64\s*,\s*&self\.checked\[[^\]]*\]\s*,\s*\.Or\s*,")
+ZIG_CHECKED_BIT = re.compile(r"@atomicStore\s*\(\s*u64\s*,\s*&self\.checked\[")
 
 
 def _zig_without_tests(text: str) -> str:
