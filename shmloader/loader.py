@@ -22,6 +22,7 @@ from .plan.localize import localize
 from .plan.options import LoaderOptions, check_integer
 from .plan.planner import plan_dataset_loader, plan_loader
 from .plan.resume import continuation
+from .readers.fork_call import call_in_fork
 from .readers.pool import ReaderPool
 from .remote.node import CacheUse
 from .ring.batch import cursor_module
@@ -119,7 +120,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
                 pool.share_by_fork = True  # Its readers are forked once the dataset is planned.
             pool.start()
             if isinstance(fields, _DatasetSource):  # from_dataset: no files to plan.
-                self._dataset = resources.dataset = fields.plan(self.readers, remote)
+                self._dataset = resources.dataset = fields.plan(self.readers, remote, options.seed)
                 self._open(plan_dataset_loader(self._dataset.spec, options, fields.index_table))
                 return
             # Fields in a store (s3://): their copies in the node cache, headers fetched.
@@ -176,10 +177,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
         from dataset[0]. `index_table` (plan/index_table.py; its width the batch_size, one
         epoch): a caller's own order instead of the loader's. `reader_hook`: ("module:function",
         argument), called in each reader once it has loaded the dataset (DatasetSpec.reader_hook;
-        the drop-in's worker view); `probe_view(copy)`, the context the trainer's probe of
-        dataset[0] runs in (plan_dataset). `share_by_fork`: readers are forked from this
-        process once the dataset is planned (readers/trainer_fork.py), and find it in memory,
-        nothing pickled; the caller checks that forking is safe. `settings` are the loader's (batch_size,
+        the drop-in's worker view); `probe_view(dataset)`, the context the probe of dataset[0]
+        runs in (plan/probe.py). `share_by_fork`: readers are forked from this process once
+        the dataset is planned (readers/trainer_fork.py), and find it in memory, nothing
+        pickled, and dataset[0] is read in a fork of its own (readers/fork_call.py); the caller
+        checks that forking is safe. `settings` are the loader's (batch_size,
         mode, seed, readers, epochs, drop_last, on_error, shard_index, ...); shuffle_window,
         transform and remote readers do not apply."""
         return cls(_DatasetSource(dataset, outputs, dataset_args, index_table, reader_hook, probe_view, share_by_fork),
@@ -416,10 +418,10 @@ class _DatasetSource:
         self.index_table, self.reader_hook, self.probe_view = index_table, reader_hook, probe_view
         self.share_by_fork = bool(share_by_fork) and not isinstance(dataset, str)
 
-    def plan(self, readers: int, remote):
+    def plan(self, readers: int, remote, seed: int):
         if remote is not None:
             raise ValueError("remote readers take files every node can read; a dataset source runs in local readers "
                              "only: give remote=None")
         return plan_dataset(self.dataset, self.outputs, self.dataset_args, readers=readers,
                             reader_hook=self.reader_hook, probe_view=self.probe_view,
-                            share_by_fork=self.share_by_fork)
+                            share_by_fork=self.share_by_fork, seed=seed, fork_call=call_in_fork)

@@ -3,7 +3,8 @@ audit_log, resumed from a checkpoint file if given, that writes its own checkpoi
 `checkpoint_after` steps (with a shuffle window if given) and keeps a note of every batch it delivered (step, rows, padding,
 and whether the checkpoint was written before it). With `kill`, it prints "ready" after
 `stop_after` steps and waits for the test's SIGKILL; otherwise it delivers `stop_after`
-steps (or the rest of the pass: -1) and closes."""
+steps (or the rest of the pass: -1) and closes. A rank of "env" takes the rank and the shard
+count from torchrun's RANK and WORLD_SIZE."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def main() -> None:
 
     (data, log, notes, rank, shards, batch, resume_from, checkpoint_to, checkpoint_after, stop_after,
      kill, window) = sys.argv[1:]
+    if rank == "env":  # Under torchrun: the rank and world size are its.
+        rank, shards = os.environ["RANK"], os.environ["WORLD_SIZE"]
     rank, shards, batch = int(rank), int(shards), int(batch)
     checkpoint_after, stop_after = int(checkpoint_after), int(stop_after)
     loader = ShmDataLoader(data, batch_size=batch, shard_index=rank, shard_count=shards, readers=0, seed=11,

@@ -360,8 +360,8 @@ def sample_generator_words(value: int, domain: int) -> list[int]:
 
 def seed_sample_generators(value: int) -> None:
     """What a reader does before a sample with seed `value`, through the generators' public
-    calls: random and np.random to their documented states, torch's CPU generator with
-    manual_seed (an independent reference for the native write, fill/global_seeds.py)."""
+    calls: random, np.random and torch's CPU generator to their documented states (an
+    independent reference for the native write, fill/global_seeds.py)."""
     import random
 
     import numpy as np
@@ -373,4 +373,21 @@ def seed_sample_generators(value: int) -> None:
         import torch
     except ImportError:
         return
-    torch.default_generator.manual_seed(value & ((1 << 63) - 1))
+    # Torch's: a fresh seeding's state tensor with the initial seed and the 624 key words
+    # (64 bits each, after left, seeded and next) replaced.
+    generator = torch.Generator()
+    generator.manual_seed(1)
+    state = generator.get_state()
+    raw = state.numpy()
+    raw[:8] = np.frombuffer((value & ((1 << 63) - 1)).to_bytes(8, "little"), np.uint8)
+    raw[24:24 + 8 * 624] = np.array(sample_generator_words(value, 0x746F_7263_6800_0003), "<u8").view(np.uint8)
+    torch.default_generator.set_state(state)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for torchrun's store: tests use loopback only)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -7,8 +7,10 @@ this file's own reader of the layout documented in shmloader/audit_log.py."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -19,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from child_guard import WORKER_VARIABLE
+from conftest import free_port
 from shmloader import ShmDataLoader
 from shmloader.tools.cli import main
 
@@ -59,6 +63,31 @@ def run_ranks(tmp_path, data, name, shards, batch, resume_from, checkpoint_after
     return tmp_path / f"checkpoint-{name}.json"
 
 
+def run_torchrun_ranks(tmp_path, data, name, shards, batch, checkpoint_after, stop_after):
+    """`shards` ranks of audit_child.py under torchrun (rank and shard count from its
+    environment), SIGKILLed with torchrun once every rank is past its checkpoint and stopped."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    command = [torchrun, f"--nproc_per_node={shards}", "--monitor-interval=0.1", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(HERE / "audit_child.py"), data, str(tmp_path / "audit-{rank}.log"),
+               str(tmp_path / f"notes-{name}-{{rank}}.jsonl"), "env", str(shards), str(batch), "-",
+               str(tmp_path / f"checkpoint-{name}.json"), str(checkpoint_after), str(stop_after), "kill", "-"]
+    # The ranks' parent is torchrun's agent, not this worker (child_guard.py's check).
+    environment = {key: value for key, value in os.environ.items() if key != WORKER_VARIABLE}
+    launch = subprocess.Popen(command, cwd=HERE, env={**environment, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = [launch.stdout.readline().strip() for _ in range(shards)]
+        assert ready == ["ready"] * shards, ready
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks, as a node failure would.
+        launch.wait(timeout=60)
+        launch.stdout.close()
+    return tmp_path / f"checkpoint-{name}.json"
+
+
 def notes(tmp_path, name):
     return [json.loads(line) for path in sorted(tmp_path.glob(f"notes-{name}-*.jsonl")) for line in open(path)]
 
@@ -70,11 +99,15 @@ def audit(paths, capsys) -> tuple[int, str]:
 
 # A shuffle window smaller than the data: each shard reads its own blocks, and another
 # shard count deals the rows left (plan/reshard.py), its positions those of its own streams.
-@pytest.mark.parametrize("window", [None, 20], ids=["global", "window"])
+@pytest.mark.parametrize("window,launcher", [(None, "subprocess"), (20, "subprocess"), (None, "torchrun")],
+                         ids=["global", "window", "torchrun"])
 def test_a_killed_run_resumed_on_3_ranks_at_another_batch_size_then_on_1_is_each_row_of_each_epoch_once(
-        tmp_path, data, capsys, window):
+        tmp_path, data, capsys, window, launcher):
     # 2 ranks at batch 4: a checkpoint after 4 steps, killed after 7 (3 steps replayed).
-    first = run_ranks(tmp_path, data, "first", 2, 4, None, 4, 7, kill=True, window=window)
+    if launcher == "torchrun":
+        first = run_torchrun_ranks(tmp_path, data, "first", 2, 4, 4, 7)
+    else:
+        first = run_ranks(tmp_path, data, "first", 2, 4, None, 4, 7, kill=True, window=window)
     # 3 ranks at batch 3 from it: a checkpoint after 3 steps (5 with a window: past the
     # dealing of the rows the 2 ranks left, before which no other shard count continues), 2 more.
     checkpoint = 3 if window is None else 5

@@ -234,6 +234,27 @@ def test_a_file_converted_before_block_digests_is_checked_chunk_by_chunk(stored)
     checked.close()
 
 
+def test_verify_checks_the_block_digests_readers_check(stored, capsys):
+    """A chunk whose bytes match its CRC-32 but not the block digests the file carries
+    (damaged metadata) is refused by every reader: `shmloader verify` names it too."""
+    import blosc2
+
+    rows, spec = stored
+    array = blosc2.open(spec.path, mode="a")
+    digests = np.frombuffer(array.schunk.vlmeta[BLOCK_DIGESTS_META], dtype="<u4").copy()
+    stride = digests.size // spec.chunk_count
+    digests[2 * stride + 1] ^= 1  # Chunk 2's first block's digest.
+    array.schunk.vlmeta[BLOCK_DIGESTS_META] = digests.tobytes()
+    del array
+    assert verify(spec.path, progress=False) == [2]
+    field = open_field(describe_field(spec.path), verify=True)
+    with pytest.raises(Exception, match="chunk 2"):
+        field.gather(np.arange(128, 130, dtype=np.uint64), np.empty((2, 4096), np.uint8))
+    field.close()
+    assert main(["verify", spec.path, "--quiet"]) == 1
+    assert "1 bad chunks: 2" in capsys.readouterr().out
+
+
 def a_loaders_record(specs) -> tuple[mmap.mmap, int]:
     """The record of checked blocks a loader keeps in its ring for `specs`, in memory of its
     own (a reader's view of it: checked_blocks.attach)."""

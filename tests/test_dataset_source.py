@@ -39,7 +39,7 @@ def _reference(dataset, indices, names) -> dict:
 
 
 def rebuild_batch_leaves(sample) -> dict:
-    from shmloader.plan.dataset import flatten
+    from shmloader.plan.dataset_outputs import flatten
 
     return {name: np.asarray(value) for name, value in flatten(sample)[1]}
 

@@ -11,22 +11,16 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from conftest import free_port
 from shmloader import Sampler
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_two_ranks_share_each_step_and_cover_an_epoch(dataset, tmp_path):

@@ -247,27 +247,36 @@ def test_a_loader_leaves_the_trainers_global_generators_as_they_were(readers):
 
 
 def _public_states():
-    return random.getstate(), np.random.get_state()
+    numpy = np.random.get_state()
+    states = [random.getstate(), (numpy[0], numpy[1].tolist(), *numpy[2:])]
+    return states + ([torch.default_generator.get_state().tolist()] if torch is not None else [])
 
 
 def _assert_documented_states(value):
-    python, numpy = _public_states()
-    expected_python = (3, (*sample_generator_words(value, 0x7079_7468_6F6E_0001), 624), None)
-    assert python == expected_python
-    assert numpy[0] == "MT19937" and numpy[2:] == (624, 0, 0.0)
-    assert numpy[1].tolist() == sample_generator_words(value, 0x6E75_6D70_7900_0002)
+    """The three generators hold what conftest.seed_sample_generators sets through their
+    public calls, from its own rebuild of zig/generator_states.zig's words."""
+    found = _public_states()
+    seed_sample_generators(value)
+    assert found == _public_states()
+    python = found[0]
+    assert python[1][:624] == tuple(sample_generator_words(value, 0x7079_7468_6F6E_0001))
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**64 - 1))
 def test_a_sample_s_generators_hold_the_documented_states_written_natively(value):
-    """The native write (one call into the generators' memory) leaves exactly the states
-    that random.setstate and np.random.set_state would, cached normals cleared, here on
-    CPython with numpy's MT19937 (where it found and checked its addresses)."""
+    """The native write (one call into the generators' memory and torch's state tensor)
+    leaves exactly the states that random.setstate, np.random.set_state and torch's
+    set_state would, cached normals cleared, here on CPython with numpy's MT19937 (where it
+    found and checked its addresses)."""
     global_seeds.seed_all(1)
-    assert global_seeds._TWISTERS._python is not None and global_seeds._TWISTERS._numpy is not None
+    twisters = global_seeds._TWISTERS
+    assert twisters._python is not None and twisters._numpy is not None
+    assert torch is None or twisters.torch[1] is not None  # torch's set_state, not manual_seed.
     random.gauss(0.0, 1.0)
-    np.random.standard_normal()  # Both now hold a cached normal.
+    np.random.standard_normal()  # Both now hold a cached normal, and torch's its own.
+    if torch is not None:
+        torch.randn(())
     global_seeds.sample_seeder()(value)
     _assert_documented_states(value)
     global_seeds.seed_all(value)

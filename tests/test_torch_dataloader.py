@@ -241,9 +241,10 @@ def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):
         DataLoader(Samples(), **{"batch_size": 4, argument: value})
 
 
-def test_an_iterable_dataset_is_refused():
-    with pytest.raises(TypeError, match="IterableDataset"):
-        DataLoader(Stream(), batch_size=2)
+def test_an_iterable_dataset_is_iterated_as_torchs_loader_iterates_it():
+    """Taken, not refused (tests/test_torch_iterable.py compares it with torch's at length)."""
+    with DataLoader(Stream(), batch_size=2) as loader:
+        assert [batch.tolist() for batch in loader] == [[0, 1], [2]]
 
 
 @pytest.mark.parametrize("num_workers, resumed_workers", [(0, 2), (2, 0)])

@@ -104,13 +104,15 @@ class WorkerView(Dataset):
         # (directory, calls): each sample waits for that many worker_init_fn calls, so that
         # every reader has run it before the epoch can end (a reader loads each epoch's
         # dataset when it next looks for work), whatever the machine's load.
-        self.barrier, self.trainer = None, os.getpid()
+        self.barrier = None
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int):
-        if self.barrier is not None and os.getpid() != self.trainer:  # Not the trainer's probe of dataset[0].
+        # Not the probe of dataset[0] (in a fork of the trainer, or in the trainer), which runs
+        # no worker_init_fn.
+        if self.barrier is not None and self.initialised_by != -1:
             directory, calls = self.barrier
             assert wait_until(lambda: len(os.listdir(directory)) >= calls), (directory, calls)
         info = get_worker_info()

@@ -1,10 +1,11 @@
-//! The state of a Mersenne Twister (MT19937) for a dataset sample: Python's `random` and
-//! numpy's legacy `np.random` are both MT19937, and a reader sets each to a state that is a
-//! function of the sample's seed before every `__getitem__` (shmloader/fill/global_seeds.py).
+//! The state of a Mersenne Twister (MT19937) for a dataset sample: Python's `random`,
+//! numpy's legacy `np.random` and torch's CPU generator are all MT19937, and a reader sets
+//! each to a state that is a function of the sample's seed before every `__getitem__`
+//! (shmloader/fill/global_seeds.py).
 //!
 //! Why not the generators' own seeding: `random.seed` runs MT's init_by_array, about 1,900
 //! steps each waiting on the one before (a few microseconds a sample, more than many
-//! datasets' `__getitem__`), and numpy's init_genrand 624 of them. Here the 624 words are
+//! datasets' `__getitem__`), numpy's and torch's init_genrand 624 of them. Here the 624 words are
 //! splitmix64 outputs, each independent of the others, so the CPU overlaps them. The
 //! definition is simple enough to rebuild in a few lines of Python (tests do, and set the
 //! state through the generators' public setstate/set_state).
@@ -32,6 +33,7 @@ pub fn fill(seed: u64, domain: u64, out: *[words]u32) void {
 /// both would make random.random() equal np.random.random_sample()).
 pub const python_domain: u64 = 0x7079_7468_6f6e_0001; // "python" + 1
 pub const numpy_domain: u64 = 0x6e75_6d70_7900_0002; // "numpy" + 2
+pub const torch_domain: u64 = 0x746f_7263_6800_0003; // "torch" + 3
 
 test "the state is splitmix64's sequence with word 0 fixed" {
     const std = @import("std");

@@ -156,6 +156,9 @@ class DatasetRunner:
 
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
+        if self.spec.by_reader:  # The dataset makes the step's batch itself; nothing is seeded per sample.
+            collated.write(self.dataset.batch_of(step, sampler.seed), self._outputs, out, f"the batch of step {step}")
+            return
         # Its own stream position (a dealt tail, a shifted resume); the rows a cut step keeps come first.
         positions = sampler.row_keys(step, self.batch_size)[:len(indices)]
         names = [name for name, _, _ in self._paths]

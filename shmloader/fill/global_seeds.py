@@ -16,8 +16,9 @@ outputs, no chain), written into the generators' memory by one native call, at t
 addresses _MersenneTwisters finds and checks once per process through the generators'
 public getstate/get_state. Where it cannot (another Python or numpy layout), the same
 states go through random.setstate and np.random.set_state: the same values, slower. Torch's
-CPU generator takes manual_seed (its state is no public layout). bench/RESULTS.md has the
-costs.
+CPU generator gets its words through set_state of a state tensor the same call fills (its
+layout checked once against a manual_seed's); where that layout is not the one checked,
+torch.manual_seed (deterministic, but other values). bench/RESULTS.md has the costs.
 
 What stays outside: a generator other than these three (a dataset's own, which it should
 seed from torch.initial_seed() or a seed of its own making), numpy's new-style Generators
@@ -49,6 +50,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 # zig/generator_states.zig's domains: the two generators get different states from one seed.
 PYTHON_DOMAIN = 0x7079_7468_6F6E_0001
 NUMPY_DOMAIN = 0x6E75_6D70_7900_0002
+TORCH_DOMAIN = 0x746F_7263_6800_0003
 _WORDS = 624
 
 
@@ -82,6 +84,25 @@ def _set_by_public_calls(value: int) -> None:
         np.random.seed(value & _MASK32)  # numpy seeds another bit generator its own way.
 
 
+def _torch_state_template(torch):
+    """(a state tensor for torch.Generator.set_state, its initial seed's and key's offsets)
+    where torch's get_state() has the layout checked here (the initial seed, left, seeded,
+    next, then the 624 key words as 64-bit integers, as torch's CPUGeneratorImplState has
+    them), else None."""
+    probe = torch.Generator()
+    probe.manual_seed(12345)
+    template = probe.get_state()
+    raw = template.numpy()
+    if raw.size < 24 + 8 * _WORDS:
+        return None
+    head = struct.unpack_from("=QiiQ", raw, 0)
+    words = np.frombuffer(raw, np.uint64, 2, 24).tolist()
+    # init_genrand(12345): the key's first two words; a fresh seeding's left 1, next 0.
+    if head != (12345, 1, 1, 0) or words != [12345, (1812433253 * (12345 ^ (12345 >> 30)) + 1) & _MASK32]:
+        return None
+    return template, raw
+
+
 class _MersenneTwisters:
     """Finds, once per process, where `random`'s and np.random's states are in memory, checks
     each address by writing a state through it into a probe generator of the same type and
@@ -95,16 +116,55 @@ class _MersenneTwisters:
         self._python = self._python_addresses()
         self._numpy_generator = None
         self._numpy = self._numpy_addresses()
+        self.torch = None  # torch_route(): (generator, state tensor or None, the write's two torch arguments).
 
     def set(self, value: int) -> None:
         if np.random.mtrand._rand._bit_generator is not self._numpy_generator:  # np.random.set_bit_generator.
             self._numpy = self._numpy_addresses()
+        torch = self.torch_route()
         python, numpy = self._python, self._numpy
         if python is None or numpy is None:
             _set_by_public_calls(value)
-            return
-        self._lib.shm_seed_mt19937(value & _MASK64, *python, *numpy)
-        random._inst.gauss_next = None  # As Random.seed leaves it.
+            if torch is not None and torch[1] is not None:  # Its words through the tensor, written here.
+                raw = torch[1].numpy()
+                struct.pack_into("=Q", raw, 0, value & _MASK63)
+                np.frombuffer(raw, np.uint64, _WORDS, 24)[:] = mt19937_words(value, TORCH_DOMAIN)
+        else:
+            self._lib.shm_seed_mt19937(value & _MASK64, *python, *numpy, *(torch[2] if torch else self.no_torch))
+            random._inst.gauss_next = None  # As Random.seed leaves it.
+        if torch is not None:
+            if torch[1] is None:
+                torch[0].manual_seed(value & _MASK63)
+            else:
+                torch[0].set_state(torch[1])
+
+    @property
+    def no_torch(self) -> tuple:
+        return self._ffi.NULL, self._ffi.NULL
+
+    def torch_route(self):
+        """Once torch is imported: (its default CPU generator, the state tensor its set_state
+        takes, the write's pointers into that tensor), the tensor None (torch.manual_seed
+        instead) where torch's state layout is not the one checked (_torch_state_template)
+        or its set_state does not give back what was written; None before torch."""
+        if self.torch is not None:
+            return self.torch
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "default_generator"):  # Not while torch is half imported.
+            return None
+        found = _torch_state_template(torch)
+        self.torch = (torch.default_generator, None, self.no_torch)
+        if found is not None:
+            template, raw = found
+            pointers = (self._ffi.cast("uint64_t *", raw.ctypes.data), self._ffi.cast("uint64_t *", raw.ctypes.data + 24))
+            self._lib.shm_seed_mt19937(7, *(self._ffi.NULL,) * 6, *pointers)
+            probe = torch.Generator()
+            probe.set_state(template)
+            expected = mt19937_words(7, TORCH_DOMAIN).astype(np.uint64)
+            if probe.initial_seed() == 7 and torch.equal(probe.get_state(), template) and \
+                    np.array_equal(np.frombuffer(raw, np.uint64, _WORDS, 24), expected):
+                self.torch = (torch.default_generator, template, pointers)
+        return self.torch
 
     def _python_addresses(self):
         """random._inst's index and key addresses (CPython's RandomObject: the index, then the
@@ -119,8 +179,7 @@ class _MersenneTwisters:
             return None
         addresses = lambda instance: (self._ffi.cast("int *", id(instance) + offset - 4),  # noqa: E731
                                       self._ffi.cast("uint32_t *", id(instance) + offset))
-        self._lib.shm_seed_mt19937(7, *addresses(probe), self._ffi.NULL, self._ffi.NULL, self._ffi.NULL,
-                                   self._ffi.NULL)
+        self._lib.shm_seed_mt19937(7, *addresses(probe), *(self._ffi.NULL,) * 6)
         expected = (3, (*mt19937_words(7, PYTHON_DOMAIN).tolist(), _WORDS), probe.gauss_next)
         if probe.getstate() != expected or type(random._inst) is not type(probe):
             return None
@@ -155,7 +214,8 @@ class _MersenneTwisters:
             return (self._ffi.cast("int *", key + 4 * _WORDS), self._ffi.cast("uint32_t *", key),
                     self._ffi.cast("int *", id(state) + cached + 8), self._ffi.cast("double *", id(state) + cached + 16))
 
-        self._lib.shm_seed_mt19937(7, self._ffi.NULL, self._ffi.NULL, *addresses(probe, probe._bit_generator))
+        self._lib.shm_seed_mt19937(7, self._ffi.NULL, self._ffi.NULL, *addresses(probe, probe._bit_generator),
+                                   *self.no_torch)
         state = probe.get_state()
         if state[0] != "MT19937" or not np.array_equal(state[1], mt19937_words(7, NUMPY_DOMAIN)) or \
                 state[2:] != (_WORDS, 0, 0.0):
@@ -176,11 +236,9 @@ def _twisters() -> _MersenneTwisters:
 def seed_all(value: int) -> None:
     """Sets Python's, numpy's and (once imported) torch's global generators to the states of
     `value`, as before every sample. Torch's CPU generator alone: torch.manual_seed also
-    queues a CUDA seeding with a formatted stack on every call while CUDA is not initialised."""
+    queues a CUDA seeding with a formatted stack on every call while CUDA is not initialised
+    (CUDA generators are not set per sample)."""
     _twisters().set(value)
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "default_generator"):  # Not while torch is half imported.
-        torch.default_generator.manual_seed(value & _MASK63)
 
 
 def sample_seeder():
@@ -193,23 +251,31 @@ def sample_seeder():
     python, numpy = twisters._python, twisters._numpy
     if python is None or numpy is None:
         return seed_all
-    write, arguments, modules = twisters._lib.shm_seed_mt19937, (*python, *numpy), sys.modules
+    write, modules = twisters._lib.shm_seed_mt19937, sys.modules
     legacy, bit_generator, instance = np.random.mtrand._rand, twisters._numpy_generator, random._inst
-    torch_generator = None
+    torch = twisters.torch_route()
 
     def seed(value: int) -> None:
-        nonlocal torch_generator
+        nonlocal torch
         if legacy._bit_generator is not bit_generator:
             seed_all(value)
             return
-        write(value & _MASK64, *arguments)
-        instance.gauss_next = None  # As Random.seed leaves it.
-        if torch_generator is None:
-            torch = modules.get("torch")
-            if torch is None or not hasattr(torch, "default_generator"):
+        if torch is None:
+            if "torch" not in modules:
+                write(value & _MASK64, *python, *numpy, *twisters.no_torch)
+                instance.gauss_next = None
                 return
-            torch_generator = torch.default_generator
-        torch_generator.manual_seed(value & _MASK63)
+            torch = twisters.torch_route()
+            if torch is None:  # Half imported.
+                seed_all(value)
+                return
+        generator, state, pointers = torch
+        write(value & _MASK64, *python, *numpy, *pointers)
+        instance.gauss_next = None  # As Random.seed leaves it.
+        if state is None:
+            generator.manual_seed(value & _MASK63)
+        else:
+            generator.set_state(state)
 
     return seed
 

@@ -177,14 +177,16 @@ def plan_collated(probe, length: int, declared: dict):
     first = list(range(min(batch_size, length)))
     start = (length // batch_size - 1) * batch_size if length >= batch_size else 0
     batches = [first] + ([list(range(start, start + batch_size))] if start > 0 else [])
+    made = getattr(probe, "probe_batches", None)  # A dataset that makes its batches itself (DatasetSpec.by_reader).
+    probes = made() if made is not None else [(indices, None) for indices in batches]
     shapes: dict[str, list[tuple[int, ...]]] = {}
     dtypes: dict[str, np.dtype] = {}
     classes: dict[str, type] = {}
     beside_bytes = 0
-    for indices in batches:
-        where = f"collate_fn(dataset[{indices[0]}:{indices[-1] + 1}])"
+    for indices, batch in probes:
+        where = f"collate_fn(dataset[{indices[0]}:{indices[-1] + 1}])" if made is None else "the first batches"
         try:
-            batch = probe.collate([probe[index] for index in indices])
+            batch = probe.collate([probe[index] for index in indices]) if made is None else batch
         except Exception as error:
             if hasattr(error, "add_note"):
                 error.add_note(f"in {where}, which the loader collates first to lay out the slot")
@@ -201,7 +203,7 @@ def plan_collated(probe, length: int, declared: dict):
     if unknown:
         raise _error(f"outputs names {unknown}, which the collate_fn's batch does not have as arrays (its arrays: "
                      f"{sorted(shapes)}; {BESIDE!r} is the room for its other leaves, in bytes)")
-    rows = [len(indices) for indices in batches]
+    rows = [max(1, len(indices)) for indices, _ in probes]
     outputs = [DatasetOutput(name, max(found, key=math.prod), dtypes[name].str,
                              collated=_capacity(name, found, declared.get(name), rows, batch_size))
                for name, found in shapes.items()]

@@ -9,7 +9,8 @@ each (batch_size, *shape) of its dtype, from the first sample or from `outputs=`
 name -> (shape, dtype); for a leaf whose first dimension varies, Ragged(max_length): padded
 to max_length with NAME.lengths beside it, or PackedRagged(max_items): back to back with
 NAME.offsets beside it, as Packed gives a file's records). `structure` keeps the nesting so
-that the trainer can rebuild each batch as the samples' structure (rebuild_batch).
+that the trainer can rebuild each batch as the samples' structure (rebuild_batch). The
+probe that reads dataset[0] for them, in a fork of the trainer or on a copy: plan/probe.py.
 
 How readers get the dataset, once each (never per sample):
 - pickled, with the standard library's pickle at the highest protocol (no extra
@@ -27,8 +28,6 @@ How readers get the dataset, once each (never per sample):
 from __future__ import annotations
 
 import base64
-import contextlib
-import copy
 import dataclasses
 import importlib
 import mmap
@@ -39,19 +38,10 @@ import sys
 
 import numpy as np
 
-from ..fill.global_seeds import global_states_kept
 from ..ring.slot_layout import Region
-from .dataset_outputs import (
-    _NAMED_TUPLES,
-    _SEPARATOR,
-    DatasetError,
-    DatasetOutput,
-    _leaf_array,
-    _output_of,
-    _text_output,
-    flatten,
-)
-from .naming import loader_name_problem
+from .collated import Collated
+from .dataset_outputs import _NAMED_TUPLES, DatasetError, DatasetOutput
+from .probe import probe
 
 # A dataset's pickle larger than this is refused with the import-path advice: every reader
 # holds its own copy of the unpickled dataset.
@@ -113,6 +103,10 @@ class DatasetSpec:
     # take the dataset and the hook's argument from LOCAL_DATASETS and LOCAL_HOOK_ARGUMENTS
     # as the trainer had them then; nothing is pickled.
     forked: bool = False
+    # Step k is filled by reader k % readers, and each step is a whole batch the dataset
+    # makes itself (dataset.batch_of(step, pass seed)): an IterableDataset's, each reader's
+    # batches from its own iterator (shmloader/torch/iterable.py; Ring.claim_own).
+    by_reader: bool = False
 
     def regions(self, batch_size: int) -> tuple[Region, ...]:
         return tuple(region for output in self.outputs for region in output.regions(batch_size))
@@ -252,8 +246,9 @@ def check_length(dataset, where: str) -> int:
     try:
         length = len(dataset)
     except TypeError:
-        raise DatasetError(f"{where} has no len(): a map-style dataset needs __len__ and __getitem__ (an iterable "
-                           f"dataset cannot be sampled by step; convert it to files with shmloader import)") from None
+        raise DatasetError(f"{where} has no len(): a map-style dataset needs __len__ and __getitem__ (a torch "
+                           f"IterableDataset goes to shmloader.torch.DataLoader; or convert it to files with "
+                           f"shmloader import)") from None
     if not isinstance(length, int) or length < 1:
         raise DatasetError(f"{where} has len() = {length!r}; expected a positive integer")
     return length
@@ -306,16 +301,18 @@ class DatasetHandle:
 
 
 def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, reader_hook=None,
-                 probe_view=None, share_by_fork: bool = False) -> DatasetHandle:
+                 probe_view=None, share_by_fork: bool = False, seed: int = 0, fork_call=None) -> DatasetHandle:
     """The trainer's handle on the dataset, whose spec readers get. `dataset`: the object,
     or "module:function" called with `dataset_args`. The structure and shapes come from
     sample 0, or from `outputs` for the leaves it names. With readers == 0 nothing is
     pickled (the trainer uses its own object, and no reader hook runs). `reader_hook`:
-    ("module:function", argument), see DatasetSpec.reader_hook. `probe_view(copy)`: a context
+    ("module:function", argument), see DatasetSpec.reader_hook. `probe_view(dataset)`: a context
     manager the probe of dataset[0] runs in, with readers (the drop-in's worker info, as
     reader 0 would see it: a __getitem__ written for workers reads it unconditionally).
     `share_by_fork`: readers will be forked from this process (DatasetSpec.forked), so
-    neither the dataset nor the hook's argument is pickled."""
+    neither the dataset nor the hook's argument is pickled, and dataset[0] is read in a fork
+    made by `fork_call` (readers/fork_call.call_in_fork) where one is given and can fork.
+    `seed`: the loader's, whose sample at stream position 0 the probe is seeded as."""
     if isinstance(dataset, str):
         factory, args = dataset, dict(dataset_args or {})
         instance = import_factory(factory, args)
@@ -325,30 +322,18 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
         factory, args, instance = None, {}, dataset
     if not hasattr(instance, "__getitem__"):
         raise DatasetError(f"the dataset ({type(instance).__name__}) has no __getitem__: a map-style dataset is "
-                           f"needed (an IterableDataset cannot be sampled by step)")
+                           f"needed (a torch IterableDataset goes to shmloader.torch.DataLoader)")
     length = check_length(instance, f"the dataset ({type(instance).__name__})")
     declared = dict(outputs or {})
-    # Pickled for the readers before the probe below reads dataset[0] here: a dataset that
-    # opens its files or connections lazily in __getitem__ (as the readers need) would
-    # otherwise carry the handle it opened for the probe into its pickle, and fail to pickle.
+    # Pickled for the readers before the probe below reads dataset[0]: a dataset that opens
+    # its files or connections lazily in __getitem__ (as the readers need) would otherwise
+    # carry the handle it opened for the probe into its pickle, and fail to pickle.
     forked = share_by_fork and factory is None and readers > 0
     data = _pickled(instance) if factory is None and readers > 0 and not forked else None
-    # The probe reads a copy from that pickle, as a reader would: the trainer's own object
-    # stays as it was given, to be pickled again for a later epoch (DatasetHandle.renew),
-    # and (readers=0) to fill the batches, which a memoizing or counting dataset would
-    # otherwise see probed once more, unseeded (_probe_copy).
-    probe = _probe_copy(instance) if data is None else pickle.loads(data)
-    from .collated import Collated, plan_collated  # It builds on this module's outputs.
-
-    classes = {}
-    view = probe_view(probe) if probe_view is not None and readers > 0 else contextlib.nullcontext()
-    with view:
-        if isinstance(instance, Collated):  # The outputs are the collate_fn's batch's.
-            with global_states_kept():
-                built, structure, classes = plan_collated(probe, length, declared)
-        else:
-            structure, built = _sample_outputs(probe, declared)
-    del probe
+    # The probe leaves the trainer's own object as it was given, to be pickled again for a
+    # later epoch (DatasetHandle.renew) and (readers=0) to fill the batches (plan/probe.py).
+    structure, built, classes = probe(instance, length, declared, probe_view if readers > 0 else None, seed,
+                                      in_fork=fork_call if forked else None, pickled=data)
     name = factory or f"{type(instance).__module__}.{type(instance).__qualname__}"
     token = secrets.token_hex(8)
     if forked and reader_hook is not None:
@@ -358,7 +343,8 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
         hook = _hook_fields(reader_hook) if readers > 0 else {}
     spec = DatasetSpec(length, tuple(built), structure, name, token, trainer_pid=os.getpid(),
                        factory=factory, args=args, sys_path=tuple(os.path.abspath(entry) for entry in sys.path),
-                       torch="torch" in sys.modules, collate=isinstance(instance, Collated), forked=forked, **hook)
+                       torch="torch" in sys.modules, collate=isinstance(instance, Collated), forked=forked,
+                       by_reader=bool(getattr(instance, "by_reader", False)), **hook)
     if factory is not None and spec.reader_hook_argument:
         spec = dataclasses.replace(spec, main_path=_main_path(b"", instance, spec))
     if data is not None:
@@ -368,60 +354,6 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
     handle = DatasetHandle(spec, instance)
     handle.classes = classes
     return handle
-
-
-def _sample_outputs(probe, declared: dict) -> tuple[dict, list]:
-    """(structure, outputs) of the samples, from dataset[0] of `probe` (a copy) and `declared`."""
-    with global_states_kept():  # The trainer's own draws do not depend on the loader's probe.
-        try:
-            first = probe[0]
-        except Exception as error:
-            raise _noted(error, "in dataset[0], which the loader reads first for the samples' structure")
-    structure, leaves = flatten(first, "dataset[0]")
-    names = [name for name, _ in leaves]
-    unknown = sorted(set(declared) - set(names))
-    if unknown:
-        raise DatasetError(f"outputs names {unknown}, which dataset[0] does not have (its leaves: {names})")
-    built = []
-    for name, value in leaves:
-        problem = loader_name_problem(name.replace(_SEPARATOR, "_"))
-        if problem is not None:
-            raise DatasetError(f"dataset[0]'s leaf {name!r} {problem}")
-        if isinstance(value, str):
-            built.append(_text_output(name, value, declared.get(name)))
-            continue
-        built.append(_output_of(name, _leaf_array(value, f"dataset[0][{name!r}]"), declared.get(name)))
-    return structure, built
-
-
-def _probe_copy(instance):
-    """A copy of the dataset for the probe of dataset[0] (readers=0: nothing was pickled),
-    or the object itself where it neither pickles nor deep-copies: only then does the
-    probe's __getitem__ call reach the object that fills the batches."""
-    try:
-        return pickle.loads(pickle.dumps(instance, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception:  # noqa: BLE001 (pickle raises many types)
-        pass
-    try:
-        return copy.deepcopy(instance)
-    except Exception:  # noqa: BLE001
-        return instance
-
-
-def _noted(error: BaseException, note: str) -> BaseException:
-    """`error` with `note` added, its type and arguments kept (a type whose constructor takes
-    others, UnicodeDecodeError, cannot be made again with a new message): a note where Python
-    has them (3.11 on); before, a copy whose message starts with the note where the type
-    takes one message (chained to the error), else the error as it is."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-        return error
-    try:
-        copy = type(error)(f"{note}: {error}")
-    except Exception:  # noqa: BLE001 (any constructor)
-        return error
-    copy.__cause__ = error
-    return copy
 
 
 def _named_tuple(name: str) -> type:

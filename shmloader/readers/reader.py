@@ -32,6 +32,10 @@ from ..storage import checked_blocks
 from .channel import STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
 from .filling import fill_and_publish
 
+# How long a reader whose steps are its own (Ring.claim_own) sleeps at most: the post for its
+# step may wake another reader, which cannot take it. 200 looks a second cost an idle reader little.
+OWN_STEPS_POLL_SECONDS = 0.005
+
 # How long a reader that read no configuration waits to see whether its trainer died.
 _ORPHAN_CHECK_SECONDS = 1.0
 # How often, at most, a busy reader asks whether its trainer lives (Reader.run).
@@ -189,6 +193,9 @@ class Reader:
         outputs = [filler.bind(spec.slot.views(self.ring.memory, self.layout.slot_offset(slot)))
                    for slot in range(self.layout.slot_count)]
         old, self.filler, self.outputs = self.filler, filler, outputs
+        # A ring whose steps belong to readers (DatasetSpec.by_reader): this one claims its own.
+        by_reader = spec.dataset is not None and spec.dataset.by_reader
+        self.own_steps_of = max(1, self.config.local_readers) if by_reader else None
         if old is not None:
             old.close()
 
@@ -231,7 +238,8 @@ class Reader:
                 return 0
             if _termination.since is not None and time.monotonic() - _termination.since > self.signal_grace_seconds:
                 return 128 + _termination.signal  # Sent to this reader alone: the trainer restarts it.
-            slot = self.ring.claim(self.index)
+            slot = self.ring.claim(self.index) if self.own_steps_of is None else \
+                self.ring.claim_own(self.index, self.own_steps_of)
             if slot is None:
                 self._take_new_filler()  # Idle: a line longer than the pipe holds is drained as it comes.
                 self._sleep()
@@ -243,7 +251,8 @@ class Reader:
 
     def _sleep(self) -> None:
         began = time.monotonic_ns()
-        woken = wait(self.ring.work_semaphore, POLL_INTERVAL_SECONDS)
+        woken = wait(self.ring.work_semaphore, POLL_INTERVAL_SECONDS if self.own_steps_of is None
+                     else OWN_STEPS_POLL_SECONDS)
         self.sleeps += 1
         self.wakeups += woken
         self._slept = (began, time.monotonic_ns())

@@ -372,6 +372,27 @@ class Ring:
         assert slot < self.layout.slot_count, (slot, self.layout.slot_count)
         return None if slot < 0 else slot
 
+    def claim_own(self, reader: int, readers: int) -> int | None:
+        """A reader takes the requested slot with the lowest step among its own: the steps
+        k with k % readers == reader (a ring whose steps belong to readers: an
+        IterableDataset's, each reader's batches from its own iterator; DatasetSpec.by_reader).
+        A scan in Python, for that path alone; the shared claim stays native. None if none
+        of its steps is requested (or a seek took it back meanwhile)."""
+        assert 0 <= reader < readers <= self.layout.reader_count, (reader, readers, self.layout.reader_count)
+        requested = int(SlotState.REQUESTED)
+        best, best_step = None, 0
+        for slot in range(self.layout.slot_count):
+            if lib.shm_state_load(self._state_pointers[slot]) & STATE_MASK != requested:
+                continue
+            step = int(self._lines[slot].step)  # Ordered by the acquire load above (claim's note).
+            if step % readers == reader and (best is None or step < best_step):
+                best, best_step = slot, step
+        if best is None:
+            return None
+        filling = int(SlotState.FILLING) | reader << OWNER_SHIFT
+        # transition: REQUESTED -> FILLING
+        return best if lib.shm_state_compare_swap(self._state_pointers[best], requested, filling) == requested else None
+
     @property
     def stopping(self) -> bool:
         return self.header.stop != 0  # A plain read: readers poll it.

@@ -71,6 +71,9 @@ TRANSITIONS = (
     # A reader claims the requested slot with the lowest step.
     Transition(REQUESTED, FILLING, "reader r", "zig/c_api.zig: shm_claim_lowest",
                "compare-and-swap, acq_rel", "two readers never both win a slot"),
+    Transition(REQUESTED, FILLING, "reader r", "ring/segment.py: Ring.claim_own",
+               "compare-and-swap, acq_rel", "a ring whose steps belong to readers (an IterableDataset's): "
+               "reader r claims only steps k with k % readers == r"),
     # The claimer publishes (a reader process; the trainer as r=0 with readers=0; the Ray bridge).
     Transition(FILLING, READY, "reader r", "ring/segment.py: Ring.publish",
                "seq_cst store after the data, then a seq_cst load of the waiter flag", "Publisher.publish"),

@@ -231,8 +231,11 @@ def write_checksums(schunk) -> None:
 
 
 def verify(path: str | os.PathLike, progress: bool = True) -> list[int]:
-    """Checks every chunk of a converted .b2nd against its stored CRC-32; returns the bad
-    chunks (empty when the file is sound). Raises StorageError for a file without checksums."""
+    """Checks every chunk of a converted .b2nd against its stored CRC-32 and, where the file
+    has them, its blocks' digests (what readers check: a chunk whose bytes match its CRC-32
+    but not its stored digests, damaged metadata, would be refused by every reader); returns
+    the bad chunks (empty when the file is sound). Raises StorageError for a file without
+    checksums."""
     import blosc2
 
     spec = describe_field(path)
@@ -258,7 +261,20 @@ def verify(path: str | os.PathLike, progress: bool = True) -> list[int]:
             bad.append(chunk)
         bar.update(len(stored))
     bar.close()
+    if spec.block_digests:
+        bad = sorted(set(bad) | set(_chunks_off_their_digests(spec.path, schunk)))
     return bad
+
+
+def _chunks_off_their_digests(path: str, schunk) -> list[int]:
+    """The chunks whose stored blocks do not hash to the digests the file carries."""
+    stored = np.frombuffer(schunk.vlmeta[BLOCK_DIGESTS_META], dtype="<u4")
+    found = block_digests(schunk)
+    if found is None or found.size != stored.size:
+        raise StorageError(f"{path}: its block digests ({BLOCK_DIGESTS_META}, {stored.size} entries) do not fit its "
+                           f"{schunk.nchunks} chunks (corrupted metadata); convert the file again")
+    differs = (found.reshape(schunk.nchunks, -1) != stored.reshape(schunk.nchunks, -1)).any(axis=1)
+    return np.flatnonzero(differs).tolist()
 
 
 def auto_codec(array, block_bytes: int, clevel: int) -> str:

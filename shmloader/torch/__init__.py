@@ -6,6 +6,7 @@
     module          runs in    its job
     dataloader.py   trainer    DataLoader: the drop-in over a map-style Dataset, in its own order
     sampling.py     trainer    DataLoader(sampler=, batch_sampler=): the caller's order, and its resume
+    iterable.py     both       DataLoader(an IterableDataset): each reader's iterator, torch's order
     own_order.py    trainer    loader.sampler / loader.batch_sampler of the drop-in's own order
     collation.py    trainer    collate_fn= (Collated) and the structure a batch is rebuilt in
     worker.py       readers    get_worker_info() and worker_init_fn inside a reader; the start method
@@ -41,9 +42,11 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(_LAZY[name], __name__)
     if name == "DataLoader":
-        # sampling.py's SampledDataLoader names itself to DataLoader as it is defined: with
-        # it, DataLoader(sampler=...) or (batch_sampler=...) is the caller's order.
+        # sampling.py's SampledDataLoader and iterable.py's IterableDataLoader name themselves
+        # to DataLoader as they are defined: DataLoader(sampler=...) or (batch_sampler=...) is
+        # the caller's order, DataLoader(an IterableDataset) iterates it in the readers.
         importlib.import_module(".sampling", __name__)
+        importlib.import_module(".iterable", __name__)
     value = getattr(module, name)
     globals()[name] = value  # Looked up once.
     return value

@@ -20,9 +20,9 @@ step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> 
 epoch's readers get the dataset anew (forked or pickled), as it is then (a change made between
 epochs is seen; True: they keep the copy they started with); shard_index and shard_count default to RANK and
 WORLD_SIZE under torchrun, and batch_size is per rank. What cannot be honoured raises,
-naming the argument: an IterableDataset. With sampler= or batch_sampler=, the order is the
-caller's, drawn as PyTorch draws it (sampling.py: DataLoader(...) makes that class's
-loader).
+naming the argument. With sampler= or batch_sampler=, the order is the caller's, drawn as
+PyTorch draws it (sampling.py); an IterableDataset is iterated in each reader, batches in
+PyTorch's order (iterable.py): DataLoader(...) makes that class's loader.
 
 multiprocessing_context="fork" (the default on Linux, as PyTorch's): the readers are forked
 from the trainer once the dataset is planned (readers/trainer_fork.py): they share the
@@ -42,7 +42,9 @@ replaces one that died. Off the fork path it is pickled to the readers with the 
 lambda is refused by name, as torch's spawn refuses it). The global generators are still seeded per sample
 from its position before __getitem__: what worker_init_fn seeds there does not reach the
 samples' draws (a generator of its own, kept on the dataset, does). The probe of dataset[0]
-in the trainer sees reader 0's worker info (without running worker_init_fn there).
+that plans the slot (in a fork of the trainer on the fork path, so that the dataset is
+neither copied nor called in the trainer; on a copy in the trainer otherwise: plan/probe.py)
+sees reader 0's worker info, without running worker_init_fn there.
 
 collate_fn= (run in the readers, its output written into the slot) and the shape of a batch with
 outputs= PackedRagged or Ragged: collation.py.
@@ -121,31 +123,37 @@ class _PassIterator:
 
 
 class DataLoader:
-    """A drop-in for torch.utils.data.DataLoader over a map-style dataset (see the module)."""
+    """A drop-in for torch.utils.data.DataLoader (see the module)."""
 
-    # The subclass that takes sampler= or batch_sampler= (sampling.SampledDataLoader), which
-    # names itself here as it is defined (__init_subclass__): sampling.py builds on this
-    # module, and this one needs nothing of it. The package imports both with DataLoader.
-    _sampled_class = None
+    # The subclasses for sampler= or batch_sampler= (sampling.SampledDataLoader) and for an
+    # IterableDataset (iterable.IterableDataLoader), which name themselves here as they are
+    # defined (__init_subclass__): they build on this module, which needs nothing of them.
+    # The package imports them with DataLoader.
+    _sampled_class = _iterable_class = None
 
-    def __init_subclass__(cls, takes_sampler: bool = False, **kwargs) -> None:
+    def __init_subclass__(cls, takes_sampler: bool = False, takes_iterable: bool = False, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if takes_sampler:
             DataLoader._sampled_class = cls
+        if takes_iterable:
+            DataLoader._iterable_class = cls
 
     def __new__(cls, *args, **kwargs):
-        """With sampler= or batch_sampler=, the loader over the caller's order (sampling.py)."""
+        """The loader over an IterableDataset (iterable.py), else with sampler= or
+        batch_sampler= the loader over the caller's order (sampling.py)."""
         if cls is DataLoader:
+            import torch.utils.data
+
             try:
                 given = inspect.signature(cls.__init__).bind(None, *args, **kwargs).arguments
             except TypeError:
                 given = {}  # __init__ raises it, as it would have.
-            if given.get("sampler") is not None or given.get("batch_sampler") is not None:
-                if DataLoader._sampled_class is None:
-                    raise RuntimeError("shmloader.torch.dataloader was imported without shmloader.torch.sampling, "
-                                       "which takes sampler= and batch_sampler=: import DataLoader from "
-                                       "shmloader.torch")
-                cls = DataLoader._sampled_class
+            iterable = isinstance(given.get("dataset"), torch.utils.data.IterableDataset)
+            if iterable or given.get("sampler") is not None or given.get("batch_sampler") is not None:
+                cls = DataLoader._iterable_class if iterable else DataLoader._sampled_class
+                if cls is None:
+                    raise RuntimeError("shmloader.torch.dataloader was imported alone: import DataLoader from "
+                                       "shmloader.torch, which takes sampler=, batch_sampler= and IterableDatasets")
         return object.__new__(cls)
 
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None, sampler=None,
@@ -221,13 +229,7 @@ class DataLoader:
 
     @staticmethod
     def _check_arguments(dataset, batch_size, collate_fn, in_order) -> None:
-        """Refuses, by name, what the loader cannot honour."""
-        import torch.utils.data
-
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise TypeError("shmloader.torch.DataLoader takes a map-style dataset (__len__ and __getitem__); an "
-                            "IterableDataset cannot be sampled by step: keep torch's DataLoader for it, or write its "
-                            "records to files (shmloader import) and use ShmDataLoader")
+        """Refuses, by name, what the loader cannot honour (an IterableDataset is iterable.py's)."""
         if batch_size is None:
             raise ValueError("shmloader.torch.DataLoader: batch_size=None (no batching) cannot be honoured: the "
                              "loader delivers batches; give batch_size")

@@ -62,10 +62,10 @@ def _users(dataset):
 
 @contextlib.contextmanager
 def probe_view(dataset, num_workers: int, pass_seed: int):
-    """The trainer's probe of dataset[0] (plan/dataset.plan_dataset) sees get_worker_info()
-    as reader 0 will (its id, num_workers, seed; `dataset` the probe's copy), so that a
-    __getitem__ written for workers, which reads it without a None check, plans; then
-    torch's main-process None again. worker_init_fn does not run in the trainer: a setting
+    """The probe of dataset[0] (plan/probe.py) sees get_worker_info() as reader 0 will (its
+    id, num_workers, seed; `dataset` the one the probe reads: the trainer's own in the
+    trainer's fork, else a copy), so that a __getitem__ written for workers, which reads it
+    without a None check, plans; then torch's main-process None again. worker_init_fn does not run in the trainer: a setting
     it makes (torch.set_num_threads(1), a seed) would be the trainer's."""
     from torch.utils.data._utils import worker
 

@@ -1,0 +1,434 @@
+"""shmloader.torch.DataLoader over an IterableDataset, against PyTorch's own DataLoader given
+the same arguments: every batch equal (types, nesting, values, order) over two epochs for a
+dataset sharded by get_worker_info() with uneven shards (workers exhaust at different
+times), num_workers 0, 1 and 3, drop_last both ways, default_collate and a padding
+collate_fn, persistent_workers both ways, batch_size=None, worker_init_fn narrowing each
+worker's copy, the spawn path, an epoch without a sample; an unsharded dataset read whole
+by every worker (duplicates, as torch's); resume by replay from a checkpoint mid-epoch and
+at an epoch's end (a Stateful dataset from each worker's state), an epoch left by break, a
+killed worker replaced and replaying, batches kept by the loop; what torch refuses refused
+with torch's words."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+# As test_torch_sampling.py: the harness's threads are not the script's (the fork path runs).
+pytestmark = [pytest.mark.timeout(300, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
+from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
+
+from conftest import examples  # noqa: E402
+from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
+
+
+class Shards(IterableDataset):
+    """Worker w (0 without workers) yields shard w: `lengths[w]` samples, each a dict of a
+    sequence whose length varies, its position, a str and a float, telling apart worker and
+    position; with `count_epochs`, also how many times this copy was iterated."""
+
+    def __init__(self, lengths: list[int], count_epochs: bool = False) -> None:
+        self.lengths, self.epoch, self.count_epochs = list(lengths), 0, count_epochs
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        assert info is None or (info.num_workers == len(self.lengths) and isinstance(info.dataset, Shards)
+                                and isinstance(info.seed, int))
+        self.epoch += 1
+        for position in range(self.lengths[worker]):
+            at = (worker, position, self.epoch) if self.count_epochs else (worker, position)
+            yield {"tokens": torch.arange(1 + (worker + position) % 4, dtype=torch.int64) + 10 * worker,
+                   "at": at, "name": f"w{worker}-{position}", "weight": position / 8}
+
+
+class Everything(IterableDataset):
+    """Ignores get_worker_info(): every worker yields every sample (torch duplicates them)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __iter__(self):
+        return iter(range(self.length))
+
+
+def pad(samples: list) -> dict:
+    """A padding collate: the batch's sequences padded to its longest, their lengths, the names."""
+    longest = max(len(sample["tokens"]) for sample in samples)
+    tokens = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        tokens[row, :len(sample["tokens"])] = sample["tokens"]
+    return {"tokens": tokens, "lengths": torch.tensor([len(sample["tokens"]) for sample in samples]),
+            "names": [sample["name"] for sample in samples], "rows": len(samples)}
+
+
+def whole(samples: list) -> dict:
+    """default_collate's batch of Shards samples, without the sequences (which it cannot stack)."""
+    return torch.utils.data.default_collate([{key: value for key, value in sample.items() if key != "tokens"}
+                                             for sample in samples])
+
+
+def assert_same(expected, found, where="batch") -> None:
+    """Equal types, nesting, dtypes, shapes and values."""
+    assert type(expected) is type(found), (where, type(expected), type(found))
+    if isinstance(expected, dict):
+        assert list(expected) == list(found), where
+        for key in expected:
+            assert_same(expected[key], found[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(found), where
+        for index, (one, other) in enumerate(zip(expected, found)):
+            assert_same(one, other, f"{where}[{index}]")
+    elif isinstance(expected, torch.Tensor):
+        assert expected.dtype == found.dtype and expected.shape == found.shape, (where, expected, found)
+        assert torch.equal(expected, found), (where, expected, found)
+    else:
+        assert expected == found, (where, expected, found)
+
+
+def epochs_of(loader, count: int = 2) -> list[list]:
+    """`count` epochs of the loader's batches, each a list (the tensors cloned)."""
+    return [[_cloned(batch) for batch in loader] for _ in range(count)]
+
+
+def _cloned(batch):
+    if isinstance(batch, dict):
+        return {key: _cloned(value) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cloned(value) for value in batch)
+    return batch.clone() if isinstance(batch, torch.Tensor) else batch
+
+
+def both(dataset_of, count: int = 2, **arguments) -> tuple[list, list]:
+    """(torch's epochs, the drop-in's) for the same arguments, each loader its own dataset.
+    The drop-in runs first: torch's workers leave queue threads behind a moment, which
+    would send the drop-in to its spawn path (tested elsewhere)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "more workers than cores" on a small host.
+        with DataLoader(dataset_of(), **arguments) as loader:
+            found = epochs_of(loader, count)
+        expected = epochs_of(TorchDataLoader(dataset_of(), **arguments), count)
+    return expected, found
+
+
+def assert_epochs(expected: list, found: list) -> None:
+    for epoch, (one, other) in enumerate(zip(expected, found)):
+        assert len(one) == len(other), (epoch, len(one), len(other))
+        for index, (batch, got) in enumerate(zip(one, other)):
+            assert_same(batch, got, f"epoch {epoch} batch {index}")
+    assert len(expected) == len(found)
+
+
+@examples(6)
+@given(workers=st.sampled_from([0, 1, 3]), data=st.data(), batch_size=st.integers(1, 3), drop_last=st.booleans(),
+       padded=st.booleans(), persistent=st.booleans())
+def test_batches_equal_torchs_for_a_sharded_dataset(workers, data, batch_size, drop_last, padded, persistent):
+    lengths = data.draw(st.lists(st.integers(0, 7), min_size=max(1, workers), max_size=max(1, workers)), "lengths")
+    if sum(lengths) == 0:
+        lengths[-1] = 1  # The slot is laid out from a first batch: a dataset with none is its own test.
+    arguments = {"batch_size": batch_size, "drop_last": drop_last, "num_workers": workers,
+                 "collate_fn": pad if padded else whole}
+    if workers:
+        arguments["persistent_workers"] = persistent
+    assert_epochs(*both(lambda: Shards(lengths), **arguments))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_workers_that_end_at_once_and_late_are_skipped_in_turn(workers):
+    lengths = [0, 9, 2][:workers] if workers == 3 else [5]
+    assert_epochs(*both(lambda: Shards(lengths), batch_size=2, num_workers=workers, collate_fn=pad))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_persistent_workers_copy_is_iterated_again_and_a_new_ones_afresh(persistent):
+    expected, found = both(lambda: Shards([2, 3], count_epochs=True), count=3, batch_size=2, num_workers=2,
+                           collate_fn=whole, persistent_workers=persistent)
+    assert_epochs(expected, found)
+    assert {int(epoch) for batch in found[2] for epoch in batch["at"][2]} == ({3} if persistent else {1})
+
+
+def test_outputs_declares_a_leafs_room_by_the_collates_name():
+    """The padding collate's leaves are declared by the names it gives them (the slot wraps them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CollateGrowthWarning)
+        with DataLoader(Shards([9, 9]), batch_size=2, num_workers=2, collate_fn=pad,
+                        outputs={"tokens": (2, 14), "lengths": 2}) as loader:
+            found = epochs_of(loader, 1)
+    assert_epochs(epochs_of(TorchDataLoader(Shards([9, 9]), batch_size=2, num_workers=2, collate_fn=pad), 1), found)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_an_epoch_left_by_break_is_followed_by_a_whole_one(persistent):
+    def two_epochs(loader) -> list:
+        first = []
+        for batch in loader:
+            first.append(_cloned(batch))
+            if len(first) == 2:
+                break
+        return [first, [_cloned(batch) for batch in loader]]
+
+    arguments = {"batch_size": 2, "num_workers": 2, "collate_fn": pad, "persistent_workers": persistent}
+    with DataLoader(Shards([5, 3]), **arguments) as loader:
+        found = two_epochs(loader)
+    assert_epochs(two_epochs(TorchDataLoader(Shards([5, 3]), **arguments)), found)
+
+
+def test_an_unsharded_dataset_is_read_whole_by_every_worker():
+    expected, found = both(lambda: Everything(5), batch_size=2, num_workers=3)
+    assert_epochs(expected, found)
+    assert sorted(torch.cat(found[0]).tolist()) == sorted(list(range(5)) * 3)
+
+
+def test_batch_size_none_gives_each_item_as_its_batch():
+    assert_epochs(*both(lambda: Everything(4), batch_size=None, num_workers=2))
+
+
+def test_the_default_collate_gives_torchs_types():
+    class Pairs(IterableDataset):
+        def __iter__(self):
+            info = get_worker_info()
+            start = 0 if info is None else info.id * 100
+            return iter([(start + index, f"s{index}", (index / 2, index)) for index in range(5)])
+
+    assert_epochs(*both(Pairs, batch_size=2, num_workers=2, persistent_workers=True))
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_resume_mid_epoch_replays_each_worker_to_the_step(workers):
+    lengths = [3, 8, 1] if workers else [7]
+    arguments = {"batch_size": 2, "num_workers": workers, "collate_fn": pad}
+    with DataLoader(Shards(lengths), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    stop = 2
+    with DataLoader(Shards(lengths), **arguments) as loader:
+        batches = iter(loader)
+        for _ in range(stop):
+            next(batches)
+        state = loader.state_dict()
+    with DataLoader(Shards(lengths), **arguments) as resumed:
+        resumed.load_state_dict(state)
+        rest = [[_cloned(batch) for batch in resumed]]
+        rest.append([_cloned(batch) for batch in resumed])
+    assert_epochs([whole_run[0][stop:], whole_run[1]], rest)
+
+
+def test_a_checkpoint_at_an_epochs_end_resumes_with_the_next_epoch():
+    arguments = {"batch_size": 2, "num_workers": 2, "collate_fn": pad}
+    with DataLoader(Shards([3, 1]), **arguments) as loader:
+        first = [_cloned(batch) for batch in loader]
+        state = loader.state_dict()
+    with DataLoader(Shards([3, 1]), **arguments) as resumed:
+        resumed.load_state_dict(state)
+        assert [batch["names"] for batch in resumed] == [batch["names"] for batch in first]
+        assert state["epoch"] == 0 and resumed.state_dict()["epoch"] == 1
+
+
+def test_resume_under_another_num_workers_is_refused_by_name():
+    with DataLoader(Shards([3, 1]), batch_size=2, num_workers=2, collate_fn=whole) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    with DataLoader(Shards([3, 1, 2]), batch_size=2, num_workers=3, collate_fn=whole) as other:
+        with pytest.raises(ValueError, match="num_workers=2"):
+            other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("argument", [{"shuffle": True}, {"sampler": [0, 1]}, {"batch_sampler": [[0]]}])
+def test_what_torch_refuses_is_refused_with_torchs_words(argument):
+    with pytest.raises(ValueError) as torchs:
+        TorchDataLoader(Everything(3), **argument)
+    with pytest.raises(ValueError) as ours:
+        DataLoader(Everything(3), **argument)
+    assert str(ours.value) == str(torchs.value)
+
+
+def test_len_is_torchs():
+    class Sized(Everything):
+        def __len__(self) -> int:
+            return self.length
+
+    with DataLoader(Sized(5), batch_size=2) as loader:
+        assert len(loader) == len(TorchDataLoader(Sized(5), batch_size=2)) == 3
+    with DataLoader(Everything(5), batch_size=2) as loader, pytest.raises(TypeError):
+        len(loader)
+
+
+class Range(IterableDataset):
+    """torch's documented pattern: worker_init_fn narrows each worker's copy to its part."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_range(worker_id: int) -> None:
+    info = get_worker_info()
+    dataset = info.dataset
+    per_worker = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start, dataset.end = dataset.start + worker_id * per_worker, min(dataset.end,
+                                                                           dataset.start + (worker_id + 1) * per_worker)
+
+
+def test_worker_init_fn_shards_each_workers_copy_as_under_torch():
+    assert_epochs(*both(lambda: Range(3, 14), batch_size=3, num_workers=3, worker_init_fn=split_range))
+
+
+def test_an_epoch_without_a_sample_gives_no_batch():
+    assert_epochs(*both(lambda: Shards([0, 0]), batch_size=2, num_workers=2, collate_fn=whole))
+
+
+def test_the_spawn_path_reads_a_pickled_copy_in_torchs_order():
+    arguments = {"batch_size": 2, "num_workers": 3, "collate_fn": pad, "persistent_workers": True}
+    with DataLoader(Shards([4, 1, 6]), multiprocessing_context="spawn", **arguments) as loader:
+        found = epochs_of(loader)
+    # torch's batches do not depend on its start method: its forked workers, faster here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "more workers than cores" on a small host.
+        expected = epochs_of(TorchDataLoader(Shards([4, 1, 6]), **arguments))
+    assert_epochs(expected, found)
+
+
+def test_batches_the_loop_keeps_do_not_start_a_workers_iterator_again():
+    """Kept batches hold their slots, so the ring requests a later step of a worker before
+    an earlier one: the worker's iterator still runs once an epoch (its copy counts them)."""
+    arguments = {"batch_size": 1, "num_workers": 2, "persistent_workers": True, "collate_fn": whole}
+    with DataLoader(Shards([12, 15], count_epochs=True), **arguments) as loader:
+        found = [list(loader), list(loader)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torchs = TorchDataLoader(Shards([12, 15], count_epochs=True), **arguments)
+        expected = [list(torchs), list(torchs)]
+    assert_epochs(expected, found)
+
+
+def test_batches_the_loop_keeps_keep_their_values():
+    """list(loader): every batch held at once, more than the ring's slots (kept.py)."""
+    with DataLoader(Everything(40), batch_size=2, num_workers=2) as loader:
+        found = list(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = list(TorchDataLoader(Everything(40), batch_size=2, num_workers=2))
+    assert_epochs([expected], [found])
+
+
+class Killing(Shards):
+    """Shards whose worker 1 is killed (SIGKILL) once, at its sample 3, in the first process
+    that reaches it (`kills` holds how many kills are left)."""
+
+    def __init__(self, lengths: list[int], kills: str) -> None:
+        super().__init__(lengths)
+        self.kills = kills
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            if sample["at"] == (1, 3):
+                with open(self.kills, "r+") as file:
+                    left = int(file.read())
+                    if left > 0:
+                        file.seek(0)
+                        file.write(f"{left - 1}\n")
+                        file.flush()
+                        os.kill(os.getpid(), signal.SIGKILL)
+            yield sample
+
+
+def test_a_killed_worker_is_replaced_and_replays_its_iterator(tmp_path):
+    kills = tmp_path / "kills"
+    kills.write_text("1\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # The restart's warning.
+        with DataLoader(Killing([3, 7], str(kills)), batch_size=2, num_workers=2, collate_fn=pad) as loader:
+            found = [_cloned(batch) for batch in loader]
+    assert kills.read_text().strip() == "0"
+    expected = list(TorchDataLoader(Shards([3, 7]), batch_size=2, num_workers=2, collate_fn=pad))
+    assert_epochs([expected], [found])
+
+
+class Failing(IterableDataset):
+    def __iter__(self):
+        yield 1
+        raise KeyError("shard 7 is missing")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_datasets_exception_reaches_the_loop_with_its_type(workers):
+    with DataLoader(Failing(), batch_size=1, num_workers=workers) as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [1]
+        with pytest.raises(KeyError, match="shard 7 is missing"):
+            list(batches)
+
+
+class Counting(IterableDataset):
+    """A Stateful dataset (torchdata's protocol) that a replay cannot rebuild: each iter()
+    counts the iter() calls of this copy, so iterating a new copy again gives other samples
+    from the second epoch on; its state_dict() rebuilds the count and the position, mid-
+    iteration (iter() then continues it) or between two (iter() starts the next)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.position, self.iterations, self.active, self.resuming = lengths, 0, 0, False, False
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker = 0 if info is None else info.id
+        if not self.resuming:
+            self.iterations, self.position = self.iterations + 1, 0
+        self.resuming, self.active = False, True
+        while self.position < self.lengths[worker]:
+            self.position += 1
+            yield (worker, self.position, self.iterations)
+        self.active = False
+
+    def state_dict(self) -> dict:
+        # A tensor leaf too: a state's arrays cross in the slot, which is filled again after.
+        return {"position": torch.tensor([self.position]), "iterations": self.iterations, "active": self.active}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position, self.iterations = int(state["position"][0]), state["iterations"]
+        self.resuming = state["active"]
+
+
+@pytest.mark.parametrize("workers", [0, 3])
+def test_a_stateful_dataset_resumes_from_each_workers_state(workers):
+    lengths = [5, 9, 1] if workers else [7]
+    arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": bool(workers)}
+    with DataLoader(Counting(lengths), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_epochs(epochs_of(TorchDataLoader(Counting(lengths), **arguments), 2), whole_run)
+    stop = 2
+    # In the second epoch: a persistent worker's copy (the trainer's, without workers)
+    # was iterated once before, which iterating a new copy again would not give.
+    with DataLoader(Counting(lengths), **arguments) as loader:
+        list(loader)
+        batches = iter(loader)
+        for _ in range(stop):
+            next(batches)
+        state = loader.state_dict()
+    assert set(state["reader_states"]) <= {str(reader) for reader in range(max(1, workers))}
+    with DataLoader(Counting(lengths), **arguments) as resumed:
+        resumed.load_state_dict(state)
+        assert_epochs([whole_run[1][stop:]], epochs_of(resumed, 1))
+        again = resumed.state_dict()
+    assert again["ended"] and again["epoch"] == 1
+
+
+def test_a_stateful_datasets_checkpoint_at_an_epochs_end_starts_the_next_from_where_each_worker_ended():
+    arguments = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
+    with DataLoader(Counting([3, 4]), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    with DataLoader(Counting([3, 4]), **arguments) as loader:
+        list(loader)
+        state = loader.state_dict()
+    with DataLoader(Counting([3, 4]), **arguments) as resumed:
+        resumed.load_state_dict(state)
+        assert_epochs([whole_run[1]], epochs_of(resumed, 1))
