@@ -61,7 +61,8 @@ def main() -> int:
             times[verify].append(run(spec, steps, out, verify))
     rows = arguments.batches * BATCH
     print(f"# checksum cost of one reader's gathers ({machine_line()})")
-    print(f"{rows:,} rows ({arguments.batches} batches of {BATCH}) from a fresh field per run, {arguments.runs} runs each")
+    print(f"{rows:,} rows ({arguments.batches} batches of {BATCH}) from a fresh field per run, "
+          f"{arguments.runs} runs each")
     for percentile in _PERCENTILES:
         on, off = (float(np.percentile(times[verify], percentile)) for verify in (True, False))
         print(f"p{percentile}: verify on {on * 1e3:.1f} ms, off {off * 1e3:.1f} ms of CPU: on / off {on / off:.3f}, "

@@ -347,7 +347,8 @@ def test_a_flipped_byte_is_caught_whichever_reader_reads_it_first(stored, bad_ro
     field.close()
     start, end = block_extents(chunk)[1 + bad_row % 64]
     flip_a_byte_in_chunk(spec, bad_row // 64, at=(start + end) // 2)
-    with ShmDataLoader({"rows": spec.path}, batch_size=16, readers=2, slots=4, seed=bad_row, warn_layout=False) as loader:
+    with ShmDataLoader({"rows": spec.path}, batch_size=16, readers=2, slots=4, seed=bad_row,
+                       warn_layout=False) as loader:
         with pytest.raises(ReaderError, match=rf"chunk {bad_row // 64} fails its checksum \(its block {bad_row % 64},"):
             for _ in range(256 // 16):
                 batch = next(loader)

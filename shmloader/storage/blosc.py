@@ -178,14 +178,9 @@ class BloscField:
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem))),
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context))),
             self._addresses, self._sizes, spec.row_count, spec.chunk_rows, self._block_rows, spec.row_bytes,
-            batch_size_max, self.block_digests, self._shared_checked())
+            batch_size_max, self.block_digests,  # With the loader's record of its checked blocks, where it has one.
+            None if self.block_digests is None else checked_blocks.shared_bits(self.spec, *self.block_digests.shape))
         self._failure = ffi.new("shm_gather_error *")
-
-    def _shared_checked(self):
-        """The loader's record of this file's checked blocks (checked_blocks.py), or None."""
-        if self.block_digests is None:
-            return None
-        return checked_blocks.shared_bits(self.spec, *self.block_digests.shape)
 
     def gather(self, indices, out) -> None:
         """Writes rows `indices` (in order, duplicates allowed) into `out` (len(indices) * row_bytes)."""
