@@ -78,23 +78,36 @@ fn accumulateStripes(accumulators: *[4]Lanes, input: [*]const u8, secret: [*]con
 const avx2_assembly = @import("builtin").cpu.arch == .x86_64 and @import("builtin").zig_backend == .stage2_llvm;
 
 /// One stripe on 256-bit vectors (XXH3_accumulate_512 as xxhash.h's AVX2 path computes it):
-/// its two 32-byte halves at %[input] against the secret at %[key], into ymm0 and ymm1.
+/// its two 32-byte halves at %[input] against the secret at %[key], their products into
+/// ymm0 and ymm1. Each lane also gets its pair's input word; as that swap is a permutation,
+/// the input is summed unswapped into ymm6 and ymm7 and swapped once, by avx2Fold, before
+/// a scramble or the end reads the accumulators: one shuffle less per half-stripe.
 const avx2_stripe =
     \\
     \\ vmovdqu (%[input]), %%ymm2
     \\ vpxor (%[key]), %%ymm2, %%ymm3
-    \\ vpshufd $0x31, %%ymm3, %%ymm4
+    \\ vpsrlq $32, %%ymm3, %%ymm4
     \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
-    \\ vpshufd $0x4e, %%ymm2, %%ymm2
-    \\ vpaddq %%ymm2, %%ymm4, %%ymm4
     \\ vpaddq %%ymm4, %%ymm0, %%ymm0
+    \\ vpaddq %%ymm2, %%ymm6, %%ymm6
     \\ vmovdqu 32(%[input]), %%ymm2
     \\ vpxor 32(%[key]), %%ymm2, %%ymm3
-    \\ vpshufd $0x31, %%ymm3, %%ymm4
+    \\ vpsrlq $32, %%ymm3, %%ymm4
     \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
-    \\ vpshufd $0x4e, %%ymm2, %%ymm2
-    \\ vpaddq %%ymm2, %%ymm4, %%ymm4
     \\ vpaddq %%ymm4, %%ymm1, %%ymm1
+    \\ vpaddq %%ymm2, %%ymm7, %%ymm7
+    \\
+;
+
+/// The input sums into the accumulators, each lane's to its pair, and the sums zeroed.
+const avx2_fold =
+    \\
+    \\ vpshufd $0x4e, %%ymm6, %%ymm6
+    \\ vpaddq %%ymm6, %%ymm0, %%ymm0
+    \\ vpshufd $0x4e, %%ymm7, %%ymm7
+    \\ vpaddq %%ymm7, %%ymm1, %%ymm1
+    \\ vpxor %%ymm6, %%ymm6, %%ymm6
+    \\ vpxor %%ymm7, %%ymm7, %%ymm7
     \\
 ;
 
@@ -120,6 +133,8 @@ fn accumulateLongAvx2(accumulators: *[4]Lanes, input: []const u8, blocks: u64, s
         \\ vmovdqa 32(%[initial]), %%ymm1
         \\ vmovq %[prime], %%xmm5
         \\ vpbroadcastq %%xmm5, %%ymm5
+        \\ vpxor %%ymm6, %%ymm6, %%ymm6
+        \\ vpxor %%ymm7, %%ymm7, %%ymm7
         \\ test %[blocks], %[blocks]
         \\ jz 3f
         \\ 2:
@@ -131,7 +146,7 @@ fn accumulateLongAvx2(accumulators: *[4]Lanes, input: []const u8, blocks: u64, s
         \\ add $8, %[key]
         \\ dec %[left]
         \\ jnz 1b
-    ++ avx2Scramble("ymm0", "128") ++ avx2Scramble("ymm1", "160") ++
+    ++ avx2_fold ++ avx2Scramble("ymm0", "128") ++ avx2Scramble("ymm1", "160") ++
         \\ dec %[blocks]
         \\ jnz 2b
         \\ 3:
@@ -148,7 +163,7 @@ fn accumulateLongAvx2(accumulators: *[4]Lanes, input: []const u8, blocks: u64, s
         \\ 5:
         \\ mov %[last], %[input]
         \\ lea 121(%[secret]), %[key]
-    ++ avx2_stripe ++
+    ++ avx2_stripe ++ avx2_fold ++
         \\ vmovdqu %%ymm0, (%[acc])
         \\ vmovdqu %%ymm1, 32(%[acc])
         \\ vzeroupper
@@ -163,35 +178,43 @@ fn accumulateLongAvx2(accumulators: *[4]Lanes, input: []const u8, blocks: u64, s
           [last] "r" (@intFromPtr(input.ptr) + input.len - stripe_bytes),
           [prime] "r" (prime32_1),
         // The xmm names too: built for the baseline CPU, LLVM knows no ymm registers and
-        // would drop their clobbers, keeping its own values in xmm0-5 across the loop.
-        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true });
+        // would drop their clobbers, keeping its own values in xmm0-7 across the loop.
+        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .xmm6 = true, .xmm7 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true, .ymm6 = true, .ymm7 = true });
 }
 
 /// One stripe on 512-bit vectors (XXH3_accumulate_512 as xxhash.h's AVX-512 path computes
-/// it), the stripe at %[input] against the secret at %[key] into zmm0: the product and the
-/// swapped input are summed before they meet the accumulators, so a stripe adds to zmm0 once.
+/// it), the stripe at %[input] against the secret at %[key], its products into zmm0 and its
+/// input, unswapped, into zmm6 (as in avx2_stripe; avx512_fold swaps and adds it).
 const avx512_stripe =
     \\
     \\ vmovdqu64 (%[input]), %%zmm2
     \\ vpxorq (%[key]), %%zmm2, %%zmm3
-    \\ vpshufd $0x31, %%zmm3, %%zmm4
+    \\ vpsrlq $32, %%zmm3, %%zmm4
     \\ vpmuludq %%zmm4, %%zmm3, %%zmm4
-    \\ vpshufd $0x4e, %%zmm2, %%zmm2
-    \\ vpaddq %%zmm2, %%zmm4, %%zmm4
     \\ vpaddq %%zmm4, %%zmm0, %%zmm0
+    \\ vpaddq %%zmm2, %%zmm6, %%zmm6
     \\
 ;
 
-/// The whole of hashLong's accumulation on 512-bit vectors, in one piece of assembly: the
-/// accumulators stay in zmm0 from the first stripe to the last (where the loops above meet
-/// between calls through memory, whose wide loads of narrower stores the CPU cannot
-/// forward: a third of a 3 KB block's hash), `blocks` blocks of 16 stripes each followed by a scramble (XXH3_scrambleAcc:
-/// acc ^= acc >> 47, ^= the secret's last 64 bytes, *= PRIME32_1 as two 32-bit products),
-/// then `stripes` stripes, then the last 64 bytes against the secret 7 bytes before its end.
-/// hashLong's first accumulators (XXH3_INIT_ACC), read by accumulateLongAvx512 in one load
-/// (from the accumulators' own 128-bit stores, the CPU could not forward it).
+const avx512_fold =
+    \\
+    \\ vpshufd $0x4e, %%zmm6, %%zmm6
+    \\ vpaddq %%zmm6, %%zmm0, %%zmm0
+    \\ vpxorq %%zmm6, %%zmm6, %%zmm6
+    \\
+;
+
+/// hashLong's first accumulators (XXH3_INIT_ACC), read by the wide loops in one load (from
+/// the accumulators' own 128-bit stores, the CPU could not forward it).
 const initial_accumulators: [4]Lanes align(64) = .{ .{ prime32_3, prime64_1 }, .{ prime64_2, prime64_3 }, .{ prime64_4, prime32_2 }, .{ prime64_5, prime32_1 } };
 
+/// The whole of hashLong's accumulation on 512-bit vectors, in one piece of assembly: the
+/// accumulators stay in zmm0 from the first stripe to the last (where the 128-bit loops
+/// meet between calls through memory, whose wide loads of narrower stores the CPU cannot
+/// forward: a third of a 3 KB block's hash), `blocks` blocks of 16 stripes each followed
+/// by a scramble (XXH3_scrambleAcc: acc ^= acc >> 47, ^= the secret's last 64 bytes,
+/// *= PRIME32_1 as two 32-bit products), then `stripes` stripes, then the last 64 bytes
+/// against the secret 7 bytes before its end.
 fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64, stripes: u64) void {
     std.debug.assert(input.len > short_max and stripes < stripes_per_block);
     var input_at = @intFromPtr(input.ptr);
@@ -201,6 +224,7 @@ fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64,
     asm volatile (
         \\ vmovdqa64 (%[initial]), %%zmm0
         \\ vpbroadcastq %[prime], %%zmm5
+        \\ vpxorq %%zmm6, %%zmm6, %%zmm6
         \\ test %[blocks], %[blocks]
         \\ jz 3f
         \\ 2:
@@ -212,6 +236,7 @@ fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64,
         \\ add $8, %[key]
         \\ dec %[left]
         \\ jnz 1b
+    ++ avx512_fold ++
         \\ vpsrlq $47, %%zmm0, %%zmm1
         \\ vpternlogq $0x96, 128(%[secret]), %%zmm1, %%zmm0
         \\ vpsrlq $32, %%zmm0, %%zmm1
@@ -235,7 +260,7 @@ fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64,
         \\ 5:
         \\ mov %[last], %[input]
         \\ lea 121(%[secret]), %[key]
-    ++ avx512_stripe ++
+    ++ avx512_stripe ++ avx512_fold ++
         \\ vmovdqu64 %%zmm0, (%[acc])
         \\ vzeroupper
         : [input] "+&r" (input_at),
@@ -249,7 +274,7 @@ fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64,
           [last] "r" (@intFromPtr(input.ptr) + input.len - stripe_bytes),
           [prime] "r" (prime32_1),
         // Every width's name, for the reason given in accumulateLongAvx2.
-        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true, .zmm0 = true, .zmm1 = true, .zmm2 = true, .zmm3 = true, .zmm4 = true, .zmm5 = true });
+        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .xmm6 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true, .ymm6 = true, .zmm0 = true, .zmm1 = true, .zmm2 = true, .zmm3 = true, .zmm4 = true, .zmm5 = true, .zmm6 = true });
 }
 
 /// The widest loop this CPU runs (and the tests allow); .unknown until asked, once per
