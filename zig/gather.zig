@@ -83,8 +83,9 @@ pub const BloscLayout = extern struct {
     /// first; null: nothing is checked. A part is checked before it is first decompressed.
     digests: ?[*]const u32,
     digest_stride: u64,
-    /// One bit per digest, set once its part matched in this process, then one per chunk
-    /// (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
+    /// One bit per digest, set once its part matched (in this process, or in any reader of
+    /// the loader where the bits are its ring's record: storage/checked_blocks.py), then
+    /// one per chunk (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
     digests_checked: ?[*]u64,
 };
 
