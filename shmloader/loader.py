@@ -56,7 +56,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
     "auto": sized from the batch's bytes, the most readers and the memory, auto_slots).
     verify (on by default): readers check what they read of a Blosc2 file against its
     checksums the first time they read it, each block and its chunk's head where the file
-    carries block digests (`shmloader convert` writes them), else each whole chunk's CRC-32
+    carries block digests (`shmloader convert` writes them; a block one reader checked, the
+    loader's other readers do not check again), else each whole chunk's CRC-32
     (files converted before block digests); files without checksums load unchecked. False
     skips the checks. pin_memory: page-lock the ring with CUDA once, for
     to_device(). transform, transform_args: see shmloader.transforms. shuffle_window (rows,

@@ -48,6 +48,7 @@ from .ring.layout import POLL_INTERVAL_SECONDS, WAIT_AHEAD_SPAN_SECONDS, RingLay
 from .ring.segment import Ring
 from .ring.slot_layout import SlotLayout
 from .ring.stale import sweep_stale
+from .storage import checked_blocks
 
 # The trainer also checks its readers every this many batches when it never has to wait.
 _READER_CHECK_BATCHES = 64
@@ -155,8 +156,12 @@ class Session:
         self.slot, self.slots, self.cuts, self.dataset_spec = slot, slots, cuts, dataset_spec
         self.fillers, self.step_timeout, self.hold_timeout = fillers, options.step_timeout, options.hold_timeout
         filler = self.filler_spec(plan.sampler)
-        self.layout = RingLayout(slots, max(1, pool.records), options.batch_size, slot.nbytes, len(slot.regions))
+        # The readers' shared record of checked blocks (none with readers=0: one filler checks).
+        checked_specs = checked_blocks.shared_specs(plan.fields) if options.verify and fillers else []
+        self.layout = RingLayout(slots, max(1, pool.records), options.batch_size, slot.nbytes, len(slot.regions),
+                                 checked_blocks.record_pages(checked_specs))
         ring = self.ring = resources.ring = Ring.create(self.layout, os.getpid(), watched=pool.count > 0)
+        checked_blocks.write_record(ring.memory, self.layout.checked_offset, self.layout.checked_pages, checked_specs)
         live_resources.add(resources)
         if pin_backend is not None:
             resources.pinned = PinnedRing(pin_backend, ring.base_address, self.layout.total_bytes)

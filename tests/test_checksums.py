@@ -1,12 +1,16 @@
 """Silent corruption is caught: `shmloader convert` stores a CRC-32 per chunk and a digest per
 block in the file's own metadata (readable with Blosc2 alone), `shmloader verify` names every
 bad chunk, and readers check what they read the first time they read it (on by default): a
-block and its chunk's head where the file has block digests, else the whole chunk; files
-without checksums still load."""
+block and its chunk's head where the file has block digests, once per loader (its readers
+share a record of checked blocks in its ring, for that file alone), else the whole chunk;
+files without checksums still load."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import shutil
+import struct
 import zlib
 
 import numpy as np
@@ -14,10 +18,13 @@ import pytest
 
 from shmloader import ReaderError, ShmDataLoader
 from shmloader.errors import StorageError
+from shmloader.storage import checked_blocks
 from shmloader.storage.opening import open_field
 from shmloader.storage.spec import BLOCK_DIGESTS_META, CHECKSUM_META, CHUNK_HEADER_BYTES, describe_field
 from shmloader.tools.cli import main
 from shmloader.tools.convert import convert, verify
+
+from conftest import examples
 
 
 @pytest.fixture
@@ -246,3 +253,155 @@ def test_verify_checks_the_block_digests_readers_check(stored, capsys):
     field.close()
     assert main(["verify", spec.path, "--quiet"]) == 1
     assert "1 bad chunks: 2" in capsys.readouterr().out
+
+
+def a_loaders_record(specs) -> tuple[mmap.mmap, int]:
+    """The record of checked blocks a loader keeps in its ring for `specs`, in memory of its
+    own (a reader's view of it: checked_blocks.attach)."""
+    pages = checked_blocks.record_pages(specs)
+    memory = mmap.mmap(-1, pages * 4096)
+    checked_blocks.write_record(memory, 0, pages, specs)
+    return memory, pages
+
+
+def set_bits(memory, record_offset: int, entry: int) -> set[int]:
+    """The bits set for file `entry` of a record, read by the layout table of checked_blocks.py."""
+    *_, bits_offset, words = struct.unpack_from("<QQQqQQQQ", memory, record_offset + 16 + 64 * entry)
+    bits = np.frombuffer(memory, dtype="<u8", count=words, offset=record_offset + bits_offset)
+    found = {64 * word + bit for word, value in enumerate(bits.tolist()) for bit in range(64) if value >> bit & 1}
+    del bits
+    return found
+
+
+@pytest.fixture
+def attached():
+    """Leaves this process without a loader's record after the test (as a trainer is)."""
+    yield
+    checked_blocks.detach()
+
+
+def test_the_readers_of_one_loader_check_a_block_once_and_another_loader_checks_it_again(stored, attached):
+    """A block one reader checked is not hashed again by another reader of the same loader
+    (which then reads it as it is now, as the first reader would); a new loader's record
+    starts empty, so it checks the block itself and finds the byte flipped since."""
+    rows, spec = stored
+    stride = 1 + spec.chunk_rows  # One digest for the head, one per one-row block.
+    memory, pages = a_loaders_record([spec])
+    checked_blocks.attach(memory, 0, pages)
+    out = np.empty((1, 4096), dtype=np.uint8)
+    first = open_field(spec, verify=True)
+    first.gather(np.array([130], dtype=np.uint64), out)  # Chunk 2, block 2.
+    blocks = {bit for bit in set_bits(memory, 0, 0) if bit < spec.chunk_count * stride and bit % stride}
+    assert blocks == {2 * stride + 1 + 2} and 2 * stride in set_bits(memory, 0, 0)
+    field = open_field(spec)
+    chunk = bytes(field.chunk_bytes(2))
+    field.close()
+    start, end = block_extents(chunk)[1 + 2]
+    flip_a_byte_in_chunk(spec, 2, at=(start + end) // 2)
+    second = open_field(spec, verify=True)  # Another reader of the same loader.
+    second.gather(np.array([130, 131], dtype=np.uint64), np.empty((2, 4096), dtype=np.uint8))
+    assert 2 * stride + 1 + 3 in set_bits(memory, 0, 0)  # Its own first read, checked and shared.
+    for field in (first, second):
+        field.close()
+    memory, pages = a_loaders_record([spec])  # The next loader's ring.
+    checked_blocks.attach(memory, 0, pages)
+    third = open_field(spec, verify=True)
+    with pytest.raises(StorageError, match=r"chunk 2 fails its checksum \(its block 2,"):
+        third.gather(np.array([130], dtype=np.uint64), out)
+    assert 2 * stride + 1 + 2 not in set_bits(memory, 0, 0)
+    third.close()
+
+
+def test_a_record_vouches_only_for_the_file_it_names(tmp_path, attached):
+    """A copy of a file (another inode: same layout, same digests) with a flipped byte is
+    checked by its readers although the record holds every block of the original; so is a
+    file changed since the record was made, and an entry that points outside its record."""
+    rows = np.arange(128 * 4096, dtype=np.uint8).reshape(128, 4096)
+    original = convert(rows, tmp_path / "a.b2nd", codec="none", progress=False)
+    shutil.copyfile(original.path, tmp_path / "b.b2nd")
+    copy = describe_field(tmp_path / "b.b2nd")
+    memory, pages = a_loaders_record([original])
+    checked_blocks.attach(memory, 0, pages)
+    everything = open_field(original, verify=True)
+    everything.gather(np.arange(128, dtype=np.uint64), np.empty((128, 4096), dtype=np.uint8))
+    everything.close()
+    flip_a_byte_in_chunk(copy, 1)
+    reader = open_field(copy, verify=True)
+    with pytest.raises(StorageError, match=r"b\.b2nd: chunk 1 fails its checksum"):
+        reader.gather(np.arange(64, 128, dtype=np.uint64), np.empty((64, 4096), dtype=np.uint8))
+    reader.close()
+    os.utime(original.path, ns=(original.identity[3], original.identity[3] + 1))
+    changed = describe_field(original.path)
+    assert checked_blocks.shared_bits(changed, changed.chunk_count, 1 + changed.chunk_rows) is None
+    assert checked_blocks.shared_bits(original, original.chunk_count, 1 + original.chunk_rows) is not None
+    struct.pack_into("<Q", memory, 16 + 48, pages * 4096)  # The entry's bits_offset: past the record.
+    checked_blocks.attach(memory, 0, pages)
+    assert checked_blocks.shared_bits(original, original.chunk_count, 1 + original.chunk_rows) is None
+
+
+@pytest.mark.parametrize("bad_row", [3, 70, 133, 250], ids=lambda row: f"row{row}")
+def test_a_flipped_byte_is_caught_whichever_reader_reads_it_first(stored, bad_row):
+    rows, spec = stored
+    field = open_field(spec)
+    chunk = bytes(field.chunk_bytes(bad_row // 64))
+    field.close()
+    start, end = block_extents(chunk)[1 + bad_row % 64]
+    flip_a_byte_in_chunk(spec, bad_row // 64, at=(start + end) // 2)
+    with ShmDataLoader({"rows": spec.path}, batch_size=16, readers=2, slots=4, seed=bad_row,
+                       warn_layout=False) as loader:
+        with pytest.raises(ReaderError, match=rf"chunk {bad_row // 64} fails its checksum \(its block {bad_row % 64},"):
+            for _ in range(256 // 16):
+                batch = next(loader)
+                assert np.array_equal(batch["rows"], rows[batch.indices])
+
+
+def test_a_loaders_readers_keep_one_record_of_checked_blocks_in_its_ring(stored):
+    """Two readers read an epoch between them: the ring's record holds every block once
+    (whichever reader read it) and every chunk's head; the readers keep no other."""
+    rows, spec = stored
+    stride = 1 + spec.chunk_rows
+    with ShmDataLoader({"rows": spec.path}, batch_size=16, readers=2, slots=4, warn_layout=False) as loader:
+        for _ in range(256 // 16):
+            batch = next(loader)
+            assert np.array_equal(batch["rows"], rows[batch.indices])
+        layout, memory = loader._session.layout, loader._session.ring.memory
+        assert layout.checked_pages > 0
+        found = set_bits(memory, layout.checked_offset, 0)
+    parts = {bit for bit in found if bit < spec.chunk_count * stride}
+    assert parts == {chunk * stride + part for chunk in range(spec.chunk_count) for part in range(stride)}
+
+
+def stored_as_is(blocks: list[bytes]) -> bytes:
+    """A Blosc2 chunk of `blocks` stored as they are (BLOSC_MEMCPYED), each but the last of
+    the first one's length: its block parts are exactly those bytes."""
+    block_bytes, uncompressed = len(blocks[0]), sum(map(len, blocks))
+    assert all(len(block) == block_bytes for block in blocks[:-1]) and 0 < len(blocks[-1]) <= block_bytes
+    header = bytearray(CHUNK_HEADER_BYTES)
+    header[0], header[2], header[3] = 2, 0x2, 1  # Version, stored as is, one-byte items.
+    struct.pack_into("<III", header, 4, uncompressed, block_bytes, CHUNK_HEADER_BYTES + uncompressed)
+    return bytes(header) + b"".join(blocks)
+
+
+if examples is not None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @examples(60)
+    @given(first=st.integers(1, 5000), second=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
+    def test_the_digest_is_xxh3_at_any_length_and_alignment(first, second, seed):
+        """The library's digests (the widest vector loop this CPU runs: AVX-512, AVX2 or
+        128-bit) against the xxhash package, over lengths around every switch of XXH3's
+        long loop and at every alignment (the second block starts `first` bytes later)."""
+        import xxhash
+
+        from shmloader._native import Status, ffi, lib
+
+        data = np.random.default_rng(seed).integers(0, 256, first + min(first, second), dtype=np.uint8).tobytes()
+        blocks = [data[:first], data[first:]]
+        chunk = stored_as_is(blocks)
+        digests, parts = np.zeros(3, dtype=np.uint32), ffi.new("uint64_t *")
+        status = lib.shm_chunk_digests(ffi.from_buffer("uint8_t[]", chunk), len(chunk),
+                                       ffi.from_buffer("uint32_t[]", digests), 3, parts)
+        assert status == Status.OK and parts[0] == 3
+        expected = [xxhash.xxh3_64_intdigest(part) & 0xFFFFFFFF for part in (chunk[:CHUNK_HEADER_BYTES], *blocks)]
+        assert digests.tolist() == expected

@@ -277,3 +277,20 @@ def test_top_names_what_limits_a_loader_as_stats_does(tmp_path):
         (view,) = monitor.views.values()
         assert view.bottleneck is not None and view.bottleneck["stage"] == stage == "trainer", view.bottleneck
         assert "bottleneck: the training step" in render_text(monitor)
+
+
+def test_top_reads_a_ring_that_keeps_a_record_of_checked_blocks(tmp_path):
+    """A loader that checks a .b2nd keeps its readers' record of checked blocks after the
+    slots (the header's checked_pages): top sizes the ring with it and shows the loader."""
+    from shmloader.tools.convert import convert
+
+    convert(np.arange(64 * 4096, dtype=np.uint8).reshape(64, 4096), tmp_path / "x.b2nd", codec="none",
+            progress=False)
+    with ShmDataLoader({"x": str(tmp_path / "x.b2nd")}, batch_size=16, readers=2, slots=4,
+                       warn_layout=False) as loader:
+        next(loader)
+        assert loader._session.layout.checked_pages > 0
+        monitor = Monitor([loader.diagnostics.ring_name])
+        monitor.refresh()
+        (view,) = monitor.views.values()
+        assert view.last.trainer_pid == os.getpid() and len(view.last.states) == 4

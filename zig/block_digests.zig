@@ -153,10 +153,15 @@ pub fn chunkDigests(chunk: [*]const u8, chunk_bytes: u64, out: []u32) ?u64 {
 }
 
 /// What a gather checks when it reads a chunk's bytes: each part's stored digest
-/// (`stride` per chunk, head first) and one bit per part, set once the part matched in
-/// this process (a part is checked the first time a gather reads it, never again); then
-/// one bit per chunk (of `chunk_count`), set with its head's where its table lists its
-/// blocks in stored order.
+/// (`stride` per chunk, head first) and one bit per part, set once the part matched (a
+/// part is checked the first time a gather reads it, never again); then one bit per chunk
+/// (of `chunk_count`), set with its head's where its table lists its blocks in stored
+/// order. The bits may be shared by the readers of one loader (in its ring: storage/
+/// checked_blocks.py), each of which maps the same file. A bit is only ever set after its
+/// part matched, so a reader that sees a bit set sees a part some reader of the loader
+/// checked in the same file's bytes; each word is loaded and stored whole (atomically),
+/// never locked, so two readers that set bits of one word at once may lose one of them:
+/// that part is checked again later, never trusted unchecked.
 pub const Checker = struct {
     digests: [*]const u32,
     stride: u64,
@@ -168,11 +173,25 @@ pub const Checker = struct {
     }
 
     fn isChecked(self: Checker, index: u64) bool {
-        return self.checked[index / 64] & (@as(u64, 1) << @intCast(index % 64)) != 0;
+        // Monotonic: the bits order nothing else (the bytes they vouch for are the file's,
+        // which no reader writes); a bit another reader sets later is only a check redone.
+        const word = @atomicLoad(u64, &self.checked[index / 64], .monotonic);
+        return word & (@as(u64, 1) << @intCast(index % 64)) != 0;
     }
 
     fn markChecked(self: Checker, index: u64) void {
-        self.checked[index / 64] |= @as(u64, 1) << @intCast(index % 64);
+        // A load and a store, not a locked OR: a locked instruction waits for every store
+        // before it to drain, and a block's check comes right after libblosc2 wrote the
+        // block's rows out. A bit another reader sets between the two may be lost (above).
+        const bit = @as(u64, 1) << @intCast(index % 64);
+        @atomicStore(u64, &self.checked[index / 64], @atomicLoad(u64, &self.checked[index / 64], .monotonic) | bit, .monotonic);
+    }
+
+    /// Asks for the cache lines of the bits a read of block `block` of chunk `chunk_index`
+    /// tests first (a hint: nothing is read or faults).
+    pub fn prefetch(self: Checker, chunk_index: u64, block: u64) void {
+        @prefetch(&self.checked[(chunk_index * self.stride + 1 + block) / 64], .{});
+        @prefetch(&self.checked[self.inOrderIndex(chunk_index) / 64], .{});
     }
 
     /// Checks chunk `chunk_index`'s head (its header and table of block starts, which say

@@ -77,11 +77,12 @@ test "the digest is XXH3-64's low half at every length, its vector loop included
     var bytes: [5000]u8 = undefined;
     for (&bytes, 0..) |*byte, at| byte.* = @truncate(at *% 2654435761 >> 11);
     // Around the short/long switch (240), a scramble (1024) and the overlapping last stripe.
-    // Both loops: 256-bit where this CPU has AVX2 and the build is LLVM's (zig test
-    // -OReleaseFast), and the 128-bit one.
+    // Every loop: 512-bit and 256-bit where this CPU has AVX-512 or AVX2 and the build is
+    // LLVM's (zig test -OReleaseFast), and the 128-bit one.
     defer xxh3.avx2_allowed = true;
-    for ([_]bool{ true, false }) |allowed| {
-        xxh3.avx2_allowed = allowed;
+    defer xxh3.avx512_allowed = true;
+    for ([_][2]bool{ .{ true, true }, .{ true, false }, .{ false, false } }) |allowed| {
+        xxh3.avx2_allowed, xxh3.avx512_allowed = allowed;
         for ([_]usize{ 0, 1, 32, 240, 241, 255, 1023, 1024, 1025, 1088, 3072, 4999, 5000 }) |length| {
             const expected: u32 = @truncate(std.hash.XxHash3.hash(0, bytes[0..length]));
             try testing.expectEqual(expected, block_digests.digest(bytes[0..length]));

@@ -83,8 +83,9 @@ pub const BloscLayout = extern struct {
     /// first; null: nothing is checked. A part is checked before it is first decompressed.
     digests: ?[*]const u32,
     digest_stride: u64,
-    /// One bit per digest, set once its part matched in this process, then one per chunk
-    /// (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
+    /// One bit per digest, set once its part matched (in this process, or in any reader of
+    /// the loader where the bits are its ring's record: storage/checked_blocks.py), then
+    /// one per chunk (block_digests.Checker): chunk_count * (digest_stride + 1) bits.
     digests_checked: ?[*]u64,
 };
 
@@ -119,10 +120,7 @@ fn getBytes(
     const chunk_bytes = layout.chunk_bytes[chunk_index];
     if (chunk_bytes < chunk_header_bytes or chunk_bytes > std.math.maxInt(i32)) return .chunk_size_invalid;
     const chunk: [*]const u8 = @ptrFromInt(layout.chunk_addresses[chunk_index]);
-    const checker: ?block_digests.Checker = if (layout.digests) |digests|
-        .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.?, .chunk_count = layout.chunk_count }
-    else
-        null;
+    const checker = checkerOf(layout);
     if (checker) |check| {
         // The head before libblosc2 reads the chunk: its header and table say where the
         // blocks lie, and libblosc2 must not follow a changed one.
@@ -143,6 +141,12 @@ fn getBytes(
         }
     }
     return got;
+}
+
+/// The layout's digest checks, or null where it has none.
+fn checkerOf(layout: *const BloscLayout) ?block_digests.Checker {
+    const digests = layout.digests orelse return null;
+    return .{ .digests = digests, .stride = layout.digest_stride, .checked = layout.digests_checked.?, .chunk_count = layout.chunk_count };
 }
 
 fn getRange(
@@ -293,7 +297,10 @@ fn prefetchRow(layout: *const BloscLayout, index: u64, block: bool) void {
     }
     const start = std.mem.readInt(u32, chunk[entry..][0..4], .little);
     inline for (0..4) |line| @prefetch(chunk + start + 64 * line, .{});
-    if (layout.digests) |digests| @prefetch(digests + chunk_index * layout.digest_stride + 1 + block_in_chunk, .{});
+    if (layout.digests) |digests| {
+        @prefetch(digests + chunk_index * layout.digest_stride + 1 + block_in_chunk, .{});
+        if (block_in_chunk + 1 < layout.digest_stride) checkerOf(layout).?.prefetch(chunk_index, block_in_chunk);
+    }
 }
 
 fn orderLessThan(_: void, a: u128, b: u128) bool {

@@ -1,5 +1,5 @@
 //! XXH3-64 with seed 0 (xxhash.h's XXH3_64bits), what block digests hash with: its long-input
-//! loop on 128-bit vectors, and on 256-bit ones where the CPU has AVX2.
+//! loop on 128-bit vectors, and on 256-bit or 512-bit ones where the CPU has AVX2 or AVX-512.
 //! Its tests: block_digests_test.zig (against std.hash.XxHash3) and tests/test_checksums.py
 //! (against the xxhash package).
 
@@ -66,74 +66,235 @@ fn scramble(accumulators: *[4]Lanes, secret: [*]const u8) void {
     }
 }
 
-/// Stripes through accumulateStripe, or through the same sums on 256-bit vectors where
-/// the CPU has AVX2 (about twice the bytes per cycle; the library is built for the
-/// baseline CPU, so that loop is assembly, chosen at run time).
+/// Stripes through accumulateStripe: the 128-bit loop, where the CPU has neither AVX2 nor
+/// AVX-512 (hashLong takes accumulateLongAvx2 or accumulateLongAvx512 where it has).
 fn accumulateStripes(accumulators: *[4]Lanes, input: [*]const u8, secret: [*]const u8, stripes: u64) void {
-    if (stripes == 0) return;
-    if (avx2_assembly and hasAvx2()) return accumulateStripesAvx2(accumulators, input, secret, stripes);
     for (0..stripes) |stripe| accumulateStripe(accumulators, input + stripe * stripe_bytes, secret + stripe * 8);
 }
 
-// LLVM assembles the loop; Zig's own x86-64 backend (Debug builds) takes a subset of AT&T
-// syntax without it, and runs the 128-bit loop.
+// LLVM assembles the wide loops; Zig's own x86-64 backend (Debug builds) takes a subset of
+// AT&T syntax without it, and runs the 128-bit loop. The library is built for the baseline
+// CPU, so the wide loops are assembly, chosen at run time.
 const avx2_assembly = @import("builtin").cpu.arch == .x86_64 and @import("builtin").zig_backend == .stage2_llvm;
 
-/// XXH3_accumulate_512 as xxhash.h's AVX2 path computes it: the two halves of the
-/// accumulators in ymm0 and ymm1, a stripe's two 32-byte halves against them.
-fn accumulateStripesAvx2(accumulators: *[4]Lanes, input: [*]const u8, secret: [*]const u8, stripes: u64) void {
-    std.debug.assert(stripes > 0);
-    var input_at = @intFromPtr(input);
-    var secret_at = @intFromPtr(secret);
-    var left = stripes;
+/// One stripe on 256-bit vectors (XXH3_accumulate_512 as xxhash.h's AVX2 path computes it):
+/// its two 32-byte halves at %[input] against the secret at %[key], their products into
+/// ymm0 and ymm1. Each lane also gets its pair's input word; as that swap is a permutation,
+/// the input is summed unswapped into ymm6 and ymm7 and swapped once, by avx2Fold, before
+/// a scramble or the end reads the accumulators: one shuffle less per half-stripe.
+const avx2_stripe =
+    \\
+    \\ vmovdqu (%[input]), %%ymm2
+    \\ vpxor (%[key]), %%ymm2, %%ymm3
+    \\ vpsrlq $32, %%ymm3, %%ymm4
+    \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
+    \\ vpaddq %%ymm4, %%ymm0, %%ymm0
+    \\ vpaddq %%ymm2, %%ymm6, %%ymm6
+    \\ vmovdqu 32(%[input]), %%ymm2
+    \\ vpxor 32(%[key]), %%ymm2, %%ymm3
+    \\ vpsrlq $32, %%ymm3, %%ymm4
+    \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
+    \\ vpaddq %%ymm4, %%ymm1, %%ymm1
+    \\ vpaddq %%ymm2, %%ymm7, %%ymm7
+    \\
+;
+
+/// The input sums into the accumulators, each lane's to its pair, and the sums zeroed.
+const avx2_fold =
+    \\
+    \\ vpshufd $0x4e, %%ymm6, %%ymm6
+    \\ vpaddq %%ymm6, %%ymm0, %%ymm0
+    \\ vpshufd $0x4e, %%ymm7, %%ymm7
+    \\ vpaddq %%ymm7, %%ymm1, %%ymm1
+    \\ vpxor %%ymm6, %%ymm6, %%ymm6
+    \\ vpxor %%ymm7, %%ymm7, %%ymm7
+    \\
+;
+
+/// A scramble (XXH3_scrambleAcc) of the accumulators half in `half` against the secret's
+/// bytes at `at`: acc ^= acc >> 47, ^= the secret, *= PRIME32_1 as two 32-bit products.
+fn avx2Scramble(comptime half: []const u8, comptime at: []const u8) []const u8 {
+    return "\n vpsrlq $47, %%" ++ half ++ ", %%ymm2\n vpxor %%ymm2, %%" ++ half ++ ", %%" ++ half ++
+        "\n vpxor " ++ at ++ "(%[secret]), %%" ++ half ++ ", %%" ++ half ++
+        "\n vpsrlq $32, %%" ++ half ++ ", %%ymm2\n vpmuludq %%ymm5, %%" ++ half ++ ", %%ymm3" ++
+        "\n vpmuludq %%ymm5, %%ymm2, %%ymm2\n vpsllq $32, %%ymm2, %%ymm2\n vpaddq %%ymm2, %%ymm3, %%" ++ half ++ "\n";
+}
+
+/// accumulateLongAvx512's work on 256-bit vectors: the accumulators in ymm0 and ymm1 from
+/// the first stripe to the last.
+fn accumulateLongAvx2(accumulators: *[4]Lanes, input: []const u8, blocks: u64, stripes: u64) void {
+    std.debug.assert(input.len > short_max and stripes < stripes_per_block);
+    var input_at = @intFromPtr(input.ptr);
+    var key_at: usize = undefined;
+    var blocks_left = blocks;
+    var stripes_left: u64 = undefined;
     asm volatile (
-        \\ vmovdqu (%[acc]), %%ymm0
-        \\ vmovdqu 32(%[acc]), %%ymm1
+        \\ vmovdqa (%[initial]), %%ymm0
+        \\ vmovdqa 32(%[initial]), %%ymm1
+        \\ vmovq %[prime], %%xmm5
+        \\ vpbroadcastq %%xmm5, %%ymm5
+        \\ vpxor %%ymm6, %%ymm6, %%ymm6
+        \\ vpxor %%ymm7, %%ymm7, %%ymm7
+        \\ test %[blocks], %[blocks]
+        \\ jz 3f
+        \\ 2:
+        \\ mov %[secret], %[key]
+        \\ mov $16, %[left]
         \\ 1:
-        \\ vmovdqu (%[input]), %%ymm2
-        \\ vpxor (%[secret]), %%ymm2, %%ymm3
-        \\ vpshufd $0x31, %%ymm3, %%ymm4
-        \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
-        \\ vpshufd $0x4e, %%ymm2, %%ymm2
-        \\ vpaddq %%ymm2, %%ymm0, %%ymm0
-        \\ vpaddq %%ymm4, %%ymm0, %%ymm0
-        \\ vmovdqu 32(%[input]), %%ymm2
-        \\ vpxor 32(%[secret]), %%ymm2, %%ymm3
-        \\ vpshufd $0x31, %%ymm3, %%ymm4
-        \\ vpmuludq %%ymm4, %%ymm3, %%ymm4
-        \\ vpshufd $0x4e, %%ymm2, %%ymm2
-        \\ vpaddq %%ymm2, %%ymm1, %%ymm1
-        \\ vpaddq %%ymm4, %%ymm1, %%ymm1
+    ++ avx2_stripe ++
         \\ add $64, %[input]
-        \\ add $8, %[secret]
+        \\ add $8, %[key]
         \\ dec %[left]
         \\ jnz 1b
+    ++ avx2_fold ++ avx2Scramble("ymm0", "128") ++ avx2Scramble("ymm1", "160") ++
+        \\ dec %[blocks]
+        \\ jnz 2b
+        \\ 3:
+        \\ mov %[secret], %[key]
+        \\ mov %[stripes], %[left]
+        \\ test %[left], %[left]
+        \\ jz 5f
+        \\ 4:
+    ++ avx2_stripe ++
+        \\ add $64, %[input]
+        \\ add $8, %[key]
+        \\ dec %[left]
+        \\ jnz 4b
+        \\ 5:
+        \\ mov %[last], %[input]
+        \\ lea 121(%[secret]), %[key]
+    ++ avx2_stripe ++ avx2_fold ++
         \\ vmovdqu %%ymm0, (%[acc])
         \\ vmovdqu %%ymm1, 32(%[acc])
         \\ vzeroupper
-        : [input] "+r" (input_at),
-          [secret] "+r" (secret_at),
-          [left] "+r" (left),
+        : [input] "+&r" (input_at),
+          [key] "=&r" (key_at),
+          [blocks] "+&r" (blocks_left),
+          [left] "=&r" (stripes_left),
         : [acc] "r" (@intFromPtr(accumulators)),
+          [initial] "r" (@intFromPtr(&initial_accumulators)),
+          [secret] "r" (@intFromPtr(&xxh3_secret)),
+          [stripes] "r" (stripes),
+          [last] "r" (@intFromPtr(input.ptr) + input.len - stripe_bytes),
+          [prime] "r" (prime32_1),
         // The xmm names too: built for the baseline CPU, LLVM knows no ymm registers and
-        // would drop their clobbers, keeping its own values in xmm1-4 across the loop.
-        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true });
+        // would drop their clobbers, keeping its own values in xmm0-7 across the loop.
+        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .xmm6 = true, .xmm7 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true, .ymm6 = true, .ymm7 = true });
 }
 
-/// 0: not asked yet, 1: no AVX2, 2: AVX2. Asked once per process; a race asks twice and
-/// stores the same answer.
-var avx2_known: u8 = 0;
-/// Forces the 128-bit loop (the tests compare both).
-pub var avx2_allowed: bool = true;
+/// One stripe on 512-bit vectors (XXH3_accumulate_512 as xxhash.h's AVX-512 path computes
+/// it), the stripe at %[input] against the secret at %[key], its products into zmm0 and its
+/// input, unswapped, into zmm6 (as in avx2_stripe; avx512_fold swaps and adds it).
+const avx512_stripe =
+    \\
+    \\ vmovdqu64 (%[input]), %%zmm2
+    \\ vpxorq (%[key]), %%zmm2, %%zmm3
+    \\ vpsrlq $32, %%zmm3, %%zmm4
+    \\ vpmuludq %%zmm4, %%zmm3, %%zmm4
+    \\ vpaddq %%zmm4, %%zmm0, %%zmm0
+    \\ vpaddq %%zmm2, %%zmm6, %%zmm6
+    \\
+;
 
-fn hasAvx2() bool {
-    if (!avx2_allowed) return false;
-    var known = @atomicLoad(u8, &avx2_known, .monotonic);
-    if (known == 0) {
-        known = if (cpuHasAvx2()) 2 else 1;
-        @atomicStore(u8, &avx2_known, known, .monotonic);
+const avx512_fold =
+    \\
+    \\ vpshufd $0x4e, %%zmm6, %%zmm6
+    \\ vpaddq %%zmm6, %%zmm0, %%zmm0
+    \\ vpxorq %%zmm6, %%zmm6, %%zmm6
+    \\
+;
+
+/// hashLong's first accumulators (XXH3_INIT_ACC), read by the wide loops in one load (from
+/// the accumulators' own 128-bit stores, the CPU could not forward it).
+const initial_accumulators: [4]Lanes align(64) = .{ .{ prime32_3, prime64_1 }, .{ prime64_2, prime64_3 }, .{ prime64_4, prime32_2 }, .{ prime64_5, prime32_1 } };
+
+/// The whole of hashLong's accumulation on 512-bit vectors, in one piece of assembly: the
+/// accumulators stay in zmm0 from the first stripe to the last (where the 128-bit loops
+/// meet between calls through memory, whose wide loads of narrower stores the CPU cannot
+/// forward: a third of a 3 KB block's hash), `blocks` blocks of 16 stripes each followed
+/// by a scramble (XXH3_scrambleAcc: acc ^= acc >> 47, ^= the secret's last 64 bytes,
+/// *= PRIME32_1 as two 32-bit products), then `stripes` stripes, then the last 64 bytes
+/// against the secret 7 bytes before its end.
+fn accumulateLongAvx512(accumulators: *[4]Lanes, input: []const u8, blocks: u64, stripes: u64) void {
+    std.debug.assert(input.len > short_max and stripes < stripes_per_block);
+    var input_at = @intFromPtr(input.ptr);
+    var key_at: usize = undefined;
+    var blocks_left = blocks;
+    var stripes_left: u64 = undefined;
+    asm volatile (
+        \\ vmovdqa64 (%[initial]), %%zmm0
+        \\ vpbroadcastq %[prime], %%zmm5
+        \\ vpxorq %%zmm6, %%zmm6, %%zmm6
+        \\ test %[blocks], %[blocks]
+        \\ jz 3f
+        \\ 2:
+        \\ mov %[secret], %[key]
+        \\ mov $16, %[left]
+        \\ 1:
+    ++ avx512_stripe ++
+        \\ add $64, %[input]
+        \\ add $8, %[key]
+        \\ dec %[left]
+        \\ jnz 1b
+    ++ avx512_fold ++
+        \\ vpsrlq $47, %%zmm0, %%zmm1
+        \\ vpternlogq $0x96, 128(%[secret]), %%zmm1, %%zmm0
+        \\ vpsrlq $32, %%zmm0, %%zmm1
+        \\ vpmuludq %%zmm5, %%zmm0, %%zmm2
+        \\ vpmuludq %%zmm5, %%zmm1, %%zmm1
+        \\ vpsllq $32, %%zmm1, %%zmm1
+        \\ vpaddq %%zmm1, %%zmm2, %%zmm0
+        \\ dec %[blocks]
+        \\ jnz 2b
+        \\ 3:
+        \\ mov %[secret], %[key]
+        \\ mov %[stripes], %[left]
+        \\ test %[left], %[left]
+        \\ jz 5f
+        \\ 4:
+    ++ avx512_stripe ++
+        \\ add $64, %[input]
+        \\ add $8, %[key]
+        \\ dec %[left]
+        \\ jnz 4b
+        \\ 5:
+        \\ mov %[last], %[input]
+        \\ lea 121(%[secret]), %[key]
+    ++ avx512_stripe ++ avx512_fold ++
+        \\ vmovdqu64 %%zmm0, (%[acc])
+        \\ vzeroupper
+        : [input] "+&r" (input_at),
+          [key] "=&r" (key_at),
+          [blocks] "+&r" (blocks_left),
+          [left] "=&r" (stripes_left),
+        : [acc] "r" (@intFromPtr(accumulators)),
+          [initial] "r" (@intFromPtr(&initial_accumulators)),
+          [secret] "r" (@intFromPtr(&xxh3_secret)),
+          [stripes] "r" (stripes),
+          [last] "r" (@intFromPtr(input.ptr) + input.len - stripe_bytes),
+          [prime] "r" (prime32_1),
+        // Every width's name, for the reason given in accumulateLongAvx2.
+        : .{ .memory = true, .cc = true, .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .xmm4 = true, .xmm5 = true, .xmm6 = true, .ymm0 = true, .ymm1 = true, .ymm2 = true, .ymm3 = true, .ymm4 = true, .ymm5 = true, .ymm6 = true, .zmm0 = true, .zmm1 = true, .zmm2 = true, .zmm3 = true, .zmm4 = true, .zmm5 = true, .zmm6 = true });
+}
+
+/// The widest loop this CPU runs (and the tests allow); .unknown until asked, once per
+/// process (a race asks twice and stores the same answer).
+const VectorLoop = enum(u8) { unknown = 0, lanes128 = 1, avx2 = 2, avx512 = 3 };
+var vector_loop_known: u8 = @intFromEnum(VectorLoop.unknown);
+/// Force narrower loops (the tests compare them all).
+pub var avx2_allowed: bool = true;
+pub var avx512_allowed: bool = true;
+
+fn vectorLoop() VectorLoop {
+    var known: VectorLoop = @enumFromInt(@atomicLoad(u8, &vector_loop_known, .monotonic));
+    if (known == .unknown) {
+        const features = cpuVectorFeatures();
+        known = if (features.avx512) .avx512 else if (features.avx2) .avx2 else .lanes128;
+        @atomicStore(u8, &vector_loop_known, @intFromEnum(known), .monotonic);
     }
-    return known == 2;
+    if (known == .avx512 and !avx512_allowed) known = .avx2;
+    if (known == .avx2 and !avx2_allowed) known = .lanes128;
+    return known;
 }
 
 const CpuidLeaf = struct { eax: u32, ebx: u32, ecx: u32 };
@@ -154,22 +315,28 @@ fn cpuid(leaf: u32, subleaf: u32) CpuidLeaf {
     return .{ .eax = eax, .ebx = ebx, .ecx = ecx };
 }
 
-/// AVX2 in the CPU (CPUID 7.0 EBX bit 5), and YMM state saved by the OS (OSXSAVE, then
-/// XCR0 bits 1 and 2): both are needed to run the loop above.
-fn cpuHasAvx2() bool {
-    if (cpuid(0, 0).eax < 7) return false;
+/// AVX2 in the CPU (CPUID 7.0 EBX bit 5) with YMM state saved by the OS (OSXSAVE, then
+/// XCR0 bits 1 and 2); AVX-512 Foundation (EBX bit 16, every instruction of its loop) with
+/// the opmask and ZMM state saved too (XCR0 bits 5-7). Each is needed to run its loop.
+const VectorFeatures = struct { avx2: bool, avx512: bool };
+
+fn cpuVectorFeatures() VectorFeatures {
+    const none: VectorFeatures = .{ .avx2 = false, .avx512 = false };
+    if (cpuid(0, 0).eax < 7) return none;
     const features = cpuid(1, 0).ecx;
     const osxsave = features & (1 << 27) != 0;
     const avx = features & (1 << 28) != 0;
-    if (!osxsave or !avx) return false;
+    if (!osxsave or !avx) return none;
     const xcr0 = asm volatile (
         \\ xor %%ecx, %%ecx
         \\ xgetbv
         : [_] "={eax}" (-> u32),
         :
         : .{ .edx = true, .ecx = true });
-    if (xcr0 & 0x6 != 0x6) return false;
-    return cpuid(7, 0).ebx & (1 << 5) != 0;
+    if (xcr0 & 0x6 != 0x6) return none;
+    const extended = cpuid(7, 0).ebx;
+    const avx2 = extended & (1 << 5) != 0;
+    return .{ .avx2 = avx2, .avx512 = avx2 and extended & (1 << 16) != 0 and xcr0 & 0xE6 == 0xE6 };
 }
 
 fn fold128(a: u64, b: u64) u64 {
@@ -184,18 +351,25 @@ pub fn hash(input: []const u8) u64 {
 
 fn hashLong(input: []const u8) u64 {
     std.debug.assert(input.len > short_max);
-    var accumulators: [4]Lanes = .{ .{ prime32_3, prime64_1 }, .{ prime64_2, prime64_3 }, .{ prime64_4, prime32_2 }, .{ prime64_5, prime32_1 } };
+    var accumulators: [4]Lanes = initial_accumulators;
     const secret: [*]const u8 = &xxh3_secret;
     const block_bytes = stripe_bytes * stripes_per_block;
     const blocks = (input.len - 1) / block_bytes;
-    for (0..blocks) |block| {
-        accumulateStripes(&accumulators, input.ptr + block * block_bytes, secret, stripes_per_block);
-        scramble(&accumulators, secret + xxh3_secret.len - stripe_bytes);
-    }
     const stripes = (input.len - 1 - blocks * block_bytes) / stripe_bytes;
-    accumulateStripes(&accumulators, input.ptr + blocks * block_bytes, secret, stripes);
-    // The last stripe, overlapping the previous one where the length is not a multiple of 64.
-    accumulateStripe(&accumulators, input.ptr + input.len - stripe_bytes, secret + xxh3_secret.len - stripe_bytes - 7);
+    const loop = if (avx2_assembly) vectorLoop() else .lanes128;
+    if (loop == .avx512) {
+        accumulateLongAvx512(&accumulators, input, blocks, stripes);
+    } else if (loop == .avx2) {
+        accumulateLongAvx2(&accumulators, input, blocks, stripes);
+    } else {
+        for (0..blocks) |block| {
+            accumulateStripes(&accumulators, input.ptr + block * block_bytes, secret, stripes_per_block);
+            scramble(&accumulators, secret + xxh3_secret.len - stripe_bytes);
+        }
+        accumulateStripes(&accumulators, input.ptr + blocks * block_bytes, secret, stripes);
+        // The last stripe, overlapping the previous one where the length is not a multiple of 64.
+        accumulateStripe(&accumulators, input.ptr + input.len - stripe_bytes, secret + xxh3_secret.len - stripe_bytes - 7);
+    }
     var result: u64 = @as(u64, input.len) *% prime64_1;
     inline for (accumulators, 0..) |accumulator, lane| {
         const key = xxh3_secret[11 + 16 * lane ..];

@@ -28,6 +28,7 @@ from ..ring.layout import POLL_INTERVAL_SECONDS, READER_ERROR_BYTES_MAX, RingNam
 from ..ring.publishing import Publisher
 from ..ring.segment import Ring, wait
 from ..ring.stale import sweep_stale
+from ..storage import checked_blocks
 from .channel import RETIRE_MESSAGE, STOP_MESSAGE, ConfigChannel, ReaderConfig, enter_trainer_context
 from .filling import fill_and_publish
 
@@ -439,6 +440,8 @@ def main(argv: list[str]) -> int:
     except OSError as error:
         print(f"shmloader reader {config.reader_index}: cannot attach the ring: {error}", file=sys.stderr)
         return EXIT_NO_RING
+    # The loader's record of checked blocks, before any field opens (this process serves one ring).
+    checked_blocks.attach(ring.memory, config.layout.checked_offset, config.layout.checked_pages)
     reader, pid = None, os.getpid()
     try:
         enter_trainer_context(config)  # Before the dataset or transform loads: it may open relative paths.

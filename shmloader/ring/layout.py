@@ -61,6 +61,9 @@ class RingLayout:
     batch_size: int
     slot_bytes: int  # SlotLayout.nbytes
     field_count: int  # regions of a slot, indices excluded (checked by readers against the header)
+    # Pages of the record of the blocks the readers have checked (storage/checked_blocks.py),
+    # after the slots; 0: none (verify=False, or no file whose checks can be shared).
+    checked_pages: int = 0
 
     @functools.cached_property
     def slot_stride(self) -> int:
@@ -75,8 +78,12 @@ class RingLayout:
         return align(self.table_offset + self.slot_count * SLOT_CONTROL_BYTES, PAGE_BYTES)
 
     @functools.cached_property
-    def total_bytes(self) -> int:
+    def checked_offset(self) -> int:
         return self.slots_offset + self.slot_count * self.slot_stride
+
+    @functools.cached_property
+    def total_bytes(self) -> int:
+        return self.checked_offset + self.checked_pages * PAGE_BYTES
 
     def slot_offset(self, slot: int) -> int:
         return self.slots_offset + slot * self.slot_stride

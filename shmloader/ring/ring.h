@@ -20,8 +20,9 @@
 /* Bumped whenever the layout or the protocol changes; a reader refuses any other.
  * 4: when a slot was requested, and the readers' sleep counters, for stats().
  * 5: the records a reader skipped.
- * 6: next()'s waits per slot, and the readers' time by stage, for stats()["bottleneck"]. */
-#define SHM_RING_VERSION 6
+ * 6: next()'s waits per slot, and the readers' time by stage, for stats()["bottleneck"].
+ * 7: the record of checked blocks after the slots (checked_pages, was reserved). */
+#define SHM_RING_VERSION 7
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -41,7 +42,7 @@ typedef struct {
     uint32_t reader_count;
     uint32_t field_count;
     uint32_t trainer_pid;
-    uint32_t reserved;
+    uint32_t checked_pages; /* 4 KiB pages of the checked-blocks record after the slots */
     uint64_t batch_size;
     uint64_t slot_stride;
     uint64_t slots_offset;

@@ -22,8 +22,12 @@ Segment layout (all integers little-endian, offsets in bytes):
                                                                   aligned: a field's rows, a ragged field's
                                                                   padded or packed values and its lengths or
                                                                   offsets
+    checked_offset  checked_pages * 4096  checked blocks          which blocks of the loader's Blosc2 files its
+                                                                  readers have checked, one bit each, shared by
+                                                                  them (storage/checked_blocks.py has its table)
 
-table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096.
+table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096;
+checked_offset = slots_offset + slot_count*stride.
 The control lines sit together, apart from the data, so that the trainer's next() and
 the readers' scans read one page of them rather than one page per slot: after a training
 step every page touched is a TLB miss, and the data of the slots is megabytes apart.
@@ -186,6 +190,7 @@ class Ring:
             header.field_count, header.trainer_pid = layout.field_count, trainer_pid
             header.batch_size, header.slot_stride = layout.batch_size, layout.slot_stride
             header.slots_offset, header.stop = layout.slots_offset, 0
+            header.checked_pages = layout.checked_pages
             del header
             try:
                 for name in (names.work, *names.ready):
@@ -235,10 +240,10 @@ class Ring:
             raise
         header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", memory))
         found = (header.magic, header.version, header.slot_count, header.reader_count, header.field_count,
-                 header.batch_size, header.slot_stride, header.slots_offset, header.trainer_pid)
+                 header.batch_size, header.slot_stride, header.slots_offset, header.trainer_pid, header.checked_pages)
         del header
         expected = (RING_MAGIC, RING_VERSION, layout.slot_count, layout.reader_count, layout.field_count,
-                    layout.batch_size, layout.slot_stride, layout.slots_offset, trainer_pid)
+                    layout.batch_size, layout.slot_stride, layout.slots_offset, trainer_pid, layout.checked_pages)
         if found != expected:
             memory.close()
             for fd in (segment_fd, data_fd):
@@ -246,7 +251,7 @@ class Ring:
                     os.close(fd)
             raise SharedMemoryError(
                 f"ring {names.segment} has header (magic, version, slots, readers, fields, batch size, slot "
-                f"stride, slots offset, trainer pid) = {found}, expected {expected}"
+                f"stride, slots offset, trainer pid, checked pages) = {found}, expected {expected}"
             )
         semaphores = [posix_ipc.Semaphore(name) for name in (names.work, *names.ready)]
         return cls(names, layout, memory, semaphores, segment_fd=segment_fd, data_fd=data_fd)

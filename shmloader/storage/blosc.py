@@ -14,6 +14,7 @@ from .. import _blosc2_capi
 from .._filemap import map_file
 from .._native import Status, ffi, lib
 from ..errors import StorageError
+from . import checked_blocks
 from .rows import (
     blosc_layout,
     check_gather,
@@ -177,7 +178,8 @@ class BloscField:
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._getitem))),
             ffi.cast("void *", int(capi_ffi.cast("uintptr_t", self._context))),
             self._addresses, self._sizes, spec.row_count, spec.chunk_rows, self._block_rows, spec.row_bytes,
-            batch_size_max, self.block_digests)
+            batch_size_max, self.block_digests,  # With the loader's record of its checked blocks, where it has one.
+            None if self.block_digests is None else checked_blocks.shared_bits(self.spec, *self.block_digests.shape))
         self._failure = ffi.new("shm_gather_error *")
 
     def gather(self, indices, out) -> None:

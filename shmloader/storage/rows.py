@@ -113,12 +113,15 @@ def check_row_status(spec: FieldSpec, status: int, indices, failure) -> None:
 
 
 def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row_count: int, chunk_rows: int,
-                 block_rows: int, row_bytes: int, batch_size_max: int, digests: np.ndarray | None = None):
+                 block_rows: int, row_bytes: int, batch_size_max: int, digests: np.ndarray | None = None,
+                 checked: np.ndarray | None = None):
     """The native gather's view of chunked Blosc2 rows (shm_blosc_layout), built in one
     place for one file (BloscField) and for many joined (CombinedBlosc). Returns the
     struct and what its raw pointers point to, which the caller keeps alive with it.
     `digests` (uint32, one row of part digests per chunk: BloscField.block_digests) makes
-    the gather check each part of a chunk before it first decompresses it."""
+    the gather check each part of a chunk before it first decompresses it; `checked`: the
+    bits that say which parts matched, shared by the loader's readers (checked_blocks.py),
+    or None for bits of this process's own."""
     block_bytes = block_rows * row_bytes if block_rows > 1 else 0
     block_buffer = np.empty(max(block_bytes, 1), dtype=np.uint8)
     order_count = batch_size_max if block_rows > 1 else 0
@@ -136,12 +139,16 @@ def blosc_layout(getitem, context, addresses: np.ndarray, sizes: np.ndarray, row
     layout.block_buffer_bytes = block_bytes
     layout.order_buffer = ffi.from_buffer("uint64_t[]", order_buffer)
     layout.order_buffer_count = order_count
-    checked = None
-    if digests is not None:
+    if digests is None:
+        checked = None
+    else:
         assert digests.ndim == 2 and digests.shape[0] == len(addresses), "one row of part digests per chunk"
         digests = np.ascontiguousarray(digests, dtype=np.uint32)
         # One bit per part, set once it matched, then one per chunk (blocks stored in order).
-        checked = np.zeros(-(-(digests.size + digests.shape[0]) // 64), dtype=np.uint64)
+        words = -(-(digests.size + digests.shape[0]) // 64)
+        if checked is None:
+            checked = np.zeros(words, dtype=np.uint64)
+        assert checked.dtype == np.uint64 and checked.size == words, "the checked bits of this file's digests"
         layout.digests = ffi.from_buffer("uint32_t[]", digests)
         layout.digest_stride = digests.shape[1]
         layout.digests_checked = ffi.from_buffer("uint64_t[]", checked)

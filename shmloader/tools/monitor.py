@@ -183,6 +183,7 @@ def layout_problem(header_bytes: bytes, size: int) -> str | None:
     magic, version = int(header.magic), int(header.version)
     slots, readers = int(header.slot_count), int(header.reader_count)
     batch_size, stride, slots_offset = int(header.batch_size), int(header.slot_stride), int(header.slots_offset)
+    checked_pages = int(header.checked_pages)
     del header
     if magic == 0:
         return ""
@@ -196,7 +197,7 @@ def layout_problem(header_bytes: bytes, size: int) -> str | None:
         return f"{slots:,} slots, a loader makes {SLOTS_MIN}-{SLOTS_MAX}"
     if not 1 <= batch_size <= BATCH_SIZE_MAX:
         return f"batch size {batch_size:,}, a loader makes 1-{BATCH_SIZE_MAX:,}"
-    layout = RingLayout(slots, readers, batch_size, stride, 0)
+    layout = RingLayout(slots, readers, batch_size, stride, 0, checked_pages)
     if stride <= 0 or stride % PAGE_BYTES or slots_offset != layout.slots_offset or layout.total_bytes != size:
         return (f"layout (slots {slots}, readers {readers}, slot stride {stride}, slots offset {slots_offset}) "
                 f"makes {layout.total_bytes:,} bytes, the file has {size:,}")
