@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import our_shm_entries, process_alive, wait_until
+from conftest import examples, our_shm_entries, process_alive, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import ShmDataLoader
 from shmloader.errors import ReaderRestartWarning
@@ -308,7 +308,7 @@ def _kill(pid: int, number: int = signal.SIGKILL) -> None:
 _ACTIONS = ("add", "retire", "kill an active reader", "retire and kill it", "retire and stop it a moment")
 
 
-@settings(max_examples=4, deadline=None)
+@examples(2)
 @given(schedule=st.lists(st.tuples(st.integers(0, 39), st.sampled_from(_ACTIONS)), min_size=1, max_size=6))
 def test_any_schedule_of_joins_leaves_and_kills_delivers_the_same_batches(schedule):
     dataset, steps = Sleepy(0.002), 40
