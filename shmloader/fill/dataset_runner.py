@@ -24,7 +24,7 @@ import numpy as np
 from ..plan import collated
 from ..plan.dataset import LOCAL_DATASETS, LOCAL_HOOK_ARGUMENTS, MAIN_BEING_RUN, DatasetSpec, import_factory
 from ..plan.dataset_outputs import DatasetError, _leaf_array, flatten, text_bytes
-from ..plan.sampler import derive_seed
+from ..plan.sampler import derive_seed, sample_seeds  # noqa: F401 (sample_seeds: tests import it here)
 from .global_seeds import GlobalSeeds, seed_all
 
 _SCALARS = (int, float, bool)
@@ -120,19 +120,6 @@ def _run_reader_hook(spec: DatasetSpec, dataset, reader: ReaderView) -> None:
         pickle.loads(base64.b64decode(spec.reader_hook_argument))
     seed_all(reader.seed)
     hook(dataset, reader, argument)
-
-
-def sample_seeds(seed: int, positions: np.ndarray) -> list[int]:
-    """The 64-bit seeds of the samples at stream `positions`: splitmix64's finaliser of
-    key + position * 2^64/phi, the key derive_seed(seed, "sample"). One numpy pass per batch
-    (a hash per sample cost as much as seeding a generator)."""
-    key = np.uint64(derive_seed(seed, "sample"))
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64's does.
-        z = key + np.asarray(positions, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-    return z.tolist()
 
 
 class DatasetRunner:

@@ -30,6 +30,7 @@ from ..fill.global_seeds import global_states_kept, seed_all
 from .collated import Collated, plan_collated
 from .dataset_outputs import _NAMED_TUPLES, _SEPARATOR, DatasetError, _leaf_array, _output_of, _text_output, flatten
 from .naming import loader_name_problem
+from .sampler import sample_seeds
 
 # The fork's answer is a description (a few kilobytes for any realistic sample: a leaf's
 # name, shape and dtype) or an exception with its traceback; one larger than this (an
@@ -47,7 +48,6 @@ def probe(instance, length: int, declared: dict, probe_view, seed: int, in_fork=
     (readers/fork_call.call_in_fork) can make one, else from `pickled` (the readers'
     pickle) or a copy made here. `probe_view`: a function of the dataset giving the context
     dataset[0] runs in, or None."""
-    from ..fill.dataset_runner import sample_seeds  # The readers' side, which imports this package.
 
     sample_seed = sample_seeds(seed, np.zeros(1, dtype=np.uint64))[0]  # The sample's at stream position 0.
     if in_fork is not None:

@@ -71,6 +71,19 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little")
 
 
+def sample_seeds(seed: int, positions: np.ndarray) -> list[int]:
+    """The 64-bit seeds of the samples at stream `positions`: splitmix64's finaliser of
+    key + position * 2^64/phi, the key derive_seed(seed, "sample"). One numpy pass per batch
+    (a hash per sample cost as much as seeding a generator)."""
+    key = np.uint64(derive_seed(seed, "sample"))
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64's does.
+        z = key + np.asarray(positions, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z.tolist()
+
+
 class Sampler(StreamShape):
     """Maps a step to the row indices of that step's batch, as a pure function.
 
