@@ -70,6 +70,7 @@ def run_torchrun_ranks(tmp_path, data, name, shards, batch, checkpoint_after, st
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this Python")
     command = [torchrun, f"--nproc_per_node={shards}", "--monitor-interval=0.1", "--master_addr=127.0.0.1",
+               f"--log-dir={tmp_path / 'torchrun'}",  # Not a torchelastic_* directory of its own in /tmp.
                f"--master_port={free_port()}", str(HERE / "audit_child.py"), data, str(tmp_path / "audit-{rank}.log"),
                str(tmp_path / f"notes-{name}-{{rank}}.jsonl"), "env", str(shards), str(batch), "-",
                str(tmp_path / f"checkpoint-{name}.json"), str(checkpoint_after), str(stop_after), "kill", "-"]

@@ -72,6 +72,7 @@ def test_under_torchrun_every_framework_sees_each_row_of_an_epoch_once_or_refuse
     output = tmp_path / "seen.json"
     environment = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     command = [torchrun, "--nproc_per_node=2", "--monitor-interval=0.1", "--master_addr=127.0.0.1",
+               f"--log-dir={tmp_path / 'torchrun'}",  # Not a torchelastic_* directory of its own in /tmp.
                f"--master_port={free_port()}", str(HERE / "distributed_child.py"), "frameworks", str(tmp_path),
                dataset["paths"]["labels_b2nd"], str(output)]
     launch = subprocess.Popen(command, env=environment, cwd=tmp_path, start_new_session=True,

@@ -5,6 +5,7 @@ actor alive and nothing in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -65,6 +66,8 @@ def _remove_session(session: str) -> None:
             os.unlink(latest)
     except OSError:
         pass
+    with contextlib.suppress(OSError):  # /tmp/ray itself, where no other session is left in it.
+        os.rmdir(os.path.dirname(session))
 
 
 def _descendants(pid: int) -> list[int]:
