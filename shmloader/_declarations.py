@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 23
+ABI_VERSION = 24
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -133,9 +133,6 @@ uint64_t shm_state_compare_swap(uint64_t *address, uint64_t expected, uint64_t d
 uint64_t shm_publish(shm_control_line *line, uint64_t word);
 int32_t shm_file_unchanged(int32_t fd, uint64_t size, int64_t mtime_ns);
 int32_t shm_private_copy(uint8_t *address, uint64_t length);
-void shm_seed_mt19937(uint64_t seed, int *python_index, uint32_t *python_state, int *numpy_pos,
-                      uint32_t *numpy_state, int *numpy_has_gauss, double *numpy_gauss, uint64_t *torch_seed,
-                      uint64_t *torch_state);
 int64_t shm_map_shared(int32_t fd, uint64_t offset, uint64_t length);
 int32_t shm_unmap(uint8_t *address, uint64_t length);
 int64_t shm_claim_lowest(shm_control_line *table, uint64_t slot_count, uint64_t reader_index);

@@ -346,7 +346,7 @@ def _splitmix64_finaliser(value: int) -> int:
 
 def sample_generator_words(value: int, domain: int) -> list[int]:
     """The 624 Mersenne Twister words a sample with seed `value` starts from, as documented
-    in zig/generator_states.zig, rebuilt here in plain Python integers: splitmix64's
+    in shmloader/ring/_cursor_seeds.c, rebuilt here in plain Python integers: splitmix64's
     sequence from its finaliser of value ^ domain, each output's low then high half, word 0
     0x80000000."""
     base = _splitmix64_finaliser(value ^ domain)

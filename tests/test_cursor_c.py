@@ -20,10 +20,11 @@ from shmloader.ring.slot_layout import Region, SlotLayout
 RING_DIRECTORY = pathlib.Path(__file__).resolve().parent.parent / "shmloader" / "ring"
 # Who may call whom: each file, the files whose functions or types it uses.
 LAYERS = {
-    "_cursor_module.c": {"_cursor_type.c", "_cursor.c", "_cursor_batch.c"},
+    "_cursor_module.c": {"_cursor_type.c", "_cursor.c", "_cursor_batch.c", "_cursor_seeds.c"},
     "_cursor_type.c": {"_cursor.c", "_cursor_batch.c"},
     "_cursor.c": set(),
     "_cursor_batch.c": set(),
+    "_cursor_seeds.c": set(),
 }
 # A definition at file scope that other files may use: a function, or a global object.
 EXPORT = re.compile(r"^(?!static\b|typedef\b|#)[A-Za-z][\w\s\*]*?\b(\w+)\s*(?:\([^;]*\)\s*\{|=)", re.M)
@@ -50,6 +51,7 @@ def test_each_cursor_file_calls_only_the_files_below_it():
     assert exports()["_cursor_module.c"] == {"PyInit__cursor"}  # The one name that leaves the extension.
     assert {"cursor_next", "cursor_clear", "cursor_ndarray_type"} <= exports()["_cursor.c"]
     assert exports()["_cursor_batch.c"] == {"BatchBaseType"} and exports()["_cursor_type.c"] == {"CursorType"}
+    assert exports()["_cursor_seeds.c"] == {"seeds_write", "seeds_words", "seeds_ready", "SampleSeederType"}
     assert uses() == LAYERS
 
 

@@ -5,7 +5,10 @@ once (tests/test_once_per_sample.py has the loader-level cases)."""
 
 from __future__ import annotations
 
+import pathlib
 import random
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 
 from conftest import sample_generator_words, seed_sample_generators
 from shmloader import ReaderStallWarning, ShmDataLoader
+from shmloader._native import load_cursor
 from shmloader.fill.dataset_runner import sample_seeds
 from shmloader.fill import global_seeds
 from shmloader.fill.global_seeds import GlobalSeeds
@@ -254,7 +258,7 @@ def _public_states():
 
 def _assert_documented_states(value):
     """The three generators hold what conftest.seed_sample_generators sets through their
-    public calls, from its own rebuild of zig/generator_states.zig's words."""
+    public calls, from its own rebuild of ring/_cursor_seeds.c's words."""
     found = _public_states()
     seed_sample_generators(value)
     assert found == _public_states()
@@ -265,22 +269,68 @@ def _assert_documented_states(value):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**64 - 1))
 def test_a_sample_s_generators_hold_the_documented_states_written_natively(value):
-    """The native write (one call into the generators' memory and torch's state tensor)
-    leaves exactly the states that random.setstate, np.random.set_state and torch's
-    set_state would, cached normals cleared, here on CPython with numpy's MT19937 (where it
+    """The native write (one call into the three generators' memory) leaves exactly the
+    states that random.setstate, np.random.set_state and torch's set_state would, every
+    cached normal cleared, here on CPython with numpy's MT19937 and this torch (where it
     found and checked its addresses)."""
     global_seeds.seed_all(1)
     twisters = global_seeds._TWISTERS
     assert twisters._python is not None and twisters._numpy is not None
-    assert torch is None or twisters.torch[1] is not None  # torch's set_state, not manual_seed.
+    assert torch is None or twisters.torch[2] != 0  # torch's engine written, no set_state.
+    assert isinstance(global_seeds.sample_seeder(), load_cursor().SampleSeeder)
+    for seed in (lambda: global_seeds.sample_seeder()(value), lambda: global_seeds.seed_all(value)):
+        _cache_normals()
+        seed()
+        _assert_documented_states(value)
+
+
+def _cache_normals():
+    """Each generator holds a cached normal: random's and numpy's from a draw, torch's double
+    one from a draw and its float one through set_state (no public draw leaves it)."""
     random.gauss(0.0, 1.0)
-    np.random.standard_normal()  # Both now hold a cached normal, and torch's its own.
+    np.random.standard_normal()
     if torch is not None:
-        torch.randn(())
-    global_seeds.sample_seeder()(value)
-    _assert_documented_states(value)
-    global_seeds.seed_all(value)
-    _assert_documented_states(value)
+        torch.randn((), dtype=torch.float64)
+        state = torch.get_rng_state()
+        raw = state.numpy()
+        raw[-8:-4] = np.frombuffer(np.float32(1.5).tobytes(), np.uint8)
+        raw[-4] = 1
+        torch.set_rng_state(state)
+        assert torch.get_rng_state()[-4] == 1
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2]))
+def test_every_vector_width_writes_the_documented_words(value, domain):
+    """_cursor_seeds.c's loop for each instruction set this CPU has (portable, AVX2,
+    AVX-512) gives conftest's plain-integer words."""
+    cursor = load_cursor()
+    expected = sample_generator_words(value, (global_seeds.PYTHON_DOMAIN, global_seeds.NUMPY_DOMAIN,
+                                              global_seeds.TORCH_DOMAIN)[domain])
+    widths = [width for width in (1, 2, 3) if _has_width(cursor, width)]
+    assert 1 in widths
+    for width in widths:
+        assert np.frombuffer(cursor.generator_words(value, domain, width), np.uint32).tolist() == expected, width
+
+
+def _has_width(cursor, width):
+    try:
+        cursor.generator_words(0, 0, width)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_where_torch_s_engine_is_not_found_its_state_tensor_sets_the_same_states(monkeypatch):
+    twisters = global_seeds._MersenneTwisters()
+    generator, template, _ = twisters.torch_route()
+    twisters.torch = (generator, template, 0)  # As where the engine's layout was not the one checked.
+    monkeypatch.setattr(global_seeds, "_TWISTERS", twisters)
+    assert global_seeds.sample_seeder() is global_seeds.seed_all
+    _cache_normals()
+    global_seeds.seed_all(2**64 - 3)
+    _assert_documented_states(2**64 - 3)
 
 
 def test_without_the_native_write_the_public_calls_set_the_same_states(monkeypatch):
@@ -305,3 +355,28 @@ def test_a_replaced_numpy_bit_generator_is_found_again():
         _assert_documented_states(78)
     finally:
         np.random.set_bit_generator(original)
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not installed")
+def test_a_seeder_made_before_torch_is_imported_seeds_torch_from_the_next_sample_on(tmp_path):
+    """A __getitem__ may import torch halfway through a batch: the batch's seeder, made
+    without torch, sees it in sys.modules and seeds all three through seed_all from then on
+    (a fresh process: this one has torch already)."""
+    script = tmp_path / "late_torch.py"
+    script.write_text(
+        "import random, sys\n"
+        f"sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
+        "from shmloader.fill import global_seeds\n"
+        "from conftest import sample_generator_words, seed_sample_generators\n"
+        "seeder = global_seeds.sample_seeder()\n"
+        "assert 'torch' not in sys.modules\n"
+        "seeder(5)\n"
+        "assert random.getstate()[1][:624] == tuple(sample_generator_words(5, global_seeds.PYTHON_DOMAIN))\n"
+        "import torch\n"
+        "seeder(6)\n"
+        "state = torch.get_rng_state().clone()\n"
+        "seed_sample_generators(6)\n"
+        "assert torch.equal(state, torch.get_rng_state()), 'torch was not seeded'\n"
+        "print('seeded')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "seeded" in done.stdout, done.stderr

@@ -7,7 +7,6 @@ const sampler = @import("sampler.zig");
 const gather = @import("gather.zig");
 const block_digests = @import("block_digests.zig");
 const mixture = @import("mixture.zig");
-const generator_states = @import("generator_states.zig");
 const status = @import("status.zig");
 const Status = status.Status;
 /// Generated from shmloader/ring/ring.h by `zig translate-c` at build time (setup.py).
@@ -15,7 +14,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-// 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
+// 24: shm_seed_mt19937 removed (ring/_cursor_seeds.c). 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
 // 21: block digests (shm_chunk_digests, shm_blosc_layout's digests, status checksum_mismatch).
 // 20: shm_private_copy, shm_map_shared, shm_unmap.
 // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
@@ -25,7 +24,7 @@ const ring = @import("ring_h.zig");
 // shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls).
 // 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local
 // shuffle (shm_sampler_window_blocks).
-const abi_version: u32 = 23;
+const abi_version: u32 = 24;
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -206,44 +205,6 @@ export fn shm_gather_ranges_blosc(
     return gather.gatherRangesBlosc(layout, starts[0..range_count], counts[0..range_count], destinations[0..range_count], out[0..out_bytes], failure);
 }
 
-/// Sets Python's `random`, numpy's legacy `np.random` and torch's CPU generator to the states
-/// of a sample's `seed` (generator_states.zig). Python's and numpy's by writing into the
-/// generators' own memory, as Python's setstate and numpy's set_state would: `python_index`/
-/// `python_state` are a random.Random's index and key, `numpy_*` a MT19937 bit generator's key
-/// and position and its RandomState's cached normal (cleared, as np.random.seed does).
-/// Torch's into the byte tensor its Generator.set_state then reads (`torch_seed`, what
-/// initial_seed() gives, and `torch_state`, the key's words as 64-bit integers): torch
-/// copies it in a fraction of what its own seeding costs. shmloader/fill/global_seeds.py
-/// finds and checks these addresses once per process; a null pointer skips that generator.
-export fn shm_seed_mt19937(
-    seed: u64,
-    python_index: ?*c_int,
-    python_state: ?*[generator_states.words]u32,
-    numpy_pos: ?*c_int,
-    numpy_state: ?*[generator_states.words]u32,
-    numpy_has_gauss: ?*c_int,
-    numpy_gauss: ?*f64,
-    torch_seed: ?*u64,
-    torch_state: ?*[generator_states.words]u64,
-) void {
-    if (python_index) |index| if (python_state) |state| {
-        generator_states.fill(seed, generator_states.python_domain, state);
-        index.* = generator_states.words; // The next draw twists first, as after a seeding.
-    };
-    if (numpy_pos) |pos| if (numpy_state) |state| {
-        generator_states.fill(seed, generator_states.numpy_domain, state);
-        pos.* = generator_states.words;
-    };
-    if (numpy_has_gauss) |has_gauss| has_gauss.* = 0;
-    if (numpy_gauss) |gauss| gauss.* = 0.0;
-    if (torch_seed) |initial| if (torch_state) |state| {
-        var words: [generator_states.words]u32 = undefined;
-        generator_states.fill(seed, generator_states.torch_domain, &words);
-        for (words, state) |word, *wide| wide.* = word;
-        initial.* = seed & std.math.maxInt(i64); // As torch.manual_seed(seed & (2^63 - 1)) leaves it.
-    };
-}
-
 // The slot protocol's atomics (Python has none). The orderings are the ones tabled in
 // shmloader/ring/segment.py: a store that publishes a state releases what was written before it
 // (the step, the slot's data), a load that acts on a state acquires it, and a claim or a
@@ -383,7 +344,6 @@ test {
     _ = @import("gather_test.zig");
     _ = @import("block_digests_test.zig");
     _ = @import("mixture_test.zig");
-    _ = @import("generator_states.zig");
 }
 
 test "state atomics" {

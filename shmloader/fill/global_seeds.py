@@ -11,10 +11,10 @@ decodes its first, wrongly seeded, result.
 
 Python's `random` and numpy's legacy `np.random` are Mersenne Twisters whose own seeding
 (init_by_array, init_genrand) is a serial chain of 1,900 and 624 steps, microseconds a
-sample; their states are instead the 624 words of zig/generator_states.zig (splitmix64
-outputs, no chain), written into the generators' memory by one native call, at the
-addresses _MersenneTwisters finds and checks once per process through the generators'
-public getstate/get_state. Where it cannot (another Python or numpy layout), the same
+sample; their states are instead the 624 words of ring/_cursor_seeds.c (splitmix64
+outputs, no chain, vectorised), written into the generators' memory by one call into the
+C extension a sample (its SampleSeeder), at the addresses _MersenneTwisters finds and
+checks once per process through the generators' public getstate/get_state. Where it cannot (another Python or numpy layout), the same
 states go through random.setstate and np.random.set_state: the same values, slower. Torch's
 CPU generator gets its words through set_state of a state tensor the same call fills (its
 layout checked once against a manual_seed's); where that layout is not the one checked,
@@ -47,15 +47,21 @@ def _numpy_state() -> dict:
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-# zig/generator_states.zig's domains: the two generators get different states from one seed.
+# ring/_cursor_seeds.c's domains (its `domains`, in this order): the two generators get different states from one seed.
 PYTHON_DOMAIN = 0x7079_7468_6F6E_0001
 NUMPY_DOMAIN = 0x6E75_6D70_7900_0002
 TORCH_DOMAIN = 0x746F_7263_6800_0003
 _WORDS = 624
+# Torch's CPU generator (ring/_cursor_seeds.c's TORCH_*): the engine's key after its header,
+# the cached normals' flags after the key; get_state's float normal after its legacy state.
+_TORCH_STATE = 20
+_TORCH_FLOAT_ENGAGED = _TORCH_STATE + 4 * _WORDS + 8
+_TORCH_DOUBLE_ENGAGED = _TORCH_STATE + 4 * _WORDS + 20
+_TORCH_NORMALS = 24 + 8 * _WORDS + 3 * 8 + 8  # normal_x, _y, _rho, normal_is_valid (padded)
 
 
 def mt19937_words(seed: int, domain: int) -> np.ndarray:
-    """The 624 state words zig/generator_states.zig writes for (seed, domain), by numpy:
+    """The 624 state words ring/_cursor_seeds.c writes for (seed, domain), by numpy:
     splitmix64's sequence from its finaliser of seed ^ domain, each output's low then high
     half, word 0 set to 0x80000000."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as splitmix64's does.
@@ -110,9 +116,10 @@ class _MersenneTwisters:
     generators with one native call a sample (set)."""
 
     def __init__(self) -> None:
-        from .._native import ffi, lib
+        from .._native import load_cursor
 
-        self._ffi, self._lib = ffi, lib
+        self.cursor = load_cursor()
+        self._write = self.cursor.write_generator_states
         self._python = self._python_addresses()
         self._numpy_generator = None
         self._numpy = self._numpy_addresses()
@@ -123,48 +130,99 @@ class _MersenneTwisters:
             self._numpy = self._numpy_addresses()
         torch = self.torch_route()
         python, numpy = self._python, self._numpy
+        engine = torch[2] if torch is not None else 0
         if python is None or numpy is None:
             _set_by_public_calls(value)
-            if torch is not None and torch[1] is not None:  # Its words through the tensor, written here.
-                raw = torch[1].numpy()
+            if engine:
+                self._write(value, (0,) * 6 + (engine,))
+        else:
+            self._write(value, (*python, *numpy, engine))
+            random._inst.gauss_next = None  # As Random.seed leaves it.
+        if torch is not None and not engine:
+            generator, template, _ = torch
+            if template is None:
+                generator.manual_seed(value & _MASK63)
+            else:  # Its words through the state tensor set_state reads.
+                raw = template.numpy()
                 struct.pack_into("=Q", raw, 0, value & _MASK63)
                 np.frombuffer(raw, np.uint64, _WORDS, 24)[:] = mt19937_words(value, TORCH_DOMAIN)
-        else:
-            self._lib.shm_seed_mt19937(value & _MASK64, *python, *numpy, *(torch[2] if torch else self.no_torch))
-            random._inst.gauss_next = None  # As Random.seed leaves it.
-        if torch is not None:
-            if torch[1] is None:
-                torch[0].manual_seed(value & _MASK63)
-            else:
-                torch[0].set_state(torch[1])
+                generator.set_state(template)
 
-    @property
-    def no_torch(self) -> tuple:
-        return self._ffi.NULL, self._ffi.NULL
+    no_torch = 0  # The write's torch address where torch's state is not written there.
 
     def torch_route(self):
-        """Once torch is imported: (its default CPU generator, the state tensor its set_state
-        takes, the write's pointers into that tensor), the tensor None (torch.manual_seed
-        instead) where torch's state layout is not the one checked (_torch_state_template)
-        or its set_state does not give back what was written; None before torch."""
+        """Once torch is imported: (its default CPU generator, a state tensor its set_state
+        takes or None, the address of its engine or 0). The engine's address where found and
+        checked (_torch_engine): the native write sets it, no call into torch. Else the
+        tensor, where torch's get_state has the layout checked (_torch_state_template) and
+        set_state gives back what was written; else torch.manual_seed (deterministic, other
+        values). None before torch."""
         if self.torch is not None:
             return self.torch
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "default_generator"):  # Not while torch is half imported.
             return None
         found = _torch_state_template(torch)
-        self.torch = (torch.default_generator, None, self.no_torch)
+        self.torch = (torch.default_generator, None, 0)
         if found is not None:
             template, raw = found
-            pointers = (self._ffi.cast("uint64_t *", raw.ctypes.data), self._ffi.cast("uint64_t *", raw.ctypes.data + 24))
-            self._lib.shm_seed_mt19937(7, *(self._ffi.NULL,) * 6, *pointers)
+            struct.pack_into("=Q", raw, 0, 7)
+            np.frombuffer(raw, np.uint64, _WORDS, 24)[:] = mt19937_words(7, TORCH_DOMAIN)
             probe = torch.Generator()
             probe.set_state(template)
-            expected = mt19937_words(7, TORCH_DOMAIN).astype(np.uint64)
-            if probe.initial_seed() == 7 and torch.equal(probe.get_state(), template) and \
-                    np.array_equal(np.frombuffer(raw, np.uint64, _WORDS, 24), expected):
-                self.torch = (torch.default_generator, template, pointers)
+            if probe.initial_seed() == 7 and torch.equal(probe.get_state(), template):
+                self.torch = (torch.default_generator, template, self._torch_engine(torch, template))
         return self.torch
+
+    def _torch_engine(self, torch, template) -> int:
+        """The address of the default CPU generator's engine (ring/_cursor_seeds.c's TORCH_*
+        layout), or 0. Found in a probe generator seeded with 12345 (its key's first words
+        after the engine's header), then checked: with both cached normals set through
+        set_state, a write there must give the probe exactly the state set_state of
+        `template` (seed 7's, written by set) gives; and the default generator's memory at the
+        same offset must hold what its get_state says. Reads stay inside the generator
+        object's first bytes (its engine's key is larger than the span searched)."""
+        import ctypes
+
+        def impl_of(generator) -> int:  # THPGenerator: the object's head, then at::Generator's one pointer.
+            return ctypes.c_void_p.from_address(id(generator) + object.__basicsize__).value or 0
+
+        probe = torch.Generator()
+        probe.manual_seed(12345)
+        impl = impl_of(probe)
+        if not impl:
+            return 0
+        key = [12345]
+        for i in range(1, 3):
+            key.append((1812433253 * (key[-1] ^ (key[-1] >> 30)) + i) & _MASK32)
+        at = ctypes.string_at(impl, 512 + 12).find(struct.pack("=3I", *key)) - _TORCH_STATE
+        if at < 0 or struct.unpack_from("=QiB3xI", ctypes.string_at(impl + at, _TORCH_STATE)) != (12345, 1, 1, 0):
+            return 0
+        cached = template.clone()
+        raw = cached.numpy()
+        if raw.size < _TORCH_NORMALS + 8:
+            return 0
+        struct.pack_into("=ddd i", raw, 24 + 8 * _WORDS, 0.5, 0.25, 1.5, 1)  # normal_x, _y, _rho, valid
+        struct.pack_into("=f?", raw, _TORCH_NORMALS, 1.5, True)  # the float normal and its flag
+        probe.set_state(cached)
+        flags = ctypes.string_at(impl + at + _TORCH_FLOAT_ENGAGED, 1) + ctypes.string_at(impl + at + _TORCH_DOUBLE_ENGAGED, 1)
+        if flags != b"\x01\x01":
+            return 0
+        self._write(7, (0,) * 6 + (impl + at,))
+        if probe.initial_seed() != 7 or not torch.equal(probe.get_state(), template):
+            return 0
+        generator = torch.default_generator
+        if not impl_of(generator):
+            return 0
+        engine = impl_of(generator) + at
+        state = generator.get_state().numpy()
+        seed, left, seeded, position = struct.unpack_from("=QiiQ", state, 0)
+        words = ctypes.string_at(engine + _TORCH_STATE, 4 * _WORDS)
+        if struct.unpack_from("=QiB3xI", ctypes.string_at(engine, _TORCH_STATE)) != \
+                (seed, left, seeded, position) or \
+                np.frombuffer(words, np.uint32).tolist() != np.frombuffer(state, np.uint64, _WORDS, 24).tolist():
+            return 0
+        return engine
 
     def _python_addresses(self):
         """random._inst's index and key addresses (CPython's RandomObject: the index, then the
@@ -177,9 +235,8 @@ class _MersenneTwisters:
         offset = ctypes.string_at(id(probe), size).find(words)
         if offset < 4:
             return None
-        addresses = lambda instance: (self._ffi.cast("int *", id(instance) + offset - 4),  # noqa: E731
-                                      self._ffi.cast("uint32_t *", id(instance) + offset))
-        self._lib.shm_seed_mt19937(7, *addresses(probe), *(self._ffi.NULL,) * 6)
+        addresses = lambda instance: (id(instance) + offset - 4, id(instance) + offset)  # noqa: E731 (index, key)
+        self._write(7, (*addresses(probe), *(0,) * 5))
         expected = (3, (*mt19937_words(7, PYTHON_DOMAIN).tolist(), _WORDS), probe.gauss_next)
         if probe.getstate() != expected or type(random._inst) is not type(probe):
             return None
@@ -211,11 +268,10 @@ class _MersenneTwisters:
 
         def addresses(state, bit_generator) -> tuple:
             key = bit_generator.ctypes.state_address
-            return (self._ffi.cast("int *", key + 4 * _WORDS), self._ffi.cast("uint32_t *", key),
-                    self._ffi.cast("int *", id(state) + cached + 8), self._ffi.cast("double *", id(state) + cached + 16))
+            # (position, key, has_gauss, gauss)
+            return key + 4 * _WORDS, key, id(state) + cached + 8, id(state) + cached + 16
 
-        self._lib.shm_seed_mt19937(7, self._ffi.NULL, self._ffi.NULL, *addresses(probe, probe._bit_generator),
-                                   *self.no_torch)
+        self._write(7, (0, 0, *addresses(probe, probe._bit_generator), self.no_torch))
         state = probe.get_state()
         if state[0] != "MT19937" or not np.array_equal(state[1], mt19937_words(7, NUMPY_DOMAIN)) or \
                 state[2:] != (_WORDS, 0, 0.0):
@@ -242,42 +298,19 @@ def seed_all(value: int) -> None:
 
 
 def sample_seeder():
-    """seed_all for a batch's samples, its lookups made once: the native write's arguments
-    and torch's generator bound in a closure (a sample's seeding is most of a small sample's
-    cost). It still looks torch up before each sample until torch is there, so that a
-    __getitem__ that imports torch has it seeded from the next sample on, and falls back to
-    seed_all where the native write is not used or np.random's bit generator was replaced."""
+    """seed_all for a batch's samples, as one C callable (ring/_cursor_seeds.c's
+    SampleSeeder) holding the addresses and torch's generator: a sample's seeding is most of
+    a small sample's cost. It calls seed_all instead where the native write is not used, where
+    np.random's bit generator was replaced since, and while torch was imported since (a
+    __getitem__ that imports torch has it seeded from its next sample on; the next batch's
+    seeder writes it natively)."""
     twisters = _twisters()
     python, numpy = twisters._python, twisters._numpy
-    if python is None or numpy is None:
-        return seed_all
-    write, modules = twisters._lib.shm_seed_mt19937, sys.modules
-    legacy, bit_generator, instance = np.random.mtrand._rand, twisters._numpy_generator, random._inst
     torch = twisters.torch_route()
-
-    def seed(value: int) -> None:
-        nonlocal torch
-        if legacy._bit_generator is not bit_generator:
-            seed_all(value)
-            return
-        if torch is None:
-            if "torch" not in modules:
-                write(value & _MASK64, *python, *numpy, *twisters.no_torch)
-                instance.gauss_next = None
-                return
-            torch = twisters.torch_route()
-            if torch is None:  # Half imported.
-                seed_all(value)
-                return
-        generator, state, pointers = torch
-        write(value & _MASK64, *python, *numpy, *pointers)
-        instance.gauss_next = None  # As Random.seed leaves it.
-        if state is None:
-            generator.manual_seed(value & _MASK63)
-        else:
-            generator.set_state(state)
-
-    return seed
+    if python is None or numpy is None or (torch is not None and not torch[2]):
+        return seed_all
+    return twisters.cursor.SampleSeeder((*python, *numpy, torch[2] if torch else 0), random._inst,
+                                        np.random.mtrand._rand, twisters._numpy_generator, sys.modules, seed_all)
 
 
 class GlobalSeeds:

@@ -9,8 +9,11 @@
  *                            hot path inlines; the cursor's teardown (cursor_clear)
  *       -> _cursor_batch.c   BatchBase, the base of ring/batch.py's Batch
  *
- * (_cursor_module.c also calls _cursor.c and _cursor_batch.c, _cursor_type.c
- * _cursor_batch.c; _cursor.c and _cursor_batch.c call no other file). See _cursor.c for
+ *     _cursor_seeds.c     a dataset sample's global generator states (fill/global_seeds.py),
+ *                         apart from the ring: a vectorcall costs a sample less than cffi
+ *
+ * (_cursor_module.c also calls _cursor.c, _cursor_batch.c and _cursor_seeds.c, _cursor_type.c
+ * _cursor_batch.c; _cursor.c, _cursor_batch.c and _cursor_seeds.c call no other file). See _cursor.c for
  * the design, and ring/transitions.py for the slot states the cursor writes.
  */
 #ifndef SHMLOADER_CURSOR_H
@@ -143,6 +146,12 @@ extern PyTypeObject BatchBaseType;
 
 /* _cursor_type.c */
 extern PyTypeObject CursorType;
+
+/* _cursor_seeds.c */
+PyObject *seeds_write(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+PyObject *seeds_words(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
+int seeds_ready(void);
+extern PyTypeObject SampleSeederType;
 
 /* _cursor_module.c: only PyInit__cursor, which leaves the extension. */
 

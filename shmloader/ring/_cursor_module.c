@@ -1,7 +1,7 @@
 /*
  * The module shmloader.ring._cursor, and LoaderBase, the base of ShmDataLoader, which
  * makes next(loader) native. The top of the extension: it calls the other files
- * (_cursor_type.c, _cursor.c, _cursor_batch.c), and none calls it (_cursor.h).
+ * (_cursor_type.c, _cursor.c, _cursor_batch.c, _cursor_seeds.c), and none calls it (_cursor.h).
  */
 #include "_cursor.h"
 
@@ -69,11 +69,22 @@ static PyTypeObject LoaderBaseType = {
 
 /* ---- Module ------------------------------------------------------------------------- */
 
+static PyMethodDef cursor_functions[] = {
+    {"write_generator_states", (PyCFunction)(void (*)(void))seeds_write, METH_FASTCALL,
+     "write_generator_states(seed, addresses): a sample's MT19937 states written at the 7 addresses "
+     "(_cursor_seeds.c)"},
+    {"generator_words", (PyCFunction)(void (*)(void))seeds_words, METH_FASTCALL,
+     "generator_words(seed, domain, width=0): the 624 state words of (seed, domain) as bytes, by one loop"},
+    {NULL},
+};
+
 static struct PyModuleDef cursor_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "shmloader.ring._cursor",
-    .m_doc = "The trainer's native next() (see the comment at the top of ring/_cursor.c).",
+    .m_doc = "The trainer's native next() (see the comment at the top of ring/_cursor.c), and a dataset "
+             "sample's generator states (_cursor_seeds.c).",
     .m_size = -1,
+    .m_methods = cursor_functions,
 };
 
 PyMODINIT_FUNC PyInit__cursor(void) {
@@ -92,7 +103,7 @@ PyMODINIT_FUNC PyInit__cursor(void) {
         cursor_ndarray_type = (PyTypeObject *)ndarray; /* Kept for the process's lifetime. */
     }
     if (PyType_Ready(&CursorType) < 0 || PyType_Ready(&LoaderBaseType) < 0 ||
-        PyType_Ready(&BatchBaseType) < 0) {
+        PyType_Ready(&BatchBaseType) < 0 || seeds_ready() < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&cursor_module);
@@ -102,6 +113,7 @@ PyMODINIT_FUNC PyInit__cursor(void) {
     if (PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0 ||
         PyModule_AddObjectRef(module, "LoaderBase", (PyObject *)&LoaderBaseType) < 0 ||
         PyModule_AddObjectRef(module, "BatchBase", (PyObject *)&BatchBaseType) < 0 ||
+        PyModule_AddObjectRef(module, "SampleSeeder", (PyObject *)&SampleSeederType) < 0 ||
         PyModule_AddIntConstant(module, "STEP_READY", STEP_READY) < 0 ||
         PyModule_AddIntConstant(module, "STEP_IN_FLIGHT", STEP_IN_FLIGHT) < 0 ||
         PyModule_AddIntConstant(module, "STEP_HELD", STEP_HELD) < 0 ||
