@@ -167,44 +167,51 @@ class DatasetRunner:
         are written as they come; Python and numpy scalars of a fixed-shape output are kept
         and written as one array a leaf once the batch's samples are read (one conversion a
         batch instead of one a sample), or row by row through the checks where that array
-        does not go into the output unchanged (the checks then name the sample)."""
+        does not go into the output unchanged (the checks then name the sample). The loop
+        is the reader's per-sample cost beside __getitem__: what it looks up once a batch is
+        bound before it (a tuple or list sample of dataset[0]'s size is its own leaves)."""
         for offsets in self._packed:  # Rows are written in order, each from where the row before it ends.
             out[offsets][0] = 0
         dataset, flat = self.dataset, self._flat
-        scalars = [([], []) for _ in plain]  # (rows, values) a leaf.
+        seeder = seeders[0] if len(seeders) == 1 else lambda seed: [each(seed) for each in seeders]
+        # Per leaf: the dtype an array is written with unchecked (None: every value is checked).
+        leaves_of = [(name, target, shape, target.dtype if fixed else None) for name, target, shape, fixed in plain]
+        written = [[] for _ in plain]  # Rows of scalar leaves, and their values, a leaf.
+        values = [[] for _ in plain]
+        kind, size, keys = flat if flat is not None else (None, -1, None)
+        itself = kind in (tuple, list) and keys == list(range(size))
+        ndarray, scalars, generic = np.ndarray, _SCALARS, np.generic
         for row, (index, seed) in enumerate(rows):
-            for seeder in seeders:
-                seeder(seed)
+            seeder(seed)
             try:
                 sample = dataset[index]
             except Exception as error:
                 if hasattr(error, "add_note"):
                     error.add_note(f"in dataset[{index}] (step {step}, batch position {row})")
                 raise
-            leaves = None
-            if flat is not None:
-                kind, size, keys = flat
-                if type(sample) is kind and len(sample) == size:
-                    leaves = [sample[key] for key in keys]
-            if leaves is None:
+            if type(sample) is kind and len(sample) == size:
+                leaves = sample if itself else [sample[key] for key in keys]
+            else:
                 named = self._leaves(index, sample)
                 if len(named) != len(plain) or not named or any(
                         name != expected for (name, _), (expected, _, _, _) in zip(named, plain)):
                     self._write(index, row, named, out)  # Shaped otherwise: _write names what differs.
                     continue
                 leaves = [value for _, value in named]
-            for value, (name, target, shape, fixed), pending in zip(leaves, plain, scalars):
-                kind = type(value)
-                if fixed and kind is np.ndarray and value.shape == shape and value.dtype == target.dtype:
-                    target[row] = value
-                elif fixed and shape == () and (kind in _SCALARS or isinstance(value, np.generic)):
-                    pending[0].append(row)
-                    pending[1].append(value)
-                else:  # Another dtype is cast only where no value changes (_checked_cast).
-                    self._write_leaf(index, row, name, value, out)
-        for (name, target, _, _), (written, values) in zip(plain, scalars):
-            if written:
-                self._write_scalars(name, target, written, values, rows, out)
+            for value, (name, target, shape, dtype), rows_of, values_of in zip(leaves, leaves_of, written, values):
+                if dtype is not None:
+                    if type(value) is ndarray:
+                        if value.dtype == dtype and value.shape == shape:
+                            target[row] = value
+                            continue
+                    elif not shape and (type(value) in scalars or isinstance(value, generic)):
+                        rows_of.append(row)
+                        values_of.append(value)
+                        continue
+                self._write_leaf(index, row, name, value, out)  # Another dtype is cast only where no value changes.
+        for (name, target, _, _), rows_of, values_of in zip(plain, written, values):
+            if rows_of:
+                self._write_scalars(name, target, rows_of, values_of, rows, out)
 
     def _write_scalars(self, name: str, target: np.ndarray, written: list, values: list, rows: list, out: dict) -> None:
         try:
