@@ -29,7 +29,7 @@ from ..remote.cache import (
     read_marker,
     write_marker,
 )
-from ..remote.node import acquire
+from ..remote.node import acquire, release
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..remote.store import Client
 from ..storage.ragged import OFFSETS_NAME, SHAPES_NAME, VALUES_NAME
@@ -95,8 +95,12 @@ class Localizer:
 
     def __init__(self, settings: CacheSettings) -> None:
         self.settings = settings
-        self.cache = acquire(settings.root)  # The loader release()s it when it closes.
-        budget = self.cache.join_budget(settings.budget)
+        self.cache = acquire(settings.root)  # The loader release()s it when it closes; localize() if it fails.
+        try:
+            budget = self.cache.join_budget(settings.budget)
+        except BaseException:
+            release(self.cache)
+            raise
         # Only a budget the user gave is worth a warning: two default budgets differ by what
         # the disk gained or lost between two loaders' starts, and lowering one of them is
         # no surprise the user could act on.
@@ -247,5 +251,12 @@ def localize(fields, label_path, cache_dir, cache_bytes, storage_options):
                              "these fields are local files")
         return fields, label_path, None
     localizer = Localizer(CacheSettings.of(cache_dir, cache_bytes, storage_options))
-    local_label = localizer.path(label_path) if is_url(label_path) else label_path
-    return localizer.fields(fields), local_label, localizer
+    try:
+        local_label = localizer.path(label_path) if is_url(label_path) else label_path
+        return localizer.fields(fields), local_label, localizer
+    except BaseException:
+        # The loader has not taken the view yet (its Resources release it once it has): a
+        # copy that cannot be made (a directory or a FIFO in place of a file, the store
+        # refusing) must not leave this process's view of the cache, its files and locks, open.
+        release(localizer.cache)
+        raise

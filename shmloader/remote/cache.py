@@ -16,7 +16,9 @@ Trust: the cache is its user's own (directories 0700, files 0600, every open O_N
 a regular file of this user: pages.open_private, private_directory, private_root). A page
 a download wrote is served once its stamp says present; a page already present when a
 process opened the copy is checked against its CRC-32 first, once per process
-(CachedObject._verify); a copy whose files are not the object's size is every page absent.
+(CachedObject._verify); a copy whose files are not the object's size is every page absent,
+made anew as new files: whoever has the old ones open reads on from them, whose stamps vouch
+for their bytes (_create_files), and a process opens the copy again once its files change.
 Credentials stay in the memory of the process that read them (_hold_credentials).
 Gathers of pages present and checked take no locks on x86-64: evictions count themselves,
 and a gather that one may have overlapped is read again, pinned (_read_unpinned).
@@ -232,20 +234,27 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
 
 def _create_files(path: str, url: str, size: int, root: str, budget: int, anew: bool = False) -> bool:
     """The data and pages files of create_object (made anew where `anew`); whether they
-    were made (or made anew)."""
+    were made (or made anew).
+
+    A copy made anew is two new files, never the old ones cut back in place: another
+    process of the node (or a loader of this one) may have the old pair open, and its
+    stamps, in a pages file this process may not even see (one removed by hand), say its
+    pages are present. Cut in place, its data file would read zeros there, served as rows
+    with no error. Removed, the old pair stays whole for whoever has it open (its space
+    comes back when they close it), and open_object sees new files and opens them."""
     pages_length = pages_file_bytes(-(-size // CACHE_PAGE_BYTES))
+    fresh = anew or not _sizes_are(path, size, pages_length)
+    if fresh:
+        for name in (path, path + PAGES_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
     pages_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR | os.O_CREAT)
     try:
         data_fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
-            data_size = os.fstat(data_fd).st_size
-            fresh = anew or os.fstat(pages_fd).st_size != pages_length or data_size != size
-            if fresh:
-                os.ftruncate(pages_fd, 0)  # Every stamp 0 first: absent before the bytes go.
+            if fresh:  # New and empty: every stamp 0, no byte on disk.
                 os.ftruncate(pages_fd, pages_length)
                 os.ftruncate(data_fd, size)
-                if data_size and size:  # Bytes no stamp vouches for: their space back, to the last whole block.
-                    punch_hole(data_fd, 0, -(-size // CACHE_PAGE_BYTES) * CACHE_PAGE_BYTES)
             # Mapped by every process: allocated now, so that a full disk is an error, not a SIGBUS.
             reserve_file(pages_fd, pages_length, root, budget, f"the pages file of {url}")
             return fresh
@@ -253,6 +262,24 @@ def _create_files(path: str, url: str, size: int, root: str, budget: int, anew: 
             os.close(data_fd)
     finally:
         os.close(pages_fd)
+
+
+def _sizes_are(path: str, size: int, pages_length: int) -> bool:
+    """Whether the copy's pages file and data file are both there with the object's sizes.
+    Both are opened as the cache opens its files, so that one that is not a regular file of
+    this user is named (CacheError, with its remedy) and never removed here."""
+    sizes_right = True
+    for name, expected in ((path + PAGES_SUFFIX, pages_length), (path, size)):
+        try:
+            descriptor = open_private(name, os.O_RDWR)  # As the cache opens it: a directory is named as one.
+        except FileNotFoundError:
+            sizes_right = False
+            continue
+        try:
+            sizes_right = sizes_right and os.fstat(descriptor).st_size == expected
+        finally:
+            os.close(descriptor)
+    return sizes_right
 
 
 # A loader's storage_options (endpoint and credentials) never go into the cache's files,
@@ -370,14 +397,24 @@ def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
     return runs
 
 
+def _identity(status: os.stat_result) -> tuple[int, int]:
+    """A file's (device, inode): what tells a file from another at the same path (neither
+    is reused while this process holds the file open)."""
+    return status.st_dev, status.st_ino
+
+
 def open_object(cache: NodeCache, path: str, url: str = "", access: str | None = None) -> CachedObject:
-    """This process's opening of the copy at `path` in `cache` (opened anew where the file is
-    not the one it opened: the cache directory removed and made again), fetching with the
-    storage_options `access` stands for (hold_options; None: as it was opened)."""
+    """This process's opening of the copy at `path` in `cache` (opened anew where its files
+    are not the ones it opened: the cache directory removed and made again, the copy made
+    anew, a pages file removed), fetching with the storage_options `access` stands for
+    (hold_options; None: as it was opened)."""
     with cache.objects_lock:
         found = cache.objects.get(path)
-        if found is not None and not found.current():
-            found.close()
+        if found is not None and (found.stamps is None or not found.current()):
+            if found.stamps is not None:
+                # Not closed here: a loader of this process may read on through it, from the
+                # files it opened (their bytes the ones its stamps vouch for); closed with the view.
+                cache.superseded.append(found)
             found = None
         if found is None:
             found = cache.objects[path] = CachedObject(cache, path, url, access or "")
@@ -403,12 +440,20 @@ class CachedObject:
         self.access, self.client = access, Client(options_of(access, self.url), cache.count)
         self.page_count = -(-self.size // CACHE_PAGE_BYTES)
         self._data_fd = open_private(path, os.O_RDWR)
-        self.inode = os.fstat(self._data_fd).st_ino
         try:
             self._map_fd = open_private(path + PAGES_SUFFIX, os.O_RDWR)
         except BaseException:
             os.close(self._data_fd)
             raise
+        # The pair this process reads by: the stamps of one pages file vouch for the bytes of
+        # the data file that was beside it, and for no other (create_object makes a copy anew
+        # as new files).
+        self.identity = (_identity(os.fstat(self._data_fd)), _identity(os.fstat(self._map_fd)))
+        if not self.current():
+            os.close(self._data_fd)
+            os.close(self._map_fd)
+            raise StorageError(f"{self.url}: its copy in the node cache ({path}) was made anew by another process "
+                               f"while this one opened it; restart the loader")
         length = pages_file_bytes(self.page_count)
         if os.fstat(self._map_fd).st_size != length or os.fstat(self._data_fd).st_size != self.size:
             os.close(self._data_fd)
@@ -440,8 +485,11 @@ class CachedObject:
         self._fetching_lock = threading.Lock()
 
     def current(self) -> bool:
+        """Whether the copy's data and pages files are still the ones this process opened:
+        a pages file removed or replaced, or the copy made anew (by a loader of this process
+        or another), is another copy, whose stamps this process has never read."""
         try:
-            return os.stat(self.path).st_ino == self.inode
+            return (_identity(os.lstat(self.path)), _identity(os.lstat(self.path + PAGES_SUFFIX))) == self.identity
         except FileNotFoundError:
             return False
 

@@ -183,7 +183,8 @@ class NodeCache:
         except BaseException:
             os.close(self._ledger_fd)
             raise
-        self._ledger_inode = os.fstat(self._ledger_fd).st_ino
+        ledger_status = os.fstat(self._ledger_fd)
+        self._ledger_identity = (ledger_status.st_dev, ledger_status.st_ino)
         self._ledger_map = map_shared(self._ledger_fd, _LEDGER_BYTES)
         self._ledger = np.frombuffer(self._ledger_map, dtype=np.int64, count=len(_LEDGER))
         self._slots = np.frombuffer(self._ledger_map, dtype=np.int64, count=2 * _SLOT_COUNT,
@@ -208,6 +209,10 @@ class NodeCache:
         self._recount()
         lock(self._ledger_fd, fcntl.F_RDLCK, 1, 1, True)  # A user from now on (see _recount).
         self.objects: dict = {}  # path -> its cache.CachedObject, opened by cache.open_object
+        # Openings of copies whose files were replaced since (cache.open_object): a loader may
+        # read on through one, so they close with the view.
+        self.superseded: list = []
+        self.users = 0  # Loaders of this process holding this view (acquire/release).
         self.objects_lock = threading.Lock()
         self._pools: dict[str, FetchThreads] = {}
         self._pool_lock = threading.Lock()
@@ -598,20 +603,25 @@ class NodeCache:
     # Objects and fetching.
 
     def current(self) -> bool:
-        """Whether the ledger this view opened is still the directory's."""
+        """Whether this view is open and the ledger it opened is still the directory's (a
+        closed view's ledger inode may have been reused since)."""
+        if self._ledger_fd is None:
+            return False
         try:
-            return os.stat(os.path.join(self.root, "ledger")).st_ino == self._ledger_inode
+            status = os.lstat(os.path.join(self.root, "ledger"))
         except FileNotFoundError:
             return False
+        return (status.st_dev, status.st_ino) == self._ledger_identity
 
     def close(self) -> None:
         """Closes every object, the fetch threads and the ledger (a loader's close, when no
         other loader of this process uses the directory)."""
         give_up = time.monotonic() + CLOSE_WAIT_SECONDS
         with self.objects_lock:
-            for found in self.objects.values():
+            for found in (*self.objects.values(), *self.superseded):
                 found.close(max(0.0, give_up - time.monotonic()))
             self.objects.clear()
+            self.superseded.clear()
         with self._pool_lock:
             for pool in self._pools.values():
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -791,16 +801,19 @@ class CacheUse:
 
 
 _caches: dict[tuple[int, str], NodeCache] = {}
-_users: dict[tuple[int, str], int] = {}  # Loaders of this process holding each view (acquire/release).
 _caches_lock = threading.Lock()
 
 
 def _view(root: str) -> NodeCache:
-    """node_cache() under _caches_lock, held by the caller."""
+    """node_cache() under _caches_lock, held by the caller. A view whose directory was
+    removed (and made again) is replaced; closed now where no loader holds it, else by the
+    release() of the last one (they read on from the files they have open)."""
     key = (os.getpid(), os.path.abspath(root))
     cache = _caches.get(key)
     if cache is not None and not cache.current():
-        cache.close()
+        del _caches[key]
+        if not cache.users:
+            cache.close()
         cache = None
     if cache is None:
         cache = _caches[key] = NodeCache(root)
@@ -819,20 +832,20 @@ def acquire(root: str) -> NodeCache:
     that a release between them cannot close the view being handed out)."""
     with _caches_lock:
         cache = _view(root)
-        key = (os.getpid(), cache.root)
-        _users[key] = _users.get(key, 0) + 1
+        cache.users += 1
         return cache
 
 
 def release(cache: NodeCache) -> None:
     """A loader is done with the view: the last one of this process closes it (its files,
-    threads and locks)."""
+    threads and locks). Counted per view, not per directory: a view replaced while loaders
+    held it (_view) and the view that replaced it are each closed by their own last loader."""
     key = (os.getpid(), cache.root)
     with _caches_lock:
-        _users[key] = _users.get(key, 1) - 1
-        if _users[key] > 0:
+        assert cache.users > 0, (cache.root, cache.users)
+        cache.users -= 1
+        if cache.users:
             return
-        del _users[key]
         if _caches.get(key) is cache:
             del _caches[key]
     cache.close()
