@@ -15,6 +15,9 @@ from shmloader import Packed, Padded, ShmDataLoader, Windows
 SHM_DIRECTORY = "/dev/shm"
 # The pid child trainers check that they were started by (child_guard.py).
 os.environ["SHMLOADER_TEST_WORKER_PID"] = str(os.getpid())
+# Loaders of this test run share a node reader budget of their own (readers/budget_record.py):
+# another run on the host, or a training job, neither counts against it nor sees its loaders.
+os.environ["SHMLOADER_BUDGET_SCOPE"] = f"test{os.getpid()}"
 
 # A suite started in the background by a shell without job control (or under nohup)
 # inherits SIGINT and SIGQUIT (or SIGHUP) ignored, and every process it starts would too:
