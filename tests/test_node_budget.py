@@ -22,6 +22,7 @@ from conftest import examples, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import NodeBudgetWarning, ShmDataLoader
 from shmloader.errors import NodeBudgetError
+from shmloader import session as session_module
 from shmloader.plan import defaults
 from shmloader.plan.options import AutoReaders
 from shmloader.readers import autotune
@@ -173,6 +174,25 @@ def test_a_second_loader_sees_the_first_loaders_readers_and_the_last_to_close_re
             assert auto.stats()["reader_count"] <= 2  # ...and it never runs past it.
         assert [entry.held for entry in _entries()] == [1]
     assert _record_gone()
+
+
+def test_a_loader_whose_trainer_waits_gets_readers_from_one_whose_readers_idle(monkeypatch):
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
+    monkeypatch.setattr(session_module, "_READER_CHECK_BATCHES", 8)
+    monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "3")
+    with ShmDataLoader.from_dataset(Sleepy(0.0), batch_size=4, readers=AutoReaders(start=2, most=3)) as idle, \
+            ShmDataLoader.from_dataset(Sleepy(0.004), batch_size=4, readers=AutoReaders(start=1, most=3)) as waits:
+        idle_batches, waiting_batches = iter(idle), iter(waits)
+        for _ in range(400):  # One training loop drives both: the first's readers run ahead and idle.
+            next(waiting_batches)
+            next(idle_batches)
+            assert sum(entry.held for entry in _entries()) <= 3
+            if waits.stats()["reader_count"] == 2:
+                break
+        given, taken = idle.stats()["reader_change"], waits.stats()["reader_change"]
+        assert waits.stats()["reader_count"] == 2 and idle.stats()["reader_count"] == 1, (given, taken)
+        assert "another loader of this node waits for readers" in given["why"], given
+        assert (given["from"], given["to"], taken["from"], taken["to"]) == (2, 1, 1, 2)
 
 
 def test_a_trainer_killed_with_sigkill_has_its_share_reclaimed_and_the_record_goes_with_the_last(tmp_path):
