@@ -183,8 +183,9 @@ class LoaderOptions:
         elif self.readers is not None and not isinstance(self.readers, AutoReaders):
             set_(self, "readers", check_integer("readers", self.readers, 0, READERS_MAX))
         if isinstance(self.readers, AutoReaders) and self.remote is not None:
-            raise ValueError("readers='auto' sizes local reader processes only: with remote readers give readers= a "
-                             "number")
+            raise ValueError("readers='auto' adds and retires local reader processes, and remote readers run where "
+                             "their cluster places them, as many as the remote setting says: with remote readers give "
+                             "readers= the number of local readers to run beside them (0 for none)")
         if isinstance(self.slots, str):
             _auto("slots", self.slots)
         elif self.slots is not None:
