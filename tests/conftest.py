@@ -152,6 +152,14 @@ def orphaned_readers() -> list[int]:
     return found
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """The run's node budget record goes with its last loader; one whose last loader was a
+    child trainer killed by a test is left with dead entries only, and removed here."""
+    from shmloader.readers.budget_record import record_path, sweep
+
+    sweep(record_path())
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield

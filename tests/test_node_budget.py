@@ -223,15 +223,36 @@ def test_a_trainer_killed_with_sigkill_has_its_share_reclaimed_and_the_record_go
     assert _record_gone()
 
 
-def test_a_record_left_by_a_killed_last_loader_is_reclaimed_and_removed_by_the_next(monkeypatch):
+@pytest.mark.parametrize("cleaner", ["the next loader", "a sweep"])
+def test_a_record_left_by_a_killed_last_loader_is_removed(cleaner):
     child = subprocess.Popen([sys.executable, "-c", "from shmloader.readers.budget_record import NodeShare\n"
                               "NodeShare.join(held=2, least=2, most=2)\nimport os, signal\n"
                               "os.kill(os.getpid(), signal.SIGKILL)"])
     assert child.wait() == -signal.SIGKILL
     assert not _entries() and not _record_gone()  # Left behind, its one entry dead.
+    if cleaner == "a sweep":  # What a test run does at its end (conftest).
+        live = record.NodeShare.join(held=1, least=1, most=1)
+        assert not record.sweep(record.record_path())  # A live entry keeps it.
+        live.close()
+        assert record.sweep(record.record_path()) is False and _record_gone()  # Its close removed it.
+        return
     with ShmDataLoader.from_dataset(Sleepy(0.0), batch_size=4, readers=1) as loader:
         assert (loader.stats()["node_budget"]["node_readers"], loader.stats()["node_budget"]["loaders"]) == (1, 1)
     assert _record_gone()
+
+
+def test_a_sweep_removes_a_record_of_dead_entries_only():
+    entries = [record._Entry() for _ in range(record.ENTRY_COUNT)]
+    entries[5] = record._Entry(pid=_dead_pid(), held=2, least=2, most=2, budget=4, token=1)
+    with open(record.record_path(), "wb") as handle:
+        handle.write(record.pack(entries))
+    assert record.sweep(record.record_path()) and _record_gone()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 @pytest.mark.parametrize("content", [b"not a record", b"\0" * record.RECORD_BYTES,

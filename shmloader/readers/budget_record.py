@@ -222,6 +222,28 @@ def _open_locked(path: str) -> int:
     raise NodeBudgetError(f"{path} was replaced {_REOPENS_MAX} times while this loader opened it")
 
 
+def sweep(path: str) -> bool:
+    """Removes the record at `path` where every entry's trainer is gone (the last loader was
+    killed): what a test run does at its end. Whether it did; never raises."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        fd = _open_locked(path)
+    except (OSError, NodeBudgetError):
+        return False
+    try:
+        entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), path)
+        reclaim(entries)
+        if any(entry.pid for entry in entries):
+            return False
+        os.unlink(path)
+        return True
+    except (OSError, NodeBudgetError):
+        return False
+    finally:
+        os.close(fd)
+
+
 class NodeShare:
     """This loader's entry in the node's budget record: join() adds it, publish() and claim()
     update it (from the tuner's window, in next()), close() removes it and the record with
