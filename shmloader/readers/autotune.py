@@ -217,7 +217,7 @@ class Tuner:
             granted = share.claim(held, decision.change)
             if granted >= decision.change:
                 return decision.change, decision.why
-            standing = share.last
+            standing = share.now
             note = "" if standing is None else (f" ({standing.node_held} of {standing.budget} held by "
                                                 f"{standing.loaders} loaders)")
             why = decision.why + f"; the node's reader budget gave {granted} of {decision.change}{note}"

@@ -256,7 +256,8 @@ class NodeShare:
         self.start_ticks = start_ticks(self.pid) or 0
         self.error: str | None = None
         self.closed = False
-        self.last: Standing | None = None
+        self.last: Standing | None = None  # The last update's that succeeded (report).
+        self.now: Standing | None = None  # The latest call's: None where it made no update.
 
     @classmethod
     def join(cls, held: int, least: int, most: int, environment=os.environ) -> NodeShare:
@@ -276,10 +277,13 @@ class NodeShare:
         """Adds up to `wanted` readers to this loader's entry as far as the budget allows, in
         one update (no other loader can take the same room); how many."""
         standing = self._update(held, wanted, 0, wanted=wanted)
-        return wanted if standing is None else standing.granted
+        if standing is None:  # Without the budget: what is asked; a lock held past the wait: none this time.
+            return wanted if self.error is not None else 0
+        return standing.granted
 
     def _update(self, held: int, wants: int, spare: int, wanted: int) -> Standing | None:
         assert held >= 0 and wants >= 0 and spare >= 0, (held, wants, spare)
+        self.now = None
         if self.error is not None or self.closed:
             return None
         try:
@@ -308,7 +312,7 @@ class NodeShare:
             return self._fail(error)
         finally:
             os.close(fd)
-        self.last = standing
+        self.last = self.now = standing
         return standing
 
     def _find(self, entries: list[_Entry]) -> int:
