@@ -3,6 +3,7 @@
 from .errors import (
     CacheError,
     DeviceError,
+    NodeBudgetWarning,
     PerformanceWarning,
     ReaderError,
     ReaderRestartWarning,
@@ -22,6 +23,7 @@ __all__ = [
     "Batch",
     "CacheError",
     "DeviceError",
+    "NodeBudgetWarning",
     "Packed",
     "PackedRagged",
     "Padded",

@@ -107,6 +107,16 @@ class DeviceError(ShmLoaderError, RuntimeError):
     """The GPU path is unavailable (no CUDA here) or a device call failed."""
 
 
+class NodeBudgetError(ShmLoaderError, OSError):
+    """The node's reader budget record in /dev/shm cannot be used: not a regular file of
+    this user, not one this shmloader wrote, full, or its lock held past the wait. The loader
+    runs on without the budget (NodeBudgetWarning, stats()["node_budget"]["error"])."""
+
+
+class NodeBudgetWarning(RuntimeWarning):
+    """A loader runs without the node's reader budget: the record's error says why."""
+
+
 class PerformanceWarning(UserWarning):
     """A file's layout makes random row reads much slower than it needs to be."""
 

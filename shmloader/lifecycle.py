@@ -32,6 +32,7 @@ class Resources:
         self.node_cache = None  # Fields in a store: this process's view of the node cache, released last.
         self.dataset = None  # from_dataset: the trainer's DatasetHandle (its pickle's memory file).
         self.audit = None  # audit_log: the AuditWriter (audit_log.py), its file closed last.
+        self.node_share = None  # Local readers: this loader's entry in the node's reader budget (budget_record.py).
         self.device_iterators: weakref.WeakSet = weakref.WeakSet()
         # (slot, step) of the batches held when this process forked: a child may read their
         # pages, which stay shared, so neither next() nor a seek can give them to the readers (kept.py).
@@ -53,6 +54,8 @@ class Resources:
             if pool is not None:
                 pool.stop()
         finally:
+            if self.node_share is not None:
+                self.node_share.close()  # The readers are gone: their share goes back to the node.
             for iterator in list(self.device_iterators):
                 try:
                     iterator.close()  # Copies in flight read the ring: they finish first.

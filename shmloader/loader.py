@@ -22,6 +22,7 @@ from .plan.localize import localize
 from .plan.options import AutoReaders, LoaderOptions, check_integer
 from .plan.planner import plan_dataset_loader, plan_loader
 from .plan.resume import continuation
+from .readers.budget_record import NodeShare
 from .readers.elastic import ElasticPool
 from .readers.fork_call import call_in_fork
 from .readers.pool import ReaderPool
@@ -115,7 +116,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
         self.batch_size = options.batch_size
         # readers=0: the trainer fills each step itself when next() needs it (debugging).
         # readers="auto": self.readers is the most it may reach (the ring's reader records).
-        self.readers = default_readers() if options.readers is None else options.readers
+        self.readers = start = least = default_readers() if options.readers is None else options.readers
         if isinstance(options.readers, AutoReaders):
             start, least, self.readers = options.readers.resolve()
         self._pin_backend = pin_backend(pin_memory)  # No CUDA is an error before any reader starts.
@@ -129,6 +130,8 @@ class ShmDataLoader(cursor_module.LoaderBase):
             else:  # The simulation's threads (testing/simulation.py) neither join nor leave: its start, fixed.
                 pool, self.readers = self._pool_type(start, options.max_reader_restarts, remote), start
             resources.pool = pool
+            if self._pool_type is ReaderPool and remote is None and self.readers:  # Counted in the node's budget.
+                resources.node_share = NodeShare.join(start, least, self.readers)
             if isinstance(fields, _DatasetSource) and fields.share_by_fork:
                 pool.share_by_fork = True  # Its readers are forked once the dataset is planned.
             pool.start()
@@ -347,6 +350,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         "reader_count": the readers filling now; under readers="auto" (readers/autotune.py) also
         "readers_least", "readers_most", "reader_changes" and "reader_change", the last change
         ({"at_s", "from", "to", "why"}; None before one), else "reader_change" None.
+        "node_budget" (local readers; readers/budget_record.py): the readers every loader of the
+        node may run ("budget"), those they ran and how many loaders at this loader's last
+        update, and this loader's; {"error": why} where it runs without; None without readers.
 
         "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
         call before (the first: since the start; called often, about the last 10 s):
@@ -381,6 +387,7 @@ class ShmDataLoader(cursor_module.LoaderBase):
             # The readers now and, under readers="auto", their bounds and the last change and why.
             **({"reader_count": session.pool.count, "reader_change": None} if session.tuner is None
                else session.tuner.report()),
+            "node_budget": None if session.resources.node_share is None else session.resources.node_share.report(),
             "bottleneck": session.meter.diagnosis() if active else session.meter.last,
             **({} if self._cache_use is None else {"cache": self._cache_use.stats()}),
         }

@@ -180,7 +180,7 @@ class Session:
             plan_context(plan, dataset_spec is not None, pool.count),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
-            Tuner(pool, functools.partial(ring_reading, ring, pool.count))
+            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,

@@ -15,6 +15,9 @@ from shmloader import Packed, Padded, ShmDataLoader, Windows
 SHM_DIRECTORY = "/dev/shm"
 # The pid child trainers check that they were started by (child_guard.py).
 os.environ["SHMLOADER_TEST_WORKER_PID"] = str(os.getpid())
+# Loaders of this test run share a node reader budget of their own (readers/budget_record.py):
+# another run on the host, or a training job, neither counts against it nor sees its loaders.
+os.environ["SHMLOADER_BUDGET_SCOPE"] = f"test{os.getpid()}"
 
 # A suite started in the background by a shell without job control (or under nohup)
 # inherits SIGINT and SIGQUIT (or SIGHUP) ignored, and every process it starts would too:
@@ -147,6 +150,14 @@ def orphaned_readers() -> list[int]:
         if arguments[-1].isdigit() and not process_alive(int(arguments[-1])):
             found.append(pid)
     return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's node budget record goes with its last loader; one whose last loader was a
+    child trainer killed by a test is left with dead entries only, and removed here."""
+    from shmloader.readers.budget_record import record_path, sweep
+
+    sweep(record_path())
 
 
 @pytest.hookimpl(wrapper=True)

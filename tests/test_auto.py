@@ -25,6 +25,16 @@ from shmloader import session as session_module
 from shmloader.readers import autotune
 from shmloader.readers.autotune import RETIRE_WINDOWS, Window, decide
 
+
+
+@pytest.fixture(autouse=True)
+def budget_past_the_tests_readers(monkeypatch):
+    """The rule's own behaviour is tested here: the node's reader budget (on a 2-core host one
+    reader, its cores less the trainer) is test_node_budget.py's, and would hold these
+    loaders at their start."""
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "64")
+
+
 # ---- The rule, on synthetic windows --------------------------------------------------------
 
 

@@ -294,3 +294,27 @@ def test_top_reads_a_ring_that_keeps_a_record_of_checked_blocks(tmp_path):
         monitor.refresh()
         (view,) = monitor.views.values()
         assert view.last.trainer_pid == os.getpid() and len(view.last.states) == 4
+
+
+def test_top_lists_an_auto_loaders_empty_reader_records_once_and_never_as_pid_0(tmp_path, monkeypatch):
+    """readers="auto" sizes its ring for the most readers it may reach: the records it has no
+    reader in (pid 0) are named in one line, not shown as readers of pid 0."""
+    from shmloader import AutoReaders
+    from shmloader.tools.monitor import _ranges
+
+    assert _ranges([0, 3, 4, 5, 7]) == "0, 3-5, 7" and _ranges([2]) == "2"
+    np.save(tmp_path / "x.npy", np.zeros((4000, 8), np.float32))
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "4")
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=32, readers=AutoReaders(start=2, most=4)) as loader:
+        next(loader)
+        monitor = Monitor([loader.diagnostics.ring_name])
+
+        def both_readers_attached() -> bool:  # Each writes its pid in its record when it starts.
+            monitor.refresh()
+            return sum(1 for reader in next(iter(monitor.views.values())).last.readers if reader.pid) == 2
+
+        assert wait_until(both_readers_attached, timeout=10)
+        screen = render_text(monitor)
+    assert "pid       0" not in screen and re.search(r"reader 0: pid +\d+", screen), screen
+    assert len(re.findall(r"reader \d: pid", screen)) == 2, screen
+    assert "reader records 2-3: no reader now" in screen, screen

@@ -632,3 +632,41 @@ def test_a_checkpoint_of_a_run_without_a_seed_resumes_in_a_new_loader_without_on
 def test_the_drop_in_refuses_a_flag_that_is_not_a_bool():
     with pytest.raises(TypeError, match="drop_last must be True or False"):
         DataLoader(_Indices(), batch_size=4, drop_last="False")
+
+
+def _indices_and_noise(loader) -> list:
+    return [(batch["pair"][0].clone(), batch["noise"].clone()) for batch in loader]
+
+
+@pytest.mark.parametrize("order", ["shuffle", "sampler"])
+def test_num_workers_auto_gives_a_fixed_counts_batches_and_reads_back_the_most_as_an_integer(order, monkeypatch):
+    """num_workers="auto" is readers="auto" (readers join and leave; batch k does not depend on
+    which fills it): every epoch's batches are those of num_workers=2, and num_workers reads
+    back the most readers, an int as PyTorch's, within the node's budget."""
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "3")
+    dataset = Samples()
+    options = {"batch_size": 4, "seed": 8, **({"shuffle": True} if order == "shuffle" else
+                                               {"sampler": torch.utils.data.SequentialSampler(dataset)})}
+    with DataLoader(dataset, num_workers=2, **options) as fixed:
+        expected = [_indices_and_noise(fixed) for _ in range(2)]
+    with DataLoader(dataset, num_workers="auto", **options) as auto:
+        assert auto.num_workers == 3 and type(auto.num_workers) is int
+        found = [_indices_and_noise(auto) for _ in range(2)]  # The second epoch's readers forked anew.
+        assert auto._loader.stats()["readers_most"] == 3
+    for epoch, (one, other) in enumerate(zip(expected, found)):
+        assert len(one) == len(other) == 10, epoch
+        for (indices, noise), (found_indices, found_noise) in zip(one, other):
+            assert torch.equal(indices, found_indices) and torch.equal(noise, found_noise), epoch
+
+
+def test_num_workers_auto_is_refused_for_an_iterable_dataset_saying_why_and_what_to_pass_and_a_word_by_name():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    with pytest.raises(ValueError, match=r'num_workers="auto" cannot be honoured for an IterableDataset: batch k '
+                                         r"comes from worker k % num_workers.*give num_workers an integer"):
+        DataLoader(Stream(), batch_size=2, num_workers="auto")
+    with pytest.raises(TypeError, match=r"num_workers must be an integer \(PyTorch's meaning\) or \"auto\", got "
+                                        r"'four'"):
+        DataLoader(Samples(), batch_size=2, num_workers="four")

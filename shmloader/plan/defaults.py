@@ -1,5 +1,6 @@
 """The ring's default size: how many readers and slots a loader gets when it is not told,
-from the node's cores and trainers, and the bounds readers="auto" and slots="auto" keep to."""
+from the node's cores and trainers, the bounds readers="auto" and slots="auto" keep to, and
+the node's reader budget (SHMLOADER_CPU_BUDGET)."""
 
 from __future__ import annotations
 
@@ -30,16 +31,57 @@ def local_trainers(environment=os.environ) -> int:
     return 1
 
 
-def cores_share(environment=os.environ) -> int:
-    """The cores this process may use, divided among the node's trainers (each one starts
-    its own loader: eight ranks with a reader per core each would run 8x the cores), at
-    least one."""
+def _affinity_cores() -> tuple[int, int]:
+    """(the cores this process may use, the machine's cores)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
+    return cores, max(cores, os.cpu_count() or cores)
+
+
+def cores_share(environment=os.environ) -> int:
+    """The cores this process may use, divided among the node's trainers (each one starts
+    its own loader: eight ranks with a reader per core each would run 8x the cores), at
+    least one."""
+    cores, machine = _affinity_cores()
     # A rank pinned to its own cores (affinity already divided) keeps them all.
-    return max(1, cores if cores < (os.cpu_count() or cores) else cores // local_trainers(environment))
+    return max(1, cores if cores < machine else cores // local_trainers(environment))
+
+
+# ---- The node's reader budget (readers/node_budget.py) ----------------------------------
+
+# Caps the reader processes of every loader on the node together.
+CPU_BUDGET_VARIABLE = "SHMLOADER_CPU_BUDGET"
+# The largest cap taken: the budget record counts readers in 32-bit fields, and no node
+# runs more reader processes than this.
+CPU_BUDGET_MAX = 65536
+
+
+def cpu_budget_cap(environment=os.environ) -> int | None:
+    """SHMLOADER_CPU_BUDGET as a number of readers, None where it is unset or empty."""
+    value = environment.get(CPU_BUDGET_VARIABLE, "")
+    if not value.strip():
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= CPU_BUDGET_MAX:
+        raise ValueError(f"{CPU_BUDGET_VARIABLE}={value!r}: expected a whole number from 1 to {CPU_BUDGET_MAX}, the "
+                         f"most reader processes the loaders of this node run together; unset it for the node's "
+                         f"cores less one per trainer")
+    return int(text)
+
+
+def node_budget(environment=os.environ) -> int:
+    """The readers every loader of the node may run together: SHMLOADER_CPU_BUDGET where set,
+    else the node's cores less one for each trainer (LOCAL_WORLD_SIZE), at least one. A rank
+    pinned to its own cores counts the node's as its own times the trainers."""
+    cap = cpu_budget_cap(environment)
+    if cap is not None:
+        return cap
+    cores, machine = _affinity_cores()
+    trainers = local_trainers(environment)
+    node_cores = cores if cores == machine else min(machine, cores * trainers)
+    return max(1, node_cores - trainers)
 
 
 def default_readers(environment=os.environ) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._native import lib
 from ..remote.pages import CACHE_PAGE_BYTES
-from .defaults import cores_share, default_readers
+from .defaults import default_readers, local_trainers, node_budget
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -112,9 +112,10 @@ def _auto(name: str, value: str) -> dict:
 class AutoReaders:
     """readers="auto" with its bounds: the loader starts `start` readers and adds or retires
     them while it runs (readers/autotune.py), between `least` and `most`; the ring keeps a
-    reader record for each of `most`. None: `most` the cores this process may use divided
-    among the node's trainers (plan/defaults.cores_share; `start` where that is more), `start`
-    the fixed default (default_readers, at most `most`)."""
+    reader record for each of `most`. None: `most` the node's reader budget (plan/defaults.
+    node_budget: the loaders of every rank share it, readers/node_budget.py; `start` where that
+    is more), `start` the fixed default (default_readers) or the budget's equal part among the
+    node's trainers where that is less, at least `least`."""
 
     start: int | None = None
     least: int = 1
@@ -130,9 +131,12 @@ class AutoReaders:
 
     def resolve(self) -> tuple[int, int, int]:
         """(start, least, most) on this node."""
-        most = max(self.least, self.start or 0, cores_share()) if self.most is None else self.most
-        start = min(most, max(self.least, default_readers())) if self.start is None else self.start
-        return start, self.least, most
+        budget = node_budget()
+        most = max(self.least, self.start or 0, budget) if self.most is None else self.most
+        if self.start is None:  # Every rank starts at once: their starts together stay within the budget.
+            equal_part = max(1, budget // local_trainers())
+            return min(most, max(self.least, min(default_readers(), equal_part))), self.least, most
+        return self.start, self.least, most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +183,9 @@ class LoaderOptions:
         elif self.readers is not None and not isinstance(self.readers, AutoReaders):
             set_(self, "readers", check_integer("readers", self.readers, 0, READERS_MAX))
         if isinstance(self.readers, AutoReaders) and self.remote is not None:
-            raise ValueError("readers='auto' sizes local reader processes only: with remote readers give readers= a "
-                             "number")
+            raise ValueError("readers='auto' adds and retires local reader processes, and remote readers run where "
+                             "their cluster places them, as many as the remote setting says: with remote readers give "
+                             "readers= the number of local readers to run beside them (0 for none)")
         if isinstance(self.slots, str):
             _auto("slots", self.slots)
         elif self.slots is not None:

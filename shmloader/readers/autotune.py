@@ -16,6 +16,13 @@ readers keep anyway; readers/bottleneck.py reads them):
   would be busy at most RETIRE_BUSY_SHARE of the time, on RETIRE_WINDOWS windows in a row.
 - Else hold.
 
+Within the node's reader budget (readers/node_budget.py, through the record of
+readers/budget_record.py, shared by the loaders of every rank on the node): an add is claimed
+in the record first and goes only as far as the budget has room; each window publishes the
+readers this loader could give up (spare_readers), and where another loader waits for
+readers the budget cannot give, this one retires its share of them at once, without the
+calm windows.
+
 Why it does not oscillate: after an add the readers' work is the same or more, so the
 readers left after a retirement would be busier than RETIRE_BUSY_SHARE < ADD_BUSY_SHARE
 allows; after a retirement the readers left are at most RETIRE_BUSY_SHARE busy, below
@@ -117,6 +124,16 @@ def decide(window: Window, least: int, most: int, calm: int = 0) -> Decision:
     return Decision(0, f"the trainer waits {wait:.0%} of the time with {readers} readers {busy / readers:.0%} busy")
 
 
+def spare_readers(window: Window, least: int) -> int:
+    """Readers the loader could give up now (readers/node_budget.py gives them to a loader of
+    the node that waits): none while its trainer waits; else those past what its fills need
+    at RETIRE_BUSY_SHARE each, down to `least` (decide's retirement, without the calm windows)."""
+    if window.trainer_wait >= RETIRE_WAIT_SHARE:
+        return 0
+    needed = max(least, math.ceil(window.readers_busy / RETIRE_BUSY_SHARE - 1e-9))
+    return max(0, window.readers - needed)
+
+
 def window_of(before: Reading, after: Reading, active: list[int]) -> Window:
     """The Window between two readings (readers/bottleneck.py's) over the `active` records."""
     window_ns = max(1, after.at_ns - before.at_ns)
@@ -144,8 +161,8 @@ class Tuner:
     # a reader's start (a fork and its imports, about a tenth of a second) is short beside it.
     window_seconds = 1.0
 
-    def __init__(self, pool, read) -> None:
-        self.pool, self.read = pool, read
+    def __init__(self, pool, read, share=None) -> None:
+        self.pool, self.read, self.share = pool, read, share  # share: readers/budget_record.NodeShare
         self.started_ns = time.monotonic_ns()
         self.baseline: Reading | None = None
         self.calm = 0
@@ -169,20 +186,52 @@ class Tuner:
         self.baseline = reading
         decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
         self.calm = decision.calm
+        change, why = decision.change, decision.why
+        if self.share is not None:
+            change, why = self._within_budget(decision, window)
         done = 0
-        for _ in range(decision.change):
+        for _ in range(change):
             try:
                 done += self.pool.add_reader() is not None
             except OSError as error:  # No process to be had (a process or memory limit): training goes on.
                 self.add_failure = f"adding a reader failed at {(now_ns - self.started_ns) / 1e9:.1f} s: {error}"
                 break
-        if decision.change < 0:
-            done -= self.pool.retire_reader() is not None
+        for _ in range(-change):
+            if self.pool.retire_reader() is None:
+                break
+            done -= 1
+        if self.share is not None and done != change:  # The record holds what runs, not what was claimed.
+            self.share.publish(self.pool.active_count)
         if done:
             self.changes += 1
             self.last = {"at_s": round((now_ns - self.started_ns) / 1e9, 3), "from": len(active),
-                         "to": len(active) + done, "why": decision.why}
+                         "to": len(active) + done, "why": why}
             self.baseline = self.read()  # The next window starts with the new readers.
+
+    def _within_budget(self, decision: Decision, window: Window) -> tuple[int, str]:
+        """The decision within the node's reader budget (readers/node_budget.py): an add only
+        as far as the budget has room, claimed in the record before the readers start; and
+        readers given up for another loader of the node whose trainer waits."""
+        share, held = self.share, window.readers
+        if decision.change > 0:
+            granted = share.claim(held, decision.change)
+            if granted >= decision.change:
+                return decision.change, decision.why
+            standing = share.now
+            note = "" if standing is None else (f" ({standing.node_held} of {standing.budget} held by "
+                                                f"{standing.loaders} loaders)")
+            why = decision.why + f"; the node's reader budget gave {granted} of {decision.change}{note}"
+            if granted == 0 and standing is not None and standing.yields:
+                return -standing.yields, why + f": {standing.yields} given to a loader below its equal part"
+            return granted, why
+        standing = share.publish(held, 0, spare_readers(window, self.pool.least))
+        if standing is None or not standing.yields or decision.change < 0:
+            return decision.change, decision.why
+        return -standing.yields, (f"another loader of this node waits for readers, and this one's trainer waited "
+                                  f"{window.trainer_wait:.0%} with {held} readers "
+                                  f"{window.readers_busy / max(1, held):.0%} busy: {standing.yields} given up "
+                                  f"({standing.node_held} of the node's {standing.budget} held by "
+                                  f"{standing.loaders} loaders)")
 
     def report(self) -> dict:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""

@@ -33,6 +33,7 @@ else as plain text; `--once` prints one sample and exits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 import stat
@@ -370,6 +371,12 @@ LEGEND = (
 )
 
 
+def _ranges(indices: list[int]) -> str:
+    """"0, 3-7" for [0, 3, 4, 5, 6, 7] (sorted indices): a run shares index less position."""
+    spans = [[index for _, index in run] for _, run in itertools.groupby(enumerate(indices), lambda at: at[1] - at[0])]
+    return ", ".join(str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}" for span in spans)
+
+
 def render_text(monitor: Monitor) -> str:
     """The screen as plain text (also what rich draws, line by line)."""
     foreign = [f"foreign (not read): {name}: {reason}" for name, reason in monitor.foreign.items()]
@@ -386,10 +393,16 @@ def render_text(monitor: Monitor) -> str:
         if view.bottleneck is not None:
             lines.append(f"  {view.bottleneck['line']}")
         for index, reader in enumerate(last.readers):
+            if not reader.pid:  # No process in the record: listed once below, not as a reader of pid 0.
+                continue
             busy = view.busy[index] if index < len(view.busy) else 0.0
             starved = view.starved[index] if index < len(view.starved) else 0.0
             lines.append(f"  reader {index}: pid {reader.pid:>7}  busy {busy:4.0%}  starved {starved:4.0%}  "
                          f"batches by this pid {reader.batches:>9,}  skipped {reader.skipped:,}")
+        empty = [index for index, reader in enumerate(last.readers) if not reader.pid]
+        if empty:
+            lines.append(f"  reader record{'s' if len(empty) > 1 else ''} {_ranges(empty)}: no reader now (under "
+                         f"readers=\"auto\" room for readers it may add; else a reader still starting)")
     lines.extend(foreign)
     lines.append(LEGEND)
     return "\n".join(lines)

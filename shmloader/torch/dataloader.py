@@ -12,8 +12,8 @@ whose __getitem__ runs in shmloader's readers and writes each sample straight in
 Each `for` loop over the loader is one epoch: one finite pass of the dataset (every index
 once, per shard), in an order drawn from (seed, epoch), with the readers kept between
 epochs (a reader whose __getitem__ raised is replaced: the next epoch starts afresh, as
-torch's new workers do). Arguments map to the loader's settings: num_workers -> readers,
-prefetch_factor -> slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
+torch's new workers do). Arguments map to the loader's settings: num_workers -> readers (its
+"auto" -> readers="auto": worker.workers_setting), prefetch_factor -> slots per worker, shuffle -> mode, generator -> seed (its initial_seed(); without a generator or
 a seed, one drawn from torch's global generator, so that torch.manual_seed decides the order
 and the samples' seeds as it does torch's; 0 across ranks, as DistributedSampler's), timeout ->
 step_timeout, drop_last as it is, persistent_workers=False (torch's default) -> each later
@@ -84,7 +84,7 @@ from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
-from .worker import HOOK, fork_refused, probe_view, share_by_fork
+from .worker import HOOK, fork_refused, probe_view, share_by_fork, workers_setting
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -181,7 +181,7 @@ class DataLoader:
             seed = int(torch.empty((), dtype=torch.int64).random_().item()) & _SEED_MASK
         self.dataset, self.batch_size = dataset, int(batch_size)
         self.drop_last = check_flag("drop_last", drop_last)
-        self.num_workers, self.seed = int(num_workers), 0 if seed is None else int(seed)
+        (readers, self.num_workers), self.seed = workers_setting(num_workers), 0 if seed is None else int(seed)
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
@@ -189,7 +189,7 @@ class DataLoader:
         # The inner loader's settings: a collate_fn's slot that grows is built again from them (_regrow).
         self._build = {"dataset": collating(dataset, collate_fn, self.batch_size, on_error),
                        "outputs": dict(outputs or {}), "dataset_args": dataset_args, "batch_size": self.batch_size,
-                       "mode": "shuffle" if shuffle else "sequential", "readers": self.num_workers, "slots": slots,
+                       "mode": "shuffle" if shuffle else "sequential", "readers": readers, "slots": slots,
                        "epochs": 1, "drop_last": self.drop_last, "step_timeout": timeout or None,
                        "shard_index": self.shard_index, "shard_count": self.shard_count, "on_error": on_error,
                        "pin_memory": bool(pin_memory), "audit_log": audit_log}

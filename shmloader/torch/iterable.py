@@ -257,6 +257,14 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                  on_error: str = "raise", audit_log=None) -> None:
         import torch.utils.data
 
+        if isinstance(num_workers, str) and num_workers == "auto":
+            from ..plan.defaults import default_readers
+
+            raise ValueError(f"shmloader.torch.DataLoader: num_workers=\"auto\" cannot be honoured for an "
+                             f"IterableDataset: batch k comes from worker k % num_workers, as in PyTorch's DataLoader, "
+                             f"so the count fixes the batches' order and what a checkpoint resumes, and workers cannot "
+                             f"join or leave; give num_workers an integer (this node's default would be "
+                             f"{default_readers()})")
         # PyTorch's own checks (shuffle=, sampler= and batch_sampler= refused with an
         # IterableDataset) and defaults (default_collate, default_convert for batch_size=None).
         reference = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,

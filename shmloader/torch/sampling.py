@@ -37,6 +37,7 @@ from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from ..plan.sampler import derive_seed
 from .collation import collating
 from .dataloader import _SEED_MASK, DataLoader, _PassIterator
+from .worker import workers_setting
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -144,7 +145,8 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
         self.batch_size, self.drop_last = reference.batch_size, reference.drop_last
         self._index_sampler = reference._index_sampler
-        self.num_workers, self.persistent_workers = int(num_workers), bool(persistent_workers)
+        (self._readers, self.num_workers), self.persistent_workers = workers_setting(num_workers), \
+            bool(persistent_workers)
         self._attributes(reference.collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
         self.seed = None if seed is None else int(seed)  # None: each epoch's from the int64 drawn at iter().
         self.shard_index, self.shard_count, self._seed_drawn = 0, 1, seed is None
@@ -237,7 +239,7 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
             outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
             reader_hook=self._reader_hook(), probe_view=self._probe_view(self._pass_seed(order, epoch)),
             share_by_fork=self._share_by_fork(),
-            batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self.num_workers,
+            batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self._readers,
             slots=self._build["slots"], epochs=1, drop_last=False, step_timeout=self.timeout or None,
             on_error=self._build["on_error"], pin_memory=self.pin_memory)
 

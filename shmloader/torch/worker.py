@@ -34,6 +34,23 @@ import warnings
 HOOK = "shmloader.torch.worker:enter_reader"
 
 
+def workers_setting(num_workers) -> tuple[object, int]:
+    """The drop-in's num_workers as (the loader's readers setting, the num_workers it reads
+    back): an integer is PyTorch's, exactly (that many readers; 0: the trainer loads);
+    "auto" is readers="auto" on this node (readers join and leave as the loader runs, within
+    the node's reader budget), read back as the most it may run: the range of the worker
+    ids, get_worker_info().num_workers in the readers, and what prefetch_factor multiplies."""
+    if not isinstance(num_workers, str):
+        return int(num_workers), int(num_workers)
+    if num_workers != "auto":
+        raise TypeError(f"shmloader.torch.DataLoader: num_workers must be an integer (PyTorch's meaning) or \"auto\", "
+                        f"got {num_workers!r}")
+    from ..plan.options import AutoReaders
+
+    start, least, most = AutoReaders().resolve()
+    return AutoReaders(start=start, least=least, most=most), most
+
+
 def enter_reader(dataset, reader, worker_init_fn) -> None:
     """Sets torch's worker info for this reader, then runs `worker_init_fn(reader.index)`
     where one was given. `reader`: fill/dataset_runner.ReaderView."""

@@ -1,0 +1,367 @@
+"""The node's reader budget record: one small file in /dev/shm through which the loaders of
+every rank on the node share one reader budget (readers/node_budget.py splits it), with no
+daemon: the first loader creates it, each writes its own entry, the last one removes it.
+
+Name: shml-budget-v{RECORD_VERSION}-u{uid}-n{pid namespace}[-{SHMLOADER_BUDGET_SCOPE}].
+The uid keeps users apart, the pid namespace containers that share /dev/shm (a pid is only
+judged alive in its own namespace), the version loaders of another layout (they keep their
+own budget instead of misreading this one), and the scope, where set, jobs that must not
+share (a test run).
+
+Layout (little-endian; every update reads and writes the whole file under an exclusive
+flock held for the update alone, so a loader killed -9 never leaves the lock taken):
+
+    offset        size  field        meaning
+    ------------  ----  -----------  ---------------------------------------------------
+    0             8     magic        RECORD_MAGIC
+    8             4     version      RECORD_VERSION
+    12            4     entry_count  ENTRY_COUNT
+    16            48    (zero)
+    64 + i*64     64    entry i      one live loader, or all zero (free):
+      +0          4       pid          its trainer's pid
+      +4          4       held         readers it runs now
+      +8          8       start_ticks  its trainer's start time (/proc/pid/stat field 22):
+                                       a pid reused by another process differs
+      +16         8       token        which loader of that process
+      +24         4       least        the fewest readers it runs
+      +28         4       most         the most it may run (least == most: fixed, readers=N)
+      +32         4       wants        readers its rule asked for that the budget did not give
+      +36         4       spare        readers it could give up with its trainer not waiting
+      +40         4       budget       the node budget as this loader sees it
+                                       (plan/defaults.node_budget); the smallest applies
+      +44         4       (zero)
+      +48         8       updated_ns   CLOCK_MONOTONIC of its last update (for `top`)
+      +56         8       (zero)
+
+A loader killed -9 leaves its entry: every update first frees the entries whose trainer is
+gone (no /proc entry, a zombie, or another start time), so its share comes back to the
+others at their next window. The last loader to close finds no live entry and unlinks the
+file while it holds the lock; a loader that opened the file before then sees, once it has the
+lock, that its path names another file (or none), and opens again.
+
+Whatever is in the file is foreign input (another program, a damaged write): a file that is
+not this user's regular file, or whose size, magic, version or entries are not what this
+module writes, raises NodeBudgetError, and the loader runs without the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+import warnings
+
+from ..errors import NodeBudgetError, NodeBudgetWarning
+from ..plan.defaults import CPU_BUDGET_MAX, node_budget
+from ..ring.layout import SHM_DIRECTORY
+from . import node_budget as split
+from .node_budget import Holding
+
+RECORD_MAGIC = b"SHMLBDGT"
+RECORD_VERSION = 1
+# Loaders on one node at once: eight ranks with a few loaders each fit many times over.
+ENTRY_COUNT = 256
+_HEADER = struct.Struct("<8sII48x")
+_ENTRY = struct.Struct("<IIQQIIIII4xQ8x")
+RECORD_BYTES = _HEADER.size + ENTRY_COUNT * _ENTRY.size
+assert _HEADER.size == 64 and _ENTRY.size == 64
+
+SCOPE_VARIABLE = "SHMLOADER_BUDGET_SCOPE"
+_SCOPE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# How long an update waits for another loader's (each holds the lock for one read and write
+# of 16 KiB); one stopped (SIGSTOP) mid-update costs this loader one window's update.
+_LOCK_WAIT_SECONDS = 0.5
+_LOCK_POLL_SECONDS = 0.002
+# Opens of a path whose file the last loader removed meanwhile: each retry finds a new file.
+_REOPENS_MAX = 8
+
+
+@dataclasses.dataclass
+class _Entry:
+    pid: int = 0
+    held: int = 0
+    start_ticks: int = 0
+    token: int = 0
+    least: int = 0
+    most: int = 0
+    wants: int = 0
+    spare: int = 0
+    budget: int = 0
+    updated_ns: int = 0
+
+    def holding(self) -> Holding:
+        return Holding(self.held, self.least, self.most, self.wants, self.spare)
+
+
+@dataclasses.dataclass(frozen=True)
+class Standing:
+    """What an update found: the node's budget, its readers and loaders, this loader's
+    readers, and what the split gave it (`granted`) or asks of it (`yields`)."""
+
+    budget: int
+    node_held: int
+    loaders: int
+    held: int
+    granted: int = 0
+    yields: int = 0
+
+
+def record_path(environment=os.environ, directory: str = SHM_DIRECTORY) -> str:
+    """The record's path for this user, pid namespace and scope (module note)."""
+    scope = environment.get(SCOPE_VARIABLE, "")
+    if scope and not _SCOPE_PATTERN.fullmatch(scope):
+        raise ValueError(f"{SCOPE_VARIABLE}={scope!r}: expected 1-64 letters, digits, '_', '.' or '-' (loaders with "
+                         f"the same scope share the node's reader budget); unset it to share with every loader")
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return os.path.join(directory, f"shml-budget-v{RECORD_VERSION}-u{os.geteuid()}-n{namespace}"
+                                   + (f"-{scope}" if scope else ""))
+
+
+def start_ticks(pid: int) -> int | None:
+    """Process `pid`'s start time in clock ticks since boot; None where it is gone or a zombie
+    (killed, not yet reaped: it runs no code again)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            text = handle.read(4096).decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it went between the open and the read.
+        return None
+    except OSError:
+        return 0  # Not ours to read: alive as far as anyone can tell.
+    fields = text[text.rfind(")") + 2:].split()
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19]) if fields[19].isdigit() else 0
+
+
+def _alive(entry: _Entry) -> bool:
+    ticks = start_ticks(entry.pid)
+    return ticks is not None and (ticks == 0 or entry.start_ticks == 0 or ticks == entry.start_ticks)
+
+
+def parse(data: bytes, path: str) -> list[_Entry]:
+    """The entries of a record's bytes; NodeBudgetError where they are not a record this
+    module writes. Empty bytes (a file its creator had not written yet) are a fresh record."""
+    if not data:
+        return [_Entry() for _ in range(ENTRY_COUNT)]
+    if len(data) != RECORD_BYTES:
+        raise NodeBudgetError(f"{path} holds {len(data):,} bytes, a node budget record of version {RECORD_VERSION} "
+                              f"holds {RECORD_BYTES:,}: not a record this shmloader wrote")
+    magic, version, count = _HEADER.unpack_from(data, 0)
+    if magic != RECORD_MAGIC or version != RECORD_VERSION or count != ENTRY_COUNT:
+        raise NodeBudgetError(f"{path} starts {magic!r}, version {version}, {count} entries; expected "
+                              f"{RECORD_MAGIC!r}, version {RECORD_VERSION}, {ENTRY_COUNT}: not a record this "
+                              f"shmloader wrote")
+    entries = [_Entry(*_ENTRY.unpack_from(data, _HEADER.size + index * _ENTRY.size)) for index in range(ENTRY_COUNT)]
+    for index, entry in enumerate(entries):
+        if entry.pid and not (entry.least <= entry.held and entry.least <= entry.most <= CPU_BUDGET_MAX
+                              and 1 <= entry.budget <= CPU_BUDGET_MAX and entry.held <= CPU_BUDGET_MAX):
+            raise NodeBudgetError(f"{path}: entry {index} (pid {entry.pid}) holds {entry.held} readers between "
+                                  f"{entry.least} and {entry.most} under a budget of {entry.budget}: not a record "
+                                  f"this shmloader wrote")
+    return entries
+
+
+def pack(entries: list[_Entry]) -> bytes:
+    assert len(entries) == ENTRY_COUNT, len(entries)
+    return _HEADER.pack(RECORD_MAGIC, RECORD_VERSION, ENTRY_COUNT) + b"".join(
+        _ENTRY.pack(*dataclasses.astuple(entry)) for entry in entries)
+
+
+def reclaim(entries: list[_Entry], alive=_alive) -> int:
+    """Frees the entries whose trainer is gone; how many."""
+    freed = 0
+    for index, entry in enumerate(entries):
+        if entry.pid and not alive(entry):
+            entries[index], freed = _Entry(), freed + 1
+    return freed
+
+
+def _lock(fd: int, path: str) -> None:
+    deadline = time.monotonic() + _LOCK_WAIT_SECONDS
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as error:
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{path}'s lock was held past {_LOCK_WAIT_SECONDS} s")
+        time.sleep(_LOCK_POLL_SECONDS)
+
+
+def _open_locked(path: str) -> int:
+    """The record's descriptor, locked, for the file its path names now (module note)."""
+    for _ in range(_REOPENS_MAX):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        try:
+            _lock(fd, path)
+            opened = os.fstat(fd)
+            if not stat.S_ISREG(opened.st_mode) or opened.st_uid != os.geteuid():
+                raise NodeBudgetError(f"{path} is not a regular file of this user (uid {opened.st_uid}, mode "
+                                      f"{stat.filemode(opened.st_mode)}): the node budget record cannot be kept there")
+            try:
+                named = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                named = None
+            if named is not None and (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # Removed by the last loader meanwhile.
+    raise NodeBudgetError(f"{path} was replaced {_REOPENS_MAX} times while this loader opened it")
+
+
+def sweep(path: str) -> bool:
+    """Removes the record at `path` where every entry's trainer is gone (the last loader was
+    killed): what a test run does at its end. Whether it did; never raises."""
+    if not os.path.lexists(path):
+        return False
+    try:
+        fd = _open_locked(path)
+    except (OSError, NodeBudgetError):
+        return False
+    try:
+        entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), path)
+        reclaim(entries)
+        if any(entry.pid for entry in entries):
+            return False
+        os.unlink(path)
+        return True
+    except (OSError, NodeBudgetError):
+        return False
+    finally:
+        os.close(fd)
+
+
+class NodeShare:
+    """This loader's entry in the node's budget record: join() adds it, publish() and claim()
+    update it (from the tuner's window, in next()), close() removes it and the record with
+    the last entry. Where the record cannot be used, `error` says why and every call answers
+    as if the loader were alone under no budget (claim grants what is asked)."""
+
+    def __init__(self, path: str, budget: int, least: int, most: int) -> None:
+        self.path, self.budget, self.least, self.most = path, budget, least, most
+        self.pid, self.token = os.getpid(), secrets.randbits(63) | 1
+        self.start_ticks = start_ticks(self.pid) or 0
+        self.error: str | None = None
+        self.closed = False
+        self.last: Standing | None = None  # The last update's that succeeded (report).
+        self.now: Standing | None = None  # The latest call's: None where it made no update.
+
+    @classmethod
+    def join(cls, held: int, least: int, most: int, environment=os.environ) -> NodeShare:
+        """Adds an entry of `held` readers between `least` and `most`. A bad SHMLOADER_CPU_BUDGET
+        or SHMLOADER_BUDGET_SCOPE raises ValueError naming it; a record that cannot be used
+        does not raise (the class note)."""
+        share = cls(record_path(environment), node_budget(environment), least, most)
+        share.publish(held)
+        return share
+
+    def publish(self, held: int, wants: int = 0, spare: int = 0) -> Standing | None:
+        """Writes this loader's readers, what it asks for and what it could give; the standing,
+        with the readers it should give up (yields), or None where the record is not used."""
+        return self._update(held, wants, spare, wanted=0)
+
+    def claim(self, held: int, wanted: int) -> int:
+        """Adds up to `wanted` readers to this loader's entry as far as the budget allows, in
+        one update (no other loader can take the same room); how many."""
+        standing = self._update(held, wanted, 0, wanted=wanted)
+        if standing is None:  # Without the budget: what is asked; a lock held past the wait: none this time.
+            return wanted if self.error is not None else 0
+        return standing.granted
+
+    def _update(self, held: int, wants: int, spare: int, wanted: int) -> Standing | None:
+        assert held >= 0 and wants >= 0 and spare >= 0, (held, wants, spare)
+        self.now = None
+        if self.error is not None or self.closed:
+            return None
+        try:
+            fd = _open_locked(self.path)
+        except TimeoutError:
+            return None  # Another loader's update is stopped: this window goes without.
+        except (OSError, NodeBudgetError) as error:
+            return self._fail(error)
+        try:
+            entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), self.path)
+            reclaim(entries)
+            index = self._find(entries)
+            mine = entries[index] = _Entry(self.pid, held, self.start_ticks, self.token, min(self.least, held),
+                                           self.most, wants, spare, self.budget, time.monotonic_ns())
+            live = [position for position, entry in enumerate(entries) if entry.pid]
+            holdings = [entries[position].holding() for position in live]
+            me = live.index(index)
+            budget = min(entries[position].budget for position in live)
+            granted = split.grant(budget, holdings, me, wanted) if wanted else 0
+            mine.held, mine.wants = held + granted, max(0, wants - granted)
+            holdings[me] = mine.holding()
+            standing = Standing(budget, sum(holding.held for holding in holdings), len(live), mine.held, granted,
+                                split.yields(budget, holdings, me))
+            os.pwrite(fd, pack(entries), 0)
+        except (OSError, NodeBudgetError) as error:
+            return self._fail(error)
+        finally:
+            os.close(fd)
+        self.last = self.now = standing
+        return standing
+
+    def _find(self, entries: list[_Entry]) -> int:
+        for index, entry in enumerate(entries):
+            if entry.pid == self.pid and entry.token == self.token:
+                return index
+        for index, entry in enumerate(entries):  # A first update, or a record made anew since.
+            if not entry.pid:
+                return index
+        raise NodeBudgetError(f"{self.path} is full: {ENTRY_COUNT} loaders of this node hold entries")
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = f"{error} (the node's reader budget is not used by this loader)"
+        warnings.warn(f"this loader runs without the node's reader budget: {error}", NodeBudgetWarning, stacklevel=3)
+        return None  # Once: a share with an error makes no more updates.
+
+    def close(self) -> None:
+        """Removes this loader's entry, and the record where no live entry is left.
+        Idempotent; never raises (teardown)."""
+        if self.closed or os.getpid() != self.pid:
+            return
+        self.closed = True
+        if self.error is not None:
+            return
+        try:
+            fd = _open_locked(self.path)
+        except (OSError, NodeBudgetError):
+            return  # The next loader frees this entry: its pid is gone by then.
+        try:
+            entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), self.path)
+            entries = [_Entry() if entry.pid == self.pid and entry.token == self.token else entry
+                       for entry in entries]
+            reclaim(entries)
+            if not any(entry.pid for entry in entries):
+                os.unlink(self.path)  # Under the lock: a loader waiting for it opens again.
+            else:
+                os.pwrite(fd, pack(entries), 0)
+        except (OSError, NodeBudgetError):
+            pass
+        finally:
+            os.close(fd)
+
+    def report(self) -> dict:
+        """stats()["node_budget"]: the budget, the node's readers and loaders at the last
+        update, and this loader's; or the error that keeps it from the budget."""
+        if self.error is not None:
+            return {"error": self.error}
+        last = self.last
+        if last is None:
+            return {"budget": self.budget}
+        return {"budget": last.budget, "node_readers": last.node_held, "loaders": last.loaders,
+                "readers": last.held, "record": self.path}
