@@ -331,6 +331,11 @@ def test_the_budget_defaults_to_the_nodes_cores_less_its_trainers_and_auto_start
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "6")
     assert defaults.node_budget() == 6 and AutoReaders().resolve() == (1, 1, 6)
     assert AutoReaders(start=4, most=10).resolve() == (4, 1, 10)  # Explicit bounds are the user's.
+    monkeypatch.delenv(defaults.CPU_BUDGET_VARIABLE)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # A small node: a waiting trainer's core
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # is the readers', as with the fixed default's two.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert defaults.node_budget() == defaults.default_readers() == 2
 
 
 def test_a_fixed_loader_counts_against_the_budget_and_is_never_changed(monkeypatch):

@@ -73,15 +73,19 @@ def cpu_budget_cap(environment=os.environ) -> int | None:
 
 def node_budget(environment=os.environ) -> int:
     """The readers every loader of the node may run together: SHMLOADER_CPU_BUDGET where set,
-    else the node's cores less one for each trainer (LOCAL_WORLD_SIZE), at least one. A rank
-    pinned to its own cores counts the node's as its own times the trainers."""
+    else the node's cores less one for each trainer (LOCAL_WORLD_SIZE), and never fewer than
+    the fixed default gives one trainer (default_readers): on a small node (2 cores: one
+    trainer, two readers) a trainer that waits for data leaves its core to the readers, and
+    auto, which grows only while the trainer waits and a core is idle, must be able to reach
+    what a fixed loader runs there. A rank pinned to its own cores counts the node's as its
+    own times the trainers."""
     cap = cpu_budget_cap(environment)
     if cap is not None:
         return cap
     cores, machine = _affinity_cores()
     trainers = local_trainers(environment)
     node_cores = cores if cores == machine else min(machine, cores * trainers)
-    return max(1, node_cores - trainers)
+    return max(1, node_cores - trainers, default_readers(environment))
 
 
 def default_readers(environment=os.environ) -> int:
