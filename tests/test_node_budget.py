@@ -301,6 +301,38 @@ def test_a_record_made_anew_under_a_loader_gets_its_entry_again():
     assert _record_gone()
 
 
+def test_a_loader_stopped_inside_the_records_lock_costs_another_one_wait_not_one_every_window(monkeypatch):
+    monkeypatch.setattr(record, "_LOCK_WAIT_SECONDS", 0.05)
+    share = record.NodeShare.join(held=1, least=1, most=4)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, signal\nfrom shmloader.readers import budget_record as R\n"
+                               "fd = R._open_locked(R.record_path())\nprint('locked', flush=True)\n"
+                               "os.kill(os.getpid(), signal.SIGSTOP)"], stdout=subprocess.PIPE, text=True)
+    timeouts = []
+    locking = record._lock
+
+    def counted(fd, path):
+        try:
+            locking(fd, path)
+        except TimeoutError:
+            timeouts.append(path)
+            raise
+
+    monkeypatch.setattr(record, "_lock", counted)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().split(") ")[1][0] == "T", timeout=10)
+        for _ in range(10):  # Ten windows of a tuner whose update finds the lock taken.
+            assert share.publish(1) is None and share.claim(1, 1) == 0
+        assert len(timeouts) == 1 and share.error is None
+    finally:
+        holder.kill()
+        holder.wait()
+    share.retry_at = 0.0  # The back-off has passed: the next update waits again, and gets the lock.
+    assert share.publish(2).node_held == 2 and len(timeouts) == 1
+    share.close()
+    assert _record_gone()
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "٣", str(defaults.CPU_BUDGET_MAX + 1)])
 def test_a_bad_cpu_budget_is_an_error_naming_the_variable_and_what_it_takes(value, monkeypatch):
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, value)

@@ -39,6 +39,10 @@ others at their next window. The last loader to close finds no live entry and un
 file while it holds the lock; a loader that opened the file before then sees, once it has the
 lock, that its path names another file (or none), and opens again.
 
+One stopped (SIGSTOP, a debugger) inside its update keeps the lock: another's update
+waits _LOCK_WAIT_SECONDS, then leaves the record alone for a back-off that doubles while the
+lock stays taken.
+
 Whatever is in the file is foreign input (another program, a damaged write): a file that is
 not this user's regular file, or whose size, magic, version or entries are not what this
 module writes, raises NodeBudgetError, and the loader runs without the budget.
@@ -80,6 +84,11 @@ _SCOPE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # of 16 KiB); one stopped (SIGSTOP) mid-update costs this loader one window's update.
 _LOCK_WAIT_SECONDS = 0.5
 _LOCK_POLL_SECONDS = 0.002
+# After a wait that timed out, the record is left alone this long, doubled at each timeout in
+# a row up to the most: the wait runs inside next(), and a loader stopped inside its update
+# would otherwise cost every other trainer of the node half a second each window.
+_LOCK_BACKOFF_SECONDS = 2.0
+_LOCK_BACKOFF_MAX_SECONDS = 64.0
 # Opens of a path whose file the last loader removed meanwhile: each retry finds a new file.
 _REOPENS_MAX = 8
 
@@ -265,6 +274,8 @@ class NodeShare:
         self.start_ticks = start_ticks(self.pid) or 0
         self.error: str | None = None
         self.closed = False
+        # The lock back-off (_LOCK_BACKOFF_SECONDS): no update before retry_at (monotonic).
+        self.backoff_seconds, self.retry_at = 0.0, 0.0
         self.last: Standing | None = None  # The last update's that succeeded (report).
         self.now: Standing | None = None  # The latest call's: None where it made no update.
 
@@ -293,14 +304,17 @@ class NodeShare:
     def _update(self, held: int, wants: int, spare: int, wanted: int) -> Standing | None:
         assert held >= 0 and wants >= 0 and spare >= 0, (held, wants, spare)
         self.now = None
-        if self.error is not None or self.closed:
+        if self.error is not None or self.closed or time.monotonic() < self.retry_at:
             return None
         try:
             fd = _open_locked(self.path)
-        except TimeoutError:
-            return None  # Another loader's update is stopped: this window goes without.
+        except TimeoutError:  # Another loader's update is stopped: this window goes without.
+            self.backoff_seconds = min(_LOCK_BACKOFF_MAX_SECONDS, 2 * self.backoff_seconds or _LOCK_BACKOFF_SECONDS)
+            self.retry_at = time.monotonic() + self.backoff_seconds
+            return None
         except (OSError, NodeBudgetError) as error:
             return self._fail(error)
+        self.backoff_seconds = 0.0
         try:
             entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), self.path)
             reclaim(entries)
