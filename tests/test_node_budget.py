@@ -333,6 +333,32 @@ def test_a_loader_stopped_inside_the_records_lock_costs_another_one_wait_not_one
     assert _record_gone()
 
 
+@pytest.mark.parametrize("failing", ["the first write", "a later update"])
+def test_a_loader_whose_record_update_failed_still_takes_its_entry_away_when_it_closes(failing, monkeypatch):
+    other = None if failing == "the first write" else record.NodeShare.join(held=2, least=1, most=4)
+    share = record.NodeShare.join(held=1, least=1, most=4) if other else None
+    calls = {"pwrite": os.pwrite}
+
+    def full(fd, data, offset):  # /dev/shm full (ENOSPC) or this process out of descriptors: once.
+        monkeypatch.setattr(record.os, "pwrite", calls["pwrite"])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(record.os, "pwrite", full)
+    with pytest.warns(NodeBudgetWarning, match="No space left on device"):
+        if share is None:
+            share = record.NodeShare.join(held=1, least=1, most=4)
+        else:
+            assert share.publish(3) is None
+    assert share.error is not None and share.claim(1, 2) == 2  # Alone under no budget, as documented.
+    share.close()
+    if other is None:
+        assert _record_gone()  # Not an empty file in /dev/shm.
+    else:
+        assert [entry.held for entry in _entries()] == [2]  # Its readers went back to the node.
+        other.close()
+        assert _record_gone()
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "٣", str(defaults.CPU_BUDGET_MAX + 1)])
 def test_a_bad_cpu_budget_is_an_error_naming_the_variable_and_what_it_takes(value, monkeypatch):
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, value)

@@ -274,6 +274,7 @@ class NodeShare:
         self.start_ticks = start_ticks(self.pid) or 0
         self.error: str | None = None
         self.closed = False
+        self.opened = False  # Whether an update opened the record (and may have made the file).
         # The lock back-off (_LOCK_BACKOFF_SECONDS): no update before retry_at (monotonic).
         self.backoff_seconds, self.retry_at = 0.0, 0.0
         self.last: Standing | None = None  # The last update's that succeeded (report).
@@ -306,6 +307,7 @@ class NodeShare:
         self.now = None
         if self.error is not None or self.closed or time.monotonic() < self.retry_at:
             return None
+        self.opened = True
         try:
             fd = _open_locked(self.path)
         except TimeoutError:  # Another loader's update is stopped: this window goes without.
@@ -353,13 +355,15 @@ class NodeShare:
         return None  # Once: a share with an error makes no more updates.
 
     def close(self) -> None:
-        """Removes this loader's entry, and the record where no live entry is left.
+        """Removes this loader's entry, and the record where no live entry is left: also after
+        an update failed (an entry it wrote before, or the empty file it made, would be left
+        while its process lives); a record it refused stays as it is (parse refuses it again).
         Idempotent; never raises (teardown)."""
         if self.closed or os.getpid() != self.pid:
             return
         self.closed = True
-        if self.error is not None:
-            return
+        if self.error is not None and not (self.opened and os.path.lexists(self.path)):
+            return  # Nothing of this loader's to take away: no lock to wait for.
         try:
             fd = _open_locked(self.path)
         except (OSError, NodeBudgetError):
