@@ -359,6 +359,23 @@ def test_a_loader_whose_record_update_failed_still_takes_its_entry_away_when_it_
         assert _record_gone()
 
 
+def test_a_record_whose_first_write_was_cut_short_by_a_kill_is_taken_with_its_missing_entries_free():
+    entries = [record._Entry() for _ in range(record.ENTRY_COUNT)]
+    entries[2] = record._Entry(pid=_dead_pid(), held=3, least=1, most=4, budget=8, token=1)
+    whole = record.pack(entries)
+    with open(record.record_path(), "wb") as handle:
+        handle.write(whole[:8192])  # The kernel stops a write at a page for SIGKILL: torn at 8 KiB.
+    share = record.NodeShare.join(held=1, least=1, most=4)
+    assert share.error is None and (share.last.node_held, share.last.loaders) == (1, 1)
+    assert os.path.getsize(record.record_path()) == record.RECORD_BYTES  # Whole again.
+    share.close()
+    assert _record_gone()
+    for torn in (whole[:100], whole[:8192].replace(record.RECORD_MAGIC, b"SHMLBDGX")):  # Not a record's pages.
+        with pytest.raises(NodeBudgetError, match="not a record this shmloader wrote"):
+            record.parse(torn, "record")
+
+
+
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "٣", str(defaults.CPU_BUDGET_MAX + 1)])
 def test_a_bad_cpu_budget_is_an_error_naming_the_variable_and_what_it_takes(value, monkeypatch):
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, value)

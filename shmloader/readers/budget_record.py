@@ -39,9 +39,11 @@ others at their next window. The last loader to close finds no live entry and un
 file while it holds the lock; a loader that opened the file before then sees, once it has the
 lock, that its path names another file (or none), and opens again.
 
-One stopped (SIGSTOP, a debugger) inside its update keeps the lock: another's update
-waits _LOCK_WAIT_SECONDS, then leaves the record alone for a back-off that doubles while the
-lock stays taken.
+One killed during the write that makes the file leaves a record cut short at a page (the
+kernel stops a write there for a fatal signal): whole entries after a right header are taken,
+the missing ones free. One stopped (SIGSTOP, a debugger) inside its update keeps the lock:
+another's update waits _LOCK_WAIT_SECONDS, then leaves the record alone for a back-off that
+doubles while the lock stays taken.
 
 Whatever is in the file is foreign input (another program, a damaged write): a file that is
 not this user's regular file, or whose size, magic, version or entries are not what this
@@ -167,9 +169,12 @@ def _alive(entry: _Entry) -> bool:
 
 def parse(data: bytes, path: str) -> list[_Entry]:
     """The entries of a record's bytes; NodeBudgetError where they are not a record this
-    module writes. Empty bytes (a file its creator had not written yet) are a fresh record."""
+    module writes. Empty bytes (a file its creator had not written yet) are a fresh record;
+    bytes cut short after whole entries (its creator killed mid-write) have the rest free."""
     if not data:
         return [_Entry() for _ in range(ENTRY_COUNT)]
+    if _HEADER.size <= len(data) < RECORD_BYTES and len(data) % _ENTRY.size == 0:
+        data += bytes(RECORD_BYTES - len(data))  # Checked as a whole record below: the header too.
     if len(data) != RECORD_BYTES:
         raise NodeBudgetError(f"{path} holds {len(data):,} bytes, a node budget record of version {RECORD_VERSION} "
                               f"holds {RECORD_BYTES:,}: not a record this shmloader wrote")
