@@ -8,6 +8,7 @@ left once the last loader closes) and SHMLOADER_CPU_BUDGET's check."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -374,6 +375,22 @@ def test_a_record_whose_first_write_was_cut_short_by_a_kill_is_taken_with_its_mi
         with pytest.raises(NodeBudgetError, match="not a record this shmloader wrote"):
             record.parse(torn, "record")
 
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a pid namespace")
+def test_a_loader_whose_proc_shows_another_pid_namespace_runs_without_the_budget():
+    # A sandbox that made its own pid namespace and kept the host's /proc: a pid there names
+    # another process (pid 2 is the host's kthreadd), so a killed loader would look alive forever.
+    code = ("import warnings\nfrom shmloader.readers.budget_record import NodeShare\n"
+            "warnings.simplefilter('ignore')\nshare = NodeShare.join(held=2, least=1, most=4)\n"
+            "print(share.error)\nshare.close()\n")
+    result = subprocess.run(["unshare", "-p", "-f", sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    if "unshare:" in result.stderr:
+        pytest.skip(f"no pid namespace here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    assert "/proc is another pid namespace's" in result.stdout, result.stdout
+    assert _record_gone()
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5", "many", "٣", str(defaults.CPU_BUDGET_MAX + 1)])

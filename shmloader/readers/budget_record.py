@@ -43,7 +43,8 @@ One killed during the write that makes the file leaves a record cut short at a p
 kernel stops a write there for a fatal signal): whole entries after a right header are taken,
 the missing ones free. One stopped (SIGSTOP, a debugger) inside its update keeps the lock:
 another's update waits _LOCK_WAIT_SECONDS, then leaves the record alone for a back-off that
-doubles while the lock stays taken.
+doubles while the lock stays taken. Liveness needs this pid namespace's /proc: where /proc
+is another's (or none), a pid there names another process, and the loader keeps out.
 
 Whatever is in the file is foreign input (another program, a damaged write): a file that is
 not this user's regular file, or whose size, magic, version or entries are not what this
@@ -160,6 +161,20 @@ def start_ticks(pid: int) -> int | None:
     if len(fields) < 20 or fields[0] in ("Z", "X"):
         return None
     return int(fields[19]) if fields[19].isdigit() else 0
+
+
+def proc_problem() -> str | None:
+    """Why /proc cannot say which loaders live (reclaim): none mounted, or another pid
+    namespace's (a sandbox that made its own and kept the host's /proc), where a pid names
+    another process and a killed loader's entry could look alive forever; None where it can."""
+    try:
+        shown = os.readlink("/proc/self")
+    except OSError as error:
+        return f"/proc/self cannot be read ({error}): /proc must say which loaders of the node live"
+    if shown != str(os.getpid()):
+        return (f"/proc is another pid namespace's (/proc/self is {shown}, this process is {os.getpid()}): it "
+                f"cannot say which loaders of the node live; mount this namespace's /proc (unshare --mount-proc)")
+    return None
 
 
 def _alive(entry: _Entry) -> bool:
@@ -291,6 +306,10 @@ class NodeShare:
         or SHMLOADER_BUDGET_SCOPE raises ValueError naming it; a record that cannot be used
         does not raise (the class note)."""
         share = cls(record_path(environment), node_budget(environment), least, most)
+        problem = proc_problem()
+        if problem is not None:
+            share._fail(NodeBudgetError(problem))
+            return share
         share.publish(held)
         return share
 
