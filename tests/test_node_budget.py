@@ -305,9 +305,10 @@ def test_a_record_made_anew_under_a_loader_gets_its_entry_again():
 def test_a_loader_stopped_inside_the_records_lock_costs_another_one_wait_not_one_every_window(monkeypatch):
     monkeypatch.setattr(record, "_LOCK_WAIT_SECONDS", 0.05)
     share = record.NodeShare.join(held=1, least=1, most=4)
-    holder = subprocess.Popen([sys.executable, "-c", "import os, signal\nfrom shmloader.readers import budget_record as R\n"
-                               "fd = R._open_locked(R.record_path())\nprint('locked', flush=True)\n"
-                               "os.kill(os.getpid(), signal.SIGSTOP)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, signal\nfrom shmloader.readers import budget_record\n"
+                               "fd = budget_record._open_locked(budget_record.record_path())\n"
+                               "print('locked', flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)"],
+                              stdout=subprocess.PIPE, text=True)
     timeouts = []
     locking = record._lock
 
