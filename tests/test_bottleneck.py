@@ -1,20 +1,28 @@
 """stats()["bottleneck"] names the stage that limits the loader: end to end, loaders built so
 that one stage dominates by a wide margin (a training step of 50 ms against fills of a
 millisecond, a __getitem__ or transform that sleeps 50 ms against a trainer that does not,
-batches the trainer keeps, a fill that does not end, which the stall warning names too);
-and diagnose() itself on counters written by hand for every stage, the ones no fixture here
-can make (a slow disk, decompression, a link, a cache too small, cores free or not).
+batches the trainer keeps, a fill that does not end, which the stall warning names too, a
+store behind a slow link, and cold data read through a blkio cgroup that throttles the disk,
+which `top` names too); and diagnose() itself on counters written by hand for every stage,
+cores free or not. (A node cache below the data: test_cache_budget.py.)
 No assertion compares timings: each case is limited by one stage whatever the machine's load."""
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import time
+import uuid
 import warnings
 
 import numpy as np
 import pytest
 
 import dataset_fixtures as fixtures
+from conftest import child_environment, our_shm_entries, wait_until
 from shmloader import ReaderStallWarning, ShmDataLoader
 from shmloader.readers import supervision
 from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters, Reading, diagnose, zero_reading
@@ -23,6 +31,13 @@ from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters,
 _SLOW_SECONDS = 0.05
 # A link slow enough that a few steps' pages of a 6 MB object take seconds.
 _LINK_BYTES_PER_SECOND = 2e6
+# A disk this slow (1 MiB/s) makes a step of 256 KiB wait for it a quarter of a second,
+# against the microseconds its copy takes: the readers wait for the disk on any host load.
+_DISK_BYTES_PER_SECOND = 1 << 20
+# cgroup v1's blkio hierarchy, where this host has one.
+_BLKIO_ROOT = pathlib.Path("/sys/fs/cgroup/blkio")
+# The child trainer's bound on asking what limits it, and the test's on the child.
+_CHILD_DEADLINE_SECONDS, _CHILD_TIMEOUT_SECONDS = 30.0, 90.0
 
 
 def _windowed(loader, steps: int, step_seconds: float = 0.0, keep: int = 0) -> dict:
@@ -261,3 +276,100 @@ def test_a_slow_store_names_the_link(tmp_path):
             thread.join(timeout=10)
     assert verdict["stage"] == "link", verdict
     assert verdict["detail"]["cache_evicted_bytes"] == 0 and "object store" in verdict["advice"], verdict
+
+
+def _whole_disk(path: pathlib.Path) -> str:
+    """"MAJOR:MINOR" of the disk `path` is stored on (a partition's disk: blkio throttles
+    whole disks); skips where no block device holds it (tmpfs, overlay)."""
+    device = os.stat(path).st_dev
+    sysfs = pathlib.Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}")
+    if not sysfs.exists():
+        pytest.skip(f"{path} is on no block device (device {os.major(device)}:{os.minor(device)}: tmpfs or "
+                    f"overlay?): no disk to throttle")
+    if (sysfs / "partition").exists():
+        sysfs = sysfs.resolve().parent
+    return (sysfs / "dev").read_text().strip()
+
+
+def _remove_group(group: pathlib.Path) -> None:
+    """Removes cgroup `group` once its processes have gone: the child trainer's readers and fork
+    server die with it (PR_SET_PDEATHSIG); any still there are moved back to the root group,
+    which a cgroup's removal needs."""
+    procs = group / "cgroup.procs"
+    wait_until(lambda: not procs.read_text().split(), timeout=10, interval=0.05)
+    for pid in procs.read_text().split():
+        try:
+            (_BLKIO_ROOT / "cgroup.procs").write_text(pid)
+        except ProcessLookupError:
+            pass  # Exited meanwhile.
+    assert wait_until(lambda: _removed(group), timeout=10, interval=0.05), f"{group} could not be removed"
+
+
+def _removed(group: pathlib.Path) -> bool:
+    try:
+        group.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # EBUSY: a process is still leaving.
+    return True
+
+
+@pytest.fixture
+def throttled_disk(tmp_path):
+    """A blkio cgroup (v1) that limits reads from the disk under tmp_path to
+    _DISK_BYTES_PER_SECOND: its cgroup.procs file, for the test's child trainer to join.
+    Removed at the end, however the test ends. Skips where the host has no such controller
+    or it cannot be written (cgroup v2 alone, a container's read-only /sys, not root)."""
+    device = _whole_disk(tmp_path)
+    if not (_BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
+        pytest.skip(f"no cgroup v1 blkio controller at {_BLKIO_ROOT}: no throttled disk to test against")
+    group = _BLKIO_ROOT / f"shmloader-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+    except OSError as error:
+        pytest.skip(f"cannot make a blkio cgroup at {group}: {error}")
+    try:
+        try:
+            (group / "blkio.throttle.read_bps_device").write_text(f"{device} {_DISK_BYTES_PER_SECOND}")
+        except OSError as error:
+            pytest.skip(f"cannot throttle disk {device} in {group}: {error}")
+        yield group / "cgroup.procs"
+    finally:
+        _remove_group(group)
+
+
+def _cold(path: pathlib.Path) -> None:
+    """Drops `path`'s pages from the page cache, written back first: reading it reads the disk."""
+    os.sync()
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(descriptor)
+
+
+def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path, throttled_disk):
+    """32 MiB of rows, out of the page cache, read by readers in a group whose disk gives
+    1 MiB/s: they wait for the disk most of every fill, and both stats()["bottleneck"] and
+    top's view of the ring name disk reads (the child trainer asks them in turn:
+    bottleneck_child.py)."""
+    path = tmp_path / "rows.npy"
+    np.save(path, np.random.default_rng(11).integers(0, 256, size=(8192, 4096), dtype=np.uint8))
+    _cold(path)
+    child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("bottleneck_child.py")),
+                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
+    try:
+        output, errors = child.communicate(timeout=_CHILD_TIMEOUT_SECONDS)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and output, (child.returncode, errors)
+    assert wait_until(lambda: not our_shm_entries(child.pid), timeout=10), our_shm_entries(child.pid)
+    found = json.loads(output)
+    verdict = found["verdict"]
+    assert verdict["stage"] == "disk", found
+    assert "from storage" in verdict["advice"] and verdict["detail"]["readers_blocked"] >= 0.5, found
+    assert verdict["detail"]["storage_read_bytes_per_s"] > 0, found
+    assert "bottleneck: disk reads at" in found["top"], found

@@ -2,8 +2,8 @@
 disk under cache_dir stay within cache_bytes plus the pages of the batches being filled
 (remote/cache.py), during a run and after close, batches equal the local file's, a step of
 rows at random costs about a request per row, and a step slowed by a cache too small says
-so and what cache_bytes would fit. Against moto's S3 server on 127.0.0.1, as
-test_object_store.py."""
+so and what cache_bytes would fit, as do stats()["bottleneck"] and `top`. Against moto's S3
+server on 127.0.0.1, as test_object_store.py."""
 
 from __future__ import annotations
 
@@ -183,22 +183,31 @@ def test_a_fill_that_an_eviction_overlapped_is_read_again_pinned(rows, tmp_path,
     assert calls.count(3) == 2  # Read unpinned, then again, pinned.
 
 
-def _bottleneck_after(loader, steps: int) -> dict:
-    """stats()["bottleneck"] over `steps` steps after a warm-up and a first reading."""
-    for _ in zip(range(3), loader):
-        pass
-    loader.stats()
-    for _ in zip(range(steps), loader):
-        pass
-    return loader.stats()["bottleneck"]
-
-
-def test_the_bottleneck_of_a_cache_below_the_data_is_the_caches_budget(rows, tmp_path):
+def test_the_bottleneck_of_a_cache_below_the_data_is_the_caches_budget_in_stats_and_top(rows, tmp_path):
     """Rows at random over a cache of a third of the data: readers wait for pages the cache
-    evicted, and stats()["bottleneck"] says so (readers/bottleneck.py)."""
+    evicted, and stats()["bottleneck"] says so (readers/bottleneck.py) with the bytes evicted
+    in its window (the ledger counts pages: 30 steps of 32 rows evict megabytes, in whole
+    pages), and so does top, which finds the cache through the ledger the readers hold open
+    (remote/node.evicted_bytes_of)."""
+    from shmloader.tools.monitor import Monitor, render_text
+
     with ShmDataLoader({"x": rows[1]}, cache_dir=tmp_path, cache_bytes=BUDGET, batch_size=BATCH, readers=READERS,
                        seed=4) as loader:
-        verdict = _bottleneck_after(loader, 30)
+        monitor = Monitor([loader.diagnostics.ring_name])
+        for _ in zip(range(3), loader):
+            pass
+        loader.stats()
+        monitor.refresh()
+        for _ in zip(range(30), loader):
+            pass
+        verdict = loader.stats()["bottleneck"]
+        monitor.refresh()
+        evicted_pages = loader.stats()["cache"]["evicted"]
+        (view,) = monitor.views.values()
+        screen = render_text(monitor)
     assert verdict["stage"] == "cache", verdict
-    assert verdict["detail"]["cache_evicted_bytes"] > 0 and "cache_bytes" in verdict["advice"], verdict
-
+    evicted = verdict["detail"]["cache_evicted_bytes"]
+    assert 1e6 <= evicted <= evicted_pages * CACHE_PAGE_BYTES and evicted % CACHE_PAGE_BYTES == 0, verdict
+    assert "cache_bytes" in verdict["advice"], verdict
+    assert view.bottleneck is not None and view.bottleneck["stage"] == "cache", (view.bottleneck, screen)
+    assert "bottleneck: the node cache's budget at" in screen, screen

@@ -1,7 +1,8 @@
 """`shmloader top`: run under a real pseudo-terminal against a live loader, the screen shows
 the loader's ring, each reader's pid, rows/s, the slot states, and a reader restart; it
 reads the rings only; Ctrl-C ends it. What it shows agrees with loader.stats() after a
-SIGKILL, or says what the ring does not hold; busy shares stay within 0-100%."""
+SIGKILL, or says what the ring does not hold; busy shares stay within 0-100%; a node cache's
+evictions come from the ledgers its readers hold open."""
 
 from __future__ import annotations
 
@@ -318,3 +319,24 @@ def test_top_lists_an_auto_loaders_empty_reader_records_once_and_never_as_pid_0(
     assert "pid       0" not in screen and re.search(r"reader 0: pid +\d+", screen), screen
     assert len(re.findall(r"reader \d: pid", screen)) == 2, screen
     assert "reader records 2-3: no reader now" in screen, screen
+
+
+def test_top_counts_the_evictions_of_each_ledger_a_reader_holds_once_and_no_file_only_named_so(tmp_path):
+    """top's view of a node cache (remote/node.evicted_bytes_of): the ledgers a process has
+    open, found in /proc, each counted once however many descriptors it has, in bytes (the
+    ledger counts pages); a file named "ledger" without a ledger's magic is not one."""
+    from shmloader.remote.node import NodeCache, evicted_bytes_of
+    from shmloader.remote.pages import CACHE_PAGE_BYTES
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "ledger").write_bytes(b"\xff" * 4096)
+    with open(tmp_path / "elsewhere" / "ledger", "rb"):
+        assert evicted_bytes_of([os.getpid()]) is None
+        first, second = NodeCache(str(tmp_path / "cache")), NodeCache(str(tmp_path / "cache"))
+        try:
+            first.count(evicted=3)
+            assert evicted_bytes_of([os.getpid(), os.getpid()]) == 3 * CACHE_PAGE_BYTES
+        finally:
+            first.close()
+            second.close()
+    assert evicted_bytes_of([os.getpid()]) is None

@@ -28,6 +28,7 @@ import os
 import time
 
 from ..errors import SharedMemoryError
+from ..remote.pages import CACHE_PAGE_BYTES
 from ..ring.layout import SlotState
 
 # Below this share of the window spent waiting in next(), the trainer is what limits:
@@ -200,7 +201,8 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
     evicted = None
     if node_cache is not None:
         try:
-            evicted = node_cache.counters()["evicted"]
+            # The ledger counts pages; a Reading, bytes (the advice says how many MB went).
+            evicted = node_cache.counters()["evicted"] * CACHE_PAGE_BYTES
         except (OSError, ValueError, KeyError):
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import queue
+import stat
 import threading
 import time
 import warnings
@@ -884,6 +885,60 @@ def stall_note() -> str:
                      f"and has evicted {counters['evicted']} pages: rows it no longer holds are fetched from the "
                      f"store again, a request per page, at the store's request rate; {fit}")
     return "; ".join(notes)
+
+
+# Of a process's open descriptors, the first this many are looked through for a ledger (a
+# view opens its ledger first, before its objects' files).
+_DESCRIPTORS_SCANNED_MAX = 1024
+
+
+def evicted_bytes_of(pids) -> int | None:
+    """The bytes evicted so far from the node caches that processes `pids` have open (each
+    ledger counted once), or None where none of them has one open: what `shmloader top`
+    knows of a loader's cache from outside it (tools/monitor.py). A ledger is found among
+    /proc/PID/fd and opened by its path only where that is the very file the process holds
+    (device and inode), a regular file with this version's magic: foreign input. It is read
+    without its lock: a counter torn by a write meanwhile is off for one sample."""
+    seen, evicted = set(), None
+    for pid in pids:
+        directory = f"/proc/{pid}/fd"
+        try:
+            names = os.listdir(directory)[:_DESCRIPTORS_SCANNED_MAX]
+        except OSError:
+            continue  # Gone, or not this user's to read.
+        for name in names:
+            try:
+                target = os.readlink(f"{directory}/{name}")
+                held = os.stat(f"{directory}/{name}")
+            except OSError:
+                continue
+            if os.path.basename(target) != "ledger" or (held.st_dev, held.st_ino) in seen:
+                continue
+            pages = _ledger_evicted_pages(target, (held.st_dev, held.st_ino))
+            if pages is not None:
+                seen.add((held.st_dev, held.st_ino))
+                evicted = (evicted or 0) + pages * CACHE_PAGE_BYTES
+    return evicted
+
+
+def _ledger_evicted_pages(path: str, identity: tuple[int, int]) -> int | None:
+    """The evicted pages of the ledger at `path` where it is the file of `identity`, else None."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode) or (found.st_dev, found.st_ino) != identity:
+            return None
+        values = np.frombuffer(os.pread(descriptor, 8 * len(_LEDGER), 0), dtype=np.int64)
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+    if len(values) < len(_LEDGER) or values[_LEDGER["magic"]] != _LEDGER_MAGIC or values[_LEDGER["evicted"]] < 0:
+        return None
+    return int(values[_LEDGER["evicted"]])
 
 
 def cache_root(path: str) -> str:

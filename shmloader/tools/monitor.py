@@ -21,10 +21,10 @@ trainer's memory):
 The ring would need a field for each (a restart count beside the trainer pid in
 shm_ring_header, the replaced readers' batches in shm_reader_record) for top to show
 them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the stage that
-limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does, but for what only
-the trainer knows: whether a transform or a dataset runs (top says "the user's code"),
-whether fields are compressed (reader CPU, not decompression), and the node cache's
-evictions (the link, not the cache's budget).
+limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does (with the node
+cache's evictions from the ledger its local readers hold open), but for what only the
+trainer knows: whether a transform or a dataset runs (top says "the user's code"), and
+whether fields are compressed (reader CPU, not decompression).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
@@ -58,6 +58,7 @@ from ..ring.layout import (
     SlotState,
 )
 from ..readers.bottleneck import Context, ReaderCounters, Reading, cores_counters, diagnose, with_processes
+from ..remote.node import evicted_bytes_of
 from ..ring.stale import lock_free
 
 _SEGMENT = re.compile(r"^shml_(\d{1,10})_[0-9a-f]{12}$")
@@ -243,7 +244,8 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
 def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list[ReaderSample]) -> Reading:
     """What readers/bottleneck.diagnose needs of a sample: the ring's counters, and /proc's
     of the readers that are the trainer's children (or its fork server's: a remote
-    reader's pid names another node's process)."""
+    reader's pid names another node's process), with the evictions of the node cache they
+    have open."""
     held = sum(1 for state, _, _ in states if state == SlotState.HELD)
     filling = {owner for state, owner, _ in states if state == SlotState.FILLING}
     counters = tuple(with_processes(
@@ -251,7 +253,8 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
                        index in filling), _child_of(reader.pid, trainer_pid))
         for index, reader in enumerate(readers))
     idle_ns, total_ns, cores = cores_counters()
-    return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores)
+    evicted = evicted_bytes_of([reader.pid for reader in counters if reader.cpu_ns is not None])
+    return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted)
 
 
 def _child_of(pid: int, trainer_pid: int) -> bool:
