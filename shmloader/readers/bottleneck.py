@@ -262,7 +262,7 @@ def diagnose(before: Reading, after: Reading, context: Context) -> dict:
         return _verdict("held", after.held_slots / after.slots, advice, window_s, detail)
     stalled = _stalled(changes, after.readers, window_ns)
     if stalled and waited >= 0.5:
-        advice = (f"reader {stalled[0]} (pid {after.readers[stalled[0]].pid}) has filled one step for {window_s:.0f} "
+        advice = (f"reader {stalled[0]} (pid {after.readers[stalled[0]].pid}) has filled one step for {window_s:.1f} "
                   f"s, far longer than its fills take: a transform or __getitem__ that does not return, a reader "
                   f"stopped (by a signal, a debugger) or a stalled file system; "
                   f"shmloader.transforms.compute_batch runs one step alone")
@@ -307,7 +307,7 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     readers = context.local_readers
     if largest == "fetch":
         if evicted:
-            advice = (f"the node cache evicted {evicted / 1e6:,.0f} MB in {window_s:.0f} s and readers waited for "
+            advice = (f"the node cache evicted {evicted / 1e6:,.0f} MB in {window_s:.1f} s and readers waited for "
                       f"pages {shares['fetch']:.0%} of their time: a larger cache_bytes (with cache_dir on a disk "
                       f"with the room) keeps what the next steps read")
             return _verdict("cache", busy * shares["fetch"], advice, window_s, detail)
