@@ -123,6 +123,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
         # Readers start now and wait for their configuration on stdin: their start-up
         # overlaps the validation of the files below instead of following it.
         try:
+            if self._pool_type is ReaderPool and remote is None and self.readers:  # Counted in the node's budget.
+                # An auto loader starts what the budget has room for (its least where none).
+                resources.node_share = NodeShare.join(start, least, self.readers)
+                start = resources.node_share.started
             if not isinstance(options.readers, AutoReaders):
                 pool = self._pool_type(self.readers, options.max_reader_restarts, remote)
             elif self._pool_type is ReaderPool:
@@ -130,8 +134,6 @@ class ShmDataLoader(cursor_module.LoaderBase):
             else:  # The simulation's threads (testing/simulation.py) neither join nor leave: its start, fixed.
                 pool, self.readers = self._pool_type(start, options.max_reader_restarts, remote), start
             resources.pool = pool
-            if self._pool_type is ReaderPool and remote is None and self.readers:  # Counted in the node's budget.
-                resources.node_share = NodeShare.join(start, least, self.readers)
             if isinstance(fields, _DatasetSource) and fields.share_by_fork:
                 pool.share_by_fork = True  # Its readers are forked once the dataset is planned.
             pool.start()
@@ -351,8 +353,9 @@ class ShmDataLoader(cursor_module.LoaderBase):
         "readers_least", "readers_most", "reader_changes" and "reader_change", the last change
         ({"at_s", "from", "to", "why"}; None before one), else "reader_change" None.
         "node_budget" (local readers; readers/budget_record.py): the readers every loader of the
-        node may run ("budget"), those they ran and how many loaders at this loader's last
-        update, and this loader's; {"error": why} where it runs without; None without readers.
+        node may run ("budget"), those they ran and how many loaders (and "idle_loaders", whose
+        readers past their least others may use) at this loader's last update, and this
+        loader's; {"error": why} where it runs without; None without readers.
 
         "bottleneck" (readers/bottleneck.py): what limited the loader since the stats()
         call before (the first: since the start; called often, about the last 10 s):

@@ -50,8 +50,12 @@ from .ring.slot_layout import SlotLayout
 from .ring.stale import sweep_stale
 from .storage import checked_blocks
 
-# The trainer also checks its readers every this many batches when it never has to wait.
+# The trainer also checks its readers every this many batches when it never has to wait...
 _READER_CHECK_BATCHES = 64
+# ...or at the first next() this long after the last check: a loader whose steps are slow
+# runs its tuner (readers="auto") once a window, and so keeps its entry in the node's reader
+# budget record fresh (readers/budget_record.py takes a loader that does not for idle).
+_READER_CHECK_SECONDS = 1.0
 
 
 class StepCuts:
@@ -191,6 +195,7 @@ class Session:
             views=tuple(views_of(index) for index in range(slots)),
             next_step=start_step,
             check_every_batches=_READER_CHECK_BATCHES,
+            check_every_ns=int(_READER_CHECK_SECONDS * 1e9),
             wake_after_slots=wake_after(slots),
             reader_count=fillers,
             trainer_slots=TRAINER_SLOTS,

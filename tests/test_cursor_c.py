@@ -90,7 +90,8 @@ def cursor_over(ring, poll_interval_ns: int = 10**7, wait_ahead_span_ns: int = 0
         work_semaphore=ring.names.work, ready_semaphores=tuple(ring.names.ready), field_names=("x",),
         batch_type=Batch, views=tuple(ring.slot.views(ring.memory, layout.slot_offset(slot))
                                       for slot in range(layout.slot_count)),
-        next_step=0, check_every_batches=2**40, wake_after_slots=1, reader_count=1, trainer_slots=1,
+        next_step=0, check_every_batches=2**40, check_every_ns=2**63, wake_after_slots=1, reader_count=1,
+        trainer_slots=1,
         poll_interval_ns=poll_interval_ns, wait_ahead_span_ns=wait_ahead_span_ns, end_step=2**64 - 1,
         partial_from=2**64 - 1,
         supervise=unexpected, views_of=unexpected, partial=unexpected)

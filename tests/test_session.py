@@ -75,6 +75,7 @@ def test_the_iterator_is_the_native_cursor_and_a_closed_loader_stops_it(dataset)
     ({"slot_count": -1}, OverflowError),
     ({"slot_count": 0}, ValueError),
     ({"poll_interval_ns": 0}, ValueError),
+    ({"check_every_ns": 0}, ValueError),
     ({"supervise": None}, TypeError),
     ({"batch_type": dict}, TypeError),
     ({"unknown": 1}, TypeError),
@@ -87,7 +88,8 @@ def test_the_cursor_takes_one_fixed_signature_and_refuses_what_is_outside_it(dat
             control_table_address=session.ring.control_table_address, slot_count=3,
             work_semaphore=session.ring.names.work, ready_semaphores=tuple(session.ring.names.ready),
             field_names=("label",), batch_type=type(next(loader)), views=tuple(session.views(s) for s in range(3)),
-            next_step=0, check_every_batches=64, wake_after_slots=1, reader_count=1, trainer_slots=2,
+            next_step=0, check_every_batches=64, check_every_ns=10**9, wake_after_slots=1, reader_count=1,
+            trainer_slots=2,
             poll_interval_ns=1000, wait_ahead_span_ns=0, end_step=2**64 - 1, partial_from=2**64 - 1,
             supervise=print, views_of=print, partial=print)
         cursor_module.Cursor(**settings).deactivate()  # The settings as they are make a cursor.
@@ -268,7 +270,8 @@ spoof = type("numpy.ndarray", (int,), {})(1 + (0x1000 << 30) + (1 << 60) + (1 <<
 try:
     cursor_module.Cursor(control_table_address=ring.control_table_address, slot_count=3,
         work_semaphore=ring.names.work, ready_semaphores=tuple(ring.names.ready), field_names=("label",),
-        batch_type=Batch, views=((spoof, spoof),) * 3, next_step=0, check_every_batches=64, wake_after_slots=1,
+        batch_type=Batch, views=((spoof, spoof),) * 3, next_step=0, check_every_batches=64, check_every_ns=10**9,
+        wake_after_slots=1,
         reader_count=0, trainer_slots=2, poll_interval_ns=10**8, wait_ahead_span_ns=0, end_step=2**64 - 1, partial_from=2**64 - 1,
         supervise=print, views_of=print, partial=print)
 except TypeError as error:

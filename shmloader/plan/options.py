@@ -115,7 +115,9 @@ class AutoReaders:
     reader record for each of `most`. None: `most` the node's reader budget (plan/defaults.
     node_budget: the loaders of every rank share it, readers/node_budget.py; `start` where that
     is more), `start` the fixed default (default_readers) or the budget's equal part among the
-    node's trainers where that is less, at least `least`."""
+    node's trainers where that is less, at least `least`. The loader starts as many of `start`
+    as the budget has room for beside the node's other loaders, and its `least` where there is
+    none (readers/budget_record.NodeShare.join)."""
 
     start: int | None = None
     least: int = 1

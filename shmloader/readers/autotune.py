@@ -21,7 +21,11 @@ readers/budget_record.py, shared by the loaders of every rank on the node): an a
 in the record first and goes only as far as the budget has room; each window publishes the
 readers this loader could give up (spare_readers), and where another loader waits for
 readers the budget cannot give, this one retires its share of them at once, without the
-calm windows.
+calm windows; so it does where the node runs past its budget (a loader back from idle whose
+readers the others took meanwhile, one that joined where there was no room). Every window
+updates the record, a window spent on readers that start too: a loader whose entry is not
+updated for a while is taken for idle (readers/budget_record.py), and the time between its
+windows tells the others how long that is for this loader (NodeShare.pace).
 
 Why it does not oscillate: after an add the readers' work is the same or more, so the
 readers left after a retirement would be busier than RETIRE_BUSY_SHARE < ADD_BUSY_SHARE
@@ -30,11 +34,11 @@ ADD_BUSY_SHARE, so no add follows until the work grows. Retiring waits RETIRE_WI
 windows; adding acts on one, since a waiting trainer is the cost auto exists to cut.
 
 The Tuner runs inside next(), at most once a window: from the supervisor's periodic reader
-check (every 64 batches, session.py's _READER_CHECK_BATCHES) and from its waits (every poll
-interval, 50 ms, while next() waits longer than that). A loader whose trainer waits is
-judged at least every max(window, 64 batches); one whose steps each take a second would
-wait a minute between decisions, which only delays a retirement (its waits, if any, come
-at once). No thread of its own, and not from stats(): that may be read
+check (every 64 batches or every second, whichever comes first: session.py's
+_READER_CHECK_BATCHES and _READER_CHECK_SECONDS) and from its waits (every poll interval,
+50 ms, while next() waits longer than that). A loader is judged at least every window while
+next() is called that often, and at each next() where its steps take longer. No thread of
+its own, and not from stats(): that may be read
 from a monitoring thread (metrics.register), while the pool's processes are changed only
 on the thread in next(), where the supervisor checks them. Each window starts where the one
 before ended, and again once a change was made.
@@ -134,6 +138,19 @@ def spare_readers(window: Window, least: int) -> int:
     return max(0, window.readers - needed)
 
 
+def ring_fill_seconds(reading: Reading, active: list[int], started_ns: int) -> float:
+    """How long the `active` readers take to fill the whole ring at their usual fill time
+    (their busy time per batch so far; before their first batch, at least the time since
+    `started_ns`). After its trainer's last next(), a loader's readers sleep at the latest
+    this long after: a loader is not taken for idle sooner (readers/budget_record.py)."""
+    if not active:
+        return 0.0
+    busy_ns = sum(reading.readers[index].busy_ns for index in active)
+    batches = sum(reading.readers[index].batches for index in active)
+    batch_ns = busy_ns / batches if batches else max(0, reading.at_ns - started_ns)
+    return reading.slots * batch_ns / len(active) / 1e9
+
+
 def window_of(before: Reading, after: Reading, active: list[int]) -> Window:
     """The Window between two readings (readers/bottleneck.py's) over the `active` records."""
     window_ns = max(1, after.at_ns - before.at_ns)
@@ -163,7 +180,7 @@ class Tuner:
 
     def __init__(self, pool, read, share=None) -> None:
         self.pool, self.read, self.share = pool, read, share  # share: readers/budget_record.NodeShare
-        self.started_ns = time.monotonic_ns()
+        self.started_ns = self.tuned_ns = time.monotonic_ns()  # tuned_ns: the last window's end.
         self.baseline: Reading | None = None
         self.calm = 0
         self.changes = 0
@@ -173,13 +190,18 @@ class Tuner:
 
     def tune(self) -> None:
         """Decides on the window since the last decision once it is window_seconds long, and
-        acts: the first call only takes the baseline."""
+        acts: the first call only takes the baseline (and updates the record, _keep_entry)."""
         now_ns = time.monotonic_ns()
         if self.baseline is not None and now_ns - self.baseline.at_ns < self.window_seconds * 1e9:
             return
         reading = self.read()
+        if self.share is not None:
+            self.share.pace((now_ns - self.tuned_ns) / 1e9,
+                            ring_fill_seconds(reading, self.pool.active(), self.started_ns))
+        self.tuned_ns = now_ns
         if self.baseline is None or self.pool.ring is None or self.pool.starting_note():
             self.baseline = reading  # Nothing to judge while readers start: their waits are the start's.
+            self._keep_entry(now_ns)
             return
         active = self.pool.active()
         window = window_of(self.baseline, reading, active)
@@ -189,6 +211,24 @@ class Tuner:
         change, why = decision.change, decision.why
         if self.share is not None:
             change, why = self._within_budget(decision, window)
+        self._act(change, why, now_ns, len(active))
+
+    def _keep_entry(self, now_ns: int) -> None:
+        """A window with nothing to judge (the first, or readers that start) still updates the
+        record, so that this loader is not taken for idle; where it finds the node past the
+        budget and its readers have started, it gives back what the split asks."""
+        if self.share is None:
+            return
+        ready = self.pool.ring is not None and not self.pool.starting_note()
+        held = self.pool.active_count
+        standing = self.share.publish(held, give=ready)
+        if standing is not None and standing.yields:
+            why = (self._past_budget_why(standing, held) if standing.past_budget else
+                   f"a loader of this node below its equal part waits for readers: {standing.yields} given up")
+            self._act(-standing.yields, why, now_ns, held)
+
+    def _act(self, change: int, why: str, now_ns: int, active_count: int) -> None:
+        """Adds (change > 0) or retires readers, and records the change and its reason."""
         done = 0
         for _ in range(change):
             try:
@@ -200,12 +240,13 @@ class Tuner:
             if self.pool.retire_reader() is None:
                 break
             done -= 1
-        if self.share is not None and done != change:  # The record holds what runs, not what was claimed.
-            self.share.publish(self.pool.active_count)
+        recorded = None if self.share is None or self.share.now is None else self.share.now.held
+        if recorded is not None and recorded != self.pool.active_count:  # What runs, not what was claimed.
+            self.share.publish(self.pool.active_count, give=False)
         if done:
             self.changes += 1
-            self.last = {"at_s": round((now_ns - self.started_ns) / 1e9, 3), "from": len(active),
-                         "to": len(active) + done, "why": why}
+            self.last = {"at_s": round((now_ns - self.started_ns) / 1e9, 3), "from": active_count,
+                         "to": active_count + done, "why": why}
             self.baseline = self.read()  # The next window starts with the new readers.
 
     def _within_budget(self, decision: Decision, window: Window) -> tuple[int, str]:
@@ -222,16 +263,30 @@ class Tuner:
                                                 f"{standing.loaders} loaders)")
             why = decision.why + f"; the node's reader budget gave {granted} of {decision.change}{note}"
             if granted == 0 and standing is not None and standing.yields:
+                if standing.past_budget:
+                    return -standing.yields, self._past_budget_why(standing, held)
                 return -standing.yields, why + f": {standing.yields} given to a loader below its equal part"
             return granted, why
         standing = share.publish(held, 0, spare_readers(window, self.pool.least))
-        if standing is None or not standing.yields or decision.change < 0:
-            return decision.change, decision.why
+        if standing is None or not standing.yields or -decision.change > standing.yields:
+            return decision.change, decision.why  # The record holds held - yields: this retires as many or more.
+        if standing.past_budget:
+            return -standing.yields, self._past_budget_why(standing, held)
         return -standing.yields, (f"another loader of this node waits for readers, and this one's trainer waited "
                                   f"{window.trainer_wait:.0%} with {held} readers "
                                   f"{window.readers_busy / max(1, held):.0%} busy: {standing.yields} given up "
                                   f"({standing.node_held} of the node's {standing.budget} held by "
                                   f"{standing.loaders} loaders)")
+
+    @staticmethod
+    def _past_budget_why(standing, held: int) -> str:
+        """Why readers were given up where the node ran past its budget (node_budget.yields)."""
+        cause = ("this loader was idle and others used its readers meanwhile" if standing.returning else
+                 "a loader joined with its least where the budget had no room, or fixed loaders run past it")
+        idle = f", {standing.idle_loaders} idle" if standing.idle_loaders else ""
+        return (f"the node's readers ran past its budget of {standing.budget} ({cause}): {standing.yields} of this "
+                f"loader's {held} given up ({standing.node_held + standing.yields} held by {standing.loaders} "
+                f"loaders{idle} before)")
 
     def report(self) -> dict:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""

@@ -1,6 +1,8 @@
 """The node's reader budget record: one small file in /dev/shm through which the loaders of
 every rank on the node share one reader budget (readers/node_budget.py splits it), with no
 daemon: the first loader creates it, each writes its own entry, the last one removes it.
+(Past 450 lines: the layout, its rules for dead, stopped and idle loaders, and the checks of
+what another process wrote stay beside the one class that writes the file.)
 
 Name: shml-budget-v{RECORD_VERSION}-u{uid}-n{pid namespace}[-{SHMLOADER_BUDGET_SCOPE}].
 The uid keeps users apart, the pid namespace containers that share /dev/shm (a pid is only
@@ -29,9 +31,28 @@ flock held for the update alone, so a loader killed -9 never leaves the lock tak
       +36         4       spare        readers it could give up with its trainer not waiting
       +40         4       budget       the node budget as this loader sees it
                                        (plan/defaults.node_budget); the smallest applies
-      +44         4       (zero)
-      +48         8       updated_ns   CLOCK_MONOTONIC of its last update (for `top`)
+      +44         4       idle_after_ms  how long after its last update the others take it
+                                       for idle (below: never less than IDLE_SECONDS_MIN)
+      +48         8       updated_ns   CLOCK_MONOTONIC of its last update
       +56         8       (zero)
+
+Idle loaders. A loader acts only inside its own next() (readers/autotune.py), so one whose
+trainer has stopped calling it (a validation loader between passes, one made before the
+model) would hold its readers against the budget for good, though they sleep beside its full
+ring. Its entry is idle once `updated_ns` is older than its `idle_after_ms`: then only its
+`least` counts, and the rest is room for the others (node_budget.py). A loader updates its
+entry once a tuner window (1 s) while next() is called that often, and at each next() where
+its steps are slower (the cursor's periodic check is due by time too: session.py), and each
+update publishes the longest of: IDLE_SECONDS_MIN (three windows: a window or two lost to a
+pause of the process, a collection or a checkpoint's write, does not count); IDLE_GAPS times
+the time since its previous window, so that a loader whose steps take 10 s is idle only
+after 30 s without a next(); and the time its readers take to fill its whole ring, so that
+by then they sleep (a loader whose readers are still busy filling keeps them). So idle
+means: no next() for three of its own steps, three windows at least, and its ring full. One
+that comes back publishes its time away once (its next window publishes its pace again), and
+its first update finds the node past the budget where others grew into its readers: it
+retires its own down to what is left (node_budget.yields; readers/elastic.py: no pause in
+delivery, no batch changed).
 
 A loader killed -9 leaves its entry: every update first frees the entries whose trainer is
 gone (no /proc entry, a zombie, or another start time), so its share comes back to the
@@ -72,11 +93,12 @@ from . import node_budget as split
 from .node_budget import Holding
 
 RECORD_MAGIC = b"SHMLBDGT"
-RECORD_VERSION = 1
+# 2: entries carry idle_after_ms, and loaders that do not update are taken for idle.
+RECORD_VERSION = 2
 # Loaders on one node at once: eight ranks with a few loaders each fit many times over.
 ENTRY_COUNT = 256
 _HEADER = struct.Struct("<8sII48x")
-_ENTRY = struct.Struct("<IIQQIIIII4xQ8x")
+_ENTRY = struct.Struct("<IIQQIIIIIIQ8x")
 _FREE_ENTRY = bytes(_ENTRY.size)
 RECORD_BYTES = _HEADER.size + ENTRY_COUNT * _ENTRY.size
 assert _HEADER.size == 64 and _ENTRY.size == 64
@@ -92,6 +114,12 @@ _LOCK_POLL_SECONDS = 0.002
 # would otherwise cost every other trainer of the node half a second each window.
 _LOCK_BACKOFF_SECONDS = 2.0
 _LOCK_BACKOFF_MAX_SECONDS = 64.0
+# The idle rule (module note): an entry not updated for IDLE_GAPS times the time between its
+# last two updates, and at least three tuner windows, is idle.
+IDLE_SECONDS_MIN = 3.0
+IDLE_GAPS = 3
+# The most idle_after_ms a loader publishes: a day, far past any training step.
+_IDLE_AFTER_MS_MAX = 86_400_000
 # Opens of a path whose file the last loader removed meanwhile: each retry finds a new file.
 _REOPENS_MAX = 8
 
@@ -109,10 +137,20 @@ class _Entry:
     wants: int = 0
     spare: int = 0
     budget: int = 0
+    idle_after_ms: int = 0
     updated_ns: int = 0
 
-    def holding(self) -> Holding:
-        return Holding(self.held, self.least, self.most, self.wants, self.spare)
+    def holding(self, now_ns: int) -> Holding:
+        """Its Holding; a fixed loader has no tuner to update its entry, and is never idle."""
+        changing = self.least < self.most
+        return Holding(self.held, self.least, self.most, self.wants, self.spare, changing and idle(self, now_ns))
+
+
+def idle(entry: _Entry, now_ns: int) -> bool:
+    """Whether `entry`'s loader has not updated it for longer than its idle time (module
+    note): at least IDLE_SECONDS_MIN, whatever a foreign writer put in idle_after_ms."""
+    idle_after_ns = max(entry.idle_after_ms * 1_000_000, int(IDLE_SECONDS_MIN * 1e9))
+    return now_ns - entry.updated_ns > idle_after_ns
 
 
 # The fields in the layout's order, read at once: dataclasses.astuple copies each value deeply
@@ -131,6 +169,9 @@ class Standing:
     held: int
     granted: int = 0
     yields: int = 0
+    idle_loaders: int = 0
+    past_budget: bool = False  # Counted readers past the budget before this loader gave any.
+    returning: bool = False  # This loader's entry was idle until this update.
 
 
 def record_path(environment=os.environ, directory: str = SHM_DIRECTORY) -> str:
@@ -299,24 +340,51 @@ class NodeShare:
         self.backoff_seconds, self.retry_at = 0.0, 0.0
         self.last: Standing | None = None  # The last update's that succeeded (report).
         self.now: Standing | None = None  # The latest call's: None where it made no update.
+        self.gap_seconds = self.fill_seconds = 0.0  # pace()'s.
+        self.started = 0  # The readers join() let this loader start.
 
     @classmethod
     def join(cls, held: int, least: int, most: int, environment=os.environ) -> NodeShare:
-        """Adds an entry of `held` readers between `least` and `most`. A bad SHMLOADER_CPU_BUDGET
-        or SHMLOADER_BUDGET_SCOPE raises ValueError naming it; a record that cannot be used
-        does not raise (the class note)."""
+        """Adds this loader's entry for a start of `held` readers between `least` and `most`;
+        `started` says how many it may start. A fixed loader (least == most) is counted as it
+        is, past the budget or not. A changing one joins with its least and claims the rest of
+        its start in the same update, as far as the room allows (node_budget.grant): a loader
+        that restarts or comes late does not add its start on top of a budget already taken,
+        and loaders that join at once do not each take the same room. Where there is none it
+        still starts its least (at least one), and the others give back (node_budget.yields).
+        A bad SHMLOADER_CPU_BUDGET or SHMLOADER_BUDGET_SCOPE raises ValueError naming it; a
+        record that cannot be used does not raise (the class note)."""
+        assert 0 <= least <= held <= most, (least, held, most)
         share = cls(record_path(environment), node_budget(environment), least, most)
+        share.started = held
         problem = proc_problem()
         if problem is not None:
             share._fail(NodeBudgetError(problem))
             return share
-        share.publish(held)
+        if least == most:
+            share.publish(held)
+        else:  # A lock held past the wait: the least, and the rest at a later window.
+            share.started = least + share.claim(least, held - least)
         return share
 
-    def publish(self, held: int, wants: int = 0, spare: int = 0) -> Standing | None:
+    def pace(self, gap_seconds: float, fill_seconds: float = 0.0) -> None:
+        """The time since this loader's previous window, and the time its readers take to fill
+        its ring (readers/autotune.py): the others take it for idle after the longer of
+        IDLE_GAPS of the first and the second, and IDLE_SECONDS_MIN at least (module note)."""
+        assert gap_seconds >= 0 and fill_seconds >= 0, (gap_seconds, fill_seconds)
+        self.gap_seconds, self.fill_seconds = gap_seconds, fill_seconds
+
+    def _idle_after_ms(self) -> int:
+        idle_after_seconds = max(IDLE_SECONDS_MIN, IDLE_GAPS * self.gap_seconds, self.fill_seconds)
+        return min(_IDLE_AFTER_MS_MAX, int(idle_after_seconds * 1000))
+
+    def publish(self, held: int, wants: int = 0, spare: int = 0, give: bool = True) -> Standing | None:
         """Writes this loader's readers, what it asks for and what it could give; the standing,
-        with the readers it should give up (yields), or None where the record is not used."""
-        return self._update(held, wants, spare, wanted=0)
+        with the readers it should give up (yields), or None where the record is not used.
+        The record holds `held` less those: the caller retires them at once (or publishes
+        again what runs). `give=False`: the caller cannot retire now (its readers start), and
+        is asked for none."""
+        return self._update(held, wants, spare, wanted=0, give=give)
 
     def claim(self, held: int, wanted: int) -> int:
         """Adds up to `wanted` readers to this loader's entry as far as the budget allows, in
@@ -326,7 +394,7 @@ class NodeShare:
             return wanted if self.error is not None else 0
         return standing.granted
 
-    def _update(self, held: int, wants: int, spare: int, wanted: int) -> Standing | None:
+    def _update(self, held: int, wants: int, spare: int, wanted: int, give: bool = True) -> Standing | None:
         assert held >= 0 and wants >= 0 and spare >= 0, (held, wants, spare)
         self.now = None
         if self.error is not None or self.closed or time.monotonic() < self.retry_at:
@@ -344,18 +412,22 @@ class NodeShare:
         try:
             entries = parse(os.pread(fd, RECORD_BYTES + 1, 0), self.path)
             reclaim(entries)
-            index = self._find(entries)
+            index, now_ns = self._find(entries), time.monotonic_ns()
+            returning = entries[index].token == self.token and idle(entries[index], now_ns)
             mine = entries[index] = _Entry(self.pid, held, self.start_ticks, self.token, min(self.least, held),
-                                           self.most, wants, spare, self.budget, time.monotonic_ns())
+                                           self.most, wants, spare, self.budget, self._idle_after_ms(), now_ns)
             live = [position for position, entry in enumerate(entries) if entry.pid]
-            holdings = [entries[position].holding() for position in live]
+            holdings = [entries[position].holding(now_ns) for position in live]
             me = live.index(index)
             budget = min(entries[position].budget for position in live)
             granted = split.grant(budget, holdings, me, wanted) if wanted else 0
             mine.held, mine.wants = held + granted, max(0, wants - granted)
-            holdings[me] = mine.holding()
-            standing = Standing(budget, sum(holding.held for holding in holdings), len(live), mine.held, granted,
-                                split.yields(budget, holdings, me))
+            holdings[me] = mine.holding(now_ns)
+            past = split.room(budget, holdings) < 0
+            given = split.yields(budget, holdings, me, returning) if give and not granted else 0
+            mine.held -= given  # Retired by the caller at once: the others may take them now.
+            standing = Standing(budget, sum(holding.held for holding in holdings) - given, len(live), mine.held,
+                                granted, given, sum(holding.idle for holding in holdings), past, returning)
             os.pwrite(fd, pack(entries), 0)
         except (OSError, NodeBudgetError) as error:
             return self._fail(error)
@@ -408,11 +480,12 @@ class NodeShare:
 
     def report(self) -> dict:
         """stats()["node_budget"]: the budget, the node's readers and loaders at the last
-        update, and this loader's; or the error that keeps it from the budget."""
+        update (and how many of them idle), and this loader's; or the error that keeps it
+        from the budget."""
         if self.error is not None:
             return {"error": self.error}
         last = self.last
         if last is None:
             return {"budget": self.budget}
         return {"budget": last.budget, "node_readers": last.node_held, "loaders": last.loaders,
-                "readers": last.held, "record": self.path}
+                "idle_loaders": last.idle_loaders, "readers": last.held, "record": self.path}

@@ -501,7 +501,14 @@ static PyObject *next_batch(Cursor *self) {
     if (self->next_step >= self->end_step) {
         return NULL; /* The end of a finite pass: StopIteration. */
     }
-    int due = (self->batches + 1) % self->check_every == 0;
+    /* Due every check_every batches, or once check_every_ns passed since the last: a trainer
+     * whose steps are slow still has its readers checked and its tuner run (its entry in the
+     * node's reader budget record stays fresh: readers/budget_record.py's idle rule). */
+    unsigned long long now_ns = monotonic_ns();
+    int due = (self->batches + 1) % self->check_every == 0 || now_ns - self->checked_ns >= self->check_every_ns;
+    if (due) {
+        self->checked_ns = now_ns;
+    }
     /* Each turn takes the batch, waits at most one poll interval, or lets supervise check
      * the readers, which raises once a bound is passed (restarts, hold_timeout). */
     for (;;) {

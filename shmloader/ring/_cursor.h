@@ -81,6 +81,8 @@ typedef struct {
     sem_t **ready_semaphores;   /* one per slot: posted when a reader publishes it */
     uint64_t poll_interval_ns;  /* one native wait lasts at most this long; then Python supervises */
     uint64_t check_every;       /* batches between reader checks when next() never waits */
+    uint64_t check_every_ns;    /* ... or this long, whichever comes first: a slow trainer's loader is checked too */
+    unsigned long long checked_ns; /* when the last periodic check was due */
     uint64_t wake_after;        /* wake readers once this many slots were handed back */
     uint64_t pending_posts;     /* slots handed back whose readers were not woken yet */
     uint64_t reader_count;      /* at most this many posts per wake-up; 0: readers=0, whose local reader

@@ -90,22 +90,23 @@ static int set_up_slots(Cursor *self, unsigned long long control_table, PyObject
 static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"control_table_address", "slot_count", "work_semaphore", "ready_semaphores",
                                "field_names", "batch_type", "views", "next_step", "check_every_batches",
-                               "wake_after_slots", "reader_count", "trainer_slots", "poll_interval_ns",
-                               "wait_ahead_span_ns", "end_step", "partial_from", "supervise", "views_of", "partial",
+                               "check_every_ns", "wake_after_slots", "reader_count", "trainer_slots",
+                               "poll_interval_ns", "wait_ahead_span_ns", "end_step", "partial_from", "supervise",
+                               "views_of", "partial",
                                NULL};
     if (self->slots != NULL || self->supervise != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the cursor is already set up");
         return -1;
     }
-    unsigned long long control_table, slot_count, next_step, check_every, wake_after, reader_count, trainer_slots,
-        poll_ns, wait_ahead_span_ns, end_step, partial_from;
+    unsigned long long control_table, slot_count, next_step, check_every, check_every_ns, wake_after, reader_count,
+        trainer_slots, poll_ns, wait_ahead_span_ns, end_step, partial_from;
     PyObject *work, *ready, *names, *batch_type, *views, *supervise, *views_of, *partial;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&O&UO!O!OO!O&O&O&O&O&O&O&O&O&OOO:Cursor", keywords, u64_of,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&O&UO!O!OO!O&O&O&O&O&O&O&O&O&O&OOO:Cursor", keywords, u64_of,
                                      &control_table, u64_of, &slot_count, &work, &PyTuple_Type, &ready,
                                      &PyTuple_Type, &names, &batch_type, &PyTuple_Type, &views, u64_of, &next_step,
-                                     u64_of, &check_every, u64_of, &wake_after, u64_of, &reader_count, u64_of,
-                                     &trainer_slots, u64_of, &poll_ns, u64_of, &wait_ahead_span_ns, u64_of, &end_step,
-                                     u64_of, &partial_from,
+                                     u64_of, &check_every, u64_of, &check_every_ns, u64_of, &wake_after, u64_of,
+                                     &reader_count, u64_of, &trainer_slots, u64_of, &poll_ns, u64_of,
+                                     &wait_ahead_span_ns, u64_of, &end_step, u64_of, &partial_from,
                                      &supervise, &views_of, &partial)) {
         return -1;
     }
@@ -119,9 +120,9 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
                         "a cursor needs a control table, and one ready semaphore and one views tuple per slot");
         return -1;
     }
-    if (check_every < 1 || wake_after < 1 || poll_ns < 1) {
-        PyErr_SetString(PyExc_ValueError,
-                        "check_every_batches, wake_after_slots and poll_interval_ns must be at least 1");
+    if (check_every < 1 || check_every_ns < 1 || wake_after < 1 || poll_ns < 1) {
+        PyErr_SetString(PyExc_ValueError, "check_every_batches, check_every_ns, wake_after_slots and "
+                                          "poll_interval_ns must be at least 1");
         return -1;
     }
     if (!PyType_Check(batch_type) || !PyType_IsSubtype((PyTypeObject *)batch_type, &BatchBaseType)) {
@@ -140,6 +141,8 @@ static int cursor_init(Cursor *self, PyObject *args, PyObject *kwargs) {
     }
     self->next_step = next_step;
     self->check_every = check_every;
+    self->check_every_ns = check_every_ns;
+    self->checked_ns = monotonic_ns();
     self->wake_after = wake_after;
     self->reader_count = reader_count;
     self->trainer_slots = trainer_slots;
