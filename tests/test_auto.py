@@ -216,6 +216,22 @@ def test_a_reader_that_cannot_be_started_is_reported_and_training_goes_on(monkey
     assert "Resource temporarily unavailable" in stats["reader_add_failure"]
 
 
+def test_a_long_fill_the_trainer_waits_for_retires_no_reader(monkeypatch):
+    """A batch that takes far longer than a window to fill (a slow __getitem__, a first batch
+    of seconds): while next() waits for it the ring has counted no wait yet (a wait is added
+    at its take) and no reader has finished a batch, and windows that looked calm retired a
+    reader the trainer was waiting for. The wait so far counts."""
+    monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
+    dataset = Sleepy(0.3)  # 1.2 s a batch of 4: six windows inside each fill.
+    with ShmDataLoader.from_dataset(dataset, batch_size=_BATCH, seed=_SEED,
+                                    readers=AutoReaders(start=2, least=1, most=2)) as loader:
+        for _, batch in zip(range(3), loader):
+            assert batch["x"].shape == (_BATCH, 8)
+        stats = loader.stats()
+    assert stats["reader_count"] == 2, stats["reader_change"]
+    assert stats["reader_change"] is None, stats["reader_change"]
+
+
 def test_idle_readers_retire_without_being_restarted_and_the_batches_stay_the_same(monkeypatch):
     monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
     dataset, steps = Sleepy(0.0, length=4000), 2000

@@ -188,13 +188,21 @@ class Tuner:
         self.last: dict | None = None
         self.add_failure: str | None = None  # Why the last reader that could not be started was not.
 
-    def tune(self) -> None:
+    def tune(self, waiting_s: float = 0.0) -> None:
         """Decides on the window since the last decision once it is window_seconds long, and
-        acts: the first call only takes the baseline (and updates the record, _keep_entry)."""
+        acts: the first call only takes the baseline (and updates the record, _keep_entry).
+        `waiting_s`: how long next() has waited so far where it calls this while it waits. The
+        ring counts a wait only when it ends (at the take), so a long fill (a first batch of
+        seconds, a slow __getitem__) would show windows in which the trainer never waited and
+        the readers did nothing, and retire a reader the trainer waits for; the reading counts
+        the wait so far instead, and the wait's whole length, added at its take, then counts
+        only its part after this window."""
         now_ns = time.monotonic_ns()
         if self.baseline is not None and now_ns - self.baseline.at_ns < self.window_seconds * 1e9:
             return
         reading = self.read()
+        if waiting_s > 0:
+            reading = dataclasses.replace(reading, waited_ns=reading.waited_ns + int(waiting_s * 1e9))
         if self.share is not None:
             self.share.pace((now_ns - self.tuned_ns) / 1e9,
                             ring_fill_seconds(reading, self.pool.active(), self.started_ns))

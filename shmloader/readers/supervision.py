@@ -123,7 +123,7 @@ class Supervisor(StepActions):
         if self._starting(step):
             return
         if self.tuner is not None:
-            self.tuner.tune()
+            self.tuner.tune(waiting_s=waited_s)
         if self.meter is not None and (self._episode_reading is None or self._episode_reading[0] != self._episode):
             self._episode_reading = (self._episode, self.meter.read(processes=False))
         if self.step_timeout is not None and waited_s > self.step_timeout:
