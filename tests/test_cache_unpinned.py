@@ -182,8 +182,8 @@ _EVICTOR = textwrap.dedent("""
     class Store:
         def __init__(self, data):
             self.data = data
-        def get(self, url, etag, start, stop, size):
-            return self.data[start:stop]
+        def stream(self, url, etag, start, stop, size, receive):
+            receive(0, memoryview(self.data)[start:stop])
 
     root, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     data = open(sys.argv[4], "rb").read()
@@ -261,13 +261,13 @@ def test_the_first_steps_fetch_makes_at_most_in_flight_requests_and_none_once_cl
     found = open_object(view, path, "s3://bucket/x.bin")
     gate, calls = threading.Event(), []
 
-    def get(url, etag, start, stop, size):
+    def stream(url, etag, start, stop, size, receive):
         calls.append(start)
         if start // CACHE_PAGE_BYTES % 2 == 0:  # The first steps' pages: held until the gate opens.
             gate.wait(10)
-        return bytes(stop - start)
+        receive(0, memoryview(bytes(stop - start)))
 
-    found.client.get = get
+    found.client.stream = stream
     every_other = np.arange(0, pages, 2) * CACHE_PAGE_BYTES  # 2 * IN_FLIGHT runs of a page.
     found.prefetch(every_other, np.full(len(every_other), 10), throttled=False)
     deadline = time.monotonic() + 60

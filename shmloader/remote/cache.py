@@ -31,7 +31,8 @@ it dies, holds none, so there is nothing to clean by hand after a SIGKILL. For p
   eviction; a reader that finds it taken waits for it shared, then looks again.
 A page is written (pwrite) before its stamp says it is present, and evicted (stamp 0,
 hole punched) only under both locks: a partial download, or a page being evicted, is
-never read as data. Blocking waits only ever wait for a holder that waits for nothing
+never read as data. A download writes its bytes as they arrive (Client.stream); what it
+wrote of absent pages is freed where it fails, or where its object closes first. Blocking waits only ever wait for a holder that waits for nothing
 (an eviction, or a download): no cycle, no deadlock.
 
 Budget: bytes are reserved in the ledger before they are downloaded, evicting first when
@@ -86,6 +87,7 @@ from .pages import (
     no_space,
     now_stamp,
     open_private,
+    RunChecksums,
     page_checksum,
     page_disk_bytes,
     pages_file_bytes,
@@ -483,6 +485,9 @@ class CachedObject:
         # The pages of this process's read-ahead requests in flight (prefetch).
         self._fetching = np.zeros(self.page_count, dtype=bool)
         self._fetching_lock = threading.Lock()
+        # Runs being downloaded into the data file now -> how many (close() gives back what
+        # they wrote); under _descriptors_lock.
+        self._writing: dict[tuple[int, int], int] = {}
 
     def current(self) -> bool:
         """Whether the copy's data and pages files are still the ones this process opened:
@@ -893,31 +898,72 @@ class CachedObject:
         # A request, whatever its fetch unit, lies within the object.
         assert 0 <= first < end <= self.page_count, (first, end, self.page_count, self.url)
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
-        if self.stamps is None:  # Closed while the request waited for a thread: not made.
-            return False
-        data = self.client.get(self.url, self.etag, start, stop, self.size)
-        checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
-                     for offset in range(0, len(data), CACHE_PAGE_BYTES)]
-        # Under the lock close() takes: a request that outlives its loader (a read-ahead
-        # thread given up on) must not write through a descriptor number reused since.
+        checksums = RunChecksums(stop - start)
+        run = (first, end)
         with self._descriptors_lock:
-            if self.stamps is None:
+            if self.stamps is None:  # Closed while the request waited for a thread: not made.
                 return False
-            written = 0
-            try:
-                while written < len(data):
-                    written += os.pwrite(self._data_fd, data[written:], start + written)
-            except OSError as error:
-                for page in (np.flatnonzero(self.stamps[first:end] == 0) + first).tolist():
-                    with contextlib.suppress(OSError):  # No stamp will vouch for it: its space back.
-                        punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
-                raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
+            self._writing[run] = self._writing.get(run, 0) + 1
+        try:
+            # Each piece written as it arrives (Client.stream: no request-sized buffer).
+            self.client.stream(self.url, self.etag, start, stop, self.size,
+                               lambda offset, view: self._write_piece(start, offset, view, checksums))
+        except BaseException as error:
+            self._give_back_written(run)
+            if isinstance(error, _Closed):
+                return False
+            named = no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") \
+                if isinstance(error, OSError) else error
+            if named is not error:  # The disk is full: said so, naming cache_dir and cache_bytes.
+                raise named from None
+            raise
+        with self._descriptors_lock:
+            self._done_writing(run)
+            if self.stamps is None:  # Closed since its last piece: close() gave its bytes back.
+                return False
             settling.append(True)
             self.cache.settle(reserved, True)
-            self.checksums[first:end] = checksums  # With the bytes, before the stamps.
+            self.checksums[first:end] = checksums.values  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.
             self.verified[first:end] = True
             return True
+
+    def _write_piece(self, start: int, offset: int, view: memoryview, checksums: RunChecksums) -> None:
+        """Writes a piece of a download at `start + offset` and checksums it. Under the lock
+        close() takes: a request that outlives its loader (a read-ahead thread given up on)
+        must not write through a descriptor number reused since (_Closed ends it)."""
+        checksums.add(offset, view)
+        with self._descriptors_lock:
+            if self.stamps is None:
+                raise _Closed
+            written = 0
+            while written < view.nbytes:  # Bounded: a write that makes no progress raises.
+                count = os.pwrite(self._data_fd, view[written:], start + offset + written)
+                if count <= 0:
+                    raise OSError(f"{self.path}: a write at byte {start + offset + written} wrote nothing")
+                written += count
+
+    def _done_writing(self, run: tuple[int, int]) -> None:
+        """A download of `run` writes no more (under _descriptors_lock)."""
+        self._writing[run] -= 1
+        if not self._writing[run]:
+            del self._writing[run]
+
+    def _give_back_written(self, run: tuple[int, int]) -> None:
+        """Ends a download of `run` that failed, freeing what it wrote of the run's absent
+        pages (claimed: nobody else writes or stamps them meanwhile), which no stamp will
+        vouch for; where the object was closed, close() freed them already."""
+        with self._descriptors_lock:
+            self._done_writing(run)
+            if self.stamps is None:
+                return
+            self._punch_absent(*run)
+
+    def _punch_absent(self, first: int, end: int) -> None:
+        """Frees the disk of the absent pages of [first, end) (under _descriptors_lock)."""
+        for page in (np.flatnonzero(self.stamps[first:end] == 0) + first).tolist():
+            with contextlib.suppress(OSError):
+                punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
 
     def close(self, wait_seconds: float | None = None) -> None:
         """Closes the copy's files in this process. `wait_seconds` bounds the wait for a
@@ -929,6 +975,11 @@ class CachedObject:
         try:
             if self.stamps is None:
                 return
+            # Downloads writing meanwhile write no more (_write_piece); what they wrote of
+            # absent pages, which no stamp will vouch for, is given back while their claims
+            # (whose descriptors close below) still keep every other writer out.
+            for first, end in self._writing:
+                self._punch_absent(first, end)
             descriptors, self._descriptors = self._descriptors, []
             for descriptor in (*descriptors, self._data_fd, self._map_fd):
                 with contextlib.suppress(OSError):
@@ -938,6 +989,10 @@ class CachedObject:
                 self._map.close()
         finally:
             self._descriptors_lock.release()
+
+
+class _Closed(Exception):
+    """A download's object was closed while it ran: it writes no more."""
 
 
 def pinned_bytes_max(fillers: int, batch_size: int, row_bytes: int) -> int:

@@ -77,6 +77,28 @@ def page_checksum(data) -> int:
     return zlib.crc32(data)
 
 
+class RunChecksums:
+    """The CRC-32 of each page of a run of pages (page_checksum), taken from the run's bytes
+    as a download hands them over, in pieces of any size: each piece is checksummed while
+    it is still in the core's cache, where a second pass over a whole request read it all
+    back from memory."""
+
+    def __init__(self, run_bytes: int) -> None:
+        self.values = [0] * -(-run_bytes // CACHE_PAGE_BYTES)
+
+    def add(self, offset: int, view: memoryview) -> None:
+        """Takes in the bytes at `offset` of the run (pieces in order; offset 0 starts over)."""
+        if offset == 0:
+            self.values = [0] * len(self.values)
+        page, inside = divmod(offset, CACHE_PAGE_BYTES)
+        taken = 0
+        while taken < view.nbytes:  # Bounded: each turn takes at least a byte of the piece.
+            size = min(CACHE_PAGE_BYTES - inside, view.nbytes - taken)
+            self.values[page] = zlib.crc32(view[taken:taken + size], self.values[page])
+            taken += size
+            page, inside = page + 1, 0
+
+
 def lock(descriptor: int, kind: int, start: int, length: int, wait: bool) -> bool:
     """An OFD lock (fcntl.F_RDLCK, F_WRLCK or F_UNLCK) on [start, start + length); False
     when it is held elsewhere and `wait` is False."""
