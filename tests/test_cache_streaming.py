@@ -1,6 +1,6 @@
 """Downloads into the node cache are written as their bytes arrive (store.Client.stream,
-cache.CachedObject._download_run), with no request-sized buffer: each page's checksum is the
-CRC-32 of its bytes whatever pieces they came in; a request cut short mid-body is tried again
+cache.CachedObject._download_run), with no request-sized buffer: each page's digest is the
+low 32 bits of XXH3-64 of its bytes (the xxhash package's) whatever pieces they came in; a request cut short mid-body is tried again
 from its first byte; an error of the receiver (a full disk) is raised at once, not retried;
 and what a download wrote before it failed, or before its object was closed, is given back
 (no stamp vouches for it, so the ledger does not count it). A stand-in server on 127.0.0.1
@@ -14,7 +14,6 @@ import http.server
 import os
 import threading
 import time
-import zlib
 
 import numpy as np
 import pytest
@@ -25,7 +24,9 @@ from test_invariants import _Store
 
 from shmloader.remote.cache import create_object, open_object
 from shmloader.remote.node import node_cache
-from shmloader.remote.pages import CACHE_PAGE_BYTES, RunChecksums
+from shmloader.remote.pages import CACHE_PAGE_BYTES, RunDigests
+
+xxhash = pytest.importorskip("xxhash")
 
 _ETAG = '"the-etag"'
 
@@ -33,9 +34,9 @@ _ETAG = '"the-etag"'
 @settings(max_examples=60, deadline=None)
 @given(run_bytes=st.integers(1, 5 * CACHE_PAGE_BYTES), cuts=st.lists(st.integers(1, 3 * CACHE_PAGE_BYTES), max_size=12),
        restart_after=st.integers(0, 6), seed=st.integers(0, 2**32 - 1))
-def test_page_checksums_from_pieces_of_any_size_are_each_page_s_crc32(run_bytes, cuts, restart_after, seed):
+def test_page_digests_from_pieces_of_any_size_are_each_page_s_xxh3(run_bytes, cuts, restart_after, seed):
     data = np.random.default_rng(seed).integers(0, 256, run_bytes, dtype=np.uint8).tobytes()
-    checksums = RunChecksums(run_bytes)
+    checksums = RunDigests(run_bytes)
 
     def pieces():
         offset, index = 0, 0
@@ -50,8 +51,13 @@ def test_page_checksums_from_pieces_of_any_size_are_each_page_s_crc32(run_bytes,
         checksums.add(offset, view)
     for offset, view in pieces():  # ...and the one that tried again from its first byte.
         checksums.add(offset, view)
-    expected = [zlib.crc32(data[start:start + CACHE_PAGE_BYTES]) for start in range(0, run_bytes, CACHE_PAGE_BYTES)]
-    assert checksums.values == expected
+    assert checksums.finish().tolist() == _digests(data)
+
+
+def _digests(data: bytes) -> list[int]:
+    """The reference: each page's low 32 bits of XXH3-64 (seed 0)."""
+    return [xxhash.xxh3_64_intdigest(data[start:start + CACHE_PAGE_BYTES]) & 0xFFFFFFFF
+            for start in range(0, len(data), CACHE_PAGE_BYTES)]
 
 
 # The node cache's side, with stand-in clients.
@@ -101,8 +107,7 @@ def test_a_download_that_fails_part_way_leaves_no_byte_on_disk_and_the_next_one_
     found.unpin()
     with open(found.path, "rb") as handle:
         assert handle.read() == data
-    expected = [zlib.crc32(data[start:start + CACHE_PAGE_BYTES]) for start in range(0, len(data), CACHE_PAGE_BYTES)]
-    assert found.checksums.tolist() == expected
+    assert found.checksums.tolist() == _digests(data)
 
 
 class _HeldStore(_Store):
@@ -231,3 +236,32 @@ def test_an_error_of_the_receiver_is_raised_at_once_not_retried(serve):
     assert raised.value.errno == errno.ENOSPC
     assert server.gets == 1 and counts == [(1, 0, 0)]
     assert time.monotonic() - started < 5  # Not the retry window (60 s).
+
+
+def test_a_copy_whose_marker_names_no_digest_kind_is_fetched_anew_not_checked_page_by_page(copy):
+    """A copy an older version made holds CRC-32s where the digests go: checked page by page
+    every page would fail and be fetched alone; its marker says so, and the whole copy goes."""
+    import json
+
+    from shmloader.remote.pages import MARKER_SUFFIX
+
+    found, data = copy
+    found.client = _Store(data)
+    found.pin(np.array([0]), np.array([len(data)]))
+    found.unpin()
+    held = found.cache.counters()["bytes_held"]
+    with open(found.path + MARKER_SUFFIX) as handle:
+        marker = json.load(handle)
+    assert marker["digest"] == "xxh3-low32"
+    del marker["digest"]
+    with open(found.path + MARKER_SUFFIX, "w") as handle:
+        json.dump(marker, handle)
+    create_object(found.path, found.url, "etag", len(data), {})
+    anew = open_object(found.cache, found.path, found.url)  # New files: this process opens them anew.
+    assert anew is not found and not anew.stamps.any()  # Nothing of the old copy is served.
+    assert _disk_bytes(anew) == 0
+    assert found.cache.counters()["bytes_held"] <= held - len(data) // 4096 * 4096  # Its pages no longer counted.
+    anew.client = _Store(data)
+    anew.pin(np.array([0]), np.array([len(data)]))
+    anew.unpin()
+    assert anew.checksums.tolist() == _digests(data)

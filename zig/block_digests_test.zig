@@ -121,3 +121,16 @@ test "a chunk whose table lists its blocks in order has its blocks checked from 
     chunk[61] ^= 1; // In block 2, the last: it ends at the chunk's end.
     try testing.expectEqual(@as(?u64, 3), checker.checkRange(0, &chunk, chunk.len, 8, 4));
 }
+
+test "page digests are each page's digest, the last page short, and refuse a wrong count" {
+    var data: [100]u8 = undefined;
+    for (&data, 0..) |*byte, at| byte.* = @truncate(at * 7);
+    var digests: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigests(&data, 32, &digests));
+    for (0..4) |page| {
+        try testing.expectEqual(block_digests.digest(data[page * 32 .. @min(100, page * 32 + 32)]), digests[page]);
+    }
+    try testing.expect(!block_digests.pageDigests(&data, 32, digests[0..3]));
+    try testing.expect(!block_digests.pageDigests(&data, 0, &digests));
+    try testing.expect(block_digests.pageDigests(data[0..0], 32, digests[0..0]));
+}

@@ -6,16 +6,17 @@ each download, is kept whole in one file, where each method can be checked again
 An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
 its bytes at their own offsets (a sparse file the size of the object, so readers map and
 gather it exactly as a local file), `NAME.pages` (one uint32 per CACHE_PAGE_BYTES page: 0 while
-absent, else when it was last used, in seconds; then one CRC-32 per page of the bytes its
-download wrote; its byte ranges are also the page locks), and `NAME.remote.json` (URL,
-ETag, size, the storage_options but credentials, the header ranges the trainer read). The
+absent, else when it was last used, in seconds; then one digest per page of the bytes its
+download wrote (pages.page_digests); its byte ranges are also the page locks), and
+`NAME.remote.json` (URL, ETag, size, the header ranges the trainer read, the kind of the
+page digests; never the storage_options). The
 budget, the bytes held (pages and the cache's own files) and the node's counters are
 `<root>/ledger`.
 
 Trust: the cache is its user's own (directories 0700, files 0600, every open O_NOFOLLOW of
 a regular file of this user: pages.open_private, private_directory, private_root). A page
 a download wrote is served once its stamp says present; a page already present when a
-process opened the copy is checked against its CRC-32 first, once per process
+process opened the copy is checked against its digest first, once per process
 (CachedObject._verify); a copy whose files are not the object's size is every page absent,
 made anew as new files: whoever has the old ones open reads on from them, whose stamps vouch
 for their bytes (_create_files), and a process opens the copy again once its files change.
@@ -87,8 +88,9 @@ from .pages import (
     no_space,
     now_stamp,
     open_private,
-    RunChecksums,
-    page_checksum,
+    PAGE_DIGEST,
+    RunDigests,
+    page_digests,
     page_disk_bytes,
     pages_file_bytes,
     private_directory,
@@ -204,8 +206,10 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     """The sparse data file, its pages file and its marker, if they are not there yet
     (several trainers may create the same object at once: every step is idempotent). A
     copy whose files do not have the object's sizes (truncated between runs, or of an
-    older layout) is not trusted: every page absent, to be fetched again. A marker that
-    does not describe this object (damaged, or of an older layout) is written anew.
+    older layout) is not trusted: every page absent, to be fetched again, as one whose
+    marker names page digests of another kind (PAGE_DIGEST; an older version's CRC-32s) or
+    none. A marker that does not describe this object (damaged, or of an older layout) is
+    written anew.
     Returns the access (hold_options) of the loader's storage_options `options`, which
     this process's descriptions of the copy give their readers from now on."""
     root = cache_root(path)
@@ -217,8 +221,10 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
         pages_held, own_held = counted_bytes(path)
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
-        # A damaged marker vouches for nothing of its copy: every page fetched again.
-        fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
+        # A damaged marker vouches for nothing of its copy, nor one whose pages file holds
+        # digests of another kind (an older version's CRC-32s): every page fetched again.
+        other_digests = marker is not None and marker.get("digest") != PAGE_DIGEST
+        fresh = _create_files(path, url, size, root, cache.budget(), (had_marker and marker is None) or other_digests)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
             # The budget covers the cache's own files too: as they are now, in place of what it
@@ -347,8 +353,9 @@ def options_of(access: str, url: str) -> dict:
 
 
 def write_marker(path: str, marker: dict) -> None:
-    """Writes an object's marker (URL, ETag, size, header ranges: no storage_options)."""
-    marker = {name: marker[name] for name in ("url", "etag", "size", "meta")}
+    """Writes an object's marker (URL, ETag, size, header ranges, and the kind of page
+    digests its pages file holds, this version's: no storage_options)."""
+    marker = {**{name: marker[name] for name in ("url", "etag", "size", "meta")}, "digest": PAGE_DIGEST}
     temporary = f"{path}{MARKER_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)  # Left by a process of this pid that died: O_EXCL below must not meet it.
@@ -613,13 +620,13 @@ class CachedObject:
                 f"while loaders ran). Restart the loader; if it happens again, check the disk under cache_dir")
 
     def _verify(self, pages: np.ndarray, descriptor: int, pinned: np.ndarray, stamps: np.ndarray) -> np.ndarray:
-        """Checks present `pages` (pinned through `descriptor`) against the CRC-32 their
+        """Checks present `pages` (pinned through `descriptor`) against the digest their
         download stored, the first time this process serves them: a page that was present
         when this process opened the copy, written by an earlier run or process, may have
         been altered on disk since (a flipped bit, a hand edit, a file cut short and grown
-        again). What it costs: the stored checksum, 4 bytes a page in the pages file; one
-        CRC-32 per page downloaded; and, once per such page and process, a read of the page
-        and its CRC-32. Pages downloaded while this process had the copy open, by it or by
+        again). What it costs: the stored digest, 4 bytes a page in the pages file; one
+        digest per page downloaded; and, once per such page and process, a read of the page
+        and its digest. Pages downloaded while this process had the copy open, by it or by
         another reader of the node, count as checked: checking those too made every reader
         read and checksum every page the others fetched, the largest cost of serving rows
         from the cache (py-spy, bench/RESULTS.md). One that fails is marked absent and
@@ -641,22 +648,20 @@ class CachedObject:
         return self.stamps[pinned]
 
     def _failing(self, first: int, end: int, wanted: np.ndarray) -> list[int]:
-        """The pages of [first, end) among `wanted` whose bytes on disk fail their checksum;
+        """The pages of [first, end) among `wanted` whose bytes on disk fail their digest;
         the others are marked checked."""
-        start = first * CACHE_PAGE_BYTES
-        data = os.pread(self._data_fd, min(end * CACHE_PAGE_BYTES, self.size) - start, start)
-        failing = []
-        for page in wanted[(wanted >= first) & (wanted < end)].tolist():
-            offset = (page - first) * CACHE_PAGE_BYTES
-            piece = data[offset:offset + self._page_bytes(page)]
-            if len(piece) != self._page_bytes(page) or page_checksum(piece) != int(self.checksums[page]):
-                failing.append(page)
-            else:
-                self.verified[page] = True
-        return failing
-
-    def _page_bytes(self, page: int) -> int:
-        return min(CACHE_PAGE_BYTES, self.size - page * CACHE_PAGE_BYTES)
+        start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
+        data = os.pread(self._data_fd, stop - start, start)
+        # A file cut short reads short: the pages past its end fail (and those it cuts, below).
+        whole = -(-len(data) // CACHE_PAGE_BYTES)
+        digests = np.zeros(end - first, dtype=np.uint32)
+        page_digests(data, digests[:whole])
+        pages = wanted[(wanted >= first) & (wanted < end)]
+        read = np.minimum(len(data) - (pages - first) * CACHE_PAGE_BYTES, CACHE_PAGE_BYTES)
+        good = (pages - first < whole) & (read == np.minimum(stop - pages * CACHE_PAGE_BYTES, CACHE_PAGE_BYTES)) \
+            & (digests[pages - first] == self.checksums[pages])
+        self.verified[pages[good]] = True
+        return pages[~good].tolist()
 
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
@@ -898,7 +903,7 @@ class CachedObject:
         # A request, whatever its fetch unit, lies within the object.
         assert 0 <= first < end <= self.page_count, (first, end, self.page_count, self.url)
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
-        checksums = RunChecksums(stop - start)
+        checksums = RunDigests(stop - start)
         run = (first, end)
         with self._descriptors_lock:
             if self.stamps is None:  # Closed while the request waited for a thread: not made.
@@ -923,12 +928,12 @@ class CachedObject:
                 return False
             settling.append(True)
             self.cache.settle(reserved, True)
-            self.checksums[first:end] = checksums.values  # With the bytes, before the stamps.
+            self.checksums[first:end] = checksums.finish()  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.
             self.verified[first:end] = True
             return True
 
-    def _write_piece(self, start: int, offset: int, view: memoryview, checksums: RunChecksums) -> None:
+    def _write_piece(self, start: int, offset: int, view: memoryview, checksums: RunDigests) -> None:
         """Writes a piece of a download at `start + offset` and checksums it. Under the lock
         close() takes: a request that outlives its loader (a read-ahead thread given up on)
         must not write through a descriptor number reused since (_Closed ends it)."""
