@@ -364,3 +364,45 @@ def test_while_an_older_version_s_loaders_use_the_cache_every_gather_pins(stored
         assert alone._ledger[_LEDGER["magic"]] == _LEDGER_MAGIC and alone.eviction_sequence() == 0
     finally:
         alone.close()
+
+
+def test_pages_missing_where_the_budget_has_room_are_fetched_and_read_unpinned(stored):  # noqa: F811
+    found, data = stored  # Every page absent.
+    requests = found.client.requests
+    found.pin(*ALL, unpinned=True)
+    assert not getattr(found._local, "pin_held", False)  # Fetched, then read without a USE lock.
+    assert found.client.requests > requests
+    assert found.unpin() is True
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data
+
+
+def test_pages_missing_past_the_budget_are_fetched_under_pins(stored):  # noqa: F811
+    found, data = stored
+    found.cache.set_budget(CACHE_PAGE_BYTES)  # No room: what the fill holds past the budget is pinned.
+    found.pin(*ALL, unpinned=True)
+    assert getattr(found._local, "pin_held", False)
+    assert found.unpin() is True
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data
+
+
+def test_pages_present_at_open_are_checked_without_pins_and_a_bad_one_is_fetched_again(stored):  # noqa: F811
+    found, data = stored
+    found.pin(*ALL)
+    found.unpin()
+    with _another_process(found) as (_, later):  # Opened with every page there: none checked yet.
+        later.pin(*ALL, unpinned=True)
+        assert not getattr(later._local, "pin_held", False)  # Checked, and read, without a lock.
+        assert later.verified.all() and later.unpin() is True
+    with open(found.path, "r+b") as handle:  # A byte of page 3 altered on disk between runs.
+        handle.seek(3 * CACHE_PAGE_BYTES + 10)
+        handle.write(bytes([data[3 * CACHE_PAGE_BYTES + 10] ^ 0xFF]))
+    requests = found.client.requests
+    with _another_process(found) as (_, later):
+        later.pin(*ALL, unpinned=True)
+        assert getattr(later._local, "pin_held", False)  # It failed unpinned: checked again under pins.
+        assert later.unpin() is True
+        assert found.client.requests == requests + 1  # That page alone, fetched again.
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data

@@ -540,16 +540,17 @@ class CachedObject:
         """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
         unpin(purpose): they are fetched (by this process, or by whoever fetches them
         already), with the rest of their fetch units of `unit_pages`.
-        `unpinned`: where every page is present and checked already, and no eviction runs,
-        nothing is locked: unpin() then says whether an eviction ran meanwhile, and the
-        caller reads again (pinned) where one did (see _read_unpinned).
+        `unpinned`: where every page present is checked already, the pages missing fit the
+        budget, and no eviction runs, no USE lock is taken: unpin() then says whether an
+        eviction ran meanwhile, and the caller reads again (pinned) where one did (see
+        _read_unpinned).
         `purpose`: pins of one purpose are let go of together, through their own description
         of the pages file ("pin": a fill's; "block": pinned(), which a fill's thread may
         enter while it holds pins of its own, when a field opens a part lazily)."""
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
             return
-        if unpinned and UNPINNED_READS and self._read_unpinned(pages, purpose):
+        if unpinned and UNPINNED_READS and self._read_unpinned(pages, purpose, unit_pages):
             return
         descriptor = self._fd(purpose)
         setattr(self._local, f"{purpose}_held", True)
@@ -574,22 +575,35 @@ class CachedObject:
                 self._fetch_missing(missing, descriptor, unit_pages)
         self._check_pinned(pages)
 
-    def _read_unpinned(self, pages: np.ndarray, purpose: str) -> bool:
-        """Whether `pages` may be read without their USE locks: all present and checked,
-        with no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
+    def _read_unpinned(self, pages: np.ndarray, purpose: str, unit_pages: int) -> bool:
+        """Whether `pages` may be read without their USE locks: those present all checked,
+        those missing fetched here where the budget has room for them (no eviction to make),
+        and no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
         A lock call per run of pages was the largest cost of serving rows from the cache:
         a batch of rows at random is hundreds of runs, and each call walks the file's list
-        of locks, which every reader shares (py-spy; bench/RESULTS.md). An eviction is what
-        a pin holds off, and evictions are counted: unpin() compares the sequence with the
-        one read here (and looks at the stamps again), so a gather that an eviction may have
+        of locks, which every reader shares (py-spy; bench/RESULTS.md); a fill that ran just
+        behind the downloads, missing a page or two, took them all. An eviction is what a pin
+        holds off, and evictions are counted: unpin() compares the sequence with the one read
+        here (and looks at the stamps again), so a gather that an eviction may have
         overlapped is read again, pinned. Pages last used a while ago are stamped as used
         (touch, under the ledger lock) as a pin stamps them."""
         sequence = self.cache.eviction_sequence()
         if sequence is None or sequence % 2:
             return False
         stamps = self.stamps[pages]
-        if not ((stamps != 0) & self.verified[pages]).all():
-            return False
+        present = stamps != 0
+        unchecked = pages[present & ~self.verified[pages]]
+        if len(unchecked) and self._unpinned_failing(unchecked):
+            return False  # Under pins, _verify looks again and marks the failing pages absent.
+        if not present.all():
+            missing = pages[~present]
+            if not self.cache.has_room(self._bytes_of(missing)):
+                return False  # Pinned: what a fill holds past the budget is bounded (pinned_bytes_max).
+            with self.cache.ahead_slots.fill_waiting():
+                self._fetch_missing(missing, self._fd(purpose), unit_pages)
+            stamps = self.stamps[pages]
+            if not (stamps != 0).all():
+                return False  # Evicted meanwhile (the budget filled up): read pinned.
         stamp = now_stamp()
         stale = pages[(stamps + 1 < stamp) | (stamps > stamp)]
         if len(stale):
@@ -600,6 +614,20 @@ class CachedObject:
             setattr(self._local, f"{purpose}_reads", reads)
         reads.append((sequence, pages))
         return True
+
+    def _unpinned_failing(self, pages: np.ndarray) -> bool:
+        """Checks present `pages` (_failing) without pins, marking those that match as
+        checked; whether any failed. Sound without locks: a page's bytes match its stored
+        digest only where they are the object's (an eviction, a rewrite or a torn read
+        meanwhile makes a page fail, and a failure is looked at again under pins). A reader
+        opens the copy after its trainer fetched the first steps' pages, so its first fills
+        find many pages it has to check: under pins, each of those fills took a lock per run
+        of pages, a tenth of the readers' CPU over a store's first pass (perf,
+        bench/RESULTS.md)."""
+        failing = False
+        for first, end in runs_of(pages, VERIFY_READ_PAGES):
+            failing = bool(self._failing(first, end, pages)) or failing
+        return failing
 
     def _check_pinned(self, pages: np.ndarray) -> None:
         """A pin returns with every page it holds present: an eviction, the one change that
