@@ -116,6 +116,8 @@ int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, ui
                      uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
 
 int shm_page_digests(const uint8_t *data, uint64_t data_bytes, uint64_t page_bytes, uint32_t *out, uint64_t out_count);
+int shm_page_digests_at(const uint8_t *data, uint64_t data_bytes, uint64_t page_bytes, const uint64_t *pages,
+                        uint64_t page_count, uint32_t *out);
 int shm_chunk_digests(const uint8_t *chunk, uint64_t chunk_bytes, uint32_t *out, uint64_t out_count,
                       uint64_t *parts);
 int shm_gather_parts_raw(const uint64_t *part_tables, const uint64_t *part_starts, uint64_t part_count,

@@ -406,3 +406,25 @@ def test_pages_present_at_open_are_checked_without_pins_and_a_bad_one_is_fetched
         assert found.client.requests == requests + 1  # That page alone, fetched again.
     with open(found.path, "rb") as handle:
         assert handle.read() == data
+
+
+def test_the_pages_of_byte_ranges_are_each_page_a_range_touches_once_in_order():
+    """pages_of, which every pin and gather starts from, against the pages counted one range
+    at a time, over ranges smaller and larger than a page, empty ones included."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from shmloader.remote.cache import pages_of
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 40 * CACHE_PAGE_BYTES), st.integers(0, 3 * CACHE_PAGE_BYTES)),
+                    max_size=60))
+    def check(ranges):
+        offsets = np.array([offset for offset, _ in ranges], dtype=np.int64)
+        sizes = np.array([size for _, size in ranges], dtype=np.int64)
+        touched = [page for offset, size in ranges if size
+                   for page in range(offset // CACHE_PAGE_BYTES, (offset + size - 1) // CACHE_PAGE_BYTES + 1)]
+        assert pages_of(offsets, sizes).tolist() == sorted(set(touched))
+        assert pages_of(offsets, sizes, ordered=True).tolist() == list(dict.fromkeys(touched))
+
+    check()

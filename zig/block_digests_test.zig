@@ -134,3 +134,16 @@ test "page digests are each page's digest, the last page short, and refuse a wro
     try testing.expect(!block_digests.pageDigests(&data, 0, &digests));
     try testing.expect(block_digests.pageDigests(data[0..0], 32, digests[0..0]));
 }
+
+test "page digests at listed pages are those pages' digests, and refuse a page past the data" {
+    var data: [100]u8 = undefined;
+    for (&data, 0..) |*byte, at| byte.* = @truncate(at * 13);
+    var all: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigests(&data, 32, &all));
+    const pages = [_]u64{ 3, 0, 3, 1 };
+    var digests: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigestsAt(&data, 32, &pages, &digests));
+    for (pages, digests) |page, value| try testing.expectEqual(all[page], value);
+    try testing.expect(!block_digests.pageDigestsAt(&data, 32, &[_]u64{4}, digests[0..1]));
+    try testing.expect(!block_digests.pageDigestsAt(&data, 32, &pages, digests[0..3]));
+}

@@ -14,7 +14,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-// 25: shm_page_digests. 24: shm_seed_mt19937 removed (ring/_cursor_seeds.c). 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
+// 25: shm_page_digests, shm_page_digests_at. 24: shm_seed_mt19937 removed (ring/_cursor_seeds.c). 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
 // 21: block digests (shm_chunk_digests, shm_blosc_layout's digests, status checksum_mismatch).
 // 20: shm_private_copy, shm_map_shared, shm_unmap.
 // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
@@ -165,6 +165,17 @@ export fn shm_chunk_digests(chunk: [*]const u8, chunk_bytes: u64, out: [*]u32, o
 /// .invalid_length: `page_bytes` is 0, or `out_count` is not the number of pages.
 export fn shm_page_digests(data: [*]const u8, data_bytes: u64, page_bytes: u64, out: [*]u32, out_count: u64) Status {
     if (!block_digests.pageDigests(data[0..data_bytes], page_bytes, out[0..out_count])) return .invalid_length;
+    return .ok;
+}
+
+/// The digest of each page of `data` that `pages` lists (`page_count` indices) into `out`:
+/// block_digests.pageDigestsAt. .index_out_of_range: a page lies past `data_bytes`, or
+/// `page_bytes` is 0.
+export fn shm_page_digests_at(data: [*]const u8, data_bytes: u64, page_bytes: u64, pages: [*]const u64, page_count: u64,
+    out: [*]u32) Status {
+    if (!block_digests.pageDigestsAt(data[0..data_bytes], page_bytes, pages[0..page_count], out[0..page_count])) {
+        return .index_out_of_range;
+    }
     return .ok;
 }
 

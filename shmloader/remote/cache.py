@@ -57,6 +57,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import platform
 import posixpath
@@ -91,6 +92,7 @@ from .pages import (
     PAGE_DIGEST,
     RunDigests,
     page_digests,
+    page_digests_at,
     page_disk_bytes,
     pages_file_bytes,
     private_directory,
@@ -381,13 +383,21 @@ def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> n
     first = offsets.astype(np.int64) // CACHE_PAGE_BYTES
     last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // CACHE_PAGE_BYTES
     spans = last - first + 1
-    if int(spans.max()) == 1:
+    longest = int(spans.max())
+    if longest == 1:
         pages = first
+    elif longest == 2 and not ordered:  # Rows smaller than a page: the second page of those that cross one.
+        pages = np.concatenate((first, last[spans == 2]))
     else:
         total = int(spans.sum())
         pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
     if not ordered:
-        return np.unique(pages)
+        # Sorted, then each page once: a third of np.unique's time on a fill's few hundred pages.
+        pages = np.sort(pages)
+        distinct = np.empty(len(pages), dtype=bool)
+        distinct[0] = True
+        np.not_equal(pages[1:], pages[:-1], out=distinct[1:])
+        return pages[distinct]
     _, where = np.unique(pages, return_index=True)
     return pages[np.sort(where)]
 
@@ -495,6 +505,7 @@ class CachedObject:
         # Runs being downloaded into the data file now -> how many (close() gives back what
         # they wrote); under _descriptors_lock.
         self._writing: dict[tuple[int, int], int] = {}
+        self._data_map: mmap.mmap | None = None  # _data_view's.
 
     def current(self) -> bool:
         """Whether the copy's data and pages files are still the ones this process opened:
@@ -616,18 +627,36 @@ class CachedObject:
         return True
 
     def _unpinned_failing(self, pages: np.ndarray) -> bool:
-        """Checks present `pages` (_failing) without pins, marking those that match as
-        checked; whether any failed. Sound without locks: a page's bytes match its stored
+        """Checks present `pages` without pins, in place in a mapping of the copy (one call
+        for a fill's pages, where _failing reads each run of pages), marking those that match
+        as checked; whether any failed. Sound without locks: a page's bytes match its stored
         digest only where they are the object's (an eviction, a rewrite or a torn read
         meanwhile makes a page fail, and a failure is looked at again under pins). A reader
         opens the copy after its trainer fetched the first steps' pages, so its first fills
         find many pages it has to check: under pins, each of those fills took a lock per run
         of pages, a tenth of the readers' CPU over a store's first pass (perf,
         bench/RESULTS.md)."""
-        failing = False
-        for first, end in runs_of(pages, VERIFY_READ_PAGES):
-            failing = bool(self._failing(first, end, pages)) or failing
-        return failing
+        digests = np.empty(len(pages), dtype=np.uint32)
+        try:
+            page_digests_at(self._data_view(), pages.astype(np.uint64), digests)
+        except (ValueError, StorageError):  # Closed meanwhile: the pinned path says so.
+            return True
+        good = digests == self.checksums[pages]
+        self.verified[pages[good]] = True
+        return not good.all()
+
+    def _data_view(self) -> mmap.mmap:
+        """A read-only mapping of the copy's data file (made at its first use: only a process
+        that opened pages already there checks any); ValueError once the object is closed."""
+        found = self._data_map
+        if found is None:
+            with self._descriptors_lock:
+                if self.stamps is None:
+                    raise ValueError(f"{self.url}: closed")
+                if self._data_map is None:
+                    self._data_map = mmap.mmap(self._data_fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+                found = self._data_map
+        return found
 
     def _check_pinned(self, pages: np.ndarray) -> None:
         """A pin returns with every page it holds present: an eviction, the one change that
@@ -836,19 +865,25 @@ class CachedObject:
     def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody
         else claims, downloads them in parallel, then waits for the needed pages others
-        claimed and looks again."""
+        claimed and looks again. Where another request holds part of a run, the run's needed
+        pages alone are claimed, one by one: the rest of the unit is no fill's to wait for,
+        and a claim per page of a whole unit was hundreds of lock calls (each walking the
+        file's list of locks) and as many one-page requests."""
         needed = missing
         while len(needed):
             claimed, others = [], []
             for first, end in runs_of(self._demand_pages(needed, unit_pages), REQUEST_BYTES // CACHE_PAGE_BYTES):
                 if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
-                else:  # Someone fetches some of these: claim page by page.
-                    for page in range(first, end):
-                        if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
-                            claimed.append((page, page + 1))
-                        else:
-                            others.append(page)
+                    continue
+                for page in needed[(needed >= first) & (needed < end)].tolist():
+                    if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
+                        others.append(page)
+                    elif claimed and claimed[-1][1] == page and page - claimed[-1][0] < REQUEST_BYTES // CACHE_PAGE_BYTES:
+                        # Beside the last claim: one request.
+                        claimed[-1] = (claimed[-1][0], page + 1)
+                    else:
+                        claimed.append((page, page + 1))
             self._download(claimed, descriptor)
             others = np.intersect1d(np.asarray(others, dtype=np.int64), needed)
             if not len(others):
@@ -1018,8 +1053,10 @@ class CachedObject:
                 with contextlib.suppress(OSError):
                     os.close(descriptor)
             self.stamps = self.checksums = None
-            with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
-                self._map.close()
+            for mapping in (self._map, self._data_map):
+                if mapping is not None:
+                    with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
+                        mapping.close()
         finally:
             self._descriptors_lock.release()
 

@@ -78,20 +78,39 @@ def pages_file_bytes(page_count: int) -> int:
 def page_digests(data, out: np.ndarray) -> None:
     """The digest of each CACHE_PAGE_BYTES page of `data` (the last may be shorter) into
     `out` (uint32, one per page): the low 32 bits of XXH3-64, as the block digests of a
-    .b2nd file (zig/block_digests.zig), about ten times as fast as zlib's CRC-32 here. It
-    catches a page altered or cut short on disk (corruption, a hand edit); a forger is
-    kept out by the directory's owner and mode, not by it."""
-    global _NATIVE
-    if _NATIVE is None:
-        from .. import _native
-
-        _NATIVE = _native
+    .b2nd file (zig/block_digests.zig), many times as fast as zlib's CRC-32 (which it
+    replaced: bench/RESULTS.md). It catches a page altered or cut short on disk
+    (corruption, a hand edit); a forger is kept out by the directory's owner and mode, not
+    by it."""
+    native = _native()
     assert out.dtype == np.uint32 and out.flags.c_contiguous, (out.dtype, out.flags)
     size = memoryview(data).nbytes
-    ffi = _NATIVE.ffi
-    _NATIVE.check(_NATIVE.lib.shm_page_digests(ffi.from_buffer("uint8_t[]", data), size, CACHE_PAGE_BYTES,
-                                               ffi.from_buffer("uint32_t[]", out, require_writable=True), len(out)),
-                  f"page digests of {size} bytes into {len(out)}")
+    ffi = native.ffi
+    native.check(native.lib.shm_page_digests(ffi.from_buffer("uint8_t[]", data), size, CACHE_PAGE_BYTES,
+                                             ffi.from_buffer("uint32_t[]", out, require_writable=True), len(out)),
+                 f"page digests of {size} bytes into {len(out)}")
+
+
+def page_digests_at(data, pages: np.ndarray, out: np.ndarray) -> None:
+    """The digest (page_digests) of each page of `data` (a whole copy, in place) that
+    `pages` lists, into `out` (uint32, one per listed page)."""
+    native = _native()
+    ffi = native.ffi
+    assert pages.dtype == np.uint64 and out.dtype == np.uint32 and len(pages) == len(out), (pages.dtype, out.dtype)
+    size = memoryview(data).nbytes
+    native.check(native.lib.shm_page_digests_at(ffi.from_buffer("uint8_t[]", data), size, CACHE_PAGE_BYTES,
+                                                ffi.from_buffer("uint64_t[]", pages), len(pages),
+                                                ffi.from_buffer("uint32_t[]", out, require_writable=True)),
+                 f"page digests of {len(pages)} pages of {size} bytes")
+
+
+def _native():
+    global _NATIVE
+    if _NATIVE is None:
+        from .. import _native as native
+
+        _NATIVE = native
+    return _NATIVE
 
 
 _NATIVE = None  # shmloader._native, imported at the first digest.
