@@ -428,3 +428,21 @@ def test_the_pages_of_byte_ranges_are_each_page_a_range_touches_once_in_order():
         assert pages_of(offsets, sizes, ordered=True).tolist() == list(dict.fromkeys(touched))
 
     check()
+
+
+def test_a_fill_whose_unit_another_request_holds_in_part_claims_its_own_pages_alone(stored):  # noqa: F811
+    """Its other free pages are no fill's to wait for: claimed page by page they cost a lock
+    call and a request each."""
+    from shmloader.remote.pages import FETCH_BASE, PAGES_SUFFIX, lock
+
+    found, data = stored
+    other = os.open(found.path + PAGES_SUFFIX, os.O_RDWR)  # Another request, fetching page 0.
+    try:
+        assert lock(other, fcntl.F_WRLCK, FETCH_BASE, 1, False)
+        requests = found.client.requests
+        found.pin(np.array([3 * CACHE_PAGE_BYTES + 5]), np.array([10]), unit_pages=found.page_count, unpinned=True)
+        assert found.unpin() is True
+        assert found.client.requests == requests + 1
+        assert np.flatnonzero(found.stamps).tolist() == [3]
+    finally:
+        os.close(other)
