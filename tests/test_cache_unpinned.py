@@ -446,3 +446,21 @@ def test_a_fill_whose_unit_another_request_holds_in_part_claims_its_own_pages_al
         assert np.flatnonzero(found.stamps).tolist() == [3]
     finally:
         os.close(other)
+
+
+def test_the_page_arithmetic_of_a_fill_does_not_import_numpy_ma():
+    """numpy 2.4's np.unique asks np.ma.is_masked, whose first call imports numpy.ma: a tenth
+    of a CPU second in every reader that fills from a store, where np.unique was called."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from shmloader.remote.cache import distinct, first_seen, pages_of
+        from shmloader.storage.readahead import _page_bytes
+        offsets, sizes = np.array([5, 40000, 3, 90000]), np.array([20000, 10, 3000, 70000])
+        pages_of(offsets, sizes), pages_of(offsets, sizes, ordered=True), _page_bytes(offsets, sizes)
+        assert distinct(np.array([3, 1, 3])).tolist() == [1, 3]
+        assert first_seen(np.array([3, 1, 3, 2, 1])).tolist() == [3, 1, 2]
+        print("numpy.ma" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr

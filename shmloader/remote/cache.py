@@ -391,15 +391,34 @@ def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> n
     else:
         total = int(spans.sum())
         pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
-    if not ordered:
-        # Sorted, then each page once: a third of np.unique's time on a fill's few hundred pages.
-        pages = np.sort(pages)
-        distinct = np.empty(len(pages), dtype=bool)
-        distinct[0] = True
-        np.not_equal(pages[1:], pages[:-1], out=distinct[1:])
-        return pages[distinct]
-    _, where = np.unique(pages, return_index=True)
-    return pages[np.sort(where)]
+    return first_seen(pages) if ordered else distinct(pages)
+
+
+# np.unique is not used on a reader's paths: numpy 2.4's asks np.ma.is_masked, whose first
+# call imports numpy.ma (a tenth of a CPU second in each reader), and its own sorting costs
+# three times these on a fill's few hundred pages.
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, sorted."""
+    values = np.sort(values)
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+def first_seen(values: np.ndarray) -> np.ndarray:
+    """The distinct values, in the order they first appear."""
+    if len(values) < 2:
+        return values
+    order = np.argsort(values, kind="stable")  # Equal values keep their order: the first one leads.
+    ranked = values[order]
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=keep[1:])
+    return values[np.sort(order[keep])]
 
 
 def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
@@ -537,8 +556,7 @@ class CachedObject:
         `pages`, units in the order `pages` first reaches them (see set_fetch_unit)."""
         if unit <= 1 or not len(pages):
             return pages
-        _, first_seen = np.unique(pages // unit, return_index=True)
-        units = (pages // unit)[np.sort(first_seen)]
+        units = first_seen(pages // unit)
         starts = units * unit
         counts = np.minimum(starts + unit, self.page_count) - starts
         expanded = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
@@ -885,7 +903,7 @@ class CachedObject:
                     else:
                         claimed.append((page, page + 1))
             self._download(claimed, descriptor)
-            others = np.intersect1d(np.asarray(others, dtype=np.int64), needed)
+            others = np.asarray(others, dtype=np.int64)  # Needed pages, each once (the runs are disjoint).
             if not len(others):
                 return
             for page in others.tolist():  # Their fetcher is downloading: its lock goes when it is done.
