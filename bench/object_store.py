@@ -23,6 +23,13 @@ mosaicml-streaming and s3fs (--peer-python; their rows are left out without it):
     python bench/object_store.py --s3rver /tmp/objstore/node_modules/.bin/s3rver --peer-python /tmp/objstore/venv/bin/python
     python bench/object_store.py ... --rate 1gbit --rows 524288 --seconds 30 --skip litdata
 
+--server files serves the data files themselves with bench/_range_server.py (HEAD and
+ranged GET, sendfile; no node, no upload), in the capped namespace, or with --rate none on
+this network's 127.0.0.1 uncapped: no root needed, and the runs are bound by the client's
+CPU, which is what --rounds N (the link and the raw window alternated N times) measures:
+
+    python bench/object_store.py --server files --rate none --rows 524288 --rounds 3 --skip lz4,zstd,global,sequential
+
 --small-cache runs one case alone: the global shuffle of raw rows through a cache of
 --cache-mib (8 MiB) over data several times larger (--rows 17408 of 3072 B: 53 MB), against
 the store's own rate of random ranged GETs of one cache page each at the loader's
@@ -205,7 +212,6 @@ def child_shmloader(args) -> dict:
         seconds = time.perf_counter() - started
         cpu_end = cpu_mark()
         cache_stats = loader.stats()["cache"]
-    shutil.rmtree(cache, ignore_errors=True)
     return {"rows": rows, "seconds": seconds, "first_batch_s": first_batch_s, "wrong": wrong,
             "requests": cache_stats["requests"],
             "bytes": cache_stats["bytes"], "retries": cache_stats["retries"], "cpu_start": cpu_start,
@@ -231,7 +237,6 @@ def child_litdata(args) -> dict:
                                                 "aws_secret_access_key": "S3RVER", "region_name": "us-east-1"})
     loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
     result = _consume(loader, started, args.seconds, lambda batch: (batch["index"].numpy(), batch["row"].numpy()))
-    shutil.rmtree(cache, ignore_errors=True)
     return {**result, "cpu_start": cpu_start}
 
 
@@ -260,7 +265,6 @@ def child_mosaic(args) -> dict:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
     result = _consume(loader, started, args.seconds, lambda batch: (
         batch["index"].numpy(), np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])))
-    shutil.rmtree(local, ignore_errors=True)
     return {**result, "cpu_start": cpu_start}
 
 
@@ -323,7 +327,20 @@ CHILDREN = {"random-get": child_random_get, "link": child_link, "link-s3fs": chi
 
 # The namespace, the server and the runs.
 
+def server_command(args) -> list[str]:
+    """The store's command line: s3rver over its own directory, or (--server files) this
+    directory's own range server over the data files (nothing to upload)."""
+    if args.server == "files":
+        return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_range_server.py"),
+                args.data, "--bucket", BUCKET, "--port", str(PORT)]
+    directory = os.path.join(args.data, "s3rver")
+    os.makedirs(directory, exist_ok=True)
+    return [args.s3rver, "-d", directory, "-a", "127.0.0.1", "-p", str(PORT), "--silent", "--configure-bucket", BUCKET]
+
+
 class Namespace:
+    """A network namespace whose loopback is capped at `rate` (tc's units), with the store in it."""
+
     def __init__(self, rate: str) -> None:
         self.name, self.rate = f"shmloader-bench-{os.getpid()}", rate
         subprocess.run(["ip", "netns", "add", self.name], check=True)
@@ -343,26 +360,41 @@ class Namespace:
         self.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", self.rate, "burst", "1mb",
                   "latency", "50ms"])
 
-    def start_server(self, s3rver: str, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.server = subprocess.Popen(["ip", "netns", "exec", self.name, s3rver, "-d", directory, "-a", "127.0.0.1",
-                                        "-p", str(PORT), "--silent", "--configure-bucket", BUCKET],
-                                       start_new_session=True)
+    def start_server(self, command: list[str]) -> None:
+        self.server = subprocess.Popen([*self.prefix, *command], start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            probe = subprocess.run(["ip", "netns", "exec", self.name, sys.executable, "-c",
+            probe = subprocess.run([*self.prefix, sys.executable, "-c",
                                     f"import socket; socket.create_connection(('127.0.0.1', {PORT}), 1)"],
                                    capture_output=True)
             if probe.returncode == 0:
                 return
             time.sleep(0.3)
-        raise RuntimeError("s3rver did not start")
+        raise RuntimeError(f"the store did not start: {' '.join(command)}")
 
     def close(self) -> None:
         if self.server is not None:
             os.killpg(self.server.pid, signal.SIGTERM)
             self.server.wait(timeout=10)
         subprocess.run(["ip", "netns", "del", self.name], check=False)
+
+
+class Loopback(Namespace):
+    """The store on this network's 127.0.0.1, uncapped (--rate none): no namespace, no root.
+    Rates then say little; CPU per row is what such a run is for."""
+
+    prefix: list[str] = []
+
+    def __init__(self, rate: str) -> None:
+        self.server = None
+
+    def cap(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.server is not None:
+            os.killpg(self.server.pid, signal.SIGTERM)
+            self.server.wait(timeout=10)
 
 
 class MotoServer:
@@ -379,7 +411,7 @@ class MotoServer:
     def cap(self) -> None:
         pass  # moto serves far less than any cap.
 
-    def start_server(self, s3rver: str, directory: str) -> None:
+    def start_server(self, command: list[str]) -> None:
         import boto3
 
         self.server.start()
@@ -389,6 +421,14 @@ class MotoServer:
 
     def close(self) -> None:
         self.server.stop()
+
+
+def make_store(args):
+    """Where the store runs: moto in this process, else a capped namespace, or (--rate none)
+    this network's loopback."""
+    if args.server == "moto":
+        return MotoServer(args.rate)
+    return Loopback(args.rate) if args.rate == "none" else Namespace(args.rate)
 
 
 def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict:
@@ -404,8 +444,13 @@ def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict
     environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
                    "AWS_ALLOW_HTTP": "true"}
     # `ip netns exec` execs the command in its own process (no fork): the child is the run.
-    return run_contender([*namespace.prefix, *command], args.seconds * 4 + 300, f"{mode} failed", env=environment,
-                         cwd=args.data)
+    try:
+        return run_contender([*namespace.prefix, *command], args.seconds * 4 + 300, f"{mode} failed",
+                             env=environment, cwd=args.data)
+    finally:
+        # The run's cache removed here, once its processes are gone: emptying a node cache is no
+        # loader's work (it cost the trainer 0.1-0.2 CPU s a run on 1.6 GB), so it is in no CPU figure.
+        shutil.rmtree(os.path.join(args.data, "cache"), ignore_errors=True)
 
 
 def main() -> None:
@@ -415,7 +460,8 @@ def main() -> None:
     parser.add_argument("--data", default="/tmp/shmloader-object-store")
     parser.add_argument("--rows", type=int, default=524_288)
     parser.add_argument("--row-bytes", type=int, default=3072)
-    parser.add_argument("--rate", default="1gbit", help="the cap on the link (tc's units)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="the cap on the link (tc's units); none: the store on this network's 127.0.0.1, uncapped")
     parser.add_argument("--seconds", type=float, default=60.0, help="each run's length at most (else one pass)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--readers", type=int, default=2)
@@ -424,11 +470,16 @@ def main() -> None:
     parser.add_argument("--cache-mib", type=int, default=0, help="the cache's budget in MiB (in place of --cache-gib)")
     parser.add_argument("--small-cache", action="store_true",
                         help="only the case of a cache smaller than the data (see above; --cache-mib 8 by default)")
-    parser.add_argument("--server", choices=("s3rver", "moto"), default="s3rver")
+    parser.add_argument("--server", choices=("s3rver", "moto", "files"), default="s3rver",
+                        help="files: bench/_range_server.py over --data (sendfile; no node needed)")
     parser.add_argument("--concurrency", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--s3rver", default="/tmp/objstore/node_modules/.bin/s3rver")
     parser.add_argument("--peer-python", default=None, help="a Python with litdata, mosaicml-streaming and s3fs")
-    parser.add_argument("--skip", default="", help="runs left out: any of litdata,mosaic,s3fs,global,sequential")
+    parser.add_argument("--skip", default="",
+                        help="runs left out: any of litdata,mosaic,s3fs,global,sequential,lz4,zstd (the window's "
+                             "compressed fields)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the link and the window raw run this many times, alternated (CPU per row)")
     add_write_argument(parser)
     args = parser.parse_args()
     args.data = os.path.abspath(args.data)
@@ -442,14 +493,15 @@ def main() -> None:
         return
     skip = set(filter(None, args.skip.split(",")))
     peers = args.peer_python if args.peer_python and os.path.exists(args.peer_python) else None
-    write_data(args)
+    write_data(args, codecs=tuple(codec for codec in ("lz4", "zstd")
+                                   if codec not in skip or (codec == "lz4" and "global" not in skip)))
     if peers and not {"litdata", "mosaic"} <= skip:
         print("writing litdata chunks and MDS shards ...", flush=True)
         subprocess.run([peers, os.path.abspath(__file__), "--child", "make-peers", "--data", args.data], check=True,
                        cwd=args.data)
-    namespace = Namespace(args.rate)
+    namespace = make_store(args)
     try:
-        namespace.start_server(args.s3rver, os.path.join(args.data, "s3rver"))
+        namespace.start_server(server_command(args))
         measure(namespace, sys.executable, args, "upload")
         namespace.cap()
         results = []
@@ -467,10 +519,14 @@ def main() -> None:
             results.append((label, result))
             return True
 
-        run("link: 4 ranged GETs (obstore)", sys.executable, "link")
-        if peers and "s3fs" not in skip:
-            run("link: 4 ranged GETs (s3fs)", peers, "link-s3fs")
-        for codec in ("raw", "lz4", "zstd"):
+        # The link and the raw window alternate over --rounds (the first link is the table's reference).
+        for round_index in range(args.rounds):
+            suffix = f", round {round_index + 1}" if args.rounds > 1 else ""
+            run(f"link: 4 ranged GETs (obstore){suffix}", sys.executable, "link")
+            if round_index == 0 and peers and "s3fs" not in skip:
+                run("link: 4 ranged GETs (s3fs)", peers, "link-s3fs")
+            run(f"shmloader shuffle_window={args.window:,}, raw{suffix}", sys.executable, "window", codec="raw")
+        for codec in [codec for codec in ("lz4", "zstd") if codec not in skip]:
             run(f"shmloader shuffle_window={args.window:,}, {codec}", sys.executable, "window", codec=codec)
         if "global" not in skip:
             run("shmloader global shuffle, lz4 .b2nd", sys.executable, "global", codec="lz4")
@@ -489,7 +545,10 @@ def main() -> None:
     finally:
         namespace.close()
     link = results[0][1]["rows_per_s"]
-    setting = (f"link capped at {args.rate} (tbf), s3rver on 127.0.0.1 in a namespace; {args.rows:,} rows of "
+    name = {"files": "bench/_range_server.py", "s3rver": "s3rver", "moto": "moto"}[args.server]
+    server = (f"{name} on 127.0.0.1, no cap" if args.server == "moto" or args.rate == "none" else
+              f"link capped at {args.rate} (tbf), {name} on 127.0.0.1 in a namespace")
+    setting = (f"{server}; {args.rows:,} rows of "
                f"{args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
                f"at most {args.seconds:g} s each")
     print(f"\n{machine_line()}; {setting}\n")
@@ -515,9 +574,9 @@ def small_cache(args) -> None:
     args.cache_mib = args.cache_mib or 8
     args.concurrency = args.readers * IN_FLIGHT
     write_data(args, codecs=())
-    namespace = (MotoServer if args.server == "moto" else Namespace)(args.rate)
+    namespace = make_store(args)
     try:
-        namespace.start_server(args.s3rver, os.path.join(args.data, "s3rver"))
+        namespace.start_server(server_command(args))
         measure(namespace, sys.executable, args, "upload")
         namespace.cap()
         store = measure(namespace, sys.executable, args, "random-get")

@@ -14,7 +14,7 @@ import re
 # library of another (its shm_abi_version()). It is written here, by hand, on purpose: the
 # declarations below are hand-written too, and a number derived from the Zig source would
 # agree with any library and check nothing. Bump both sides together.
-ABI_VERSION = 24
+ABI_VERSION = 25
 
 # Mirrors zig/c_api.zig's exports and their structs (sampler.zig, mixture.zig, gather.zig); tests/test_native.py checks the struct sizes against the library,
 # so a drift fails loudly. Status codes are not mirrored: _native.py reads their names from
@@ -115,6 +115,9 @@ int shm_gather_rows(const uint8_t *table, uint64_t row_count, uint64_t row_bytes
 int shm_gather_blosc(const shm_blosc_layout *layout, const uint64_t *indices, uint64_t index_count,
                      uint8_t *out, uint64_t out_bytes, shm_gather_error *failure);
 
+int shm_page_digests(const uint8_t *data, uint64_t data_bytes, uint64_t page_bytes, uint32_t *out, uint64_t out_count);
+int shm_page_digests_at(const uint8_t *data, uint64_t data_bytes, uint64_t page_bytes, const uint64_t *pages,
+                        uint64_t page_count, uint32_t *out);
 int shm_chunk_digests(const uint8_t *chunk, uint64_t chunk_bytes, uint32_t *out, uint64_t out_count,
                       uint64_t *parts);
 int shm_gather_parts_raw(const uint64_t *part_tables, const uint64_t *part_starts, uint64_t part_count,

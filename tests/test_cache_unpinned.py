@@ -182,8 +182,8 @@ _EVICTOR = textwrap.dedent("""
     class Store:
         def __init__(self, data):
             self.data = data
-        def get(self, url, etag, start, stop, size):
-            return self.data[start:stop]
+        def stream(self, url, etag, start, stop, size, receive):
+            receive(0, memoryview(self.data)[start:stop])
 
     root, path, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
     data = open(sys.argv[4], "rb").read()
@@ -261,13 +261,13 @@ def test_the_first_steps_fetch_makes_at_most_in_flight_requests_and_none_once_cl
     found = open_object(view, path, "s3://bucket/x.bin")
     gate, calls = threading.Event(), []
 
-    def get(url, etag, start, stop, size):
+    def stream(url, etag, start, stop, size, receive):
         calls.append(start)
         if start // CACHE_PAGE_BYTES % 2 == 0:  # The first steps' pages: held until the gate opens.
             gate.wait(10)
-        return bytes(stop - start)
+        receive(0, memoryview(bytes(stop - start)))
 
-    found.client.get = get
+    found.client.stream = stream
     every_other = np.arange(0, pages, 2) * CACHE_PAGE_BYTES  # 2 * IN_FLIGHT runs of a page.
     found.prefetch(every_other, np.full(len(every_other), 10), throttled=False)
     deadline = time.monotonic() + 60
@@ -364,3 +364,103 @@ def test_while_an_older_version_s_loaders_use_the_cache_every_gather_pins(stored
         assert alone._ledger[_LEDGER["magic"]] == _LEDGER_MAGIC and alone.eviction_sequence() == 0
     finally:
         alone.close()
+
+
+def test_pages_missing_where_the_budget_has_room_are_fetched_and_read_unpinned(stored):  # noqa: F811
+    found, data = stored  # Every page absent.
+    requests = found.client.requests
+    found.pin(*ALL, unpinned=True)
+    assert not getattr(found._local, "pin_held", False)  # Fetched, then read without a USE lock.
+    assert found.client.requests > requests
+    assert found.unpin() is True
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data
+
+
+def test_pages_missing_past_the_budget_are_fetched_under_pins(stored):  # noqa: F811
+    found, data = stored
+    found.cache.set_budget(CACHE_PAGE_BYTES)  # No room: what the fill holds past the budget is pinned.
+    found.pin(*ALL, unpinned=True)
+    assert getattr(found._local, "pin_held", False)
+    assert found.unpin() is True
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data
+
+
+def test_pages_present_at_open_are_checked_without_pins_and_a_bad_one_is_fetched_again(stored):  # noqa: F811
+    found, data = stored
+    found.pin(*ALL)
+    found.unpin()
+    with _another_process(found) as (_, later):  # Opened with every page there: none checked yet.
+        later.pin(*ALL, unpinned=True)
+        assert not getattr(later._local, "pin_held", False)  # Checked, and read, without a lock.
+        assert later.verified.all() and later.unpin() is True
+    with open(found.path, "r+b") as handle:  # A byte of page 3 altered on disk between runs.
+        handle.seek(3 * CACHE_PAGE_BYTES + 10)
+        handle.write(bytes([data[3 * CACHE_PAGE_BYTES + 10] ^ 0xFF]))
+    requests = found.client.requests
+    with _another_process(found) as (_, later):
+        later.pin(*ALL, unpinned=True)
+        assert getattr(later._local, "pin_held", False)  # It failed unpinned: checked again under pins.
+        assert later.unpin() is True
+        assert found.client.requests == requests + 1  # That page alone, fetched again.
+    with open(found.path, "rb") as handle:
+        assert handle.read() == data
+
+
+def test_the_pages_of_byte_ranges_are_each_page_a_range_touches_once_in_order():
+    """pages_of, which every pin and gather starts from, against the pages counted one range
+    at a time, over ranges smaller and larger than a page, empty ones included."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from shmloader.remote.cache import pages_of
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 40 * CACHE_PAGE_BYTES), st.integers(0, 3 * CACHE_PAGE_BYTES)),
+                    max_size=60))
+    def check(ranges):
+        offsets = np.array([offset for offset, _ in ranges], dtype=np.int64)
+        sizes = np.array([size for _, size in ranges], dtype=np.int64)
+        touched = [page for offset, size in ranges if size
+                   for page in range(offset // CACHE_PAGE_BYTES, (offset + size - 1) // CACHE_PAGE_BYTES + 1)]
+        assert pages_of(offsets, sizes).tolist() == sorted(set(touched))
+        assert pages_of(offsets, sizes, ordered=True).tolist() == list(dict.fromkeys(touched))
+
+    check()
+
+
+def test_a_fill_whose_unit_another_request_holds_in_part_claims_its_own_pages_alone(stored):  # noqa: F811
+    """Its other free pages are no fill's to wait for: claimed page by page they cost a lock
+    call and a request each."""
+    from shmloader.remote.pages import FETCH_BASE, PAGES_SUFFIX, lock
+
+    found, data = stored
+    other = os.open(found.path + PAGES_SUFFIX, os.O_RDWR)  # Another request, fetching page 0.
+    try:
+        assert lock(other, fcntl.F_WRLCK, FETCH_BASE, 1, False)
+        requests = found.client.requests
+        found.pin(np.array([3 * CACHE_PAGE_BYTES + 5]), np.array([10]), unit_pages=found.page_count, unpinned=True)
+        assert found.unpin() is True
+        assert found.client.requests == requests + 1
+        assert np.flatnonzero(found.stamps).tolist() == [3]
+    finally:
+        os.close(other)
+
+
+def test_the_page_arithmetic_of_a_fill_does_not_import_numpy_ma():
+    """numpy 2.4's np.unique asks np.ma.is_masked, whose first call imports numpy.ma: a tenth
+    of a CPU second in every reader that fills from a store, where np.unique was called."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        from shmloader.remote.cache import distinct, first_seen, pages_of
+        from shmloader.storage.readahead import _page_bytes
+        offsets, sizes = np.array([5, 40000, 3, 90000]), np.array([20000, 10, 3000, 70000])
+        pages_of(offsets, sizes), pages_of(offsets, sizes, ordered=True), _page_bytes(offsets, sizes)
+        assert distinct(np.array([3, 1, 3])).tolist() == [1, 3]
+        assert first_seen(np.array([3, 1, 3, 2, 1])).tolist() == [3, 1, 2]
+        print("numpy.ma" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stdout + result.stderr

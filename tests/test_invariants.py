@@ -236,14 +236,19 @@ def test_a_download_settling_after_its_cache_closed_does_nothing(tmp_path):
 # Pins and fetch units of a cached object (no store: a stand-in client).
 
 class _Store:
-    """A stand-in for store.Client serving one object's bytes."""
+    """A stand-in for store.Client serving one object's bytes, streamed in uneven pieces
+    that cross the cache's pages (a page's checksum then spans pieces)."""
+
+    PIECE_BYTES = 7001
 
     def __init__(self, data: bytes) -> None:
         self.data, self.requests = data, 0
 
-    def get(self, url, etag, start, stop, size):
+    def stream(self, url, etag, start, stop, size, receive):
         self.requests += 1
-        return self.data[start:stop]
+        view = memoryview(self.data)[start:stop]
+        for offset in range(0, len(view), self.PIECE_BYTES):
+            receive(offset, view[offset:offset + self.PIECE_BYTES])
 
 
 @pytest.fixture

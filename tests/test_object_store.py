@@ -647,14 +647,14 @@ def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_togethe
     unit = REQUEST_BYTES // CACHE_PAGE_BYTES
     with ShmDataLoader({"x": big[1]}, cache_dir=tmp_path, batch_size=16, readers=0, mode="sequential") as loader:
         remote = loader._resources.filler.fields[0].part(0).remote  # No step filled yet: nothing asked ahead.
-        real_get, gate, started = remote.client.get, threading.Event(), []
+        real_stream, gate, started = remote.client.stream, threading.Event(), []
 
-        def held_get(url, etag, start, end, size=None):
+        def held_stream(url, etag, start, end, size, receive):
             started.append(start)
             assert gate.wait(30)
-            return real_get(url, etag, start, end, size)
+            real_stream(url, etag, start, end, size, receive)
 
-        remote.client.get = held_get
+        remote.client.stream = held_stream
         first, second = 4 * CACHE_PAGE_BYTES, remote.size - 1  # In both units of the object, not fetched.
         for offset in (first, second):
             remote.prefetch(np.array([offset]), np.array([1]), unit)
@@ -669,7 +669,7 @@ def test_the_read_ahead_keeps_the_requests_of_successive_calls_in_flight_togethe
         while (not remote.stamps[pages].all() or remote._fetching.any()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert remote.stamps[pages].all() and not remote._fetching.any()
-        remote.client.get = real_get
+        remote.client.stream = real_stream
         batches = [batch["x"].copy() for _, batch in zip(range(3), loader)]
     local = np.load(big[0])
     assert all(np.array_equal(batch, local[16 * step:16 * (step + 1)]) for step, batch in enumerate(batches))

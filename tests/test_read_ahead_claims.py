@@ -62,16 +62,16 @@ def test_a_request_that_ends_keeps_the_claim_of_the_next_request_for_its_pages(t
     remote = _object(tmp_path)
     calls, first_gate, later_gate = [], threading.Event(), threading.Event()
 
-    def get(url, etag, start, end, size=None):
+    def stream(url, etag, start, end, size, receive):
         calls.append((threading.current_thread().name, start))
         if len(calls) == 1:
             assert first_gate.wait(30)
             raise OSError("the first request fails")
         if threading.current_thread().name.startswith("shmloader-fetch-ahead"):
             assert later_gate.wait(30)
-        return _content(start, end)
+        receive(0, memoryview(_content(start, end)))
 
-    remote.client.get = get
+    remote.client.stream = stream
     first_ended, ahead_done = threading.Event(), remote._ahead_done
 
     def ended(*arguments):  # Waited for, not polled with a deadline: a loaded CI machine is slow.
@@ -114,12 +114,12 @@ def test_a_read_ahead_outliving_its_objects_close_leaves_no_claim(tmp_path):
     remote = _object(tmp_path)
     gate, calls, box = threading.Event(), [], {}
 
-    def get(url, etag, start, end, size=None):
+    def stream(url, etag, start, end, size, receive):
         calls.append(start)
         assert gate.wait(30)
-        return _content(start, end)
+        receive(0, memoryview(_content(start, end)))
 
-    remote.client.get = get
+    remote.client.stream = stream
     pages = np.arange(0, 40, 2)  # 20 runs of a page: more than the read-ahead's threads.
 
     def read_ahead():

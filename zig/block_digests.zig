@@ -152,6 +152,36 @@ pub fn chunkDigests(chunk: [*]const u8, chunk_bytes: u64, out: []u32) ?u64 {
     return 1 + blocks.count;
 }
 
+/// The digest of each `page_bytes` page of `data` (the last one may be shorter) into
+/// `out`, which holds exactly one entry per page: the node cache's page digests
+/// (shmloader/remote/pages.py), taken as a download hands its bytes over. False where
+/// `page_bytes` is 0 or `out` has another length.
+pub fn pageDigests(data: []const u8, page_bytes: u64, out: []u32) bool {
+    if (page_bytes == 0) return false;
+    const pages = (data.len + page_bytes - 1) / page_bytes;
+    if (pages != out.len) return false;
+    for (out, 0..) |*value, page| {
+        const start = page * page_bytes;
+        value.* = digest(data[start..@min(data.len, start + page_bytes)]);
+    }
+    return true;
+}
+
+/// The digest of the `page_bytes` pages of `data` that `pages` lists (by index, in any
+/// order; the object's last page may be shorter) into `out`, one entry each: the pages a
+/// node cache's reader checks before it serves them, read in place from its mapping of the
+/// copy. False where `page_bytes` is 0, `out` has another length, or a page lies past `data`.
+pub fn pageDigestsAt(data: []const u8, page_bytes: u64, pages: []const u64, out: []u32) bool {
+    if (page_bytes == 0 or pages.len != out.len) return false;
+    const page_count = (data.len + page_bytes - 1) / page_bytes;
+    for (pages, out) |page, *value| {
+        if (page >= page_count) return false;
+        const start = page * page_bytes;
+        value.* = digest(data[start..@min(data.len, start + page_bytes)]);
+    }
+    return true;
+}
+
 /// What a gather checks when it reads a chunk's bytes: each part's stored digest
 /// (`stride` per chunk, head first) and one bit per part, set once the part matched (a
 /// part is checked the first time a gather reads it, never again); then one bit per chunk

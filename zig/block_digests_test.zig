@@ -121,3 +121,29 @@ test "a chunk whose table lists its blocks in order has its blocks checked from 
     chunk[61] ^= 1; // In block 2, the last: it ends at the chunk's end.
     try testing.expectEqual(@as(?u64, 3), checker.checkRange(0, &chunk, chunk.len, 8, 4));
 }
+
+test "page digests are each page's digest, the last page short, and refuse a wrong count" {
+    var data: [100]u8 = undefined;
+    for (&data, 0..) |*byte, at| byte.* = @truncate(at * 7);
+    var digests: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigests(&data, 32, &digests));
+    for (0..4) |page| {
+        try testing.expectEqual(block_digests.digest(data[page * 32 .. @min(100, page * 32 + 32)]), digests[page]);
+    }
+    try testing.expect(!block_digests.pageDigests(&data, 32, digests[0..3]));
+    try testing.expect(!block_digests.pageDigests(&data, 0, &digests));
+    try testing.expect(block_digests.pageDigests(data[0..0], 32, digests[0..0]));
+}
+
+test "page digests at listed pages are those pages' digests, and refuse a page past the data" {
+    var data: [100]u8 = undefined;
+    for (&data, 0..) |*byte, at| byte.* = @truncate(at * 13);
+    var all: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigests(&data, 32, &all));
+    const pages = [_]u64{ 3, 0, 3, 1 };
+    var digests: [4]u32 = undefined;
+    try testing.expect(block_digests.pageDigestsAt(&data, 32, &pages, &digests));
+    for (pages, digests) |page, value| try testing.expectEqual(all[page], value);
+    try testing.expect(!block_digests.pageDigestsAt(&data, 32, &[_]u64{4}, digests[0..1]));
+    try testing.expect(!block_digests.pageDigestsAt(&data, 32, &pages, digests[0..3]));
+}

@@ -14,7 +14,7 @@ const ring = @import("ring_h.zig");
 
 /// Bumped whenever an exported signature, struct or status value changes, so that Python
 /// refuses a library built from other sources instead of corrupting memory.
-// 24: shm_seed_mt19937 removed (ring/_cursor_seeds.c). 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
+// 25: shm_page_digests, shm_page_digests_at. 24: shm_seed_mt19937 removed (ring/_cursor_seeds.c). 23: shm_seed_mt19937 sets torch's state too. 22: shm_seed_mt19937 (Python's and numpy's).
 // 21: block digests (shm_chunk_digests, shm_blosc_layout's digests, status checksum_mismatch).
 // 20: shm_private_copy, shm_map_shared, shm_unmap.
 // 19: shm_file_unchanged. 18: statuses invalid_pattern and invariant_broken. 17: shm_step_max (Python
@@ -24,7 +24,7 @@ const ring = @import("ring_h.zig");
 // shm_sampler_place_blocks, shm_mixture_places, shm_mixture_place_blocks replace the window calls).
 // 10: windowed mixture sources (shm_mixture_window_blocks). 9: shm_bounded_draws. 8: the block-local
 // shuffle (shm_sampler_window_blocks).
-const abi_version: u32 = 24;
+const abi_version: u32 = 25;
 
 export fn shm_abi_version() u32 {
     return abi_version;
@@ -157,6 +157,25 @@ export fn shm_gather_blosc(
 /// .invalid_layout: its header or block table is unreadable, or it has more parts.
 export fn shm_chunk_digests(chunk: [*]const u8, chunk_bytes: u64, out: [*]u32, out_count: u64, parts: *u64) Status {
     parts.* = block_digests.chunkDigests(chunk, chunk_bytes, out[0..out_count]) orelse return .invalid_layout;
+    return .ok;
+}
+
+/// The digest (block_digests.digest) of each `page_bytes` page of `data` (`data_bytes`
+/// bytes; the last page may be shorter) into `out`, one entry per page (`out_count`).
+/// .invalid_length: `page_bytes` is 0, or `out_count` is not the number of pages.
+export fn shm_page_digests(data: [*]const u8, data_bytes: u64, page_bytes: u64, out: [*]u32, out_count: u64) Status {
+    if (!block_digests.pageDigests(data[0..data_bytes], page_bytes, out[0..out_count])) return .invalid_length;
+    return .ok;
+}
+
+/// The digest of each page of `data` that `pages` lists (`page_count` indices) into `out`:
+/// block_digests.pageDigestsAt. .index_out_of_range: a page lies past `data_bytes`, or
+/// `page_bytes` is 0.
+export fn shm_page_digests_at(data: [*]const u8, data_bytes: u64, page_bytes: u64, pages: [*]const u64, page_count: u64,
+    out: [*]u32) Status {
+    if (!block_digests.pageDigestsAt(data[0..data_bytes], page_bytes, pages[0..page_count], out[0..page_count])) {
+        return .index_out_of_range;
+    }
     return .ok;
 }
 

@@ -6,16 +6,17 @@ each download, is kept whole in one file, where each method can be checked again
 An object (one URL at one ETag) is three files in `<root>/objects/<url key>/<etag key>/`:
 its bytes at their own offsets (a sparse file the size of the object, so readers map and
 gather it exactly as a local file), `NAME.pages` (one uint32 per CACHE_PAGE_BYTES page: 0 while
-absent, else when it was last used, in seconds; then one CRC-32 per page of the bytes its
-download wrote; its byte ranges are also the page locks), and `NAME.remote.json` (URL,
-ETag, size, the storage_options but credentials, the header ranges the trainer read). The
+absent, else when it was last used, in seconds; then one digest per page of the bytes its
+download wrote (pages.page_digests); its byte ranges are also the page locks), and
+`NAME.remote.json` (URL, ETag, size, the header ranges the trainer read, the kind of the
+page digests; never the storage_options). The
 budget, the bytes held (pages and the cache's own files) and the node's counters are
 `<root>/ledger`.
 
 Trust: the cache is its user's own (directories 0700, files 0600, every open O_NOFOLLOW of
 a regular file of this user: pages.open_private, private_directory, private_root). A page
 a download wrote is served once its stamp says present; a page already present when a
-process opened the copy is checked against its CRC-32 first, once per process
+process opened the copy is checked against its digest first, once per process
 (CachedObject._verify); a copy whose files are not the object's size is every page absent,
 made anew as new files: whoever has the old ones open reads on from them, whose stamps vouch
 for their bytes (_create_files), and a process opens the copy again once its files change.
@@ -31,7 +32,8 @@ it dies, holds none, so there is nothing to clean by hand after a SIGKILL. For p
   eviction; a reader that finds it taken waits for it shared, then looks again.
 A page is written (pwrite) before its stamp says it is present, and evicted (stamp 0,
 hole punched) only under both locks: a partial download, or a page being evicted, is
-never read as data. Blocking waits only ever wait for a holder that waits for nothing
+never read as data. A download writes its bytes as they arrive (Client.stream); what it
+wrote of absent pages is freed where it fails, or where its object closes first. Blocking waits only ever wait for a holder that waits for nothing
 (an eviction, or a download): no cycle, no deadlock.
 
 Budget: bytes are reserved in the ledger before they are downloaded, evicting first when
@@ -55,6 +57,7 @@ import fcntl
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import platform
 import posixpath
@@ -86,7 +89,10 @@ from .pages import (
     no_space,
     now_stamp,
     open_private,
-    page_checksum,
+    PAGE_DIGEST,
+    RunDigests,
+    page_digests,
+    page_digests_at,
     page_disk_bytes,
     pages_file_bytes,
     private_directory,
@@ -202,8 +208,10 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
     """The sparse data file, its pages file and its marker, if they are not there yet
     (several trainers may create the same object at once: every step is idempotent). A
     copy whose files do not have the object's sizes (truncated between runs, or of an
-    older layout) is not trusted: every page absent, to be fetched again. A marker that
-    does not describe this object (damaged, or of an older layout) is written anew.
+    older layout) is not trusted: every page absent, to be fetched again, as one whose
+    marker names page digests of another kind (PAGE_DIGEST; an older version's CRC-32s) or
+    none. A marker that does not describe this object (damaged, or of an older layout) is
+    written anew.
     Returns the access (hold_options) of the loader's storage_options `options`, which
     this process's descriptions of the copy give their readers from now on."""
     root = cache_root(path)
@@ -215,8 +223,10 @@ def create_object(path: str, url: str, etag: str, size: int, options: dict | Non
         pages_held, own_held = counted_bytes(path)
         had_marker = os.path.lexists(path + MARKER_SUFFIX)
         marker = read_marker(path, (url, etag, size))
-        # A damaged marker vouches for nothing of its copy: every page fetched again.
-        fresh = _create_files(path, url, size, root, cache.budget(), had_marker and marker is None)
+        # A damaged marker vouches for nothing of its copy, nor one whose pages file holds
+        # digests of another kind (an older version's CRC-32s): every page fetched again.
+        other_digests = marker is not None and marker.get("digest") != PAGE_DIGEST
+        fresh = _create_files(path, url, size, root, cache.budget(), (had_marker and marker is None) or other_digests)
         if marker is None or fresh:
             write_marker(path, {"url": url, "etag": etag, "size": size, "meta": []})
             # The budget covers the cache's own files too: as they are now, in place of what it
@@ -345,8 +355,9 @@ def options_of(access: str, url: str) -> dict:
 
 
 def write_marker(path: str, marker: dict) -> None:
-    """Writes an object's marker (URL, ETag, size, header ranges: no storage_options)."""
-    marker = {name: marker[name] for name in ("url", "etag", "size", "meta")}
+    """Writes an object's marker (URL, ETag, size, header ranges, and the kind of page
+    digests its pages file holds, this version's: no storage_options)."""
+    marker = {**{name: marker[name] for name in ("url", "etag", "size", "meta")}, "digest": PAGE_DIGEST}
     temporary = f"{path}{MARKER_SUFFIX}.{os.getpid()}.{threading.get_ident()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(temporary)  # Left by a process of this pid that died: O_EXCL below must not meet it.
@@ -372,15 +383,42 @@ def pages_of(offsets: np.ndarray, sizes: np.ndarray, ordered: bool = False) -> n
     first = offsets.astype(np.int64) // CACHE_PAGE_BYTES
     last = (offsets.astype(np.int64) + sizes.astype(np.int64) - 1) // CACHE_PAGE_BYTES
     spans = last - first + 1
-    if int(spans.max()) == 1:
+    longest = int(spans.max())
+    if longest == 1:
         pages = first
+    elif longest == 2 and not ordered:  # Rows smaller than a page: the second page of those that cross one.
+        pages = np.concatenate((first, last[spans == 2]))
     else:
         total = int(spans.sum())
         pages = np.repeat(first - np.concatenate([[0], np.cumsum(spans)[:-1]]), spans) + np.arange(total)
-    if not ordered:
-        return np.unique(pages)
-    _, where = np.unique(pages, return_index=True)
-    return pages[np.sort(where)]
+    return first_seen(pages) if ordered else distinct(pages)
+
+
+# np.unique is not used on a reader's paths: numpy 2.4's asks np.ma.is_masked, whose first
+# call imports numpy.ma (a tenth of a CPU second in each reader), and its own sorting costs
+# three times these on a fill's few hundred pages.
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values, sorted."""
+    values = np.sort(values)
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+def first_seen(values: np.ndarray) -> np.ndarray:
+    """The distinct values, in the order they first appear."""
+    if len(values) < 2:
+        return values
+    order = np.argsort(values, kind="stable")  # Equal values keep their order: the first one leads.
+    ranked = values[order]
+    keep = np.empty(len(values), dtype=bool)
+    keep[0] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=keep[1:])
+    return values[np.sort(order[keep])]
 
 
 def runs_of(pages: np.ndarray, longest: int) -> list[tuple[int, int]]:
@@ -483,6 +521,10 @@ class CachedObject:
         # The pages of this process's read-ahead requests in flight (prefetch).
         self._fetching = np.zeros(self.page_count, dtype=bool)
         self._fetching_lock = threading.Lock()
+        # Runs being downloaded into the data file now -> how many (close() gives back what
+        # they wrote); under _descriptors_lock.
+        self._writing: dict[tuple[int, int], int] = {}
+        self._data_map: mmap.mmap | None = None  # _data_view's.
 
     def current(self) -> bool:
         """Whether the copy's data and pages files are still the ones this process opened:
@@ -514,8 +556,7 @@ class CachedObject:
         `pages`, units in the order `pages` first reaches them (see set_fetch_unit)."""
         if unit <= 1 or not len(pages):
             return pages
-        _, first_seen = np.unique(pages // unit, return_index=True)
-        units = (pages // unit)[np.sort(first_seen)]
+        units = first_seen(pages // unit)
         starts = units * unit
         counts = np.minimum(starts + unit, self.page_count) - starts
         expanded = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(counts.sum())
@@ -528,16 +569,17 @@ class CachedObject:
         """Makes the pages under byte ranges (offsets, sizes) present and keeps them so until
         unpin(purpose): they are fetched (by this process, or by whoever fetches them
         already), with the rest of their fetch units of `unit_pages`.
-        `unpinned`: where every page is present and checked already, and no eviction runs,
-        nothing is locked: unpin() then says whether an eviction ran meanwhile, and the
-        caller reads again (pinned) where one did (see _read_unpinned).
+        `unpinned`: where every page present is checked already, the pages missing fit the
+        budget, and no eviction runs, no USE lock is taken: unpin() then says whether an
+        eviction ran meanwhile, and the caller reads again (pinned) where one did (see
+        _read_unpinned).
         `purpose`: pins of one purpose are let go of together, through their own description
         of the pages file ("pin": a fill's; "block": pinned(), which a fill's thread may
         enter while it holds pins of its own, when a field opens a part lazily)."""
         pages = pages_of(np.asarray(offsets), np.asarray(sizes))
         if not len(pages):
             return
-        if unpinned and UNPINNED_READS and self._read_unpinned(pages, purpose):
+        if unpinned and UNPINNED_READS and self._read_unpinned(pages, purpose, unit_pages):
             return
         descriptor = self._fd(purpose)
         setattr(self._local, f"{purpose}_held", True)
@@ -562,22 +604,35 @@ class CachedObject:
                 self._fetch_missing(missing, descriptor, unit_pages)
         self._check_pinned(pages)
 
-    def _read_unpinned(self, pages: np.ndarray, purpose: str) -> bool:
-        """Whether `pages` may be read without their USE locks: all present and checked,
-        with no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
+    def _read_unpinned(self, pages: np.ndarray, purpose: str, unit_pages: int) -> bool:
+        """Whether `pages` may be read without their USE locks: those present all checked,
+        those missing fetched here where the budget has room for them (no eviction to make),
+        and no eviction running (the ledger's eviction sequence even, NodeCache._evicting).
         A lock call per run of pages was the largest cost of serving rows from the cache:
         a batch of rows at random is hundreds of runs, and each call walks the file's list
-        of locks, which every reader shares (py-spy; bench/RESULTS.md). An eviction is what
-        a pin holds off, and evictions are counted: unpin() compares the sequence with the
-        one read here (and looks at the stamps again), so a gather that an eviction may have
+        of locks, which every reader shares (py-spy; bench/RESULTS.md); a fill that ran just
+        behind the downloads, missing a page or two, took them all. An eviction is what a pin
+        holds off, and evictions are counted: unpin() compares the sequence with the one read
+        here (and looks at the stamps again), so a gather that an eviction may have
         overlapped is read again, pinned. Pages last used a while ago are stamped as used
         (touch, under the ledger lock) as a pin stamps them."""
         sequence = self.cache.eviction_sequence()
         if sequence is None or sequence % 2:
             return False
         stamps = self.stamps[pages]
-        if not ((stamps != 0) & self.verified[pages]).all():
-            return False
+        present = stamps != 0
+        unchecked = pages[present & ~self.verified[pages]]
+        if len(unchecked) and self._unpinned_failing(unchecked):
+            return False  # Under pins, _verify looks again and marks the failing pages absent.
+        if not present.all():
+            missing = pages[~present]
+            if not self.cache.has_room(self._bytes_of(missing)):
+                return False  # Pinned: what a fill holds past the budget is bounded (pinned_bytes_max).
+            with self.cache.ahead_slots.fill_waiting():
+                self._fetch_missing(missing, self._fd(purpose), unit_pages)
+            stamps = self.stamps[pages]
+            if not (stamps != 0).all():
+                return False  # Evicted meanwhile (the budget filled up): read pinned.
         stamp = now_stamp()
         stale = pages[(stamps + 1 < stamp) | (stamps > stamp)]
         if len(stale):
@@ -588,6 +643,38 @@ class CachedObject:
             setattr(self._local, f"{purpose}_reads", reads)
         reads.append((sequence, pages))
         return True
+
+    def _unpinned_failing(self, pages: np.ndarray) -> bool:
+        """Checks present `pages` without pins, in place in a mapping of the copy (one call
+        for a fill's pages, where _failing reads each run of pages), marking those that match
+        as checked; whether any failed. Sound without locks: a page's bytes match its stored
+        digest only where they are the object's (an eviction, a rewrite or a torn read
+        meanwhile makes a page fail, and a failure is looked at again under pins). A reader
+        opens the copy after its trainer fetched the first steps' pages, so its first fills
+        find many pages it has to check: under pins, each of those fills took a lock per run
+        of pages, a tenth of the readers' CPU over a store's first pass (perf,
+        bench/RESULTS.md)."""
+        digests = np.empty(len(pages), dtype=np.uint32)
+        try:
+            page_digests_at(self._data_view(), pages.astype(np.uint64), digests)
+        except (ValueError, StorageError):  # Closed meanwhile: the pinned path says so.
+            return True
+        good = digests == self.checksums[pages]
+        self.verified[pages[good]] = True
+        return not good.all()
+
+    def _data_view(self) -> mmap.mmap:
+        """A read-only mapping of the copy's data file (made at its first use: only a process
+        that opened pages already there checks any); ValueError once the object is closed."""
+        found = self._data_map
+        if found is None:
+            with self._descriptors_lock:
+                if self.stamps is None:
+                    raise ValueError(f"{self.url}: closed")
+                if self._data_map is None:
+                    self._data_map = mmap.mmap(self._data_fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+                found = self._data_map
+        return found
 
     def _check_pinned(self, pages: np.ndarray) -> None:
         """A pin returns with every page it holds present: an eviction, the one change that
@@ -608,13 +695,13 @@ class CachedObject:
                 f"while loaders ran). Restart the loader; if it happens again, check the disk under cache_dir")
 
     def _verify(self, pages: np.ndarray, descriptor: int, pinned: np.ndarray, stamps: np.ndarray) -> np.ndarray:
-        """Checks present `pages` (pinned through `descriptor`) against the CRC-32 their
+        """Checks present `pages` (pinned through `descriptor`) against the digest their
         download stored, the first time this process serves them: a page that was present
         when this process opened the copy, written by an earlier run or process, may have
         been altered on disk since (a flipped bit, a hand edit, a file cut short and grown
-        again). What it costs: the stored checksum, 4 bytes a page in the pages file; one
-        CRC-32 per page downloaded; and, once per such page and process, a read of the page
-        and its CRC-32. Pages downloaded while this process had the copy open, by it or by
+        again). What it costs: the stored digest, 4 bytes a page in the pages file; one
+        digest per page downloaded; and, once per such page and process, a read of the page
+        and its digest. Pages downloaded while this process had the copy open, by it or by
         another reader of the node, count as checked: checking those too made every reader
         read and checksum every page the others fetched, the largest cost of serving rows
         from the cache (py-spy, bench/RESULTS.md). One that fails is marked absent and
@@ -636,22 +723,20 @@ class CachedObject:
         return self.stamps[pinned]
 
     def _failing(self, first: int, end: int, wanted: np.ndarray) -> list[int]:
-        """The pages of [first, end) among `wanted` whose bytes on disk fail their checksum;
+        """The pages of [first, end) among `wanted` whose bytes on disk fail their digest;
         the others are marked checked."""
-        start = first * CACHE_PAGE_BYTES
-        data = os.pread(self._data_fd, min(end * CACHE_PAGE_BYTES, self.size) - start, start)
-        failing = []
-        for page in wanted[(wanted >= first) & (wanted < end)].tolist():
-            offset = (page - first) * CACHE_PAGE_BYTES
-            piece = data[offset:offset + self._page_bytes(page)]
-            if len(piece) != self._page_bytes(page) or page_checksum(piece) != int(self.checksums[page]):
-                failing.append(page)
-            else:
-                self.verified[page] = True
-        return failing
-
-    def _page_bytes(self, page: int) -> int:
-        return min(CACHE_PAGE_BYTES, self.size - page * CACHE_PAGE_BYTES)
+        start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
+        data = os.pread(self._data_fd, stop - start, start)
+        # A file cut short reads short: the pages past its end fail (and those it cuts, below).
+        whole = -(-len(data) // CACHE_PAGE_BYTES)
+        digests = np.zeros(end - first, dtype=np.uint32)
+        page_digests(data, digests[:whole])
+        pages = wanted[(wanted >= first) & (wanted < end)]
+        read = np.minimum(len(data) - (pages - first) * CACHE_PAGE_BYTES, CACHE_PAGE_BYTES)
+        good = (pages - first < whole) & (read == np.minimum(stop - pages * CACHE_PAGE_BYTES, CACHE_PAGE_BYTES)) \
+            & (digests[pages - first] == self.checksums[pages])
+        self.verified[pages[good]] = True
+        return pages[~good].tolist()
 
     def present(self, offsets: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """Per byte range, whether all its pages are here (unpinned: a hint)."""
@@ -798,21 +883,27 @@ class CachedObject:
     def _fetch_missing(self, missing: np.ndarray, descriptor: int, unit_pages: int) -> None:
         """Claims (FETCH lock) the missing pages, and those of their fetch units, that nobody
         else claims, downloads them in parallel, then waits for the needed pages others
-        claimed and looks again."""
+        claimed and looks again. Where another request holds part of a run, the run's needed
+        pages alone are claimed, one by one: the rest of the unit is no fill's to wait for,
+        and a claim per page of a whole unit was hundreds of lock calls (each walking the
+        file's list of locks) and as many one-page requests."""
         needed = missing
         while len(needed):
             claimed, others = [], []
             for first, end in runs_of(self._demand_pages(needed, unit_pages), REQUEST_BYTES // CACHE_PAGE_BYTES):
                 if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + first, end - first, False):
                     claimed.append((first, end))
-                else:  # Someone fetches some of these: claim page by page.
-                    for page in range(first, end):
-                        if lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
-                            claimed.append((page, page + 1))
-                        else:
-                            others.append(page)
+                    continue
+                for page in needed[(needed >= first) & (needed < end)].tolist():
+                    if not lock(descriptor, fcntl.F_WRLCK, FETCH_BASE + page, 1, False):
+                        others.append(page)
+                    elif claimed and claimed[-1][1] == page and page - claimed[-1][0] < REQUEST_BYTES // CACHE_PAGE_BYTES:
+                        # Beside the last claim: one request.
+                        claimed[-1] = (claimed[-1][0], page + 1)
+                    else:
+                        claimed.append((page, page + 1))
             self._download(claimed, descriptor)
-            others = np.intersect1d(np.asarray(others, dtype=np.int64), needed)
+            others = np.asarray(others, dtype=np.int64)  # Needed pages, each once (the runs are disjoint).
             if not len(others):
                 return
             for page in others.tolist():  # Their fetcher is downloading: its lock goes when it is done.
@@ -893,31 +984,72 @@ class CachedObject:
         # A request, whatever its fetch unit, lies within the object.
         assert 0 <= first < end <= self.page_count, (first, end, self.page_count, self.url)
         start, stop = first * CACHE_PAGE_BYTES, min(end * CACHE_PAGE_BYTES, self.size)
-        if self.stamps is None:  # Closed while the request waited for a thread: not made.
-            return False
-        data = self.client.get(self.url, self.etag, start, stop, self.size)
-        checksums = [page_checksum(data[offset:offset + CACHE_PAGE_BYTES])
-                     for offset in range(0, len(data), CACHE_PAGE_BYTES)]
-        # Under the lock close() takes: a request that outlives its loader (a read-ahead
-        # thread given up on) must not write through a descriptor number reused since.
+        checksums = RunDigests(stop - start)
+        run = (first, end)
         with self._descriptors_lock:
-            if self.stamps is None:
+            if self.stamps is None:  # Closed while the request waited for a thread: not made.
                 return False
-            written = 0
-            try:
-                while written < len(data):
-                    written += os.pwrite(self._data_fd, data[written:], start + written)
-            except OSError as error:
-                for page in (np.flatnonzero(self.stamps[first:end] == 0) + first).tolist():
-                    with contextlib.suppress(OSError):  # No stamp will vouch for it: its space back.
-                        punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
-                raise no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") from None
+            self._writing[run] = self._writing.get(run, 0) + 1
+        try:
+            # Each piece written as it arrives (Client.stream: no request-sized buffer).
+            self.client.stream(self.url, self.etag, start, stop, self.size,
+                               lambda offset, view: self._write_piece(start, offset, view, checksums))
+        except BaseException as error:
+            self._give_back_written(run)
+            if isinstance(error, _Closed):
+                return False
+            named = no_space(error, self.cache.root, self.cache.budget(), f"writing {self.path}") \
+                if isinstance(error, OSError) else error
+            if named is not error:  # The disk is full: said so, naming cache_dir and cache_bytes.
+                raise named from None
+            raise
+        with self._descriptors_lock:
+            self._done_writing(run)
+            if self.stamps is None:  # Closed since its last piece: close() gave its bytes back.
+                return False
             settling.append(True)
             self.cache.settle(reserved, True)
-            self.checksums[first:end] = checksums  # With the bytes, before the stamps.
+            self.checksums[first:end] = checksums.finish()  # With the bytes, before the stamps.
             self.stamps[first:end] = now_stamp() + (AHEAD_STAMP_SECONDS if ahead else 0)  # After the bytes.
             self.verified[first:end] = True
             return True
+
+    def _write_piece(self, start: int, offset: int, view: memoryview, checksums: RunDigests) -> None:
+        """Writes a piece of a download at `start + offset` and checksums it. Under the lock
+        close() takes: a request that outlives its loader (a read-ahead thread given up on)
+        must not write through a descriptor number reused since (_Closed ends it)."""
+        checksums.add(offset, view)
+        with self._descriptors_lock:
+            if self.stamps is None:
+                raise _Closed
+            written = 0
+            while written < view.nbytes:  # Bounded: a write that makes no progress raises.
+                count = os.pwrite(self._data_fd, view[written:], start + offset + written)
+                if count <= 0:
+                    raise OSError(f"{self.path}: a write at byte {start + offset + written} wrote nothing")
+                written += count
+
+    def _done_writing(self, run: tuple[int, int]) -> None:
+        """A download of `run` writes no more (under _descriptors_lock)."""
+        self._writing[run] -= 1
+        if not self._writing[run]:
+            del self._writing[run]
+
+    def _give_back_written(self, run: tuple[int, int]) -> None:
+        """Ends a download of `run` that failed, freeing what it wrote of the run's absent
+        pages (claimed: nobody else writes or stamps them meanwhile), which no stamp will
+        vouch for; where the object was closed, close() freed them already."""
+        with self._descriptors_lock:
+            self._done_writing(run)
+            if self.stamps is None:
+                return
+            self._punch_absent(*run)
+
+    def _punch_absent(self, first: int, end: int) -> None:
+        """Frees the disk of the absent pages of [first, end) (under _descriptors_lock)."""
+        for page in (np.flatnonzero(self.stamps[first:end] == 0) + first).tolist():
+            with contextlib.suppress(OSError):
+                punch_hole(self._data_fd, page * CACHE_PAGE_BYTES, page_disk_bytes(page, self.size))
 
     def close(self, wait_seconds: float | None = None) -> None:
         """Closes the copy's files in this process. `wait_seconds` bounds the wait for a
@@ -929,15 +1061,26 @@ class CachedObject:
         try:
             if self.stamps is None:
                 return
+            # Downloads writing meanwhile write no more (_write_piece); what they wrote of
+            # absent pages, which no stamp will vouch for, is given back while their claims
+            # (whose descriptors close below) still keep every other writer out.
+            for first, end in self._writing:
+                self._punch_absent(first, end)
             descriptors, self._descriptors = self._descriptors, []
             for descriptor in (*descriptors, self._data_fd, self._map_fd):
                 with contextlib.suppress(OSError):
                     os.close(descriptor)
             self.stamps = self.checksums = None
-            with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
-                self._map.close()
+            for mapping in (self._map, self._data_map):
+                if mapping is not None:
+                    with contextlib.suppress(BufferError):  # A view still held elsewhere: unmapped with it.
+                        mapping.close()
         finally:
             self._descriptors_lock.release()
+
+
+class _Closed(Exception):
+    """A download's object was closed while it ran: it writes no more."""
 
 
 def pinned_bytes_max(fillers: int, batch_size: int, row_bytes: int) -> int:

@@ -445,6 +445,16 @@ class NodeCache:
         assert int(reserved.sum()) + self._untracked <= held, \
             f"the node cache {self.root} has {int(reserved.sum()) + self._untracked} bytes in flight, {held} held"
 
+    def has_room(self, size: int) -> bool:
+        """Whether `size` more bytes fit the budget now, without an eviction: read without the
+        ledger's lock, a hint (what a gather that reads unpinned asks before it fetches the
+        pages it misses; an eviction it did not foresee makes it read again, pinned)."""
+        ledger = self._ledger
+        if ledger is None:
+            return False
+        budget = int(ledger[_LEDGER["budget"]])
+        return not budget or int(ledger[_LEDGER["held"]]) + size <= budget
+
     def fits(self, size: int) -> bool:
         """Whether `size` more bytes fit the budget, evicting what they would pass it by (as
         an optional reservation does: never a page fetched ahead and not read yet): a fill

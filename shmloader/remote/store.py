@@ -35,6 +35,12 @@ BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 4.0
 # One request's limits: a stalled connection is a timeout, and a timeout is retried.
 _CLIENT_OPTIONS = {"timeout": "60s", "connect_timeout": "5s"}
+# A streamed GET (Client.stream) hands its body over in pieces of at least this size: small
+# enough that a piece is still in the core's cache when it is checksummed and written, and
+# that its buffer is reused, where collecting a whole 8 MiB request first wrote it into fresh
+# pages and read it back cold (about half the CPU of a download into the node cache,
+# bench/RESULTS.md); large enough that the pieces cost few Python calls.
+STREAM_PIECE_BYTES = 256 << 10
 
 
 def retry_seconds() -> float:
@@ -206,18 +212,36 @@ class Client:
             return sorted(found), 0
         return self._call(url, "LIST", function)
 
-    def get(self, url: str, etag: str, start: int, end: int, size: int | None = None) -> memoryview:
-        """Bytes [start, end) of the object as it was when its ETag was `etag` (and its
-        size `size`). The answer's own ETag, size and range are checked too: a store or a
-        proxy that ignores If-Match would otherwise serve another object's bytes."""
+    def stream(self, url: str, etag: str, start: int, end: int, size: int | None, receive) -> None:
+        """Bytes [start, end) of the object as it was when its ETag was `etag` (and its size
+        `size`), handed to `receive(offset, view)` in order as they arrive (`offset` from
+        `start`; `view` valid during the call only). The answer's own ETag, size and range
+        are checked first: a store or a proxy that ignores If-Match would otherwise serve
+        another object's bytes. A request tried again starts over: its first call has offset
+        0 again. An exception `receive` raises ends the request at once and is raised as it
+        is (no retry)."""
         def function(obstore, store, key):
             result = obstore.get(store, key, options={"range": (start, end), "if_match": etag})
             _check_answer(url, etag, size, (start, end), result.meta, result.range)
-            view = memoryview(result.bytes())
-            if view.nbytes != end - start:
-                raise OSError(f"the server sent {view.nbytes} bytes of the {end - start} asked for")
-            return view, view.nbytes
-        return self._call(url, f"GET bytes {start}-{end}", function)
+            received = 0
+            # Bounded: every piece holds at least a byte, and no more than were asked for arrive.
+            for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
+                view = memoryview(piece)
+                if received + view.nbytes > end - start:
+                    raise OSError(f"the server sent more than the {end - start} bytes asked for")
+                try:
+                    receive(received, view)
+                except BaseException as error:
+                    raise _Received(error) from None
+                received += view.nbytes
+            if received != end - start:
+                raise OSError(f"the server sent {received} bytes of the {end - start} asked for")
+            return None, received
+        try:
+            self._call(url, f"GET bytes {start}-{end}", function)
+        except _Received as wrapped:
+            self._count(1, 0, 0)  # Made, and given up on by its receiver.
+            raise wrapped.error from None
 
     def put_file(self, url: str, path: str) -> None:
         """Uploads a file (multipart where it is large: the object appears only when whole)."""
@@ -233,6 +257,15 @@ class Client:
             obstore.delete(store, key)
             return None, 0
         self._call(url, "DELETE", function)
+
+
+class _Received(Exception):
+    """What a stream's receiver raised, carried past the retries of Client._call (an
+    OSError of the receiver's own, a full disk, is no failing request)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _check_answer(url: str, etag: str, size: int | None, wanted: tuple[int, int], meta, answered) -> None:

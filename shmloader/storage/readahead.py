@@ -493,16 +493,9 @@ def _page_bytes(offsets: np.ndarray, sizes: np.ndarray) -> int:
     most). Counted once each: rows of a few KiB share a page, and counting a page per row
     made a step of sequential rows look several times its size, so the read-ahead asked
     for a fraction of AHEAD_BYTES and kept one or two requests in flight."""
-    offsets, sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
-    used = sizes > 0
-    first = offsets[used] // CACHE_PAGE_BYTES
-    last = (offsets[used] + sizes[used] - 1) // CACHE_PAGE_BYTES
-    if not len(first):
-        return 0
-    if int((last - first).max()) <= 1:  # Each range within a page or two (rows of a few KiB).
-        return len(np.unique(np.concatenate([first, last]))) * CACHE_PAGE_BYTES
-    return len(np.unique(np.concatenate([np.arange(a, b + 1) for a, b in zip(first.tolist(), last.tolist())]))) \
-        * CACHE_PAGE_BYTES
+    from ..remote.cache import pages_of
+
+    return len(pages_of(np.asarray(offsets, np.int64), np.asarray(sizes, np.int64))) * CACHE_PAGE_BYTES
 
 
 def _fadvise(ranges: list[tuple], advice: int) -> None:
