@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -47,6 +48,23 @@ def harness_threads_not_counted(monkeypatch):
     monkeypatch.setattr(threading, "enumerate", lambda: [thread for thread in enumerate_all()
                                                          if thread not in harness])
     monkeypatch.setattr(threading, "active_count", lambda: len(threading.enumerate()))
+
+
+@pytest.fixture(autouse=True)
+def torch_only_where_the_test_uses_it(request, monkeypatch):
+    """torch imported into this test worker by another module (collecting test_torch*.py
+    imports it) is not this test's: a loader it plans over a dataset would have each reader
+    import torch (DatasetSpec.torch), which a script of the test never pays. A test whose
+    module imports torch at its top level, or whose own source names torch, sees it as it
+    is (harness_torch.py)."""
+    if "torch" not in sys.modules or request.function is None:
+        return
+    from harness_torch import SysWithoutTorch, uses_torch
+
+    if not uses_torch(request.function, request.module):
+        from shmloader.plan import dataset
+
+        monkeypatch.setattr(dataset, "sys", SysWithoutTorch())
 
 
 def child_environment() -> dict:

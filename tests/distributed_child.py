@@ -1,9 +1,11 @@
-"""One rank of the torch.distributed tests; not a test module, tests/test_distributed.py starts it.
+"""The ranks of the torch.distributed tests, under torchrun; not a test module,
+tests/test_distributed.py starts it.
 
-`distributed_child.py PATH STEPS OUTPUT`: shards the loader by rank and gathers all ranks'
-batches. `distributed_child.py frameworks DIRECTORY LABELS OUTPUT`, under torchrun: runs
-examples/train_ddp.py, then accelerate, Lightning and Hugging Face's Trainer over the same
-labels, and has rank 0 write the rows every rank saw in each (or the error it raised)."""
+`distributed_child.py DIRECTORY LABELS OUTPUT`: each rank shards a loader by its rank for an
+epoch, then runs examples/train_ddp.py, then (where all three are installed) accelerate,
+Lightning and Hugging Face's Trainer over the same labels; rank 0 writes what every rank saw
+in each (its batches, the rows, or the error it raised). One launch for all: each costs two
+interpreters importing torch and a process group."""
 
 from __future__ import annotations
 
@@ -15,32 +17,22 @@ import pathlib
 import sys
 
 import torch.distributed as dist
-from child_guard import die_with_parent
 
 from shmloader import ShmDataLoader
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# Rows per rank per step in the framework runs: 600 labels make 30 steps on each of 2 ranks.
+# Rows per rank per step in every run: 600 labels make 30 steps on each of 2 ranks.
 BATCH_SIZE = 10
+FRAMEWORKS = ("accelerate", "lightning", "transformers")
 
 
-def main() -> None:
-    die_with_parent()
-    path, steps, output = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("gloo")  # MASTER_ADDR/PORT, RANK and WORLD_SIZE come from the environment.
+def rank_shards(labels: str) -> list[dict]:
+    """An epoch of this rank's shard (shard_index=rank): each batch's step, indices and labels."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    with ShmDataLoader({"label": path}, batch_size=10, readers=1, slots=3, seed=3,
+    with ShmDataLoader({"label": labels}, batch_size=BATCH_SIZE, epochs=1, readers=1, slots=3, seed=3,
                        shard_index=rank, shard_count=world) as loader:
-        mine = []
-        for _, batch in zip(range(steps), loader):
-            mine.append({"step": batch.step, "indices": batch.indices.tolist(), "labels": batch["label"].tolist()})
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        with open(output, "w") as handle:
-            json.dump(everyone, handle)
-    dist.barrier()
-    dist.destroy_process_group()
+        return [{"step": batch.step, "indices": batch.indices.tolist(), "labels": batch["label"].tolist()}
+                for batch in loader]
 
 
 def run_example(directory: pathlib.Path) -> list[int]:
@@ -170,25 +162,25 @@ def with_hugging_face(labels: str, directory: pathlib.Path) -> list[int]:
 
 
 def frameworks(directory: pathlib.Path, labels: str, output: str) -> None:
-    """Each framework in turn on this rank; rank 0 writes {name: [each rank's rows or error]}."""
+    """Each run in turn on this rank; rank 0 writes {name: [each rank's batches, rows or
+    error]}, and under "not installed" the frameworks it could not run."""
     # One process group for all: gloo cannot start a second one over torchrun's store, whose
     # keys the first left behind.
     dist.init_process_group("gloo")
-    seen = {"train_ddp.py": run_example(directory)}
-    seen.update(with_accelerate(labels))
-    seen["lightning"] = with_lightning(labels)
-    seen["hugging face"] = with_hugging_face(labels, directory)
+    seen = {"rank shards": rank_shards(labels), "train_ddp.py": run_example(directory)}
+    missing = [name for name in FRAMEWORKS if importlib.util.find_spec(name) is None]
+    if not missing:
+        seen.update(with_accelerate(labels))
+        seen["lightning"] = with_lightning(labels)
+        seen["hugging face"] = with_hugging_face(labels, directory)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, seen)
     if dist.get_rank() == 0:
         with open(output, "w") as handle:
-            json.dump({name: [rank[name] for rank in everyone] for name in seen}, handle)
+            json.dump({"not installed": missing, **{name: [rank[name] for rank in everyone] for name in seen}}, handle)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "frameworks":
-        frameworks(pathlib.Path(sys.argv[2]), sys.argv[3], sys.argv[4])
-    else:
-        main()
+    frameworks(pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3])

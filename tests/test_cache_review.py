@@ -179,7 +179,7 @@ def test_a_process_stopped_in_the_ledger_s_lock_holds_no_step_past_step_timeout_
         server, tmp_path, monkeypatch, readers):
     monkeypatch.setattr(node, "CLOSE_WAIT_SECONDS", 1.0, raising=False)
     values, url = _upload_rows(server, tmp_path, f"review/stopped{readers}.npy", rows=200_000)  # 1.6 MB
-    cache, step_timeout = tmp_path / "cache", 2.0
+    cache, step_timeout = tmp_path / "cache", 1.0
     # A small budget: each step reserves pages through the ledger.
     loader = ShmDataLoader({"x": url}, cache_dir=cache, cache_bytes=256 << 10, batch_size=1000, mode="sequential",
                            readers=readers, epochs=1, step_timeout=step_timeout)

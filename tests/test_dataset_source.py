@@ -176,9 +176,9 @@ def _packed_reference(dataset, indices) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(samples), offsets
 
 
-# Each example with readers=2 starts readers that import torch where an earlier test of the
-# worker imported it (DatasetSpec.torch): about a second each, so the long profile's 120
-# examples take over a minute there (2 s without torch).
+# The long profile's 120 examples take about 2 s, but over a minute where each reader
+# imports torch (DatasetSpec.torch): conftest's torch_only_where_the_test_uses_it keeps the
+# torch that other modules of a test worker imported out of these readers.
 @pytest.mark.timeout(600)
 @examples(6)
 @given(length=st.integers(3, 30), item_shape=st.lists(st.integers(1, 3), max_size=2).map(tuple),

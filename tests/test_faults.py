@@ -185,16 +185,18 @@ def test_a_step_timeout_names_the_step_and_the_reader_that_holds_it(tmp_path, mo
 
 
 def test_a_reader_whose_start_outlasts_step_timeout_still_delivers_the_first_batch():
-    """A reader's start (here a dataset whose load sleeps 5 s in the reader, as one importing
-    torch with CUDA would take) is its own phase: step_timeout=3 counts from the moment a
+    """A reader's start (here a dataset whose load sleeps 3 s in the reader, as one importing
+    torch with CUDA would take) is its own phase: step_timeout=1.5 counts from the moment a
     reader is ready, so the first batch comes, and every batch is the dataset's."""
     from dataset_fixtures import StartsSlowly
 
     started = time.monotonic()
-    with ShmDataLoader.from_dataset(StartsSlowly(5.0, length=32), batch_size=8, mode="sequential", readers=1,
-                                    step_timeout=3.0) as loader:
+    # Twice step_timeout: a clock that started with the reader would fail for sure; each
+    # step of 8 tiny rows, once the reader is ready, is far inside 1.5 s.
+    with ShmDataLoader.from_dataset(StartsSlowly(3.0, length=32), batch_size=8, mode="sequential", readers=1,
+                                    step_timeout=1.5) as loader:
         got = [batch["data"].copy() for _, batch in zip(range(4), loader)]  # The whole pass.
-    assert time.monotonic() - started >= 5.0  # The start did outlast step_timeout.
+    assert time.monotonic() - started >= 3.0  # The start did outlast step_timeout.
     np.testing.assert_array_equal(np.concatenate(got), np.repeat(np.arange(32), 3).reshape(32, 3))
 
 
@@ -208,18 +210,18 @@ def test_a_reader_that_never_starts_fails_naming_its_start_within_the_bound(monk
     from shmloader import ReaderStallWarning
     from shmloader.readers import supervision
 
-    monkeypatch.setattr(readers.ReaderPool, "start_timeout_seconds", 4.0)
+    monkeypatch.setattr(readers.ReaderPool, "start_timeout_seconds", 2.0)
     monkeypatch.setattr(readers.ReaderPool, "join_timeout_seconds", 0.3)  # close() then kills the sleeping reader.
-    monkeypatch.setattr(supervision, "STALL_WARNING_SECONDS", 1.0)
+    monkeypatch.setattr(supervision, "STALL_WARNING_SECONDS", 0.5)
     with ShmDataLoader.from_dataset(StartsSlowly(3600.0), batch_size=8, readers=1, step_timeout=1.0) as loader:
         started = time.monotonic()
         with pytest.warns(ReaderStallWarning, match=r"waits for the readers to start: reader 0 \(pid \d+\) is still "
-                                                    r"starting .* for \d+\.\d s, at most start_timeout_seconds=4 s"):
+                                                    r"starting .* for \d+\.\d s, at most start_timeout_seconds=2 s"):
             with pytest.raises(ReaderError, match=r"reader 0 \(pid \d+\) has not started .* past "
-                                                  r"ReaderPool.start_timeout_seconds=4 s") as raised:
+                                                  r"ReaderPool.start_timeout_seconds=2 s") as raised:
                 next(loader)
         waited = time.monotonic() - started
-        assert 3.0 <= waited < 60.0, waited  # Its configuration was sent a little before next() began.
+        assert 1.0 <= waited < 60.0, waited  # Its configuration was sent a little before next() began.
         assert raised.value.pid == loader.diagnostics.reader_pids[0] and raised.value.reader_index == 0
 
 

@@ -20,7 +20,7 @@ from conftest import process_alive, wait_until
 from shmloader import ReaderStallWarning, ShmDataLoader, StepTimeoutError
 from shmloader.readers.pool import ReaderPool
 
-BOUND_SECONDS = 2.0
+BOUND_SECONDS = 1.0
 
 
 class Blocks:
@@ -63,6 +63,10 @@ def short_bound(monkeypatch):
 
 
 def _torch_dataloader():
+    """The drop-in. Its tests run as a script's loop does, the readers forked from the
+    trainer (timeout method "signal" and harness_threads_not_counted): pytest-timeout's
+    timer thread would send them to the spawn path, each reader a fresh interpreter
+    importing torch. A fork server's readers are taken back in the from_dataset tests."""
     pytest.importorskip("torch")
     from shmloader.torch import DataLoader
 
@@ -70,6 +74,8 @@ def _torch_dataloader():
 
 
 @pytest.mark.parametrize("stall", ["sigstop", "sleeping_getitem"])
+@pytest.mark.timeout(120, method="signal")
+@pytest.mark.usefixtures("harness_threads_not_counted")
 def test_the_next_epoch_replaces_a_reader_stuck_in_the_one_left(tmp_path, short_bound, stall):
     DataLoader = _torch_dataloader()
     flag = tmp_path / "stall"
@@ -145,6 +151,8 @@ def test_after_a_step_timeout_the_next_iteration_runs_with_a_healthy_reader(tmp_
 
 
 @pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.timeout(120, method="signal")
+@pytest.mark.usefixtures("harness_threads_not_counted")
 def test_the_drop_in_recovers_from_a_timeout_at_the_next_epoch(tmp_path, short_bound, num_workers):
     """torch's DataLoader starts new workers each epoch; before, epochs 1 and 2 after the
     time-out delivered no batch (SlotsExhaustedError ... during seek)."""

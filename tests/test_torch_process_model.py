@@ -157,7 +157,10 @@ def _check_views(rows: list[dict], num_workers: int) -> dict[int, int]:
     return seeds
 
 
-@pytest.mark.parametrize("num_workers", [1, 3])
+# One worker and several on the fork path; the spawn path (each reader a fresh interpreter
+# importing torch) with several, where its ids and counts could go wrong as they could forked.
+@pytest.mark.parametrize(("DataLoader", "num_workers"), [("fork", 1), ("fork", 3), ("spawn", 3)],
+                         indirect=["DataLoader"])
 def test_get_worker_info_answers_in_readers_as_in_torchs_workers(DataLoader, tmp_path, num_workers):
     theirs, ours = tmp_path / "torch", tmp_path / "ours"
     theirs.mkdir()
