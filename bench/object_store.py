@@ -51,6 +51,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -431,7 +432,7 @@ def make_store(args):
     return Loopback(args.rate) if args.rate == "none" else Namespace(args.rate)
 
 
-def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict:
+def measure(namespace: Namespace, python: str, args, mode: str, pythonpath: str | None = None, **extra) -> dict:
     command = [python, os.path.abspath(__file__), "--child", mode, "--data", args.data, "--rows", str(args.rows),
                "--row-bytes", str(args.row_bytes), "--seconds", str(args.seconds), "--batch-size",
                str(args.batch_size), "--readers", str(args.readers), "--window", str(args.window),
@@ -443,6 +444,8 @@ def measure(namespace: Namespace, python: str, args, mode: str, **extra) -> dict
         command += [f"--{key}", str(value)]
     environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": ENDPOINT, "S3_ENDPOINT_URL": ENDPOINT,
                    "AWS_ALLOW_HTTP": "true"}
+    if pythonpath:  # Another checkout's shmloader (--baseline), this script's children all the same.
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, environment.get("PYTHONPATH")]))
     # `ip netns exec` execs the command in its own process (no fork): the child is the run.
     try:
         return run_contender([*namespace.prefix, *command], args.seconds * 4 + 300, f"{mode} failed",
@@ -480,6 +483,8 @@ def main() -> None:
                              "compressed fields)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="the link and the window raw run this many times, alternated (CPU per row)")
+    parser.add_argument("--baseline", default=None,
+                        help="a checkout of another version of shmloader: its raw window runs in every round too")
     add_write_argument(parser)
     args = parser.parse_args()
     args.data = os.path.abspath(args.data)
@@ -506,9 +511,9 @@ def main() -> None:
         namespace.cap()
         results = []
 
-        def run(label, python, mode, **extra):
+        def run(label, python, mode, pythonpath=None, **extra):
             try:
-                result = measure(namespace, python, args, mode, **extra)
+                result = measure(namespace, python, args, mode, pythonpath, **extra)
             except RuntimeError as error:  # A peer that fails is a row that says so.
                 print(f"{label}: {error}", flush=True)
                 reason = str(error).strip().splitlines()[-1][:80]
@@ -526,6 +531,9 @@ def main() -> None:
             if round_index == 0 and peers and "s3fs" not in skip:
                 run("link: 4 ranged GETs (s3fs)", peers, "link-s3fs")
             run(f"shmloader shuffle_window={args.window:,}, raw{suffix}", sys.executable, "window", codec="raw")
+            if args.baseline:
+                run(f"baseline shmloader shuffle_window={args.window:,}, raw{suffix}", sys.executable, "window",
+                    pythonpath=args.baseline, codec="raw")
         for codec in [codec for codec in ("lz4", "zstd") if codec not in skip]:
             run(f"shmloader shuffle_window={args.window:,}, {codec}", sys.executable, "window", codec=codec)
         if "global" not in skip:
@@ -561,9 +569,30 @@ def main() -> None:
              per_million(result.get("trainer_cpu_s", 0.0), result.get("rows", 0)), result["wrong"]]
             for label, result in results]
     print(table(rows, header))
+    if args.rounds > 1:
+        print(cpu_per_row_summary(results))
     record("object_store", command_line("object_store.py"), header, rows, write=args.write,
            notes=[setting, "CPU: all the run's processes from its start (the loader's construction) to their exit; "
                            "trainer: its own process up to its last row; the server's CPU is in neither"])
+
+
+def cpu_per_row_summary(results: list[tuple[str, dict]]) -> str:
+    """The medians over --rounds of CPU s per million rows of the link and of each raw
+    window run (this version's, and --baseline's), with each window's over the link's."""
+    kinds: dict[str, list[float]] = {}
+    for label, result in results:
+        if "round" not in label or not result.get("rows"):
+            continue
+        kind = label.rsplit(", round", 1)[0]
+        kinds.setdefault(kind, []).append(result["cpu_s"] / result["rows"] * 1e6)
+    link = next((statistics.median(values) for kind, values in kinds.items() if kind.startswith("link")), None)
+    lines = []
+    for kind, values in kinds.items():
+        median = statistics.median(values)
+        versus = "" if link is None or kind.startswith("link") else f", {median / link:.2f}x the link's"
+        lines.append(f"{kind}: CPU s / M rows median {median:.2f} (min {min(values):.2f}, max {max(values):.2f}, "
+                     f"{len(values)} rounds){versus}")
+    return "\n".join(lines)
 
 
 def small_cache(args) -> None:

@@ -464,3 +464,27 @@ def test_the_page_arithmetic_of_a_fill_does_not_import_numpy_ma():
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "False", result.stdout + result.stderr
+
+
+def test_pages_read_unpinned_are_stamped_used_within_a_second(stored, monkeypatch):  # noqa: F811
+    """The ledger's lock is taken for the stamps of a thread's unpinned reads once a
+    TOUCH_EVERY_SECONDS, not at every fill; a page read is stamped as used within it."""
+    from shmloader.remote import cache as cached
+    from shmloader.remote.pages import now_stamp
+
+    monkeypatch.setattr(cached, "TOUCH_EVERY_SECONDS", 0.2)
+    found, _ = stored
+    found.pin(*ALL)
+    found.unpin()
+    found.stamps[:] = 5  # Used long ago.
+    touched = []
+    real = found.cache.touch
+    monkeypatch.setattr(found.cache, "touch", lambda *arguments: touched.append(1) or real(*arguments))
+    for _ in range(3):
+        found.pin(*ALL, unpinned=True)
+        assert found.unpin() is True
+    assert not touched and (found.stamps == 5).all()  # Within the interval: stamped later, together.
+    time.sleep(0.25)
+    found.pin(*ALL, unpinned=True)
+    assert found.unpin() is True
+    assert touched == [1] and (found.stamps >= now_stamp() - 1).all()

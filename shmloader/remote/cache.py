@@ -106,6 +106,9 @@ from .store import Client
 _POLL_SECONDS = 0.02
 # See CachedObject._download_run.
 AHEAD_STAMP_SECONDS = 2
+# See CachedObject._touch_soon: under AHEAD_STAMP_SECONDS, so that a page fetched ahead and
+# read is stamped as used before its own stamp comes.
+TOUCH_EVERY_SECONDS = 1.0
 # Gathers read present pages without locks and check the eviction sequence after them
 # (CachedObject._read_unpinned) where loads are seen in program order (x86-64's model);
 # elsewhere every gather pins.
@@ -636,13 +639,32 @@ class CachedObject:
         stamp = now_stamp()
         stale = pages[(stamps + 1 < stamp) | (stamps > stamp)]
         if len(stale):
-            self.cache.touch(self.stamps, stale, stamp)
+            self._touch_soon(stale, stamp)
         reads = getattr(self._local, f"{purpose}_reads", None)
         if reads is None:
             reads = []
             setattr(self._local, f"{purpose}_reads", reads)
         reads.append((sequence, pages))
         return True
+
+    def _touch_soon(self, pages: np.ndarray, stamp: int) -> None:
+        """Stamps `pages` used (NodeCache.touch) together with those of this thread's other
+        unpinned reads within TOUCH_EVERY_SECONDS: a fill of rows at random finds pages to
+        stamp at nearly every step (those fetched ahead are stamped in the future, others
+        used a second ago or more), and the ledger's lock for each was a tenth of a fill's
+        Python. Stamps count whole seconds: a page stamped a second late is evicted in the
+        same order."""
+        pending = getattr(self._local, "touch_pending", None)
+        if pending is None:
+            pending = self._local.touch_pending = []
+            self._local.touched = time.monotonic()
+        pending.append(pages)
+        if time.monotonic() - self._local.touched < TOUCH_EVERY_SECONDS:
+            return
+        self._local.touched = time.monotonic()
+        self._local.touch_pending = []
+        if self.stamps is not None:
+            self.cache.touch(self.stamps, np.concatenate(pending), stamp)
 
     def _unpinned_failing(self, pages: np.ndarray) -> bool:
         """Checks present `pages` without pins, in place in a mapping of the copy (one call
