@@ -449,9 +449,9 @@ def main() -> int:
         print(f"{kind}: 2 processes of the same gather at once / single process = {ceiling:.2f}x, rounds "
               f"{', '.join(f'{r:.2f}' for r in ceiling_rounds)}; shmloader at {ratio / ceiling:.0%} of it")
         print(f"{kind}: first batch after {ours['first_batch_s']:.2f} s")
-    for count, (cost, ratios) in verify_cost.items():
+    for count, (cost, pairs) in verify_cost.items():
         print(f"b2nd: checksums (verify=True) cost {cost:.1%} of throughput over {count} batches from the first, the "
-              f"median of {len(ratios)} alternating pairs (against verify=False)")
+              f"median of {len(pairs)} alternating pairs (against verify=False)")
     print(f"npy: the same rows in {_SHARD_FILES} files load at {shard_ratio:.0%} of one file's rate")
     for label, cost in costs.items():
         print(f"next() with {label} batches, after a training step: median {cost['median']:.1f} us; "
