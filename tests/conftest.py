@@ -78,6 +78,20 @@ def child_environment() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")]))}
 
 
+def budget_entries() -> list:
+    """The live entries of this test run's node budget record (its scope is the session's,
+    SHMLOADER_BUDGET_SCOPE), as a loader sees them: dead loaders' entries reclaimed."""
+    from shmloader.readers import budget_record
+
+    path = budget_record.record_path()
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as handle:
+        entries = budget_record.parse(handle.read(), path)
+    budget_record.reclaim(entries)
+    return [entry for entry in entries if entry.pid]
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Polls `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

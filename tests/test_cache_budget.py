@@ -128,8 +128,10 @@ def test_a_cache_that_holds_the_data_is_not_blamed_for_a_slow_step(rows, tmp_pat
                 pass
     stalls = [str(warning.message) for warning in caught if issubclass(warning.category, ReaderStallWarning)]
     # A stall is likely (the first steps wait for the readers' first fetches) but not certain
-    # on a loaded machine: what is checked is that none blames the cache.
-    assert not [message for message in stalls if "node cache" in message], stalls
+    # on a loaded machine: what is checked is that none blames the cache's budget (the link's
+    # advice may name the cache as a remedy: the data kept there from the second epoch on).
+    assert not [message for message in stalls if "the node cache's budget" in message or "evicted" in message], \
+        stalls
     assert all("SIGSTOP" in message for message in stalls)
 
 

@@ -28,6 +28,9 @@ from shmloader import ShmDataLoader  # noqa: E402
 from shmloader.errors import CacheError  # noqa: E402
 from shmloader.remote.pages import CACHE_PAGE_BYTES  # noqa: E402
 
+# Children run here, outside the checkout: its source would shadow an installed package (CI).
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 pytestmark = pytest.mark.xdist_group("object_store")
 
 # Rows per batch: 20 batches of 1,000 rows, a pass of 160 KB, fetched whole by the first pass.
@@ -116,7 +119,8 @@ def test_a_copy_made_anew_by_another_trainer_leaves_a_running_loader_reading_the
         _damage(_copy_of(cache, url), what)
         # Another trainer of the node (its own process) makes the copy anew and reads it.
         child = subprocess.run([sys.executable, "-c", _CHILD_TRAINER, url, str(cache)],
-                               env=child_environment(), capture_output=True, text=True, timeout=_CHILD_SECONDS)
+                               env=child_environment(), cwd=HERE, capture_output=True, text=True,
+                               timeout=_CHILD_SECONDS)
         assert child.returncode == 0, child.stderr[-3000:]
         # The copy it found vouched for nothing: made anew, its pages absent but the header's.
         path = _copy_of(cache, url)

@@ -23,11 +23,15 @@ import time
 import numpy as np
 import pytest
 
+from conftest import child_environment
 from test_invariants import _Store, stored  # noqa: F401 (a fixture)
 
 from shmloader.remote.cache import open_object
 from shmloader.remote.node import _LEDGER, NodeCache, RampingSlots
 from shmloader.remote.pages import CACHE_PAGE_BYTES
+
+# Children run here, outside the checkout: its source would shadow an installed package (CI).
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = pytest.mark.skipif(not __import__("shmloader.remote.cache", fromlist=["x"]).UNPINNED_READS,
                                 reason="unpinned reads are for x86-64 only")
@@ -462,7 +466,8 @@ def test_the_page_arithmetic_of_a_fill_does_not_import_numpy_ma():
         assert first_seen(np.array([3, 1, 3, 2, 1])).tolist() == [3, 1, 2]
         print("numpy.ma" in sys.modules)
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=HERE,
+                            env=child_environment())
     assert result.stdout.strip() == "False", result.stdout + result.stderr
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import examples, wait_until
+from conftest import budget_entries, child_environment, examples, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import NodeBudgetWarning, ShmDataLoader
 from shmloader.errors import NodeBudgetError
@@ -29,6 +29,9 @@ from shmloader.plan.options import AutoReaders
 from shmloader.readers import autotune
 from shmloader.readers import budget_record as record
 from shmloader.readers.node_budget import Holding, equal_part, grant, room, yields
+
+# Children run here, outside the checkout: its source would shadow an installed package (CI).
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- The split, as pure functions ---------------------------------------------------------
 
@@ -142,15 +145,7 @@ def test_the_entries_of_dead_trainers_are_freed_and_their_readers_come_back_to_t
 # ---- The record in /dev/shm ------------------------------------------------------------------
 
 
-def _entries() -> list:
-    """The live entries of this test run's record (its scope is conftest's), as a loader sees them."""
-    path = record.record_path()
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as handle:
-        entries = record.parse(handle.read(), path)
-    record.reclaim(entries)
-    return [entry for entry in entries if entry.pid]
+_entries = budget_entries
 
 
 def _record_gone() -> bool:
@@ -204,8 +199,8 @@ def test_a_trainer_killed_with_sigkill_has_its_share_reclaimed_and_the_record_go
         print(share.report()["node_readers"], flush=True)
         time.sleep(60)
     """)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, defaults.CPU_BUDGET_VARIABLE: "8"})
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=HERE,
+                             env={**child_environment(), defaults.CPU_BUDGET_VARIABLE: "8"})
     try:
         assert child.stdout.readline().strip() == "5"
         mine = record.NodeShare.join(held=1, least=1, most=4, environment={**os.environ,
@@ -228,7 +223,7 @@ def test_a_trainer_killed_with_sigkill_has_its_share_reclaimed_and_the_record_go
 def test_a_record_left_by_a_killed_last_loader_is_removed(cleaner):
     child = subprocess.Popen([sys.executable, "-c", "from shmloader.readers.budget_record import NodeShare\n"
                               "NodeShare.join(held=2, least=2, most=2)\nimport os, signal\n"
-                              "os.kill(os.getpid(), signal.SIGKILL)"])
+                              "os.kill(os.getpid(), signal.SIGKILL)"], cwd=HERE, env=child_environment())
     assert child.wait() == -signal.SIGKILL
     assert not _entries() and not _record_gone()  # Left behind, its one entry dead.
     if cleaner == "a sweep":  # What a test run does at its end (conftest).
@@ -308,7 +303,7 @@ def test_a_loader_stopped_inside_the_records_lock_costs_another_one_wait_not_one
     holder = subprocess.Popen([sys.executable, "-c", "import os, signal\nfrom shmloader.readers import budget_record\n"
                                "fd = budget_record._open_locked(budget_record.record_path())\n"
                                "print('locked', flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)"],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, cwd=HERE, env=child_environment())
     timeouts = []
     locking = record._lock
 
@@ -386,7 +381,7 @@ def test_a_loader_whose_proc_shows_another_pid_namespace_runs_without_the_budget
             "warnings.simplefilter('ignore')\nshare = NodeShare.join(held=2, least=1, most=4)\n"
             "print(share.error)\nshare.close()\n")
     result = subprocess.run(["unshare", "-p", "-f", sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60)
+                            timeout=60, cwd=HERE, env=child_environment())
     if "unshare:" in result.stderr:
         pytest.skip(f"no pid namespace here: {result.stderr.strip()}")
     assert result.returncode == 0, result.stderr

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import wait_until
+from conftest import budget_entries, child_environment, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import ShmDataLoader
 from shmloader import session as session_module
@@ -26,6 +26,9 @@ from shmloader.plan.options import AutoReaders
 from shmloader.readers import autotune
 from shmloader.readers import budget_record as record
 from shmloader.readers.node_budget import Holding, equal_part, grant, room, yields
+
+# Children run here, outside the checkout: its source would shadow an installed package (CI).
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 # ---- The split, as pure functions ---------------------------------------------------------
 
@@ -130,15 +133,7 @@ def test_loaders_that_join_one_after_another_start_within_the_budget_or_with_the
 # ---- Real loaders and processes ------------------------------------------------------------
 
 
-def _entries() -> list:
-    """The live entries of this test run's record (its scope is conftest's)."""
-    path = record.record_path()
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as handle:
-        entries = record.parse(handle.read(), path)
-    record.reclaim(entries)
-    return [entry for entry in entries if entry.pid]
+_entries = budget_entries
 
 
 def _counted() -> int:
@@ -267,7 +262,8 @@ def test_loaders_that_join_at_once_start_within_the_budget_or_with_their_least_a
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "8")
     go = tmp_path / "go"
     children = [subprocess.Popen([sys.executable, "-c", _JOINER, str(go)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True) for _ in range(6)]
+                                 stdout=subprocess.PIPE, text=True, cwd=HERE, env=child_environment())
+                for _ in range(6)]
     try:
         time.sleep(0.5)  # Started and importing: the joins below come close together.
         go.write_text("")
@@ -305,7 +301,7 @@ _HOLDER = textwrap.dedent("""
 def test_a_loader_that_comes_late_onto_a_taken_budget_starts_its_least_and_the_others_give_back(monkeypatch):
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "4")
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+                              text=True, cwd=HERE, env=child_environment())
     try:
         assert holder.stdout.readline().strip() == "4"  # Alone: its whole start.
         with ShmDataLoader.from_dataset(Sleepy(0.0), batch_size=4, readers=AutoReaders(start=3, most=4)) as late:
