@@ -79,8 +79,14 @@ def run_torchrun_ranks(tmp_path, data, name, shards, batch, checkpoint_after, st
     launch = subprocess.Popen(command, cwd=HERE, env={**environment, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        ready = [launch.stdout.readline().strip() for _ in range(shards)]
-        assert ready == ["ready"] * shards, ready
+        # The ranks share torchrun's stdout: their lines may come interleaved ("readyready").
+        ready = ""
+        while ready.count("ready") < shards:
+            line = launch.stdout.readline()
+            if not line:
+                break
+            ready += line
+        assert ready.count("ready") == shards and not ready.replace("ready", "").strip(), ready
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks, as a node failure would.
