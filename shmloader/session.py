@@ -185,6 +185,8 @@ class Session:
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
             Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)
+        if self.tuner is None:
+            self.supervisor.node_share = resources.node_share
         self.cursor = cursor_module.Cursor(
             control_table_address=ring.control_table_address,
             slot_count=slots,

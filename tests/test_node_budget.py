@@ -330,6 +330,33 @@ def test_a_loader_stopped_inside_the_records_lock_costs_another_one_wait_not_one
     assert _record_gone()
 
 
+def test_a_fixed_loader_whose_join_found_the_lock_held_writes_its_entry_once_the_lock_is_free(monkeypatch):
+    """A fixed loader writes its entry only at its join; one that met a loader stopped inside
+    the record's lock would otherwise run uncounted, and the others take its cores."""
+    monkeypatch.setattr(record, "_LOCK_WAIT_SECONDS", 0.05)
+    monkeypatch.setattr(record, "_LOCK_BACKOFF_SECONDS", 0.1)
+    monkeypatch.setattr(session_module, "_READER_CHECK_SECONDS", 0.05)
+    holder = subprocess.Popen([sys.executable, "-c", "import os, signal\nfrom shmloader.readers import budget_record\n"
+                               "fd = budget_record._open_locked(budget_record.record_path())\n"
+                               "print('locked', flush=True)\nos.kill(os.getpid(), signal.SIGSTOP)"],
+                              stdout=subprocess.PIPE, text=True, cwd=HERE, env=child_environment())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert wait_until(lambda: open(f"/proc/{holder.pid}/stat").read().split(") ")[1][0] == "T", timeout=10)
+        with ShmDataLoader.from_dataset(Sleepy(0.0), batch_size=4, readers=2) as fixed:
+            assert fixed._resources.node_share.last is None  # The join met the stopped holder.
+            holder.kill()
+            holder.wait()
+            batches = iter(fixed)
+            assert wait_until(lambda: next(batches) is not None and budget_entries() != [], timeout=20)
+            assert [(entry.pid, entry.held, entry.least, entry.most) for entry in budget_entries()] == \
+                [(os.getpid(), 2, 2, 2)]
+        assert _record_gone()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 @pytest.mark.parametrize("failing", ["the first write", "a later update"])
 def test_a_loader_whose_record_update_failed_still_takes_its_entry_away_when_it_closes(failing, monkeypatch):
     other = None if failing == "the first write" else record.NodeShare.join(held=2, least=1, most=4)

@@ -88,6 +88,9 @@ class Supervisor(StepActions):
         # readers="auto": the Tuner (readers/autotune.py) that decides, at most once a window,
         # from this periodic check and from next()'s waits.
         self.tuner = None
+        # A fixed loader's entry in the node's reader budget (readers/budget_record.NodeShare)
+        # whose join found the record's lock held past its wait: written at a later check.
+        self.node_share = None
 
     # The actions (ring/step_codes.py's table says which code gets which).
 
@@ -95,6 +98,11 @@ class Supervisor(StepActions):
         self._check(cursor, step, held=False)
         if self.tuner is not None:
             self.tuner.tune()
+        elif self.node_share is not None and self.node_share.last is None:
+            # A fixed loader publishes once, at its join; one that found the lock held (a
+            # loader stopped inside its update) would otherwise run uncounted for good, and
+            # the others grow into the cores its readers use.
+            self.node_share.publish(self.pool.count)
 
     def failed(self, owner: int) -> None:
         self.pool.raise_reported(owner)
