@@ -6,7 +6,10 @@ wrong contents (must be 0) and entries left in /dev/shm (must be 0). Then it sta
 in their own process groups and ends each one the way users and operators do (SIGTERM,
 SIGHUP or SIGQUIT to the group, SIGKILL of the trainer, a double Ctrl-C while close() waits
 for stopped readers): nothing of theirs may be left in /dev/shm nor among the processes.
-Then two faults that once gave wrong data: a file replaced under a running loader (and a
+Then readers="auto" under the same faults while readers join and leave: every few hundred
+batches one of add a reader, retire one, kill an active one, retire one and kill it, retire
+one and stop it a moment, stop an active one a moment (SIGSTOP, then SIGCONT). Then two
+faults that once gave wrong data: a file replaced under a running loader (and a
 reader restart, which reopens it) must end in an error naming the change, never a wrong
 batch; a transform that forks children which return into the reader must deliver every
 step once and right. Exits 1 on any failure.
@@ -23,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
-from shmloader import Sampler, ShmDataLoader
+from shmloader import ReaderRestartWarning, Sampler, ShmDataLoader
 from shmloader.tools.convert import convert
 
 
@@ -120,6 +124,79 @@ def forking_transform(directory: str, images: np.ndarray, batches: int) -> tuple
     return wrong, out_of_order
 
 
+_ELASTIC_ACTIONS = ("add", "retire", "kill an active reader", "retire and kill it", "retire and stop it a moment",
+                    "stop an active reader a moment")
+
+
+def _signal(pid: int, number: int) -> bool:
+    try:
+        os.kill(pid, number)
+        return True
+    except ProcessLookupError:  # It exited meanwhile (a retired reader with no step to finish).
+        return False
+
+
+def _stop_a_moment(pid: int, rng: random.Random) -> None:
+    if _signal(pid, signal.SIGSTOP):
+        time.sleep(rng.uniform(0.02, 0.2))
+        _signal(pid, signal.SIGCONT)
+
+
+def _elastic_action(loader, action: str, rng: random.Random) -> bool:
+    """Does `action` to the auto loader's readers (the pool its tuner drives, driven here by
+    hand as well); whether it did anything."""
+    pool = loader._session.pool
+    if action == "add":
+        return pool.add_reader() is not None
+    if action.startswith("retire"):
+        leaving = pool.retire_reader()
+        if leaving is None:
+            return False
+        if action == "retire and kill it":
+            _signal(pool.processes[leaving].pid, signal.SIGKILL)
+        elif action == "retire and stop it a moment":
+            _stop_a_moment(pool.processes[leaving].pid, rng)
+        return True
+    active = pool.active()
+    if not active:
+        return False
+    pid = pool.processes[rng.choice(active)].pid
+    if action == "kill an active reader":
+        return _signal(pid, signal.SIGKILL)
+    _stop_a_moment(pid, rng)
+    return True
+
+
+def elastic(fields: dict, labels: np.ndarray, images: np.ndarray, seconds: float, most: int,
+            rng: random.Random) -> dict:
+    """readers="auto" whose readers join and leave, killed and stopped meanwhile: counts of
+    the actions done, batches delivered, out of order and wrong, and the restarts seen."""
+    from shmloader.plan.options import AutoReaders
+
+    sampler = Sampler(len(labels), 64, "shuffle", seed=7)
+    done = {action: 0 for action in _ELASTIC_ACTIONS}
+    delivered = wrong = out_of_order = 0
+    next_action = rng.randint(100, 300)
+    deadline = time.monotonic() + seconds
+    with ShmDataLoader(fields, batch_size=64, readers=AutoReaders(start=2, most=most), slots=3 * most + 2, seed=7,
+                       max_reader_restarts=1 << 20) as loader:
+        for batch in loader:
+            out_of_order += batch.step != delivered
+            indices = sampler.fill(batch.step)
+            wrong += not (np.array_equal(batch.indices, indices) and np.array_equal(batch["label"], labels[indices])
+                          and np.array_equal(batch["image"], images[indices]))
+            delivered += 1
+            if delivered == next_action:
+                action = rng.choice(_ELASTIC_ACTIONS)
+                done[action] += _elastic_action(loader, action, rng)
+                next_action += rng.randint(100, 300)
+            if time.monotonic() > deadline:
+                break
+        restarts = loader.stats()["reader_restarts"]
+    return {"actions": done, "delivered": delivered, "wrong": wrong, "out_of_order": out_of_order,
+            "restarts": restarts}
+
+
 def signal_rounds(label_path: str, rounds: int, rng: random.Random) -> dict[str, int]:
     """Ends `rounds` trainers in the ways of _ENDINGS; counts the endings that left anything."""
     leaks = {ending: 0 for ending in _ENDINGS}
@@ -162,7 +239,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=180)
     parser.add_argument("--readers", type=int, default=3)
     parser.add_argument("--signal-rounds", type=int, default=30, help="trainers ended by signals afterwards")
+    parser.add_argument("--elastic-seconds", type=float, default=60,
+                        help='readers="auto" with readers joining and leaving under kills and stops, afterwards')
     arguments = parser.parse_args()
+    warnings.simplefilter("ignore", ReaderRestartWarning)  # Restarts are counted: one line per kill would bury the counts.
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as directory:
         rows = 20_000
@@ -202,6 +282,7 @@ def main() -> int:
         time.sleep(0.5)
         left = shm_entries(os.getpid())
         leaks = signal_rounds(fields["label"], arguments.signal_rounds, rng)
+        joined = elastic(fields, labels, images, arguments.elastic_seconds, arguments.readers, rng)
         replaced_wrong, replaced_named = replaced_file(directory, labels)
         forked_wrong, forked_out_of_order = forking_transform(directory, images, 700)
         left += shm_entries(os.getpid())
@@ -214,11 +295,15 @@ def main() -> int:
     print(f"trainers ended by signals: {arguments.signal_rounds}; endings that left anything behind:")
     for ending, count in leaks.items():
         print(f"  {ending}: {count}")
+    print(f'readers="auto" for {arguments.elastic_seconds:.0f} s, readers joining and leaving: '
+          f"{joined['delivered']} batches, {joined['out_of_order']} lost or duplicated, {joined['wrong']} wrong, "
+          f"{joined['restarts']} restarts; actions done: "
+          + ", ".join(f"{action} {count}" for action, count in joined["actions"].items()))
     print(f"file replaced under the loader: {replaced_wrong} wrong batches, the error named the change: "
           f"{replaced_named}")
     print(f"forking transform (700 batches, 100 forks): {forked_wrong} wrong, {forked_out_of_order} out of order")
     clean = out_of_order == wrong == len(left) == sum(leaks.values()) == 0 and replaced_named and \
-        replaced_wrong == forked_wrong == forked_out_of_order == 0
+        replaced_wrong == forked_wrong == forked_out_of_order == joined["wrong"] == joined["out_of_order"] == 0
     return 0 if clean and restarts >= killed - 1 else 1
 
 
