@@ -30,6 +30,7 @@ sorted by class; whole epoch and middle half).
 
     python bench/window_link_model.py
     python bench/window_link_model.py --orders today,stripes:16,stripes:16/4 --t0 0.11
+    python bench/window_link_model.py --sweep      # geometry:R/W over R x W: the frontier
 """
 
 from __future__ import annotations
@@ -198,6 +199,29 @@ def parse_order(text: str) -> tuple[str, int, bool]:
     return stripe, int(groups or 1), kind == "ramp"
 
 
+def sweep(args) -> None:
+    """Today's order over blocks of R rows and windows of M blocks: each one's link share
+    bound at every N and its randomness, the frontier that smaller blocks and windows give."""
+    pages = -(-(NPY_HEADER_BYTES + args.rows * args.row_bytes) // PAGE_BYTES)
+    out = []
+    for block_rows in (16, 32, 64, 128, 341, 683):
+        for blocks in (16, 32, 64, 128, 256, 512):
+            window = block_rows * blocks
+            need = page_first_need(real_order(args.rows, block_rows, window, args.batch_size), args.row_bytes, pages)
+            bounds = []
+            for batches in args.batches:
+                count = min(args.rows, batches * args.batch_size)
+                fetched = np.count_nonzero(need < count) * PAGE_BYTES
+                bounds.append(f"{count * args.row_bytes / (args.rate * args.t0 + fetched):.3f}")
+            figures = diversity(real_order(args.random_rows, block_rows, window, args.batch_size), args.classes,
+                                args.random_rows, args.batch_size)
+            out.append([f"{block_rows} ({block_rows * args.row_bytes >> 10} KiB)", f"{blocks}", f"{window:,}",
+                        *bounds, f"{figures[0]:.1f}", f"{figures[1]:.1f}",
+                        f"{args.batches[0] * args.batch_size // block_rows:,}"])
+    print(table(out, ["block rows", "window blocks", "window rows", *(f"bound, {n:,} batches" for n in args.batches),
+                      "distinct labels (epoch)", "(middle half)", f"blocks (GETs) in {args.batches[0]:,} batches"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=524_288, help="the store bench's rows")
@@ -208,12 +232,16 @@ def main() -> None:
     parser.add_argument("--batches", default="600,1100,2048", help="N (2048: the store bench's whole pass)")
     parser.add_argument("--rate", type=float, default=124.8e6, help="the link's bytes/s (the bench's obstore GETs)")
     parser.add_argument("--t0", type=float, default=0.11, help="seconds from the constructor to the first request")
-    parser.add_argument("--orders", default="today,stripes:16,stripes:64,stripes:256,stripes:16/4,stripes:16/8")
+    parser.add_argument("--orders", default="today,stripes:16,stripes:16+,stripes:32+,stripes:16+/4,ramp:16+")
     parser.add_argument("--random-rows", type=int, default=1_000_000, help="window_randomness.py's data")
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--random-block-rows", default="10922,5461")
+    parser.add_argument("--sweep", action="store_true", help="the frontier of today's order over smaller blocks")
     args = parser.parse_args()
     args.batches = [int(value) for value in args.batches.split(",")]
+    if args.sweep:
+        sweep(args)
+        return
     windows = -(-args.window // args.block_rows)
     link, randomness = [], []
     for text in args.orders.split(","):
