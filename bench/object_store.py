@@ -8,8 +8,11 @@ link) on 127.0.0.1 inside a network namespace this script makes, whose loopback 
 with `tc qdisc ... tbf` (this kernel has tbf but no netem: the cap is a rate, with no
 added latency). Every client runs inside the namespace; nothing leaves loopback. Every
 delivered row is checked: its first 8 bytes are its index. Each run starts cold (a new
-cache directory, for the peers too) and lasts one pass, or --seconds where it is slower;
-rows/s count from the loader's construction (its start-up and first window included).
+cache directory, for the peers too) and lasts one pass, or --seconds where it is slower,
+or with --batches N up to its Nth batch (the link's runs then download the bytes of N
+batches' rows, so that each ratio compares the same bytes: a window's start-up and first
+blocks weigh more in a short run); rows/s count from the loader's construction (its
+start-up and first window included).
 Beside each rate: the CPU seconds per million rows of all the run's processes (the trainer,
 shmloader's fork server and readers, a peer's workers; user+system), from the same start to
 their exit, and the trainer's own share up to its last row (bench/_common.py,
@@ -115,6 +118,8 @@ def _check(indices: np.ndarray, rows: np.ndarray) -> int:
 def child_link(args) -> dict:
     """Four ranged downloads at once, PIECE bytes each, through obstore (or s3fs)."""
     size = os.path.getsize(os.path.join(args.data, "x.npy"))
+    if args.batches:  # The bytes of the loaders' rows over as many batches.
+        size = min(size, args.batches * args.batch_size * args.row_bytes)
     pieces = iter(range(0, size, PIECE))
     lock, total = threading.Lock(), [0]
     deadline = time.perf_counter() + args.seconds
@@ -201,14 +206,15 @@ def child_shmloader(args) -> dict:
     with ShmDataLoader({"x": f"s3://{BUCKET}/{name}"}, batch_size=args.batch_size, readers=args.readers, epochs=1,
                        cache_dir=cache, cache_bytes=(args.cache_mib << 20) or (args.cache_gib << 30),
                        **options) as loader:
-        rows = wrong = 0
+        rows = wrong = batches = 0
         first_batch_s = None
         for batch in loader:
             wrong += _check(np.asarray(batch.indices), np.asarray(batch["x"]))
             rows += len(batch.indices)
+            batches += 1
             if first_batch_s is None:
                 first_batch_s = time.perf_counter() - started
-            if time.perf_counter() - started > args.seconds:
+            if batches == args.batches or time.perf_counter() - started > args.seconds:
                 break
         seconds = time.perf_counter() - started
         cpu_end = cpu_mark()
@@ -237,18 +243,19 @@ def child_litdata(args) -> dict:
                                storage_options={"endpoint_url": ENDPOINT, "aws_access_key_id": "S3RVER",
                                                 "aws_secret_access_key": "S3RVER", "region_name": "us-east-1"})
     loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
-    result = _consume(loader, started, args.seconds, lambda batch: (batch["index"].numpy(), batch["row"].numpy()))
+    result = _consume(loader, started, args, lambda batch: (batch["index"].numpy(), batch["row"].numpy()))
     return {**result, "cpu_start": cpu_start}
 
 
-def _consume(loader, started: float, seconds: float, rows_of) -> dict:
-    """Iterates a peer's loader until its end or `seconds`, checking every row."""
-    rows = wrong = 0
+def _consume(loader, started: float, args, rows_of) -> dict:
+    """Iterates a peer's loader until its end, --seconds or --batches, checking every row."""
+    rows = wrong = batches = 0
     for batch in loader:
         indices, data = rows_of(batch)
         wrong += _check(indices, data)
         rows += len(indices)
-        if time.perf_counter() - started > seconds:
+        batches += 1
+        if batches == args.batches or time.perf_counter() - started > args.seconds:
             break
     return {"rows": rows, "seconds": time.perf_counter() - started, "wrong": wrong, "cpu_end": cpu_mark()}
 
@@ -264,7 +271,7 @@ def child_mosaic(args) -> dict:
     dataset = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=local, shuffle=True, shuffle_seed=1,
                                batch_size=args.batch_size)
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, num_workers=args.readers)
-    result = _consume(loader, started, args.seconds, lambda batch: (
+    result = _consume(loader, started, args, lambda batch: (
         batch["index"].numpy(), np.stack([np.frombuffer(row, dtype=np.uint8) for row in batch["row"]])))
     return {**result, "cpu_start": cpu_start}
 
@@ -437,7 +444,7 @@ def measure(namespace: Namespace, python: str, args, mode: str, pythonpath: str 
                "--row-bytes", str(args.row_bytes), "--seconds", str(args.seconds), "--batch-size",
                str(args.batch_size), "--readers", str(args.readers), "--window", str(args.window),
                "--cache-gib", str(args.cache_gib), "--cache-mib", str(args.cache_mib),
-               "--concurrency", str(args.concurrency)]
+               "--concurrency", str(args.concurrency), "--batches", str(args.batches)]
     for key, value in extra.items():
         if f"--{key}" in command:
             del command[command.index(f"--{key}"):command.index(f"--{key}") + 2]
@@ -467,6 +474,9 @@ def main() -> None:
                         help="the cap on the link (tc's units); none: the store on this network's 127.0.0.1, uncapped")
     parser.add_argument("--seconds", type=float, default=60.0, help="each run's length at most (else one pass)")
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batches", type=int, default=0,
+                        help="each run up to its Nth batch (the link's: the same bytes), counted from its start; "
+                             "0: one pass or --seconds")
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--window", type=int, default=262_144)
     parser.add_argument("--cache-gib", type=int, default=8)
@@ -558,7 +568,7 @@ def main() -> None:
               f"link capped at {args.rate} (tbf), {name} on 127.0.0.1 in a namespace")
     setting = (f"{server}; {args.rows:,} rows of "
                f"{args.row_bytes} B, batch {args.batch_size}, {args.readers} readers, cold, "
-               f"at most {args.seconds:g} s each")
+               f"at most {args.seconds:g} s each" + (f", up to batch {args.batches:,}" if args.batches else ""))
     print(f"\n{machine_line()}; {setting}\n")
     header = ["run", "rows/s", "x link (raw rows)", "first batch s", "CPU s / M rows", "trainer CPU s / M rows",
               "wrong rows"]
