@@ -358,7 +358,7 @@ def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path
     np.save(path, np.random.default_rng(11).integers(0, 256, size=(8192, 4096), dtype=np.uint8))
     _cold(path)
     child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("bottleneck_child.py")),
-                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS)],
+                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS), "the device ("],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
     try:
         output, errors = child.communicate(timeout=_CHILD_TIMEOUT_SECONDS)
@@ -373,3 +373,23 @@ def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path
     assert "from storage" in verdict["advice"] and verdict["detail"]["readers_blocked"] >= 0.5, found
     assert verdict["detail"]["storage_read_bytes_per_s"] > 0, found
     assert "bottleneck: disk reads at" in found["top"], found
+    _assert_names_the_disk(verdict, _disk_name(_whole_disk(tmp_path)), found)
+    _assert_names_the_disk(found["top_verdict"], _disk_name(_whole_disk(tmp_path)), found)
+
+
+def _disk_name(device: str) -> str:
+    """The kernel's name for disk "MAJOR:MINOR" (its uevent's DEVNAME): the reference the
+    verdict's device is checked against."""
+    for line in pathlib.Path(f"/sys/dev/block/{device}/uevent").read_text().splitlines():
+        if line.startswith("DEVNAME="):
+            return line.partition("=")[2]
+    pytest.fail(f"/sys/dev/block/{device}/uevent has no DEVNAME line")
+
+
+def _assert_names_the_disk(verdict: dict, name: str, found: dict) -> None:
+    """The disk verdict names the disk the data is on, how busy it was and its rates."""
+    detail = verdict["detail"]
+    assert detail["device"] == name, found
+    assert 0.0 <= detail["device_busy"] <= 1.0, found
+    assert 0 < detail["device_read_bytes_per_s"] <= detail["device_best_bytes_per_s"], found
+    assert f"the device ({name}) was busy {detail['device_busy']:.0%} of the window" in verdict["line"], found
