@@ -204,6 +204,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
         counters = ReaderCounters(pid, busy_ns, batches, user_ns, read_ns, fetch_ns, index in filling)
         readers.append(with_processes(counters, processes and index < local_readers))
     idle_ns, total_ns, cores = cores_counters() if processes else (None, None, 1)
+    local = [reader.pid for reader in readers if reader.storage_read_bytes is not None]
     evicted = None
     if node_cache is not None:
         try:
@@ -212,7 +213,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
         except (OSError, ValueError, KeyError):
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
-                   total_ns, cores, evicted, disk_counters(disks) if processes else ())
+                   total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else ())
 
 
 def plan_context(plan, dataset: bool, local_readers: int) -> Context:
@@ -333,7 +334,7 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
         detail.update(disk or {})
         advice = f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their " \
-            f"time: " + (disk_advice(disk, readers, rotational(disk["device"])) if disk else "data in the page cache " \
+            f"time: " + (disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else "data in the page cache " \
                          "(memory for it), faster storage, or fewer bytes to read (shmloader convert compresses)")
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)
     if largest == "read" and context.compressed:

@@ -9,6 +9,9 @@ the device itself). /proc/diskstats gives each disk's sectors read and its busy 
 give its read rate (every process's reads, not the loader's alone) and its busy share in
 the window. The best rate seen from a disk in any window (DiskRates) stands in for the rate
 it can give, as a measured sequential rate would: the loader has no time to measure one.
+A cgroup's read limit on the disk, where the readers' group (or one above it) sets one
+(v1 blkio.throttle.read_bps_device, v2 io.max rbps), is read with the counters: a limit
+outside the device that no busy share shows.
 
 Everything here is read from sysfs and /proc, under `root` ("/"; a test's tree in tests),
 and may be missing (tmpfs, overlay, a container without /sys): then nothing is said.
@@ -42,6 +45,8 @@ class DiskCounters:
     name: str
     read_bytes: int
     busy_ms: int
+    read_limit_bytes_per_s: int | None = None  # the readers' cgroup's, where one is set
+    read_limit_source: str = ""  # the file and group that set it
 
 
 def disk_of(device: int, root: str = "/") -> str | None:
@@ -141,9 +146,10 @@ def _names(names) -> tuple[str, ...]:
     return tuple(found)
 
 
-def disk_counters(names: tuple[str, ...], root: str = "/") -> tuple[DiskCounters, ...]:
+def disk_counters(names: tuple[str, ...], pid: int = 0, root: str = "/") -> tuple[DiskCounters, ...]:
     """The counters of the disks `names` from /proc/diskstats (foreign input: fields that
-    are not numbers leave that disk out); () where it cannot be read."""
+    are not numbers leave that disk out), with the read limit process `pid`'s cgroups set
+    on each (pid 0: none looked for); () where it cannot be read."""
     if not names:
         return ()
     text = _read(os.path.join(root, "proc/diskstats"), _DISKSTATS_BYTES_MAX) or ""
@@ -152,8 +158,51 @@ def disk_counters(names: tuple[str, ...], root: str = "/") -> tuple[DiskCounters
         fields = line.split()
         # major minor name, then reads, merged, sectors read, ms reading, (writes: 4), in flight, io_ticks.
         if len(fields) >= 13 and fields[2] in names and fields[5].isdigit() and fields[12].isdigit():
-            found[fields[2]] = DiskCounters(fields[2], int(fields[5]) * SECTOR_BYTES, int(fields[12]))
+            limit = read_limit(pid, fields[2], root) if pid > 0 else None
+            found[fields[2]] = DiskCounters(fields[2], int(fields[5]) * SECTOR_BYTES, int(fields[12]),
+                                            *(limit or (None, "")))
     return tuple(found[name] for name in names if name in found)
+
+
+# Groups above a process's own looked at for a read limit (cgroup trees are shallow).
+_CGROUP_DEPTH_MAX = 16
+
+
+def read_limit(pid: int, name: str, root: str = "/") -> tuple[int, str] | None:
+    """The lowest read limit (bytes/s) that process `pid`'s cgroups, or those above them,
+    set on disk `name`, and the file that sets it: cgroup v1's
+    blkio.throttle.read_bps_device, v2's io.max (rbps); None where none is set or none can
+    be read."""
+    number = (_read(os.path.join(root, "sys/block", name, "dev"), 32) or "").strip()
+    text = _read(os.path.join(root, "proc", str(pid), "cgroup"), 4096) or ""
+    places = []
+    for line in text.splitlines():
+        _, controllers, group = (line.split(":", 2) + ["", ""])[:3]
+        if "blkio" in controllers.split(","):
+            places.append((os.path.join(root, "sys/fs/cgroup/blkio"), group, "blkio.throttle.read_bps_device"))
+        elif controllers == "" and line.startswith("0::"):
+            places += [(os.path.join(root, "sys/fs/cgroup", mount), group, "io.max") for mount in ("", "unified")]
+    lowest = None
+    for mount, group, file_name in places if number else []:
+        parts = [part for part in group.split("/") if part and part != ".."][:_CGROUP_DEPTH_MAX]
+        for depth in range(len(parts), -1, -1):
+            limit = _limit_in(os.path.join(mount, *parts[:depth], file_name), number)
+            if limit is not None and (lowest is None or limit < lowest[0]):
+                lowest = (limit, f"{file_name} of /{'/'.join(parts[:depth])}")
+    return lowest
+
+
+def _limit_in(path: str, number: str) -> int | None:
+    """The read limit in a v1 blkio.throttle.read_bps_device ("8:0 1048576") or a v2 io.max
+    ("8:0 rbps=1048576 wbps=max ...") for device `number` ("MAJOR:MINOR"), None if none."""
+    for line in (_read(path, _DISKSTATS_BYTES_MAX) or "").splitlines():
+        fields = line.split()
+        if fields and fields[0] == number:
+            for field in fields[1:]:
+                value = field[len("rbps="):] if field.startswith("rbps=") else field
+                if value.isdigit():
+                    return int(value)
+    return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -201,11 +250,18 @@ def disk_window(before: tuple[DiskCounters, ...], after: tuple[DiskCounters, ...
         return None
     name, read_bytes, busy_ms = max(changes, key=lambda change: change[1])
     rate = read_bytes * 1e9 / window_ns
-    return {"device": name, "device_busy": round(min(1.0, busy_ms * 1e6 / window_ns), 3),
-            "device_read_bytes_per_s": round(rate),
-            "device_best_bytes_per_s": round(max(rate, (best or {}).get(name, 0.0)))}
+    found = {"device": name, "device_busy": round(min(1.0, busy_ms * 1e6 / window_ns), 3),
+             "device_read_bytes_per_s": round(rate),
+             "device_best_bytes_per_s": round(max(rate, (best or {}).get(name, 0.0)))}
+    limited = next(disk for disk in after if disk.name == name)
+    if limited.read_limit_bytes_per_s is not None:
+        found["device_read_limit_bytes_per_s"] = limited.read_limit_bytes_per_s
+        found["device_read_limit_source"] = limited.read_limit_source
+    return found
 
 
+# Readers that read at this share of their cgroup's read limit on a disk are held by it.
+LIMIT_SHARE_REACHED = 0.7
 # A disk busy this share of the window has a request in flight nearly all the time: one that
 # serves a request at a time (a spinning disk) can give no more.
 DEVICE_BUSY_SATURATED = 0.9
@@ -214,14 +270,19 @@ DEVICE_BUSY_SATURATED = 0.9
 BEST_SHARE_SATURATED = 0.7
 
 
-def disk_advice(disk: dict, readers: int, rotates: bool | None) -> str:
-    """What the disk's window says would help, in words: saturated or not, and so whether
-    more readers (more reads in flight) can help."""
+def disk_advice(disk: dict, readers: int, rotates: bool | None, readers_bytes_per_s: float) -> str:
+    """What the disk's window (disk_window's) says would help, in words: a cgroup's limit
+    reached, the disk saturated or not, and so whether more readers (more reads in flight)
+    can help. `readers_bytes_per_s`: what the loader's readers read from storage."""
     name, busy = disk["device"], disk["device_busy"]
     rate, best = disk["device_read_bytes_per_s"], disk["device_best_bytes_per_s"]
     seen = f"the device ({name}) was busy {busy:.0%} of the window at {_rate(rate)} (the best seen from it here {_rate(best)})"
     more = f"readers={max(readers * 2, readers + 1)}"
     remedies = "data in the page cache (memory for it), faster storage, or fewer bytes (shmloader convert compresses)"
+    limit = disk.get("device_read_limit_bytes_per_s")
+    if limit is not None and readers_bytes_per_s >= LIMIT_SHARE_REACHED * limit:
+        return (f"{seen}, and the readers' cgroup limits reads from it to {_rate(limit)} "
+                f"({disk['device_read_limit_source']}): more readers would not help; a higher limit, or {remedies}")
     if busy < DEVICE_BUSY_SATURATED:
         return (f"{seen}: it has room, so more reads in flight would help ({more}), unless a limit outside the device "
                 f"holds reads back (a cgroup's I/O throttle, a VM's disk cap); else {remedies}")

@@ -257,7 +257,7 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
     local = [reader.pid for reader in counters if reader.cpu_ns is not None]
     evicted = evicted_bytes_of(local)
     return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted,
-                   disk_counters(disks_of_reader(local[0])) if local else ())
+                   disk_counters(disks_of_reader(local[0]), local[0]) if local else ())
 
 
 
