@@ -1,12 +1,12 @@
-"""A trainer for test_bottleneck.py's throttled disk: it joins the cgroups it is given (so its
-fork server and readers, its descendants, are in them too), reads a .npy with two readers and
+"""A trainer for test_bottleneck.py's throttled disk: it joins the cgroup it is given (so its
+fork server and readers, its descendants, are in it too), reads a .npy with two readers and
 a trainer that does nothing, and asks stats()["bottleneck"] and `top`'s view of its ring
 (tools/monitor.py, as `shmloader top` draws it) what limits it, until both name the stage
 it is told to expect (and, where given, both lines hold WORDS) or a deadline passes. Prints
 one JSON line: the last verdicts (stats()'s and top's), top's screen, and the stages seen.
 Not a test module.
 
-Usage: bottleneck_child.py CGROUP_PROCS_PATH[,CGROUP_PROCS_PATH...] DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS [WORDS]
+Usage: bottleneck_child.py CGROUP_PROCS_PATH DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS [WORDS]
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ def main() -> None:
     procs_path, data_path, expected, deadline_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     words = sys.argv[5] if len(sys.argv) > 5 else ""
     # Joined after the imports: the interpreter's own files are not the reads under test.
-    for path in procs_path.split(","):
-        with open(path, "w") as procs:
-            procs.write(str(os.getpid()))
-    seen, verdict, screen = [], None, ""
+    with open(procs_path, "w") as procs:
+        procs.write(str(os.getpid()))
+    seen, verdict, screen, top = [], None, "", None
     deadline = time.monotonic() + deadline_s
     with ShmDataLoader({"x": data_path}, batch_size=_BATCH_ROWS, readers=2) as loader:
         monitor = Monitor([loader.diagnostics.ring_name])

@@ -333,9 +333,10 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
         disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
         detail.update(disk or {})
-        advice = f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their " \
-            f"time: " + (disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else "data in the page cache " \
-                         "(memory for it), faster storage, or fewer bytes to read (shmloader convert compresses)")
+        remedy = disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else \
+            "data in the page cache (memory for it), faster storage, or fewer bytes to read (shmloader convert compresses)"
+        advice = (f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their "
+                  f"time: {remedy}")
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)
     if largest == "read" and context.compressed:
         advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(

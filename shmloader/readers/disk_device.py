@@ -276,7 +276,8 @@ def disk_advice(disk: dict, readers: int, rotates: bool | None, readers_bytes_pe
     can help. `readers_bytes_per_s`: what the loader's readers read from storage."""
     name, busy = disk["device"], disk["device_busy"]
     rate, best = disk["device_read_bytes_per_s"], disk["device_best_bytes_per_s"]
-    seen = f"the device ({name}) was busy {busy:.0%} of the window at {_rate(rate)} (the best seen from it here {_rate(best)})"
+    seen = (f"the device ({name}) was busy {busy:.0%} of the window at {_rate(rate)} "
+            f"(the best seen from it here {_rate(best)})")
     more = f"readers={max(readers * 2, readers + 1)}"
     remedies = "data in the page cache (memory for it), faster storage, or fewer bytes (shmloader convert compresses)"
     limit = disk.get("device_read_limit_bytes_per_s")

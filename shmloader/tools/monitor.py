@@ -24,7 +24,8 @@ them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the sta
 limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does (with the node
 cache's evictions from the ledger its local readers hold open), but for what only the
 trainer knows: whether a transform or a dataset runs (top says "the user's code"), and
-whether fields are compressed (reader CPU, not decompression).
+whether fields are compressed (reader CPU, not decompression). The disks it compares disk
+reads with are those of the files a local reader holds open (readers/disk_device.py).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
