@@ -40,6 +40,7 @@ from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
 from .readers.autotune import Tuner
 from .readers.bottleneck import Meter, plan_context, ring_reading, zero_reading
+from .readers.disk_device import disks_of_paths
 from .readers.elastic import ElasticPool
 from .readers.channel import ReaderConfig, trainer_context
 from .readers.supervision import Supervisor
@@ -113,6 +114,11 @@ def _from_store(plan) -> bool:
     return any(part_name(part) != getattr(part, "path", None) for field in plan.fields for part in field.parts)
 
 
+def _disks(plan) -> tuple[str, ...]:
+    """The disks the plan's files are on (readers/disk_device.py): the disk verdict's reference."""
+    return disks_of_paths(spec.path for field in plan.fields for spec in field.stored_files())
+
+
 def _views_function(slot: SlotLayout, ring: Ring, layout: RingLayout):
     """views_of(slot) -> that slot's arrays in SlotLayout view order, built afresh: the
     cursor's, referring to the ring but to no session."""
@@ -179,10 +185,11 @@ class Session:
                                      owner_pid=resources.owner_pid,
                                      skipped=None if self.local is None else self.local.skipped)
         # What limits the loader, from the ring's counters (stats()["bottleneck"], the stall warning).
+        disks = _disks(plan)
         self.meter = self.supervisor.meter = Meter(
-            functools.partial(ring_reading, ring, pool.count, resources.node_cache),
+            functools.partial(ring_reading, ring, pool.count, resources.node_cache, disks=disks),
             plan_context(plan, dataset_spec is not None, pool.count),
-            zero_reading(time.monotonic_ns(), slots, self.layout.reader_count))
+            zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
             Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)
         if self.tuner is None:

@@ -2,10 +2,11 @@
 fork server and readers, its descendants, are in it too), reads a .npy with two readers and
 a trainer that does nothing, and asks stats()["bottleneck"] and `top`'s view of its ring
 (tools/monitor.py, as `shmloader top` draws it) what limits it, until both name the stage
-it is told to expect or a deadline passes. Prints one JSON line: the last verdicts, top's
-screen, and the stages seen. Not a test module.
+it is told to expect (and, where given, both lines hold WORDS) or a deadline passes. Prints
+one JSON line: the last verdicts (stats()'s and top's), top's screen, and the stages seen.
+Not a test module.
 
-Usage: bottleneck_child.py CGROUP_PROCS_PATH DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS
+Usage: bottleneck_child.py CGROUP_PROCS_PATH DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS [WORDS]
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ _BATCH_ROWS = 64
 def main() -> None:
     die_with_parent()
     procs_path, data_path, expected, deadline_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    words = sys.argv[5] if len(sys.argv) > 5 else ""
     # Joined after the imports: the interpreter's own files are not the reads under test.
     with open(procs_path, "w") as procs:
         procs.write(str(os.getpid()))
-    seen, verdict, screen = [], None, ""
+    seen, verdict, screen, top = [], None, "", None
     deadline = time.monotonic() + deadline_s
     with ShmDataLoader({"x": data_path}, batch_size=_BATCH_ROWS, readers=2) as loader:
         monitor = Monitor([loader.diagnostics.ring_name])
@@ -50,9 +52,10 @@ def main() -> None:
             top = views[0].bottleneck if views else None
             screen = render_text(monitor)
             seen.append([verdict["stage"], top["stage"] if top else None])
-            if seen[-1] == [expected, expected] or time.monotonic() > deadline:
+            said = words in verdict["line"] and top is not None and words in top["line"]
+            if (seen[-1] == [expected, expected] and said) or time.monotonic() > deadline:
                 break
-    print(json.dumps({"verdict": verdict, "top": screen, "seen": seen}), flush=True)
+    print(json.dumps({"verdict": verdict, "top": screen, "top_verdict": top, "seen": seen}), flush=True)
 
 
 if __name__ == "__main__":

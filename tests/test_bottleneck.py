@@ -9,6 +9,7 @@ No assertion compares timings: each case is limited by one stage whatever the ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -26,6 +27,7 @@ from conftest import child_environment, our_shm_entries, wait_until
 from shmloader import ReaderStallWarning, ShmDataLoader
 from shmloader.readers import supervision
 from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters, Reading, diagnose, zero_reading
+from shmloader.readers.disk_device import DiskCounters
 
 # A training step, or a sample's __getitem__, that dominates what the other side takes.
 _SLOW_SECONDS = 0.05
@@ -212,6 +214,28 @@ def test_a_restarted_reader_counts_from_zero_and_no_window_says_unknown():
     assert diagnose(after, after, Context())["stage"] == "unknown"
 
 
+def test_the_disk_verdict_compares_the_readers_reads_with_their_disks_window():
+    """Readers blocked on storage: with the counters of the disk their files are on, the
+    verdict names it, its busy share, its rate and the best seen before (the meter's); without
+    them (tmpfs, no /proc/diskstats) it says what it said before and no device."""
+    readers = [_reader(10, read_s=9, cpu_s=2, storage_bytes=10**9)] * 2
+    before, after = _readings(readers, waited_s=6)
+    context = Context(local_readers=2)
+    plain = diagnose(before, after, context)
+    assert plain["stage"] == "disk" and "device" not in plain["detail"] and "the device" not in plain["line"], plain
+    before = dataclasses.replace(before, disks=(DiskCounters("sdb", 10**12, 5_000), DiskCounters("sdc", 0, 0)))
+    after = dataclasses.replace(after, disks=(DiskCounters("sdb", 10**12 + 3 * 10**9, 14_800),
+                                              DiskCounters("sdc", 10**6, 10_000)))
+    verdict = diagnose(before, after, context, {"sdb": 310e6})
+    assert verdict["stage"] == "disk", verdict
+    assert {name: verdict["detail"][name] for name in ("device", "device_busy", "device_read_bytes_per_s",
+                                                         "device_best_bytes_per_s")} == {
+        "device": "sdb", "device_busy": 0.98, "device_read_bytes_per_s": 300 * 10**6,
+        "device_best_bytes_per_s": 310 * 10**6}, verdict
+    assert "the device (sdb) was busy 98% of the window at 300 MB/s (the best seen from it here 310 MB/s)" in \
+        verdict["line"] and "more readers would not help" in verdict["line"], verdict
+
+
 def test_the_meter_judges_from_the_reading_before_once_it_has_one():
     """The first diagnosis counts from the ring's start; the next from the reading before,
     leaving a slow start-up out."""
@@ -352,13 +376,15 @@ def _cold(path: pathlib.Path) -> None:
 def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path, throttled_disk):
     """32 MiB of rows, out of the page cache, read by readers in a group whose disk gives
     1 MiB/s: they wait for the disk most of every fill, and both stats()["bottleneck"] and
-    top's view of the ring name disk reads (the child trainer asks them in turn:
-    bottleneck_child.py)."""
+    top's view of the ring name disk reads, the disk the file is on (its uevent's name),
+    how busy it was, and the group's limit that holds the readers back rather than the disk
+    (the child trainer asks them in turn: bottleneck_child.py)."""
     path = tmp_path / "rows.npy"
     np.save(path, np.random.default_rng(11).integers(0, 256, size=(8192, 4096), dtype=np.uint8))
     _cold(path)
     child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("bottleneck_child.py")),
-                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS)],
+                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS),
+                              "the readers' cgroup limits reads"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
     try:
         output, errors = child.communicate(timeout=_CHILD_TIMEOUT_SECONDS)
@@ -373,3 +399,27 @@ def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path
     assert "from storage" in verdict["advice"] and verdict["detail"]["readers_blocked"] >= 0.5, found
     assert verdict["detail"]["storage_read_bytes_per_s"] > 0, found
     assert "bottleneck: disk reads at" in found["top"], found
+    for said in (verdict, found["top_verdict"]):
+        _assert_names_the_disk(said, _disk_name(_whole_disk(tmp_path)), found)
+        # The disk is not what holds the readers back: the group's limit is, and the verdict says so.
+        assert said["detail"]["device_read_limit_bytes_per_s"] == _DISK_BYTES_PER_SECOND, found
+        assert said["detail"]["device_read_limit_source"].endswith(throttled_disk.parent.name), found
+        assert "the readers' cgroup limits reads from it to 1 MB/s" in said["line"], found
+
+
+def _disk_name(device: str) -> str:
+    """The kernel's name for disk "MAJOR:MINOR" (its uevent's DEVNAME): the reference the
+    verdict's device is checked against."""
+    for line in pathlib.Path(f"/sys/dev/block/{device}/uevent").read_text().splitlines():
+        if line.startswith("DEVNAME="):
+            return line.partition("=")[2]
+    pytest.fail(f"/sys/dev/block/{device}/uevent has no DEVNAME line")
+
+
+def _assert_names_the_disk(verdict: dict, name: str, found: dict) -> None:
+    """The disk verdict names the disk the data is on, how busy it was and its rates."""
+    detail = verdict["detail"]
+    assert detail["device"] == name, found
+    assert 0.0 <= detail["device_busy"] <= 1.0, found
+    assert 0 < detail["device_read_bytes_per_s"] <= detail["device_best_bytes_per_s"], found
+    assert f"the device ({name}) was busy {detail['device_busy']:.0%} of the window" in verdict["line"], found

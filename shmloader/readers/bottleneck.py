@@ -15,7 +15,8 @@ the batches the trainer holds leave fewer slots to fill than there are readers; 
 fill, when readers filled nothing in the window while the trainer waited; else the
 readers' largest share of time: the store's link or the node cache's budget (waiting for
 pages; the cache when it evicted meanwhile), the user's code, reading fields (disk when
-readers block on storage reads, decompression for compressed fields, else reader CPU), and
+readers block on storage reads, with how busy the device was against its best rate seen,
+readers/disk_device.py; decompression for compressed fields, else reader CPU), and
 the rest (the sampler, copies, the protocol) as reader CPU. Each verdict says how busy the
 stage was and the one change that would help; for the stages that need CPU, whether the
 node has an idle core for another reader.
@@ -30,6 +31,7 @@ import time
 from ..errors import SharedMemoryError
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..ring.layout import SlotState
+from .disk_device import DiskCounters, DiskRates, disk_advice, disk_counters, disk_window, rotational
 
 # Below this share of the window spent waiting in next(), the trainer is what limits:
 # the loader is ahead. A tenth leaves room for the waits that any pipeline has (a first
@@ -94,6 +96,7 @@ class Reading:
     cores_total_ns: int | None = None
     cores: int = 1
     evicted_bytes: int | None = None  # the node cache's, where the loader reads from one
+    disks: tuple[DiskCounters, ...] = ()  # those the loader's files are on (disk_device.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +111,11 @@ class Context:
     local_readers: int = 0
 
 
-def zero_reading(at_ns: int, slots: int, readers: int) -> Reading:
-    """The counters of a ring just made: the baseline of a first diagnosis."""
-    return Reading(at_ns, 0, tuple(ReaderCounters(0, 0, 0) for _ in range(readers)), slots, 0)
+def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = ()) -> Reading:
+    """The counters of a ring just made, with its `disks`' (which count since boot): the
+    baseline of a first diagnosis."""
+    return Reading(at_ns, 0, tuple(ReaderCounters(0, 0, 0) for _ in range(readers)), slots, 0,
+                   disks=disk_counters(disks))
 
 
 # /proc, read at a reading only.
@@ -174,12 +179,13 @@ def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
     return dataclasses.replace(counters, cpu_ns=cpu_ns, queued_ns=queued_ns, storage_read_bytes=read_bytes)
 
 
-def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True) -> Reading:
+def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True,
+                 disks: tuple[str, ...] = ()) -> Reading:
     """A reading of `ring` (ring/segment.Ring) from its trainer's process: the first
     `local_readers` records are reader processes on this node; `node_cache` the cache the
-    loader reads a store's objects through (its evictions), or None. `processes=False`
-    leaves /proc unread (no CPU, storage or core counters): the stall warning's cheap
-    reading at the start of each long wait."""
+    loader reads a store's objects through (its evictions), or None; `disks` those its files
+    are on. `processes=False` leaves /proc unread (no CPU, storage, core or disk counters):
+    the stall warning's cheap reading at the start of each long wait."""
     layout = ring.layout
     held, filling = 0, set()
     for slot in range(layout.slot_count):
@@ -198,6 +204,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
         counters = ReaderCounters(pid, busy_ns, batches, user_ns, read_ns, fetch_ns, index in filling)
         readers.append(with_processes(counters, processes and index < local_readers))
     idle_ns, total_ns, cores = cores_counters() if processes else (None, None, 1)
+    local = [reader.pid for reader in readers if reader.storage_read_bytes is not None]
     evicted = None
     if node_cache is not None:
         try:
@@ -206,7 +213,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
         except (OSError, ValueError, KeyError):
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
-                   total_ns, cores, evicted)
+                   total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else ())
 
 
 def plan_context(plan, dataset: bool, local_readers: int) -> Context:
@@ -234,9 +241,10 @@ _WORDS = {
 STAGES = tuple(_WORDS)
 
 
-def diagnose(before: Reading, after: Reading, context: Context) -> dict:
+def diagnose(before: Reading, after: Reading, context: Context, disk_best: dict[str, float] | None = None) -> dict:
     """What limited the loader between two readings: {"stage", "utilisation" (0-1, how busy
-    that stage was), "advice", "line" (the one-line form), "window_s", "detail"}."""
+    that stage was), "advice", "line" (the one-line form), "window_s", "detail"}.
+    `disk_best`: the best read rate seen from each disk in earlier windows (DiskRates.best)."""
     window_ns = after.at_ns - before.at_ns
     if window_ns <= 0:
         return _verdict("unknown", 0.0, "read stats() again after some steps", 0.0, {})
@@ -267,7 +275,7 @@ def diagnose(before: Reading, after: Reading, context: Context) -> dict:
                   f"stopped (by a signal, a debugger) or a stalled file system; "
                   f"shmloader.transforms.compute_batch runs one step alone")
         return _verdict("stalled", waited, advice, window_s, detail)
-    return _readers(changes, busy_ns, busy, waited, idle_cores, before, after, context, window_s, detail)
+    return _readers(changes, busy_ns, busy, waited, idle_cores, before, after, context, window_s, detail, disk_best)
 
 
 def _trainer(waited: float, busy: float, readers: int, window_s: float, detail: dict) -> dict:
@@ -279,7 +287,8 @@ def _trainer(waited: float, busy: float, readers: int, window_s: float, detail: 
 
 
 def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle_cores: float | None,
-             before: Reading, after: Reading, context: Context, window_s: float, detail: dict) -> dict:
+             before: Reading, after: Reading, context: Context, window_s: float, detail: dict,
+             disk_best: dict[str, float] | None) -> dict:
     """The readers limit: which part of their fills takes most of their time."""
     parts = {name: sum(change[name] for change in changes) for name in ("user_ns", "read_ns", "fetch_ns")}
     if not any(parts.values()) and context.user_code is None:
@@ -322,9 +331,12 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         result["line"] = f"bottleneck: {who} at {busy * shares['user']:.0%}: {advice}"
         return result
     if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
+        disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
+        detail.update(disk or {})
+        remedy = disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else \
+            "data in the page cache (memory for it), faster storage, or fewer bytes to read (shmloader convert compresses)"
         advice = (f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their "
-                  f"time: data in the page cache (memory for it), faster storage, or fewer bytes to read "
-                  f"(shmloader convert compresses)")
+                  f"time: {remedy}")
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)
     if largest == "read" and context.compressed:
         advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(
@@ -417,6 +429,7 @@ class Meter:
     def __init__(self, read, context: Context, baseline: Reading) -> None:
         self.read, self.context = read, context
         self.readings = [baseline]
+        self.disk_rates = DiskRates()
         self._from_start = True
         self.last = diagnose(baseline, baseline, context)  # What a closed loader's stats() repeats.
 
@@ -425,13 +438,15 @@ class Meter:
         # The second reading is taken whenever asked: the first window is the start-up's.
         if self._from_start or now - self.readings[-1].at_ns >= SAMPLE_INTERVAL_SECONDS * 1e9:
             self.readings.append(self.read())
+            before, after = self.readings[-2:]
+            self.disk_rates.see(before.disks, after.disks, after.at_ns - before.at_ns)
         if self._from_start and len(self.readings) > 2:
             self._from_start = False
             self.readings.pop(0)
         # One reading at least as old as the window stays: the baseline of the next diagnosis.
         while len(self.readings) > 2 and self.readings[1].at_ns <= now - WINDOW_SECONDS * 1e9:
             self.readings.pop(0)
-        self.last = diagnose(self.readings[0], self.readings[-1], self.context)
+        self.last = diagnose(self.readings[0], self.readings[-1], self.context, self.disk_rates.best)
         return self.last
 
     def since(self, reading: Reading) -> dict:
@@ -444,4 +459,4 @@ class Meter:
         if now.at_ns - reading.at_ns < SINCE_SECONDS_MIN * 1e9:
             return self.diagnosis()
         now = dataclasses.replace(now, waited_ns=reading.waited_ns + now.at_ns - reading.at_ns)
-        return diagnose(reading, now, self.context)
+        return diagnose(reading, now, self.context, self.disk_rates.best)

@@ -24,7 +24,8 @@ them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the sta
 limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does (with the node
 cache's evictions from the ledger its local readers hold open), but for what only the
 trainer knows: whether a transform or a dataset runs (top says "the user's code"), and
-whether fields are compressed (reader CPU, not decompression).
+whether fields are compressed (reader CPU, not decompression). The disks it compares disk
+reads with are those of the files a local reader holds open (readers/disk_device.py).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
@@ -58,6 +59,7 @@ from ..ring.layout import (
     SlotState,
 )
 from ..readers.bottleneck import Context, ReaderCounters, Reading, cores_counters, diagnose, with_processes
+from ..readers.disk_device import DiskRates, disk_counters, disks_of_reader
 from ..remote.node import evicted_bytes_of
 from ..ring.stale import lock_free
 
@@ -253,8 +255,11 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
                        index in filling), _child_of(reader.pid, trainer_pid))
         for index, reader in enumerate(readers))
     idle_ns, total_ns, cores = cores_counters()
-    evicted = evicted_bytes_of([reader.pid for reader in counters if reader.cpu_ns is not None])
-    return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted)
+    local = [reader.pid for reader in counters if reader.cpu_ns is not None]
+    evicted = evicted_bytes_of(local)
+    return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted,
+                   disk_counters(disks_of_reader(local[0]), local[0]) if local else ())
+
 
 
 def _child_of(pid: int, trainer_pid: int) -> bool:
@@ -292,6 +297,7 @@ class RingView:
     history: list[float] = dataclasses.field(default_factory=list)
     first_at_ns: int = dataclasses.field(init=False, default=0)
     bottleneck: dict | None = None  # readers/bottleneck.diagnose over the last two samples
+    disk_rates: DiskRates = dataclasses.field(default_factory=DiskRates)  # the best seen from each disk
 
     def __post_init__(self) -> None:
         self.first_at_ns = self.last.at_ns
@@ -318,8 +324,9 @@ class RingView:
         if self.last.reading is not None and new.reading is not None:
             # What the ring cannot say (is there a transform, is a field compressed, the node
             # cache's evictions) is left out: top says "the user's code", "reader CPU", "link".
+            self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
             self.bottleneck = diagnose(self.last.reading, new.reading, Context(local_readers=sum(
-                1 for reader in new.reading.readers if reader.cpu_ns is not None)))
+                1 for reader in new.reading.readers if reader.cpu_ns is not None)), self.disk_rates.best)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
 

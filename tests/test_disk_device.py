@@ -1,0 +1,248 @@
+"""readers/disk_device.py finds the disk a file is read from and how busy it was: device
+numbers resolved through a sysfs tree built here (a partition to its disk, device-mapper over
+one device to it and over two to itself, a loop device to its backing file's disk), the
+disks of a process's open files, the read limit its cgroups set (v1 and v2), and
+/proc/diskstats parsed and differenced over windows drawn by Hypothesis, against the
+counters that were written; then the advice each kind of window gives."""
+
+from __future__ import annotations
+
+import fractions
+import os
+import pathlib
+import tempfile
+
+import pytest
+
+from shmloader.readers.disk_device import (
+    SECTOR_BYTES,
+    DiskCounters,
+    DiskRates,
+    disk_advice,
+    disk_counters,
+    disk_of,
+    disk_window,
+    disks_of_paths,
+    disks_of_process,
+    read_limit,
+)
+
+hypothesis = pytest.importorskip("hypothesis")
+from conftest import examples  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# The fake tree's disks: sysfs directory (under sys/devices), device number, rotational.
+_DISKS = {
+    "sda": ("pci0/ata1/block/sda", (8, 0), "1"),
+    "nvme0n1": ("pci0/nvme0/block/nvme0n1", (259, 0), "0"),
+    "dm-0": ("virtual/block/dm-0", (253, 0), "0"),
+    "dm-1": ("virtual/block/dm-1", (253, 1), "0"),
+    "loop0": ("virtual/block/loop0", (7, 0), "0"),
+    "loop1": ("virtual/block/loop1", (7, 1), "0"),
+}
+
+
+def _link(link: pathlib.Path, target: pathlib.Path) -> None:
+    """A relative symbolic link, as sysfs has: the tree resolves inside tmp_path."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _tree(root: pathlib.Path, backing: pathlib.Path) -> pathlib.Path:
+    """A sysfs under `root`: sda with partition sda1, nvme0n1, dm-0 over sda1, dm-1 over sda1
+    and nvme0n1, loop0 backed by `backing` (a real file, whose real device number is made
+    to name nvme0n1 here), loop1 backed by a file that is gone."""
+    devices = root / "sys/devices"
+    for name, (place, (major, minor), spins) in _DISKS.items():
+        directory = devices / place
+        (directory / "queue").mkdir(parents=True)
+        (directory / "stat").write_text("0 " * 17)
+        (directory / "dev").write_text(f"{major}:{minor}\n")
+        (directory / "queue/rotational").write_text(spins + "\n")
+        _link(root / f"sys/dev/block/{major}:{minor}", directory)
+        _link(root / "sys/block" / name, directory)
+    partition = devices / _DISKS["sda"][0] / "sda1"
+    partition.mkdir()
+    (partition / "partition").write_text("1\n")
+    (partition / "stat").write_text("0 " * 17)
+    _link(root / "sys/dev/block/8:1", partition)
+    _link(devices / _DISKS["dm-0"][0] / "slaves/sda1", partition)
+    _link(devices / _DISKS["dm-1"][0] / "slaves/sda1", partition)
+    _link(devices / _DISKS["dm-1"][0] / "slaves/nvme0n1", devices / _DISKS["nvme0n1"][0])
+    for name, file in (("loop0", backing), ("loop1", root / "gone.img")):
+        (devices / _DISKS[name][0] / "loop").mkdir()
+        (devices / _DISKS[name][0] / "loop/backing_file").write_text(f"{file}\n")
+    real = backing.stat().st_dev
+    if (os.major(real), os.minor(real)) not in [number for _, number, _ in _DISKS.values()] + [(8, 1)]:
+        _link(root / f"sys/dev/block/{os.major(real)}:{os.minor(real)}", devices / _DISKS["nvme0n1"][0])
+    (devices / "virtual/block/ram0").mkdir(parents=True)  # A device with no stat file.
+    _link(root / "sys/dev/block/1:0", devices / "virtual/block/ram0")
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path):
+    backing = tmp_path / "backing.img"
+    backing.write_bytes(b"\0" * 4096)
+    return _tree(tmp_path / "root", backing), backing
+
+
+@pytest.mark.parametrize("case, number, expected", [
+    ("a disk is itself", (8, 0), "sda"),
+    ("a partition is its disk", (8, 1), "sda"),
+    ("device-mapper over one partition is that partition's disk", (253, 0), "sda"),
+    ("device-mapper over two devices is itself: its counters are the whole", (253, 1), "dm-1"),
+    ("a loop device is its backing file's disk", (7, 0), "nvme0n1"),
+    ("a loop device whose backing file is gone is itself", (7, 1), "loop1"),
+    ("a device with no stat file is none", (1, 0), None),
+    ("a number sysfs does not know (tmpfs, overlay) is none", (0, 99), None),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_a_device_number_resolves_to_the_disk_that_holds_it(tree, case, number, expected):
+    root, _ = tree
+    assert disk_of(os.makedev(*number), str(root)) == expected, case
+
+
+def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tree, tmp_path):
+    """Files on one disk name it once; a path that is not there, a descriptor that is not a
+    regular file or is closed, and a process without descriptors name none; no diskstats in
+    the tree: no counters, nothing made up."""
+    root, backing = tree
+    assert disk_counters(("nvme0n1",), root=str(root)) == ()
+    other = tmp_path / "other.npy"
+    other.write_bytes(b"x")
+    assert disks_of_paths([backing, other, tmp_path / "not-there"], str(root)) == ("nvme0n1",)
+    descriptors = root / "proc/4242/fd"
+    descriptors.mkdir(parents=True)
+    (descriptors / "0").symlink_to("/dev/null")  # Not a regular file: not data.
+    (descriptors / "3").symlink_to(backing)
+    (descriptors / "4").symlink_to(other)
+    (descriptors / "5").symlink_to(tmp_path / "closed")
+    assert disks_of_process(4242, str(root)) == ("nvme0n1",)
+    assert disks_of_process(4243, str(root)) == ()
+
+
+@pytest.mark.parametrize("case, cgroup, files, disk, expected", [
+    ("v1: the lowest limit of the group and those above it",
+     "12:blkio:/a/b\n4:memory:/m\n", {"blkio/a/blkio.throttle.read_bps_device": "8:0 5000000\n",
+                                      "blkio/a/b/blkio.throttle.read_bps_device": "8:0 9000000\n259:0 100\n"},
+     "sda", (5000000, "blkio.throttle.read_bps_device of /a")),
+    ("v1: another disk's line is not this one's", "12:blkio:/a/b\n",
+     {"blkio/a/b/blkio.throttle.read_bps_device": "8:0 9000000\n259:0 100\n"}, "nvme0n1",
+     (100, "blkio.throttle.read_bps_device of /a/b")),
+    ("v2: io.max's rbps", "0::/c\n", {"c/io.max": "8:0 rbps=3000 wbps=max riops=max wiops=max\n"}, "sda",
+     (3000, "io.max of /c")),
+    ("v2 on the hybrid mount", "0::/c\n", {"unified/c/io.max": "8:0 rbps=7000 wbps=max riops=max wiops=max\n"},
+     "sda", (7000, "io.max of /c")),
+    ("v2: rbps=max is no limit", "0::/c\n", {"c/io.max": "8:0 rbps=max wbps=10 riops=max wiops=max\n"}, "sda",
+     None),
+    ("no blkio line", "4:memory:/m\n", {}, "sda", None),
+    ("a group path climbing out is cut", "12:blkio:/../../etc\n", {}, "sda", None),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_a_processs_cgroups_read_limit_on_a_disk_is_found(tree, case, cgroup, files, disk, expected):
+    root, _ = tree
+    (root / "proc/77").mkdir(parents=True)
+    (root / "proc/77/cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = root / "sys/fs/cgroup" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert read_limit(77, disk, str(root)) == expected, case
+
+
+_NAMES = ("sda", "nvme0n1", "dm-0", "loop0")
+
+
+def _diskstats(counters: dict[str, tuple[int, int]]) -> str:
+    """/proc/diskstats' lines for (sectors read, io_ticks ms) of each disk, among lines of
+    other devices and lines a parser must pass over."""
+    lines = ["   1       0 ram0 0 0 0 0 0 0 0 0 0 0 0", "   8       1 sda1 5 0 999999 0 0 0 0 0 0 999999 0",
+             "garbage", "   8       2 sdz x y z"]
+    for index, (name, (sectors, ticks)) in enumerate(counters.items()):
+        lines.append(f" 259 {index:7d} {name} 11 2 {sectors} 40 7 1 56 9 0 {ticks} 120 0 0 0 0 0 0")
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def _windows(draw):
+    """Counters of the disks at a first reading, their growth over a window, the window."""
+    start = {name: (draw(st.integers(0, 2**40)), draw(st.integers(0, 2**32))) for name in _NAMES}
+    growth = {name: (draw(st.integers(0, 2**24)), draw(st.integers(0, 20_000))) for name in _NAMES}
+    return start, growth, draw(st.integers(1, 20 * 10**9))
+
+
+@examples(150)
+@hypothesis.given(_windows())
+def test_a_windows_disk_rate_and_busy_share_are_its_counters_growth(window):
+    start, growth, window_ns = window
+    with tempfile.TemporaryDirectory() as directory:
+        (pathlib.Path(directory) / "proc").mkdir()
+        stats = pathlib.Path(directory) / "proc/diskstats"
+        stats.write_text(_diskstats(start))
+        before = disk_counters(_NAMES, root=directory)
+        stats.write_text(_diskstats({name: (start[name][0] + growth[name][0], start[name][1] + growth[name][1])
+                                     for name in _NAMES}))
+        after = disk_counters(_NAMES, root=directory)
+    assert [disk.name for disk in before] == list(_NAMES) and [disk.read_bytes for disk in before] == [
+        start[name][0] * SECTOR_BYTES for name in _NAMES]
+    found = disk_window(before, after, window_ns)
+    read = [name for name in _NAMES if growth[name][0] > 0]
+    if not read:
+        assert found is None
+        return
+    # The disk read most; of equals, the first of the loader's.
+    most = max(read, key=lambda name: (growth[name][0], -_NAMES.index(name)))
+    sectors, ticks = growth[most]
+    rate = fractions.Fraction(sectors * 512 * 10**9, window_ns)
+    assert set(found) == {"device", "device_busy", "device_read_bytes_per_s", "device_best_bytes_per_s"}, found
+    assert found["device"] == most, found
+    # Rounded to a thousandth and to a byte/s: equal to the exact fractions within that.
+    assert found["device_busy"] == pytest.approx(float(min(1, fractions.Fraction(ticks * 10**6, window_ns))), abs=6e-4)
+    assert found["device_read_bytes_per_s"] == found["device_best_bytes_per_s"] == pytest.approx(float(rate), abs=1,
+                                                                                               rel=1e-12)
+
+
+@examples(100)
+@hypothesis.given(st.lists(st.tuples(st.integers(0, 2**30), st.integers(1, 3 * 10**9)), min_size=1, max_size=8))
+def test_the_best_rate_is_the_highest_of_the_windows_long_enough_to_judge(windows):
+    """Readings one after another: each window reads `bytes` in `ns`; the best is the highest
+    rate over those of 0.2 s or more."""
+    rates, at, total = DiskRates(), [], 0
+    previous = disk_counters_at(0)
+    for read_bytes, window_ns in windows:
+        total += read_bytes
+        current = disk_counters_at(total)
+        rates.see(previous, current, window_ns)
+        previous = current
+        if window_ns >= 0.2e9:
+            at.append(read_bytes / (window_ns / 1e9))
+    assert rates.best.get("sda", 0.0) == pytest.approx(max(at, default=0.0))
+
+
+def disk_counters_at(read_bytes: int) -> tuple[DiskCounters, ...]:
+    return (DiskCounters("sda", read_bytes, 0),)
+
+
+def _disk(busy: float, rate_mb: float, best_mb: float, limit: int | None = None) -> dict:
+    found = {"device": "sda", "device_busy": busy, "device_read_bytes_per_s": rate_mb * 1e6,
+             "device_best_bytes_per_s": best_mb * 1e6}
+    if limit is not None:
+        found.update(device_read_limit_bytes_per_s=limit, device_read_limit_source="io.max of /job")
+    return found
+
+
+@pytest.mark.parametrize("case, disk, rotates, readers_rate, words", [
+    ("a cgroup's limit reached", _disk(0.02, 10, 10, limit=10**7), True, 9e6,
+     "the readers' cgroup limits reads from it to 10 MB/s (io.max of /job): more readers would not help"),
+    ("a limit not reached is not the reason", _disk(0.4, 10, 300, limit=10**9), False, 9e6, "it has room"),
+    ("a disk with room", _disk(0.4, 120, 900), True, 1e8, "busy 40% of the window at 120 MB/s (the best seen from "
+     "it here 900 MB/s): it has room, so more reads in flight would help (readers=4)"),
+    ("a saturated disk at its best", _disk(0.97, 410, 420), False, 4e8, "it gives what it can, so more readers "
+     "would not help"),
+    ("a spinning disk busy below its best", _disk(0.99, 40, 200), True, 4e7, "shuffle_window"),
+    ("an SSD busy below its best", _disk(0.99, 410, 1200), False, 4e8,
+     "(the best seen from it here 1.2 GB/s): busy counts any request in flight, and an SSD serves many at once, so "
+     "it may give more to more reads in flight (readers=4)"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_advice_says_whether_more_readers_would_help(case, disk, rotates, readers_rate, words):
+    advice = disk_advice(disk, 2, rotates, readers_rate)
+    assert words in advice and advice.startswith("the device (sda) was busy"), (case, advice)
