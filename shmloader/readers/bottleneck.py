@@ -14,9 +14,11 @@ order: the trainer, when next() hardly waited (the loader is ahead); held batche
 the batches the trainer holds leave fewer slots to fill than there are readers; a stalled
 fill, when readers filled nothing in the window while the trainer waited; else the
 readers' largest share of time: the store's link or the node cache's budget (waiting for
-pages; the cache when it evicted meanwhile), the user's code, reading fields (disk when
-readers block on storage reads, with how busy the device was against its best rate seen,
-readers/disk_device.py; decompression for compressed fields, else reader CPU), and
+pages; the cache when it evicted meanwhile), the user's code, reading fields (the page
+cache's memory when the readers read again what their memory group evicted,
+readers/page_cache.py; disk when readers block on storage reads, with how busy the device
+was against its best rate seen, readers/disk_device.py; decompression for compressed
+fields, else reader CPU), and
 the rest (the sampler, copies, the protocol) as reader CPU. Each verdict says how busy the
 stage was and the one change that would help; for the stages that need CPU, whether the
 node has an idle core for another reader.
@@ -32,6 +34,8 @@ from ..errors import SharedMemoryError
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..ring.layout import SlotState
 from .disk_device import DiskCounters, DiskRates, disk_advice, disk_counters, disk_window, rotational
+from .page_cache import MemoryCounters, memory_advice, memory_counters, memory_window
+from .proc_counters import cores_counters, process_counters
 
 # Below this share of the window spent waiting in next(), the trainer is what limits:
 # the loader is ahead. A tenth leaves room for the waits that any pipeline has (a first
@@ -59,11 +63,6 @@ READERS_SATURATED = 0.7
 QUEUED_SHARE_MIN = 0.3
 # At least this many idle cores make "another reader would help" true.
 IDLE_CORES_MIN = 1.0
-
-_CLOCK_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-# /proc files are small; a bound on what one read takes (foreign input: any process's).
-_PROC_BYTES_MAX = 4096
-
 
 @dataclasses.dataclass(frozen=True)
 class ReaderCounters:
@@ -97,6 +96,7 @@ class Reading:
     cores: int = 1
     evicted_bytes: int | None = None  # the node cache's, where the loader reads from one
     disks: tuple[DiskCounters, ...] = ()  # those the loader's files are on (disk_device.py)
+    memory: MemoryCounters | None = None  # the local readers' memory group's (page_cache.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +104,15 @@ class Context:
     """What the readings cannot say: what the readers run. `user_code`: "the transform",
     "the dataset's __getitem__", or None for fields read as they are; `compressed`: whether
     a field is compressed (reading it is decompression); `local_readers`: reader processes
-    on this node (readers=0: none, the trainer fills)."""
+    on this node (readers=0: none, the trainer fills); `batch_size`, and `row_bytes`: the
+    stored bytes a row's fields take (None: unknown, a dataset's), which the readers' reads
+    are compared with (page_cache.py)."""
 
     user_code: str | None = None
     compressed: bool = False
     local_readers: int = 0
+    batch_size: int = 0
+    row_bytes: float | None = None
 
 
 def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = ()) -> Reading:
@@ -119,57 +123,6 @@ def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = 
 
 
 # /proc, read at a reading only.
-
-def process_counters(pid: int) -> tuple[int | None, int | None, int | None]:
-    """(ns on a CPU, ns waiting for one, bytes read from storage) of process `pid`, None for
-    what cannot be read. The times are its main thread's (schedstat: the thread that fills,
-    not the read-ahead's), or without schedstat the whole process's CPU time (stat)."""
-    cpu_ns = queued_ns = read_bytes = None
-    fields = (_read_proc(f"/proc/{pid}/schedstat") or "").split()
-    if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
-        cpu_ns, queued_ns = int(fields[0]), int(fields[1])
-    else:
-        text = _read_proc(f"/proc/{pid}/stat")
-        fields = text[text.rfind(")") + 2:].split() if text else []  # After the command, which may hold spaces.
-        if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit():
-            cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
-    text = _read_proc(f"/proc/{pid}/io")
-    for line in (text or "").splitlines():
-        name, _, value = line.partition(":")
-        if name == "read_bytes" and value.strip().isdigit():
-            read_bytes = int(value)
-    return cpu_ns, queued_ns, read_bytes
-
-
-def cores_counters() -> tuple[int | None, int | None, int]:
-    """(idle ns, total ns, cores) summed over the cores this process may run on, from
-    /proc/stat (idle and I/O wait count as idle)."""
-    try:
-        allowed = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        allowed = set(range(os.cpu_count() or 1))
-    text = _read_proc("/proc/stat", 1 << 16)
-    idle = total = 0
-    for line in (text or "").splitlines():
-        name, *values = line.split()
-        if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit() or int(name[3:]) not in allowed:
-            continue
-        ticks = [int(value) for value in values[:8] if value.isdigit()]
-        if len(ticks) >= 5:
-            idle, total = idle + ticks[3] + ticks[4], total + sum(ticks)
-    if total == 0:
-        return None, None, len(allowed)
-    scale = 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
-    return idle * scale, total * scale, len(allowed)
-
-
-def _read_proc(path: str, limit: int = _PROC_BYTES_MAX) -> str | None:
-    try:
-        with open(path, "rb") as file:
-            return file.read(limit).decode("ascii", "replace")
-    except OSError:
-        return None
-
 
 def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
     """`counters` with its process's CPU time and storage reads, for a reader on this node."""
@@ -213,7 +166,8 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
         except (OSError, ValueError, KeyError):
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
-                   total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else ())
+                   total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else (),
+                   memory_counters(local[0]) if processes and local else None)
 
 
 def plan_context(plan, dataset: bool, local_readers: int) -> Context:
@@ -221,7 +175,11 @@ def plan_context(plan, dataset: bool, local_readers: int) -> Context:
     user_code = "the dataset's __getitem__" if dataset else "the transform" if plan.transform is not None else None
     compressed = any(getattr(part, "codec", "none") not in ("", "none") and getattr(part, "clevel", 0) > 0
                      for field in plan.fields for part in field.parts)
-    return Context(user_code, compressed, local_readers)
+    if not plan.plans:
+        return Context(user_code, compressed, local_readers)
+    rows = sum(next(iter(plan.plans.values())).row_counts)
+    row_bytes = sum(field.stored_bytes for field in plan.fields) / max(1, rows)
+    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, row_bytes)
 
 
 # The diagnosis.
@@ -234,6 +192,7 @@ _WORDS = {
     "cache": "the node cache's budget",
     "user_code": "the user's code",
     "disk": "disk reads",
+    "memory": "the page cache's memory",
     "decompression": "decompression",
     "reader_cpu": "reader CPU",
     "unknown": "nothing yet",
@@ -330,6 +289,15 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         result = _verdict("user_code", busy * shares["user"], advice, window_s, detail)
         result["line"] = f"bottleneck: {who} at {busy * shares['user']:.0%}: {advice}"
         return result
+    rows = sum(change["batches"] for change in changes) * context.batch_size
+    memory = memory_window(before.memory, after.memory, sum(storage) if storage else None,
+                           rows * context.row_bytes if context.row_bytes else None)
+    if memory is not None:
+        detail.update(memory)
+    # Before the disk and CPU verdicts: a group short of memory reads again (the disk works) and
+    # reclaims (readers wait for a core), and neither a disk nor more readers would help.
+    if largest == "read" and memory is not None and memory["page_cache_short"]:
+        return _verdict("memory", busy * shares["read"], memory_advice(memory), window_s, detail)
     if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
         disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
         detail.update(disk or {})

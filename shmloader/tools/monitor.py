@@ -58,8 +58,10 @@ from ..ring.layout import (
     RingLayout,
     SlotState,
 )
-from ..readers.bottleneck import Context, ReaderCounters, Reading, cores_counters, diagnose, with_processes
+from ..readers.bottleneck import Context, ReaderCounters, Reading, diagnose, with_processes
 from ..readers.disk_device import DiskRates, disk_counters, disks_of_reader
+from ..readers.page_cache import memory_counters
+from ..readers.proc_counters import child_of, cores_counters
 from ..remote.node import evicted_bytes_of
 from ..ring.stale import lock_free
 
@@ -97,6 +99,7 @@ class RingSample:
     at_ns: int
     waited_ns: int = 0  # next()'s waits, summed over the slots' lines (ring.h)
     reading: Reading | None = None  # the same counters, with the readers' /proc ones, for diagnose()
+    row_bytes: float | None = None  # a slot's bytes per row: for the stored bytes a row needs, at most
 
 
 def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
@@ -211,7 +214,7 @@ def layout_problem(header_bytes: bytes, size: int) -> str | None:
 def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | None:
     header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", header_bytes))
     slot_count, reader_count = int(header.slot_count), int(header.reader_count)
-    trainer_pid, batch_size = int(header.trainer_pid), int(header.batch_size)
+    trainer_pid, batch_size, stride = int(header.trainer_pid), int(header.batch_size), int(header.slot_stride)
     del header
     table_offset = HEADER_BYTES + reader_count * READER_RECORD_BYTES
     table = _pread(fd, slot_count * SLOT_CONTROL_BYTES, table_offset)
@@ -240,7 +243,7 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
         del record
     at_ns = time.monotonic_ns()
     return RingSample(name, trainer_pid, alive, batch_size, states, readers, at_ns, waited_ns,
-                      _reading(at_ns, trainer_pid, waited_ns, states, readers))
+                      _reading(at_ns, trainer_pid, waited_ns, states, readers), stride / batch_size)
 
 
 def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list[ReaderSample]) -> Reading:
@@ -252,30 +255,14 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
     filling = {owner for state, owner, _ in states if state == SlotState.FILLING}
     counters = tuple(with_processes(
         ReaderCounters(reader.pid, reader.busy_ns, reader.batches, reader.user_ns, reader.read_ns, reader.fetch_ns,
-                       index in filling), _child_of(reader.pid, trainer_pid))
+                       index in filling), child_of(reader.pid, trainer_pid))
         for index, reader in enumerate(readers))
     idle_ns, total_ns, cores = cores_counters()
     local = [reader.pid for reader in counters if reader.cpu_ns is not None]
     evicted = evicted_bytes_of(local)
     return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted,
-                   disk_counters(disks_of_reader(local[0]), local[0]) if local else ())
-
-
-
-def _child_of(pid: int, trainer_pid: int) -> bool:
-    """Whether `pid` runs on this node as the trainer's child or grandchild (a forked reader)."""
-    parent = _parent(pid)
-    return parent is not None and parent > 0 and (parent == trainer_pid or _parent(parent) == trainer_pid)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            text = file.read(4096).decode("ascii", "replace")
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()
-    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+                   disk_counters(disks_of_reader(local[0]), local[0]) if local else (),
+                   memory_counters(local[0]) if local else None)
 
 
 def _share(part_ns: int, elapsed_ns: int) -> float:
@@ -324,9 +311,12 @@ class RingView:
         if self.last.reading is not None and new.reading is not None:
             # What the ring cannot say (is there a transform, is a field compressed, the node
             # cache's evictions) is left out: top says "the user's code", "reader CPU", "link".
+            # The stored bytes a row needs: its slot's bytes, the decoded row's (compressed
+            # fields' are fewer: a read amplification seen lower, page_cache.py's memory verdict later).
             self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
-            self.bottleneck = diagnose(self.last.reading, new.reading, Context(local_readers=sum(
-                1 for reader in new.reading.readers if reader.cpu_ns is not None)), self.disk_rates.best)
+            local = sum(1 for reader in new.reading.readers if reader.cpu_ns is not None)
+            self.bottleneck = diagnose(self.last.reading, new.reading, Context(
+                local_readers=local, batch_size=new.batch_size, row_bytes=new.row_bytes), self.disk_rates.best)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
 
