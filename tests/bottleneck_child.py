@@ -1,12 +1,13 @@
-"""A trainer for test_bottleneck.py's throttled disk: it joins the cgroup it is given (so its
-fork server and readers, its descendants, are in it too), reads a .npy with two readers and
-a trainer that does nothing, and asks stats()["bottleneck"] and `top`'s view of its ring
+"""A trainer for test_bottleneck.py's throttled disk: it joins the cgroups it is given (so its
+fork server and readers, its descendants, are in them too), reads a .npy with two readers
+(and the loader's OPTIONS, a JSON object, where given) and a trainer that does nothing, and asks stats()["bottleneck"] and `top`'s view of its ring
 (tools/monitor.py, as `shmloader top` draws it) what limits it, until both name the stage
 it is told to expect (and, where given, both lines hold WORDS) or a deadline passes. Prints
 one JSON line: the last verdicts (stats()'s and top's), top's screen, and the stages seen.
 Not a test module.
 
-Usage: bottleneck_child.py CGROUP_PROCS_PATH DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS [WORDS]
+Usage: bottleneck_child.py CGROUP_PROCS_PATHS DATA_PATH EXPECTED_STAGE DEADLINE_SECONDS [WORDS [OPTIONS]]
+(CGROUP_PROCS_PATHS: one or more, joined by commas.)
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ def main() -> None:
     die_with_parent()
     procs_path, data_path, expected, deadline_s = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     words = sys.argv[5] if len(sys.argv) > 5 else ""
+    options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
+    # Looking on for this long at least: a verdict that must hold past a point (a group's limit reached).
+    at_least = time.monotonic() + options.pop("look_seconds_min", 0.0)
     # Joined after the imports: the interpreter's own files are not the reads under test.
-    with open(procs_path, "w") as procs:
-        procs.write(str(os.getpid()))
+    for path in procs_path.split(","):
+        with open(path, "w") as procs:
+            procs.write(str(os.getpid()))
     seen, verdict, screen, top = [], None, "", None
     deadline = time.monotonic() + deadline_s
-    with ShmDataLoader({"x": data_path}, batch_size=_BATCH_ROWS, readers=2) as loader:
+    with ShmDataLoader({"x": data_path}, **{"batch_size": _BATCH_ROWS, "readers": 2, **options}) as loader:
         monitor = Monitor([loader.diagnostics.ring_name])
         monitor.refresh()
         look_at = time.monotonic() + _LOOK_SECONDS
@@ -52,8 +57,10 @@ def main() -> None:
             top = views[0].bottleneck if views else None
             screen = render_text(monitor)
             seen.append([verdict["stage"], top["stage"] if top else None])
+            print(verdict["line"], verdict["detail"], file=sys.stderr, flush=True)  # For a failure's message.
             said = words in verdict["line"] and top is not None and words in top["line"]
-            if (seen[-1] == [expected, expected] and said) or time.monotonic() > deadline:
+            if (seen[-1] == [expected, expected] and said and time.monotonic() > at_least) or \
+                    time.monotonic() > deadline:
                 break
     print(json.dumps({"verdict": verdict, "top": screen, "top_verdict": top, "seen": seen}), flush=True)
 

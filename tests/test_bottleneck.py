@@ -3,12 +3,14 @@ that one stage dominates by a wide margin (a training step of 50 ms against fill
 millisecond, a __getitem__ or transform that sleeps 50 ms against a trainer that does not,
 batches the trainer keeps, a fill that does not end, which the stall warning names too, a
 store behind a slow link, and cold data read through a blkio cgroup that throttles the disk,
-which `top` names too); and diagnose() itself on counters written by hand for every stage,
+which `top` names too, within a memory group smaller than the data: the disk where the
+shuffle_window fits the group, the page cache's memory where it does not); and diagnose() itself on counters written by hand for every stage,
 cores free or not. (A node cache below the data: test_cache_budget.py.)
 No assertion compares timings: each case is limited by one stage whatever the machine's load."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +30,7 @@ from shmloader import ReaderStallWarning, ShmDataLoader
 from shmloader.readers import supervision
 from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters, Reading, diagnose, zero_reading
 from shmloader.readers.disk_device import DiskCounters
+from shmloader.readers.page_cache import MemoryCounters
 
 # A training step, or a sample's __getitem__, that dominates what the other side takes.
 _SLOW_SECONDS = 0.05
@@ -38,6 +41,21 @@ _LINK_BYTES_PER_SECOND = 2e6
 _DISK_BYTES_PER_SECOND = 1 << 20
 # cgroup v1's blkio hierarchy, where this host has one.
 _BLKIO_ROOT = pathlib.Path("/sys/fs/cgroup/blkio")
+# cgroup v1's memory hierarchy; a group made in this process's own there holds the page
+# cache its child reads to this much: about the loader's own memory (its processes, ~45 MB)
+# and the ~50 MB of pages a fitting window's pass keeps, with room to spare (in 80 MiB such a
+# pass read its blocks again once the group was full).
+_MEMORY_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
+_MEMORY_GROUP_BYTES = 128 << 20
+# Rows of 4 KiB, 320 MiB of them (more than twice the group), read at 32 MiB/s: the disk
+# limits a pass in any load a CI machine has, and the group's worth is read in seconds.
+_LARGE_ROWS, _STREAM_BYTES_PER_SECOND = 81920, 32 << 20
+# A window of 16 MiB of rows (blocks of 2 MiB: plan/planner.shuffle_block_rows), with the
+# blocks read ahead 24 MiB, fits the group beside the loader; one of 192 MiB (blocks of
+# 24 MiB, 288 MiB asked for) does not.
+_WINDOW_FITS_ROWS, _WINDOW_TOO_LARGE_ROWS = 4096, 49152
+# The fitting window's child looks on this long: past the group's worth read at the throttle's rate.
+_LOOK_PAST_THE_LIMIT_SECONDS = 6.0
 # The child trainer's bound on asking what limits it, and the test's on the child.
 _CHILD_DEADLINE_SECONDS, _CHILD_TIMEOUT_SECONDS = 30.0, 90.0
 
@@ -236,6 +254,26 @@ def test_the_disk_verdict_compares_the_readers_reads_with_their_disks_window():
         verdict["line"] and "more readers would not help" in verdict["line"], verdict
 
 
+@pytest.mark.parametrize("case, read_bytes, refault_bytes, stage", [
+    ("reads again what the group evicted", 6 * 10**9, 5 * 10**9, "memory"),
+    ("a cold pass's read-ahead, nothing read again", 6 * 10**9, 0, "disk"),
+    ("a later pass over data larger than memory, each byte once", 10**9, 10**9, "disk"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_the_memory_verdict_needs_reads_past_the_rows_and_refaults(case, read_bytes, refault_bytes, stage):
+    """Readers blocked on storage that delivered 100 steps of 1,000 rows of 10 kB (1 GB) each:
+    the page cache's memory is named only where they read more than the rows need and much
+    of it was refaulted; its words name the group and its limit."""
+    readers = [_reader(10, read_s=9, cpu_s=2, storage_bytes=read_bytes // 2)] * 2
+    before, after = _readings(readers, waited_s=6)
+    before = dataclasses.replace(before, memory=MemoryCounters(10**6, 2**30, "/jobs/a"))
+    after = dataclasses.replace(after, memory=MemoryCounters(10**6 + refault_bytes, 2**30, "/jobs/a"))
+    verdict = diagnose(before, after, Context(local_readers=2, batch_size=1000, row_bytes=5000.0))
+    assert verdict["stage"] == stage, (case, verdict)
+    assert verdict["detail"]["read_amplification"] == read_bytes / 10**9, (case, verdict)
+    if stage == "memory":
+        assert "the page cache (the memory group /jobs/a's limit of 1,024 MiB) cannot hold" in verdict["line"], verdict
+
+
 def test_the_meter_judges_from_the_reading_before_once_it_has_one():
     """The first diagnosis counts from the ring's start; the next from the reading before,
     leaving a slow start-up out."""
@@ -317,13 +355,13 @@ def _whole_disk(path: pathlib.Path) -> str:
 
 def _remove_group(group: pathlib.Path) -> None:
     """Removes cgroup `group` once its processes have gone: the child trainer's readers and fork
-    server die with it (PR_SET_PDEATHSIG); any still there are moved back to the root group,
+    server die with it (PR_SET_PDEATHSIG); any still there are moved back to the group above,
     which a cgroup's removal needs."""
     procs = group / "cgroup.procs"
     wait_until(lambda: not procs.read_text().split(), timeout=10, interval=0.05)
     for pid in procs.read_text().split():
         try:
-            (_BLKIO_ROOT / "cgroup.procs").write_text(pid)
+            (group.parent / "cgroup.procs").write_text(pid)
         except ProcessLookupError:
             pass  # Exited meanwhile.
     assert wait_until(lambda: _removed(group), timeout=10, interval=0.05), f"{group} could not be removed"
@@ -339,28 +377,35 @@ def _removed(group: pathlib.Path) -> bool:
     return True
 
 
-@pytest.fixture
-def throttled_disk(tmp_path):
-    """A blkio cgroup (v1) that limits reads from the disk under tmp_path to
-    _DISK_BYTES_PER_SECOND: its cgroup.procs file, for the test's child trainer to join.
-    Removed at the end, however the test ends. Skips where the host has no such controller
-    or it cannot be written (cgroup v2 alone, a container's read-only /sys, not root)."""
-    device = _whole_disk(tmp_path)
-    if not (_BLKIO_ROOT / "blkio.throttle.read_bps_device").exists():
-        pytest.skip(f"no cgroup v1 blkio controller at {_BLKIO_ROOT}: no throttled disk to test against")
-    group = _BLKIO_ROOT / f"shmloader-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def _group(root: pathlib.Path, setting: str, value: str):
+    """A new cgroup (v1) under `root` with `setting` written `value`: its cgroup.procs file,
+    for the test's child trainer to join. Removed at the end, however the test ends. Skips
+    where the host has no such controller or it cannot be written (cgroup v2 alone, a
+    container's read-only /sys, not root)."""
+    if not (root / setting).exists():
+        pytest.skip(f"no cgroup v1 controller with {setting} at {root}: no group to test in")
+    group = root / f"shmloader-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         group.mkdir()
     except OSError as error:
-        pytest.skip(f"cannot make a blkio cgroup at {group}: {error}")
+        pytest.skip(f"cannot make a cgroup at {group}: {error}")
     try:
         try:
-            (group / "blkio.throttle.read_bps_device").write_text(f"{device} {_DISK_BYTES_PER_SECOND}")
+            (group / setting).write_text(value)
         except OSError as error:
-            pytest.skip(f"cannot throttle disk {device} in {group}: {error}")
+            pytest.skip(f"cannot write {value!r} to {group / setting}: {error}")
         yield group / "cgroup.procs"
     finally:
         _remove_group(group)
+
+
+@pytest.fixture
+def throttled_disk(tmp_path):
+    """A blkio group that limits reads from the disk under tmp_path to _DISK_BYTES_PER_SECOND."""
+    with _group(_BLKIO_ROOT, "blkio.throttle.read_bps_device", f"{_whole_disk(tmp_path)} {_DISK_BYTES_PER_SECOND}") \
+            as procs:
+        yield procs
 
 
 def _cold(path: pathlib.Path) -> None:
@@ -381,19 +426,7 @@ def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path
     (the child trainer asks them in turn: bottleneck_child.py)."""
     path = tmp_path / "rows.npy"
     np.save(path, np.random.default_rng(11).integers(0, 256, size=(8192, 4096), dtype=np.uint8))
-    _cold(path)
-    child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("bottleneck_child.py")),
-                              str(throttled_disk), str(path), "disk", str(_CHILD_DEADLINE_SECONDS),
-                              "the readers' cgroup limits reads"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
-    try:
-        output, errors = child.communicate(timeout=_CHILD_TIMEOUT_SECONDS)
-    finally:
-        child.kill()
-        child.wait()
-    assert child.returncode == 0 and output, (child.returncode, errors)
-    assert wait_until(lambda: not our_shm_entries(child.pid), timeout=10), our_shm_entries(child.pid)
-    found = json.loads(output)
+    found = _child_verdicts([throttled_disk], path, "disk", "the readers' cgroup limits reads")
     verdict = found["verdict"]
     assert verdict["stage"] == "disk", found
     assert "from storage" in verdict["advice"] and verdict["detail"]["readers_blocked"] >= 0.5, found
@@ -405,6 +438,84 @@ def test_cold_rows_on_a_throttled_disk_name_disk_reads_in_stats_and_top(tmp_path
         assert said["detail"]["device_read_limit_bytes_per_s"] == _DISK_BYTES_PER_SECOND, found
         assert said["detail"]["device_read_limit_source"].endswith(throttled_disk.parent.name), found
         assert "the readers' cgroup limits reads from it to 1 MB/s" in said["line"], found
+
+
+def _child_verdicts(groups: list[pathlib.Path], path: pathlib.Path, expected: str, words: str,
+                    options: dict | None = None) -> dict:
+    """What bottleneck_child.py, in `groups` (their cgroup.procs files), saw reading `path` cold."""
+    _cold(path)
+    child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("bottleneck_child.py")),
+                              ",".join(map(str, groups)), str(path), expected, str(_CHILD_DEADLINE_SECONDS), words,
+                              json.dumps(options or {})],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_environment())
+    try:
+        output, errors = child.communicate(timeout=_CHILD_TIMEOUT_SECONDS)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0 and output, (child.returncode, errors)
+    assert wait_until(lambda: not our_shm_entries(child.pid), timeout=10), our_shm_entries(child.pid)
+    found = json.loads(output)
+    found["errors"] = errors[-4000:]  # Each verdict the child saw, for a failure's message.
+    return found
+
+
+def _own_memory_group() -> pathlib.Path:
+    """This process's cgroup v1 memory group: a test's group is made inside it, so that the
+    host's limits above still hold."""
+    for line in pathlib.Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, group = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return _MEMORY_ROOT / group.strip("/")
+    pytest.skip("this process is in no cgroup v1 memory group: no memory group to test in")
+
+
+@pytest.fixture
+def memory_and_disk(tmp_path):
+    """A memory group of _MEMORY_GROUP_BYTES (its page cache counted against it) and a blkio
+    group that limits reads from the disk under tmp_path to _STREAM_BYTES_PER_SECOND."""
+    throttle = f"{_whole_disk(tmp_path)} {_STREAM_BYTES_PER_SECOND}"
+    with _group(_own_memory_group(), "memory.limit_in_bytes", str(_MEMORY_GROUP_BYTES)) as memory, \
+            _group(_BLKIO_ROOT, "blkio.throttle.read_bps_device", throttle) as disk:
+        yield [memory, disk]
+
+
+def _rows_larger_than_the_group(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "rows.npy"
+    np.save(path, np.random.default_rng(13).integers(0, 256, size=(_LARGE_ROWS, 4096), dtype=np.uint8))
+    assert path.stat().st_size > 2 * _MEMORY_GROUP_BYTES
+    return path
+
+
+def test_a_window_that_fits_a_memory_group_over_larger_data_names_the_throttled_disk(tmp_path, memory_and_disk):
+    """Rows twice the memory group's size, read cold through a shuffle_window whose blocks
+    (and those read ahead) fit the group beside the loader's own memory: each byte is read
+    about once and nothing is read again, so for as long as the child looks (past the point
+    where the group would be full) the verdict is the disk, the throttled one, never memory."""
+    found = _child_verdicts(memory_and_disk, _rows_larger_than_the_group(tmp_path), "disk",
+                            "the readers' cgroup limits reads",
+                            {"mode": "shuffle", "seed": 1, "shuffle_window": _WINDOW_FITS_ROWS,
+                             "look_seconds_min": _LOOK_PAST_THE_LIMIT_SECONDS})
+    verdict = found["verdict"]
+    assert verdict["stage"] == "disk" and found["top_verdict"]["stage"] == "disk", found
+    assert all("memory" not in pair for pair in found["seen"]), found
+    _assert_names_the_disk(verdict, _disk_name(_whole_disk(tmp_path)), found)
+    assert verdict["detail"]["read_amplification"] < 1.5 and verdict["detail"]["refaulted_share"] < 0.25, found
+    assert verdict["detail"]["memory_limit_bytes"] == _MEMORY_GROUP_BYTES, found
+
+
+def test_a_window_larger_than_its_memory_group_names_the_page_cache(tmp_path, memory_and_disk):
+    """The same rows, group and disk, through a window whose blocks read ahead take twice
+    the group: the blocks read ahead are evicted before their rows are dealt and read again, and
+    stats() and top name the page cache's memory, the group and its limit, not the disk."""
+    found = _child_verdicts(memory_and_disk, _rows_larger_than_the_group(tmp_path), "memory",
+                            "cannot hold what the readers read ahead",
+                            {"mode": "shuffle", "seed": 1, "shuffle_window": _WINDOW_TOO_LARGE_ROWS})
+    for said in (found["verdict"], found["top_verdict"]):
+        assert said["stage"] == "memory", found
+        assert said["detail"]["read_amplification"] >= 1.5 and said["detail"]["refaulted_share"] >= 0.25, found
+        assert f"{memory_and_disk[0].parent.name}'s limit of {_MEMORY_GROUP_BYTES >> 20} MiB" in said["line"], found
+    assert "bottleneck: the page cache's memory at" in found["top"], found
 
 
 def _disk_name(device: str) -> str:

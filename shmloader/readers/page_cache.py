@@ -40,12 +40,14 @@ _UNLIMITED_BYTES = 1 << 60
 # Groups above the readers' own looked at for a v2 limit (cgroup trees are shallow).
 _CGROUP_DEPTH_MAX = 16
 # Readers that read at least this many times the stored bytes of the rows they delivered...
-AMPLIFICATION_MIN = 2.0
+# (a cache short of memory reads a page twice at least: once read ahead, once when its row
+# is dealt after reclaim took it; a healthy pass reads about once; the kernel turns its own
+# read-around off for a file that misses often, so a thrashing reader may not read more)
+AMPLIFICATION_MIN = 1.5
 # ...of which at least this share were pages read again after reclaim evicted them, read
-# what the page cache could not keep. A half leaves room for the read-ahead of a window's
-# start or a refault of another process in the group.
-REFAULT_SHARE_MIN = 0.5
-
+# what the page cache could not keep. A quarter: thrashing grows its share over a few
+# windows, while a cold pass, warm data and the read-ahead of a start refault none.
+REFAULT_SHARE_MIN = 0.25
 
 @dataclasses.dataclass(frozen=True)
 class MemoryCounters:
