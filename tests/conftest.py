@@ -103,6 +103,16 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool
         time.sleep(interval)
 
 
+def torch_queue_threads_ended(timeout: float = 10.0) -> bool:
+    """Waits until the queue threads that a torch DataLoader's workers left in this process
+    have ended (torch closes its queues without joining their threads). A drop-in made
+    while they run finds other threads in the trainer and takes its spawn path (a fresh
+    interpreter importing torch per reader, seconds each) instead of the fork a script's
+    loop takes; past `timeout` it still runs, on that path."""
+    return wait_until(lambda: not any(thread.name == "QueueFeederThread" for thread in threading.enumerate()),
+                      timeout)
+
+
 def process_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie counts as gone). A reader forked by its fork server is
     reaped at once: /proc/PID can vanish between the open and the read (ESRCH)."""

@@ -28,6 +28,9 @@ class Rows:
         return {"x": np.full(3, index, dtype=np.int64)}
 
 
+# The reader forks from the trainer as a script's does (test_kept_batches.py says why).
+@pytest.mark.timeout(120, method="signal")
+@pytest.mark.usefixtures("harness_threads_not_counted")
 def test_the_drop_in_names_prefetch_factor_and_the_batches_kept():
     """Kept batches get memory of their own (kept.py), except one held when the process
     forked, whose pages a child shares: the refusal that remains is in the drop-in's words."""

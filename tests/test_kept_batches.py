@@ -154,6 +154,11 @@ class Items:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
+# The readers fork from the trainer as a script's do: the harness's threads (pytest-timeout's
+# timer, threads other tests of this worker left) would send them to the spawn path, a fresh
+# interpreter importing torch per reader per epoch.
+@pytest.mark.timeout(120, method="signal")
+@pytest.mark.usefixtures("harness_threads_not_counted")
 def test_the_drop_in_keeps_every_batchs_tensors_and_a_peeked_batch_across_epochs(num_workers):
     torch = pytest.importorskip("torch")
     from shmloader.torch import DataLoader

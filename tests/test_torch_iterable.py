@@ -25,7 +25,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
-from conftest import examples  # noqa: E402
+from conftest import examples, torch_queue_threads_ended  # noqa: E402
 from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
 
 
@@ -108,13 +108,15 @@ def _cloned(batch):
 
 def both(dataset_of, count: int = 2, **arguments) -> tuple[list, list]:
     """(torch's epochs, the drop-in's) for the same arguments, each loader its own dataset.
-    The drop-in runs first: torch's workers leave queue threads behind a moment, which
-    would send the drop-in to its spawn path (tested elsewhere)."""
+    The drop-in runs first, and torch's queue threads are waited for after: made while
+    they run, the drop-in (here or in a later example) would take its spawn path (tested
+    elsewhere)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "more workers than cores" on a small host.
         with DataLoader(dataset_of(), **arguments) as loader:
             found = epochs_of(loader, count)
         expected = epochs_of(TorchDataLoader(dataset_of(), **arguments), count)
+    torch_queue_threads_ended()
     return expected, found
 
 
@@ -405,6 +407,7 @@ def test_a_stateful_dataset_resumes_from_each_workers_state(workers):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_epochs(epochs_of(TorchDataLoader(Counting(lengths), **arguments), 2), whole_run)
+    torch_queue_threads_ended()  # Or the next loaders would take the spawn path.
     stop = 2
     # In the second epoch: a persistent worker's copy (the trainer's, without workers)
     # was iterated once before, which iterating a new copy again would not give.
