@@ -57,6 +57,12 @@ def _window(before: dict, after: dict, seconds: float) -> dict:
     return {"wait_share": (after["wait_s"] - before["wait_s"]) / seconds, "readers_busy": busy / seconds}
 
 
+def last_decision(loader) -> str | None:
+    """Auto's last decision, in words (a change or not; stats() gives only the last change)."""
+    tuner = getattr(loader._session, "tuner", None)
+    return None if tuner is None or tuner.decision is None else tuner.decision.why
+
+
 def rank_child(dataset_type, argv: list[str]) -> None:
     """A rank's run (module note): writes rank-<RANK>.json and exits."""
     import torch.distributed as distributed
@@ -89,7 +95,8 @@ def rank_child(dataset_type, argv: list[str]) -> None:
         result = {"rank": rank, "rows": batches * loader.batch_size, "seconds": elapsed, "step_ms": step_s * 1e3,
                   "trainer_ms": 1e3 * cpu / max(1, batches), "readers": after["reader_count"],
                   "least": after.get("readers_least", after["reader_count"]), "slots": loader.slots,
-                  "change": after["reader_change"], "budget": (after["node_budget"] or {}).get("budget"),
+                  "change": after["reader_change"], "decision": last_decision(loader),
+                  "budget": (after["node_budget"] or {}).get("budget"),
                   **_window(before, after, elapsed)}
     with open(os.path.join(arguments.out, f"rank-{rank}.json"), "w") as handle:
         json.dump(result, handle)
@@ -203,5 +210,7 @@ def _world_rows(world: int, runs: dict[str, list[list[dict]]], notes: list[str])
                  f"{runs['auto'][-1][0]['budget']}")
     for ranks in runs["auto"][-1:]:
         changes = [f"rank {rank['rank']}: {rank['change']}" for rank in ranks if rank["change"] is not None]
-        notes.append(f"{case}: auto's last changes: {'; '.join(changes) or 'none'}")
+        decisions = [f"rank {rank['rank']}: {rank['decision']}" for rank in ranks if rank["decision"] is not None]
+        notes.append(f"{case}: auto's last changes: {'; '.join(changes) or 'none'}; last decisions: "
+                     f"{'; '.join(decisions) or 'none'}")
     return rows

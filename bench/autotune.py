@@ -23,6 +23,9 @@ and /sys/fs/cgroup/memory; bench/cold.py's), below the file's size, and the file
 dropped (posix_fadvise DONTNEED) before it starts: every run reads the file from the disk.
 Without the group (not root) the file is only dropped before each run, and the run says so.
 
+The run's loaders share a node reader budget of their own (SHMLOADER_BUDGET_SCOPE, unless set):
+another job's loaders on a shared host would otherwise hold part of auto's budget.
+
 stepchange: the fast phase lasts --fast-seconds; rows/s over it and over its part after
 --adapt-seconds (the time auto is given to adapt, 5 s; at most half the phase), and how long
 after the change auto's reader count first moved.
@@ -41,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _autotune_ranks import last_decision  # noqa: E402
 from _common import (  # noqa: E402
     add_write_argument,
     command_line,
@@ -160,7 +164,8 @@ def _run(case: str, data: dict, readers, slots, warmup_s: float, seconds: float,
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         stats = loader.stats()
         result = {"rows_per_s": batches * loader.batch_size / elapsed, "trainer_ms": 1e3 * cpu / max(1, batches),
-                  "readers": stats["reader_count"], "slots": loader.slots, "change": stats["reader_change"]}
+                  "readers": stats["reader_count"], "slots": loader.slots, "change": stats["reader_change"],
+                  "decision": last_decision(loader)}
         if marks:
             result.update(cpu_start=cpu_start, cpu_end=cpu_mark())
         return result
@@ -213,7 +218,7 @@ def _run_step_change(readers, slots, slow_s: float, seconds: float, step_ms: flo
         return {"rows_per_s": batches * loader.batch_size / elapsed, "trainer_ms": 1e3 * cpu / max(1, batches),
                 "late_rows_per_s": batches_late * loader.batch_size / (elapsed - adapt_s),
                 "readers_slow": readers_slow, "readers": loader.stats()["reader_count"], "adapted_s": adapted_s,
-                "slots": loader.slots, "change": loader.stats()["reader_change"]}
+                "slots": loader.slots, "change": loader.stats()["reader_change"], "decision": last_decision(loader)}
 
 
 def _contenders(readers: list[int]) -> list[tuple[str, object, object]]:
@@ -266,7 +271,8 @@ def _case_rows(case: str, runs: dict[str, list[dict]], notes: list[str]) -> list
         notes.append("cold: no memory group (needs root and /sys/fs/cgroup/memory): the file was dropped from the "
                      "page cache before each run only, and what a run read stayed cached within it")
     changes = [run["change"] for run in runs["auto"] if run["change"] is not None]
-    notes.append(f"{case}: best fixed {best}; auto's last change: {changes[-1] if changes else 'none'}")
+    notes.append(f"{case}: best fixed {best}; auto's last change: {changes[-1] if changes else 'none'}; its last "
+                 f"decision: {runs['auto'][-1]['decision']}")
     return rows
 
 
@@ -282,8 +288,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fast-seconds", type=float, default=8.0, help="stepchange: the fast phase's length")
     parser.add_argument("--adapt-seconds", type=float, default=5.0,
                         help="stepchange: the time auto is given to adapt after the change (at most half the phase)")
-    parser.add_argument("--cold-mib", type=float, default=768.0, help="cold: the file's size")
-    parser.add_argument("--cold-limit-mib", type=float, default=256.0, help="cold: the memory group's limit")
+    parser.add_argument("--cold-mib", type=float, default=1536.0, help="cold: the file's size")
+    parser.add_argument("--cold-limit-mib", type=float, default=512.0, help="cold: the memory group's limit")
     parser.add_argument("--ranks", default="2,4", help="torchrun: the rank counts measured")
     parser.add_argument("--rank-step-ms", type=float, default=20.0,
                         help="torchrun: the slowest rank's step; rank r's is r / (ranks - 1) of it")
@@ -301,6 +307,10 @@ def main() -> int:
     arguments = _parser().parse_args()
     if arguments.child:
         _run_child(arguments)
+    # The run's loaders (the cold children and the torchrun ranks too) share a node budget of
+    # their own: on a shared host another job's loaders would hold part of it, which limits
+    # auto and no fixed contender, and the comparison would measure them.
+    os.environ.setdefault("SHMLOADER_BUDGET_SCOPE", f"autotune-bench-{os.getpid()}")
     cases = arguments.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
