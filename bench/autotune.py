@@ -263,8 +263,9 @@ def _case_rows(case: str, runs: dict[str, list[dict]], notes: list[str]) -> list
         late = {name: statistics.median(run["late_rows_per_s"] for run in found) for name, found in runs.items()}
         adapted = [run["adapted_s"] for run in runs["auto"] if run["adapted_s"] is not None]
         best_late = max((name for name in late if name != "auto"), key=late.get)
-        notes.append(f"stepchange: after the step got fast, auto's readers moved "
-                     f"{', '.join(f'{seconds:.2f}' for seconds in adapted) or 'never'} s after the change; "
+        moved = f"{', '.join(f'{seconds:.2f}' for seconds in adapted)} s after the change" if adapted else "never"
+        notes.append(f"stepchange: after the step got fast, auto's readers moved {moved} "
+                     f"({len(adapted)} of {len(runs['auto'])} rounds); "
                      f"rows/s after the time given to adapt, auto / best fixed ({best_late}): "
                      f"{late['auto'] / late[best_late]:.2f}")
     if case == "cold" and not all(run.get("grouped") for found in runs.values() for run in found):
