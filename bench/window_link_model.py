@@ -1,6 +1,6 @@
 """A model, not a measurement: how much of a store's link the block-local shuffle can use
 over its first N batches, and what it costs in randomness, for today's order and for
-candidate orders (issue 61, item 2). Pure arithmetic: no network, no files.
+candidate orders (the first batches of a window over a store). Pure arithmetic: no network, no files.
 
 The link's share over N batches, counted from the constructor, is at most
 
