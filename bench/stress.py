@@ -303,7 +303,8 @@ def main() -> int:
           f"{replaced_named}")
     print(f"forking transform (700 batches, 100 forks): {forked_wrong} wrong, {forked_out_of_order} out of order")
     clean = out_of_order == wrong == len(left) == sum(leaks.values()) == 0 and replaced_named and \
-        replaced_wrong == forked_wrong == forked_out_of_order == joined["wrong"] == joined["out_of_order"] == 0
+        replaced_wrong == forked_wrong == forked_out_of_order == joined["wrong"] == joined["out_of_order"] == 0 and \
+        joined["delivered"] > 0 and all(joined["actions"].values())  # Every kind of join, leave and fault done.
     return 0 if clean and restarts >= killed - 1 else 1
 
 

@@ -147,14 +147,15 @@ FULL_COLLECTION_SECONDS = 10.0
 _last_full_collection: float | None = None
 
 
-def _collect_garbage() -> None:
+def _collect_garbage(now: float | None = None, collect=gc.collect) -> None:
+    """`now` (time.monotonic's) and `collect` (gc.collect): what the tests give instead."""
     global _last_full_collection
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
     if _last_full_collection is None or now - _last_full_collection >= FULL_COLLECTION_SECONDS:
-        gc.collect()
+        collect()
         _last_full_collection = now
     else:
-        gc.collect(1)
+        collect(1)
 
 
 class TrainerFork(ForkServer):
