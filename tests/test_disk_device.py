@@ -40,6 +40,21 @@ _DISKS = {
     "loop0": ("virtual/block/loop0", (7, 0), "0"),
     "loop1": ("virtual/block/loop1", (7, 1), "0"),
 }
+# The tree's other numbers: a partition, a device with no stat file, one sysfs does not know.
+_OTHER_NUMBERS = {"sda1": (8, 1), "ram0": (1, 0), "unknown": (0, 99)}
+# Added to every major of the tree where the real device of the test's tmp directory has one
+# of the tree's numbers (8:1 on many CI VMs, 253:x under LVM, 7:x on a loop mount): the real
+# number is then linked to nvme0n1 without hiding one of the tree's own devices.
+_MAJOR_SHIFT = 1000
+
+
+def _numbers(real: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    """The device number of each name in the tree, none of them `real` (a file's real st_dev)."""
+    numbers = {name: number for name, (_, number, _) in _DISKS.items()} | _OTHER_NUMBERS
+    if real in numbers.values():
+        numbers = {name: (major + _MAJOR_SHIFT, minor) for name, (major, minor) in numbers.items()}
+    assert real not in numbers.values()
+    return numbers
 
 
 def _link(link: pathlib.Path, target: pathlib.Path) -> None:
@@ -48,12 +63,15 @@ def _link(link: pathlib.Path, target: pathlib.Path) -> None:
     link.symlink_to(os.path.relpath(target, link.parent))
 
 
-def _tree(root: pathlib.Path, backing: pathlib.Path) -> pathlib.Path:
+def _tree(root: pathlib.Path, backing: pathlib.Path) -> dict[str, tuple[int, int]]:
     """A sysfs under `root`: sda with partition sda1, nvme0n1, dm-0 over sda1, dm-1 over sda1
     and nvme0n1, loop0 backed by `backing` (a real file, whose real device number is made
-    to name nvme0n1 here), loop1 backed by a file that is gone."""
+    to name nvme0n1 here), loop1 backed by a file that is gone; the number of each name."""
+    real = backing.stat().st_dev
+    numbers = _numbers((os.major(real), os.minor(real)))
     devices = root / "sys/devices"
-    for name, (place, (major, minor), spins) in _DISKS.items():
+    for name, (place, _, spins) in _DISKS.items():
+        major, minor = numbers[name]
         directory = devices / place
         (directory / "queue").mkdir(parents=True)
         (directory / "stat").write_text("0 " * 17)
@@ -65,48 +83,74 @@ def _tree(root: pathlib.Path, backing: pathlib.Path) -> pathlib.Path:
     partition.mkdir()
     (partition / "partition").write_text("1\n")
     (partition / "stat").write_text("0 " * 17)
-    _link(root / "sys/dev/block/8:1", partition)
+    _link(root / "sys/dev/block/{}:{}".format(*numbers["sda1"]), partition)
     _link(devices / _DISKS["dm-0"][0] / "slaves/sda1", partition)
     _link(devices / _DISKS["dm-1"][0] / "slaves/sda1", partition)
     _link(devices / _DISKS["dm-1"][0] / "slaves/nvme0n1", devices / _DISKS["nvme0n1"][0])
     for name, file in (("loop0", backing), ("loop1", root / "gone.img")):
         (devices / _DISKS[name][0] / "loop").mkdir()
         (devices / _DISKS[name][0] / "loop/backing_file").write_text(f"{file}\n")
-    real = backing.stat().st_dev
-    if (os.major(real), os.minor(real)) not in [number for _, number, _ in _DISKS.values()] + [(8, 1)]:
-        _link(root / f"sys/dev/block/{os.major(real)}:{os.minor(real)}", devices / _DISKS["nvme0n1"][0])
+    _link(root / f"sys/dev/block/{os.major(real)}:{os.minor(real)}", devices / _DISKS["nvme0n1"][0])
     (devices / "virtual/block/ram0").mkdir(parents=True)  # A device with no stat file.
-    _link(root / "sys/dev/block/1:0", devices / "virtual/block/ram0")
-    return root
+    _link(root / "sys/dev/block/{}:{}".format(*numbers["ram0"]), devices / "virtual/block/ram0")
+    return numbers
 
 
 @pytest.fixture
 def tree(tmp_path):
     backing = tmp_path / "backing.img"
     backing.write_bytes(b"\0" * 4096)
-    return _tree(tmp_path / "root", backing), backing
+    root = tmp_path / "root"
+    return root, backing, _tree(root, backing)
 
 
-@pytest.mark.parametrize("case, number, expected", [
-    ("a disk is itself", (8, 0), "sda"),
-    ("a partition is its disk", (8, 1), "sda"),
-    ("device-mapper over one partition is that partition's disk", (253, 0), "sda"),
-    ("device-mapper over two devices is itself: its counters are the whole", (253, 1), "dm-1"),
-    ("a loop device is its backing file's disk", (7, 0), "nvme0n1"),
-    ("a loop device whose backing file is gone is itself", (7, 1), "loop1"),
-    ("a device with no stat file is none", (1, 0), None),
-    ("a number sysfs does not know (tmpfs, overlay) is none", (0, 99), None),
-], ids=lambda value: value if isinstance(value, str) else "")
-def test_a_device_number_resolves_to_the_disk_that_holds_it(tree, case, number, expected):
-    root, _ = tree
-    assert disk_of(os.makedev(*number), str(root)) == expected, case
+_RESOLVED = [
+    ("a disk is itself", "sda", "sda"),
+    ("a partition is its disk", "sda1", "sda"),
+    ("device-mapper over one partition is that partition's disk", "dm-0", "sda"),
+    ("device-mapper over two devices is itself: its counters are the whole", "dm-1", "dm-1"),
+    ("a loop device is its backing file's disk", "loop0", "nvme0n1"),
+    ("a loop device whose backing file is gone is itself", "loop1", "loop1"),
+    ("a device with no stat file is none", "ram0", None),
+    ("a number sysfs does not know (tmpfs, overlay) is none", "unknown", None),
+]
+
+
+@pytest.mark.parametrize("case, name, expected", _RESOLVED, ids=[case for case, _, _ in _RESOLVED])
+def test_a_device_number_resolves_to_the_disk_that_holds_it(tree, case, name, expected):
+    root, _, numbers = tree
+    assert disk_of(os.makedev(*numbers[name]), str(root)) == expected, case
+
+
+@pytest.mark.parametrize("real", [(8, 0), (8, 1), (253, 0), (253, 1), (7, 0), (7, 1), (259, 0), (1, 0), (0, 99),
+                                  (1008, 1)], ids=lambda real: "{}:{}".format(*real))
+def test_the_fake_tree_resolves_alike_whatever_device_the_tests_tmp_is_on(tmp_path, monkeypatch, real):
+    """The backing file's device reported as each of the tree's own numbers (as it is where
+    pytest's tmp is on sda1, LVM or a loop mount): every case resolves as on any other."""
+    backing = tmp_path / "backing.img"
+    backing.write_bytes(b"\0" * 4096)
+    stat = os.stat
+
+    def reported(path, *arguments, **keywords):
+        status = stat(path, *arguments, **keywords)
+        if os.fspath(path) != os.fspath(backing):
+            return status
+        fields = list(status)
+        fields[2] = os.makedev(*real)
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", reported)
+    numbers = _tree(tmp_path / "root", backing)
+    found = [disk_of(os.makedev(*numbers[name]), str(tmp_path / "root")) for _, name, _ in _RESOLVED]
+    assert found == [expected for _, _, expected in _RESOLVED], real
+    assert disks_of_paths([backing], str(tmp_path / "root")) == ("nvme0n1",)
 
 
 def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tree, tmp_path):
     """Files on one disk name it once; a path that is not there, a descriptor that is not a
     regular file or is closed, and a process without descriptors name none; no diskstats in
     the tree: no counters, nothing made up."""
-    root, backing = tree
+    root, backing, _ = tree
     assert disk_counters(("nvme0n1",), root=str(root)) == ()
     other = tmp_path / "other.npy"
     other.write_bytes(b"x")
@@ -139,10 +183,13 @@ def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tre
     ("a group path climbing out is cut", "12:blkio:/../../etc\n", {}, "sda", None),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_a_processs_cgroups_read_limit_on_a_disk_is_found(tree, case, cgroup, files, disk, expected):
-    root, _ = tree
+    root, _, numbers = tree
     (root / "proc/77").mkdir(parents=True)
     (root / "proc/77/cgroup").write_text(cgroup)
     for name, text in files.items():
+        # The cases name the usual numbers; the tree's may be shifted (_numbers).
+        for device in ("sda", "nvme0n1"):
+            text = text.replace("{}:{} ".format(*_DISKS[device][1]), "{}:{} ".format(*numbers[device]))
         path = root / "sys/fs/cgroup" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
