@@ -14,6 +14,7 @@ import tempfile
 
 import pytest
 
+from shmloader.readers import disk_device
 from shmloader.readers.disk_device import (
     SECTOR_BYTES,
     DiskCounters,
@@ -146,6 +147,33 @@ def test_the_fake_tree_resolves_alike_whatever_device_the_tests_tmp_is_on(tmp_pa
     assert disks_of_paths([backing], str(tmp_path / "root")) == ("nvme0n1",)
 
 
+def _reported_on(monkeypatch, devices: dict[pathlib.Path, tuple[int, int]]) -> None:
+    """os.stat reports each path of `devices` (or a link to it) on that device number, as a
+    file on another disk would be: tmp_path has one real device."""
+    stat = os.stat
+    numbers = {os.fspath(path): number for path, number in devices.items()}
+
+    def reported(path, *arguments, **keywords):
+        status = stat(path, *arguments, **keywords)
+        target = os.path.realpath(path) if keywords.get("follow_symlinks", True) else os.fspath(path)
+        if target not in numbers and os.fspath(path) not in numbers:
+            return status
+        fields = list(status)
+        fields[2] = os.makedev(*numbers.get(target, numbers.get(os.fspath(path))))
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", reported)
+
+
+def _open(root: pathlib.Path, pid: int, descriptor: int, target, flags: int) -> None:
+    """Descriptor `descriptor` of fake process `pid`: a link to `target`, and its fdinfo's
+    flags (octal, as the kernel writes them)."""
+    for folder in ("fd", "fdinfo"):
+        (root / f"proc/{pid}/{folder}").mkdir(parents=True, exist_ok=True)
+    (root / f"proc/{pid}/fd/{descriptor}").symlink_to(target)
+    (root / f"proc/{pid}/fdinfo/{descriptor}").write_text(f"pos:\t0\nflags:\t0{flags:o}\nmnt_id:\t24\n")
+
+
 def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tree, tmp_path):
     """Files on one disk name it once; a path that is not there, a descriptor that is not a
     regular file or is closed, and a process without descriptors name none; no diskstats in
@@ -155,14 +183,63 @@ def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tre
     other = tmp_path / "other.npy"
     other.write_bytes(b"x")
     assert disks_of_paths([backing, other, tmp_path / "not-there"], str(root)) == ("nvme0n1",)
-    descriptors = root / "proc/4242/fd"
-    descriptors.mkdir(parents=True)
-    (descriptors / "0").symlink_to("/dev/null")  # Not a regular file: not data.
-    (descriptors / "3").symlink_to(backing)
-    (descriptors / "4").symlink_to(other)
-    (descriptors / "5").symlink_to(tmp_path / "closed")
+    _open(root, 4242, 3, "/dev/null", os.O_RDONLY)  # Not a regular file: not data.
+    _open(root, 4242, 4, backing, os.O_RDONLY)
+    _open(root, 4242, 5, other, os.O_RDONLY | os.O_CLOEXEC)
+    _open(root, 4242, 6, tmp_path / "closed", os.O_RDONLY)
     assert disks_of_process(4242, str(root)) == ("nvme0n1",)
     assert disks_of_process(4243, str(root)) == ()
+
+
+def test_a_readers_disks_are_those_of_the_files_it_opened_for_reading(tree, tmp_path, monkeypatch):
+    """`python train.py > train.log` with the log on sda and the data on nvme0n1: the
+    reader's stdout and stderr (the log), a file it opened to append or to write and read,
+    and one whose fdinfo is gone are not its data; the files it opened read-only are."""
+    root, backing, numbers = tree
+    log, checkpoint, data = tmp_path / "train.log", tmp_path / "checkpoint.pt", tmp_path / "shard.npy"
+    for path in (log, checkpoint, data):
+        path.write_bytes(b"x")
+    _reported_on(monkeypatch, {log: numbers["sda"], checkpoint: numbers["sda"], data: numbers["loop0"]})
+    _open(root, 51, 0, "/dev/null", os.O_RDONLY)
+    _open(root, 51, 1, log, os.O_WRONLY | os.O_APPEND)
+    _open(root, 51, 2, log, os.O_RDONLY)  # Stderr a log opened read-only is still inherited.
+    _open(root, 51, 3, log, os.O_WRONLY | os.O_APPEND)
+    _open(root, 51, 4, checkpoint, os.O_RDWR)
+    assert disks_of_process(51, str(root)) == ()
+    _open(root, 51, 7, data, os.O_RDONLY)
+    (root / "proc/51/fd/8").symlink_to(log)  # No fdinfo: closed between the two reads.
+    assert disks_of_process(51, str(root)) == ("nvme0n1",)
+
+
+def test_a_readers_disks_are_looked_at_again_and_a_reused_pid_is_another_reader(tree, tmp_path, monkeypatch):
+    """top samples a reader before it opened its data: nothing is kept, and the next sample
+    finds the data's disk; a kept answer is looked at again after the refresh period (a
+    reader met a shard on another disk); a pid reused by a process started later answers
+    for itself at once."""
+    root, _, numbers = tree
+    first, second = tmp_path / "first.npy", tmp_path / "second.npy"
+    for path in (first, second):
+        path.write_bytes(b"x")
+    _reported_on(monkeypatch, {first: numbers["loop0"], second: numbers["sda"]})
+    started = {61: 1000}
+    monkeypatch.setattr(disk_device, "start_ticks", lambda pid: started.get(pid))
+    monkeypatch.setattr(disk_device, "_READER_DISKS", {})
+    refresh_s = disk_device._READER_DISKS_REFRESH_SECONDS
+    _open(root, 61, 1, tmp_path / "train.log", os.O_WRONLY)
+    (tmp_path / "train.log").write_bytes(b"")
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.0) == ()
+    _open(root, 61, 3, first, os.O_RDONLY)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.1) == ("nvme0n1",)
+    (root / "proc/61/fd/3").unlink()
+    (root / "proc/61/fd/3").symlink_to(second)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.1 + refresh_s / 2) == ("nvme0n1",)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.2 + refresh_s) == ("sda",)
+    started[61] = 2000  # Reused by a process started later: not the answer kept for the other.
+    (root / "proc/61/fd/3").unlink()
+    (root / "proc/61/fd/3").symlink_to(first)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.3 + refresh_s) == ("nvme0n1",)
+    del started[61]  # Gone: nothing.
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.4 + refresh_s) == ()
 
 
 @pytest.mark.parametrize("case, cgroup, files, disk, expected", [

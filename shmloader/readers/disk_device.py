@@ -22,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
+
+from .budget_record import start_ticks
 
 # /proc/diskstats counts sectors of 512 bytes whatever the device's own sector size.
 SECTOR_BYTES = 512
@@ -100,16 +103,25 @@ def disks_of_paths(paths, root: str = "/") -> tuple[str, ...]:
     return _names(disk_of(device, root) for device in devices)
 
 
+# Descriptors a reader inherits rather than opens for data: stdin, stdout, stderr (a trainer
+# started as `python train.py > train.log` hands every reader its log's descriptor).
+_INHERITED_DESCRIPTORS = frozenset({"0", "1", "2"})
+
+
 def disks_of_process(pid: int, root: str = "/") -> tuple[str, ...]:
-    """The disks of the regular files process `pid` holds open (its first DESCRIPTORS_MAX
-    descriptors): what `top`, which knows no loader's paths, reads a reader's disks from."""
+    """The disks of the regular files process `pid` holds open for reading only (its first
+    DESCRIPTORS_MAX descriptors past 0-2): what `top`, which knows no loader's paths, reads a
+    reader's disks from. A file open for writing (a log, a checkpoint the trainer opened
+    before the fork) is not data a reader reads."""
     directory = os.path.join(root, "proc", str(pid), "fd")
     try:
         descriptors = sorted(os.listdir(directory), key=lambda name: int(name) if name.isdigit() else -1)
     except OSError:
         return ()
     devices = []
-    for name in descriptors[:DESCRIPTORS_MAX]:
+    for name in [name for name in descriptors if name not in _INHERITED_DESCRIPTORS][:DESCRIPTORS_MAX]:
+        if not _read_only(os.path.join(root, "proc", str(pid), "fdinfo", name)):
+            continue
         try:
             status = os.stat(os.path.join(directory, name))
         except OSError:
@@ -119,23 +131,41 @@ def disks_of_process(pid: int, root: str = "/") -> tuple[str, ...]:
     return _names(disk_of(device, root) for device in devices)
 
 
-# The disks each reader's open files are on, by pid, once found: a reader opens its files as
-# it starts, so a pid with none yet is looked at again. Cleared when full (top watching
-# reader restarts for days).
-_READER_DISKS: dict[int, tuple[str, ...]] = {}
+def _read_only(fdinfo_path: str) -> bool:
+    """Whether /proc/PID/fdinfo/N's `flags` (octal) say the descriptor was opened O_RDONLY;
+    False where they cannot be read (closed meanwhile, another user's process)."""
+    for line in (_read(fdinfo_path, 4096) or "").splitlines():
+        name, _, value = line.partition(":")
+        value = value.strip()
+        if name == "flags" and value and all(digit in "01234567" for digit in value):
+            return int(value, 8) & os.O_ACCMODE == os.O_RDONLY
+    return False
+
+
+# The disks each reader's open files are on, by (pid, start time): a pid reused after a wrap
+# is another process. Looked at again while none are found (a reader opens its files as it
+# starts) and after _READER_DISKS_REFRESH_SECONDS (a reader opens shards as it meets them;
+# one glob may span disks). Cleared when full (top watching reader restarts for days).
+_READER_DISKS: dict[tuple[int, int], tuple[float, tuple[str, ...]]] = {}
 _READERS_KEPT_MAX = 256
+_READER_DISKS_REFRESH_SECONDS = 10.0
 
 
-def disks_of_reader(pid: int) -> tuple[str, ...]:
-    """disks_of_process(pid), kept once found."""
-    if pid not in _READER_DISKS:
-        disks = disks_of_process(pid)
-        if not disks:
-            return ()
-        if len(_READER_DISKS) >= _READERS_KEPT_MAX:
-            _READER_DISKS.clear()
-        _READER_DISKS[pid] = disks
-    return _READER_DISKS[pid]
+def disks_of_reader(pid: int, root: str = "/", now_s: float | None = None) -> tuple[str, ...]:
+    """disks_of_process(pid), kept for a while once found (see _READER_DISKS); `now_s`: a
+    monotonic time in seconds (tests)."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return ()  # Gone, or a zombie: it reads nothing.
+    now_s = time.monotonic() if now_s is None else now_s
+    kept = _READER_DISKS.get((pid, ticks))
+    if kept is not None and kept[1] and now_s - kept[0] < _READER_DISKS_REFRESH_SECONDS:
+        return kept[1]
+    disks = disks_of_process(pid, root)
+    if len(_READER_DISKS) >= _READERS_KEPT_MAX:
+        _READER_DISKS.clear()
+    _READER_DISKS[(pid, ticks)] = (now_s, disks)
+    return disks
 
 
 def _names(names) -> tuple[str, ...]:
