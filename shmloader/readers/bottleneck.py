@@ -105,14 +105,16 @@ class Context:
     "the dataset's __getitem__", or None for fields read as they are; `compressed`: whether
     a field is compressed (reading it is decompression); `local_readers`: reader processes
     on this node (readers=0: none, the trainer fills); `batch_size`, and `row_bytes`: the
-    stored bytes a row's fields take (None: unknown, a dataset's), which the readers' reads
-    are compared with (page_cache.py)."""
+    stored bytes a row's fields take, which the readers' reads are compared with
+    (page_cache.py); None: unknown, for the reason `row_bytes_missing` (the memory verdict is
+    then not given, and the detail says why)."""
 
     user_code: str | None = None
     compressed: bool = False
     local_readers: int = 0
     batch_size: int = 0
     row_bytes: float | None = None
+    row_bytes_missing: str = "a dataset's rows have no stored bytes to compare the readers' reads with"
 
 
 def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = ()) -> Reading:
@@ -294,6 +296,8 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
                            rows * context.row_bytes if context.row_bytes else None)
     if memory is not None:
         detail.update(memory)
+    elif context.row_bytes is None and after.memory is not None:
+        detail["page_cache"] = f"not judged: {context.row_bytes_missing}"
     # Before the disk and CPU verdicts: a group short of memory reads again (the disk works) and
     # reclaims (readers wait for a core), and neither a disk nor more readers would help.
     if largest == "read" and memory is not None and memory["page_cache_short"]:
