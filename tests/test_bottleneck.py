@@ -275,6 +275,31 @@ def test_the_memory_verdict_needs_reads_past_the_rows_and_refaults(case, read_by
         assert "the page cache (the memory group /jobs/a's limit of 1,024 MiB) cannot hold" in verdict["line"], verdict
 
 
+def test_a_mixtures_stored_bytes_per_row_weigh_each_source_by_the_rows_it_delivers(tmp_path):
+    """A source of 1% of the rows, each of 32,768 tokens, at half the weight, beside 12,672
+    short documents: the stored bytes a delivered row takes, which the readers' reads are
+    compared with, are the mean over the rows the sampler deals (each row's tokens, as
+    written here: 16 MiB, whole chunks of the file) and not the mean over all rows, 48 times
+    lower."""
+    from shmloader import Padded, Source
+    from shmloader.tools.convert import write_ragged
+
+    rng = np.random.default_rng(5)
+    short = [rng.integers(0, 1000, size=32, dtype=np.int32) for _ in range(12_672)]
+    long = [rng.integers(0, 1000, size=32768, dtype=np.int32) for _ in range(128)]
+    write_ragged(tmp_path / "short.ragged", short, codec="none")
+    write_ragged(tmp_path / "long.ragged", long, codec="none")
+    sources = [Source({"tokens": Padded(str(tmp_path / name), max_length=32768)}, weight=1)
+               for name in ("short.ragged", "long.ragged")]
+    with ShmDataLoader(sources, batch_size=8, readers=1, seed=3, slots=4) as loader:
+        row_bytes = loader._session.meter.context.row_bytes
+        sampler = loader._session.plan.sampler
+        dealt = [(short, long)[int(source)][int(row)].nbytes for step in range(200)
+                 for row, source in zip(*sampler.fill(step))]
+    assert row_bytes == pytest.approx(np.mean(dealt), rel=0.05), (row_bytes, np.mean(dealt))
+    assert row_bytes > 40 * sum(document.nbytes for document in short + long) / 12_800, row_bytes
+
+
 def test_the_meter_judges_from_the_reading_before_once_it_has_one():
     """The first diagnosis counts from the ring's start; the next from the reading before,
     leaving a slow start-up out."""

@@ -179,9 +179,21 @@ def plan_context(plan, dataset: bool, local_readers: int) -> Context:
                      for field in plan.fields for part in field.parts)
     if not plan.plans:
         return Context(user_code, compressed, local_readers)
-    rows = sum(next(iter(plan.plans.values())).row_counts)
-    row_bytes = sum(field.stored_bytes for field in plan.fields) / max(1, rows)
-    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, row_bytes)
+    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, stored_bytes_per_row(plan))
+
+
+def stored_bytes_per_row(plan) -> float:
+    """The stored bytes of a row the readers deliver, on average: a mixture's rows come from
+    each source at its weight's share of every block of sum(weights) positions
+    (plan/sources.py), whatever its size or fraction, so each source's bytes per row count
+    at that share (a source of 1% of the rows at half the weight is half of what is read)."""
+    counts = next(iter(plan.plans.values())).row_counts
+    weights = getattr(plan.sampler, "weights", None) if getattr(plan.sampler, "has_sources", False) else None
+    if weights is None or len(weights) != len(counts):
+        return sum(field.stored_bytes for field in plan.fields) / max(1, sum(counts))
+    per_row = [sum(field.source_bytes(source) for field in plan.fields) / max(1, count)
+               for source, count in enumerate(counts)]
+    return sum(weight * row_bytes for weight, row_bytes in zip(weights, per_row)) / sum(weights)
 
 
 # The diagnosis.
