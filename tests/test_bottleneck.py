@@ -275,6 +275,38 @@ def test_the_memory_verdict_needs_reads_past_the_rows_and_refaults(case, read_by
         assert "the page cache (the memory group /jobs/a's limit of 1,024 MiB) cannot hold" in verdict["line"], verdict
 
 
+@pytest.mark.parametrize("case, window_s, group, words", [
+    ("an epoch start's read-ahead on a second pass, seen over the stall warning's second", 1.0, "/jobs/a",
+     "not judged: a window of 1.0 s"),
+    ("the machine's counters (/proc/vmstat, a root group)", 10.0, "", "(the machine) counts other jobs' refaults"),
+    ("a top-level slice", 10.0, "/user.slice", "counts other jobs' refaults"),
+    ("a login session's scope", 10.0, "/user.slice/user-1000.slice/session-4.scope", "counts other jobs' refaults"),
+    ("the same burst over a window long enough to judge, in the job's own group", 10.0, "/jobs/a", None),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_no_memory_verdict_from_a_short_window_or_counters_other_jobs_share(case, window_s, group, words):
+    """An epoch start on a second pass over data larger than memory: the window's blocks are
+    read ahead (3 times the stored bytes of the rows dealt meanwhile) and nearly all of that is
+    refaults. Over a window shorter than MEMORY_WINDOW_SECONDS_MIN, or from counters that count
+    other jobs' refaults, the verdict is not memory and the detail says why; over a long
+    window in the job's own group those counters do say memory."""
+    scale = window_s / 10  # The counters of test_the_memory_verdict_needs_reads_past_the_rows_and_refaults, scaled.
+    window_ns = int(window_s * 1e9)
+    stored = 100 * 1000 * 5000 * scale  # Each reader's rows'.
+    readers = [_reader(10 * scale, read_s=9 * scale, cpu_s=2 * scale, storage_bytes=int(3 * stored),
+                       batches=round(100 * scale))] * 2
+    before, after = _readings(readers, waited_s=6 * scale)
+    before = dataclasses.replace(before, memory=MemoryCounters(0, 2**30, group))
+    after = dataclasses.replace(after, at_ns=window_ns, cores_total_ns=window_ns,
+                                memory=MemoryCounters(int(5.8 * stored), 2**30, group))
+    verdict = diagnose(before, after, Context(local_readers=2, batch_size=1000, row_bytes=5000.0))
+    assert verdict["detail"]["read_amplification"] == 3.0 and verdict["detail"]["refaulted_share"] > 0.9, verdict
+    if words is None:
+        assert verdict["stage"] == "memory", (case, verdict)
+        return
+    assert verdict["stage"] == "disk" and not verdict["detail"]["page_cache_short"], (case, verdict)
+    assert words in verdict["detail"]["page_cache"], (case, verdict)
+
+
 def test_a_mixtures_stored_bytes_per_row_weigh_each_source_by_the_rows_it_delivers(tmp_path):
     """A source of 1% of the rows, each of 32,768 tokens, at half the weight, beside 12,672
     short documents: the stored bytes a delivered row takes, which the readers' reads are

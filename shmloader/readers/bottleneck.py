@@ -305,7 +305,7 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         return result
     rows = sum(change["batches"] for change in changes) * context.batch_size
     memory = memory_window(before.memory, after.memory, sum(storage) if storage else None,
-                           rows * context.row_bytes if context.row_bytes else None)
+                           rows * context.row_bytes if context.row_bytes else None, window_s)
     if memory is not None:
         detail.update(memory)
     elif context.row_bytes is None and after.memory is not None:
