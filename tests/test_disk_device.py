@@ -83,6 +83,7 @@ def _tree(root: pathlib.Path, backing: pathlib.Path) -> dict[str, tuple[int, int
     partition = devices / _DISKS["sda"][0] / "sda1"
     partition.mkdir()
     (partition / "partition").write_text("1\n")
+    (partition / "dev").write_text("{}:{}\n".format(*numbers["sda1"]))
     (partition / "stat").write_text("0 " * 17)
     _link(root / "sys/dev/block/{}:{}".format(*numbers["sda1"]), partition)
     _link(devices / _DISKS["dm-0"][0] / "slaves/sda1", partition)
@@ -98,7 +99,9 @@ def _tree(root: pathlib.Path, backing: pathlib.Path) -> dict[str, tuple[int, int
 
 
 @pytest.fixture
-def tree(tmp_path):
+def tree(tmp_path, monkeypatch):
+    # The devices met on the way to each disk are kept by root; pytest reuses a passed test's tmp_path.
+    monkeypatch.setattr(disk_device, "_CHAINS", {})
     backing = tmp_path / "backing.img"
     backing.write_bytes(b"\0" * 4096)
     root = tmp_path / "root"
@@ -271,6 +274,33 @@ def test_a_processs_cgroups_read_limit_on_a_disk_is_found(tree, case, cgroup, fi
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert read_limit(77, disk, str(root)) == expected, case
+
+
+@pytest.mark.parametrize("case, on, through, expected", [
+    ("a limit on an LVM volume over the disk's partition", "dm-0", "dm-0", (2000, "io.max of /c on {dm-0}")),
+    ("a limit on the partition a file is on", "sda1", "sda1", (2000, "io.max of /c on {sda1}")),
+    ("a limit on the partition beneath the volume a file is on", "sda1", "dm-0", (2000, "io.max of /c on {sda1}")),
+    ("the disk's own limit where it is the lowest", "sda", "dm-0", (1000, "io.max of /c")),
+    ("a limit on another volume the loader's files are not on", "dm-1", "dm-0", (9000, "io.max of /c")),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_a_read_limit_set_on_a_device_on_the_way_to_the_disk_counts(tree, case, on, through, expected):
+    """io.max with a limit on the device named `on` (2,000 bytes/s; 1,000 on sda where that
+    one is sda's) and 9,000 on sda: read_limit of the disk that a file on `through` resolves
+    to is the lowest of the limits on the devices met on the way there."""
+    root, _, numbers = tree
+    (root / "proc/78").mkdir(parents=True)
+    (root / "proc/78/cgroup").write_text("0::/c\n")
+    number = "{}:{}".format(*numbers[on])
+    disk = "{}:{}".format(*numbers["sda"])
+    lines = [f"{disk} rbps={1000 if on == 'sda' else 9000} wbps=max riops=max wiops=max"]
+    if on != "sda":
+        lines.append(f"{number} rbps=2000 wbps=max riops=max wiops=max")
+    (root / "sys/fs/cgroup/c").mkdir(parents=True)
+    (root / "sys/fs/cgroup/c/io.max").write_text("\n".join(lines) + "\n")
+    assert read_limit(78, "sda", str(root)) == ((1000, "io.max of /c") if on == "sda" else (9000, "io.max of /c"))
+    assert disk_of(os.makedev(*numbers[through]), str(root)) == "sda"
+    limit, source = expected
+    assert read_limit(78, "sda", str(root)) == (limit, source.replace("{" + on + "}", number)), case
 
 
 _NAMES = ("sda", "nvme0n1", "dm-0", "loop0")

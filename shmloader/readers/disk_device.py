@@ -9,9 +9,10 @@ the device itself). /proc/diskstats gives each disk's sectors read and its busy 
 give its read rate (every process's reads, not the loader's alone) and its busy share in
 the window. The best rate seen from a disk in any window (DiskRates) stands in for the rate
 it can give, as a measured sequential rate would: the loader has no time to measure one.
-A cgroup's read limit on the disk, where the readers' group (or one above it) sets one
-(v1 blkio.throttle.read_bps_device, v2 io.max rbps), is read with the counters: a limit
-outside the device that no busy share shows.
+A cgroup's read limit on the disk, or on a device met on the way to it (a partition, an
+LVM or dm-crypt volume), where the readers' group (or one above it) sets one (v1
+blkio.throttle.read_bps_device, v2 io.max rbps), is read with the counters: a limit outside
+the device that no busy share shows.
 
 Everything here is read from sysfs and /proc, under `root` ("/"; a test's tree in tests),
 and may be missing (tmpfs, overlay, a container without /sys): then nothing is said.
@@ -52,21 +53,39 @@ class DiskCounters:
     read_limit_source: str = ""  # the file and group that set it
 
 
+# The device numbers ("MAJOR:MINOR") met on the way from a file's device to each disk
+# (disk_of), by (root, disk name): a cgroup's read limit may be set on any of them (io.max
+# "253:0 rbps=..." on an LVM volume or a dm-crypt device), and disk_counters is given the
+# disk's name alone. Files on two volumes of one disk give both numbers: a limit on either
+# counts (a bound on reads from the disk the verdict names, not per volume).
+_CHAINS: dict[tuple[str, str], set[str]] = {}
+_CHAINS_KEPT_MAX = 256
+
+
 def disk_of(device: int, root: str = "/") -> str | None:
     """The kernel name of the disk behind device number `device` (a file's st_dev), or None
     where no block device has it (tmpfs, overlay, NFS) or sysfs cannot be read."""
-    path = os.path.join(root, "sys/dev/block", f"{os.major(device)}:{os.minor(device)}")
+    number = f"{os.major(device)}:{os.minor(device)}"
+    path = os.path.join(root, "sys/dev/block", number)
     if not os.path.exists(path):
         return None
-    path = os.path.realpath(path)
+    path, chain = os.path.realpath(path), {number}
     for _ in range(_RESOLVE_STEPS_MAX):
         if os.path.exists(os.path.join(path, "partition")):
+            chain.add((_read(os.path.join(path, "dev"), 32) or "").strip())
             path = os.path.dirname(path)
         beneath = _one_beneath(path, root)
         if beneath is None:
             break
+        chain.add((_read(os.path.join(path, "dev"), 32) or "").strip())
         path = beneath
-    return os.path.basename(path) if os.path.exists(os.path.join(path, "stat")) else None
+    if not os.path.exists(os.path.join(path, "stat")):
+        return None
+    name = os.path.basename(path)
+    if len(_CHAINS) >= _CHAINS_KEPT_MAX:
+        _CHAINS.clear()
+    _CHAINS.setdefault((root, name), set()).update(number for number in chain if number)
+    return name
 
 
 def _one_beneath(path: str, root: str) -> str | None:
@@ -200,10 +219,12 @@ _CGROUP_DEPTH_MAX = 16
 
 def read_limit(pid: int, name: str, root: str = "/") -> tuple[int, str] | None:
     """The lowest read limit (bytes/s) that process `pid`'s cgroups, or those above them,
-    set on disk `name`, and the file that sets it: cgroup v1's
+    set on disk `name` or a device met on the way to it from a file (_CHAINS: a partition,
+    a dm or loop device), and the file that sets it: cgroup v1's
     blkio.throttle.read_bps_device, v2's io.max (rbps); None where none is set or none can
     be read."""
     number = (_read(os.path.join(root, "sys/block", name, "dev"), 32) or "").strip()
+    numbers = [number] + sorted(_CHAINS.get((root, name), set()) - {number}) if number else []
     text = _read(os.path.join(root, "proc", str(pid), "cgroup"), 4096) or ""
     places = []
     for line in text.splitlines():
@@ -213,12 +234,14 @@ def read_limit(pid: int, name: str, root: str = "/") -> tuple[int, str] | None:
         elif controllers == "" and line.startswith("0::"):
             places += [(os.path.join(root, "sys/fs/cgroup", mount), group, "io.max") for mount in ("", "unified")]
     lowest = None
-    for mount, group, file_name in places if number else []:
+    for mount, group, file_name in places:
         parts = [part for part in group.split("/") if part and part != ".."][:_CGROUP_DEPTH_MAX]
         for depth in range(len(parts), -1, -1):
-            limit = _limit_in(os.path.join(mount, *parts[:depth], file_name), number)
-            if limit is not None and (lowest is None or limit < lowest[0]):
-                lowest = (limit, f"{file_name} of /{'/'.join(parts[:depth])}")
+            for device in numbers:
+                limit = _limit_in(os.path.join(mount, *parts[:depth], file_name), device)
+                if limit is not None and (lowest is None or limit < lowest[0]):
+                    on = "" if device == number else f" on {device}"
+                    lowest = (limit, f"{file_name} of /{'/'.join(parts[:depth])}{on}")
     return lowest
 
 
