@@ -1,8 +1,9 @@
 """readers/disk_device.py finds the disk a file is read from and how busy it was: device
 numbers resolved through a sysfs tree built here (a partition to its disk, device-mapper over
-one device to it and over two to itself, a loop device to its backing file's disk), the
-disks of a process's open files, the read limit its cgroups set (v1 and v2), and
-/proc/diskstats parsed and differenced over windows drawn by Hypothesis, against the
+one device to it and over two to itself, a loop device to its backing file's disk; alike
+whatever device pytest's tmp is on), the disks of the files a process opened read-only (not
+its stdout or a log), kept per (pid, start time) and looked at again, the read limit its
+cgroups set (v1 and v2) on the disk or a device on the way to it, and /proc/diskstats parsed and differenced over windows drawn by Hypothesis, against the
 counters that were written; then the advice each kind of window gives."""
 
 from __future__ import annotations
