@@ -2,7 +2,8 @@
 fork server and readers, its descendants, are in them too), reads a .npy with two readers
 (and the loader's OPTIONS, a JSON object, where given) and a trainer that does nothing, and asks stats()["bottleneck"] and `top`'s view of its ring
 (tools/monitor.py, as `shmloader top` draws it) what limits it, until both name the stage
-it is told to expect (and, where given, both lines hold WORDS) or a deadline passes. Prints
+it is told to expect (and, where given, both lines hold WORDS; OPTIONS' top_expected and
+top_words are top's where they differ) or a deadline passes. Prints
 one JSON line: the last verdicts (stats()'s and top's), top's screen, and the stages seen.
 Not a test module.
 
@@ -36,6 +37,8 @@ def main() -> None:
     options = json.loads(sys.argv[6]) if len(sys.argv) > 6 else {}
     # Looking on for this long at least: a verdict that must hold past a point (a group's limit reached).
     at_least = time.monotonic() + options.pop("look_seconds_min", 0.0)
+    # What top must name where it cannot name stats()'s stage (top judges no memory), and its words.
+    top_expected, top_words = options.pop("top_expected", expected), options.pop("top_words", words)
     # Joined after the imports: the interpreter's own files are not the reads under test.
     for path in procs_path.split(","):
         with open(path, "w") as procs:
@@ -58,8 +61,8 @@ def main() -> None:
             screen = render_text(monitor)
             seen.append([verdict["stage"], top["stage"] if top else None])
             print(verdict["line"], verdict["detail"], file=sys.stderr, flush=True)  # For a failure's message.
-            said = words in verdict["line"] and top is not None and words in top["line"]
-            if (seen[-1] == [expected, expected] and said and time.monotonic() > at_least) or \
+            said = words in verdict["line"] and top is not None and top_words in top["line"]
+            if (seen[-1] == [expected, top_expected] and said and time.monotonic() > at_least) or \
                     time.monotonic() > deadline:
                 break
     print(json.dumps({"verdict": verdict, "top": screen, "top_verdict": top, "seen": seen}), flush=True)

@@ -4,8 +4,9 @@ millisecond, a __getitem__ or transform that sleeps 50 ms against a trainer that
 batches the trainer keeps, a fill that does not end, which the stall warning names too, a
 store behind a slow link, and cold data read through a blkio cgroup that throttles the disk,
 which `top` names too, within a memory group smaller than the data: the disk where the
-shuffle_window fits the group, the page cache's memory where it does not); and diagnose() itself on counters written by hand for every stage,
-cores free or not. (A node cache below the data: test_cache_budget.py.)
+shuffle_window fits the group, the page cache's memory where it does not, which top, knowing
+no stored bytes per row, leaves unjudged); and diagnose() itself on counters written by hand
+for every stage, cores free or not. (A node cache below the data: test_cache_budget.py.)
 No assertion compares timings: each case is limited by one stage whatever the machine's load."""
 
 from __future__ import annotations
@@ -274,6 +275,63 @@ def test_the_memory_verdict_needs_reads_past_the_rows_and_refaults(case, read_by
         assert "the page cache (the memory group /jobs/a's limit of 1,024 MiB) cannot hold" in verdict["line"], verdict
 
 
+@pytest.mark.parametrize("case, window_s, group, words", [
+    ("an epoch start's read-ahead on a second pass, seen over the stall warning's second", 1.0, "/jobs/a",
+     "not judged: a window of 1.0 s"),
+    ("the machine's counters (/proc/vmstat, a root group)", 10.0, "", "(the machine) counts other jobs' refaults"),
+    ("a top-level slice", 10.0, "/user.slice", "counts other jobs' refaults"),
+    ("a login session's scope", 10.0, "/user.slice/user-1000.slice/session-4.scope", "counts other jobs' refaults"),
+    ("the same burst over a window long enough to judge, in the job's own group", 10.0, "/jobs/a", None),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_no_memory_verdict_from_a_short_window_or_counters_other_jobs_share(case, window_s, group, words):
+    """An epoch start on a second pass over data larger than memory: the window's blocks are
+    read ahead (3 times the stored bytes of the rows dealt meanwhile) and nearly all of that is
+    refaults. Over a window shorter than MEMORY_WINDOW_SECONDS_MIN, or from counters that count
+    other jobs' refaults, the verdict is not memory and the detail says why; over a long
+    window in the job's own group those counters do say memory."""
+    scale = window_s / 10  # The counters of test_the_memory_verdict_needs_reads_past_the_rows_and_refaults, scaled.
+    window_ns = int(window_s * 1e9)
+    stored = 100 * 1000 * 5000 * scale  # Each reader's rows'.
+    readers = [_reader(10 * scale, read_s=9 * scale, cpu_s=2 * scale, storage_bytes=int(3 * stored),
+                       batches=round(100 * scale))] * 2
+    before, after = _readings(readers, waited_s=6 * scale)
+    before = dataclasses.replace(before, memory=MemoryCounters(0, 2**30, group))
+    after = dataclasses.replace(after, at_ns=window_ns, cores_total_ns=window_ns,
+                                memory=MemoryCounters(int(5.8 * stored), 2**30, group))
+    verdict = diagnose(before, after, Context(local_readers=2, batch_size=1000, row_bytes=5000.0))
+    assert verdict["detail"]["read_amplification"] == 3.0 and verdict["detail"]["refaulted_share"] > 0.9, verdict
+    if words is None:
+        assert verdict["stage"] == "memory", (case, verdict)
+        return
+    assert verdict["stage"] == "disk" and not verdict["detail"]["page_cache_short"], (case, verdict)
+    assert words in verdict["detail"]["page_cache"], (case, verdict)
+
+
+def test_a_mixtures_stored_bytes_per_row_weigh_each_source_by_the_rows_it_delivers(tmp_path):
+    """A source of 1% of the rows, each of 32,768 tokens, at half the weight, beside 12,672
+    short documents: the stored bytes a delivered row takes, which the readers' reads are
+    compared with, are the mean over the rows the sampler deals (each row's tokens, as
+    written here: 16 MiB, whole chunks of the file) and not the mean over all rows, 48 times
+    lower."""
+    from shmloader import Padded, Source
+    from shmloader.tools.convert import write_ragged
+
+    rng = np.random.default_rng(5)
+    short = [rng.integers(0, 1000, size=32, dtype=np.int32) for _ in range(12_672)]
+    long = [rng.integers(0, 1000, size=32768, dtype=np.int32) for _ in range(128)]
+    write_ragged(tmp_path / "short.ragged", short, codec="none")
+    write_ragged(tmp_path / "long.ragged", long, codec="none")
+    sources = [Source({"tokens": Padded(str(tmp_path / name), max_length=32768)}, weight=1)
+               for name in ("short.ragged", "long.ragged")]
+    with ShmDataLoader(sources, batch_size=8, readers=1, seed=3, slots=4) as loader:
+        row_bytes = loader._session.meter.context.row_bytes
+        sampler = loader._session.plan.sampler
+        dealt = [(short, long)[int(source)][int(row)].nbytes for step in range(200)
+                 for row, source in zip(*sampler.fill(step))]
+    assert row_bytes == pytest.approx(np.mean(dealt), rel=0.05), (row_bytes, np.mean(dealt))
+    assert row_bytes > 40 * sum(document.nbytes for document in short + long) / 12_800, row_bytes
+
+
 def test_the_meter_judges_from_the_reading_before_once_it_has_one():
     """The first diagnosis counts from the ring's start; the next from the reading before,
     leaving a slow start-up out."""
@@ -507,15 +565,18 @@ def test_a_window_that_fits_a_memory_group_over_larger_data_names_the_throttled_
 def test_a_window_larger_than_its_memory_group_names_the_page_cache(tmp_path, memory_and_disk):
     """The same rows, group and disk, through a window whose blocks read ahead take twice
     the group: the blocks read ahead are evicted before their rows are dealt and read again, and
-    stats() and top name the page cache's memory, the group and its limit, not the disk."""
+    stats() names the page cache's memory, the group and its limit, not the disk; top, which
+    knows no stored bytes per row, names no memory and says why."""
     found = _child_verdicts(memory_and_disk, _rows_larger_than_the_group(tmp_path), "memory",
                             "cannot hold what the readers read ahead",
-                            {"mode": "shuffle", "seed": 1, "shuffle_window": _WINDOW_TOO_LARGE_ROWS})
-    for said in (found["verdict"], found["top_verdict"]):
-        assert said["stage"] == "memory", found
-        assert said["detail"]["read_amplification"] >= 1.5 and said["detail"]["refaulted_share"] >= 0.25, found
-        assert f"{memory_and_disk[0].parent.name}'s limit of {_MEMORY_GROUP_BYTES >> 20} MiB" in said["line"], found
-    assert "bottleneck: the page cache's memory at" in found["top"], found
+                            {"mode": "shuffle", "seed": 1, "shuffle_window": _WINDOW_TOO_LARGE_ROWS,
+                             "top_expected": "disk", "top_words": ""})
+    said = found["verdict"]
+    assert said["stage"] == "memory", found
+    assert said["detail"]["read_amplification"] >= 1.5 and said["detail"]["refaulted_share"] >= 0.25, found
+    assert f"{memory_and_disk[0].parent.name}'s limit of {_MEMORY_GROUP_BYTES >> 20} MiB" in said["line"], found
+    assert found["top_verdict"]["stage"] != "memory", found
+    assert found["top_verdict"]["detail"]["page_cache"].startswith("not judged"), found
 
 
 def _disk_name(device: str) -> str:

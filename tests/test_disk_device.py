@@ -1,8 +1,9 @@
 """readers/disk_device.py finds the disk a file is read from and how busy it was: device
 numbers resolved through a sysfs tree built here (a partition to its disk, device-mapper over
-one device to it and over two to itself, a loop device to its backing file's disk), the
-disks of a process's open files, the read limit its cgroups set (v1 and v2), and
-/proc/diskstats parsed and differenced over windows drawn by Hypothesis, against the
+one device to it and over two to itself, a loop device to its backing file's disk; alike
+whatever device pytest's tmp is on), the disks of the files a process opened read-only (not
+its stdout or a log), kept per (pid, start time) and looked at again, the read limit its
+cgroups set (v1 and v2) on the disk or a device on the way to it, and /proc/diskstats parsed and differenced over windows drawn by Hypothesis, against the
 counters that were written; then the advice each kind of window gives."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import tempfile
 
 import pytest
 
+from shmloader.readers import disk_device
 from shmloader.readers.disk_device import (
     SECTOR_BYTES,
     DiskCounters,
@@ -40,6 +42,21 @@ _DISKS = {
     "loop0": ("virtual/block/loop0", (7, 0), "0"),
     "loop1": ("virtual/block/loop1", (7, 1), "0"),
 }
+# The tree's other numbers: a partition, a device with no stat file, one sysfs does not know.
+_OTHER_NUMBERS = {"sda1": (8, 1), "ram0": (1, 0), "unknown": (0, 99)}
+# Added to every major of the tree where the real device of the test's tmp directory has one
+# of the tree's numbers (8:1 on many CI VMs, 253:x under LVM, 7:x on a loop mount): the real
+# number is then linked to nvme0n1 without hiding one of the tree's own devices.
+_MAJOR_SHIFT = 1000
+
+
+def _numbers(real: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    """The device number of each name in the tree, none of them `real` (a file's real st_dev)."""
+    numbers = {name: number for name, (_, number, _) in _DISKS.items()} | _OTHER_NUMBERS
+    if real in numbers.values():
+        numbers = {name: (major + _MAJOR_SHIFT, minor) for name, (major, minor) in numbers.items()}
+    assert real not in numbers.values()
+    return numbers
 
 
 def _link(link: pathlib.Path, target: pathlib.Path) -> None:
@@ -48,12 +65,15 @@ def _link(link: pathlib.Path, target: pathlib.Path) -> None:
     link.symlink_to(os.path.relpath(target, link.parent))
 
 
-def _tree(root: pathlib.Path, backing: pathlib.Path) -> pathlib.Path:
+def _tree(root: pathlib.Path, backing: pathlib.Path) -> dict[str, tuple[int, int]]:
     """A sysfs under `root`: sda with partition sda1, nvme0n1, dm-0 over sda1, dm-1 over sda1
     and nvme0n1, loop0 backed by `backing` (a real file, whose real device number is made
-    to name nvme0n1 here), loop1 backed by a file that is gone."""
+    to name nvme0n1 here), loop1 backed by a file that is gone; the number of each name."""
+    real = backing.stat().st_dev
+    numbers = _numbers((os.major(real), os.minor(real)))
     devices = root / "sys/devices"
-    for name, (place, (major, minor), spins) in _DISKS.items():
+    for name, (place, _, spins) in _DISKS.items():
+        major, minor = numbers[name]
         directory = devices / place
         (directory / "queue").mkdir(parents=True)
         (directory / "stat").write_text("0 " * 17)
@@ -64,61 +84,166 @@ def _tree(root: pathlib.Path, backing: pathlib.Path) -> pathlib.Path:
     partition = devices / _DISKS["sda"][0] / "sda1"
     partition.mkdir()
     (partition / "partition").write_text("1\n")
+    (partition / "dev").write_text("{}:{}\n".format(*numbers["sda1"]))
     (partition / "stat").write_text("0 " * 17)
-    _link(root / "sys/dev/block/8:1", partition)
+    _link(root / "sys/dev/block/{}:{}".format(*numbers["sda1"]), partition)
     _link(devices / _DISKS["dm-0"][0] / "slaves/sda1", partition)
     _link(devices / _DISKS["dm-1"][0] / "slaves/sda1", partition)
     _link(devices / _DISKS["dm-1"][0] / "slaves/nvme0n1", devices / _DISKS["nvme0n1"][0])
     for name, file in (("loop0", backing), ("loop1", root / "gone.img")):
         (devices / _DISKS[name][0] / "loop").mkdir()
         (devices / _DISKS[name][0] / "loop/backing_file").write_text(f"{file}\n")
-    real = backing.stat().st_dev
-    if (os.major(real), os.minor(real)) not in [number for _, number, _ in _DISKS.values()] + [(8, 1)]:
-        _link(root / f"sys/dev/block/{os.major(real)}:{os.minor(real)}", devices / _DISKS["nvme0n1"][0])
+    _link(root / f"sys/dev/block/{os.major(real)}:{os.minor(real)}", devices / _DISKS["nvme0n1"][0])
     (devices / "virtual/block/ram0").mkdir(parents=True)  # A device with no stat file.
-    _link(root / "sys/dev/block/1:0", devices / "virtual/block/ram0")
-    return root
+    _link(root / "sys/dev/block/{}:{}".format(*numbers["ram0"]), devices / "virtual/block/ram0")
+    return numbers
 
 
 @pytest.fixture
-def tree(tmp_path):
+def tree(tmp_path, monkeypatch):
+    # The devices met on the way to each disk are kept by root; pytest reuses a passed test's tmp_path.
+    monkeypatch.setattr(disk_device, "_CHAINS", {})
     backing = tmp_path / "backing.img"
     backing.write_bytes(b"\0" * 4096)
-    return _tree(tmp_path / "root", backing), backing
+    root = tmp_path / "root"
+    return root, backing, _tree(root, backing)
 
 
-@pytest.mark.parametrize("case, number, expected", [
-    ("a disk is itself", (8, 0), "sda"),
-    ("a partition is its disk", (8, 1), "sda"),
-    ("device-mapper over one partition is that partition's disk", (253, 0), "sda"),
-    ("device-mapper over two devices is itself: its counters are the whole", (253, 1), "dm-1"),
-    ("a loop device is its backing file's disk", (7, 0), "nvme0n1"),
-    ("a loop device whose backing file is gone is itself", (7, 1), "loop1"),
-    ("a device with no stat file is none", (1, 0), None),
-    ("a number sysfs does not know (tmpfs, overlay) is none", (0, 99), None),
-], ids=lambda value: value if isinstance(value, str) else "")
-def test_a_device_number_resolves_to_the_disk_that_holds_it(tree, case, number, expected):
-    root, _ = tree
-    assert disk_of(os.makedev(*number), str(root)) == expected, case
+_RESOLVED = [
+    ("a disk is itself", "sda", "sda"),
+    ("a partition is its disk", "sda1", "sda"),
+    ("device-mapper over one partition is that partition's disk", "dm-0", "sda"),
+    ("device-mapper over two devices is itself: its counters are the whole", "dm-1", "dm-1"),
+    ("a loop device is its backing file's disk", "loop0", "nvme0n1"),
+    ("a loop device whose backing file is gone is itself", "loop1", "loop1"),
+    ("a device with no stat file is none", "ram0", None),
+    ("a number sysfs does not know (tmpfs, overlay) is none", "unknown", None),
+]
+
+
+@pytest.mark.parametrize("case, name, expected", _RESOLVED, ids=[case for case, _, _ in _RESOLVED])
+def test_a_device_number_resolves_to_the_disk_that_holds_it(tree, case, name, expected):
+    root, _, numbers = tree
+    assert disk_of(os.makedev(*numbers[name]), str(root)) == expected, case
+
+
+@pytest.mark.parametrize("real", [(8, 0), (8, 1), (253, 0), (253, 1), (7, 0), (7, 1), (259, 0), (1, 0), (0, 99),
+                                  (1008, 1)], ids=lambda real: "{}:{}".format(*real))
+def test_the_fake_tree_resolves_alike_whatever_device_the_tests_tmp_is_on(tmp_path, monkeypatch, real):
+    """The backing file's device reported as each of the tree's own numbers (as it is where
+    pytest's tmp is on sda1, LVM or a loop mount): every case resolves as on any other."""
+    backing = tmp_path / "backing.img"
+    backing.write_bytes(b"\0" * 4096)
+    stat = os.stat
+
+    def reported(path, *arguments, **keywords):
+        status = stat(path, *arguments, **keywords)
+        if os.fspath(path) != os.fspath(backing):
+            return status
+        fields = list(status)
+        fields[2] = os.makedev(*real)
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", reported)
+    numbers = _tree(tmp_path / "root", backing)
+    found = [disk_of(os.makedev(*numbers[name]), str(tmp_path / "root")) for _, name, _ in _RESOLVED]
+    assert found == [expected for _, _, expected in _RESOLVED], real
+    assert disks_of_paths([backing], str(tmp_path / "root")) == ("nvme0n1",)
+
+
+def _reported_on(monkeypatch, devices: dict[pathlib.Path, tuple[int, int]]) -> None:
+    """os.stat reports each path of `devices` (or a link to it) on that device number, as a
+    file on another disk would be: tmp_path has one real device."""
+    stat = os.stat
+    numbers = {os.fspath(path): number for path, number in devices.items()}
+
+    def reported(path, *arguments, **keywords):
+        status = stat(path, *arguments, **keywords)
+        target = os.path.realpath(path) if keywords.get("follow_symlinks", True) else os.fspath(path)
+        if target not in numbers and os.fspath(path) not in numbers:
+            return status
+        fields = list(status)
+        fields[2] = os.makedev(*numbers.get(target, numbers.get(os.fspath(path))))
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", reported)
+
+
+def _open(root: pathlib.Path, pid: int, descriptor: int, target, flags: int) -> None:
+    """Descriptor `descriptor` of fake process `pid`: a link to `target`, and its fdinfo's
+    flags (octal, as the kernel writes them)."""
+    for folder in ("fd", "fdinfo"):
+        (root / f"proc/{pid}/{folder}").mkdir(parents=True, exist_ok=True)
+    (root / f"proc/{pid}/fd/{descriptor}").symlink_to(target)
+    (root / f"proc/{pid}/fdinfo/{descriptor}").write_text(f"pos:\t0\nflags:\t0{flags:o}\nmnt_id:\t24\n")
 
 
 def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tree, tmp_path):
     """Files on one disk name it once; a path that is not there, a descriptor that is not a
     regular file or is closed, and a process without descriptors name none; no diskstats in
     the tree: no counters, nothing made up."""
-    root, backing = tree
+    root, backing, _ = tree
     assert disk_counters(("nvme0n1",), root=str(root)) == ()
     other = tmp_path / "other.npy"
     other.write_bytes(b"x")
     assert disks_of_paths([backing, other, tmp_path / "not-there"], str(root)) == ("nvme0n1",)
-    descriptors = root / "proc/4242/fd"
-    descriptors.mkdir(parents=True)
-    (descriptors / "0").symlink_to("/dev/null")  # Not a regular file: not data.
-    (descriptors / "3").symlink_to(backing)
-    (descriptors / "4").symlink_to(other)
-    (descriptors / "5").symlink_to(tmp_path / "closed")
+    _open(root, 4242, 3, "/dev/null", os.O_RDONLY)  # Not a regular file: not data.
+    _open(root, 4242, 4, backing, os.O_RDONLY)
+    _open(root, 4242, 5, other, os.O_RDONLY | os.O_CLOEXEC)
+    _open(root, 4242, 6, tmp_path / "closed", os.O_RDONLY)
     assert disks_of_process(4242, str(root)) == ("nvme0n1",)
     assert disks_of_process(4243, str(root)) == ()
+
+
+def test_a_readers_disks_are_those_of_the_files_it_opened_for_reading(tree, tmp_path, monkeypatch):
+    """`python train.py > train.log` with the log on sda and the data on nvme0n1: the
+    reader's stdout and stderr (the log), a file it opened to append or to write and read,
+    and one whose fdinfo is gone are not its data; the files it opened read-only are."""
+    root, backing, numbers = tree
+    log, checkpoint, data = tmp_path / "train.log", tmp_path / "checkpoint.pt", tmp_path / "shard.npy"
+    for path in (log, checkpoint, data):
+        path.write_bytes(b"x")
+    _reported_on(monkeypatch, {log: numbers["sda"], checkpoint: numbers["sda"], data: numbers["loop0"]})
+    _open(root, 51, 0, "/dev/null", os.O_RDONLY)
+    _open(root, 51, 1, log, os.O_WRONLY | os.O_APPEND)
+    _open(root, 51, 2, log, os.O_RDONLY)  # Stderr a log opened read-only is still inherited.
+    _open(root, 51, 3, log, os.O_WRONLY | os.O_APPEND)
+    _open(root, 51, 4, checkpoint, os.O_RDWR)
+    assert disks_of_process(51, str(root)) == ()
+    _open(root, 51, 7, data, os.O_RDONLY)
+    (root / "proc/51/fd/8").symlink_to(log)  # No fdinfo: closed between the two reads.
+    assert disks_of_process(51, str(root)) == ("nvme0n1",)
+
+
+def test_a_readers_disks_are_looked_at_again_and_a_reused_pid_is_another_reader(tree, tmp_path, monkeypatch):
+    """top samples a reader before it opened its data: nothing is kept, and the next sample
+    finds the data's disk; a kept answer is looked at again after the refresh period (a
+    reader met a shard on another disk); a pid reused by a process started later answers
+    for itself at once."""
+    root, _, numbers = tree
+    first, second = tmp_path / "first.npy", tmp_path / "second.npy"
+    for path in (first, second):
+        path.write_bytes(b"x")
+    _reported_on(monkeypatch, {first: numbers["loop0"], second: numbers["sda"]})
+    started = {61: 1000}
+    monkeypatch.setattr(disk_device, "start_ticks", lambda pid: started.get(pid))
+    monkeypatch.setattr(disk_device, "_READER_DISKS", {})
+    refresh_s = disk_device._READER_DISKS_REFRESH_SECONDS
+    _open(root, 61, 1, tmp_path / "train.log", os.O_WRONLY)
+    (tmp_path / "train.log").write_bytes(b"")
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.0) == ()
+    _open(root, 61, 3, first, os.O_RDONLY)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.1) == ("nvme0n1",)
+    (root / "proc/61/fd/3").unlink()
+    (root / "proc/61/fd/3").symlink_to(second)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.1 + refresh_s / 2) == ("nvme0n1",)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.2 + refresh_s) == ("sda",)
+    started[61] = 2000  # Reused by a process started later: not the answer kept for the other.
+    (root / "proc/61/fd/3").unlink()
+    (root / "proc/61/fd/3").symlink_to(first)
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.3 + refresh_s) == ("nvme0n1",)
+    del started[61]  # Gone: nothing.
+    assert disk_device.disks_of_reader(61, str(root), now_s=0.4 + refresh_s) == ()
 
 
 @pytest.mark.parametrize("case, cgroup, files, disk, expected", [
@@ -139,14 +264,44 @@ def test_the_disks_of_paths_and_of_a_processs_open_files_are_each_named_once(tre
     ("a group path climbing out is cut", "12:blkio:/../../etc\n", {}, "sda", None),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_a_processs_cgroups_read_limit_on_a_disk_is_found(tree, case, cgroup, files, disk, expected):
-    root, _ = tree
+    root, _, numbers = tree
     (root / "proc/77").mkdir(parents=True)
     (root / "proc/77/cgroup").write_text(cgroup)
     for name, text in files.items():
+        # The cases name the usual numbers; the tree's may be shifted (_numbers).
+        for device in ("sda", "nvme0n1"):
+            text = text.replace("{}:{} ".format(*_DISKS[device][1]), "{}:{} ".format(*numbers[device]))
         path = root / "sys/fs/cgroup" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert read_limit(77, disk, str(root)) == expected, case
+
+
+@pytest.mark.parametrize("case, on, through, expected", [
+    ("a limit on an LVM volume over the disk's partition", "dm-0", "dm-0", (2000, "io.max of /c on {dm-0}")),
+    ("a limit on the partition a file is on", "sda1", "sda1", (2000, "io.max of /c on {sda1}")),
+    ("a limit on the partition beneath the volume a file is on", "sda1", "dm-0", (2000, "io.max of /c on {sda1}")),
+    ("the disk's own limit where it is the lowest", "sda", "dm-0", (1000, "io.max of /c")),
+    ("a limit on another volume the loader's files are not on", "dm-1", "dm-0", (9000, "io.max of /c")),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_a_read_limit_set_on_a_device_on_the_way_to_the_disk_counts(tree, case, on, through, expected):
+    """io.max with a limit on the device named `on` (2,000 bytes/s; 1,000 on sda where that
+    one is sda's) and 9,000 on sda: read_limit of the disk that a file on `through` resolves
+    to is the lowest of the limits on the devices met on the way there."""
+    root, _, numbers = tree
+    (root / "proc/78").mkdir(parents=True)
+    (root / "proc/78/cgroup").write_text("0::/c\n")
+    number = "{}:{}".format(*numbers[on])
+    disk = "{}:{}".format(*numbers["sda"])
+    lines = [f"{disk} rbps={1000 if on == 'sda' else 9000} wbps=max riops=max wiops=max"]
+    if on != "sda":
+        lines.append(f"{number} rbps=2000 wbps=max riops=max wiops=max")
+    (root / "sys/fs/cgroup/c").mkdir(parents=True)
+    (root / "sys/fs/cgroup/c/io.max").write_text("\n".join(lines) + "\n")
+    assert read_limit(78, "sda", str(root)) == ((1000, "io.max of /c") if on == "sda" else (9000, "io.max of /c"))
+    assert disk_of(os.makedev(*numbers[through]), str(root)) == "sda"
+    limit, source = expected
+    assert read_limit(78, "sda", str(root)) == (limit, source.replace("{" + on + "}", number)), case
 
 
 _NAMES = ("sda", "nvme0n1", "dm-0", "loop0")

@@ -6,6 +6,7 @@ evictions come from the ledgers its readers hold open."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pty
 import re
@@ -340,3 +341,37 @@ def test_top_counts_the_evictions_of_each_ledger_a_reader_holds_once_and_no_file
             first.close()
             second.close()
     assert evicted_bytes_of([os.getpid()]) is None
+
+
+def test_top_gives_no_memory_verdict_from_a_slot_that_holds_a_transforms_outputs(tmp_path):
+    """A crop's slot holds 16 bytes of each 4 KiB row read: top, which reads the slot's size and
+    not the rows' stored bytes, would see every byte read 200 times and name the page cache's
+    memory. Over counters where the readers read each stored byte 1.2 times (a fifth of them
+    refaults: a second pass over data larger than memory), it names the disk, as diagnose()
+    does with the stored bytes the plan knows (stats()), and says why memory was not judged."""
+    from shmloader.readers.bottleneck import Context, ReaderCounters, Reading, diagnose
+    from shmloader.readers.page_cache import MemoryCounters
+    from shmloader.tools.monitor import RingView, sample
+
+    np.save(tmp_path / "data.npy", np.zeros((2048, 4096), np.uint8))
+    with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=64, readers=1,
+                       transform="transform_fixtures:crops") as loader:
+        next(loader)
+        name = loader.diagnostics.ring_name.lstrip("/")
+        first, second = sample(name), sample(name)
+    assert first is not None and second is not None and first.batch_size == 64
+    window_ns, batches, stored = 10**10, 100, 100 * 64 * 4096
+    before = Reading(first.at_ns, 0, (ReaderCounters(7, 0, 0, cpu_ns=0, queued_ns=0, storage_read_bytes=0),), 8, 0,
+                     memory=MemoryCounters(0, 2**30, "/jobs/a"))
+    after = Reading(first.at_ns + window_ns, window_ns // 2,
+                    (ReaderCounters(7, 9 * 10**9, batches, read_ns=8 * 10**9, cpu_ns=10**9, queued_ns=0,
+                                    storage_read_bytes=int(1.2 * stored)),), 8, 0,
+                    memory=MemoryCounters(int(1.2 * stored), 2**30, "/jobs/a"))
+    view = RingView(dataclasses.replace(first, reading=before))
+    view.update(dataclasses.replace(second, at_ns=first.at_ns + window_ns, reading=after))
+    with_stored = diagnose(before, after, Context(local_readers=1, batch_size=64, row_bytes=4096.0))
+    assert with_stored["stage"] == "disk" and with_stored["detail"]["read_amplification"] == 1.2, with_stored
+    assert view.bottleneck["stage"] == "disk", view.bottleneck
+    assert "read_amplification" not in view.bottleneck["detail"], view.bottleneck
+    assert view.bottleneck["detail"]["page_cache"].startswith("not judged: the ring holds the bytes of a slot"), \
+        view.bottleneck

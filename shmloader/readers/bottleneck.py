@@ -105,14 +105,16 @@ class Context:
     "the dataset's __getitem__", or None for fields read as they are; `compressed`: whether
     a field is compressed (reading it is decompression); `local_readers`: reader processes
     on this node (readers=0: none, the trainer fills); `batch_size`, and `row_bytes`: the
-    stored bytes a row's fields take (None: unknown, a dataset's), which the readers' reads
-    are compared with (page_cache.py)."""
+    stored bytes a row's fields take, which the readers' reads are compared with
+    (page_cache.py); None: unknown, for the reason `row_bytes_missing` (the memory verdict is
+    then not given, and the detail says why)."""
 
     user_code: str | None = None
     compressed: bool = False
     local_readers: int = 0
     batch_size: int = 0
     row_bytes: float | None = None
+    row_bytes_missing: str = "a dataset's rows have no stored bytes to compare the readers' reads with"
 
 
 def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = ()) -> Reading:
@@ -177,9 +179,21 @@ def plan_context(plan, dataset: bool, local_readers: int) -> Context:
                      for field in plan.fields for part in field.parts)
     if not plan.plans:
         return Context(user_code, compressed, local_readers)
-    rows = sum(next(iter(plan.plans.values())).row_counts)
-    row_bytes = sum(field.stored_bytes for field in plan.fields) / max(1, rows)
-    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, row_bytes)
+    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, stored_bytes_per_row(plan))
+
+
+def stored_bytes_per_row(plan) -> float:
+    """The stored bytes of a row the readers deliver, on average: a mixture's rows come from
+    each source at its weight's share of every block of sum(weights) positions
+    (plan/sources.py), whatever its size or fraction, so each source's bytes per row count
+    at that share (a source of 1% of the rows at half the weight is half of what is read)."""
+    counts = next(iter(plan.plans.values())).row_counts
+    weights = getattr(plan.sampler, "weights", None) if getattr(plan.sampler, "has_sources", False) else None
+    if weights is None or len(weights) != len(counts):
+        return sum(field.stored_bytes for field in plan.fields) / max(1, sum(counts))
+    per_row = [sum(field.source_bytes(source) for field in plan.fields) / max(1, count)
+               for source, count in enumerate(counts)]
+    return sum(weight * row_bytes for weight, row_bytes in zip(weights, per_row)) / sum(weights)
 
 
 # The diagnosis.
@@ -291,9 +305,11 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         return result
     rows = sum(change["batches"] for change in changes) * context.batch_size
     memory = memory_window(before.memory, after.memory, sum(storage) if storage else None,
-                           rows * context.row_bytes if context.row_bytes else None)
+                           rows * context.row_bytes if context.row_bytes else None, window_s)
     if memory is not None:
         detail.update(memory)
+    elif context.row_bytes is None and after.memory is not None:
+        detail["page_cache"] = f"not judged: {context.row_bytes_missing}"
     # Before the disk and CPU verdicts: a group short of memory reads again (the disk works) and
     # reclaims (readers wait for a core), and neither a disk nor more readers would help.
     if largest == "read" and memory is not None and memory["page_cache_short"]:

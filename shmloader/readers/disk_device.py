@@ -9,9 +9,10 @@ the device itself). /proc/diskstats gives each disk's sectors read and its busy 
 give its read rate (every process's reads, not the loader's alone) and its busy share in
 the window. The best rate seen from a disk in any window (DiskRates) stands in for the rate
 it can give, as a measured sequential rate would: the loader has no time to measure one.
-A cgroup's read limit on the disk, where the readers' group (or one above it) sets one
-(v1 blkio.throttle.read_bps_device, v2 io.max rbps), is read with the counters: a limit
-outside the device that no busy share shows.
+A cgroup's read limit on the disk, or on a device met on the way to it (a partition, an
+LVM or dm-crypt volume), where the readers' group (or one above it) sets one (v1
+blkio.throttle.read_bps_device, v2 io.max rbps), is read with the counters: a limit outside
+the device that no busy share shows.
 
 Everything here is read from sysfs and /proc, under `root` ("/"; a test's tree in tests),
 and may be missing (tmpfs, overlay, a container without /sys): then nothing is said.
@@ -22,6 +23,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
+
+from .budget_record import start_ticks
 
 # /proc/diskstats counts sectors of 512 bytes whatever the device's own sector size.
 SECTOR_BYTES = 512
@@ -49,21 +53,39 @@ class DiskCounters:
     read_limit_source: str = ""  # the file and group that set it
 
 
+# The device numbers ("MAJOR:MINOR") met on the way from a file's device to each disk
+# (disk_of), by (root, disk name): a cgroup's read limit may be set on any of them (io.max
+# "253:0 rbps=..." on an LVM volume or a dm-crypt device), and disk_counters is given the
+# disk's name alone. Files on two volumes of one disk give both numbers: a limit on either
+# counts (a bound on reads from the disk the verdict names, not per volume).
+_CHAINS: dict[tuple[str, str], set[str]] = {}
+_CHAINS_KEPT_MAX = 256
+
+
 def disk_of(device: int, root: str = "/") -> str | None:
     """The kernel name of the disk behind device number `device` (a file's st_dev), or None
     where no block device has it (tmpfs, overlay, NFS) or sysfs cannot be read."""
-    path = os.path.join(root, "sys/dev/block", f"{os.major(device)}:{os.minor(device)}")
+    number = f"{os.major(device)}:{os.minor(device)}"
+    path = os.path.join(root, "sys/dev/block", number)
     if not os.path.exists(path):
         return None
-    path = os.path.realpath(path)
+    path, chain = os.path.realpath(path), {number}
     for _ in range(_RESOLVE_STEPS_MAX):
         if os.path.exists(os.path.join(path, "partition")):
+            chain.add((_read(os.path.join(path, "dev"), 32) or "").strip())
             path = os.path.dirname(path)
         beneath = _one_beneath(path, root)
         if beneath is None:
             break
+        chain.add((_read(os.path.join(path, "dev"), 32) or "").strip())
         path = beneath
-    return os.path.basename(path) if os.path.exists(os.path.join(path, "stat")) else None
+    if not os.path.exists(os.path.join(path, "stat")):
+        return None
+    name = os.path.basename(path)
+    if len(_CHAINS) >= _CHAINS_KEPT_MAX:
+        _CHAINS.clear()
+    _CHAINS.setdefault((root, name), set()).update(number for number in chain if number)
+    return name
 
 
 def _one_beneath(path: str, root: str) -> str | None:
@@ -100,16 +122,25 @@ def disks_of_paths(paths, root: str = "/") -> tuple[str, ...]:
     return _names(disk_of(device, root) for device in devices)
 
 
+# Descriptors a reader inherits rather than opens for data: stdin, stdout, stderr (a trainer
+# started as `python train.py > train.log` hands every reader its log's descriptor).
+_INHERITED_DESCRIPTORS = frozenset({"0", "1", "2"})
+
+
 def disks_of_process(pid: int, root: str = "/") -> tuple[str, ...]:
-    """The disks of the regular files process `pid` holds open (its first DESCRIPTORS_MAX
-    descriptors): what `top`, which knows no loader's paths, reads a reader's disks from."""
+    """The disks of the regular files process `pid` holds open for reading only (its first
+    DESCRIPTORS_MAX descriptors past 0-2): what `top`, which knows no loader's paths, reads a
+    reader's disks from. A file open for writing (a log, a checkpoint the trainer opened
+    before the fork) is not data a reader reads."""
     directory = os.path.join(root, "proc", str(pid), "fd")
     try:
         descriptors = sorted(os.listdir(directory), key=lambda name: int(name) if name.isdigit() else -1)
     except OSError:
         return ()
     devices = []
-    for name in descriptors[:DESCRIPTORS_MAX]:
+    for name in [name for name in descriptors if name not in _INHERITED_DESCRIPTORS][:DESCRIPTORS_MAX]:
+        if not _read_only(os.path.join(root, "proc", str(pid), "fdinfo", name)):
+            continue
         try:
             status = os.stat(os.path.join(directory, name))
         except OSError:
@@ -119,23 +150,41 @@ def disks_of_process(pid: int, root: str = "/") -> tuple[str, ...]:
     return _names(disk_of(device, root) for device in devices)
 
 
-# The disks each reader's open files are on, by pid, once found: a reader opens its files as
-# it starts, so a pid with none yet is looked at again. Cleared when full (top watching
-# reader restarts for days).
-_READER_DISKS: dict[int, tuple[str, ...]] = {}
+def _read_only(fdinfo_path: str) -> bool:
+    """Whether /proc/PID/fdinfo/N's `flags` (octal) say the descriptor was opened O_RDONLY;
+    False where they cannot be read (closed meanwhile, another user's process)."""
+    for line in (_read(fdinfo_path, 4096) or "").splitlines():
+        name, _, value = line.partition(":")
+        value = value.strip()
+        if name == "flags" and value and all(digit in "01234567" for digit in value):
+            return int(value, 8) & os.O_ACCMODE == os.O_RDONLY
+    return False
+
+
+# The disks each reader's open files are on, by (pid, start time): a pid reused after a wrap
+# is another process. Looked at again while none are found (a reader opens its files as it
+# starts) and after _READER_DISKS_REFRESH_SECONDS (a reader opens shards as it meets them;
+# one glob may span disks). Cleared when full (top watching reader restarts for days).
+_READER_DISKS: dict[tuple[int, int], tuple[float, tuple[str, ...]]] = {}
 _READERS_KEPT_MAX = 256
+_READER_DISKS_REFRESH_SECONDS = 10.0
 
 
-def disks_of_reader(pid: int) -> tuple[str, ...]:
-    """disks_of_process(pid), kept once found."""
-    if pid not in _READER_DISKS:
-        disks = disks_of_process(pid)
-        if not disks:
-            return ()
-        if len(_READER_DISKS) >= _READERS_KEPT_MAX:
-            _READER_DISKS.clear()
-        _READER_DISKS[pid] = disks
-    return _READER_DISKS[pid]
+def disks_of_reader(pid: int, root: str = "/", now_s: float | None = None) -> tuple[str, ...]:
+    """disks_of_process(pid), kept for a while once found (see _READER_DISKS); `now_s`: a
+    monotonic time in seconds (tests)."""
+    ticks = start_ticks(pid)
+    if ticks is None:
+        return ()  # Gone, or a zombie: it reads nothing.
+    now_s = time.monotonic() if now_s is None else now_s
+    kept = _READER_DISKS.get((pid, ticks))
+    if kept is not None and kept[1] and now_s - kept[0] < _READER_DISKS_REFRESH_SECONDS:
+        return kept[1]
+    disks = disks_of_process(pid, root)
+    if len(_READER_DISKS) >= _READERS_KEPT_MAX:
+        _READER_DISKS.clear()
+    _READER_DISKS[(pid, ticks)] = (now_s, disks)
+    return disks
 
 
 def _names(names) -> tuple[str, ...]:
@@ -170,10 +219,12 @@ _CGROUP_DEPTH_MAX = 16
 
 def read_limit(pid: int, name: str, root: str = "/") -> tuple[int, str] | None:
     """The lowest read limit (bytes/s) that process `pid`'s cgroups, or those above them,
-    set on disk `name`, and the file that sets it: cgroup v1's
+    set on disk `name` or a device met on the way to it from a file (_CHAINS: a partition,
+    a dm or loop device), and the file that sets it: cgroup v1's
     blkio.throttle.read_bps_device, v2's io.max (rbps); None where none is set or none can
     be read."""
     number = (_read(os.path.join(root, "sys/block", name, "dev"), 32) or "").strip()
+    numbers = [number] + sorted(_CHAINS.get((root, name), set()) - {number}) if number else []
     text = _read(os.path.join(root, "proc", str(pid), "cgroup"), 4096) or ""
     places = []
     for line in text.splitlines():
@@ -183,12 +234,14 @@ def read_limit(pid: int, name: str, root: str = "/") -> tuple[int, str] | None:
         elif controllers == "" and line.startswith("0::"):
             places += [(os.path.join(root, "sys/fs/cgroup", mount), group, "io.max") for mount in ("", "unified")]
     lowest = None
-    for mount, group, file_name in places if number else []:
+    for mount, group, file_name in places:
         parts = [part for part in group.split("/") if part and part != ".."][:_CGROUP_DEPTH_MAX]
         for depth in range(len(parts), -1, -1):
-            limit = _limit_in(os.path.join(mount, *parts[:depth], file_name), number)
-            if limit is not None and (lowest is None or limit < lowest[0]):
-                lowest = (limit, f"{file_name} of /{'/'.join(parts[:depth])}")
+            for device in numbers:
+                limit = _limit_in(os.path.join(mount, *parts[:depth], file_name), device)
+                if limit is not None and (lowest is None or limit < lowest[0]):
+                    on = "" if device == number else f" on {device}"
+                    lowest = (limit, f"{file_name} of /{'/'.join(parts[:depth])}{on}")
     return lowest
 
 

@@ -22,7 +22,13 @@ readers would help. Two signals, both needed, say so:
   page the cache held and could not keep.
 Warm data reads nothing, a healthy cold pass refaults nothing, a second pass over data
 larger than memory refaults but reads each byte once: only a cache that cannot hold what
-is read gives both. Not used: the group's failcnt or memory.events max, which count every
+is read gives both. Both are judged over a window of MEMORY_WINDOW_SECONDS_MIN at least: at
+an epoch start the window's blocks are read ahead before their rows are dealt, and on a
+second pass over data larger than memory nearly all of that is refaults, so a short window
+(the stall warning's can be half a second) at a start shows both for a moment. No verdict
+either from counters the readers share with others (shared_group): /proc/vmstat, a v1 or v2
+root group, or a login session's scope count every job's refaults, and a job that thrashes
+beside a loader whose reads are healthy would have the loader's verdict say memory. Not used: the group's failcnt or memory.events max, which count every
 reclaim at the limit, and a healthy pass over data larger than the group reclaims at every
 page; major faults, which any read not yet read ahead takes; PSI, which v1 has not.
 """
@@ -48,6 +54,9 @@ AMPLIFICATION_MIN = 1.5
 # what the page cache could not keep. A quarter: thrashing grows its share over a few
 # windows, while a cold pass, warm data and the read-ahead of a start refault none.
 REFAULT_SHARE_MIN = 0.25
+# Windows shorter than this are not judged: an epoch start's read-ahead passes in about a
+# second (a window's blocks at the disk's rate), and the meter's windows grow to 10 s.
+MEMORY_WINDOW_SECONDS_MIN = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class MemoryCounters:
@@ -105,12 +114,22 @@ def _v2(mount: str, group: str) -> MemoryCounters | None:
     return None
 
 
+def shared_group(group: str) -> bool:
+    """Whether memory group `group` ("/a/b", "" for the machine) counts other jobs' pages
+    too: the machine's, a top-level slice of systemd's, or a login session's scope."""
+    parts = [part for part in group.split("/") if part]
+    return not parts or (len(parts) == 1 and parts[0].endswith(".slice")) or \
+        (parts[-1].startswith("session-") and parts[-1].endswith(".scope"))
+
+
 def memory_window(before: MemoryCounters | None, after: MemoryCounters | None, storage_bytes: int | None,
-                  needed_bytes: float | None) -> dict | None:
-    """What the window says of the page cache: {"read_amplification" (storage_bytes, what the
-    readers read, over needed_bytes, the stored bytes of the rows they delivered),
-    "refaulted_share" (of storage_bytes), "memory_group", "memory_limit_bytes" where one is
-    set, "page_cache_short" (both signals past their bounds)}; None where either is unknown."""
+                  needed_bytes: float | None, window_s: float = MEMORY_WINDOW_SECONDS_MIN) -> dict | None:
+    """What the window (of `window_s`) says of the page cache: {"read_amplification"
+    (storage_bytes, what the readers read, over needed_bytes, the stored bytes of the rows
+    they delivered), "refaulted_share" (of storage_bytes), "memory_group",
+    "memory_limit_bytes" where one is set, "page_cache_short" (both signals past their
+    bounds, over a window long enough, in a group of the readers' own; where not judged,
+    "page_cache" says why)}; None where either signal is unknown."""
     if before is None or after is None or before.group != after.group or not storage_bytes or not needed_bytes:
         return None
     refaulted = max(0, after.refault_bytes - before.refault_bytes)
@@ -118,8 +137,16 @@ def memory_window(before: MemoryCounters | None, after: MemoryCounters | None, s
              "refaulted_share": round(min(1.0, refaulted / storage_bytes), 3), "memory_group": after.group}
     if after.limit_bytes is not None:
         found["memory_limit_bytes"] = after.limit_bytes
-    found["page_cache_short"] = (found["read_amplification"] >= AMPLIFICATION_MIN
-                                 and found["refaulted_share"] >= REFAULT_SHARE_MIN)
+    found["page_cache_short"] = False
+    if shared_group(after.group):
+        found["page_cache"] = (f"not judged: the readers' memory group ({after.group or 'the machine'}) counts "
+                               f"other jobs' refaults too")
+    elif window_s < MEMORY_WINDOW_SECONDS_MIN:
+        found["page_cache"] = (f"not judged: a window of {window_s:.1f} s (at least {MEMORY_WINDOW_SECONDS_MIN:.0f} s: "
+                               f"an epoch start reads ahead before it deals)")
+    else:
+        found["page_cache_short"] = (found["read_amplification"] >= AMPLIFICATION_MIN
+                                     and found["refaulted_share"] >= REFAULT_SHARE_MIN)
     return found
 
 

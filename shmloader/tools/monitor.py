@@ -24,7 +24,9 @@ them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the sta
 limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does (with the node
 cache's evictions from the ledger its local readers hold open), but for what only the
 trainer knows: whether a transform or a dataset runs (top says "the user's code"), and
-whether fields are compressed (reader CPU, not decompression). The disks it compares disk
+whether fields are compressed (reader CPU, not decompression), and the stored bytes a row
+takes (a slot holds a transform's outputs): top gives no page cache (memory) verdict, and its
+detail says so (a header field in a later ring version would let it). The disks it compares disk
 reads with are those of the files a local reader holds open (readers/disk_device.py).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
@@ -72,6 +74,9 @@ STATE_LETTERS = {SlotState.IDLE: ".", SlotState.REQUESTED: "r", SlotState.FILLIN
 # Samples of rows/s kept for a ring's sparkline.
 HISTORY_SAMPLES = 40
 _SPARKS = "▁▂▃▄▅▆▇█"
+# Why top gives no memory verdict (readers/page_cache.py): the ring holds no stored bytes per row.
+_NO_STORED_BYTES = ("the ring holds the bytes of a slot, not the stored bytes of the rows read (a transform's outputs "
+                    "fill the slot), so top does not compare the readers' reads with them: loader.stats() does")
 
 
 @dataclasses.dataclass
@@ -99,7 +104,6 @@ class RingSample:
     at_ns: int
     waited_ns: int = 0  # next()'s waits, summed over the slots' lines (ring.h)
     reading: Reading | None = None  # the same counters, with the readers' /proc ones, for diagnose()
-    row_bytes: float | None = None  # a slot's bytes per row: for the stored bytes a row needs, at most
 
 
 def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
@@ -214,7 +218,7 @@ def layout_problem(header_bytes: bytes, size: int) -> str | None:
 def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | None:
     header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", header_bytes))
     slot_count, reader_count = int(header.slot_count), int(header.reader_count)
-    trainer_pid, batch_size, stride = int(header.trainer_pid), int(header.batch_size), int(header.slot_stride)
+    trainer_pid, batch_size = int(header.trainer_pid), int(header.batch_size)
     del header
     table_offset = HEADER_BYTES + reader_count * READER_RECORD_BYTES
     table = _pread(fd, slot_count * SLOT_CONTROL_BYTES, table_offset)
@@ -243,7 +247,7 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
         del record
     at_ns = time.monotonic_ns()
     return RingSample(name, trainer_pid, alive, batch_size, states, readers, at_ns, waited_ns,
-                      _reading(at_ns, trainer_pid, waited_ns, states, readers), stride / batch_size)
+                      _reading(at_ns, trainer_pid, waited_ns, states, readers))
 
 
 def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list[ReaderSample]) -> Reading:
@@ -311,12 +315,13 @@ class RingView:
         if self.last.reading is not None and new.reading is not None:
             # What the ring cannot say (is there a transform, is a field compressed, the node
             # cache's evictions) is left out: top says "the user's code", "reader CPU", "link".
-            # The stored bytes a row needs: its slot's bytes, the decoded row's (compressed
-            # fields' are fewer: a read amplification seen lower, page_cache.py's memory verdict later).
+            # Nor the stored bytes a row takes: a slot holds a transform's outputs where one runs
+            # (a crop's are a fraction of the row read), so no memory verdict (_NO_STORED_BYTES).
             self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
             local = sum(1 for reader in new.reading.readers if reader.cpu_ns is not None)
             self.bottleneck = diagnose(self.last.reading, new.reading, Context(
-                local_readers=local, batch_size=new.batch_size, row_bytes=new.row_bytes), self.disk_rates.best)
+                local_readers=local, batch_size=new.batch_size, row_bytes_missing=_NO_STORED_BYTES),
+                self.disk_rates.best)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
 
