@@ -135,12 +135,13 @@ def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
 
 
 def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True,
-                 disks: tuple[str, ...] = ()) -> Reading:
+                 disks: tuple[str, ...] = (), memory: bool = True) -> Reading:
     """A reading of `ring` (ring/segment.Ring) from its trainer's process: the first
     `local_readers` records are reader processes on this node; `node_cache` the cache the
     loader reads a store's objects through (its evictions), or None; `disks` those its files
     are on. `processes=False` leaves /proc unread (no CPU, storage, core or disk counters):
-    the stall warning's cheap reading at the start of each long wait."""
+    the stall warning's cheap reading at the start of each long wait; `memory=False` leaves
+    the memory group's counters unread (the tuner's readings, which never use them)."""
     layout = ring.layout
     held, filling = 0, set()
     for slot in range(layout.slot_count):
@@ -169,7 +170,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
                    total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else (),
-                   memory_counters(local[0]) if processes and local else None)
+                   memory_counters(local[0]) if processes and memory and local else None)
 
 
 def plan_context(plan, dataset: bool, local_readers: int) -> Context:
@@ -317,8 +318,9 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
         disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
         detail.update(disk or {})
-        remedy = disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else \
-            "data in the page cache (memory for it), faster storage, or fewer bytes to read (shmloader convert compresses)"
+        remedy = disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else (
+            "data in the page cache (memory for it), faster storage, or fewer bytes to read "
+            "(shmloader convert compresses)")
         advice = (f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their "
                   f"time: {remedy}")
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)

@@ -26,6 +26,7 @@ import os
 import time
 
 from .budget_record import start_ticks
+from .proc_counters import read_text as _read
 
 # /proc/diskstats counts sectors of 512 bytes whatever the device's own sector size.
 SECTOR_BYTES = 512
@@ -263,14 +264,6 @@ def rotational(name: str, root: str = "/") -> bool | None:
     """Whether disk `name` says it spins (one request at a time), None where unknown."""
     text = (_read(os.path.join(root, "sys/block", name, "queue/rotational"), 16) or "").strip()
     return {"1": True, "0": False}.get(text)
-
-
-def _read(path: str, limit: int) -> str | None:
-    try:
-        with open(path, "rb") as file:
-            return file.read(limit).decode("ascii", "replace")
-    except OSError:
-        return None
 
 
 def _changes(before: tuple[DiskCounters, ...], after: tuple[DiskCounters, ...]) -> list[tuple[str, int, int]]:

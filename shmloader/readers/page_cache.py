@@ -28,15 +28,18 @@ second pass over data larger than memory nearly all of that is refaults, so a sh
 (the stall warning's can be half a second) at a start shows both for a moment. No verdict
 either from counters the readers share with others (shared_group): /proc/vmstat, a v1 or v2
 root group, or a login session's scope count every job's refaults, and a job that thrashes
-beside a loader whose reads are healthy would have the loader's verdict say memory. Not used: the group's failcnt or memory.events max, which count every
-reclaim at the limit, and a healthy pass over data larger than the group reclaims at every
-page; major faults, which any read not yet read ahead takes; PSI, which v1 has not.
+beside a loader whose reads are healthy would have the loader's verdict say memory. Not
+used: the group's failcnt or memory.events max, which count every reclaim at the limit, and
+a healthy pass over data larger than the group reclaims at every page; major faults, which
+any read not yet read ahead takes; PSI, which v1 has not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+
+from .proc_counters import read_text
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # memory.stat, /proc/vmstat and /proc/PID/cgroup are small; a bound on what one read takes.
@@ -57,6 +60,7 @@ REFAULT_SHARE_MIN = 0.25
 # Windows shorter than this are not judged: an epoch start's read-ahead passes in about a
 # second (a window's blocks at the disk's rate), and the meter's windows grow to 10 s.
 MEMORY_WINDOW_SECONDS_MIN = 2.0
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryCounters:
@@ -107,7 +111,8 @@ def _v2(mount: str, group: str) -> MemoryCounters | None:
         refaults = _field(_read(os.path.join(base, *parts, "memory.stat")), "workingset_refault_file")
         if refaults is None:
             continue
-        limits = [_number(_read(os.path.join(base, *parts[:depth], "memory.max"))) for depth in range(len(parts), 0, -1)]
+        limits = [_number(_read(os.path.join(base, *parts[:depth], "memory.max")))
+                  for depth in range(len(parts), 0, -1)]
         limits = [limit for limit in limits if limit is not None and limit < _UNLIMITED_BYTES]
         return MemoryCounters(refaults * _PAGE_BYTES, min(limits) if limits else None,
                               "/" + "/".join(parts) if parts else "")
@@ -179,8 +184,4 @@ def _number(text: str | None) -> int | None:
 
 
 def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as file:
-            return file.read(_STAT_BYTES_MAX).decode("ascii", "replace")
-    except OSError:
-        return None
+    return read_text(path, _STAT_BYTES_MAX)

@@ -16,15 +16,15 @@ def process_counters(pid: int) -> tuple[int | None, int | None, int | None]:
     what cannot be read. The times are its main thread's (schedstat: the thread that fills,
     not the read-ahead's), or without schedstat the whole process's CPU time (stat)."""
     cpu_ns = queued_ns = read_bytes = None
-    fields = (_read_proc(f"/proc/{pid}/schedstat") or "").split()
+    fields = (read_text(f"/proc/{pid}/schedstat") or "").split()
     if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
         cpu_ns, queued_ns = int(fields[0]), int(fields[1])
     else:
-        text = _read_proc(f"/proc/{pid}/stat")
+        text = read_text(f"/proc/{pid}/stat")
         fields = text[text.rfind(")") + 2:].split() if text else []  # After the command, which may hold spaces.
         if len(fields) > 12 and fields[11].isdigit() and fields[12].isdigit():
             cpu_ns = (int(fields[11]) + int(fields[12])) * 1_000_000_000 // _CLOCK_TICKS_PER_SECOND
-    text = _read_proc(f"/proc/{pid}/io")
+    text = read_text(f"/proc/{pid}/io")
     for line in (text or "").splitlines():
         name, _, value = line.partition(":")
         if name == "read_bytes" and value.strip().isdigit():
@@ -39,7 +39,7 @@ def cores_counters() -> tuple[int | None, int | None, int]:
         allowed = os.sched_getaffinity(0)
     except (AttributeError, OSError):
         allowed = set(range(os.cpu_count() or 1))
-    text = _read_proc("/proc/stat", 1 << 16)
+    text = read_text("/proc/stat", 1 << 16)
     idle = total = 0
     for line in (text or "").splitlines():
         name, *values = line.split()
@@ -61,12 +61,13 @@ def child_of(pid: int, trainer_pid: int) -> bool:
 
 
 def parent_of(pid: int) -> int | None:
-    text = _read_proc(f"/proc/{pid}/stat") or ""
+    text = read_text(f"/proc/{pid}/stat") or ""
     fields = text[text.rfind(")") + 2:].split()  # After the command, which may hold spaces.
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
 
 
-def _read_proc(path: str, limit: int = _PROC_BYTES_MAX) -> str | None:
+def read_text(path: str, limit: int = _PROC_BYTES_MAX) -> str | None:
+    """At most `limit` bytes of a /proc, /sys or cgroup file, as ASCII; None where unreadable."""
     try:
         with open(path, "rb") as file:
             return file.read(limit).decode("ascii", "replace")
