@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_invariants import _Store
+from test_invariants import _Store, cached_copy
 
 from shmloader.remote.cache import create_object, open_object
 from shmloader.remote.node import node_cache
@@ -64,12 +64,7 @@ def _digests(data: bytes) -> list[int]:
 
 @pytest.fixture
 def copy(tmp_path):
-    root = tmp_path / "cache"
-    path = str(root / "objects" / "url" / "version" / "x.bin")
-    data = np.random.default_rng(3).integers(0, 256, 40 * CACHE_PAGE_BYTES + 123, dtype=np.uint8).tobytes()
-    create_object(path, "s3://bucket/x.bin", "etag", len(data), {})
-    view = node_cache(str(root))
-    found = open_object(view, path, "s3://bucket/x.bin")
+    view, found, data = cached_copy(tmp_path, 40 * CACHE_PAGE_BYTES + 123, seed=3)
     yield found, data
     view.close()
 

@@ -251,18 +251,25 @@ class _Store:
             receive(offset, view[offset:offset + self.PIECE_BYTES])
 
 
-@pytest.fixture
-def stored(tmp_path):
+def cached_copy(tmp_path, size: int, seed: int):
+    """(a node cache's view under tmp_path, its empty copy of an object of `size` random
+    bytes, those bytes); the caller closes the view."""
     from shmloader.remote.cache import create_object, open_object
     from shmloader.remote.node import node_cache
-    from shmloader.remote.pages import CACHE_PAGE_BYTES
 
     root = tmp_path / "cache"
     path = str(root / "objects" / "url" / "version" / "x.bin")
-    data = np.random.default_rng(0).integers(0, 256, 5 * CACHE_PAGE_BYTES + 100, dtype=np.uint8).tobytes()
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
     create_object(path, "s3://bucket/x.bin", "etag", len(data), {})
     view = node_cache(str(root))
-    found = open_object(view, path, "s3://bucket/x.bin")
+    return view, open_object(view, path, "s3://bucket/x.bin"), data
+
+
+@pytest.fixture
+def stored(tmp_path):
+    from shmloader.remote.pages import CACHE_PAGE_BYTES
+
+    view, found, data = cached_copy(tmp_path, 5 * CACHE_PAGE_BYTES + 100, seed=0)
     found.client = _Store(data)
     yield found, data
     view.close()
