@@ -191,7 +191,7 @@ class Session:
             plan_context(plan, dataset_spec is not None, pool.count),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
-            Tuner(pool, functools.partial(ring_reading, ring, pool.count, memory=False), resources.node_share)
+            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)
         if self.tuner is None:
             self.supervisor.node_share = resources.node_share
         self.cursor = cursor_module.Cursor(

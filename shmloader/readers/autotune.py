@@ -16,6 +16,11 @@ readers keep anyway; readers/bottleneck.py reads them):
   would be busy at most RETIRE_BUSY_SHARE of the time, on RETIRE_WINDOWS windows in a row.
 - Else hold.
 
+Where the trainer waits for readers that wait off the CPU, wait for a core, or read pages the
+cache could not keep (Window.trial_cause), the CPU cannot say whether a reader more or fewer
+helps: an add is a trial, kept only where the delivered rate rose, and where none can be
+added, one fewer is tried and kept where the rate held (readers/probe.py).
+
 Within the node's reader budget (readers/node_budget.py, through the record of
 readers/budget_record.py, shared by the loaders of every rank on the node): an add is claimed
 in the record first and goes only as far as the budget has room; each window publishes the
@@ -50,7 +55,9 @@ import dataclasses
 import math
 import time
 
-from .bottleneck import Reading, idle_cores_between, reader_change
+from .bottleneck import QUEUED_SHARE_MIN, Reading, idle_cores_between, reader_change
+from .page_cache import REFAULT_SHARE_MIN, refaulted_share, shared_group
+from .probe import PROBE_FILLS_MIN, Prober
 
 # A trainer waiting a twentieth of its time loses that much of its step rate: worth a reader.
 ADD_WAIT_SHARE = 0.05
@@ -79,7 +86,11 @@ class Window:
     next() waited; `readers`, the active readers; `readers_busy`, their fill time over the
     window, in readers (0 to `readers`); `readers_blocked`, the share of that fill time off a
     CPU and not waiting for one (None: unknown); `idle_cores`, cores this process may use
-    that were idle, on average (None: unknown)."""
+    that were idle, on average (None: unknown); `batches_per_second`, the batches every reader
+    record filled (readers/probe.py's rate); `refaulted`, the share of the readers' reads from
+    storage that their own memory group refaulted (page_cache.py; None: unknown, or a group
+    other jobs share); `readers_queued`, the share of their fill time they were runnable and
+    waiting for a core (None: unknown)."""
 
     seconds: float
     trainer_wait: float
@@ -87,6 +98,34 @@ class Window:
     readers_busy: float
     readers_blocked: float | None = None
     idle_cores: float | None = None
+    batches_per_second: float = 0.0
+    refaulted: float | None = None
+    readers_queued: float | None = None
+
+    @property
+    def readers_wanted(self) -> bool:
+        """The trainer waits, and for its readers (decide's first condition for an add)."""
+        return self.trainer_wait >= ADD_WAIT_SHARE and self.readers_busy >= ADD_BUSY_SHARE * self.readers
+
+    @property
+    def off_cpu(self) -> bool:
+        """The readers wait off the CPU (BLOCKED_SHARE_MIN of their fills)."""
+        return self.readers_blocked is not None and self.readers_blocked >= BLOCKED_SHARE_MIN
+
+    @property
+    def trial_cause(self) -> str | None:
+        """Why a change of the reader count is a trial (readers/probe.py), in words; None where
+        the CPU can judge it: the readers wait off the CPU (a device decides whether another
+        helps), wait for a core (QUEUED_SHARE_MIN: beside a trainer and the kernel's own work
+        on the node's cores, one fewer may do as much), or a quarter of their reads are pages
+        the cache could not keep (each reader's read-ahead evicts the others')."""
+        if self.off_cpu:
+            return f"wait off the CPU {self.readers_blocked:.0%} of their fills"
+        if self.readers_queued is not None and self.readers_queued >= QUEUED_SHARE_MIN:
+            return f"wait for a core {self.readers_queued:.0%} of their fills"
+        if self.refaulted is not None and self.refaulted >= REFAULT_SHARE_MIN:
+            return f"read pages the cache could not keep ({self.refaulted:.0%} of their reads refaulted)"
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +142,10 @@ def decide(window: Window, least: int, most: int, calm: int = 0) -> Decision:
     """The module's rule on one window, for a loader of `least` to `most` readers."""
     assert 1 <= least <= most and least <= window.readers <= most, (least, window.readers, most)
     readers, wait, busy = window.readers, window.trainer_wait, window.readers_busy
-    if wait >= ADD_WAIT_SHARE and busy >= ADD_BUSY_SHARE * readers:
+    if window.readers_wanted:
         if readers >= most:
             return Decision(0, f"the trainer waits {wait:.0%} of the time, and the readers are at their most ({most})")
-        blocked = window.readers_blocked is not None and window.readers_blocked >= BLOCKED_SHARE_MIN
+        blocked = window.off_cpu
         idle = window.idle_cores if window.idle_cores is not None else 0.0
         if not blocked and idle < IDLE_CORES_MIN:
             return Decision(0, f"the trainer waits {wait:.0%} of the time, but no core is idle "
@@ -154,19 +193,25 @@ def ring_fill_seconds(reading: Reading, active: list[int], started_ns: int) -> f
 def window_of(before: Reading, after: Reading, active: list[int]) -> Window:
     """The Window between two readings (readers/bottleneck.py's) over the `active` records."""
     window_ns = max(1, after.at_ns - before.at_ns)
+    changes = [reader_change(old, new) for old, new in zip(before.readers, after.readers)]
+    filled = sum(change["batches"] for change in changes)
+    read_bytes = sum(change["storage_read_bytes"] or 0 for change in changes)
+    refaulted = (None if after.memory is None or shared_group(after.memory.group)
+                 else refaulted_share(before.memory, after.memory, read_bytes))
     busy_ns = cpu_ns = queued_ns = 0
     timed = True
     for index in active:
-        change = reader_change(before.readers[index], after.readers[index])
+        change = changes[index]
         busy_ns += change["busy_ns"]
         if change["cpu_ns"] is None or change["queued_ns"] is None:
             timed = False
         else:
             cpu_ns, queued_ns = cpu_ns + change["cpu_ns"], queued_ns + change["queued_ns"]
     blocked = max(0.0, 1.0 - (cpu_ns + queued_ns) / busy_ns) if timed and busy_ns else None
+    queued = min(1.0, queued_ns / busy_ns) if timed and busy_ns else None
     wait = min(1.0, max(0.0, (after.waited_ns - before.waited_ns) / window_ns))
     return Window(window_ns / 1e9, wait, len(active), min(float(len(active)), busy_ns / window_ns), blocked,
-                  idle_cores_between(before, after))
+                  idle_cores_between(before, after), filled * 1e9 / window_ns, refaulted, queued)
 
 
 class Tuner:
@@ -178,15 +223,19 @@ class Tuner:
     # a reader's start (a fork and its imports, about a tenth of a second) is short beside it.
     window_seconds = 1.0
 
-    def __init__(self, pool, read, share=None) -> None:
+    def __init__(self, pool, read, share=None, clock=time.monotonic_ns) -> None:
         self.pool, self.read, self.share = pool, read, share  # share: readers/budget_record.NodeShare
-        self.started_ns = self.tuned_ns = time.monotonic_ns()  # tuned_ns: the last window's end.
+        self.clock = clock  # CLOCK_MONOTONIC's ns, as the readings' at_ns (a model's own in tests).
+        self.started_ns = self.tuned_ns = clock()  # tuned_ns: the last window's end.
         self.baseline: Reading | None = None
         self.calm = 0
         self.changes = 0
         self.decision: Decision | None = None
         self.last: dict | None = None
         self.add_failure: str | None = None  # Why the last reader that could not be started was not.
+        self.prober = Prober(self.window_seconds)  # Trials where readers wait off the CPU (readers/probe.py).
+        self.steady: list[Reading] = []  # Readings since the last change, for a trial's rate before.
+        self.trial_from: Reading | None = None  # Where the trial in flight is measured from.
 
     def tune(self, waiting_s: float = 0.0) -> None:
         """Decides on the window since the last decision once it is window_seconds long, and
@@ -197,7 +246,7 @@ class Tuner:
         the readers did nothing, and retire a reader the trainer waits for; the reading counts
         the wait so far instead, and the wait's whole length, added at its take, then counts
         only its part after this window."""
-        now_ns = time.monotonic_ns()
+        now_ns = self.clock()
         if self.baseline is not None and now_ns - self.baseline.at_ns < self.window_seconds * 1e9:
             return
         reading = self.read()
@@ -209,17 +258,96 @@ class Tuner:
         self.tuned_ns = now_ns
         if self.baseline is None or self.pool.ring is None or self.pool.starting_note():
             self.baseline = reading  # Nothing to judge while readers start: their waits are the start's.
+            self.steady = [reading]
+            if self.prober.trial is not None:  # A trial's readers are measured once they run.
+                self.trial_from = reading
+                self.prober.trial = dataclasses.replace(self.prober.trial, started_s=now_ns / 1e9)
             self._keep_entry(now_ns)
             return
         active = self.pool.active()
         window = window_of(self.baseline, reading, active)
         self.baseline = reading
+        self._keep_steady(reading)
+        if self.prober.trial is not None:
+            self._judge_trial(reading, now_ns)
+            return
         decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
+        import os
+        if os.environ.get("TUNER_LOG"):
+            open("/tmp/tuner.log", "a").write(f"TUNER {window} {decision} {self.prober.report()}\n")
         self.calm = decision.calm
+        rate_before = self._steady_rate(now_ns)
+        decision = self._add_on_trial(decision, window, rate_before, now_ns)
         change, why = decision.change, decision.why
         if self.share is not None:
             change, why = self._within_budget(decision, window)
-        self._act(change, why, now_ns, len(active))
+        on_trial = change > 0 and window.trial_cause is not None  # _add_on_trial let it through: rate_before is known.
+        if change == 0 and self._retire_on_trial(window, rate_before, now_ns):
+            on_trial, change, why = True, -1, (f"trial: the trainer waits {window.trainer_wait:.0%} of the time for "
+                                               f"{len(active)} readers that {window.trial_cause}, and none can be added; "
+                                               f"{len(active) - 1} tried")
+        done = self._act(change, why, now_ns, len(active))
+        if done and on_trial:
+            self.prober.start(done, rate_before, len(active), now_ns / 1e9)
+            self.trial_from = self.baseline
+
+    def _keep_steady(self, reading: Reading) -> None:
+        """Adds a reading to those since the last change, keeping only what a rate over the
+        last probe_seconds needs: the newest reading at least that old, and those after it."""
+        self.steady.append(reading)
+        while len(self.steady) > 2 and reading.at_ns - self.steady[1].at_ns >= self.prober.probe_seconds * 1e9:
+            self.steady.pop(0)
+
+    def _steady_rate(self, now_ns: int) -> float | None:
+        """Batches per second over at least the last probe_seconds with the readers as they are
+        (no change since); None where they have not run that long, or filled fewer than
+        PROBE_FILLS_MIN batches each (a rate of a few fills is when they ended)."""
+        if not self.steady or now_ns - self.steady[0].at_ns < self.prober.probe_seconds * 1e9:
+            return None
+        window = window_of(self.steady[0], self.steady[-1], [])
+        filled = window.batches_per_second * window.seconds
+        return window.batches_per_second if filled >= PROBE_FILLS_MIN * self.pool.active_count else None
+
+    def _add_on_trial(self, decision: Decision, window: Window, rate_before: float | None,
+                      now_ns: int) -> Decision:
+        """decide's add, where the readers wait off the CPU: on trial (readers/probe.py), so
+        held while that direction's back-off runs or before the rate it is judged against."""
+        if decision.change <= 0 or window.trial_cause is None:
+            return decision
+        if not self.prober.may_try(1, now_ns / 1e9):
+            return Decision(0, decision.why + "; " + self.prober.waits_why(1, now_ns / 1e9), decision.calm)
+        if rate_before is None:
+            return Decision(0, decision.why + f"; the rate of these readers is measured over {self.prober.probe_seconds:.0f} s "
+                                              f"first, to judge the add against", decision.calm)
+        most = self.prober.add_most
+        if most is not None and decision.change > most:
+            return Decision(most, decision.why + f"; {most} on trial (an add of {2 * most} or more did not pay)",
+                            decision.calm)
+        return decision
+
+    def _retire_on_trial(self, window: Window, rate_before: float | None, now_ns: int) -> bool:
+        """Whether to retire a reader on trial: the trainer waits for readers that wait off
+        the CPU, none could be added, and fewer may deliver as much (readers/probe.py)."""
+        return (window.trial_cause is not None and window.readers_wanted and rate_before is not None
+                and self.pool.active_count > self.pool.least and self.prober.may_try(-1, now_ns / 1e9))
+
+    def _judge_trial(self, reading: Reading, now_ns: int) -> None:
+        """Ends the trial in flight once it has run probe_seconds: kept, or undone (an add
+        given back; a retired reader added back as far as the node's budget has room)."""
+        trial, held = self.prober.trial, self.pool.active_count
+        if held != trial.readers_before + trial.change:  # The budget took or gave readers meanwhile.
+            self.prober.trial = None
+            return
+        window = window_of(self.trial_from, reading, [])
+        if not self.prober.due(now_ns / 1e9, round(window.batches_per_second * window.seconds)):
+            self._keep_entry(now_ns)
+            return
+        undo, why = self.prober.judge(window.batches_per_second, now_ns / 1e9)
+        if undo > 0 and self.share is not None:
+            undo = self.share.claim(held, undo)
+        if not self._act(undo, why, now_ns, held):
+            self.steady = [self.trial_from, reading]  # Kept: the trial measured the readers as they are.
+            self._keep_entry(now_ns)
 
     def _keep_entry(self, now_ns: int) -> None:
         """A window with nothing to judge (the first, or readers that start) still updates the
@@ -235,8 +363,9 @@ class Tuner:
                    f"a loader of this node below its equal part waits for readers: {standing.yields} given up")
             self._act(-standing.yields, why, now_ns, held)
 
-    def _act(self, change: int, why: str, now_ns: int, active_count: int) -> None:
-        """Adds (change > 0) or retires readers, and records the change and its reason."""
+    def _act(self, change: int, why: str, now_ns: int, active_count: int) -> int:
+        """Adds (change > 0) or retires readers, records the change and its reason, and
+        returns the readers added (or, negative, retired)."""
         done = 0
         for _ in range(change):
             try:
@@ -256,6 +385,8 @@ class Tuner:
             self.last = {"at_s": round((now_ns - self.started_ns) / 1e9, 3), "from": active_count,
                          "to": active_count + done, "why": why}
             self.baseline = self.read()  # The next window starts with the new readers.
+            self.steady = [self.baseline]
+        return done
 
     def _within_budget(self, decision: Decision, window: Window) -> tuple[int, str]:
         """The decision within the node's reader budget (readers/node_budget.py): an add only
@@ -300,4 +431,4 @@ class Tuner:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""
         return {"reader_count": self.pool.active_count, "readers_least": self.pool.least,
                 "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last,
-                "reader_add_failure": self.add_failure}
+                "reader_add_failure": self.add_failure, "reader_trial": self.prober.report()}

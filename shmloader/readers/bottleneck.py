@@ -135,13 +135,12 @@ def with_processes(counters: ReaderCounters, local: bool) -> ReaderCounters:
 
 
 def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = True,
-                 disks: tuple[str, ...] = (), memory: bool = True) -> Reading:
+                 disks: tuple[str, ...] = ()) -> Reading:
     """A reading of `ring` (ring/segment.Ring) from its trainer's process: the first
     `local_readers` records are reader processes on this node; `node_cache` the cache the
     loader reads a store's objects through (its evictions), or None; `disks` those its files
     are on. `processes=False` leaves /proc unread (no CPU, storage, core or disk counters):
-    the stall warning's cheap reading at the start of each long wait; `memory=False` leaves
-    the memory group's counters unread (the tuner's readings, which never use them)."""
+    the stall warning's cheap reading at the start of each long wait."""
     layout = ring.layout
     held, filling = 0, set()
     for slot in range(layout.slot_count):
@@ -170,7 +169,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
                    total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else (),
-                   memory_counters(local[0]) if processes and memory and local else None)
+                   memory_counters(local[0]) if processes and local else None)
 
 
 def plan_context(plan, dataset: bool, local_readers: int) -> Context:

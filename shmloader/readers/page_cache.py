@@ -135,11 +135,11 @@ def memory_window(before: MemoryCounters | None, after: MemoryCounters | None, s
     "memory_limit_bytes" where one is set, "page_cache_short" (both signals past their
     bounds, over a window long enough, in a group of the readers' own; where not judged,
     "page_cache" says why)}; None where either signal is unknown."""
-    if before is None or after is None or before.group != after.group or not storage_bytes or not needed_bytes:
+    refaulted = refaulted_share(before, after, storage_bytes)
+    if refaulted is None or not needed_bytes:
         return None
-    refaulted = max(0, after.refault_bytes - before.refault_bytes)
     found = {"read_amplification": round(storage_bytes / needed_bytes, 2),
-             "refaulted_share": round(min(1.0, refaulted / storage_bytes), 3), "memory_group": after.group}
+             "refaulted_share": round(refaulted, 3), "memory_group": after.group}
     if after.limit_bytes is not None:
         found["memory_limit_bytes"] = after.limit_bytes
     found["page_cache_short"] = False
@@ -153,6 +153,15 @@ def memory_window(before: MemoryCounters | None, after: MemoryCounters | None, s
         found["page_cache_short"] = (found["read_amplification"] >= AMPLIFICATION_MIN
                                      and found["refaulted_share"] >= REFAULT_SHARE_MIN)
     return found
+
+
+def refaulted_share(before: MemoryCounters | None, after: MemoryCounters | None,
+                    storage_bytes: int | None) -> float | None:
+    """The share of `storage_bytes` (what the readers read from storage between the two
+    counters) that their memory group refaulted; None where either is unknown."""
+    if before is None or after is None or before.group != after.group or not storage_bytes:
+        return None
+    return min(1.0, max(0, after.refault_bytes - before.refault_bytes) / storage_bytes)
 
 
 def memory_advice(memory: dict) -> str:
