@@ -50,10 +50,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
     with start_step=k (or load_state_dict) continues exactly. Iterate it (see Batch for how
     long a batch's zero-copy arrays stay valid); close it, or use `with`.
 
-    readers: processes filling steps (None: the cores, at most 8; 0: the trainer fills each
-    step itself when next() needs it; "auto" or AutoReaders(start, least, most): as many as
-    keep the trainer from waiting while cores are idle, added and retired as the loader runs,
-    readers/autotune.py). slots: steps the ring holds (None: plan/defaults.default_slots;
+    readers: processes filling steps (None, the default, is "auto": AutoReaders(start, least,
+    most), as many as keep the trainer from waiting while cores are idle, added and retired
+    as the loader runs, readers/autotune.py; with remote readers, the cores, at most 8; a
+    number fixes them; 0: the trainer fills each step itself when next() needs it). slots: steps the ring holds (None: plan/defaults.default_slots;
     "auto": sized from the batch's bytes, the most readers and the memory, auto_slots).
     verify (on by default): readers check what they read of a Blosc2 file against its
     checksums the first time they read it, each block and its chunk's head where the file

@@ -142,6 +142,9 @@ def test_auto_settings_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="remote readers"):
         LoaderOptions(readers="auto", remote=type("Remote", (), {"start": 0, "count": 1, "capacity": 1})())
     assert isinstance(LoaderOptions(readers="auto").readers, AutoReaders)
+    assert isinstance(LoaderOptions().readers, AutoReaders)  # The default.
+    remote = type("Remote", (), {"start": 0, "count": 1, "capacity": 1})()
+    assert LoaderOptions(remote=remote).readers is None  # Local readers beside remote ones stay fixed.
     with pytest.raises(TypeError, match='slots must be an integer or "auto", got .many.'):
         LoaderOptions(slots="many")
     with pytest.raises(TypeError, match='readers must be an integer or "auto"'):

@@ -152,7 +152,7 @@ class LoaderOptions:
     batch_size: int = 256
     mode: str = "shuffle"
     seed: int = 0
-    readers: object = None  # None: plan/defaults.default_readers(); "auto" or AutoReaders: readers/autotune.py
+    readers: object = None  # None: AutoReaders() (the default; with remote=, default_readers()); "auto", AutoReaders or a count
     slots: object = None  # None: plan/defaults.default_slots(); "auto": plan/defaults.auto_slots()
     start_step: int = 0
     shard_index: int = 0
@@ -180,6 +180,8 @@ class LoaderOptions:
         set_(self, "batch_size", check_integer("batch_size", self.batch_size, 1, BATCH_SIZE_MAX))
         set_(self, "mode", check_mode(self.mode))
         set_(self, "seed", check_integer("seed", self.seed, 0, SEED_MAX))
+        if self.readers is None and self.remote is None:  # The default: readers that size themselves.
+            set_(self, "readers", AutoReaders())
         if isinstance(self.readers, str):
             set_(self, "readers", AutoReaders(**_auto("readers", self.readers)))
         elif self.readers is not None and not isinstance(self.readers, AutoReaders):
