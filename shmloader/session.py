@@ -34,7 +34,7 @@ from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
-from .plan.options import LoaderOptions, check_integer
+from .plan.options import AutoReaders, LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
@@ -147,7 +147,8 @@ class Session:
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(options.epochs, options.drop_last))
         # Steps filled at once: one per reader, and the remote readers' steps in flight.
         fillers = readers + (0 if options.remote is None else options.remote.capacity)
-        slots = default_slots(fillers, plan.slot.nbytes) if options.slots is None else \
+        elastic = isinstance(options.readers, AutoReaders)
+        slots = default_slots(fillers, plan.slot.nbytes, elastic) if options.slots is None else \
             auto_slots(fillers, plan.slot.nbytes, ring_budget_bytes()) if options.slots == "auto" else options.slots
         cuts = StepCuts(plan.slot, options.batch_size, plan.sampler, _pass_of(plan.sampler, options))
         # The whole first ring of steps must be steps the sampler can compute.

@@ -102,3 +102,16 @@ def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
     assert _default_slots(14, 1 << 20) == 58
     assert _default_slots(8, 64 << 20) == 18  # 1 GiB holds 16 slots of 64 MiB; the floor is 2 * 8 + 2.
     assert _default_slots(8, 40 << 20) == 25
+
+
+def test_an_auto_loaders_default_ring_stays_under_the_fixed_defaults_bytes_where_its_floor_allows():
+    """readers="auto" sizes the ring for the most readers it may reach (15 on 16 cores): with
+    the fixed default's floor of two slots a reader, its 1 GiB bound gave way to 32 slots."""
+    assert _default_slots(15, 1 << 20, elastic=True) == 62  # Four a reader where they fit.
+    assert _default_slots(15, 64 << 20, elastic=True) == 18  # 1 GiB: 16 slots; the floor 15 + 2 + 1.
+    assert _default_slots(15, 64 << 20) == 32  # The fixed floor: 2 GiB.
+    for most in range(1, 65):
+        for slot_bytes in (1 << 10, 1 << 20, 16 << 20, 256 << 20):
+            slots = _default_slots(most, slot_bytes, elastic=True)
+            assert slots >= most + 3
+            assert slots * slot_bytes <= max(1 << 30, (most + 3) * slot_bytes)
