@@ -11,7 +11,9 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
+
+from conftest import examples
 
 from shmloader import ShmDataLoader
 from shmloader.plan.options import AutoReaders
@@ -30,7 +32,7 @@ def budget_past_the_tests_readers(monkeypatch):
 # ---- The Prober's rule ------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@examples(200)
 @given(change=st.sampled_from([-1, 1, 2, 5]), ratio=st.floats(0.5, 2.0), before=st.integers(1, 8))
 def test_a_trial_is_kept_only_where_the_rate_says_so(change, ratio, before):
     prober = Prober(1.0)
@@ -111,7 +113,7 @@ class _Device:
         self.pool, self.rates, self.cause = pool, rates, cause
         self.now_ns, self.waited_ns, self.idle_ns, self.total_ns = 1, 0, 0, 0
         self.busy = [0] * pool.count
-        self.batches = [0] * pool.count
+        self.batches = [0.0] * pool.count  # Fractions carried: a slow count's fills add up.
         self.cpu = [0] * pool.count
         self.queued = [0] * pool.count
 
@@ -120,7 +122,7 @@ class _Device:
         for index in range(n):
             busy_ns = int(0.9 * seconds * 1e9)
             self.busy[index] += busy_ns
-            self.batches[index] += round(self.rates[n - 1] * seconds / n)
+            self.batches[index] += self.rates[n - 1] * seconds / n
             cpu_share, queued_share = (0.1, 0.0) if self.cause == "off_cpu" else (0.5, 0.5)
             self.cpu[index] += int(busy_ns * cpu_share)
             self.queued[index] += int(busy_ns * queued_share)
@@ -130,21 +132,21 @@ class _Device:
         self.now_ns += int(seconds * 1e9)
 
     def read(self) -> Reading:
-        readers = tuple(ReaderCounters(1000 + index, self.busy[index], self.batches[index], cpu_ns=self.cpu[index],
+        readers = tuple(ReaderCounters(1000 + index, self.busy[index], int(self.batches[index]), cpu_ns=self.cpu[index],
                                        queued_ns=self.queued[index]) for index in range(self.pool.count))
         return Reading(self.now_ns, self.waited_ns, readers, 4 * self.pool.count, 0, self.idle_ns, self.total_ns, 2)
 
 
-@settings(max_examples=60, deadline=None)
+@examples(60)
 @given(most=st.integers(1, 6), data=st.data(), cause=st.sampled_from(["off_cpu", "queued"]),
        slope=st.floats(0.1, 0.3))
 def test_the_tuner_settles_at_the_devices_best_count_and_stays_there_but_for_its_trials(most, data, cause, slope):
-    """The rate falls by `slope` of the best for each reader away from the best count (drawn).
+    """The rate falls by `slope` for each reader away from the best count (drawn).
     Readers that wait off the CPU climb to it; readers that wait for a core are never added
     to (no core is idle) and come down to it where they start above it."""
     best = data.draw(st.integers(1, most), label="best")
     start = data.draw(st.integers(1, most), label="start")
-    rates = [500.0 * (1 - slope * abs(n - best)) + 1 for n in range(1, most + 1)]
+    rates = [500.0 * (1 - slope) ** abs(n - best) for n in range(1, most + 1)]
     pool = _ModelledPool(most, start, least=1)
     device = _Device(pool, rates, cause)
     tuner = autotune.Tuner(pool, device.read, clock=lambda: device.now_ns)
@@ -208,3 +210,20 @@ def test_readers_queued_on_one_device_retire_on_trial_and_every_batch_is_right(t
     assert trials[0]["from"] == 3 and trials[0]["to"] == 2
     assert "wait off the CPU" in trials[0]["why"], trials[0]
     assert stats["reader_trial"] is not None and stats["reader_restarts"] == 0
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.5])
+def test_readers_whose_fills_take_seconds_still_climb_to_the_best_count(scale):
+    """A fill of seconds (a large batch from a slow store) gives a window of two seconds no
+    rate to judge by: the trial's rate is then taken over PROBE_WINDOWS_MOST windows."""
+    rates = [scale * n for n in range(1, 5)]  # Each reader adds as much: the best is the most.
+    pool = _ModelledPool(4, 1, least=1)
+    device = _Device(pool, rates, "off_cpu")
+    tuner = autotune.Tuner(pool, device.read, clock=lambda: device.now_ns)
+    counts = []
+    for _ in range(2400):  # 600 s.
+        device.run(0.25)
+        tuner.tune()
+        counts.append(pool.active_count)
+    assert counts[-1] == 4, counts[::40]
+    assert counts.index(4) < 1200, counts[::40]  # Within 300 s, at a fill every 20 s with one reader.

@@ -57,7 +57,7 @@ import time
 
 from .bottleneck import QUEUED_SHARE_MIN, Reading, idle_cores_between, reader_change
 from .page_cache import REFAULT_SHARE_MIN, refaulted_share, shared_group
-from .probe import PROBE_FILLS_MIN, Prober
+from .probe import PROBE_FILLS_MIN, PROBE_WINDOWS_MOST, Prober
 
 # A trainer waiting a twentieth of its time loses that much of its step rate: worth a reader.
 ADD_WAIT_SHARE = 0.05
@@ -272,16 +272,13 @@ class Tuner:
             self._judge_trial(reading, now_ns)
             return
         decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
-        import os
-        if os.environ.get("TUNER_LOG"):
-            open("/tmp/tuner.log", "a").write(f"TUNER {window} {decision} {self.prober.report()}\n")
         self.calm = decision.calm
-        rate_before = self._steady_rate(now_ns)
-        decision = self._add_on_trial(decision, window, rate_before, now_ns)
+        rate_before, measurable = self._steady_rate(now_ns)
+        decision = self._add_on_trial(decision, window, rate_before, measurable, now_ns)
         change, why = decision.change, decision.why
         if self.share is not None:
             change, why = self._within_budget(decision, window)
-        on_trial = change > 0 and window.trial_cause is not None  # _add_on_trial let it through: rate_before is known.
+        on_trial = change > 0 and window.trial_cause is not None and measurable  # rate_before is known.
         if change == 0 and self._retire_on_trial(window, rate_before, now_ns):
             on_trial, change, why = True, -1, (f"trial: the trainer waits {window.trainer_wait:.0%} of the time for "
                                                f"{len(active)} readers that {window.trial_cause}, and none can be added; "
@@ -292,27 +289,35 @@ class Tuner:
             self.trial_from = self.baseline
 
     def _keep_steady(self, reading: Reading) -> None:
-        """Adds a reading to those since the last change, keeping only what a rate over the
-        last probe_seconds needs: the newest reading at least that old, and those after it."""
-        self.steady.append(reading)
-        while len(self.steady) > 2 and reading.at_ns - self.steady[1].at_ns >= self.prober.probe_seconds * 1e9:
-            self.steady.pop(0)
+        """Adds a reading to those since the last change (the last PROBE_WINDOWS_MOST + 1)."""
+        self.steady = (self.steady + [reading])[-(PROBE_WINDOWS_MOST + 1):]
 
-    def _steady_rate(self, now_ns: int) -> float | None:
-        """Batches per second over at least the last probe_seconds with the readers as they are
-        (no change since); None where they have not run that long, or filled fewer than
-        PROBE_FILLS_MIN batches each (a rate of a few fills is when they ended)."""
-        if not self.steady or now_ns - self.steady[0].at_ns < self.prober.probe_seconds * 1e9:
-            return None
-        window = window_of(self.steady[0], self.steady[-1], [])
-        filled = window.batches_per_second * window.seconds
-        return window.batches_per_second if filled >= PROBE_FILLS_MIN * self.pool.active_count else None
+    def _steady_rate(self, now_ns: int) -> tuple[float | None, bool]:
+        """(batches per second with the readers as they are, since the last change; whether a
+        trial can be judged). The rate over the shortest recent window of at least
+        probe_seconds and PROBE_FILLS_MIN fills a reader; where fills are slower than that
+        (seconds each), over the last PROBE_WINDOWS_MOST windows once they have run, coarse
+        but the same measure the trial is judged by (probe.Prober.due). (None, True): not run
+        that long yet; (None, False): no fill in all that time, so no rate to judge by, and
+        decide's add goes untried, as it did before trials."""
+        if not self.steady:
+            return None, True
+        latest, enough = self.steady[-1], PROBE_FILLS_MIN * self.pool.active_count
+        for reading in reversed(self.steady[:-1]):
+            window = window_of(reading, latest, [])
+            if (now_ns - reading.at_ns >= self.prober.probe_seconds * 1e9
+                    and window.batches_per_second * window.seconds >= enough):
+                return window.batches_per_second, True
+        if len(self.steady) <= PROBE_WINDOWS_MOST:
+            return None, True
+        rate = window_of(self.steady[0], latest, []).batches_per_second
+        return (rate, True) if rate > 0 else (None, False)
 
-    def _add_on_trial(self, decision: Decision, window: Window, rate_before: float | None,
+    def _add_on_trial(self, decision: Decision, window: Window, rate_before: float | None, measurable: bool,
                       now_ns: int) -> Decision:
-        """decide's add, where the readers wait off the CPU: on trial (readers/probe.py), so
-        held while that direction's back-off runs or before the rate it is judged against."""
-        if decision.change <= 0 or window.trial_cause is None:
+        """decide's add, where the CPU cannot judge it: on trial (readers/probe.py), so held
+        while that direction's back-off runs or before the rate it is judged against."""
+        if decision.change <= 0 or window.trial_cause is None or not measurable:
             return decision
         if not self.prober.may_try(1, now_ns / 1e9):
             return Decision(0, decision.why + "; " + self.prober.waits_why(1, now_ns / 1e9), decision.calm)
