@@ -189,7 +189,8 @@ class Session:
         disks = _disks(plan)
         self.meter = self.supervisor.meter = Meter(
             functools.partial(ring_reading, ring, pool.count, resources.node_cache, disks=disks),
-            plan_context(plan, dataset_spec is not None, pool.count),
+            plan_context(plan, dataset_spec is not None, pool.count,
+                         pool.count if isinstance(pool, ElasticPool) else None),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
             Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)

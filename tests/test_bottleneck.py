@@ -225,6 +225,24 @@ def test_diagnose_names_the_stage_its_counters_describe(case, readers, options, 
     assert 0.0 <= verdict["utilisation"] <= 1.0 and verdict["line"].startswith("bottleneck: ")
 
 
+@pytest.mark.parametrize("case, readers, options, auto_most, words", [
+    ("cores idle, within auto's most", [_reader(10, read_s=2, cpu_s=10)] * 2, dict(waited_s=6, idle_cores=2.5), 8,
+     "4 readers, which auto adds as cores and the node's budget (SHMLOADER_CPU_BUDGET) allow"),
+    ("cores idle, past auto's most", [_reader(10, read_s=2, cpu_s=10)] * 2, dict(waited_s=6, idle_cores=2.5), 3,
+     "4 readers, past auto's most (3): AutoReaders(most=4)"),
+    ("the user's code asleep", [_reader(10, user_s=9, cpu_s=1, queued_s=0)] * 2, dict(waited_s=6, idle_cores=0.0), 2,
+     "AutoReaders(most=4)"),
+    ("a trainer that barely waits", [_reader(2), _reader(2)], dict(waited_s=0.2), 8, "auto retires those 1 do not"),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_advice_under_auto_names_what_auto_does_or_its_bound_never_a_fixed_count(case, readers, options, auto_most,
+                                                                                 words):
+    """readers="auto", the default: "readers=4" would end its sizing for good."""
+    before, after = _readings(readers, **options)
+    verdict = diagnose(before, after, Context(local_readers=2, auto_most=auto_most))
+    assert words in verdict["advice"], (case, verdict)
+    assert "readers=" not in verdict["advice"].replace("AutoReaders(most=", ""), (case, verdict)
+
+
 def test_a_restarted_reader_counts_from_zero_and_no_window_says_unknown():
     before = Reading(0, 0, (ReaderCounters(5, 9 * 10**9, 900),), 4, 0)
     after = Reading(_WINDOW_NS, 9 * 10**9, (ReaderCounters(6, 10**10, 10, user_ns=9 * 10**9),), 4, 0)

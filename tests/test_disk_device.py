@@ -399,5 +399,5 @@ def _disk(busy: float, rate_mb: float, best_mb: float, limit: int | None = None)
      "it may give more to more reads in flight (readers=4)"),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_the_advice_says_whether_more_readers_would_help(case, disk, rotates, readers_rate, words):
-    advice = disk_advice(disk, 2, rotates, readers_rate)
+    advice = disk_advice(disk, "readers=4", rotates, readers_rate)
     assert words in advice and advice.startswith("the device (sda) was busy"), (case, advice)

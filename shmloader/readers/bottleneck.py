@@ -106,7 +106,8 @@ class Context:
     a field is compressed (reading it is decompression); `local_readers`: reader processes
     on this node (readers=0: none, the trainer fills); `batch_size`, and `row_bytes`: the
     stored bytes a row's fields take, which the readers' reads are compared with
-    (page_cache.py); None: unknown, for the reason `row_bytes_missing` (the memory verdict is
+    (page_cache.py); `auto_most`, where readers="auto" sizes the readers, the most it may
+    reach; None: unknown, for the reason `row_bytes_missing` (the memory verdict is
     then not given, and the detail says why)."""
 
     user_code: str | None = None
@@ -115,6 +116,7 @@ class Context:
     batch_size: int = 0
     row_bytes: float | None = None
     row_bytes_missing: str = "a dataset's rows have no stored bytes to compare the readers' reads with"
+    auto_most: int | None = None  # readers="auto": the most it may reach (advice then names no fixed count)
 
 
 def zero_reading(at_ns: int, slots: int, readers: int, disks: tuple[str, ...] = ()) -> Reading:
@@ -172,14 +174,27 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
                    memory_counters(local[0]) if processes and local else None)
 
 
-def plan_context(plan, dataset: bool, local_readers: int) -> Context:
+def plan_context(plan, dataset: bool, local_readers: int, auto_most: int | None = None) -> Context:
     """What a loader's plan says its readers run (see Context)."""
     user_code = "the dataset's __getitem__" if dataset else "the transform" if plan.transform is not None else None
     compressed = any(getattr(part, "codec", "none") not in ("", "none") and getattr(part, "clevel", 0) > 0
                      for field in plan.fields for part in field.parts)
     if not plan.plans:
-        return Context(user_code, compressed, local_readers)
-    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, stored_bytes_per_row(plan))
+        return Context(user_code, compressed, local_readers, auto_most=auto_most)
+    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, stored_bytes_per_row(plan),
+                   auto_most=auto_most)
+
+
+def readers_setting(count: int, auto_most: int | None) -> str:
+    """The setting that would run `count` readers: readers=count for a loader of fixed readers;
+    under readers="auto" (auto_most: the most it may reach), a fixed count would end the
+    sizing, so: auto's own adds where `count` is within its most (it adds them while the
+    trainer waits and a core is idle, as far as the node's budget has room), else its bound."""
+    if auto_most is None:
+        return f"readers={count}"
+    if count <= auto_most:
+        return f"{count} readers, which auto adds as cores and the node's budget (SHMLOADER_CPU_BUDGET) allow"
+    return f"{count} readers, past auto's most ({auto_most}): AutoReaders(most={count}) with SHMLOADER_CPU_BUDGET"
 
 
 def stored_bytes_per_row(plan) -> float:
@@ -234,7 +249,7 @@ def diagnose(before: Reading, after: Reading, context: Context, disk_best: dict[
     if idle_cores is not None:
         detail["idle_cores"] = round(idle_cores, 1)
     if waited < TRAINER_WAIT_SHARE_MAX:
-        return _trainer(waited, busy, len(changes), window_s, detail)
+        return _trainer(waited, busy, len(changes), window_s, detail, context.auto_most)
     free = after.slots - after.held_slots
     if after.held_slots and free < max(1, context.local_readers, len(changes)) and busy < READERS_SATURATED:
         advice = (f"the trainer holds {after.held_slots} of {after.slots} slots' batches, so readers have {free} to "
@@ -251,11 +266,13 @@ def diagnose(before: Reading, after: Reading, context: Context, disk_best: dict[
     return _readers(changes, busy_ns, busy, waited, idle_cores, before, after, context, window_s, detail, disk_best)
 
 
-def _trainer(waited: float, busy: float, readers: int, window_s: float, detail: dict) -> dict:
+def _trainer(waited: float, busy: float, readers: int, window_s: float, detail: dict,
+             auto_most: int | None = None) -> dict:
     advice = f"the loader is ahead (next() waited {waited:.0%} of the time): nothing to do"
     if readers > 1 and busy < 0.3:
         fewer = max(1, round(readers * busy / 0.7 + 0.5))
-        advice += f"; readers are {busy:.0%} busy, readers={fewer} would keep up too"
+        advice += (f"; readers are {busy:.0%} busy, readers={fewer} would keep up too" if auto_most is None else
+                   f"; readers are {busy:.0%} busy: auto retires those {fewer} do not need after three calm windows")
     return _verdict("trainer", 1.0 - waited, advice, window_s, detail)
 
 
@@ -299,7 +316,7 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "user":
         who = context.user_code or "the user's code (a transform or __getitem__)"
         advice = f"{who} takes {shares['user']:.0%} of the readers' time: " + _cpu_advice(
-            readers, idle_cores, f"make {who} cheaper", blocked, queued)
+            readers, idle_cores, f"make {who} cheaper", blocked, queued, context.auto_most)
         result = _verdict("user_code", busy * shares["user"], advice, window_s, detail)
         result["line"] = f"bottleneck: {who} at {busy * shares['user']:.0%}: {advice}"
         return result
@@ -317,7 +334,8 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
     if largest == "read" and blocked is not None and blocked >= BLOCKED_SHARE_MIN and storage_rate:
         disk = disk_window(before.disks, after.disks, after.at_ns - before.at_ns, disk_best)
         detail.update(disk or {})
-        remedy = disk_advice(disk, readers, rotational(disk["device"]), storage_rate) if disk else (
+        more = readers_setting(max(readers * 2, readers + 1), context.auto_most)
+        remedy = disk_advice(disk, more, rotational(disk["device"]), storage_rate) if disk else (
             "data in the page cache (memory for it), faster storage, or fewer bytes to read "
             "(shmloader convert compresses)")
         advice = (f"readers read {storage_rate / 1e6:,.0f} MB/s from storage and wait for it {blocked:.0%} of their "
@@ -325,7 +343,8 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
         return _verdict("disk", busy * shares["read"], advice, window_s, detail)
     if largest == "read" and context.compressed:
         advice = (f"decompression takes {shares['read']:.0%} of the readers' time: " + _cpu_advice(
-            readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)", None, queued))
+            readers, idle_cores, "a faster codec (shmloader convert --codec lz4, or --clevel 1)", None, queued,
+            context.auto_most))
         return _verdict("decompression", busy * shares["read"], advice, window_s, detail)
     if busy < READERS_SATURATED and idle_cores is not None and idle_cores < IDLE_CORES_MIN:
         advice = (f"readers are only {busy:.0%} busy while next() waits, and no core is idle: they wait for a CPU "
@@ -333,12 +352,12 @@ def _readers(changes: list[dict], busy_ns: int, busy: float, waited: float, idle
                   f"processes on the node would")
     else:
         advice = f"readers are {busy:.0%} busy: " + _cpu_advice(readers, idle_cores, "a smaller batch or fewer columns",
-                                                                  None, queued)
+                                                                  None, queued, context.auto_most)
     return _verdict("reader_cpu", busy, advice, window_s, detail)
 
 
 def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked: float | None = None,
-                queued: float | None = None) -> str:
+                queued: float | None = None, auto_most: int | None = None) -> str:
     """Whether another reader would help: not where readers wait for a core already; where
     they spend most of their time off the CPU (sleeping or waiting in the user's code),
     which more readers overlap without a core of their own; where a core is idle."""
@@ -347,10 +366,10 @@ def _cpu_advice(readers: int, idle_cores: float | None, otherwise: str, blocked:
                 f"included), so more readers would not help: {otherwise}")
     if blocked is not None and blocked >= BLOCKED_SHARE_MIN:
         return (f"readers wait off the CPU {blocked:.0%} of their time, so more readers overlap those waits: "
-                f"readers={max(readers * 2, readers + 1)}")
+                f"{readers_setting(max(readers * 2, readers + 1), auto_most)}")
     if idle_cores is not None and idle_cores >= IDLE_CORES_MIN:
         more = readers + int(idle_cores)
-        return f"{idle_cores:.1f} cores are idle, readers={more} would use them; else {otherwise}"
+        return f"{idle_cores:.1f} cores are idle, {readers_setting(more, auto_most)} would use them; else {otherwise}"
     if idle_cores is None:
         return f"more readers where cores are idle, else {otherwise}"
     return f"no core is idle for another reader, so {otherwise}"

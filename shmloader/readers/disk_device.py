@@ -316,15 +316,15 @@ DEVICE_BUSY_SATURATED = 0.9
 BEST_SHARE_SATURATED = 0.7
 
 
-def disk_advice(disk: dict, readers: int, rotates: bool | None, readers_bytes_per_s: float) -> str:
+def disk_advice(disk: dict, more: str, rotates: bool | None, readers_bytes_per_s: float) -> str:
     """What the disk's window (disk_window's) says would help, in words: a cgroup's limit
     reached, the disk saturated or not, and so whether more readers (more reads in flight)
-    can help. `readers_bytes_per_s`: what the loader's readers read from storage."""
+    can help. `more`: the setting that runs more readers (bottleneck.readers_setting);
+    `readers_bytes_per_s`: what the loader's readers read from storage."""
     name, busy = disk["device"], disk["device_busy"]
     rate, best = disk["device_read_bytes_per_s"], disk["device_best_bytes_per_s"]
     seen = (f"the device ({name}) was busy {busy:.0%} of the window at {_rate(rate)} "
             f"(the best seen from it here {_rate(best)})")
-    more = f"readers={max(readers * 2, readers + 1)}"
     remedies = "data in the page cache (memory for it), faster storage, or fewer bytes (shmloader convert compresses)"
     limit = disk.get("device_read_limit_bytes_per_s")
     if limit is not None and readers_bytes_per_s >= LIMIT_SHARE_REACHED * limit:
