@@ -34,7 +34,7 @@ from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
 from .plan.defaults import TRAINER_SLOTS, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
-from .plan.options import AutoReaders, LoaderOptions, check_integer
+from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
@@ -104,6 +104,19 @@ def last_step(sampler, slots: int, end_step: int) -> int:
     return min(sampler.step_max - slots, end_step)
 
 
+def _slot_count(setting, fillers: int, pool, slot_bytes: int) -> int:
+    """The ring's slots: `setting` where a number; "auto" (auto_slots); the default
+    (default_slots), which under readers="auto" (an ElasticPool) is sized for the readers it
+    starts with a slot for each of the `fillers` it may reach."""
+    if setting == "auto":
+        return auto_slots(fillers, slot_bytes, ring_budget_bytes())
+    if setting is not None:
+        return setting
+    if isinstance(pool, ElasticPool):
+        return default_slots(pool.start_count, slot_bytes, fillers)
+    return default_slots(fillers, slot_bytes)
+
+
 def _pass_of(sampler, options: LoaderOptions) -> FinitePass | None:
     """The finite pass (epochs=N) of `sampler`, or None for an endless loader."""
     return None if options.epochs is None else FinitePass.of(sampler, options.epochs, options.drop_last)
@@ -147,9 +160,7 @@ class Session:
             plan = dataclasses.replace(plan, sampler=plan.sampler.with_pass(options.epochs, options.drop_last))
         # Steps filled at once: one per reader, and the remote readers' steps in flight.
         fillers = readers + (0 if options.remote is None else options.remote.capacity)
-        elastic = isinstance(options.readers, AutoReaders)
-        slots = default_slots(fillers, plan.slot.nbytes, elastic) if options.slots is None else \
-            auto_slots(fillers, plan.slot.nbytes, ring_budget_bytes()) if options.slots == "auto" else options.slots
+        slots = _slot_count(options.slots, fillers, resources.pool, plan.slot.nbytes)
         cuts = StepCuts(plan.slot, options.batch_size, plan.sampler, _pass_of(plan.sampler, options))
         # The whole first ring of steps must be steps the sampler can compute.
         check_integer("start_step", options.start_step, 0, last_step(plan.sampler, slots, cuts.end_step))

@@ -104,14 +104,16 @@ def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
     assert _default_slots(8, 40 << 20) == 25
 
 
-def test_an_auto_loaders_default_ring_stays_under_the_fixed_defaults_bytes_where_its_floor_allows():
-    """readers="auto" sizes the ring for the most readers it may reach (15 on 16 cores): with
-    the fixed default's floor of two slots a reader, its 1 GiB bound gave way to 32 slots."""
-    assert _default_slots(15, 1 << 20, elastic=True) == 62  # Four a reader where they fit.
-    assert _default_slots(15, 64 << 20, elastic=True) == 18  # 1 GiB: 16 slots; the floor 15 + 2 + 1.
-    assert _default_slots(15, 64 << 20) == 32  # The fixed floor: 2 GiB.
+def test_an_auto_loaders_default_ring_is_sized_for_its_start_with_a_slot_for_each_reader_it_may_add():
+    """readers="auto" sizes the ring for the readers it starts (8 on 16 cores) as the fixed
+    default does, with at least one slot for each of the most it may reach (15 there) besides
+    the trainer's two and one."""
+    assert _default_slots(8, 1 << 20, most=15) == _default_slots(8, 1 << 20) == 34
+    assert _default_slots(2, 1 << 20, most=8) == 11  # One of 8 ranks on 16 cores: 10 for its start.
+    assert _default_slots(8, 64 << 20, most=15) == 18
     for most in range(1, 65):
-        for slot_bytes in (1 << 10, 1 << 20, 16 << 20, 256 << 20):
-            slots = _default_slots(most, slot_bytes, elastic=True)
-            assert slots >= most + 3
-            assert slots * slot_bytes <= max(1 << 30, (most + 3) * slot_bytes)
+        for start in range(1, most + 1):
+            for slot_bytes in (1 << 10, 1 << 20, 64 << 20):
+                slots = _default_slots(start, slot_bytes, most=most)
+                assert slots >= most + 3
+                assert slots == max(most + 3, _default_slots(start, slot_bytes))

@@ -100,22 +100,23 @@ TRAINER_SLOTS = 2
 _DEFAULT_RING_BYTES = 1 << 30
 
 
-def default_slots(readers: int, slot_bytes: int, elastic: bool = False) -> int:
+def default_slots(readers: int, slot_bytes: int, most: int | None = None) -> int:
     """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
     loop's variable still holds while next() runs). A step filled slowly holds the
     trainer while the other readers run ahead: with two per reader they ran out of
     requested slots and slept, with four they stayed busy (bench/protocol.py --slots).
     Fewer where that passes _DEFAULT_RING_BYTES, but never under two per reader. With
-    readers=0, one slot beyond the trainer's: the step it fills next. `elastic`: `readers` is
-    the most readers="auto" may reach (the node's budget: 15 on 16 cores, where it starts 8),
-    which it may never run, so the floor is one slot a reader plus the trainer's and one
-    (auto_slots' floor), and the ring stays under _DEFAULT_RING_BYTES where the fixed
-    default's floor would have kept it there."""
+    readers=0, one slot beyond the trainer's: the step it fills next. `most`: under
+    readers="auto", `readers` is the count it starts and `most` the most it may reach (the
+    node's budget: 8 for each of 8 ranks on 16 cores, where each starts 2): the ring is
+    sized for the start, as a fixed loader's, with a slot for each reader it may add besides
+    the trainer's and one (auto_slots' floor). Sized for the most, 8 ranks' rings took 3.4x
+    the memory of the fixed default's, for readers that may never run."""
     affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
+    floor = TRAINER_SLOTS + 1 + (most or 0)
     if readers == 0:
-        return TRAINER_SLOTS + 1
-    floor = readers + TRAINER_SLOTS + 1 if elastic else 2 * readers + TRAINER_SLOTS
-    return max(floor, min(4 * readers + TRAINER_SLOTS, affordable))
+        return floor
+    return max(floor, 2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
 
 
 # ---- slots="auto" ----------------------------------------------------------------------
