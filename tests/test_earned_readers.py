@@ -17,8 +17,11 @@ from hypothesis import given, settings, strategies as st
 from conftest import budget_entries
 from shmloader.errors import NodeBudgetError
 from shmloader.plan import defaults
+from shmloader.readers import autotune, probe
 from shmloader.readers import budget_record as record
+from shmloader.readers.bottleneck import Reading, ReaderCounters
 from shmloader.readers.node_budget import Holding, grant, room, yields
+from test_auto_trials import _ModelledPool
 
 # ---- The split, as pure functions ---------------------------------------------------------
 
@@ -184,3 +187,193 @@ def test_a_loader_back_from_idle_has_no_earned_readers_and_gives_them_back_as_an
         mine.close()
         other.close()
     assert not os.path.exists(record.record_path())
+
+
+# ---- Two Tuners on a modelled node -----------------------------------------------------------
+
+_CORES = 2
+_TRAINER_CORES = 0.02  # A trainer that sleeps through a GPU step, and takes its batch.
+_WINDOW_STEP_SECONDS = 0.25
+
+
+class _Rank:
+    """One rank of the modelled node: its trainer's step (0: it always waits), a batch's CPU
+    and off-CPU time in a reader, and the most batches a second its readers deliver together
+    (a lock they queue on; None: none). Its readings are those of bottleneck.ring_reading."""
+
+    def __init__(self, node, step_s: float, cpu_s: float, off_cpu_s: float = 0.0, rate_most: float | None = None):
+        self.node, self.step_s, self.cpu_s, self.off_cpu_s, self.rate_most = node, step_s, cpu_s, off_cpu_s, rate_most
+        self.pool = _ModelledPool(3, 1, least=1)
+        self.tuner: autotune.Tuner | None = None  # _start's.
+        self.waited_ns = 0
+        self.busy, self.batches, self.cpu, self.queued = ([0.0] * 3 for _ in range(4))
+        self.rate = 0.0
+
+    def wants_per_reader(self) -> float:
+        """The share of a core each reader would use: all it can (cpu / (cpu + off-CPU)), less
+        where the trainer or the lock takes fewer batches than that would fill."""
+        readers = self.pool.active_count
+        full = self.cpu_s / (self.cpu_s + self.off_cpu_s)
+        needed = [1 / self.step_s if self.step_s else float("inf"), self.rate_most or float("inf")]
+        return min(full, min(needed) * self.cpu_s / readers)
+
+    def run(self, seconds: float, share: float) -> float:
+        """Runs its readers `seconds` with `share` of a core each; the cores they used."""
+        readers = self.pool.active_count
+        self.rate = rate = readers * share / self.cpu_s
+        demand_limited = self.step_s and rate >= 1 / self.step_s - 1e-9
+        capped = self.rate_most is not None and rate >= self.rate_most - 1e-9
+        for index in range(readers):
+            on_cpu = share * seconds
+            busy = (on_cpu + on_cpu * self.off_cpu_s / self.cpu_s) if demand_limited else seconds
+            queued = 0.0 if demand_limited or capped else seconds - on_cpu - on_cpu * self.off_cpu_s / self.cpu_s
+            self.busy[index] += busy
+            self.cpu[index] += on_cpu
+            self.queued[index] += max(0.0, queued)
+            self.batches[index] += rate * seconds / readers
+        wait = 0.0 if demand_limited else max(0.0, min(0.97, 1 - rate * self.step_s))
+        self.waited_ns += int(wait * seconds * 1e9)
+        return readers * share
+
+    def read(self) -> Reading:
+        readers = tuple(ReaderCounters(1000 + index, int(self.busy[index] * 1e9), int(self.batches[index]),
+                                       cpu_ns=int(self.cpu[index] * 1e9), queued_ns=int(self.queued[index] * 1e9))
+                        for index in range(3))
+        node = self.node
+        return Reading(node.now_ns, self.waited_ns, readers, 14, 0, node.idle_ns, node.total_ns, _CORES)
+
+
+class _Node:
+    """Cores shared by every rank's readers as a fair scheduler shares them: each reader gets
+    an equal part, and what one does not want goes to the others (water-filling)."""
+
+    def __init__(self) -> None:
+        self.now_ns, self.idle_ns, self.total_ns = 1, 0, 0
+        self.ranks: list[_Rank] = []
+
+    def rank(self, *arguments, **keywords) -> _Rank:
+        self.ranks.append(_Rank(self, *arguments, **keywords))
+        return self.ranks[-1]
+
+    def run(self, seconds: float) -> None:
+        wants = {index: rank.wants_per_reader() for index, rank in enumerate(self.ranks)}
+        shares, left = {}, float(_CORES)
+        while wants:  # The readers that want less than an equal part get what they want.
+            part = left / sum(self.ranks[index].pool.active_count for index in wants)
+            small = {index: want for index, want in wants.items() if want <= part}
+            if not small:
+                shares.update({index: part for index in wants})
+                break
+            for index, want in small.items():
+                shares[index] = want
+                left -= want * self.ranks[index].pool.active_count
+                del wants[index]
+        used = sum(rank.run(seconds, shares[index]) for index, rank in enumerate(self.ranks))
+        idle = max(0.0, _CORES - used - _TRAINER_CORES * len(self.ranks))
+        self.idle_ns += int(idle * seconds * 1e9)
+        self.total_ns += int(_CORES * seconds * 1e9)
+        self.now_ns += int(seconds * 1e9)
+
+
+def _start(node: _Node) -> list[autotune.Tuner]:
+    """A Tuner for each rank, each with its own entry in the test run's real record, under the
+    torchrun case's budget: 2 cores less 2 trainers, floored at 1."""
+    for rank in node.ranks:
+        share = record.NodeShare.join(held=1, least=1, most=3,
+                                      environment={**os.environ, defaults.CPU_BUDGET_VARIABLE: "1"})
+        rank.tuner = autotune.Tuner(rank.pool, rank.read, share=share, clock=lambda: node.now_ns)
+    return [rank.tuner for rank in node.ranks]
+
+
+def _run(node: _Node, tuners: list[autotune.Tuner], seconds: float, each=None) -> None:
+    for _ in range(round(seconds / _WINDOW_STEP_SECONDS)):
+        node.run(_WINDOW_STEP_SECONDS)
+        for tuner in tuners:
+            tuner.tune()
+        if each is not None:
+            each()
+
+
+def _earned_trials_in_flight(tuners: list[autotune.Tuner]) -> int:
+    trials = [tuner.prober.trial for tuner in tuners]
+    in_flight = sum(trial is not None and trial.earned and trial.change > 0 for trial in trials)
+    flagged = sum(bool(entry.flags & record.FLAG_EARNING) for entry in budget_entries())
+    assert flagged == in_flight, (flagged, trials)
+    return in_flight
+
+
+@pytest.fixture
+def node():
+    """A modelled node whose ranks' entries leave the record with the test."""
+    made = _Node()
+    yield made
+    for rank in made.ranks:
+        if rank.tuner is not None:
+            rank.tuner.share.close()
+    assert not os.path.exists(record.record_path())
+
+
+def test_the_rank_whose_trainer_waits_earns_a_reader_on_the_idle_cpu_and_keeps_it(node):
+    """bench/autotune.py's torchrun case: rank A's trainer waits for its one busy reader, rank
+    B's reader needs a third of a core for its 20 ms steps, and about 0.6 of a core is idle."""
+    fast, slow = node.rank(0.0, 0.01), node.rank(0.02, 0.007)
+    tuners = _start(node)
+    rates = []
+    _run(node, tuners, 60, each=lambda: rates.append(fast.rate))
+    assert (fast.pool.active_count, slow.pool.active_count) == (2, 1), tuners[0].report()
+    report = tuners[0].report()
+    assert report["readers_earned"] == 1 and tuners[1].report()["readers_earned"] == 0
+    why = report["reader_change"]["why"]
+    assert why.startswith("earned trial") and "0.6 cores idle (at least 0.5)" in why, why
+    assert report["reader_trial"].startswith("kept: 2 readers delivered")
+    assert [(entry.held, entry.earned, entry.flags) for entry in budget_entries()] == [(2, 1, 0), (1, 0, 0)]
+    assert rates[-1] > 1.5 * rates[0]
+    _run(node, tuners, 120)  # And it stays: no core is idle now, and the readers hardly wait for one.
+    assert (fast.pool.active_count, slow.pool.active_count) == (2, 1) and tuners[0].changes == 1
+
+
+def test_an_earned_reader_that_does_not_pay_is_undone_and_tried_again_only_after_a_back_off(node):
+    """Rank A's readers deliver no more together than one alone (a lock they queue on)."""
+    fast, slow = node.rank(0.0, 0.01, rate_most=100.0), node.rank(0.02, 0.007)
+    tuners = _start(node)
+    counts = []
+    _run(node, tuners, 200, each=lambda: counts.append(fast.pool.active_count))
+    tried_s = [index * _WINDOW_STEP_SECONDS for index, (before, after) in enumerate(zip(counts, counts[1:]))
+               if after > before]
+    gaps = [later - earlier for earlier, later in zip(tried_s, tried_s[1:])]
+    assert len(gaps) == 4, tried_s  # The fifth back-off (128 s) runs past the end.
+    for undone, gap in enumerate(gaps):  # Each undone trial's back-off, doubled, and the trial's few seconds.
+        backoff = probe.BACKOFF_FIRST_SECONDS * 2 ** undone
+        assert backoff <= gap <= backoff + 2 * probe.PROBE_WINDOWS + 1, (undone, tried_s)
+    assert sum(count == 1 for count in counts) >= 0.9 * len(counts), counts[::4]
+    assert tuners[0].prober.last.startswith("undone: 2 readers delivered 1.00x what 1 did"), tuners[0].prober.last
+    assert (fast.pool.active_count, slow.pool.active_count, tuners[0].report()["readers_earned"]) == (1, 1, 0)
+    assert [(entry.held, entry.earned, entry.flags) for entry in budget_entries()] == [(1, 0, 0), (1, 0, 0)]
+
+
+def test_an_earned_reader_goes_where_the_node_gets_crowded_and_does_not_come_back_while_no_cpu_is_idle(node):
+    fast, slow = node.rank(0.0, 0.01), node.rank(0.02, 0.007)
+    tuners = _start(node)
+    _run(node, tuners, 60)
+    assert tuners[0].report()["readers_earned"] == 1
+    slow.cpu_s = 0.03  # Rank B's batches now cost more than a core at its step: all three readers want one.
+    counts = []
+    _run(node, tuners, 120, each=lambda: counts.append(fast.pool.active_count))
+    retired = tuners[0].report()["reader_change"]
+    assert fast.pool.active_count == 1 and tuners[0].report()["readers_earned"] == 0, retired
+    assert "wait for a core" in retired["why"] and (retired["from"], retired["to"]) == (2, 1), retired
+    assert "the earned reader is not added back: 0.0 cores idle" in tuners[0].report()["reader_trial"]
+    assert sum(count == 1 for count in counts[-200:]) == 200, counts[::4]  # Not back while no CPU is idle.
+    assert [(entry.held, entry.earned) for entry in budget_entries()] == [(1, 0), (1, 0)]
+
+
+def test_one_earned_trial_runs_at_a_time_on_the_node(node):
+    """Both ranks' trainers wait for readers that leave 0.3 of a core each idle (a third of
+    each fill off the CPU): both could earn a reader at once."""
+    node.rank(0.0, 0.007, off_cpu_s=0.003)
+    node.rank(0.0, 0.007, off_cpu_s=0.003)
+    tuners = _start(node)
+    in_flight = []
+    _run(node, tuners, 120, each=lambda: in_flight.append(_earned_trials_in_flight(tuners)))
+    assert max(in_flight) == 1 and sum(in_flight) >= 4, in_flight  # A trial ran, and never two.
+    assert sum(tuner.report()["readers_earned"] for tuner in tuners) >= 1
