@@ -96,7 +96,7 @@ def rank_child(dataset_type, argv: list[str]) -> None:
                   "trainer_ms": 1e3 * cpu / max(1, batches), "readers": after["reader_count"],
                   "least": after.get("readers_least", after["reader_count"]), "slots": loader.slots,
                   "change": after["reader_change"], "decision": last_decision(loader),
-                  "budget": (after["node_budget"] or {}).get("budget"),
+                  "budget": (after["node_budget"] or {}).get("budget"), "earned": after.get("readers_earned", 0),
                   **_window(before, after, elapsed)}
     with open(os.path.join(arguments.out, f"rank-{rank}.json"), "w") as handle:
         json.dump(result, handle)
@@ -167,6 +167,7 @@ def _splits(world: int, counts: list[int]) -> list[str]:
 def _describe(ranks: list[dict]) -> str:
     return ", ".join(f"rank {rank['rank']} ({rank['step_ms']:g} ms) {rank['rows'] / rank['seconds']:,.0f} rows/s, "
                      f"waited {rank['wait_share']:.0%}, {rank['readers']} readers {rank['readers_busy']:.2f} busy"
+                     + (f" ({rank['earned']} earned)" if rank.get("earned") else "")
                      for rank in ranks)
 
 

@@ -351,8 +351,10 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
         "reader_count": the readers filling now; under readers="auto" (readers/autotune.py) also
         "readers_least", "readers_most", "reader_changes" and "reader_change", the last change
-        ({"at_s", "from", "to", "why"}; None before one), and "reader_trial", the trial in
-        flight or how the last ended (readers/probe.py; None before one), else "reader_change" None.
+        ({"at_s", "from", "to", "why"}; None before one), "reader_trial", the trial in flight
+        or how the last ended (readers/probe.py; None before one), and "readers_earned", those of
+        its readers past the node's budget that a trial earned on idle CPU (readers/earned.py),
+        else "reader_change" None.
         "node_budget" (local readers; readers/budget_record.py): the readers every loader of the
         node may run ("budget"), those they ran and how many loaders (and "idle_loaders", whose
         readers past their least others may use) at this loader's last update, and this

@@ -92,6 +92,15 @@ def budget_entries() -> list:
     return [entry for entry in entries if entry.pid]
 
 
+def no_earned_readers(monkeypatch) -> None:
+    """Keeps auto's loaders within the node's count budget: a test of the budget's own rules
+    whose readers sleep leaves cores idle, where an earned reader past the budget
+    (readers/earned.py, tests/test_earned_readers.py) would come before what it tests."""
+    from shmloader.readers import earned
+
+    monkeypatch.setattr(earned, "EARN_IDLE_CORES_MIN", float("inf"))
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Polls `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

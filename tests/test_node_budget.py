@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import budget_entries, child_environment, examples, wait_until
+from conftest import budget_entries, child_environment, examples, no_earned_readers, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import NodeBudgetWarning, ShmDataLoader
 from shmloader.errors import NodeBudgetError
@@ -153,6 +153,7 @@ def _record_gone() -> bool:
 
 
 def test_a_second_loader_sees_the_first_loaders_readers_and_the_last_to_close_removes_the_record(monkeypatch):
+    no_earned_readers(monkeypatch)
     monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "3")
     assert _record_gone()
@@ -173,6 +174,7 @@ def test_a_second_loader_sees_the_first_loaders_readers_and_the_last_to_close_re
 
 
 def test_a_loader_whose_trainer_waits_gets_readers_from_one_whose_readers_idle(monkeypatch):
+    no_earned_readers(monkeypatch)
     monkeypatch.setattr(autotune.Tuner, "window_seconds", 0.2)
     monkeypatch.setattr(session_module, "_READER_CHECK_BATCHES", 8)
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "3")
@@ -439,7 +441,7 @@ def test_the_budget_defaults_to_the_nodes_cores_less_its_trainers_and_auto_start
     for trainers, budget, start in ((1, 15, 8), (4, 12, 3), (8, 8, 1), (16, 1, 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(trainers))
         assert defaults.node_budget() == budget
-        assert AutoReaders().resolve() == (start, 1, budget)
+        assert AutoReaders().resolve() == (start, 1, budget + 1)  # And one a trial may earn (readers/earned.py).
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})  # Pinned: 4 cores of 4 ranks.
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert defaults.node_budget() == 12

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from conftest import budget_entries, child_environment, wait_until
+from conftest import budget_entries, child_environment, no_earned_readers, wait_until
 from dataset_fixtures import Sleepy
 from shmloader import ShmDataLoader
 from shmloader import session as session_module
@@ -166,6 +166,7 @@ def _reference(dataset, steps: int) -> list[np.ndarray]:
 
 def test_an_idle_loaders_readers_go_to_one_that_waits_and_come_back_when_it_iterates_again(monkeypatch):
     _decide_often(monkeypatch, idle_seconds=1.5)  # The training loader's entry stays fresh while validation starts.
+    no_earned_readers(monkeypatch)
     monkeypatch.setenv(defaults.CPU_BUDGET_VARIABLE, "4")
     expected = _reference(Sleepy(0.0), 40)
     with ShmDataLoader.from_dataset(Sleepy(0.0), batch_size=_BATCH, seed=_SEED,

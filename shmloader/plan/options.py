@@ -16,7 +16,7 @@ import numpy as np
 
 from .._native import lib
 from ..remote.pages import CACHE_PAGE_BYTES
-from .defaults import default_readers, local_trainers, node_budget
+from .defaults import cpu_budget_cap, default_readers, local_trainers, node_budget
 
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
@@ -108,13 +108,19 @@ def _auto(name: str, value: str) -> dict:
     return {}
 
 
+# Readers past the node's budget an auto loader may earn (readers/earned.py): one, so that its
+# ring keeps a record for it, and a trial at a time adds it where half a core sits idle.
+EARNED_READERS_MOST = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class AutoReaders:
     """readers="auto" with its bounds: the loader starts `start` readers and adds or retires
     them while it runs (readers/autotune.py), between `least` and `most`; the ring keeps a
     reader record for each of `most`. None: `most` the node's reader budget (plan/defaults.
     node_budget: the loaders of every rank share it, readers/node_budget.py; `start` where that
-    is more), `start` the fixed default (default_readers) or the budget's equal part among the
+    is more) and one more, which a trial may earn past the budget where the node's measured
+    CPU has room for it (readers/earned.py), `start` the fixed default (default_readers) or the budget's equal part among the
     node's trainers where that is less, at least `least`. The loader starts as many of `start`
     as the budget has room for beside the node's other loaders, and its `least` where there is
     none (readers/budget_record.NodeShare.join)."""
@@ -134,7 +140,8 @@ class AutoReaders:
     def resolve(self) -> tuple[int, int, int]:
         """(start, least, most) on this node."""
         budget = node_budget()
-        most = max(self.least, self.start or 0, budget) if self.most is None else self.most
+        earned = 0 if cpu_budget_cap() is not None else EARNED_READERS_MOST  # A cap the user set holds.
+        most = max(self.least, self.start or 0, budget + earned) if self.most is None else self.most
         if self.start is None:  # Every rank starts at once: their starts together stay within the budget.
             equal_part = max(1, budget // local_trainers())
             return min(most, max(self.least, min(default_readers(), equal_part))), self.least, most

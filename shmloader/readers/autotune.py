@@ -30,7 +30,8 @@ calm windows; so it does where the node runs past its budget (a loader back from
 readers the others took meanwhile, one that joined where there was no room). Every window
 updates the record, a window spent on readers that start too: a loader whose entry is not
 updated for a while is taken for idle (readers/budget_record.py), and the time between its
-windows tells the others how long that is for this loader (NodeShare.pace).
+windows tells the others how long that is for this loader (NodeShare.pace). Where half a
+core is idle, a reader past the budget is tried (readers/earned.py).
 
 Why it does not oscillate: after an add the readers' work is the same or more, so the
 readers left after a retirement would be busier than RETIRE_BUSY_SHARE < ADD_BUSY_SHARE
@@ -56,6 +57,7 @@ import math
 import time
 
 from .bottleneck import QUEUED_SHARE_MIN, Reading, idle_cores_between, reader_change
+from .earned import earned_trial, settle_trial
 from .page_cache import REFAULT_SHARE_MIN, refaulted_share, shared_group
 from .probe import PROBE_FILLS_MIN, PROBE_WINDOWS_MOST, Prober
 
@@ -279,13 +281,18 @@ class Tuner:
         if self.share is not None:
             change, why = self._within_budget(decision, window)
         on_trial = change > 0 and window.trial_cause is not None and measurable  # rate_before is known.
+        earned = False  # Whether a trial's reader is past the budget (readers/earned.py).
         if change == 0 and self._retire_on_trial(window, rate_before, now_ns):
             on_trial, change, why = True, -1, (f"trial: the trainer waits {window.trainer_wait:.0%} of the time for "
                                                f"{len(active)} readers that {window.trial_cause}, and none can be added; "
                                                f"{len(active) - 1} tried")
+            earned = self.share is not None and self.share.earned > 0  # Earned ones retire first.
+        elif change == 0:
+            change, why = earned_trial(self, window, decision.change, rate_before, now_ns)
+            on_trial = earned = change > 0
         done = self._act(change, why, now_ns, len(active))
         if done and on_trial:
-            self.prober.start(done, rate_before, len(active), now_ns / 1e9)
+            self.prober.start(done, rate_before, len(active), now_ns / 1e9, earned=earned)
             self.trial_from = self.baseline
 
     def _keep_steady(self, reading: Reading) -> None:
@@ -338,18 +345,22 @@ class Tuner:
 
     def _judge_trial(self, reading: Reading, now_ns: int) -> None:
         """Ends the trial in flight once it has run probe_seconds: kept, or undone (an add
-        given back; a retired reader added back as far as the node's budget has room)."""
+        given back; a retired reader added back as far as the node's budget has room, or an
+        earned one as readers/earned.py says)."""
         trial, held = self.prober.trial, self.pool.active_count
         if held != trial.readers_before + trial.change:  # The budget took or gave readers meanwhile.
             self.prober.trial = None
+            if trial.earned and trial.change > 0:  # An earned reader stays only where a trial measured it.
+                self.share.earning = False
+                self._act(-1, "an earned reader's trial ended unjudged (the budget changed the readers)", now_ns, held)
             return
         window = window_of(self.trial_from, reading, [])
         if not self.prober.due(now_ns / 1e9, round(window.batches_per_second * window.seconds)):
             self._keep_entry(now_ns)
             return
         undo, why = self.prober.judge(window.batches_per_second, now_ns / 1e9)
-        if undo > 0 and self.share is not None:
-            undo = self.share.claim(held, undo)
+        if self.share is not None:
+            undo, why = settle_trial(self, trial, held, window, undo, why)
         if not self._act(undo, why, now_ns, held):
             self.steady = [self.trial_from, reading]  # Kept: the trial measured the readers as they are.
             self._keep_entry(now_ns)
@@ -382,6 +393,8 @@ class Tuner:
             if self.pool.retire_reader() is None:
                 break
             done -= 1
+        if self.share is not None and change > done >= 0:  # Claimed, not started: not a retirement of earned ones.
+            self.share.not_started(change - done)
         recorded = None if self.share is None or self.share.now is None else self.share.now.held
         if recorded is not None and recorded != self.pool.active_count:  # What runs, not what was claimed.
             self.share.publish(self.pool.active_count, give=False)
@@ -436,4 +449,5 @@ class Tuner:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""
         return {"reader_count": self.pool.active_count, "readers_least": self.pool.least,
                 "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last,
-                "reader_add_failure": self.add_failure, "reader_trial": self.prober.report()}
+                "reader_add_failure": self.add_failure, "reader_trial": self.prober.report(),
+                "readers_earned": 0 if self.share is None else self.share.earned}

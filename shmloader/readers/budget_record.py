@@ -34,7 +34,12 @@ flock held for the update alone, so a loader killed -9 never leaves the lock tak
       +44         4       idle_after_ms  how long after its last update the others take it
                                        for idle (below: never less than IDLE_SECONDS_MIN)
       +48         8       updated_ns   CLOCK_MONOTONIC of its last update
-      +56         8       (zero)
+      +56         4       earned       readers of `held` past the budget by a trial that
+                                       measured the CPU for them (readers/earned.py), the
+                                       one on trial included; not counted against it;
+                                       at most held - least (a fixed loader: none)
+      +60         4       flags        FLAG_EARNING: an earned trial of this loader's is in
+                                       flight (then earned >= 1); no other bit is set
 
 Idle loaders. A loader acts only inside its own next() (readers/autotune.py), so one whose
 trainer has stopped calling it (a validation loader between passes, one made before the
@@ -52,7 +57,17 @@ means: no next() for three of its own steps, three windows at least, and its rin
 that comes back publishes its time away once (its next window publishes its pace again), and
 its first update finds the node past the budget where others grew into its readers: it
 retires its own down to what is left (node_budget.yields; readers/elastic.py: no pause in
-delivery, no batch changed).
+delivery, no batch changed). Its earned readers were earned on a CPU it has not measured
+since: they are earned no more, and are given back as any (node_budget.py).
+
+Earned trials. At most one loader of the node has an earned trial in flight (FLAG_EARNING):
+an earned reader runs on idle CPU another loader could be measuring too, and two trials at
+once would each judge the other's reader as their own. A loader claims the trial in the same
+update that checks no other live, non-idle entry has the flag (an idle one's trial measures
+nothing while its trainer is away: its flag is old news), and clears it in the update after
+the trial ends. Where a loader retires readers of its own accord (its rule, a retirement
+trial, an add undone) its earned readers go first; readers the split asks back (yields) are
+never earned ones.
 
 A loader killed -9 leaves its entry: every update first frees the entries whose trainer is
 gone (no /proc entry, a zombie, or another start time), so its share comes back to the
@@ -87,18 +102,22 @@ import time
 import warnings
 
 from ..errors import NodeBudgetError, NodeBudgetWarning
-from ..plan.defaults import CPU_BUDGET_MAX, node_budget
+from ..plan.defaults import CPU_BUDGET_MAX, cpu_budget_cap, node_budget
 from ..ring.layout import SHM_DIRECTORY
 from . import node_budget as split
 from .node_budget import Holding
 
 RECORD_MAGIC = b"SHMLBDGT"
 # 2: entries carry idle_after_ms, and loaders that do not update are taken for idle.
-RECORD_VERSION = 2
+# 3: entries carry earned and flags (the bytes that were zero): a version 2 loader would count
+# earned readers against the budget and ask them back, so the two keep apart (the name's version).
+RECORD_VERSION = 3
 # Loaders on one node at once: eight ranks with a few loaders each fit many times over.
 ENTRY_COUNT = 256
 _HEADER = struct.Struct("<8sII48x")
-_ENTRY = struct.Struct("<IIQQIIIIIIQ8x")
+_ENTRY = struct.Struct("<IIQQIIIIIIQII")
+# entry flags' bit: an earned trial of this loader's is in flight (the module note).
+FLAG_EARNING = 1
 _FREE_ENTRY = bytes(_ENTRY.size)
 RECORD_BYTES = _HEADER.size + ENTRY_COUNT * _ENTRY.size
 assert _HEADER.size == 64 and _ENTRY.size == 64
@@ -139,11 +158,18 @@ class _Entry:
     budget: int = 0
     idle_after_ms: int = 0
     updated_ns: int = 0
+    earned: int = 0
+    flags: int = 0
 
     def holding(self, now_ns: int) -> Holding:
         """Its Holding; a fixed loader has no tuner to update its entry, and is never idle."""
         changing = self.least < self.most
-        return Holding(self.held, self.least, self.most, self.wants, self.spare, changing and idle(self, now_ns))
+        return Holding(self.held, self.least, self.most, self.wants, self.spare, changing and idle(self, now_ns),
+                       self.earned)
+
+    def earning(self, now_ns: int) -> bool:
+        """Whether its earned trial is in flight: an idle loader's flag is old news (module note)."""
+        return bool(self.flags & FLAG_EARNING) and not idle(self, now_ns)
 
 
 def idle(entry: _Entry, now_ns: int) -> bool:
@@ -172,6 +198,10 @@ class Standing:
     idle_loaders: int = 0
     past_budget: bool = False  # Counted readers past the budget before this loader gave any.
     returning: bool = False  # This loader's entry was idle until this update.
+    room: int = 0  # The budget less the node's counted readers, after this update (node_budget.room).
+    earned: int = 0  # This loader's earned readers (module note), after this update.
+    earned_added: int = 0  # The earned readers this update added (NodeShare.earn).
+    earning_elsewhere: bool = False  # Another loader of the node has an earned trial in flight.
 
 
 def record_path(environment=os.environ, directory: str = SHM_DIRECTORY) -> str:
@@ -246,7 +276,23 @@ def parse(data: bytes, path: str) -> list[_Entry]:
             raise NodeBudgetError(f"{path}: entry {index} (pid {entry.pid}) holds {entry.held} readers between "
                                   f"{entry.least} and {entry.most} under a budget of {entry.budget}: not a record "
                                   f"this shmloader wrote")
+        problem = _earned_problem(entry)
+        if entry.pid and problem is not None:
+            raise NodeBudgetError(f"{path}: entry {index} (pid {entry.pid}) {problem}: not a record this "
+                                  f"shmloader wrote")
     return entries
+
+
+def _earned_problem(entry: _Entry) -> str | None:
+    """What is wrong with an entry's earned and flags fields (the layout's rules), or None."""
+    if entry.earned > entry.held - entry.least:
+        return (f"has earned {entry.earned} of its {entry.held} readers with a least of {entry.least}: expected "
+                f"earned at most held - least ({entry.held - entry.least})")
+    if entry.flags & ~FLAG_EARNING:
+        return f"has flags {entry.flags:#x}: expected only FLAG_EARNING ({FLAG_EARNING:#x})"
+    if entry.flags & FLAG_EARNING and entry.earned == 0:
+        return "has flags FLAG_EARNING (an earned trial in flight) with earned 0: expected the trial's reader earned"
+    return None
 
 
 def pack(entries: list[_Entry]) -> bytes:
@@ -342,6 +388,14 @@ class NodeShare:
         self.now: Standing | None = None  # The latest call's: None where it made no update.
         self.gap_seconds = self.fill_seconds = 0.0  # pace()'s.
         self.started = 0  # The readers join() let this loader start.
+        self.earned = 0  # Readers of this loader's past the budget by a trial (module note).
+        self.earning = False  # Whether its earned trial is in flight (FLAG_EARNING); the tuner ends it.
+        # SHMLOADER_CPU_BUDGET set: the user's cap on the node's readers, earned ones included.
+        self.capped = False
+        # The readers the record held for it after its last update: an update with fewer is a
+        # retirement of its own, and takes its earned readers first (module note).
+        self.written_held: int | None = None
+        self.last_add_earned = False  # Whether the last update that added readers added an earned one.
 
     @classmethod
     def join(cls, held: int, least: int, most: int, environment=os.environ) -> NodeShare:
@@ -356,7 +410,7 @@ class NodeShare:
         record that cannot be used does not raise (the class note)."""
         assert 0 <= least <= held <= most, (least, held, most)
         share = cls(record_path(environment), node_budget(environment), least, most)
-        share.started = held
+        share.started, share.capped = held, cpu_budget_cap(environment) is not None
         problem = proc_problem()
         if problem is not None:
             share._fail(NodeBudgetError(problem))
@@ -394,8 +448,55 @@ class NodeShare:
             return wanted if self.error is not None else 0
         return standing.granted
 
-    def _update(self, held: int, wants: int, spare: int, wanted: int, give: bool = True) -> Standing | None:
+    def earn(self, held: int, trial: bool = True) -> bool:
+        """Adds one earned reader to this loader's entry, past the budget (readers/earned.py),
+        in one update: on trial (`trial`), only where no other live loader of the node has an
+        earned trial in flight, and this one's is then (`earning`, until the tuner ends it);
+        else one given back after a retirement trial that did not pay. Whether it was added:
+        never without the record (one trial at a time on the node is the record's to say)."""
+        assert held < self.most and not self.earning, (held, self.most, self.earning)
+        if self.capped:  # SHMLOADER_CPU_BUDGET: the user's cap holds, earned readers included.
+            return False
+        standing = self._update(held, 0, 0, wanted=0, give=False, earn="trial" if trial else "back")
+        return standing is not None and standing.earned_added > 0
+
+    def not_started(self, count: int) -> None:
+        """`count` readers the last claim or earn added did not start (no process to be had):
+        the next update takes them off what that add was, not off the earned readers as it
+        would a retirement."""
+        assert count >= 0, count
+        if self.written_held is not None:
+            self.written_held -= count
+        if self.last_add_earned and count:  # An earn adds one reader: the trial's, if any, never ran.
+            self.earned = max(0, self.earned - count)
+            self.earning = False
+
+    def _keep_earned(self, held: int, returning: bool) -> None:
+        """This loader's earned readers before an update of `held` readers (module note): none
+        once it was idle; its own retirements take them first; never past held - least."""
+        if returning:
+            self.earned = 0
+        elif self.written_held is not None and held < self.written_held:
+            self.earned = max(0, self.earned - (self.written_held - held))
+        self.earned = min(self.earned, max(0, held - self.least))
+        self.earning = self.earning and self.earned > 0
+
+    def _earn(self, entries: list[_Entry], mine: _Entry, now_ns: int, earn: str | None) -> tuple[int, bool]:
+        """An earn's reader, added to `mine` (NodeShare.earn): (readers added, whether another
+        loader's earned trial is in flight)."""
+        elsewhere = any(entry.pid and entry is not mine and entry.earning(now_ns) for entry in entries)
+        if earn is None or earn == "trial" and elsewhere:
+            return 0, elsewhere
+        self.earned += 1
+        self.earning = self.earning or earn == "trial"
+        mine.held, mine.earned = mine.held + 1, self.earned
+        mine.flags = FLAG_EARNING if self.earning else 0
+        return 1, elsewhere
+
+    def _update(self, held: int, wants: int, spare: int, wanted: int, give: bool = True,
+                earn: str | None = None) -> Standing | None:
         assert held >= 0 and wants >= 0 and spare >= 0, (held, wants, spare)
+        assert earn in (None, "trial", "back") and not (earn and wanted), (earn, wanted)
         self.now = None
         if self.error is not None or self.closed or time.monotonic() < self.retry_at:
             return None
@@ -414,25 +515,33 @@ class NodeShare:
             reclaim(entries)
             index, now_ns = self._find(entries), time.monotonic_ns()
             returning = entries[index].token == self.token and idle(entries[index], now_ns)
+            self._keep_earned(held, returning)
             mine = entries[index] = _Entry(self.pid, held, self.start_ticks, self.token, min(self.least, held),
-                                           self.most, wants, spare, self.budget, self._idle_after_ms(), now_ns)
+                                           self.most, wants, spare, self.budget, self._idle_after_ms(), now_ns,
+                                           self.earned, FLAG_EARNING if self.earning else 0)
+            earned_added, earning_elsewhere = self._earn(entries, mine, now_ns, earn)
             live = [position for position, entry in enumerate(entries) if entry.pid]
             holdings = [entries[position].holding(now_ns) for position in live]
             me = live.index(index)
             budget = min(entries[position].budget for position in live)
             granted = split.grant(budget, holdings, me, wanted) if wanted else 0
-            mine.held, mine.wants = held + granted, max(0, wants - granted)
+            mine.held, mine.wants = mine.held + granted, max(0, wants - granted)
             holdings[me] = mine.holding(now_ns)
             past = split.room(budget, holdings) < 0
             given = split.yields(budget, holdings, me, returning) if give and not granted else 0
             mine.held -= given  # Retired by the caller at once: the others may take them now.
-            standing = Standing(budget, sum(holding.held for holding in holdings) - given, len(live), mine.held,
-                                granted, given, sum(holding.idle for holding in holdings), past, returning)
+            holdings[me] = mine.holding(now_ns)
+            standing = Standing(budget, sum(holding.held for holding in holdings), len(live), mine.held,
+                                granted, given, sum(holding.idle for holding in holdings), past, returning,
+                                split.room(budget, holdings), self.earned, earned_added, earning_elsewhere)
             os.pwrite(fd, pack(entries), 0)
         except (OSError, NodeBudgetError) as error:
             return self._fail(error)
         finally:
             os.close(fd)
+        self.written_held = mine.held
+        if granted or earned_added:
+            self.last_add_earned = bool(earned_added)
         self.last = self.now = standing
         return standing
 

@@ -58,12 +58,15 @@ BACKOFF_MOST_SECONDS = 128.0
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """A change on trial: `change` readers (+ added, - retired), `rate_before` the batches per
-    second of the window it was decided on, `readers_before` the count before it."""
+    second of the window it was decided on, `readers_before` the count before it; `earned`:
+    the reader added or retired is an earned one, past the node's budget (readers/earned.py),
+    so that its undo goes past the budget too."""
 
     change: int
     rate_before: float
     readers_before: int
     started_s: float
+    earned: bool = False
 
 
 class Prober:
@@ -87,9 +90,10 @@ class Prober:
         what = "an add" if direction > 0 else "a retirement"
         return f"{what} on trial did not pay; tried again in {self.next_try_s[direction] - now_s:.0f} s"
 
-    def start(self, change: int, rate_before: float, readers_before: int, now_s: float) -> None:
+    def start(self, change: int, rate_before: float, readers_before: int, now_s: float, earned: bool = False) -> None:
         assert change != 0 and rate_before > 0 and self.trial is None, (change, rate_before, self.trial)
-        self.trial = Trial(change, rate_before, readers_before, now_s)
+        assert not earned or abs(change) == 1, change  # Earned readers come and go one at a time.
+        self.trial = Trial(change, rate_before, readers_before, now_s, earned)
 
     def due(self, now_s: float, filled: int) -> bool:
         """Whether the trial in flight, its readers having `filled` batches since it started,
@@ -132,5 +136,6 @@ class Prober:
         trial = self.trial
         if trial is None:
             return self.last
-        return (f"on trial: {trial.readers_before + trial.change} readers in place of {trial.readers_before}, "
+        earned = " (an earned reader)" if trial.earned else ""
+        return (f"on trial: {trial.readers_before + trial.change} readers in place of {trial.readers_before}{earned}, "
                 f"against {trial.rate_before:.1f} batches/s")
