@@ -208,7 +208,9 @@ def test_readers_queued_on_one_device_retire_on_trial_and_every_batch_is_right(t
         stats = loader.stats()
     assert trials, stats["reader_change"]
     assert trials[0]["from"] == 3 and trials[0]["to"] == 2
-    assert "wait off the CPU" in trials[0]["why"], trials[0]
+    # Off the CPU (the lock and the sleep) on a quiet host; on a loaded one their wake-ups wait
+    # for a core as long, and the trial names that cause instead: either is a trial's.
+    assert "wait off the CPU" in trials[0]["why"] or "wait for a core" in trials[0]["why"], trials[0]
     assert stats["reader_trial"] is not None and stats["reader_restarts"] == 0
 
 
