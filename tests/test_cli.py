@@ -202,6 +202,22 @@ def test_bench_takes_a_glob_of_shards(tmp_path, capsys):
     assert "3 files, 150 rows" in capsys.readouterr().out
 
 
+
+def test_bench_without_readers_reports_the_readers_that_ran_not_the_most_auto_may_reach(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """Without --readers the loader's default is readers="auto": loader.readers is the most it
+    may reach (the node's budget, 63 on 64 cores), and the report said readers=63 (and
+    --compare torch ran 63 workers) where a few ran."""
+    np.save(tmp_path / "label.npy", np.arange(400, dtype=np.int64))
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "6")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    assert main(["bench", str(tmp_path / "label.npy"), "--steps", "20", "--batch-size", "8", "--quiet"]) == 0
+    output = capsys.readouterr().out
+    assert "readers=6 " not in output, output
+    assert re.search(r"readers=auto \(\d at the end, at most 6\)", output), output
+
+
 @pytest.mark.parametrize("argv", [["bench", "x.npy", "--steps", "0"], ["inspect", "x.npy", "--sample", "0"],
                                   ["inspect", "x.npy", "--sample", "-1"]])
 def test_counts_below_one_are_refused_by_the_parser(argv, capsys):

@@ -70,7 +70,10 @@ def run_loader(fields: dict, batch_size: int, readers, slots, mode: str, progres
             result = measure(step, rule)
         stats = loader.stats()
         result.update({
-            "readers": loader.readers,
+            # Under readers="auto" (the default) loader.readers is the most it may reach: the
+            # readers that ran at the end, and the most (None for a fixed count).
+            "readers": stats["reader_count"],
+            "readers_most": stats.get("readers_most"),
             "slots": loader.slots,
             "batches_per_s": result["rows_per_s"] / batch_size,
             "gb_per_s": result["rows_per_s"] / batch_size * batch_bytes / 1e9,  # Slot bytes (a Packed field's capacity).
@@ -163,8 +166,10 @@ def _print_result(result: dict, rule: StopRule) -> None:
     runs = result.get("rows_per_s_range")
     figure = (f"median of {result['repeats']} runs ({runs[0]:,.0f}-{runs[1]:,.0f})" if runs
               else describe_figure(result, rule))
+    most = result.get("readers_most")
+    readers = result["readers"] if most is None else f"auto ({result['readers']} at the end, at most {most})"
     print(
-        f"readers={result['readers']} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, {figure}; "
+        f"readers={readers} slots={result['slots']}: {result['rows_per_s']:,.0f} rows/s, {figure}; "
         f"{result['gb_per_s']:.2f} GB/s, {result['batches_per_s']:,.1f} batches/s, trainer waited "
         f"{result['wait_fraction']:.0%}, readers starved up to {result['starved_fraction']:.0%} "
         f"({result['batches_per_wakeup']:.1f} batches per wake-up), first batch {result['first_batch_s']:.2f} s, "

@@ -388,8 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("files", nargs="+", help="one per field: a .b2nd or .npy file, a quoted glob of them, or a "
                        "ragged directory (read as Packed)")
     bench.add_argument("--readers", type=_non_negative, default=None,
-                       help="reader processes, 0 to fill steps in the trainer (default: the loader's)")
-    bench.add_argument("--slots", type=_positive, default=None, help="batch slots (default: the loader's, 4 * readers + 2, fewer past 1 GiB)")
+                       help="reader processes, 0 to fill steps in the trainer (default: the loader's, \"auto\")")
+    bench.add_argument("--slots", type=_positive, default=None, help="batch slots (default: the loader's, 4 * readers + 2, for readers=\"auto\" of the most it "
+                       "may reach, fewer past 1 GiB)")
     bench.add_argument("--batch-size", type=_positive, default=256, help="rows per batch")
     bench.add_argument("--seconds", type=_positive_seconds, default=20.0,
                        help="the most seconds one measurement lasts: after a 1 s warm-up it runs rounds of 0.5 s "
