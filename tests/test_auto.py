@@ -136,6 +136,18 @@ def test_a_loader_with_auto_slots_keeps_its_ring_inside_a_small_memory_limit(tmp
         assert loader.slots == 4 * 2 + defaults.TRAINER_SLOTS
 
 
+def test_auto_reaches_at_most_a_loaders_readers_however_large_the_nodes_budget(monkeypatch):
+    """The most auto may reach defaults to the node's budget, which a node of 300 cores or a
+    SHMLOADER_CPU_BUDGET may set past READERS_MAX, the bound readers=N is held to: a default
+    loader made 5000 reader records and 5003 slots (SLOTS_MAX is 4096), a ring `shmloader
+    monitor` refuses to read."""
+    from shmloader.plan.options import READERS_MAX
+
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "5000")
+    start, least, most = AutoReaders().resolve()
+    assert most == READERS_MAX and least <= start <= most, (start, least, most)
+
+
 def test_auto_settings_are_checked_where_they_are_given():
     with pytest.raises(ValueError, match="AutoReaders.start"):
         AutoReaders(start=5, most=2)

@@ -120,10 +120,11 @@ class AutoReaders:
     reader record for each of `most`. None: `most` the node's reader budget (plan/defaults.
     node_budget: the loaders of every rank share it, readers/node_budget.py; `start` where that
     is more) and one more, which a trial may earn past the budget where the node's measured
-    CPU has room for it (readers/earned.py), `start` the fixed default (default_readers) or the budget's equal part among the
-    node's trainers where that is less, at least `least`. The loader starts as many of `start`
-    as the budget has room for beside the node's other loaders, and its `least` where there is
-    none (readers/budget_record.NodeShare.join)."""
+    CPU has room for it (readers/earned.py), at most READERS_MAX; `start` the fixed default
+    (default_readers) or the budget's equal part among the node's trainers where that is
+    less, at least `least`. The loader starts as many of `start` as the budget has room for
+    beside the node's other loaders, and its `least` where there is none
+    (readers/budget_record.NodeShare.join)."""
 
     start: int | None = None
     least: int = 1
@@ -141,7 +142,10 @@ class AutoReaders:
         """(start, least, most) on this node."""
         budget = node_budget()
         earned = 0 if cpu_budget_cap() is not None else EARNED_READERS_MOST  # A cap the user set holds.
-        most = max(self.least, self.start or 0, budget + earned) if self.most is None else self.most
+        # The budget is the node's (SHMLOADER_CPU_BUDGET, or 300 cores' less the trainers): one
+        # loader's readers stay within READERS_MAX, the bound readers=N is held to.
+        most = (min(READERS_MAX, max(self.least, self.start or 0, budget + earned)) if self.most is None
+                else self.most)
         if self.start is None:  # Every rank starts at once: their starts together stay within the budget.
             equal_part = max(1, budget // local_trainers())
             return min(most, max(self.least, min(default_readers(), equal_part))), self.least, most
