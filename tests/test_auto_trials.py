@@ -131,6 +131,13 @@ class _Device:
         self.idle_ns += int((1.5 if self.cause == "off_cpu" else 0.0) * seconds * 1e9)
         self.now_ns += int(seconds * 1e9)
 
+    def pause(self, seconds: float) -> None:
+        """The trainer away from next() (an evaluation, a checkpoint): the ring is full, the
+        readers fill nothing and wait for slots, and the trainer waits for none."""
+        self.total_ns += int(2 * seconds * 1e9)
+        self.idle_ns += int(1.5 * seconds * 1e9)
+        self.now_ns += int(seconds * 1e9)
+
     def read(self) -> Reading:
         readers = tuple(ReaderCounters(1000 + index, self.busy[index], int(self.batches[index]), cpu_ns=self.cpu[index],
                                        queued_ns=self.queued[index]) for index in range(self.pool.count))
@@ -159,6 +166,25 @@ def test_the_tuner_settles_at_the_devices_best_count_and_stays_there_but_for_its
     last = counts[-800:]  # The last 200 s: at the best but for the trials' few seconds.
     assert last[-1] == expected or tuner.prober.trial is not None, (counts[::20], rates)
     assert sum(count == expected for count in last) >= 0.9 * len(last), (counts[::20], rates)
+
+
+def test_a_pause_of_the_trainer_is_not_the_rate_a_retirement_on_trial_is_judged_against():
+    """A trainer away from next() for a second (a checkpoint) leaves its readers idle on a
+    full ring: what they filled then is not their rate. Three readers that wait for a core
+    deliver more than two; a retirement judged against a rate that counted the pause would
+    be kept, and with no core idle nothing adds the reader back."""
+    pool = _ModelledPool(3, 3, least=1)
+    device = _Device(pool, [300.0, 400.0, 500.0], "queued")
+    tuner = autotune.Tuner(pool, device.read, clock=lambda: device.now_ns)
+    counts = []
+    for step in range(800):  # 200 s in steps of a quarter of a second, the pause after the first second.
+        device.run(0.25)
+        if step == 3:
+            device.pause(1.25)
+        tuner.tune()
+        counts.append(pool.active_count)
+    last = counts[-400:]
+    assert sum(count == 3 for count in last) >= 0.9 * len(last), (counts[::10], tuner.prober.report())
 
 
 def test_readers_that_hold_the_cpu_with_an_idle_core_are_never_on_trial():

@@ -237,6 +237,7 @@ class Tuner:
         self.add_failure: str | None = None  # Why the last reader that could not be started was not.
         self.prober = Prober(self.window_seconds)  # Trials where readers wait off the CPU (readers/probe.py).
         self.steady: list[Reading] = []  # Readings since the last change, for a trial's rate before.
+        self.steady_idled = False  # Whether the last window's readers idled (its readings start no rate).
         self.trial_from: Reading | None = None  # Where the trial in flight is measured from.
 
     def tune(self, waiting_s: float = 0.0) -> None:
@@ -269,7 +270,14 @@ class Tuner:
         active = self.pool.active()
         window = window_of(self.baseline, reading, active)
         self.baseline = reading
-        self._keep_steady(reading)
+        # Readers idle on a full ring (a trainer away from next()) fill at its pace, not theirs: a
+        # rate that counted that time would keep a retirement on trial that loses a reader's work.
+        idled = window.readers_busy < RETIRE_BUSY_SHARE * window.readers
+        if idled or self.steady_idled:  # The window after an idle one starts in it too.
+            self.steady = [reading]
+        else:
+            self._keep_steady(reading)
+        self.steady_idled = idled
         if self.prober.trial is not None:
             self._judge_trial(reading, now_ns)
             return
@@ -296,7 +304,8 @@ class Tuner:
             self.trial_from = self.baseline
 
     def _keep_steady(self, reading: Reading) -> None:
-        """Adds a reading to those since the last change (the last PROBE_WINDOWS_MOST + 1)."""
+        """Adds a reading to those since the last change (the last PROBE_WINDOWS_MOST + 1);
+        tune() starts them again where the readers idled on a full ring (a trainer away)."""
         self.steady = (self.steady + [reading])[-(PROBE_WINDOWS_MOST + 1):]
 
     def _steady_rate(self, now_ns: int) -> tuple[float | None, bool]:
