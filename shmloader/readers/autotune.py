@@ -284,11 +284,13 @@ class Tuner:
         decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
         self.calm = decision.calm
         rate_before, measurable = self._steady_rate(now_ns)
-        decision = self._add_on_trial(decision, window, rate_before, measurable, now_ns)
+        add_cause = None if decision.change <= 0 else self.prober.add_cause(window.trial_cause,
+                                                                             window.readers + decision.change)
+        decision = self._add_on_trial(decision, add_cause, rate_before, measurable, now_ns)
         change, why = decision.change, decision.why
         if self.share is not None:
             change, why = self._within_budget(decision, window)
-        on_trial = change > 0 and window.trial_cause is not None and measurable  # rate_before is known.
+        on_trial = change > 0 and add_cause is not None and measurable  # rate_before is known.
         earned = False  # Whether a trial's reader is past the budget (readers/earned.py).
         if change == 0 and self._retire_on_trial(window, rate_before, now_ns):
             on_trial, change, why = True, -1, (f"trial: the trainer waits {window.trainer_wait:.0%} of the time for "
@@ -329,11 +331,12 @@ class Tuner:
         rate = window_of(self.steady[0], latest, []).batches_per_second
         return (rate, True) if rate > 0 else (None, False)
 
-    def _add_on_trial(self, decision: Decision, window: Window, rate_before: float | None, measurable: bool,
+    def _add_on_trial(self, decision: Decision, cause: str | None, rate_before: float | None, measurable: bool,
                       now_ns: int) -> Decision:
-        """decide's add, where the CPU cannot judge it: on trial (readers/probe.py), so held
-        while that direction's back-off runs or before the rate it is judged against."""
-        if decision.change <= 0 or window.trial_cause is None or not measurable:
+        """decide's add, where the CPU cannot judge it (`cause`, Prober.add_cause): on trial
+        (readers/probe.py), so held while that direction's back-off runs or before the rate it
+        is judged against."""
+        if decision.change <= 0 or cause is None or not measurable:
             return decision
         if not self.prober.may_try(1, now_ns / 1e9):
             return Decision(0, decision.why + "; " + self.prober.waits_why(1, now_ns / 1e9), decision.calm)

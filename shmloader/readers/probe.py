@@ -27,7 +27,10 @@ twice as long after each further undo, at most BACKOFF_MOST_SECONDS (a trial tha
 costs its PROBE_WINDOWS at the worse count: a share of the time that shrinks as the back-off
 grows); a kept one starts its direction's back-off again. Noise on a shared device can keep
 a trial it should not have: the other direction's trial, later, corrects it. The count does
-not wander: at a count where neither direction pays, each is tried once per back-off.
+not wander: at a count where neither direction pays, each is tried once per back-off; and
+after a retirement kept on trial, an add back to the count it left is a trial too, also
+where the readers left have no cause of their own (a core idle once one fewer runs) and
+decide would add it back by the CPU at once (add_cause).
 
 Rates are batches filled per second by every reader record over the window (retired readers'
 fills count to their end), which, while the trainer waits, are the batches it gets.
@@ -82,9 +85,25 @@ class Prober:
         self.backoff_s = {1: BACKOFF_FIRST_SECONDS, -1: BACKOFF_FIRST_SECONDS}
         self.last: str | None = None  # The last trial's outcome, in words.
         self.add_most: int | None = None  # The most readers the next add on trial adds (None: decide's).
+        # The count a retirement kept on trial left (None: none since an add was kept): an add
+        # back to it is a trial whatever the CPU says (add_cause).
+        self.retired_from: int | None = None
 
     def may_try(self, direction: int, now_s: float) -> bool:
         return self.trial is None and now_s >= self.next_try_s[direction]
+
+    def add_cause(self, window_cause: str | None, readers_after: int) -> str | None:
+        """Why an add to `readers_after` is a trial, in words; None where the CPU judges it:
+        the window's cause, or a retirement kept on trial from that count (retired_from).
+        Without the second, readers whose cause goes with the retired reader (a core idle
+        once one fewer runs) were added back by the CPU at the next window, retired on trial
+        again, and the count swung for good."""
+        if window_cause is not None:
+            return window_cause
+        left = self.retired_from
+        if left is not None and readers_after >= left:
+            return f"{left} readers delivered no more than {left - 1} on trial"
+        return None
 
     def waits_why(self, direction: int, now_s: float) -> str:
         what = "an add" if direction > 0 else "a retirement"
@@ -120,7 +139,9 @@ class Prober:
         if kept:
             self.backoff_s[direction] = BACKOFF_FIRST_SECONDS
             if direction > 0:
-                self.add_most = None
+                self.add_most = self.retired_from = None
+            else:
+                self.retired_from = trial.readers_before
             self.last = f"kept: {said}"
             return 0, self.last
         self.last = f"undone: {said}"
