@@ -211,6 +211,44 @@ def test_a_retirement_kept_on_trial_is_not_undone_by_an_add_the_cpu_judges():
     assert changes[-1] - changes[-400] <= 4, (changes[-1] - changes[-400], tuner.last)
 
 
+class _NoRoom:
+    """A node budget record with no room for this loader's readers (the calls the Tuner makes
+    of budget_record.NodeShare): every claim grants none, no reader is asked back, and the
+    user's cap holds (no earned readers)."""
+
+    now, error, capped, earned, earning = None, None, True, 0, False
+
+    def pace(self, gap_seconds: float, fill_seconds: float = 0.0) -> None:
+        pass
+
+    def publish(self, held: int, wants: int = 0, spare: int = 0, give: bool = True):
+        return None
+
+    def claim(self, held: int, wanted: int) -> int:
+        return 0
+
+    def not_started(self, count: int) -> None:
+        pass
+
+
+def test_a_retirement_undone_where_the_budget_has_no_room_to_add_back_says_so():
+    """Three readers deliver more than two, so a retirement on trial is undone; where the
+    node's budget has no room for the reader meanwhile, two run on. The trial's report said
+    "undone" all the same, beside a reader count of two."""
+    pool = _ModelledPool(3, 3, least=1)
+    device = _Device(pool, [300.0, 400.0, 500.0], "queued")
+    tuner = autotune.Tuner(pool, device.read, share=_NoRoom(), clock=lambda: device.now_ns)
+    for _ in range(80):  # 20 s: one retirement on trial and its end.
+        device.run(0.25)
+        tuner.tune()
+        report = tuner.prober.report() or ""
+        if report.startswith("undone"):
+            break
+    assert report.startswith("undone"), report
+    assert pool.active_count == 2 and "no room" in report, (pool.active_count, report)
+    assert tuner.report()["reader_trial"] == report
+
+
 def test_readers_that_hold_the_cpu_with_an_idle_core_are_never_on_trial():
     window = autotune.Window(1.0, 0.5, 2, 1.9, readers_blocked=0.0, idle_cores=1.5, batches_per_second=100.0,
                              refaulted=0.0, readers_queued=0.05)

@@ -90,7 +90,10 @@ def settle_trial(tuner, trial, held: int, window, undo: int, why: str) -> tuple[
     if undo <= 0:
         return undo, why
     if not trial.earned:
-        return share.claim(held, undo), why
+        granted = share.claim(held, undo)
+        if granted < undo:  # stats()'s "reader_trial" beside a count that is not the one before the trial.
+            why = tuner.prober.last = f"{why}; the node's reader budget had no room to add back {undo - granted}"
+        return granted, why
     undo, why = earned_back(share, held, window, why)
     tuner.prober.last = why  # stats()'s "reader_trial": how it ended, where no change says so.
     return undo, why
