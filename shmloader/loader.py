@@ -52,9 +52,11 @@ class ShmDataLoader(cursor_module.LoaderBase):
 
     readers: processes filling steps (None, the default, is "auto": AutoReaders(start, least,
     most), as many as keep the trainer from waiting while cores are idle, added and retired
-    as the loader runs, readers/autotune.py; with remote readers, the cores, at most 8; a
-    number fixes them; 0: the trainer fills each step itself when next() needs it). slots: steps the ring holds (None: plan/defaults.default_slots;
-    "auto": sized from the batch's bytes, the most readers and the memory, auto_slots).
+    as the loader runs, readers/autotune.py; `loader.readers` is then the most it may reach
+    and stats()["reader_count"] those running; with remote readers, the cores, at most 8; a
+    number fixes them; 0: the trainer fills each step itself when next() needs it). slots:
+    steps the ring holds (None: plan/defaults.default_slots; "auto": sized from the batch's
+    bytes, the most readers and the memory, auto_slots).
     verify (on by default): readers check what they read of a Blosc2 file against its
     checksums the first time they read it, each block and its chunk's head where the file
     carries block digests (`shmloader convert` writes them; a block one reader checked, the
