@@ -33,7 +33,7 @@ from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
-from .plan.defaults import TRAINER_SLOTS, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
+from .plan.defaults import TRAINER_SLOTS, auto_readers_most, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
@@ -204,7 +204,8 @@ class Session:
                          pool.count if isinstance(pool, ElasticPool) else None),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
         self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
-            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share)
+            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share,
+                  most=auto_readers_most(pool.count, pool.start_count, slots))
         if self.tuner is None:
             self.supervisor.node_share = resources.node_share
         self.cursor = cursor_module.Cursor(

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from shmloader.plan.defaults import default_slots as _default_slots
+from shmloader.plan.defaults import auto_readers_most as _auto_readers_most, default_slots as _default_slots
 from shmloader.ring.layout import POLL_INTERVAL_SECONDS, SlotState
 from shmloader.testing.simulation import ReaderDied, simulated_loader
 
@@ -106,14 +106,20 @@ def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
 
 def test_an_auto_loaders_default_ring_is_sized_for_its_start_with_a_slot_for_each_reader_it_may_add():
     """readers="auto" sizes the ring for the readers it starts (8 on 16 cores) as the fixed
-    default does, with at least one slot for each of the most it may reach (15 there) besides
-    the trainer's two and one."""
-    assert _default_slots(8, 1 << 20, most=15) == _default_slots(8, 1 << 20) == 34
-    assert _default_slots(2, 1 << 20, most=8) == 11  # One of 8 ranks on 16 cores: 10 for its start.
-    assert _default_slots(8, 64 << 20, most=15) == 18
-    for most in range(1, 65):
+    default does, with a slot for each of the most it may reach besides the trainer's two
+    and one where that stays under 1 GiB; auto adds no more readers than those slots feed."""
+    assert _default_slots(8, 1 << 20, most=16) == _default_slots(8, 1 << 20) == 34
+    assert _default_slots(2, 1 << 20, most=9) == 12  # One of 8 ranks on 16 cores: 10 for its start.
+    assert _default_slots(8, 40 << 20, most=64) == 25  # 64 cores: 1 GiB, not 67 slots (2.6 GiB).
+    assert _auto_readers_most(64, 8, 25) == 22
+    for most in range(1, 70):
         for start in range(1, most + 1):
-            for slot_bytes in (1 << 10, 1 << 20, 64 << 20):
+            for slot_bytes in (1 << 10, 1 << 20, 40 << 20, 160 << 20):
+                fixed = _default_slots(start, slot_bytes)
                 slots = _default_slots(start, slot_bytes, most=most)
-                assert slots >= most + 3
-                assert slots == max(most + 3, _default_slots(start, slot_bytes))
+                assert slots * slot_bytes <= max(1 << 30, fixed * slot_bytes)  # The fixed default's bound.
+                assert slots >= fixed
+                fed = _auto_readers_most(most, start, slots)
+                assert start <= fed <= most and fed + 3 <= max(slots, start + 3)
+                if (most + 3) * slot_bytes <= 1 << 30:
+                    assert fed == most  # Where it fits, a slot for every reader auto may reach.

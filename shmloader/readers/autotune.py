@@ -225,8 +225,10 @@ class Tuner:
     # a reader's start (a fork and its imports, about a tenth of a second) is short beside it.
     window_seconds = 1.0
 
-    def __init__(self, pool, read, share=None, clock=time.monotonic_ns) -> None:
+    def __init__(self, pool, read, share=None, clock=time.monotonic_ns, most: int | None = None) -> None:
         self.pool, self.read, self.share = pool, read, share  # share: readers/budget_record.NodeShare
+        # The most it adds up to: the pool's records, or fewer where the ring's slots feed fewer.
+        self.most = pool.count if most is None else most
         self.clock = clock  # CLOCK_MONOTONIC's ns, as the readings' at_ns (a model's own in tests).
         self.started_ns = self.tuned_ns = clock()  # tuned_ns: the last window's end.
         self.baseline: Reading | None = None
@@ -281,7 +283,7 @@ class Tuner:
         if self.prober.trial is not None:
             self._judge_trial(reading, now_ns)
             return
-        decision = self.decision = decide(window, self.pool.least, self.pool.count, self.calm)
+        decision = self.decision = decide(window, self.pool.least, self.most, self.calm)
         self.calm = decision.calm
         rate_before, measurable = self._steady_rate(now_ns)
         add_cause = None if decision.change <= 0 else self.prober.add_cause(window.trial_cause,
@@ -460,6 +462,6 @@ class Tuner:
     def report(self) -> dict:
         """stats()'s part: the active readers, their bounds, the last change and its reason."""
         return {"reader_count": self.pool.active_count, "readers_least": self.pool.least,
-                "readers_most": self.pool.count, "reader_changes": self.changes, "reader_change": self.last,
+                "readers_most": self.most, "reader_changes": self.changes, "reader_change": self.last,
                 "reader_add_failure": self.add_failure, "reader_trial": self.prober.report(),
                 "readers_earned": 0 if self.share is None else self.share.earned}

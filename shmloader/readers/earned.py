@@ -65,7 +65,7 @@ def earned_trial(tuner, window, asked: int, rate_before: float | None, now_ns: i
     share = tuner.share
     if share is None or share.error is not None or share.capped:  # A cap the user set holds.
         return 0, ""
-    cause = earn_cause(window, tuner.decision.change, asked, tuner.pool.count, share.now if asked > 0 else None)
+    cause = earn_cause(window, tuner.decision.change, asked, tuner.most, share.now if asked > 0 else None)
     # Judged as any add on trial: against the rate measured first, and after the add direction's back-off.
     if cause is None or rate_before is None or not tuner.prober.may_try(1, now_ns / 1e9):
         return 0, ""
