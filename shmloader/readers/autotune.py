@@ -1,6 +1,8 @@
 """readers="auto"'s decisions: whether to add or retire readers, as a pure function of what the
 loader did over a window (decide), and the Tuner that measures windows from the trainer's side
-and acts on the ElasticPool (readers/elastic.py).
+and acts on the ElasticPool (readers/elastic.py). (Past 450 lines: the rule, the window it
+reads and the Tuner that applies it, with the hooks of its trials and earned readers, whose
+own rules live in readers/probe.py and readers/earned.py.)
 
 The rule, on one window (Window: at least Tuner.window_seconds of counters the trainer and
 readers keep anyway; readers/bottleneck.py reads them):
