@@ -12,9 +12,9 @@ import os
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
-from conftest import budget_entries
+from conftest import budget_entries, examples
 from shmloader.errors import NodeBudgetError
 from shmloader.plan import defaults
 from shmloader.plan.options import AutoReaders
@@ -23,6 +23,7 @@ from shmloader.readers import budget_record as record
 from shmloader.readers.bottleneck import Reading, ReaderCounters
 from shmloader.readers.node_budget import Holding, grant, room, yields
 from test_auto_trials import _ModelledPool
+from test_node_budget_fairness import _loaders as _fairness_loaders
 
 _BUDGET_VARIABLE = "SHMLOADER_TEST_NODE_BUDGET"
 
@@ -44,21 +45,10 @@ def _environment(budget: str) -> dict:
 # ---- The split, as pure functions ---------------------------------------------------------
 
 
-@st.composite
-def _loaders(draw):
+def _loaders():
     """Loaders fixed or changing, idle or not, the changing ones with earned readers; the node
     may run past its budget."""
-    holdings = []
-    for _ in range(draw(st.integers(1, 6))):
-        least = draw(st.integers(1, 3))
-        most = draw(st.integers(least, least + 8))
-        held = draw(st.integers(least, most))
-        if draw(st.booleans()):
-            holdings.append(Holding(held, held, held, idle=draw(st.booleans())))
-        else:
-            holdings.append(Holding(held, least, most, draw(st.integers(0, 8)), draw(st.integers(0, held - least)),
-                                    draw(st.booleans()), earned=draw(st.integers(0, held - least))))
-    return holdings
+    return _fairness_loaders(earned=True)
 
 
 def _without_earned(holding: Holding) -> Holding:
@@ -66,7 +56,7 @@ def _without_earned(holding: Holding) -> Holding:
     return dataclasses.replace(holding, held=holding.held - holding.earned, earned=0)
 
 
-@settings(max_examples=400, deadline=None)
+@examples(400)
 @given(holdings=_loaders(), budget=st.integers(1, 24), data=st.data())
 def test_earned_readers_take_no_room_and_never_make_a_loader_give_back(holdings, budget, data):
     me = data.draw(st.integers(0, len(holdings) - 1))
@@ -84,7 +74,7 @@ def test_earned_readers_take_no_room_and_never_make_a_loader_give_back(holdings,
     assert grant(budget, holdings, me, wanted) == min(expected, max(0, mine.most - mine.held))
 
 
-@settings(max_examples=300, deadline=None)
+@examples(300)
 @given(holdings=_loaders(), budget=st.integers(1, 24), data=st.data())
 def test_an_idle_loaders_earned_readers_count_for_nothing_of_their_own(holdings, budget, data):
     idle = [index for index, holding in enumerate(holdings) if holding.idle and not holding.fixed]

@@ -34,9 +34,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @st.composite
-def _loaders(draw, count_max: int = 6):
-    """Loaders fixed (readers=N) or changing, idle or not, with what they ask; their readers
-    may take the node past its budget (joins where there was no room, a loader back from idle)."""
+def _loaders(draw, count_max: int = 6, earned: bool = False):
+    """Loaders fixed (readers=N) or changing, idle or not, with what they ask (and, with
+    `earned`, readers earned past the budget: test_earned_readers.py); their readers may take
+    the node past its budget (joins where there was no room, a loader back from idle)."""
     holdings = []
     for _ in range(draw(st.integers(1, count_max))):
         least = draw(st.integers(1, 3))
@@ -46,7 +47,8 @@ def _loaders(draw, count_max: int = 6):
             holdings.append(Holding(held, held, held, idle=draw(st.booleans())))
         else:
             holdings.append(Holding(held, least, most, draw(st.integers(0, 8)), draw(st.integers(0, held - least)),
-                                    idle=draw(st.booleans())))
+                                    idle=draw(st.booleans()),
+                                    earned=draw(st.integers(0, held - least)) if earned else 0))
     return holdings
 
 
