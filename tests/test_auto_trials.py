@@ -317,3 +317,25 @@ def test_readers_whose_fills_take_seconds_still_climb_to_the_best_count(scale):
         counts.append(pool.active_count)
     assert counts[-1] == 4, counts[::40]
     assert counts.index(4) < 1200, counts[::40]  # Within 300 s, at a fill every 20 s with one reader.
+
+
+def test_a_trial_whose_readers_the_budget_changed_ends_unjudged_and_says_so():
+    """The node's budget may take a reader on trial for another loader: the rate then measures
+    neither count, so the trial ends unjudged, reader_trial says why, and nothing is undone."""
+    rates = [500.0 * 0.8 ** abs(n - 1) for n in range(1, 4)]
+    pool = _ModelledPool(3, 3, least=1)
+    device = _Device(pool, rates, "queued")
+    tuner = autotune.Tuner(pool, device.read, clock=lambda: device.now_ns)
+    for _ in range(200):
+        device.run(0.25)
+        tuner.tune()
+        if tuner.prober.trial is not None:
+            break
+    assert tuner.prober.trial is not None and pool.active_count == 2  # A retirement on trial, 3 -> 2.
+    pool.retire_reader()  # The budget gives one to another loader meanwhile.
+    for _ in range(8):
+        device.run(0.25)
+        tuner.tune()
+    assert tuner.prober.trial is None  # At its least, with no core idle, nothing more to try.
+    assert tuner.report()["reader_trial"] == "ended unjudged: the node's budget made the 2 readers on trial 1"
+    assert pool.active_count == 1  # Nothing undone: no reader added back on a rate that measured neither count.

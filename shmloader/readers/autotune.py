@@ -365,10 +365,13 @@ class Tuner:
         earned one as readers/earned.py says)."""
         trial, held = self.prober.trial, self.pool.active_count
         if held != trial.readers_before + trial.change:  # The budget took or gave readers meanwhile.
-            self.prober.trial = None
+            self.prober.abandon(f"ended unjudged: the node's budget made the {trial.readers_before + trial.change} "
+                                f"readers on trial {held}")
             if trial.earned and trial.change > 0:  # An earned reader stays only where a trial measured it.
                 self.share.earning = False
                 self._act(-1, "an earned reader's trial ended unjudged (the budget changed the readers)", now_ns, held)
+            else:
+                self._keep_entry(now_ns)
             return
         window = window_of(self.trial_from, reading, [])
         if not self.prober.due(now_ns / 1e9, round(window.batches_per_second * window.seconds)):

@@ -125,6 +125,11 @@ class Prober:
         return (ran_s >= self.probe_seconds and filled >= PROBE_FILLS_MIN * readers
                 or ran_s >= self.probe_seconds * PROBE_WINDOWS_MOST / PROBE_WINDOWS)
 
+    def abandon(self, why: str) -> None:
+        """Ends the trial in flight unjudged (its readers changed by other hands), saying `why`."""
+        assert self.trial is not None
+        self.trial, self.last = None, why
+
     def judge(self, rate_after: float, now_s: float) -> tuple[int, str]:
         """Ends the trial: (readers to change to undo it, 0 where it is kept; why)."""
         trial = self.trial
