@@ -198,14 +198,14 @@ class Session:
                                      skipped=None if self.local is None else self.local.skipped)
         # What limits the loader, from the ring's counters (stats()["bottleneck"], the stall warning).
         disks = _disks(plan)
+        # readers="auto": the most it adds up to, the readers its slots feed (the advice's too).
+        auto_most = auto_readers_most(pool.count, pool.start_count, slots) if isinstance(pool, ElasticPool) else None
         self.meter = self.supervisor.meter = Meter(
             functools.partial(ring_reading, ring, pool.count, resources.node_cache, disks=disks),
-            plan_context(plan, dataset_spec is not None, pool.count,
-                         pool.count if isinstance(pool, ElasticPool) else None),
+            plan_context(plan, dataset_spec is not None, pool.count, auto_most),
             zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
-        self.tuner = self.supervisor.tuner = None if not isinstance(pool, ElasticPool) else \
-            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share,
-                  most=auto_readers_most(pool.count, pool.start_count, slots))
+        self.tuner = self.supervisor.tuner = None if auto_most is None else \
+            Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share, most=auto_most)
         if self.tuner is None:
             self.supervisor.node_share = resources.node_share
         self.cursor = cursor_module.Cursor(

@@ -239,7 +239,7 @@ class Tuner:
         self.decision: Decision | None = None
         self.last: dict | None = None
         self.add_failure: str | None = None  # Why the last reader that could not be started was not.
-        self.prober = Prober(self.window_seconds)  # Trials where readers wait off the CPU (readers/probe.py).
+        self.prober = Prober(self.window_seconds)  # Trials where the CPU cannot judge (readers/probe.py).
         self.steady: list[Reading] = []  # Readings since the last change, for a trial's rate before.
         self.steady_idled = False  # Whether the last window's readers idled (its readings start no rate).
         self.trial_from: Reading | None = None  # Where the trial in flight is measured from.
@@ -354,8 +354,9 @@ class Tuner:
         return decision
 
     def _retire_on_trial(self, window: Window, rate_before: float | None, now_ns: int) -> bool:
-        """Whether to retire a reader on trial: the trainer waits for readers that wait off
-        the CPU, none could be added, and fewer may deliver as much (readers/probe.py)."""
+        """Whether to retire a reader on trial: the trainer waits for readers the CPU cannot
+        judge (Window.trial_cause), none could be added, and fewer may deliver as much
+        (readers/probe.py)."""
         return (window.trial_cause is not None and window.readers_wanted and rate_before is not None
                 and self.pool.active_count > self.pool.least and self.prober.may_try(-1, now_ns / 1e9))
 
