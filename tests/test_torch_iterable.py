@@ -395,7 +395,7 @@ class Counting(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         self.position, self.iterations = int(state["position"][0]), state["iterations"]
-        self.resuming = state["active"]
+        self.resuming = self.active = state["active"]
 
 
 @pytest.mark.parametrize("workers", [0, 3])
@@ -423,6 +423,90 @@ def test_a_stateful_dataset_resumes_from_each_workers_state(workers):
         assert_epochs([whole_run[1][stop:]], epochs_of(resumed, 1))
         again = resumed.state_dict()
     assert again["ended"] and again["epoch"] == 1
+
+
+def _plain(made):
+    """A reader's made step ({"batch"| "end", "state"}) as plain values, to compare."""
+    if isinstance(made, dict):
+        return {key: _plain(value) for key, value in made.items()}
+    if isinstance(made, (list, tuple)):
+        return [_plain(value) for value in made]
+    return made.tolist() if isinstance(made, torch.Tensor) else made
+
+
+@examples(10)
+@given(data=st.data(), length=st.integers(1, 9), batch_size=st.integers(1, 3), readers=st.integers(1, 3),
+       kept=st.booleans())
+def test_a_resumed_readers_steps_do_not_depend_on_the_order_it_is_asked_for_them(data, length, batch_size, readers,
+                                                                                 kept):
+    """A resumed reader may be asked for its steps before the checkpoint's, and fill them,
+    before the ring's cursor moves to the checkpoint's step (its readers start at step 0 of
+    the pass: session.new_pass, then seek), and for a step again after a seek back: each
+    step it delivers from the checkpoint's on is still that of the state saved, or of the
+    copy's state when the pass started where none was saved, not of the iter() calls those
+    requests made. The dataset's next iter() gives other samples (Counting), which only its
+    state rebuilds. `kept`: a persistent worker's copy, iterated for a pass before."""
+    from torch.utils.data import default_collate
+
+    from shmloader.torch.iterable import IterableBatches, checkpoint_entry
+
+    def view():
+        return IterableBatches(Counting([length]), default_collate, batch_size, False, readers)
+
+    reader = data.draw(st.integers(0, readers - 1), "reader")
+    ends = -(-length // batch_size) + 1  # This reader's batches and its end mark in a pass.
+    steps = [reader + readers * index for index in range(ends + 2)]  # End marks after its end too.
+    whole = view()
+    if kept:  # The first pass: the persistent copy's iter() count moves on.
+        before = [whole.batch_of(step, pass_seed=1) for step in steps]
+    reference = {step: _plain(whole.batch_of(step, pass_seed=2)) for step in steps}
+    taken = data.draw(st.integers(0, ends - 1), "batches taken before the checkpoint")
+    resumed = view()
+    resumed.resume = {"pass_seed": 2, "readers": {}}
+    if taken:  # What the trainer keeps of the last batch taken.
+        resumed.resume["readers"][reader] = checkpoint_entry(reference[steps[taken - 1]], steps[taken - 1], readers)
+    elif kept:  # None taken in this pass: the end mark of the pass before gave the state it starts from.
+        resumed.resume["readers"][reader] = [reader, _plain(before[-1]["state"])]
+        if data.draw(st.booleans(), "the copy iterated a pass before too"):
+            for step in steps:
+                resumed.batch_of(step, pass_seed=1)
+    saved_step = steps[taken]
+    early = data.draw(st.lists(st.sampled_from(steps[:taken]), max_size=4), "asked before the cursor moved") \
+        if taken else []
+    after = steps[taken:]
+    ahead = data.draw(st.lists(st.sampled_from(after), max_size=3, unique=True), "filled before the seek")
+    asked = early + sorted(ahead) + [step for step in after for _ in range(data.draw(st.integers(1, 2)))]
+    back = data.draw(st.sampled_from(after), "a seek back to")
+    asked += [step for step in after if step >= back]
+    for step in asked:
+        made = _plain(resumed.batch_of(step, pass_seed=2))
+        if step >= saved_step:
+            assert made == reference[step], (step, asked)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stateful_dataset_resumes_exactly_from_every_batch_of_two_epochs(workers):
+    """Every checkpoint of two epochs, the next epoch included: among them one taken after
+    a worker's last batch (which ended its iterator) and before its end mark, whose state
+    the next epoch starts from (torch's persistent worker iterates its copy again)."""
+    arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": bool(workers)}
+    lengths = [3, 4] if workers else [5]
+    with DataLoader(Counting(lengths), **arguments) as loader:
+        whole_run = epochs_of(loader, 2)
+    flat = [(epoch, index) for epoch, batches in enumerate(whole_run) for index in range(len(batches))]
+    for epoch, stop in flat:
+        with DataLoader(Counting(lengths), **arguments) as loader:
+            for _ in range(epoch):
+                list(loader)
+            batches = iter(loader)
+            for _ in range(stop + 1):
+                next(batches)
+            state = loader.state_dict()
+        with DataLoader(Counting(lengths), **arguments) as resumed:
+            resumed.load_state_dict(state)
+            rest = [whole_run[epoch][stop + 1:]] + whole_run[epoch + 1:]
+            found = epochs_of(resumed, len(rest))
+        assert_epochs(rest, found)
 
 
 def test_a_stateful_datasets_checkpoint_at_an_epochs_end_starts_the_next_from_where_each_worker_ended():

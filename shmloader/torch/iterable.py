@@ -33,7 +33,10 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   written as a collate_fn's leaves are: nothing pickled), and each end mark the state a next iter() starts from; the checkpoint holds each
   reader's last state the trainer took, and a resumed reader calls load_state_dict(state)
   then iter() (torchdata's order), so its iterator continues where it was: exact, also for
-  a dataset whose order a replay would not give again. With persistent_workers (or
+  a dataset whose order a replay would not give again. A reader whose iterator had ended
+  keeps the state it ended in (checkpoint_entry). A resumed reader's steps before the
+  checkpoint's, which the ring may ask of it before its cursor moves, never start the
+  iterator its later steps come from (IterableBatches._owes_saved). With persistent_workers (or
   num_workers=0) a new epoch's iter() continues from the end mark's state, as the copy
   torch's persistent worker keeps would. After an epoch left by `break`, the readers' copies
   start the next epoch from states the trainer never took: a checkpoint taken before a
@@ -75,9 +78,9 @@ class IterableBatches(Collated):
     """What the readers read for an IterableDataset: a map-style view whose step k is the
     next batch of the iterator of reader k % readers (batch_of) as {"batch": it, "state":
     ...}, or once that iterator is exhausted the end mark {"end": True, "state": ...}. A
-    Stateful dataset's state is its state_dict() after the batch (None where the iterator
-    ended making it), or at the end mark the state a next iter() starts from; otherwise
-    None. Both are written into the slot as a collate_fn's batch is (plan/collated.py: its
+    Stateful dataset's state is its state_dict() after the batch (with "ended": True where
+    the iterator ended making it: a resume from it makes no batch), or at the end mark the
+    state a next iter() starts from; otherwise None. Both are written into the slot as a collate_fn's batch is (plan/collated.py: its
     arrays in regions, the rest as JSON; nothing pickled). The view is pickled or forked to
     the readers without its iterator; `resume` (set by the trainer before it starts readers
     for a checkpoint's pass) says where each reader's iterator continues from."""
@@ -89,16 +92,21 @@ class IterableBatches(Collated):
         self.batched, self.drop_last, self.readers = batch_size is not None, bool(drop_last), max(1, int(readers))
         self.stateful = callable(getattr(dataset, "state_dict", None)) and \
             callable(getattr(dataset, "load_state_dict", None))
-        # {"pass_seed": int, "readers": {reader: [its next step, its state or None where it had ended]}}
+        # {"pass_seed": int, "readers": {reader: its checkpoint_entry()}}
         self.resume = None
         self._iterator = self._pass_seed = self._next_step = self._last = None
-        self._ended, self._rows = False, 0
+        self._ended, self._rows, self._from_saved = False, 0, False
+        # A Stateful dataset's (pass seed, state_dict() before this pass's first iter()): a
+        # restart in the pass (a seek back) starts from it, as a replay of a copy iterated
+        # once more would not (its next iter() may give other samples).
+        self._pass_start = None
         # Batches made ahead of their step (batch_of), by step.
         self._ahead: dict[int, dict] = {}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_iterator": None, "_pass_seed": None, "_next_step": None, "_last": None,
-                "_ended": False, "_ahead": {}}
+                "_ended": False, "_ahead": {}, "_from_saved": False,
+                "_pass_start": None}
 
     def forget(self) -> None:
         """Drops the iterator and what it made ahead: the next step starts afresh (a seek in
@@ -130,7 +138,8 @@ class IterableBatches(Collated):
                 return self._ahead.pop(step)
             if self._last is not None and self._last[0] == step:
                 return self._last[1]  # Asked again (a slot grown at this step, readers=0): no replay.
-        first = self._pass_seed != pass_seed or self._next_step is None or step < self._next_step
+        first = self._pass_seed != pass_seed or self._next_step is None or step < self._next_step or \
+            self._owes_saved(step, pass_seed)
         if first:
             self._restart(step, pass_seed)
         assert (step - self._next_step) % self.readers == 0, (step, self._next_step, self.readers)
@@ -144,30 +153,55 @@ class IterableBatches(Collated):
         self._last = (step, self._made())
         return self._last[1]
 
+    def _saved(self, step: int, pass_seed: int) -> list | None:
+        """The checkpoint's [next step, state] of `step`'s reader where it applies to this pass."""
+        if self.resume is None or self.resume["pass_seed"] != pass_seed:
+            return None
+        return self.resume["readers"].get(step % self.readers)
+
+    def _owes_saved(self, step: int, pass_seed: int) -> bool:
+        """Whether `step` needs the checkpoint's state that the running iterator did not start
+        from: a resumed reader is asked for its steps before the checkpoint's (its pass starts
+        at step 0, then the ring seeks: session.new_pass), and the iterator those start must
+        not make a step from the checkpoint's on, nor be kept for one (_ahead, _last), or
+        the batch would depend on when the reader was asked. Once it started from the state,
+        a later step continues it; a seek back starts it again (batch_of)."""
+        saved = None if self._from_saved else self._saved(step, pass_seed)
+        return saved is not None and step >= saved[0]
+
     def _made(self) -> dict:
         """The iterator's next batch, or the end mark, with the state after it (the class)."""
         batch = self._next_batch()
         if batch is None:
-            made = {"end": True, "state": self.dataset.state_dict() if self.stateful else None}
-        else:  # No state where this batch was the iterator's last (it ended making it): a resume ends it.
-            made = {"batch": batch, "state": self.dataset.state_dict() if self.stateful and not self._ended
-                    else None}
+            return {"end": True, "state": self.dataset.state_dict() if self.stateful else None}
+        made = {"batch": batch, "state": self.dataset.state_dict() if self.stateful else None}
+        if self.stateful and self._ended:  # Its iterator ended making it: a resume makes no batch.
+            made["ended"] = True
         return made
 
     def _restart(self, step: int, pass_seed: int) -> None:
         """iter() again for this reader's first step of the pass, or, where a checkpoint's
         state of it applies (the pass it was taken in, a step at or after it), its
-        load_state_dict(state) first and its steps from the checkpoint's."""
+        load_state_dict(state) first and its steps from the checkpoint's. A Stateful
+        dataset's iter() again in the same pass (a seek back) starts from the state the
+        pass's first started from (_pass_start)."""
         reader = step % self.readers
         self._pass_seed, self._next_step, self._ended, self._ahead = pass_seed, reader, False, {}
-        saved = None if self.resume is None or self.resume["pass_seed"] != pass_seed else \
-            self.resume["readers"].get(reader)
-        if saved is not None and step >= saved[0]:
+        saved = self._saved(step, pass_seed)
+        self._from_saved = saved is not None and step >= saved[0]
+        if self._from_saved:
             self._next_step = saved[0]
-            if saved[1] is None:  # It had ended before the checkpoint.
+            if saved[1] is None:  # It had ended before the checkpoint: end marks, from the state it ended in.
                 self._iterator, self._ended = None, True
+                if len(saved) > 2 and saved[2] is not None:
+                    self.dataset.load_state_dict(saved[2])
                 return
             self.dataset.load_state_dict(saved[1])
+        elif self.stateful:  # Every iter() of a pass from the state its first started from.
+            if self._pass_start is not None and self._pass_start[0] == pass_seed:
+                self.dataset.load_state_dict(copy.deepcopy(self._pass_start[1]))
+            else:
+                self._pass_start = (pass_seed, copy.deepcopy(self.dataset.state_dict()))
         self._iterator = iter(self.dataset)
 
     def _next_batch(self):
@@ -234,6 +268,17 @@ class IterableBatches(Collated):
             if not found:
                 raise
             return None
+
+
+def checkpoint_entry(made: dict, step: int, readers: int) -> list:
+    """What a checkpoint keeps of a Stateful dataset's reader after the trainer took `made`
+    at `step`: [its next step, the state its iterator continues from], or where its iterator
+    had ended [its next step, None, the state it ended in] (it makes end marks from there,
+    whose state a kept reader's next epoch starts from). Copied: its arrays view the slot."""
+    after = step + readers
+    if "end" in made or made.get("ended"):
+        return [after, None, copy.deepcopy(made["state"])]
+    return [after, copy.deepcopy(made["state"])]
 
 
 def _in_the_slot(outputs: dict | None) -> dict | None:
@@ -319,21 +364,20 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         has come (see the module)."""
         readers, ended, stateful = self._adapter.readers, set(), self._adapter.stateful
         for arrays in self._loader:
-            reader, after = arrays.step % readers, arrays.step + readers
+            reader, step = arrays.step % readers, arrays.step
             # Under pin_memory each batch is a copy (its slot is free for the next epoch at once).
             made = self._rebuild(arrays, self.pin_memory)
             del arrays
+            if stateful:
+                self._reader_states[reader] = checkpoint_entry(made, step, readers)
             if "end" in made:
-                if stateful:  # Copied: its arrays view the slot, which the ring fills again.
-                    self._reader_states[reader] = [after, None]
-                    self._next_pass_states[reader] = [reader, copy.deepcopy(made["state"])]
+                if stateful:  # A kept reader's next epoch starts from the state its iterator ended in.
+                    self._next_pass_states[reader] = [reader, self._reader_states[reader][2]]
                 ended.add(reader)
                 if len(ended) == readers:
                     self._ended_pass = True
                     return
                 continue
-            if stateful:
-                self._reader_states[reader] = [after, copy.deepcopy(made["state"])]
             yield made["batch"]
             del made
 
@@ -380,10 +424,13 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             self._regrow(self._build["outputs"])
 
     def _checked_states(self, state: dict, key: str) -> dict[int, list]:
-        """The checkpoint's `key`: reader -> [its next step, its state_dict() or None]."""
+        """The checkpoint's `key`: reader -> [its next step, its state_dict() or None (ended),
+        and where ended the state it ended in] (checkpoint_entry)."""
         saved = state.get(key, {})
         try:
-            states = {int(reader): [int(entry[0]), entry[1]] for reader, entry in saved.items()}
+            states = {int(reader): [int(entry[0]), *entry[1:3]] for reader, entry in saved.items()}
+            if any(len(entry) < 2 for entry in states.values()):
+                raise ValueError
             if not all(0 <= reader < self._adapter.readers for reader in states):
                 raise ValueError
         except (TypeError, ValueError, IndexError, AttributeError):
