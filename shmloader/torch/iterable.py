@@ -47,9 +47,10 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   same order (the same files, a seed of its own); a dataset that draws from an unseeded
   source, or changes as it is iterated (a persistent copy's second epoch), continues with
   other samples.
-A reader that dies is replaced and replays the same way, and so do the readers when a
-collate_fn's batch outgrows its room in the slot (the slot grows, as for a map-style
-dataset: collation.py; outputs= gives the room up front).
+A reader that dies is replaced and replays the same way (a Stateful dataset's from a fresh
+copy: inexact for a persistent copy's later epoch); when a collate_fn's batch outgrows its
+room in the slot (the slot grows, as for a map-style dataset: collation.py; outputs= gives
+the room up front) the readers start again as after load_state_dict.
 
 Unlike torch's, the trainer iterates a copy of the dataset for its first two batches (of
 reader 0's shard, as reader 0 sees get_worker_info(); of the next reader's where that is
@@ -96,9 +97,8 @@ class IterableBatches(Collated):
         self.resume = None
         self._iterator = self._pass_seed = self._next_step = self._last = None
         self._ended, self._rows, self._from_saved = False, 0, False
-        # A Stateful dataset's (pass seed, state_dict() before this pass's first iter()): a
-        # restart in the pass (a seek back) starts from it, as a replay of a copy iterated
-        # once more would not (its next iter() may give other samples).
+        # A Stateful dataset's (pass seed, _state_before_iter()): a restart in the pass (a
+        # seek back) starts from it, as a replay of a copy iterated once more would not.
         self._pass_start = None
         # Batches made ahead of their step (batch_of), by step.
         self._ahead: dict[int, dict] = {}
@@ -198,11 +198,20 @@ class IterableBatches(Collated):
                 return
             self.dataset.load_state_dict(saved[1])
         elif self.stateful:  # Every iter() of a pass from the state its first started from.
-            if self._pass_start is not None and self._pass_start[0] == pass_seed:
+            if self._pass_start is None or self._pass_start[0] != pass_seed:
+                self._pass_start = (pass_seed, self._state_before_iter())
+            elif self._pass_start[1] is not None:
                 self.dataset.load_state_dict(copy.deepcopy(self._pass_start[1]))
-            else:
-                self._pass_start = (pass_seed, copy.deepcopy(self.dataset.state_dict()))
         self._iterator = iter(self.dataset)
+
+    def _state_before_iter(self):
+        """The dataset's state_dict() before this pass's first iter(), copied, or None where it
+        raises: torch never asks it of a copy not yet iterated (a dataset may set in __iter__
+        what it reads); a seek back then calls iter() again, as a replay does."""
+        try:
+            return copy.deepcopy(self.dataset.state_dict())
+        except Exception:
+            return None
 
     def _next_batch(self):
         """The iterator's next batch, collated, or None once it is exhausted: as torch's
@@ -380,6 +389,16 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                 continue
             yield made["batch"]
             del made
+
+    def _grown_outputs(self, error: Exception) -> dict | None:
+        """As the map-style loader's; where the slot grows, a Stateful dataset's readers start
+        again from the states the trainer took in this pass (as after load_state_dict): a
+        fresh copy's iter() is not a persistent copy's of a later epoch."""
+        outputs = super()._grown_outputs(error)
+        if outputs is not None and self._adapter.stateful and self.num_workers:
+            self._adapter.resume = {"pass_seed": self._epoch_seed(self._epoch),
+                                    "readers": {reader: list(entry) for reader, entry in self._reader_states.items()}}
+        return outputs
 
     def state_dict(self) -> dict:
         """The epoch, its next step, num_workers, whether the epoch had ended, and for a
