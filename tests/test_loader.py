@@ -453,6 +453,7 @@ def test_the_default_reader_count_divides_the_cores_among_the_nodes_trainers(mon
 
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(plan.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(plan, "cpu_quota", lambda: None)  # The cores faked, not a CI host's CPU limit.
     assert plan.default_readers({}) == 8
     assert plan.default_readers({"LOCAL_WORLD_SIZE": "8"}) == 2  # torchrun, 8 ranks: 2 readers each
     assert plan.default_readers({"SLURM_NTASKS_PER_NODE": "4(x2)"}) == 4

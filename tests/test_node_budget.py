@@ -438,6 +438,7 @@ def test_the_budget_defaults_to_the_nodes_cores_less_its_trainers_and_auto_start
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(defaults, "cpu_quota", lambda: None)  # The cores faked, not a CI host's CPU limit.
     for trainers, budget, start in ((1, 15, 8), (4, 12, 3), (8, 8, 1), (16, 1, 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(trainers))
         assert defaults.node_budget() == budget

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from ..ring import backing
+from .cpu_quota import cpu_quota, quota_cores
 from ..ring.layout import SHM_DIRECTORY
 
 # ---- Sizing the ring ----------------------------------------------------------------------
@@ -32,12 +33,18 @@ def local_trainers(environment=os.environ) -> int:
 
 
 def _affinity_cores() -> tuple[int, int]:
-    """(the cores this process may use, the machine's cores)."""
+    """(the cores this process may use, the machine's cores): a CPU quota's whole cores bound
+    both (a container or pod with a CPU limit: plan/cpu_quota.py), since its group gets that
+    much CPU time whatever cores it may be scheduled on."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return cores, max(cores, os.cpu_count() or cores)
+    machine = max(cores, os.cpu_count() or cores)
+    limit = quota_cores(cpu_quota())
+    if limit is not None:
+        cores, machine = min(cores, limit), min(machine, limit)
+    return cores, machine
 
 
 def cores_share(environment=os.environ) -> int:

@@ -31,6 +31,7 @@ import os
 import time
 
 from ..errors import SharedMemoryError
+from ..plan.cpu_quota import cpu_quota, quota_used_ns
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..ring.layout import SlotState
 from .disk_device import DiskCounters, DiskRates, disk_advice, disk_counters, disk_window, rotational
@@ -97,6 +98,8 @@ class Reading:
     evicted_bytes: int | None = None  # the node cache's, where the loader reads from one
     disks: tuple[DiskCounters, ...] = ()  # those the loader's files are on (disk_device.py)
     memory: MemoryCounters | None = None  # the local readers' memory group's (page_cache.py)
+    quota_cores: float | None = None  # the CPU quota of this process's group (plan/cpu_quota.py)
+    quota_used_ns: int | None = None  # that group's CPU time, cumulative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +172,11 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
             evicted = node_cache.counters()["evicted"] * CACHE_PAGE_BYTES
         except (OSError, ValueError, KeyError):
             evicted = None  # A cache closed meanwhile: its evictions are not this window's to tell.
+    quota = cpu_quota() if processes else None
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
                    total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else (),
-                   memory_counters(local[0]) if processes and local else None)
+                   memory_counters(local[0]) if processes and local else None,
+                   None if quota is None else quota.cores, quota_used_ns(quota))
 
 
 def plan_context(plan, dataset: bool, local_readers: int, auto_most: int | None = None) -> Context:
@@ -417,10 +422,19 @@ def _share(part: float, whole: float) -> float:
 
 
 def idle_cores_between(before: Reading, after: Reading) -> float | None:
-    if None in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
-        return None
-    total = after.cores_total_ns - before.cores_total_ns
-    return after.cores * _share(after.cores_idle_ns - before.cores_idle_ns, total) if total > 0 else None
+    """The cores idle between two readings, of those this process may run on: what the
+    cores' idle time says, and no more than a CPU quota left unused (its group's time
+    against the quota's cores: a container with a CPU limit on an idle machine has only
+    its limit to give another reader)."""
+    idle = None
+    if None not in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
+        total = after.cores_total_ns - before.cores_total_ns
+        idle = after.cores * _share(after.cores_idle_ns - before.cores_idle_ns, total) if total > 0 else None
+    elapsed = after.at_ns - before.at_ns
+    if after.quota_cores is None or None in (before.quota_used_ns, after.quota_used_ns) or elapsed <= 0:
+        return idle
+    left = max(0.0, after.quota_cores - (after.quota_used_ns - before.quota_used_ns) / elapsed)
+    return left if idle is None else min(idle, left)
 
 
 class Meter:

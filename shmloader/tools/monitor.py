@@ -45,6 +45,7 @@ import time
 from .._native import ffi
 from ..errors import SharedMemoryError
 from ..ring import backing
+from ..plan.cpu_quota import cpu_quota, quota_used_ns
 from ..plan.options import BATCH_SIZE_MAX, READER_RECORDS_MAX, SLOTS_MAX, SLOTS_MIN
 from ..ring.layout import (
     HEADER_BYTES,
@@ -264,9 +265,11 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
     idle_ns, total_ns, cores = cores_counters()
     local = [reader.pid for reader in counters if reader.cpu_ns is not None]
     evicted = evicted_bytes_of(local)
+    quota = cpu_quota()  # top's own group: the trainer's where top runs beside it (the same pod).
     return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted,
                    disk_counters(disks_of_reader(local[0]), local[0]) if local else (),
-                   memory_counters(local[0]) if local else None)
+                   memory_counters(local[0]) if local else None, None if quota is None else quota.cores,
+                   quota_used_ns(quota))
 
 
 def _share(part_ns: int, elapsed_ns: int) -> float:
