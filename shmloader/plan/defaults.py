@@ -47,6 +47,11 @@ def _affinity_cores() -> tuple[int, int]:
     return cores, machine
 
 
+def usable_cores() -> int:
+    """The cores this process may use: its affinity's, bounded by a CPU quota (cpu_quota.py)."""
+    return _affinity_cores()[0]
+
+
 def cores_share(environment=os.environ) -> int:
     """The cores this process may use, divided among the node's trainers (each one starts
     its own loader: eight ranks with a reader per core each would run 8x the cores), at

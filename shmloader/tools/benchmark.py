@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from ..loader import ShmDataLoader
-from ..plan.defaults import TRAINER_SLOTS
+from ..plan.defaults import TRAINER_SLOTS, usable_cores
 from ..plan.fields import Packed
 from ..storage.ragged import describe_ragged, is_ragged
 from ..storage.spec import describe_field
@@ -294,7 +294,7 @@ def run_cli(arguments) -> int:
     cache_before = page_cache_share(list(fields.values()))
     results = []
     if arguments.sweep:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
         reader_counts = sorted({1, 2, max(1, cores // 2), cores, 2 * cores})
         points = [(readers, per_reader * readers + TRAINER_SLOTS) for readers in reader_counts
                   for per_reader in _SLOTS_PER_READER]

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import StorageError
+from ..plan.defaults import usable_cores
 from ..storage.layout import choose_layout, compression_params
 from ..storage.layout_advice import DEFAULT_BATCH_SIZE
 from ..storage.layout_advice import measure as measure_layout
@@ -107,7 +108,7 @@ def convert(
     check_dtype(source_name, dtype)
     check_rows(source_name, shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    threads = min(os.cpu_count() or 1, _COMPRESS_THREADS_MAX)
+    threads = min(usable_cores(), _COMPRESS_THREADS_MAX)
     kept = None
     if codec == "auto" and rows_per_block is None and from_path and os.path.isfile(source_name) \
             and not isinstance(array, np.ndarray):

@@ -52,6 +52,7 @@ import threading
 import numpy as np
 
 from ..errors import StorageError
+from ..plan.defaults import usable_cores
 from ..plan.naming import file_name_problem
 from .columns import check_columns, column_form, with_options, write_column
 from .output import check_output, publishing
@@ -264,7 +265,7 @@ def _import(schema, batches, rows: int, out, columns, nulls, force: bool, progre
                    leave=False)
         try:
             shared = _SharedProgress(bar)
-            workers = threads or min(len(outputs), max(1, len(os.sched_getaffinity(0))))
+            workers = threads or min(len(outputs), usable_cores())
             with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
                 futures = {output.field: pool.submit(write_column, temporary, output.field, plans[output.field],
                                                      map(output.extract, batches(output.column)), rows, shared)

@@ -10,6 +10,7 @@ import pathlib
 import numpy as np
 
 from ..errors import StorageError
+from ..plan.defaults import usable_cores
 from ..storage.image_headers import check_pixels, image_size
 from .output import check_output_directory
 
@@ -141,7 +142,7 @@ def check_images(directory: str | os.PathLike, workers: int | None = None, progr
 
     _, files = list_images(directory)
     names = [str(path) for path, _ in files]
-    workers = workers or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    workers = workers or usable_cores()
     bad = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
         results = pool.map(_decode_error, names, chunksize=64)
