@@ -33,7 +33,8 @@ from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
-from .plan.defaults import TRAINER_SLOTS, auto_readers_most, auto_slots, default_slots, kept_bytes_max, ring_budget_bytes, wake_after
+from .plan.defaults import (TRAINER_SLOTS, auto_readers_most, auto_slots, default_ring_bytes, default_slots, kept_bytes_max,
+                             ring_budget_bytes, wake_after)
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
@@ -106,15 +107,16 @@ def last_step(sampler, slots: int, end_step: int) -> int:
 
 def _slot_count(setting, fillers: int, pool, slot_bytes: int) -> int:
     """The ring's slots: `setting` where a number; "auto" (auto_slots); the default
-    (default_slots), which under readers="auto" (an ElasticPool) is sized for the readers it
-    starts with a slot for each of the `fillers` it may reach."""
+    (default_slots, within default_ring_bytes), which under readers="auto" (an ElasticPool)
+    is sized for the readers it starts with a slot for each of the `fillers` it may reach."""
     if setting == "auto":
         return auto_slots(fillers, slot_bytes, ring_budget_bytes())
     if setting is not None:
         return setting
+    room = default_ring_bytes()
     if isinstance(pool, ElasticPool):
-        return default_slots(pool.start_count, slot_bytes, fillers)
-    return default_slots(fillers, slot_bytes)
+        return default_slots(pool.start_count, slot_bytes, fillers, room)
+    return default_slots(fillers, slot_bytes, ring_bytes=room)
 
 
 def _pass_of(sampler, options: LoaderOptions) -> FinitePass | None:

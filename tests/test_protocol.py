@@ -104,6 +104,26 @@ def test_default_slots_shrink_with_batch_bytes_but_not_below_two_per_reader():
     assert _default_slots(8, 40 << 20) == 25
 
 
+def test_the_default_ring_keeps_to_a_small_memorys_share(tmp_path, monkeypatch):
+    """In a pod or container whose memory is small, the default ring takes no more than an
+    automatic ring's share of it (defaults.default_ring_bytes), never under two slots a
+    reader: a ring's pages count against the memory group that touches them. Before, 1 GiB
+    whatever the memory: ten 16 MiB slots here, in 512 MiB."""
+    from shmloader import ShmDataLoader
+    from shmloader.plan import defaults
+
+    np.save(tmp_path / "x.npy", np.zeros((64, 1 << 20), dtype=np.uint8))  # 1 MiB rows: 16 MiB batches.
+    monkeypatch.setattr(defaults, "memory_limit_bytes", lambda: 512 << 20)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    assert defaults.default_ring_bytes() == 64 << 20  # An eighth of it.
+    with ShmDataLoader({"x": str(tmp_path / "x.npy")}, batch_size=16, readers=2) as loader:
+        assert loader.slots == 6  # 4 slots of 16 MiB fit; the floor is 2 * 2 + 2.
+        assert next(iter(loader))["x"].shape == (16, 1 << 20)
+    monkeypatch.setattr(defaults, "memory_limit_bytes", lambda: 64 << 30)
+    assert defaults.default_ring_bytes() == 1 << 30  # A large node: the fixed bound, as before.
+
+
 def test_an_auto_loaders_default_ring_is_sized_for_its_start_with_a_slot_for_each_reader_it_may_add():
     """readers="auto" sizes the ring for the readers it starts (8 on 16 cores) as the fixed
     default does, with a slot for each of the most it may reach besides the trainer's two

@@ -112,7 +112,8 @@ TRAINER_SLOTS = 2
 _DEFAULT_RING_BYTES = 1 << 30
 
 
-def default_slots(readers: int, slot_bytes: int, most: int | None = None) -> int:
+def default_slots(readers: int, slot_bytes: int, most: int | None = None,
+                  ring_bytes: int = _DEFAULT_RING_BYTES) -> int:
     """Four slots per reader plus two for the trainer (the batch in use and the one a `for`
     loop's variable still holds while next() runs). A step filled slowly holds the
     trainer while the other readers run ahead: with two per reader they ran out of
@@ -125,8 +126,10 @@ def default_slots(readers: int, slot_bytes: int, most: int | None = None) -> int
     besides the trainer's and one (auto_slots' floor) where that stays under
     _DEFAULT_RING_BYTES; auto then adds no more readers than the slots feed (auto_readers_most).
     Sized for the most, 8 ranks' rings took 3.4x the memory of the fixed default's, and a
-    64-core node's ring of 40 MiB batches 2.6 GiB, for readers that may never run."""
-    affordable = _DEFAULT_RING_BYTES // max(1, slot_bytes)
+    64-core node's ring of 40 MiB batches 2.6 GiB, for readers that may never run.
+    `ring_bytes`: the bound in place of _DEFAULT_RING_BYTES (default_ring_bytes: less in a
+    container or pod whose memory is small)."""
+    affordable = ring_bytes // max(1, slot_bytes)
     fixed = TRAINER_SLOTS + 1 if readers == 0 else \
         max(2 * readers + TRAINER_SLOTS, min(4 * readers + TRAINER_SLOTS, affordable))
     return fixed if most is None else max(fixed, min(most + TRAINER_SLOTS + 1, affordable))
@@ -163,6 +166,14 @@ def auto_slots(readers_max: int, slot_bytes: int, budget_bytes: int) -> int:
     floor = readers_max + TRAINER_SLOTS + 1
     wanted = AUTO_SLOTS_PER_READER * readers_max + TRAINER_SLOTS
     return max(floor, min(wanted, budget_bytes // slot_bytes))
+
+
+def default_ring_bytes(environment=os.environ) -> int:
+    """The default ring's bound (default_slots): _DEFAULT_RING_BYTES, or where the memory it
+    may live in is small (a pod's memory limit, a container's /dev/shm and memory) the share
+    an automatic ring takes (ring_budget_bytes): a ring's pages count against the memory
+    group that touches them, and 1 GiB of a 2 GiB pod left the model too little."""
+    return min(_DEFAULT_RING_BYTES, ring_budget_bytes(environment))
 
 
 def ring_budget_bytes(environment=os.environ) -> int:
