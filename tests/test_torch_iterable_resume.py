@@ -236,10 +236,7 @@ def test_a_state_dict_that_raises_reaches_the_caller_with_its_type(workers):
             list(loader)
 
 
-@pytest.mark.parametrize("workers, stop", [
-    pytest.param(0, 0, marks=pytest.mark.xfail(strict=True, reason="num_workers=0: a checkpoint before any batch "
-                 "restarts from the trainer's copy as it is now, iterated since (not fixed in this review)")),
-    (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)])
+@pytest.mark.parametrize("workers, stop", [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)])
 def test_in_place_load_after_two_epochs(workers, stop):
     arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": bool(workers)}
     lengths = [3, 4] if workers else [5]

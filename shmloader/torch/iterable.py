@@ -38,7 +38,9 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   checkpoint's, which the ring may ask of it before its cursor moves, never start the
   iterator its later steps come from (IterableBatches._owes_saved). With persistent_workers (or
   num_workers=0) a new epoch's iter() continues from the end mark's state, as the copy
-  torch's persistent worker keeps would. After an epoch left by `break`, the readers' copies
+  torch's persistent worker keeps would; with num_workers=0 a checkpoint before the first
+  epoch's first batch keeps the dataset's state_dict() then (the trainer's own object,
+  iterated again before a load in place). After an epoch left by `break`, the readers' copies
   start the next epoch from states the trainer never took: a checkpoint taken before a
   reader's first batch of that epoch restarts that reader from a fresh copy (as a replay).
 - Otherwise by replay: each reader calls iter() again and skips the batches it delivered
@@ -366,6 +368,12 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             kept = self.persistent_workers or self.num_workers == 0  # The readers' copies go on.
             self._reader_states = self._next_pass_states if kept else {}
             self._ended_pass, self._next_pass_states = False, {}
+            if self.num_workers == 0 and self._adapter.stateful and 0 not in self._reader_states:
+                # The trainer iterates the dataset itself: a checkpoint before its first batch
+                # keeps the state this epoch starts from, which later epochs move on from.
+                start = self._adapter._state_before_iter()
+                if start is not None:
+                    self._reader_states[0] = [0, start]
         return super().__iter__()
 
     def _pass_batches(self):
