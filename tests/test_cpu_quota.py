@@ -7,6 +7,7 @@ a quota of one core where this host lets the test make one."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -34,6 +35,10 @@ def _quota(tmp_path: pathlib.Path, proc_cgroup: str, files: dict[str, str]):
     root = tmp_path / "cgroup"
     _tree(root, files)
     (tmp_path / "self_cgroup").write_text(proc_cgroup)
+    # The group's place is found once a process, by path: pytest gives a parametrised test's
+    # cases the same tmp_path where each passes (its retention policy removes it), so a case
+    # would read the place of the one before.
+    cpu_quota._located.cache_clear()
     return cpu_quota.cpu_quota(str(root), str(tmp_path / "self_cgroup")), root
 
 
@@ -78,6 +83,79 @@ def test_no_quota_is_none(tmp_path, files):
     assert quota is None and cpu_quota.quota_cores(quota) is None and cpu_quota.quota_used_ns(quota) is None
 
 
+@pytest.mark.parametrize("files", [
+    {"cgroup.controllers": "cpu", "cpu.max": "9" * 400 + " 1\n"},  # past 64 bits: overflowed the float share
+    {"cgroup.controllers": "cpu", "cpu.max": "1 " + "9" * 30 + "\n"},
+    {"cgroup.controllers": "cpu", "cpu.max": "0 100000\n"},  # a zero quota: the kernel refuses one
+    {"cgroup.controllers": "cpu", "cpu.max": "100000 0\n"},
+    {"cgroup.controllers": "cpu", "cpu.max": "\u0661\u0660\u0660\u0660\u0660\u0660 100000\n"},  # not ASCII digits
+    {"cpu/cpu.cfs_quota_us": "9" * 400, "cpu/cpu.cfs_period_us": "1\n"},
+    {"cpu/cpu.cfs_quota_us": "0\n", "cpu/cpu.cfs_period_us": "100000\n"},
+], ids=["v2-huge-quota", "v2-huge-period", "v2-zero-quota", "v2-zero-period", "v2-arabic-digits", "v1-huge-quota",
+        "v1-zero-quota"])
+def test_a_value_the_kernel_would_not_write_is_no_quota_not_a_crash_or_zero_cores(tmp_path, files):
+    quota, _ = _quota(tmp_path, "1:cpu:/\n0::/\n", files)
+    assert quota is None
+
+
+def test_a_usage_counter_past_64_bits_is_unknown(tmp_path):
+    quota, _ = _quota(tmp_path, "1:cpu,cpuacct:/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "100000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/cpuacct.usage": "9" * 400 + "\n"})
+    assert quota.cores == 1.0 and cpu_quota.quota_used_ns(quota) is None
+
+
+def test_a_fifo_in_place_of_a_cgroup_file_is_not_waited_on(tmp_path):
+    """A FIFO's open() blocks until a writer comes: the loader must not wait on one (the
+    writer here only unblocks a read that would have hung, 2 s on)."""
+    import threading
+    import time
+
+    root = tmp_path / "cgroup"
+    _tree(root, {"cgroup.controllers": "cpu"})
+    os.mkfifo(root / "cpu.max")
+    (tmp_path / "self_cgroup").write_text("0::/\n")
+    cpu_quota._located.cache_clear()
+    unblock = threading.Timer(2.0, lambda: os.close(os.open(root / "cpu.max", os.O_WRONLY | os.O_NONBLOCK)))
+    unblock.start()
+    try:
+        started = time.monotonic()
+        assert cpu_quota.cpu_quota(str(root), str(tmp_path / "self_cgroup")) is None
+        assert time.monotonic() - started < 1.0
+    finally:
+        unblock.cancel()
+        unblock.join()
+
+
+def test_v1_cpu_and_cpuacct_apart_a_cpu_group_joined_alone_has_no_usage_of_another_group(tmp_path):
+    """cgexec -g cpu:lim moves a process into cpu's group alone: its cpuacct group is another
+    one, and a cpuacct group named as its cpu group (here, idle: 5 ns) is not the quota's."""
+    quota, _ = _quota(tmp_path, "2:cpuacct:/user\n1:cpu:/lim\n", {
+        "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n",
+        "cpu/lim/cpu.cfs_quota_us": "100000\n", "cpu/lim/cpu.cfs_period_us": "100000\n",
+        "cpuacct/lim/cpuacct.usage": "5\n", "cpuacct/user/cpuacct.usage": "77\n"})
+    assert quota.cores == 1.0 and cpu_quota.quota_used_ns(quota) is None
+
+
+def test_a_hybrid_hosts_v2_hierarchy_is_read_where_no_v1_one_has_cpu(tmp_path):
+    quota, _ = _quota(tmp_path, "4:memory:/a\n0::/a\n", {
+        "memory/memory.stat": "", "unified/cgroup.controllers": "cpu", "unified/a/cpu.max": "200000 100000\n",
+        "unified/a/cpu.stat": "usage_usec 9\n"})
+    assert quota.cores == 2.0 and cpu_quota.quota_used_ns(quota) == 9000
+
+
+def test_a_long_proc_self_cgroup_is_read_to_its_cpu_line(tmp_path):
+    """A v1 host's dozen hierarchies with a Kubernetes pod's systemd paths: past 4 KiB, with
+    cpu's line last (as the kernel lists hierarchy 1)."""
+    group = "/kubepods.slice/" + "p" * 200 + ".slice/cri-containerd-" + "c" * 64 + ".scope"
+    lines = "".join(f"{index}:name=h{index}:{group}\n" for index in range(16, 1, -1)) + f"1:cpu,cpuacct:{group}\n"
+    assert len(lines) > 4096
+    quota, _ = _quota(tmp_path, lines, {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        f"cpu,cpuacct{group}/cpu.cfs_quota_us": "300000\n", f"cpu,cpuacct{group}/cpu.cfs_period_us": "100000\n"})
+    assert quota is not None and quota.cores == 3.0
+
+
 def test_a_quota_bounds_the_cores_the_defaults_count(monkeypatch):
     monkeypatch.delenv(defaults.CPU_BUDGET_VARIABLE, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
@@ -108,6 +186,16 @@ def test_idle_cores_are_the_cores_idle_time_and_no_more_than_the_quota_leaves(co
     physical = cores * min(1.0, int(idle_share * total) / total)
     expected = physical if quota is None else min(physical, max(0.0, quota - used / int(seconds * 1e9)))
     assert idle_cores_between(before, after) == pytest.approx(expected, abs=1e-6)
+
+
+def test_idle_cores_are_no_more_than_the_quota_where_its_groups_time_is_unknown():
+    """A 64-core host, 60 of them idle, a quota of 4 cores whose usage cannot be read (v1's
+    cpuacct apart), or whose counter went back (a group made again): 4 at most, not 60."""
+    before = Reading(0, 0, (), 4, 0, 0, 0, 64, quota_cores=4.0, quota_used_ns=None)
+    after = Reading(10**9, 0, (), 4, 0, 60 * 10**9, 64 * 10**9, 64, quota_cores=4.0, quota_used_ns=None)
+    assert idle_cores_between(before, after) == 4.0
+    went_back = dataclasses.replace(after, cores_idle_ns=None, cores_total_ns=None, quota_used_ns=0)
+    assert idle_cores_between(dataclasses.replace(before, quota_used_ns=5 * 10**9), went_back) == 4.0
 
 
 # ---- A real group ------------------------------------------------------------------------

@@ -8,9 +8,11 @@ so that neither starts nor adds readers that only make the group wait.
 
 The quota is the smallest of those set on the process's group and the groups above it (each
 one caps what its subtree runs). Its usage counter is the group's that sets it (v2 cpu.stat's
-usage_usec; v1 cpuacct.usage, of the same path in the cpuacct hierarchy). Everything here is
-read from files the kernel writes; where one is missing or unreadable (no cgroup file system,
-another layout), there is no quota to keep to: None.
+usage_usec; v1 cpuacct.usage, of the same path in the cpuacct hierarchy, where this process
+is in the same path in both). Everything here is read from files the kernel writes, as
+foreign input: where one is missing or unreadable (no cgroup file system, another layout) or
+holds what the kernel would not write (no 64-bit number, a zero quota or period), there is
+no quota to keep to: None.
 """
 
 from __future__ import annotations
@@ -19,10 +21,23 @@ import dataclasses
 import functools
 import math
 import os
+import stat
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 _PROC_CGROUP = "/proc/self/cgroup"
 _BYTES_MAX = 4096
+# /proc/self/cgroup names a group per hierarchy: a v1 host's dozen lines of a Kubernetes
+# pod's systemd paths (200 characters each) come near _BYTES_MAX, and a line cut short
+# names a group that is not there (read as "no quota").
+_PROC_CGROUP_BYTES_MAX = 1 << 16
+# Groups looked at, the process's own and those above it (cgroup trees are shallow; a
+# bound on the files read at each reading, as page_cache.py's).
+_CGROUP_DEPTH_MAX = 16
+# A group path of more parts than this is not walked (each part is a stat at each reading).
+_CGROUP_PARTS_MAX = 64
+# The kernel's quota, period and usage counters are 64-bit: a number of more digits is not
+# one the kernel wrote (and would overflow the float a share is taken in).
+_DIGITS_MAX = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +50,38 @@ class Quota:
     usage_unit_ns: int
 
 
-def _read(path: str) -> str | None:
+def _read(path: str, limit: int = _BYTES_MAX) -> str | None:
+    """A regular file's first `limit` bytes as ASCII, else None (the kernel's cgroup and proc
+    files are regular: a FIFO or device put in their place is not read, nor waited on)."""
     try:
-        with open(path, "rb") as file:
-            return file.read(_BYTES_MAX).decode("ascii", "replace")
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        return os.read(descriptor, limit).decode("ascii", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def _number(text: str) -> int | None:
+    """A counter or setting the kernel wrote: ASCII digits that fit 64 bits, else None."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= _DIGITS_MAX else None
+
+
+def _share(quota_text: str, period_text: str) -> float | None:
+    """quota / period in cores, None where either is no positive number ("max", "-1": none)."""
+    quota, period = _number(quota_text), _number(period_text)
+    return quota / period if quota and period else None
 
 
 def _groups(proc_cgroup: str) -> dict[str, str]:
     """/proc/self/cgroup as {controller: path}: "" for the v2 group (hierarchy 0)."""
     groups = {}
-    for line in (_read(proc_cgroup) or "").splitlines():
+    for line in (_read(proc_cgroup, _PROC_CGROUP_BYTES_MAX) or "").splitlines():
         hierarchy, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if hierarchy == "0" and controllers == "":
@@ -62,53 +97,68 @@ def _directories(mount: str, path: str) -> list[str]:
     container the mount's root is the container's group, whose path /proc/self/cgroup names
     from the host's root (absent under the mount), so the walk starts from what exists."""
     parts = [part for part in path.split("/") if part and part != ".."]
+    if len(parts) > _CGROUP_PARTS_MAX:
+        return []  # Not a path the kernel names: no group to read, and no walk of it.
     while parts and not os.path.isdir(os.path.join(mount, *parts)):
         parts = parts[1:]  # The host's prefix of a path seen from inside a container.
     found = []
-    while True:
+    while len(found) < _CGROUP_DEPTH_MAX:
         found.append(os.path.join(mount, *parts))
         if not parts:
-            return found
+            break
         parts = parts[:-1]
+    return found
 
 
-def _v2(root: str, path: str) -> Quota | None:
+def _v2(directories: list[str]) -> Quota | None:
     best = None
-    for directory in _directories(root, path):
+    for directory in directories:
         fields = (_read(os.path.join(directory, "cpu.max")) or "").split()
-        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit() and int(fields[1]) > 0:
-            cores = int(fields[0]) / int(fields[1])
-            if best is None or cores < best.cores:
-                best = Quota(cores, os.path.join(directory, "cpu.stat"), 1000)
+        cores = _share(*fields) if len(fields) == 2 else None
+        if cores is not None and (best is None or cores < best.cores):
+            best = Quota(cores, os.path.join(directory, "cpu.stat"), 1000)
     return best
 
 
-def _v1(root: str, groups: dict[str, str]) -> Quota | None:
+def _v1_places(root: str, groups: dict[str, str]) -> tuple[str, list[str], str | None] | None:
+    """(the cpu hierarchy's mount, the group's directories in it, the mount whose same paths
+    account its usage), or None without a cpu hierarchy this process is in. Where cpu and
+    cpuacct are hierarchies apart, a group of the same path accounts the usage only where
+    this process is in the same path in both (docker's and systemd's layout): a process
+    moved into a cpu group alone (cgexec -g cpu:...) is accounted elsewhere (None)."""
     names = [name for name in ("cpu,cpuacct", "cpuacct,cpu", "cpu") if os.path.isdir(os.path.join(root, name))]
     if not names or "cpu" not in groups:
         return None
-    mount, best = os.path.join(root, names[0]), None
-    # Where cpu and cpuacct are hierarchies apart, the usage is the cpuacct group's of the same path.
-    accounting = mount if "cpuacct" in names[0] else os.path.join(root, "cpuacct")
-    for directory in _directories(mount, groups["cpu"]):
-        quota = (_read(os.path.join(directory, "cpu.cfs_quota_us")) or "").strip()
-        period = (_read(os.path.join(directory, "cpu.cfs_period_us")) or "").strip()
-        if quota.isdigit() and period.isdigit() and int(period) > 0:  # "-1": no quota.
-            cores = int(quota) / int(period)
-            if best is None or cores < best.cores:
-                relative = os.path.relpath(directory, mount)
-                best = Quota(cores, os.path.normpath(os.path.join(accounting, relative, "cpuacct.usage")), 1)
+    mount = os.path.join(root, names[0])
+    accounting = mount if "cpuacct" in names[0] else \
+        os.path.join(root, "cpuacct") if groups.get("cpuacct") == groups["cpu"] else None
+    return mount, _directories(mount, groups["cpu"]), accounting
+
+
+def _v1(mount: str, directories: list[str], accounting: str | None) -> Quota | None:
+    best = None
+    for directory in directories:
+        cores = _share((_read(os.path.join(directory, "cpu.cfs_quota_us")) or "").strip(),
+                       (_read(os.path.join(directory, "cpu.cfs_period_us")) or "").strip())
+        if cores is not None and (best is None or cores < best.cores):
+            usage = None if accounting is None else \
+                os.path.normpath(os.path.join(accounting, os.path.relpath(directory, mount), "cpuacct.usage"))
+            best = Quota(cores, usage, 1)
     return best
 
 
 @functools.lru_cache(maxsize=4)
-def _located(root: str, proc_cgroup: str) -> tuple[str, object] | None:
-    """Where the quota is read: ("v2", path) or ("v1", groups), or None without a cgroup fs."""
+def _located(root: str, proc_cgroup: str) -> tuple[str | None, dict[str, str]] | None:
+    """Where the quota is read: (the v2 mount, groups): ROOT, or a hybrid host's ROOT/unified
+    where no v1 hierarchy has cpu; (None, groups) for v1; None without a cgroup fs."""
     groups = _groups(proc_cgroup)
     if os.path.isfile(os.path.join(root, "cgroup.controllers")) and "" in groups:
-        return "v2", groups[""]
-    if groups:
-        return "v1", groups
+        return root, groups
+    if _v1_places(root, groups) is not None:
+        return None, groups
+    unified = os.path.join(root, "unified")
+    if os.path.isfile(os.path.join(unified, "cgroup.controllers")) and "" in groups:
+        return unified, groups
     return None
 
 
@@ -119,8 +169,11 @@ def cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = _PROC_CGROUP) -> Quota
     located = _located(root, proc_cgroup)
     if located is None:
         return None
-    kind, where = located
-    return _v2(root, where) if kind == "v2" else _v1(root, where)
+    v2_mount, groups = located
+    if v2_mount is not None:
+        return _v2(_directories(v2_mount, groups[""]))
+    places = _v1_places(root, groups)
+    return None if places is None else _v1(*places)
 
 
 def quota_cores(quota: Quota | None) -> int | None:
@@ -139,4 +192,5 @@ def quota_used_ns(quota: Quota | None) -> int | None:
     else:
         value = next((line.split()[1] for line in text.splitlines()
                       if line.startswith("usage_usec ") and len(line.split()) == 2), "")
-    return int(value) * quota.usage_unit_ns if value.isdigit() else None
+    number = _number(value)
+    return None if number is None else number * quota.usage_unit_ns

@@ -425,15 +425,19 @@ def idle_cores_between(before: Reading, after: Reading) -> float | None:
     """The cores idle between two readings, of those this process may run on: what the
     cores' idle time says, and no more than a CPU quota left unused (its group's time
     against the quota's cores: a container with a CPU limit on an idle machine has only
-    its limit to give another reader)."""
+    its limit to give another reader). Where the group's time is not known for the window
+    (its counter unreadable, set or reset within it), no more than the quota's cores."""
     idle = None
     if None not in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
         total = after.cores_total_ns - before.cores_total_ns
         idle = after.cores * _share(after.cores_idle_ns - before.cores_idle_ns, total) if total > 0 else None
-    elapsed = after.at_ns - before.at_ns
-    if after.quota_cores is None or None in (before.quota_used_ns, after.quota_used_ns) or elapsed <= 0:
+    if after.quota_cores is None:
         return idle
-    left = max(0.0, after.quota_cores - (after.quota_used_ns - before.quota_used_ns) / elapsed)
+    left = after.quota_cores
+    elapsed = after.at_ns - before.at_ns
+    if None not in (before.quota_used_ns, after.quota_used_ns) and elapsed > 0 and \
+            after.quota_used_ns >= before.quota_used_ns:
+        left = max(0.0, left - (after.quota_used_ns - before.quota_used_ns) / elapsed)
     return left if idle is None else min(idle, left)
 
 
