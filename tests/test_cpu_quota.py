@@ -188,6 +188,22 @@ def test_idle_cores_are_the_cores_idle_time_and_no_more_than_the_quota_leaves(co
     assert idle_cores_between(before, after) == pytest.approx(expected, abs=1e-6)
 
 
+def test_where_the_groups_time_is_unknown_a_throttled_window_has_no_idle_core(tmp_path):
+    quota, _ = _quota(tmp_path, "2:cpuacct:/\n1:cpu:/lim\n", {
+        "cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n", "cpu/lim/cpu.cfs_quota_us": "100000\n",
+        "cpu/lim/cpu.cfs_period_us": "100000\n", "cpu/lim/cpu.stat": "nr_periods 40\nnr_throttled 12\n",
+        "cpuacct/lim/cpuacct.usage": "5\n"})
+    assert quota.cores == 1.0 and cpu_quota.quota_used_ns(quota) is None  # Accounted in cpuacct's "/".
+    assert cpu_quota.quota_throttled(quota) == 12
+    before = Reading(0, 0, (), 4, 0, 0, 0, 2, quota_cores=1.0, quota_throttled=12)
+    after = Reading(10**9, 0, (), 4, 0, 10**9, 2 * 10**9, 2, quota_cores=1.0, quota_throttled=15)
+    assert idle_cores_between(before, after) == 0.0
+    assert idle_cores_between(before, dataclasses.replace(after, quota_throttled=12)) == 1.0  # The host's, capped.
+    v2, _ = _quota(tmp_path / "v2", "0::/a\n", {"cgroup.controllers": "cpu", "a/cpu.max": "50000 100000\n",
+                                                 "a/cpu.stat": "usage_usec 4\nnr_periods 9\nnr_throttled 3\n"})
+    assert cpu_quota.quota_throttled(v2) == 3
+
+
 def test_idle_cores_are_no_more_than_the_quota_where_its_groups_time_is_unknown():
     """A 64-core host, 60 of them idle, a quota of 4 cores whose usage cannot be read (v1's
     cpuacct apart), or whose counter went back (a group made again): 4 at most, not 60."""
@@ -205,17 +221,20 @@ _CPUACCT_ROOT = pathlib.Path("/sys/fs/cgroup/cpuacct")
 
 
 @contextlib.contextmanager
-def _one_core_group():
-    """A v1 cpu group with a quota of one core (and a cpuacct group of the same path where
-    that hierarchy is apart, for its usage): the cgroup.procs files to join. Removed at the
-    end; skips where the host cannot make one (v2 alone, a read-only /sys, not root)."""
+def _one_core_group(accounted: bool = True):
+    """A v1 cpu group with a quota of one core (and, where `accounted`, a cpuacct group of the
+    same path where that hierarchy is apart, for its usage): the cgroup.procs files to join.
+    Removed at the end; skips where the host cannot make one (v2 alone, a read-only /sys,
+    not root)."""
     from test_bottleneck import _remove_group
 
     if not (_CPU_ROOT / "cpu.cfs_quota_us").exists():
         pytest.skip(f"no cgroup v1 cpu controller at {_CPU_ROOT}: no group to test in")
     name = f"shmloader-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    roots = [_CPU_ROOT] if not _CPUACCT_ROOT.exists() or _CPUACCT_ROOT.resolve() == _CPU_ROOT.resolve() else \
-        [_CPU_ROOT, _CPUACCT_ROOT]
+    apart = _CPUACCT_ROOT.exists() and _CPUACCT_ROOT.resolve() != _CPU_ROOT.resolve()
+    if not accounted and not apart:
+        pytest.skip("cpu and cpuacct are one hierarchy here: a cpu group is always accounted")
+    roots = [_CPU_ROOT, _CPUACCT_ROOT] if apart and accounted else [_CPU_ROOT]
     made = []
     try:
         for root in roots:
@@ -235,16 +254,19 @@ def _one_core_group():
             _remove_group(group)
 
 
-def test_under_a_one_core_quota_auto_starts_one_reader_and_adds_none_on_the_idle_core(tmp_path):
+@pytest.mark.parametrize("accounted", [True, False])
+def test_under_a_one_core_quota_auto_starts_one_reader_and_adds_none_on_the_idle_core(tmp_path, accounted):
     """A trainer that takes batches as fast as they come, in a group with one core's quota on
     a host of two or more: the defaults count one core (one reader), and the idle cores the
     tuner sees are what the quota leaves, about none, not the host's idle core, so auto adds
-    no reader that would only make the group wait (before: two readers from the start)."""
+    no reader that would only make the group wait (before: two readers from the start).
+    Not `accounted` (a process in a cpu group alone, its CPU time unknown): the periods the
+    group was throttled say it (before: 1.0 core idle, and a second reader tried)."""
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: a quota of one core changes nothing to see")
     path = tmp_path / "rows.npy"
     np.save(path, np.random.default_rng(5).integers(0, 256, size=(16384, 1024), dtype=np.uint8))
-    with _one_core_group() as procs:
+    with _one_core_group(accounted) as procs:
         child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("cpu_quota_child.py")),
                                   ",".join(map(str, procs)), str(path), "5"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=child_environment())

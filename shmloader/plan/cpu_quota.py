@@ -43,11 +43,13 @@ _DIGITS_MAX = 20
 @dataclasses.dataclass(frozen=True)
 class Quota:
     """A CPU quota: `cores` (quota / period, fractional), `usage_path` the file of the group's
-    cumulative CPU time that sets it, `usage_unit_ns` its unit (1000 for v2's microseconds)."""
+    cumulative CPU time that sets it, `usage_unit_ns` its unit (1000 for v2's microseconds),
+    `stat_path` that group's cpu.stat (nr_throttled: the periods it ran out of its quota)."""
 
     cores: float
     usage_path: str | None
     usage_unit_ns: int
+    stat_path: str | None = None
 
 
 def _read(path: str, limit: int = _BYTES_MAX) -> str | None:
@@ -116,7 +118,7 @@ def _v2(directories: list[str]) -> Quota | None:
         fields = (_read(os.path.join(directory, "cpu.max")) or "").split()
         cores = _share(*fields) if len(fields) == 2 else None
         if cores is not None and (best is None or cores < best.cores):
-            best = Quota(cores, os.path.join(directory, "cpu.stat"), 1000)
+            best = Quota(cores, os.path.join(directory, "cpu.stat"), 1000, os.path.join(directory, "cpu.stat"))
     return best
 
 
@@ -143,7 +145,7 @@ def _v1(mount: str, directories: list[str], accounting: str | None) -> Quota | N
         if cores is not None and (best is None or cores < best.cores):
             usage = None if accounting is None else \
                 os.path.normpath(os.path.join(accounting, os.path.relpath(directory, mount), "cpuacct.usage"))
-            best = Quota(cores, usage, 1)
+            best = Quota(cores, usage, 1, os.path.join(directory, "cpu.stat"))
     return best
 
 
@@ -194,3 +196,16 @@ def quota_used_ns(quota: Quota | None) -> int | None:
                       if line.startswith("usage_usec ") and len(line.split()) == 2), "")
     number = _number(value)
     return None if number is None else number * quota.usage_unit_ns
+
+
+def quota_throttled(quota: Quota | None) -> int | None:
+    """The periods the quota's group ran out of its quota (cpu.stat's nr_throttled, v1 and v2),
+    cumulative; None where unreadable. Where the group's CPU time cannot be read (v1 with cpu
+    and cpuacct apart and this process in other groups of each), a rise says the group had
+    no CPU left in the window."""
+    if quota is None or quota.stat_path is None:
+        return None
+    text = _read(quota.stat_path) or ""
+    value = next((line.split()[1] for line in text.splitlines()
+                  if line.startswith("nr_throttled ") and len(line.split()) == 2), "")
+    return _number(value)

@@ -31,7 +31,7 @@ import os
 import time
 
 from ..errors import SharedMemoryError
-from ..plan.cpu_quota import cpu_quota, quota_used_ns
+from ..plan.cpu_quota import cpu_quota, quota_throttled, quota_used_ns
 from ..remote.pages import CACHE_PAGE_BYTES
 from ..ring.layout import SlotState
 from .disk_device import DiskCounters, DiskRates, disk_advice, disk_counters, disk_window, rotational
@@ -100,6 +100,7 @@ class Reading:
     memory: MemoryCounters | None = None  # the local readers' memory group's (page_cache.py)
     quota_cores: float | None = None  # the CPU quota of this process's group (plan/cpu_quota.py)
     quota_used_ns: int | None = None  # that group's CPU time, cumulative
+    quota_throttled: int | None = None  # the periods that group ran out of its quota, cumulative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +177,7 @@ def ring_reading(ring, local_readers: int, node_cache=None, processes: bool = Tr
     return Reading(time.monotonic_ns(), ring.waited_ns(), tuple(readers), layout.slot_count, held, idle_ns,
                    total_ns, cores, evicted, disk_counters(disks, local[0] if local else 0) if processes else (),
                    memory_counters(local[0]) if processes and local else None,
-                   None if quota is None else quota.cores, quota_used_ns(quota))
+                   None if quota is None else quota.cores, quota_used_ns(quota), quota_throttled(quota))
 
 
 def plan_context(plan, dataset: bool, local_readers: int, auto_most: int | None = None) -> Context:
@@ -426,7 +427,8 @@ def idle_cores_between(before: Reading, after: Reading) -> float | None:
     cores' idle time says, and no more than a CPU quota left unused (its group's time
     against the quota's cores: a container with a CPU limit on an idle machine has only
     its limit to give another reader). Where the group's time is not known for the window
-    (its counter unreadable, set or reset within it), no more than the quota's cores."""
+    (its counter unreadable, set or reset within it), none where the group ran out of its
+    quota in the window (throttled), else no more than the quota's cores."""
     idle = None
     if None not in (before.cores_idle_ns, before.cores_total_ns, after.cores_idle_ns, after.cores_total_ns):
         total = after.cores_total_ns - before.cores_total_ns
@@ -438,6 +440,8 @@ def idle_cores_between(before: Reading, after: Reading) -> float | None:
     if None not in (before.quota_used_ns, after.quota_used_ns) and elapsed > 0 and \
             after.quota_used_ns >= before.quota_used_ns:
         left = max(0.0, left - (after.quota_used_ns - before.quota_used_ns) / elapsed)
+    elif None not in (before.quota_throttled, after.quota_throttled) and after.quota_throttled > before.quota_throttled:
+        left = 0.0
     return left if idle is None else min(idle, left)
 
 

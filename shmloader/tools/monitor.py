@@ -45,7 +45,7 @@ import time
 from .._native import ffi
 from ..errors import SharedMemoryError
 from ..ring import backing
-from ..plan.cpu_quota import cpu_quota, quota_used_ns
+from ..plan.cpu_quota import cpu_quota, quota_throttled, quota_used_ns
 from ..plan.options import BATCH_SIZE_MAX, READER_RECORDS_MAX, SLOTS_MAX, SLOTS_MIN
 from ..ring.layout import (
     HEADER_BYTES,
@@ -269,7 +269,7 @@ def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list
     return Reading(at_ns, waited_ns, counters, len(states), held, idle_ns, total_ns, cores, evicted,
                    disk_counters(disks_of_reader(local[0]), local[0]) if local else (),
                    memory_counters(local[0]) if local else None, None if quota is None else quota.cores,
-                   quota_used_ns(quota))
+                   quota_used_ns(quota), quota_throttled(quota))
 
 
 def _share(part_ns: int, elapsed_ns: int) -> float:
