@@ -109,7 +109,7 @@ def test_old_two_element_checkpoint_entries_load(workers):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_non_persistent_checkpoint_in_second_epoch(workers):
     arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": False}
-    lengths = [3, 4] if workers else [5]
+    lengths = [2, 3] if workers else [5]
     with DataLoader(Counting(lengths), **arguments) as loader:
         whole_run = epochs_of(loader, 3)
     for stop in range(len(whole_run[1])):
@@ -126,7 +126,7 @@ def test_non_persistent_checkpoint_in_second_epoch(workers):
 
 def test_break_then_new_epoch_then_checkpoint():
     arguments = {"batch_size": 1, "num_workers": 2, "persistent_workers": True}
-    lengths = [4, 4]
+    lengths = [3, 3]
     with DataLoader(Counting(lengths), **arguments) as loader:
         for index, _ in enumerate(loader):
             if index == 2:
@@ -177,7 +177,7 @@ def test_slot_growth_in_a_stateful_second_epoch(workers, persistent, collate_fn)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_from_every_batch_under_other_batching(workers, arguments):
     arguments = {**arguments, "num_workers": workers, "persistent_workers": bool(workers)}
-    lengths = [3, 5] if workers else [5]
+    lengths = [2, 3] if workers else [4]
     with DataLoader(Counting(lengths), **arguments) as loader:
         whole_run = epochs_of(loader, 2)
     with warnings.catch_warnings():
