@@ -96,6 +96,7 @@ def rank_child(dataset_type, argv: list[str]) -> None:
                   "trainer_ms": 1e3 * cpu / max(1, batches), "readers": after["reader_count"],
                   "least": after.get("readers_least", after["reader_count"]), "slots": loader.slots,
                   "change": after["reader_change"], "decision": last_decision(loader),
+                  "trial": after.get("reader_trial"),
                   "budget": (after["node_budget"] or {}).get("budget"), "earned": after.get("readers_earned", 0),
                   **_window(before, after, elapsed)}
     with open(os.path.join(arguments.out, f"rank-{rank}.json"), "w") as handle:
@@ -187,6 +188,10 @@ def measure_ranks(script: str, arguments, notes: list[str]) -> list[list]:
                 total = sum(rank["rows"] / rank["seconds"] for rank in ranks)
                 print(f"torchrun {world} ranks round {round_index}: readers {name}: {total:,.0f} rows/s: "
                       f"{_describe(ranks)}", flush=True)
+                if name == "auto":  # What auto did in this round (the notes keep the last round's only).
+                    for rank in ranks:
+                        print(f"  rank {rank['rank']}: last change {rank['change']}; last trial: {rank.get('trial')}",
+                              flush=True)
         rows += _world_rows(world, runs, notes)
     return rows
 
