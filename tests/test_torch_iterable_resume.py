@@ -3,7 +3,7 @@ and torch's DataLoader where resume or a restart of the readers could drift: a d
 state_dict() exists only once iter() was called, a slot grown in a persistent copy's later
 epoch, old checkpoints' two-element reader entries, persistent_workers=False, a break then
 a checkpoint in the next epoch, batch_size=None and drop_last, int keys in a state, a
-state_dict() that raises, an in-place load; a killed persistent worker (known: xfail)."""
+state_dict() that raises, an in-place load, a worker killed and replaced."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ from test_torch_iterable import Counting, assert_epochs, epochs_of  # noqa: E402
 
 
 class KillingCounting(Counting):
-    """Counting whose worker 1 is SIGKILLed once at its position 3 of its copy's 2nd iteration."""
+    """Counting whose worker 1 is SIGKILLed once at its position 3 of its copy's `iteration`th
+    iteration (2: a persistent copy's second epoch)."""
 
-    def __init__(self, lengths, kills):
+    def __init__(self, lengths, kills, iteration=2):
         super().__init__(lengths)
-        self.kills = kills
+        self.kills, self.iteration = kills, iteration
 
     def __iter__(self):
         for sample in super().__iter__():
-            if sample[0] == 1 and sample[1] == 3 and sample[2] == 2:
+            if sample[0] == 1 and sample[1] == 3 and sample[2] == self.iteration:
                 with open(self.kills, "r+") as file:
                     left = int(file.read())
                     if left > 0:
@@ -43,17 +44,20 @@ class KillingCounting(Counting):
             yield sample
 
 
-@pytest.mark.xfail(strict=True, reason="a replaced reader starts from the trainer's fork: a fresh copy, not the "
-                   "states the trainer took in this pass (not fixed in this review)")
-def test_killed_persistent_stateful_worker_in_second_epoch(tmp_path):
-    arguments = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
+@pytest.mark.parametrize("context, iteration", [("fork", 1), ("fork", 2), ("spawn", 2)])
+def test_killed_persistent_stateful_worker_goes_on_from_the_states_taken(tmp_path, context, iteration):
+    """A worker SIGKILLed mid-epoch is replaced, and its replacement goes on from the state
+    the trainer took last of it (the trainer publishes them: IterableDataLoader._publish), also
+    in a persistent copy's second epoch, which a fresh copy's replay would not give (before:
+    its batches of the first epoch again)."""
+    arguments = {"batch_size": 2, "num_workers": 2, "persistent_workers": True, "multiprocessing_context": context}
     with DataLoader(Counting([3, 7]), **arguments) as loader:
         whole_run = epochs_of(loader, 2)
     kills = tmp_path / "kills"
     kills.write_text("1\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with DataLoader(KillingCounting([3, 7], str(kills)), **arguments) as loader:
+        with DataLoader(KillingCounting([3, 7], str(kills), iteration), **arguments) as loader:
             found = epochs_of(loader, 2)
     assert kills.read_text().strip() == "0"
     assert_epochs(whole_run, found)

@@ -148,6 +148,9 @@ class ReaderPool:
     def __init__(self, count: int, max_restarts: int, remote=None) -> None:
         self.max_restarts = max_restarts
         self.restarts = 0
+        # Called with a reader's index before its replacement starts (the drop-in's Stateful
+        # IterableDataset publishes the states it took, from which the replacement goes on).
+        self.before_replace = None
         # The budget counts per reader: losing every reader at once (an OOM kill of the
         # group) costs each one restart, not the whole budget.
         self._restarts_by_reader = [0] * count
@@ -372,6 +375,8 @@ class ReaderPool:
                 old.stdin.close()
             except OSError:  # Its reader is gone: what the buffer held goes with it.
                 pass
+        if self.before_replace is not None:
+            self.before_replace(reader_index)
         self.processes[reader_index] = process = self._spawn()
         self._send_config(process, reader_index)
         return process

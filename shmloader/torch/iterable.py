@@ -49,10 +49,12 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   same order (the same files, a seed of its own); a dataset that draws from an unseeded
   source, or changes as it is iterated (a persistent copy's second epoch), continues with
   other samples.
-A reader that dies is replaced and replays the same way (a Stateful dataset's from a fresh
-copy: inexact for a persistent copy's later epoch); when a collate_fn's batch outgrows its
-room in the slot (the slot grows, as for a map-style dataset: collation.py; outputs= gives
-the room up front) the readers start again as after load_state_dict.
+A reader that dies is replaced and replays the same way; a Stateful dataset's replacement
+goes on from the states the trainer took, which the trainer publishes to it (a memfd it
+swaps whole, read as the pickled dataset is: IterableDataLoader._publish), so a persistent
+copy's later epoch stays exact. When a collate_fn's batch outgrows its room in the slot (the
+slot grows, as for a map-style dataset: collation.py; outputs= gives the room up front) the
+readers start again as after load_state_dict.
 
 Unlike torch's, the trainer iterates a copy of the dataset for its first two batches (of
 reader 0's shard, as reader 0 sees get_worker_info(); of the next reader's where that is
@@ -66,6 +68,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import pickle
+import weakref
 
 from ..plan.collated import BESIDE, Collated
 from .dataloader import DataLoader
@@ -97,6 +102,9 @@ class IterableBatches(Collated):
             callable(getattr(dataset, "load_state_dict", None))
         # {"pass_seed": int, "readers": {reader: its checkpoint_entry()}}
         self.resume = None
+        # (trainer pid, fd) of the trainer's latest `resume` (IterableDataLoader._publish): a
+        # reader started after this view was forked or pickled (a replaced one) reads it.
+        self.resume_source: tuple[int, int] | None = None
         self._iterator = self._pass_seed = self._next_step = self._last = None
         self._ended, self._rows, self._from_saved = False, 0, False
         # A Stateful dataset's (pass seed, _state_before_iter()): a restart in the pass (a
@@ -189,6 +197,7 @@ class IterableBatches(Collated):
         pass's first started from (_pass_start)."""
         reader = step % self.readers
         self._pass_seed, self._next_step, self._ended, self._ahead = pass_seed, reader, False, {}
+        self._read_published()
         saved = self._saved(step, pass_seed)
         self._from_saved = saved is not None and step >= saved[0]
         if self._from_saved:
@@ -205,6 +214,24 @@ class IterableBatches(Collated):
             elif self._pass_start[1] is not None:
                 self.dataset.load_state_dict(copy.deepcopy(self._pass_start[1]))
         self._iterator = iter(self.dataset)
+
+    def _read_published(self) -> None:
+        """`resume` as the trainer published it last (resume_source), in a reader: a reader
+        replaced mid-pass goes on from the states the trainer took, not from the copy it was
+        forked or pickled with (a persistent copy's later epoch would start afresh). The file
+        is swapped whole (IterableDataLoader._publish); an empty one publishes nothing."""
+        if self.resume_source is None or os.getpid() == self.resume_source[0]:
+            return
+        path = f"/proc/{self.resume_source[0]}/fd/{self.resume_source[1]}"
+        try:
+            if not os.readlink(path).startswith("/memfd:shmloader-resume"):
+                return  # Not the trainer's (it closed it, and the number was reused).
+            with open(path, "rb") as file:
+                data = file.read()
+        except OSError:
+            return  # The trainer is gone, or closed it: its readers are ending.
+        if data:
+            self.resume = pickle.loads(data)  # The trainer's, as the pickled dataset is (spawn path).
 
     def _state_before_iter(self):
         """The dataset's state_dict() before this pass's first iter(), copied, or None where it
@@ -337,6 +364,12 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                              f"get_worker_info()), as under torch's DataLoader")
         self._adapter = IterableBatches(dataset, reference.collate_fn, reference.batch_size, reference.drop_last,
                                         num_workers)
+        self._published = None  # The memfd of the adapter's resume_source (_publish).
+        if self._adapter.stateful and num_workers:
+            self._published = os.memfd_create("shmloader-resume", os.MFD_CLOEXEC)
+            self._adapter.resume_source = (os.getpid(), self._published)
+            # Closed once: by close(), or with the loader where it is collected unclosed.
+            self._unpublish = weakref.finalize(self, os.close, self._published)
         self._ended_pass = False  # Whether the current epoch's pass saw every reader exhausted.
         # A Stateful dataset's: each reader's [next step, state after its last batch taken
         # (None once it ended)] in this pass, by reader (IterableBatches.resume); and the
@@ -352,9 +385,42 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
 
     def _make_loader(self):
-        """The inner loader over IterableBatches: a step a batch, in sequence."""
+        """The inner loader over IterableBatches: a step a batch, in sequence; a Stateful
+        dataset's reader replaced mid-pass first gets the states taken (_before_replace)."""
         self._build.update(dataset=self._adapter, batch_size=1, drop_last=False, audit_log=None)
-        return super()._make_loader()
+        loader = super()._make_loader()
+        if self._published is not None:
+            loader._session.pool.before_replace = self._before_replace
+        return loader
+
+    def _before_replace(self, reader: int) -> None:
+        """Publishes the states the trainer took in this pass (and, for readers with none
+        taken, what the adapter resumes from) for the replacement of `reader`."""
+        resume = self._adapter.resume
+        seed = self._epoch_seed(self._epoch)
+        readers = dict(resume["readers"]) if resume is not None and resume["pass_seed"] == seed else {}
+        readers.update(self._reader_states)
+        self._publish({"pass_seed": seed, "readers": readers})
+
+    def _publish(self, resume: dict | None) -> None:
+        """Swaps the published resume (IterableBatches._read_published) whole: written to a
+        new memfd, then put in place of the old at the same descriptor (dup2), so that a reader
+        opening it reads one or the other; None publishes nothing. A state that cannot be
+        pickled publishes nothing: the replacement replays, as it did before."""
+        if self._published is None:
+            return
+        try:
+            data = b"" if resume is None else pickle.dumps(resume, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            data = b""
+        fresh = os.memfd_create("shmloader-resume", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fresh, view):]
+            os.dup2(fresh, self._published, inheritable=False)
+        finally:
+            os.close(fresh)
 
     def __len__(self) -> int:
         """As torch's: from len(dataset) where the dataset has one (TypeError otherwise)."""
@@ -406,6 +472,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         if outputs is not None and self._adapter.stateful and self.num_workers:
             self._adapter.resume = {"pass_seed": self._epoch_seed(self._epoch),
                                     "readers": {reader: list(entry) for reader, entry in self._reader_states.items()}}
+            self._publish(self._adapter.resume)  # Not an older replacement's, which the new readers would read.
         return outputs
 
     def state_dict(self) -> dict:
@@ -448,7 +515,14 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             # batches of this pass's steps before the checkpoint's.
             self._adapter.forget()
             self._adapter.resume = resume
+            self._publish(resume)  # Not an older replacement's, which the new readers would read.
             self._regrow(self._build["outputs"])
+
+    def close(self) -> None:
+        super().close()
+        if self._published is not None:
+            self._published = None
+            self._unpublish()
 
     def _checked_states(self, state: dict, key: str) -> dict[int, list]:
         """The checkpoint's `key`: reader -> [its next step, its state_dict() or None (ended),
