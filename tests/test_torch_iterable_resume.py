@@ -7,6 +7,7 @@ state_dict() that raises, an in-place load, a worker killed and replaced."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import warnings
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.timeout(120, method="signal"), pytest.mark.usefixtures
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
-from conftest import torch_queue_threads_ended  # noqa: E402
+from conftest import process_alive, torch_queue_threads_ended, wait_until  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 from test_torch_iterable import Counting, assert_epochs, epochs_of  # noqa: E402
 
@@ -62,6 +63,33 @@ def test_killed_persistent_stateful_worker_goes_on_from_the_states_taken(tmp_pat
     assert kills.read_text().strip() == "0"
     assert_epochs(whole_run, found)
 
+
+
+def _resume_memfds() -> int:
+    """The trainer's published-resume descriptors (IterableDataLoader._publish) open now."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{name}").startswith("/memfd:shmloader-resume")
+        except OSError:  # The listing's own descriptor, closed already.
+            pass
+    return count
+
+
+def test_an_unclosed_stateful_loader_with_workers_is_collected():
+    """A loader dropped unclosed ends its readers and closes its descriptors once collected,
+    as a non-Stateful one does. Before: the pool's before_replace held the loader itself,
+    and the session's finalizer (a global registry) holds the pool, so the loader, its
+    readers and its memfd lived until the process ended."""
+    before = _resume_memfds()
+    loader = DataLoader(Counting([3, 4]), batch_size=2, num_workers=2)
+    assert len(list(loader)) == 4
+    pids = list(loader._loader.diagnostics.reader_pids)
+    assert pids and all(process_alive(pid) for pid in pids)
+    del loader
+    gc.collect()
+    assert wait_until(lambda: not any(process_alive(pid) for pid in pids), timeout=10), pids
+    assert _resume_memfds() == before
 
 class LazyState(IterableDataset):
     """A Stateful dataset whose state exists once iter() was called (its attributes are set there)."""

@@ -328,6 +328,20 @@ def _in_the_slot(outputs: dict | None) -> dict | None:
             for name, room in outputs.items()}
 
 
+def _weakly(method):
+    """`method` called through a weak reference to its object: the pool keeps it, and the
+    session's finalizer (a global registry) keeps the pool, so a strong one would keep an
+    unclosed loader, its readers and its ring alive until the process ends (session.py:
+    nothing the cursor refers to refers back to the loader)."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*arguments) -> None:
+        bound = reference()
+        if bound is not None:  # A loader collected has no states to publish.
+            bound(*arguments)
+    return call
+
+
 class IterableDataLoader(DataLoader, takes_iterable=True):
     """shmloader.torch.DataLoader given an IterableDataset (see the module)."""
 
@@ -390,7 +404,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         self._build.update(dataset=self._adapter, batch_size=1, drop_last=False, audit_log=None)
         loader = super()._make_loader()
         if self._published is not None:
-            loader._session.pool.before_replace = self._before_replace
+            loader._session.pool.before_replace = _weakly(self._before_replace)
         return loader
 
     def _before_replace(self, reader: int) -> None:
