@@ -91,6 +91,28 @@ def test_an_unclosed_stateful_loader_with_workers_is_collected():
     assert wait_until(lambda: not any(process_alive(pid) for pid in pids), timeout=10), pids
     assert _resume_memfds() == before
 
+
+def test_a_checkpoint_at_an_epochs_end_leaves_no_older_states_published(tmp_path):
+    """After a replacement published epoch 2's states, loading a checkpoint taken at epoch 1's
+    end (readers not kept) publishes nothing: the next epoch's readers start afresh, not from
+    states of a run the checkpoint is not (before: the replacement's stayed published, and
+    the adapter's resume too)."""
+    kills = tmp_path / "kills"
+    kills.write_text("1\n")
+    arguments = {"batch_size": 2, "num_workers": 2, "persistent_workers": False}
+    with DataLoader(Counting([3, 7]), **arguments) as loader:
+        list(loader)
+        state = loader.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with DataLoader(KillingCounting([3, 7], str(kills), 1), **arguments) as loader:
+            list(loader)
+            assert kills.read_text().strip() == "0"
+            assert os.fstat(loader._published).st_size > 0  # The replacement's states.
+            loader.load_state_dict(state)
+            assert os.fstat(loader._published).st_size == 0 and loader._adapter.resume is None
+
+
 class LazyState(IterableDataset):
     """A Stateful dataset whose state exists once iter() was called (its attributes are set there)."""
 

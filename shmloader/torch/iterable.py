@@ -70,6 +70,7 @@ import copy
 import math
 import os
 import pickle
+import stat
 import weakref
 
 from ..plan.collated import BESIDE, Collated
@@ -223,13 +224,20 @@ class IterableBatches(Collated):
         if self.resume_source is None or os.getpid() == self.resume_source[0]:
             return
         path = f"/proc/{self.resume_source[0]}/fd/{self.resume_source[1]}"
-        try:
-            if not os.readlink(path).startswith("/memfd:shmloader-resume"):
-                return  # Not the trainer's (it closed it, and the number was reused).
-            with open(path, "rb") as file:
-                data = file.read()
+        try:  # Non-blocking, and only a regular file: the number may be reused once the trainer closed it.
+            descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return  # The trainer is gone, or closed it: its readers are ending.
+        try:
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode) or \
+                    not os.readlink(f"/proc/self/fd/{descriptor}").startswith("/memfd:shmloader-resume"):
+                return  # Not the trainer's (it closed it, and the number was reused).
+            with os.fdopen(descriptor, "rb", closefd=False) as file:
+                data = file.read()
+        except OSError:
+            return
+        finally:
+            os.close(descriptor)
         if data:
             self.resume = pickle.loads(data)  # The trainer's, as the pickled dataset is (spawn path).
 
@@ -523,13 +531,15 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                 (self._reader_states, self._epoch)
             if states and (not self._ended_pass or kept):
                 resume = {"pass_seed": self._epoch_seed(epoch), "readers": states}
+        if self._adapter.stateful:  # Not an older resume or replacement's, which readers would read.
+            self._adapter.resume = resume
+            self._publish(resume)
         if resume is not None or not self._ended_pass:
             # Readers started afresh, whose first step of the pass starts their iterators (from
             # `resume`, or replaying: IterableBatches.batch_of); those running may have made
             # batches of this pass's steps before the checkpoint's.
             self._adapter.forget()
             self._adapter.resume = resume
-            self._publish(resume)  # Not an older replacement's, which the new readers would read.
             self._regrow(self._build["outputs"])
 
     def close(self) -> None:
