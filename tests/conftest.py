@@ -67,6 +67,19 @@ def torch_only_where_the_test_uses_it(request, monkeypatch):
         monkeypatch.setattr(dataset, "sys", SysWithoutTorch())
 
 
+def kill_this_process_while_kills_left(kills: str) -> None:
+    """SIGKILLs the calling process (a reader) where the count in file `kills` is above 0,
+    taking one from it first: a test's dataset dies that many times in all, whichever
+    process runs it (a replacement reads the count its predecessor left)."""
+    with open(kills, "r+") as file:
+        left = int(file.read())
+        if left > 0:
+            file.seek(0)
+            file.write(f"{left - 1}\n")
+            file.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def child_environment() -> dict:
     """os.environ for a child Python that must import the shmloader this test imported: the
     checkout where it is built in place (pip install -e), the installed copy where the

@@ -10,7 +10,6 @@ import collections
 import copy
 import os
 import pathlib
-import signal
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import dataset_fixtures as fixtures  # noqa: E402
-from conftest import wait_until  # noqa: E402
+from conftest import kill_this_process_while_kills_left, wait_until  # noqa: E402
 from shmloader import PackedRagged, Ragged  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
@@ -413,13 +412,7 @@ class _Faults(Dataset):
             time.sleep(abs(self.slow[index]))
             raise OSError(f"sample {index} could not be read")
         if index == self.kill:
-            with open(self.kills, "r+") as file:
-                left = int(file.read())
-                if left > 0:
-                    file.seek(0)
-                    file.write(f"{left - 1}\n")
-                    file.flush()
-                    os.kill(os.getpid(), signal.SIGKILL)
+            kill_this_process_while_kills_left(self.kills)
         return np.full((2,), index, np.int64)
 
 

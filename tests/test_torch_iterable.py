@@ -11,8 +11,6 @@ with torch's words."""
 
 from __future__ import annotations
 
-import os
-import signal
 import warnings
 
 import pytest
@@ -25,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
-from conftest import examples, torch_queue_threads_ended  # noqa: E402
+from conftest import examples, kill_this_process_while_kills_left, torch_queue_threads_ended  # noqa: E402
 from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
 
 
@@ -332,13 +330,7 @@ class Killing(Shards):
     def __iter__(self):
         for sample in super().__iter__():
             if sample["at"] == (1, 3):
-                with open(self.kills, "r+") as file:
-                    left = int(file.read())
-                    if left > 0:
-                        file.seek(0)
-                        file.write(f"{left - 1}\n")
-                        file.flush()
-                        os.kill(os.getpid(), signal.SIGKILL)
+                kill_this_process_while_kills_left(self.kills)
             yield sample
 
 
@@ -493,20 +485,25 @@ def test_a_stateful_dataset_resumes_exactly_from_every_batch_of_two_epochs(worke
     lengths = [3, 4] if workers else [5]
     with DataLoader(Counting(lengths), **arguments) as loader:
         whole_run = epochs_of(loader, 2)
-    flat = [(epoch, index) for epoch, batches in enumerate(whole_run) for index in range(len(batches))]
-    for epoch, stop in flat:
-        with DataLoader(Counting(lengths), **arguments) as loader:
-            for _ in range(epoch):
-                list(loader)
-            batches = iter(loader)
-            for _ in range(stop + 1):
-                next(batches)
-            state = loader.state_dict()
-        with DataLoader(Counting(lengths), **arguments) as resumed:
-            resumed.load_state_dict(state)
-            rest = [whole_run[epoch][stop + 1:]] + whole_run[epoch + 1:]
-            found = epochs_of(resumed, len(rest))
-        assert_epochs(rest, found)
+    assert_resumes_from_every_batch(lambda: Counting(lengths), arguments, whole_run)
+
+
+def assert_resumes_from_every_batch(make, arguments: dict, whole_run: list) -> None:
+    """A checkpoint after each batch of `whole_run` (the epochs of a loader over make() with
+    `arguments`), each loaded into a new loader: the rest of the run, exactly."""
+    for epoch, batches in enumerate(whole_run):
+        for stop in range(len(batches)):
+            with DataLoader(make(), **arguments) as loader:
+                for _ in range(epoch):
+                    list(loader)
+                iterator = iter(loader)
+                for _ in range(stop + 1):
+                    next(iterator)
+                state = loader.state_dict()
+            with DataLoader(make(), **arguments) as resumed:
+                resumed.load_state_dict(state)
+                rest = [whole_run[epoch][stop + 1:]] + whole_run[epoch + 1:]
+                assert_epochs(rest, epochs_of(resumed, len(rest)))
 
 
 def test_a_stateful_datasets_checkpoint_at_an_epochs_end_starts_the_next_from_where_each_worker_ended():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import warnings
 
 import pytest
@@ -17,11 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.timeout(120, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
-from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
 
-from conftest import process_alive, torch_queue_threads_ended, wait_until  # noqa: E402
+from conftest import kill_this_process_while_kills_left, process_alive, torch_queue_threads_ended, wait_until  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
-from test_torch_iterable import Counting, assert_epochs, epochs_of  # noqa: E402
+from test_torch_iterable import Counting, assert_epochs, assert_resumes_from_every_batch, epochs_of  # noqa: E402
 
 
 class KillingCounting(Counting):
@@ -35,13 +34,7 @@ class KillingCounting(Counting):
     def __iter__(self):
         for sample in super().__iter__():
             if sample[0] == 1 and sample[1] == 3 and sample[2] == self.iteration:
-                with open(self.kills, "r+") as file:
-                    left = int(file.read())
-                    if left > 0:
-                        file.seek(0)
-                        file.write(f"{left - 1}\n")
-                        file.flush()
-                        os.kill(os.getpid(), signal.SIGKILL)
+                kill_this_process_while_kills_left(self.kills)
             yield sample
 
 
@@ -238,19 +231,7 @@ def test_resume_from_every_batch_under_other_batching(workers, arguments):
         warnings.simplefilter("ignore")
         assert_epochs(epochs_of(TorchDataLoader(Counting(lengths), **arguments), 2), whole_run)
     torch_queue_threads_ended()
-    for epoch, batches in enumerate(whole_run):
-        for stop in range(len(batches)):
-            with DataLoader(Counting(lengths), **arguments) as loader:
-                for _ in range(epoch):
-                    list(loader)
-                iterator = iter(loader)
-                for _ in range(stop + 1):
-                    next(iterator)
-                state = loader.state_dict()
-            with DataLoader(Counting(lengths), **arguments) as resumed:
-                resumed.load_state_dict(state)
-                rest = [whole_run[epoch][stop + 1:]] + whole_run[epoch + 1:]
-                assert_epochs(rest, epochs_of(resumed, len(rest)))
+    assert_resumes_from_every_batch(lambda: Counting(lengths), arguments, whole_run)
 
 
 class KeyedState(Counting):

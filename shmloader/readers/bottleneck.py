@@ -27,7 +27,6 @@ node has an idle core for another reader.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 from ..errors import SharedMemoryError
