@@ -268,7 +268,7 @@ def test_under_a_one_core_quota_auto_starts_one_reader_and_adds_none_on_the_idle
     np.save(path, np.random.default_rng(5).integers(0, 256, size=(16384, 1024), dtype=np.uint8))
     with _one_core_group(accounted) as procs:
         child = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("cpu_quota_child.py")),
-                                  ",".join(map(str, procs)), str(path), "5"], stdout=subprocess.PIPE,
+                                  ",".join(map(str, procs)), str(path), "3.5"], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=child_environment())
         try:
             output, errors = child.communicate(timeout=90)

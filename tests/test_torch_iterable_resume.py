@@ -12,13 +12,21 @@ import os
 import warnings
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.timeout(120, method="signal"), pytest.mark.usefixtures("harness_threads_not_counted")]
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
-from conftest import kill_this_process_while_kills_left, process_alive, torch_queue_threads_ended, wait_until  # noqa: E402
+from conftest import (  # noqa: E402
+    examples,
+    kill_this_process_while_kills_left,
+    process_alive,
+    torch_queue_threads_ended,
+    wait_until,
+)
 from shmloader.torch import DataLoader  # noqa: E402
 from test_torch_iterable import Counting, assert_epochs, assert_resumes_from_every_batch, epochs_of  # noqa: E402
 
@@ -153,25 +161,30 @@ def test_old_two_element_checkpoint_entries_load(workers):
         assert_epochs([whole_run[0][1:]], epochs_of(resumed, 1))
 
 
+def drawn_stops(data, whole_run: list, epochs=None, most: int = 2) -> list[tuple[int, int]]:
+    """Up to `most` checkpoints (epoch, batch index) of `whole_run`'s epochs (or of `epochs`),
+    drawn: every stop of every batching is drawn across runs (and the long profile's 20
+    examples), at a fraction of the loaders each run."""
+    every = [(epoch, stop) for epoch, batches in enumerate(whole_run) for stop in range(len(batches))
+             if epochs is None or epoch in epochs]
+    return data.draw(st.lists(st.sampled_from(every), min_size=1, max_size=most, unique=True), "checkpoints")
+
+
+@examples(1)
+@given(data=st.data())
 @pytest.mark.parametrize("workers", [0, 2])
-def test_non_persistent_checkpoint_in_second_epoch(workers):
+def test_non_persistent_checkpoint_in_second_epoch(workers, data):
     arguments = {"batch_size": 2, "num_workers": workers, "persistent_workers": False}
     lengths = [2, 3] if workers else [5]
     with DataLoader(Counting(lengths), **arguments) as loader:
         whole_run = epochs_of(loader, 3)
-    for stop in range(len(whole_run[1])):
-        with DataLoader(Counting(lengths), **arguments) as loader:
-            list(loader)
-            batches = iter(loader)
-            for _ in range(stop + 1):
-                next(batches)
-            state = loader.state_dict()
-        with DataLoader(Counting(lengths), **arguments) as resumed:
-            resumed.load_state_dict(state)
-            assert_epochs([whole_run[1][stop + 1:], whole_run[2]], epochs_of(resumed, 2)), stop
+    assert_resumes_from_every_batch(lambda: Counting(lengths), arguments, whole_run,
+                                    drawn_stops(data, whole_run, epochs=(1,)))
 
 
-def test_break_then_new_epoch_then_checkpoint():
+@examples(1)
+@given(data=st.data())
+def test_break_then_new_epoch_then_checkpoint(data):
     arguments = {"batch_size": 1, "num_workers": 2, "persistent_workers": True}
     lengths = [3, 3]
     with DataLoader(Counting(lengths), **arguments) as loader:
@@ -180,7 +193,7 @@ def test_break_then_new_epoch_then_checkpoint():
                 break
         whole = epochs_of(loader, 2)
     # A checkpoint in the epoch after the break, once each worker gave a batch.
-    for stop in range(2, len(whole[0])):
+    for stop in data.draw(st.lists(st.integers(2, len(whole[0]) - 1), min_size=1, max_size=2, unique=True)):
         with DataLoader(Counting(lengths), **arguments) as loader:
             for index, _ in enumerate(loader):
                 if index == 2:
@@ -219,10 +232,12 @@ def test_slot_growth_in_a_stateful_second_epoch(workers, persistent, collate_fn)
     assert_epochs(expected, found)
 
 
+@examples(1)
+@given(data=st.data())
 @pytest.mark.parametrize("arguments", [{"batch_size": None}, {"batch_size": 2, "drop_last": True},
                                        {"batch_size": 3, "drop_last": False}])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_from_every_batch_under_other_batching(workers, arguments):
+def test_resume_under_other_batching(workers, arguments, data):
     arguments = {**arguments, "num_workers": workers, "persistent_workers": bool(workers)}
     lengths = [2, 3] if workers else [4]
     with DataLoader(Counting(lengths), **arguments) as loader:
@@ -231,7 +246,7 @@ def test_resume_from_every_batch_under_other_batching(workers, arguments):
         warnings.simplefilter("ignore")
         assert_epochs(epochs_of(TorchDataLoader(Counting(lengths), **arguments), 2), whole_run)
     torch_queue_threads_ended()
-    assert_resumes_from_every_batch(lambda: Counting(lengths), arguments, whole_run)
+    assert_resumes_from_every_batch(lambda: Counting(lengths), arguments, whole_run, drawn_stops(data, whole_run, most=3))
 
 
 class KeyedState(Counting):
