@@ -33,8 +33,8 @@ from .fill.filler import FillerSpec, fetch_first_steps
 from .kept import KeptBatches
 from .lifecycle import Resources, live_resources
 from .plan.fields import part_name
-from .plan.defaults import (TRAINER_SLOTS, auto_readers_most, auto_slots, default_ring_bytes, default_slots, kept_bytes_max,
-                             ring_budget_bytes, wake_after)
+from .plan.defaults import (TRAINER_SLOTS, auto_readers_most, auto_slots, default_ring_bytes, default_slots,
+                             kept_bytes_max, ring_budget_bytes, wake_after)
 from .plan.options import LoaderOptions, check_integer
 from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory

@@ -113,6 +113,9 @@ def test_the_default_ring_keeps_to_a_small_memorys_share(tmp_path, monkeypatch):
     from shmloader.plan import defaults
 
     np.save(tmp_path / "x.npy", np.zeros((64, 1 << 20), dtype=np.uint8))  # 1 MiB rows: 16 MiB batches.
+    # The rooms a ring has (/dev/shm's, memory's) large, as on any host this runs on: the limit decides.
+    monkeypatch.setattr(defaults.backing, "free_bytes", lambda path: 64 << 30)
+    monkeypatch.setattr(defaults.backing, "memory_room_bytes", lambda: 64 << 30)
     monkeypatch.setattr(defaults, "memory_limit_bytes", lambda: 512 << 20)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)

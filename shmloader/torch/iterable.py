@@ -89,8 +89,9 @@ class IterableBatches(Collated):
     ...}, or once that iterator is exhausted the end mark {"end": True, "state": ...}. A
     Stateful dataset's state is its state_dict() after the batch (with "ended": True where
     the iterator ended making it: a resume from it makes no batch), or at the end mark the
-    state a next iter() starts from; otherwise None. Both are written into the slot as a collate_fn's batch is (plan/collated.py: its
-    arrays in regions, the rest as JSON; nothing pickled). The view is pickled or forked to
+    state a next iter() starts from; otherwise None. Both are written into the slot as a
+    collate_fn's batch is (plan/collated.py: its arrays in regions, the rest as JSON;
+    nothing pickled). The view is pickled or forked to
     the readers without its iterator; `resume` (set by the trainer before it starts readers
     for a checkpoint's pass) says where each reader's iterator continues from."""
 
@@ -538,8 +539,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             # Readers started afresh, whose first step of the pass starts their iterators (from
             # `resume`, or replaying: IterableBatches.batch_of); those running may have made
             # batches of this pass's steps before the checkpoint's.
-            self._adapter.forget()
-            self._adapter.resume = resume
+            self._adapter.forget()  # Keeps `resume`, set above.
             self._regrow(self._build["outputs"])
 
     def close(self) -> None:
