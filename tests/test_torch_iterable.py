@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 
-from conftest import examples, kill_this_process_while_kills_left, torch_queue_threads_ended  # noqa: E402
+from conftest import examples, kill_this_process_while_kills_left, torch_queue_threads_ended, wait_until  # noqa: E402
 from shmloader.torch import CollateGrowthWarning, DataLoader  # noqa: E402
 
 
@@ -355,6 +355,24 @@ class Failing(IterableDataset):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_datasets_exception_reaches_the_loop_with_its_type(workers):
     with DataLoader(Failing(), batch_size=1, num_workers=workers) as loader:
+        batches = iter(loader)
+        assert next(batches).tolist() == [1]
+        with pytest.raises(KeyError, match="shard 7 is missing"):
+            list(batches)
+
+
+def test_an_error_at_a_later_step_waits_while_the_awaited_step_is_ready():
+    """Reader 0 fills step 0, then fails at its next step (2), between next()'s look at step
+    0's slot (not ready yet) and its check of the readers: the check lets next() take step 0,
+    and the error comes at step 2, as torch's (before: raised for step 0, under load, about
+    one run in a few hundred of test_the_datasets_exception_reaches_the_loop_with_its_type)."""
+    with DataLoader(Failing(), batch_size=1, num_workers=2) as loader:
+        session = loader._loader._session
+        assert wait_until(lambda: session.pool.ring.records.error(0) and session.pool.processes[0].poll() is not None,
+                          timeout=30)
+        session.pool.check(session.cursor.request, awaited=0)  # Step 0 is ready: no error yet.
+        with pytest.raises(Exception, match="shard 7 is missing"):
+            session.pool.check(session.cursor.request, awaited=2)
         batches = iter(loader)
         assert next(batches).tolist() == [1]
         with pytest.raises(KeyError, match="shard 7 is missing"):

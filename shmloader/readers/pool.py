@@ -279,12 +279,15 @@ class ReaderPool:
 
     # Supervision.
 
-    def check(self, request, settle: bool = False) -> None:
+    def check(self, request, settle: bool = False, awaited: int | None = None) -> None:
         """Raises for a reader that reported an error or died past the restart budget;
         restarts any other dead reader. Raises what stopped the remote readers' bridge.
         `request(slot, step)` is the trainer's request (the cursor's): a dead reader's slot
         goes back through it. It is an argument, not kept, so that the pool (which the
-        session's finalizer keeps) refers to no cursor."""
+        session's finalizer keeps) refers to no cursor. `awaited`: the step next() waits
+        for; an error reported at a later step waits while that step is ready, so that it
+        reaches the loop at its own step (the reader filled the awaited one, then failed on
+        its next, between next()'s look at the slot and this check)."""
         if self.remote is not None:
             self.remote.check()
         for reader_index, process in enumerate(self.processes):
@@ -297,7 +300,11 @@ class ReaderPool:
             # A reader returns EXIT_REPORTED_ERROR once its report is written; the same code
             # without one is a death like any other (a transform's os._exit(3)).
             if self.ring.records.error(reader_index):
-                raise self.reported_error(reader_index, exit_code)
+                error = self.reported_error(reader_index, exit_code)
+                if awaited is not None and error.step is not None and error.step > awaited and \
+                        self._ready_at(awaited):
+                    continue
+                raise error
             if self._restarts_by_reader[reader_index] >= self.max_restarts:
                 step = self._filling_step(reader_index)
                 where = "" if step is None else f" while filling step {step}"
@@ -317,6 +324,11 @@ class ReaderPool:
             stuck.warn_restarted(reader_index, process.pid, describe_exit(exit_code), step,
                                  self.processes[reader_index].pid, self._restarts_by_reader[reader_index],
                                  self.max_restarts)
+
+    def _ready_at(self, step: int) -> bool:
+        """Whether `step`'s slot holds it filled (READY), for next() to take."""
+        slot = step % self.ring.layout.slot_count
+        return self.ring.state(slot)[0] == SlotState.READY and self.ring.step(slot) == step
 
     def _ready(self, reader_index: int) -> bool:
         """Whether a live reader has started: it wrote its pid into its record as it began

@@ -180,7 +180,7 @@ class Supervisor(StepActions):
         """Checks the readers (restarting a dead one, raising past its budget) and warns of
         skipped records; returns how long next() has waited on this step (the episode: the
         same step, no batch delivered since)."""
-        self.pool.check(cursor.request)
+        self.pool.check(cursor.request, awaited=step)
         self.warn_if_skipped()
         episode = (step, cursor.batches)
         if episode != self._episode:
