@@ -176,10 +176,10 @@ class ElasticPool(ReaderPool):
 
     # ReaderPool's supervision, told about vacant and leaving records.
 
-    def check(self, request, settle: bool = False) -> None:
+    def check(self, request, settle: bool = False, awaited: int | None = None) -> None:
         if self.ring is not None:
             self._reap_leaving(request)
-        super().check(request, settle)
+        super().check(request, settle, awaited)
 
     def _send_config(self, process, reader_index: int) -> None:
         if not isinstance(process, _Vacant):

@@ -110,7 +110,7 @@ class SimulatedPool(ReaderPool):
         """Whether a reader thread reported an error (a dead one is restarted by check, with no budget)."""
         return bool(self.ring.records.error(reader_index))
 
-    def check(self, request) -> None:
+    def check(self, request, awaited: int | None = None) -> None:
         """Restarts a reader thread that died, as ReaderPool restarts a dead process."""
         for index, thread in enumerate(self.threads):
             if not thread.is_alive() and not self.ring.stopping:
