@@ -40,7 +40,7 @@ from .plan.passes import ENDLESS, FinitePass
 from .plan.planner import warn_poor_layouts, warn_window_memory
 from .readers.local import LocalIterator, LocalReader
 from .readers.autotune import Tuner
-from .readers.bottleneck import Meter, plan_context, ring_reading, zero_reading
+from .readers.bottleneck import Meter, header_words, plan_context, ring_reading, zero_reading
 from .readers.disk_device import disks_of_paths
 from .readers.elastic import ElasticPool
 from .readers.channel import ReaderConfig, trainer_context
@@ -202,10 +202,11 @@ class Session:
         disks = _disks(plan)
         # readers="auto": the most it adds up to, the readers its slots feed (the advice's too).
         auto_most = auto_readers_most(pool.count, pool.start_count, slots) if isinstance(pool, ElasticPool) else None
+        context = plan_context(plan, dataset_spec is not None, pool.count, auto_most)
+        ring.describe_work(*header_words(context))  # For top, which sees only the ring.
         self.meter = self.supervisor.meter = Meter(
             functools.partial(ring_reading, ring, pool.count, resources.node_cache, disks=disks),
-            plan_context(plan, dataset_spec is not None, pool.count, auto_most),
-            zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
+            context, zero_reading(time.monotonic_ns(), slots, self.layout.reader_count, disks))
         self.tuner = self.supervisor.tuner = None if auto_most is None else \
             Tuner(pool, functools.partial(ring_reading, ring, pool.count), resources.node_share, most=auto_most)
         if self.tuner is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -26,7 +27,9 @@ import numpy as np
 import pytest
 
 import dataset_fixtures as fixtures
-from conftest import child_environment, our_shm_entries, wait_until
+from conftest import child_environment, examples, our_shm_entries, wait_until
+from hypothesis import given
+from hypothesis import strategies as st
 from shmloader import ReaderStallWarning, ShmDataLoader
 from shmloader.readers import supervision
 from shmloader.readers.bottleneck import STAGES, Context, Meter, ReaderCounters, Reading, diagnose, zero_reading
@@ -613,3 +616,32 @@ def _assert_names_the_disk(verdict: dict, name: str, found: dict) -> None:
     assert 0.0 <= detail["device_busy"] <= 1.0, found
     assert 0 < detail["device_read_bytes_per_s"] <= detail["device_best_bytes_per_s"], found
     assert f"the device ({name}) was busy {detail['device_busy']:.0%} of the window" in verdict["line"], found
+
+
+@examples(60)
+@given(user_code=st.sampled_from([None, "the transform", "the dataset's __getitem__"]), compressed=st.booleans(),
+       row_bytes=st.floats(1e-3, 1e12), auto_most=st.one_of(st.none(), st.integers(1, 10_000)),
+       readers=st.integers(0, 64), batch_size=st.integers(1, 1 << 20))
+def test_the_rings_header_carries_a_context_whole(user_code, compressed, row_bytes, auto_most, readers, batch_size):
+    """What the trainer writes of its readers' work (header_words) is what top reads back
+    (context_of_header): the same Context, the row's bytes to the bit (plan_context's: a
+    dataset's rows have none)."""
+    from shmloader.readers.bottleneck import context_of_header, header_words
+
+    row_bytes = None if user_code == "the dataset's __getitem__" else row_bytes
+    context = Context(user_code, compressed, readers, batch_size, row_bytes, auto_most=auto_most)
+    assert context_of_header(*header_words(context), readers, batch_size) == context
+
+
+@examples(60)
+@given(bits=st.integers(0, (1 << 64) - 1), runs=st.integers(0, (1 << 32) - 1), auto_most=st.integers(0, (1 << 32) - 1))
+def test_a_foreign_headers_words_give_a_context_top_can_judge_with(bits, runs, auto_most):
+    """Any words a planted or damaged header holds: no error, a row's bytes positive and finite
+    or unknown (then the detail says why), and a diagnosis over them."""
+    from shmloader.readers.bottleneck import context_of_header
+
+    context = context_of_header(bits, runs, auto_most, 1, 64)
+    assert context.row_bytes is None or (math.isfinite(context.row_bytes) and context.row_bytes > 0)
+    assert context.user_code in (None, "the transform", "the dataset's __getitem__")
+    before, after = _readings([_reader(2)], waited_s=6)
+    assert diagnose(before, after, context)["stage"] in STAGES

@@ -343,35 +343,76 @@ def test_top_counts_the_evictions_of_each_ledger_a_reader_holds_once_and_no_file
     assert evicted_bytes_of([os.getpid()]) is None
 
 
-def test_top_gives_no_memory_verdict_from_a_slot_that_holds_a_transforms_outputs(tmp_path):
-    """A crop's slot holds 16 bytes of each 4 KiB row read: top, which reads the slot's size and
-    not the rows' stored bytes, would see every byte read 200 times and name the page cache's
-    memory. Over counters where the readers read each stored byte 1.2 times (a fifth of them
-    refaults: a second pass over data larger than memory), it names the disk, as diagnose()
-    does with the stored bytes the plan knows (stats()), and says why memory was not judged."""
-    from shmloader.readers.bottleneck import Context, ReaderCounters, Reading, diagnose
+def _loader_of_kind(kind: str, tmp_path):
+    """A loader whose readers run `kind`'s work: plain rows, a transform of them, compressed
+    rows, a dataset's __getitem__, or plain rows under readers="auto"."""
+    import dataset_fixtures
+    from conftest import image_like, write_b2nd
+
+    from shmloader import AutoReaders
+
+    path = str(tmp_path / "data.npy")
+    np.save(path, np.zeros((2048, 4096), np.uint8))
+    if kind == "transform":
+        return ShmDataLoader({"data": path}, batch_size=64, readers=1, transform="transform_fixtures:crops")
+    if kind == "compressed":
+        path = write_b2nd(tmp_path / "x.b2nd", image_like(4096, (256,)), chunks=(1024, 256), blocks=(128, 256),
+                          codec="ZSTD", clevel=9)
+        return ShmDataLoader({"x": path}, batch_size=64, readers=1, warn_layout=False)
+    if kind == "dataset":
+        return ShmDataLoader.from_dataset(dataset_fixtures.Sleepy(0.0), batch_size=4, readers=1)
+    if kind == "auto":
+        return ShmDataLoader({"data": path}, batch_size=64, readers=AutoReaders(start=1, most=3))
+    return ShmDataLoader({"data": path}, batch_size=64, readers=1)
+
+
+@pytest.mark.parametrize("kind", ["rows", "transform", "compressed", "dataset", "auto"])
+def test_top_reads_what_the_readers_run_as_the_loaders_own_verdict_has_it(kind, tmp_path, monkeypatch):
+    """What the counters cannot say (a transform or a dataset runs, a field is compressed, the
+    stored bytes of a row, auto's most) the trainer writes into the ring's header: the
+    Context top judges with is the one stats()["bottleneck"] judges with."""
+    from shmloader.readers.bottleneck import context_of_header
+    from shmloader.tools.monitor import sample
+
+    monkeypatch.setenv("SHMLOADER_CPU_BUDGET", "4")  # auto's most, whatever this host's cores.
+    with _loader_of_kind(kind, tmp_path) as loader:
+        next(loader)
+        found = sample(loader.diagnostics.ring_name.lstrip("/"))
+        own = loader._session.meter.context
+    assert found is not None
+    assert context_of_header(*found.work, own.local_readers, found.batch_size) == own, (found.work, own)
+    assert (own.user_code is not None) == (kind in ("transform", "dataset")) and own.compressed == (kind == "compressed")
+    assert (own.row_bytes is None) == (kind == "dataset") and (own.auto_most is not None) == (kind == "auto")
+
+
+@pytest.mark.parametrize("thrashing", [False, True])
+def test_top_judges_a_transforms_reads_by_the_rows_stored_bytes_not_the_slots(thrashing, tmp_path):
+    """A crop's slot holds 16 bytes of each 4 KiB row read: judged by the slot's bytes, every
+    byte read would look read 200 times. Over counters where the readers read each stored
+    byte 1.2 times (a fifth of it refaults: a second pass over data larger than memory) top
+    names the disk, and where they read it 3 times and half of it refaults, the page cache's
+    memory: each as the loader's own diagnosis does."""
+    from shmloader.readers.bottleneck import ReaderCounters, Reading, diagnose
     from shmloader.readers.page_cache import MemoryCounters
     from shmloader.tools.monitor import RingView, sample
 
-    np.save(tmp_path / "data.npy", np.zeros((2048, 4096), np.uint8))
-    with ShmDataLoader({"data": str(tmp_path / "data.npy")}, batch_size=64, readers=1,
-                       transform="transform_fixtures:crops") as loader:
+    with _loader_of_kind("transform", tmp_path) as loader:
         next(loader)
         name = loader.diagnostics.ring_name.lstrip("/")
         first, second = sample(name), sample(name)
+        context = loader._session.meter.context
     assert first is not None and second is not None and first.batch_size == 64
     window_ns, batches, stored = 10**10, 100, 100 * 64 * 4096
+    read, refaulted = (3 * stored, 1.5 * stored) if thrashing else (1.2 * stored, 0.24 * stored)
     before = Reading(first.at_ns, 0, (ReaderCounters(7, 0, 0, cpu_ns=0, queued_ns=0, storage_read_bytes=0),), 8, 0,
                      memory=MemoryCounters(0, 2**30, "/jobs/a"))
     after = Reading(first.at_ns + window_ns, window_ns // 2,
                     (ReaderCounters(7, 9 * 10**9, batches, read_ns=8 * 10**9, cpu_ns=10**9, queued_ns=0,
-                                    storage_read_bytes=int(1.2 * stored)),), 8, 0,
-                    memory=MemoryCounters(int(1.2 * stored), 2**30, "/jobs/a"))
+                                    storage_read_bytes=int(read)),), 8, 0,
+                    memory=MemoryCounters(int(refaulted), 2**30, "/jobs/a"))
     view = RingView(dataclasses.replace(first, reading=before))
     view.update(dataclasses.replace(second, at_ns=first.at_ns + window_ns, reading=after))
-    with_stored = diagnose(before, after, Context(local_readers=1, batch_size=64, row_bytes=4096.0))
-    assert with_stored["stage"] == "disk" and with_stored["detail"]["read_amplification"] == 1.2, with_stored
-    assert view.bottleneck["stage"] == "disk", view.bottleneck
-    assert "read_amplification" not in view.bottleneck["detail"], view.bottleneck
-    assert view.bottleneck["detail"]["page_cache"].startswith("not judged: the ring holds the bytes of a slot"), \
-        view.bottleneck
+    own = diagnose(before, after, dataclasses.replace(context, local_readers=1))
+    assert own["stage"] == ("memory" if thrashing else "disk"), own
+    assert own["detail"]["read_amplification"] == (3.0 if thrashing else 1.2), own
+    assert view.bottleneck == own, (view.bottleneck, own)

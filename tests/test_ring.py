@@ -49,7 +49,7 @@ def test_slot_states_are_the_headers():
 
 
 def test_struct_layout_is_the_documented_one():
-    assert HEADER_BYTES == 64 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 88 + 2048
+    assert HEADER_BYTES == 128 and SLOT_CONTROL_BYTES == 64 and READER_ERROR_OFFSET == 88 + 2048
     assert ffi.offsetof("shm_ring_header", "stop") == 56
     assert ffi.offsetof("shm_ring_header", "batch_size") == 32
     assert ffi.offsetof("shm_control_line", "step") == 8
@@ -58,6 +58,8 @@ def test_struct_layout_is_the_documented_one():
     # Version 6: the fills' time by stage, and next()'s waits per slot (stats()["bottleneck"], top).
     assert ffi.offsetof("shm_reader_record", "user_ns") == 64 and ffi.offsetof("shm_reader_record", "fetch_ns") == 80
     assert ffi.offsetof("shm_control_line", "waited_ns") == 32
+    # Version 8: what the readers run, for top's verdict (readers/bottleneck.header_words).
+    assert ffi.offsetof("shm_ring_header", "row_bytes_bits") == 64 and ffi.offsetof("shm_ring_header", "auto_most") == 76
 
 
 def request(ring, slot, step):

@@ -354,7 +354,7 @@ export fn shm_claim_lowest(table: [*]ring.shm_control_line, slot_count: u64, rea
 comptime {
     // The header's structs are the ring's layout: their sizes are part of the protocol.
     std.debug.assert(@sizeOf(ring.shm_control_line) == 64);
-    std.debug.assert(@sizeOf(ring.shm_ring_header) == 64);
+    std.debug.assert(@sizeOf(ring.shm_ring_header) == 128);
 }
 
 test {

@@ -27,12 +27,14 @@ node has an idle core for another reader.
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 import time
 
 from ..errors import SharedMemoryError
 from ..plan.cpu_quota import cpu_quota, quota_throttled, quota_used_ns
 from ..remote.pages import CACHE_PAGE_BYTES
-from ..ring.layout import SlotState
+from ..ring.layout import RUNS_COMPRESSED, RUNS_DATASET, RUNS_TRANSFORM, SlotState
 from .disk_device import DiskCounters, DiskRates, disk_advice, disk_counters, disk_window, rotational
 from .page_cache import MemoryCounters, memory_advice, memory_counters, memory_window
 from .proc_counters import cores_counters, process_counters
@@ -184,10 +186,37 @@ def plan_context(plan, dataset: bool, local_readers: int, auto_most: int | None 
     user_code = "the dataset's __getitem__" if dataset else "the transform" if plan.transform is not None else None
     compressed = any(getattr(part, "codec", "none") not in ("", "none") and getattr(part, "clevel", 0) > 0
                      for field in plan.fields for part in field.parts)
-    if not plan.plans:
-        return Context(user_code, compressed, local_readers, auto_most=auto_most)
-    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, stored_bytes_per_row(plan),
-                   auto_most=auto_most)
+    row_bytes = stored_bytes_per_row(plan) if plan.plans else None  # A dataset's rows are not stored.
+    return Context(user_code, compressed, local_readers, plan.sampler.batch_size, row_bytes, auto_most=auto_most)
+
+
+# Context.user_code by the ring header's `runs` bit (header_words).
+_RUNS_USER_CODE = {RUNS_TRANSFORM: "the transform", RUNS_DATASET: "the dataset's __getitem__"}
+_U32_MAX, _U64_MAX = (1 << 32) - 1, (1 << 64) - 1
+
+
+def header_words(context: Context) -> tuple[int, int, int]:
+    """(row_bytes_bits, runs, auto_most): what `context` says the readers run, as the ring's
+    header holds it (ring.h), for `shmloader top` (context_of_header); local_readers and
+    batch_size top reads from the ring itself."""
+    runs = RUNS_COMPRESSED if context.compressed else 0
+    runs |= next((bit for bit, words in _RUNS_USER_CODE.items() if words == context.user_code), 0)
+    row = struct.unpack("<Q", struct.pack("<d", float(context.row_bytes or 0.0)))[0]  # 0.0: unknown, as None.
+    return row, runs, min(context.auto_most or 0, _U32_MAX)
+
+
+def context_of_header(row_bytes_bits: int, runs: int, auto_most: int, local_readers: int,
+                      batch_size: int) -> Context:
+    """The Context a ring's header describes (header_words), read as foreign input: a row's
+    bytes that are not a positive finite number are unknown, bits it does not know are left
+    out, and both user-code bits at once name neither."""
+    row_bytes = struct.unpack("<d", struct.pack("<Q", row_bytes_bits & _U64_MAX))[0]
+    row_bytes = row_bytes if math.isfinite(row_bytes) and row_bytes > 0 else None
+    user_code = _RUNS_USER_CODE.get(runs & (RUNS_TRANSFORM | RUNS_DATASET))
+    missing = Context.row_bytes_missing if row_bytes is not None or runs & RUNS_DATASET else \
+        "the ring's header gives no stored bytes per row to compare the readers' reads with"
+    return Context(user_code, bool(runs & RUNS_COMPRESSED), local_readers, batch_size, row_bytes, missing,
+                   auto_most or None)
 
 
 def readers_setting(count: int, auto_most: int | None) -> str:

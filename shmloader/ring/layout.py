@@ -20,6 +20,8 @@ RING_VERSION = lib.SHM_RING_VERSION
 HEADER_BYTES = ffi.sizeof("shm_ring_header")
 SLOT_CONTROL_BYTES = ffi.sizeof("shm_control_line")
 STATE_MASK = lib.SHM_STATE_MASK
+# shm_ring_header.runs: what the readers run (readers/bottleneck.Context, for top).
+RUNS_COMPRESSED, RUNS_TRANSFORM, RUNS_DATASET = lib.SHM_RUNS_COMPRESSED, lib.SHM_RUNS_TRANSFORM, lib.SHM_RUNS_DATASET
 OWNER_SHIFT = lib.SHM_OWNER_SHIFT
 # A reader's record: the fixed struct, then room for its error report.
 READER_RECORD_BYTES = 16384

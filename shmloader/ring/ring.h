@@ -21,8 +21,9 @@
  * 4: when a slot was requested, and the readers' sleep counters, for stats().
  * 5: the records a reader skipped.
  * 6: next()'s waits per slot, and the readers' time by stage, for stats()["bottleneck"].
- * 7: the record of checked blocks after the slots (checked_pages, was reserved). */
-#define SHM_RING_VERSION 7
+ * 7: the record of checked blocks after the slots (checked_pages, was reserved).
+ * 8: what the readers run (row_bytes_bits, runs, auto_most), for `shmloader top`'s verdict. */
+#define SHM_RING_VERSION 8
 
 /* A slot's state word: the state in the low byte, the filling reader's index above it. */
 #define SHM_SLOT_IDLE 0
@@ -47,7 +48,23 @@ typedef struct {
     uint64_t slot_stride;
     uint64_t slots_offset;
     uint64_t stop;
+    /* What the readers run, which the counters cannot say: the trainer writes it once, before
+     * any reader starts, so that `shmloader top` judges a stall as the loader's stats() do
+     * (readers/bottleneck.py's Context). `row_bytes_bits`: the stored bytes of a row the
+     * readers deliver, an average, as the bits of an IEEE 754 double (0, that is 0.0: unknown,
+     * a dataset's rows); `runs`: SHM_RUNS_* bits; `auto_most`: under readers="auto" the most
+     * readers it may reach, else 0. */
+    uint64_t row_bytes_bits;
+    uint32_t runs;
+    uint32_t auto_most;
+    uint64_t reserved[6]; /* Two cache lines in all: reader records start on a line of their own. */
 } shm_ring_header;
+
+/* shm_ring_header.runs: a field is compressed (reading it is decompression); the readers run
+ * a transform; they run a dataset's __getitem__ (or its collate_fn). */
+#define SHM_RUNS_COMPRESSED 1
+#define SHM_RUNS_TRANSFORM 2
+#define SHM_RUNS_DATASET 4
 
 /* One slot's control line: one cache line, so that no two slots share one. The lines sit
  * together in one table apart from the data, so that a scan of them reads one page.

@@ -9,9 +9,10 @@ Segment layout (all integers little-endian, offsets in bytes):
 
     offset          size                  what                    meaning
     --------------  --------------------  ----------------------  ------------------------------------------
-    0               64                    shm_ring_header         magic, version, counts, trainer pid, batch
-                                                                  size, slot stride, slots offset, stop flag
-    64 + r*16384    16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
+    0               128                   shm_ring_header         magic, version, counts, trainer pid, batch
+                                                                  size, slot stride, slots offset, stop flag,
+                                                                  what the readers run (for top's verdict)
+    128 + r*16384   16384                 reader r's record       shm_reader_record (pid, busy_ns, batches,
                                                                   error_bytes, skipped, busy time by stage),
                                                                   2048 bytes of JSON on the records it
                                                                   skipped, its JSON error report
@@ -26,7 +27,7 @@ Segment layout (all integers little-endian, offsets in bytes):
                                                                   readers have checked, one bit each, shared by
                                                                   them (storage/checked_blocks.py has its table)
 
-table_offset = 64 + reader_count*16384; slots_offset and slot_stride are multiples of 4096;
+table_offset = 128 + reader_count*16384; slots_offset and slot_stride are multiples of 4096;
 checked_offset = slots_offset + slot_count*stride.
 The control lines sit together, apart from the data, so that the trainer's next() and
 the readers' scans read one page of them rather than one page per slot: after a training
@@ -281,6 +282,13 @@ class Ring:
                     os.dup2(devnull, int(entry), inheritable=False)
         finally:
             os.close(devnull)
+
+    def describe_work(self, row_bytes_bits: int, runs: int, auto_most: int) -> None:
+        """Writes what the readers run into the header (ring.h: row_bytes_bits, runs,
+        auto_most; readers/bottleneck.header_words), once, by the trainer: what `shmloader
+        top` needs to judge a stall as stats() does."""
+        header = self.header
+        header.row_bytes_bits, header.runs, header.auto_most = row_bytes_bits, runs, auto_most
 
     def owner_alive(self) -> bool:
         """Whether the ring's creator still holds its owner lock (a reader's question)."""

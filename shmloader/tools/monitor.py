@@ -20,14 +20,15 @@ trainer's memory):
   this pid"); loader.stats()["readers"] adds the replaced processes' to them.
 The ring would need a field for each (a restart count beside the trainer pid in
 shm_ring_header, the replaced readers' batches in shm_reader_record) for top to show
-them. The trainer's wait is (ring.h's waited_ns, per slot), so top names the stage that
-limits each loader (readers/bottleneck.py) as stats()["bottleneck"] does (with the node
-cache's evictions from the ledger its local readers hold open), but for what only the
-trainer knows: whether a transform or a dataset runs (top says "the user's code"), and
-whether fields are compressed (reader CPU, not decompression), and the stored bytes a row
-takes (a slot holds a transform's outputs): top gives no page cache (memory) verdict, and its
-detail says so (a header field in a later ring version would let it). The disks it compares disk
-reads with are those of the files a local reader holds open (readers/disk_device.py).
+them. The trainer's wait is there (ring.h's waited_ns, per slot), and what only the trainer
+knows of its readers' work, which the counters cannot say (whether a transform or a
+dataset runs, whether a field is compressed, the stored bytes of a row: a slot holds a
+transform's outputs, a fraction of the row read), it writes once into the header
+(row_bytes_bits, runs, auto_most): so top names the stage that limits each loader
+(readers/bottleneck.py) as stats()["bottleneck"] does, the page cache's (memory) verdict
+included, with the node cache's evictions from the ledger its local readers hold open. The
+disks it compares disk reads with are those of the files a local reader holds open
+(readers/disk_device.py).
 
 The screen is drawn with rich where it is installed (pip install "shmloader[monitor]"),
 else as plain text; `--once` prints one sample and exits.
@@ -61,7 +62,7 @@ from ..ring.layout import (
     RingLayout,
     SlotState,
 )
-from ..readers.bottleneck import Context, ReaderCounters, Reading, diagnose, with_processes
+from ..readers.bottleneck import ReaderCounters, Reading, context_of_header, diagnose, with_processes
 from ..readers.disk_device import DiskRates, disk_counters, disks_of_reader
 from ..readers.page_cache import memory_counters
 from ..readers.proc_counters import child_of, cores_counters
@@ -75,9 +76,6 @@ STATE_LETTERS = {SlotState.IDLE: ".", SlotState.REQUESTED: "r", SlotState.FILLIN
 # Samples of rows/s kept for a ring's sparkline.
 HISTORY_SAMPLES = 40
 _SPARKS = "▁▂▃▄▅▆▇█"
-# Why top gives no memory verdict (readers/page_cache.py): the ring holds no stored bytes per row.
-_NO_STORED_BYTES = ("the ring holds the bytes of a slot, not the stored bytes of the rows read (a transform's outputs "
-                    "fill the slot), so top does not compare the readers' reads with them: loader.stats() does")
 
 
 @dataclasses.dataclass
@@ -105,6 +103,7 @@ class RingSample:
     at_ns: int
     waited_ns: int = 0  # next()'s waits, summed over the slots' lines (ring.h)
     reading: Reading | None = None  # the same counters, with the readers' /proc ones, for diagnose()
+    work: tuple[int, int, int] = (0, 0, 0)  # what the readers run: the header's (row_bytes_bits, runs, auto_most)
 
 
 def ring_names(directory: str = SHM_DIRECTORY) -> list[str]:
@@ -220,6 +219,7 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
     header = ffi.cast("shm_ring_header *", ffi.from_buffer("uint8_t[]", header_bytes))
     slot_count, reader_count = int(header.slot_count), int(header.reader_count)
     trainer_pid, batch_size = int(header.trainer_pid), int(header.batch_size)
+    work = (int(header.row_bytes_bits), int(header.runs), int(header.auto_most))
     del header
     table_offset = HEADER_BYTES + reader_count * READER_RECORD_BYTES
     table = _pread(fd, slot_count * SLOT_CONTROL_BYTES, table_offset)
@@ -248,7 +248,7 @@ def _read(name: str, fd: int, header_bytes: bytes, alive: bool) -> RingSample | 
         del record
     at_ns = time.monotonic_ns()
     return RingSample(name, trainer_pid, alive, batch_size, states, readers, at_ns, waited_ns,
-                      _reading(at_ns, trainer_pid, waited_ns, states, readers))
+                      _reading(at_ns, trainer_pid, waited_ns, states, readers), work)
 
 
 def _reading(at_ns: int, trainer_pid: int, waited_ns: int, states, readers: list[ReaderSample]) -> Reading:
@@ -316,15 +316,12 @@ class RingView:
             self.starved.append(_share(reader.starved_ns - before.starved_ns, elapsed) if same else 0.0)
         self.rows_per_s = max(0, batches) * new.batch_size / (elapsed / 1e9)
         if self.last.reading is not None and new.reading is not None:
-            # What the ring cannot say (is there a transform, is a field compressed, the node
-            # cache's evictions) is left out: top says "the user's code", "reader CPU", "link".
-            # Nor the stored bytes a row takes: a slot holds a transform's outputs where one runs
-            # (a crop's are a fraction of the row read), so no memory verdict (_NO_STORED_BYTES).
+            # What the counters cannot say (a transform, a compressed field, the stored bytes of
+            # a row) the trainer wrote into the ring's header: the verdict is stats()'s.
             self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
             local = sum(1 for reader in new.reading.readers if reader.cpu_ns is not None)
-            self.bottleneck = diagnose(self.last.reading, new.reading, Context(
-                local_readers=local, batch_size=new.batch_size, row_bytes_missing=_NO_STORED_BYTES),
-                self.disk_rates.best)
+            self.bottleneck = diagnose(self.last.reading, new.reading,
+                                       context_of_header(*new.work, local, new.batch_size), self.disk_rates.best)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
 
