@@ -48,8 +48,8 @@ typedef struct {
     uint64_t slot_stride;
     uint64_t slots_offset;
     uint64_t stop;
-    /* What the readers run, which the counters cannot say: the trainer writes it once, before
-     * any reader starts, so that `shmloader top` judges a stall as the loader's stats() do
+    /* What the readers run, which the counters cannot say: the trainer writes it once, as it
+     * makes the ring (no reader reads it), so that `shmloader top` judges a stall as the loader's stats() do
      * (readers/bottleneck.py's Context). `row_bytes_bits`: the stored bytes of a row the
      * readers deliver, an average, as the bits of an IEEE 754 double (0, that is 0.0: unknown,
      * a dataset's rows); `runs`: SHM_RUNS_* bits; `auto_most`: under readers="auto" the most
