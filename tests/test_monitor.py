@@ -386,12 +386,15 @@ def test_top_reads_what_the_readers_run_as_the_loaders_own_verdict_has_it(kind, 
 
 
 @pytest.mark.parametrize("thrashing", [False, True])
-def test_top_judges_a_transforms_reads_by_the_rows_stored_bytes_not_the_slots(thrashing, tmp_path):
+@pytest.mark.parametrize("refreshes", [1, 10])
+def test_top_judges_a_transforms_reads_by_the_rows_stored_bytes_not_the_slots(thrashing, refreshes, tmp_path):
     """A crop's slot holds 16 bytes of each 4 KiB row read: judged by the slot's bytes, every
-    byte read would look read 200 times. Over counters where the readers read each stored
-    byte 1.2 times (a fifth of it refaults: a second pass over data larger than memory) top
-    names the disk, and where they read it 3 times and half of it refaults, the page cache's
-    memory: each as the loader's own diagnosis does."""
+    byte read would look read 200 times. Over 10 s of counters where the readers read each
+    stored byte 1.2 times (a fifth of it refaults: a second pass over data larger than memory)
+    top names the disk, and where they read it 3 times and half of it refaults, the page
+    cache's memory: each as the loader's own diagnosis over those 10 s does, whether top
+    sampled them once or every second (each second alone is too short a window for the page
+    cache's verdict: page_cache.MEMORY_WINDOW_SECONDS_MIN)."""
     from shmloader.readers.bottleneck import ReaderCounters, Reading, diagnose
     from shmloader.readers.page_cache import MemoryCounters
     from shmloader.tools.monitor import RingView, sample
@@ -404,15 +407,18 @@ def test_top_judges_a_transforms_reads_by_the_rows_stored_bytes_not_the_slots(th
     assert first is not None and second is not None and first.batch_size == 64
     window_ns, batches, stored = 10**10, 100, 100 * 64 * 4096
     read, refaulted = (3 * stored, 1.5 * stored) if thrashing else (1.2 * stored, 0.24 * stored)
-    before = Reading(first.at_ns, 0, (ReaderCounters(7, 0, 0, cpu_ns=0, queued_ns=0, storage_read_bytes=0),), 8, 0,
-                     memory=MemoryCounters(0, 2**30, "/jobs/a"))
-    after = Reading(first.at_ns + window_ns, window_ns // 2,
-                    (ReaderCounters(7, 9 * 10**9, batches, read_ns=8 * 10**9, cpu_ns=10**9, queued_ns=0,
-                                    storage_read_bytes=int(read)),), 8, 0,
-                    memory=MemoryCounters(int(refaulted), 2**30, "/jobs/a"))
-    view = RingView(dataclasses.replace(first, reading=before))
-    view.update(dataclasses.replace(second, at_ns=first.at_ns + window_ns, reading=after))
-    own = diagnose(before, after, dataclasses.replace(context, local_readers=1))
+
+    def reading(share: float) -> Reading:  # The counters `share` of the way through the window.
+        counters = ReaderCounters(7, int(share * 9 * 10**9), int(share * batches), read_ns=int(share * 8 * 10**9),
+                                  cpu_ns=int(share * 10**9), queued_ns=0, storage_read_bytes=int(share * read))
+        return Reading(first.at_ns + int(share * window_ns), int(share * window_ns / 2), (counters,), 8, 0,
+                       memory=MemoryCounters(int(share * refaulted), 2**30, "/jobs/a"))
+
+    view = RingView(dataclasses.replace(first, reading=reading(0.0)))
+    for refresh in range(1, refreshes + 1):
+        share = refresh / refreshes
+        view.update(dataclasses.replace(second, at_ns=first.at_ns + int(share * window_ns), reading=reading(share)))
+    own = diagnose(reading(0.0), reading(1.0), dataclasses.replace(context, local_readers=1))
     assert own["stage"] == ("memory" if thrashing else "disk"), own
     assert own["detail"]["read_amplification"] == (3.0 if thrashing else 1.2), own
     assert view.bottleneck == own, (view.bottleneck, own)

@@ -473,6 +473,15 @@ def idle_cores_between(before: Reading, after: Reading) -> float | None:
     return left if idle is None else min(idle, left)
 
 
+def trim_window(readings: list[Reading], now_ns: int) -> None:
+    """Drops from `readings` (oldest first) those before the window of WINDOW_SECONDS to
+    `now_ns` but one: the reading at least as old as the window stays, the baseline of the
+    next diagnosis (a verdict such as the page cache's needs a window of seconds:
+    page_cache.MEMORY_WINDOW_SECONDS_MIN)."""
+    while len(readings) > 2 and readings[1].at_ns <= now_ns - WINDOW_SECONDS * 1e9:
+        readings.pop(0)
+
+
 class Meter:
     """Readings taken when asked (not more often than SAMPLE_INTERVAL_SECONDS); a diagnosis
     looks from the oldest kept to the newest: the first from `baseline` (the ring's start),
@@ -497,9 +506,7 @@ class Meter:
         if self._from_start and len(self.readings) > 2:
             self._from_start = False
             self.readings.pop(0)
-        # One reading at least as old as the window stays: the baseline of the next diagnosis.
-        while len(self.readings) > 2 and self.readings[1].at_ns <= now - WINDOW_SECONDS * 1e9:
-            self.readings.pop(0)
+        trim_window(self.readings, now)
         self.last = diagnose(self.readings[0], self.readings[-1], self.context, self.disk_rates.best)
         return self.last
 

@@ -62,7 +62,7 @@ from ..ring.layout import (
     RingLayout,
     SlotState,
 )
-from ..readers.bottleneck import ReaderCounters, Reading, context_of_header, diagnose, with_processes
+from ..readers.bottleneck import ReaderCounters, Reading, context_of_header, diagnose, trim_window, with_processes
 from ..readers.disk_device import DiskRates, disk_counters, disks_of_reader
 from ..readers.page_cache import memory_counters
 from ..readers.proc_counters import child_of, cores_counters
@@ -290,11 +290,17 @@ class RingView:
     restarts: int = 0
     history: list[float] = dataclasses.field(default_factory=list)
     first_at_ns: int = dataclasses.field(init=False, default=0)
-    bottleneck: dict | None = None  # readers/bottleneck.diagnose over the last two samples
+    # readers/bottleneck.diagnose over the window of its readings, as stats() judges: the
+    # screen's rates are the last second's, but the page cache's verdict needs a window of
+    # seconds (page_cache.MEMORY_WINDOW_SECONDS_MIN), and each refresh of top is one.
+    bottleneck: dict | None = None
     disk_rates: DiskRates = dataclasses.field(default_factory=DiskRates)  # the best seen from each disk
+    readings: list[Reading] = dataclasses.field(default_factory=list)  # the window's (bottleneck.trim_window)
 
     def __post_init__(self) -> None:
         self.first_at_ns = self.last.at_ns
+        if self.last.reading is not None:
+            self.readings.append(self.last.reading)
 
     @property
     def watched_s(self) -> float:
@@ -315,12 +321,16 @@ class RingView:
             self.busy.append(_share(reader.busy_ns - before.busy_ns, elapsed) if same else 0.0)
             self.starved.append(_share(reader.starved_ns - before.starved_ns, elapsed) if same else 0.0)
         self.rows_per_s = max(0, batches) * new.batch_size / (elapsed / 1e9)
-        if self.last.reading is not None and new.reading is not None:
+        if new.reading is not None:
+            if self.last.reading is not None:
+                self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
+            self.readings.append(new.reading)
+            trim_window(self.readings, new.at_ns)
+        if len(self.readings) > 1:
             # What the counters cannot say (a transform, a compressed field, the stored bytes of
             # a row) the trainer wrote into the ring's header: the verdict is stats()'s.
-            self.disk_rates.see(self.last.reading.disks, new.reading.disks, new.at_ns - self.last.at_ns)
-            local = sum(1 for reader in new.reading.readers if reader.cpu_ns is not None)
-            self.bottleneck = diagnose(self.last.reading, new.reading,
+            local = sum(1 for reader in self.readings[-1].readers if reader.cpu_ns is not None)
+            self.bottleneck = diagnose(self.readings[0], self.readings[-1],
                                        context_of_header(*new.work, local, new.batch_size), self.disk_rates.best)
         self.history = (self.history + [self.rows_per_s])[-HISTORY_SAMPLES:]
         self.last = new
