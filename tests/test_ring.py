@@ -106,6 +106,84 @@ def test_claim_takes_the_lowest_requested_step_and_withdraw_loses_to_it(ring):
     assert ring.claim(reader=0) is None
 
 
+def own_ring(slot_count: int):
+    """A ring of `slot_count` slots for two readers whose steps are their own (claim_own)."""
+    slot = SlotLayout.of(4, (Region("x", (4, 12), "|u1"),), mixture=False)
+    return Ring.create(RingLayout(slot_count=slot_count, reader_count=2, batch_size=4, slot_bytes=slot.nbytes,
+                                  field_count=1), os.getpid())
+
+
+class TrainerBetween:
+    """segment.py's native library, with the trainer's `act` run once, just before the
+    `count`-th call of `name`: an interleaving of the trainer and a reader's claim, made
+    deterministic."""
+
+    def __init__(self, name: str, count: int, act) -> None:
+        self.name, self.count, self.act, self.calls = name, count, act, 0
+
+    def __getattr__(self, name: str):
+        function = getattr(lib, name)
+        if name != self.name:
+            return function
+
+        def call(*arguments):
+            self.calls += 1
+            if self.calls == self.count:
+                self.act()
+            return function(*arguments)
+        return call
+
+
+@pytest.mark.parametrize("reached", [1, 3])
+def test_claim_own_takes_the_lowest_step_where_a_new_pass_requests_during_its_scan(monkeypatch, reached):
+    """Reader 0 looks at slot 0 while it is idle (the ring taken back for a new pass); the
+    trainer then requests steps 0 to 5 as the scan reaches slot `reached`. Taking step 2 or
+    4 first made the reader's iterator skip to it, then start again for step 0 (an
+    IterableDataset's persistent copy iterated twice in one epoch)."""
+    from shmloader.ring import segment
+
+    ring = own_ring(6)
+    try:
+        def new_pass():
+            for step in range(6):
+                request(ring, step, step)
+        monkeypatch.setattr(segment, "lib", TrainerBetween("shm_state_load", reached + 1, new_pass))
+        claimed = []
+        while (slot := ring.claim_own(0, 2)) is not None:
+            assert ring.state(slot) == (SlotState.FILLING, 0)
+            claimed.append(int(ring.step(slot)))
+        assert claimed == [0, 2, 4]  # Reader 0's steps, in step order.
+        assert [ring.state(slot)[0] for slot in (1, 3, 5)] == [SlotState.REQUESTED] * 3  # Reader 1's, untouched.
+    finally:
+        ring.names.unlink_all()
+        ring.close()
+
+
+def test_claim_own_gives_back_a_slot_requested_again_for_another_readers_step(monkeypatch):
+    """Reader 0's scan finds step 4 in slot 1 (3 slots); before its compare-and-swap the
+    trainer takes the ring back and requests steps 0 to 2: the swap still wins, slot 1 now
+    holding step 1, reader 1's. Reader 0 gives it back and claims its own step 0."""
+    from shmloader.ring import segment
+
+    ring = own_ring(3)
+    try:
+        request(ring, 1, 4)
+
+        def new_pass():
+            assert ring.withdraw(1)
+            for step in range(3):
+                request(ring, step, step)
+        monkeypatch.setattr(segment, "lib", TrainerBetween("shm_state_compare_swap", 1, new_pass))
+        slot = ring.claim_own(0, 2)
+        monkeypatch.undo()
+        assert slot == 0 and ring.step(0) == 0 and ring.state(0) == (SlotState.FILLING, 0)
+        assert ring.state(1) == (SlotState.REQUESTED, 0) and ring.step(1) == 1
+        assert ring.claim_own(1, 2) == 1
+    finally:
+        ring.names.unlink_all()
+        ring.close()
+
+
 def test_a_state_word_no_process_writes_is_refused(ring):
     struct.pack_into("<Q", ring.memory, ring.layout.table_offset, 0x77)
     with pytest.raises(Exception, match="invalid state word 0x77"):

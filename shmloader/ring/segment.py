@@ -385,21 +385,38 @@ class Ring:
         k with k % readers == reader (a ring whose steps belong to readers: an
         IterableDataset's, each reader's batches from its own iterator; DatasetSpec.by_reader).
         A scan in Python, for that path alone; the shared claim stays native. None if none
-        of its steps is requested (or a seek took it back meanwhile)."""
+        of its steps is requested (or a seek took it back meanwhile). A second scan after the
+        claim sees every step requested before it (in step order): where requests landed
+        during the first (slot 0 looked at before step 0 came: step 4 first; a slot requested
+        again with another reader's step), the slot goes back and the claim is made again (a pass's first step out of order restarts the
+        reader's iterator: IterableBatches.batch_of)."""
         assert 0 <= reader < readers <= self.layout.reader_count, (reader, readers, self.layout.reader_count)
-        requested = int(SlotState.REQUESTED)
-        best, best_step = None, 0
+        requested, filling = int(SlotState.REQUESTED), int(SlotState.FILLING) | reader << OWNER_SHIFT
+        for _ in range(self.layout.slot_count + 1):  # A retry needs requests made meanwhile: bounded.
+            best = self._lowest_own(reader, readers)
+            # transition: REQUESTED -> FILLING
+            if best is None or lib.shm_state_compare_swap(self._state_pointers[best[0]], requested,
+                                                          filling) != requested:
+                return None
+            slot, step, lower = best[0], int(self._lines[best[0]].step), self._lowest_own(reader, readers)
+            if step % readers == reader and (lower is None or lower[1] > step):
+                return slot
+            # transition: FILLING -> REQUESTED (its own claim: nobody moves a live reader's FILLING)
+            swapped = lib.shm_state_compare_swap(self._state_pointers[slot], filling, requested)
+            assert swapped == filling, (slot, swapped, filling)
+            self.work_semaphore.release()  # The step's reader, where it is another's, wakes.
+        return None
+
+    def _lowest_own(self, reader: int, readers: int) -> tuple[int, int] | None:
+        """(slot, step) of the requested slot with the lowest of `reader`'s steps, or None."""
+        best = None
         for slot in range(self.layout.slot_count):
-            if lib.shm_state_load(self._state_pointers[slot]) & STATE_MASK != requested:
+            if lib.shm_state_load(self._state_pointers[slot]) & STATE_MASK != int(SlotState.REQUESTED):
                 continue
             step = int(self._lines[slot].step)  # Ordered by the acquire load above (claim's note).
-            if step % readers == reader and (best is None or step < best_step):
-                best, best_step = slot, step
-        if best is None:
-            return None
-        filling = int(SlotState.FILLING) | reader << OWNER_SHIFT
-        # transition: REQUESTED -> FILLING
-        return best if lib.shm_state_compare_swap(self._state_pointers[best], requested, filling) == requested else None
+            if step % readers == reader and (best is None or step < best[1]):
+                best = (slot, step)
+        return best
 
     @property
     def stopping(self) -> bool:

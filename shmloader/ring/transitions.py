@@ -74,6 +74,10 @@ TRANSITIONS = (
     Transition(REQUESTED, FILLING, "reader r", "ring/segment.py: Ring.claim_own",
                "compare-and-swap, acq_rel", "a ring whose steps belong to readers (an IterableDataset's): "
                "reader r claims only steps k with k % readers == r"),
+    Transition(FILLING, REQUESTED, "reader r", "ring/segment.py: Ring.claim_own",
+               "compare-and-swap, acq_rel, then a post of the work semaphore",
+               "the claim's check: the step won is not reader r's lowest requested one, or not its own (requests "
+               "landed during its scan), and goes back to be claimed in order"),
     # The claimer publishes (a reader process; the trainer as r=0 with readers=0; the Ray bridge).
     Transition(FILLING, READY, "reader r", "ring/segment.py: Ring.publish",
                "seq_cst store after the data, then a seq_cst load of the waiter flag", "Publisher.publish"),
