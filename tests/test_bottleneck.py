@@ -4,8 +4,8 @@ millisecond, a __getitem__ or transform that sleeps 50 ms against a trainer that
 batches the trainer keeps, a fill that does not end, which the stall warning names too, a
 store behind a slow link, and cold data read through a blkio cgroup that throttles the disk,
 which `top` names too, within a memory group smaller than the data: the disk where the
-shuffle_window fits the group, the page cache's memory where it does not, top too); and diagnose() itself on counters written by hand
-for every stage, cores free or not. (A node cache below the data: test_cache_budget.py.)
+shuffle_window fits the group, the page cache's memory where it does not, top too); and
+diagnose() itself on counters written by hand for every stage, cores free or not. (A node cache below the data: test_cache_budget.py.)
 No assertion compares timings: each case is limited by one stage whatever the machine's load."""
 
 from __future__ import annotations

@@ -381,7 +381,8 @@ def test_top_reads_what_the_readers_run_as_the_loaders_own_verdict_has_it(kind, 
         own = loader._session.meter.context
     assert found is not None
     assert context_of_header(*found.work, own.local_readers, found.batch_size) == own, (found.work, own)
-    assert (own.user_code is not None) == (kind in ("transform", "dataset")) and own.compressed == (kind == "compressed")
+    assert (own.user_code is not None) == (kind in ("transform", "dataset"))
+    assert own.compressed == (kind == "compressed")
     assert (own.row_bytes is None) == (kind == "dataset") and (own.auto_most is not None) == (kind == "auto")
 
 

@@ -388,8 +388,8 @@ class Ring:
         of its steps is requested (or a seek took it back meanwhile). A second scan after the
         claim sees every step requested before it (in step order): where requests landed
         during the first (slot 0 looked at before step 0 came: step 4 first; a slot requested
-        again with another reader's step), the slot goes back and the claim is made again (a pass's first step out of order restarts the
-        reader's iterator: IterableBatches.batch_of)."""
+        again with another reader's step), the slot goes back and the claim is made again (a
+        pass's first step out of order restarts the reader's iterator: IterableBatches.batch_of)."""
         assert 0 <= reader < readers <= self.layout.reader_count, (reader, readers, self.layout.reader_count)
         requested, filling = int(SlotState.REQUESTED), int(SlotState.FILLING) | reader << OWNER_SHIFT
         for _ in range(self.layout.slot_count + 1):  # A retry needs requests made meanwhile: bounded.
