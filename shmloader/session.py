@@ -281,7 +281,7 @@ class Session:
         plan, options = self.plan, self.options
         return FillerSpec(plan.slot, sampler, plan.fields, options.verify, plan.transform,
                           tuple(os.path.abspath(entry) for entry in sys.path) if plan.transform else (),
-                          options.on_error, options.epochs, options.drop_last, self.dataset_spec)
+                          options.on_error, options.epochs, options.drop_last, self.dataset_spec, self.slots)
 
     def audit_begin(self, step: int, why: str, position: int | None = None) -> None:
         """With audit_log: the deliveries from `step` on are a new segment, which starts at

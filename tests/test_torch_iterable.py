@@ -494,6 +494,44 @@ def test_a_resumed_readers_steps_do_not_depend_on_the_order_it_is_asked_for_them
             assert made == reference[step], (step, asked)
 
 
+@examples(10)
+@given(data=st.data(), readers=st.integers(1, 3), slots=st.integers(1, 8), length=st.integers(1, 60))
+def test_a_reader_keeps_batches_made_ahead_only_while_the_ring_may_still_ask_them(data, readers, slots, length):
+    """A reader asked for a step past its next makes the batches between; it keeps one only
+    while the ring may still ask for its step (within the ring's slots of the step asked:
+    batch_of's window), so a seek forward (a resume deep into a pass) leaves nothing behind,
+    and every step it delivers is the dataset's, whatever order a ring of `slots` slots asks
+    for them in, seeks forward and back included. The reference: the same view asked for
+    every step in order."""
+    from torch.utils.data import default_collate
+
+    from shmloader.torch.iterable import IterableBatches
+
+    def view():
+        return IterableBatches(Everything(length), default_collate, 1, False, readers)
+
+    reader = data.draw(st.integers(0, readers - 1), "reader")
+    last = (length + 4) * readers  # Past the end mark, a few more end marks.
+    whole = view()
+    reference = {step: _plain(whole.batch_of(step, pass_seed=1)) for step in range(reader, last, readers)}
+    asked_view, position, delivered = view(), 0, set()
+    for _ in range(data.draw(st.integers(1, 40), "moves")):
+        window = [step for step in range(position, min(position + slots, last)) if step % readers == reader]
+        waiting = [step for step in window if step not in delivered]
+        move = data.draw(st.sampled_from(["ask", "ask", "take", "seek"]), "move")
+        if move == "ask" and waiting:  # Any requested step: a kept batch may hold a lower one's slot.
+            step = data.draw(st.sampled_from(waiting), "asked")
+            assert _plain(asked_view.batch_of(step, pass_seed=1, window=slots)) == reference[step], step
+            assert all(step - slots < kept for kept in asked_view._ahead), (step, slots, asked_view._ahead)
+            delivered.add(step)
+        elif move == "take":  # The trainer takes what was delivered, up to the first own step not.
+            while position < last and (position % readers != reader or position in delivered):
+                position += 1
+        elif move == "seek":
+            position, delivered = data.draw(st.integers(0, last - 1), "seek to"), set()
+        assert len(asked_view._ahead) < slots
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stateful_dataset_resumes_exactly_from_every_batch_of_two_epochs(workers):
     """Every checkpoint of two epochs, the next epoch included: among them one taken after

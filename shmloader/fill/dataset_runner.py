@@ -126,8 +126,9 @@ class DatasetRunner:
     """Fills a slot's regions from dataset[index] for a step's rows; the transform runner's
     interface (shapes, run) so that the step filler treats both alike."""
 
-    def __init__(self, spec: DatasetSpec, batch_size: int, sampler, share: tuple[int, int] = (0, 1)) -> None:
-        self.spec, self.batch_size, self.sampler = spec, batch_size, sampler
+    def __init__(self, spec: DatasetSpec, batch_size: int, sampler, share: tuple[int, int] = (0, 1),
+                 ring_slots: int = 0) -> None:
+        self.spec, self.batch_size, self.sampler, self.ring_slots = spec, batch_size, sampler, ring_slots
         self.dataset = load_dataset(spec, ReaderView.of(share, sampler.seed))
         self.shapes = {region.name: (region.shape, np.dtype(region.dtype)) for region in spec.regions(batch_size)}
         self._outputs = {output.name: output for output in spec.outputs}
@@ -144,7 +145,8 @@ class DatasetRunner:
     def run(self, step: int, indices: np.ndarray, sources, inputs: dict, out: dict, salt: int = 0) -> None:
         sampler = self.sampler
         if self.spec.by_reader:  # The dataset makes the step's batch itself; nothing is seeded per sample.
-            collated.write(self.dataset.batch_of(step, sampler.seed), self._outputs, out, f"the batch of step {step}")
+            collated.write(self.dataset.batch_of(step, sampler.seed, self.ring_slots), self._outputs, out,
+                           f"the batch of step {step}")
             return
         # Its own stream position (a dealt tail, a shifted resume); the rows a cut step keeps come first.
         positions = sampler.row_keys(step, self.batch_size)[:len(indices)]

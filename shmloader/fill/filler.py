@@ -114,6 +114,9 @@ class FillerSpec:
     epochs: int | None = None
     drop_last: bool = False
     dataset: DatasetSpec | None = None  # A map-style dataset as the source, instead of fields.
+    # The ring's slots: the steps requested at one time lie within so many of each other (an
+    # IterableDataset's reader keeps the batches it made ahead only within them: DatasetRunner).
+    ring_slots: int = 0
 
     def build(self, read_ahead: bool = True, share: tuple[int, int] = (0, 1)) -> StepFiller:
         """The filler; a transform's module is looked for on the trainer's sys.path too.
@@ -122,7 +125,7 @@ class FillerSpec:
             sys.path.extend(entry for entry in self.sys_path if entry not in sys.path)
         finite = None if self.epochs is None else FinitePass.of(self.sampler, self.epochs, self.drop_last)
         dataset = None if self.dataset is None else DatasetRunner(self.dataset, self.slot.batch_size, self.sampler,
-                                                                  share)
+                                                                  share, self.ring_slots)
         return StepFiller(self.fields, self.slot, self.sampler, self.transform, self.verify, read_ahead, self.on_error,
                           share, finite, dataset)
 
@@ -138,6 +141,7 @@ class FillerSpec:
             "epochs": self.epochs,
             "drop_last": self.drop_last,
             "dataset": None if self.dataset is None else self.dataset.to_dict(),
+            "ring_slots": self.ring_slots,
         }
 
     @classmethod
@@ -154,6 +158,7 @@ class FillerSpec:
             epochs=data["epochs"],
             drop_last=bool(data["drop_last"]),
             dataset=None if data.get("dataset") is None else DatasetSpec.from_dict(data["dataset"]),
+            ring_slots=int(data.get("ring_slots", 0)),
         )
 
 

@@ -131,7 +131,7 @@ class IterableBatches(Collated):
     def __getitem__(self, index):
         raise TypeError("an IterableDataset's samples are not read by index: its readers iterate it (batch_of)")
 
-    def batch_of(self, step: int, pass_seed: int) -> dict:
+    def batch_of(self, step: int, pass_seed: int, window: int = 0) -> dict:
         """Step `step`'s batch: this reader's next, or the end mark once its iterator is
         exhausted (see the class); the iterator's batches are made in step order, whatever
         order the steps come in.
@@ -144,7 +144,13 @@ class IterableBatches(Collated):
         k - slots is let go of, and a batch the loop keeps holds its slot a while): the
         batches between are made now, kept, and given when their steps come, which is
         within the ring's slots of steps. A step behind the iterator and not kept is a seek
-        back: the iterator starts again."""
+        back: the iterator starts again.
+
+        `window`: the ring's slots (0: unknown). The steps requested at one time lie within so
+        many of each other, so a batch of a step `window` or more below the one asked was
+        skipped by a seek forward (a resume's, after its readers began at step 0) and is
+        asked again only after a seek back, which starts the iterator again: it is not kept,
+        or a resume deep into a pass would keep every batch it replays."""
         if self._pass_seed == pass_seed:
             if step in self._ahead:
                 return self._ahead.pop(step)
@@ -155,9 +161,12 @@ class IterableBatches(Collated):
         if first:
             self._restart(step, pass_seed)
         assert (step - self._next_step) % self.readers == 0, (step, self._next_step, self.readers)
+        reachable = step - window + 1 if window else -1  # The lowest step the ring may still ask.
+        for passed in [kept for kept in self._ahead if kept < reachable]:
+            del self._ahead[passed]
         while self._next_step < step:
             made = self._made()
-            if not first:
+            if not first and self._next_step >= reachable:
                 self._ahead[self._next_step] = made
             self._next_step += self.readers
         self._next_step = step + self.readers
