@@ -24,7 +24,8 @@ round-robin with exhausted workers skipped, and nothing in the ring's protocol c
 its other users. A reader exhausted early fills its later steps with end marks (a few
 bytes each) until the longest reader ends. A reader makes its batches in step order even
 where the ring requests a later step of it first (a batch the loop keeps holds its slot):
-the batches between are kept in the reader until their steps come.
+the batches between are kept in the reader until their steps come (those the ring may
+still ask for: within its slots of the step asked).
 
 Resume (state_dict / load_state_dict), under the same num_workers (the order depends on
 it, as torch's does; another is refused by name); the readers start afresh on load:
