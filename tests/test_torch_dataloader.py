@@ -524,6 +524,19 @@ def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence(
         loader.close()
 
 
+@pytest.mark.parametrize("arguments", [{"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                                       {"batch_size": 3, "sampler": [4, 2, 0, 1]}, {"batch_sampler": [[0], [1, 2]]}],
+                         ids=["own order", "drop_last", "sampler", "batch_sampler"])
+def test_an_iterators_len_is_the_epochs_batches_as_torchs_iterators_is(arguments):
+    """`it = iter(loader); for _ in range(len(it))` raised TypeError: the iterator had no len()."""
+    expected = iter(TorchDataLoader(_Indices(), **arguments))
+    with DataLoader(_Indices(), **arguments) as loader:
+        found = iter(loader)
+        next(found)
+        next(expected)
+        assert len(found) == len(expected) == len(loader)
+
+
 def _dataset_files() -> int:
     """This process's descriptors of the dataset's pickle (its memory files), not of what
     other threads of a test worker open meanwhile."""

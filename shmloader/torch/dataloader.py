@@ -103,11 +103,15 @@ class _PassIterator:
     a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
     loader) would otherwise end at once, in silence)."""
 
-    def __init__(self, batches) -> None:
-        self._batches, self._superseded = batches, False
+    def __init__(self, batches, loader: DataLoader) -> None:
+        self._batches, self._superseded, self._loader = batches, False, loader
 
     def __iter__(self):
         return self
+
+    def __len__(self) -> int:
+        """As torch's iterator: the epoch's batches (`it = iter(loader); range(len(it))`)."""
+        return self._loader._iterator_length()
 
     def __next__(self):
         if self._superseded:
@@ -257,8 +261,12 @@ class DataLoader:
         elif self._started:
             self._new_pass(self._epoch + 1)
         self._started = True
-        self._iterator = iterator = _PassIterator(self._batches())
+        self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
+
+    def _iterator_length(self) -> int:
+        """len(iter(loader)): torch's is len(its batch sampler), the whole epoch's batches."""
+        return len(self)
 
     def _batches(self):
         """The pass's batches, tensors over their slots; the last one's tensors over memory of

@@ -452,6 +452,12 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
 
+    def _iterator_length(self) -> int:
+        """torch's iterator over an IterableDataset has no len() (its sampler is infinite),
+        even where the loader has one."""
+        raise TypeError("the iterator of a DataLoader over an IterableDataset has no len(), as torch's has none; "
+                        "len(loader) gives the batches len(dataset) makes")
+
     def __iter__(self):
         if not self._resumed:
             kept = self.persistent_workers or self.num_workers == 0  # The readers' copies go on.

@@ -183,11 +183,11 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
             self._started = True
             if order is None:  # No batch this epoch, as PyTorch's loader gives none.
                 self._epoch = epoch
-                self._iterator = iterator = _PassIterator(batch for batch in ())
+                self._iterator = iterator = _PassIterator((batch for batch in ()), self)
                 return iterator
             self._begin(epoch, order)
         self._started = True
-        self._iterator = iterator = _PassIterator(self._batches())
+        self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
 
     def _draw(self) -> dict | None:
