@@ -7,6 +7,7 @@ cannot honour is refused by name."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import copy
 import os
 import pathlib
@@ -46,7 +47,7 @@ class Samples(Dataset):
 
 def _assert_same_structure(expected, found, where="batch"):
     assert type(expected) is type(found), (where, type(expected), type(found))
-    if isinstance(expected, dict):
+    if isinstance(expected, collections.abc.Mapping):
         assert expected.keys() == found.keys(), where
         for key in expected:
             _assert_same_structure(expected[key], found[key], f"{where}[{key!r}]")
@@ -98,6 +99,33 @@ def test_namedtuples_come_back_as_their_class_as_default_collate_gives_them(num_
         assert type(other["point"]) is Point and other["point"]._fields == ("position", "label")
         assert torch.equal(one["point"].position, other["point"].position)
         assert torch.equal(one["point"].label, other["point"].label)
+
+
+class Encoding(collections.UserDict):
+    """What a Hugging Face tokenizer returns (BatchEncoding is a UserDict, no dict)."""
+
+
+class Tokenized(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        return Encoding({"input_ids": torch.arange(4) + index, "attention_mask": torch.ones(4, dtype=torch.int64),
+                         "meta": collections.OrderedDict(index=index)})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mappings_that_are_no_dict_come_back_as_their_class_as_default_collate_gives_them(num_workers):
+    """A UserDict sample (a tokenizer's BatchEncoding) was refused as a leaf, and an OrderedDict came back a dict."""
+    expected = list(TorchDataLoader(Tokenized(), batch_size=4))
+    with DataLoader(Tokenized(), batch_size=4, num_workers=num_workers) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected)
+    for one, other in zip(expected, found):
+        _assert_same_structure(one, other)
+        for key in ("input_ids", "attention_mask"):
+            assert torch.equal(one[key], other[key]), key
+        assert torch.equal(one["meta"]["index"], other["meta"]["index"])
 
 
 def _epoch_indices(loader) -> list[int]:

@@ -5,6 +5,7 @@ them, so that plan/collated.py builds on them without importing the planner back
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import numpy as np
@@ -70,29 +71,35 @@ def _leaf_array(value, where: str) -> np.ndarray:
                        f"scalars, bytes or torch tensors (in dicts, tuples or lists)")
 
 
-# The namedtuple classes of the samples this process has flattened, by "module:qualname"
-# (a class defined in a function cannot be imported again by name).
-_NAMED_TUPLES: dict[str, type] = {}
+# The namedtuple and Mapping classes (other than dict) of the samples this process has
+# flattened, by "module:qualname" (a class defined in a function cannot be imported again by name).
+_NAMED_CLASSES: dict[str, type] = {}
 
 
 def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, object]]]:
     """(structure, [(leaf name, leaf value)]) of a sample, leaves in a fixed order."""
     leaves: list[tuple[str, object]] = []
 
+    def named(node: dict, value) -> dict:
+        node["named"] = f"{type(value).__module__}:{type(value).__qualname__}"
+        _NAMED_CLASSES[node["named"]] = type(value)
+        return node
+
     def walk(value, path: tuple[str, ...]):
-        if isinstance(value, dict):
+        # Any Mapping, as default_collate takes one: a tokenizer's BatchEncoding (a UserDict)
+        # and an OrderedDict come back as their class (rebuild_batch).
+        if isinstance(value, collections.abc.Mapping):
             items = []
             for key, item in value.items():
                 if not isinstance(key, str) or not key or "." in key or _SEPARATOR in key:
                     raise DatasetError(f"{where}: key {key!r} must be a non-empty string without '.' or '/'")
                 items.append([key, walk(item, (*path, key))])
-            return {"dict": items}
+            return {"dict": items} if type(value) is dict else named({"dict": items}, value)
         if isinstance(value, (tuple, list)):
             kind = "tuple" if isinstance(value, tuple) else "list"
             node = {kind: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
             if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # A namedtuple: rebuilt as its class.
-                node["named"] = f"{type(value).__module__}:{type(value).__qualname__}"
-                _NAMED_TUPLES[node["named"]] = type(value)
+                named(node, value)
             return node
         name = _SEPARATOR.join(path) if path else "data"
         leaves.append((name, value))
