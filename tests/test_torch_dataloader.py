@@ -268,6 +268,21 @@ def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):
         DataLoader(Samples(), **{"batch_size": 4, argument: value})
 
 
+@pytest.mark.parametrize("arguments", [{"num_workers": -1}, {"timeout": -1}, {"prefetch_factor": 2},
+                                       {"persistent_workers": True}, {"num_workers": 2, "prefetch_factor": -1}],
+                         ids=["negative workers", "negative timeout", "prefetch without workers",
+                              "persistent without workers", "negative prefetch"])
+@pytest.mark.parametrize("order", [{}, {"sampler": [0, 1]}, {"iterable": True}], ids=["own", "sampler", "iterable"])
+def test_worker_settings_torch_refuses_are_refused_in_torchs_words(arguments, order):
+    """prefetch_factor= or persistent_workers=True without workers were taken in silence."""
+    dataset = Stream() if order.pop("iterable", False) else Samples()
+    with pytest.raises(ValueError) as torchs:
+        TorchDataLoader(dataset, batch_size=2, **order, **arguments)
+    with pytest.raises(ValueError) as ours:
+        DataLoader(dataset, batch_size=2, **order, **arguments)
+    assert str(ours.value) == str(torchs.value)
+
+
 def test_an_iterable_dataset_is_iterated_as_torchs_loader_iterates_it():
     """Taken, not refused (tests/test_torch_iterable.py compares it with torch's at length)."""
     with DataLoader(Stream(), batch_size=2) as loader:

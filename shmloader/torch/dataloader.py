@@ -84,7 +84,7 @@ from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
-from .worker import HOOK, fork_refused, probe_view, share_by_fork, workers_setting
+from .worker import HOOK, fork_refused, probe_view, share_by_fork, torch_refusals, workers_setting
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -169,6 +169,7 @@ class DataLoader:
                  on_error: str = "raise", audit_log=None) -> None:
         import torch.utils.data
 
+        torch_refusals(num_workers, timeout, prefetch_factor, persistent_workers)
         self._check_arguments(dataset, batch_size, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
