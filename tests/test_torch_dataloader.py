@@ -624,11 +624,28 @@ class _Typed(Dataset):
         return {"x": self.make(index)}
 
 
-def test_a_bfloat16_sample_is_refused_naming_the_leaf_and_a_conjugate_view_is_taken():
-    """A bfloat16 tensor failed inside torch ("unsupported ScalarType"), and a conjugate
-    view (its lazy bit set) with a RuntimeError, neither naming the sample."""
-    with pytest.raises(Exception, match=r"dataset\[0\]\['x'\] is a torch tensor of torch.bfloat16.*float32"):
-        DataLoader(_Typed(lambda index: torch.full((2,), float(index), dtype=torch.bfloat16)), batch_size=2)
+def _bfloat16(index: int):
+    return torch.full((2,), index + 0.5, dtype=torch.bfloat16)
+
+
+def _stacked(samples: list) -> dict:
+    return {"x": torch.stack([sample["x"] for sample in samples])}
+
+
+@pytest.mark.parametrize("collate_fn", [None, _stacked], ids=["default_collate", "collate_fn"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bfloat16_sample_comes_as_torchs_bfloat16_batch(num_workers, collate_fn):
+    """A bfloat16 tensor was refused (numpy has no bfloat16): it travels as its bits now."""
+    expected = list(TorchDataLoader(_Typed(_bfloat16), batch_size=3, collate_fn=collate_fn))
+    with DataLoader(_Typed(_bfloat16), batch_size=3, num_workers=num_workers, collate_fn=collate_fn) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected) == 2
+    for one, other in zip(expected, found):
+        assert other["x"].dtype == torch.bfloat16 and torch.equal(one["x"], other["x"])
+
+
+def test_a_conjugate_view_is_taken():
+    """A conjugate view (its lazy bit set) failed with a RuntimeError that did not name the sample."""
     loader = DataLoader(_Typed(lambda index: torch.tensor([index + 1j]).conj()), batch_size=2)
     try:
         values = [value for batch in loader for value in batch["x"][:, 0].tolist()]

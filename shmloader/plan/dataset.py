@@ -5,7 +5,9 @@ get the dataset (DatasetSpec, which crosses to them as data).
 A sample is a numpy array, a Python scalar (int, float, bool), bytes, a torch tensor, or a
 dict, tuple or list of those, nested. Its leaves become the slot's regions, named by their
 path ("image", "label"; a tuple's items "0", "1"; nested "meta/id"; a bare array "data"),
-each (batch_size, *shape) of its dtype, from the first sample or from `outputs=` (leaf
+each (batch_size, *shape) of its dtype (a torch dtype numpy lacks, bfloat16, as its bits:
+dataset_outputs.TORCH_BITS; rebuild_batch gives tensors back as that dtype, arrays as the
+bits), from the first sample or from `outputs=` (leaf
 name -> (shape, dtype); for a leaf whose first dimension varies, Ragged(max_length): padded
 to max_length with NAME.lengths beside it, or PackedRagged(max_items): back to back with
 NAME.offsets beside it, as Packed gives a file's records). `structure` keeps the nesting so
@@ -40,7 +42,7 @@ import numpy as np
 
 from ..ring.slot_layout import Region
 from .collated import Collated
-from .dataset_outputs import _NAMED_CLASSES, DatasetError, DatasetOutput
+from .dataset_outputs import _NAMED_CLASSES, DatasetError, DatasetOutput, as_torch_dtype
 from .probe import probe
 
 # A dataset's pickle larger than this is refused with the import-path advice: every reader
@@ -384,7 +386,9 @@ def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
         return _named_class(structure["named"])(*items) if "named" in structure else tuple(items)
     if "list" in structure:
         return [rebuild_batch(item, arrays, convert) for item in structure["list"]]
-    return convert(arrays[structure["leaf"]])
+    made = convert(arrays[structure["leaf"]])
+    bits = structure.get("torch_bits")  # A torch dtype numpy lacks: its bits, seen as it as tensors (TORCH_BITS).
+    return made if bits is None or isinstance(made, np.ndarray) else as_torch_dtype(made, bits)
 
 
 def _as_mapping(name: str, made: dict):

@@ -49,8 +49,30 @@ class DatasetError(TransformError):
     """A dataset's samples do not fit the slot, or the dataset cannot reach the readers."""
 
 
+# torch dtypes numpy has no type for: a tensor of one travels as its bits (the torch integer
+# dtype of its width, here by name) and the trainer views the batch back as that dtype
+# (as_torch_dtype), so that a bfloat16 sample comes as bfloat16, as default_collate gives it.
+TORCH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def torch_bits(value) -> str | None:
+    """The name of `value`'s dtype where it is a torch tensor's that travels as bits (TORCH_BITS)."""
+    if not type(value).__module__.startswith("torch"):
+        return None
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    return name if name in TORCH_BITS else None
+
+
+def as_torch_dtype(tensor, name: str):
+    """`tensor` (the bits, TORCH_BITS) viewed as the torch dtype `name`, no copy."""
+    import torch
+
+    return tensor.view(getattr(torch, name))
+
+
 def _leaf_array(value, where: str) -> np.ndarray:
-    """A sample's leaf as an array (a tensor's own memory where it is on the CPU)."""
+    """A sample's leaf as an array (a tensor's own memory where it is on the CPU; its bits
+    where numpy has no dtype for it: TORCH_BITS)."""
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (bool, int, float, np.generic)):
@@ -59,6 +81,9 @@ def _leaf_array(value, where: str) -> np.ndarray:
         return np.frombuffer(value, np.uint8)
     if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
         tensor = value.detach().cpu().resolve_conj().resolve_neg()  # numpy() refuses the lazy conjugate bits.
+        bits = torch_bits(tensor)
+        if bits is not None:
+            tensor = as_torch_dtype(tensor, TORCH_BITS[bits])
         try:
             return tensor.numpy()
         except (TypeError, RuntimeError) as error:
@@ -103,8 +128,10 @@ def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, 
             return node
         name = _SEPARATOR.join(path) if path else "data"
         leaves.append((name, value))
-        return {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
+        node = {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
                 and not hasattr(value, "shape")}
+        bits = torch_bits(value)
+        return node if bits is None else {**node, "torch_bits": bits}
 
     structure = walk(sample, ())
     return structure, leaves

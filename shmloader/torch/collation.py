@@ -63,5 +63,6 @@ def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = Fa
     if beside.get(name) == "text":
         return {"text": name, "tuple": in_sequence}
     if name in beside:
-        return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
+        values = {"leaf": name, **({"torch_bits": structure["torch_bits"]} if "torch_bits" in structure else {})}
+        return {"dict": [["values", values], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure
