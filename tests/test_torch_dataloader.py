@@ -7,6 +7,7 @@ cannot honour is refused by name."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import copy
 import os
 import pathlib
@@ -46,7 +47,7 @@ class Samples(Dataset):
 
 def _assert_same_structure(expected, found, where="batch"):
     assert type(expected) is type(found), (where, type(expected), type(found))
-    if isinstance(expected, dict):
+    if isinstance(expected, collections.abc.Mapping):
         assert expected.keys() == found.keys(), where
         for key in expected:
             _assert_same_structure(expected[key], found[key], f"{where}[{key!r}]")
@@ -98,6 +99,33 @@ def test_namedtuples_come_back_as_their_class_as_default_collate_gives_them(num_
         assert type(other["point"]) is Point and other["point"]._fields == ("position", "label")
         assert torch.equal(one["point"].position, other["point"].position)
         assert torch.equal(one["point"].label, other["point"].label)
+
+
+class Encoding(collections.UserDict):
+    """What a Hugging Face tokenizer returns (BatchEncoding is a UserDict, no dict)."""
+
+
+class Tokenized(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        return Encoding({"input_ids": torch.arange(4) + index, "attention_mask": torch.ones(4, dtype=torch.int64),
+                         "meta": collections.OrderedDict(index=index)})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mappings_that_are_no_dict_come_back_as_their_class_as_default_collate_gives_them(num_workers):
+    """A UserDict sample (a tokenizer's BatchEncoding) was refused as a leaf, and an OrderedDict came back a dict."""
+    expected = list(TorchDataLoader(Tokenized(), batch_size=4))
+    with DataLoader(Tokenized(), batch_size=4, num_workers=num_workers) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected)
+    for one, other in zip(expected, found):
+        _assert_same_structure(one, other)
+        for key in ("input_ids", "attention_mask"):
+            assert torch.equal(one[key], other[key]), key
+        assert torch.equal(one["meta"]["index"], other["meta"]["index"])
 
 
 def _epoch_indices(loader) -> list[int]:
@@ -238,6 +266,21 @@ class Stream(IterableDataset):
 def test_what_cannot_be_honoured_is_refused_by_name(argument, value, message):
     with pytest.raises(ValueError, match=message):
         DataLoader(Samples(), **{"batch_size": 4, argument: value})
+
+
+@pytest.mark.parametrize("arguments", [{"num_workers": -1}, {"timeout": -1}, {"prefetch_factor": 2},
+                                       {"persistent_workers": True}, {"num_workers": 2, "prefetch_factor": -1}],
+                         ids=["negative workers", "negative timeout", "prefetch without workers",
+                              "persistent without workers", "negative prefetch"])
+@pytest.mark.parametrize("order", [{}, {"sampler": [0, 1]}, {"iterable": True}], ids=["own", "sampler", "iterable"])
+def test_worker_settings_torch_refuses_are_refused_in_torchs_words(arguments, order):
+    """prefetch_factor= or persistent_workers=True without workers were taken in silence."""
+    dataset = Stream() if order.pop("iterable", False) else Samples()
+    with pytest.raises(ValueError) as torchs:
+        TorchDataLoader(dataset, batch_size=2, **order, **arguments)
+    with pytest.raises(ValueError) as ours:
+        DataLoader(dataset, batch_size=2, **order, **arguments)
+    assert str(ours.value) == str(torchs.value)
 
 
 def test_an_iterable_dataset_is_iterated_as_torchs_loader_iterates_it():
@@ -524,6 +567,19 @@ def test_two_iterators_of_one_loader_at_once_raise_instead_of_ending_in_silence(
         loader.close()
 
 
+@pytest.mark.parametrize("arguments", [{"batch_size": 3}, {"batch_size": 3, "drop_last": True},
+                                       {"batch_size": 3, "sampler": [4, 2, 0, 1]}, {"batch_sampler": [[0], [1, 2]]}],
+                         ids=["own order", "drop_last", "sampler", "batch_sampler"])
+def test_an_iterators_len_is_the_epochs_batches_as_torchs_iterators_is(arguments):
+    """`it = iter(loader); for _ in range(len(it))` raised TypeError: the iterator had no len()."""
+    expected = iter(TorchDataLoader(_Indices(), **arguments))
+    with DataLoader(_Indices(), **arguments) as loader:
+        found = iter(loader)
+        next(found)
+        next(expected)
+        assert len(found) == len(expected) == len(loader)
+
+
 def _dataset_files() -> int:
     """This process's descriptors of the dataset's pickle (its memory files), not of what
     other threads of a test worker open meanwhile."""
@@ -568,11 +624,28 @@ class _Typed(Dataset):
         return {"x": self.make(index)}
 
 
-def test_a_bfloat16_sample_is_refused_naming_the_leaf_and_a_conjugate_view_is_taken():
-    """A bfloat16 tensor failed inside torch ("unsupported ScalarType"), and a conjugate
-    view (its lazy bit set) with a RuntimeError, neither naming the sample."""
-    with pytest.raises(Exception, match=r"dataset\[0\]\['x'\] is a torch tensor of torch.bfloat16.*float32"):
-        DataLoader(_Typed(lambda index: torch.full((2,), float(index), dtype=torch.bfloat16)), batch_size=2)
+def _bfloat16(index: int):
+    return torch.full((2,), index + 0.5, dtype=torch.bfloat16)
+
+
+def _stacked(samples: list) -> dict:
+    return {"x": torch.stack([sample["x"] for sample in samples])}
+
+
+@pytest.mark.parametrize("collate_fn", [None, _stacked], ids=["default_collate", "collate_fn"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_bfloat16_sample_comes_as_torchs_bfloat16_batch(num_workers, collate_fn):
+    """A bfloat16 tensor was refused (numpy has no bfloat16): it travels as its bits now."""
+    expected = list(TorchDataLoader(_Typed(_bfloat16), batch_size=3, collate_fn=collate_fn))
+    with DataLoader(_Typed(_bfloat16), batch_size=3, num_workers=num_workers, collate_fn=collate_fn) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected) == 2
+    for one, other in zip(expected, found):
+        assert other["x"].dtype == torch.bfloat16 and torch.equal(one["x"], other["x"])
+
+
+def test_a_conjugate_view_is_taken():
+    """A conjugate view (its lazy bit set) failed with a RuntimeError that did not name the sample."""
     loader = DataLoader(_Typed(lambda index: torch.tensor([index + 1j]).conj()), batch_size=2)
     try:
         values = [value for batch in loader for value in batch["x"][:, 0].tolist()]

@@ -257,6 +257,11 @@ def test_len_is_torchs():
         assert len(loader) == len(TorchDataLoader(Sized(5), batch_size=2)) == 3
     with DataLoader(Everything(5), batch_size=2) as loader, pytest.raises(TypeError):
         len(loader)
+    # torch's iterator has no len() over an IterableDataset (its sampler is infinite), sized or not.
+    with pytest.raises(TypeError):
+        len(iter(TorchDataLoader(Sized(5), batch_size=2)))
+    with DataLoader(Sized(5), batch_size=2) as loader, pytest.raises(TypeError, match="no len"):
+        len(iter(loader))
 
 
 class Range(IterableDataset):

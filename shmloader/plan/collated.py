@@ -39,7 +39,8 @@ import re
 
 import numpy as np
 
-from .dataset_outputs import COLLATE_BESIDE, DatasetError, DatasetOutput, _leaf_array
+from .dataset_outputs import (COLLATE_BESIDE, TORCH_BITS, DatasetError, DatasetOutput, _leaf_array, as_torch_dtype,
+                              torch_bits)
 from .naming import loader_name_problem
 
 BESIDE = COLLATE_BESIDE
@@ -125,7 +126,9 @@ def encode(batch, where: str) -> tuple[dict, list[tuple[str, np.ndarray]], dict]
             if array.dtype.hasobject or array.dtype.fields is not None or array.dtype.itemsize == 0:
                 raise _error(f"{where}[{name!r}] has dtype {array.dtype}; the slot takes plain numeric or bool arrays")
             arrays.append((name, array))
-            return {"a": name, "shape": list(array.shape), "torch": _is_tensor(value)}
+            bits = torch_bits(value)
+            node = {"a": name, "shape": list(array.shape), "torch": _is_tensor(value)}
+            return node if bits is None else {**node, "bits": bits}
         if isinstance(value, collections.abc.Mapping):
             node = {"d": [[walk(key, ()), walk(item, (*path, str(key)))] for key, item in value.items()]}
             if type(value) is not dict:
@@ -294,7 +297,11 @@ def rebuild(arrays, outputs: dict, classes: dict, convert, to_tensor):
                     output.collated:
                 raise bad(node)
             view = arrays[node["a"]][:math.prod(shape)].reshape(shape)
-            return to_tensor(view) if node.get("torch") else convert(view)
+            if "bits" not in node:
+                return to_tensor(view) if node.get("torch") else convert(view)
+            if node["bits"] not in TORCH_BITS or not node.get("torch"):
+                raise bad(node)
+            return as_torch_dtype(to_tensor(view), node["bits"])
         for tag, kind in (("s", str), ("i", int), ("f", float), ("b", bool)):
             if tag in node:
                 value = node[tag]

@@ -5,7 +5,9 @@ get the dataset (DatasetSpec, which crosses to them as data).
 A sample is a numpy array, a Python scalar (int, float, bool), bytes, a torch tensor, or a
 dict, tuple or list of those, nested. Its leaves become the slot's regions, named by their
 path ("image", "label"; a tuple's items "0", "1"; nested "meta/id"; a bare array "data"),
-each (batch_size, *shape) of its dtype, from the first sample or from `outputs=` (leaf
+each (batch_size, *shape) of its dtype (a torch dtype numpy lacks, bfloat16, as its bits:
+dataset_outputs.TORCH_BITS; rebuild_batch gives tensors back as that dtype, arrays as the
+bits), from the first sample or from `outputs=` (leaf
 name -> (shape, dtype); for a leaf whose first dimension varies, Ragged(max_length): padded
 to max_length with NAME.lengths beside it, or PackedRagged(max_items): back to back with
 NAME.offsets beside it, as Packed gives a file's records). `structure` keeps the nesting so
@@ -40,7 +42,7 @@ import numpy as np
 
 from ..ring.slot_layout import Region
 from .collated import Collated
-from .dataset_outputs import _NAMED_TUPLES, DatasetError, DatasetOutput
+from .dataset_outputs import _NAMED_CLASSES, DatasetError, DatasetOutput, as_torch_dtype
 from .probe import probe
 
 # A dataset's pickle larger than this is refused with the import-path advice: every reader
@@ -356,16 +358,16 @@ def plan_dataset(dataset, outputs=None, dataset_args=None, *, readers: int = 1, 
     return handle
 
 
-def _named_tuple(name: str) -> type:
-    """The namedtuple class `name` ("module:qualname") that dataset[0] returned in this
-    process, or imported by name."""
-    found = _NAMED_TUPLES.get(name)
+def _named_class(name: str) -> type:
+    """The namedtuple or Mapping class `name` ("module:qualname") that dataset[0] returned
+    in this process, or imported by name."""
+    found = _NAMED_CLASSES.get(name)
     if found is None:
         module, _, qualname = name.partition(":")
         found = importlib.import_module(module)
         for part in qualname.split("."):
             found = getattr(found, part)
-        _NAMED_TUPLES[name] = found
+        _NAMED_CLASSES[name] = found
     return found
 
 
@@ -373,14 +375,27 @@ def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
     """A batch's arrays (by leaf name) in the samples' structure: what default_collate
     makes of a list of samples (dicts of batches, tuples and lists of batches)."""
     if "dict" in structure:
-        return {key: rebuild_batch(item, arrays, convert) for key, item in structure["dict"]}
+        made = {key: rebuild_batch(item, arrays, convert) for key, item in structure["dict"]}
+        return _as_mapping(structure["named"], made) if "named" in structure else made
     if "text" in structure:  # A str leaf: the batch's strings, as default_collate gives them.
         values, offsets = arrays[structure["text"]], arrays[f"{structure['text']}.offsets"].tolist()
         texts = [bytes(values[start:end]).decode() for start, end in zip(offsets, offsets[1:])]
         return tuple(texts) if structure.get("tuple") else texts
     if "tuple" in structure:
         items = (rebuild_batch(item, arrays, convert) for item in structure["tuple"])
-        return _named_tuple(structure["named"])(*items) if "named" in structure else tuple(items)
+        return _named_class(structure["named"])(*items) if "named" in structure else tuple(items)
     if "list" in structure:
         return [rebuild_batch(item, arrays, convert) for item in structure["list"]]
-    return convert(arrays[structure["leaf"]])
+    made = convert(arrays[structure["leaf"]])
+    bits = structure.get("torch_bits")  # A torch dtype numpy lacks: its bits, seen as it as tensors (TORCH_BITS).
+    return made if bits is None or isinstance(made, np.ndarray) else as_torch_dtype(made, bits)
+
+
+def _as_mapping(name: str, made: dict):
+    """`made` as the samples' Mapping class `name`, built from a dict as default_collate
+    builds one it cannot copy; a plain dict where the class is not built so (defaultdict),
+    as default_collate falls back."""
+    try:
+        return _named_class(name)(made)
+    except Exception:  # noqa: BLE001 (any constructor)
+        return made

@@ -5,6 +5,7 @@ them, so that plan/collated.py builds on them without importing the planner back
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import numpy as np
@@ -48,8 +49,30 @@ class DatasetError(TransformError):
     """A dataset's samples do not fit the slot, or the dataset cannot reach the readers."""
 
 
+# torch dtypes numpy has no type for: a tensor of one travels as its bits (the torch integer
+# dtype of its width, here by name) and the trainer views the batch back as that dtype
+# (as_torch_dtype), so that a bfloat16 sample comes as bfloat16, as default_collate gives it.
+TORCH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+
+
+def torch_bits(value) -> str | None:
+    """The name of `value`'s dtype where it is a torch tensor's that travels as bits (TORCH_BITS)."""
+    if not type(value).__module__.startswith("torch"):
+        return None
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    return name if name in TORCH_BITS else None
+
+
+def as_torch_dtype(tensor, name: str):
+    """`tensor` (the bits, TORCH_BITS) viewed as the torch dtype `name`, no copy."""
+    import torch
+
+    return tensor.view(getattr(torch, name))
+
+
 def _leaf_array(value, where: str) -> np.ndarray:
-    """A sample's leaf as an array (a tensor's own memory where it is on the CPU)."""
+    """A sample's leaf as an array (a tensor's own memory where it is on the CPU; its bits
+    where numpy has no dtype for it: TORCH_BITS)."""
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (bool, int, float, np.generic)):
@@ -58,6 +81,9 @@ def _leaf_array(value, where: str) -> np.ndarray:
         return np.frombuffer(value, np.uint8)
     if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
         tensor = value.detach().cpu().resolve_conj().resolve_neg()  # numpy() refuses the lazy conjugate bits.
+        bits = torch_bits(tensor)
+        if bits is not None:
+            tensor = as_torch_dtype(tensor, TORCH_BITS[bits])
         try:
             return tensor.numpy()
         except (TypeError, RuntimeError) as error:
@@ -70,34 +96,42 @@ def _leaf_array(value, where: str) -> np.ndarray:
                        f"scalars, bytes or torch tensors (in dicts, tuples or lists)")
 
 
-# The namedtuple classes of the samples this process has flattened, by "module:qualname"
-# (a class defined in a function cannot be imported again by name).
-_NAMED_TUPLES: dict[str, type] = {}
+# The namedtuple and Mapping classes (other than dict) of the samples this process has
+# flattened, by "module:qualname" (a class defined in a function cannot be imported again by name).
+_NAMED_CLASSES: dict[str, type] = {}
 
 
 def flatten(sample, where: str = "the sample") -> tuple[object, list[tuple[str, object]]]:
     """(structure, [(leaf name, leaf value)]) of a sample, leaves in a fixed order."""
     leaves: list[tuple[str, object]] = []
 
+    def named(node: dict, value) -> dict:
+        node["named"] = f"{type(value).__module__}:{type(value).__qualname__}"
+        _NAMED_CLASSES[node["named"]] = type(value)
+        return node
+
     def walk(value, path: tuple[str, ...]):
-        if isinstance(value, dict):
+        # Any Mapping, as default_collate takes one: a tokenizer's BatchEncoding (a UserDict)
+        # and an OrderedDict come back as their class (rebuild_batch).
+        if isinstance(value, collections.abc.Mapping):
             items = []
             for key, item in value.items():
                 if not isinstance(key, str) or not key or "." in key or _SEPARATOR in key:
                     raise DatasetError(f"{where}: key {key!r} must be a non-empty string without '.' or '/'")
                 items.append([key, walk(item, (*path, key))])
-            return {"dict": items}
+            return {"dict": items} if type(value) is dict else named({"dict": items}, value)
         if isinstance(value, (tuple, list)):
             kind = "tuple" if isinstance(value, tuple) else "list"
             node = {kind: [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
             if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # A namedtuple: rebuilt as its class.
-                node["named"] = f"{type(value).__module__}:{type(value).__qualname__}"
-                _NAMED_TUPLES[node["named"]] = type(value)
+                named(node, value)
             return node
         name = _SEPARATOR.join(path) if path else "data"
         leaves.append((name, value))
-        return {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
+        node = {"leaf": name, "scalar": not isinstance(value, (np.ndarray, bytes, bytearray, memoryview))
                 and not hasattr(value, "shape")}
+        bits = torch_bits(value)
+        return node if bits is None else {**node, "torch_bits": bits}
 
     structure = walk(sample, ())
     return structure, leaves

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..fill.global_seeds import global_states_kept, seed_all
 from .collated import Collated, plan_collated
-from .dataset_outputs import _NAMED_TUPLES, _SEPARATOR, DatasetError, _leaf_array, _output_of, _text_output, flatten
+from .dataset_outputs import _NAMED_CLASSES, _SEPARATOR, DatasetError, _leaf_array, _output_of, _text_output, flatten
 from .naming import loader_name_problem
 from .sampler import sample_seeds
 
@@ -75,10 +75,10 @@ def _probe_in_fork(instance, length: int, declared: dict, probe_view, sample_see
     """(structure, outputs, classes) from a fork of the trainer, the user's exception raised
     again here, or None where the trainer cannot fork now or the answer did not come back."""
     def job() -> bytes:
-        named_before = set(_NAMED_TUPLES)
+        named_before = set(_NAMED_CLASSES)
         try:
             structure, built, classes = _probed(instance, length, declared, probe_view, sample_seed)
-            named = {name: found for name, found in _NAMED_TUPLES.items() if name not in named_before}
+            named = {name: found for name, found in _NAMED_CLASSES.items() if name not in named_before}
             answer = ("planned", structure, built, classes, named)
         except BaseException as error:  # noqa: BLE001 (the user's, whatever it is, goes back to the trainer)
             answer = ("raised", error, "".join(traceback.format_exception(type(error), error, error.__traceback__)))
@@ -104,7 +104,7 @@ def _probe_in_fork(instance, length: int, declared: dict, probe_view, sample_see
     if answer[0] != "planned":
         return None
     _, structure, built, classes, named = answer
-    _NAMED_TUPLES.update(named)  # rebuild_batch finds them as the trainer's own probe would have left them.
+    _NAMED_CLASSES.update(named)  # rebuild_batch finds them as the trainer's own probe would have left them.
     return structure, built, classes
 
 

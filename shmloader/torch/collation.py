@@ -51,7 +51,8 @@ def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = Fa
     for Ragged) becomes {"values", that key}; a str leaf ("text") the batch's strings, a
     list, or a tuple inside a tuple or list (default_collate's zip of the samples)."""
     if "dict" in structure:
-        return {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
+        node = {"dict": [[key, _as_collated(item, beside)] for key, item in structure["dict"]]}
+        return {**node, "named": structure["named"]} if "named" in structure else node
     if "named" in structure:
         return {"tuple": [_as_collated(item, beside, True) for item in structure["tuple"]],
                 "named": structure["named"]}
@@ -62,5 +63,6 @@ def _as_collated(structure: dict, beside: dict[str, str], in_sequence: bool = Fa
     if beside.get(name) == "text":
         return {"text": name, "tuple": in_sequence}
     if name in beside:
-        return {"dict": [["values", {"leaf": name}], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
+        values = {"leaf": name, **({"torch_bits": structure["torch_bits"]} if "torch_bits" in structure else {})}
+        return {"dict": [["values", values], [beside[name], {"leaf": f"{name}.{beside[name]}"}]]}
     return structure

@@ -84,7 +84,7 @@ from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
-from .worker import HOOK, fork_refused, probe_view, share_by_fork, workers_setting
+from .worker import HOOK, fork_refused, probe_view, share_by_fork, torch_refusals, workers_setting
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -103,11 +103,15 @@ class _PassIterator:
     a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
     loader) would otherwise end at once, in silence)."""
 
-    def __init__(self, batches) -> None:
-        self._batches, self._superseded = batches, False
+    def __init__(self, batches, loader: DataLoader) -> None:
+        self._batches, self._superseded, self._loader = batches, False, loader
 
     def __iter__(self):
         return self
+
+    def __len__(self) -> int:
+        """As torch's iterator: the epoch's batches (`it = iter(loader); range(len(it))`)."""
+        return self._loader._iterator_length()
 
     def __next__(self):
         if self._superseded:
@@ -165,6 +169,7 @@ class DataLoader:
                  on_error: str = "raise", audit_log=None) -> None:
         import torch.utils.data
 
+        torch_refusals(num_workers, timeout, prefetch_factor, persistent_workers)
         self._check_arguments(dataset, batch_size, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
@@ -257,8 +262,12 @@ class DataLoader:
         elif self._started:
             self._new_pass(self._epoch + 1)
         self._started = True
-        self._iterator = iterator = _PassIterator(self._batches())
+        self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
+
+    def _iterator_length(self) -> int:
+        """len(iter(loader)): torch's is len(its batch sampler), the whole epoch's batches."""
+        return len(self)
 
     def _batches(self):
         """The pass's batches, tensors over their slots; the last one's tensors over memory of

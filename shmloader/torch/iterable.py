@@ -76,6 +76,7 @@ import weakref
 
 from ..plan.collated import BESIDE, Collated
 from .dataloader import DataLoader
+from .worker import torch_refusals
 
 # The steps a pass may hold: far more than any epoch of batches. The ring's steps are
 # numbered in this range; the pass ends when every reader is exhausted, long before.
@@ -381,6 +382,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                              f"so the count fixes the batches' order and what a checkpoint resumes, and workers cannot "
                              f"join or leave; give num_workers an integer (this node's default would be "
                              f"{default_readers()})")
+        torch_refusals(num_workers, timeout, prefetch_factor, persistent_workers)
         # PyTorch's own checks (shuffle=, sampler= and batch_sampler= refused with an
         # IterableDataset) and defaults (default_collate, default_convert for batch_size=None).
         reference = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -461,6 +463,12 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+
+    def _iterator_length(self) -> int:
+        """torch's iterator over an IterableDataset has no len() (its sampler is infinite),
+        even where the loader has one."""
+        raise TypeError("the iterator of a DataLoader over an IterableDataset has no len(), as torch's has none; "
+                        "len(loader) gives the batches len(dataset) makes")
 
     def __iter__(self):
         if not self._resumed:

@@ -37,7 +37,7 @@ from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from ..plan.sampler import derive_seed
 from .collation import collating
 from .dataloader import _SEED_MASK, DataLoader, _PassIterator
-from .worker import workers_setting
+from .worker import torch_refusals, workers_setting
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -135,6 +135,7 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
                                                 batch_sampler=batch_sampler, drop_last=drop_last, generator=generator,
                                                 collate_fn=collate_fn)
         # The plain drop-in's checks of the other arguments, on a loader it never starts.
+        torch_refusals(num_workers, timeout, prefetch_factor, persistent_workers)
         super()._check_arguments(dataset, batch_size or 1, collate_fn, in_order)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no CUDA device is available: ignored, as torch's DataLoader does",
@@ -183,11 +184,11 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
             self._started = True
             if order is None:  # No batch this epoch, as PyTorch's loader gives none.
                 self._epoch = epoch
-                self._iterator = iterator = _PassIterator(batch for batch in ())
+                self._iterator = iterator = _PassIterator((batch for batch in ()), self)
                 return iterator
             self._begin(epoch, order)
         self._started = True
-        self._iterator = iterator = _PassIterator(self._batches())
+        self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
 
     def _draw(self) -> dict | None:

@@ -51,6 +51,19 @@ def workers_setting(num_workers) -> tuple[object, int]:
     return AutoReaders(start=start, least=least, most=most), most
 
 
+def torch_refusals(num_workers, timeout, prefetch_factor, persistent_workers) -> None:
+    """Raises what PyTorch's DataLoader raises for these, in its words (a negative
+    num_workers or timeout, prefetch_factor or persistent_workers=True without workers):
+    torch's own checks, run on a loader it never starts, so that the drop-in refuses what
+    a script under torch could never have run, as torch does."""
+    import torch.utils.data
+
+    if isinstance(num_workers, str):  # "auto": the drop-in's own, checked by workers_setting.
+        num_workers = 1
+    torch.utils.data.DataLoader((), num_workers=num_workers, timeout=timeout, prefetch_factor=prefetch_factor,
+                                persistent_workers=persistent_workers)
+
+
 def enter_reader(dataset, reader, worker_init_fn) -> None:
     """Sets torch's worker info for this reader, then runs `worker_init_fn(reader.index)`
     where one was given. `reader`: fill/dataset_runner.ReaderView."""
