@@ -124,8 +124,10 @@ class Augmented(Dataset):
 
 def _run(context, num_workers: int, persistent: bool) -> list:
     epochs = []
-    with DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=num_workers, persistent_workers=persistent,
-                    generator=torch.Generator().manual_seed(3), multiprocessing_context=context) as loader:
+    # Without workers, persistent_workers=True is refused (as torch's DataLoader refuses it).
+    with DataLoader(Augmented(), batch_size=4, shuffle=True, num_workers=num_workers,
+                    persistent_workers=persistent and num_workers > 0, generator=torch.Generator().manual_seed(3),
+                    multiprocessing_context=context) as loader:
         for _ in range(2):
             epochs.append([{key: value.tolist() for key, value in batch.items()} for batch in loader])
     return epochs
