@@ -499,6 +499,46 @@ def test_a_resumed_readers_steps_do_not_depend_on_the_order_it_is_asked_for_them
             assert made == reference[step], (step, asked)
 
 
+class UnwrittenState(Shards):
+    """Shards with the Stateful protocol's methods, not written yet: torch's DataLoader never
+    calls them."""
+
+    def state_dict(self):
+        raise NotImplementedError("state_dict is not written yet")
+
+    def load_state_dict(self, state):
+        raise NotImplementedError("load_state_dict is not written yet")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_whose_state_dict_raises_runs_as_torchs_and_resumes_by_replay(workers):
+    """Its batches are torch's, a warning says once that checkpoints keep no state of it (it
+    was refused when the loader was made), and a checkpoint mid-epoch resumes by replay with
+    the batches the uninterrupted run gave."""
+    arguments = {"batch_size": 2, "num_workers": workers, "collate_fn": pad}
+    lengths = [5, 3] if workers else [7]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with DataLoader(UnwrittenState(lengths), **arguments) as loader:
+            found = epochs_of(loader, 2)
+    assert_epochs(epochs_of(TorchDataLoader(UnwrittenState(lengths), **arguments), 2), found)
+    torch_queue_threads_ended()
+    stateless = [str(warning.message) for warning in said if "checkpoints keep no state" in str(warning.message)]
+    assert len(stateless) == 1 and "raised NotImplementedError: state_dict is not written yet" in stateless[0], said
+    stop = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with DataLoader(UnwrittenState(lengths), **arguments) as loader:
+            batches = iter(loader)
+            for _ in range(stop):
+                next(batches)
+            state = loader.state_dict()
+        assert "reader_states" not in state
+        with DataLoader(UnwrittenState(lengths), **arguments) as resumed:
+            resumed.load_state_dict(state)
+            assert_epochs([found[0][stop:]], epochs_of(resumed, 1))
+
+
 @examples(10)
 @given(data=st.data(), readers=st.integers(1, 3), slots=st.integers(1, 8), length=st.integers(1, 60))
 def test_a_reader_keeps_batches_made_ahead_only_while_the_ring_may_still_ask_them(data, readers, slots, length):

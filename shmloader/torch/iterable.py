@@ -44,6 +44,8 @@ it, as torch's does; another is refused by name); the readers start afresh on lo
   iterated again before a load in place). After an epoch left by `break`, the readers' copies
   start the next epoch from states the trainer never took: a checkpoint taken before a
   reader's first batch of that epoch restarts that reader from a fresh copy (as a replay).
+  A dataset whose state_dict() raises (not written yet: torch's DataLoader never calls it)
+  runs, with a warning naming the error, and resumes by replay (IterableBatches._with_state).
 - Otherwise by replay: each reader calls iter() again and skips the batches it delivered
   before the checkpoint's step (collating them as before: a replay costs the batches
   skipped). It is exact where iterating the dataset again gives the same samples in the
@@ -72,6 +74,7 @@ import math
 import os
 import pickle
 import stat
+import warnings
 import weakref
 
 from ..plan.collated import BESIDE, Collated
@@ -83,6 +86,9 @@ from .worker import torch_refusals
 STEPS_MAX = 1 << 40
 # Batches of the first readers the trainer's probe collates to lay out the slot.
 _PROBE_BATCHES = 2
+# Of the error a state_dict() raised, what each step of the reader carries (_with_state): a
+# small part of the room the slot gives a batch's JSON (plan/collated.BESIDE_BYTES_MIN).
+_STATELESS_CHARS_MAX = 200
 
 
 class IterableBatches(Collated):
@@ -109,6 +115,8 @@ class IterableBatches(Collated):
         # (trainer pid, fd) of the trainer's latest `resume` (IterableDataLoader._publish): a
         # reader started after this view was forked or pickled (a replaced one) reads it.
         self.resume_source: tuple[int, int] | None = None
+        # Why this copy's state_dict() raised (_with_state), or None.
+        self.stateless: str | None = None
         self._iterator = self._pass_seed = self._next_step = self._last = None
         self._ended, self._rows, self._from_saved = False, 0, False
         # A Stateful dataset's (pass seed, _state_before_iter()): a restart in the pass (a
@@ -196,10 +204,26 @@ class IterableBatches(Collated):
         """The iterator's next batch, or the end mark, with the state after it (the class)."""
         batch = self._next_batch()
         if batch is None:
-            return {"end": True, "state": self.dataset.state_dict() if self.stateful else None}
-        made = {"batch": batch, "state": self.dataset.state_dict() if self.stateful else None}
+            return self._with_state({"end": True})
+        made = self._with_state({"batch": batch})
         if self.stateful and self._ended:  # Its iterator ended making it: a resume makes no batch.
             made["ended"] = True
+        return made
+
+    def _with_state(self, made: dict) -> dict:
+        """`made` with the dataset's state_dict() after it as "state" (None where it is not
+        Stateful). A state_dict() that raises makes this copy not Stateful from then on, and
+        every step it makes says why ("stateless"): the trainer then resumes the dataset by
+        replay (IterableDataLoader._stateless), as it would one without state_dict(); torch's
+        DataLoader never calls it, so a dataset whose state_dict() is not written yet runs."""
+        made["state"] = None
+        if self.stateful:
+            try:
+                made["state"] = self.dataset.state_dict()
+            except Exception as error:  # noqa: BLE001 (the user's, whatever it is)
+                self.stateful, self.stateless = False, f"{type(error).__name__}: {error}"[:_STATELESS_CHARS_MAX]
+        if self.stateless is not None:
+            made["stateless"] = self.stateless
         return made
 
     def _restart(self, step: int, pass_seed: int) -> None:
@@ -308,8 +332,7 @@ class IterableBatches(Collated):
             try:
                 self._iterator, self._ended = iter(self.dataset), False
                 while len(found) < _PROBE_BATCHES and (batch := self._probe_next(found)) is not None:
-                    state = self.dataset.state_dict() if self.stateful else None
-                    found.append((list(range(self._rows)), {"batch": batch, "state": state}))
+                    found.append((list(range(self._rows)), self._with_state({"batch": batch})))
             finally:
                 worker._worker_info = view
                 self._iterator = None
@@ -492,6 +515,8 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
             # Under pin_memory each batch is a copy (its slot is free for the next epoch at once).
             made = self._rebuild(arrays, self.pin_memory)
             del arrays
+            if stateful and "stateless" in made:
+                stateful = self._stateless(reader, made["stateless"])
             if stateful:
                 self._reader_states[reader] = checkpoint_entry(made, step, readers)
             if "end" in made:
@@ -504,6 +529,18 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                 continue
             yield made["batch"]
             del made
+
+    def _stateless(self, reader: int, why: str) -> bool:
+        """Reader `reader`'s copy of the dataset raised `why` from state_dict(): said once, and
+        the dataset is resumed by replay from now on (IterableBatches._with_state). False."""
+        warnings.warn(f"shmloader.torch.DataLoader: the dataset's state_dict() raised {why} (in reader {reader}), so "
+                      f"checkpoints keep no state of it: load_state_dict() replays it (iter() again, the batches "
+                      f"delivered skipped), as for a dataset without state_dict(); torch's DataLoader never calls "
+                      f"state_dict()", stacklevel=5)
+        self._adapter.stateful, self._adapter.resume = False, None
+        self._reader_states, self._next_pass_states = {}, {}
+        self._publish(None)  # A replaced reader resumes nothing: it replays too.
+        return False
 
     def _grown_outputs(self, error: Exception) -> dict | None:
         """As the map-style loader's; where the slot grows, a Stateful dataset's readers start
