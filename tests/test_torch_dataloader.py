@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 
 import dataset_fixtures as fixtures  # noqa: E402
-from conftest import kill_this_process_while_kills_left, wait_until  # noqa: E402
+from conftest import examples, kill_this_process_while_kills_left, wait_until  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from shmloader import PackedRagged, Ragged  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
@@ -736,3 +738,57 @@ def test_num_workers_auto_is_refused_for_an_iterable_dataset_saying_why_and_what
     with pytest.raises(TypeError, match=r"num_workers must be an integer \(PyTorch's meaning\) or \"auto\", got "
                                         r"'four'"):
         DataLoader(Samples(), batch_size=2, num_workers="four")
+
+
+class Captions(Dataset):
+    """A caption and a label a sample; caption i is `lengths[i]` characters, some of them
+    not ASCII (two bytes each in UTF-8)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> dict:
+        text = "".join("é" if (index + position) % 7 == 0 else chr(97 + position % 26)
+                       for position in range(self.lengths[index]))
+        return {"caption": text, "label": index}
+
+
+@examples(4)
+@given(lengths=st.lists(st.integers(0, 3000), min_size=2, max_size=12), workers=st.sampled_from([0, 2]),
+       batch_size=st.integers(1, 4))
+def test_strs_longer_than_dataset_0s_grow_their_room_and_come_as_torchs(lengths, workers, batch_size):
+    """A str leaf's room comes from dataset[0]'s (plan/dataset_outputs.TEXT_BYTES_DEFAULT): a
+    longer one later grows it, as a collate_fn's batch grows its slot, with a warning, and
+    two epochs are torch's, each batch's captions and labels."""
+    import warnings
+
+    from shmloader.plan.collated import CollateGrowthWarning
+
+    lengths[0] = min(lengths[0], 10)  # dataset[0]'s is short: the room it gives is the default's.
+    arguments = {"batch_size": batch_size, "num_workers": workers}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with DataLoader(Captions(lengths), **arguments) as loader:
+            found = [[copy.deepcopy(batch) for batch in loader] for _ in range(2)]
+    expected = [list(TorchDataLoader(Captions(lengths), **arguments)) for _ in range(2)]
+    for epoch, (one, other) in enumerate(zip(expected, found, strict=True)):
+        assert len(one) == len(other), epoch
+        for batch, got in zip(one, other):
+            assert batch["caption"] == got["caption"] and torch.equal(batch["label"], got["label"]), epoch
+    longest = max(len(Captions(lengths)[index]["caption"].encode()) for index in range(len(lengths)))
+    grew = [str(warning.message) for warning in said if issubclass(warning.category, CollateGrowthWarning)]
+    assert bool(grew) == (longest > 256), (longest, grew)
+    assert all("str at step" in message and "Ragged(max_bytes)" in message for message in grew), grew
+
+
+def test_a_declared_str_room_stays_its_maximum():
+    """outputs={"caption": Ragged(n)} is the caller's bound: a longer caption raises, naming it."""
+    from shmloader.plan.dataset_outputs import TextRoomError
+
+    with DataLoader(Captions([5, 40]), batch_size=1, outputs={"caption": Ragged(16)}) as loader:
+        with pytest.raises(TextRoomError, match=r"a str of 45 bytes .* more than the 16 its output 'caption' holds"):
+            list(loader)
+

@@ -77,15 +77,6 @@ def test_a_bytes_leaf_comes_as_default_collates_list_of_bytes(make):
     _compare(lambda: Made(make), batch_size=3)
 
 
-def _caption(index: int) -> dict:
-    return {"caption": "a" * (1 + 300 * index)}
-
-
-@pytest.mark.xfail(strict=True, reason="a str leaf's room is fixed from dataset[0] (TEXT_BYTES_DEFAULT or 4x its "
-                                       "bytes): a longer str later raises DatasetError naming outputs=Ragged(max_bytes), "
-                                       "where a collate_fn's leaf grows the slot instead (CollateGrowthWarning)")
-def test_a_str_leaf_longer_than_dataset_0s_room_comes_as_torchs():
-    _compare(lambda: Made(_caption, 4), batch_size=2)
 
 
 class Batch:

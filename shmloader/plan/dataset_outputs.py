@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import re
 
 import numpy as np
 
@@ -212,14 +213,29 @@ def _text_output(name: str, text: str, declared) -> DatasetOutput:
     return DatasetOutput(name, (), "|u1", text_bytes=declared.max_length)
 
 
+class TextRoomError(DatasetError):
+    """A str leaf longer than its output holds (the message says which and how many bytes:
+    text_room_needed reads it, also from a reader's report of it, which keeps its type)."""
+
+
+_TEXT_ROOM = re.compile(r"is a str of ([0-9]+) bytes \(UTF-8\), more than the [0-9]+ its output ('[^'\\]*') holds")
+
+
+def text_room_needed(error: BaseException) -> dict[str, int]:
+    """{str leaf: the bytes a sample of it needed} of a TextRoomError; {} for another error."""
+    if not isinstance(error, TextRoomError):
+        return {}
+    return {name[1:-1]: int(count) for count, name in _TEXT_ROOM.findall(str(error))}
+
+
 def text_bytes(value, output: DatasetOutput, where: str) -> np.ndarray:
     """A str leaf's UTF-8 bytes, checked against its output's bound."""
     if not isinstance(value, str):
         raise DatasetError(f"{where} is a {type(value).__name__}, where dataset[0]'s is a str")
     data = np.frombuffer(value.encode(), np.uint8)
     if len(data) > output.text_bytes:
-        raise DatasetError(f"{where} is a str of {len(data)} bytes (UTF-8), more than the {output.text_bytes} its "
-                           f"output holds; declare outputs={{{output.name!r}: Ragged(max_bytes)}}")
+        raise TextRoomError(f"{where} is a str of {len(data)} bytes (UTF-8), more than the {output.text_bytes} its "
+                            f"output {output.name!r} holds; declare outputs={{{output.name!r}: Ragged(max_bytes)}}")
     return data
 
 

@@ -78,6 +78,7 @@ import warnings
 from ..loader import ShmDataLoader
 from ..plan import collated
 from ..plan.dataset import DatasetError, rebuild_batch
+from ..plan.dataset_outputs import Ragged, text_room_needed
 from ..plan.defaults import TRAINER_SLOTS
 from ..plan.options import check_flag
 from ..plan.sampler import derive_seed
@@ -306,14 +307,23 @@ class DataLoader:
         return loader
 
     def _grown_outputs(self, error: Exception) -> dict | None:
-        """outputs= with twice the room a CollateRoomError says each of its leaves needed (the
-        slot grows geometrically), or None: another error, a room the caller declared (a
-        maximum is kept), or the slot grown COLLATE_GROWTHS_MAX times already."""
-        needed = collated.room_needed(error)
-        if not needed or set(needed) & self._declared or self._growths >= collated.COLLATE_GROWTHS_MAX:
+        """outputs= with twice the room a CollateRoomError says each of its leaves needed, or
+        a TextRoomError a str leaf's bytes (the slot grows geometrically), or None: another
+        error, a room the caller declared (a maximum is kept), or the slot grown
+        COLLATE_GROWTHS_MAX times already."""
+        needed, texts = collated.room_needed(error), text_room_needed(error)
+        if not (needed or texts) or set(needed) & self._declared or set(texts) & self._declared or \
+                self._growths >= collated.COLLATE_GROWTHS_MAX:
             return None
         self._growths += 1
         step = self._loader._session.cursor.next_step
+        if texts:  # dataset[0]'s str gave its leaf's room (plan/dataset_outputs.TEXT_BYTES_DEFAULT).
+            what = ", ".join(f"{name!r} needs {count} bytes" for name, count in texts.items())
+            warnings.warn(f"a sample's str at step {step} of epoch {self._epoch} is longer than the room dataset[0] "
+                          f"gave its leaf ({what}): the room grows to twice that and the readers start again at that "
+                          f"step (outputs={{name: Ragged(max_bytes)}} gives the room from the start)",
+                          collated.CollateGrowthWarning, stacklevel=4)
+            return {**self._build["outputs"], **{name: Ragged(2 * count) for name, count in texts.items()}}
         what = ", ".join(f"{name!r} needs {count} {'bytes' if name == collated.BESIDE else 'elements'}"
                          for name, count in needed.items())
         warnings.warn(f"collate_fn's batch at step {step} of epoch {self._epoch} outgrows the room the probe batches "
