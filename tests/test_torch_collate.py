@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import dataclasses
 import os
 import signal
 
@@ -351,3 +352,40 @@ def test_a_slot_whose_json_a_reader_did_not_write_is_refused(length, text):
     arrays[BESIDE][:len(text)] = np.frombuffer(text, np.uint8)
     with pytest.raises(DatasetError, match="collate.beside"):
         collated.rebuild(arrays, outputs, {}, lambda array: array, torch.from_numpy)
+
+
+@dataclasses.dataclass
+class LabelledBatch:
+    """A collate_fn's own batch class, as research code writes one: a dataclass with .to()."""
+
+    tokens: torch.Tensor
+    names: list
+    rows: int = 0
+    nested: dict = dataclasses.field(default_factory=dict)
+
+    def to(self, device):
+        return dataclasses.replace(self, tokens=self.tokens.to(device))
+
+
+def _labelled(samples: list) -> LabelledBatch:
+    longest = max(len(sample["input_ids"]) for sample in samples)
+    tokens = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        tokens[row, :len(sample["input_ids"])] = torch.from_numpy(sample["input_ids"])
+    return LabelledBatch(tokens, [sample["name"] for sample in samples], len(samples),
+                         {"lengths": torch.tensor([len(sample["input_ids"]) for sample in samples])})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_collate_fn_returning_a_dataclass_gives_that_class_as_torchs_loader_does(num_workers):
+    """Its fields cross as the batch's leaves do and the trainer calls the class with them."""
+    def same(one, other) -> bool:
+        return type(one) is type(other) is LabelledBatch and torch.equal(one.tokens, other.tokens) and \
+            one.names == other.names and one.rows == other.rows and \
+            torch.equal(one.nested["lengths"], other.nested["lengths"])
+
+    lengths = [3, 5, 1, 7, 2, 4, 6]
+    expected = list(TorchDataLoader(Tokens(lengths), batch_size=3, collate_fn=_labelled))
+    with DataLoader(Tokens(lengths), batch_size=3, collate_fn=_labelled, num_workers=num_workers) as loader:
+        found = [copy.deepcopy(batch) for batch in loader]
+    assert len(found) == len(expected) and all(same(one, other) for one, other in zip(expected, found))

@@ -90,8 +90,8 @@ class Batch:
 
 
 @pytest.mark.xfail(strict=True, reason="a collate_fn's batch is written into the slot as arrays and JSON "
-                                       "(plan/collated.py): an object of another class is refused by name; torch "
-                                       "pickles it through the worker's queue")
+                                       "(plan/collated.py): an object of a class that is no dataclass, Mapping or "
+                                       "namedtuple is refused by name; torch pickles it through the worker's queue")
 def test_a_collate_fn_returning_its_own_class_gives_that_object():
     _compare(lambda: Made(int), batch_size=3, collate_fn=Batch)
 

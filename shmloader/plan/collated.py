@@ -13,7 +13,7 @@ write what it returns into the slot (fill/dataset_runner.py). The slot holds:
     collate.beside.length   (1,)               int64   the JSON's bytes this batch
 
 The JSON is the batch's tree: {"d": [[key, node], ...]} a dict (another Mapping carries
-"type"), {"t": [...]} a tuple ("type": a namedtuple's class), {"l": [...]} a list,
+"type"; a dataclass "type" and "fields": its class called with them), {"t": [...]} a tuple ("type": a namedtuple's class), {"l": [...]} a list,
 {"s": str}, {"i": int}, {"f": float}, {"b": bool}, null for None, {"y": base64} bytes,
 {"g": numpy dtype, "v": value} a numpy scalar, {"a": LEAF, "shape": [...], "torch": bool}
 an array (a torch tensor where "torch"). A class named in it is one the trainer saw in the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import collections.abc
+import dataclasses
 import json
 import math
 import re
@@ -141,9 +142,15 @@ def encode(batch, where: str) -> tuple[dict, list[tuple[str, np.ndarray]], dict]
             return node
         if isinstance(value, list):
             return {"l": [walk(item, (*path, str(index))) for index, item in enumerate(value)]}
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            # A batch class of the collate_fn's own (a dataclass with .to(), as research code
+            # writes one): its fields given to its __init__, rebuilt by calling it with them.
+            names = [field.name for field in dataclasses.fields(value) if field.init]
+            return {"d": [[{"s": name}, walk(getattr(value, name), (*path, name))] for name in names],
+                    "type": named(value), "fields": True}
         raise _error(f"{where}: {_SEPARATOR.join(path) or 'the batch'} is a {type(value).__name__}; a collate_fn's "
                      f"batch holds arrays and tensors, str, bytes, int, float, bool and None, in dicts (Mappings), "
-                     f"tuples and lists")
+                     f"tuples, lists and dataclasses")
 
     tree = walk(batch, ())
     names = [name for name, _ in arrays]
@@ -328,6 +335,10 @@ def rebuild(arrays, outputs: dict, classes: dict, convert, to_tensor):
             made = {build(pair[0]): build(pair[1]) for pair in items if isinstance(pair, list) and len(pair) == 2}
             if len(made) != len(items):
                 raise bad(node)
+            if node.get("fields"):  # A dataclass's (encode): only a dataclass the probe saw is called.
+                if cls is None or not dataclasses.is_dataclass(cls) or not all(isinstance(key, str) for key in made):
+                    raise bad(node)
+                return cls(**made)
             return _made(cls, made, dict)
         values = [build(item) for item in items]
         if "t" in node:
