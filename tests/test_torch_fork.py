@@ -277,6 +277,57 @@ def test_a_trainer_with_cuda_initialised_falls_back_naming_cuda(monkeypatch):
         assert [batch.tolist() for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+class Doubled(Dataset):
+    """A dataset holding a lambda (a transforms.Lambda, say): it does not pickle."""
+
+    def __init__(self) -> None:
+        self.make = lambda index: np.int64(2 * index)
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        return self.make(index)
+
+
+@pytest.mark.parametrize("hazard", ["thread", "cuda"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_dataset_that_does_not_pickle_is_forked_after_all_where_forking_is_unsafe(hazard, sampled, monkeypatch):
+    """A trainer running a thread (wandb's, a TensorBoard writer's) or with CUDA initialised
+    gives its readers the dataset pickled; one that does not pickle ran under torch's
+    DataLoader, which forks its workers whatever runs: its readers are forked after all, said
+    once, and the batches are torch's. With multiprocessing_context="spawn" it is refused,
+    as torch's spawned workers refuse it."""
+    monkeypatch.setattr(torch_worker, "_WARNED", set())
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="metrics-uploader")
+    if hazard == "thread":
+        thread.start()
+    else:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    arguments = {"batch_size": 4, "num_workers": 2}
+    if sampled:
+        arguments["sampler"] = torch.utils.data.SequentialSampler(range(8))
+    try:
+        expected = [batch.tolist() for batch in torch.utils.data.DataLoader(Doubled(), **arguments)]
+        for attempt in range(2):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with DataLoader(Doubled(), **arguments) as loader:
+                    assert [[batch.tolist() for batch in loader] for _ in range(2)] == [expected, expected]
+                    assert loader._loader._dataset.spec.forked
+            said = [str(warning.message) for warning in caught if "forked from the trainer after all" in
+                    str(warning.message)]
+            assert len(said) == (1 - attempt) and all("does not pickle" in message for message in said), said
+        with pytest.raises(DatasetError, match="cannot be pickled"):
+            with DataLoader(Doubled(), multiprocessing_context="spawn", **arguments) as loader:
+                list(loader)  # A sampled loader plans its epoch's loader here.
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+
+
 def _pss_bytes(pid: int) -> int:
     """The process's PSS; 0 for one that has exited meanwhile (it holds nothing)."""
     try:

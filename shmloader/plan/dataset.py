@@ -149,11 +149,16 @@ def _unpicklable_attribute(dataset) -> str:
     return "an attribute or the class itself"
 
 
+class DatasetPickleError(DatasetError):
+    """The dataset cannot be pickled for the readers, or pickles too large to send (the
+    drop-in then forks its readers after all, as torch's DataLoader forks its workers)."""
+
+
 def _pickled(dataset) -> bytes:
     try:
         data = pickle.dumps(dataset, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as error:  # noqa: BLE001 (pickle raises many types)
-        raise DatasetError(
+        raise DatasetPickleError(
             f"the dataset ({type(dataset).__name__}) cannot be pickled for the readers: {_unpicklable_attribute(dataset)} "
             f"does not pickle ({type(error).__name__}: {error}). Open such resources lazily in __getitem__, or give "
             f"the dataset by import path: from_dataset('mypkg.data:make_dataset', dataset_args={{...}}) builds it in "
@@ -162,14 +167,14 @@ def _pickled(dataset) -> bytes:
         mapped = _mapped_attributes(dataset)
         if mapped:
             name, filename, nbytes = mapped[0]
-            raise DatasetError(
+            raise DatasetPickleError(
                 f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} MiB): its "
                 f"attribute {name!r} is a memory-mapped array ({nbytes / 2**20:,.0f} MiB of {filename}, from "
                 f"np.load(mmap_mode='r') or np.memmap), and pickle copies a mapped array's bytes, it does not keep the "
                 f"mapping, so every reader would hold a copy. Keep the path in the dataset and map the file in "
                 f"__getitem__ on first use (if self.array is None: self.array = np.load(path, mmap_mode='r')), or "
                 f"give the dataset by import path; readers=0 (the trainer fills) sends nothing")
-        raise DatasetError(f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} "
+        raise DatasetPickleError(f"the dataset pickles to {len(data) / 2**20:,.0f} MiB (more than {PICKLE_BYTES_MAX >> 20} "
                            f"MiB), which every reader would hold again: keep its data in files it opens lazily, or give "
                            f"it by import path")
     return data

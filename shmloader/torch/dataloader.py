@@ -30,7 +30,8 @@ dataset's memory copy-on-write and see the trainer's globals, nothing pickled; w
 persistent_workers each later epoch forks them anew (a change made between epochs is seen).
 Where the trainer cannot be forked safely (CUDA initialised, other Python threads), and for
 "spawn" or "forkserver", readers start from the fork server with the dataset pickled
-(worker.share_by_fork says why, once).
+(worker.share_by_fork says why, once); a dataset that does not pickle (a lambda in it) is
+forked after all, as torch's workers are whatever runs (_from_dataset, said once).
 
 Readers are torch's workers as a dataset sees them (worker.py): they run in the
 trainer's working directory with its sys.path (as they were when the loader was made),
@@ -77,7 +78,7 @@ import warnings
 
 from ..loader import ShmDataLoader
 from ..plan import collated
-from ..plan.dataset import DatasetError, rebuild_batch
+from ..plan.dataset import DatasetError, DatasetPickleError, rebuild_batch
 from ..plan.dataset_outputs import Ragged, text_room_needed
 from ..plan.defaults import TRAINER_SLOTS
 from ..plan.options import check_flag
@@ -85,7 +86,8 @@ from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
-from .worker import HOOK, fork_refused, probe_view, share_by_fork, torch_refusals, workers_setting
+from .worker import (HOOK, fork_refused, forked_anyway, may_fork_anyway, probe_view, share_by_fork, torch_refusals,
+                     workers_setting)
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -225,9 +227,30 @@ class DataLoader:
         worker_init_fn (worker.py)."""
         return HOOK, self.worker_init_fn
 
+    # Set once a dataset did not pickle where forking was unsafe: its readers are forked (_from_dataset).
+    _fork_anyway = False
+
     def _share_by_fork(self) -> bool:
-        """Whether the readers are forked from this process (worker.share_by_fork)."""
-        return self.num_workers > 0 and share_by_fork(self.multiprocessing_context)
+        """Whether the readers are forked from this process (worker.share_by_fork; after a
+        dataset that did not pickle, from then on: _from_dataset)."""
+        return self.num_workers > 0 and (self._fork_anyway or share_by_fork(self.multiprocessing_context))
+
+    def _from_dataset(self, dataset, **settings) -> ShmDataLoader:
+        """ShmDataLoader.from_dataset(dataset, **settings) with this loader's way of starting
+        readers (_share_by_fork). Where forking the trainer is unsafe now (threads run, CUDA
+        is initialised) the dataset goes pickled; where it does not pickle, the readers are
+        forked after all, said once (worker.forked_anyway): torch's DataLoader forks its
+        workers whatever runs, and a script it runs (a lambda in the dataset, a wandb thread)
+        would fail here instead."""
+        forked = self._share_by_fork()
+        try:
+            return ShmDataLoader.from_dataset(dataset, share_by_fork=forked, **settings)
+        except DatasetPickleError as error:
+            if forked or not self.num_workers or not may_fork_anyway(self.multiprocessing_context):
+                raise
+            forked_anyway(error)
+            self._fork_anyway = True
+            return ShmDataLoader.from_dataset(dataset, share_by_fork=True, **settings)
 
     def _probe_view(self, pass_seed: int):
         """The worker info the probe of dataset[0] runs with (worker.probe_view)."""
@@ -298,11 +321,9 @@ class DataLoader:
             del batch
 
     def _make_loader(self) -> ShmDataLoader:
-        loader = ShmDataLoader.from_dataset(self._build["dataset"], seed=self._epoch_seed(0),
-                                            reader_hook=self._reader_hook(),
-                                            probe_view=self._probe_view(self._epoch_seed(0)),
-                                            share_by_fork=self._share_by_fork(),
-                                            **{key: value for key, value in self._build.items() if key != "dataset"})
+        loader = self._from_dataset(self._build["dataset"], seed=self._epoch_seed(0), reader_hook=self._reader_hook(),
+                                    probe_view=self._probe_view(self._epoch_seed(0)),
+                                    **{key: value for key, value in self._build.items() if key != "dataset"})
         loader._session.supervisor.hold_advice = self._hold_advice
         return loader
 

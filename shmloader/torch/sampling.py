@@ -235,11 +235,10 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
     def _make_loader(self, epoch: int, order: dict) -> None:
         table = order["table"]
         table.share()
-        self._loader = ShmDataLoader.from_dataset(
+        self._loader = self._from_dataset(
             collating(self.dataset, self.collate_fn, table.width, self._build["on_error"]),
             outputs=self._build["outputs"], dataset_args=self._build["dataset_args"], index_table=table,
             reader_hook=self._reader_hook(), probe_view=self._probe_view(self._pass_seed(order, epoch)),
-            share_by_fork=self._share_by_fork(),
             batch_size=table.width, mode="sequential", seed=self._pass_seed(order, epoch), readers=self._readers,
             slots=self._build["slots"], epochs=1, drop_last=False, step_timeout=self.timeout or None,
             on_error=self._build["on_error"], pin_memory=self.pin_memory)

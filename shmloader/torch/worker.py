@@ -154,6 +154,29 @@ def share_by_fork(context) -> bool:
     return False
 
 
+def may_fork_anyway(context) -> bool:
+    """Whether readers can be forked from the trainer for `multiprocessing_context` where
+    forking is unsafe now (share_by_fork refused it) but the dataset does not pickle: "fork"
+    on a system with pidfds. torch's DataLoader forks its workers whatever runs."""
+    from ..readers import forkserver
+
+    return start_method(context) == "fork" and forkserver.available()
+
+
+def forked_anyway(error: Exception) -> None:
+    """Warns, once per process, that the readers are forked after all (may_fork_anyway)."""
+    from ..readers.trainer_fork import fork_hazard
+
+    hazard = fork_hazard() or "forking the trainer is unsafe now"
+    key = ("forked anyway", hazard.split(" (")[0])
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(f"shmloader.torch.DataLoader: the dataset does not go to the readers pickled ({error}), so they are "
+                  f"forked from the trainer after all, as torch's DataLoader forks its workers: {hazard}. Make the "
+                  f"loader before threads start or CUDA is initialised, or make the dataset picklable", stacklevel=5)
+
+
 def fork_refused(hazard: str, instead: str) -> None:
     """Warns, once per reason and consequence in this process, that the trainer was not
     forked for its readers because of `hazard`, and what happens `instead`."""
