@@ -792,3 +792,32 @@ def test_a_declared_str_room_stays_its_maximum():
         with pytest.raises(TextRoomError, match=r"a str of 45 bytes .* more than the 16 its output 'caption' holds"):
             list(loader)
 
+
+
+class QuotedCaptions(Dataset):
+    """A str leaf under a key that holds a quote, whose repr is double-quoted: sample 0's
+    caption is short, the later ones longer than the room it gives."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        return {"user's caption": "x" * (3 if index == 0 else 400 * index), "label": index}
+
+
+def test_a_str_leaf_whose_key_holds_a_quote_grows_its_room_as_any_other():
+    """text_room_needed read only a single-quoted leaf name from the error, so this one raised
+    TextRoomError where a key without a quote grows its room."""
+    import warnings
+
+    from shmloader.plan.collated import CollateGrowthWarning
+
+    expected = [batch["user's caption"] for batch in TorchDataLoader(QuotedCaptions(), batch_size=2)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with DataLoader(QuotedCaptions(), batch_size=2) as loader:
+            found = [batch["user's caption"] for batch in loader]
+    assert found == expected
+    assert any(issubclass(warning.category, CollateGrowthWarning) and "user's caption" in str(warning.message)
+               for warning in said), said
+
