@@ -792,3 +792,64 @@ def test_a_declared_str_room_stays_its_maximum():
         with pytest.raises(TextRoomError, match=r"a str of 45 bytes .* more than the 16 its output 'caption' holds"):
             list(loader)
 
+
+
+class QuotedCaptions(Dataset):
+    """A str leaf under a key that holds a quote, whose repr is double-quoted: sample 0's
+    caption is short, the later ones longer than the room it gives."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        return {"user's caption": "x" * (3 if index == 0 else 400 * index), "label": index}
+
+
+def test_a_str_leaf_whose_key_holds_a_quote_grows_its_room_as_any_other():
+    """text_room_needed read only a single-quoted leaf name from the error, so this one raised
+    TextRoomError where a key without a quote grows its room."""
+    import warnings
+
+    from shmloader.plan.collated import CollateGrowthWarning
+
+    expected = [batch["user's caption"] for batch in TorchDataLoader(QuotedCaptions(), batch_size=2)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with DataLoader(QuotedCaptions(), batch_size=2) as loader:
+            found = [batch["user's caption"] for batch in loader]
+    assert found == expected
+    assert any(issubclass(warning.category, CollateGrowthWarning) and "user's caption" in str(warning.message)
+               for warning in said), said
+
+
+class Ordered(Dataset):
+    """The same samples as a dict or, with `ordered`, as an OrderedDict."""
+
+    def __init__(self, ordered: bool) -> None:
+        self.ordered = ordered
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int):
+        sample = {"x": torch.tensor([index]), "y": index}
+        return collections.OrderedDict(sample) if self.ordered else sample
+
+
+def test_a_checkpoint_over_dict_samples_resumes_the_same_samples_as_an_ordered_dict():
+    """A Mapping's class decides what the trainer rebuilds, not the data a checkpoint names:
+    before OrderedDict samples came back as their class they were planned as dicts, so a
+    checkpoint taken then (here: over dict samples) must resume them, not be refused as
+    "made from other data"."""
+    with DataLoader(Ordered(False), batch_size=2) as loader:
+        batches = iter(loader)
+        next(batches)
+        state = loader.state_dict()
+    expected = list(TorchDataLoader(Ordered(True), batch_size=2))[1:]
+    with DataLoader(Ordered(True), batch_size=2) as resumed:
+        resumed.load_state_dict(state)
+        found = [copy.deepcopy(batch) for batch in resumed]
+    assert len(found) == len(expected)
+    for one, other in zip(expected, found):
+        _assert_same_structure(one, other)
+        assert torch.equal(one["x"], other["x"]) and torch.equal(one["y"], other["y"])

@@ -398,8 +398,10 @@ def rebuild_batch(structure: dict, arrays: dict, convert=lambda array: array):
 
 def _as_mapping(name: str, made: dict):
     """`made` as the samples' Mapping class `name`, built from a dict as default_collate
-    builds one it cannot copy; a plain dict where the class is not built so (defaultdict),
-    as default_collate falls back."""
+    builds an immutable one; a plain dict where the class is not built so (defaultdict). Not
+    default_collate's for a MutableMapping, which copies the first sample and updates it: a
+    defaultdict keeps its default_factory there, and a BatchEncoding its other attributes
+    (tests/test_torch_divergences.py)."""
     try:
         return _named_class(name)(made)
     except Exception:  # noqa: BLE001 (any constructor)

@@ -5,6 +5,7 @@ them, so that plan/collated.py builds on them without importing the planner back
 
 from __future__ import annotations
 
+import ast
 import collections.abc
 import dataclasses
 import re
@@ -218,14 +219,23 @@ class TextRoomError(DatasetError):
     text_room_needed reads it, also from a reader's report of it, which keeps its type)."""
 
 
-_TEXT_ROOM = re.compile(r"is a str of ([0-9]+) bytes \(UTF-8\), more than the [0-9]+ its output ('[^'\\]*') holds")
+# The leaf's name as text_bytes writes it, its repr: single-quoted, or double-quoted where the
+# name holds a quote (a key such as "user's caption"), escapes included.
+_TEXT_ROOM = re.compile(r"is a str of ([0-9]+) bytes \(UTF-8\), more than the [0-9]+ its output "
+                        r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\") holds")
 
 
 def text_room_needed(error: BaseException) -> dict[str, int]:
     """{str leaf: the bytes a sample of it needed} of a TextRoomError; {} for another error."""
     if not isinstance(error, TextRoomError):
         return {}
-    return {name[1:-1]: int(count) for count, name in _TEXT_ROOM.findall(str(error))}
+    needed = {}
+    for count, name in _TEXT_ROOM.findall(str(error)):
+        try:  # A reader's report is read back: a literal that is no str's repr names no leaf.
+            needed[ast.literal_eval(name)] = int(count)
+        except (ValueError, SyntaxError):
+            continue
+    return needed
 
 
 def text_bytes(value, output: DatasetOutput, where: str) -> np.ndarray:

@@ -209,6 +209,20 @@ def plan_loader(fields, label_path, options: LoaderOptions, spec=None) -> Loader
                       _sources_description(sources, plans))
 
 
+def _data_structure(structure):
+    """`structure` as a checkpoint names the data (plan_dataset_loader's digest): without the
+    class of a Mapping that is no dict ("named" beside "dict"), which decides only what the
+    trainer rebuilds. Samples of a dict subclass (an OrderedDict) were planned as dicts
+    before their class was kept, so their checkpoints resume, and a dict and an OrderedDict
+    of the same arrays are the same data."""
+    if isinstance(structure, list):
+        return [_data_structure(item) for item in structure]
+    if not isinstance(structure, dict):
+        return structure
+    mapping_class = "named" if "dict" in structure else None
+    return {key: _data_structure(item) for key, item in structure.items() if key != mapping_class}
+
+
 def plan_dataset_loader(spec, options: LoaderOptions, index_table=None) -> LoaderPlan:
     """The plan of a loader whose source is a map-style dataset (plan/dataset.py): no
     fields, the slot from the samples' outputs, the sampler over len(dataset), or over
@@ -224,7 +238,8 @@ def plan_dataset_loader(spec, options: LoaderOptions, index_table=None) -> Loade
     else:
         assert index_table.width == options.batch_size, (index_table.width, options.batch_size)
         sampler = TableSampler(index_table, options.seed)
-    digest = hashlib.blake2b(json.dumps([spec.name, spec.structure]).encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(json.dumps([spec.name, _data_structure(spec.structure)]).encode(),
+                             digest_size=8).hexdigest()
     sources = [{"files": 0, "files_digest": digest, "rows": spec.length, "weight": 1, "fraction": 1.0,
                 "fixed": False}]
     return LoaderPlan({}, SlotLayout.of(options.batch_size, spec.regions(options.batch_size), False), sampler, None,
