@@ -19,6 +19,13 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from shmloader.torch import DataLoader  # noqa: E402
 
 
+class Counting(torch.utils.data.IterableDataset):
+    """0 to 9 as samples, read whole by each worker."""
+
+    def __iter__(self):
+        return ({"x": torch.tensor([float(index)]), "index": index} for index in range(10))
+
+
 class Items(Dataset):
     """A float tensor and the index: each batch says which samples it holds."""
 
@@ -41,13 +48,17 @@ def _indices(batches) -> list:
                  id="own-order"),
     pytest.param({"batch_size": 3, "sampler": range(10), "num_workers": 1, "multiprocessing_context": "forkserver"},
                  id="sampler"),
+    pytest.param({"batch_size": 3, "num_workers": 1, "multiprocessing_context": "spawn", "iterable": True},
+                 id="iterable"),
 ])
 def test_the_attributes_frameworks_pass_on_have_torchs_types(arguments):
     """Before: multiprocessing_context read back as the str given (torch keeps the context:
     Lightning's worker check calls .get_start_method() on it) and pin_memory_device was
     missing (accelerate's skip_first_batches and Lightning's re-instantiation read it)."""
-    reference = TorchDataLoader(Items(10), pin_memory_device="cuda:1", **arguments)
-    with DataLoader(Items(10), pin_memory_device="cuda:1", **arguments) as loader:
+    arguments = dict(arguments)
+    dataset = Counting() if arguments.pop("iterable", False) else Items(10)
+    reference = TorchDataLoader(dataset, pin_memory_device="cuda:1", **arguments)
+    with DataLoader(dataset, pin_memory_device="cuda:1", **arguments) as loader:
         assert type(loader.multiprocessing_context) is type(reference.multiprocessing_context)
         assert loader.multiprocessing_context.get_start_method() == arguments["multiprocessing_context"]
         assert loader.pin_memory_device == reference.pin_memory_device == "cuda:1"
