@@ -86,8 +86,8 @@ from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
-from .worker import (HOOK, fork_refused, forked_anyway, may_fork_anyway, probe_view, share_by_fork, torch_refusals,
-                     workers_setting)
+from .worker import (HOOK, fork_refused, forked_anyway, may_fork_anyway, probe_view, share_by_fork, torch_context,
+                     torch_refusals, workers_setting)
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -193,7 +193,7 @@ class DataLoader:
         self.persistent_workers = check_flag("persistent_workers", persistent_workers)
         slots = None if prefetch_factor is None else max(1, self.num_workers) * int(prefetch_factor) + TRAINER_SLOTS
         self._epoch, self._resumed = 0, False
-        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
+        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, torch_context(multiprocessing_context)
         # The inner loader's settings: a collate_fn's slot that grows is built again from them (_regrow).
         self._build = {"dataset": collating(dataset, collate_fn, self.batch_size, on_error),
                        "outputs": dict(outputs or {}), "dataset_args": dataset_args, "batch_size": self.batch_size,
@@ -210,16 +210,19 @@ class DataLoader:
         self._renew_failed = False  # The dataset stopped pickling: the readers keep theirs (_new_pass).
         self.padding = None  # The last batch's Batch.padding (bool per sample), as a tensor.
         self._requested_epoch = None  # loader.sampler.set_epoch(epoch): the next loop's epoch.
-        self._attributes(collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
+        self._attributes(collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order, pin_memory_device)
         self.sampler = LoaderOrder(self)
         self.batch_sampler = LoaderBatches(self)
 
-    def _attributes(self, collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order) -> None:
-        """PyTorch's DataLoader attributes that a script or framework reads back."""
+    def _attributes(self, collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order,
+                    pin_memory_device) -> None:
+        """PyTorch's DataLoader attributes that a script or framework reads back (accelerate's
+        skip_first_batches and Lightning's re-instantiation pass each of them on)."""
         import torch.utils.data
 
         self.collate_fn = torch.utils.data.default_collate if collate_fn is None else collate_fn
         self.generator, self.pin_memory, self.timeout, self.in_order = generator, bool(pin_memory), timeout, in_order
+        self.pin_memory_device = pin_memory_device
         self.prefetch_factor = (2 if prefetch_factor is None else prefetch_factor) if self.num_workers else None
 
     def _reader_hook(self) -> tuple:
@@ -445,6 +448,16 @@ class DataLoader:
         iterator, self._iterator = self._iterator, None
         if iterator is not None:
             iterator.supersede()
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next `for` loop is `epoch`, as accelerate's DataLoaderShard.set_epoch sets it on
+        its samplers: Hugging Face's Trainer calls it on the loader it trains from before each
+        epoch (a resumed run's later epochs then draw the uninterrupted run's orders; without
+        it they restarted from epoch 0). torch's DataLoader has no such method; this one only
+        forwards to loader.sampler.set_epoch where the sampler has one."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
     def state_dict(self) -> dict:
         """The epoch and the position in it: load_state_dict continues with the next batch."""

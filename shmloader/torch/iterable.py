@@ -438,7 +438,8 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                          drop_last=reference.drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context, generator=generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, in_order=in_order,
-                         seed=seed, outputs=_in_the_slot(outputs), shard_index=0, shard_count=1)
+                         pin_memory_device=pin_memory_device, seed=seed, outputs=_in_the_slot(outputs), shard_index=0,
+                         shard_count=1)
         self.batch_size, self.collate_fn = reference.batch_size, reference.collate_fn
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
 

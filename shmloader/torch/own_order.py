@@ -20,9 +20,18 @@ class LoaderOrder:
         self._loader._requested_epoch = epoch
 
     def batches(self):
-        """The pass at hand's batches of indices on this shard (lists of ints)."""
+        """The batches of indices on this shard (lists of ints) of the pass at hand, or of the
+        epoch set_epoch named for the next loop where that is another: accelerate's
+        skip_first_batches reads them after set_epoch (Hugging Face's resume mid-epoch), and
+        the next loop gives that epoch's order."""
         inner = self._loader._loader
         sampler, finite = inner.sampler, inner.finite
+        requested = self._loader._requested_epoch
+        if requested is not None and requested != self._loader._epoch:
+            # The sampler the next loop's new pass uses (session.new_pass): the plan's, reseeded.
+            data = {key: value for key, value in inner._session.plan.sampler.to_dict().items()
+                    if key not in ("transition", "start_position")}
+            sampler = type(inner._session.plan.sampler).from_dict({**data, "seed": self._loader._epoch_seed(requested)})
         for step in range(finite.steps):
             yield sampler.fill(step)[:finite.rows(step)].tolist()
 
@@ -42,6 +51,11 @@ class LoaderBatches:
         self._loader = loader
         self.sampler = loader.sampler
         self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        """As loader.sampler's: Hugging Face's Trainer sets the epoch on the batch sampler
+        under accelerate's skip_first_batches (its SkipBatchSampler's batch_sampler)."""
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self):
         return self.sampler.batches()

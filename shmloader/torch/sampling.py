@@ -37,7 +37,7 @@ from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from ..plan.sampler import derive_seed
 from .collation import collating
 from .dataloader import _SEED_MASK, DataLoader, _PassIterator
-from .worker import torch_refusals, workers_setting
+from .worker import torch_context, torch_refusals, workers_setting
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
 SEQUENCE_KEPT_MAX = 1 << 16
@@ -142,13 +142,14 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
                           stacklevel=3)
             pin_memory = False
         self.dataset, self.worker_init_fn, self.multiprocessing_context = dataset, worker_init_fn, \
-            multiprocessing_context
+            torch_context(multiprocessing_context)
         self.sampler, self.batch_sampler = reference.sampler, reference.batch_sampler
         self.batch_size, self.drop_last = reference.batch_size, reference.drop_last
         self._index_sampler = reference._index_sampler
         (self._readers, self.num_workers), self.persistent_workers = workers_setting(num_workers), \
             bool(persistent_workers)
-        self._attributes(reference.collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order)
+        self._attributes(reference.collate_fn, generator, pin_memory, timeout, prefetch_factor, in_order,
+                         pin_memory_device)
         self.seed = None if seed is None else int(seed)  # None: each epoch's from the int64 drawn at iter().
         self.shard_index, self.shard_count, self._seed_drawn = 0, 1, seed is None
         self._declared, self._growths = set(outputs or {}), 0

@@ -135,6 +135,18 @@ def start_method(context) -> str:
     return method()
 
 
+def torch_context(context):
+    """`multiprocessing_context` as torch's DataLoader keeps it: a start method's name becomes
+    its multiprocessing context (Lightning's worker check calls
+    loader.multiprocessing_context.get_start_method()); a context or None stays as given.
+    An unknown name is refused by name (start_method)."""
+    if not isinstance(context, str):
+        return context
+    import multiprocessing
+
+    return multiprocessing.get_context(start_method(context))
+
+
 def share_by_fork(context) -> bool:
     """Whether readers are forked from the trainer (readers/trainer_fork.py) for
     `multiprocessing_context`: for "fork" (the default on Linux) where forking is safe now;
