@@ -185,6 +185,39 @@ def test_the_generator_is_the_seed_and_the_environment_gives_the_rank(monkeypatc
         assert (loader.seed, loader.shard_index, loader.shard_count) == (1234, 1, 2)
 
 
+@pytest.mark.parametrize("launcher", ["lightning", "process group", "no rank"])
+def test_ranks_come_from_wherever_the_launcher_gives_them(launcher, monkeypatch):
+    """Lightning's own DDP launcher sets WORLD_SIZE, LOCAL_RANK and NODE_RANK, never RANK (and
+    gives this loader, no torch DataLoader subclass, no DistributedSampler); a script may have
+    only torch.distributed's process group. Each rank reads its shard, the two shards the
+    dataset once between them; where no rank is to be had the process reads it all, saying so."""
+    import warnings
+
+    for name in ("RANK", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    rows = []
+    for rank in range(2):
+        if launcher == "lightning":
+            monkeypatch.setenv("LOCAL_RANK", str(rank))
+            monkeypatch.setenv("NODE_RANK", "0")
+        elif launcher == "process group":
+            monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+            monkeypatch.setattr(torch.distributed, "get_rank", lambda rank=rank: rank)
+            monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            with DataLoader(Samples(), batch_size=4, shuffle=True, seed=3) as loader:
+                shard = (loader.shard_index, loader.shard_count)
+                rows += _epoch_indices(loader)
+        unsharded = [str(warning.message) for warning in said if "reads the whole dataset" in str(warning.message)]
+        if launcher == "no rank":
+            assert shard == (0, 1) and len(unsharded) == 1 and "WORLD_SIZE=2" in unsharded[0], said
+        else:
+            assert shard == (rank, 2) and not unsharded, said
+    assert sorted(rows) == sorted(list(range(37)) * (2 if launcher == "no rank" else 1))
+
+
 def test_a_resumed_epoch_equals_the_uninterrupted_one_under_another_num_workers():
     with DataLoader(Samples(), batch_size=4, shuffle=True, num_workers=2, seed=8) as loader:
         _epoch_indices(loader)  # Epoch 0 whole, then epoch 1 interrupted after 3 batches.

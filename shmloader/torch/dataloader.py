@@ -74,6 +74,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import warnings
 
 from ..loader import ShmDataLoader
@@ -93,12 +94,29 @@ _SEED_MASK = (1 << 63) - 1
 
 
 def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
-    if shard_index is None and shard_count is None:
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        if rank is not None and world is not None and rank.isdigit() and world.isdigit():
-            return int(rank), int(world)
+    """(shard_index, shard_count): as given, else this process's rank and world size: RANK
+    and WORLD_SIZE (torchrun, accelerate), else torch.distributed's where its process group
+    is up, else LOCAL_RANK on the first node (Lightning's own DDP launcher sets WORLD_SIZE,
+    LOCAL_RANK and NODE_RANK, never RANK, and gives a torch DataLoader a DistributedSampler
+    that it does not give this one, which is no torch DataLoader subclass). A WORLD_SIZE past
+    1 with no rank to read gives the whole dataset to this process, said once."""
+    if shard_index is not None or shard_count is not None:
+        return (shard_index or 0), (shard_count or 1)
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is not None and world is not None and rank.isdigit() and world.isdigit():
+        return int(rank), int(world)
+    distributed = getattr(sys.modules.get("torch"), "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size()
+    if world is None or not world.isdigit() or int(world) <= 1:
         return 0, 1
-    return (shard_index or 0), (shard_count or 1)
+    local, node = os.environ.get("LOCAL_RANK", ""), os.environ.get("NODE_RANK", "0")
+    if local.isdigit() and node == "0" and int(local) < int(world):
+        return int(local), int(world)
+    warnings.warn(f"shmloader.torch.DataLoader: WORLD_SIZE={world} is set but no rank this process has (no RANK, no "
+                  f"torch.distributed process group, LOCAL_RANK={local or None} on NODE_RANK={node}): it reads the "
+                  f"whole dataset; pass shard_index= and shard_count=", stacklevel=3)
+    return 0, 1
 
 
 class _PassIterator:
