@@ -886,3 +886,38 @@ def test_a_checkpoint_over_dict_samples_resumes_the_same_samples_as_an_ordered_d
     for one, other in zip(expected, found):
         _assert_same_structure(one, other)
         assert torch.equal(one["x"], other["x"]) and torch.equal(one["y"], other["y"])
+
+
+@pytest.mark.parametrize("kind", ["own order", "sampler", "iterable"])
+def test_an_iterator_never_asked_for_a_batch_leaves_the_next_iter_its_epoch(kind):
+    """iter(loader) then a `for` loop (Lightning's iterable check, then its epoch): the loop
+    gets the epoch that iterator would have given, as a loader iterated once gives it, and the
+    epoch after moves on; an iterator asked for one batch ends its epoch, as before (where the
+    order is the loader's or the sampler's: a persistent worker's copy of an IterableDataset
+    may or may not have begun that epoch, as its reader had been asked for a step or not)."""
+    from torch.utils.data import RandomSampler
+
+    from test_torch_iterable import Shards, whole
+
+    def made():
+        if kind == "sampler":
+            sampler = RandomSampler(range(37), generator=torch.Generator().manual_seed(2))
+            return DataLoader(Samples(), batch_size=4, sampler=sampler, num_workers=1)
+        if kind == "iterable":
+            return DataLoader(Shards([3, 5], count_epochs=True), batch_size=2, num_workers=2, persistent_workers=True,
+                              collate_fn=whole)
+        return DataLoader(Samples(), batch_size=4, shuffle=True, seed=6, num_workers=1)
+
+    def epoch(loader) -> list:
+        return [repr(batch["at"] if kind == "iterable" else batch["pair"][0].tolist()) for batch in loader]
+
+    with made() as loader:
+        expected = [epoch(loader), epoch(loader)]
+    with made() as loader:
+        iter(loader)
+        assert [epoch(loader), epoch(loader)] == expected
+    if kind == "iterable":
+        return  # After a peek, whether a persistent reader's copy began its epoch depends on timing.
+    with made() as loader:
+        next(iter(loader))
+        assert epoch(loader) == expected[1]

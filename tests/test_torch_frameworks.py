@@ -136,10 +136,11 @@ def test_fabric_sets_up_the_drop_in_as_it_sets_up_torchs_loader():
         assert _indices(fabric.setup_dataloaders(loader)) == reference
 
 
-@pytest.mark.xfail(strict=True, reason="Lightning calls iter() once on a loader that is no torch DataLoader "
-                                       "(_check_dataloader_iterable): the drop-in draws an epoch of the sampler then, "
-                                       "torch's loader is never iterated there (see the Fabric test)")
 def test_lightning_trains_on_a_samplers_order_as_with_torchs_loader():
+    """Lightning calls iter() once on a loader that is no torch DataLoader (its iterable
+    check), then iterates it for the epoch: that iterator, never asked for a batch, gives
+    its epoch again (DataLoader._untouched), so the sampler is drawn once an epoch, as
+    torch's loader, which Lightning does not check so, draws it."""
     lightning = pytest.importorskip("lightning.pytorch")
 
     def fit(loader_class) -> list:

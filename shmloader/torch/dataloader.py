@@ -124,8 +124,9 @@ class _PassIterator:
     a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
     loader) would otherwise end at once, in silence)."""
 
-    def __init__(self, batches, loader: DataLoader) -> None:
+    def __init__(self, batches, loader: DataLoader, asked: bool = False) -> None:
         self._batches, self._superseded, self._loader = batches, False, loader
+        self.asked = asked  # Whether next() was called on it (DataLoader._untouched).
 
     def __iter__(self):
         return self
@@ -140,6 +141,7 @@ class _PassIterator:
                                "shmloader.torch.DataLoader, which runs one pass at a time (torch's runs each "
                                "iterator on workers of its own): iterate one loop at a time, or make a second "
                                "DataLoader")
+        self.asked = True
         return next(self._batches)
 
     def supersede(self) -> None:
@@ -304,11 +306,21 @@ class DataLoader:
             self._new_pass(requested)
         elif self._resumed:
             self._resumed = False
+        elif self._untouched():
+            self._let_go()  # Its pass goes on from its first step.
         elif self._started:
             self._new_pass(self._epoch + 1)
         self._started = True
         self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
+
+    def _untouched(self) -> bool:
+        """Whether the pass at hand has an iterator that was never asked for a batch: the next
+        iter() gives that pass again, not the next epoch. Lightning calls iter() once on a
+        loader that is no torch DataLoader to check that it iterates, then iterates it for
+        the epoch: a torch DataLoader, which it does not check so, gives that epoch once."""
+        iterator = self._iterator
+        return iterator is not None and not iterator.asked and not iterator._superseded
 
     def _iterator_length(self) -> int:
         """len(iter(loader)): torch's is len(its batch sampler), the whole epoch's batches."""

@@ -495,7 +495,7 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
                         "len(loader) gives the batches len(dataset) makes")
 
     def __iter__(self):
-        if not self._resumed:
+        if not self._resumed and not self._untouched():
             kept = self.persistent_workers or self.num_workers == 0  # The readers' copies go on.
             self._reader_states = self._next_pass_states if kept else {}
             self._ended_pass, self._next_pass_states = False, {}

@@ -178,6 +178,8 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
     def __iter__(self):
         if self._resumed:
             self._resumed = False
+        elif self._untouched():  # Its order stays: nothing more is drawn (DataLoader._untouched).
+            self._let_go()
         else:
             self._let_go()
             order = self._draw()
@@ -185,7 +187,8 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
             self._started = True
             if order is None:  # No batch this epoch, as PyTorch's loader gives none.
                 self._epoch = epoch
-                self._iterator = iterator = _PassIterator((batch for batch in ()), self)
+                # Asked already: an epoch without a batch draws again at the next iter().
+                self._iterator = iterator = _PassIterator((batch for batch in ()), self, asked=True)
                 return iterator
             self._begin(epoch, order)
         self._started = True
