@@ -921,3 +921,46 @@ def test_an_iterator_never_asked_for_a_batch_leaves_the_next_iter_its_epoch(kind
     with made() as loader:
         next(iter(loader))
         assert epoch(loader) == expected[1]
+
+
+class Growing(Dataset):
+    """A replay buffer: `length` samples now, set between epochs."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return {"index": index, "x": torch.full((2,), float(index))}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("start", ["empty", "sampler"])
+def test_a_dataset_read_by_len_at_each_epoch_as_torchs_sampler_reads_it(start, num_workers):
+    """A dataset empty when the loader is made gives epochs of no batch while it is, as torch's
+    loader does (the loader's own order is planned from dataset[0]: such a loader draws torch's
+    sampler instead), and, as with sampler=, each epoch reads len(dataset) then: one that grew
+    or shrank between epochs is read whole, len(loader) included."""
+    lengths = [0, 5, 0, 3, 8] if start == "empty" else [4, 6, 2, 6]
+
+    def run(loader_class) -> list:
+        dataset = Growing(lengths[0])
+        arguments = {"sampler": torch.utils.data.SequentialSampler(dataset)} if start == "sampler" else {}
+        if loader_class is DataLoader:
+            arguments["num_workers"] = num_workers
+        loader = loader_class(dataset, batch_size=2, **arguments)
+        epochs = []
+        try:
+            for length in lengths:
+                dataset.length = length
+                epochs.append((len(loader), [batch["index"].tolist() for batch in loader]))
+        finally:
+            if hasattr(loader, "close"):
+                loader.close()
+        return epochs
+
+    assert run(DataLoader) == run(TorchDataLoader)

@@ -98,15 +98,11 @@ def test_a_collate_fn_returning_its_own_class_gives_that_object():
     _compare(lambda: Made(int), batch_size=3, collate_fn=Batch)
 
 
-@pytest.mark.xfail(strict=True, reason="the loader plans the slot from dataset[0]: an empty dataset raises "
-                                       "DatasetError at construction, where torch's loader gives an epoch of no batch")
-def test_an_empty_dataset_gives_an_epoch_without_a_batch():
-    _compare(lambda: Made(int, 0), batch_size=2)
-
-
-@pytest.mark.xfail(strict=True, reason="the pass's steps are planned once from len(dataset): a dataset that grows "
-                                       "between epochs (a replay buffer) keeps its first length in len(loader) and in "
-                                       "the epochs after, where torch's sampler reads len(dataset) at each iter()")
+@pytest.mark.xfail(strict=True, reason="the loader's own order is planned once from len(dataset): a dataset that "
+                                       "grows between epochs (a replay buffer) keeps its first length in len(loader) and "
+                                       "in the epochs after, where torch's sampler reads len(dataset) at each iter() (with "
+                                       "sampler=, or a dataset empty when the loader is made, it is read so: "
+                                       "test_torch_dataloader.py)")
 def test_a_dataset_grown_between_epochs_is_read_whole_as_torchs_sampler_reads_it():
     found = {}
     for name, loader_class in (("torch", TorchDataLoader), ("drop-in", DataLoader)):

@@ -160,13 +160,18 @@ def test_lightning_trains_on_a_samplers_order_as_with_torchs_loader():
 
             def train_dataloader(self):
                 sampler = RandomSampler(Items(10), generator=torch.Generator().manual_seed(1))
-                return loader_class(Items(10), batch_size=3, sampler=sampler)
+                made.append(loader_class(Items(10), batch_size=3, sampler=sampler))
+                return made[-1]
 
+        made = []
         trainer = lightning.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False,
                                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.fit(Module())
+        for loader in made:  # Lightning never closes its dataloaders.
+            if hasattr(loader, "close"):
+                loader.close()
         return seen
 
     assert fit(DataLoader) == fit(TorchDataLoader)

@@ -119,6 +119,14 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
     return 0, 1
 
 
+def _empty(dataset) -> bool:
+    """Whether `dataset` is a map-style dataset of no sample now (DataLoader.__new__)."""
+    try:
+        return len(dataset) == 0
+    except Exception:  # noqa: BLE001 (no len(), or one that raises: __init__ says so)
+        return False
+
+
 class _PassIterator:
     """One `for` loop's iterator over the loader's pass. The loader runs one pass at a time:
     a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
@@ -167,7 +175,10 @@ class DataLoader:
 
     def __new__(cls, *args, **kwargs):
         """The loader over an IterableDataset (iterable.py), else with sampler= or
-        batch_sampler= the loader over the caller's order (sampling.py)."""
+        batch_sampler= the loader over the caller's order (sampling.py), which also takes a
+        dataset empty now: torch's sampler (sequential or random, as shuffle says) gives an
+        epoch of no batch, and later epochs what it holds then, where this loader's own order
+        is planned from dataset[0]."""
         if cls is DataLoader:
             import torch.utils.data
 
@@ -176,7 +187,8 @@ class DataLoader:
             except TypeError:
                 given = {}  # __init__ raises it, as it would have.
             iterable = isinstance(given.get("dataset"), torch.utils.data.IterableDataset)
-            if iterable or given.get("sampler") is not None or given.get("batch_sampler") is not None:
+            if iterable or given.get("sampler") is not None or given.get("batch_sampler") is not None or \
+                    _empty(given.get("dataset")):
                 cls = DataLoader._iterable_class if iterable else DataLoader._sampled_class
                 if cls is None:
                     raise RuntimeError("shmloader.torch.dataloader was imported alone: import DataLoader from "

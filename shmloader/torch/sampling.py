@@ -12,7 +12,10 @@ changes it as it does there. Unlike PyTorch's, the whole epoch is drawn at iter(
 sampler that changes its order from what the training loop does meanwhile (a curriculum
 fed by the loss) is drawn before it. Batches may differ in size; the slot holds the widest
 (a BatchSampler's batch_size, else the first epoch's widest batch, grown with a warning
-where a later epoch's is wider: the readers start again).
+where a later epoch's is wider: the readers start again). len(dataset) is read at each iter(),
+as the sampler reads it: a dataset that grew or shrank between epochs (a replay buffer) is
+planned again over its length then, with readers that read it as it is; a dataset empty when
+the loader is made comes here too (DataLoader.__new__), its epochs without a batch while it is.
 
 Exact resume: a checkpoint holds the epoch's position and its order, as the indices
 themselves where the epoch has at most SEQUENCE_KEPT_MAX of them, else as what rebuilds
@@ -200,6 +203,8 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
         (None for an epoch without a batch)."""
         snapshot = Snapshot(self.generator, self._index_sampler)
         before = snapshot.take()
+        # As torch's sampler reads it at each iter(): a dataset that grew (or began empty) is read whole.
+        self._length = len(self.dataset)
         # PyTorch's iterator draws at each iter(), but a persistent one's only at the first.
         draw_seed = self._drawn is None or self.num_workers == 0 or not self.persistent_workers
         table, drawn = draw_epoch(self._index_sampler, self.generator, draw_seed, self._length, self._fixed_width)
@@ -222,6 +227,9 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
                           f"wider than the slot's {self._loader.batch_size}: the slot grows, the readers start "
                           f"again", stacklevel=4)
             self._loader.close()
+            self._loader = None
+        elif self._loader is not None and self._loader._dataset.spec.length != self._length:
+            self._loader.close()  # The dataset's length changed: planned again over it (its readers read it anew).
             self._loader = None
         if self._loader is None:
             self._open(epoch, order)
