@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
 from shmloader.torch import DataLoader  # noqa: E402
+from test_torch_iterable import assert_same  # noqa: E402
 
 
 class Made(Dataset):
@@ -40,26 +41,10 @@ def _batches(loader_class, dataset, epochs: int = 1, **arguments) -> list:
             loader.close()
 
 
-def _assert_equal(expected, found, where="batch"):
-    assert type(expected) is type(found), (where, type(expected), type(found))
-    if isinstance(expected, dict):
-        assert expected.keys() == found.keys(), where
-        for key in expected:
-            _assert_equal(expected[key], found[key], f"{where}[{key!r}]")
-    elif isinstance(expected, (list, tuple)):
-        assert len(expected) == len(found), where
-        for index, (one, other) in enumerate(zip(expected, found)):
-            _assert_equal(one, other, f"{where}[{index}]")
-    elif isinstance(expected, torch.Tensor):
-        assert expected.dtype == found.dtype and torch.equal(expected, found), (where, expected, found)
-    else:
-        assert expected == found, (where, expected, found)
-
-
 def _compare(dataset_of, epochs: int = 1, **arguments) -> None:
     expected = _batches(TorchDataLoader, dataset_of(), epochs, **arguments)
     found = _batches(DataLoader, dataset_of(), epochs, **arguments)
-    _assert_equal(expected, found)
+    assert_same(expected, found)
 
 
 def _key_bytes(index: int) -> dict:

@@ -180,22 +180,24 @@ def forked_anyway(error: Exception) -> None:
     from ..readers.trainer_fork import fork_hazard
 
     hazard = fork_hazard() or "forking the trainer is unsafe now"
-    key = ("forked anyway", hazard.split(" (")[0])
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    warnings.warn(f"shmloader.torch.DataLoader: the dataset does not go to the readers pickled ({error}), so they are "
-                  f"forked from the trainer after all, as torch's DataLoader forks its workers: {hazard}. Make the "
-                  f"loader before threads start or CUDA is initialised, or make the dataset picklable", stacklevel=5)
+    _warn_once(("forked anyway", hazard.split(" (")[0]),
+               f"shmloader.torch.DataLoader: the dataset does not go to the readers pickled ({error}), so they are "
+               f"forked from the trainer after all, as torch's DataLoader forks its workers: {hazard}. Make the loader "
+               f"before threads start or CUDA is initialised, or make the dataset picklable")
 
 
 def fork_refused(hazard: str, instead: str) -> None:
     """Warns, once per reason and consequence in this process, that the trainer was not
     forked for its readers because of `hazard`, and what happens `instead`."""
-    key = (hazard.split(" (")[0], instead)
+    _warn_once((hazard.split(" (")[0], instead),
+               f"shmloader.torch.DataLoader: multiprocessing_context='fork' cannot fork the trainer now: {hazard}; "
+               f"{instead}. Make the loader before CUDA is initialised or threads start, or pass "
+               f"multiprocessing_context='spawn' to choose that path")
+
+
+def _warn_once(key: tuple, message: str) -> None:
+    """Warns with `message` unless this process said it for `key` already (_WARNED)."""
     if key in _WARNED:
         return
     _WARNED.add(key)
-    warnings.warn(f"shmloader.torch.DataLoader: multiprocessing_context='fork' cannot fork the trainer now: {hazard}; "
-                  f"{instead}. Make the loader before CUDA is initialised or threads start, or pass "
-                  f"multiprocessing_context='spawn' to choose that path", stacklevel=5)
+    warnings.warn(message, stacklevel=6)
