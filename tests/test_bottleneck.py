@@ -643,3 +643,15 @@ def test_a_foreign_headers_words_give_a_context_top_can_judge_with(bits, runs, a
     assert context.user_code in (None, "the transform", "the dataset's __getitem__")
     before, after = _readings([_reader(2)], waited_s=6)
     assert diagnose(before, after, context)["stage"] in STAGES
+
+
+@pytest.mark.parametrize("row_bytes", [5e-324, 1e-9, float(1 << 60), float("inf"), float("nan"), -4.0, 0.0])
+def test_a_foreign_headers_row_bytes_outside_any_rows_are_unknown(row_bytes):
+    """A subnormal, huge, infinite or negative stored size of a row would print the readers'
+    read amplification as inf or 0: top takes it for unknown."""
+    import struct
+
+    from shmloader.readers.bottleneck import context_of_header
+
+    bits = struct.unpack("<Q", struct.pack("<d", row_bytes))[0]
+    assert context_of_header(bits, 0, 0, 1, 64).row_bytes is None

@@ -389,3 +389,49 @@ def test_a_collate_fn_returning_a_dataclass_gives_that_class_as_torchs_loader_do
     with DataLoader(Tokens(lengths), batch_size=3, collate_fn=_labelled, num_workers=num_workers) as loader:
         found = [copy.deepcopy(batch) for batch in loader]
     assert len(found) == len(expected) and all(same(one, other) for one, other in zip(expected, found))
+
+
+class _QuotedKeys(Dataset):
+    """A padding collate's leaf under a key holding a quote ("user's ids"), growing past its probes."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int):
+        return np.arange(1 + 40 * (index // 8), dtype=np.int64)
+
+
+def _quoted(samples: list) -> dict:
+    longest = max(len(sample) for sample in samples)
+    ids = torch.zeros((len(samples), longest), dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        ids[row, :len(sample)] = torch.from_numpy(sample)
+    return {"user's ids": ids}
+
+
+def test_an_array_under_a_key_holding_a_quote_grows_its_room_as_any_other():
+    """repr() double-quotes a name holding a quote: room_needed reads it as it reads any other."""
+    expected = [batch["user's ids"] for batch in TorchDataLoader(_QuotedKeys(), batch_size=4, collate_fn=_quoted)]
+    with pytest.warns(CollateGrowthWarning):
+        with DataLoader(_QuotedKeys(), batch_size=4, collate_fn=_quoted) as loader:
+            found = [batch["user's ids"].clone() for batch in loader]
+    assert len(found) == len(expected) and all(torch.equal(one, other) for one, other in zip(expected, found))
+
+
+@dataclasses.dataclass
+class OtherBatch:
+    tokens: torch.Tensor
+
+
+def _labelled_then_other(samples: list):
+    made = _labelled(samples)
+    return OtherBatch(made.tokens) if made.names[0] == "sample-3" else made
+
+
+def test_a_dataclass_the_probe_batches_did_not_return_is_named():
+    """The trainer builds only the classes the probe batches gave (the slot is foreign input)."""
+    from shmloader.plan.dataset import DatasetError
+
+    with DataLoader(Tokens([3, 5, 1, 7, 2, 4, 6, 2, 3]), batch_size=3, collate_fn=_labelled_then_other) as loader:
+        with pytest.raises(DatasetError, match=r"collate_fn returned a .*OtherBatch \(a dataclass\), which the probe"):
+            list(loader)

@@ -31,6 +31,7 @@ room from it (room_needed; torch/dataloader.py) and keeps a declared one.
 
 from __future__ import annotations
 
+import ast
 import base64
 import collections.abc
 import dataclasses
@@ -261,7 +262,10 @@ def write(batch, outputs: dict, out: dict, where: str) -> None:
     out[f"{BESIDE}.length"][0] = len(data)
 
 
-_ARRAY_ROOM = re.compile(r"\[('[^'\\]*')\] has shape \([0-9, ]*\) \(([0-9]+) elements\), more than the")
+# A leaf's name as write() gives it, its repr: single-quoted, or double-quoted where it holds a
+# quote, escapes included (as dataset_outputs.text_room_needed reads a str leaf's).
+_ARRAY_ROOM = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\] has shape \([0-9, ]*\) \(([0-9]+) elements\), "
+                         r"more than the")
 _BESIDE_ROOM = re.compile(r"take ([0-9]+) bytes as JSON, more than the")
 
 
@@ -271,7 +275,12 @@ def room_needed(error: BaseException) -> dict[str, int]:
     if not isinstance(error, CollateRoomError):
         return {}
     text = str(error)
-    needed = {name[1:-1]: int(count) for name, count in _ARRAY_ROOM.findall(text)}
+    needed = {}
+    for name, count in _ARRAY_ROOM.findall(text):
+        try:  # A reader's report is read back: a literal that is no str's repr names no leaf.
+            needed[ast.literal_eval(name)] = int(count)
+        except (ValueError, SyntaxError):
+            continue
     needed.update({BESIDE: int(count) for count in _BESIDE_ROOM.findall(text)[:1]})
     return needed
 
@@ -336,6 +345,9 @@ def rebuild(arrays, outputs: dict, classes: dict, convert, to_tensor):
             if len(made) != len(items):
                 raise bad(node)
             if node.get("fields"):  # A dataclass's (encode): only a dataclass the probe saw is called.
+                if cls is None and isinstance(node.get("type"), str):
+                    raise _error(f"collate_fn returned a {node['type']} (a dataclass), which the probe batches did "
+                                 f"not: the trainer builds only the classes it saw there; return one class of batch")
                 if cls is None or not dataclasses.is_dataclass(cls) or not all(isinstance(key, str) for key in made):
                     raise bad(node)
                 return cls(**made)

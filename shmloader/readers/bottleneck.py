@@ -27,7 +27,6 @@ node has an idle core for another reader.
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 import time
 
@@ -193,6 +192,9 @@ def plan_context(plan, dataset: bool, local_readers: int, auto_most: int | None 
 # Context.user_code by the ring header's `runs` bit (header_words).
 _RUNS_USER_CODE = {RUNS_TRANSFORM: "the transform", RUNS_DATASET: "the dataset's __getitem__"}
 _U32_MAX, _U64_MAX = (1 << 32) - 1, (1 << 64) - 1
+# A row's stored bytes a foreign header may say (context_of_header): a subnormal or huge one
+# would make the readers' read amplification print as inf or 0.
+_ROW_BYTES_MIN, _ROW_BYTES_MAX = 1e-3, float(1 << 50)
 
 
 def header_words(context: Context) -> tuple[int, int, int]:
@@ -211,7 +213,7 @@ def context_of_header(row_bytes_bits: int, runs: int, auto_most: int, local_read
     bytes that are not a positive finite number are unknown, bits it does not know are left
     out, and both user-code bits at once name neither."""
     row_bytes = struct.unpack("<d", struct.pack("<Q", row_bytes_bits & _U64_MAX))[0]
-    row_bytes = row_bytes if math.isfinite(row_bytes) and row_bytes > 0 else None
+    row_bytes = row_bytes if _ROW_BYTES_MIN <= row_bytes <= _ROW_BYTES_MAX else None  # NaN fails both.
     user_code = _RUNS_USER_CODE.get(runs & (RUNS_TRANSFORM | RUNS_DATASET))
     missing = Context.row_bytes_missing if row_bytes is not None or runs & RUNS_DATASET else \
         "the ring's header gives no stored bytes per row to compare the readers' reads with"
