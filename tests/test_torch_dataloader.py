@@ -939,17 +939,20 @@ class Growing(Dataset):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("start", ["empty", "sampler"])
+@pytest.mark.parametrize("start", ["empty", "sampler", "own order", "own order, drop_last"])
 def test_a_dataset_read_by_len_at_each_epoch_as_torchs_sampler_reads_it(start, num_workers):
-    """A dataset empty when the loader is made gives epochs of no batch while it is, as torch's
-    loader does (the loader's own order is planned from dataset[0]: such a loader draws torch's
-    sampler instead), and, as with sampler=, each epoch reads len(dataset) then: one that grew
-    or shrank between epochs is read whole, len(loader) included."""
-    lengths = [0, 5, 0, 3, 8] if start == "empty" else [4, 6, 2, 6]
+    """Each epoch reads len(dataset) then, as torch's sampler does: one that grew or shrank
+    between epochs (a replay buffer) is read whole, len(loader) included (the loader's own
+    order is planned again over it, with readers that read it as it is). A dataset empty when
+    the loader is made gives epochs of no batch while it is, as torch's loader does (the
+    loader's own order is planned from dataset[0]: such a loader draws torch's sampler)."""
+    lengths = [0, 5, 0, 3, 8] if start == "empty" else [4, 7, 2, 9, 9]
 
     def run(loader_class) -> list:
         dataset = Growing(lengths[0])
         arguments = {"sampler": torch.utils.data.SequentialSampler(dataset)} if start == "sampler" else {}
+        if start.endswith("drop_last"):
+            arguments["drop_last"] = True
         if loader_class is DataLoader:
             arguments["num_workers"] = num_workers
         loader = loader_class(dataset, batch_size=2, **arguments)
@@ -964,3 +967,31 @@ def test_a_dataset_read_by_len_at_each_epoch_as_torchs_sampler_reads_it(start, n
         return epochs
 
     assert run(DataLoader) == run(TorchDataLoader)
+
+
+def test_a_grown_dataset_shuffled_holds_each_index_once_an_epoch_and_resumes_exactly():
+    """The loader's own shuffled order over a dataset that grows between epochs: each epoch
+    every index once, and a checkpoint taken in a grown epoch resumes it with the batches the
+    uninterrupted run gave."""
+    def epochs(loader, dataset, lengths, stop=None):
+        seen = []
+        for epoch, length in enumerate(lengths):
+            dataset.length = length
+            iterator = iter(loader)
+            seen.append([batch["index"].tolist() for _, batch in zip(range(stop if epoch == len(lengths) - 1 and stop
+                                                                        else 10**6), iterator)])
+        return seen
+
+    lengths = [6, 11, 17]
+    dataset = Growing(lengths[0])
+    with DataLoader(dataset, batch_size=4, shuffle=True, seed=9, num_workers=2) as loader:
+        whole = epochs(loader, dataset, lengths)
+    assert [sorted(index for batch in epoch for index in batch) for epoch in whole] == \
+        [list(range(length)) for length in lengths]
+    dataset = Growing(lengths[0])
+    with DataLoader(dataset, batch_size=4, shuffle=True, seed=9, num_workers=2) as loader:
+        assert epochs(loader, dataset, lengths, stop=2)[-1] == whole[-1][:2]
+        state = loader.state_dict()
+    with DataLoader(Growing(lengths[-1]), batch_size=4, shuffle=True, seed=9, num_workers=2) as resumed:
+        resumed.load_state_dict(state)
+        assert [batch["index"].tolist() for batch in resumed] == whole[-1][2:]

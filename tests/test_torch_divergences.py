@@ -83,26 +83,6 @@ def test_a_collate_fn_returning_its_own_class_gives_that_object():
     _compare(lambda: Made(int), batch_size=3, collate_fn=Batch)
 
 
-@pytest.mark.xfail(strict=True, reason="the loader's own order is planned once from len(dataset): a dataset that "
-                                       "grows between epochs (a replay buffer) keeps its first length in len(loader) and "
-                                       "in the epochs after, where torch's sampler reads len(dataset) at each iter() (with "
-                                       "sampler=, or a dataset empty when the loader is made, it is read so: "
-                                       "test_torch_dataloader.py)")
-def test_a_dataset_grown_between_epochs_is_read_whole_as_torchs_sampler_reads_it():
-    found = {}
-    for name, loader_class in (("torch", TorchDataLoader), ("drop-in", DataLoader)):
-        dataset = Made(int, 4)
-        loader = loader_class(dataset, batch_size=2)
-        try:
-            first = [batch.tolist() for batch in loader]
-            dataset.length = 6
-            found[name] = (first, len(loader), [batch.tolist() for batch in loader])
-        finally:
-            if hasattr(loader, "close"):
-                loader.close()
-    assert found["drop-in"] == found["torch"]
-
-
 def _numbered(index: int) -> dict:
     return {0: index, 1: torch.tensor([index])}
 

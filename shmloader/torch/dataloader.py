@@ -1,5 +1,8 @@
 """shmloader.torch.DataLoader: a drop-in for torch.utils.data.DataLoader over a map-style dataset,
 whose __getitem__ runs in shmloader's readers and writes each sample straight into the ring.
+(Past 450 lines: the one class whose epochs, growth, forks and checkpoints the sampled and
+iterable loaders override piece by piece; its helpers live beside it: passes.py, worker.py,
+collation.py, own_order.py.)
 
     from shmloader.torch import DataLoader      # instead of torch.utils.data.DataLoader
     loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=4, drop_last=False)
@@ -28,6 +31,9 @@ multiprocessing_context="fork" (the default on Linux, as PyTorch's): the readers
 from the trainer once the dataset is planned (readers/trainer_fork.py): they share the
 dataset's memory copy-on-write and see the trainer's globals, nothing pickled; without
 persistent_workers each later epoch forks them anew (a change made between epochs is seen).
+Each epoch reads len(dataset), as torch's sampler does: a dataset that grew or shrank between
+epochs (a replay buffer) is planned again over it, with new readers (_replan), whatever
+persistent_workers says.
 Where the trainer cannot be forked safely (CUDA initialised, other Python threads), and for
 "spawn" or "forkserver", readers start from the fork server with the dataset pickled
 (worker.share_by_fork says why, once); a dataset that does not pickle (a lambda in it) is
@@ -73,8 +79,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import warnings
 
 from ..loader import ShmDataLoader
@@ -83,78 +87,16 @@ from ..plan.dataset import DatasetError, DatasetPickleError, rebuild_batch
 from ..plan.dataset_outputs import Ragged, text_room_needed
 from ..plan.defaults import TRAINER_SLOTS
 from ..plan.options import check_flag
+from ..plan.passes import FinitePass
 from ..plan.sampler import derive_seed
 from ..readers.supervision import drop_in_hold_advice
 from .collation import collated_structure, collating
 from .own_order import LoaderBatches, LoaderOrder
+from .passes import _empty, _PassIterator, _shard_from_environment
 from .worker import (HOOK, fork_refused, forked_anyway, may_fork_anyway, probe_view, share_by_fork, torch_context,
                      torch_refusals, workers_setting)
 
 _SEED_MASK = (1 << 63) - 1
-
-
-def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
-    """(shard_index, shard_count): as given, else this process's rank and world size: RANK
-    and WORLD_SIZE (torchrun, accelerate), else torch.distributed's where its process group
-    is up, else LOCAL_RANK on the first node (Lightning's own DDP launcher sets WORLD_SIZE,
-    LOCAL_RANK and NODE_RANK, never RANK, and gives a torch DataLoader a DistributedSampler
-    that it does not give this one, which is no torch DataLoader subclass). A WORLD_SIZE past
-    1 with no rank to read gives the whole dataset to this process, said once."""
-    if shard_index is not None or shard_count is not None:
-        return (shard_index or 0), (shard_count or 1)
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if rank is not None and world is not None and rank.isdigit() and world.isdigit():
-        return int(rank), int(world)
-    distributed = getattr(sys.modules.get("torch"), "distributed", None)
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank(), distributed.get_world_size()
-    if world is None or not world.isdigit() or int(world) <= 1:
-        return 0, 1
-    local, node = os.environ.get("LOCAL_RANK", ""), os.environ.get("NODE_RANK", "0")
-    if local.isdigit() and node == "0" and int(local) < int(world):
-        return int(local), int(world)
-    warnings.warn(f"shmloader.torch.DataLoader: WORLD_SIZE={world} is set but no rank this process has (no RANK, no "
-                  f"torch.distributed process group, LOCAL_RANK={local or None} on NODE_RANK={node}): it reads the "
-                  f"whole dataset; pass shard_index= and shard_count=", stacklevel=3)
-    return 0, 1
-
-
-def _empty(dataset) -> bool:
-    """Whether `dataset` is a map-style dataset of no sample now (DataLoader.__new__)."""
-    try:
-        return len(dataset) == 0
-    except Exception:  # noqa: BLE001 (no len(), or one that raises: __init__ says so)
-        return False
-
-
-class _PassIterator:
-    """One `for` loop's iterator over the loader's pass. The loader runs one pass at a time:
-    a newer iter(loader) ends this one, and asking it for more then raises (zip(loader,
-    loader) would otherwise end at once, in silence)."""
-
-    def __init__(self, batches, loader: DataLoader, asked: bool = False) -> None:
-        self._batches, self._superseded, self._loader = batches, False, loader
-        self.asked = asked  # Whether next() was called on it (DataLoader._untouched).
-
-    def __iter__(self):
-        return self
-
-    def __len__(self) -> int:
-        """As torch's iterator: the epoch's batches (`it = iter(loader); range(len(it))`)."""
-        return self._loader._iterator_length()
-
-    def __next__(self):
-        if self._superseded:
-            raise RuntimeError("this iterator's pass was ended by a newer iter() of the same "
-                               "shmloader.torch.DataLoader, which runs one pass at a time (torch's runs each "
-                               "iterator on workers of its own): iterate one loop at a time, or make a second "
-                               "DataLoader")
-        self.asked = True
-        return next(self._batches)
-
-    def supersede(self) -> None:
-        self._superseded = True
-        self._batches.close()
 
 
 class DataLoader:
@@ -305,11 +247,35 @@ class DataLoader:
         return derive_seed(self.seed, "epoch", epoch) & _SEED_MASK
 
     def __len__(self) -> int:
-        """Batches in an epoch on this rank (the steps left in it right after load_state_dict)."""
+        """Batches in an epoch on this rank (the steps left in it right after load_state_dict);
+        as torch's, of len(dataset) now where the dataset grew or shrank since its pass began
+        (the next epoch is planned over it: _new_pass)."""
         finite = self._loader.finite
         if self._resumed:
             return finite.steps - self._loader._session.cursor.next_step
-        return finite.steps
+        length = self._length_changed()
+        return finite.steps if length is None else self._steps_over(length)
+
+    def _length_changed(self) -> int | None:
+        """len(dataset) now where it is not the length this loader's order was planned over
+        (a replay buffer that grew), else None. The loaders over a sampler's order or an
+        IterableDataset read it their own way."""
+        try:
+            length = len(self.dataset)
+        except Exception:  # noqa: BLE001 (a len() that raises now: the planned one stands)
+            return None
+        spec = self._loader._dataset.spec  # None once the loader is closed: the planned length stands.
+        return None if spec is None or length == spec.length else length
+
+    def _steps_over(self, length: int) -> int:
+        """The batches on this rank of an epoch over `length` samples (0 for none)."""
+        plan = self._loader._session.plan
+        data = {key: value for key, value in plan.sampler.to_dict().items()
+                if key not in ("transition", "start_position")}
+        try:
+            return FinitePass.of(type(plan.sampler).from_dict({**data, "length": length}), 1, self.drop_last).steps
+        except ValueError:  # No batch: no row, or fewer than one across shards with drop_last.
+            return 0
 
     def __iter__(self):
         requested, self._requested_epoch = self._requested_epoch, None
@@ -433,8 +399,14 @@ class DataLoader:
         """Starts `epoch`'s pass, once the batches of the pass before are let go (_let_go);
         with persistent_workers=False (torch's default) and readers, they get the dataset as
         it is now (a change made between epochs is seen, as torch's new workers see it):
-        pickled anew, or, where readers are forked from the trainer, forked anew."""
+        pickled anew, or, where readers are forked from the trainer, forked anew. A dataset
+        whose length changed (a replay buffer that grew) is planned again over its length now,
+        as torch's sampler reads len(dataset) at each iter(): a new loader (_replan)."""
         self._let_go()
+        length = self._length_changed()
+        if length is not None:
+            self._replan(epoch, length)
+            return
         session, handle = self._loader._session, self._loader._dataset
         refork = not self.persistent_workers and handle.spec.forked and self._fork_safe_now()
         before = None
@@ -463,6 +435,22 @@ class DataLoader:
             raise
         if before is not None:
             handle.settle(before)
+        self._epoch = epoch
+
+    def _replan(self, epoch: int, length: int) -> None:
+        """`epoch`'s pass from a loader planned again over the dataset as it is now, `length`
+        samples (its readers read it anew); the one before is closed (batches it gave keep
+        their memory, as in _regrow)."""
+        if length == 0:
+            raise ValueError(f"shmloader.torch.DataLoader: the dataset has no sample at epoch {epoch} (it had "
+                             f"{self._loader._dataset.spec.length}): a loader over this loader's own order needs one; "
+                             f"give sampler=torch.utils.data.SequentialSampler(dataset) (or RandomSampler) to have "
+                             f"epochs without a batch")
+        self._loader.close()
+        self._loader = self._make_loader()
+        self._learn_layout()
+        if epoch:
+            self._start_pass(epoch)
         self._epoch = epoch
 
     @staticmethod

@@ -1,5 +1,7 @@
 """shmloader.torch.DataLoader over a torch.utils.data.IterableDataset: each reader iterates
-its own copy, and the batches come in PyTorch's order.
+its own copy, and the batches come in PyTorch's order. (Past 450 lines: the reader's side,
+IterableBatches, and the trainer's, IterableDataLoader, keep one protocol of steps, states
+and resumes that is read best in one place.)
 
     loader = DataLoader(my_iterable, batch_size=32, num_workers=3, collate_fn=pad)
 
@@ -487,6 +489,10 @@ class IterableDataLoader(DataLoader, takes_iterable=True):
         if self.batch_size is None:
             return length
         return length // self.batch_size if self.drop_last else math.ceil(length / self.batch_size)
+
+    def _length_changed(self) -> None:
+        """None: the pass ends where the readers' iterators do, whatever len(dataset) says."""
+        return None
 
     def _iterator_length(self) -> int:
         """torch's iterator over an IterableDataset has no len() (its sampler is infinite),

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ..loader import ShmDataLoader
 from ..plan.defaults import TRAINER_SLOTS
 from ..plan.index_table import TABLE_ENTRIES_MAX, IndexTable, TableSampler
 from ..plan.sampler import derive_seed
 from .collation import collating
-from .dataloader import _SEED_MASK, DataLoader, _PassIterator
+from .dataloader import _SEED_MASK, DataLoader
+from .passes import _PassIterator
 from .worker import torch_context, torch_refusals, workers_setting
 
 # An epoch's order with at most this many indices is kept in a checkpoint as it is.
@@ -197,6 +197,11 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
         self._started = True
         self._iterator = iterator = _PassIterator(self._batches(), self)
         return iterator
+
+    def _length_changed(self) -> None:
+        """None: each epoch's order is drawn over len(dataset) then (_draw), and a loader over
+        another length opened for it (_begin)."""
+        return None
 
     def _draw(self) -> dict | None:
         """The next epoch's order, drawn as PyTorch's iterator draws it, with what rebuilds it
