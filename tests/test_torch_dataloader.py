@@ -995,3 +995,15 @@ def test_a_grown_dataset_shuffled_holds_each_index_once_an_epoch_and_resumes_exa
     with DataLoader(Growing(lengths[-1]), batch_size=4, shuffle=True, seed=9, num_workers=2) as resumed:
         resumed.load_state_dict(state)
         assert [batch["index"].tolist() for batch in resumed] == whole[-1][2:]
+
+
+def test_a_dataset_given_by_import_path_keeps_its_length_and_its_readers_across_epochs():
+    """Built in each reader from "module:function": its length is the one planned (the str is
+    no dataset to take len() of), and its readers stay from epoch to epoch."""
+    with DataLoader("dataset_fixtures:make_squares", dataset_args={"length": 10}, batch_size=4, num_workers=1,
+                    persistent_workers=True) as loader:
+        assert len(loader) == 3
+        inner = loader._loader
+        epochs = [[batch.tolist() for batch in loader] for _ in range(2)]
+        assert loader._loader is inner and len(loader) == 3
+    assert epochs[0] == epochs[1] == [[[0], [1], [4], [9]], [[16], [25], [36], [49]], [[64], [81]]]

@@ -260,6 +260,8 @@ class DataLoader:
         """len(dataset) now where it is not the length this loader's order was planned over
         (a replay buffer that grew), else None. The loaders over a sampler's order or an
         IterableDataset read it their own way."""
+        if isinstance(self.dataset, str):  # By import path: each reader builds its own, planned once.
+            return None
         try:
             length = len(self.dataset)
         except Exception:  # noqa: BLE001 (a len() that raises now: the planned one stands)

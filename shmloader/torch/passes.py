@@ -35,7 +35,10 @@ def _shard_from_environment(shard_index, shard_count) -> tuple[int, int]:
 
 
 def _empty(dataset) -> bool:
-    """Whether `dataset` is a map-style dataset of no sample now (DataLoader.__new__)."""
+    """Whether `dataset` is a map-style dataset of no sample now (DataLoader.__new__); a
+    dataset given by import path ("module:function") is built in the readers, never empty here."""
+    if isinstance(dataset, str):
+        return False
     try:
         return len(dataset) == 0
     except Exception:  # noqa: BLE001 (no len(), or one that raises: __init__ says so)
