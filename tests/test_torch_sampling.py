@@ -435,3 +435,14 @@ def test_a_str_longer_than_its_output_holds_grows_it_saying_so_and_a_declared_bo
     with DataLoader(Captions(long_at=5), batch_size=2, outputs={"caption": Ragged(300)}) as loader:
         captions = [caption for batch in loader for caption in batch["caption"]]
     assert captions == [Captions(long_at=5)[index]["caption"] for index in range(7)]
+
+
+def test_a_dataset_given_by_import_path_keeps_its_loader_across_epochs():
+    """Built in each reader from "module:function": planned once, not again at each epoch."""
+    sampler = torch.utils.data.SequentialSampler(range(10))
+    with DataLoader("dataset_fixtures:make_squares", dataset_args={"length": 10}, batch_size=4,
+                    sampler=sampler) as loader:
+        first = [batch.tolist() for batch in loader]
+        inner = loader._loader
+        assert [batch.tolist() for batch in loader] == first and loader._loader is inner
+    assert first == [[[0], [1], [4], [9]], [[16], [25], [36], [49]], [[64], [81]]]

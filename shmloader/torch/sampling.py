@@ -208,8 +208,10 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
         (None for an epoch without a batch)."""
         snapshot = Snapshot(self.generator, self._index_sampler)
         before = snapshot.take()
-        # As torch's sampler reads it at each iter(): a dataset that grew (or began empty) is read whole.
-        self._length = len(self.dataset)
+        # As torch's sampler reads it at each iter(): a dataset that grew (or began empty) is read
+        # whole; one given by import path is built in the readers, planned once.
+        if not isinstance(self.dataset, str):
+            self._length = len(self.dataset)
         # PyTorch's iterator draws at each iter(), but a persistent one's only at the first.
         draw_seed = self._drawn is None or self.num_workers == 0 or not self.persistent_workers
         table, drawn = draw_epoch(self._index_sampler, self.generator, draw_seed, self._length, self._fixed_width)
@@ -233,7 +235,8 @@ class SampledDataLoader(DataLoader, takes_sampler=True):
                           f"again", stacklevel=4)
             self._loader.close()
             self._loader = None
-        elif self._loader is not None and self._loader._dataset.spec.length != self._length:
+        elif self._loader is not None and not isinstance(self.dataset, str) and \
+                self._loader._dataset.spec.length != self._length:
             self._loader.close()  # The dataset's length changed: planned again over it (its readers read it anew).
             self._loader = None
         if self._loader is None:
